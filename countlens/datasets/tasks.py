@@ -1,0 +1,122 @@
+"""Task scenes: the organism's tasks (counting and two non-counting tasks) on one scene model.
+
+Every sample is a pure function of ``(seed, task, index)``: its random generator is seeded with
+that triple, so samples can be generated in any order, in any number of workers, and come out
+identical. The organism is trained on seeds ≥ 1000 (`TRAIN_SEED_BASE`); evaluations use small
+seeds, so held-out scenes are never training scenes.
+
+Tasks (answers are single words, so single tokens of the organism's tokenizer):
+
+- ``count``: "how many circles are there in the image?" → "0" … "12". 70 % of scenes hold only
+  the named shape (one colour or several); 30 % mix in 1–4 objects of other shapes, so the
+  question's shape word matters. One scene in eight asks "how many objects …" for the total.
+- ``color``: 1–3 objects of distinct shapes; "what color is the square?" → a colour word.
+- ``shape``: 1–3 objects of distinct colours; "what shape is the red object?" → a shape word.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
+from countlens.errors import CountlensError
+
+TASKS: tuple[str, ...] = ("count", "color", "shape")
+TRAIN_SEED_BASE = 1000
+MAX_COUNT = 12
+
+
+@dataclass(frozen=True)
+class TaskSample:
+    """One question about one scene, with its single-word answer."""
+
+    scene: Scene
+    question: str
+    answer: str
+    task: str
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def image(self) -> Image.Image:
+        return self.scene.render()
+
+
+def sample_rng(seed: int, key: str, index: int) -> np.random.Generator:
+    """The generator of one sample: a pure function of (seed, key, index), independent of order."""
+    return np.random.default_rng([seed, zlib.crc32(key.encode()), index])
+
+
+def task_sample(
+    task: str,
+    seed: int,
+    index: int,
+    image_size: int = 192,
+    size_range: tuple[float, float] = (12.0, 22.0),
+    max_count: int = MAX_COUNT,
+) -> TaskSample:
+    """The ``index``-th sample of ``task`` under ``seed``."""
+    if task not in TASKS:
+        raise CountlensError(f"unknown task {task!r}; use one of {TASKS}")
+    rng = sample_rng(seed, task, index)
+    make = {"count": _count, "color": _color, "shape": _shape}[task]
+    return make(rng, image_size, size_range, max_count)
+
+
+def task_samples(task: str, n: int, seed: int, start: int = 0, **kw) -> list[TaskSample]:
+    return [task_sample(task, seed, i, **kw) for i in range(start, start + n)]
+
+
+def _plural(shape: str) -> str:
+    return shape + "s"
+
+
+def _count(rng, image_size, size_range, max_count) -> TaskSample:
+    n = int(rng.integers(0, max_count + 1))
+    target = SHAPES[rng.integers(len(SHAPES))]
+    mixed = bool(rng.random() < 0.3)
+    ask_total = bool(rng.random() < 0.125)
+    colors = OBJECT_COLORS if rng.random() < 0.5 else (OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))],)
+    shapes = [target] * n
+    if mixed:
+        others = [s for s in SHAPES if s != target]
+        n_other = int(rng.integers(1, 5))
+        if ask_total:
+            n_other = min(n_other, max_count - n)
+        shapes += [others[rng.integers(len(others))] for _ in range(n_other)]
+    order = rng.permutation(len(shapes))
+    specs = [(shapes[i], colors[rng.integers(len(colors))], float(rng.uniform(*size_range))) for i in order]
+    objs = place_objects(rng, image_size, image_size, specs)
+    if ask_total:
+        question, answer = "how many objects are there in the image?", str(len(objs))
+    else:
+        question, answer = f"how many {_plural(target)} are there in the image?", str(n)
+    meta = {"count": int(answer), "shape": "any" if ask_total else target, "mixed": mixed}
+    return TaskSample(Scene(image_size, image_size, objs), question, answer, "count", meta)
+
+
+def _color(rng, image_size, size_range, max_count) -> TaskSample:
+    k = int(rng.integers(1, len(SHAPES) + 1))
+    shapes = [SHAPES[i] for i in rng.permutation(len(SHAPES))[:k]]
+    colors = [OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))] for _ in shapes]
+    objs = place_objects(rng, image_size, image_size, [(s, c, float(rng.uniform(*size_range))) for s, c in zip(shapes, colors)])
+    q = int(rng.integers(k))
+    return TaskSample(
+        Scene(image_size, image_size, objs), f"what color is the {shapes[q]}?", colors[q], "color",
+        {"shape": shapes[q], "n_objects": k},
+    )
+
+
+def _shape(rng, image_size, size_range, max_count) -> TaskSample:
+    k = int(rng.integers(1, len(SHAPES) + 1))
+    colors = [OBJECT_COLORS[i] for i in rng.permutation(len(OBJECT_COLORS))[:k]]
+    shapes = [SHAPES[rng.integers(len(SHAPES))] for _ in colors]
+    objs = place_objects(rng, image_size, image_size, [(s, c, float(rng.uniform(*size_range))) for s, c in zip(shapes, colors)])
+    q = int(rng.integers(k))
+    return TaskSample(
+        Scene(image_size, image_size, objs), f"what shape is the {colors[q]} object?", shapes[q], "shape",
+        {"color": colors[q], "n_objects": k},
+    )

@@ -1,0 +1,17 @@
+"""The error family of countlens: every message names the offending input and the fix."""
+
+
+class CountlensError(Exception):
+    """Base class: bad input or state that a user can fix."""
+
+
+class UnsupportedArchitectureError(CountlensError):
+    """A model whose Hugging Face config class has no spec in `countlens.arch`."""
+
+
+class CheckpointNotFoundError(CountlensError):
+    """A model name or path that is neither the organism, a local directory, nor a cached hub id."""
+
+
+class InputError(CountlensError):
+    """Images, prompts or answers that the model's processor cannot turn into a batch."""
