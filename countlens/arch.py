@@ -1,0 +1,162 @@
+"""Architecture specs: where each supported VLM keeps its layers, heads, image tokens and patch grid.
+
+One `ArchSpec` per architecture, as pure data (module paths relative to the Hugging Face
+``…ForConditionalGeneration`` model, config attribute names, and the name of the image-token
+layout). This is the only place in countlens that knows module paths. `resolve(config)` turns the
+spec into an `Arch`: the spec plus the numbers read off one model's config (layers, heads, d_head,
+image token id, patch and merge size).
+
+Adding an architecture means adding one `ArchSpec` to `SPECS`, keyed by the HF config's
+``model_type``; print ``[n for n, _ in model.named_modules()]`` on a tiny config to find the paths,
+and add the architecture to the test matrix (``tests/tiny_models.py``).
+
+Layouts (how image tokens sit on the image, implemented in `countlens.vlm`):
+- ``grid``: the image's tokens are the token grid (patch grid ÷ merge) in row-major order.
+- ``anyres``: LLaVA-NeXT / OneVision — the base image's grid in row-major order first, then the
+  high-resolution crops (mapped back to base-grid cells), with a newline token ending each row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from countlens.errors import UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    model_types: tuple[str, ...]
+    layers: str  # the decoder layers' ModuleList
+    final_norm: str
+    vision_blocks: str  # the vision encoder blocks' ModuleList
+    projector: str  # the module whose output is the image tokens' embeddings
+    # Paths relative to one decoder layer:
+    self_attn: str = "self_attn"
+    q_proj: str = "self_attn.q_proj"
+    k_proj: str = "self_attn.k_proj"
+    q_norm: str | None = None
+    o_proj: str = "self_attn.o_proj"
+    lm_head: str = "lm_head"
+    # Config attributes:
+    text_config: str = "text_config"
+    vision_config: str = "vision_config"
+    image_token_attr: str = "image_token_id"
+    merge_attr: str | None = None  # on the vision config; None → merge 1 (or `pooled_tokens_attr`)
+    pooled_tokens_attr: str | None = None  # on the top config: tokens per image after pooling (Gemma3)
+    layout: str = "grid"
+
+
+_QWEN = dict(
+    layers="model.language_model.layers",
+    final_norm="model.language_model.norm",
+    vision_blocks="model.visual.blocks",
+    projector="model.visual.merger",
+    merge_attr="spatial_merge_size",
+)
+_LLAVA = dict(
+    layers="model.language_model.layers",
+    final_norm="model.language_model.norm",
+    vision_blocks="model.vision_tower.vision_model.encoder.layers",
+    projector="model.multi_modal_projector",
+)
+
+SPECS: dict[str, ArchSpec] = {
+    s.name: s
+    for s in [
+        ArchSpec("qwen2_vl", ("qwen2_vl",), **_QWEN),
+        ArchSpec("qwen2_5_vl", ("qwen2_5_vl",), **_QWEN),
+        ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", **_QWEN),
+        ArchSpec("llava", ("llava",), **_LLAVA),
+        ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
+        ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),
+        ArchSpec("gemma3", ("gemma3",), q_norm="self_attn.q_norm", pooled_tokens_attr="mm_tokens_per_image", **_LLAVA),
+    ]
+}
+_BY_MODEL_TYPE = {t: s for s in SPECS.values() for t in s.model_types}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A spec resolved against one model's config."""
+
+    spec: ArchSpec
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    image_token_id: int
+    patch_size: int
+    merge_size: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def layer(self, i: int) -> str:
+        self._check_layer(i)
+        return f"{self.spec.layers}.{i}"
+
+    def q_site(self, i: int) -> str:
+        """The module whose output is q after any q-norm (where head temperature scales q)."""
+        return f"{self.layer(i)}.{self.spec.q_norm or self.spec.q_proj}"
+
+    def o_proj(self, i: int) -> str:
+        return f"{self.layer(i)}.{self.spec.o_proj}"
+
+    def self_attn(self, i: int) -> str:
+        return f"{self.layer(i)}.{self.spec.self_attn}"
+
+    def _check_layer(self, i: int) -> None:
+        if not 0 <= i < self.n_layers:
+            raise IndexError(f"layer {i} out of range: {self.name} has layers 0..{self.n_layers - 1}")
+
+    def __repr__(self) -> str:
+        return (
+            f"Arch({self.name}: {self.n_layers} layers × {self.n_heads} heads (kv {self.n_kv_heads}), "
+            f"d_head {self.d_head}, d_model {self.d_model}, patch {self.patch_size}, merge {self.merge_size}, "
+            f"image token {self.image_token_id})"
+        )
+
+
+def spec_for(config) -> ArchSpec:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _BY_MODEL_TYPE:
+        raise UnsupportedArchitectureError(
+            f"architecture {model_type!r} ({type(config).__name__}) has no countlens spec. Supported: "
+            f"{', '.join(sorted(_BY_MODEL_TYPE))}. To add one, write an ArchSpec in countlens/arch.py "
+            "(module paths and config names; see its docstring) and add a tiny config to tests/tiny_models.py."
+        )
+    return _BY_MODEL_TYPE[model_type]
+
+
+def resolve(config) -> Arch:
+    spec = spec_for(config)
+    text = getattr(config, spec.text_config)
+    vision = getattr(config, spec.vision_config)
+    n_heads = text.num_attention_heads
+    d_head = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    image_token_id = getattr(config, spec.image_token_attr, None)
+    if image_token_id is None:
+        image_token_id = getattr(config, "image_token_index")
+    patch = vision.patch_size
+    if spec.merge_attr:
+        merge = getattr(vision, spec.merge_attr)
+    elif spec.pooled_tokens_attr:
+        side = vision.image_size // patch
+        per_side = round(getattr(config, spec.pooled_tokens_attr) ** 0.5)
+        merge = side // per_side
+    else:
+        merge = 1
+    return Arch(
+        spec=spec,
+        n_layers=text.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
+        d_head=d_head,
+        d_model=text.hidden_size,
+        image_token_id=int(image_token_id),
+        patch_size=int(patch),
+        merge_size=int(merge),
+    )

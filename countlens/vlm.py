@@ -1,0 +1,370 @@
+"""VLM: a Hugging Face vision-language model wrapped for nnsight tracing, with its processor and spec.
+
+`load` resolves a name ("toy", a local checkpoint directory, or a hub id already in the local cache)
+to a `VLM`, offline. `VLM.prepare` turns images and questions into a `Batch`: the padded model
+inputs plus, per sample, where its image tokens are, which cell of the image-token grid each one
+covers, the last prompt position (where a single-token answer is read) and the answer's token ids.
+Everything that reads or writes activations goes through `VLM.trace` and `VLM.module`, so the
+same code runs locally and, with ``remote=True``, on NDIF.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from countlens.arch import Arch, resolve, spec_for
+from countlens.errors import CheckpointNotFoundError, InputError
+from countlens.geometry import Geometry
+
+TOY_DIR = Path(__file__).parent / "toy" / "weights"
+#: Image side assumed for dynamic-resolution processors (Qwen) when no size is given.
+DEFAULT_DYNAMIC_SIDE = 448
+IMAGE_SLOT = "<image>"
+
+
+@dataclass
+class Batch:
+    """Model inputs plus per-sample token bookkeeping. Positions index the padded sequence.
+
+    ``image_cell[b]`` is (n_image_tokens, 2): each image token's (row, col) on the token grid of
+    ``geometry[b]``; (-1, -1) for image tokens that cover no single cell (row-end newline tokens).
+    """
+
+    inputs: dict[str, torch.Tensor]
+    image_pos: list[torch.Tensor]
+    image_cell: list[torch.Tensor]
+    geometry: list[Geometry]
+    last: torch.Tensor
+    answer_ids: list[list[int]] | None = None
+    prompts: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.last.shape[0])
+
+    @property
+    def answer_token(self) -> torch.Tensor:
+        """(batch,) the first token of each answer (the token a single-token score reads)."""
+        if self.answer_ids is None:
+            raise InputError("this batch was prepared without answers; pass answers= to VLM.prepare")
+        return torch.tensor([a[0] for a in self.answer_ids])
+
+
+class VLM:
+    """An nnsight-wrapped HF VLM, its processor and its `Arch`."""
+
+    def __init__(self, hf_model, processor, name: str = "", remote: bool = False, envoy=None):
+        self.hf = hf_model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.name = name
+        self.remote = remote
+        self.arch: Arch = resolve(hf_model.config)
+        if envoy is None:
+            from nnsight import NNsight
+
+            envoy = NNsight(hf_model)
+        self.nn = envoy
+
+    def __repr__(self) -> str:
+        return f"VLM({self.name!r}, {self.arch!r}, geometry={self.geometry})"
+
+    # -- running -------------------------------------------------------------
+
+    def trace(self, batch: Batch | dict, **kwargs):
+        """An nnsight trace over a prepared batch (``remote=True`` models run on NDIF)."""
+        inputs = batch.inputs if isinstance(batch, Batch) else batch
+        if self.remote:
+            kwargs.setdefault("remote", True)
+        return self.nn.trace(**inputs, **kwargs)
+
+    def module(self, path: str):
+        """The nnsight envoy at a dotted module path (``model.language_model.layers.3.self_attn``)."""
+        node = self.nn
+        for part in path.split("."):
+            node = node[int(part)] if part.isdigit() else getattr(node, part)
+        return node
+
+    def hf_module(self, path: str) -> torch.nn.Module:
+        return self.hf.get_submodule(path)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, **kwargs):
+        """A plain HF forward (no tracing) over a prepared batch."""
+        return self.hf(**batch.inputs, **kwargs)
+
+    # -- geometry ------------------------------------------------------------
+
+    @property
+    def geometry(self) -> Geometry:
+        """The patch grid for this model's native (or default) square image size."""
+        ip = self.processor.image_processor
+        size = _fixed_size(ip)
+        if size is None:
+            return self.geometry_for(DEFAULT_DYNAMIC_SIDE, DEFAULT_DYNAMIC_SIDE)
+        return Geometry(size[0], size[1], self.arch.patch_size, self.arch.merge_size)
+
+    def geometry_for(self, height: int, width: int) -> Geometry:
+        """The geometry the processor will use for an input image of ``height`` × ``width`` pixels."""
+        ip = self.processor.image_processor
+        size = _fixed_size(ip)
+        if size is not None:
+            return Geometry(size[0], size[1], self.arch.patch_size, self.arch.merge_size)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.arch.patch_size * self.arch.merge_size
+        h, w = smart_resize(height, width, factor, ip.size["shortest_edge"], ip.size["longest_edge"])
+        return Geometry(h, w, self.arch.patch_size, self.arch.merge_size)
+
+    # -- inputs --------------------------------------------------------------
+
+    def prepare(
+        self,
+        images: Sequence[Image.Image | np.ndarray],
+        prompts: Sequence[str],
+        answers: Sequence[str] | None = None,
+        *,
+        single_token: bool = True,
+        chat: bool = True,
+    ) -> Batch:
+        """Build a padded batch: one image and one prompt per sample.
+
+        ``prompts`` are questions; with ``chat=True`` (default) each is wrapped in the model's chat
+        template with the image before the text, or where the prompt says ``<image>``. With
+        ``chat=False`` a prompt is used verbatim and must contain the processor's image token
+        once. ``answers`` are tokenised without special tokens; ``single_token=True`` requires
+        each to be exactly one token (what single-token scoring and patching read).
+        """
+        if len(images) != len(prompts):
+            raise InputError(f"got {len(images)} images but {len(prompts)} prompts; give one prompt per image")
+        if answers is not None and len(answers) != len(prompts):
+            raise InputError(f"got {len(answers)} answers for {len(prompts)} prompts; give one answer per prompt")
+        if len(images) == 0:
+            raise InputError("empty batch: give at least one image and prompt")
+        pil = [_as_rgb(im, i) for i, im in enumerate(images)]
+        texts = [self._chat_text(p, i) if chat else self._raw_text(p, i) for i, p in enumerate(prompts)]
+        try:
+            enc = self.processor(text=texts, images=pil, padding=True, return_tensors="pt")
+        except (ValueError, TypeError) as err:
+            raise InputError(f"the {type(self.processor).__name__} rejected the batch: {err}") from err
+        inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        image_pos, image_cell, geoms = [], [], []
+        for b in range(ids.shape[0]):
+            pos = torch.nonzero(ids[b] == self.arch.image_token_id).flatten()
+            geom = self._sample_geometry(inputs, b, pil[b])
+            image_pos.append(pos)
+            image_cell.append(_cells(self.arch.spec.layout, geom, len(pos), b))
+            geoms.append(geom)
+        last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
+        answer_ids = None if answers is None else [self._answer_ids(a, single_token) for a in answers]
+        device = self.device
+        inputs = {k: v.to(device) if k != "pixel_values" else v.to(device, self.hf.dtype) for k, v in inputs.items()}
+        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts))
+
+    def _chat_text(self, prompt: str, i: int) -> str:
+        if not isinstance(prompt, str):
+            raise InputError(f"prompt {i} is a {type(prompt).__name__}; give a string")
+        if prompt.count(IMAGE_SLOT) > 1:
+            raise InputError(f"prompt {i} has {prompt.count(IMAGE_SLOT)} {IMAGE_SLOT} slots; countlens uses one image per prompt")
+        before, _, after = prompt.partition(IMAGE_SLOT) if IMAGE_SLOT in prompt else ("", "", prompt)
+        content = [{"type": "text", "text": before.strip()}] if before.strip() else []
+        content += [{"type": "image"}, {"type": "text", "text": after.strip()}]
+        messages = [{"role": "user", "content": content}]
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _raw_text(self, prompt: str, i: int) -> str:
+        token = getattr(self.processor, "image_token", None) or IMAGE_SLOT
+        if prompt.count(token) != 1:
+            raise InputError(
+                f"prompt {i} has {prompt.count(token)} image slots ({token!r}) but needs exactly one: "
+                f"put {token!r} where the image goes, or use chat=True to let the chat template place it"
+            )
+        return prompt
+
+    def _answer_ids(self, answer: str, single_token: bool) -> list[int]:
+        ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        unk = self.tokenizer.unk_token_id
+        if not ids or (unk is not None and unk in ids):
+            raise InputError(f"answer {answer!r} is not in {self.name or 'the model'}'s vocabulary; use a word it knows")
+        if single_token and len(ids) != 1:
+            toks = self.tokenizer.convert_ids_to_tokens(ids)
+            raise InputError(
+                f"answer {answer!r} is {len(ids)} tokens {toks}, but a single token is required; "
+                "use an answer that is one token, or pass single_token=False"
+            )
+        return ids
+
+    def _sample_geometry(self, inputs: dict, b: int, image: Image.Image) -> Geometry:
+        thw = inputs.get("image_grid_thw")
+        if thw is not None:  # Qwen family: the processor reports the patch grid it chose
+            _, gh, gw = (int(x) for x in thw[b])
+            p = self.arch.patch_size
+            return Geometry(gh * p, gw * p, p, self.arch.merge_size)
+        return self.geometry_for(image.height, image.width)
+
+
+def _cells(layout: str, geom: Geometry, n_tokens: int, b: int) -> torch.Tensor:
+    rows, cols = geom.token_grid
+    grid = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
+    if layout == "grid":
+        if n_tokens != rows * cols:
+            raise InputError(
+                f"sample {b}: {n_tokens} image tokens but a {rows}x{cols} token grid; "
+                "one image per prompt is supported, with the processor's own image size"
+            )
+        return grid
+    if layout == "anyres":
+        # Base image first (row-major); the remaining tokens (crops + row newlines) get -1 until
+        # their exact placement is mapped (see countlens.arch docstring).
+        if n_tokens < rows * cols:
+            raise InputError(f"sample {b}: {n_tokens} image tokens, fewer than the base grid {rows}x{cols}")
+        rest = torch.full((n_tokens - rows * cols, 2), -1)
+        return torch.cat([grid, rest])
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _fixed_size(ip) -> tuple[int, int] | None:
+    """(height, width) every image is resized to, or None for dynamic resolution."""
+    size = dict(getattr(ip, "size", None) or {})
+    if "shortest_edge" in size and "longest_edge" in size:  # Qwen: min/max pixels
+        lo, hi = size["shortest_edge"], size["longest_edge"]
+        side = round(lo**0.5)
+        return (side, side) if lo == hi and side * side == lo else None
+    crop = dict(getattr(ip, "crop_size", None) or {})
+    if getattr(ip, "do_center_crop", False) and "height" in crop:
+        return crop["height"], crop["width"]
+    if "height" in size:
+        return size["height"], size["width"]
+    if "shortest_edge" in size:
+        return size["shortest_edge"], size["shortest_edge"]
+    return None
+
+
+def _as_rgb(image: Any, i: int) -> Image.Image:
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise InputError(f"image {i}: array of shape {image.shape} and dtype {image.dtype}; give H×W×3 uint8")
+        return Image.fromarray(image, mode="RGB")
+    if not isinstance(image, Image.Image):
+        raise InputError(f"image {i} is a {type(image).__name__}; give a PIL image or an H×W×3 uint8 array")
+    if image.mode != "RGB":
+        raise InputError(f"image {i} has mode {image.mode!r}; convert it first: image.convert('RGB')")
+    if min(image.size) < 2:
+        raise InputError(f"image {i} is {image.width}x{image.height} pixels; give an image at least 2 pixels on each side")
+    return image
+
+
+# -- loading -----------------------------------------------------------------
+
+
+def load(
+    name_or_path: str | os.PathLike = "toy",
+    *,
+    dtype: str | torch.dtype | None = None,
+    device_map: str | dict | None = None,
+    attn_implementation: str | None = None,
+    remote: bool = False,
+) -> VLM:
+    """Load a supported VLM offline: "toy" (the shipped organism), a checkpoint directory, or a cached hub id.
+
+    ``dtype`` ("bfloat16", torch.float16 …), ``device_map`` ("auto", "cuda", {…}) and
+    ``attn_implementation`` ("eager", "sdpa") go to ``from_pretrained``. ``remote=True`` builds the
+    model on the meta device and sends every `VLM.trace` to NDIF (needs nnsight's API key set up).
+    """
+    path, label = _resolve_path(name_or_path)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    spec_for(config)  # fail early, before loading weights, for an unsupported architecture
+    processor = load_processor(path, config)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if remote:
+        from nnsight.modeling.transformers import TransformersModel
+
+        envoy = TransformersModel(str(name_or_path), processor=processor, task="image-text-to-text", **kwargs)
+        return VLM(envoy._model, processor, name=label, remote=True, envoy=envoy)
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).eval()
+    return VLM(model, processor, name=label)
+
+
+def _resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
+    name = str(name_or_path)
+    if name == "toy":
+        if not (TOY_DIR / "config.json").exists():
+            raise CheckpointNotFoundError(
+                f"the organism's weights are missing from {TOY_DIR}; reinstall countlens or run "
+                f"`countlens toy train --out {TOY_DIR}`"
+            )
+        return str(TOY_DIR), "toy"
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise CheckpointNotFoundError(f"{p} is a directory without config.json; give a Hugging Face checkpoint directory")
+        return str(p), name
+    if p.exists():
+        raise CheckpointNotFoundError(f"{p} is a file; give a checkpoint directory, a cached hub id or 'toy'")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True), name
+    except Exception as err:
+        raise CheckpointNotFoundError(
+            f"{name!r} is neither 'toy', a local checkpoint directory, nor a hub id in the local cache "
+            f"({type(err).__name__}); countlens never downloads: copy the checkpoint to disk and pass its path"
+        ) from None
+
+
+def load_processor(path: str, config):
+    """The model's processor, offline. Falls back to an image-only build when the stock processor
+    needs a video sub-processor (torchvision)."""
+    from transformers import AutoProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    try:
+        return AutoProcessor.from_pretrained(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 — the fallback below reports its own, clearer error
+        pass
+    import transformers
+
+    from countlens.processors import image_only
+
+    proc_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    image_processor = _load_image_processor(path)
+    return image_only(proc_cls)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+
+
+def _load_image_processor(path: str):
+    import json
+
+    import transformers
+
+    cfg = json.loads((Path(path) / "preprocessor_config.json").read_text())
+    name = cfg.get("image_processor_type", "")
+    # Prefer the PIL backend: the torchvision-backed "fast" processors don't run here.
+    for candidate in (name if name.endswith("Pil") else name.removesuffix("Fast") + "Pil", name):
+        cls = getattr(transformers, candidate, None)
+        if cls is not None:
+            return cls.from_pretrained(path, local_files_only=True)
+    raise CheckpointNotFoundError(f"{path}/preprocessor_config.json names an unknown image processor {name!r}")

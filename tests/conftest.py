@@ -1,0 +1,11 @@
+"""Test-wide settings: offline, few threads, deterministic."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -1,0 +1,60 @@
+import numpy as np
+import pytest
+
+from countlens.datasets.scene import PALETTE, Obj, Scene, place_objects
+from countlens.errors import CountlensError
+
+
+def test_circle_mask_is_the_disc_of_pixel_centres():
+    s = Scene(32, 32, (Obj("circle", "red", 16.0, 16.0, 10.0),))
+    m = s.masks()[0]
+    rr, cc = np.mgrid[0:32, 0:32]
+    expected = (cc + 0.5 - 16) ** 2 + (rr + 0.5 - 16) ** 2 <= 25
+    assert np.array_equal(m, expected)
+    img = s.render_array()
+    assert (img[m] == PALETTE["red"]).all() and (img[~m] == PALETTE["white"]).all()
+
+
+def test_square_and_triangle_areas_and_rotation():
+    sq = Scene(64, 64, (Obj("square", "blue", 32, 32, 20),)).masks()[0]
+    assert sq.sum() == 400
+    rot = Scene(64, 64, (Obj("square", "blue", 32, 32, 20, rotation=45),)).masks()[0]
+    assert abs(int(rot.sum()) - 400) <= 0.06 * 400 and not np.array_equal(sq, rot)
+    tri = Scene(64, 64, (Obj("triangle", "green", 32, 32, 40),)).masks()[0]
+    area = 3 * np.sqrt(3) / 4 * 20**2  # equilateral triangle with circumradius 20
+    assert abs(int(tri.sum()) - area) / area < 0.03
+    rows = np.nonzero(tri.any(1))[0]
+    # apex up: the top row is narrower than the bottom row
+    assert tri[rows[0]].sum() < tri[rows[-1]].sum()
+
+
+def test_boxes_are_tight():
+    s = Scene(40, 40, (Obj("square", "red", 10, 10, 6), Obj("circle", "red", 30, 30, 8)))
+    assert s.boxes()[0].tolist() == [7, 7, 13, 13]
+
+
+def test_object_outside_the_image_is_an_error_not_a_clipped_drawing():
+    with pytest.raises(CountlensError, match="does not fit"):
+        Scene(32, 32, (Obj("circle", "red", 2.0, 16.0, 10.0),))
+
+
+def test_bad_shape_and_colour_name_the_choices():
+    with pytest.raises(CountlensError, match="circle"):
+        Obj("hexagon", "red", 5, 5, 4)
+    with pytest.raises(CountlensError, match="red"):
+        Obj("circle", "chartreuse", 5, 5, 4)
+
+
+def test_place_objects_is_deterministic_and_keeps_gaps():
+    specs = [("circle", "red", 12.0)] * 10
+    a = place_objects(np.random.default_rng(3), 128, 128, specs, gap=2)
+    b = place_objects(np.random.default_rng(3), 128, 128, specs, gap=2)
+    assert a == b and len(a) == 10
+    for i, p in enumerate(a):
+        for q in a[i + 1 :]:
+            assert np.hypot(p.cx - q.cx, p.cy - q.cy) >= p.radius + q.radius + 2
+
+
+def test_place_objects_raises_instead_of_a_shortfall():
+    with pytest.raises(CountlensError, match="could not place"):
+        place_objects(np.random.default_rng(0), 40, 40, [("circle", "red", 16.0)] * 12, max_tries=50)
