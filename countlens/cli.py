@@ -52,6 +52,51 @@ def toy_train(
     typer.echo(f"saved to {out}: {last}")
 
 
+@app.command("eval")
+def eval_cmd(
+    model: str = typer.Option("toy", help="'toy', a local checkpoint directory, or a cached hub id."),
+    out: Path = typer.Option(None, help="Directory for samples.csv and accuracy.md (nothing written if omitted)."),
+    n: int = typer.Option(600, help="Counting scenes to score (each other task gets n/4)."),
+    seed: int = typer.Option(1, help="Evaluation seed (< 1000: never a training seed of the organism)."),
+    batch_size: int = typer.Option(32),
+    device: str = typer.Option(None, help="e.g. cuda; default: where from_pretrained puts it."),
+    dtype: str = typer.Option(None, help="e.g. bfloat16."),
+) -> None:
+    """Score a model on held-out task scenes: accuracy per task and, for counting, per count.
+
+    Example: countlens eval --model toy --out runs/eval
+    """
+    import countlens
+    from countlens.analysis import accuracy, score
+    from countlens.datasets.tasks import TASKS, task_samples
+
+    if out is not None and out.exists() and not out.is_dir():
+        _fail(CountlensError(f"--out {out} is a file; give a directory"))
+    try:
+        vlm = countlens.load(model, dtype=dtype, device_map=device)
+        size = vlm.geometry.image_height
+        samples = task_samples("count", n, seed, image_size=size)
+        samples += [s for t in TASKS if t != "count" for s in task_samples(t, max(1, n // 4), seed, image_size=size)]
+        ds = score(vlm, samples, batch_size=batch_size, progress=True)
+    except CountlensError as err:
+        _fail(err)
+    by_task = accuracy(ds, "task")
+    counting = ds.where(ds.task == "count", drop=True)
+    by_count = accuracy(counting, "count")
+    by_count.index = by_count.index.astype(int)
+    upto10 = float(counting.correct.where(counting["count"] <= 10, drop=True).mean())
+    text = (
+        f"# Held-out accuracy of {model} (seed {seed})\n\n"
+        f"Counting, N ≤ 10: **{upto10:.3f}**\n\n## Per task\n\n{by_task.to_markdown(floatfmt='.3f')}\n\n"
+        f"## Counting, per N\n\n{by_count.to_markdown(floatfmt='.3f')}\n"
+    )
+    typer.echo(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        ds.to_dataframe().to_csv(out / "samples.csv")
+        (out / "accuracy.md").write_text(text)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,1 @@
+"""Circuit-guided LoRA fine-tuning. Not built yet: see the training issue."""
