@@ -7,6 +7,7 @@ word-level tokenizer that carries the architecture's special tokens and a chat t
 of the real model. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads (where GQA exists), vision
 tower 2 layers of width 32, images of 32-64 px that give a 4×4 grid of image tokens per image (or per
 tile). Processors that also want a video processor are made image-only (`countlens.processors`).
+`tiny_inputs(name, processor)` makes a batch of 2 through the chat template and the processor.
 
 Image sizes (`TINY_IMAGE_SIZE[name]`, (height, width) of the PIL image to feed):
 - qwen2_vl / qwen2_5_vl / qwen3_vl: 64×64, patch 8, merge 2 → 16 image tokens (4×4).
@@ -36,7 +37,7 @@ V_LAYERS = 2
 V_HEADS = 2
 
 # Words used by the chat templates below beyond countlens.toy.recipe.VOCAB.
-_TEMPLATE_WORDS = ["model", "usr", "inst", "/inst", "!"]
+_TEMPLATE_WORDS = ["model"]
 
 
 def _vocab(specials: list[str]) -> list[str]:
@@ -171,18 +172,240 @@ def _qwen(name: str):
     return _seeded(model_cls, config), processor
 
 
+# ---------------------------------------------------------------------------------------------- LLaVA
+
+_SMALL_VISION = dict(hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, num_hidden_layers=V_LAYERS,
+                     num_attention_heads=V_HEADS)
+
+
+def _text(model_type: str, tok, **extra) -> dict:
+    return dict(
+        model_type=model_type, vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id,
+        tie_word_embeddings=False, **extra,
+    )
+
+
+LLAVA_PATCH = 8
+LLAVA_TILE = 32  # px: the vision tower's input size (4×4 patches)
+
+
+def _llava():
+    """LLaVA-1.5 style: CLIP ViT (CLS + patches, CLS dropped), 2-layer MLP projector, Llama text."""
+    import transformers as tf
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
+    template = _chat("{{ message['role'].upper() }}: ", "<image>\n", " ", "ASSISTANT:")
+    tok = _tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"},
+                     chat_template=template)
+    config = tf.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
+                           projection_dim=V_HIDDEN, **_SMALL_VISION),
+        text_config=_text("llama", tok),
+        image_token_index=tok.image_token_id, image_seq_length=(LLAVA_TILE // LLAVA_PATCH) ** 2,
+        vision_feature_select_strategy="default", vision_feature_layer=-2,
+    )
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_TILE},
+                                            crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE})
+    processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=LLAVA_PATCH,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  chat_template=template)
+    return _seeded(tf.LlavaForConditionalGeneration, config), processor
+
+
+def _llava_next():
+    """LLaVA-NeXT (v1.6-mistral style): CLIP with anyres tiling, Mistral text."""
+    import transformers as tf
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>", "[INST]", "[/INST]"]
+    template = _chat("{% if message['role'] == 'user' %}[INST] {% endif %}", "<image>\n",
+                     "{% if message['role'] == 'user' %} [/INST]{% else %}</s>{% endif %}", "", prefix="<s>")
+    tok = _tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"},
+                     chat_template=template)
+    # The real pinpoints scaled by 32/336.
+    pinpoints = [[32, 64], [64, 32], [64, 64], [96, 32], [32, 96]]
+    config = tf.LlavaNextConfig(
+        vision_config=dict(model_type="clip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
+                           projection_dim=V_HIDDEN, **_SMALL_VISION),
+        text_config=_text("mistral", tok, head_dim=HEAD_DIM, sliding_window=None),
+        image_token_index=tok.image_token_id, image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        image_seq_length=(LLAVA_TILE // LLAVA_PATCH) ** 2,
+    )
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": LLAVA_TILE}, crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE},
+        image_grid_pinpoints=pinpoints,
+    )
+    processor = tf.LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=LLAVA_PATCH,
+                                      vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                      chat_template=template)
+    return _seeded(tf.LlavaNextForConditionalGeneration, config), processor
+
+
+def _llava_onevision():
+    """LLaVA-OneVision: SigLIP (no CLS) with anyres_max_9 tiling, Qwen2 text."""
+    import transformers as tf
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    from countlens.processors import image_only
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
+    template = _chat("<|im_start|>{{ message['role'] }} ", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
+    tok = _tokenizer(specials, pad="<|endoftext|>", eos="<|im_end|>",
+                     named={"image_token": "<image>", "video_token": "<video>"}, chat_template=template)
+    # The real pinpoints (384 × {1..6} squared grid) scaled by 32/384.
+    pinpoints = [[LLAVA_TILE * i, LLAVA_TILE * j] for i in range(1, 7) for j in range(1, 7)]
+    config = tf.LlavaOnevisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
+                           vision_use_head=False, **_SMALL_VISION),
+        text_config=_text("qwen2", tok),
+        image_token_index=tok.image_token_id, video_token_index=tok.video_token_id,
+        image_grid_pinpoints=pinpoints, vision_feature_select_strategy="full", vision_feature_layer=-1,
+        vision_aspect_ratio="anyres_max_9",
+    )
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": LLAVA_TILE, "width": LLAVA_TILE},
+                                                      image_grid_pinpoints=pinpoints)
+    processor = image_only(tf.LlavaOnevisionProcessor)(
+        image_processor=image_processor, tokenizer=tok, chat_template=template,
+        num_image_tokens=(LLAVA_TILE // LLAVA_PATCH) ** 2, vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_9",
+    )
+    return _seeded(tf.LlavaOnevisionForConditionalGeneration, config), processor
+
+
+# --------------------------------------------------------------------------------------------- Gemma 3
+
+GEMMA_IMAGE = 64
+GEMMA_PATCH = 8
+GEMMA_TOKENS = 16  # 8×8 patches avg-pooled 2×2 → 4×4
+
+
+def _gemma3():
+    import torch
+    import transformers as tf
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                "<end_of_image>", "<image_soft_token>"]
+    template = _chat(
+        "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n",
+        "<start_of_image>", "<end_of_turn>\n", "<start_of_turn>model\n", prefix="{{ bos_token }}",
+    )
+    tok = _tokenizer(specials, pad="<pad>", eos="<eos>", bos="<bos>", chat_template=template, named={
+        "image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"})
+    text = _text("gemma3_text", tok, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=512,
+                 layer_types=["sliding_attention", "full_attention"])
+    text.pop("model_type")
+    config = tf.Gemma3Config(
+        text_config=text,
+        vision_config=dict(model_type="siglip_vision_model", image_size=GEMMA_IMAGE, patch_size=GEMMA_PATCH,
+                           vision_use_head=False, **_SMALL_VISION),
+        mm_tokens_per_image=GEMMA_TOKENS, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id, tie_word_embeddings=True,
+    )
+    image_processor = Gemma3ImageProcessorPil(size={"height": GEMMA_IMAGE, "width": GEMMA_IMAGE})
+    processor = tf.Gemma3Processor(image_processor=image_processor, tokenizer=tok, chat_template=template,
+                                   image_seq_length=GEMMA_TOKENS)
+    model = _seeded(tf.Gemma3ForConditionalGeneration, config)
+    # HF initialises the projector's matrix to zeros (it is always loaded from a checkpoint); a zero
+    # projector would make every image token the same, so give it the usual normal init.
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, config.initializer_range)
+    return model, processor
+
+
+# ------------------------------------------------------------------------------------------- Idefics3
+
+IDEFICS_TILE = 32
+IDEFICS_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 2 → 4×4 tokens per tile
+
+
+def _idefics3():
+    import transformers as tf
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    rows_cols = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    specials = ["<|end_of_text|>", "<|begin_of_text|>", "<fake_token_around_image>", "<image>",
+                "<end_of_utterance>", "<global-img>", *rows_cols]
+    template = _chat("{{ message['role'] | capitalize }}:", "<image>", "<end_of_utterance>\n", "Assistant:",
+                     prefix="<|begin_of_text|>")
+    tok = _tokenizer(specials, pad="<|end_of_text|>", eos="<end_of_utterance>", bos="<|begin_of_text|>",
+                     chat_template=template)
+    config = tf.Idefics3Config(
+        vision_config=dict(image_size=IDEFICS_TILE, patch_size=IDEFICS_PATCH, **_SMALL_VISION),
+        text_config=_text("llama", tok), scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+    )
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IDEFICS_TILE},
+                                                max_image_size={"longest_edge": IDEFICS_TILE})
+    processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tok, chat_template=template,
+                                     image_seq_len=(IDEFICS_TILE // IDEFICS_PATCH // 2) ** 2)
+    return _seeded(tf.Idefics3ForConditionalGeneration, config), processor
+
+
+# -------------------------------------------------------------------------------------------- InternVL
+
+INTERNVL_TILE = 32
+INTERNVL_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 0.5 → 4×4 tokens per tile
+
+
+def _internvl():
+    import transformers as tf
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from countlens.processors import image_only
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+    template = _chat("<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n",
+                     "<|im_start|>assistant\n")
+    tok = _tokenizer(specials, pad="<|endoftext|>", eos="<|im_end|>", chat_template=template, named={
+        "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>"})
+    config = tf.InternVLConfig(
+        vision_config=dict(image_size=[INTERNVL_TILE] * 2, patch_size=[INTERNVL_PATCH] * 2, **_SMALL_VISION),
+        text_config=_text("qwen2", tok), image_token_id=tok.context_image_token_id,
+        image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2, downsample_ratio=0.5,
+        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
+    )
+    image_processor = GotOcr2ImageProcessorPil(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE},
+                                               crop_to_patches=True, min_patches=1, max_patches=12)
+    processor = image_only(tf.InternVLProcessor)(
+        image_processor=image_processor, tokenizer=tok, chat_template=template,
+        image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2,
+    )
+    return _seeded(tf.InternVLForConditionalGeneration, config), processor
+
+
 # ---------------------------------------------------------------------------------------------- table
 
 TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "qwen2_vl": (64, 64),
     "qwen2_5_vl": (64, 64),
     "qwen3_vl": (64, 64),
+    "llava": (LLAVA_TILE, LLAVA_TILE),
+    "llava_next": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
+    "llava_onevision": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
+    "gemma3": (GEMMA_IMAGE, GEMMA_IMAGE),
+    "idefics3": (2 * IDEFICS_TILE, 2 * IDEFICS_TILE),
+    "internvl": (2 * INTERNVL_TILE, 2 * INTERNVL_TILE),
 }
 
 _BUILDERS = {
     "qwen2_vl": lambda: _qwen("qwen2_vl"),
     "qwen2_5_vl": lambda: _qwen("qwen2_5_vl"),
     "qwen3_vl": lambda: _qwen("qwen3_vl"),
+    "llava": _llava,
+    "llava_next": _llava_next,
+    "llava_onevision": _llava_onevision,
+    "gemma3": _gemma3,
+    "idefics3": _idefics3,
+    "internvl": _internvl,
 }
 
 TINY_NAMES: tuple[str, ...] = tuple(_BUILDERS)
@@ -204,4 +427,5 @@ def tiny_inputs(name: str, processor, images=None, question: str = "how many cir
         images = [Image.new("RGB", (w, h)), Image.new("RGB", (w, h), (255, 255, 255))]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return processor(text=[text] * len(images), images=list(images), padding=True, return_tensors="pt")
+    # Images nested per sample: Gemma3's processor reads a flat list as all the images of one sample.
+    return processor(text=[text] * len(images), images=[[im] for im in images], padding=True, return_tensors="pt")

@@ -8,7 +8,7 @@ seeds, so held-out scenes are never training scenes.
 Tasks (answers are single words, so single tokens of the organism's tokenizer):
 
 - ``count``: "how many circles are there in the image?" → "0" … "12". 70 % of scenes hold only
-  the named shape (one colour or several); 30 % mix in 1–4 objects of other shapes, so the
+  the named shape (one colour or several); 30 % mix in 1 to max_count // 3 objects of other shapes, so the
   question's shape word matters. One scene in eight asks "how many objects …" for the total.
 - ``color``: 1–3 objects of distinct shapes; "what color is the square?" → a colour word.
 - ``shape``: 1–3 objects of distinct colours; "what shape is the red object?" → a shape word.
@@ -83,7 +83,7 @@ def _count(rng, image_size, size_range, max_count) -> TaskSample:
     shapes = [target] * n
     if mixed:
         others = [s for s in SHAPES if s != target]
-        n_other = int(rng.integers(1, 5))
+        n_other = int(rng.integers(1, max(1, max_count // 3) + 1))
         if ask_total:
             n_other = min(n_other, max_count - n)
         shapes += [others[rng.integers(len(others))] for _ in range(n_other)]

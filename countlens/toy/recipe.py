@@ -76,10 +76,11 @@ class TrainConfig:
     """The training schedule (see `countlens.toy.train`)."""
 
     seed: int = 0
-    steps: int = 4000
+    steps: int = 4500
     batch_size: int = 32
-    lr: float = 1.5e-3
-    warmup: int = 200
+    lr: float = 1e-3
+    warmup: int = 100
+    curriculum: float = 0.35  # fraction of training over which scenes grow to the target difficulty
     weight_decay: float = 0.01
     task_mix: dict = field(default_factory=lambda: {"count": 0.7, "color": 0.15, "shape": 0.15})
     threads: int = 2

@@ -33,12 +33,29 @@ from countlens.toy.recipe import (
 )
 
 
-def training_sample(seed: int, index: int, cfg: ToyConfig, mix: dict[str, float]) -> TaskSample:
-    """The ``index``-th training sample: its task drawn from ``mix``, its scene from a training seed."""
-    tasks = list(mix)
-    p = np.array([mix[t] for t in tasks], dtype=float)
+SIZE_RANGE = (12.0, 22.0)  # object sizes (px) of the organism's scenes, the evaluation's too
+
+
+def curriculum(progress: float, tc: TrainConfig) -> tuple[tuple[float, float], int]:
+    """(object size range, max count) at a fraction ``progress`` of training.
+
+    A model trained from scratch first learns the answer prior and then, for a long while, ignores
+    small objects that cover a fraction of one image token. Starting with larger objects and small
+    counts gets it reading the image early; both reach the target distribution at
+    ``tc.curriculum`` of training and stay there.
+    """
+    t = min(1.0, progress / tc.curriculum) if tc.curriculum > 0 else 1.0
+    scale = 1.5 - 0.5 * t
+    return (SIZE_RANGE[0] * scale, SIZE_RANGE[1] * scale), int(round(5 + 7 * t))
+
+
+def training_sample(seed: int, index: int, cfg: ToyConfig, tc: TrainConfig) -> TaskSample:
+    """The ``index``-th training sample: its task drawn from the mix, its scene from a training seed."""
+    tasks = list(tc.task_mix)
+    p = np.array([tc.task_mix[t] for t in tasks], dtype=float)
     task = tasks[sample_rng(seed, "mix", index).choice(len(tasks), p=p / p.sum())]
-    return task_sample(task, TRAIN_SEED_BASE + seed, index, image_size=cfg.image_size)
+    sizes, max_count = curriculum(index / (tc.steps * tc.batch_size), tc)
+    return task_sample(task, TRAIN_SEED_BASE + seed, index, image_size=cfg.image_size, size_range=sizes, max_count=max_count)
 
 
 class Collator:
@@ -135,7 +152,7 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
 
     def make_batch(step: int):
         idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
-        return collate([training_sample(tc.seed, i, cfg, tc.task_mix) for i in idx])
+        return collate([training_sample(tc.seed, i, cfg, tc) for i in idx])
 
     # Build the next batch in a thread while this one trains (rendering releases the GIL in numpy).
     pool = ThreadPoolExecutor(max_workers=1)

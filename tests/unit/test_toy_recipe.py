@@ -1,0 +1,48 @@
+"""The organism's recipe: tokenizer, processor, fast collate, and a round trip through countlens.load."""
+
+import torch
+
+import countlens
+from countlens.datasets.tasks import TASKS, task_samples
+from countlens.toy.recipe import ToyConfig, TrainConfig, build_image_processor, build_model, build_processor, build_tokenizer
+from countlens.toy.train import Collator, training_sample
+
+SMALL = ToyConfig(image_size=64, patch_size=16, merge_size=2, vision_depth=1, vision_dim=32, text_layers=2, hidden=64,
+                  heads=4, kv_heads=2, intermediate=96, mrope_section=(2, 3, 3))
+
+
+def test_every_answer_is_one_known_token():
+    tok = build_tokenizer()
+    for t in TASKS:
+        for s in task_samples(t, 60, seed=0, image_size=64, size_range=(6, 10), max_count=6):
+            ids = tok(s.answer, add_special_tokens=False)["input_ids"]
+            assert len(ids) == 1 and ids[0] != tok.unk_token_id, s.answer
+
+
+def test_fast_collate_equals_the_processor():
+    cfg = ToyConfig()
+    proc = build_processor(cfg)
+    samples = [training_sample(0, i, cfg, TrainConfig()) for i in range(6)]
+    inputs, answers = Collator(cfg)(samples)
+    texts = [
+        proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}],
+                                 tokenize=False, add_generation_prompt=True)
+        for s in samples
+    ]
+    ref = proc(text=texts, images=[s.image for s in samples], padding=True, return_tensors="pt")
+    assert set(ref.keys()) == set(inputs)
+    for k in ref:
+        torch.testing.assert_close(inputs[k], ref[k], rtol=0, atol=1e-6, msg=k)
+    assert answers.tolist() == proc.tokenizer.convert_tokens_to_ids([s.answer for s in samples])
+
+
+def test_recipe_checkpoint_round_trips_through_load(tmp_path):
+    model = build_model(SMALL, seed=0)
+    model.save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    build_image_processor(SMALL).save_pretrained(tmp_path)
+    vlm = countlens.load(tmp_path)
+    assert vlm.arch.name == "qwen2_vl" and vlm.arch.n_layers == 2 and vlm.arch.n_kv_heads == 2
+    assert vlm.geometry.patch_grid == (4, 4) and vlm.geometry.token_grid == (2, 2)
+    for a, b in zip(model.state_dict().values(), vlm.hf.state_dict().values()):
+        assert torch.equal(a, b)
