@@ -13,7 +13,12 @@ and add the architecture to the test matrix (``tests/tiny_models.py``).
 Layouts (how image tokens sit on the image, implemented in `countlens.vlm`):
 - ``grid``: the image's tokens are the token grid (patch grid ÷ merge) in row-major order.
 - ``anyres``: LLaVA-NeXT / OneVision — the base image's grid in row-major order first, then the
-  high-resolution crops (mapped back to base-grid cells), with a newline token ending each row.
+  high-resolution image as one finer grid in row-major order with a newline token ending each row.
+  `countlens.vlm` maps each high-resolution token to the base-grid cell it falls in (square
+  crop grids; newlines and unmapped tokens get cell (-1, -1)).
+
+Not yet specified (they run under `tests/tiny_models.py` but tile their images, so the cell map
+needs a tile layout): Idefics3 / SmolVLM and InternVL.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class ArchSpec:
     merge_attr: str | None = None  # on the vision config; None → merge 1 (or `pooled_tokens_attr`)
     pooled_tokens_attr: str | None = None  # on the top config: tokens per image after pooling (Gemma3)
     layout: str = "grid"
+    # Order of the projector's output tokens: "grid" (row-major, as in the LM input) or "window"
+    # (Qwen2.5-VL's windowed vision blocks; the LM input is reordered to row-major afterwards).
+    projector_order: str = "grid"
 
 
 _QWEN = dict(
@@ -57,7 +65,7 @@ _QWEN = dict(
 _LLAVA = dict(
     layers="model.language_model.layers",
     final_norm="model.language_model.norm",
-    vision_blocks="model.vision_tower.vision_model.encoder.layers",
+    vision_blocks="model.vision_tower.encoder.layers",
     projector="model.multi_modal_projector",
 )
 
@@ -65,7 +73,7 @@ SPECS: dict[str, ArchSpec] = {
     s.name: s
     for s in [
         ArchSpec("qwen2_vl", ("qwen2_vl",), **_QWEN),
-        ArchSpec("qwen2_5_vl", ("qwen2_5_vl",), **_QWEN),
+        ArchSpec("qwen2_5_vl", ("qwen2_5_vl",), projector_order="window", **_QWEN),
         ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", **_QWEN),
         ArchSpec("llava", ("llava",), **_LLAVA),
         ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
@@ -140,7 +148,7 @@ def resolve(config) -> Arch:
     image_token_id = getattr(config, spec.image_token_attr, None)
     if image_token_id is None:
         image_token_id = getattr(config, "image_token_index")
-    patch = vision.patch_size
+    patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
     if spec.merge_attr:
         merge = getattr(vision, spec.merge_attr)
     elif spec.pooled_tokens_attr:

@@ -18,9 +18,13 @@ def image_only(base: type) -> type:
     if "video_processor" not in params:
         return base
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+    def __init__(self, image_processor=None, tokenizer=None, **kwargs):
         # ProcessorMixin reads the sub-processor names off this signature, so the None passed
         # for video_processor is dropped there rather than type-checked.
-        base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+        base.__init__(self, image_processor, tokenizer, None, **kwargs)
 
+    # The base's signature minus video_processor: ProcessorMixin saves and reloads the settings it
+    # names (e.g. LLaVA-OneVision's num_image_tokens).
+    sig = inspect.signature(base.__init__)
+    __init__.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "video_processor"])
     return type(f"ImageOnly{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__})

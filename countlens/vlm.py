@@ -10,6 +10,8 @@ same code runs locally and, with ``remote=True``, on NDIF.
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +156,8 @@ class VLM:
         pil = [_as_rgb(im, i) for i, im in enumerate(images)]
         texts = [self._chat_text(p, i) if chat else self._raw_text(p, i) for i, p in enumerate(prompts)]
         try:
-            enc = self.processor(text=texts, images=pil, padding=True, return_tensors="pt")
+            # One list per sample: Gemma3 reads a flat list as all the images of one prompt.
+            enc = self.processor(text=texts, images=[[im] for im in pil], padding=True, return_tensors="pt")
         except (ValueError, TypeError) as err:
             raise InputError(f"the {type(self.processor).__name__} rejected the batch: {err}") from err
         inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
@@ -225,11 +228,17 @@ def _cells(layout: str, geom: Geometry, n_tokens: int, b: int) -> torch.Tensor:
             )
         return grid
     if layout == "anyres":
-        # Base image first (row-major); the remaining tokens (crops + row newlines) get -1 until
-        # their exact placement is mapped (see countlens.arch docstring).
-        if n_tokens < rows * cols:
+        # Base image first (row-major), then the high-resolution grid, R rows of C tokens + a newline.
+        n_rest = n_tokens - rows * cols
+        if n_rest < 0:
             raise InputError(f"sample {b}: {n_tokens} image tokens, fewer than the base grid {rows}x{cols}")
-        rest = torch.full((n_tokens - rows * cols, 2), -1)
+        rest = torch.full((n_rest, 2), -1)
+        side = int((n_rest) ** 0.5)
+        if side * (side + 1) == n_rest and side % rows == 0:  # a square high-res grid, side = R = C
+            r, c = torch.meshgrid(torch.arange(side), torch.arange(side + 1), indexing="ij")
+            cells = torch.stack([r * rows // side, c * cols // side], -1).reshape(-1, 2)
+            cells[(c == side).reshape(-1)] = -1  # the row-end newline tokens
+            rest = cells
         return torch.cat([grid, rest])
     raise ValueError(f"unknown layout {layout!r}")
 
@@ -340,7 +349,10 @@ def load_processor(path: str, config):
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     try:
-        return AutoProcessor.from_pretrained(path, local_files_only=True)
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        # Without a loadable processor class AutoProcessor quietly returns the bare tokenizer.
+        if getattr(processor, "image_processor", None) is not None:
+            return processor
     except Exception:  # noqa: BLE001 — the fallback below reports its own, clearer error
         pass
     import transformers
@@ -350,21 +362,32 @@ def load_processor(path: str, config):
     proc_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = _load_image_processor(path)
-    return image_only(proc_cls)(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
-    )
+    template_file = Path(path) / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
+    # The processor's own settings (e.g. LLaVA's num_image_tokens, vision_feature_select_strategy).
+    settings_file = Path(path) / "processor_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.exists() else {}
+    cls = image_only(proc_cls)
+    accepted = inspect.signature(proc_cls.__init__).parameters
+    extra = {k: v for k, v in settings.items() if k in accepted and k not in ("image_processor", "tokenizer", "video_processor", "chat_template")}
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **extra)
 
 
 def _load_image_processor(path: str):
-    import json
-
     import transformers
 
-    cfg = json.loads((Path(path) / "preprocessor_config.json").read_text())
-    name = cfg.get("image_processor_type", "")
-    # Prefer the PIL backend: the torchvision-backed "fast" processors don't run here.
+    # Older checkpoints keep it in preprocessor_config.json, newer ones nest it in processor_config.json.
+    flat, nested = Path(path) / "preprocessor_config.json", Path(path) / "processor_config.json"
+    if flat.exists():
+        cfg = json.loads(flat.read_text())
+    elif nested.exists() and "image_processor" in json.loads(nested.read_text()):
+        cfg = json.loads(nested.read_text())["image_processor"]
+    else:
+        raise CheckpointNotFoundError(f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint")
+    name = cfg.pop("image_processor_type", "")
+    # Prefer the PIL backend: the torchvision-backed processors don't run without torchvision.
     for candidate in (name if name.endswith("Pil") else name.removesuffix("Fast") + "Pil", name):
         cls = getattr(transformers, candidate, None)
         if cls is not None:
-            return cls.from_pretrained(path, local_files_only=True)
-    raise CheckpointNotFoundError(f"{path}/preprocessor_config.json names an unknown image processor {name!r}")
+            return cls.from_dict(cfg)
+    raise CheckpointNotFoundError(f"{path} names an unknown image processor {name!r}")

@@ -1,0 +1,126 @@
+"""Every supported architecture, as a tiny random-init model saved to disk and loaded by countlens.
+
+Checks: load and spec resolution; module paths exist; image-token positions agree with the
+processor's own count; each image token's grid cell maps back to its image region (a bright
+square lights up the expected token in the LM input); a trace equals the plain HF forward.
+"""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import countlens
+from countlens.arch import SPECS
+from tiny_models import TINY_IMAGE_SIZE, build_tiny
+
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3")
+QUESTION = "how many circles are there?"
+
+
+def save_tiny(name: str, path) -> None:
+    model, processor = build_tiny(name)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=SUPPORTED)
+def vlm(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny(request.param, path)
+    return countlens.load(path)
+
+
+def images_of(name: str, n: int = 2, cell=None, geometry=None):
+    h, w = TINY_IMAGE_SIZE[name]
+    out = []
+    for i in range(n):
+        a = np.zeros((h, w, 3), np.uint8)
+        if cell is not None:
+            rows, cols = geometry.token_grid
+            sy, sx = h // rows, w // cols
+            a[cell[0] * sy : (cell[0] + 1) * sy, cell[1] * sx : (cell[1] + 1) * sx] = 255
+        out.append(Image.fromarray(a))
+    return out
+
+
+def test_every_spec_is_in_the_matrix():
+    assert set(SPECS) == set(SUPPORTED)
+
+
+def test_spec_resolves_and_paths_exist(vlm):
+    arch = vlm.arch
+    assert arch.name in SUPPORTED
+    assert (arch.n_layers, arch.n_heads, arch.d_head) == (2, 4, 16)
+    assert arch.n_kv_heads in (2, 4)
+    spec = arch.spec
+    for path in [arch.layer(1), arch.q_site(0), arch.o_proj(1), arch.self_attn(0), spec.final_norm, spec.lm_head,
+                 spec.layers, spec.vision_blocks, spec.projector, f"{arch.layer(0)}.{spec.k_proj}"]:
+        vlm.hf.get_submodule(path)  # raises AttributeError when a path is wrong
+    assert len(vlm.hf.get_submodule(spec.layers)) == arch.n_layers
+    with pytest.raises(IndexError, match="layers 0..1"):
+        arch.layer(2)
+
+
+def test_prepare_positions_agree_with_the_processor(vlm):
+    name = vlm.arch.name
+    imgs = images_of(name)
+    batch = vlm.prepare(imgs, [QUESTION, "what color is the square?"], ["3", "red"])
+    ids = batch.inputs["input_ids"]
+    h, w = TINY_IMAGE_SIZE[name]
+    counted = vlm.processor._get_num_multimodal_tokens(image_sizes=[(h, w)])["num_image_tokens"][0]
+    for b in range(2):
+        pos = batch.image_pos[b]
+        assert len(pos) == counted
+        assert (ids[b, pos] == vlm.arch.image_token_id).all()
+        assert int((ids[b] == vlm.arch.image_token_id).sum()) == len(pos)
+        assert batch.inputs["attention_mask"][b, batch.last[b]] == 1 and pos.max() < batch.last[b]
+        rows, cols = batch.geometry[b].token_grid
+        cells = batch.image_cell[b]
+        assert cells.shape == (len(pos), 2)
+        valid = cells[cells[:, 0] >= 0]
+        assert valid[:, 0].max() == rows - 1 and valid[:, 1].max() == cols - 1
+    # The last prompt token is the generation prompt's end: the same token in both samples.
+    assert ids[0, batch.last[0]] == ids[1, batch.last[1]]
+    assert [len(a) for a in batch.answer_ids] == [1, 1]
+
+
+def lm_input(vlm, batch) -> torch.Tensor:
+    """The first decoder layer's input hidden states (the LM's inputs_embeds), by a plain torch hook."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["h"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+
+    handle = vlm.hf.get_submodule(vlm.arch.layer(0)).register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        vlm.forward(batch)
+    finally:
+        handle.remove()
+    return seen["h"]
+
+
+def test_each_image_token_sees_its_own_cell(vlm):
+    name = vlm.arch.name
+    dark = vlm.prepare(images_of(name, 1), [QUESTION])
+    geom = dark.geometry[0]
+    rows, cols = geom.token_grid
+    base = lm_input(vlm, dark)[0, dark.image_pos[0]]
+    cells = dark.image_cell[0]
+    for cell in [(0, 0), (rows - 1, cols - 1), (1, cols - 2), (rows - 2, 0)]:
+        lit = vlm.prepare(images_of(name, 1, cell, geom), [QUESTION])
+        change = (lm_input(vlm, lit)[0, lit.image_pos[0]] - base).norm(dim=-1)
+        # Among the base grid's tokens (row-major, first rows*cols), the lit cell changes most.
+        base_grid = change[: rows * cols]
+        assert tuple(cells[int(base_grid.argmax())].tolist()) == cell, (name, cell)
+
+
+def test_trace_equals_plain_forward(vlm):
+    batch = vlm.prepare(images_of(vlm.arch.name), [QUESTION, "what shape is the red object?"])
+    with vlm.trace(batch):
+        resid = vlm.module(vlm.arch.layer(0)).output.save()  # modules in execution order
+        logits = vlm.nn.output.logits.save()
+    ref = vlm.forward(batch, output_hidden_states=True)
+    torch.testing.assert_close(logits, ref.logits, rtol=0, atol=1e-5)
+    # hidden_states[1] is layer 0's output (the last entry would carry the final norm in some models)
+    torch.testing.assert_close(resid, ref.hidden_states[1], rtol=0, atol=1e-5)
