@@ -1,0 +1,78 @@
+"""Bad input gets a CountlensError that names the input and the fix."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import countlens
+from countlens.errors import CheckpointNotFoundError, CountlensError, InputError, UnsupportedArchitectureError
+from tiny_models import TINY_IMAGE_SIZE, build_tiny
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_vl")
+    model, processor = build_tiny("qwen2_vl")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return countlens.load(path)
+
+
+def image(mode="RGB"):
+    h, w = TINY_IMAGE_SIZE["qwen2_vl"]
+    return Image.new(mode, (w, h))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    model, processor = build_tiny("idefics3")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match=r"idefics3.*Supported:.*qwen2_vl.*ArchSpec"):
+        countlens.load(tmp_path)
+
+
+def test_missing_checkpoints(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="never downloads"):
+        countlens.load(tmp_path / "nowhere")
+    with pytest.raises(CheckpointNotFoundError, match="never downloads"):
+        countlens.load("some-org/not-in-the-cache")
+    with pytest.raises(CheckpointNotFoundError, match="without config.json"):
+        countlens.load(tmp_path)
+    (tmp_path / "file.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="is a file"):
+        countlens.load(tmp_path / "file.bin")
+
+
+def test_image_mode_and_type(qwen):
+    with pytest.raises(InputError, match=r"mode 'RGBA'.*convert\('RGB'\)"):
+        qwen.prepare([image("RGBA")], ["how many circles are there?"])
+    with pytest.raises(InputError, match="PIL image"):
+        qwen.prepare(["not an image"], ["how many circles are there?"])
+    with pytest.raises(InputError, match="H×W×3 uint8"):
+        qwen.prepare([np.zeros((8, 8), np.float32)], ["how many circles are there?"])
+    with pytest.raises(InputError, match="rejected"):  # the processor's own limit: aspect ratio > 200
+        qwen.prepare([Image.new("RGB", (1000, 2))], ["how many circles are there?"])
+
+
+def test_prompt_without_an_image_slot(qwen):
+    with pytest.raises(InputError, match="needs exactly one"):
+        qwen.prepare([image()], ["how many circles are there?"], chat=False)
+    with pytest.raises(InputError, match="one image per prompt"):
+        qwen.prepare([image()], ["<image> and <image>"])
+    raw = "<|im_start|>user <|vision_start|><|image_pad|><|vision_end|>how many circles?<|im_end|><|im_start|>assistant"
+    assert len(qwen.prepare([image()], [raw], chat=False).image_pos[0]) == 16
+
+
+def test_answers_must_be_single_known_tokens(qwen):
+    with pytest.raises(InputError, match=r"'3 circles' is 2 tokens.*single token"):
+        qwen.prepare([image()], ["how many circles are there?"], ["3 circles"])
+    assert qwen.prepare([image()], ["how many circles?"], ["3 circles"], single_token=False).answer_ids[0].__len__() == 2
+    with pytest.raises(InputError, match="vocabulary"):
+        qwen.prepare([image()], ["how many circles are there?"], ["zebra"])
+
+
+def test_mismatched_lengths(qwen):
+    with pytest.raises(InputError, match="2 images but 1 prompts"):
+        qwen.prepare([image(), image()], ["how many?"])
+    with pytest.raises(InputError, match="empty batch"):
+        qwen.prepare([], [])
+    assert issubclass(InputError, CountlensError)
