@@ -8,7 +8,7 @@ seeds, so held-out scenes are never training scenes.
 Tasks (answers are single words, so single tokens of the organism's tokenizer):
 
 - ``count``: "how many circles are there in the image?" → "0" … "12". 70 % of scenes hold only
-  the named shape (one colour or several); 30 % mix in 1 to max_count // 3 objects of other shapes, so the
+  the named shape (one colour or several); 30 % mix in 1–4 objects of other shapes, so the
   question's shape word matters. One scene in eight asks "how many objects …" for the total.
 - ``color``: 1–3 objects of distinct shapes; "what color is the square?" → a colour word.
 - ``shape``: 1–3 objects of distinct colours; "what shape is the red object?" → a shape word.
@@ -28,6 +28,7 @@ from countlens.errors import CountlensError
 TASKS: tuple[str, ...] = ("count", "color", "shape")
 TRAIN_SEED_BASE = 1000
 MAX_COUNT = 12
+SIZE_RANGE = (12.0, 22.0)  # object sizes in px at 192 px (one 16-px patch ± a few px); scaled with the image
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,15 @@ def task_sample(
     seed: int,
     index: int,
     image_size: int = 192,
-    size_range: tuple[float, float] = (12.0, 22.0),
+    size_range: tuple[float, float] | None = None,
     max_count: int = MAX_COUNT,
 ) -> TaskSample:
     """The ``index``-th sample of ``task`` under ``seed``."""
     if task not in TASKS:
         raise CountlensError(f"unknown task {task!r}; use one of {TASKS}")
     rng = sample_rng(seed, task, index)
+    if size_range is None:
+        size_range = (SIZE_RANGE[0] * image_size / 192, SIZE_RANGE[1] * image_size / 192)
     make = {"count": _count, "color": _color, "shape": _shape}[task]
     return make(rng, image_size, size_range, max_count)
 
@@ -83,7 +86,7 @@ def _count(rng, image_size, size_range, max_count) -> TaskSample:
     shapes = [target] * n
     if mixed:
         others = [s for s in SHAPES if s != target]
-        n_other = int(rng.integers(1, max(1, max_count // 3) + 1))
+        n_other = int(rng.integers(1, 5))
         if ask_total:
             n_other = min(n_other, max_count - n)
         shapes += [others[rng.integers(len(others))] for _ in range(n_other)]

@@ -66,6 +66,11 @@ class ToyConfig:
     kv_heads: int = 2
     intermediate: int = 384
     mrope_section: tuple[int, int, int] = (4, 6, 6)  # sums to head_dim / 2 = 16
+    # Init std of every weight. HF's 0.02 suits wide pretrained models; at this width it leaves
+    # the image signal so faint that a from-scratch model learns only the answer prior for
+    # thousands of steps (measured: 32 fixed scenes not memorised in 150 steps at 0.02, memorised
+    # at 0.1).
+    init_std: float = 0.1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,11 +81,11 @@ class TrainConfig:
     """The training schedule (see `countlens.toy.train`)."""
 
     seed: int = 0
-    steps: int = 4500
+    steps: int = 5000
     batch_size: int = 32
     lr: float = 1e-3
     warmup: int = 100
-    curriculum: float = 0.35  # fraction of training over which scenes grow to the target difficulty
+    vision_warmup: int = 300  # steps of dense pretraining of the vision tower (see train.vision_warmup)
     weight_decay: float = 0.01
     task_mix: dict = field(default_factory=lambda: {"count": 0.7, "color": 0.15, "shape": 0.15})
     threads: int = 2
@@ -150,6 +155,7 @@ def build_config(cfg: ToyConfig):
             max_position_embeddings=512,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(cfg.mrope_section)},
             tie_word_embeddings=False,
+            initializer_range=cfg.init_std,
             bos_token_id=tok["<|im_start|>"],
             eos_token_id=tok["<|im_end|>"],
             pad_token_id=tok["<|endoftext|>"],
@@ -164,7 +170,9 @@ def build_config(cfg: ToyConfig):
             spatial_merge_size=cfg.merge_size,
             temporal_patch_size=2,
             in_channels=3,
+            initializer_range=cfg.init_std,
         ),
+        initializer_range=cfg.init_std,
         image_token_id=tok["<|image_pad|>"],
         video_token_id=tok["<|video_pad|>"],
         vision_start_token_id=tok["<|vision_start|>"],

@@ -33,29 +33,12 @@ from countlens.toy.recipe import (
 )
 
 
-SIZE_RANGE = (12.0, 22.0)  # object sizes (px) of the organism's scenes, the evaluation's too
-
-
-def curriculum(progress: float, tc: TrainConfig) -> tuple[tuple[float, float], int]:
-    """(object size range, max count) at a fraction ``progress`` of training.
-
-    A model trained from scratch first learns the answer prior and then, for a long while, ignores
-    small objects that cover a fraction of one image token. Starting with larger objects and small
-    counts gets it reading the image early; both reach the target distribution at
-    ``tc.curriculum`` of training and stay there.
-    """
-    t = min(1.0, progress / tc.curriculum) if tc.curriculum > 0 else 1.0
-    scale = 1.5 - 0.5 * t
-    return (SIZE_RANGE[0] * scale, SIZE_RANGE[1] * scale), int(round(5 + 7 * t))
-
-
 def training_sample(seed: int, index: int, cfg: ToyConfig, tc: TrainConfig) -> TaskSample:
     """The ``index``-th training sample: its task drawn from the mix, its scene from a training seed."""
     tasks = list(tc.task_mix)
     p = np.array([tc.task_mix[t] for t in tasks], dtype=float)
     task = tasks[sample_rng(seed, "mix", index).choice(len(tasks), p=p / p.sum())]
-    sizes, max_count = curriculum(index / (tc.steps * tc.batch_size), tc)
-    return task_sample(task, TRAIN_SEED_BASE + seed, index, image_size=cfg.image_size, size_range=sizes, max_count=max_count)
+    return task_sample(task, TRAIN_SEED_BASE + seed, index, image_size=cfg.image_size)
 
 
 class Collator:
@@ -111,6 +94,55 @@ class Collator:
         return inputs, answers
 
 
+def cell_targets(samples: list[TaskSample], cfg: ToyConfig) -> torch.Tensor:
+    """(B·cells, 3) per image-token cell: object centres in it (0–3), colour and shape of the first (or none)."""
+    from countlens.datasets.scene import OBJECT_COLORS, SHAPES
+
+    cell = cfg.patch_size * cfg.merge_size
+    side = cfg.image_size // cell
+    out = torch.zeros(len(samples), side, side, 3, dtype=torch.long)
+    out[..., 1], out[..., 2] = len(OBJECT_COLORS), len(SHAPES)  # "none" classes
+    for b, s in enumerate(samples):
+        for o in s.scene.objects:
+            r, c = min(int(o.cy // cell), side - 1), min(int(o.cx // cell), side - 1)
+            if out[b, r, c, 0] == 0:
+                out[b, r, c, 1], out[b, r, c, 2] = OBJECT_COLORS.index(o.color), SHAPES.index(o.shape)
+            out[b, r, c, 0] = min(3, int(out[b, r, c, 0]) + 1)
+    return out.reshape(-1, 3)
+
+
+def vision_warmup(model, collate: Collator, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
+    """Pretrain the vision tower and merger on dense scene labels before the language model sees them.
+
+    Real VLMs start from a pretrained vision encoder; the organism's gets ``tc.vision_warmup`` steps
+    of supervised pretraining: a throw-away linear head on each image token predicts how many
+    object centres lie in its cell and their colour and shape. Without it the language model learns
+    the answer prior first and then, for thousands of steps, ignores objects that cover part of one
+    token (measured: no progress beyond the prior in 1,100 steps).
+    """
+    from countlens.datasets.scene import OBJECT_COLORS, SHAPES
+
+    heads = torch.nn.Linear(cfg.hidden, 4 + len(OBJECT_COLORS) + 1 + len(SHAPES) + 1)
+    params = list(model.model.visual.parameters()) + list(heads.parameters())
+    opt = torch.optim.AdamW(params, lr=tc.lr)
+    splits = (4, len(OBJECT_COLORS) + 1, len(SHAPES) + 1)
+    losses = []
+    for step in range(tc.vision_warmup):
+        idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
+        samples = [task_sample("count", TRAIN_SEED_BASE + tc.seed + 500, i, image_size=cfg.image_size) for i in idx]
+        inputs, _ = collate(samples)
+        feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+        feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+        target = cell_targets(samples, cfg)
+        logits = heads(feats).split(splits, dim=-1)
+        loss = sum(torch.nn.functional.cross_entropy(lg, target[:, k]) for k, lg in enumerate(logits))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def lr_at(step: int, tc: TrainConfig) -> float:
     if step < tc.warmup:
         return tc.lr * (step + 1) / tc.warmup
@@ -144,11 +176,15 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
         [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=tc.lr, betas=(0.9, 0.98),
     )
+    start = time.time()
+    warm = vision_warmup(model, collate, cfg, tc) if tc.vision_warmup else []
     held_out = [task_sample("count", 1, i, image_size=cfg.image_size) for i in range(256)]
     held_out += [task_sample(t, 1, i, image_size=cfg.image_size) for t in TASKS if t != "count" for i in range(64)]
     log_path = out / "train_log.jsonl"
     log = log_path.open("w")
-    start, row = time.time(), {}
+    row: dict = {}
+    for step in range(0, len(warm), 50):
+        log.write(json.dumps({"vision_warmup_step": step, "loss": round(float(np.mean(warm[step : step + 50])), 4)}) + "\n")
 
     def make_batch(step: int):
         idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)

@@ -46,3 +46,31 @@ def test_recipe_checkpoint_round_trips_through_load(tmp_path):
     assert vlm.geometry.patch_grid == (4, 4) and vlm.geometry.token_grid == (2, 2)
     for a, b in zip(model.state_dict().values(), vlm.hf.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_training_is_a_pure_function_of_the_seed(tmp_path):
+    from dataclasses import replace
+
+    from countlens.toy.train import train
+
+    tc = replace(TrainConfig(), steps=3, batch_size=4, vision_warmup=2, warmup=1, threads=1)
+    train(tmp_path / "a", SMALL, tc)
+    train(tmp_path / "b", SMALL, tc)
+    train(tmp_path / "c", SMALL, replace(tc, seed=1))
+    a, b, c = (countlens.load(tmp_path / d).hf.state_dict() for d in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    assert (tmp_path / "a" / "train_log.jsonl").read_text().count("\n") >= 2
+    assert (tmp_path / "a" / "countlens_recipe.json").exists()
+
+
+def test_cell_targets_mark_object_centres():
+    from countlens.datasets.scene import Obj, Scene
+    from countlens.datasets.tasks import TaskSample
+    from countlens.toy.train import cell_targets
+
+    scene = Scene(64, 64, (Obj("circle", "red", 8, 8, 6), Obj("square", "blue", 12, 10, 4), Obj("triangle", "green", 40, 50, 8)))
+    t = cell_targets([TaskSample(scene, "q", "3", "count")], SMALL).reshape(2, 2, 3)  # 32-px cells
+    assert t[0, 0].tolist() == [2, 0, 0]  # two centres; the first is a red circle
+    assert t[1, 1].tolist() == [1, 1, 2]  # green triangle
+    assert t[0, 1, 0] == 0 and t[1, 0, 0] == 0
