@@ -102,24 +102,27 @@ def _count(rng, image_size, size_range, max_count) -> TaskSample:
 
 
 def _color(rng, image_size, size_range, max_count) -> TaskSample:
-    k = int(rng.integers(1, len(SHAPES) + 1))
-    shapes = [SHAPES[i] for i in rng.permutation(len(SHAPES))[:k]]
-    colors = [OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))] for _ in shapes]
-    objs = place_objects(rng, image_size, image_size, [(s, c, float(rng.uniform(*size_range))) for s, c in zip(shapes, colors)])
-    q = int(rng.integers(k))
-    return TaskSample(
-        Scene(image_size, image_size, objs), f"what color is the {shapes[q]}?", colors[q], "color",
-        {"shape": shapes[q], "n_objects": k},
-    )
+    """What colour is the <shape>? Objects of distinct shapes, random colours."""
+    return _attribute_question(rng, image_size, size_range, ask="color")
 
 
 def _shape(rng, image_size, size_range, max_count) -> TaskSample:
+    """What shape is the <colour> object? Objects of distinct colours, random shapes."""
+    return _attribute_question(rng, image_size, size_range, ask="shape")
+
+
+def _attribute_question(rng, image_size, size_range, ask: str) -> TaskSample:
+    # The named attribute is distinct across the scene's 1–3 objects, so the question has one answer.
+    named, asked = (SHAPES, OBJECT_COLORS) if ask == "color" else (OBJECT_COLORS, SHAPES)
     k = int(rng.integers(1, len(SHAPES) + 1))
-    colors = [OBJECT_COLORS[i] for i in rng.permutation(len(OBJECT_COLORS))[:k]]
-    shapes = [SHAPES[rng.integers(len(SHAPES))] for _ in colors]
-    objs = place_objects(rng, image_size, image_size, [(s, c, float(rng.uniform(*size_range))) for s, c in zip(shapes, colors)])
+    names = [named[i] for i in rng.permutation(len(named))[:k]]
+    answers = [asked[rng.integers(len(asked))] for _ in names]
+    shapes, colors = (names, answers) if ask == "color" else (answers, names)
+    specs = [(s, c, float(rng.uniform(*size_range))) for s, c in zip(shapes, colors)]
+    objs = place_objects(rng, image_size, image_size, specs)
     q = int(rng.integers(k))
-    return TaskSample(
-        Scene(image_size, image_size, objs), f"what shape is the {colors[q]} object?", shapes[q], "shape",
-        {"color": colors[q], "n_objects": k},
-    )
+    if ask == "color":
+        question, meta = f"what color is the {names[q]}?", {"shape": names[q], "n_objects": k}
+    else:
+        question, meta = f"what shape is the {names[q]} object?", {"color": names[q], "n_objects": k}
+    return TaskSample(Scene(image_size, image_size, objs), question, answers[q], ask, meta)

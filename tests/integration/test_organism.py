@@ -1,0 +1,42 @@
+"""The shipped organism: loads offline by name, has the documented geometry, and counts."""
+
+from pathlib import Path
+
+import torch
+
+import countlens
+from countlens.analysis import score
+from countlens.datasets.tasks import task_samples
+from countlens.vlm import TOY_DIR
+
+
+def test_loads_by_name_with_its_geometry():
+    vlm = countlens.load("toy")
+    assert vlm.name == "toy" and vlm.arch.name == "qwen2_vl"
+    assert vlm.arch.n_layers == 6 and vlm.arch.n_heads == 4 and vlm.arch.n_kv_heads == 2
+    g = vlm.geometry
+    assert (g.image_height, g.patch_size, g.merge_size) == (192, 16, 2)
+    assert g.patch_grid == (12, 12) and g.token_grid == (6, 6)
+
+
+def test_ships_small_with_its_recipe_and_log():
+    size = sum(p.stat().st_size for p in Path(TOY_DIR).iterdir())
+    assert size <= 20 * 2**20
+    assert (TOY_DIR / "countlens_recipe.json").exists() and (TOY_DIR / "train_log.jsonl").exists()
+
+
+def test_counts_held_out_scenes():
+    # Seed 2 is never a training seed (those are >= 1000). The full figure (README) uses more scenes.
+    vlm = countlens.load("toy")
+    samples = [s for s in task_samples("count", 160, seed=2) if s.meta["count"] <= 10][:128]
+    ds = score(vlm, samples, batch_size=64)
+    assert float(ds.correct.mean()) >= 0.85, float(ds.correct.mean())
+
+
+def test_trace_matches_forward_on_the_organism():
+    vlm = countlens.load("toy")
+    s = task_samples("count", 3, seed=2)
+    batch = vlm.prepare([x.image for x in s], [x.question for x in s], [x.answer for x in s])
+    with vlm.trace(batch):
+        logits = vlm.nn.output.logits.save()
+    torch.testing.assert_close(logits, vlm.forward(batch).logits, rtol=0, atol=1e-5)
