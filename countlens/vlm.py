@@ -112,8 +112,10 @@ class VLM:
         """The patch grid for this model's native (or default) square image size."""
         ip = self.processor.image_processor
         size = _fixed_size(ip)
-        if size is None:
-            return self.geometry_for(DEFAULT_DYNAMIC_SIDE, DEFAULT_DYNAMIC_SIDE)
+        if size is None:  # dynamic: a square image of the pinned area, else of the default side
+            lo, hi = ip.size["shortest_edge"], ip.size["longest_edge"]
+            side = round(lo**0.5) if lo == hi else DEFAULT_DYNAMIC_SIDE
+            return self.geometry_for(side, side)
         return Geometry(size[0], size[1], self.arch.patch_size, self.arch.merge_size)
 
     def geometry_for(self, height: int, width: int) -> Geometry:
@@ -171,8 +173,9 @@ class VLM:
             geoms.append(geom)
         last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
         answer_ids = None if answers is None else [self._answer_ids(a, single_token) for a in answers]
-        device = self.device
-        inputs = {k: v.to(device) if k != "pixel_values" else v.to(device, self.hf.dtype) for k, v in inputs.items()}
+        if not self.remote:  # a remote model lives on the meta device; NDIF places the inputs
+            device = self.device
+            inputs = {k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
         return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts))
 
     def _chat_text(self, prompt: str, i: int) -> str:
@@ -245,11 +248,9 @@ def _cells(layout: str, geom: Geometry, n_tokens: int, b: int) -> torch.Tensor:
 
 def _fixed_size(ip) -> tuple[int, int] | None:
     """(height, width) every image is resized to, or None for dynamic resolution."""
-    size = dict(getattr(ip, "size", None) or {})
-    if "shortest_edge" in size and "longest_edge" in size:  # Qwen: min/max pixels
-        lo, hi = size["shortest_edge"], size["longest_edge"]
-        side = round(lo**0.5)
-        return (side, side) if lo == hi and side * side == lo else None
+    size = {k: v for k, v in dict(getattr(ip, "size", None) or {}).items() if v is not None}
+    if "shortest_edge" in size and "longest_edge" in size:  # Qwen: bounds on the pixel count,
+        return None  # the shape follows the input's aspect ratio
     crop = dict(getattr(ip, "crop_size", None) or {})
     if getattr(ip, "do_center_crop", False) and "height" in crop:
         return crop["height"], crop["width"]
@@ -308,7 +309,7 @@ def load(
         from nnsight.modeling.transformers import TransformersModel
 
         envoy = TransformersModel(str(name_or_path), processor=processor, task="image-text-to-text", **kwargs)
-        return VLM(envoy._model, processor, name=label, remote=True, envoy=envoy)
+        return VLM(envoy._module, processor, name=label, remote=True, envoy=envoy)
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).eval()

@@ -1,0 +1,46 @@
+"""VLM details beyond the matrix: remote loading, dynamic geometry, image slots in prompts."""
+
+import pytest
+from PIL import Image
+
+import countlens
+from tiny_models import build_tiny
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_vl")
+    model, processor = build_tiny("qwen2_vl")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def test_remote_load_builds_a_meta_model_and_sends_traces_remote(qwen_dir, monkeypatch):
+    vlm = countlens.load(qwen_dir, remote=True)
+    assert vlm.remote and vlm.device.type == "meta"
+    batch = vlm.prepare([Image.new("RGB", (64, 64))], ["how many circles are there?"], ["3"])
+    assert batch.inputs["input_ids"].device.type == "cpu"  # NDIF places the inputs
+    seen = {}
+    monkeypatch.setattr(vlm.nn, "trace", lambda **kw: seen.update(kw))
+    vlm.trace(batch)
+    assert seen["remote"] is True and "input_ids" in seen
+
+
+def test_dynamic_resolution_geometry_follows_the_processor(qwen_dir):
+    vlm = countlens.load(qwen_dir)
+    g = vlm.geometry_for(32, 96)  # the tiny processor pins the area to 64² pixels
+    batch = vlm.prepare([Image.new("RGB", (96, 32))], ["how many circles are there?"])
+    assert batch.geometry[0] == g
+    assert len(batch.image_pos[0]) == g.token_grid[0] * g.token_grid[1]
+    assert batch.image_cell[0][-1].tolist() == [g.token_grid[0] - 1, g.token_grid[1] - 1]
+
+
+def test_image_slot_inside_the_prompt(qwen_dir):
+    vlm = countlens.load(qwen_dir)
+    batch = vlm.prepare([Image.new("RGB", (64, 64))] * 2, ["please: <image> how many circles?", "how many circles?"])
+    ids = batch.inputs["input_ids"]
+    tok = vlm.tokenizer
+    first_image = int(batch.image_pos[0][0])
+    assert "please" in tok.convert_ids_to_tokens(ids[0, :first_image].tolist())
+    assert "please" not in tok.convert_ids_to_tokens(ids[1].tolist())
