@@ -4,13 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build lies on this machine's disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-STAMP := $(VENV)/.countlens-installed
+# The stamp names the torch spec, so `make test TORCH_SPEC=...` reinstalls when it changes.
+STAMP := $(VENV)/.installed-$(subst =,-,$(subst <,lt,$(subst >,gt,$(subst $(space),,$(TORCH_SPEC)))))
+space := $(subst ,, )
 
 .PHONY: demo test setup clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	rm -f $(VENV)/.installed-*
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"

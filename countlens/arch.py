@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from countlens.errors import UnsupportedArchitectureError
+from countlens.errors import LayerError, UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Arch:
 
     def _check_layer(self, i: int) -> None:
         if not 0 <= i < self.n_layers:
-            raise IndexError(f"layer {i} out of range: {self.name} has layers 0..{self.n_layers - 1}")
+            raise LayerError(f"layer {i} out of range: {self.name} has layers 0..{self.n_layers - 1}")
 
     def __repr__(self) -> str:
         return (

@@ -68,10 +68,12 @@ def eval_cmd(
     """
     import countlens
     from countlens.analysis import accuracy, score
-    from countlens.datasets.tasks import TASKS, task_samples
+    from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, task_samples
 
     if out is not None and out.exists() and not out.is_dir():
         _fail(CountlensError(f"--out {out} is a file; give a directory"))
+    if not 0 <= seed < TRAIN_SEED_BASE:
+        _fail(CountlensError(f"--seed {seed}: evaluation seeds are 0..{TRAIN_SEED_BASE - 1}; larger ones are the organism's training scenes"))
     try:
         vlm = countlens.load(model, dtype=dtype, device_map=device)
         size = vlm.geometry.image_height

@@ -15,3 +15,7 @@ class CheckpointNotFoundError(CountlensError):
 
 class InputError(CountlensError):
     """Images, prompts or answers that the model's processor cannot turn into a batch."""
+
+
+class LayerError(CountlensError, IndexError):
+    """A layer (or head) index outside the model."""

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from countlens.arch import Arch, resolve, spec_for
-from countlens.errors import CheckpointNotFoundError, InputError
+from countlens.errors import CheckpointNotFoundError, InputError, UnsupportedArchitectureError
 from countlens.geometry import Geometry
 
 TOY_DIR = Path(__file__).parent / "toy" / "weights"
@@ -98,11 +98,14 @@ class VLM:
 
     @property
     def device(self) -> torch.device:
-        return next(self.hf.parameters()).device
+        """Where inputs go: the input embeddings' device (with device_map="auto" the first layers')."""
+        return self.hf.get_input_embeddings().weight.device
 
     @torch.no_grad()
     def forward(self, batch: Batch, **kwargs):
         """A plain HF forward (no tracing) over a prepared batch."""
+        if self.remote:
+            raise InputError(f"{self.name} is a remote (NDIF) model: run it through vlm.trace(batch), not forward")
         return self.hf(**batch.inputs, **kwargs)
 
     # -- geometry ------------------------------------------------------------
@@ -159,7 +162,10 @@ class VLM:
         texts = [self._chat_text(p, i) if chat else self._raw_text(p, i) for i, p in enumerate(prompts)]
         try:
             # One list per sample: Gemma3 reads a flat list as all the images of one prompt.
-            enc = self.processor(text=texts, images=[[im] for im in pil], padding=True, return_tensors="pt")
+            # Left padding puts every sample's last prompt token at position -1, which single-token
+            # scoring (logits_to_keep=1) and generation rely on.
+            enc = self.processor(text=texts, images=[[im] for im in pil], padding=True, padding_side="left",
+                                 return_tensors="pt")
         except (ValueError, TypeError) as err:
             raise InputError(f"the {type(self.processor).__name__} rejected the batch: {err}") from err
         inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
@@ -173,8 +179,8 @@ class VLM:
             geoms.append(geom)
         last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
         answer_ids = None if answers is None else [self._answer_ids(a, single_token) for a in answers]
-        if not self.remote:  # a remote model lives on the meta device; NDIF places the inputs
-            device = self.device
+        device = self.device
+        if device.type != "meta":  # a remote model lives on the meta device; NDIF places the inputs
             inputs = {k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
         return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts))
 
@@ -293,14 +299,22 @@ def load(
     model on the meta device and sends every `VLM.trace` to NDIF (needs nnsight's API key set up).
     """
     path, label = _resolve_path(name_or_path)
+    if remote and (str(name_or_path) == "toy" or Path(str(name_or_path)).expanduser().is_dir()):
+        raise CheckpointNotFoundError(
+            f"remote=True needs a hub id that NDIF serves (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'), not {str(name_or_path)!r}; "
+            "local checkpoints run locally: drop remote=True"
+        )
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
+        raise UnsupportedArchitectureError(f"{path}/config.json: {err}") from None
     spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if dtype is not None:
-        kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        kwargs["dtype"] = _dtype(dtype)
     if device_map is not None:
         kwargs["device_map"] = device_map
     if attn_implementation is not None:
@@ -312,8 +326,20 @@ def load(
         return VLM(envoy._module, processor, name=label, remote=True, envoy=envoy)
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).eval()
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).eval()
+    except OSError as err:  # e.g. a directory with a config but no weights
+        raise CheckpointNotFoundError(f"could not load weights from {path}: {err}") from None
     return VLM(model, processor, name=label)
+
+
+def _dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise InputError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'")
+    return value
 
 
 def _resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
@@ -321,8 +347,8 @@ def _resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
     if name == "toy":
         if not (TOY_DIR / "config.json").exists():
             raise CheckpointNotFoundError(
-                f"the organism's weights are missing from {TOY_DIR}; reinstall countlens or run "
-                f"`countlens toy train --out {TOY_DIR}`"
+                f"the organism's weights are missing from {TOY_DIR}; reinstall countlens, or train one with "
+                "`countlens toy train --out DIR` and load it with countlens.load(DIR)"
             )
         return str(TOY_DIR), "toy"
     p = Path(name).expanduser()

@@ -33,7 +33,7 @@ def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool =
     """Per-sample predictions: an xr.Dataset over ``sample`` with pred, gold, correct, task, count, p_gold."""
     if len(samples) == 0:
         raise InputError("no samples to evaluate; give a non-empty list")
-    preds, p_gold = [], []
+    preds, p_gold, correct = [], [], []
     steps = range(0, len(samples), batch_size)
     if progress:
         from rich.progress import track
@@ -42,16 +42,19 @@ def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool =
     for i in steps:
         chunk = samples[i : i + batch_size]
         batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk])
+        # prepare pads on the left, so the last prompt position is the last position of every row.
+        assert bool((batch.last == batch.inputs["input_ids"].shape[1] - 1).all())
         logits = vlm.forward(batch, logits_to_keep=1).logits[:, -1].float()
-        probs = logits.softmax(-1)
-        preds += vlm.tokenizer.convert_ids_to_tokens(logits.argmax(-1).tolist())
-        p_gold += probs[torch.arange(len(chunk)), batch.answer_token.to(probs.device)].tolist()
-    gold = [s.answer for s in samples]
+        gold_ids = batch.answer_token.to(logits.device)
+        pred_ids = logits.argmax(-1)
+        correct += (pred_ids == gold_ids).tolist()
+        preds += vlm.tokenizer.convert_ids_to_tokens(pred_ids.tolist())
+        p_gold += logits.softmax(-1)[torch.arange(len(chunk)), gold_ids].tolist()
     return xr.Dataset(
         {
             "pred": ("sample", np.array(preds, dtype=object)),
-            "gold": ("sample", np.array(gold, dtype=object)),
-            "correct": ("sample", np.array([p == g for p, g in zip(preds, gold)])),
+            "gold": ("sample", np.array([s.answer for s in samples], dtype=object)),
+            "correct": ("sample", np.array(correct, dtype=bool)),
             "p_gold": ("sample", np.array(p_gold)),
             "task": ("sample", np.array([s.task for s in samples], dtype=object)),
             "count": ("sample", np.array([int(s.meta.get("count", -1)) for s in samples])),

@@ -180,41 +180,38 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
     warm = vision_warmup(model, collate, cfg, tc) if tc.vision_warmup else []
     held_out = [task_sample("count", 1, i, image_size=cfg.image_size) for i in range(256)]
     held_out += [task_sample(t, 1, i, image_size=cfg.image_size) for t in TASKS if t != "count" for i in range(64)]
-    log_path = out / "train_log.jsonl"
-    log = log_path.open("w")
     row: dict = {}
-    for step in range(0, len(warm), 50):
-        log.write(json.dumps({"vision_warmup_step": step, "loss": round(float(np.mean(warm[step : step + 50])), 4)}) + "\n")
 
     def make_batch(step: int):
         idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
         return collate([training_sample(tc.seed, i, cfg, tc) for i in idx])
 
     # Build the next batch in a thread while this one trains (rendering releases the GIL in numpy).
-    pool = ThreadPoolExecutor(max_workers=1)
-    pending = pool.submit(make_batch, 0)
-    for step in range(tc.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, tc)
-        inputs, answers = pending.result()
-        if step + 1 < tc.steps:
-            pending = pool.submit(make_batch, step + 1)
-        logits = model(**inputs, logits_to_keep=1).logits[:, -1]
-        loss = torch.nn.functional.cross_entropy(logits, answers)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == tc.steps - 1:
-            row = {"step": step, "loss": round(loss.item(), 4), "lr": lr_at(step, tc), "elapsed_s": round(time.time() - start, 1)}
-            if step % 250 == 0 or step == tc.steps - 1:
-                row["held_out_acc"] = round(quick_accuracy(model, collate, held_out), 4)
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            if progress:
-                progress(row)
-    log.close()
-    pool.shutdown()
+    # The weights are written only after the last step, so an interrupted run leaves no checkpoint.
+    with (out / "train_log.jsonl").open("w") as log, ThreadPoolExecutor(max_workers=1) as pool:
+        for step in range(0, len(warm), 50):
+            log.write(json.dumps({"vision_warmup_step": step, "loss": round(float(np.mean(warm[step : step + 50])), 4)}) + "\n")
+        pending = pool.submit(make_batch, 0)
+        for step in range(tc.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, tc)
+            inputs, answers = pending.result()
+            if step + 1 < tc.steps:
+                pending = pool.submit(make_batch, step + 1)
+            logits = model(**inputs, logits_to_keep=1).logits[:, -1]
+            loss = torch.nn.functional.cross_entropy(logits, answers)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step % 50 == 0 or step == tc.steps - 1:
+                row = {"step": step, "loss": round(loss.item(), 4), "lr": lr_at(step, tc), "elapsed_s": round(time.time() - start, 1)}
+                if step % 250 == 0 or step == tc.steps - 1:
+                    row["held_out_acc"] = round(quick_accuracy(model, collate, held_out), 4)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                if progress:
+                    progress(row)
     model.eval()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -12,23 +12,15 @@ from PIL import Image
 
 import countlens
 from countlens.arch import SPECS
-from tiny_models import TINY_IMAGE_SIZE, build_tiny
+from tiny_models import TINY_IMAGE_SIZE
 
 SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3")
 QUESTION = "how many circles are there?"
 
 
-def save_tiny(name: str, path) -> None:
-    model, processor = build_tiny(name)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-
-
 @pytest.fixture(scope="module", params=SUPPORTED)
-def vlm(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    save_tiny(request.param, path)
-    return countlens.load(path)
+def vlm(request, tiny_checkpoint):
+    return countlens.load(tiny_checkpoint(request.param))
 
 
 def images_of(name: str, n: int = 2, cell=None, geometry=None):
@@ -58,7 +50,7 @@ def test_spec_resolves_and_paths_exist(vlm):
                  spec.layers, spec.vision_blocks, spec.projector, f"{arch.layer(0)}.{spec.k_proj}"]:
         vlm.hf.get_submodule(path)  # raises AttributeError when a path is wrong
     assert len(vlm.hf.get_submodule(spec.layers)) == arch.n_layers
-    with pytest.raises(IndexError, match="layers 0..1"):
+    with pytest.raises(IndexError, match="layers 0..1"):  # a LayerError, also a CountlensError
         arch.layer(2)
 
 
@@ -110,9 +102,13 @@ def test_each_image_token_sees_its_own_cell(vlm):
     for cell in [(0, 0), (rows - 1, cols - 1), (1, cols - 2), (rows - 2, 0)]:
         lit = vlm.prepare(images_of(name, 1, cell, geom), [QUESTION])
         change = (lm_input(vlm, lit)[0, lit.image_pos[0]] - base).norm(dim=-1)
-        # Among the base grid's tokens (row-major, first rows*cols), the lit cell changes most.
+        # Among the base grid's tokens (row-major, first rows*cols), the lit cell changes most;
+        # so it does among anyres' high-resolution tokens, of which several share a base cell.
         base_grid = change[: rows * cols]
         assert tuple(cells[int(base_grid.argmax())].tolist()) == cell, (name, cell)
+        hires = change[rows * cols :]
+        if len(hires):
+            assert tuple(cells[rows * cols + int(hires.argmax())].tolist()) == cell, (name, cell, "high-res")
 
 
 def test_trace_equals_plain_forward(vlm):

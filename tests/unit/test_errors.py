@@ -6,16 +6,12 @@ from PIL import Image
 
 import countlens
 from countlens.errors import CheckpointNotFoundError, CountlensError, InputError, UnsupportedArchitectureError
-from tiny_models import TINY_IMAGE_SIZE, build_tiny
+from tiny_models import TINY_IMAGE_SIZE
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2_vl")
-    model, processor = build_tiny("qwen2_vl")
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return countlens.load(path)
+def qwen(tiny_checkpoint):
+    return countlens.load(tiny_checkpoint("qwen2_vl"))
 
 
 def image(mode="RGB"):
@@ -23,10 +19,20 @@ def image(mode="RGB"):
     return Image.new(mode, (w, h))
 
 
-def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    model, processor = build_tiny("idefics3")
-    model.save_pretrained(tmp_path)
+def test_unsupported_architecture_names_the_supported_ones(tiny_checkpoint):
     with pytest.raises(UnsupportedArchitectureError, match=r"idefics3.*Supported:.*qwen2_vl.*ArchSpec"):
+        countlens.load(tiny_checkpoint("idefics3"))
+
+
+def test_bad_dtype_and_config_only_directory(tiny_checkpoint, tmp_path):
+    with pytest.raises(InputError, match="not a torch dtype"):
+        countlens.load(tiny_checkpoint("qwen2_vl"), dtype="bf16")
+    import shutil
+
+    for f in tiny_checkpoint("qwen2_vl").iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(CheckpointNotFoundError, match="could not load weights"):
         countlens.load(tmp_path)
 
 

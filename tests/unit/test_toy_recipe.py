@@ -44,8 +44,8 @@ def test_recipe_checkpoint_round_trips_through_load(tmp_path):
     vlm = countlens.load(tmp_path)
     assert vlm.arch.name == "qwen2_vl" and vlm.arch.n_layers == 2 and vlm.arch.n_kv_heads == 2
     assert vlm.geometry.patch_grid == (4, 4) and vlm.geometry.token_grid == (2, 2)
-    for a, b in zip(model.state_dict().values(), vlm.hf.state_dict().values()):
-        assert torch.equal(a, b)
+    saved, loaded = model.state_dict(), vlm.hf.state_dict()
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
 
 
 def test_training_is_a_pure_function_of_the_seed(tmp_path):
@@ -58,6 +58,7 @@ def test_training_is_a_pure_function_of_the_seed(tmp_path):
     train(tmp_path / "b", SMALL, tc)
     train(tmp_path / "c", SMALL, replace(tc, seed=1))
     a, b, c = (countlens.load(tmp_path / d).hf.state_dict() for d in "abc")
+    assert a.keys() == b.keys() == c.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
     assert (tmp_path / "a" / "train_log.jsonl").read_text().count("\n") >= 2

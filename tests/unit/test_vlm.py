@@ -4,20 +4,35 @@ import pytest
 from PIL import Image
 
 import countlens
-from tiny_models import build_tiny
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2_vl")
-    model, processor = build_tiny("qwen2_vl")
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
+def qwen_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen2_vl")
 
 
-def test_remote_load_builds_a_meta_model_and_sends_traces_remote(qwen_dir, monkeypatch):
-    vlm = countlens.load(qwen_dir, remote=True)
+def fake_hub_cache(root, repo_id: str, files_from) -> None:
+    """A Hugging Face cache holding ``repo_id`` (what a download would have left), offline."""
+    import shutil
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(files_from, repo / "snapshots" / ("0" * 40))
+
+
+def test_remote_needs_a_hub_id(qwen_dir):
+    with pytest.raises(countlens.CountlensError, match="needs a hub id"):
+        countlens.load(qwen_dir, remote=True)
+
+
+def test_remote_load_builds_a_meta_model_and_sends_traces_remote(qwen_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    fake_hub_cache(tmp_path, "tiny/qwen2-vl", qwen_dir)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    vlm = countlens.load("tiny/qwen2-vl", remote=True)
     assert vlm.remote and vlm.device.type == "meta"
     batch = vlm.prepare([Image.new("RGB", (64, 64))], ["how many circles are there?"], ["3"])
     assert batch.inputs["input_ids"].device.type == "cpu"  # NDIF places the inputs
