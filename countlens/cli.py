@@ -89,8 +89,8 @@ def eval_cmd(
     upto10 = float(counting.correct.where(counting["count"] <= 10, drop=True).mean())
     text = (
         f"# Held-out accuracy of {model} (seed {seed})\n\n"
-        f"Counting, N ≤ 10: **{upto10:.3f}**\n\n## Per task\n\n{by_task.to_markdown(floatfmt='.3f')}\n\n"
-        f"## Counting, per N\n\n{by_count.to_markdown(floatfmt='.3f')}\n"
+        f"Counting, N ≤ 10: **{upto10:.3f}**\n\n## Per task\n\n{by_task.to_markdown(floatfmt=('g', '.3f', 'g'))}\n\n"
+        f"## Counting, per N\n\n{by_count.to_markdown(floatfmt=('g', '.3f', 'g'))}\n"
     )
     typer.echo(text)
     if out is not None:
