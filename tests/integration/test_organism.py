@@ -26,11 +26,13 @@ def test_ships_small_with_its_recipe_and_log():
 
 
 def test_counts_held_out_scenes():
-    # Seed 2 is never a training seed (those are >= 1000). The full figure (README) uses more scenes.
+    # Seed 2 is never a training seed (those are >= 1000); the README's figures use seed 1 and more
+    # scenes. Measured there: 96 % on single-shape scenes (N <= 10), 16 % when other shapes mix in.
     vlm = countlens.load("toy")
-    samples = [s for s in task_samples("count", 160, seed=2) if s.meta["count"] <= 10][:128]
-    ds = score(vlm, samples, batch_size=64)
-    assert float(ds.correct.mean()) >= 0.85, float(ds.correct.mean())
+    samples = [s for s in task_samples("count", 240, seed=2) if s.meta["count"] <= 10]
+    single = [s for s in samples if not s.meta["mixed"]][:128]
+    assert float(score(vlm, single, batch_size=64).correct.mean()) >= 0.9
+    assert float(score(vlm, samples, batch_size=64).correct.mean()) >= 0.6  # chance is ~0.08
 
 
 def test_trace_matches_forward_on_the_organism():
