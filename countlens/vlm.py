@@ -93,9 +93,6 @@ class VLM:
             node = node[int(part)] if part.isdigit() else getattr(node, part)
         return node
 
-    def hf_module(self, path: str) -> torch.nn.Module:
-        return self.hf.get_submodule(path)
-
     @property
     def device(self) -> torch.device:
         """Where inputs go: the input embeddings' device (with device_map="auto" the first layers')."""
@@ -160,6 +157,7 @@ class VLM:
             raise InputError("empty batch: give at least one image and prompt")
         pil = [_as_rgb(im, i) for i, im in enumerate(images)]
         texts = [self._chat_text(p, i) if chat else self._raw_text(p, i) for i, p in enumerate(prompts)]
+        answer_ids = None if answers is None else [self._answer_ids(a, single_token) for a in answers]
         try:
             # One list per sample: Gemma3 reads a flat list as all the images of one prompt.
             # Left padding puts every sample's last prompt token at position -1, which single-token
@@ -178,7 +176,6 @@ class VLM:
             image_cell.append(_cells(self.arch.spec.layout, geom, len(pos), b))
             geoms.append(geom)
         last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
-        answer_ids = None if answers is None else [self._answer_ids(a, single_token) for a in answers]
         device = self.device
         if device.type != "meta":  # a remote model lives on the meta device; NDIF places the inputs
             inputs = {k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
