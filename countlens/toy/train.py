@@ -1,7 +1,8 @@
 """Train the model organism from scratch: `countlens toy train --seed 0 --out DIR`.
 
-The recipe: a random-init `ToyConfig` Qwen2-VL, AdamW with linear warmup and cosine decay, and the
-cross-entropy of the single answer token at the last prompt position, on an endless stream of task
+The recipe: a random-init `ToyConfig` Qwen2-VL (init std 0.1), a short dense pretraining of its
+vision tower (`vision_warmup`), then AdamW with linear warmup and cosine decay on the cross-entropy
+of the single answer token at the last prompt position, on an endless stream of task
 scenes from `countlens.datasets.tasks` (training seeds ≥ `TRAIN_SEED_BASE`, so evaluation seeds are
 never seen). Every step's batch is a pure function of (seed, step), and torch is seeded, so a rerun
 with the same seed and thread count reproduces the weights.
