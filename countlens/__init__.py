@@ -10,7 +10,8 @@ Importing countlens loads no model and touches no network.
 from countlens import analysis, circuits, datasets, training
 from countlens.errors import CountlensError
 from countlens.geometry import Geometry
-from countlens.vlm import VLM, Batch, load
+from countlens.loading import load
+from countlens.vlm import VLM, Batch
 
 __version__ = "0.1.0"
 __all__ = ["VLM", "Batch", "CountlensError", "Geometry", "analysis", "circuits", "datasets", "load", "training"]

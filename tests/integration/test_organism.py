@@ -7,7 +7,7 @@ import torch
 import countlens
 from countlens.analysis import score
 from countlens.datasets.tasks import task_samples
-from countlens.vlm import TOY_DIR
+from countlens.loading import TOY_DIR
 
 
 def test_loads_by_name_with_its_geometry():

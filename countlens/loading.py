@@ -1,0 +1,157 @@
+"""Loading a VLM offline: the shipped organism, a checkpoint directory, or a cached hub id.
+
+countlens never downloads. A hub id must already be in the local Hugging Face cache; with
+``remote=True`` the weights stay on NDIF and only the config and processor are read locally.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from countlens.arch import spec_for
+from countlens.errors import CheckpointNotFoundError, InputError, UnsupportedArchitectureError
+from countlens.vlm import VLM
+
+TOY_DIR = Path(__file__).parent / "toy" / "weights"
+
+
+def load(
+    name_or_path: str | os.PathLike = "toy",
+    *,
+    dtype: str | torch.dtype | None = None,
+    device_map: str | dict | None = None,
+    attn_implementation: str | None = None,
+    remote: bool = False,
+) -> VLM:
+    """Load a supported VLM offline: "toy" (the shipped organism), a checkpoint directory, or a cached hub id.
+
+    ``dtype`` ("bfloat16", torch.float16 …), ``device_map`` ("auto", "cuda", {…}) and
+    ``attn_implementation`` ("eager", "sdpa") go to ``from_pretrained``. ``remote=True`` builds the
+    model on the meta device and sends every `VLM.trace` to NDIF (needs nnsight's API key set up).
+    """
+    path, label = _resolve_path(name_or_path)
+    if remote and (str(name_or_path) == "toy" or Path(str(name_or_path)).expanduser().is_dir()):
+        raise CheckpointNotFoundError(
+            f"remote=True needs a hub id that NDIF serves (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'), not {str(name_or_path)!r}; "
+            "local checkpoints run locally: drop remote=True"
+        )
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
+        raise UnsupportedArchitectureError(f"{path}/config.json: {err}") from None
+    spec_for(config)  # fail early, before loading weights, for an unsupported architecture
+    processor = load_processor(path, config)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = _dtype(dtype)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if remote:
+        from nnsight.modeling.transformers import TransformersModel
+
+        envoy = TransformersModel(str(name_or_path), processor=processor, task="image-text-to-text", **kwargs)
+        return VLM(envoy._module, processor, name=label, remote=True, envoy=envoy)
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).eval()
+    except OSError as err:  # e.g. a directory with a config but no weights
+        raise CheckpointNotFoundError(f"could not load weights from {path}: {err}") from None
+    return VLM(model, processor, name=label)
+
+
+def _dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise InputError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'")
+    return value
+
+
+def _resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
+    name = str(name_or_path)
+    if name == "toy":
+        if not (TOY_DIR / "config.json").exists():
+            raise CheckpointNotFoundError(
+                f"the organism's weights are missing from {TOY_DIR}; reinstall countlens, or train one with "
+                "`countlens toy train --out DIR` and load it with countlens.load(DIR)"
+            )
+        return str(TOY_DIR), "toy"
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise CheckpointNotFoundError(f"{p} is a directory without config.json; give a Hugging Face checkpoint directory")
+        return str(p), name
+    if p.exists():
+        raise CheckpointNotFoundError(f"{p} is a file; give a checkpoint directory, a cached hub id or 'toy'")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True), name
+    except Exception as err:
+        raise CheckpointNotFoundError(
+            f"{name!r} is neither 'toy', a local checkpoint directory, nor a hub id in the local cache "
+            f"({type(err).__name__}); countlens never downloads: copy the checkpoint to disk and pass its path"
+        ) from None
+
+
+def load_processor(path: str, config):
+    """The model's processor, offline. Falls back to an image-only build when the stock processor
+    needs a video sub-processor (torchvision)."""
+    from transformers import AutoProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        # Without a loadable processor class AutoProcessor quietly returns the bare tokenizer.
+        if getattr(processor, "image_processor", None) is not None:
+            return processor
+    except Exception:  # noqa: BLE001 — the fallback below reports its own, clearer error
+        pass
+    import transformers
+
+    from countlens.processors import image_only
+
+    proc_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    image_processor = _load_image_processor(path)
+    template_file = Path(path) / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
+    # The processor's own settings (e.g. LLaVA's num_image_tokens, vision_feature_select_strategy).
+    settings_file = Path(path) / "processor_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.exists() else {}
+    cls = image_only(proc_cls)
+    accepted = inspect.signature(proc_cls.__init__).parameters
+    extra = {k: v for k, v in settings.items() if k in accepted and k not in ("image_processor", "tokenizer", "video_processor", "chat_template")}
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **extra)
+
+
+def _load_image_processor(path: str):
+    import transformers
+
+    # Older checkpoints keep it in preprocessor_config.json, newer ones nest it in processor_config.json.
+    flat, nested = Path(path) / "preprocessor_config.json", Path(path) / "processor_config.json"
+    if flat.exists():
+        cfg = json.loads(flat.read_text())
+    elif nested.exists() and "image_processor" in json.loads(nested.read_text()):
+        cfg = json.loads(nested.read_text())["image_processor"]
+    else:
+        raise CheckpointNotFoundError(f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint")
+    name = cfg.pop("image_processor_type", "")
+    # Prefer the PIL backend: the torchvision-backed processors don't run without torchvision.
+    for candidate in (name if name.endswith("Pil") else name.removesuffix("Fast") + "Pil", name):
+        cls = getattr(transformers, candidate, None)
+        if cls is not None:
+            return cls.from_dict(cfg)
+    raise CheckpointNotFoundError(f"{path} names an unknown image processor {name!r}")
