@@ -72,6 +72,12 @@ class ToyConfig:
     # at 0.1).
     init_std: float = 0.1
 
+    @property
+    def geometry(self):
+        from countlens.geometry import Geometry
+
+        return Geometry.square(self.image_size, self.patch_size, self.merge_size)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

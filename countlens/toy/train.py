@@ -52,8 +52,8 @@ class Collator:
         self.mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
         self.std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, 3, 1, 1)
         self.t_patch = ip.temporal_patch_size
-        side = cfg.image_size // cfg.patch_size
-        self.n_image_tokens = (side // cfg.merge_size) ** 2
+        rows, cols = cfg.geometry.token_grid
+        self.n_image_tokens = rows * cols
         self._prompt_cache: dict[str, list[int]] = {}
 
     def prompt_ids(self, question: str) -> list[int]:
@@ -82,14 +82,13 @@ class Collator:
         input_ids = torch.tensor([[pad] * (longest - len(i)) + i for i in ids])
         attention = torch.tensor([[0] * (longest - len(i)) + [1] * len(i) for i in ids])
         image_id = self.tok.convert_tokens_to_ids("<|image_pad|>")
-        side = self.cfg.image_size // self.cfg.patch_size
         images = np.stack([s.scene.render_array() for s in samples])
         inputs = {
             "input_ids": input_ids,
             "attention_mask": attention,
             "mm_token_type_ids": (input_ids == image_id).long(),
             "pixel_values": self.pixel_values(images),
-            "image_grid_thw": torch.tensor([[1, side, side]] * len(samples)),
+            "image_grid_thw": torch.tensor([[1, *self.cfg.geometry.patch_grid]] * len(samples)),
         }
         answers = torch.tensor([self.tok.convert_tokens_to_ids(s.answer) for s in samples])
         return inputs, answers
@@ -99,8 +98,8 @@ def cell_targets(samples: list[TaskSample], cfg: ToyConfig) -> torch.Tensor:
     """(B·cells, 3) per image-token cell: object centres in it (0–3), colour and shape of the first (or none)."""
     from countlens.datasets.scene import OBJECT_COLORS, SHAPES
 
-    cell = cfg.patch_size * cfg.merge_size
-    side = cfg.image_size // cell
+    cell = cfg.geometry.token_size
+    side, _ = cfg.geometry.token_grid
     out = torch.zeros(len(samples), side, side, 3, dtype=torch.long)
     out[..., 1], out[..., 2] = len(OBJECT_COLORS), len(SHAPES)  # "none" classes
     for b, s in enumerate(samples):
