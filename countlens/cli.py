@@ -11,6 +11,8 @@ from countlens.errors import CountlensError
 app = typer.Typer(no_args_is_help=True, help="countlens: counting as a probe of how VLMs reason.")
 toy_app = typer.Typer(no_args_is_help=True, help="The shipped model organism: train it from scratch.")
 app.add_typer(toy_app, name="toy")
+data_app = typer.Typer(no_args_is_help=True, help="Generate controlled counting data sets on disk.")
+app.add_typer(data_app, name="data")
 
 
 def _fail(err: Exception) -> None:
@@ -97,6 +99,61 @@ def eval_cmd(
         out.mkdir(parents=True, exist_ok=True)
         ds.to_dataframe().to_csv(out / "samples.csv")
         (out / "accuracy.md").write_text(text)
+
+
+def _grid(model: str, image_size: int | None, patch_size: int | None):
+    """The patch grid from plain numbers, the organism's recipe (no weights needed) or a loaded model."""
+    from countlens.geometry import Geometry
+
+    if (image_size is None) != (patch_size is None):
+        raise CountlensError("give both --image-size and --patch-size, or neither (the model's grid)")
+    if image_size is not None:
+        if image_size % patch_size:
+            raise CountlensError(f"--image-size {image_size} is not a multiple of --patch-size {patch_size}")
+        return Geometry.square(image_size, patch_size)
+    if model == "toy":
+        from countlens.toy.recipe import ToyConfig
+
+        return ToyConfig().geometry
+    import countlens
+
+    return countlens.load(model).geometry
+
+
+@data_app.command("countingtricks")
+def data_countingtricks(
+    out: Path = typer.Option(..., help="Directory for images/<case>/*.png and manifest.jsonl."),
+    cases: str = typer.Option(None, help="Comma-separated cases, e.g. 1A,4A,9B (default: all 32)."),
+    n: int = typer.Option(1000, help="Samples per case."),
+    seed: int = typer.Option(0),
+    model: str = typer.Option("toy", help="Model whose patch grid places the objects."),
+    image_size: int = typer.Option(None, help="Plain grid instead of a model's: image side in pixels."),
+    patch_size: int = typer.Option(None, help="Plain grid instead of a model's: patch side in pixels."),
+    shapes: str = typer.Option("circle,square,triangle", help="Comma-separated shapes the samples cycle through."),
+    color: str = typer.Option("red", help="Object colour, or several comma-separated (one drawn per object)."),
+    prompt: str = typer.Option("std", help="Prompt style: std, objects, short or conflict (Digit-in-Conflict)."),
+    workers: int = typer.Option(None, help="Processes (default: all cores); output is identical for any number."),
+) -> None:
+    """Write COUNTINGTRICKS images and a manifest with every object's geometry.
+
+    Example: countlens data countingtricks --out runs/tricks --cases 1A,4A,9B --n 100
+    """
+    from rich.progress import Progress
+
+    from countlens.datasets.countingtricks import CASES
+    from countlens.datasets.export import export_countingtricks
+
+    try:
+        names = list(CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
+        grid = _grid(model, image_size, patch_size)
+        kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt)
+        with Progress() as bar:
+            task = bar.add_task("countingtricks", total=len(names) * n)
+            manifest = export_countingtricks(out, names, n, grid, seed, workers,
+                                             progress=lambda k: bar.update(task, completed=k), **kw)
+    except CountlensError as err:
+        _fail(err)
+    typer.echo(f"wrote {len(names) * n} images and {manifest}")
 
 
 def main() -> None:

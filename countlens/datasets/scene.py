@@ -63,6 +63,14 @@ class Obj:
         """Radius of the disc that contains the object (half the diagonal for a square)."""
         return self.size / 2 * (np.sqrt(2) if self.shape == "square" else 1.0)
 
+    def extent(self) -> tuple[float, float, float, float]:
+        """Exact bounding box (x0, y0, x1, y1) of the outline, in continuous pixel coordinates."""
+        if self.shape == "circle":
+            r = self.size / 2
+            return self.cx - r, self.cy - r, self.cx + r, self.cy + r
+        v = polygon(self)
+        return float(v[:, 0].min()), float(v[:, 1].min()), float(v[:, 0].max()), float(v[:, 1].max())
+
 
 @dataclass(frozen=True)
 class Scene:
@@ -70,14 +78,16 @@ class Scene:
     height: int
     objects: tuple[Obj, ...] = ()
     background: str = "white"
+    noise: float = 0.0  # std of a deterministic pixel-noise and shading texture (0: flat colours)
+    noise_seed: int = 0
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.background not in PALETTE:
             raise CountlensError(f"unknown background {self.background!r}; use one of {tuple(PALETTE)}")
         for o in self.objects:
-            inside = o.radius <= o.cx <= self.width - o.radius and o.radius <= o.cy <= self.height - o.radius
-            if not inside:
+            x0, y0, x1, y1 = o.extent()
+            if not (-1e-9 <= x0 and x1 <= self.width + 1e-9 and -1e-9 <= y0 and y1 <= self.height + 1e-9):
                 # The label must always equal the number of objects drawn: never clip at the border.
                 raise CountlensError(
                     f"object {o} does not fit inside the {self.width}x{self.height} image; "
@@ -111,10 +121,41 @@ class Scene:
         img[:] = PALETTE[self.background]
         for o, m in zip(self.objects, self.masks()):
             img[m] = PALETTE[o.color]
+        if self.noise > 0:
+            img = self._texture(img)
         return img
+
+    def _texture(self, img: np.ndarray) -> np.ndarray:
+        # A smooth illumination gradient plus pixel noise, both from `noise_seed` alone, so that two
+        # scenes that share the seed (a clean/corrupt pair) differ only where their objects differ.
+        rng = np.random.default_rng([self.noise_seed, self.width, self.height])
+        gx, gy = rng.uniform(-1, 1, size=2)
+        yy, xx = np.mgrid[0 : self.height, 0 : self.width]
+        shade = 2 * self.noise * (gx * (xx / self.width - 0.5) + gy * (yy / self.height - 0.5))
+        pixel = rng.normal(0.0, self.noise, size=img.shape)
+        return np.clip(img.astype(np.float64) + shade[..., None] + pixel, 0, 255).round().astype(np.uint8)
 
     def render(self) -> Image.Image:
         return Image.fromarray(self.render_array(), mode="RGB")
+
+
+def polygon(o: Obj) -> np.ndarray:
+    """(k, 2) screen-coordinate vertices (x, y) of a square or triangle, counter-clockwise on screen."""
+    if o.shape == "circle":
+        raise ValueError("a circle has no polygon; use its centre and radius")
+    h = o.size / 2
+    if o.shape == "square":
+        uv = np.array([(-h, -h), (-h, h), (h, h), (h, -h)])
+    else:
+        # Vertex k sits opposite edge k of `scene._inside` (whose outward normals point at 270°+120k).
+        ang = np.deg2rad(90 + 120 * np.arange(3))
+        uv = np.stack([h * np.cos(ang), -h * np.sin(ang)], axis=1)
+    # `_inside` maps screen offsets to the object frame by u = dx·cosθ − dy·sinθ, v = dx·sinθ + dy·cosθ;
+    # the inverse rotation maps the frame's vertices back to the screen.
+    t = np.deg2rad(o.rotation)
+    dx = uv[:, 0] * np.cos(t) + uv[:, 1] * np.sin(t)
+    dy = -uv[:, 0] * np.sin(t) + uv[:, 1] * np.cos(t)
+    return np.stack([dx + o.cx, dy + o.cy], axis=1)
 
 
 def _inside(o: Obj, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:

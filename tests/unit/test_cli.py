@@ -8,7 +8,7 @@ runner = CliRunner()
 
 
 def test_help_of_every_command():
-    for args in (["--help"], ["eval", "--help"], ["toy", "--help"], ["toy", "train", "--help"]):
+    for args in (["--help"], ["eval", "--help"], ["toy", "--help"], ["toy", "train", "--help"], ["data", "countingtricks", "--help"]):
         result = runner.invoke(app, args)
         assert result.exit_code == 0 and "Usage" in result.output, args
 
@@ -34,3 +34,23 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and message in result.output, (args, result.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_data_countingtricks_writes_images_and_manifest(tmp_path):
+    out = tmp_path / "tricks"
+    args = ["data", "countingtricks", "--out", str(out), "--cases", "1A,12A", "--n", "3", "--image-size", "224",
+            "--patch-size", "14", "--workers", "1"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 6
+    assert len(list(out.rglob("*.png"))) == 6
+
+
+def test_data_countingtricks_rejects_bad_arguments(tmp_path):
+    for extra, message in ((["--cases", "1A,99Z"], "unknown COUNTINGTRICKS case"),
+                           (["--image-size", "200", "--patch-size", "16"], "not a multiple"),
+                           (["--prompt", "loud"], "unknown prompt style")):
+        out = tmp_path / "x"
+        result = runner.invoke(app, ["data", "countingtricks", "--out", str(out), "--n", "2", *extra])
+        assert result.exit_code == 2 and message in result.output, (extra, result.output)
+        assert not out.exists()

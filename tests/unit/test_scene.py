@@ -58,3 +58,22 @@ def test_place_objects_is_deterministic_and_keeps_gaps():
 def test_place_objects_raises_instead_of_a_shortfall():
     with pytest.raises(CountlensError, match="could not place"):
         place_objects(np.random.default_rng(0), 40, 40, [("circle", "red", 16.0)] * 12, max_tries=50)
+
+
+@pytest.mark.parametrize("shape", ["square", "triangle"])
+def test_polygon_outline_matches_the_rendered_mask(shape):
+    from matplotlib.path import Path as MplPath
+
+    from countlens.datasets.scene import polygon
+
+    for rot in (0.0, 17.0, 90.0, 180.0, 243.5):
+        o = Obj(shape, "red", 40.3, 37.8, 30.0, rot)
+        mask = Scene(80, 80, (o,)).masks()[0]
+        ys, xs = np.mgrid[0:80, 0:80] + 0.5
+        pts = np.stack([xs.ravel(), ys.ravel()], 1)
+        inside = MplPath(polygon(o)).contains_points(pts, radius=-1e-6).reshape(80, 80)
+        inside_loose = MplPath(polygon(o)).contains_points(pts, radius=1e-6).reshape(80, 80)
+        assert (mask | ~inside).all() and (~mask | inside_loose).all()
+        x0, y0, x1, y1 = o.extent()
+        rows, cols = np.nonzero(mask)
+        assert x0 <= cols.min() + 0.5 and cols.max() + 0.5 <= x1 and y0 <= rows.min() + 0.5 and rows.max() + 0.5 <= y1

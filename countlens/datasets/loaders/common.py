@@ -1,0 +1,304 @@
+"""The sample type shared by the benchmark loaders, their error, and helpers to read annotation files.
+
+Every loader turns a local copy of a counting benchmark into a list of `CountSample`: one image
+(a file path or encoded bytes, opened lazily), one counting question and its integer answer, with
+the object points or boxes where the benchmark has them. Annotation files are JSON (one document),
+JSONL (one JSON object per line) or parquet (one record per row, as Hugging Face stores datasets);
+`read_records` picks the reader from the file suffix and pairs each record with a descriptor of
+where it is ("line 3", "row 2", "record 5"). Records are validated when they are loaded, with
+`_field`, so a malformed record fails at load time with a `LoaderError` that names the file, the
+record and the field; images are opened only when `CountSample.image` is read.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from countlens.errors import InputError
+
+PathLike = str | os.PathLike
+
+
+class LoaderError(InputError):
+    """A benchmark file, record or image that cannot be loaded; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class CountSample:
+    """One counting question about one image, from a real benchmark.
+
+    Exactly one of ``image_path`` and ``image_bytes`` is set. ``points`` ((n, 2) x, y in pixels) and
+    ``boxes`` ((n, 4) x0, y0, x1, y1) hold one row per counted object when the benchmark has them.
+    ``meta`` always holds ``count``, so a sample works with `countlens.analysis.evaluate.score`.
+    """
+
+    image_path: Path | None
+    image_bytes: bytes | None = field(repr=False)
+    question: str
+    count: int
+    points: np.ndarray | None = field(repr=False, compare=False)
+    boxes: np.ndarray | None = field(repr=False, compare=False)
+    source: str
+    id: str
+    split: str | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"{self.source} sample {self.id!r}"
+        if (self.image_path is None) == (self.image_bytes is None):
+            raise LoaderError(f"{where}: give exactly one of image_path and image_bytes")
+        if self.image_path is not None:
+            object.__setattr__(self, "image_path", Path(self.image_path))
+        if isinstance(self.count, bool) or not isinstance(self.count, (int, np.integer)) or self.count < 0:
+            raise LoaderError(f"{where}: count is {self.count!r}; a count must be a non-negative integer")
+        object.__setattr__(self, "count", int(self.count))
+        for name, width in (("points", 2), ("boxes", 4)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            arr = np.array(value, dtype=np.float64)
+            if arr.size == 0:
+                arr = arr.reshape(0, width)
+            if arr.ndim != 2 or arr.shape[1] != width:
+                raise LoaderError(f"{where}: {name} has shape {arr.shape}, expected (n, {width})")
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "meta", {**self.meta, "count": self.count})
+
+    @property
+    def image(self) -> Image.Image:
+        """The image as PIL RGB, read from ``image_path`` or decoded from ``image_bytes`` on each access."""
+        if self.image_path is not None:
+            what = f"{self.image_path} (image of {self.source} sample {self.id!r})"
+            try:
+                with Image.open(self.image_path) as im:
+                    return im.convert("RGB")
+            except FileNotFoundError:
+                raise LoaderError(
+                    f"{what}: file not found; check that the images are extracted and that the image root "
+                    "given to the loader is their directory"
+                ) from None
+            except (OSError, Image.DecompressionBombError) as e:
+                raise LoaderError(f"{what}: not a readable image ({e}); re-download or remove this file") from None
+        where = f"{self.meta.get('file', self.source)}: {self.source} sample {self.id!r}"
+        try:
+            with Image.open(io.BytesIO(self.image_bytes)) as im:
+                return im.convert("RGB")
+        except (OSError, Image.DecompressionBombError) as e:
+            raise LoaderError(f"{where}: the image bytes are not a readable image ({e})") from None
+
+    @property
+    def answer(self) -> str:
+        return str(self.count)
+
+    @property
+    def task(self) -> str:
+        return "count"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+
+
+def require_file(path: PathLike, fix: str = "") -> Path:
+    """``path`` as a Path, or a LoaderError saying it is missing (and ``fix``)."""
+    path = Path(path)
+    if not path.is_file():
+        state = "is a directory, expected a file" if path.is_dir() else "not found"
+        raise LoaderError(f"{path}: {state}" + (f"; {fix}" if fix else ""))
+    return path
+
+
+def read_json(path: PathLike, fix: str = "") -> Any:
+    """The JSON document in ``path``."""
+    path = require_file(path, fix)
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise LoaderError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise LoaderError(f"{path}: not UTF-8 text ({e.reason}); is this the right file?") from None
+
+
+def read_jsonl(path: PathLike, fix: str = "") -> list[tuple[str, dict]]:
+    """The objects of a JSONL file, one per non-blank line, each with its descriptor "line N"."""
+    path = require_file(path, fix)
+    out = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise LoaderError(f"{path}: line {n}: invalid JSON at column {e.colno}: {e.msg}") from None
+                if not isinstance(record, dict):
+                    raise LoaderError(f"{path}: line {n}: a record must be a JSON object, got {_type(record)}")
+                out.append((f"line {n}", record))
+    except UnicodeDecodeError as e:
+        raise LoaderError(f"{path}: not UTF-8 text ({e.reason}); is this the right file?") from None
+    return out
+
+
+def read_parquet(path: PathLike, fix: str = "") -> list[tuple[str, dict]]:
+    """The rows of a parquet file as dicts, each with its descriptor "row N" (0-based)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = require_file(path, fix)
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise LoaderError(f"{path}: not a readable parquet file ({e})") from None
+    return [(f"row {i}", row) for i, row in enumerate(rows)]
+
+
+def read_records(path: PathLike, fix: str = "") -> list[tuple[str, dict]]:
+    """The records of a .json (a list of objects), .jsonl/.ndjson or .parquet file, with descriptors."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return read_jsonl(path, fix)
+    if suffix == ".parquet":
+        return read_parquet(path, fix)
+    if suffix == ".json":
+        data = read_json(path, fix)
+        if not isinstance(data, list):
+            raise LoaderError(f"{path}: expected a JSON list of records, got {_type(data)}")
+        out = []
+        for i, record in enumerate(data):
+            if not isinstance(record, dict):
+                raise LoaderError(f"{path}: record {i}: a record must be a JSON object, got {_type(record)}")
+            out.append((f"record {i}", record))
+        return out
+    raise LoaderError(f"{path}: unknown annotation format {suffix or '(no suffix)'!r}; use .json, .jsonl or .parquet")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validating records
+
+_MISSING = object()
+
+
+def _type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _expected(types: type | tuple[type, ...]) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in types)
+
+
+def _field(
+    record: dict,
+    name: str,
+    types: type | tuple[type, ...],
+    file: PathLike,
+    record_id: str,
+    default: Any = _MISSING,
+    fix: str = "",
+) -> Any:
+    """``record[name]``, checked to be of ``types``; a missing (or null) field gives ``default`` if given.
+
+    A bool is not accepted as an int, and an int is accepted as a float.
+    """
+    suffix = f"; {fix}" if fix else ""
+    if record.get(name) is None:
+        if default is not _MISSING:
+            return default
+        raise LoaderError(f"{file}: {record_id}: field {name!r} is missing{suffix}")
+    value = record[name]
+    allowed = types if isinstance(types, tuple) else (types,)
+    ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+    if not ok and float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise LoaderError(
+            f"{file}: {record_id}: field {name!r} has type {_type(value)}, expected {_expected(types)}{suffix}"
+        )
+    return value
+
+
+def _count_field(record: dict, name: str, file: PathLike, record_id: str) -> int:
+    """``record[name]`` as a count: an int ≥ 0."""
+    value = _field(record, name, int, file, record_id)
+    if value < 0:
+        raise LoaderError(f"{file}: {record_id}: field {name!r} is {value}; a count must be ≥ 0")
+    return value
+
+
+def _points_field(record: dict, name: str, file: PathLike, record_id: str) -> np.ndarray | None:
+    """``record[name]`` as an (n, 2) float array of x, y; from [x, y] pairs or {"x", "y"} dicts; None if absent."""
+    value = _field(record, name, list, file, record_id, default=None)
+    if value is None:
+        return None
+    out = np.zeros((len(value), 2))
+    for i, p in enumerate(value):
+        if isinstance(p, dict) and "x" in p and "y" in p:
+            p = (p["x"], p["y"])
+        if (
+            not isinstance(p, (list, tuple))
+            or len(p) != 2
+            or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in p)
+        ):
+            raise LoaderError(
+                f"{file}: {record_id}: field {name!r}: item {i} is {p!r}; "
+                'expected [x, y] or {"x": x, "y": y} numbers'
+            )
+        out[i] = p
+    return out
+
+
+def _image_field(
+    record: dict, names: tuple[str, ...], image_root: Path, file: PathLike, record_id: str
+) -> tuple[Path | None, bytes | None]:
+    """The image of a record as (path, None) or (None, bytes), from the first present field of ``names``.
+
+    A field may hold a path (relative to ``image_root``), raw bytes, or a ``{"bytes": ..., "path": ...}``
+    dict as Hugging Face stores images in parquet.
+    """
+    name = next((n for n in names if record.get(n) is not None), None)
+    if name is None:
+        raise LoaderError(f"{file}: {record_id}: field {' / '.join(repr(n) for n in names)} is missing")
+    value = record[name]
+    if isinstance(value, dict):
+        if isinstance(value.get("bytes"), (bytes, bytearray)) and value["bytes"]:
+            return None, bytes(value["bytes"])
+        if isinstance(value.get("path"), str) and value["path"]:
+            return image_root / value["path"], None
+        raise LoaderError(f"{file}: {record_id}: field {name!r} is a dict without 'bytes' or 'path'")
+    if isinstance(value, (bytes, bytearray)):
+        if not value:
+            raise LoaderError(f"{file}: {record_id}: field {name!r} holds empty bytes")
+        return None, bytes(value)
+    if isinstance(value, str):
+        if not value:
+            raise LoaderError(f"{file}: {record_id}: field {name!r} is an empty path")
+        return image_root / value, None
+    raise LoaderError(
+        f"{file}: {record_id}: field {name!r} has type {_type(value)}, "
+        "expected str (a path), bytes or a {'bytes': ...} dict"
+    )
+
+
+def _check_template(question: str, key: str) -> None:
+    """A LoaderError unless ``question`` formats with ``key`` alone."""
+    try:
+        question.format(**{key: "objects"})
+    except (KeyError, IndexError, ValueError) as e:
+        raise LoaderError(f"question template {question!r} is invalid ({e!r}); it may use only {{{key}}}") from None
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise LoaderError(f"limit is {limit!r}; give a non-negative int or None")

@@ -1,0 +1,146 @@
+"""COUNTINGTRICKS: exact positions on two grids, labels equal drawn objects, adjacency really touches."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from countlens.datasets.contact import boundary_gap
+from countlens.datasets.countingtricks import CASES, capacity, countingtricks, trick_sample
+from countlens.datasets.export import export_countingtricks
+from countlens.errors import CountlensError, InputError
+from countlens.geometry import Geometry
+
+GRIDS = [Geometry.square(192, 16), Geometry.square(224, 14)]
+N = 12  # samples per case and grid: every count 3..12 once and two more
+
+
+def samples(name: str, grid: Geometry):
+    return [trick_sample(name, 0, i, grid) for i in range(N)]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.patch_size}px")
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.anchor])
+def test_lattice_centres_sit_where_the_case_says(name, grid):
+    c, p = CASES[name], grid.patch_size
+    on_x = {"center": 0.5, "vline": 0.0, "hline": 0.5, "cross": 0.0}[c.anchor]
+    on_y = {"center": 0.5, "vline": 0.5, "hline": 0.0, "cross": 0.0}[c.anchor]
+    for s in samples(name, grid):
+        assert len(s.scene.objects) == s.meta["count"] == int(s.answer)
+        for o in s.scene.objects:
+            # Offset of the centre from its anchor, in patches: exactly 0 without jitter.
+            dx = (o.cx / p - on_x) - round(o.cx / p - on_x)
+            dy = (o.cy / p - on_y) - round(o.cy / p - on_y)
+            limit = c.jitter + 1e-12
+            assert abs(dx) <= limit and abs(dy) <= limit, (o, c)
+            if c.jitter == 0:
+                assert dx == 0 and dy == 0
+            assert c.size[0] * p - 1e-9 <= o.size <= c.size[1] * p + 1e-9
+        # Counting connected components of the drawn image gives the label.
+        ink = (s.scene.render_array() != 255).any(-1)
+        assert ndimage.label(ink, structure=np.ones((3, 3)))[1] == s.meta["count"]
+
+
+def test_jitter_cases_actually_jitter():
+    offs = [o.cx % 16 for s in samples("1C", GRIDS[0]) for o in s.scene.objects]
+    assert np.std(offs) > 0.5
+
+
+def _touch_px(a_mask: np.ndarray, b_mask: np.ndarray) -> float:
+    """Smallest distance between pixel centres of two masks, minus one pixel (0 = adjacent pixels)."""
+    pa, pb = np.argwhere(a_mask), np.argwhere(b_mask)
+    d = np.sqrt(((pa[:, None, :] - pb[None, :, :]) ** 2).sum(-1)).min()
+    return max(0.0, d - 1.0)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.patch_size}px")
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.layout])
+def test_adjacency_cases_touch(name, grid):
+    c = CASES[name]
+    for s in samples(name, grid)[::3]:
+        objs = s.scene.objects
+        assert len(objs) == s.meta["count"]
+        masks = s.scene.masks()
+        gaps = np.array([[boundary_gap(a, b) if i != j else np.inf for j, b in enumerate(objs)]
+                         for i, a in enumerate(objs)])
+        # No two objects overlap, and every object has a neighbour exactly gap_px away.
+        assert gaps.min() >= c.gap_px - 1e-6
+        nearest = gaps.min(axis=1)
+        assert np.allclose(nearest, c.gap_px, atol=1e-6), (name, nearest)
+        for i, j in zip(*np.nonzero(np.isclose(gaps, c.gap_px, atol=1e-6))):
+            if i < j:
+                # In pixels, too: neighbouring masks within 1 px of each other (2 px where a sharp
+                # triangle vertex is the contact and its tip pixel is not drawn).
+                sharp = "triangle" in (objs[i].shape, objs[j].shape)
+                assert _touch_px(masks[i], masks[j]) <= (2.0 if sharp else 1.0) + c.gap_px, (name, objs[i], objs[j])
+
+
+def test_capacity_cuts_default_counts_and_rejects_explicit_overflow():
+    small = Geometry.square(192, 16)
+    assert capacity("8A", small) == 4  # 64-px objects, p/2 apart, on a 12x12 grid
+    counts = {s.meta["count"] for s in (trick_sample("8A", 0, i, small) for i in range(6))}
+    assert counts == {3, 4}
+    with pytest.raises(InputError, match="8A fits at most 4"):
+        trick_sample("8A", 0, 0, small, counts=[3, 5])
+    with pytest.raises(CountlensError, match="fits only"):
+        trick_sample("8A", 0, 0, image_size=112, patch_size=16)
+
+
+def test_counts_and_shapes_are_balanced_and_samples_pure():
+    data = countingtricks(["4A"], n_per_case=60, image_size=192, patch_size=16, seed=3)
+    counts = np.bincount([s.meta["count"] for s in data])
+    assert set(counts[3:13]) == {6}
+    assert {s.meta["shape"] for s in data} == {"circle", "square", "triangle"}
+    again = trick_sample("4A", 3, 17, image_size=192, patch_size=16)
+    assert np.array_equal(again.scene.render_array(), data[17].scene.render_array())
+
+
+def test_conflict_prompt_keeps_the_image_and_records_a_near_distractor():
+    std = trick_sample("1A", 0, 5, image_size=192, patch_size=16)
+    con = trick_sample("1A", 0, 5, image_size=192, patch_size=16, prompt="conflict")
+    assert std.scene == con.scene
+    assert abs(con.meta["distractor"] - con.meta["count"]) in (1, 2)
+    assert str(con.meta["distractor"]) in con.question
+
+
+def test_bad_input_names_the_thing():
+    with pytest.raises(InputError, match="unknown COUNTINGTRICKS case '16A'"):
+        countingtricks(["16A"], grid=GRIDS[0])
+    with pytest.raises(InputError, match="unknown shape 'hexagon'"):
+        trick_sample("1A", 0, 0, GRIDS[0], shapes=("hexagon",))
+    with pytest.raises(InputError, match="grid="):
+        trick_sample("1A", 0, 0)
+
+
+def test_export_is_byte_identical_for_any_worker_count(tmp_path):
+    kw = dict(cases=["1D", "9A", "14B"], n=6, grid=GRIDS[1], seed=1)
+    m1 = export_countingtricks(tmp_path / "a", workers=1, **kw)
+    m2 = export_countingtricks(tmp_path / "b", workers=2, **kw)
+    assert m1.read_bytes() == m2.read_bytes()
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.png"))
+    assert len(files) == 18
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+
+
+def test_export_rejects_a_file_and_writes_nothing_for_bad_counts(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(InputError, match="is a file"):
+        export_countingtricks(tmp_path / "f", cases=["1A"], n=1, grid=GRIDS[0])
+    with pytest.raises(InputError, match="fits at most"):
+        export_countingtricks(tmp_path / "new", cases=["1A", "8A"], n=1, grid=GRIDS[0], counts=[12])
+    assert not (tmp_path / "new").exists()
+
+
+def test_ring_neighbours_touch_for_every_shape():
+    from countlens.datasets.countingtricks import _ring
+
+    for shape in ("circle", "square", "triangle"):
+        members = _ring(shape, 7, 16.0, 0.0)
+        from countlens.datasets.scene import Obj
+
+        objs = [Obj(s, "red", x + 100, y + 100, 16.0, r) for s, r, x, y in members]
+        for a, b in zip(objs, objs[1:] + objs[:1]):
+            assert math.isclose(boundary_gap(a, b), 0.0, abs_tol=1e-6)

@@ -1,0 +1,309 @@
+"""Loaders of local benchmark copies: round trips on tiny fixture files, and clear rejections."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from countlens.datasets.loaders import (
+    CountSample,
+    LoaderError,
+    load_countbench,
+    load_fsc147,
+    load_pixmo_count,
+    load_tallyqa,
+)
+from countlens.errors import InputError
+
+
+def png(path: Path, size=(12, 8), color=(200, 10, 10)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+    return path
+
+
+def png_bytes(size=(10, 6)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", size, 128).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# CountSample
+
+
+def test_sample_interface_and_errors(tmp_path):
+    s = CountSample(png(tmp_path / "a.png"), None, "How many?", 3, [[1, 2], [3, 4], [5, 6]], None, "x", "0")
+    assert (s.answer, s.task, s.meta["count"]) == ("3", "count", 3)
+    assert s.image.mode == "RGB" and s.image.size == (12, 8)
+    assert s.points.shape == (3, 2) and not s.points.flags.writeable
+    assert issubclass(LoaderError, InputError)
+    assert s == CountSample(tmp_path / "a.png", None, "How many?", 3, None, None, "x", "0") and hash(s)
+    with pytest.raises(LoaderError, match="exactly one of image_path and image_bytes"):
+        CountSample(None, None, "q", 1, None, None, "x", "0")
+    with pytest.raises(LoaderError, match="non-negative"):
+        CountSample(tmp_path / "a.png", None, "q", -1, None, None, "x", "0")
+    with pytest.raises(LoaderError, match=r"points has shape \(2, 3\)"):
+        CountSample(tmp_path / "a.png", None, "q", 2, np.zeros((2, 3)), None, "x", "0")
+    bad = CountSample(None, b"not an image", "q", 1, None, None, "x", "7", meta={"file": "f.parquet"})
+    with pytest.raises(LoaderError, match=r"f\.parquet: x sample '7': the image bytes are not a readable image"):
+        bad.image
+    (tmp_path / "corrupt.png").write_bytes(b"garbage")
+    corrupt = CountSample(tmp_path / "corrupt.png", None, "q", 1, None, None, "x", "8")
+    with pytest.raises(LoaderError, match=r"corrupt\.png.*sample '8'.*not a readable image"):
+        corrupt.image
+
+
+# ---------------------------------------------------------------------------------------------
+# FSC-147
+
+
+def fsc_root(tmp_path: Path, classes: bool = True) -> Path:
+    root = tmp_path / "FSC147"
+    root.mkdir()
+    ann = {
+        "1.jpg": {
+            "points": [[1.5, 2.0], [3.0, 4.0]],
+            "box_examples_coordinates": [[[1, 1], [1, 3], [4, 3], [4, 1]]] * 3,
+            "H": 8,
+            "W": 12,
+        },
+        "2.jpg": {"points": [[0, 0]], "box_examples_coordinates": [], "H": 6, "W": 10},
+        "3.jpg": {"points": [[5, 5]] * 4},
+    }
+    (root / "annotation_FSC147_384.json").write_text(json.dumps(ann))
+    splits = {"train": ["3.jpg"], "val": [], "test": ["1.jpg", "2.jpg"]}
+    (root / "Train_Test_Val_FSC_147.json").write_text(json.dumps(splits))
+    if classes:
+        (root / "ImageClasses_FSC147.txt").write_text("1.jpg\tsea shells\n2.jpg\tapples\n3.jpg\tbirds\n")
+    png(root / "images_384_VarV2" / "1.jpg", (12, 8))
+    png(root / "images_384_VarV2" / "2.jpg", (10, 6))
+    return root
+
+
+def test_fsc147_round_trip(tmp_path):
+    root = fsc_root(tmp_path)
+    samples = load_fsc147(root)
+    assert [s.id for s in samples] == ["1.jpg", "2.jpg"]
+    a, b = samples
+    assert (a.count, a.answer, a.split, a.source) == (2, "2", "test", "fsc147")
+    assert a.question == "How many sea shells are there in the image?"
+    np.testing.assert_allclose(a.points, [[1.5, 2.0], [3.0, 4.0]])
+    np.testing.assert_allclose(a.meta["exemplar_boxes"], [[1, 1, 4, 3]] * 3)
+    assert a.boxes is None and a.meta["count"] == 2 and a.meta["class"] == "sea shells"
+    assert a.image.size == (12, 8) and b.image.size == (10, 6)
+    assert [s.id for s in load_fsc147(root, split="train")] == ["3.jpg"]
+    assert len(load_fsc147(root, limit=1)) == 1
+
+
+def test_fsc147_default_object_and_template(tmp_path):
+    root = fsc_root(tmp_path, classes=False)
+    assert load_fsc147(root, question="Count the {name}.")[0].question == "Count the objects."
+    with pytest.raises(LoaderError, match=r"question template .* only \{name\}"):
+        load_fsc147(root, question="How many {label}?")
+
+
+def test_fsc147_rejections(tmp_path):
+    root = fsc_root(tmp_path)
+    with pytest.raises(LoaderError, match=r"Train_Test_Val_FSC_147\.json: unknown split 'tst'.*'train', 'val', 'test'"):
+        load_fsc147(root, split="tst")
+    with pytest.raises(LoaderError, match=r"nowhere: FSC-147 root directory not found"):
+        load_fsc147(tmp_path / "nowhere")
+    ann_file = root / "annotation_FSC147_384.json"
+    ann = json.loads(ann_file.read_text())
+    ann["2.jpg"]["points"] = "many"
+    ann_file.write_text(json.dumps(ann))
+    message = r"annotation_FSC147_384\.json: image '2\.jpg': field 'points' has type str, expected list"
+    with pytest.raises(LoaderError, match=message):
+        load_fsc147(root)
+    del ann["2.jpg"]
+    ann_file.write_text(json.dumps(ann))
+    message = r"annotation_FSC147_384\.json: image '2\.jpg' of split 'test'.*has no annotation"
+    with pytest.raises(LoaderError, match=message):
+        load_fsc147(root)
+    ann_file.unlink()
+    with pytest.raises(LoaderError, match=r"annotation_FSC147_384\.json: not found; download FSC-147"):
+        load_fsc147(root)
+
+
+def test_fsc147_missing_image_raises_when_opened(tmp_path):
+    root = fsc_root(tmp_path)
+    (sample,) = load_fsc147(root, split="train")  # 3.jpg has no image file: loading succeeds
+    with pytest.raises(LoaderError, match=r"3\.jpg \(image of fsc147 sample '3\.jpg'\): file not found"):
+        sample.image
+
+
+# ---------------------------------------------------------------------------------------------
+# PixMo-Count
+
+
+def test_pixmo_jsonl_round_trip(tmp_path):
+    png(tmp_path / "imgs" / "a.png", (12, 8))
+    path = jsonl(
+        tmp_path / "pixmo.jsonl",
+        [
+            {"image": "imgs/a.png", "count": 2, "points": [{"x": 1, "y": 2}, {"x": 3.5, "y": 4}], "label": "dogs"},
+            {"image_path": "imgs/a.png", "count": 0, "points": []},
+            {"image": "imgs/a.png", "count": 1, "points": [[7, 8]], "id": "p3"},
+        ],
+    )
+    samples = load_pixmo_count(path, split="validation")
+    assert [s.count for s in samples] == [2, 0, 1]
+    assert samples[0].question == "How many dogs are there in the image?"
+    assert samples[1].question == "How many objects are there in the image?"
+    np.testing.assert_allclose(samples[0].points, [[1, 2], [3.5, 4]])
+    assert samples[1].points.shape == (0, 2)
+    assert [s.id for s in samples] == ["0", "1", "p3"]
+    assert {s.split for s in samples} == {"validation"} and samples[0].source == "pixmo_count"
+    assert samples[0].image.size == (12, 8)
+    other = tmp_path / "elsewhere"
+    png(other / "imgs" / "a.png", (5, 5))
+    assert load_pixmo_count(path, image_root=other, limit=1)[0].image.size == (5, 5)
+
+
+def test_pixmo_parquet_bytes(tmp_path):
+    raw = png_bytes((10, 6))
+    table = pa.table(
+        {
+            "image": [{"bytes": raw, "path": None}, {"bytes": raw, "path": "x.png"}],
+            "count": [3, 1],
+            "label": ["cats", "cups"],
+        }
+    )
+    pq.write_table(table, tmp_path / "pixmo.parquet")
+    samples = load_pixmo_count(tmp_path / "pixmo.parquet")
+    assert [s.count for s in samples] == [3, 1] and samples[0].image_path is None
+    assert samples[1].image.size == (10, 6) and samples[1].image.mode == "RGB"
+    assert samples[0].points is None
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"image": "a.png"}, r"pixmo\.jsonl: line 2: field 'count' is missing"),
+        ({"image": "a.png", "count": "3"}, r"pixmo\.jsonl: line 2: field 'count' has type str, expected int"),
+        ({"image": "a.png", "count": True}, r"pixmo\.jsonl: line 2: field 'count' has type bool, expected int"),
+        ({"image": "a.png", "count": -2}, r"pixmo\.jsonl: line 2: field 'count' is -2; a count must be ≥ 0"),
+        ({"count": 1}, r"pixmo\.jsonl: line 2: field 'image' / 'image_path' is missing"),
+        ({"image": 5, "count": 1}, r"pixmo\.jsonl: line 2: field 'image' has type int"),
+        ({"image": "a.png", "count": 1, "points": [[1]]}, r"pixmo\.jsonl: line 2: field 'points': item 0"),
+    ],
+)
+def test_pixmo_rejections(tmp_path, row, message):
+    path = jsonl(tmp_path / "pixmo.jsonl", [{"image": "a.png", "count": 1}, row])
+    with pytest.raises(LoaderError, match=message):
+        load_pixmo_count(path)
+
+
+def test_file_level_rejections(tmp_path):
+    with pytest.raises(LoaderError, match=r"missing\.jsonl: not found; pass the JSONL or parquet file"):
+        load_pixmo_count(tmp_path / "missing.jsonl")
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(LoaderError, match=r"data\.csv: unknown annotation format '\.csv'"):
+        load_countbench(tmp_path / "data.csv")
+    (tmp_path / "broken.jsonl").write_text('{"image": "a.png", "count": 1}\n{oops\n')
+    with pytest.raises(LoaderError, match=r"broken\.jsonl: line 2: invalid JSON"):
+        load_pixmo_count(tmp_path / "broken.jsonl")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(LoaderError, match=r"bad\.parquet: not a readable parquet file"):
+        load_countbench(tmp_path / "bad.parquet")
+    with pytest.raises(LoaderError, match="limit is -1"):
+        load_countbench(tmp_path / "bad.parquet", limit=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CountBench
+
+
+def test_countbench_round_trip(tmp_path):
+    raw = png_bytes((9, 7))
+    png(tmp_path / "img" / "b.png", (4, 3))
+    table = pa.table(
+        {
+            "image": [{"bytes": raw, "path": None}, {"bytes": None, "path": "b.png"}],
+            "question": ["How many pens are there?", "How many cars are there?"],
+            "number": [4, 7],
+            "text": ["four pens", "seven cars"],
+        }
+    )
+    pq.write_table(table, tmp_path / "cb.parquet")
+    a, b = load_countbench(tmp_path / "cb.parquet", image_root=tmp_path / "img")
+    assert (a.count, a.answer, a.question, a.meta["text"]) == (4, "4", "How many pens are there?", "four pens")
+    assert a.image.size == (9, 7) and b.image.size == (4, 3) and b.image_path == tmp_path / "img" / "b.png"
+    assert a.source == "countbench" and a.meta["count"] == 4
+
+
+def test_countbench_rejections(tmp_path):
+    path = jsonl(tmp_path / "cb.jsonl", [{"image": "a.png", "number": 3}])
+    with pytest.raises(LoaderError, match=r"cb\.jsonl: line 1: field 'question' is missing"):
+        load_countbench(path)
+    path = jsonl(tmp_path / "cb.jsonl", [{"image": "a.png", "question": "q", "number": 2.5}])
+    with pytest.raises(LoaderError, match=r"cb\.jsonl: line 1: field 'number' has type float, expected int"):
+        load_countbench(path)
+    path = jsonl(tmp_path / "cb.jsonl", [{"image": "nope.png", "question": "q", "number": 2}])
+    (sample,) = load_countbench(path)
+    with pytest.raises(LoaderError, match=r"nope\.png \(image of countbench sample '0'\): file not found"):
+        sample.image
+
+
+# ---------------------------------------------------------------------------------------------
+# TallyQA
+
+
+def tally_records() -> list[dict]:
+    records = [
+        {"question": "How many dogs?", "answer": 2, "issimple": True, "question_id": 11, "image_id": 1},
+        {"question": "How many dogs are lying?", "answer": 0, "issimple": False, "question_id": 12},
+        {"question": "How many cats?", "answer": 5, "issimple": True, "question_id": 13},
+    ]
+    return [{"image": "VG_100K/1.jpg", **r} for r in records]
+
+
+def test_tallyqa_round_trip(tmp_path):
+    png(tmp_path / "images" / "VG_100K" / "1.jpg", (12, 8))
+    (tmp_path / "test.json").write_text(json.dumps(tally_records()))
+    samples = load_tallyqa(tmp_path / "test.json", tmp_path / "images")
+    assert [(s.id, s.count, s.question) for s in samples] == [
+        ("11", 2, "How many dogs?"),
+        ("12", 0, "How many dogs are lying?"),
+        ("13", 5, "How many cats?"),
+    ]
+    assert samples[0].meta["issimple"] is True and samples[0].meta["image_id"] == 1
+    assert samples[0].image.size == (12, 8)
+    assert [s.id for s in load_tallyqa(tmp_path / "test.json", tmp_path / "images", simple_only=True)] == ["11", "13"]
+    assert [s.id for s in load_tallyqa(tmp_path / "test.json", tmp_path / "images", simple_only=True, limit=1)] == [
+        "11"
+    ]
+    path = jsonl(tmp_path / "test.jsonl", tally_records())
+    assert [s.count for s in load_tallyqa(path, tmp_path / "images")] == [2, 0, 5]
+
+
+def test_tallyqa_rejections(tmp_path):
+    (tmp_path / "images").mkdir()
+    records = tally_records()
+    del records[1]["issimple"]
+    (tmp_path / "train.json").write_text(json.dumps(records))
+    assert load_tallyqa(tmp_path / "train.json", tmp_path / "images")[1].meta["issimple"] is None
+    with pytest.raises(LoaderError, match=r"train\.json: record 1: field 'issimple' is missing; simple_only needs it"):
+        load_tallyqa(tmp_path / "train.json", tmp_path / "images", simple_only=True)
+    records[2]["answer"] = -1
+    (tmp_path / "train.json").write_text(json.dumps(records))
+    with pytest.raises(LoaderError, match=r"train\.json: record 2: field 'answer' is -1"):
+        load_tallyqa(tmp_path / "train.json", tmp_path / "images")
+    (tmp_path / "obj.json").write_text(json.dumps({"questions": []}))
+    with pytest.raises(LoaderError, match=r"obj\.json: expected a JSON list of records, got dict"):
+        load_tallyqa(tmp_path / "obj.json", tmp_path / "images")
+    with pytest.raises(LoaderError, match=r"nowhere: TallyQA image root not found"):
+        load_tallyqa(tmp_path / "train.json", tmp_path / "nowhere")
