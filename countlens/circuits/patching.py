@@ -1,0 +1,310 @@
+"""Activation patching over clean/corrupt count pairs: by layer (VAP), by head, and by attribution.
+
+A pair's two images differ only in how many objects they show (`countlens.datasets.count_pairs`).
+Patching copies activations of the corrupt run into the clean run at one site and asks how far the
+clean prediction moves toward the corrupt answer. With LD = logit(clean answer) − logit(corrupt
+answer) at the last prompt position, a site's **effect** is the normalised logit-difference change
+(Σ LD_patched − Σ LD_clean) / (Σ LD_corrupt − Σ LD_clean): 0 = no change, 1 = as corrupt. Its
+**overwrite rate** is the share of pairs whose arg-max becomes the corrupt answer.
+
+- `patch_layers` (visual activation patching): the residual stream after layer l, over a token
+  group (image tokens, the last prompt token, other text, all).
+- `patch_heads`: one head's z (before o_proj) at layer l, over all or a group of positions.
+- `attribution_patch` (AtP): the first-order estimate (z_corrupt − z_clean)·∂LD/∂z for every head
+  and layer at once, from three passes (corrupt forward, clean forward and backward).
+
+Speed: many sites are patched in one forward by *batch expansion* — the clean batch is stacked k
+times and replica r receives site r's patch — so an L×H sweep costs about L·H/k forwards.
+Long sweeps stream each chunk of pairs to a `countlens.results.SweepStore` and resume from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.circuits.sites import GROUPS, group_mask, heads_view, repeat_inputs
+from countlens.errors import InputError
+
+MAX_ROWS = 256  # rows per expanded forward (replicas × pairs); lower it on small GPUs
+
+
+@dataclass
+class PairBatch:
+    """A chunk of pairs prepared for patching: the two batches and each pair's two answer tokens."""
+
+    clean: object  # countlens.vlm.Batch
+    corrupt: object
+    clean_id: Tensor  # (pairs,)
+    corrupt_id: Tensor
+
+
+def _check_pairs(pairs: Sequence) -> None:
+    if len(pairs) == 0:
+        raise InputError("no pairs given; build some with countlens.datasets.count_pairs")
+
+
+def prepare_pairs(vlm, pairs: Sequence) -> PairBatch:
+    """Prepare clean and corrupt batches and check that their token positions line up."""
+    _check_pairs(pairs)
+    prep = lambda side: vlm.prepare([s.image for s in side], [s.question for s in side],  # noqa: E731
+                                    [s.answer for s in side])
+    clean = prep([p.clean for p in pairs])
+    corrupt = prep([p.corrupt for p in pairs])
+    a, b = clean.inputs["input_ids"], corrupt.inputs["input_ids"]
+    aligned = a.shape == b.shape and all(torch.equal(x, y) for x, y in zip(clean.image_pos, corrupt.image_pos))
+    if not aligned or not torch.equal(clean.last, corrupt.last):
+        raise InputError(
+            f"clean and corrupt inputs do not line up (token shapes {tuple(a.shape)} vs {tuple(b.shape)}): "
+            f"{vlm.arch.name} gives these images different numbers of image tokens. Patching needs the same "
+            "positions on both sides: use images of one size and the same question in each pair"
+        )
+    if bool((clean.answer_token == corrupt.answer_token).any()):
+        raise InputError("a pair has the same answer token on both sides; its counts must differ")
+    return PairBatch(clean, corrupt, clean.answer_token, corrupt.answer_token)
+
+
+def _logit_diff(logits: Tensor, clean_id: Tensor, corrupt_id: Tensor) -> Tensor:
+    rows = torch.arange(len(logits))
+    return logits[rows, clean_id.to(logits.device)] - logits[rows, corrupt_id.to(logits.device)]
+
+
+@torch.no_grad()
+def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
+    """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits."""
+    out: dict = {"resid": {}, "z": {}}
+    with vlm.trace(batch):
+        for layer in sorted(layers):
+            if z:
+                out["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
+            if resid:
+                out["resid"][layer] = vlm.module(vlm.arch.layer(layer)).output.save()
+        logits = vlm.nn.output.logits[:, -1].save()
+    out["logits"] = logits.float()
+    return out
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Patch one site in one replica: the residual after ``layer`` or head ``head``'s z there."""
+
+    layer: int
+    mask: Tensor  # Bool[Tensor, "pairs seq"]
+    head: int | None = None  # None: the residual stream
+
+
+@torch.no_grad()
+def run_edits(vlm, pb: PairBatch, cache: dict, edits: Sequence[Edit], max_rows: int = MAX_ROWS) -> Tensor:
+    """Patched last-position logits of every edit: Float[Tensor, "edits pairs vocab"] (on CPU, float)."""
+    n = len(pb.clean)
+    per_pass = max(1, max_rows // n)
+    d_head = vlm.arch.d_head
+    out = []
+    for start in range(0, len(edits), per_pass):
+        chunk = edits[start : start + per_pass]
+        inputs = repeat_inputs(pb.clean.inputs, len(chunk))
+        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, e in enumerate(chunk)]
+        with vlm.trace(inputs):
+            # nnsight needs modules in execution order: layers ascending, o_proj before the layer output.
+            for layer in sorted({e.layer for e in chunk}):
+                zs = [(r, e, b, s) for r, e, b, s in where if e.layer == layer and e.head is not None]
+                if zs:
+                    zin = vlm.module(vlm.arch.o_proj(layer)).input
+                    for r, e, b, s in zs:
+                        cols = slice(e.head * d_head, (e.head + 1) * d_head)
+                        src = cache["z"][layer][b, s, cols].to(zin.device, zin.dtype)
+                        zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src
+                rs = [(r, e, b, s) for r, e, b, s in where if e.layer == layer and e.head is None]
+                if rs:
+                    hid = vlm.module(vlm.arch.layer(layer)).output
+                    for r, e, b, s in rs:
+                        src = cache["resid"][layer][b, s].to(hid.device, hid.dtype)
+                        hid[b.to(hid.device) + r * n, s.to(hid.device)] = src
+            logits = vlm.nn.output.logits[:, -1].save()
+        out.append(logits.float().cpu().view(len(chunk), n, -1))
+    return torch.cat(out)
+
+
+def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corrupt_ld: Tensor) -> tuple:
+    denom = float(corrupt_ld.sum() - clean_ld.sum())
+    effect = (patched_ld.sum(-1) - clean_ld.sum()) / denom
+    return effect, pred_corrupt.float().mean(-1)
+
+
+def _chunks(pairs: Sequence, batch_size: int):
+    for start in range(0, len(pairs), batch_size):
+        yield start, pairs[start : start + batch_size]
+
+
+def _provenance(vlm, pairs: Sequence, **extra) -> dict:
+    from countlens.results import provenance
+
+    kinds = sorted({getattr(p, "kind", "?") for p in pairs})
+    return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
+
+
+def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool) -> xr.Dataset:
+    """Run ``make_edits(pair_batch)`` over chunks of pairs; per-pair logit diffs (site…, pair)."""
+    _check_pairs(pairs)
+    shape = tuple(len(v) for v in coords.values())
+    dims = tuple(coords)
+    chunks = list(_chunks(pairs, batch_size))
+    if progress:
+        from rich.progress import track
+
+        chunks = track(chunks, description=f"patching {len(pairs)} pairs")
+    parts = []
+    for start, chunk in chunks:
+        key = f"pairs_{start:06d}_{start + len(chunk):06d}"
+        if store is not None and key in store.done():
+            parts.append(store.read(key))
+            continue
+        pb = prepare_pairs(vlm, chunk)
+        cache = cache_run(vlm, pb.corrupt, range(vlm.arch.n_layers))
+        clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
+        logits = run_edits(vlm, pb, cache, make_edits(pb))
+        ld = _logit_diff(logits.flatten(0, 1), pb.clean_id.repeat(len(logits)), pb.corrupt_id.repeat(len(logits)))
+        pred = logits.argmax(-1) == pb.corrupt_id[None]
+        pair = np.arange(start, start + len(chunk))
+        part = xr.Dataset(
+            {
+                "logit_diff": (dims + ("pair",), ld.view(*shape, len(chunk)).numpy()),
+                "to_corrupt": (dims + ("pair",), pred.view(*shape, len(chunk)).numpy()),
+                "clean_logit_diff": ("pair", _logit_diff(clean.cpu(), pb.clean_id, pb.corrupt_id).numpy()),
+                "corrupt_logit_diff": ("pair", _logit_diff(cache["logits"].cpu(), pb.clean_id, pb.corrupt_id).numpy()),
+                "clean_correct": ("pair", (clean.argmax(-1).cpu() == pb.clean_id).numpy()),
+            },
+            coords={**coords, "pair": pair},
+        )
+        if store is not None:
+            store.write(key, part)
+        parts.append(part)
+    ds = xr.concat(parts, dim="pair", data_vars="minimal")
+    ld, clean_ld, corrupt_ld = (torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff",
+                                                                         "corrupt_logit_diff"))
+    effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
+    ds["effect"] = (dims, effect.numpy())
+    ds["overwrite"] = (dims, overwrite.numpy())
+    ds.attrs.update(_provenance(vlm, pairs))
+    return ds
+
+
+def _open_store(store, spec: dict):
+    if store is None:
+        return None
+    from countlens.results import SweepStore
+
+    return store if isinstance(store, SweepStore) else SweepStore(store, spec)
+
+
+def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last", "text"),
+                 layers: Sequence[int] | None = None, batch_size: int = 16, store=None,
+                 progress: bool = False) -> xr.Dataset:
+    """Visual activation patching: xr.Dataset with ``effect`` and ``overwrite`` over (layer, group)
+    and per-pair ``logit_diff`` / ``to_corrupt`` over (layer, group, pair)."""
+    layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    for layer in layers:
+        vlm.arch.layer(layer)  # raises a LayerError naming the valid range
+    for g in groups:
+        if g not in GROUPS:
+            raise InputError(f"unknown token group {g!r}; use some of {GROUPS}")
+
+    def edits(pb: PairBatch) -> list[Edit]:
+        masks = {g: group_mask(pb.clean, g) for g in groups}
+        return [Edit(layer, masks[g]) for layer in layers for g in groups]
+
+    spec = {"sweep": "patch_layers", "model": vlm.name, "layers": layers, "groups": list(groups),
+            "pairs": len(pairs), "batch_size": batch_size}
+    ds = _sweep(vlm, pairs, edits, {"layer": layers, "group": list(groups)}, batch_size,
+                _open_store(store, spec), progress)
+    ds.attrs["method"] = "patch_layers"
+    return ds
+
+
+def patch_heads(vlm, pairs: Sequence, layers: Sequence[int] | None = None, positions: str = "all",
+                batch_size: int = 16, store=None, progress: bool = False) -> xr.Dataset:
+    """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
+    ``positions``: the token group whose z is patched ("all", "image", "last" or "text")."""
+    layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    for layer in layers:
+        vlm.arch.layer(layer)
+    heads = list(range(vlm.arch.n_heads))
+
+    def edits(pb: PairBatch) -> list[Edit]:
+        mask = group_mask(pb.clean, positions)
+        return [Edit(layer, mask, head) for layer in layers for head in heads]
+
+    spec = {"sweep": "patch_heads", "model": vlm.name, "layers": layers, "positions": positions,
+            "pairs": len(pairs), "batch_size": batch_size}
+    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _open_store(store, spec), progress)
+    ds.attrs.update(method="patch_heads", positions=positions)
+    return ds
+
+
+def attribution_patch(vlm, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
+    """AtP: first-order estimates of head patching (``effect`` over (layer, head)) and of residual
+    patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps."""
+    _check_pairs(pairs)
+    n_layers, n_heads = vlm.arch.n_layers, vlm.arch.n_heads
+    head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    resid_est = torch.zeros(n_layers, dtype=torch.float64)
+    clean_sum = corrupt_sum = 0.0
+    for _, chunk in _chunks(pairs, batch_size):
+        pb = prepare_pairs(vlm, chunk)
+        corrupt = cache_run(vlm, pb.corrupt, range(n_layers))
+        mask = group_mask(pb.clean, positions)
+        zs, hs, gz, gh = [], [], [], []
+        params = [p for p in vlm.hf.parameters() if p.requires_grad]
+        for p in params:  # gradients only for activations: no parameter .grad buffers
+            p.requires_grad_(False)
+        try:
+            with torch.enable_grad(), vlm.trace(pb.clean):
+                for layer in range(n_layers):
+                    z = vlm.module(vlm.arch.o_proj(layer)).input
+                    z.requires_grad_(True)
+                    zs.append(z.save())
+                    h = vlm.module(vlm.arch.layer(layer)).output
+                    h.requires_grad_(True)
+                    hs.append(h.save())
+                logits = vlm.nn.output.logits[:, -1].float()
+                ld = _logit_diff(logits, pb.clean_id, pb.corrupt_id)
+                clean_ld = ld.detach().save()
+                with ld.sum().backward():
+                    for layer in reversed(range(n_layers)):
+                        gh.append(hs[layer].grad.save())
+                        gz.append(zs[layer].grad.save())
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+        gz, gh = gz[::-1], gh[::-1]
+        m = mask.to(torch.float64)
+        for layer in range(n_layers):
+            dz = (corrupt["z"][layer].double() - zs[layer].detach().double()) * gz[layer].double()
+            head_est[layer] += (heads_view(dz, n_heads).sum(-1) * m[..., None].to(dz.device)).sum((0, 1)).cpu()
+            dh = (corrupt["resid"][layer].double() - hs[layer].detach().double()) * gh[layer].double()
+            resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
+        clean_sum += float(clean_ld.sum())
+        corrupt_sum += float(_logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
+    denom = corrupt_sum - clean_sum
+    ds = xr.Dataset(
+        {"effect": (("layer", "head"), (head_est / denom).numpy()),
+         "resid_effect": ("layer", (resid_est / denom).numpy())},
+        coords={"layer": np.arange(n_layers), "head": np.arange(n_heads)},
+        attrs={**_provenance(vlm, pairs), "method": "attribution_patch", "positions": positions},
+    )
+    return ds
+
+
+def compare(estimate: xr.DataArray, exact: xr.DataArray, k: int = 10) -> dict:
+    """How well an estimate (AtP) ranks sites like exact patching: Spearman ρ and top-k overlap of |effect|."""
+    from scipy.stats import spearmanr
+
+    a, b = estimate.values.ravel(), exact.transpose(*estimate.dims).values.ravel()
+    k = min(k, len(a))
+    top_a, top_b = set(np.argsort(-np.abs(a))[:k]), set(np.argsort(-np.abs(b))[:k])
+    return {"spearman": float(spearmanr(a, b).statistic), "top_k": k, "top_k_overlap": len(top_a & top_b) / k}

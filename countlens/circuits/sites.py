@@ -1,0 +1,70 @@
+"""Sites: where circuits read and write, as nnsight envoys plus the token groups they act on.
+
+- **resid** — the residual stream after decoder layer ``l`` (the layer's output tensor).
+- **z** — each head's output before o_proj: the input of o_proj, (batch, seq, n_heads·d_head),
+  viewed as (batch, seq, n_heads, d_head). Per-head quantities live here: slicing o_proj's *output*
+  mixes every head, since o_proj is a dense map from all heads together.
+- **head contribution** — ĥ_i·W_O: head i's z times its columns of o_proj's weight; the heads'
+  contributions (plus any o_proj bias) sum to the o_proj output.
+- **q** — after any q-norm (Qwen3, Gemma3) or else the q_proj output; head temperature scales it.
+
+Token groups (boolean masks over the padded batch): ``image`` (image tokens), ``last`` (the last
+prompt token, where the answer is read), ``text`` (every other real token), ``all`` (all real tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from countlens.errors import InputError
+
+GROUPS: tuple[str, ...] = ("image", "last", "text", "all")
+
+
+def group_mask(batch, group: str) -> Tensor:
+    """Bool[Tensor, "batch seq"]: the positions of ``group`` in each row of a prepared `Batch`."""
+    if group not in GROUPS:
+        raise InputError(f"unknown token group {group!r}; use one of {GROUPS}")
+    ids = batch.inputs["input_ids"]
+    real = batch.inputs["attention_mask"].bool()
+    mask = torch.zeros_like(real)
+    if group == "all":
+        return real.clone()
+    rows = torch.arange(len(ids))
+    if group == "last":
+        mask[rows, batch.last] = True
+        return mask
+    for b, pos in enumerate(batch.image_pos):
+        mask[b, pos] = True
+    if group == "image":
+        return mask
+    mask[rows, batch.last] = True
+    return real & ~mask  # text: real tokens that are neither image tokens nor the last one
+
+
+def repeat_inputs(inputs: dict[str, Tensor], k: int) -> dict[str, Tensor]:
+    """The batch stacked k times along dim 0 (replica r = rows r·B … (r+1)·B − 1).
+
+    Every processor output has the sample (or, for Qwen's flattened patches, the per-image patch
+    block in sample order) first, so concatenating copies keeps each replica's images aligned.
+    """
+    return {name: torch.cat([t] * k, dim=0) if isinstance(t, Tensor) else t for name, t in inputs.items()}
+
+
+def heads_view(z: Tensor, n_heads: int) -> Tensor:
+    """Float[Tensor, "batch seq n_heads*d_head"] → Float[Tensor, "batch seq n_heads d_head"]."""
+    return z.view(*z.shape[:-1], n_heads, z.shape[-1] // n_heads)
+
+
+def o_proj_weight(vlm, layer: int) -> Tensor:
+    """Float[Tensor, "d_model n_heads*d_head"]: o_proj's weight at ``layer``."""
+    return vlm.hf.get_submodule(vlm.arch.o_proj(layer)).weight
+
+
+def head_contributions(vlm, layer: int, z: Tensor) -> Tensor:
+    """ĥ_i·W_O per head: Float[Tensor, "... n_heads d_model"] from z Float[Tensor, "... n_heads*d_head"]."""
+    w = o_proj_weight(vlm, layer)
+    h = vlm.arch.n_heads
+    w_heads = w.view(w.shape[0], h, -1).to(z.dtype)  # d_model × heads × d_head
+    return torch.einsum("...hd,mhd->...hm", heads_view(z, h), w_heads)

@@ -1,0 +1,172 @@
+"""Patching: the nnsight sweeps agree with an independent plain-torch-hook loop, and invariants hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import countlens
+from countlens.circuits.patching import (
+    Edit,
+    attribution_patch,
+    cache_run,
+    compare,
+    patch_heads,
+    patch_layers,
+    prepare_pairs,
+    run_edits,
+)
+from countlens.circuits.sites import group_mask
+from countlens.datasets.pairs import count_pairs
+from countlens.errors import InputError, LayerError
+from tiny_models import TINY_IMAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def organism():
+    return countlens.load("toy")
+
+
+def _pairs(vlm, n=3, image_size=None):
+    if image_size is None:
+        return count_pairs(n, kind="shapes", grid=vlm.geometry, prompt="short", counts=range(2, 7), seed=4)
+    return count_pairs(n, 3, 5, kind="polygons", image_size=image_size, prompt="short", seed=4)
+
+
+def _hook_logit_diffs(vlm, pairs, sites):
+    """Plain torch hooks, no nnsight: for each site (layer, head or None, group), the clean run with
+    that site's corrupt activation copied in; returns LD per site and pair."""
+    pb = prepare_pairs(vlm, pairs)
+    model, arch = vlm.hf, vlm.arch
+    # 1. Record the corrupt run's o_proj inputs and layer outputs with hooks.
+    z_c, h_c, handles = {}, {}, []
+    for layer in range(arch.n_layers):
+        handles.append(model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(
+            lambda m, args, layer=layer: z_c.__setitem__(layer, args[0].detach().clone())))
+        handles.append(model.get_submodule(arch.layer(layer)).register_forward_hook(
+            lambda m, args, out, layer=layer: h_c.__setitem__(layer, (out[0] if isinstance(out, tuple) else out)
+                                                                 .detach().clone())))
+    with torch.no_grad():
+        model(**pb.corrupt.inputs)
+    for h in handles:
+        h.remove()
+    out = []
+    d = arch.d_head
+    for layer, head, group in sites:
+        mask = group_mask(pb.clean, group)
+        if head is None:
+            def hook(m, args, output, layer=layer, mask=mask):
+                hid = output[0] if isinstance(output, tuple) else output
+                hid = hid.clone()
+                hid[mask] = h_c[layer][mask]
+                return (hid, *output[1:]) if isinstance(output, tuple) else hid
+            handle = model.get_submodule(arch.layer(layer)).register_forward_hook(hook)
+        else:
+            def pre(m, args, layer=layer, head=head, mask=mask):
+                z = args[0].clone()
+                cols = slice(head * d, (head + 1) * d)
+                z[..., cols][mask] = z_c[layer][..., cols][mask]
+                return (z, *args[1:])
+            handle = model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(pre)
+        with torch.no_grad():
+            logits = model(**pb.clean.inputs).logits[:, -1].float()
+        handle.remove()
+        rows = torch.arange(len(logits))
+        out.append((logits[rows, pb.clean_id] - logits[rows, pb.corrupt_id]).numpy())
+    return np.stack(out)
+
+
+def test_layer_and_head_patching_agree_with_plain_hooks_on_the_organism(organism):
+    pairs = _pairs(organism)
+    vap = patch_layers(organism, pairs, groups=("image", "last", "text"), batch_size=2)
+    heads = patch_heads(organism, pairs, layers=[0, 3, 5], batch_size=2)
+    sites = [(layer, None, g) for layer in (0, 2, 5) for g in ("image", "last", "text")]
+    sites += [(layer, h, "all") for layer in (0, 5) for h in range(organism.arch.n_heads)]
+    ref = _hook_logit_diffs(organism, pairs, sites)
+    got = [vap.logit_diff.sel(layer=layer, group=g).values for layer, _, g in sites[:9]]
+    got += [heads.logit_diff.sel(layer=layer, head=h).values for layer, h, _ in sites[9:]]
+    np.testing.assert_allclose(np.stack(got), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "llava_onevision", "gemma3"])
+def test_patching_agrees_with_plain_hooks_on_tiny_architectures(tiny_checkpoint, name):
+    vlm = countlens.load(tiny_checkpoint(name))
+    pairs = _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
+    heads = patch_heads(vlm, pairs, positions="image")
+    vap = patch_layers(vlm, pairs, groups=("image", "last"))
+    sites = [(1, h, "image") for h in range(vlm.arch.n_heads)] + [(0, None, "image"), (1, None, "last")]
+    ref = _hook_logit_diffs(vlm, pairs, sites)
+    got = [heads.logit_diff.sel(layer=1, head=h).values for h in range(vlm.arch.n_heads)]
+    got += [vap.logit_diff.sel(layer=0, group="image").values, vap.logit_diff.sel(layer=1, group="last").values]
+    np.testing.assert_allclose(np.stack(got), ref, atol=1e-4)
+
+
+def test_patching_clean_into_clean_changes_nothing(organism):
+    pb = prepare_pairs(organism, _pairs(organism))
+    clean = cache_run(organism, pb.clean, range(organism.arch.n_layers))
+    mask = group_mask(pb.clean, "all")
+    edits = [Edit(2, mask), Edit(4, mask, head=1), Edit(0, group_mask(pb.clean, "image"))]
+    patched = run_edits(organism, pb, clean, edits)
+    for logits in patched:
+        torch.testing.assert_close(logits, clean["logits"].cpu(), atol=1e-5, rtol=0)
+
+
+def test_patching_everything_gives_the_corrupt_run(organism):
+    vap = patch_layers(organism, _pairs(organism), groups=("all",), layers=[0, 5])
+    np.testing.assert_allclose(vap.effect.values, 1.0, atol=1e-4)
+    np.testing.assert_allclose(vap.logit_diff.sel(group="all").values[0], vap.corrupt_logit_diff.values, atol=1e-4)
+
+
+def test_attribution_patching_tracks_exact_head_patching(organism):
+    pairs = _pairs(organism, n=16)
+    atp = attribution_patch(organism, pairs, batch_size=8)
+    exact = patch_heads(organism, pairs, batch_size=8)
+    score = compare(atp.effect, exact.effect, k=4)
+    assert score["spearman"] > 0.7 and score["top_k_overlap"] >= 0.5, score
+    assert atp.effect.dims == ("layer", "head") and "model" in atp.attrs
+
+
+def test_a_killed_sweep_resumes_from_its_store(organism, tmp_path):
+    pairs = _pairs(organism, n=4)
+    full = patch_layers(organism, pairs, groups=("last",), batch_size=2)
+    store_dir = tmp_path / "vap"
+    calls = []
+    real = run_edits
+
+    def crash_after_one(*args, **kw):
+        if calls:
+            raise KeyboardInterrupt  # the second chunk dies mid-sweep
+        calls.append(1)
+        return real(*args, **kw)
+
+    import countlens.circuits.patching as patching
+
+    patching.run_edits = crash_after_one
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            patch_layers(organism, pairs, groups=("last",), batch_size=2, store=store_dir)
+    finally:
+        patching.run_edits = real
+    resumed_calls = []
+
+    def count(*args, **kw):
+        resumed_calls.append(1)
+        return real(*args, **kw)
+
+    patching.run_edits = count
+    try:
+        resumed = patch_layers(organism, pairs, groups=("last",), batch_size=2, store=store_dir)
+    finally:
+        patching.run_edits = real
+    assert len(resumed_calls) == 1  # only the unfinished chunk is recomputed
+    np.testing.assert_allclose(resumed.logit_diff.values, full.logit_diff.values, atol=1e-6)
+
+
+def test_bad_patching_input(organism):
+    with pytest.raises(LayerError, match="out of range"):
+        patch_layers(organism, _pairs(organism, n=1), layers=[99])
+    with pytest.raises(InputError, match="unknown token group"):
+        patch_layers(organism, _pairs(organism, n=1), groups=("pixels",))
+    with pytest.raises(InputError, match="no pairs"):
+        patch_heads(organism, [])
