@@ -35,6 +35,7 @@ class ArchSpec:
     layers: str  # the decoder layers' ModuleList
     final_norm: str
     vision_blocks: str  # the vision encoder blocks' ModuleList
+    vision_tower: str  # the whole vision encoder (run once and reused by batch-expanded sweeps)
     projector: str  # the module whose output is the image tokens' embeddings
     # Paths relative to one decoder layer:
     self_attn: str = "self_attn"
@@ -59,6 +60,7 @@ _QWEN = dict(
     layers="model.language_model.layers",
     final_norm="model.language_model.norm",
     vision_blocks="model.visual.blocks",
+    vision_tower="model.visual",
     projector="model.visual.merger",
     merge_attr="spatial_merge_size",
 )
@@ -66,6 +68,7 @@ _LLAVA = dict(
     layers="model.language_model.layers",
     final_norm="model.language_model.norm",
     vision_blocks="model.vision_tower.encoder.layers",
+    vision_tower="model.vision_tower",
     projector="model.multi_modal_projector",
 )
 

@@ -28,7 +28,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.sites import GROUPS, group_mask, heads_view, repeat_inputs
+from countlens.circuits.sites import GROUPS, group_mask, heads_view, repeat_inputs, repeat_output
 from countlens.errors import InputError
 
 MAX_ROWS = 256  # rows per expanded forward (replicas × pairs); lower it on small GPUs
@@ -91,40 +91,56 @@ def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = T
 
 @dataclass(frozen=True)
 class Edit:
-    """Patch one site in one replica: the residual after ``layer`` or head ``head``'s z there."""
+    """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None) or
+    head ``head``'s z there, with ``value`` (Float[Tensor, "batch seq d"]) or else the cached run's."""
 
     layer: int
-    mask: Tensor  # Bool[Tensor, "pairs seq"]
-    head: int | None = None  # None: the residual stream
+    mask: Tensor  # Bool[Tensor, "batch seq"]
+    head: int | None = None
+    value: Tensor | None = None
 
 
 @torch.no_grad()
-def run_edits(vlm, pb: PairBatch, cache: dict, edits: Sequence[Edit], max_rows: int = MAX_ROWS) -> Tensor:
-    """Patched last-position logits of every edit: Float[Tensor, "edits pairs vocab"] (on CPU, float)."""
-    n = len(pb.clean)
+def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int = MAX_ROWS) -> Tensor:
+    """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"].
+
+    ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
+    stacked in one forward, ``max_rows // len(batch)`` at a time.
+    """
+    n = len(batch)
     per_pass = max(1, max_rows // n)
     d_head = vlm.arch.d_head
+    replicas = [[r] if isinstance(r, Edit) else list(r) for r in replicas]
+    tower = vlm.arch.spec.vision_tower
+    vision = []
+    if len(replicas) > 1:
+        # Every replica shows the same images: encode them once, and skip the vision tower in the
+        # expanded forwards. A copy, because the model edits the tower's output object afterwards.
+        with vlm.trace(batch):
+            vision.append(repeat_output(vlm.module(tower).output, 1))
     out = []
-    for start in range(0, len(edits), per_pass):
-        chunk = edits[start : start + per_pass]
-        inputs = repeat_inputs(pb.clean.inputs, len(chunk))
-        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, e in enumerate(chunk)]
+    for start in range(0, len(replicas), per_pass):
+        chunk = replicas[start : start + per_pass]
+        inputs = repeat_inputs(batch.inputs, len(chunk))
+        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, edits in enumerate(chunk) for e in edits]
         with vlm.trace(inputs):
+            if vision:
+                vlm.module(tower).skip(repeat_output(vision[0], len(chunk)))
             # nnsight needs modules in execution order: layers ascending, o_proj before the layer output.
-            for layer in sorted({e.layer for e in chunk}):
-                zs = [(r, e, b, s) for r, e, b, s in where if e.layer == layer and e.head is not None]
+            for layer in sorted({e.layer for _, e, _, _ in where}):
+                zs = [w for w in where if w[1].layer == layer and w[1].head is not None]
                 if zs:
                     zin = vlm.module(vlm.arch.o_proj(layer)).input
                     for r, e, b, s in zs:
                         cols = slice(e.head * d_head, (e.head + 1) * d_head)
-                        src = cache["z"][layer][b, s, cols].to(zin.device, zin.dtype)
-                        zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src
-                rs = [(r, e, b, s) for r, e, b, s in where if e.layer == layer and e.head is None]
+                        src = e.value[b, s] if e.value is not None else cache["z"][layer][b, s, cols]
+                        zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
+                rs = [w for w in where if w[1].layer == layer and w[1].head is None]
                 if rs:
                     hid = vlm.module(vlm.arch.layer(layer)).output
                     for r, e, b, s in rs:
-                        src = cache["resid"][layer][b, s].to(hid.device, hid.dtype)
-                        hid[b.to(hid.device) + r * n, s.to(hid.device)] = src
+                        src = e.value[b, s] if e.value is not None else cache["resid"][layer][b, s]
+                        hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
             logits = vlm.nn.output.logits[:, -1].save()
         out.append(logits.float().cpu().view(len(chunk), n, -1))
     return torch.cat(out)
@@ -167,7 +183,7 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
         pb = prepare_pairs(vlm, chunk)
         cache = cache_run(vlm, pb.corrupt, range(vlm.arch.n_layers))
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
-        logits = run_edits(vlm, pb, cache, make_edits(pb))
+        logits = run_edits(vlm, pb.clean, cache, make_edits(pb))
         ld = _logit_diff(logits.flatten(0, 1), pb.clean_id.repeat(len(logits)), pb.corrupt_id.repeat(len(logits)))
         pred = logits.argmax(-1) == pb.corrupt_id[None]
         pair = np.arange(start, start + len(chunk))

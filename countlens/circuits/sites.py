@@ -52,6 +52,18 @@ def repeat_inputs(inputs: dict[str, Tensor], k: int) -> dict[str, Tensor]:
     return {name: torch.cat([t] * k, dim=0) if isinstance(t, Tensor) else t for name, t in inputs.items()}
 
 
+def repeat_output(out, k: int):
+    """A module output (tensor, tuple, HF ModelOutput) with every tensor stacked k times along dim 0,
+    matching what the module computes on `repeat_inputs`."""
+    if isinstance(out, Tensor):
+        return torch.cat([out] * k, dim=0)
+    if isinstance(out, dict):  # HF ModelOutput is an ordered dict of its non-None fields
+        return type(out)(**{name: repeat_output(v, k) for name, v in out.items()})
+    if isinstance(out, (tuple, list)):
+        return type(out)(repeat_output(v, k) for v in out)
+    return out
+
+
 def heads_view(z: Tensor, n_heads: int) -> Tensor:
     """Float[Tensor, "batch seq n_heads*d_head"] → Float[Tensor, "batch seq n_heads d_head"]."""
     return z.view(*z.shape[:-1], n_heads, z.shape[-1] // n_heads)

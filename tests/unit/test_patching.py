@@ -107,7 +107,7 @@ def test_patching_clean_into_clean_changes_nothing(organism):
     clean = cache_run(organism, pb.clean, range(organism.arch.n_layers))
     mask = group_mask(pb.clean, "all")
     edits = [Edit(2, mask), Edit(4, mask, head=1), Edit(0, group_mask(pb.clean, "image"))]
-    patched = run_edits(organism, pb, clean, edits)
+    patched = run_edits(organism, pb.clean, clean, edits)
     for logits in patched:
         torch.testing.assert_close(logits, clean["logits"].cpu(), atol=1e-5, rtol=0)
 

@@ -1,0 +1,170 @@
+"""Mean ablation of attention heads, single and joint, and the overlap of tasks' critical heads.
+
+A head is mean-ablated by replacing its z (the input of o_proj) with its mean over a reference set,
+taken separately per token group — image tokens, the last prompt token, other text — so the head
+keeps its average behaviour at each kind of position but loses everything specific to the input.
+`ablation_scan` ablates every head on its own (batch expansion: many heads per forward) and
+reports, per task, the drop in accuracy and in the gold answer's log-probability;
+`ablate` ablates a set of heads jointly; `top_heads` and `jaccard` compare tasks' top-k heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.circuits.patching import Edit, run_edits
+from countlens.circuits.sites import group_mask
+from countlens.errors import InputError
+
+ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
+
+
+def _batches(vlm, samples: Sequence, batch_size: int):
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        yield vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk])
+
+
+@torch.no_grad()
+def group_means(vlm, samples: Sequence, batch_size: int = 32) -> Tensor:
+    """Float[Tensor, "layer group n_heads*d_head"]: mean z per token group over a reference set."""
+    if len(samples) == 0:
+        raise InputError("no reference samples for the means")
+    arch = vlm.arch
+    sums = torch.zeros(arch.n_layers, len(ABLATION_GROUPS), arch.n_heads * arch.d_head, dtype=torch.float64)
+    counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
+    for batch in _batches(vlm, samples, batch_size):
+        masks = [group_mask(batch, g) for g in ABLATION_GROUPS]
+        zs = []
+        with vlm.trace(batch):
+            for layer in range(arch.n_layers):
+                zs.append(vlm.module(arch.o_proj(layer)).input.save())
+        for layer, z in enumerate(zs):
+            for g, m in enumerate(masks):
+                sums[layer, g] += z[m.to(z.device)].double().sum(0).cpu()
+        counts += torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64)
+    return (sums / counts.clamp(min=1)[None, :, None]).float()
+
+
+def _mean_values(batch, means: Tensor, layer: int, head: int, d_head: int) -> tuple[Tensor, Tensor]:
+    """(mask of real tokens, Float[Tensor, "batch seq d_head"] holding each position's group mean)."""
+    cols = slice(head * d_head, (head + 1) * d_head)
+    ids = batch.inputs["input_ids"]
+    value = torch.zeros(*ids.shape, d_head)
+    real = torch.zeros_like(ids, dtype=torch.bool)
+    for g, name in enumerate(ABLATION_GROUPS):
+        m = group_mask(batch, name)
+        value[m] = means[layer, g, cols]
+        real |= m
+    return real, value
+
+
+def _gold_scores(logits: Tensor, gold: Tensor) -> tuple[Tensor, Tensor]:
+    logp = logits.log_softmax(-1)
+    rows = torch.arange(logits.shape[-2])
+    return logits.argmax(-1) == gold, logp[..., rows, gold]
+
+
+def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Tensor | None = None,
+                  batch_size: int = 16, progress: bool = False) -> xr.Dataset:
+    """Ablate each head alone on each task: ``acc_drop`` and ``logp_drop`` over (task, layer, head).
+
+    ``means``: per-task reference means (default: each task's own samples), or one tensor for all.
+    """
+    if not tasks:
+        raise InputError("give tasks={'name': samples, ...}")
+    arch = vlm.arch
+    sites = [(layer, head) for layer in range(arch.n_layers) for head in range(arch.n_heads)]
+    acc_drop = np.zeros((len(tasks), arch.n_layers, arch.n_heads))
+    logp_drop = np.zeros_like(acc_drop)
+    base_acc = np.zeros(len(tasks))
+    items = list(tasks.items())
+    if progress:
+        from rich.progress import track
+
+        items = track(items, description="mean ablation")
+    for t, (name, samples) in enumerate(items):
+        if len(samples) == 0:
+            raise InputError(f"task {name!r} has no samples")
+        mu = means if isinstance(means, Tensor) else (means or {}).get(name)
+        mu = group_means(vlm, samples, batch_size) if mu is None else mu
+        correct = np.zeros((len(sites), 0), dtype=bool)
+        drops = np.zeros((len(sites), 0))
+        base_correct = []
+        for batch in _batches(vlm, samples, batch_size):
+            gold = batch.answer_token
+            replicas = []
+            for layer, head in sites:
+                real, value = _mean_values(batch, mu, layer, head, arch.d_head)
+                replicas.append(Edit(layer, real, head, value))
+            base = run_edits(vlm, batch, None, [[]])[0]
+            b_ok, b_logp = _gold_scores(base, gold)
+            logits = run_edits(vlm, batch, None, replicas)
+            ok, logp = _gold_scores(logits, gold)
+            correct = np.concatenate([correct, ok.numpy()], axis=1)
+            drops = np.concatenate([drops, (b_logp[None] - logp).numpy()], axis=1)
+            base_correct.append(b_ok.numpy())
+        base = np.concatenate(base_correct)
+        base_acc[t] = base.mean()
+        acc_drop[t] = (base.mean() - correct.mean(1)).reshape(arch.n_layers, arch.n_heads)
+        logp_drop[t] = drops.mean(1).reshape(arch.n_layers, arch.n_heads)
+    from countlens.results import provenance
+
+    names = list(tasks)
+    return xr.Dataset(
+        {"acc_drop": (("task", "layer", "head"), acc_drop), "logp_drop": (("task", "layer", "head"), logp_drop),
+         "base_acc": ("task", base_acc)},
+        coords={"task": names, "layer": np.arange(arch.n_layers), "head": np.arange(arch.n_heads)},
+        attrs={**provenance(vlm.name, vlm.arch.name, dataset={k: len(v) for k, v in tasks.items()}),
+               "method": "mean_ablation", "groups": ",".join(ABLATION_GROUPS)},
+    )
+
+
+def ablate(vlm, samples: Sequence, heads: Sequence[tuple[int, int]], means: Tensor | None = None,
+           batch_size: int = 16) -> xr.Dataset:
+    """Ablate ``heads`` jointly: per sample ``correct`` and ``logp`` before and after."""
+    if len(samples) == 0:
+        raise InputError("no samples to ablate on")
+    for layer, head in heads:
+        vlm.arch.layer(layer)
+        if not 0 <= head < vlm.arch.n_heads:
+            raise InputError(f"head {head} out of range: {vlm.arch.name} has heads 0..{vlm.arch.n_heads - 1}")
+    means = group_means(vlm, samples, batch_size) if means is None else means
+    rows = {"correct": [], "logp": [], "base_correct": [], "base_logp": []}
+    for batch in _batches(vlm, samples, batch_size):
+        edits = []
+        for layer, head in heads:
+            real, value = _mean_values(batch, means, layer, head, vlm.arch.d_head)
+            edits.append(Edit(layer, real, head, value))
+        logits = run_edits(vlm, batch, None, [[], edits])
+        for key, lg in (("base_", logits[0]), ("", logits[1])):
+            ok, logp = _gold_scores(lg, batch.answer_token)
+            rows[key + "correct"].append(ok.numpy())
+            rows[key + "logp"].append(logp.numpy())
+    data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}
+    return xr.Dataset(data, coords={"sample": np.arange(len(samples))},
+                      attrs={"heads": ",".join(f"L{la}H{h}" for la, h in heads), "method": "ablate"})
+
+
+def top_heads(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> dict[str, list[tuple[int, int]]]:
+    """Per task, the ``k`` heads whose ablation hurts most by ``by``."""
+    out = {}
+    for task in scan.task.values:
+        flat = scan[by].sel(task=task).stack(site=("layer", "head"))
+        order = np.argsort(-flat.values, kind="stable")[:k]
+        out[str(task)] = [(int(flat.site.values[i][0]), int(flat.site.values[i][1])) for i in order]
+    return out
+
+
+def jaccard(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> xr.DataArray:
+    """Jaccard overlap of tasks' top-k critical heads: (task, task)."""
+    tops = {t: set(v) for t, v in top_heads(scan, k, by).items()}
+    names = list(tops)
+    mat = np.array([[len(tops[a] & tops[b]) / len(tops[a] | tops[b]) for b in names] for a in names])
+    return xr.DataArray(mat, dims=("task", "task_other"), coords={"task": names, "task_other": names},
+                        name="jaccard", attrs={"k": k, "by": by})

@@ -1,0 +1,55 @@
+"""Logit lens: read the residual stream after each layer as if it were the last.
+
+At the last prompt position, layer l's residual is passed through the model's own final norm and
+unembedding; the rank and probability of the gold answer token show where the answer becomes
+decodable (rank 0 = the top token). After the last layer this is exactly the model's output.
+Norm and unembedding run inside the trace, so the same code serves local and remote (NDIF) models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xarray as xr
+
+from countlens.errors import InputError
+
+
+@torch.no_grad()
+def logit_lens(vlm, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 32) -> xr.Dataset:
+    """``rank`` and ``prob`` of each sample's gold token, and the ``top`` token id, over (layer, sample)."""
+    if len(samples) == 0:
+        raise InputError("no samples given to logit_lens")
+    layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    for layer in layers:
+        vlm.arch.layer(layer)
+    spec = vlm.arch.spec
+    ranks, probs, tops = [], [], []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk])
+        gold = batch.answer_token
+        r_l, p_l, t_l = [], [], []
+        with vlm.trace(batch):
+            norm, head = vlm.module(spec.final_norm), vlm.module(spec.lm_head)
+            for layer in sorted(layers):
+                h = vlm.module(vlm.arch.layer(layer)).output[:, -1]
+                logits = head(norm(h)).float()
+                g = logits[torch.arange(len(chunk)), gold.to(logits.device)]
+                r_l.append((logits > g[:, None]).sum(-1).save())
+                p_l.append(logits.softmax(-1)[torch.arange(len(chunk)), gold.to(logits.device)].save())
+                t_l.append(logits.argmax(-1).save())
+        ranks.append(torch.stack([r.cpu() for r in r_l]))
+        probs.append(torch.stack([p.cpu() for p in p_l]))
+        tops.append(torch.stack([t.cpu() for t in t_l]))
+    from countlens.results import provenance
+
+    return xr.Dataset(
+        {"rank": (("layer", "sample"), torch.cat(ranks, 1).numpy()),
+         "prob": (("layer", "sample"), torch.cat(probs, 1).numpy()),
+         "top": (("layer", "sample"), torch.cat(tops, 1).numpy())},
+        coords={"layer": sorted(layers), "sample": np.arange(len(samples))},
+        attrs={**provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}), "method": "logit_lens"},
+    )

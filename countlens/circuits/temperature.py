@@ -1,0 +1,77 @@
+"""Head temperature: sharpen (β > 1) or flatten (β < 1) chosen heads' attention at inference time.
+
+Head h's attention is softmax(β_h · q_h·k / √d). Scaling the head's q slice by β_h — after any
+q-norm, before rotary — scales exactly those logits, because rotary embedding is linear in q; so
+the edit holds for eager, SDPA and flash attention alike and needs no attention weights. It is a
+forward hook on the q site (`Arch.q_site`), active inside the context manager, for plain forwards,
+generation, nnsight traces and models with a LoRA adapter alike. β = 1 leaves the model untouched.
+
+`beta_from_importance` builds β_h = α·γ_h from a patching or ablation result, with γ_h the head's
+importance divided by the largest among the chosen heads (so the most important head gets α).
+Heads whose β would fall below ``floor`` (default 1: the method sharpens, it does not flatten) are
+left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import xarray as xr
+
+from countlens.errors import InputError
+
+
+@contextmanager
+def head_temperature(vlm, betas: dict[tuple[int, int], float]) -> Iterator[None]:
+    """``with head_temperature(vlm, {(layer, head): β, ...}): ...`` scales those heads' attention logits."""
+    arch = vlm.arch
+    by_layer: dict[int, dict[int, float]] = {}
+    for (layer, head), beta in betas.items():
+        arch.layer(layer)
+        if not 0 <= head < arch.n_heads:
+            raise InputError(f"head {head} out of range: {arch.name} has heads 0..{arch.n_heads - 1}")
+        if not beta > 0:
+            raise InputError(f"β for head ({layer}, {head}) must be > 0, got {beta}")
+        if beta != 1.0:
+            by_layer.setdefault(layer, {})[head] = float(beta)
+    handles = []
+    try:
+        for layer, heads in by_layer.items():
+            module = vlm.hf.get_submodule(arch.q_site(layer))
+            handles.append(module.register_forward_hook(_scaler(heads, arch.n_heads, arch.d_head)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _scaler(heads: dict[int, float], n_heads: int, d_head: int):
+    def hook(module, args, output):
+        scale = torch.ones(n_heads, device=output.device, dtype=output.dtype)
+        for h, beta in heads.items():
+            scale[h] = beta
+        if output.shape[-2:] == (n_heads, d_head):  # after a q-norm: (..., heads, d_head)
+            return output * scale[:, None]
+        if output.shape[-1] == n_heads * d_head:  # q_proj output: (..., heads·d_head)
+            return output * scale.repeat_interleave(d_head)
+        raise InputError(f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__}; "
+                         f"expected (..., {n_heads}, {d_head}) or (..., {n_heads * d_head})")
+
+    return hook
+
+
+def beta_from_importance(importance: xr.DataArray, alpha: float = 1.2, top_k: int = 10,
+                         floor: float = 1.0) -> dict[tuple[int, int], float]:
+    """β_h = α·γ_h for the ``top_k`` heads by |importance| (an xr.DataArray over layer × head)."""
+    if set(importance.dims) != {"layer", "head"}:
+        raise InputError(f"importance must have dims (layer, head), got {importance.dims}")
+    flat = abs(importance).stack(site=("layer", "head"))
+    top = flat.sortby(flat, ascending=False).isel(site=slice(0, top_k))
+    peak = float(top.max())
+    if peak <= 0:
+        return {}
+    betas = {(int(layer), int(head)): alpha * float(v) / peak
+             for (layer, head), v in zip(top.site.values, top.values)}
+    return {k: b for k, b in betas.items() if b >= floor}
