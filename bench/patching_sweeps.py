@@ -1,0 +1,245 @@
+"""Patching sweeps on the organism: their cost against plain forwards, batched vs one site per forward,
+AtP vs exact, and peak memory as the number of pairs grows — side by side in one run.
+
+    .venv/bin/python bench/patching_sweeps.py           # writes bench/patching_sweeps.json
+
+Pairs: ``count_pairs(32, kind="shapes", grid=vlm.geometry, prompt="short", counts=range(2, 9), seed=0)``.
+Timings are medians over repeats; the two sides of each comparison are run interleaved (A, B, A, B, …)
+so that load from other processes hits both alike. The load average is recorded before and after.
+
+- (a) ``patch_layers(vlm, pairs, groups=("image", "last", "text"))`` (L×G = 6×3 sites) vs L×G plain
+  HF forwards of the clean batch (``vlm.forward(prepare_pairs(vlm, pairs).clean, logits_to_keep=1)``),
+  i.e. the same number of patched rows (sites × pairs). Also a breakdown of the sweep (prepare, the two
+  cached runs, the expanded edit forwards) and the edit forwards against plain forwards of the very
+  same expanded inputs (the cost of the interventions themselves).
+- (b) the all-heads sweep batched (``run_edits`` with the default ``MAX_ROWS``, and `patch_heads`) vs
+  one head per forward (``run_edits(..., max_rows=len(pairs))``), on one prepared batch of all 32 pairs;
+  max |Δlogit| against the one-per-forward logits, and a scan of other ``max_rows`` values.
+- (c) ``attribution_patch`` vs ``patch_heads`` (both with the default batch_size=16): time and
+  ``compare(atp.effect, exact.effect, k=5)``; also AtP's ``resid_effect`` vs exact residual patching
+  over all positions.
+- (d) peak RSS (``ru_maxrss``) of a ``patch_layers`` sweep (batch_size=16) for 16…128 pairs, each in a
+  fresh subprocess (``--peak-mem N``), before and after the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+import countlens
+from countlens.circuits.patching import (
+    MAX_ROWS, Edit, attribution_patch, cache_run, compare, patch_heads, patch_layers, prepare_pairs, run_edits,
+)
+from countlens.circuits.sites import group_mask, repeat_inputs
+from countlens.datasets.pairs import count_pairs
+
+THREADS = 2
+PAIRS_KW = dict(kind="shapes", prompt="short", counts=range(2, 9), seed=0)
+
+
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds of each callable, run round-robin after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def ms(s: float) -> float:
+    return round(1000 * s, 1)
+
+
+def logit_diff(logits, clean_id, corrupt_id):
+    rows = torch.arange(len(logits))
+    return logits[rows, clean_id] - logits[rows, corrupt_id]
+
+
+def bench_layers(vlm, pairs, repeats: int) -> dict:
+    groups = ("image", "last", "text")
+    n_sites = vlm.arch.n_layers * len(groups)
+    batch = prepare_pairs(vlm, pairs).clean
+
+    def plain():
+        for _ in range(n_sites):
+            vlm.forward(batch, logits_to_keep=1)
+
+    t = interleaved({"sweep": lambda: patch_layers(vlm, pairs, groups=groups),
+                     "plain": plain}, repeats)
+
+    # Breakdown of the same sweep, step by step as `_sweep` does it (batch_size=16 chunks).
+    parts = {"prepare": 0.0, "cache_corrupt": 0.0, "cache_clean": 0.0, "edit_forwards": 0.0,
+             "plain_same_inputs": 0.0}
+    bs, layers = 16, range(vlm.arch.n_layers)
+    expanded_rows = 0
+    for start in range(0, len(pairs), bs):
+        chunk = pairs[start:start + bs]
+        s = time.perf_counter()
+        pb = prepare_pairs(vlm, chunk)
+        parts["prepare"] += time.perf_counter() - s
+        s = time.perf_counter()
+        cache = cache_run(vlm, pb.corrupt, layers)
+        parts["cache_corrupt"] += time.perf_counter() - s
+        s = time.perf_counter()
+        cache_run(vlm, pb.clean, [], resid=False, z=False)
+        parts["cache_clean"] += time.perf_counter() - s
+        masks = {g: group_mask(pb.clean, g) for g in groups}
+        edits = [Edit(layer, masks[g]) for layer in layers for g in groups]
+        s = time.perf_counter()
+        run_edits(vlm, pb, cache, edits)
+        parts["edit_forwards"] += time.perf_counter() - s
+        per_pass = max(1, MAX_ROWS // len(chunk))
+        s = time.perf_counter()
+        for k in range(0, len(edits), per_pass):
+            reps = len(edits[k:k + per_pass])
+            expanded_rows += reps * len(chunk)
+            with torch.no_grad():
+                vlm.hf(**repeat_inputs(pb.clean.inputs, reps), logits_to_keep=1)
+        parts["plain_same_inputs"] += time.perf_counter() - s
+    return {
+        "sites": n_sites, "pairs": len(pairs), "patched_rows": n_sites * len(pairs),
+        "batch_size": bs, "max_rows": MAX_ROWS, "repeats": repeats,
+        "patch_layers_ms": ms(t["sweep"]), "plain_forwards_ms": ms(t["plain"]),
+        "ratio": round(t["sweep"] / t["plain"], 3), "goal": "<= 1.10",
+        "breakdown_ms (one pass)": {k: ms(v) for k, v in parts.items()},
+        "expanded_rows_check": expanded_rows,
+        "ratio_edit_forwards_vs_plain": round(parts["edit_forwards"] / t["plain"], 3),
+        "ratio_edit_forwards_vs_plain_same_inputs": round(parts["edit_forwards"] / parts["plain_same_inputs"], 3),
+    }
+
+
+def bench_heads(vlm, pairs, repeats: int) -> dict:
+    n = len(pairs)
+    pb = prepare_pairs(vlm, pairs)
+    cache = cache_run(vlm, pb.corrupt, range(vlm.arch.n_layers))
+    mask = group_mask(pb.clean, "all")
+    edits = [Edit(layer, mask, head) for layer in range(vlm.arch.n_layers) for head in range(vlm.arch.n_heads)]
+    ref = run_edits(vlm, pb, cache, edits, max_rows=n)  # one edit per forward
+
+    def one_per_forward_sweep():  # the whole sweep as patch_heads does it, but one head per forward
+        b = prepare_pairs(vlm, pairs)
+        c = cache_run(vlm, b.corrupt, range(vlm.arch.n_layers))
+        cache_run(vlm, b.clean, [], resid=False, z=False)
+        return run_edits(vlm, b, c, edits, max_rows=n)
+
+    t = interleaved({
+        "patch_heads_bs32": lambda: patch_heads(vlm, pairs, batch_size=n),
+        "one_per_forward_sweep": one_per_forward_sweep,
+        "patch_heads_default": lambda: patch_heads(vlm, pairs),
+    }, repeats)
+
+    # run_edits alone at several max_rows (n = one edit per forward … all edits in one forward).
+    scan = {}
+    for max_rows in (n, 2 * n, 4 * n, MAX_ROWS, 16 * n, len(edits) * n):
+        fwd = -(-len(edits) // max(1, max_rows // n))
+        logits = run_edits(vlm, pb, cache, edits, max_rows=max_rows)
+        secs = interleaved({"x": lambda m=max_rows: run_edits(vlm, pb, cache, edits, max_rows=m)}, repeats)["x"]
+        scan[str(max_rows)] = {"edits_per_forward": max(1, max_rows // n), "forwards": fwd, "ms": ms(secs),
+                               "max_abs_diff_vs_one_per_forward": float((logits - ref).abs().max())}
+    base = scan[str(n)]["ms"]
+    for v in scan.values():
+        v["speedup_vs_one_per_forward"] = round(base / v["ms"], 3)
+
+    ds = patch_heads(vlm, pairs, batch_size=n)
+    ref_ld = logit_diff(ref.flatten(0, 1), pb.clean_id.repeat(len(ref)), pb.corrupt_id.repeat(len(ref))).view(
+        vlm.arch.n_layers, vlm.arch.n_heads, n)
+    ds16 = patch_heads(vlm, pairs)
+    return {
+        "sites": len(edits), "pairs": n, "positions": "all", "repeats": repeats,
+        "patch_heads_bs32_ms": ms(t["patch_heads_bs32"]), "patch_heads_default_bs16_ms": ms(t["patch_heads_default"]),
+        "one_per_forward_sweep_ms": ms(t["one_per_forward_sweep"]),
+        "speedup_batched_vs_one_per_forward": round(t["one_per_forward_sweep"] / t["patch_heads_bs32"], 3),
+        "speedup_default_vs_one_per_forward": round(t["one_per_forward_sweep"] / t["patch_heads_default"], 3),
+        "goal": ">= 5",
+        "max_abs_diff_logit_diff_patch_heads_bs32_vs_one_per_forward":
+            float((torch.from_numpy(ds["logit_diff"].values) - ref_ld).abs().max()),
+        "max_abs_diff_logit_diff_patch_heads_bs16_vs_one_per_forward":
+            float((torch.from_numpy(ds16["logit_diff"].values) - ref_ld).abs().max()),
+        "max_abs_diff_effect_bs16_vs_bs32": float(abs(ds16["effect"] - ds["effect"]).max()),
+        "run_edits_max_rows_scan": scan,
+    }
+
+
+def bench_atp(vlm, pairs, repeats: int) -> dict:
+    t = interleaved({"atp": lambda: attribution_patch(vlm, pairs), "exact": lambda: patch_heads(vlm, pairs)}, repeats)
+    atp, exact = attribution_patch(vlm, pairs), patch_heads(vlm, pairs)
+    resid_exact = patch_layers(vlm, pairs, groups=("all",)).effect.sel(group="all", drop=True)
+    return {
+        "repeats": repeats, "attribution_patch_ms": ms(t["atp"]), "patch_heads_ms": ms(t["exact"]),
+        "speedup_atp_vs_exact": round(t["exact"] / t["atp"], 3),
+        "heads": compare(atp.effect, exact.effect, k=5), "goal_spearman": ">= 0.8",
+        "resid_all_positions": compare(atp.resid_effect, resid_exact, k=3),
+    }
+
+
+def peak_child(n: int) -> dict:
+    torch.set_num_threads(THREADS)
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731  (KiB → MiB)
+    vlm = countlens.load("toy")
+    pairs = count_pairs(n, grid=vlm.geometry, **PAIRS_KW)
+    before = rss()
+    t = time.perf_counter()
+    patch_layers(vlm, pairs, groups=("image", "last", "text"), batch_size=16)
+    return {"pairs": n, "maxrss_before_sweep_mib": round(before, 1), "maxrss_after_sweep_mib": round(rss(), 1),
+            "sweep_s": round(time.perf_counter() - t, 2)}
+
+
+def bench_memory(sizes=(16, 32, 64, 128)) -> dict:
+    rows = []
+    for n in sizes:
+        out = subprocess.run([sys.executable, __file__, "--peak-mem", str(n)], capture_output=True, text=True,
+                             check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for r in rows:
+        r["sweep_delta_mib"] = round(r["maxrss_after_sweep_mib"] - r["maxrss_before_sweep_mib"], 1)
+    peaks = [r["maxrss_after_sweep_mib"] for r in rows]
+    return {"batch_size": 16, "sizes": rows, "peak_spread_mib": round(max(peaks) - min(peaks), 1),
+            "goal": "flat (chunks streamed)"}
+
+
+def main(n_pairs: int = 32, repeats: int = 5) -> dict:
+    torch.set_num_threads(THREADS)
+    load_start = os.getloadavg()
+    vlm = countlens.load("toy")
+    pairs = count_pairs(n_pairs, grid=vlm.geometry, **PAIRS_KW)
+    import nnsight
+    import transformers
+
+    result = {
+        "model": "toy", "layers": vlm.arch.n_layers, "heads": vlm.arch.n_heads, "pairs": n_pairs,
+        "pairs_kw": {**PAIRS_KW, "counts": "range(2, 9)"}, "threads": THREADS,
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": transformers.__version__, "nnsight": nnsight.__version__,
+                    "processor": platform.processor() or platform.machine()},
+    }
+    result["a_layers_vs_plain"] = bench_layers(vlm, pairs, repeats)
+    result["b_heads_batched_vs_one_per_forward"] = bench_heads(vlm, pairs, max(3, repeats - 2))
+    result["c_atp_vs_exact"] = bench_atp(vlm, pairs, repeats)
+    result["d_peak_memory"] = bench_memory()
+    result["loadavg_1_5_15"] = {"start": [round(x, 2) for x in load_start],
+                                "end": [round(x, 2) for x in os.getloadavg()]}
+    Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--peak-mem":
+        print(json.dumps(peak_child(int(sys.argv[2]))))
+    else:
+        print(json.dumps(main(), indent=2))

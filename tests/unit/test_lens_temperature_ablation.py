@@ -1,0 +1,131 @@
+"""Logit lens, head temperature and mean ablation: invariants and independent reimplementations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+import countlens
+from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
+from countlens.circuits.lens import logit_lens
+from countlens.circuits.temperature import beta_from_importance, head_temperature
+from countlens.datasets.tasks import task_samples
+from countlens.errors import InputError
+from tiny_models import TINY_IMAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def organism():
+    return countlens.load("toy")
+
+
+def _batch(vlm, samples):
+    return vlm.prepare([s.image for s in samples], [s.question for s in samples], [s.answer for s in samples])
+
+
+def test_logit_lens_last_layer_is_the_model_output(organism):
+    samples = task_samples("count", 6, 1)
+    lens = logit_lens(organism, samples, batch_size=4)
+    logits = organism.forward(_batch(organism, samples)).logits[:, -1]
+    gold = _batch(organism, samples).answer_token
+    last = lens.sel(layer=organism.arch.n_layers - 1)
+    np.testing.assert_array_equal(last.top.values, logits.argmax(-1).numpy())
+    np.testing.assert_allclose(last.prob.values, logits.softmax(-1)[torch.arange(6), gold].numpy(), atol=1e-5)
+    assert (lens["rank"].values >= 0).all() and lens["rank"].dims == ("layer", "sample")
+
+
+@pytest.mark.parametrize("name", ["toy", "qwen3_vl"])
+def test_temperature_on_every_head_of_a_layer_equals_scaling_the_attention(name, tiny_checkpoint):
+    """Independent reimplementation: β on all heads of a layer = the attention module's ``scaling`` × β."""
+    vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name))
+    size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
+    batch = _batch(vlm, task_samples("count", 3, 2, image_size=size))
+    layer, beta = 1, 1.7
+    with head_temperature(vlm, {(layer, h): beta for h in range(vlm.arch.n_heads)}):
+        ours = vlm.forward(batch).logits
+    attn = vlm.hf.get_submodule(vlm.arch.self_attn(layer))
+    old = attn.scaling
+    attn.scaling = old * beta
+    try:
+        ref = vlm.forward(batch).logits
+    finally:
+        attn.scaling = old
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours, vlm.forward(batch).logits, atol=1e-4)  # the edit did something
+
+
+def test_temperature_beta_one_is_exact_and_one_head_only_touches_that_head(organism):
+    batch = _batch(organism, task_samples("count", 3, 2))
+    base = organism.forward(batch).logits
+    with head_temperature(organism, {(2, 0): 1.0, (3, 1): 1.0}):
+        assert torch.equal(organism.forward(batch).logits, base)
+    seen = {}
+    o_proj = organism.hf.get_submodule(organism.arch.o_proj(3))
+    handle = o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].clone()))
+    organism.forward(batch)
+    z0 = seen["z"]
+    with head_temperature(organism, {(3, 1): 2.0}):
+        organism.forward(batch)
+    handle.remove()
+    d = organism.arch.d_head
+    changed = (seen["z"] - z0).abs().view(*z0.shape[:-1], -1, d).amax((0, 1, 3))
+    assert changed[1] > 1e-4 and changed[[0, 2, 3]].max() == 0
+
+
+def test_beta_from_importance():
+    imp = xr.DataArray(np.array([[0.1, 0.9], [0.5, -0.2]]), dims=("layer", "head"))
+    betas = beta_from_importance(imp, alpha=1.2, top_k=3)
+    assert betas == pytest.approx({(0, 1): 1.2})  # 1.2·0.5/0.9 < 1: not flattened
+    loose = beta_from_importance(imp, alpha=1.2, top_k=3, floor=0.0)
+    assert loose == pytest.approx({(0, 1): 1.2, (1, 0): 1.2 * 0.5 / 0.9, (1, 1): 1.2 * 0.2 / 0.9})
+    with pytest.raises(InputError):
+        with head_temperature(countlens.load("toy"), {(0, 9): 1.2}):
+            pass
+
+
+def _hook_ablation_logits(vlm, samples, heads, means):
+    """Plain-torch reimplementation of joint mean ablation: o_proj pre-hooks write the group means."""
+    from countlens.circuits.ablation import ABLATION_GROUPS
+    from countlens.circuits.sites import group_mask
+
+    batch = _batch(vlm, samples)
+    masks = [group_mask(batch, g) for g in ABLATION_GROUPS]
+    d = vlm.arch.d_head
+    handles = []
+    for layer, head in heads:
+        def pre(m, args, layer=layer, head=head):
+            z = args[0].clone()
+            for g, mask in enumerate(masks):
+                z[..., head * d:(head + 1) * d][mask] = means[layer, g, head * d:(head + 1) * d]
+            return (z, *args[1:])
+        handles.append(vlm.hf.get_submodule(vlm.arch.o_proj(layer)).register_forward_pre_hook(pre))
+    try:
+        return vlm.forward(batch).logits[:, -1].float()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_joint_mean_ablation_agrees_with_plain_hooks(organism):
+    samples = task_samples("count", 6, 3)
+    means = group_means(organism, samples, batch_size=4)
+    heads = [(0, 0), (2, 3), (5, 1)]
+    res = ablate(organism, samples, heads, means=means, batch_size=6)
+    ref = _hook_ablation_logits(organism, samples, heads, means).log_softmax(-1)
+    gold = _batch(organism, samples).answer_token
+    np.testing.assert_allclose(res.logp.values, ref[torch.arange(6), gold].numpy(), atol=1e-4)
+
+
+def test_ablation_scan_single_heads_match_joint_ablation_of_one_head(organism):
+    tasks = {"count": task_samples("count", 4, 5), "color": task_samples("color", 4, 5)}
+    scan = ablation_scan(organism, tasks, batch_size=4)
+    assert scan.acc_drop.dims == ("task", "layer", "head")
+    one = ablate(organism, tasks["color"], [(1, 2)], batch_size=4)
+    np.testing.assert_allclose(float(scan.logp_drop.sel(task="color", layer=1, head=2)),
+                               float((one.base_logp - one.logp).mean()), atol=1e-4)
+    tops = top_heads(scan, k=3)
+    assert set(tops) == {"count", "color"} and all(len(v) == 3 for v in tops.values())
+    jac = jaccard(scan, k=3)
+    assert np.allclose(np.diag(jac.values), 1.0) and np.allclose(jac.values, jac.values.T)
