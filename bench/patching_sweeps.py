@@ -24,6 +24,8 @@ so that load from other processes hits both alike. The load average is recorded 
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
 import platform
@@ -39,14 +41,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 import countlens
+import countlens.circuits.patching as patching
 from countlens.circuits.patching import (
-    MAX_ROWS, Edit, attribution_patch, cache_run, compare, patch_heads, patch_layers, prepare_pairs, run_edits,
+    MAX_ROWS, Edit, attribution_patch, cache_run, compare, patch_heads, patch_layers, prepare_pairs,
 )
 from countlens.circuits.sites import group_mask, repeat_inputs
 from countlens.datasets.pairs import count_pairs
 
 THREADS = 2
 PAIRS_KW = dict(kind="shapes", prompt="short", counts=range(2, 9), seed=0)
+
+
+def run_edits(vlm, pb, cache, edits, max_rows=MAX_ROWS):
+    """`patching.run_edits` under either signature: (vlm, pb: PairBatch, …) or (vlm, batch: Batch, …)."""
+    second = list(inspect.signature(patching.run_edits).parameters)[1]
+    return patching.run_edits(vlm, pb if second == "pb" else pb.clean, cache, edits, max_rows=max_rows)
+
+
+def source_digest() -> dict:
+    """sha256 (first 12) of the library files measured, to tie figures to the code they ran."""
+    root = Path(countlens.__file__).parent
+    files = ("circuits/patching.py", "circuits/sites.py", "vlm.py")
+    return {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12] for f in files}
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
@@ -112,7 +128,13 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
             with torch.no_grad():
                 vlm.hf(**repeat_inputs(pb.clean.inputs, reps), logits_to_keep=1)
         parts["plain_same_inputs"] += time.perf_counter() - s
+    visual = vlm.hf.get_submodule(vlm.arch.spec.vision_tower) if hasattr(vlm.arch, "spec") else vlm.hf.model.visual
+    inp = batch.inputs
+    with torch.no_grad():
+        tv = interleaved({"vision": lambda: visual(inp["pixel_values"], grid_thw=inp["image_grid_thw"]),
+                          "forward": lambda: vlm.forward(batch, logits_to_keep=1)}, repeats)
     return {
+        "vision_tower_share_of_plain_forward": round(tv["vision"] / tv["forward"], 3),
         "sites": n_sites, "pairs": len(pairs), "patched_rows": n_sites * len(pairs),
         "batch_size": bs, "max_rows": MAX_ROWS, "repeats": repeats,
         "patch_layers_ms": ms(t["sweep"]), "plain_forwards_ms": ms(t["plain"]),
@@ -148,8 +170,13 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
     scan = {}
     for max_rows in (n, 2 * n, 4 * n, MAX_ROWS, 16 * n, len(edits) * n):
         fwd = -(-len(edits) // max(1, max_rows // n))
-        logits = run_edits(vlm, pb, cache, edits, max_rows=max_rows)
-        secs = interleaved({"x": lambda m=max_rows: run_edits(vlm, pb, cache, edits, max_rows=m)}, repeats)["x"]
+        logits = run_edits(vlm, pb, cache, edits, max_rows=max_rows)  # doubles as the warm-up
+        secs = []
+        for _ in range(repeats):
+            s = time.perf_counter()
+            run_edits(vlm, pb, cache, edits, max_rows=max_rows)
+            secs.append(time.perf_counter() - s)
+        secs = statistics.median(secs)
         scan[str(max_rows)] = {"edits_per_forward": max(1, max_rows // n), "forwards": fwd, "ms": ms(secs),
                                "max_abs_diff_vs_one_per_forward": float((logits - ref).abs().max())}
     base = scan[str(n)]["ms"]
@@ -215,7 +242,7 @@ def bench_memory(sizes=(16, 32, 64, 128)) -> dict:
 
 def main(n_pairs: int = 32, repeats: int = 5) -> dict:
     torch.set_num_threads(THREADS)
-    load_start = os.getloadavg()
+    load_start, src_start = os.getloadavg(), source_digest()
     vlm = countlens.load("toy")
     pairs = count_pairs(n_pairs, grid=vlm.geometry, **PAIRS_KW)
     import nnsight
@@ -232,6 +259,7 @@ def main(n_pairs: int = 32, repeats: int = 5) -> dict:
     result["b_heads_batched_vs_one_per_forward"] = bench_heads(vlm, pairs, max(3, repeats - 2))
     result["c_atp_vs_exact"] = bench_atp(vlm, pairs, repeats)
     result["d_peak_memory"] = bench_memory()
+    result["source_sha256"] = {"start": src_start, "end": source_digest()}
     result["loadavg_1_5_15"] = {"start": [round(x, 2) for x in load_start],
                                 "end": [round(x, 2) for x in os.getloadavg()]}
     Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,73 @@
+"""HeadLens: head contributions sum exactly to o_proj; decoding goes through the model's norm and
+unembedding. Attention: eager probabilities only inside the block, shares are proper fractions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import countlens
+from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
+from countlens.circuits.headlens import HeadLens, is_number
+from countlens.circuits.sites import head_contributions
+from countlens.datasets.tasks import task_samples
+from tiny_models import TINY_IMAGE_SIZE
+
+
+def _samples(vlm, name, n, seed=1, task="count"):
+    size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
+    return task_samples(task, n, seed, image_size=size)
+
+
+@pytest.mark.parametrize("name", ["toy", "qwen3_vl", "gemma3", "llava"])
+def test_head_contributions_sum_to_the_o_proj_output(name, tiny_checkpoint):
+    vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name))
+    s = _samples(vlm, name, 2)
+    batch = vlm.prepare([x.image for x in s], [x.question for x in s])
+    layer = vlm.arch.n_layers - 1
+    with torch.no_grad(), vlm.trace(batch):
+        z = vlm.module(vlm.arch.o_proj(layer)).input.save()
+        out = vlm.module(vlm.arch.o_proj(layer)).output.save()
+    total = head_contributions(vlm, layer, z).sum(-2)
+    bias = vlm.hf.get_submodule(vlm.arch.o_proj(layer)).bias
+    torch.testing.assert_close(total + (0 if bias is None else bias), out, atol=1e-5, rtol=1e-5)
+
+
+def test_headlens_fit_decode_and_scores():
+    vlm = countlens.load("toy")
+    fit = [s for t in ("count", "color", "shape") for s in _samples(vlm, "toy", 12, 7, t)]
+    hl = HeadLens.fit(vlm, fit, layers=[0, 5])
+    assert hl.A.shape == (2, vlm.arch.d_model, vlm.arch.d_model) and (hl.r2 > 0.2).all(), hl.r2
+    data = _samples(vlm, "toy", 5)
+    dec = hl.decode(vlm, data, top_k=5)
+    assert dec.token.dims == ("layer", "head", "sample", "k") and dec.token.shape == (2, 4, 5, 5)
+    assert ((dec.vgs >= 0) & (dec.vgs <= 1) & (dec.cter >= 0) & (dec.cter <= 1)).all()
+    # With T = identity the decode is the plain unembedding of each head's contribution.
+    ident = HeadLens([5], torch.eye(vlm.arch.d_model)[None], torch.zeros(1, vlm.arch.d_model), torch.ones(1))
+    batch = vlm.prepare([x.image for x in data], [x.question for x in data])
+    with torch.no_grad(), vlm.trace(batch):
+        z = vlm.module(vlm.arch.o_proj(5)).input[:, -1].save()
+    got = ident.head_logits(vlm, 5, z)
+    ref = vlm.hf.lm_head(vlm.hf.model.language_model.norm(head_contributions(vlm, 5, z)))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert is_number("Ġ12") and is_number("seven") and not is_number("red")
+
+
+def test_attention_is_eager_only_inside_and_shares_are_fractions():
+    vlm = countlens.load("toy")
+    text = vlm.hf.config.text_config
+    before = text._attn_implementation
+    with eager_attention(vlm):
+        assert text._attn_implementation == "eager"
+    assert text._attn_implementation == before
+    s = _samples(vlm, "toy", 3)
+    batch = vlm.prepare([x.image for x in s], [x.question for x in s])
+    att = last_token_attention(vlm, batch, layers=[0, 3])
+    np.testing.assert_allclose(att.sum(-1).numpy(), 1.0, atol=1e-5)
+    share = image_attention_share(vlm, s, layers=[0, 3])
+    assert share.dims == ("layer", "head", "sample") and ((share >= 0) & (share <= 1 + 1e-6)).all()
+    # Eager attention reads the same model: logits unchanged.
+    with eager_attention(vlm):
+        eager = vlm.forward(batch).logits
+    torch.testing.assert_close(eager, vlm.forward(batch).logits, atol=1e-4, rtol=1e-4)
