@@ -7,11 +7,11 @@
 Importing countlens loads no model and touches no network.
 """
 
-from countlens import analysis, circuits, datasets, training
+from countlens import analysis, circuits, datasets, results, training
 from countlens.errors import CountlensError
 from countlens.geometry import Geometry
 from countlens.loading import load
 from countlens.vlm import VLM, Batch
 
 __version__ = "0.1.0"
-__all__ = ["VLM", "Batch", "CountlensError", "Geometry", "analysis", "circuits", "datasets", "load", "training"]
+__all__ = ["VLM", "Batch", "CountlensError", "Geometry", "analysis", "circuits", "datasets", "load", "results", "training"]

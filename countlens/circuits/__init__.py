@@ -1,4 +1,19 @@
-"""The intervention layer over nnsight (patching, lenses, ablation, head temperature).
+"""The intervention layer over nnsight: sites, patching, lenses, HeadLens, ablation, head temperature.
 
-Not built yet: see the circuits issue. Module paths come from `countlens.arch` only.
+Every function takes a `countlens.VLM` and prepared data (pairs or samples) and returns labelled
+xarray results; module paths come from `countlens.arch` only.
 """
+
+from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
+from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
+from countlens.circuits.headlens import HeadLens
+from countlens.circuits.lens import logit_lens
+from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
+from countlens.circuits.taps import tap
+from countlens.circuits.temperature import beta_from_importance, head_temperature
+
+__all__ = [
+    "HeadLens", "ablate", "ablation_scan", "attribution_patch", "beta_from_importance", "compare",
+    "eager_attention", "group_means", "head_temperature", "image_attention_share", "jaccard",
+    "last_token_attention", "logit_lens", "patch_heads", "patch_layers", "tap", "top_heads",
+]

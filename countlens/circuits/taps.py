@@ -1,0 +1,91 @@
+"""Taps: image-token activations laid out on the image grid, as (batch, d, rows, cols) maps.
+
+Three kinds of tap follow the image through the model, so that one probe architecture can ask what
+each stage still encodes:
+
+- ``("vision", b)`` — the output of vision block ``b``, on the ViT *patch* grid (before merging);
+- ``("projector", None)`` — the image tokens as the language model receives them (the input of
+  decoder layer 0 at the image positions), on the *token* grid;
+- ``("llm", l)`` — the residual stream after decoder layer ``l`` at the image positions, token grid.
+
+Token-grid taps use `Batch.image_cell`; where several tokens map to one cell (LLaVA-NeXT /
+OneVision's high-resolution tokens) the cell holds their mean. Vision taps undo the processor's patch
+order: row-major for CLIP/SigLIP towers (a CLS token is dropped), merge blocks for Qwen2-VL and
+Qwen3-VL. Qwen2.5-VL's windowed blocks and any-resolution crops are not mapped yet (clear error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from countlens.errors import InputError
+
+TAPS: tuple[str, ...] = ("vision", "projector", "llm")
+
+
+def _token_grid_map(acts: Tensor, batch) -> Tensor:
+    """Float[Tensor, "batch d rows cols"] from per-position activations Float[Tensor, "batch seq d"]."""
+    rows = max(g.token_grid[0] for g in batch.geometry)
+    cols = max(g.token_grid[1] for g in batch.geometry)
+    out = torch.zeros(len(batch), acts.shape[-1], rows, cols, dtype=torch.float32)
+    for b, (pos, cell) in enumerate(zip(batch.image_pos, batch.image_cell)):
+        keep = cell[:, 0] >= 0
+        pos, cell = pos[keep], cell[keep]
+        flat = cell[:, 0] * cols + cell[:, 1]
+        total = torch.zeros(rows * cols, acts.shape[-1])
+        count = torch.zeros(rows * cols, 1)
+        total.index_add_(0, flat, acts[b, pos.to(acts.device)].float().cpu())
+        count.index_add_(0, flat, torch.ones(len(flat), 1))
+        out[b] = (total / count.clamp(min=1)).T.reshape(-1, rows, cols)
+    return out
+
+
+def _vision_grid_map(acts: Tensor, vlm, batch) -> Tensor:
+    spec = vlm.arch.spec
+    if spec.layout != "grid" or spec.projector_order == "window":
+        raise InputError(f"vision-block taps are not mapped for {vlm.arch.name} yet (windowed or any-resolution "
+                         "patch order); use the 'projector' or 'llm' taps")
+    rows, cols = batch.geometry[0].patch_grid
+    if any(g.patch_grid != (rows, cols) for g in batch.geometry):
+        raise InputError("vision-block taps need one image size per batch")
+    n = len(batch)
+    if acts.dim() == 2:  # Qwen: all images' patches concatenated, each image in 2×2 merge blocks
+        m = vlm.arch.merge_size
+        x = acts.float().cpu().view(n, rows // m, cols // m, m, m, -1)
+        return x.permute(0, 5, 1, 3, 2, 4).reshape(n, -1, rows, cols)
+    x = acts.float().cpu()
+    if x.shape[1] == rows * cols + 1:  # CLIP: a CLS token first
+        x = x[:, 1:]
+    if x.shape[1] != rows * cols:
+        raise InputError(f"vision block output has {x.shape[1]} tokens; expected {rows}×{cols} patches")
+    return x.transpose(1, 2).reshape(n, -1, rows, cols)
+
+
+@torch.no_grad()
+def tap(vlm, samples: Sequence, kind: str, index: int | None = None, batch_size: int = 16) -> Tensor:
+    """Float[Tensor, "sample d rows cols"]: the ``kind`` tap ("vision", "projector", "llm") of every sample."""
+    if kind not in TAPS:
+        raise InputError(f"unknown tap {kind!r}; use one of {TAPS}")
+    if kind in ("vision", "llm") and index is None:
+        raise InputError(f"the {kind!r} tap needs an index: the vision block or decoder layer to read")
+    spec = vlm.arch.spec
+    out = []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+        with vlm.trace(batch):
+            if kind == "vision":
+                blocks = vlm.module(spec.vision_blocks)
+                if not 0 <= index < len(blocks):
+                    raise InputError(f"vision block {index} out of range 0..{len(blocks) - 1}")
+                acts = blocks[index].output.save()
+            elif kind == "projector":
+                acts = vlm.module(vlm.arch.layer(0)).input.save()
+            else:
+                acts = vlm.module(vlm.arch.layer(index)).output.save()
+        acts = acts[0] if isinstance(acts, tuple) else acts
+        out.append(_vision_grid_map(acts, vlm, batch) if kind == "vision" else _token_grid_map(acts, batch))
+    return torch.cat(out)

@@ -1,0 +1,53 @@
+"""Taps put each image token (and each ViT patch) on the cell of the image it covers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import countlens
+from countlens.circuits.taps import tap
+from countlens.datasets.scene import Obj, Scene
+from countlens.datasets.tasks import TaskSample
+from countlens.errors import InputError
+from tiny_models import TINY_IMAGE_SIZE
+
+
+def _scene_sample(size: int, objs=()) -> TaskSample:
+    return TaskSample(Scene(size, size, tuple(objs)), "how many circles are there in the image?", "1", "count")
+
+
+@pytest.mark.parametrize("name", ["toy", "qwen2_vl", "llava", "gemma3"])
+def test_an_object_changes_its_own_cell(name, tiny_checkpoint):
+    vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name))
+    size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
+    g = vlm.geometry_for(size, size)
+    p, unit = g.patch_size, g.token_size
+    # A square filling exactly patch (row 2, col 1) of the ViT grid, i.e. one token cell.
+    row, col = 2, 1
+    obj = Obj("square", "red", (col + 0.5) * p, (row + 0.5) * p, p)
+    samples = [_scene_sample(size), _scene_sample(size, [obj])]
+    proj = tap(vlm, samples, "projector")
+    change = (proj[1] - proj[0]).norm(dim=0)
+    trow, tcol = int((row + 0.5) * p // unit), int((col + 0.5) * p // unit)
+    # The vision tower mixes patches by attention, but the object's own token changes most.
+    assert divmod(int(change.argmax()), change.shape[1]) == (trow, tcol)
+    if name in ("toy", "qwen2_vl", "llava"):
+        vis = tap(vlm, samples, "vision", 0)
+        vchange = (vis[1] - vis[0]).norm(dim=0)
+        assert vis.shape[-2:] == g.patch_grid
+        assert divmod(int(vchange.argmax()), g.patch_grid[1]) == (row, col)
+    llm = tap(vlm, samples, "llm", 0)
+    assert llm.shape == proj.shape
+
+
+def test_tap_errors():
+    vlm = countlens.load("toy")
+    s = [_scene_sample(192)]
+    with pytest.raises(InputError, match="unknown tap"):
+        tap(vlm, s, "retina")
+    with pytest.raises(InputError, match="needs an index"):
+        tap(vlm, s, "llm")
+    with pytest.raises(InputError, match="out of range"):
+        tap(vlm, s, "vision", 7)
+    torch.manual_seed(0)
