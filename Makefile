@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/countlens eval --model toy --out runs/demo
+	HF_HUB_OFFLINE=1 $(BIN)/countlens discover --model toy --out runs/demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

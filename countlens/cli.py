@@ -156,6 +156,46 @@ def data_countingtricks(
     typer.echo(f"wrote {len(names) * n} images and {manifest}")
 
 
+@app.command("discover")
+def discover_cmd(
+    model: str = typer.Option("toy", help="'toy', a local checkpoint directory, or a cached hub id."),
+    out: Path = typer.Option(..., help="Run directory: results/, figures/, heads.csv and report.md go here."),
+    n_per_case: int = typer.Option(40, help="COUNTINGTRICKS samples per case."),
+    n_pairs: int = typer.Option(64, help="Clean/corrupt pairs for patching."),
+    n_samples: int = typer.Option(64, help="Samples per task for lenses, attention and ablation."),
+    seed: int = typer.Option(0),
+    prompt: str = typer.Option("auto", help="Prompt style: auto (short for toy, std otherwise), std, objects, short."),
+    batch_size: int = typer.Option(16),
+    device: str = typer.Option(None, help="e.g. cuda; default: where from_pretrained puts it."),
+    dtype: str = typer.Option(None, help="e.g. bfloat16."),
+    remote: bool = typer.Option(False, help="Run traces on NDIF (needs a hub id and an NDIF key)."),
+) -> None:
+    """Find the counting circuit: COUNTINGTRICKS, VAP, head patching, AtP, logit lens, HeadLens,
+    head classes, mean ablation across tasks, head temperature; writes report.md. Resumable.
+
+    Example: countlens discover --model toy --out runs/toy
+    """
+    import countlens
+    from countlens.datasets.prompts import PROMPTS
+    from countlens.discover import DiscoverConfig, discover
+
+    if out.exists() and not out.is_dir():
+        _fail(CountlensError(f"--out {out} is a file; give a directory"))
+    if prompt != "auto" and (prompt not in PROMPTS or PROMPTS[prompt][1]):
+        _fail(CountlensError(f"--prompt {prompt!r}: use auto, std, objects or short"))
+    for name, value in (("--n-per-case", n_per_case), ("--n-pairs", n_pairs), ("--n-samples", n_samples)):
+        if value < 1:
+            _fail(CountlensError(f"{name} must be ≥ 1, got {value}"))
+    try:
+        vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
+        config = DiscoverConfig(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, seed=seed,
+                                prompt=prompt, batch_size=batch_size)
+        report = discover(vlm, out, config, log=typer.echo)
+    except CountlensError as err:
+        _fail(err)
+    typer.echo(f"report: {report}")
+
+
 def main() -> None:
     app()
 

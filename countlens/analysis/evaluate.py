@@ -58,6 +58,7 @@ def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool =
             "p_gold": ("sample", np.array(p_gold)),
             "task": ("sample", np.array([s.task for s in samples], dtype=object)),
             "count": ("sample", np.array([int(s.meta.get("count", -1)) for s in samples])),
+            "case": ("sample", np.array([str(s.meta.get("case", "")) for s in samples], dtype=object)),
         },
         coords={"sample": np.arange(len(samples))},
         attrs={"model": vlm.name, "arch": vlm.arch.name},

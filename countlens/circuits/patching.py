@@ -76,10 +76,13 @@ def _logit_diff(logits: Tensor, clean_id: Tensor, corrupt_id: Tensor) -> Tensor:
 
 @torch.no_grad()
 def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
-    """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits."""
+    """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
+    ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens)."""
     out: dict = {"resid": {}, "z": {}}
     with vlm.trace(batch):
-        for layer in sorted(layers):
+        if resid and -1 in layers:
+            out["resid"][-1] = vlm.module(vlm.arch.layer(0)).input.save()
+        for layer in sorted(x for x in layers if x >= 0):
             if z:
                 out["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
             if resid:
@@ -91,8 +94,9 @@ def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = T
 
 @dataclass(frozen=True)
 class Edit:
-    """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None) or
-    head ``head``'s z there, with ``value`` (Float[Tensor, "batch seq d"]) or else the cached run's."""
+    """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None; layer
+    −1 = the input of layer 0) or head ``head``'s z there, with ``value`` (Float[Tensor, "batch seq d"])
+    or else the cached run's."""
 
     layer: int
     mask: Tensor  # Bool[Tensor, "batch seq"]
@@ -137,7 +141,8 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
                         zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
                 rs = [w for w in where if w[1].layer == layer and w[1].head is None]
                 if rs:
-                    hid = vlm.module(vlm.arch.layer(layer)).output
+                    site = vlm.module(vlm.arch.layer(max(layer, 0)))
+                    hid = site.input if layer == -1 else site.output
                     for r, e, b, s in rs:
                         src = e.value[b, s] if e.value is not None else cache["resid"][layer][b, s]
                         hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
@@ -181,7 +186,7 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
             parts.append(store.read(key))
             continue
         pb = prepare_pairs(vlm, chunk)
-        cache = cache_run(vlm, pb.corrupt, range(vlm.arch.n_layers))
+        cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers))
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
         logits = run_edits(vlm, pb.clean, cache, make_edits(pb))
         ld = _logit_diff(logits.flatten(0, 1), pb.clean_id.repeat(len(logits)), pb.corrupt_id.repeat(len(logits)))
@@ -222,10 +227,12 @@ def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last",
                  layers: Sequence[int] | None = None, batch_size: int = 16, store=None,
                  progress: bool = False) -> xr.Dataset:
     """Visual activation patching: xr.Dataset with ``effect`` and ``overwrite`` over (layer, group)
-    and per-pair ``logit_diff`` / ``to_corrupt`` over (layer, group, pair)."""
-    layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    and per-pair ``logit_diff`` / ``to_corrupt`` over (layer, group, pair). Layers default to −1
+    (the embeddings: input of layer 0) … n_layers − 1."""
+    layers = list(range(-1, vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     for layer in layers:
-        vlm.arch.layer(layer)  # raises a LayerError naming the valid range
+        if layer != -1:
+            vlm.arch.layer(layer)  # raises a LayerError naming the valid range
     for g in groups:
         if g not in GROUPS:
             raise InputError(f"unknown token group {g!r}; use some of {GROUPS}")

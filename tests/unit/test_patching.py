@@ -41,6 +41,9 @@ def _hook_logit_diffs(vlm, pairs, sites):
     model, arch = vlm.hf, vlm.arch
     # 1. Record the corrupt run's o_proj inputs and layer outputs with hooks.
     z_c, h_c, handles = {}, {}, []
+    handles.append(model.get_submodule(arch.layer(0)).register_forward_pre_hook(
+        lambda m, args, kwargs: h_c.__setitem__(-1, (args[0] if args else kwargs["hidden_states"]).detach().clone()),
+        with_kwargs=True))
     for layer in range(arch.n_layers):
         handles.append(model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(
             lambda m, args, layer=layer: z_c.__setitem__(layer, args[0].detach().clone())))
@@ -55,7 +58,13 @@ def _hook_logit_diffs(vlm, pairs, sites):
     d = arch.d_head
     for layer, head, group in sites:
         mask = group_mask(pb.clean, group)
-        if head is None:
+        if head is None and layer == -1:
+            def pre_embed(m, args, kwargs, mask=mask):
+                hid = (args[0] if args else kwargs["hidden_states"]).clone()
+                hid[mask] = h_c[-1][mask]
+                return ((hid, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hid})
+            handle = model.get_submodule(arch.layer(0)).register_forward_pre_hook(pre_embed, with_kwargs=True)
+        elif head is None:
             def hook(m, args, output, layer=layer, mask=mask):
                 hid = output[0] if isinstance(output, tuple) else output
                 hid = hid.clone()
@@ -81,7 +90,7 @@ def test_layer_and_head_patching_agree_with_plain_hooks_on_the_organism(organism
     pairs = _pairs(organism)
     vap = patch_layers(organism, pairs, groups=("image", "last", "text"), batch_size=2)
     heads = patch_heads(organism, pairs, layers=[0, 3, 5], batch_size=2)
-    sites = [(layer, None, g) for layer in (0, 2, 5) for g in ("image", "last", "text")]
+    sites = [(layer, None, g) for layer in (-1, 2, 5) for g in ("image", "last", "text")]
     sites += [(layer, h, "all") for layer in (0, 5) for h in range(organism.arch.n_heads)]
     ref = _hook_logit_diffs(organism, pairs, sites)
     got = [vap.logit_diff.sel(layer=layer, group=g).values for layer, _, g in sites[:9]]
@@ -95,10 +104,11 @@ def test_patching_agrees_with_plain_hooks_on_tiny_architectures(tiny_checkpoint,
     pairs = _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
     heads = patch_heads(vlm, pairs, positions="image")
     vap = patch_layers(vlm, pairs, groups=("image", "last"))
-    sites = [(1, h, "image") for h in range(vlm.arch.n_heads)] + [(0, None, "image"), (1, None, "last")]
+    sites = [(1, h, "image") for h in range(vlm.arch.n_heads)] + [(-1, None, "image"), (0, None, "image"),
+                                                                  (1, None, "last")]
     ref = _hook_logit_diffs(vlm, pairs, sites)
     got = [heads.logit_diff.sel(layer=1, head=h).values for h in range(vlm.arch.n_heads)]
-    got += [vap.logit_diff.sel(layer=0, group="image").values, vap.logit_diff.sel(layer=1, group="last").values]
+    got += [vap.logit_diff.sel(layer=layer, group=g).values for layer, _, g in sites[-3:]]
     np.testing.assert_allclose(np.stack(got), ref, atol=1e-4)
 
 
@@ -113,7 +123,7 @@ def test_patching_clean_into_clean_changes_nothing(organism):
 
 
 def test_patching_everything_gives_the_corrupt_run(organism):
-    vap = patch_layers(organism, _pairs(organism), groups=("all",), layers=[0, 5])
+    vap = patch_layers(organism, _pairs(organism), groups=("all",), layers=[-1, 0, 5])
     np.testing.assert_allclose(vap.effect.values, 1.0, atol=1e-4)
     np.testing.assert_allclose(vap.logit_diff.sel(group="all").values[0], vap.corrupt_logit_diff.values, atol=1e-4)
 

@@ -1,0 +1,97 @@
+"""Head classification: from per-head measurements to the papers' functional classes.
+
+Inputs, all over (layer, head): HeadLens ``vgs`` (share of visual-attribute words among the decoded
+top-k) and ``cter`` (share of number tokens), ``image_attention`` (share of the last position's
+attention on image tokens), ``importance`` (|effect| of patching the head, or of ablating it), and
+``constancy`` (how often the head's top-1 decoded token is the same across samples). Depth is
+layer / (n_layers − 1). Rules, first match wins (thresholds are `HeadThresholds` fields):
+
+1. **visual grounding** — early (depth ≤ early), reads the image (image_attention ≥ image_high) and
+   decodes visual attributes (vgs ≥ vgs_min);
+2. **cross-modal routing** — not late (depth < late), reads the image (image_attention ≥ image_high),
+   decodes numbers (cter ≥ cter_min) and matters (importance ≥ important);
+3. **counting aggregation** — late (depth ≥ late), barely reads the image (< image_low), decodes
+   numbers and matters;
+4. **awareness** — decodes the same top-1 token on most samples (constancy ≥ constant), whatever the
+   count: an existence or difficulty signal rather than the count;
+5. **other**.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+CLASSES: tuple[str, ...] = ("visual grounding", "cross-modal routing", "counting aggregation", "awareness", "other")
+
+
+@dataclass(frozen=True)
+class HeadThresholds:
+    early: float = 0.34  # depth at or below which a head is "early"
+    late: float = 0.5  # depth at or above which a head is "late"
+    image_high: float = 0.3
+    image_low: float = 0.2
+    vgs_min: float = 0.2
+    cter_min: float = 0.5
+    important: float = 0.05  # |patching effect| (normalised logit difference) or ablation drop
+    constant: float = 0.9
+
+
+def constancy(top1: xr.DataArray) -> xr.DataArray:
+    """Share of samples whose top-1 decoded token is the head's most common one: over (layer, head)."""
+    def mode_share(v: np.ndarray) -> float:
+        _, counts = np.unique(v, return_counts=True)
+        return counts.max() / len(v)
+
+    return xr.apply_ufunc(mode_share, top1, input_core_dims=[["sample"]], vectorize=True)
+
+
+def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.DataArray,
+                   importance: xr.DataArray, constancy: xr.DataArray | None = None,
+                   thresholds: HeadThresholds = HeadThresholds()) -> pd.DataFrame:
+    """One row per head: the measurements, depth and ``class``; sorted by importance."""
+    t = thresholds
+    layers = vgs.layer.values
+    n_layers = int(layers.max()) + 1
+    plain = lambda da: da.reset_coords(drop=True)  # noqa: E731 - drop scalar coords such as task=…
+    frame = xr.Dataset({"vgs": plain(vgs), "cter": plain(cter), "image_attention": plain(image_attention),
+                        "importance": plain(abs(importance))})
+    if constancy is not None:
+        frame["constancy"] = plain(constancy)
+    df = frame.to_dataframe().reset_index()
+    df["depth"] = df["layer"] / max(1, n_layers - 1)
+    if "constancy" not in df:
+        df["constancy"] = np.nan
+
+    def rule(r) -> str:
+        if r.depth <= t.early and r.image_attention >= t.image_high and r.vgs >= t.vgs_min:
+            return CLASSES[0]
+        if r.depth < t.late and r.image_attention >= t.image_high and r.cter >= t.cter_min and r.importance >= t.important:
+            return CLASSES[1]
+        if r.depth >= t.late and r.image_attention < t.image_low and r.cter >= t.cter_min and r.importance >= t.important:
+            return CLASSES[2]
+        if r.constancy >= t.constant:
+            return CLASSES[3]
+        return CLASSES[4]
+
+    df["class"] = df.apply(rule, axis=1)
+    df.insert(0, "head_id", [f"L{la}H{h}" for la, h in zip(df["layer"], df["head"])])
+    df.attrs["thresholds"] = asdict(t)
+    return df.sort_values("importance", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def export_heads(df: pd.DataFrame, out: str | Path, stem: str = "heads") -> list[Path]:
+    """Write the table as CSV, Markdown and LaTeX; returns the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cols = ["head_id", "layer", "head", "class", "importance", "image_attention", "vgs", "cter", "constancy", "depth"]
+    table = df[[c for c in cols if c in df]]
+    paths = [out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.tex"]
+    table.to_csv(paths[0], index=False)
+    paths[1].write_text(table.to_markdown(index=False, floatfmt=".3f") + "\n")
+    paths[2].write_text(table.to_latex(index=False, float_format="%.3f"))
+    return paths

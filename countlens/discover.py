@@ -1,0 +1,269 @@
+"""The main job: from a model to a counting-circuit report, one resumable stage at a time.
+
+Stages (each writes ``results/<stage>.nc`` and is skipped when that file exists, so a killed run
+resumes where it stopped; the long sweeps also stream their chunks to ``results/sweeps/``):
+
+1. ``cases`` — COUNTINGTRICKS accuracy, 32 cases (the papers' Table 5 layout);
+2. ``vap`` — visual activation patching by layer over image / last / text tokens;
+3. ``heads`` and ``atp`` — head patching of z and attribution patching, and how well AtP ranks heads;
+4. ``lens`` — logit lens of the gold answer at the last prompt token;
+5. ``headlens`` — HeadLens maps, decoded tokens, VGS / CTER; ``attention`` — image-attention share;
+6. ``ablation`` — mean ablation of every head on the counting, colour and shape tasks; Jaccard;
+7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);
+then the head table (``heads.csv`` / ``.md`` / ``.tex``), plots and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from countlens.errors import InputError
+
+
+@dataclass(frozen=True)
+class DiscoverConfig:
+    n_per_case: int = 40  # COUNTINGTRICKS samples per case
+    n_pairs: int = 64  # clean/corrupt pairs for patching
+    n_samples: int = 64  # task samples for lens, HeadLens, attention, ablation (per task)
+    seed: int = 0
+    prompt: str = "auto"  # "auto": the organism's short form for "toy", else Pstd
+    pair_kind: str = "shapes"
+    alpha: float = 1.2  # head temperature: β_h = α·γ_h
+    top_k: int = 5  # heads sharpened / compared across tasks
+    batch_size: int = 16
+
+
+class Stages:
+    """Runs named stages once: a finished stage's result is loaded from disk instead of recomputed."""
+
+    def __init__(self, out: Path, spec: dict, log: Callable[[str], None] = print):
+        self.out, self.log = out, log
+        self.dir = out / "results"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        spec_file = out / "spec.json"
+        if spec_file.exists():
+            old = json.loads(spec_file.read_text())
+            if old != spec:
+                raise InputError(f"{out} holds a run with a different spec ({old}); use a new --out directory "
+                                 f"or the same settings ({spec})")
+        else:
+            spec_file.write_text(json.dumps(spec, indent=1, sort_keys=True))
+
+    def run(self, name: str, compute: Callable[[], xr.Dataset | xr.DataArray]):
+        from countlens import results
+
+        path = self.dir / f"{name}.nc"
+        if path.exists():
+            self.log(f"[{name}] done before: {path}")
+            return results.load(path)
+        self.log(f"[{name}] running")
+        value = compute()
+        results.save(value, path)
+        return value
+
+
+def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
+             log: Callable[[str], None] = print) -> Path:
+    """Run every stage on ``vlm`` into ``out``; returns the path of ``report.md``."""
+    from countlens import circuits
+    from countlens.analysis.evaluate import score
+    from countlens.analysis.heads import HeadThresholds, classify_heads, constancy, export_heads
+    from countlens.datasets.countingtricks import countingtricks
+    from countlens.datasets.pairs import count_pairs
+    from countlens.datasets.tasks import task_samples
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {out} is a file; give a directory")
+    c = config
+    prompt = ("short" if vlm.name == "toy" else "std") if c.prompt == "auto" else c.prompt
+    spec = {"model": vlm.name, "arch": vlm.arch.name, "prompt": prompt, **asdict(c)}
+    stages = Stages(out, spec, log)
+    grid = vlm.geometry
+    size = grid.image_height
+    bs = c.batch_size
+
+    def tasks(seed_offset: int = 0) -> dict:
+        return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")}
+
+    # 1. COUNTINGTRICKS
+    cases = stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
+                                                                  prompt=prompt, color=("red", "green", "blue")),
+                                              batch_size=bs, progress=True))
+    # 2–3. patching
+    pairs = count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10))
+    sweeps = out / "results" / "sweeps"
+    vap = stages.run("vap", lambda: circuits.patch_layers(vlm, pairs, groups=("image", "last", "text"),
+                                                          batch_size=bs, store=sweeps / "vap", progress=True))
+    heads = stages.run("heads", lambda: circuits.patch_heads(vlm, pairs, batch_size=bs, store=sweeps / "heads",
+                                                             progress=True))
+    atp = stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
+    atp_score = circuits.compare(atp.effect, heads.effect, k=c.top_k)
+    # 4–5. lenses and attention
+    data = tasks()
+    lens = stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
+
+    def headlens() -> xr.Dataset:
+        fit = [s for samples in tasks(seed_offset=500).values() for s in samples]
+        return circuits.HeadLens.fit(vlm, fit, batch_size=bs).decode(vlm, data["count"], batch_size=bs)
+
+    hl = stages.run("headlens", headlens)
+    att = stages.run("attention", lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs)
+                     .to_dataset(name="image_attention"))
+    # 6. ablation across tasks
+    abl = stages.run("ablation", lambda: circuits.ablation_scan(vlm, data, batch_size=bs, progress=True))
+    jac = circuits.jaccard(abl, k=c.top_k)
+    # 7. temperature from head-patching importance
+    betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
+
+    def temperature() -> xr.Dataset:
+        held = task_samples("count", 2 * c.n_samples, c.seed + 900, image_size=size)
+        base = score(vlm, held, batch_size=bs)
+        with circuits.head_temperature(vlm, betas):
+            sharp = score(vlm, held, batch_size=bs)
+        return xr.Dataset({"base": base.correct, "sharpened": sharp.correct},
+                          attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})})
+
+    temp = stages.run("temperature", temperature)
+    # Head table
+    importance = np.maximum(np.abs(heads.effect), abl.logp_drop.sel(task="count").clip(min=0) /
+                            max(1e-9, float(abl.logp_drop.sel(task="count").max())))
+    table = classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), importance,
+                           constancy(hl.token.isel(k=0)), HeadThresholds())
+    export_heads(table, out)
+    return write_report(vlm, out, cases, vap, heads, atp, atp_score, lens, hl, att, abl, jac, temp, table, prompt)
+
+
+def _transition(vap: xr.Dataset) -> tuple[int | None, int | None]:
+    """(last layer where image tokens still carry half the effect, first layer where the last token does)."""
+    img = vap.effect.sel(group="image")
+    last = vap.effect.sel(group="last")
+    img_layers = [int(layer) for layer in vap.layer.values if float(img.sel(layer=layer)) >= 0.5]
+    last_layers = [int(layer) for layer in vap.layer.values if float(last.sel(layer=layer)) >= 0.5]
+    return (max(img_layers) if img_layers else None), (min(last_layers) if last_layers else None)
+
+
+def write_report(vlm, out: Path, cases, vap, heads, atp, atp_score, lens, hl, att, abl, jac, temp, table,
+                 prompt: str) -> Path:
+    from countlens.analysis import plots
+    from countlens.analysis.evaluate import accuracy
+    from countlens.datasets.countingtricks import CASES
+
+    figs = out / "figures"
+    by_case = accuracy(cases, "case")["accuracy"].reindex(list(CASES))
+    family = pd.Series({n: c.family for n, c in CASES.items()})
+    fam_acc = by_case.groupby(family).mean()
+    plots.plot_bars(by_case, figs / "cases.png", "COUNTINGTRICKS accuracy per case")
+    plots.plot_layers(vap, figs / "vap.png")
+    plots.plot_heatmap(heads.effect, figs / "heads.png", "Head patching effect (z, all positions)", center=True)
+    plots.plot_scatter(heads.effect, atp.effect, figs / "atp.png", "exact patching effect", "AtP estimate",
+                       f"AtP vs exact (Spearman {atp_score['spearman']:.2f})")
+    plots.plot_lens(lens, figs / "lens.png")
+    plots.plot_heatmap(att.image_attention.mean("sample"), figs / "image_attention.png",
+                       "Attention of the last token on image tokens")
+    plots.plot_heatmap(abl.logp_drop.sel(task="count"), figs / "ablation_count.png",
+                       "Mean ablation: drop in log p(gold), counting", center=True)
+    first_img, first_last = _transition(vap)
+    decoded_layer = next((int(la) for la in lens.layer.values if float(lens["rank"].sel(layer=la).median()) == 0), None)
+    top = table.head(5)
+    sharp = float(temp.sharpened.mean()), float(temp.base.mean())
+    classes = table["class"].value_counts().to_dict()
+    tops = {t: ", ".join(f"L{la}H{h}" for la, h in v) for t, v in
+            __import__("countlens.circuits.ablation", fromlist=["top_heads"]).top_heads(abl, k=jac.attrs["k"]).items()}
+    vap_table = vap.effect.to_pandas().round(3).to_markdown()
+    text = f"""# Counting circuit of `{vlm.name}` ({vlm.arch.name})
+
+Produced by `countlens discover`. Prompt style: `{prompt}`. Every number below is read from the
+result files in `results/` (xarray netCDF; `countlens.results.load`).
+
+## 1. COUNTINGTRICKS
+
+![cases](figures/cases.png)
+
+Mean accuracy: position cases (1–4) **{fam_acc.get('position', float('nan')):.3f}**, dilation (5A–8A)
+**{fam_acc.get('dilation', float('nan')):.3f}**, adjacency (9–15) **{fam_acc.get('adjacency', float('nan')):.3f}**
+({int(cases.sizes['sample'])} samples). Per case:
+
+{by_case.to_frame().T.round(2).to_markdown(index=False)}
+
+## 2. Where the count travels: visual activation patching
+
+![vap](figures/vap.png)
+
+Effect = share of the corrupt answer's logit difference that patching one layer's residual stream,
+over one token group, carries into the clean run ({int(vap.sizes['pair'])} pairs).
+{_image_sentence(first_img)};
+{"the last prompt token carries at least half from layer " + str(first_last) if first_last is not None else "the last token never carries half"}.
+
+{vap_table}
+
+## 3. Heads: exact patching and attribution patching
+
+![heads](figures/heads.png) ![atp](figures/atp.png)
+
+Top heads by |effect|: {", ".join(f"{r.head_id} ({r.importance:.2f})" for r in top.itertuples())}. AtP ranks heads
+with Spearman ρ = **{atp_score['spearman']:.3f}** against exact patching (top-{atp_score['top_k']} overlap
+{atp_score['top_k_overlap']:.2f}), from three passes instead of one sweep.
+
+## 4. Logit lens
+
+![lens](figures/lens.png)
+
+The gold answer is the top token (median rank 0) from layer **{decoded_layer}** on; mean p(gold) after the last
+layer is {float(lens.prob.isel(layer=-1).mean()):.3f}.
+
+## 5. HeadLens and attention
+
+![attention](figures/image_attention.png)
+
+HeadLens maps fit with held-out R² per layer: {", ".join(f"{float(v):.2f}" for v in hl.r2.values)}.
+Most image-attentive head: {_argmax_head(att.image_attention.mean("sample"))}; highest VGS:
+{_argmax_head(hl.vgs)}; highest CTER: {_argmax_head(hl.cter)}.
+
+## 6. Head classes
+
+{pd.Series(classes).to_frame("heads").to_markdown()}
+
+The full table is in `heads.csv` / `heads.md` / `heads.tex` (thresholds in `countlens.analysis.heads`).
+
+{table.head(10).round(3).to_markdown(index=False)}
+
+## 7. Mean ablation across tasks
+
+![ablation](figures/ablation_count.png)
+
+Top-{jac.attrs['k']} heads by drop in log p(gold): {"; ".join(f"{t}: {v}" for t, v in tops.items())}.
+Jaccard overlap between tasks' sets:
+
+{jac.to_pandas().round(2).to_markdown()}
+
+## 8. Head temperature
+
+Sharpening {temp.attrs['betas']} (β = α·γ from head patching): counting accuracy
+{sharp[1]:.3f} → **{sharp[0]:.3f}** on {int(temp.sizes['sample'])} held-out scenes.
+"""
+    path = out / "report.md"
+    path.write_text(text)
+    return path
+
+
+def _image_sentence(layer: int | None) -> str:
+    if layer is None:
+        return "Image tokens never carry half the effect by themselves, not even at the input"
+    if layer == -1:
+        return ("Image tokens carry the count at the input (layer −1, the embeddings) but not after layer 0: "
+                "layer 0 already moves it onto text positions")
+    return f"Image tokens carry at least half the effect up to layer {layer}"
+
+
+def _argmax_head(da: xr.DataArray) -> str:
+    flat = da.stack(site=("layer", "head"))
+    layer, head = flat.site.values[int(np.argmax(flat.values))]
+    return f"L{layer}H{head} ({float(flat.max()):.2f})"
