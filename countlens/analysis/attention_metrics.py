@@ -1,0 +1,249 @@
+"""Where the answer position looks: attention diagnostics of visual grounding (MAS, VRA, Attn-IoU, ARS).
+
+Single-token scoring reads the answer at the last prompt position, so that position's attention row
+is what the answer sees. Per layer and sample we average it over heads and ask four questions
+("Counting to Four", Figure 3):
+
+- **MAS**, Modality Attention Share: how much of the attention mass goes to image tokens at all
+  (the head-mean of each head's share; the paper finds ≈ 10 % on average).
+- **VRA**, Visual Region Attention: of that visual attention, the share that lands on image tokens
+  whose cell holds an object (the paper: ≈ 42 % even for correct answers).
+- **Attn-IoU**: the visual attention back-projected onto the token grid, scaled to a maximum of 1,
+  binarised at ``threshold`` (0.5: cells holding at least half the peak attention) and compared by
+  IoU with the object cells. 1 = it looks exactly at the objects' cells, no more, no less.
+- **ARS**, Attention Reward Score: the visual attention renormalised to a distribution over the grid
+  cells, clipped at its 99th percentile (so one sink cell cannot dominate) and divided by that clip
+  value (to [0, 1], independent of grid size); ARS = mean over object cells − mean over the other
+  cells, in [−1, 1]: > 0 when attention prefers objects, < 0 when it prefers background
+  (the paper: −0.15).
+
+**Object cells** (`object_cells`): a token cell is covered when the union of the object masks
+covers ≥ ``coverage`` (25 %) of its pixels. A token of a 2×2-merging model (Qwen) spans 2×2 patches,
+so a one-patch object covers at most π/16 ≈ 20 % of any cell and would mark none; with
+``each_object=True`` (the default) each object therefore also marks the cell(s) holding the largest
+part of it, so every drawn object is visible to the metrics. Cells are the token grid of the sample's
+`Geometry`; a scene of another size is mapped onto that grid proportionally.
+
+Undefined values are NaN: VRA with no visual attention, IoU with neither attended nor object cells,
+ARS when all or none of the cells are object cells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.errors import InputError
+from countlens.geometry import Geometry
+
+METRICS: tuple[str, ...] = ("mas", "vra", "iou", "ars")
+COVERAGE = 0.25
+THRESHOLD = 0.5
+QUANTILE = 0.99
+
+
+# ----------------------------------------------------------------------------- object cells
+
+
+def _edges(n_pixels: int, n_cells: int, what: str) -> np.ndarray:
+    if n_pixels < n_cells:
+        raise InputError(f"the scene is {n_pixels} px {what} but the token grid has {n_cells} cells; "
+                         "render the scene at the model's image size (vlm.geometry)")
+    return np.round(np.arange(n_cells + 1) * n_pixels / n_cells).astype(int)
+
+
+def _cell_sums(masks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Int[ndarray, "... rows cols"]: covered pixels per cell from Bool[ndarray, "... H W"] masks."""
+    per_row = np.add.reduceat(masks.astype(np.int64), rows[:-1], axis=-2)
+    return np.add.reduceat(per_row, cols[:-1], axis=-1)
+
+
+def object_cells(scene, geometry: Geometry, coverage: float = COVERAGE, each_object: bool = True) -> Tensor:
+    """Bool[Tensor, "rows cols"]: the token cells of ``geometry`` that hold an object.
+
+    A cell is covered when the union of ``scene.masks()`` covers ≥ ``coverage`` of its pixels (a cell
+    of a scene at the geometry's size is ``geometry.token_size`` px square). With ``each_object``,
+    each object also marks the cell(s) holding most of its pixels (ties all marked).
+    """
+    if not 0 < coverage <= 1:
+        raise InputError(f"coverage must be in (0, 1], got {coverage}; 0.25 is the documented default")
+    n_rows, n_cols = geometry.token_grid
+    rows, cols = _edges(scene.height, n_rows, "high"), _edges(scene.width, n_cols, "wide")
+    masks = scene.masks()  # Bool[ndarray, "obj H W"]
+    area = np.diff(rows)[:, None] * np.diff(cols)[None, :]
+    covered = _cell_sums(masks.any(0), rows, cols) >= coverage * area
+    if each_object and len(masks):
+        per_obj = _cell_sums(masks, rows, cols)  # Int[ndarray, "obj rows cols"]
+        peak = per_obj.max(axis=(1, 2), keepdims=True)
+        covered |= ((per_obj == peak) & (peak > 0)).any(0)
+    return torch.from_numpy(covered)
+
+
+# ----------------------------------------------------------------------------- pure metrics on a grid
+
+
+def grid_attention(image_attn: Tensor, cells: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Float[Tensor, "... rows cols"]: attention on image tokens back-projected onto the token grid.
+
+    ``image_attn`` is Float[Tensor, "... n_image"], ``cells`` Int[Tensor, "n_image 2"] (row, col) per
+    image token (`Batch.image_cell`); tokens at (−1, −1) (row-end newlines) are dropped, tokens that
+    share a cell (a base and a high-resolution view) add up.
+    """
+    rows, cols = grid
+    cells = cells.to(image_attn.device)
+    keep = (cells >= 0).all(-1)
+    flat = cells[keep, 0] * cols + cells[keep, 1]
+    out = image_attn.new_zeros(*image_attn.shape[:-1], rows * cols)
+    out.index_add_(-1, flat, image_attn[..., keep])
+    return out.view(*image_attn.shape[:-1], rows, cols)
+
+
+def _flat(grid_map: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    if grid_map.shape[-2:] != mask.shape[-2:]:
+        raise InputError(f"attention grid {tuple(grid_map.shape[-2:])} and object cells {tuple(mask.shape[-2:])} "
+                         "differ; build both from the same Geometry")
+    return grid_map.flatten(-2).float(), mask.to(grid_map.device).flatten(-2).bool()
+
+
+def region_share(grid_map: Tensor, mask: Tensor, visual: Tensor | None = None) -> Tensor:
+    """VRA, Float[Tensor, "..."]: attention on object cells / ``visual`` (default: the grid's total).
+
+    Pass the attention on *all* image tokens as ``visual`` when some image tokens have no cell.
+    """
+    m, obj = _flat(grid_map, mask)
+    total = m.sum(-1) if visual is None else visual.float()
+    hit = (m * obj).sum(-1)
+    return torch.where(total > 0, hit / total.clamp_min(1e-30), torch.full_like(hit, float("nan")))
+
+
+def attention_iou(grid_map: Tensor, mask: Tensor, threshold: float = THRESHOLD) -> Tensor:
+    """Attn-IoU, Float[Tensor, "..."]: IoU of {cells ≥ threshold · peak attention} with the object cells.
+
+    NaN when both sets are empty (no attention and no objects).
+    """
+    m, obj = _flat(grid_map, mask)
+    peak = m.amax(-1, keepdim=True)
+    attended = (peak > 0) & (m >= threshold * peak)
+    inter = (attended & obj).sum(-1).float()
+    union = (attended | obj).sum(-1).float()
+    return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
+
+
+def attention_reward(grid_map: Tensor, mask: Tensor, quantile: float = QUANTILE) -> Tensor:
+    """ARS, Float[Tensor, "..."]: mean of the clipped, rescaled attention on object cells minus elsewhere.
+
+    p = map / map.sum() over the cells; c = the ``quantile`` of p over the cells (linear
+    interpolation); q = min(p, c) / c ∈ [0, 1]; ARS = mean(q[object]) − mean(q[¬object]) ∈ [−1, 1].
+    NaN when the map is all zero or the mask is all True / all False.
+    """
+    m, obj = _flat(grid_map, mask)
+    p = m / m.sum(-1, keepdim=True).clamp_min(1e-30)
+    clip = torch.quantile(p, quantile, dim=-1, keepdim=True)
+    q = torch.minimum(p, clip) / clip.clamp_min(1e-30)
+    n_obj, n_bg = obj.sum(-1), (~obj).sum(-1)
+    on = (q * obj).sum(-1) / n_obj.clamp_min(1)
+    off = (q * ~obj).sum(-1) / n_bg.clamp_min(1)
+    ok = (n_obj > 0) & (n_bg > 0) & (clip.squeeze(-1) > 0)
+    return torch.where(ok, on - off, torch.full_like(on, float("nan")))
+
+
+# ----------------------------------------------------------------------------- on a model
+
+
+def _check(samples: Sequence, batch_size: int) -> None:
+    if len(samples) == 0:
+        raise InputError("no samples given; pass a non-empty list of samples with a scene")
+    if batch_size < 1:
+        raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
+    missing = [i for i, s in enumerate(samples) if getattr(s, "scene", None) is None]
+    if missing:
+        raise InputError(f"samples {missing[:5]} have no scene (object masks); use TaskSample-like samples "
+                         "with .scene, e.g. from countlens.datasets.countingtricks")
+
+
+def _sample_metrics(head_mean: Tensor, pos: Tensor, cells: Tensor, obj: Tensor, quantile: float,
+                    threshold: float) -> dict[str, Tensor]:
+    """Float[Tensor, "layer"] per metric from one sample's head-mean row Float[Tensor, "layer seq"]."""
+    image = head_mean[:, pos.to(head_mean.device)]  # Float[Tensor, "layer n_image"]
+    mas = image.sum(-1)
+    grid = grid_attention(image, cells, tuple(obj.shape))
+    return {"mas": mas, "vra": region_share(grid, obj, mas), "iou": attention_iou(grid, obj, threshold),
+            "ars": attention_reward(grid, obj, quantile)}
+
+
+def attention_metrics(vlm, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16, *,
+                      coverage: float = COVERAGE, threshold: float = THRESHOLD,
+                      quantile: float = QUANTILE) -> xr.Dataset:
+    """MAS, VRA, Attn-IoU and ARS of the last prompt position: an xr.Dataset over (layer, sample).
+
+    Also per sample: ``correct`` (single-token scoring, `countlens.analysis.evaluate.score`),
+    ``object_share`` (the share of cells that are object cells: VRA's value under uniform
+    attention), ``case``, ``count``, ``task``. Attention comes from
+    `countlens.circuits.attention.last_token_attention` (eager attention for that call only).
+    """
+    from countlens.analysis.evaluate import score
+    from countlens.circuits.attention import last_token_attention
+
+    _check(samples, batch_size)
+    layers = list(range(vlm.arch.n_layers)) if layers is None else sorted({int(x) for x in layers})
+    for layer in layers:
+        vlm.arch.self_attn(layer)  # raises a LayerError naming the valid range
+    rows: dict[str, list[Tensor]] = {k: [] for k in METRICS}
+    share: list[float] = []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+        head_mean = last_token_attention(vlm, batch, layers).mean(2)  # Float[Tensor, "layer batch seq"]
+        for b, s in enumerate(chunk):
+            obj = object_cells(s.scene, batch.geometry[b], coverage)
+            share.append(float(obj.float().mean()))
+            got = _sample_metrics(head_mean[:, b], batch.image_pos[b], batch.image_cell[b], obj, quantile, threshold)
+            for k in METRICS:
+                rows[k].append(got[k])
+    scored = score(vlm, samples, batch_size=batch_size)
+    data = {k: (("layer", "sample"), torch.stack(v, -1).numpy()) for k, v in rows.items()}
+    data |= {"object_share": ("sample", np.array(share)), "correct": ("sample", scored["correct"].values)}
+    data |= {k: ("sample", scored[k].values) for k in ("case", "count", "task")}
+    return xr.Dataset(data, coords={"layer": layers, "sample": np.arange(len(samples))},
+                      attrs={"model": vlm.name, "arch": vlm.arch.name, "position": "last prompt token",
+                             "coverage": coverage, "threshold": threshold, "quantile": quantile})
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _outcomes(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    return {"all": df, "correct": df[df["correct"]], "incorrect": df[~df["correct"]]}
+
+
+def aggregate(ds: xr.Dataset, by: str | None = "case", layers: Sequence[int] | None = None,
+              per_layer: bool = False) -> pd.DataFrame:
+    """Mean MAS / VRA / IoU / ARS (NaN-skipping) and n per ``by`` value and outcome (all / correct / incorrect).
+
+    Metrics are first averaged over ``layers`` (default: every layer of ``ds``) unless ``per_layer``,
+    which keeps a ``layer`` index level. Index: (``by``, outcome[, layer]); ``by=None`` drops that level.
+    """
+    need = [*METRICS, "correct"] + ([by] if by else [])
+    missing = [k for k in need if k not in ds.variables]
+    if missing:
+        raise InputError(f"the result has no {missing}; give an attention_metrics() result and group by one "
+                         f"of its variables {sorted(map(str, ds.data_vars))}")
+    if layers is not None:
+        ds = ds.sel(layer=list(layers))
+    vals = ds[list(METRICS)] if per_layer else ds[list(METRICS)].mean("layer", skipna=True)
+    df = vals.assign({k: ds[k] for k in need if k not in METRICS}).to_dataframe().reset_index()
+    df["correct"] = df["correct"].astype(bool)
+    keys = ([by] if by else []) + (["layer"] if per_layer else [])
+    parts = []
+    for outcome, part in _outcomes(df).items():
+        stats = part.groupby(keys)[list(METRICS)].mean() if keys else part[list(METRICS)].mean().to_frame().T
+        n = part.groupby(keys)["sample"].nunique() if keys else pd.Series([part["sample"].nunique()])
+        parts.append(stats.assign(n=n.values if not keys else n, outcome=outcome).reset_index(drop=not keys))
+    out = pd.concat(parts, ignore_index=True)
+    index = ([by] if by else []) + ["outcome"] + (["layer"] if per_layer else [])
+    return out.set_index(index).sort_index()

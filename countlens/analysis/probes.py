@@ -1,0 +1,383 @@
+"""Detection probes: how well can a tiny YOLO head find the objects in one tap of the model?
+
+Following "Counting to Four is still a Chore for VLMs", a frozen model's activations at a tap
+(`countlens.circuits.taps`: a vision block, the projector output, or a decoder layer at the image
+tokens) are laid out as a feature map Float[Tensor, "sample d rows cols"], and the *same* small
+detector is trained on every tap: a 1×1 convolution down to ``config.hidden`` channels (the only
+part whose size depends on the tap's width d), GroupNorm, SiLU, then a YOLO-style head (3×3 conv →
+GroupNorm → SiLU → 1×1 conv to 5 outputs per cell). Each grid cell makes one anchor-free prediction:
+an objectness logit and a box (dx, dy, log w, log h) relative to the cell — the centre is
+``cell + 2·sigmoid(dx) − 0.5`` cells (YOLOv5's range, −0.5…1.5, so a box may sit just outside its
+cell) and the size ``exp(log w)`` cells. An object is the target of the cell containing its centre;
+when two objects' centres fall in one cell, the one nearer the cell centre keeps it and the other
+moves to the free edge-neighbour on its nearer side (its centre stays within reach of the offset
+range); an object with no free such neighbour is dropped from the targets (its ground-truth box
+stays in the evaluation, so it counts as a miss). Training minimises BCE on objectness over all
+cells plus (1 − GIoU) over the target cells, with Adam. Inputs are standardised per channel with
+the training set's mean and standard deviation (stored in the probe), so residual-stream taps with
+large outlier channels train like the others. Detections are decoded, filtered by score and
+de-duplicated with greedy NMS, and scored by class-agnostic AP@50 with COCO's 101-point
+interpolation (`average_precision`). Because the probe's capacity is the same everywhere and tiny
+next to the model, a difference in AP between taps measures how much *localised* object evidence the
+representation still holds — the paper finds it high at the projector and lower in the LLM.
+
+    from countlens.analysis.probes import ProbeConfig, probe_taps
+    ds = probe_taps(vlm, train, test, taps=[("vision", 1), ("projector", None), ("llm", 2)])
+    ds.ap50.to_series()
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from countlens.errors import InputError
+
+#: A tap: (kind, index), as `countlens.circuits.taps.tap` takes them.
+Tap = tuple[str, int | None]
+DEFAULT_TAPS: tuple[Tap, ...] = (("vision", 0), ("vision", 1), ("projector", None), ("llm", 0), ("llm", 2), ("llm", 5))
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Hyper-parameters of the probe and its training; one config is used for every tap."""
+
+    hidden: int = 64  # bottleneck channels (the paper's 1×1 bottleneck width)
+    groups: int = 8  # GroupNorm groups; must divide hidden
+    epochs: int = 40
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    batch_size: int = 32
+    box_weight: float = 2.0  # weight of the (1 − GIoU) term against objectness BCE
+    prior: float = 0.1  # initial objectness probability (bias init, as in YOLO / RetinaNet)
+    score_threshold: float = 0.01  # detections kept for AP (low: AP needs the whole ranking)
+    nms_iou: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden < 1 or self.hidden % self.groups:
+            raise InputError(f"ProbeConfig.hidden={self.hidden} must be a positive multiple of groups={self.groups}")
+        if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
+            raise InputError("ProbeConfig needs epochs ≥ 1, batch_size ≥ 1 and lr > 0; fix the offending field")
+
+
+class DetectionProbe(nn.Module):
+    """1×1 bottleneck → GroupNorm → SiLU → YOLO head; one (objectness, dx, dy, log w, log h) per cell."""
+
+    def __init__(self, in_channels: int, config: ProbeConfig = ProbeConfig()):
+        super().__init__()
+        h, g = config.hidden, config.groups
+        self.bottleneck = nn.Sequential(nn.Conv2d(in_channels, h, 1), nn.GroupNorm(g, h), nn.SiLU())
+        self.head = nn.Sequential(nn.Conv2d(h, h, 3, padding=1), nn.GroupNorm(g, h), nn.SiLU(), nn.Conv2d(h, 5, 1))
+        self.register_buffer("mean", torch.zeros(in_channels, 1, 1))
+        self.register_buffer("std", torch.ones(in_channels, 1, 1))
+        with torch.no_grad():
+            self.head[-1].bias.zero_()
+            self.head[-1].bias[0] = math.log(config.prior / (1 - config.prior))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Float[Tensor, "batch d rows cols"] → raw outputs Float[Tensor, "batch 5 rows cols"]."""
+        return self.head(self.bottleneck((x - self.mean) / self.std))
+
+    @property
+    def n_params(self) -> int:
+        """Trainable parameters (the standardisation buffers are not counted)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------- boxes
+
+
+def box_iou(a: Tensor, b: Tensor) -> Tensor:
+    """Float[Tensor, "n m"]: IoU of every xyxy box in ``a`` (n, 4) with every one in ``b`` (m, 4)."""
+    lt = torch.maximum(a[:, None, :2], b[None, :, :2])
+    rb = torch.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    area = lambda x: (x[:, 2:] - x[:, :2]).clamp(min=0).prod(-1)  # noqa: E731
+    return inter / (area(a)[:, None] + area(b)[None, :] - inter).clamp(min=1e-12)
+
+
+def giou(a: Tensor, b: Tensor) -> Tensor:
+    """Float[Tensor, "n"]: generalised IoU of paired xyxy boxes ``a[i]``, ``b[i]`` (in [−1, 1])."""
+    lt, rb = torch.maximum(a[:, :2], b[:, :2]), torch.minimum(a[:, 2:], b[:, 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    area_a, area_b = (a[:, 2:] - a[:, :2]).prod(-1), (b[:, 2:] - b[:, :2]).prod(-1)
+    union = area_a + area_b - inter
+    hull = (torch.maximum(a[:, 2:], b[:, 2:]) - torch.minimum(a[:, :2], b[:, :2])).prod(-1)
+    return inter / union.clamp(min=1e-12) - (hull - union) / hull.clamp(min=1e-12)
+
+
+def nms(boxes: Tensor, scores: Tensor, iou: float = 0.5) -> Tensor:
+    """Long[Tensor, "kept"]: greedy non-maximum suppression, indices of kept boxes by falling score.
+
+    Boxes are taken in order of score (ties: the earlier index first); a box is dropped when its IoU
+    with an already kept box exceeds ``iou``.
+    """
+    if boxes.ndim != 2 or boxes.shape[-1] != 4 or scores.shape != boxes.shape[:1]:
+        raise InputError(f"nms needs boxes (n, 4) and scores (n,); got {tuple(boxes.shape)} and {tuple(scores.shape)}")
+    order = torch.from_numpy(np.argsort(-scores.detach().cpu().numpy(), kind="stable"))
+    overlap = box_iou(boxes, boxes)
+    suppressed = torch.zeros(len(boxes), dtype=torch.bool)
+    keep = []
+    for i in order.tolist():
+        if suppressed[i]:
+            continue
+        keep.append(i)
+        suppressed |= overlap[i] > iou
+    return torch.tensor(keep, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def _normalised_boxes(sample) -> np.ndarray:
+    """(n, 4) xyxy boxes of a sample's objects as fractions of the image width and height."""
+    scene = sample.scene
+    return scene.boxes() / np.array([scene.width, scene.height, scene.width, scene.height], dtype=float)
+
+
+def _assign(boxes: np.ndarray, rows: int, cols: int) -> list[tuple[int, int, int]]:
+    """(object, row, col) targets: the centre's cell, or on a collision the nearer free edge-neighbour."""
+    cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2 * cols, (boxes[:, 1] + boxes[:, 3]) / 2 * rows
+    cell = np.stack([np.clip(np.floor(cy), 0, rows - 1), np.clip(np.floor(cx), 0, cols - 1)], 1).astype(int)
+    off = np.stack([cy - cell[:, 0] - 0.5, cx - cell[:, 1] - 0.5], 1)  # centre offset from the cell centre
+    order = np.argsort(np.hypot(off[:, 0], off[:, 1]), kind="stable")  # nearest the cell centre first
+    taken: set[tuple[int, int]] = set()
+    out = []
+    for i in order:
+        r, c = cell[i]
+        steps = sorted([(abs(off[i, 0]), (int(np.sign(off[i, 0]) or 1), 0)), (abs(off[i, 1]), (0, int(np.sign(off[i, 1]) or 1)))],
+                       reverse=True)
+        for rc in [(r, c)] + [(r + dr, c + dc) for _, (dr, dc) in steps]:
+            if 0 <= rc[0] < rows and 0 <= rc[1] < cols and rc not in taken:
+                taken.add(rc)
+                out.append((int(i), int(rc[0]), int(rc[1])))
+                break
+    return out
+
+
+def build_targets(samples: Sequence, rows: int, cols: int) -> tuple[Tensor, Tensor]:
+    """(objectness Float[Tensor, "sample rows cols"], boxes Float[Tensor, "sample rows cols 4"]).
+
+    Boxes are normalised xyxy (fractions of the image); zero where a cell has no target.
+    """
+    obj = torch.zeros(len(samples), rows, cols)
+    box = torch.zeros(len(samples), rows, cols, 4)
+    for s, sample in enumerate(samples):
+        boxes = _normalised_boxes(sample)
+        for i, r, c in _assign(boxes, rows, cols):
+            obj[s, r, c] = 1.0
+            box[s, r, c] = torch.from_numpy(boxes[i]).float()
+    return obj, box
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def decode(out: Tensor) -> tuple[Tensor, Tensor]:
+    """Raw outputs Float[Tensor, "batch 5 rows cols"] → (logits "batch rows cols", boxes "batch rows cols 4").
+
+    Boxes are normalised xyxy: centre ``(col + 2σ(dx) − 0.5) / cols``, width ``exp(log w) / cols``.
+    """
+    _, _, rows, cols = out.shape
+    r = torch.arange(rows, dtype=out.dtype)[:, None]
+    c = torch.arange(cols, dtype=out.dtype)[None, :]
+    cx = (c + 2 * torch.sigmoid(out[:, 1]) - 0.5) / cols
+    cy = (r + 2 * torch.sigmoid(out[:, 2]) - 0.5) / rows
+    w = torch.exp(out[:, 3].clamp(-6, 4)) / cols
+    h = torch.exp(out[:, 4].clamp(-6, 4)) / rows
+    return out[:, 0], torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
+
+
+def probe_loss(out: Tensor, obj: Tensor, box: Tensor, box_weight: float) -> Tensor:
+    """BCE objectness (mean over cells) + box_weight · mean (1 − GIoU) over the target cells."""
+    logits, pred = decode(out)
+    loss = F.binary_cross_entropy_with_logits(logits, obj)
+    pos = obj > 0.5
+    if pos.any():
+        loss = loss + box_weight * (1 - giou(pred[pos], box[pos])).mean()
+    return loss
+
+
+def _check_features(features: Tensor, samples: Sequence, name: str = "features") -> None:
+    if not isinstance(features, Tensor) or features.ndim != 4:
+        shape = tuple(features.shape) if isinstance(features, Tensor) else type(features).__name__
+        raise InputError(f"{name} must be a Float[Tensor, 'sample d rows cols'] map (e.g. from taps.tap); got {shape}")
+    if len(features) != len(samples):
+        raise InputError(f"{name} has {len(features)} maps but {len(samples)} samples were given; pass one map per sample")
+
+
+def fit_probe(features: Tensor, samples: Sequence, config: ProbeConfig = ProbeConfig()) -> DetectionProbe:
+    """Train a `DetectionProbe` on Float[Tensor, "sample d rows cols"] maps of ``samples``' images.
+
+    Deterministic for a given ``config.seed`` (initialisation and batch order draw from it; the
+    global torch RNG is left untouched). The final epoch's mean loss is kept as ``probe.train_loss``.
+    """
+    _check_features(features, samples)
+    x = features.detach().float().cpu()
+    obj, box = build_targets(samples, x.shape[2], x.shape[3])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        probe = DetectionProbe(x.shape[1], config)
+    probe.mean.copy_(x.mean((0, 2, 3))[:, None, None])
+    probe.std.copy_(x.std((0, 2, 3))[:, None, None].clamp(min=1e-6))
+    opt = torch.optim.AdamW(probe.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    steps = config.epochs * math.ceil(len(x) / config.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, config.lr, total_steps=steps, pct_start=0.1)
+    gen = torch.Generator().manual_seed(config.seed)
+    probe.train()
+    for _ in range(config.epochs):
+        total = 0.0
+        for idx in torch.randperm(len(x), generator=gen).split(config.batch_size):
+            loss = probe_loss(probe(x[idx]), obj[idx], box[idx], config.box_weight)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += float(loss) * len(idx)
+        probe.train_loss = total / len(x)
+    probe.eval()
+    return probe
+
+
+@torch.no_grad()
+def predict(probe: DetectionProbe, features: Tensor, image_size: int | tuple[int, int],
+            score_threshold: float = 0.01, nms_iou: float = 0.5) -> list[np.ndarray]:
+    """Per image, an (n, 5) array of detections (x0, y0, x1, y1, score) in pixels, by falling score.
+
+    ``image_size`` is the side of a square image or (height, width). Detections under
+    ``score_threshold`` are dropped, then NMS at ``nms_iou`` removes duplicates.
+    """
+    if features.ndim != 4:
+        raise InputError(f"features must be (sample, d, rows, cols); got shape {tuple(features.shape)}")
+    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+    probe.eval()
+    logits, boxes = decode(probe(features.float().cpu()))
+    scale = torch.tensor([width, height, width, height], dtype=boxes.dtype)
+    out = []
+    for lg, bx in zip(logits.flatten(1), boxes.flatten(1, 2)):
+        score = torch.sigmoid(lg)
+        keep = score >= score_threshold
+        bx = (bx[keep] * scale).clamp(min=0)
+        bx = torch.minimum(bx, scale)
+        score = score[keep]
+        kept = nms(bx, score, nms_iou)
+        out.append(torch.cat([bx[kept], score[kept, None]], 1).numpy().reshape(-1, 5))
+    return out
+
+
+# ----------------------------------------------------------------------------- AP
+
+
+def _match(pred: np.ndarray, gt: np.ndarray, iou: float) -> np.ndarray:
+    """Bool (n_pred,): true positives of one image's detections, taken by falling score.
+
+    Each detection claims the unclaimed ground-truth box it overlaps most, if that IoU ≥ ``iou``;
+    a detection of an already claimed object (a duplicate) is a false positive.
+    """
+    tp = np.zeros(len(pred), dtype=bool)
+    if len(pred) == 0 or len(gt) == 0:
+        return tp
+    overlap = box_iou(torch.as_tensor(pred[:, :4], dtype=torch.float64), torch.as_tensor(gt, dtype=torch.float64)).numpy()
+    claimed = np.zeros(len(gt), dtype=bool)
+    for i in np.argsort(-pred[:, 4], kind="stable"):
+        cand = np.where(claimed, -1.0, overlap[i])
+        j = int(cand.argmax())
+        if cand[j] >= iou:
+            claimed[j] = tp[i] = True
+    return tp
+
+
+def average_precision(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray], iou: float = 0.5) -> float:
+    """Class-agnostic AP at IoU ``iou`` (AP@50 by default), COCO-style with 101-point interpolation.
+
+    ``preds[i]`` is image i's (n, 5) detections (x0, y0, x1, y1, score), ``gt_boxes[i]`` its (m, 4)
+    boxes. Detections of all images are pooled and ranked by score (ties keep input order); within an
+    image each is matched greedily (`_match`). Precision is made monotone (each value replaced by the
+    best precision at any higher recall) and read at recalls 0, 0.01, …, 1: at each, the precision of
+    the first rank reaching that recall, or 0 if none does. AP is the mean of these 101 values.
+    """
+    if len(preds) != len(gt_boxes):
+        raise InputError(f"got predictions for {len(preds)} images but ground truth for {len(gt_boxes)}; pass one of each per image")
+    n_gt = sum(len(g) for g in gt_boxes)
+    if n_gt == 0:
+        raise InputError("gt_boxes holds no objects, so AP is undefined; evaluate on images with objects")
+    scores, hits = [], []
+    for p, g in zip(preds, gt_boxes):
+        p = np.asarray(p, dtype=float).reshape(-1, 5)
+        scores.append(p[:, 4])
+        hits.append(_match(p, np.asarray(g, dtype=float).reshape(-1, 4), iou))
+    scores, hits = np.concatenate(scores), np.concatenate(hits)
+    if len(scores) == 0:
+        return 0.0
+    order = np.argsort(-scores, kind="stable")
+    tp = np.cumsum(hits[order])
+    recall = tp / n_gt
+    precision = tp / np.arange(1, len(tp) + 1)
+    precision = np.maximum.accumulate(precision[::-1])[::-1]
+    at = np.searchsorted(recall, np.linspace(0, 1, 101), side="left")
+    return float(np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0).mean())
+
+
+def evaluate_probe(probe: DetectionProbe, features: Tensor, samples: Sequence, config: ProbeConfig = ProbeConfig()) -> float:
+    """AP@50 of ``probe`` on the maps ``features`` of ``samples`` (their scenes' boxes are the truth)."""
+    _check_features(features, samples)
+    sizes = {(s.scene.height, s.scene.width) for s in samples}
+    if len(sizes) != 1:
+        raise InputError(f"samples have {len(sizes)} image sizes {sorted(sizes)}; evaluate one image size at a time")
+    preds = predict(probe, features, sizes.pop(), config.score_threshold, config.nms_iou)
+    return average_precision(preds, [s.scene.boxes() for s in samples])
+
+
+# ----------------------------------------------------------------------------- taps
+
+
+def tap_name(kind: str, index: int | None) -> str:
+    """``"vision.1"``, ``"projector"``, ``"llm.2"``: the label of a tap on the ``tap`` dim."""
+    return kind if index is None else f"{kind}.{index}"
+
+
+def probe_taps(vlm, train_samples: Sequence, test_samples: Sequence, taps: Sequence[Tap] = DEFAULT_TAPS,
+               config: ProbeConfig = ProbeConfig(), batch_size: int = 16) -> xr.Dataset:
+    """Train one probe per tap on ``train_samples`` and score AP@50 on ``test_samples``.
+
+    Each tap's features are computed once (train and test in one pass) and dropped after its probe.
+    Returns a Dataset over ``tap`` with ``ap50``, ``n_params``, ``train_loss``, ``seconds`` (tap
+    extraction + training + evaluation), ``tap_seconds``, and coords ``kind``, ``index`` (−1 for
+    none), ``channels`` (the tap's width d) and ``grid`` (its rows).
+    """
+    from countlens.circuits.taps import tap
+    from countlens.results import provenance
+
+    if len(train_samples) == 0 or len(test_samples) == 0:
+        raise InputError("probe_taps needs train_samples and test_samples, both non-empty")
+    if not taps:
+        raise InputError("no taps given; pass e.g. taps=[('projector', None), ('llm', 2)]")
+    rows = []
+    for kind, index in taps:
+        start = time.perf_counter()
+        feats = tap(vlm, list(train_samples) + list(test_samples), kind, index, batch_size=batch_size)
+        tap_seconds = time.perf_counter() - start
+        train, test = feats[: len(train_samples)], feats[len(train_samples):]
+        probe = fit_probe(train, train_samples, config)
+        ap = evaluate_probe(probe, test, test_samples, config)
+        rows.append({"ap50": ap, "n_params": probe.n_params, "train_loss": probe.train_loss,
+                     "seconds": time.perf_counter() - start, "tap_seconds": tap_seconds,
+                     "channels": feats.shape[1], "grid": feats.shape[2]})
+        del feats, train, test
+    names = [tap_name(k, i) for k, i in taps]
+    data = {v: ("tap", [r[v] for r in rows]) for v in ("ap50", "n_params", "train_loss", "seconds", "tap_seconds")}
+    coords = {"tap": names, "kind": ("tap", [k for k, _ in taps]), "index": ("tap", [-1 if i is None else i for _, i in taps]),
+              "channels": ("tap", [r["channels"] for r in rows]), "grid": ("tap", [r["grid"] for r in rows])}
+    dataset = {"train": len(train_samples), "test": len(test_samples)}
+    attrs = provenance(vlm.name, vlm.arch.name, dataset=dataset, seed=config.seed, method="probe_taps",
+                       config={k: v for k, v in asdict(config).items()})
+    return xr.Dataset(data, coords=coords, attrs=attrs)

@@ -1,0 +1,49 @@
+"""Differentiable attention probabilities at chosen layers only.
+
+Fast kernels (SDPA) never form the probabilities. Inside `attention_at(vlm, layers)` the language
+model builds its masks for eager attention (additive float masks, which SDPA also accepts), the
+chosen layers run eager attention and return their probabilities — kept, with their graph, in the
+yielded dict — and every other layer keeps running the fast kernel on its own copy of the config.
+So a loss on two layers' attention materialises two layers' probabilities, not all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from countlens.errors import InputError
+
+
+@contextmanager
+def attention_at(vlm, layers: Sequence[int]) -> Iterator[dict[int, object]]:
+    """``with attention_at(vlm, [3, 4]) as attn: model(...)`` → ``attn[l]``: Float[Tensor, "batch heads seq seq"]."""
+    arch = vlm.arch
+    for layer in layers:
+        arch.layer(layer)
+    if not layers:
+        raise InputError("attention_at needs at least one layer")
+    text = getattr(vlm.hf.config, arch.spec.text_config)
+    fast = text._attn_implementation
+    captured: dict[int, object] = {}
+    handles, swapped = [], []
+    vlm.hf.set_attn_implementation({arch.spec.text_config: "eager"})
+    try:
+        for layer in range(arch.n_layers):
+            attn = vlm.hf.get_submodule(arch.self_attn(layer))
+            if layer in layers:
+                handles.append(attn.register_forward_hook(
+                    lambda m, args, out, layer=layer: captured.__setitem__(layer, out[1])))
+            elif fast != "eager":
+                own = copy.copy(attn.config)
+                own._attn_implementation = fast
+                swapped.append((attn, attn.config))
+                attn.config = own
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+        for attn, config in swapped:
+            attn.config = config
+        vlm.hf.set_attn_implementation({arch.spec.text_config: fast})

@@ -1,0 +1,59 @@
+"""Training batches: prompt + answer tokens, with labels on the answer tokens only.
+
+`VLM.prepare` builds the prompt (chat template, images, left padding). A training batch appends
+each sample's answer tokens after its prompt and pads the answers on the right; labels are −100
+everywhere except on answer tokens, so the cross-entropy only counts the answer. ``targets`` marks
+the query positions that *predict* an answer token (the last prompt position, then each answer
+token but the last): the positions whose attention the focus and MAS losses shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+IGNORE = -100
+
+
+@dataclass
+class TrainBatch:
+    inputs: dict[str, Tensor]
+    labels: Tensor  # Long[Tensor, "batch seq"], IGNORE off the answer
+    targets: Tensor  # Bool[Tensor, "batch seq"], positions that predict an answer token
+    prompt: object  # the prompt-only countlens Batch (image positions, cells, geometry)
+    samples: Sequence
+
+
+def training_batch(vlm, samples: Sequence) -> TrainBatch:
+    """Prompt + answer batch for ``samples`` (anything with image, question, answer)."""
+    prompt = vlm.prepare([s.image for s in samples], [s.question for s in samples], [s.answer for s in samples],
+                         single_token=False)
+    answers = prompt.answer_ids
+    width = max(len(a) for a in answers)
+    ids = prompt.inputs["input_ids"]
+    n, length = ids.shape
+    pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
+    tail = torch.full((n, width), pad, dtype=ids.dtype)
+    tail_mask = torch.zeros(n, width, dtype=prompt.inputs["attention_mask"].dtype)
+    labels = torch.full((n, length + width), IGNORE, dtype=torch.long)
+    for b, a in enumerate(answers):
+        tail[b, : len(a)] = torch.tensor(a, dtype=ids.dtype)
+        tail_mask[b, : len(a)] = 1
+        labels[b, length : length + len(a)] = torch.tensor(a)
+    inputs = dict(prompt.inputs)
+    for name, t in prompt.inputs.items():
+        # Per-token tensors (ids, attention mask, token-type ids) grow by the answer columns.
+        if isinstance(t, Tensor) and t.shape[:2] == (n, length) and t.dim() == 2:
+            extra = tail if name == "input_ids" else tail_mask if name == "attention_mask" else torch.zeros_like(tail, dtype=t.dtype)
+            inputs[name] = torch.cat([t, extra], dim=1)
+    return TrainBatch(inputs, labels, answer_targets(labels), prompt, samples)
+
+
+def answer_targets(labels: Tensor) -> Tensor:
+    """Bool[Tensor, "batch seq"]: position p is a target when label p + 1 is an answer token."""
+    targets = torch.zeros_like(labels, dtype=torch.bool)
+    targets[:, :-1] = labels[:, 1:] != IGNORE
+    return targets

@@ -1,0 +1,241 @@
+"""Circuit-guided LoRA fine-tuning: answer cross-entropy plus attention losses at the circuit's layers.
+
+The loss is CE(answer) + λ_focus·L_focus + λ_mas·L_mas (`countlens.training.losses`), the two
+attention terms at ``target_layers`` — taken from a circuit (the layers of its visual-grounding and
+cross-modal-routing heads, `target_layers_from`) or given. LoRA adapters (peft) sit on the language
+model's attention projections, optionally only at the target layers; AdamW with 3 % linear warmup
+then linear decay; gradient accumulation; bf16 autocast on GPU, fp32 on CPU, through `accelerate`
+(so ``accelerate launch`` runs it on several GPUs unchanged).
+
+Batches are a pure function of (seed, step), so a run killed at any point resumes from its last
+checkpoint (adapter, optimiser, scheduler and step, written atomically every ``save_every`` steps)
+and ends exactly where an uninterrupted run would. `with_adapter` loads a trained adapter merged
+into a fresh copy of the model, ready for evaluation and for head temperature.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from countlens.errors import InputError
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    steps: int = 200
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    warmup: float = 0.03
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_layers_only: bool = False
+    target_layers: tuple[int, ...] = ()
+    focus: float = 1.0  # λ_focus (0 switches the term off)
+    mas: float = 0.0  # λ_mas (the papers' default when used: 0.1)
+    tau: float = 0.4
+    sigma: float = 1.0
+    mas_reduce: str = "token"
+    seed: int = 0
+    save_every: int = 50
+    extra: dict = field(default_factory=dict)
+
+
+def target_layers_from(circuit, classes: Sequence[str] = ("visual grounding", "cross-modal routing"),
+                       fallback_k: int = 3) -> tuple[int, ...]:
+    """Layers of the circuit's heads in ``classes``; else of its ``fallback_k`` most important heads.
+
+    ``circuit``: a `countlens discover` run directory (its ``heads.csv``) or a head table DataFrame."""
+    import pandas as pd
+
+    if isinstance(circuit, (str, Path)):
+        path = Path(circuit) / "heads.csv"
+        if not path.exists():
+            raise InputError(f"no circuit at {circuit}: {path} is missing; run `countlens discover --out {circuit}` first")
+        circuit = pd.read_csv(path)
+    chosen = circuit[circuit["class"].isin(classes)]
+    if chosen.empty:
+        chosen = circuit.sort_values("importance", ascending=False).head(fallback_k)
+    return tuple(sorted({int(x) for x in chosen["layer"]}))
+
+
+def _lora_config(vlm, config: FinetuneConfig):
+    from peft import LoraConfig
+
+    spec = vlm.arch.spec
+    layers = config.target_layers if config.lora_target_layers_only and config.target_layers else range(vlm.arch.n_layers)
+    # A full-match regex on module names: only the language model's attention projections.
+    pattern = (rf"{re.escape(spec.layers)}\.({'|'.join(str(x) for x in layers)})\.{re.escape(spec.self_attn)}"
+               rf"\.({'|'.join(PROJECTIONS)})")
+    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=pattern, bias="none")
+
+
+def _lr_lambda(config: FinetuneConfig) -> Callable[[int], float]:
+    warm = max(1, math.ceil(config.warmup * config.steps))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return max(0.0, (config.steps - step) / max(1, config.steps - warm))
+
+    return f
+
+
+def _batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
+    """The samples of one step: a seeded permutation per epoch, so step s is the same on every run."""
+    start = step * batch_size
+    out = []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), n)
+        perm = np.random.default_rng([seed, epoch]).permutation(n)
+        out.extend(perm[offset : offset + batch_size - len(out)].tolist())
+    return np.array(out)
+
+
+def _save_checkpoint(model, optimizer, scheduler, step: int, log: list, out: Path) -> None:
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}, tmp / "state.pt")
+    (tmp / "log.json").write_text(json.dumps(log))
+    # Swap directories so that a crash leaves either the old or the new checkpoint complete.
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    for name in ("checkpoint", "checkpoint.old"):
+        if (out / name / "state.pt").exists():
+            return out / name
+    return None
+
+
+def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
+             progress: Callable[[dict], None] | None = None) -> Path:
+    """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
+    adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
+    from accelerate import Accelerator
+    from peft import get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from countlens.circuits.sites import group_mask
+    from countlens.training.capture import attention_at
+    from countlens.training.collate import training_batch
+    from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {out} is a file; give a directory")
+    if len(samples) == 0:
+        raise InputError("no training samples")
+    attn_terms = config.focus > 0 or config.mas > 0
+    if attn_terms and not config.target_layers:
+        raise InputError("focus/MAS losses need target_layers (e.g. target_layers_from('runs/toy')); "
+                         "or set focus=0 and mas=0 for plain SFT")
+    for layer in config.target_layers:
+        vlm.arch.layer(layer)
+    spec_file = out / "finetune.json"
+    spec = {"model": vlm.name, "samples": len(samples), **{k: v for k, v in asdict(config).items() if k != "save_every"}}
+    spec = json.loads(json.dumps(spec))
+    if spec_file.exists() and json.loads(spec_file.read_text()) != spec:
+        raise InputError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(json.dumps(spec, indent=1))
+
+    torch.manual_seed(config.seed)
+    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
+                              mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
+    peft_model = get_peft_model(vlm.hf, _lora_config(vlm, config))
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    step, log = 0, []
+    ckpt = _latest_checkpoint(out)
+    if ckpt is not None:
+        set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, log = state["step"], json.loads((ckpt / "log.json").read_text())
+    model, optimizer, scheduler = accelerator.prepare(peft_model, optimizer, scheduler)
+    model.train()
+    try:
+        while step < config.steps:
+            for micro in range(config.grad_accum):
+                idx = _batch_indices(len(samples), step * config.grad_accum + micro, config.batch_size, config.seed)
+                tb = training_batch(vlm, [samples[i] for i in idx])
+                inputs = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in tb.inputs.items()}
+                with accelerator.accumulate(model), accelerator.autocast():
+                    if attn_terms:
+                        with attention_at(vlm, config.target_layers) as attn:
+                            logits = model(**inputs).logits
+                        maps = [attn[layer] for layer in config.target_layers]
+                    else:
+                        logits = model(**inputs).logits
+                    ce = answer_ce(logits, tb.labels)
+                    terms = {"ce": ce}
+                    if config.focus > 0:
+                        priors = object_prior(tb.prompt, tb.samples, config.sigma)
+                        terms["focus"] = focus_loss(maps, tb.targets, tb.prompt.image_pos, priors)
+                    if config.mas > 0:
+                        image = torch.zeros_like(tb.targets)
+                        image[:, : tb.prompt.inputs["input_ids"].shape[1]] = group_mask(tb.prompt, "image")
+                        terms["mas"] = mas_loss(maps, tb.targets, image, config.tau, config.mas_reduce)
+                    loss = ce + config.focus * terms.get("focus", 0.0) + config.mas * terms.get("mas", 0.0)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    scheduler.step() if accelerator.sync_gradients else None
+                    optimizer.zero_grad()
+            row = {"step": step, "loss": float(loss), **{k: float(v) for k, v in terms.items()},
+                   "lr": scheduler.get_last_lr()[0]}
+            log.append(row)
+            step += 1
+            if progress is not None:
+                progress(row)
+            if step % config.save_every == 0 or step == config.steps:
+                _save_checkpoint(accelerator.unwrap_model(model), optimizer, scheduler, step, log, out)
+        adapter = out / "adapter"
+        shutil.rmtree(adapter, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(adapter)
+        (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+        return adapter
+    finally:
+        model.eval()
+        accelerator.unwrap_model(model).unload()  # the caller's model without LoRA layers again
+        for n, p in vlm.hf.named_parameters():
+            p.requires_grad_(frozen.get(n, p.requires_grad))
+
+
+def with_adapter(name_or_path: str, adapter: str | Path, **load_kw):
+    """A fresh `VLM` of ``name_or_path`` with the LoRA ``adapter`` merged into its weights."""
+    from peft import PeftModel
+
+    import countlens
+    from countlens.vlm import VLM
+
+    adapter = Path(adapter)
+    if not (adapter / "adapter_config.json").exists():
+        raise InputError(f"no LoRA adapter at {adapter} (adapter_config.json missing); train one with finetune()")
+    base = countlens.load(name_or_path, **load_kw)
+    merged = PeftModel.from_pretrained(base.hf, adapter).merge_and_unload()
+    merged.eval()
+    return VLM(merged, base.processor, name=f"{base.name}+{adapter.parent.name}")
