@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -61,6 +62,7 @@ class ProbeConfig:
     score_threshold: float = 0.01  # detections kept for AP (low: AP needs the whole ranking)
     nms_iou: float = 0.5
     seed: int = 0
+    threads: int | None = 1  # torch threads while training: tiny convs run fastest on one; None = leave as is
 
     def __post_init__(self) -> None:
         if self.hidden < 1 or self.hidden % self.groups:
@@ -215,6 +217,18 @@ def _check_features(features: Tensor, samples: Sequence, name: str = "features")
         raise InputError(f"{name} has {len(features)} maps but {len(samples)} samples were given; pass one map per sample")
 
 
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads (``None``: unchanged), then restore the setting."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def fit_probe(features: Tensor, samples: Sequence, config: ProbeConfig = ProbeConfig()) -> DetectionProbe:
     """Train a `DetectionProbe` on Float[Tensor, "sample d rows cols"] maps of ``samples``' images.
 
@@ -234,16 +248,17 @@ def fit_probe(features: Tensor, samples: Sequence, config: ProbeConfig = ProbeCo
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, config.lr, total_steps=steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(config.seed)
     probe.train()
-    for _ in range(config.epochs):
-        total = 0.0
-        for idx in torch.randperm(len(x), generator=gen).split(config.batch_size):
-            loss = probe_loss(probe(x[idx]), obj[idx], box[idx], config.box_weight)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += float(loss) * len(idx)
-        probe.train_loss = total / len(x)
+    with _threads(config.threads):
+        for _ in range(config.epochs):
+            total = 0.0
+            for idx in torch.randperm(len(x), generator=gen).split(config.batch_size):
+                loss = probe_loss(probe(x[idx]), obj[idx], box[idx], config.box_weight)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                total += loss.item() * len(idx)
+            probe.train_loss = total / len(x)
     probe.eval()
     return probe
 

@@ -205,7 +205,7 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
                     optimizer.step()
                     scheduler.step() if accelerator.sync_gradients else None
                     optimizer.zero_grad()
-            row = {"step": step, "loss": float(loss), **{k: float(v) for k, v in terms.items()},
+            row = {"step": step, "loss": float(loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
                    "lr": scheduler.get_last_lr()[0]}
             log.append(row)
             step += 1

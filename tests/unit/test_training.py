@@ -1,0 +1,150 @@
+"""Training: losses are right and flow where they should; fine-tuning resumes to the same adapter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import countlens
+from countlens.circuits.sites import group_mask
+from countlens.datasets.tasks import TaskSample, task_samples
+from countlens.errors import InputError
+from countlens.training.capture import attention_at
+from countlens.training.collate import IGNORE, answer_targets, training_batch
+from countlens.training.finetune import FinetuneConfig, _batch_indices, finetune, with_adapter
+from countlens.training.losses import answer_ce, focus_loss, gaussian_prior, mas_loss, object_prior
+
+
+@pytest.fixture(scope="module")
+def organism():
+    return countlens.load("toy")
+
+
+def test_training_batch_labels_only_the_answer(organism):
+    base = task_samples("count", 3, 1)
+    # Answers of different lengths: one and two tokens.
+    samples = [base[0], TaskSample(base[1].scene, base[1].question, "two circles", "count"), base[2]]
+    tb = training_batch(organism, samples)
+    ids, labels = tb.inputs["input_ids"], tb.labels
+    for b, s in enumerate(samples):
+        want = organism.tokenizer(s.answer, add_special_tokens=False)["input_ids"]
+        got = labels[b][labels[b] != IGNORE].tolist()
+        assert got == want
+        pos = (labels[b] != IGNORE).nonzero().flatten()
+        assert ids[b, pos].tolist() == want  # the labelled tokens are the answer's own input tokens
+        assert tb.targets[b].nonzero().flatten().tolist() == (pos - 1).tolist()
+        assert int(tb.prompt.last[b]) == int(pos[0]) - 1
+    assert tb.inputs["attention_mask"].shape == ids.shape
+
+
+def test_answer_targets_for_right_padded_labels():
+    labels = torch.tensor([[IGNORE, IGNORE, 5, 6, IGNORE], [IGNORE, 7, IGNORE, IGNORE, IGNORE]])
+    assert answer_targets(labels).tolist() == [[False, True, True, False, False], [True, False, False, False, False]]
+
+
+def test_answer_ce_counts_answer_tokens_only():
+    logits = torch.zeros(1, 4, 3)
+    logits[0, 1, 2] = 5.0  # position 1 predicts token 2 (the answer at position 2)
+    labels = torch.tensor([[IGNORE, IGNORE, 2, IGNORE]])
+    expected = -torch.log_softmax(torch.tensor([0.0, 0.0, 5.0]), 0)[2]
+    assert torch.isclose(answer_ce(logits, labels), expected)
+    logits[0, 0] = 100.0  # anything at non-answer positions is ignored
+    assert torch.isclose(answer_ce(logits, labels), expected)
+
+
+def test_mas_hinge_is_exactly_zero_above_tau():
+    attn = torch.zeros(1, 2, 4, 4)
+    attn[..., :2] = 0.25  # each position: 0.5 on tokens 0–1 (image), 0.5 elsewhere
+    attn[..., 2:] = 0.25
+    image = torch.tensor([[True, True, False, False]])
+    targets = torch.tensor([[False, False, False, True]])
+    assert mas_loss([attn], targets, image, tau=0.4).item() == 0.0
+    assert math.isclose(mas_loss([attn], targets, image, tau=0.7).item(), 0.2, abs_tol=1e-6)
+    assert math.isclose(mas_loss([attn], targets, image, tau=0.7, reduce="sample").item(), 0.2, abs_tol=1e-6)
+
+
+def test_focus_loss_is_smallest_at_the_prior():
+    prior = gaussian_prior([(1.5, 2.5)], (4, 4), sigma=1.0).flatten()
+    pos = torch.arange(16)
+    targets = torch.zeros(1, 17, dtype=torch.bool)
+    targets[0, 16] = True
+
+    def loss_for(dist):
+        attn = torch.zeros(1, 1, 17, 17)
+        attn[0, 0, 16, :16] = dist * 0.5  # half the attention on the image, half on the text
+        attn[0, 0, 16, 16] = 0.5
+        return focus_loss([attn], targets, [pos], [prior]).item()
+
+    at_prior = loss_for(prior)
+    entropy = -(prior * prior.log()).sum().item()
+    assert math.isclose(at_prior, entropy, rel_tol=1e-4)
+    for seed in range(3):
+        other = torch.rand(16, generator=torch.Generator().manual_seed(seed))
+        assert loss_for(other / other.sum()) > at_prior
+
+
+def test_attention_losses_flow_into_target_qk_only(organism):
+    samples = task_samples("count", 2, 3)
+    tb = training_batch(organism, samples)
+    arch, model = organism.arch, organism.hf
+    target = 2
+    for name in ("focus", "mas"):
+        model.zero_grad(set_to_none=True)
+        with attention_at(organism, [target]) as attn:
+            model(**tb.inputs)
+        if name == "focus":
+            loss = focus_loss([attn[target]], tb.targets, tb.prompt.image_pos, object_prior(tb.prompt, samples))
+        else:
+            image = torch.zeros_like(tb.targets)
+            image[:, : tb.prompt.inputs["input_ids"].shape[1]] = group_mask(tb.prompt, "image")
+            loss = mas_loss([attn[target]], tb.targets, image, tau=0.99)
+        loss.backward()
+        grad = lambda path: model.get_submodule(path).weight.grad  # noqa: E731
+        attn_path = arch.self_attn(target)
+        assert grad(f"{attn_path}.q_proj").abs().sum() > 0 and grad(f"{attn_path}.k_proj").abs().sum() > 0, name
+        # The probabilities do not depend on this layer's values or output projection, nor on later layers.
+        for path in (f"{attn_path}.v_proj", f"{attn_path}.o_proj", arch.self_attn(target + 1) + ".q_proj"):
+            g = grad(path)
+            assert g is None or g.abs().sum() == 0, (name, path)
+        assert grad(arch.self_attn(target - 1) + ".v_proj").abs().sum() > 0  # earlier layers feed q and k
+    model.zero_grad(set_to_none=True)
+
+
+def test_batches_are_a_pure_function_of_step():
+    a = [_batch_indices(10, s, 4, 0).tolist() for s in range(6)]
+    assert a == [_batch_indices(10, s, 4, 0).tolist() for s in range(6)]
+    assert sorted(sum(a[:5], [])[:10]) == list(range(10))  # the first epoch covers every sample once
+
+
+def test_finetune_resumes_after_a_kill_to_the_same_adapter(organism, tmp_path):
+    samples = task_samples("count", 12, 1000)
+    config = FinetuneConfig(steps=4, batch_size=4, save_every=2, target_layers=(1,), focus=1.0, mas=0.1, lr=1e-3)
+    full = finetune(organism, samples, tmp_path / "full", config)
+
+    def die_at_step_3(row):
+        if row["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        finetune(organism, samples, tmp_path / "killed", config, progress=die_at_step_3)
+    assert (tmp_path / "killed" / "checkpoint").exists() and not (tmp_path / "killed" / "adapter").exists()
+    resumed = finetune(organism, samples, tmp_path / "killed", config)
+    a, b = load_file(full / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # The caller's model is untouched, and the adapter loads merged into a fresh model.
+    assert not any("lora" in n for n, _ in organism.hf.named_parameters())
+    tuned = with_adapter("toy", full)
+    batch = organism.prepare([s.image for s in samples[:2]], [s.question for s in samples[:2]])
+    assert not torch.allclose(tuned.forward(batch).logits, organism.forward(batch).logits)
+
+
+def test_finetune_input_errors(organism, tmp_path):
+    with pytest.raises(InputError, match="target_layers"):
+        finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1))
+    with pytest.raises(InputError, match="no circuit"):
+        from countlens.training.finetune import target_layers_from
+
+        target_layers_from(tmp_path)
