@@ -7,7 +7,7 @@ Pairs: ``count_pairs(32, kind="shapes", grid=vlm.geometry, prompt="short", count
 Timings are medians over repeats; the two sides of each comparison are run interleaved (A, B, A, B, …)
 so that load from other processes hits both alike. The load average is recorded before and after.
 
-- (a) ``patch_layers(vlm, pairs, groups=("image", "last", "text"))`` (L×G = 6×3 sites) vs L×G plain
+- (a) ``patch_layers(vlm, pairs, groups=("image", "last", "text"))`` (L×G sites, L its default layers) vs L×G plain
   HF forwards of the clean batch (``vlm.forward(prepare_pairs(vlm, pairs).clean, logits_to_keep=1)``),
   i.e. the same number of patched rows (sites × pairs). Also a breakdown of the sweep (prepare, the two
   cached runs, the expanded edit forwards) and the edit forwards against plain forwards of the very
@@ -115,7 +115,9 @@ def logit_diff(logits, clean_id, corrupt_id):
 
 def bench_layers(vlm, pairs, repeats: int) -> dict:
     groups = ("image", "last", "text")
-    n_sites = vlm.arch.n_layers * len(groups)
+    # The sweep's own layers (its default may include −1, the embeddings): sites = layers × groups.
+    sweep_layers = [int(x) for x in patch_layers(vlm, pairs[:2], groups=groups).layer.values]
+    n_sites = len(sweep_layers) * len(groups)
     batch = prepare_pairs(vlm, pairs).clean
 
     def plain():
@@ -127,14 +129,14 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
 
     # Breakdown of the same sweep, step by step as `_sweep` does it (batch_size=16 chunks), and the
     # edit forwards against plain forwards of the same expanded inputs (vision tower included).
-    bs, layers = 16, range(vlm.arch.n_layers)
+    bs, layers = 16, sorted(set(range(vlm.arch.n_layers)) | set(sweep_layers))  # every layer, as `_sweep`
     chunks = [pairs[s:s + bs] for s in range(0, len(pairs), bs)]
     pbs = [prepare_pairs(vlm, c) for c in chunks]
     caches = [cache_run(vlm, pb.corrupt, layers) for pb in pbs]
     edits = []
     for pb in pbs:
         masks = {g: group_mask(pb.clean, g) for g in groups}
-        edits.append([Edit(layer, masks[g]) for layer in layers for g in groups])
+        edits.append([Edit(layer, masks[g]) for layer in sweep_layers for g in groups])
     shapes = [[len(e[k:k + max(1, MAX_ROWS // len(pb.clean.inputs["input_ids"]))])
                for k in range(0, len(e), max(1, MAX_ROWS // len(pb.clean.inputs["input_ids"])))]
               for pb, e in zip(pbs, edits)]
@@ -158,6 +160,7 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
             "plain_forward_32": lambda: vlm.forward(batch, logits_to_keep=1),
         }, repeats)
     return {
+        "layers": sweep_layers, "groups": list(groups),
         "sites": n_sites, "pairs": len(pairs), "patched_rows": n_sites * len(pairs),
         "batch_size": bs, "max_rows": MAX_ROWS, "repeats": repeats,
         "patch_layers_ms": ms(t["sweep"]), "plain_forwards_ms": ms(t["plain"]),
@@ -237,7 +240,8 @@ def bench_atp(vlm, pairs, repeats: int) -> dict:
     # Residual patching over *all* positions sets the whole corrupt state (effect 1 at every layer), so
     # the residual estimate is checked over the image tokens instead.
     atp_img = attribution_patch(vlm, pairs, positions="image")
-    resid_exact = patch_layers(vlm, pairs, groups=("image",)).effect.sel(group="image", drop=True)
+    resid_exact = patch_layers(vlm, pairs, groups=("image",), layers=range(vlm.arch.n_layers)).effect.sel(
+        group="image", drop=True)
     return {
         "repeats": repeats, "attribution_patch_ms": ms(t["atp"]), "patch_heads_ms": ms(t["exact"]),
         "speedup_atp_vs_exact": round(t["exact"] / t["atp"], 3), "others_load_cores": load.others,

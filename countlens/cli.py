@@ -196,6 +196,53 @@ def discover_cmd(
     typer.echo(f"report: {report}")
 
 
+@app.command("finetune")
+def finetune_cmd(
+    circuit: Path = typer.Option(..., help="A `countlens discover` run directory (its heads.csv and report.md)."),
+    model: str = typer.Option("toy", help="The model the circuit was found in."),
+    out: Path = typer.Option(None, help="Where adapters and the table go (default: CIRCUIT/finetune)."),
+    steps: int = typer.Option(150, help="Optimiser steps per variant."),
+    batch_size: int = typer.Option(16),
+    lr: float = typer.Option(5e-4),
+    lora_r: int = typer.Option(16),
+    layers: str = typer.Option(None, help="Comma-separated target layers (default: from the circuit's head classes)."),
+    n_train: int = typer.Option(2048, help="Training scenes (half COUNTINGTRICKS, half counting scenes)."),
+    n_eval: int = typer.Option(200, help="Evaluation scenes per in-distribution set (COUNTINGTRICKS: n/8 per case)."),
+) -> None:
+    """Circuit-guided LoRA fine-tunes (SFT, +focus, +MAS, +temperature) and the before/after table,
+    appended to CIRCUIT/report.md. Resumable.
+
+    Example: countlens finetune --model toy --circuit runs/toy
+    """
+    from countlens.training.finetune import FinetuneConfig
+    from countlens.training.report import before_after
+
+    if not (circuit / "heads.csv").exists():
+        _fail(CountlensError(f"--circuit {circuit}: no heads.csv there; run `countlens discover --out {circuit}` first"))
+    out = out or circuit / "finetune"
+    if out.exists() and not out.is_dir():
+        _fail(CountlensError(f"--out {out} is a file; give a directory"))
+    try:
+        target = tuple(int(x) for x in layers.split(",")) if layers else ()
+    except ValueError:
+        _fail(CountlensError(f"--layers {layers!r}: give comma-separated integers, e.g. 0,1"))
+    for name, value in (("--steps", steps), ("--n-train", n_train), ("--n-eval", n_eval)):
+        if value < 1:
+            _fail(CountlensError(f"{name} must be ≥ 1, got {value}"))
+    try:
+        config = FinetuneConfig(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target)
+        table = before_after(model, circuit, out, config, n_train=n_train, n_eval=n_eval, log=typer.echo)
+    except CountlensError as err:
+        _fail(err)
+    report = circuit / "report.md"
+    if report.exists():
+        text = report.read_text().split("\n## 9. Circuit-guided fine-tune")[0].rstrip("\n")
+        section = (out / "before_after.md").read_text()
+        report.write_text(f"{text}\n\n## 9. Circuit-guided fine-tune\n\nCommand: `countlens finetune --model {model} "
+                          f"--circuit {circuit} --steps {steps}`.\n\n{section}")
+    typer.echo(table.round(3).to_string())
+
+
 def main() -> None:
     app()
 

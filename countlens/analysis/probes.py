@@ -342,14 +342,23 @@ def average_precision(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray
     return float(np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0).mean())
 
 
-def evaluate_probe(probe: DetectionProbe, features: Tensor, samples: Sequence, config: ProbeConfig = ProbeConfig()) -> float:
-    """AP@50 of ``probe`` on the maps ``features`` of ``samples`` (their scenes' boxes are the truth)."""
+def evaluate_probe(probe: DetectionProbe, features: Tensor, samples: Sequence, config: ProbeConfig = ProbeConfig(),
+                   by: str | None = None) -> float | dict[str, float]:
+    """AP@50 of ``probe`` on the maps ``features`` of ``samples`` (their scenes' boxes are the truth).
+
+    With ``by`` (a meta key such as ``"case"``), a dict of AP@50 per value of ``sample.meta[by]``.
+    """
     _check_features(features, samples)
     sizes = {(s.scene.height, s.scene.width) for s in samples}
     if len(sizes) != 1:
         raise InputError(f"samples have {len(sizes)} image sizes {sorted(sizes)}; evaluate one image size at a time")
     preds = predict(probe, features, sizes.pop(), config.score_threshold, config.nms_iou)
-    return average_precision(preds, [s.scene.boxes() for s in samples])
+    gts = [s.scene.boxes() for s in samples]
+    if by is None:
+        return average_precision(preds, gts)
+    keys = [str(s.meta.get(by)) for s in samples]
+    return {k: average_precision([p for p, kk in zip(preds, keys) if kk == k], [g for g, kk in zip(gts, keys) if kk == k])
+            for k in dict.fromkeys(keys)}
 
 
 # ----------------------------------------------------------------------------- taps
@@ -360,6 +369,24 @@ def tap_name(kind: str, index: int | None) -> str:
     return kind if index is None else f"{kind}.{index}"
 
 
+def _probe_one(vlm, train_samples: Sequence, test_samples: Sequence, tap: Tap, config: ProbeConfig,
+               batch_size: int, by_case: bool) -> dict:
+    """Extract one tap's features (train and test in one pass), fit a probe, score it; a row of results."""
+    from countlens.circuits.taps import tap as read_tap
+
+    start = time.perf_counter()
+    feats = read_tap(vlm, list(train_samples) + list(test_samples), tap[0], tap[1], batch_size=batch_size)
+    tap_seconds = time.perf_counter() - start
+    train, test = feats[: len(train_samples)], feats[len(train_samples):]
+    probe = fit_probe(train, train_samples, config)
+    row = {"ap50": evaluate_probe(probe, test, test_samples, config),
+           "ap50_case": evaluate_probe(probe, test, test_samples, config, by="case") if by_case else {},
+           "n_params": probe.n_params, "train_loss": probe.train_loss, "tap_seconds": tap_seconds,
+           "channels": feats.shape[1], "grid": feats.shape[2]}
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
 def probe_taps(vlm, train_samples: Sequence, test_samples: Sequence, taps: Sequence[Tap] = DEFAULT_TAPS,
                config: ProbeConfig = ProbeConfig(), batch_size: int = 16) -> xr.Dataset:
     """Train one probe per tap on ``train_samples`` and score AP@50 on ``test_samples``.
@@ -367,32 +394,24 @@ def probe_taps(vlm, train_samples: Sequence, test_samples: Sequence, taps: Seque
     Each tap's features are computed once (train and test in one pass) and dropped after its probe.
     Returns a Dataset over ``tap`` with ``ap50``, ``n_params``, ``train_loss``, ``seconds`` (tap
     extraction + training + evaluation), ``tap_seconds``, and coords ``kind``, ``index`` (−1 for
-    none), ``channels`` (the tap's width d) and ``grid`` (its rows).
+    none), ``channels`` (the tap's width d) and ``grid`` (its rows); when every test sample has a
+    ``meta["case"]`` (COUNTINGTRICKS), also ``ap50_case`` over (tap, case).
     """
-    from countlens.circuits.taps import tap
     from countlens.results import provenance
 
     if len(train_samples) == 0 or len(test_samples) == 0:
         raise InputError("probe_taps needs train_samples and test_samples, both non-empty")
     if not taps:
         raise InputError("no taps given; pass e.g. taps=[('projector', None), ('llm', 2)]")
-    rows = []
-    for kind, index in taps:
-        start = time.perf_counter()
-        feats = tap(vlm, list(train_samples) + list(test_samples), kind, index, batch_size=batch_size)
-        tap_seconds = time.perf_counter() - start
-        train, test = feats[: len(train_samples)], feats[len(train_samples):]
-        probe = fit_probe(train, train_samples, config)
-        ap = evaluate_probe(probe, test, test_samples, config)
-        rows.append({"ap50": ap, "n_params": probe.n_params, "train_loss": probe.train_loss,
-                     "seconds": time.perf_counter() - start, "tap_seconds": tap_seconds,
-                     "channels": feats.shape[1], "grid": feats.shape[2]})
-        del feats, train, test
-    names = [tap_name(k, i) for k, i in taps]
+    by_case = all("case" in getattr(s, "meta", {}) for s in test_samples)
+    rows = [_probe_one(vlm, train_samples, test_samples, t, config, batch_size, by_case) for t in taps]
     data = {v: ("tap", [r[v] for r in rows]) for v in ("ap50", "n_params", "train_loss", "seconds", "tap_seconds")}
-    coords = {"tap": names, "kind": ("tap", [k for k, _ in taps]), "index": ("tap", [-1 if i is None else i for _, i in taps]),
+    coords = {"tap": [tap_name(k, i) for k, i in taps], "kind": ("tap", [k for k, _ in taps]),
+              "index": ("tap", [-1 if i is None else i for _, i in taps]),
               "channels": ("tap", [r["channels"] for r in rows]), "grid": ("tap", [r["grid"] for r in rows])}
+    if by_case:
+        coords["case"] = list(rows[0]["ap50_case"])
+        data["ap50_case"] = (("tap", "case"), [[r["ap50_case"][c] for c in coords["case"]] for r in rows])
     dataset = {"train": len(train_samples), "test": len(test_samples)}
-    attrs = provenance(vlm.name, vlm.arch.name, dataset=dataset, seed=config.seed, method="probe_taps",
-                       config={k: v for k, v in asdict(config).items()})
+    attrs = provenance(vlm.name, vlm.arch.name, dataset=dataset, seed=config.seed, method="probe_taps", config=asdict(config))
     return xr.Dataset(data, coords=coords, attrs=attrs)

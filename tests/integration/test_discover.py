@@ -1,0 +1,58 @@
+"""The main job end to end on the organism, at toy sizes: every stage, the report, resume, errors."""
+
+from __future__ import annotations
+
+import pandas as pd
+from typer.testing import CliRunner
+
+from countlens.cli import app
+
+runner = CliRunner()
+SMALL = ["--n-per-case", "1", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "8"]
+
+
+def test_discover_writes_a_report_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
+    assert result.exit_code == 0, result.output
+    report = (out / "report.md").read_text()
+    for section in ("COUNTINGTRICKS", "visual activation patching", "Logit lens", "Head classes", "Head temperature"):
+        assert section in report
+    assert len(list((out / "figures").glob("*.png"))) >= 6
+    heads = pd.read_csv(out / "heads.csv")
+    assert len(heads) == 24 and set(heads["class"]) <= {"visual grounding", "cross-modal routing",
+                                                         "counting aggregation", "awareness", "other"}
+    # A second run loads every stage instead of recomputing it.
+    (out / "results" / "lens.nc").unlink()
+    again = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
+    assert again.exit_code == 0
+    assert "[lens] running" in again.output and "[vap] done before" in again.output
+    # Other settings in the same directory are refused.
+    other = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), "--n-pairs", "5", "--n-per-case", "1"])
+    assert other.exit_code == 2 and "different spec" in other.output
+
+
+def test_finetune_adds_the_before_after_table(tmp_path):
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL]).exit_code == 0
+    result = runner.invoke(app, ["finetune", "--circuit", str(out), "--steps", "2", "--batch-size", "4", "--n-train", "16",
+                                 "--n-eval", "16"])
+    assert result.exit_code == 0, result.output
+    table = pd.read_csv(out / "finetune" / "before_after.csv", index_col=0)
+    assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
+    assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
+
+
+def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for args, message in (
+        (["discover", "--model", "nope/none", "--out", str(tmp_path / "a")], "nope/none"),
+        (["discover", "--out", str(f)], "is a file"),
+        (["discover", "--out", str(tmp_path / "b"), "--prompt", "loud"], "--prompt"),
+        (["finetune", "--circuit", str(tmp_path / "missing")], "no heads.csv"),
+        (["finetune", "--circuit", str(tmp_path), "--layers", "x"], "heads.csv"),
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
