@@ -14,6 +14,8 @@ per case. Measured in one run, each the median wall time over ``repeats``:
 
 Each export is done at two sizes (``n`` and ``n_large`` per case) to show the pool's start-up cost
 amortising. The W=1 and W=2 directories are compared byte for byte (the exporter promises identity).
+Other engineers may share the machine: ``others_load_cores`` is the CPU (in cores) other processes
+used during a size's measurements, from /proc/stat; figures taken with it well above 0 are suspect.
 """
 
 from __future__ import annotations
@@ -34,6 +36,29 @@ import torch
 from countlens.datasets.countingtricks import CASES, trick_sample
 from countlens.datasets.export import export_countingtricks, sample_record
 from countlens.toy.recipe import ToyConfig
+
+
+class Load:
+    """CPU used by *other* processes while a block runs, in cores (0 = the machine was ours alone):
+    the machine's busy time from /proc/stat minus this process's (and its children's) CPU time."""
+
+    def __enter__(self):
+        self.t, self.busy, self.own = time.perf_counter(), self._busy(), self._own()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t
+        self.others = round(max(0.0, (self._busy() - self.busy) - (self._own() - self.own)) / wall, 2)
+
+    @staticmethod
+    def _busy() -> float:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
 
 
 def median_time(fn, repeats: int) -> float:
@@ -83,6 +108,7 @@ def main(n: int = 30, n_large: int = 120, repeats: int = 3, seed: int = 0) -> di
     for k in (n, n_large):
         images = len(cases) * k
         row: dict = {"n_per_case": k, "images": images}
+        load = Load().__enter__()
         for name, fn in (("generate", gen(k)), ("generate_render", gen_render(k)),
                          ("generate_render_record", gen_render_record(k))):
             row[f"{name}_img_per_s"] = round(images / median_time(fn, repeats), 1)
@@ -98,6 +124,8 @@ def main(n: int = 30, n_large: int = 120, repeats: int = 3, seed: int = 0) -> di
                 row[f"export_w{w}_img_per_s"] = round(images / median_time(export, repeats), 1)
                 digests[w] = tree_digest(Path(tmp) / f"w{w}_0")
         row["export_w1_w2_identical"] = digests[1] == digests[2]
+        load.__exit__()
+        row["others_load_cores"] = load.others
         g = row["generate_render_img_per_s"]
         row["ratio_export_w1_vs_generate_render"] = round(row["export_w1_img_per_s"] / g, 3)
         row["ratio_export_w2_vs_generate_render"] = round(row["export_w2_img_per_s"] / g, 3)

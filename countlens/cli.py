@@ -196,6 +196,59 @@ def discover_cmd(
     typer.echo(f"report: {report}")
 
 
+@app.command("classify")
+def classify_cmd(
+    run: Path = typer.Option(..., help="A `countlens discover` run directory."),
+    early: float = typer.Option(0.34, help="Depth (layer / last layer) at or below which a head is early."),
+    late: float = typer.Option(0.5, help="Depth at or above which a head is late."),
+    image_high: float = typer.Option(0.3, help="Image-attention share that counts as reading the image."),
+    image_low: float = typer.Option(0.2, help="Image-attention share below which a head ignores the image."),
+    vgs_min: float = typer.Option(0.2, help="Minimum VGS of a visual-grounding head."),
+    cter_min: float = typer.Option(0.5, help="Minimum CTER of routing and aggregation heads."),
+    important: float = typer.Option(0.05, help="Minimum importance of routing and aggregation heads."),
+    constant: float = typer.Option(0.9, help="Top-1 constancy of an awareness head."),
+) -> None:
+    """Re-classify a run's heads with other thresholds; rewrites heads.csv / .md / .tex and report.md.
+
+    Example: countlens classify --run runs/toy --cter-min 0.6
+    """
+    import json
+
+    from countlens.analysis.heads import HeadThresholds, export_heads
+    from countlens.discover import head_table, load_run, write_report
+
+    try:
+        r = load_run(run)
+        thresholds = HeadThresholds(early, late, image_high, image_low, vgs_min, cter_min, important, constant)
+        table = head_table(r["heads"], r["ablation"], r["headlens"], r["attention"], thresholds)
+        export_heads(table, run)
+        spec = json.loads((run / "spec.json").read_text())
+        write_report(spec["model"], spec["arch"], run, table=table)
+    except CountlensError as err:
+        _fail(err)
+    typer.echo(table["class"].value_counts().to_string())
+
+
+@app.command("report")
+def report_cmd(run: Path = typer.Option(..., help="A `countlens discover` run directory.")) -> None:
+    """Re-render a run's figures and report.md from its saved results.
+
+    Example: countlens report --run runs/toy
+    """
+    import json
+
+    from countlens.discover import write_report
+
+    try:
+        if not (run / "spec.json").exists():
+            raise CountlensError(f"{run} is not a countlens discover run (no spec.json); run `countlens discover --out {run}`")
+        spec = json.loads((run / "spec.json").read_text())
+        path = write_report(spec["model"], spec["arch"], run)
+    except CountlensError as err:
+        _fail(err)
+    typer.echo(f"report: {path}")
+
+
 @app.command("finetune")
 def finetune_cmd(
     circuit: Path = typer.Option(..., help="A `countlens discover` run directory (its heads.csv and report.md)."),

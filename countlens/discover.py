@@ -24,7 +24,10 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+from countlens.analysis.heads import HeadThresholds, classify_heads, constancy
 from countlens.errors import InputError
+
+STAGES: tuple[str, ...] = ("cases", "vap", "heads", "atp", "lens", "headlens", "attention", "ablation", "temperature")
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     """Run every stage on ``vlm`` into ``out``; returns the path of ``report.md``."""
     from countlens import circuits
     from countlens.analysis.evaluate import score
-    from countlens.analysis.heads import HeadThresholds, classify_heads, constancy, export_heads
+    from countlens.analysis.heads import export_heads
     from countlens.datasets.countingtricks import countingtricks
     from countlens.datasets.pairs import count_pairs
     from countlens.datasets.tasks import task_samples
@@ -105,7 +108,6 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     heads = stages.run("heads", lambda: circuits.patch_heads(vlm, pairs, batch_size=bs, store=sweeps / "heads",
                                                              progress=True))
     atp = stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
-    atp_score = circuits.compare(atp.effect, heads.effect, k=c.top_k)
     # 4–5. lenses and attention
     data = tasks()
     lens = stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
@@ -119,7 +121,6 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
                      .to_dataset(name="image_attention"))
     # 6. ablation across tasks
     abl = stages.run("ablation", lambda: circuits.ablation_scan(vlm, data, batch_size=bs, progress=True))
-    jac = circuits.jaccard(abl, k=c.top_k)
     # 7. temperature from head-patching importance
     betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
 
@@ -132,13 +133,33 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
                           attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})})
 
     temp = stages.run("temperature", temperature)
-    # Head table
-    importance = np.maximum(np.abs(heads.effect), abl.logp_drop.sel(task="count").clip(min=0) /
-                            max(1e-9, float(abl.logp_drop.sel(task="count").max())))
-    table = classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), importance,
-                           constancy(hl.token.isel(k=0)), HeadThresholds())
+    table = head_table(heads, abl, hl, att)
     export_heads(table, out)
-    return write_report(vlm, out, cases, vap, heads, atp, atp_score, lens, hl, att, abl, jac, temp, table, prompt)
+    return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
+
+
+def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset,
+               thresholds: HeadThresholds = HeadThresholds()) -> pd.DataFrame:
+    """Classify heads from a run's results: importance = max(|patching effect|, counting ablation
+    drop scaled to the largest drop)."""
+    drop = abl.logp_drop.sel(task="count").clip(min=0)
+    importance = np.maximum(np.abs(heads.effect), drop / max(1e-9, float(drop.max())))
+    return classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), importance,
+                          constancy(hl.token.isel(k=0)), thresholds)
+
+
+def load_run(out: str | Path) -> dict:
+    """Every stage result of a finished (or partial) run directory, by stage name."""
+    from countlens import results
+
+    out = Path(out)
+    if not (out / "spec.json").exists():
+        raise InputError(f"{out} is not a countlens discover run (no spec.json); run `countlens discover --out {out}`")
+    found = {p.stem: results.load(p) for p in sorted((out / "results").glob("*.nc"))}
+    missing = [s for s in STAGES if s not in found]
+    if missing:
+        raise InputError(f"{out} misses stages {missing}; rerun `countlens discover --out {out}` to finish it")
+    return found
 
 
 def _transition(vap: xr.Dataset) -> tuple[int | None, int | None]:
@@ -150,11 +171,22 @@ def _transition(vap: xr.Dataset) -> tuple[int | None, int | None]:
     return (max(img_layers) if img_layers else None), (min(last_layers) if last_layers else None)
 
 
-def write_report(vlm, out: Path, cases, vap, heads, atp, atp_score, lens, hl, att, abl, jac, temp, table,
-                 prompt: str) -> Path:
+def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | None = None,
+                 prompt: str | None = None) -> Path:
+    """Figures and ``report.md`` from the results in ``out`` (``table``: the head table, else heads.csv)."""
+    from countlens import circuits
     from countlens.analysis import plots
     from countlens.analysis.evaluate import accuracy
     from countlens.datasets.countingtricks import CASES
+
+    out = Path(out)
+    r = load_run(out)
+    cases, vap, heads, atp, lens, hl, att, abl, temp = (r[s] for s in STAGES)
+    table = pd.read_csv(out / "heads.csv") if table is None else table
+    prompt = prompt or json.loads((out / "spec.json").read_text()).get("prompt", "?")
+    k = int(json.loads((out / "spec.json").read_text()).get("top_k", 5))
+    atp_score = circuits.compare(atp.effect, heads.effect, k=k)
+    jac = circuits.jaccard(abl, k=k)
 
     figs = out / "figures"
     by_case = accuracy(cases, "case")["accuracy"].reindex(list(CASES))
@@ -175,10 +207,9 @@ def write_report(vlm, out: Path, cases, vap, heads, atp, atp_score, lens, hl, at
     top = table.head(5)
     sharp = float(temp.sharpened.mean()), float(temp.base.mean())
     classes = table["class"].value_counts().to_dict()
-    tops = {t: ", ".join(f"L{la}H{h}" for la, h in v) for t, v in
-            __import__("countlens.circuits.ablation", fromlist=["top_heads"]).top_heads(abl, k=jac.attrs["k"]).items()}
+    tops = {t: ", ".join(f"L{la}H{h}" for la, h in v) for t, v in circuits.top_heads(abl, k=k).items()}
     vap_table = vap.effect.to_pandas().round(3).to_markdown()
-    text = f"""# Counting circuit of `{vlm.name}` ({vlm.arch.name})
+    text = f"""# Counting circuit of `{model}` ({arch})
 
 Produced by `countlens discover`. Prompt style: `{prompt}`. Every number below is read from the
 result files in `results/` (xarray netCDF; `countlens.results.load`).

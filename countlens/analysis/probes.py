@@ -146,6 +146,12 @@ def _normalised_boxes(sample) -> np.ndarray:
     return scene.boxes() / np.array([scene.width, scene.height, scene.width, scene.height], dtype=float)
 
 
+def _nearer_sides(off: np.ndarray) -> list[tuple[int, int]]:
+    """The (drow, dcol) steps to the edge-neighbours on a centre's nearer sides, the nearest first."""
+    down, right = (int(np.sign(o) or 1) for o in off)
+    return [(down, 0), (0, right)] if abs(off[0]) >= abs(off[1]) else [(0, right), (down, 0)]
+
+
 def _assign(boxes: np.ndarray, rows: int, cols: int) -> list[tuple[int, int, int]]:
     """(object, row, col) targets: the centre's cell, or on a collision the nearer free edge-neighbour."""
     cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2 * cols, (boxes[:, 1] + boxes[:, 3]) / 2 * rows
@@ -156,9 +162,7 @@ def _assign(boxes: np.ndarray, rows: int, cols: int) -> list[tuple[int, int, int
     out = []
     for i in order:
         r, c = cell[i]
-        steps = sorted([(abs(off[i, 0]), (int(np.sign(off[i, 0]) or 1), 0)), (abs(off[i, 1]), (0, int(np.sign(off[i, 1]) or 1)))],
-                       reverse=True)
-        for rc in [(r, c)] + [(r + dr, c + dc) for _, (dr, dc) in steps]:
+        for rc in [(r, c)] + [(r + dr, c + dc) for dr, dc in _nearer_sides(off[i])]:
             if 0 <= rc[0] < rows and 0 <= rc[1] < cols and rc not in taken:
                 taken.add(rc)
                 out.append((int(i), int(rc[0]), int(rc[1])))

@@ -196,7 +196,8 @@ def separation(states: Tensor, counts: Sequence[int], k: int = 10, layers: Seque
     whose count lies in the range. A range with fewer than two distinct counts gives NaN.
     """
     if states.ndim != 3:
-        raise InputError(f"states must be (layer, sample, d), e.g. from last_token_states; got shape {tuple(states.shape)}")
+        raise InputError(f"states must be (layer, sample, d), e.g. from last_token_states; "
+                         f"got shape {tuple(states.shape)}")
     counts = np.asarray(counts, dtype=int)
     if len(counts) != states.shape[1]:
         raise InputError(f"got {len(counts)} counts for {states.shape[1]} samples; pass one count per sample")
@@ -232,8 +233,9 @@ def representation_view(vlm, samples: Sequence, layers: Sequence[int], k: int = 
             "explained": (("layer", "pc"), torch.stack([f.explained for f in fits]).numpy()),
             "separation": separation(states, counts, separation_k, layers)}
     if with_tsne:
-        data["tsne"] = (("layer", "sample", "pc"), torch.stack([tsne(s, k, seed=seed, perplexity=min(30.0, (len(s) - 1) / 3))
-                                                                 for s in states]).numpy())
+        perplexity = min(30.0, (len(samples) - 1) / 3)
+        maps = [tsne(s, k, perplexity=perplexity, seed=seed) for s in states]
+        data["tsne"] = (("layer", "sample", "pc"), torch.stack(maps).numpy())
     from countlens.results import provenance
 
     cases = [str(s.meta.get("case", s.task)) for s in samples]
@@ -255,7 +257,7 @@ def plot_representations(ds: xr.Dataset, path: str | Path, var: str = "pca") -> 
     import matplotlib.pyplot as plt
 
     n = ds.sizes["layer"]
-    fig, axes = plt.subplots(1, n, squeeze=False, figsize=(3.0 * n + 0.8, 3.2), dpi=110)
+    fig, axes = plt.subplots(1, n, squeeze=False, figsize=(3.0 * n + 0.8, 3.2), dpi=110, layout="constrained")
     axes = axes[0]
     counts = ds["count"].values
     norm = plt.Normalize(counts.min() - 0.5, counts.max() + 0.5)
