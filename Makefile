@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/countlens discover --model toy --out runs/demo
+	HF_HUB_OFFLINE=1 $(BIN)/countlens finetune --model toy --circuit runs/demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

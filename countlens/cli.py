@@ -160,9 +160,9 @@ def data_countingtricks(
 def discover_cmd(
     model: str = typer.Option("toy", help="'toy', a local checkpoint directory, or a cached hub id."),
     out: Path = typer.Option(..., help="Run directory: results/, figures/, heads.csv and report.md go here."),
-    n_per_case: int = typer.Option(40, help="COUNTINGTRICKS samples per case."),
-    n_pairs: int = typer.Option(64, help="Clean/corrupt pairs for patching."),
-    n_samples: int = typer.Option(64, help="Samples per task for lenses, attention and ablation."),
+    n_per_case: int = typer.Option(100, help="COUNTINGTRICKS samples per case."),
+    n_pairs: int = typer.Option(128, help="Clean/corrupt pairs for patching."),
+    n_samples: int = typer.Option(128, help="Samples per task for lenses, attention and ablation."),
     seed: int = typer.Option(0),
     prompt: str = typer.Option("auto", help="Prompt style: auto (short for toy, std otherwise), std, objects, short."),
     batch_size: int = typer.Option(16),
@@ -254,10 +254,10 @@ def finetune_cmd(
     circuit: Path = typer.Option(..., help="A `countlens discover` run directory (its heads.csv and report.md)."),
     model: str = typer.Option("toy", help="The model the circuit was found in."),
     out: Path = typer.Option(None, help="Where adapters and the table go (default: CIRCUIT/finetune)."),
-    steps: int = typer.Option(150, help="Optimiser steps per variant."),
+    steps: int = typer.Option(300, help="Optimiser steps per variant."),
     batch_size: int = typer.Option(16),
-    lr: float = typer.Option(5e-4),
-    lora_r: int = typer.Option(16),
+    lr: float = typer.Option(1e-3),
+    lora_r: int = typer.Option(32, help="LoRA rank (alpha = 2 × rank)."),
     layers: str = typer.Option(None, help="Comma-separated target layers (default: from the circuit's head classes)."),
     n_train: int = typer.Option(2048, help="Training scenes (half COUNTINGTRICKS, half counting scenes)."),
     n_eval: int = typer.Option(200, help="Evaluation scenes per in-distribution set (COUNTINGTRICKS: n/8 per case)."),
@@ -283,7 +283,8 @@ def finetune_cmd(
         if value < 1:
             _fail(CountlensError(f"{name} must be ≥ 1, got {value}"))
     try:
-        config = FinetuneConfig(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target)
+        config = FinetuneConfig(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, lora_alpha=2 * lora_r,
+                                target_layers=target)
         table = before_after(model, circuit, out, config, n_train=n_train, n_eval=n_eval, log=typer.echo)
     except CountlensError as err:
         _fail(err)

@@ -32,9 +32,9 @@ STAGES: tuple[str, ...] = ("cases", "vap", "heads", "atp", "lens", "headlens", "
 
 @dataclass(frozen=True)
 class DiscoverConfig:
-    n_per_case: int = 40  # COUNTINGTRICKS samples per case
-    n_pairs: int = 64  # clean/corrupt pairs for patching
-    n_samples: int = 64  # task samples for lens, HeadLens, attention, ablation (per task)
+    n_per_case: int = 100  # COUNTINGTRICKS samples per case
+    n_pairs: int = 128  # clean/corrupt pairs for patching
+    n_samples: int = 128  # task samples for lens, HeadLens, attention, ablation (per task)
     seed: int = 0
     prompt: str = "auto"  # "auto": the organism's short form for "toy", else Pstd
     pair_kind: str = "shapes"

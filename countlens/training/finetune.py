@@ -34,14 +34,14 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    steps: int = 200
+    steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
-    lr: float = 5e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: float = 0.03
-    lora_r: int = 16
-    lora_alpha: int = 32
+    lora_r: int = 32
+    lora_alpha: int = 64
     lora_dropout: float = 0.0
     lora_target_layers_only: bool = False
     target_layers: tuple[int, ...] = ()
