@@ -239,7 +239,7 @@ over one token group, carries into the clean run ({int(vap.sizes['pair'])} pairs
 
 ![heads](figures/heads.png) ![atp](figures/atp.png)
 
-Top heads by |effect|: {", ".join(f"{r.head_id} ({r.importance:.2f})" for r in top.itertuples())}. AtP ranks heads
+Top heads by exact patching effect: {_top_effects(heads.effect, 5)}. AtP ranks heads
 with Spearman ρ = **{atp_score['spearman']:.3f}** against exact patching (top-{atp_score['top_k']} overlap
 {atp_score['top_k_overlap']:.2f}), from three passes instead of one sweep.
 
@@ -283,6 +283,12 @@ Sharpening {temp.attrs['betas']} (β = α·γ from head patching): counting accu
     path = out / "report.md"
     path.write_text(text)
     return path
+
+
+def _top_effects(effect: xr.DataArray, k: int) -> str:
+    flat = effect.stack(site=("layer", "head"))
+    order = np.argsort(-np.abs(flat.values), kind="stable")[:k]
+    return ", ".join(f"L{flat.site.values[i][0]}H{flat.site.values[i][1]} ({float(flat.values[i]):.2f})" for i in order)
 
 
 def _image_sentence(layer: int | None) -> str:
