@@ -109,27 +109,42 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
     """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"].
 
     ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
-    stacked in one forward, ``max_rows // len(batch)`` at a time.
+    stacked in one forward, ``max_rows // len(batch)`` at a time. Two savings, exact by construction:
+    every replica shows the same images, so the vision tower runs once and is skipped in the stacked
+    forwards; and nothing changes below a replica's lowest edited layer, so the layers beneath the
+    lowest edit of a stacked forward are skipped too, their clean output fed in from one clean run.
     """
     n = len(batch)
     per_pass = max(1, max_rows // n)
     d_head = vlm.arch.d_head
+    n_layers = vlm.arch.n_layers
     replicas = [[r] if isinstance(r, Edit) else list(r) for r in replicas]
+    # Stacked forwards share their skipped prefix: order replicas by their lowest edited layer.
+    first = [min((e.layer for e in edits), default=n_layers) for edits in replicas]
+    order = sorted(range(len(replicas)), key=lambda i: first[i])
+    chunks = [order[i : i + per_pass] for i in range(0, len(order), per_pass)]
+    starts = [min(first[i] for i in chunk) for chunk in chunks]
     tower = vlm.arch.spec.vision_tower
-    vision = []
+    clean: dict = {}
     if len(replicas) > 1:
-        # Every replica shows the same images: encode them once, and skip the vision tower in the
-        # expanded forwards. A copy, because the model edits the tower's output object afterwards.
-        with vlm.trace(batch):
-            vision.append(repeat_output(vlm.module(tower).output, 1))
-    out = []
-    for start in range(0, len(replicas), per_pass):
-        chunk = replicas[start : start + per_pass]
-        inputs = repeat_inputs(batch.inputs, len(chunk))
-        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, edits in enumerate(chunk) for e in edits]
-        with vlm.trace(inputs):
-            if vision:
-                vlm.module(tower).skip(repeat_output(vision[0], len(chunk)))
+        # A copy of the tower's output, because the model edits that object afterwards.
+        with vlm.trace(batch, use_cache=False):
+            clean["vision"] = repeat_output(vlm.module(tower).output, 1)
+            for layer in sorted({s - 1 for s in starts if s >= 1}):
+                clean[layer] = vlm.module(vlm.arch.layer(layer)).output.save()
+    out = [None] * len(replicas)
+    for chunk, start in zip(chunks, starts):
+        k = len(chunk)
+        inputs = repeat_inputs(batch.inputs, k)
+        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, i in enumerate(chunk) for e in replicas[i]]
+        with vlm.trace(inputs, use_cache=False):
+            if clean:
+                vlm.module(tower).skip(repeat_output(clean["vision"], k))
+                if start >= 1:
+                    # Layers below the first edit: only the last one's output is ever read.
+                    below = repeat_output(clean[start - 1], k)
+                    for layer in range(start):
+                        vlm.module(vlm.arch.layer(layer)).skip(below)
             # nnsight needs modules in execution order: layers ascending, o_proj before the layer output.
             for layer in sorted({e.layer for _, e, _, _ in where}):
                 zs = [w for w in where if w[1].layer == layer and w[1].head is not None]
@@ -147,8 +162,9 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
                         src = e.value[b, s] if e.value is not None else cache["resid"][layer][b, s]
                         hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
             logits = vlm.nn.output.logits[:, -1].save()
-        out.append(logits.float().cpu().view(len(chunk), n, -1))
-    return torch.cat(out)
+        for r, i in enumerate(chunk):
+            out[i] = logits[r * n : (r + 1) * n].float().cpu()
+    return torch.stack(out)
 
 
 def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corrupt_ld: Tensor) -> tuple:
