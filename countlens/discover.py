@@ -27,7 +27,8 @@ import xarray as xr
 from countlens.analysis.heads import HeadThresholds, classify_heads, constancy
 from countlens.errors import InputError
 
-STAGES: tuple[str, ...] = ("cases", "vap", "heads", "atp", "lens", "headlens", "attention", "ablation", "temperature")
+STAGES: tuple[str, ...] = ("cases", "conflict_std", "conflict", "vap", "heads", "atp", "lens", "headlens", "attention",
+                           "attention_metrics", "ablation", "temperature")
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     from countlens import circuits
     from countlens.analysis.evaluate import score
     from countlens.analysis.heads import export_heads
-    from countlens.datasets.countingtricks import countingtricks
+    from countlens.analysis.attention_metrics import attention_metrics
+    from countlens.datasets.countingtricks import CASES, countingtricks
     from countlens.datasets.pairs import count_pairs
     from countlens.datasets.tasks import task_samples
 
@@ -100,6 +102,12 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     cases = stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
                                                                   prompt=prompt, color=("red", "green", "blue")),
                                               batch_size=bs, progress=True))
+    # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
+    position = [n for n, case in CASES.items() if case.family == "position"]
+    per = max(1, c.n_per_case // 5)
+    for stage, style in (("conflict_std", "std"), ("conflict", "conflict")):
+        stages.run(stage, lambda style=style: score(vlm, countingtricks(position, per, grid, seed=c.seed, prompt=style,
+                                                                        color=("red", "green", "blue")), batch_size=bs))
     # 2–3. patching
     pairs = count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10))
     sweeps = out / "results" / "sweeps"
@@ -119,6 +127,9 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     hl = stages.run("headlens", headlens)
     att = stages.run("attention", lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs)
                      .to_dataset(name="image_attention"))
+    tricks_small = countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt,
+                                  color=("red", "green", "blue"))
+    stages.run("attention_metrics", lambda: attention_metrics(vlm, tricks_small, batch_size=bs))
     # 6. ablation across tasks
     abl = stages.run("ablation", lambda: circuits.ablation_scan(vlm, data, batch_size=bs, progress=True))
     # 7. temperature from head-patching importance
@@ -181,7 +192,15 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
 
     out = Path(out)
     r = load_run(out)
-    cases, vap, heads, atp, lens, hl, att, abl, temp = (r[s] for s in STAGES)
+    cases, std, conflict, vap, heads, atp, lens, hl, att, am, abl, temp = (r[s] for s in STAGES)
+    from countlens.analysis.attention_metrics import aggregate
+    from countlens.analysis.evaluate import digit_in_conflict, number_avoidance
+
+    avoid = number_avoidance(cases.where(cases["count"] >= 0, drop=True))
+    dic = digit_in_conflict(std, conflict)
+    per_layer = aggregate(am, by=None, per_layer=True)
+    mas_iou = per_layer.unstack("outcome")[["mas", "iou"]].round(3)
+    mas_iou.columns = [f"{m} ({o})" for m, o in mas_iou.columns]
     table = pd.read_csv(out / "heads.csv") if table is None else table
     prompt = prompt or json.loads((out / "spec.json").read_text()).get("prompt", "?")
     k = int(json.loads((out / "spec.json").read_text()).get("top_k", 5))
@@ -224,6 +243,13 @@ Mean accuracy: position cases (1–4) **{fam_acc.get('position', float('nan')):.
 
 {by_case.to_frame().T.round(2).to_markdown(index=False)}
 
+Number avoidance: Pearson r between the count and its accuracy = **{avoid['r']:.2f}** (per count:
+{", ".join(f"{k}: {v:.2f}" for k, v in avoid['per_count'].items())}).
+
+Digit-in-Conflict (position cases, the same {dic['n_std']} images under Pstd and with a distractor
+digit N±1 / N±2 in the prompt): accuracy {dic['accuracy_std']:.3f} → {dic['accuracy_conflict']:.3f}; the
+distractor is answered in {dic['distractor_share']:.1%} of conflict answers.
+
 ## 2. Where the count travels: visual activation patching
 
 ![vap](figures/vap.png)
@@ -257,6 +283,12 @@ layer is {float(lens.prob.isel(layer=-1).mean()):.3f}.
 HeadLens maps fit with held-out R² per layer: {", ".join(f"{float(v):.2f}" for v in hl.r2.values)}.
 Most image-attentive head: {_argmax_head(att.image_attention.mean("sample"))}; highest VGS:
 {_argmax_head(hl.vgs)}; highest CTER: {_argmax_head(hl.cter)}.
+
+Attention diagnostics on {int(am.sizes['sample'])} COUNTINGTRICKS scenes (last prompt token, head mean;
+`countlens.analysis.attention_metrics`): MAS = share of attention on image tokens, Attention-IoU =
+binarised (≥ 0.5 × max) attention map vs object cells, split by whether the answer was correct.
+
+{mas_iou.to_markdown()}
 
 ## 6. Head classes
 
