@@ -261,6 +261,7 @@ def finetune_cmd(
     layers: str = typer.Option(None, help="Comma-separated target layers (default: from the circuit's head classes)."),
     n_train: int = typer.Option(2048, help="Training scenes (half COUNTINGTRICKS, half counting scenes)."),
     n_eval: int = typer.Option(200, help="Evaluation scenes per in-distribution set (COUNTINGTRICKS: n/8 per case)."),
+    fsc147: Path = typer.Option(None, help="A local FSC-147 copy: adds its test split (first n-eval images) as a column."),
 ) -> None:
     """Circuit-guided LoRA fine-tunes (SFT, +focus, +MAS, +temperature) and the before/after table,
     appended to CIRCUIT/report.md. Resumable.
@@ -285,7 +286,13 @@ def finetune_cmd(
     try:
         config = FinetuneConfig(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, lora_alpha=2 * lora_r,
                                 target_layers=target)
-        table = before_after(model, circuit, out, config, n_train=n_train, n_eval=n_eval, log=typer.echo)
+        extra = None
+        if fsc147 is not None:
+            from countlens.datasets.loaders import load_fsc147
+
+            extra = {"FSC-147": load_fsc147(fsc147, split="test", limit=n_eval)}
+        table = before_after(model, circuit, out, config, n_train=n_train, n_eval=n_eval, extra_sets=extra,
+                             log=typer.echo)
     except CountlensError as err:
         _fail(err)
     report = circuit / "report.md"

@@ -50,10 +50,13 @@ def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7) ->
             "shape": task_samples("shape", n // 2, seed, image_size=size)}
 
 
-def _accuracies(vlm, sets: dict[str, list], batch_size: int) -> dict[str, float]:
-    from countlens.analysis.evaluate import score
+def _accuracies(vlm, sets: dict[str, list], batch_size: int, generated: frozenset = frozenset()) -> dict[str, float]:
+    """Accuracy per set: single-token scoring, or greedy generation + answer parsing for the sets in
+    ``generated`` (real benchmarks, whose counts need not be one token)."""
+    from countlens.analysis.evaluate import generate, score
 
-    return {name: float(score(vlm, samples, batch_size=batch_size).correct.mean()) for name, samples in sets.items()}
+    return {name: float((generate(vlm, samples, batch_size=batch_size) if name in generated else
+                         score(vlm, samples, batch_size=batch_size)).correct.mean()) for name, samples in sets.items()}
 
 
 def importance_from(circuit) -> xr.DataArray:
@@ -64,8 +67,12 @@ def importance_from(circuit) -> xr.DataArray:
 
 def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
                  train=None, sets: dict[str, list] | None = None, alpha: float = 1.2, top_k: int = 3,
-                 batch_size: int = 32, n_train: int = 2048, n_eval: int = 200, log=print) -> pd.DataFrame:
-    """Train the variants and evaluate them; returns the table (rows: variants) and writes it."""
+                 batch_size: int = 32, n_train: int = 2048, n_eval: int = 200, extra_sets: dict | None = None,
+                 log=print) -> pd.DataFrame:
+    """Train the variants and evaluate them; returns the table (rows: variants) and writes it.
+
+    ``extra_sets``: more evaluation columns, e.g. ``{"FSC-147": load_fsc147(root, limit=200)}`` — a
+    real benchmark kept locally, scored like the rest (single-token answers)."""
     import countlens
     from countlens.circuits.temperature import beta_from_importance, head_temperature
 
@@ -76,17 +83,19 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     config = replace(config, target_layers=tuple(layers))
     train = default_training_data(base.geometry, n_train, prompt=prompt) if train is None else train
     sets = evaluation_sets(base.geometry, n_eval, prompt=prompt) if sets is None else sets
+    sets = {**sets, **(extra_sets or {})}
+    generated = frozenset(extra_sets or {})
     betas = beta_from_importance(importance_from(circuit), alpha=alpha, top_k=top_k)
-    rows = {"baseline": _accuracies(base, sets, batch_size)}
+    rows = {"baseline": _accuracies(base, sets, batch_size, generated)}
     log(f"baseline: {rows['baseline']}")
     for name, terms in VARIANTS.items():
         adapter = finetune(base, train, out / name.strip("+").replace("+", "_").lower(), replace(config, **terms))
         tuned = with_adapter(model, adapter)
-        rows[name] = _accuracies(tuned, sets, batch_size)
+        rows[name] = _accuracies(tuned, sets, batch_size, generated)
         log(f"{name}: {rows[name]}")
         if name == "+SFT+focus":
             with head_temperature(tuned, betas):
-                rows["+SFT+focus+temperature"] = _accuracies(tuned, sets, batch_size)
+                rows["+SFT+focus+temperature"] = _accuracies(tuned, sets, batch_size, generated)
             log(f"+SFT+focus+temperature: {rows['+SFT+focus+temperature']}")
     order = ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
     table = pd.DataFrame(rows).T.loc[order]

@@ -32,14 +32,32 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     assert other.exit_code == 2 and "different spec" in other.output
 
 
+def _fsc147_fixture(root):
+    """A three-image FSC-147 layout made of COUNTINGTRICKS scenes (points = object centres)."""
+    import json
+
+    from countlens.datasets.countingtricks import trick_sample
+
+    (root / "images_384_VarV2").mkdir(parents=True)
+    ann = {}
+    for i in range(3):
+        s = trick_sample("4A", 0, i, image_size=192, patch_size=16)
+        s.image.save(root / "images_384_VarV2" / f"{i}.jpg")
+        ann[f"{i}.jpg"] = {"points": [[o.cx, o.cy] for o in s.scene.objects], "box_examples_coordinates": []}
+    (root / "annotation_FSC147_384.json").write_text(json.dumps(ann))
+    (root / "Train_Test_Val_FSC_147.json").write_text(json.dumps({"train": [], "val": [], "test": list(ann)}))
+
+
 def test_finetune_adds_the_before_after_table(tmp_path):
     out = tmp_path / "run"
     assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL]).exit_code == 0
+    _fsc147_fixture(tmp_path / "fsc")
     result = runner.invoke(app, ["finetune", "--circuit", str(out), "--steps", "2", "--batch-size", "4", "--n-train", "16",
-                                 "--n-eval", "16"])
+                                 "--n-eval", "16", "--fsc147", str(tmp_path / "fsc")])
     assert result.exit_code == 0, result.output
     table = pd.read_csv(out / "finetune" / "before_after.csv", index_col=0)
     assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
+    assert "FSC-147" in table.columns and table["FSC-147"].between(0, 1).all()
     assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
 
 
