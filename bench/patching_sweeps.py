@@ -14,7 +14,8 @@ so that load from other processes hits both alike. The load average is recorded 
   same expanded inputs (the cost of the interventions themselves).
 - (b) the all-heads sweep batched (``run_edits`` with the default ``MAX_ROWS``, and `patch_heads`) vs
   one head per forward (``run_edits(..., max_rows=len(pairs))``), on one prepared batch of all 32 pairs;
-  max |Δlogit| against the one-per-forward logits, and a scan of other ``max_rows`` values.
+  max |Δlogit| against the one-per-forward logits, a scan of other ``max_rows`` values, and a naive loop
+  (one full forward per head, nothing reused: what a hand-written nnsight loop does).
 - (c) ``attribution_patch`` vs ``patch_heads`` (both with the default batch_size=16): time and
   ``compare(atp.effect, exact.effect, k=5)``; also AtP's ``resid_effect`` vs exact residual patching
   over all positions.
@@ -188,9 +189,16 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
         cache_run(vlm, b.clean, [], resid=False, z=False)
         return run_edits(vlm, b, c, edits, max_rows=n)
 
+    def naive_sweep():  # what a hand-written loop does: one full forward per head, nothing reused
+        b = prepare_pairs(vlm, pairs)
+        c = cache_run(vlm, b.corrupt, range(vlm.arch.n_layers))
+        return torch.cat([run_edits(vlm, b, c, [e], max_rows=n) for e in edits])
+
+    naive = naive_sweep()
     with Load() as load:
         t = interleaved({
             "patch_heads_bs32": lambda: patch_heads(vlm, pairs, batch_size=n),
+            "naive_one_full_forward_per_head": naive_sweep,
             "one_per_forward_sweep": one_per_forward_sweep,
             "patch_heads_default": lambda: patch_heads(vlm, pairs),
         }, repeats)
@@ -219,6 +227,9 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
         "sites": len(edits), "pairs": n, "positions": "all", "repeats": repeats,
         "patch_heads_bs32_ms": ms(t["patch_heads_bs32"]), "patch_heads_default_bs16_ms": ms(t["patch_heads_default"]),
         "one_per_forward_sweep_ms": ms(t["one_per_forward_sweep"]),
+        "naive_one_full_forward_per_head_ms": ms(t["naive_one_full_forward_per_head"]),
+        "speedup_batched_vs_naive": round(t["naive_one_full_forward_per_head"] / t["patch_heads_bs32"], 3),
+        "max_abs_diff_naive_vs_one_per_forward": float((naive - ref).abs().max()),
         "speedup_batched_vs_one_per_forward": round(t["one_per_forward_sweep"] / t["patch_heads_bs32"], 3),
         "speedup_default_vs_one_per_forward": round(t["one_per_forward_sweep"] / t["patch_heads_default"], 3),
         "goal": ">= 5",
