@@ -3,11 +3,13 @@
 Stages (each writes ``results/<stage>.nc`` and is skipped when that file exists, so a killed run
 resumes where it stopped; the long sweeps also stream their chunks to ``results/sweeps/``):
 
-1. ``cases`` — COUNTINGTRICKS accuracy, 32 cases (the papers' Table 5 layout);
+1. ``cases`` — COUNTINGTRICKS accuracy, 32 cases, and number avoidance; ``conflict_std`` /
+   ``conflict`` — Digit-in-Conflict on the position cases;
 2. ``vap`` — visual activation patching by layer over image / last / text tokens;
 3. ``heads`` and ``atp`` — head patching of z and attribution patching, and how well AtP ranks heads;
 4. ``lens`` — logit lens of the gold answer at the last prompt token;
 5. ``headlens`` — HeadLens maps, decoded tokens, VGS / CTER; ``attention`` — image-attention share;
+   ``attention_metrics`` — MAS, VRA, Attention-IoU, ARS per layer on COUNTINGTRICKS scenes;
 6. ``ablation`` — mean ablation of every head on the counting, colour and shape tasks; Jaccard;
 7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);
 then the head table (``heads.csv`` / ``.md`` / ``.tex``), plots and ``report.md``.
@@ -99,7 +101,7 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
         return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")}
 
     # 1. COUNTINGTRICKS
-    cases = stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
+    stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
                                                                   prompt=prompt, color=("red", "green", "blue")),
                                               batch_size=bs, progress=True))
     # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
@@ -111,14 +113,14 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     # 2–3. patching
     pairs = count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10))
     sweeps = out / "results" / "sweeps"
-    vap = stages.run("vap", lambda: circuits.patch_layers(vlm, pairs, groups=("image", "last", "text"),
+    stages.run("vap", lambda: circuits.patch_layers(vlm, pairs, groups=("image", "last", "text"),
                                                           batch_size=bs, store=sweeps / "vap", progress=True))
     heads = stages.run("heads", lambda: circuits.patch_heads(vlm, pairs, batch_size=bs, store=sweeps / "heads",
                                                              progress=True))
-    atp = stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
+    stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
     # 4–5. lenses and attention
     data = tasks()
-    lens = stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
+    stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
 
     def headlens() -> xr.Dataset:
         fit = [s for samples in tasks(seed_offset=500).values() for s in samples]
@@ -127,9 +129,9 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     hl = stages.run("headlens", headlens)
     att = stages.run("attention", lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs)
                      .to_dataset(name="image_attention"))
-    tricks_small = countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt,
-                                  color=("red", "green", "blue"))
-    stages.run("attention_metrics", lambda: attention_metrics(vlm, tricks_small, batch_size=bs))
+    stages.run("attention_metrics", lambda: attention_metrics(
+        vlm, countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt,
+                            color=("red", "green", "blue")), batch_size=bs))
     # 6. ablation across tasks
     abl = stages.run("ablation", lambda: circuits.ablation_scan(vlm, data, batch_size=bs, progress=True))
     # 7. temperature from head-patching importance
@@ -143,7 +145,7 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
         return xr.Dataset({"base": base.correct, "sharpened": sharp.correct},
                           attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})})
 
-    temp = stages.run("temperature", temperature)
+    stages.run("temperature", temperature)
     table = head_table(heads, abl, hl, att)
     export_heads(table, out)
     return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
@@ -223,7 +225,6 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
                        "Mean ablation: drop in log p(gold), counting", center=True)
     first_img, first_last = _transition(vap)
     decoded_layer = next((int(la) for la in lens.layer.values if float(lens["rank"].sel(layer=la).median()) == 0), None)
-    top = table.head(5)
     sharp = float(temp.sharpened.mean()), float(temp.base.mean())
     classes = table["class"].value_counts().to_dict()
     tops = {t: ", ".join(f"L{la}H{h}" for la, h in v) for t, v in circuits.top_heads(abl, k=k).items()}

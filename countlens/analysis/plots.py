@@ -31,8 +31,9 @@ def plot_layers(vap: xr.Dataset, path: str | Path, title: str = "Visual activati
     """Effect (normalised logit difference) and overwrite rate by layer, one line per token group."""
     plt, fig, ax = _figure()
     for g in vap.group.values:
-        ax.plot(vap.layer, vap.effect.sel(group=g), marker="o", label=f"{g} (effect)")
-        ax.plot(vap.layer, vap.overwrite.sel(group=g), ls="--", alpha=0.6, label=f"{g} (overwrite)")
+        (line,) = ax.plot(vap.layer, vap.effect.sel(group=g), marker="o", label=f"{g} (effect)")
+        ax.plot(vap.layer, vap.overwrite.sel(group=g), ls="--", alpha=0.6, color=line.get_color(),
+                label=f"{g} (overwrite)")
     ax.set(xlabel="layer", ylabel="share of the corrupt behaviour", title=title, ylim=(-0.05, 1.05))
     ax.legend(fontsize=7, ncol=2)
     return _save(plt, fig, path)
