@@ -20,7 +20,8 @@ so that load from other processes hits both alike. The load average is recorded 
   ``compare(atp.effect, exact.effect, k=5)``; also AtP's ``resid_effect`` vs exact residual patching
   over all positions.
 - (d) peak RSS (``ru_maxrss``) of a ``patch_layers`` sweep (batch_size=16) for 16…128 pairs, each in a
-  fresh subprocess (``--peak-mem N``), before and after the sweep; run first (see `peak_child`).
+  fresh subprocess (``--peak-mem N``), before and after the sweep; run first (see `peak_child`); also with
+  glibc told to mmap large blocks, to tell fragmentation from retained data.
 
 Other engineers may share the machine: ``others_load_cores`` is the CPU (in cores) other processes
 used during a measurement, from /proc/stat; figures taken with it well above 0 are suspect.
@@ -85,6 +86,31 @@ class Load:
         return t.user + t.system + t.children_user + t.children_system
 
 
+def wait_quiet(max_wait: float = 120.0, limit: float = 0.2) -> None:
+    """Wait (up to ``max_wait`` s) for a 2 s window in which other processes use < ``limit`` cores."""
+    end = time.time() + max_wait
+    while time.time() < end:
+        with Load() as load:
+            time.sleep(2.0)
+        if load.others < limit:
+            return
+
+
+def measured(fn, tries: int = 3, limit: float = 0.25):
+    """``fn()`` under `Load`, after waiting for quiet; retried while other processes were busy.
+    Returns (result, load) of the try with the least outside load."""
+    best = None
+    for _ in range(tries):
+        wait_quiet()
+        with Load() as load:
+            result = fn()
+        if best is None or load.others < best[1].others:
+            best = (result, load)
+        if load.others < limit:
+            break
+    return best
+
+
 def source_digest() -> dict:
     """sha256 (first 12) of the library files measured, to tie figures to the code they ran."""
     root = Path(countlens.__file__).parent
@@ -125,8 +151,8 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
         for _ in range(n_sites):
             vlm.forward(batch, logits_to_keep=1)
 
-    with Load() as load:
-        t = interleaved({"sweep": lambda: patch_layers(vlm, pairs, groups=groups), "plain": plain}, repeats)
+    t, load = measured(lambda: interleaved({"sweep": lambda: patch_layers(vlm, pairs, groups=groups), "plain": plain},
+                                           repeats))
 
     # Breakdown of the same sweep, step by step as `_sweep` does it (batch_size=16 chunks), and the
     # edit forwards against plain forwards of the same expanded inputs (vision tower included).
@@ -150,8 +176,7 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
 
     visual = vlm.hf.get_submodule(vlm.arch.spec.vision_tower) if hasattr(vlm.arch, "spec") else vlm.hf.model.visual
     inp = batch.inputs
-    with Load() as load_parts, torch.no_grad():
-        parts = interleaved({
+    parts, load_parts = measured(lambda: interleaved({
             "prepare": lambda: [prepare_pairs(vlm, c) for c in chunks],
             "cache_corrupt": lambda: [cache_run(vlm, pb.corrupt, layers) for pb in pbs],
             "cache_clean": lambda: [cache_run(vlm, pb.clean, [], resid=False, z=False) for pb in pbs],
@@ -159,7 +184,7 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
             "plain_same_inputs": plain_same_inputs,
             "vision_tower_32": lambda: visual(inp["pixel_values"], grid_thw=inp["image_grid_thw"]),
             "plain_forward_32": lambda: vlm.forward(batch, logits_to_keep=1),
-        }, repeats)
+        }, repeats))
     return {
         "layers": sweep_layers, "groups": list(groups),
         "sites": n_sites, "pairs": len(pairs), "patched_rows": n_sites * len(pairs),
@@ -195,13 +220,12 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
         return torch.cat([run_edits(vlm, b, c, [e], max_rows=n) for e in edits])
 
     naive = naive_sweep()
-    with Load() as load:
-        t = interleaved({
-            "patch_heads_bs32": lambda: patch_heads(vlm, pairs, batch_size=n),
-            "naive_one_full_forward_per_head": naive_sweep,
-            "one_per_forward_sweep": one_per_forward_sweep,
-            "patch_heads_default": lambda: patch_heads(vlm, pairs),
-        }, repeats)
+    t, load = measured(lambda: interleaved({
+        "patch_heads_bs32": lambda: patch_heads(vlm, pairs, batch_size=n),
+        "naive_one_full_forward_per_head": naive_sweep,
+        "one_per_forward_sweep": one_per_forward_sweep,
+        "patch_heads_default": lambda: patch_heads(vlm, pairs),
+    }, repeats))
 
     # run_edits alone at several max_rows (n = one edit per forward … all edits in one forward).
     scan, fns = {}, {}
@@ -211,8 +235,7 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
                                "forwards": -(-len(edits) // max(1, max_rows // n)),
                                "max_abs_diff_vs_one_per_forward": float((logits - ref).abs().max())}
         fns[str(max_rows)] = lambda m=max_rows: run_edits(vlm, pb, cache, edits, max_rows=m)
-    with Load() as load_scan:
-        secs = interleaved(fns, repeats, warm=False)
+    secs, load_scan = measured(lambda: interleaved(fns, repeats, warm=False))
     for k, v in scan.items():
         v["ms"] = ms(secs[k])
     base = scan[str(n)]["ms"]
@@ -244,9 +267,8 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
 
 
 def bench_atp(vlm, pairs, repeats: int) -> dict:
-    with Load() as load:
-        t = interleaved({"atp": lambda: attribution_patch(vlm, pairs), "exact": lambda: patch_heads(vlm, pairs)},
-                        repeats)
+    t, load = measured(lambda: interleaved(
+        {"atp": lambda: attribution_patch(vlm, pairs), "exact": lambda: patch_heads(vlm, pairs)}, repeats))
     atp, exact = attribution_patch(vlm, pairs), patch_heads(vlm, pairs)
     # Residual patching over *all* positions sets the whole corrupt state (effect 1 at every layer), so
     # the residual estimate is checked over the image tokens instead.
@@ -291,15 +313,26 @@ def peak_child(n: int) -> dict:
 
 
 def bench_memory(sizes=(16, 32, 64, 128)) -> dict:
-    rows = []
-    for n in sizes:
-        out = subprocess.run([sys.executable, __file__, "--peak-mem", str(n)], capture_output=True, text=True,
-                             check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    peaks = [r["maxrss_after_sweep_mib"] for r in rows]
-    own = [r["sweep_own_peak_mib"] for r in rows]
-    return {"batch_size": 16, "sizes": rows, "maxrss_spread_mib": round(max(peaks) - min(peaks), 1),
-            "sweep_own_peak_spread_mib": round(max(own) - min(own), 1), "goal": "flat (chunks streamed)"}
+    """Each size in a fresh process, with glibc malloc as it comes and with large blocks forced to mmap
+    (``MALLOC_MMAP_THRESHOLD_``): a peak that grows only under the former is heap fragmentation, not
+    data kept across chunks."""
+    out: dict = {"batch_size": 16, "goal": "flat (chunks streamed)"}
+    for label, extra in (("default_malloc", {}), ("mmap_threshold_128k", {"MALLOC_MMAP_THRESHOLD_": "131072"})):
+        rows = []
+        for n in sizes:
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", **extra}
+
+            def child(n=n, env=env):
+                proc = subprocess.run([sys.executable, __file__, "--peak-mem", str(n)], capture_output=True,
+                                      text=True, check=True, env=env)
+                return json.loads(proc.stdout.strip().splitlines()[-1])
+
+            rows.append(measured(child)[0])
+        peaks = [r["maxrss_after_sweep_mib"] for r in rows]
+        own = [r["sweep_own_peak_mib"] for r in rows]
+        out[label] = {"sizes": rows, "maxrss_spread_mib": round(max(peaks) - min(peaks), 1),
+                      "sweep_own_peak_spread_mib": round(max(own) - min(own), 1)}
+    return out
 
 
 def main(n_pairs: int = 32, repeats: int = 5) -> dict:
