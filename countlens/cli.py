@@ -297,9 +297,11 @@ def finetune_cmd(
         _fail(err)
     report = circuit / "report.md"
     if report.exists():
-        text = report.read_text().split("\n## 9. Circuit-guided fine-tune")[0].rstrip("\n")
+        from countlens.discover import FINETUNE_SECTION
+
+        text = report.read_text().split(FINETUNE_SECTION)[0].rstrip("\n")
         section = (out / "before_after.md").read_text()
-        report.write_text(f"{text}\n\n## 9. Circuit-guided fine-tune\n\nCommand: `countlens finetune --model {model} "
+        report.write_text(f"{text}\n\n{FINETUNE_SECTION}\n\nCommand: `countlens finetune --model {model} "
                           f"--circuit {circuit} --steps {steps}`.\n\n{section}")
     typer.echo(table.round(3).to_string())
 

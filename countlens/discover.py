@@ -29,6 +29,7 @@ import xarray as xr
 from countlens.analysis.heads import HeadThresholds, classify_heads, constancy
 from countlens.errors import InputError
 
+FINETUNE_SECTION = "## 9. Circuit-guided fine-tune"
 STAGES: tuple[str, ...] = ("cases", "conflict_std", "conflict", "vap", "heads", "atp", "lens", "headlens", "attention",
                            "attention_metrics", "ablation", "temperature")
 
@@ -314,6 +315,9 @@ Sharpening {temp.attrs['betas']} (β = α·γ from head patching): counting accu
 {sharp[1]:.3f} → **{sharp[0]:.3f}** on {int(temp.sizes['sample'])} held-out scenes.
 """
     path = out / "report.md"
+    if path.exists() and FINETUNE_SECTION in path.read_text():
+        # Keep the section `countlens finetune` appended: it is not rebuilt from results/.
+        text = text.rstrip("\n") + "\n\n" + FINETUNE_SECTION + path.read_text().split(FINETUNE_SECTION, 1)[1]
     path.write_text(text)
     return path
 

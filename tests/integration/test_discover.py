@@ -59,6 +59,9 @@ def test_finetune_adds_the_before_after_table(tmp_path):
     assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
     assert "FSC-147" in table.columns and table["FSC-147"].between(0, 1).all()
     assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
+    # Re-rendering the report from results/ keeps the fine-tune section.
+    assert runner.invoke(app, ["report", "--run", str(out)]).exit_code == 0
+    assert (out / "report.md").read_text().count("Circuit-guided fine-tune") == 1
 
 
 def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
