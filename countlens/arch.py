@@ -42,6 +42,9 @@ class ArchSpec:
     q_proj: str = "self_attn.q_proj"
     k_proj: str = "self_attn.k_proj"
     q_norm: str | None = None
+    # Axis order of the q-norm's output: Qwen3 normalises (batch, seq, heads, d_head), Gemma 3
+    # normalises after the transpose, (batch, heads, seq, d_head).
+    q_norm_layout: str = "bshd"
     o_proj: str = "self_attn.o_proj"
     lm_head: str = "lm_head"
     # Config attributes:
@@ -81,7 +84,8 @@ SPECS: dict[str, ArchSpec] = {
         ArchSpec("llava", ("llava",), **_LLAVA),
         ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
         ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),
-        ArchSpec("gemma3", ("gemma3",), q_norm="self_attn.q_norm", pooled_tokens_attr="mm_tokens_per_image", **_LLAVA),
+        ArchSpec("gemma3", ("gemma3",), q_norm="self_attn.q_norm", q_norm_layout="bhsd",
+                 pooled_tokens_attr="mm_tokens_per_image", **_LLAVA),
     ]
 }
 _BY_MODEL_TYPE = {t: s for s in SPECS.values() for t in s.model_types}

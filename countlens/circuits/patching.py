@@ -13,6 +13,10 @@ answer) at the last prompt position, a site's **effect** is the normalised logit
 - `attribution_patch` (AtP): the first-order estimate (z_corrupt − z_clean)·∂LD/∂z for every head
   and layer at once, from three passes (corrupt forward, clean forward and backward).
 
+Architecture note: Qwen3-VL's DeepStack adds image features to the residual stream inside its first
+decoder layers, so there patching the embeddings (layer −1) or an early layer does not carry all
+the image's information — the image also enters below the patched site.
+
 Speed: many sites are patched in one forward by *batch expansion* — the clean batch is stacked k
 times and replica r receives site r's patch — so an L×H sweep costs about L·H/k forwards.
 Long sweeps stream each chunk of pairs to a `countlens.results.SweepStore` and resume from it.

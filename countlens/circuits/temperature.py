@@ -40,24 +40,29 @@ def head_temperature(vlm, betas: dict[tuple[int, int], float]) -> Iterator[None]
     try:
         for layer, heads in by_layer.items():
             module = vlm.hf.get_submodule(arch.q_site(layer))
-            handles.append(module.register_forward_hook(_scaler(heads, arch.n_heads, arch.d_head)))
+            layout = arch.spec.q_norm_layout if arch.spec.q_norm else "bs(hd)"
+            handles.append(module.register_forward_hook(_scaler(heads, arch.n_heads, arch.d_head, layout)))
         yield
     finally:
         for h in handles:
             h.remove()
 
 
-def _scaler(heads: dict[int, float], n_heads: int, d_head: int):
+def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
+    """A hook scaling head h of q by β_h; ``layout``: "bs(hd)" (q_proj output, heads·d_head last),
+    "bshd" or "bhsd" (a q-norm's output, per `ArchSpec.q_norm_layout`)."""
     def hook(module, args, output):
         scale = torch.ones(n_heads, device=output.device, dtype=output.dtype)
         for h, beta in heads.items():
             scale[h] = beta
-        if output.shape[-2:] == (n_heads, d_head):  # after a q-norm: (..., heads, d_head)
-            return output * scale[:, None]
-        if output.shape[-1] == n_heads * d_head:  # q_proj output: (..., heads·d_head)
+        if layout == "bs(hd)" and output.shape[-1] == n_heads * d_head:
             return output * scale.repeat_interleave(d_head)
-        raise InputError(f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__}; "
-                         f"expected (..., {n_heads}, {d_head}) or (..., {n_heads * d_head})")
+        if layout == "bshd" and output.shape[-2:] == (n_heads, d_head):
+            return output * scale[:, None]
+        if layout == "bhsd" and output.dim() == 4 and output.shape[1] == n_heads and output.shape[-1] == d_head:
+            return output * scale[:, None, None]
+        raise InputError(f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__} for layout "
+                         f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in countlens/arch.py")
 
     return hook
 

@@ -36,7 +36,7 @@ def test_logit_lens_last_layer_is_the_model_output(organism):
     assert (lens["rank"].values >= 0).all() and lens["rank"].dims == ("layer", "sample")
 
 
-@pytest.mark.parametrize("name", ["toy", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["toy", "qwen3_vl", "gemma3"])
 def test_temperature_on_every_head_of_a_layer_equals_scaling_the_attention(name, tiny_checkpoint):
     """Independent reimplementation: β on all heads of a layer = the attention module's ``scaling`` × β."""
     vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name))
