@@ -56,9 +56,9 @@ def _mean_values(batch, means: Tensor, layer: int, head: int, d_head: int) -> tu
     cols = slice(head * d_head, (head + 1) * d_head)
     ids = batch.inputs["input_ids"]
     value = torch.zeros(*ids.shape, d_head)
-    real = torch.zeros_like(ids, dtype=torch.bool)
+    real = torch.zeros(ids.shape, dtype=torch.bool)
     for g, name in enumerate(ABLATION_GROUPS):
-        m = group_mask(batch, name)
+        m = group_mask(batch, name).cpu()
         value[m] = means[layer, g, cols]
         real |= m
     return real, value

@@ -83,7 +83,7 @@ def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = T
     """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
     ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens)."""
     out: dict = {"resid": {}, "z": {}}
-    with vlm.trace(batch):
+    with vlm.trace(batch, logits_to_keep=1):
         if resid and -1 in layers:
             out["resid"][-1] = vlm.module(vlm.arch.layer(0)).input.save()
         for layer in sorted(x for x in layers if x >= 0):
@@ -106,6 +106,11 @@ class Edit:
     mask: Tensor  # Bool[Tensor, "batch seq"]
     head: int | None = None
     value: Tensor | None = None
+
+
+def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
+    """value[b, s], wherever value and the indices live (edit values may sit on the CPU)."""
+    return value[b.to(value.device), s.to(value.device)]
 
 
 @torch.no_grad()
@@ -141,7 +146,7 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
         k = len(chunk)
         inputs = repeat_inputs(batch.inputs, k)
         where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, i in enumerate(chunk) for e in replicas[i]]
-        with vlm.trace(inputs, use_cache=False):
+        with vlm.trace(inputs, use_cache=False, logits_to_keep=1):
             if clean:
                 vlm.module(tower).skip(repeat_output(clean["vision"], k))
                 if start >= 1:
@@ -156,14 +161,14 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
                     zin = vlm.module(vlm.arch.o_proj(layer)).input
                     for r, e, b, s in zs:
                         cols = slice(e.head * d_head, (e.head + 1) * d_head)
-                        src = e.value[b, s] if e.value is not None else cache["z"][layer][b, s, cols]
+                        src = _at(e.value, b, s) if e.value is not None else cache["z"][layer][b, s, cols]
                         zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
                 rs = [w for w in where if w[1].layer == layer and w[1].head is None]
                 if rs:
                     site = vlm.module(vlm.arch.layer(max(layer, 0)))
                     hid = site.input if layer == -1 else site.output
                     for r, e, b, s in rs:
-                        src = e.value[b, s] if e.value is not None else cache["resid"][layer][b, s]
+                        src = _at(e.value, b, s) if e.value is not None else cache["resid"][layer][b, s]
                         hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
             logits = vlm.nn.output.logits[:, -1].save()
         for r, i in enumerate(chunk):
@@ -235,10 +240,23 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
     return ds
 
 
-def _open_store(store, spec: dict):
+def _pairs_digest(pairs: Sequence) -> str:
+    """Which pairs a sweep ran on (questions, answers and scene layouts), for its store's spec."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in pairs:
+        for side in (p.clean, p.corrupt):
+            h.update(f"{side.question}|{side.answer}|{getattr(side, 'scene', None)!r}".encode())
+    return h.hexdigest()[:16]
+
+
+def _open_store(store, spec: dict, pairs: Sequence):
     if store is None:
         return None
     from countlens.results import SweepStore
+
+    spec = {**spec, "pairs_digest": _pairs_digest(pairs)}
 
     return store if isinstance(store, SweepStore) else SweepStore(store, spec)
 
@@ -264,7 +282,7 @@ def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last",
     spec = {"sweep": "patch_layers", "model": vlm.name, "layers": layers, "groups": list(groups),
             "pairs": len(pairs), "batch_size": batch_size}
     ds = _sweep(vlm, pairs, edits, {"layer": layers, "group": list(groups)}, batch_size,
-                _open_store(store, spec), progress)
+                _open_store(store, spec, pairs), progress)
     ds.attrs["method"] = "patch_layers"
     return ds
 
@@ -284,7 +302,7 @@ def patch_heads(vlm, pairs: Sequence, layers: Sequence[int] | None = None, posit
 
     spec = {"sweep": "patch_heads", "model": vlm.name, "layers": layers, "positions": positions,
             "pairs": len(pairs), "batch_size": batch_size}
-    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _open_store(store, spec), progress)
+    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _open_store(store, spec, pairs), progress)
     ds.attrs.update(method="patch_heads", positions=positions)
     return ds
 

@@ -52,15 +52,16 @@ def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
     """A hook scaling head h of q by β_h; ``layout``: "bs(hd)" (q_proj output, heads·d_head last),
     "bshd" or "bhsd" (a q-norm's output, per `ArchSpec.q_norm_layout`)."""
     def hook(module, args, output):
-        scale = torch.ones(n_heads, device=output.device, dtype=output.dtype)
+        # β in float32: in bf16, 1.2 would become 1.203125.
+        scale = torch.ones(n_heads, device=output.device, dtype=torch.float32)
         for h, beta in heads.items():
             scale[h] = beta
         if layout == "bs(hd)" and output.shape[-1] == n_heads * d_head:
-            return output * scale.repeat_interleave(d_head)
+            return (output.float() * scale.repeat_interleave(d_head)).to(output.dtype)
         if layout == "bshd" and output.shape[-2:] == (n_heads, d_head):
-            return output * scale[:, None]
+            return (output.float() * scale[:, None]).to(output.dtype)
         if layout == "bhsd" and output.dim() == 4 and output.shape[1] == n_heads and output.shape[-1] == d_head:
-            return output * scale[:, None, None]
+            return (output.float() * scale[:, None, None]).to(output.dtype)
         raise InputError(f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__} for layout "
                          f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in countlens/arch.py")
 

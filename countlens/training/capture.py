@@ -3,7 +3,8 @@
 Fast kernels (SDPA) never form the probabilities. Inside `attention_at(vlm, layers)` the language
 model builds its masks for eager attention (additive float masks, which SDPA also accepts), the
 chosen layers run eager attention and return their probabilities — kept, with their graph, in the
-yielded dict — and every other layer keeps running the fast kernel on its own copy of the config.
+yielded dict — and every other layer keeps running SDPA on its own copy of the config (a model on
+flash attention runs eager everywhere inside the block: flash kernels take no additive masks).
 So a loss on two layers' attention materialises two layers' probabilities, not all of them.
 """
 
@@ -35,7 +36,7 @@ def attention_at(vlm, layers: Sequence[int]) -> Iterator[dict[int, object]]:
             if layer in layers:
                 handles.append(attn.register_forward_hook(
                     lambda m, args, out, layer=layer: captured.__setitem__(layer, out[1])))
-            elif fast != "eager":
+            elif fast == "sdpa":  # SDPA takes eager's additive masks; flash attention does not
                 own = copy.copy(attn.config)
                 own._attn_implementation = fast
                 swapped.append((attn, attn.config))

@@ -36,11 +36,11 @@ def training_batch(vlm, samples: Sequence) -> TrainBatch:
     ids = prompt.inputs["input_ids"]
     n, length = ids.shape
     pad = vlm.tokenizer.pad_token_id if vlm.tokenizer.pad_token_id is not None else 0
-    tail = torch.full((n, width), pad, dtype=ids.dtype)
-    tail_mask = torch.zeros(n, width, dtype=prompt.inputs["attention_mask"].dtype)
+    tail = torch.full((n, width), pad, dtype=ids.dtype, device=ids.device)
+    tail_mask = torch.zeros(n, width, dtype=prompt.inputs["attention_mask"].dtype, device=ids.device)
     labels = torch.full((n, length + width), IGNORE, dtype=torch.long)
     for b, a in enumerate(answers):
-        tail[b, : len(a)] = torch.tensor(a, dtype=ids.dtype)
+        tail[b, : len(a)] = torch.tensor(a, dtype=ids.dtype, device=ids.device)
         tail_mask[b, : len(a)] = 1
         labels[b, length : length + len(a)] = torch.tensor(a)
     inputs = dict(prompt.inputs)

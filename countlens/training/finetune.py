@@ -4,12 +4,14 @@ The loss is CE(answer) + λ_focus·L_focus + λ_mas·L_mas (`countlens.training.
 attention terms at ``target_layers`` — taken from a circuit (the layers of its visual-grounding and
 cross-modal-routing heads, `target_layers_from`) or given. LoRA adapters (peft) sit on the language
 model's attention projections, optionally only at the target layers; AdamW with 3 % linear warmup
-then linear decay; gradient accumulation; bf16 autocast on GPU, fp32 on CPU, through `accelerate`
-(so ``accelerate launch`` runs it on several GPUs unchanged).
+then linear decay; gradient accumulation; bf16 autocast on GPU, fp32 on CPU, through `accelerate`.
+One process: a large model spreads over several GPUs with ``device_map``; data-parallel
+``accelerate launch`` (sharded batches, one checkpoint writer) is not supported yet.
 
 Batches are a pure function of (seed, step), so a run killed at any point resumes from its last
 checkpoint (adapter, optimiser, scheduler and step, written atomically every ``save_every`` steps)
-and ends exactly where an uninterrupted run would. `with_adapter` loads a trained adapter merged
+and ends exactly where an uninterrupted run would (with ``lora_dropout`` 0, the default: dropout's
+random state is not checkpointed). `with_adapter` loads a trained adapter merged
 into a fresh copy of the model, ready for evaluation and for head temperature.
 """
 
@@ -133,13 +135,7 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
     """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
     adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
     from accelerate import Accelerator
-    from peft import get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from countlens.circuits.sites import group_mask
-    from countlens.training.capture import attention_at
-    from countlens.training.collate import training_batch
-    from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior
+    from peft import get_peft_model
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -165,6 +161,25 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
                               mixed_precision="bf16" if torch.cuda.is_available() else "no")
     frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
     peft_model = get_peft_model(vlm.hf, _lora_config(vlm, config))
+    try:
+        return _train(vlm, peft_model, accelerator, samples, out, config, progress)
+    finally:
+        peft_model.eval()
+        peft_model.unload()  # the caller's model without LoRA layers again, whatever happened
+        for n, p in vlm.hf.named_parameters():
+            p.requires_grad_(frozen.get(n, p.requires_grad))
+
+
+def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneConfig, progress) -> Path:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from countlens.circuits.sites import group_mask
+    from countlens.training.capture import attention_at
+    from countlens.training.collate import training_batch
+    from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior
+
+    attn_terms = config.focus > 0 or config.mas > 0
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
@@ -178,51 +193,45 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
         step, log = state["step"], json.loads((ckpt / "log.json").read_text())
     model, optimizer, scheduler = accelerator.prepare(peft_model, optimizer, scheduler)
     model.train()
-    try:
-        while step < config.steps:
-            for micro in range(config.grad_accum):
-                idx = _batch_indices(len(samples), step * config.grad_accum + micro, config.batch_size, config.seed)
-                tb = training_batch(vlm, [samples[i] for i in idx])
-                inputs = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in tb.inputs.items()}
-                with accelerator.accumulate(model), accelerator.autocast():
-                    if attn_terms:
-                        with attention_at(vlm, config.target_layers) as attn:
-                            logits = model(**inputs).logits
-                        maps = [attn[layer] for layer in config.target_layers]
-                    else:
+    while step < config.steps:
+        for micro in range(config.grad_accum):
+            idx = _batch_indices(len(samples), step * config.grad_accum + micro, config.batch_size, config.seed)
+            tb = training_batch(vlm, [samples[i] for i in idx])
+            inputs = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in tb.inputs.items()}
+            with accelerator.accumulate(model), accelerator.autocast():
+                if attn_terms:
+                    with attention_at(vlm, config.target_layers) as attn:
                         logits = model(**inputs).logits
-                    ce = answer_ce(logits, tb.labels)
-                    terms = {"ce": ce}
-                    if config.focus > 0:
-                        priors = object_prior(tb.prompt, tb.samples, config.sigma)
-                        terms["focus"] = focus_loss(maps, tb.targets, tb.prompt.image_pos, priors)
-                    if config.mas > 0:
-                        image = torch.zeros_like(tb.targets)
-                        image[:, : tb.prompt.inputs["input_ids"].shape[1]] = group_mask(tb.prompt, "image")
-                        terms["mas"] = mas_loss(maps, tb.targets, image, config.tau, config.mas_reduce)
-                    loss = ce + config.focus * terms.get("focus", 0.0) + config.mas * terms.get("mas", 0.0)
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    scheduler.step() if accelerator.sync_gradients else None
-                    optimizer.zero_grad()
-            row = {"step": step, "loss": float(loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
-                   "lr": scheduler.get_last_lr()[0]}
-            log.append(row)
-            step += 1
-            if progress is not None:
-                progress(row)
-            if step % config.save_every == 0 or step == config.steps:
-                _save_checkpoint(accelerator.unwrap_model(model), optimizer, scheduler, step, log, out)
-        adapter = out / "adapter"
-        shutil.rmtree(adapter, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(adapter)
-        (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-        return adapter
-    finally:
-        model.eval()
-        accelerator.unwrap_model(model).unload()  # the caller's model without LoRA layers again
-        for n, p in vlm.hf.named_parameters():
-            p.requires_grad_(frozen.get(n, p.requires_grad))
+                    maps = [attn[layer] for layer in config.target_layers]
+                else:
+                    logits = model(**inputs).logits
+                ce = answer_ce(logits, tb.labels)
+                terms = {"ce": ce}
+                if config.focus > 0:
+                    priors = object_prior(tb.prompt, tb.samples, config.sigma)
+                    terms["focus"] = focus_loss(maps, tb.targets, tb.prompt.image_pos, priors)
+                if config.mas > 0:
+                    image = torch.zeros_like(tb.targets)
+                    image[:, : tb.prompt.inputs["input_ids"].shape[1]] = group_mask(tb.prompt, "image").cpu()
+                    terms["mas"] = mas_loss(maps, tb.targets, image, config.tau, config.mas_reduce)
+                loss = ce + config.focus * terms.get("focus", 0.0) + config.mas * terms.get("mas", 0.0)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step() if accelerator.sync_gradients else None
+                optimizer.zero_grad()
+        row = {"step": step, "loss": float(loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
+               "lr": scheduler.get_last_lr()[0]}
+        log.append(row)
+        step += 1
+        if progress is not None:
+            progress(row)
+        if step % config.save_every == 0 or step == config.steps:
+            _save_checkpoint(accelerator.unwrap_model(model), optimizer, scheduler, step, log, out)
+    adapter = out / "adapter"
+    shutil.rmtree(adapter, ignore_errors=True)
+    accelerator.unwrap_model(model).save_pretrained(adapter)
+    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    return adapter
 
 
 def with_adapter(name_or_path: str, adapter: str | Path, **load_kw):
