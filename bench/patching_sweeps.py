@@ -24,7 +24,9 @@ so that load from other processes hits both alike. The load average is recorded 
   glibc told to mmap large blocks, to tell fragmentation from retained data.
 
 Other engineers may share the machine: ``others_load_cores`` is the CPU (in cores) other processes
-used during a measurement, from /proc/stat; figures taken with it well above 0 are suspect.
+used during a measurement, from /proc/stat; figures taken with it well above 0 are suspect, so each
+measurement first waits for a quiet machine and is retried (up to 3 tries) when it was not. The script
+runs on a frozen copy of `countlens` (see `run_on_snapshot`); ``source_sha256`` names the version.
 """
 
 from __future__ import annotations
@@ -43,15 +45,44 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
 
-import countlens
-import countlens.circuits.patching as patching
-from countlens.circuits.patching import (
+def run_on_snapshot() -> None:
+    """Re-run this script on a frozen copy of the `countlens` package, then exit with its status.
+
+    The library is edited while benchmarks run, and nnsight reads a traced function's source lazily
+    (once per file), so an edit mid-run either breaks a trace or mixes two versions in one result.
+    The copy goes first on PYTHONPATH (ahead of the editable install), for the memory children too.
+    """
+    if os.environ.get("COUNTLENS_BENCH_SNAPSHOT"):
+        return
+    import importlib.util
+    import shutil
+    import tempfile
+
+    src = Path(importlib.util.find_spec("countlens").origin).parent
+    snap = Path(tempfile.mkdtemp(prefix="countlens-bench-"))
+    try:
+        shutil.copytree(src, snap / "countlens", ignore=shutil.ignore_patterns("__pycache__"))
+        path = os.pathsep.join(p for p in (str(snap), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "COUNTLENS_BENCH_SNAPSHOT": str(src), "PYTHONPATH": path}
+        rc = subprocess.run([sys.executable, __file__, *sys.argv[1:]], env=env).returncode
+    finally:
+        shutil.rmtree(snap, ignore_errors=True)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    run_on_snapshot()
+
+import torch  # noqa: E402
+
+import countlens  # noqa: E402
+import countlens.circuits.patching as patching  # noqa: E402
+from countlens.circuits.patching import (  # noqa: E402
     MAX_ROWS, Edit, attribution_patch, cache_run, compare, patch_heads, patch_layers, prepare_pairs,
 )
-from countlens.circuits.sites import group_mask, repeat_inputs
-from countlens.datasets.pairs import count_pairs
+from countlens.circuits.sites import group_mask, repeat_inputs  # noqa: E402
+from countlens.datasets.pairs import count_pairs  # noqa: E402
 
 THREADS = 2
 PAIRS_KW = dict(kind="shapes", prompt="short", counts=range(2, 9), seed=0)
@@ -356,6 +387,7 @@ def main(n_pairs: int = 32, repeats: int = 5) -> dict:
     result["c_atp_vs_exact"] = bench_atp(vlm, pairs, repeats)
     result["d_peak_memory"] = memory
     result["source_sha256"] = {"start": src_start, "end": source_digest()}
+    result["library"] = {"snapshot_of": os.environ.get("COUNTLENS_BENCH_SNAPSHOT"), "ran_from": str(Path(countlens.__file__).parent)}
     result["loadavg_1_5_15"] = {"start": [round(x, 2) for x in load_start],
                                 "end": [round(x, 2) for x in os.getloadavg()]}
     Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
