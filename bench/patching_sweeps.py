@@ -75,6 +75,7 @@ if __name__ == "__main__":
     run_on_snapshot()
 
 import torch  # noqa: E402
+import xarray as xr  # noqa: E402
 
 import countlens  # noqa: E402
 import countlens.circuits.patching as patching  # noqa: E402
@@ -301,16 +302,20 @@ def bench_atp(vlm, pairs, repeats: int) -> dict:
     t, load = measured(lambda: interleaved(
         {"atp": lambda: attribution_patch(vlm, pairs), "exact": lambda: patch_heads(vlm, pairs)}, repeats))
     atp, exact = attribution_patch(vlm, pairs), patch_heads(vlm, pairs)
-    # Residual patching over *all* positions sets the whole corrupt state (effect 1 at every layer), so
-    # the residual estimate is checked over the image tokens instead.
-    atp_img = attribution_patch(vlm, pairs, positions="image")
-    resid_exact = patch_layers(vlm, pairs, groups=("image",), layers=range(vlm.arch.n_layers)).effect.sel(
-        group="image", drop=True)
+    # Residual AtP against exact residual patching over (layer, group) for the three token groups. (Over
+    # *all* positions exact patching sets the whole corrupt state, effect 1 at every layer; over image
+    # tokens alone the exact effects are ~0 after layer 0, so a ranking of one group is mostly noise.)
+    groups = ("image", "last", "text")
+    resid_atp = xr.concat([attribution_patch(vlm, pairs, positions=g).resid_effect for g in groups],
+                          dim=xr.DataArray(list(groups), dims="group"))
+    resid_exact = patch_layers(vlm, pairs, groups=groups, layers=range(vlm.arch.n_layers)).effect
     return {
         "repeats": repeats, "attribution_patch_ms": ms(t["atp"]), "patch_heads_ms": ms(t["exact"]),
         "speedup_atp_vs_exact": round(t["exact"] / t["atp"], 3), "others_load_cores": load.others,
         "heads": compare(atp.effect, exact.effect, k=5), "goal_spearman": ">= 0.8",
-        "resid_image_tokens": compare(atp_img.resid_effect, resid_exact, k=3),
+        "resid_layer_x_group": compare(resid_atp.transpose("layer", "group"), resid_exact, k=5),
+        "resid_effect_atp": {g: resid_atp.sel(group=g).values.round(3).tolist() for g in groups},
+        "resid_effect_exact": {g: resid_exact.sel(group=g).values.round(3).tolist() for g in groups},
     }
 
 

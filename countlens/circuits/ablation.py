@@ -104,8 +104,10 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
                 replicas.append(Edit(layer, real, head, value))
             base = run_edits(vlm, batch, None, [[]])[0]
             b_ok, b_logp = _gold_scores(base, gold)
-            logits = run_edits(vlm, batch, None, replicas)
-            ok, logp = _gold_scores(logits, gold)
+            # Reduce each replica to (correct, log p(gold)) as it comes: no full-vocabulary logits kept.
+            scores = run_edits(vlm, batch, None, replicas,
+                               reduce=lambda rows: torch.stack(_gold_scores(rows, gold.to(rows.device))).float())
+            ok, logp = scores[:, 0].bool(), scores[:, 1]
             correct = np.concatenate([correct, ok.numpy()], axis=1)
             drops = np.concatenate([drops, (b_logp[None] - logp).numpy()], axis=1)
             base_correct.append(b_ok.numpy())

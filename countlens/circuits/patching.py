@@ -114,8 +114,11 @@ def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int = MAX_ROWS) -> Tensor:
-    """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"].
+def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int = MAX_ROWS,
+              reduce=None) -> Tensor:
+    """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"],
+    or ``reduce(logits)`` per replica (e.g. the gold token's log-prob) so that a long sweep over a
+    large vocabulary never holds every replica's full logits.
 
     ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
     stacked in one forward, ``max_rows // len(batch)`` at a time. Two savings, exact by construction:
@@ -172,7 +175,8 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
                         hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
             logits = vlm.nn.output.logits[:, -1].save()
         for r, i in enumerate(chunk):
-            out[i] = logits[r * n : (r + 1) * n].float().cpu()
+            rows = logits[r * n : (r + 1) * n].float()
+            out[i] = (rows if reduce is None else reduce(rows)).cpu()
     return torch.stack(out)
 
 
