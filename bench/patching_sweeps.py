@@ -314,8 +314,8 @@ def bench_atp(vlm, pairs, repeats: int) -> dict:
         "speedup_atp_vs_exact": round(t["exact"] / t["atp"], 3), "others_load_cores": load.others,
         "heads": compare(atp.effect, exact.effect, k=5), "goal_spearman": ">= 0.8",
         "resid_layer_x_group": compare(resid_atp.transpose("layer", "group"), resid_exact, k=5),
-        "resid_effect_atp": {g: resid_atp.sel(group=g).values.round(3).tolist() for g in groups},
-        "resid_effect_exact": {g: resid_exact.sel(group=g).values.round(3).tolist() for g in groups},
+        "resid_effect_atp": {g: [round(float(x), 3) for x in resid_atp.sel(group=g).values] for g in groups},
+        "resid_effect_exact": {g: [round(float(x), 3) for x in resid_exact.sel(group=g).values] for g in groups},
     }
 
 
