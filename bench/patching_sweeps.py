@@ -7,8 +7,8 @@ Pairs: ``count_pairs(32, kind="shapes", grid=vlm.geometry, prompt="short", count
 Timings are medians over repeats; the two sides of each comparison are run interleaved (A, B, A, B, …)
 so that load from other processes hits both alike. The load average is recorded before and after.
 
-- (a) ``patch_layers(vlm, pairs, groups=("image", "last", "text"))`` (L×G sites, L its default layers) vs L×G plain
-  HF forwards of the clean batch (``vlm.forward(prepare_pairs(vlm, pairs).clean, logits_to_keep=1)``),
+- (a) ``patch_layers(vlm, pairs, groups=("image", "last", "text"))`` (L×G sites, L its default layers)
+  vs L×G plain HF forwards of the clean batch (``vlm.forward(prepare_pairs(vlm, pairs).clean, logits_to_keep=1)``),
   i.e. the same number of patched rows (sites × pairs). Also a breakdown of the sweep (prepare, the two
   cached runs, the expanded edit forwards) and the edit forwards against plain forwards of the very
   same expanded inputs (the cost of the interventions themselves).
@@ -18,7 +18,7 @@ so that load from other processes hits both alike. The load average is recorded 
   (one full forward per head, nothing reused: what a hand-written nnsight loop does).
 - (c) ``attribution_patch`` vs ``patch_heads`` (both with the default batch_size=16): time and
   ``compare(atp.effect, exact.effect, k=5)``; also AtP's ``resid_effect`` vs exact residual patching
-  over all positions.
+  over (layer, token group) for the image / last / text groups.
 - (d) peak RSS (``ru_maxrss``) of a ``patch_layers`` sweep (batch_size=16) for 16…128 pairs, each in a
   fresh subprocess (``--peak-mem N``), before and after the sweep; run first (see `peak_child`); also with
   glibc told to mmap large blocks, to tell fragmentation from retained data.
@@ -225,7 +225,8 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
         "ratio": round(t["sweep"] / t["plain"], 3), "goal": "<= 1.10", "others_load_cores": load.others,
         "breakdown_ms": {k: ms(v) for k, v in parts.items()},
         "breakdown_others_load_cores": load_parts.others,
-        "expanded_forwards_rows": [[k * len(pb.clean.inputs["input_ids"]) for k in reps] for pb, reps in zip(pbs, shapes)],
+        "expanded_forwards_rows": [[k * len(pb.clean.inputs["input_ids"]) for k in reps]
+                                   for pb, reps in zip(pbs, shapes)],
         "ratio_edit_forwards_vs_plain": round(parts["edit_forwards"] / t["plain"], 3),
         "ratio_edit_forwards_vs_plain_same_inputs": round(parts["edit_forwards"] / parts["plain_same_inputs"], 3),
         "vision_tower_share_of_plain_forward": round(parts["vision_tower_32"] / parts["plain_forward_32"], 3),
@@ -392,7 +393,8 @@ def main(n_pairs: int = 32, repeats: int = 5) -> dict:
     result["c_atp_vs_exact"] = bench_atp(vlm, pairs, repeats)
     result["d_peak_memory"] = memory
     result["source_sha256"] = {"start": src_start, "end": source_digest()}
-    result["library"] = {"snapshot_of": os.environ.get("COUNTLENS_BENCH_SNAPSHOT"), "ran_from": str(Path(countlens.__file__).parent)}
+    result["library"] = {"snapshot_of": os.environ.get("COUNTLENS_BENCH_SNAPSHOT"),
+                         "ran_from": str(Path(countlens.__file__).parent)}
     result["loadavg_1_5_15"] = {"start": [round(x, 2) for x in load_start],
                                 "end": [round(x, 2) for x in os.getloadavg()]}
     Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
