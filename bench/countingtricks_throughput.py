@@ -26,9 +26,7 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,64 +37,7 @@ from countlens.datasets.countingtricks import CASES, trick_sample
 from countlens.datasets.export import export_countingtricks, sample_record
 from countlens.toy.recipe import ToyConfig
 
-
-class Load:
-    """CPU used by *other* processes while a block runs, in cores (0 = the machine was ours alone):
-    the machine's busy time from /proc/stat minus this process's (and its children's) CPU time."""
-
-    def __enter__(self):
-        self.t, self.busy, self.own = time.perf_counter(), self._busy(), self._own()
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t
-        self.others = round(max(0.0, (self._busy() - self.busy) - (self._own() - self.own)) / wall, 2)
-
-    @staticmethod
-    def _busy() -> float:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
-
-
-def interleaved(fns: dict, repeats: int) -> dict:
-    """Median seconds of each callable, run round-robin (A, B, …, A, B, …) so outside load hits all alike."""
-    times: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def wait_quiet(max_wait: float = 120.0, limit: float = 0.2) -> None:
-    """Wait (up to ``max_wait`` s) for a 2 s window in which other processes use < ``limit`` cores."""
-    end = time.time() + max_wait
-    while time.time() < end:
-        with Load() as load:
-            time.sleep(2.0)
-        if load.others < limit:
-            return
-
-
-def measured(fn, tries: int = 3, limit: float = 0.25):
-    """``fn()`` under `Load`, after waiting for quiet; retried while other processes were busy.
-    Returns (result, load) of the try with the least outside load."""
-    best = None
-    for _ in range(tries):
-        wait_quiet()
-        with Load() as load:
-            result = fn()
-        if best is None or load.others < best[1].others:
-            best = (result, load)
-        if load.others < limit:
-            break
-    return best
+from _timing import interleaved, measured  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def tree_digest(root: Path) -> str:
@@ -149,7 +90,7 @@ def main(n: int = 30, n_large: int = 90, repeats: int = 3, seed: int = 0) -> dic
                 runs.update({1: iter(range(10**6)), 2: iter(range(10**6))})
                 return interleaved({"generate": gen(k), "generate_render": gen_render(k),
                                     "generate_render_record": gen_render_record(k),
-                                    "export_w1": lambda: export(1), "export_w2": lambda: export(2)}, repeats)
+                                    "export_w1": lambda: export(1), "export_w2": lambda: export(2)}, repeats, warm=False)
 
             secs, load = measured(one_size)
             for name, t in secs.items():
