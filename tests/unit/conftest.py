@@ -2,6 +2,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds shared fixtures (tiny_models)
 
@@ -23,3 +24,12 @@ def tiny_checkpoint(tmp_path_factory):
         return made[name]
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one thread is faster than two, and leaves the other core to other work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

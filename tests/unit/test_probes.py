@@ -25,13 +25,7 @@ from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster than two, and leaves the other core to other work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 GT = [np.array([[0, 0, 10, 10], [20, 20, 30, 30.0]])]

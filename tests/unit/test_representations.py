@@ -20,12 +20,7 @@ from countlens.datasets.countingtricks import countingtricks
 from countlens.errors import InputError, LayerError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _clusters(counts: np.ndarray, spread: float, seed: int = 0, d: int = 16) -> torch.Tensor:
