@@ -48,7 +48,7 @@ def toy_train(
 
         def report(row: dict) -> None:
             bar.update(task, completed=row["step"] + 1, info=f"loss {row['loss']:.3f}" + (
-                f" held-out {row['held_out_acc']:.3f}" if "held_out_acc" in row else ""))
+                f" held-out count {row['acc_count_n<=10']:.3f}" if "acc_count_n<=10" in row else ""))
 
         last = train(out, ToyConfig(), tc, progress=report)
     typer.echo(f"saved to {out}: {last}")
@@ -68,6 +68,8 @@ def eval_cmd(
 
     Example: countlens eval --model toy --out runs/eval
     """
+    import numpy as np
+
     import countlens
     from countlens.analysis import accuracy, score
     from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, task_samples
@@ -84,14 +86,17 @@ def eval_cmd(
         ds = score(vlm, samples, batch_size=batch_size, progress=True)
     except CountlensError as err:
         _fail(err)
+    ds = ds.assign(scene=("sample", np.array([_scene_kind(s) for s in samples], dtype=object)))
     by_task = accuracy(ds, "task")
     counting = ds.where(ds.task == "count", drop=True)
+    by_scene = accuracy(counting.where(counting["count"] <= 10, drop=True), "scene")
     by_count = accuracy(counting, "count")
     by_count.index = by_count.index.astype(int)
     upto10 = float(counting.correct.where(counting["count"] <= 10, drop=True).mean())
     text = (
         f"# Held-out accuracy of {model} (seed {seed})\n\n"
         f"Counting, N ≤ 10: **{upto10:.3f}**\n\n## Per task\n\n{by_task.to_markdown(floatfmt=('g', '.3f', 'g'))}\n\n"
+        f"## Counting with N ≤ 10, per scene kind\n\n{by_scene.to_markdown(floatfmt=('g', '.3f', 'g'))}\n\n"
         f"## Counting, per N\n\n{by_count.to_markdown(floatfmt=('g', '.3f', 'g'))}\n"
     )
     typer.echo(text)
@@ -99,6 +104,15 @@ def eval_cmd(
         out.mkdir(parents=True, exist_ok=True)
         ds.to_dataframe().to_csv(out / "samples.csv")
         (out / "accuracy.md").write_text(text)
+
+
+def _scene_kind(sample) -> str:
+    """Which kind of counting scene (`countlens.datasets.tasks`): the named shape alone, the total, or the named shape among others."""
+    if sample.task != "count":
+        return ""
+    if sample.meta["shape"] == "any":
+        return "total (how many objects)"
+    return "named shape among other shapes" if sample.meta["mixed"] else "one shape only"
 
 
 def _grid(model: str, image_size: int | None, patch_size: int | None):

@@ -21,6 +21,25 @@ def test_eval_writes_tables(tiny_checkpoint, tmp_path):
     assert len((out / "samples.csv").read_text().splitlines()) == 1 + 8 + 2 + 2
 
 
+def test_eval_splits_counting_by_scene_kind(tiny_checkpoint, tmp_path):
+    import pandas as pd
+
+    import countlens
+    from countlens.datasets.tasks import task_samples
+
+    out, model = tmp_path / "eval", tiny_checkpoint("qwen2_vl")
+    result = runner.invoke(app, ["eval", "--model", str(model), "--n", "40", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out / "samples.csv").query("task == 'count'")
+    want = ["total (how many objects)" if s.meta["shape"] == "any" else
+            "named shape among other shapes" if s.meta["mixed"] else "one shape only"
+            for s in task_samples("count", 40, 1, image_size=countlens.load(model).geometry.image_height)]
+    assert df["scene"].tolist() == want and len(set(want)) == 3
+    table = (out / "accuracy.md").read_text().split("per scene kind")[1].split("## ")[0]
+    for kind, group in df[df["count"] <= 10].groupby("scene"):
+        assert f"| {kind}" in table and f"{group['correct'].mean():.3f} | {len(group):>3} |" in table
+
+
 def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
