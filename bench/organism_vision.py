@@ -12,6 +12,8 @@ on 256 scenes of another seed is recorded along the way, with the final confusio
 - ``vit``: a fresh organism vision tower and merger (`ToyConfig`: 16 px patches, dim 64, depth 2),
   max-pooled over its image tokens, then a linear read-out: exactly what the language model reads.
 - ``patch_mlp``: an MLP on each 16 px patch alone (no patch sees its neighbours), max-pooled.
+- ``patchify_cnn``: a 16 px stride-16 convolution (256 filters) and a 2×2 stride-2 one, the
+  tower's patchify-and-merge without attention: whether wider patch features alone would do.
 - ``cnn``: three 3×3 convolutions at full resolution, max-pooled: a reference that sees across
   patch borders from its first layer.
 - ``vit_large_objects``: the organism's tower on objects 30–40 px (about two patches wide).
@@ -87,6 +89,20 @@ class PatchMLP(torch.nn.Module):
         return self.out(self.mlp(patches.reshape(b, -1, c * self.p * self.p)).max(1).values)
 
 
+class PatchifyCNN(torch.nn.Module):
+    def __init__(self, cfg: ToyConfig, filters: int = 256):
+        super().__init__()
+        p, m, act = cfg.patch_size, cfg.merge_size, torch.nn.GELU
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, filters, p, stride=p), act(), torch.nn.Conv2d(filters, 128, m, stride=m), act(),
+            torch.nn.Conv2d(128, 128, 1), act(), torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten(),
+            torch.nn.Linear(128, len(SHAPES)),
+        )
+
+    def forward(self, samples) -> torch.Tensor:
+        return self.net(_pixels(samples))
+
+
 class CNN(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -140,6 +156,7 @@ def main() -> dict:
     learners = {
         "vit": (lambda: ViT(cfg), None),
         "patch_mlp": (lambda: PatchMLP(cfg), None),
+        "patchify_cnn": (lambda: PatchifyCNN(cfg), None),
         "cnn": (CNN, None),
         "vit_large_objects": (lambda: ViT(cfg), (30.0, 40.0)),
     }
