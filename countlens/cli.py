@@ -48,7 +48,7 @@ def toy_train(
 
         def report(row: dict) -> None:
             bar.update(task, completed=row["step"] + 1, info=f"loss {row['loss']:.3f}" + (
-                f" held-out count {row['acc_count_n<=10']:.3f}" if "acc_count_n<=10" in row else ""))
+                f" held-out {row['held_out_acc']:.3f}" if "held_out_acc" in row else ""))
 
         last = train(out, ToyConfig(), tc, progress=report)
     typer.echo(f"saved to {out}: {last}")
