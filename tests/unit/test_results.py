@@ -139,7 +139,8 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_failed_overwrite_keeps_old_file(tmp_path, monkeypatch):
-    path = results.save(dataarray(), tmp_path / "r.nc")
+    old = dataarray()  # one object: a second dataarray() could carry a later provenance date
+    path = results.save(old, tmp_path / "r.nc")
 
     def interrupted(dataset, tmp):
         Path(tmp).write_bytes(b"CDF\x01")
@@ -149,7 +150,7 @@ def test_failed_overwrite_keeps_old_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         results.save(dataset(), path)
     assert os.listdir(tmp_path) == ["r.nc"]
-    xr.testing.assert_identical(results.load(path), dataarray())
+    xr.testing.assert_identical(results.load(path), old)
 
 
 def test_save_and_load_errors(tmp_path):
