@@ -72,7 +72,7 @@ def eval_cmd(
 
     import countlens
     from countlens.analysis import accuracy, score
-    from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, task_samples
+    from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, scene_kind, task_samples
 
     if out is not None and out.exists() and not out.is_dir():
         _fail(CountlensError(f"--out {out} is a file; give a directory"))
@@ -86,13 +86,14 @@ def eval_cmd(
         ds = score(vlm, samples, batch_size=batch_size, progress=True)
     except CountlensError as err:
         _fail(err)
-    ds = ds.assign(scene=("sample", np.array([_scene_kind(s) for s in samples], dtype=object)))
+    ds = ds.assign(scene=("sample", np.array([scene_kind(s) for s in samples], dtype=object)))
     by_task = accuracy(ds, "task")
     counting = ds.where(ds.task == "count", drop=True)
-    by_scene = accuracy(counting.where(counting["count"] <= 10, drop=True), "scene")
+    up_to_ten = counting.where(counting["count"] <= 10, drop=True)
+    by_scene = accuracy(up_to_ten, "scene")
     by_count = accuracy(counting, "count")
     by_count.index = by_count.index.astype(int)
-    upto10 = float(counting.correct.where(counting["count"] <= 10, drop=True).mean())
+    upto10 = float(up_to_ten.correct.mean())
     text = (
         f"# Held-out accuracy of {model} (seed {seed})\n\n"
         f"Counting, N ≤ 10: **{upto10:.3f}**\n\n## Per task\n\n{by_task.to_markdown(floatfmt=('g', '.3f', 'g'))}\n\n"
@@ -104,15 +105,6 @@ def eval_cmd(
         out.mkdir(parents=True, exist_ok=True)
         ds.to_dataframe().to_csv(out / "samples.csv")
         (out / "accuracy.md").write_text(text)
-
-
-def _scene_kind(sample) -> str:
-    """Which kind of counting scene (`countlens.datasets.tasks`): the named shape alone, the total, or the named shape among others."""
-    if sample.task != "count":
-        return ""
-    if sample.meta["shape"] == "any":
-        return "total (how many objects)"
-    return "named shape among other shapes" if sample.meta["mixed"] else "one shape only"
 
 
 def _grid(model: str, image_size: int | None, patch_size: int | None):

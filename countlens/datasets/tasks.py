@@ -73,6 +73,16 @@ def task_samples(task: str, n: int, seed: int, start: int = 0, **kw) -> list[Tas
     return [task_sample(task, seed, i, **kw) for i in range(start, start + n)]
 
 
+def scene_kind(sample: TaskSample) -> str:
+    """A counting sample's kind of scene: the named shape alone, the total, or the named shape among
+    others ("" for the other tasks). The kinds differ in difficulty, so evaluations report them apart."""
+    if sample.task != "count":
+        return ""
+    if sample.meta["shape"] == "any":
+        return "total (how many objects)"
+    return "named shape among other shapes" if sample.meta["mixed"] else "one shape only"
+
+
 def _plural(shape: str) -> str:
     return shape + "s"
 
