@@ -42,3 +42,13 @@ def test_trace_matches_forward_on_the_organism():
     with vlm.trace(batch):
         logits = vlm.nn.output.logits.save()
     torch.testing.assert_close(logits, vlm.forward(batch).logits, rtol=0, atol=1e-5)
+
+
+def test_recipe_defaults_are_the_shipped_recipe():
+    # `countlens toy train --seed 0` must rebuild the shipped weights: its defaults are what they were trained with.
+    import json
+
+    from countlens.toy.recipe import ToyConfig, TrainConfig
+
+    shipped = json.loads((TOY_DIR / "countlens_recipe.json").read_text())
+    assert shipped == json.loads(json.dumps({"toy": ToyConfig().to_dict(), "train": TrainConfig().to_dict()}))

@@ -53,7 +53,7 @@ def test_training_is_a_pure_function_of_the_seed(tmp_path):
 
     from countlens.toy.train import train
 
-    tc = replace(TrainConfig(), steps=3, batch_size=4, vision_warmup=2, warmup=1, threads=1)
+    tc = replace(TrainConfig(), steps=3, batch_size=4, vision_pretrain=2, crop_batch=4, vision_warmup=2, warmup=1, threads=1)
     train(tmp_path / "a", SMALL, tc)
     train(tmp_path / "b", SMALL, tc)
     train(tmp_path / "c", SMALL, replace(tc, seed=1))
@@ -63,6 +63,33 @@ def test_training_is_a_pure_function_of_the_seed(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
     assert (tmp_path / "a" / "train_log.jsonl").read_text().count("\n") >= 2
     assert (tmp_path / "a" / "countlens_recipe.json").exists()
+
+
+def test_main_training_leaves_the_pretrained_tower_frozen(tmp_path):
+    from dataclasses import replace
+
+    from countlens.toy.train import train
+
+    tc = replace(TrainConfig(), steps=0, batch_size=4, vision_pretrain=2, crop_batch=4, vision_warmup=2, warmup=1, threads=1,
+                 freeze_vision=True)
+    train(tmp_path / "a", SMALL, tc)  # pretraining only
+    train(tmp_path / "b", SMALL, replace(tc, steps=3))
+    before, after = (countlens.load(tmp_path / d).hf.model.visual.state_dict() for d in "ab")
+    frozen = [k for k in before if not k.startswith("merger.")]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("merger."))
+
+
+def test_pretraining_crops_hold_objects_at_scene_sizes():
+    from countlens.datasets.tasks import SIZE_RANGE
+    from countlens.toy.train import pretraining_crops
+
+    tc = TrainConfig()
+    crops = pretraining_crops(0, 3, ToyConfig(), tc)
+    assert len(crops) == tc.crop_batch and crops == pretraining_crops(0, 3, ToyConfig(), tc)
+    assert all(len(c.objects) == 1 for c in crops) and all(c.width == c.height == tc.crop_size for c in crops)
+    assert all(SIZE_RANGE[0] <= o.size <= SIZE_RANGE[1] for c in crops for o in c.objects)
+    assert crops != pretraining_crops(1, 3, ToyConfig(), tc)
 
 
 def test_cell_targets_mark_object_centres():
