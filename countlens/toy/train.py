@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ import torch
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TASKS, TRAIN_SEED_BASE, TaskSample, sample_rng, task_sample
+from countlens.errors import CountlensError
 from countlens.toy.recipe import (
     ToyConfig,
     TrainConfig,
@@ -117,9 +118,10 @@ def vision_pretrain(model, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
     A throw-away linear head reads the crop's image tokens max-pooled feature by feature and must
     name the object's shape. In one-off runs (8 px patches, 1,000 steps, then the same read-out on
     one-object 192 px scenes) shape reached 0.98; asking the colour too from the same pooled
-    features cut it to 0.79, and max-pooling the head's logits instead of the features to 0.56. Colour is easy and comes
-    with `vision_warmup`. Crops are cheap (a 64 px crop has a ninth of a 192 px scene's pixels), so
-    the tower sees many objects per second. Why 8 px patches and crops: `bench/organism_vision.py`.
+    features cut it to 0.79, and max-pooling the head's logits instead of the features to 0.56.
+    Colour is easy and comes with `vision_warmup`. Crops are cheap (a 64 px crop has a ninth of a
+    192 px scene's pixels), so the tower sees many objects per second. Why 8 px patches and crops:
+    `bench/organism_vision.py`.
     """
     crop_cfg = replace(cfg, image_size=tc.crop_size)
     pixels = Collator(crop_cfg).pixel_values
@@ -208,6 +210,9 @@ def quick_accuracy(model, collate: Collator, samples: list[TaskSample], batch_si
 def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig(), progress=None) -> dict:
     """Train and save the organism to ``out`` (HF format + recipe + log). Returns the last log row."""
     out = Path(out)
+    if tc.vision_pretrain and tc.crop_size % cfg.geometry.token_size:
+        raise CountlensError(f"crop_size {tc.crop_size} is not a multiple of the organism's token size "
+                             f"{cfg.geometry.token_size} px; choose e.g. {4 * cfg.geometry.token_size}")
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(tc.threads)
     tokenizer, image_processor = build_tokenizer(), build_image_processor(cfg)

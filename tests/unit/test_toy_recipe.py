@@ -80,6 +80,18 @@ def test_main_training_leaves_the_pretrained_tower_frozen(tmp_path):
     assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("merger."))
 
 
+def test_crop_size_off_the_token_grid_is_refused_before_writing(tmp_path):
+    import pytest
+    from dataclasses import replace
+
+    from countlens.errors import CountlensError
+    from countlens.toy.train import train
+
+    with pytest.raises(CountlensError, match="crop_size 40 is not a multiple"):
+        train(tmp_path / "x", SMALL, replace(TrainConfig(), vision_pretrain=2, crop_size=40, threads=1))
+    assert not (tmp_path / "x").exists()
+
+
 def test_pretraining_crops_hold_objects_at_scene_sizes():
     from countlens.datasets.tasks import SIZE_RANGE
     from countlens.toy.train import pretraining_crops
