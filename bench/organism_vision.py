@@ -201,7 +201,7 @@ def main(only: list[str]) -> dict:
         if schedule:
             results[name]["steps"], results[name]["batch"] = schedule
         print(name, results[name], flush=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
+    path.write_text(json.dumps(results, indent=2) + "\n")  # once, at the end: an interrupted run keeps the old file
     return results
 
 
