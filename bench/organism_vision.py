@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,10 +42,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
-from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
-from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, sample_rng, task_sample
-from countlens.toy.recipe import ToyConfig, build_model
-from countlens.toy.train import Collator
+from countlens.datasets.scene import SHAPES, Scene
+from countlens.datasets.tasks import TRAIN_SEED_BASE, task_sample
+from countlens.toy.recipe import ToyConfig, TrainConfig, build_model
+from countlens.toy.train import Collator, pretraining_crops
 
 STEPS, BATCH, LR, EVAL_EVERY = 600, 32, 1e-3, 150
 
@@ -56,16 +57,6 @@ def single_object_scenes(seed: int, n: int, size_range: tuple[float, float] | No
         s = task_sample("shape", seed, i, size_range=size_range)
         out += [s.scene] if len(s.scene.objects) == 1 else []
         i += 1
-    return out
-
-
-def single_object_crops(seed: int, n: int, size: int = 64) -> list[Scene]:
-    """``n`` crops of ``size`` px holding one object at the scenes' sizes, colours and rotations."""
-    out = []
-    for i in range(n):
-        rng = sample_rng(seed, "bench-crop", i)
-        spec = (SHAPES[rng.integers(len(SHAPES))], OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))], float(rng.uniform(*SIZE_RANGE)))
-        out.append(Scene(size, size, place_objects(rng, size, size, [spec])))
     return out
 
 
@@ -156,8 +147,10 @@ def learn(make: Callable[[], torch.nn.Module], size_range: tuple[float, float] |
             curve[step] = round(float((pred == held_y).float().mean()), 3)
         if step == steps:
             break
-        seed = TRAIN_SEED_BASE + 5 + step
-        batch = single_object_crops(seed, batch_size) if crops else single_object_scenes(seed, batch_size, size_range)
+        if crops:  # the recipe's own `vision_pretrain` crops (64 px, one object), under seed 5
+            batch = pretraining_crops(5, step, ToyConfig(), replace(TrainConfig(), crop_batch=batch_size))
+        else:
+            batch = single_object_scenes(TRAIN_SEED_BASE + 5 + step, batch_size, size_range)
         loss = torch.nn.functional.cross_entropy(model(batch), labels(batch))
         loss.backward()
         opt.step()

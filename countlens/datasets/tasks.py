@@ -51,6 +51,11 @@ def sample_rng(seed: int, key: str, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(key.encode()), index])
 
 
+def object_sizes(image_size: int) -> tuple[float, float]:
+    """The range of object sizes (px) in scenes of ``image_size``: `SIZE_RANGE` scaled from 192 px."""
+    return SIZE_RANGE[0] * image_size / 192, SIZE_RANGE[1] * image_size / 192
+
+
 def task_sample(
     task: str,
     seed: int,
@@ -64,7 +69,7 @@ def task_sample(
         raise CountlensError(f"unknown task {task!r}; use one of {TASKS}")
     rng = sample_rng(seed, task, index)
     if size_range is None:
-        size_range = (SIZE_RANGE[0] * image_size / 192, SIZE_RANGE[1] * image_size / 192)
+        size_range = object_sizes(image_size)
     make = {"count": _count, "color": _color, "shape": _shape}[task]
     return make(rng, image_size, size_range, max_count)
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
-from countlens.datasets.tasks import SIZE_RANGE, TASKS, TRAIN_SEED_BASE, TaskSample, sample_rng, task_sample
+from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, TaskSample, object_sizes, sample_rng, task_sample
 from countlens.errors import CountlensError
 from countlens.toy.recipe import (
     ToyConfig,
@@ -103,7 +103,7 @@ class Collator:
 def pretraining_crops(seed: int, step: int, cfg: ToyConfig, tc: TrainConfig) -> list[Scene]:
     """The crops of one `vision_pretrain` step: one object each at the organism's object sizes, with
     random shape, colour, rotation and position (so it straddles patch borders as in full scenes)."""
-    lo, hi = (s * cfg.image_size / 192 for s in SIZE_RANGE)  # as `task_sample` scales them
+    lo, hi = object_sizes(cfg.image_size)
     out = []
     for i in range(step * tc.crop_batch, (step + 1) * tc.crop_batch):
         rng = sample_rng(TRAIN_SEED_BASE + seed, "crop", i)
