@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES
+from countlens.errors import CountlensError
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -56,8 +57,9 @@ class ToyConfig:
 
     image_size: int = 192
     # With 16 px patches the tower never learns to tell circles from squares (12–22 px objects
-    # straddle patches); with 8 px patches and `TrainConfig.vision_pretrain` it does, but the whole
-    # organism then trains 1.6× slower per step. Measured: bench/organism_vision.py and the README.
+    # straddle patches); with 8 or 12 px patches and `TrainConfig.vision_pretrain` its patches do,
+    # but the image token at an object's centre still does not, and that is what the language model
+    # counts. Measured: bench/organism_vision.py, bench/cell_shape.py and the README.
     patch_size: int = 16
     merge_size: int = 2
     vision_depth: int = 2
@@ -97,11 +99,16 @@ class TrainConfig:
     vision_pretrain: int = 0  # steps of shape pretraining of the vision tower on small crops (off in the shipped recipe)
     crop_size: int = 64  # side (px) of those one-object crops; objects keep their in-scene sizes
     crop_batch: int = 64
+    pretrain_reads: str = "tokens"  # what vision_pretrain's head reads: merged "tokens" or the blocks' "patches"
     vision_warmup: int = 300  # steps of dense pretraining of the vision tower (see train.vision_warmup)
-    freeze_vision: bool = False  # after both warmups, train only the merger and the language model
+    freeze_vision: bool = False  # freeze patch embedding and blocks after crop pretraining (else after the dense warmup)
     weight_decay: float = 0.01
     task_mix: dict = field(default_factory=lambda: {"count": 0.7, "color": 0.15, "shape": 0.15})
     threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.pretrain_reads not in ("tokens", "patches"):
+            raise CountlensError(f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'tokens' or 'patches'")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -80,6 +80,36 @@ def test_main_training_leaves_the_pretrained_tower_frozen(tmp_path):
     assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("merger."))
 
 
+def test_crop_pretraining_reads_patches_or_tokens_and_a_frozen_tower_leaves_the_warmup_only_the_merger(tmp_path):
+    from dataclasses import replace
+
+    from countlens.toy.train import train
+
+    tc = replace(TrainConfig(), steps=0, batch_size=4, vision_pretrain=0, crop_batch=4, vision_warmup=0, threads=1,
+                 freeze_vision=True)
+    runs = {"init": tc, "patches": replace(tc, vision_pretrain=2, pretrain_reads="patches"),
+            "patches+warmup": replace(tc, vision_pretrain=2, pretrain_reads="patches", vision_warmup=2),
+            "tokens": replace(tc, vision_pretrain=2)}
+    for name, cfg in runs.items():
+        train(tmp_path / name, SMALL, cfg)
+    init, patches, warm, tokens = (countlens.load(tmp_path / n).hf.model.visual.state_dict() for n in runs)
+    tower = [k for k in init if not k.startswith("merger.")]
+    merger = [k for k in init if k.startswith("merger.")]
+    changed = lambda a, b, keys: not all(torch.equal(a[k], b[k]) for k in keys)  # noqa: E731
+    assert changed(init, patches, tower) and not changed(init, patches, merger)  # read before the merger
+    assert changed(init, tokens, tower) and changed(init, tokens, merger)  # read after it: the merger trains too
+    assert not changed(patches, warm, tower) and changed(patches, warm, merger)  # frozen before the dense warmup
+
+
+def test_unknown_pretrain_readout_is_refused():
+    import pytest
+
+    from countlens.errors import CountlensError
+
+    with pytest.raises(CountlensError, match="pretrain_reads 'merger' is unknown; use 'tokens' or 'patches'"):
+        TrainConfig(pretrain_reads="merger")
+
+
 def test_crop_size_off_the_token_grid_is_refused_before_writing(tmp_path):
     import pytest
     from dataclasses import replace
@@ -114,3 +144,4 @@ def test_cell_targets_mark_object_centres():
     assert t[0, 0].tolist() == [2, 0, 0]  # two centres; the first is a red circle
     assert t[1, 1].tolist() == [1, 1, 2]  # green triangle
     assert t[0, 1, 0] == 0 and t[1, 0, 0] == 0
+
