@@ -118,14 +118,13 @@ def vision_pretrain(model, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
     A throw-away linear head reads the crop's features max-pooled feature by feature and must name
     the object's shape. ``tc.pretrain_reads`` picks the features: ``"tokens"``, the merged image
     tokens (tower and merger train), or ``"patches"``, the blocks' patch features before the merger
-    (the merger does not train here), with a second head naming the colour. In one-off runs (8 px
-    patches, 1,000 steps, read out on one-object 192 px scenes) "tokens" reached 0.98 on shape;
-    asking the colour too from the same pooled tokens cut it to 0.79, which is why only "patches"
-    asks it. "patches" puts shape into the patches (0.99 at 8 px, 0.93 at 12 px) but, with the
-    merger trained only afterwards, not into the image token at an object's centre, which is what
-    the language model counts: `bench/cell_shape.py`. Crops are cheap (a 64 px crop has a ninth of
-    a 192 px scene's pixels), so the tower sees many objects per second. Why small patches and
-    crops: `bench/organism_vision.py`.
+    (the merger does not train here), with a second head naming the colour. "patches" puts shape
+    into the patches (0.99 at 8 px) but not onto the image token at an object's centre, which is
+    what the language model counts (0.65); "tokens", with the tower then frozen for the dense
+    warmup (`freeze_vision`), puts it there (0.92 at 8 px): `bench/cell_shape.py`. Asking the
+    colour too from the pooled tokens cut shape from 0.98 to 0.79 in a one-off run, so only
+    "patches" asks it. Crops are cheap (a 64 px crop has a ninth of a 192 px scene's pixels), so
+    the tower sees many objects per second. Why small patches and crops: `bench/organism_vision.py`.
     """
     patches = tc.pretrain_reads == "patches"
     crop_cfg = replace(cfg, image_size=tc.crop_size)
