@@ -21,8 +21,8 @@ the same with 8 px patches (64 px crops). ``token_crops_then_merger`` / ``_8px``
 crop pretraining reads the merged image tokens (shape only; tower and merger train);
 ``token_crops_then_tower_8px`` leaves the tower trainable in the dense warmup. ``dense_crops_depth2``
 / ``_depth4`` train the whole tower and merger from scratch on the dense warmup's per-token
-targets, but on 96 px crops of 1–2 objects (1,500 steps of 64). A name that is not a setting is loaded as a checkpoint
-(`countlens.load`). Writes bench/cell_shape.json (merging into earlier results), with
+targets, but on 96 px crops of 1–2 objects (1,500 steps of 64). A name that is not a setting is
+loaded as a checkpoint (`countlens.load`). Writes bench/cell_shape.json (merging into earlier results), with
 ``centre_token_commonest``, the held-out share of the commonest shape (the guessing baseline).
 About 21 minutes for the seven settings on 2 cores, 15–20 s per checkpoint.
 """
@@ -45,7 +45,7 @@ from organism_vision import labels, single_object_scenes
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import TRAIN_SEED_BASE, TaskSample, object_sizes, sample_rng, task_sample
 from countlens.toy.recipe import ToyConfig, TrainConfig, build_model
-from countlens.toy.train import Collator, cell_targets, freeze_tower, vision_pretrain, vision_warmup
+from countlens.toy.train import CELL_CLASSES, Collator, cell_loss, cell_targets, freeze_tower, vision_pretrain, vision_warmup
 
 CFG12 = ToyConfig(patch_size=12)
 RECIPE12 = TrainConfig(vision_pretrain=1500, crop_size=72, freeze_vision=True, pretrain_reads="patches")
@@ -112,9 +112,8 @@ def dense_crops(depth: int, steps: int = 1500, crop: int = 96, batch: int = 64):
     cfg = replace(CFG12, vision_depth=depth)
     crop_cfg = replace(cfg, image_size=crop)
     visual = build_model(cfg, seed=0).model.visual.train()
-    heads = torch.nn.Linear(cfg.hidden, 4 + len(OBJECT_COLORS) + 1 + len(SHAPES) + 1)
-    splits = (4, len(OBJECT_COLORS) + 1, len(SHAPES) + 1)
-    opt = torch.optim.AdamW(list(visual.parameters()) + list(heads.parameters()), lr=1e-3)
+    head = torch.nn.Linear(cfg.hidden, sum(CELL_CLASSES))
+    opt = torch.optim.AdamW(list(visual.parameters()) + list(head.parameters()), lr=1e-3)
     patchify, grid, (lo, hi) = Collator(crop_cfg).pixel_values, torch.tensor([[1, *crop_cfg.geometry.patch_grid]] * batch), object_sizes(192)
     for step in range(steps):
         scenes = []
@@ -124,8 +123,8 @@ def dense_crops(depth: int, steps: int = 1500, crop: int = 96, batch: int = 64):
                      for _ in range(int(rng.integers(1, 3)))]
             scenes.append(Scene(crop, crop, place_objects(rng, crop, crop, specs)))
         target = cell_targets([TaskSample(s, "", "", "count") for s in scenes], crop_cfg)
-        logits = heads(visual(patchify(np.stack([s.render_array() for s in scenes])), grid_thw=grid).pooler_output).split(splits, -1)
-        loss = sum(torch.nn.functional.cross_entropy(lg, target[:, k]) for k, lg in enumerate(logits))
+        feats = visual(patchify(np.stack([s.render_array() for s in scenes])), grid_thw=grid).pooler_output
+        loss = cell_loss(head, feats, target)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -168,6 +168,16 @@ def cell_targets(samples: list[TaskSample], cfg: ToyConfig) -> torch.Tensor:
     return out.reshape(-1, 3)
 
 
+# Classes of `cell_targets`' three columns: centres in the cell (0–3), colour or none, shape or none.
+CELL_CLASSES = (4, len(OBJECT_COLORS) + 1, len(SHAPES) + 1)
+
+
+def cell_loss(head: torch.nn.Linear, feats: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of a per-token head (``sum(CELL_CLASSES)`` outputs) against `cell_targets`."""
+    logits = head(feats).split(CELL_CLASSES, dim=-1)
+    return sum(torch.nn.functional.cross_entropy(lg, target[:, k]) for k, lg in enumerate(logits))
+
+
 def vision_warmup(model, collate: Collator, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
     """Pretrain the vision tower and merger on dense scene labels before the language model sees them.
 
@@ -177,10 +187,8 @@ def vision_warmup(model, collate: Collator, cfg: ToyConfig, tc: TrainConfig) -> 
     the answer prior first and then, for thousands of steps, ignores objects that cover part of one
     token (measured: no progress beyond the prior in 1,100 steps).
     """
-    heads = torch.nn.Linear(cfg.hidden, 4 + len(OBJECT_COLORS) + 1 + len(SHAPES) + 1)
-    params = list(model.model.visual.parameters()) + list(heads.parameters())
-    opt = torch.optim.AdamW(params, lr=tc.lr)
-    splits = (4, len(OBJECT_COLORS) + 1, len(SHAPES) + 1)
+    head = torch.nn.Linear(cfg.hidden, sum(CELL_CLASSES))
+    opt = torch.optim.AdamW(list(model.model.visual.parameters()) + list(head.parameters()), lr=tc.lr)
     losses = []
     for step in range(tc.vision_warmup):
         idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
@@ -188,9 +196,7 @@ def vision_warmup(model, collate: Collator, cfg: ToyConfig, tc: TrainConfig) -> 
         inputs, _ = collate(samples)
         feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
         feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
-        target = cell_targets(samples, cfg)
-        logits = heads(feats).split(splits, dim=-1)
-        loss = sum(torch.nn.functional.cross_entropy(lg, target[:, k]) for k, lg in enumerate(logits))
+        loss = cell_loss(head, feats, cell_targets(samples, cfg))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
