@@ -59,7 +59,8 @@ class ToyConfig:
     # With 16 px patches the tower never learns to tell circles from squares (12–22 px objects
     # straddle patches). With 8 px patches, `TrainConfig.vision_pretrain` and `freeze_vision`, the
     # image token at an object's centre does (0.92), but 144 image tokens make every training step
-    # 1.6× slower. Measured: bench/organism_vision.py, bench/cell_shape.py and the README.
+    # 2× slower (0.50 vs 0.25 s, tower frozen). Measured: bench/organism_vision.py, cell_shape.py,
+    # train_step.py and the README.
     patch_size: int = 16
     merge_size: int = 2
     vision_depth: int = 2

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -263,20 +262,18 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
         idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
         return collate([training_sample(tc.seed, i, cfg, tc) for i in idx])
 
-    # Build the next batch in a thread while this one trains (rendering releases the GIL in numpy).
+    # Batches are built in this loop, not prefetched in a thread: on 2 cores a prefetch thread
+    # competes with torch's two threads and made each step 1.3× slower (bench/train_step.py).
     # The weights are written only after the last step, so an interrupted run leaves no checkpoint.
-    with (out / "train_log.jsonl").open("w") as log, ThreadPoolExecutor(max_workers=1) as pool:
+    with (out / "train_log.jsonl").open("w") as log:
         for step in range(0, len(crops), 100):
             log.write(json.dumps({"vision_pretrain_step": step, "loss": round(float(np.mean(crops[step : step + 100])), 4)}) + "\n")
         for step in range(0, len(warm), 50):
             log.write(json.dumps({"vision_warmup_step": step, "loss": round(float(np.mean(warm[step : step + 50])), 4)}) + "\n")
-        pending = pool.submit(make_batch, 0)
         for step in range(tc.steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, tc)
-            inputs, answers = pending.result()
-            if step + 1 < tc.steps:
-                pending = pool.submit(make_batch, step + 1)
+            inputs, answers = make_batch(step)
             logits = model(**inputs, logits_to_keep=1).logits[:, -1]
             loss = torch.nn.functional.cross_entropy(logits, answers)
             loss.backward()
