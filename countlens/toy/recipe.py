@@ -100,7 +100,7 @@ class TrainConfig:
     vision_pretrain: int = 0  # steps of shape pretraining of the vision tower on small crops (off in the shipped recipe)
     crop_size: int = 64  # side (px) of those one-object crops; objects keep their in-scene sizes
     crop_batch: int = 64
-    pretrain_reads: str = "tokens"  # what vision_pretrain's head reads: merged "tokens" or the blocks' "patches"
+    pretrain_reads: str = "tokens"  # what vision_pretrain's head reads: the "centre" token, pooled "tokens", pooled "patches"
     vision_warmup: int = 300  # steps of dense pretraining of the vision tower (see train.vision_warmup)
     freeze_vision: bool = False  # freeze patch embedding and blocks after crop pretraining (else after the dense warmup)
     weight_decay: float = 0.01
@@ -108,8 +108,8 @@ class TrainConfig:
     threads: int = 2
 
     def __post_init__(self) -> None:
-        if self.pretrain_reads not in ("tokens", "patches"):
-            raise CountlensError(f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'tokens' or 'patches'")
+        if self.pretrain_reads not in ("centre", "tokens", "patches"):
+            raise CountlensError(f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'centre', 'tokens' or 'patches'")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
+from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Obj, Scene, place_objects
 from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, TaskSample, object_sizes, sample_rng, task_sample
 from countlens.errors import CountlensError
 from countlens.toy.recipe import (
@@ -114,19 +114,22 @@ def pretraining_crops(seed: int, step: int, cfg: ToyConfig, tc: TrainConfig) -> 
 def vision_pretrain(model, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
     """Teach the vision tower shapes on small one-object crops first.
 
-    A throw-away linear head reads the crop's features max-pooled feature by feature and must name
-    the object's shape. ``tc.pretrain_reads`` picks the features: ``"tokens"``, the merged image
-    tokens (tower and merger train), or ``"patches"``, the blocks' patch features before the merger
-    (the merger does not train here), with a second head naming the colour. "patches" puts shape
-    into the patches (0.99 at 8 px) but not onto the image token at an object's centre, which is
-    what the language model counts (0.65); "tokens", with the tower then frozen for the dense
-    warmup (`freeze_vision`), puts it there (0.92 at 8 px): `bench/cell_shape.py`. Asking the
-    colour too from the pooled tokens cut shape from 0.98 to 0.79 in a one-off run, so only
-    "patches" asks it. Crops are cheap (a 64 px crop has a ninth of a 192 px scene's pixels), so
-    the tower sees many objects per second. Why small patches and crops: `bench/organism_vision.py`.
+    A throw-away linear head must name the crop's object's shape from the features that
+    ``tc.pretrain_reads`` picks: ``"centre"``, the merged image token whose cell holds the object's
+    centre (tower and merger train); ``"tokens"``, the merged tokens max-pooled feature by feature
+    (tower and merger train); or ``"patches"``, the blocks' patch features before the merger,
+    max-pooled (the merger does not train here), with a second head naming the colour. The
+    language model counts an object at the token of its centre, so that is where shape must be:
+    with 8 px patches and the tower then frozen for the dense warmup (`freeze_vision`), a linear
+    probe reads it there at 0.96 after "centre", 0.92 after "tokens" and 0.65 after "patches"
+    (which puts it into the patches instead: 0.99 max-pooled). Measured: `bench/cell_shape.py`.
+    Asking the colour too from the pooled tokens cut shape from 0.98 to 0.79 in a one-off run, so
+    only "patches" asks it. Crops are cheap (a 64 px crop has a ninth of a 192 px scene's pixels),
+    so the tower sees many objects per second. Why small patches and crops: `bench/organism_vision.py`.
     """
     patches = tc.pretrain_reads == "patches"
     crop_cfg = replace(cfg, image_size=tc.crop_size)
+    arange = torch.arange(tc.crop_batch)
     pixels = Collator(crop_cfg).pixel_values
     grid = torch.tensor([[1, *crop_cfg.geometry.patch_grid]] * tc.crop_batch)
     dim = cfg.vision_dim if patches else cfg.hidden
@@ -140,11 +143,15 @@ def vision_pretrain(model, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
     for step in range(tc.vision_pretrain):
         scenes = pretraining_crops(tc.seed, step, cfg, tc)
         out = visual(pixels(np.stack([sc.render_array() for sc in scenes])), grid_thw=grid)
-        pooled = (out.last_hidden_state if patches else out.pooler_output).view(len(scenes), -1, dim).max(1).values
-        loss = torch.nn.functional.cross_entropy(heads["shape"](pooled), torch.tensor([SHAPES.index(sc.objects[0].shape) for sc in scenes]))
+        feats = (out.last_hidden_state if patches else out.pooler_output).view(len(scenes), -1, dim)
+        if tc.pretrain_reads == "centre":
+            read = feats[arange, torch.tensor([token_index(sc.objects[0], crop_cfg) for sc in scenes])]
+        else:
+            read = feats.max(1).values
+        loss = torch.nn.functional.cross_entropy(heads["shape"](read), torch.tensor([SHAPES.index(sc.objects[0].shape) for sc in scenes]))
         if patches:
             color = torch.tensor([OBJECT_COLORS.index(sc.objects[0].color) for sc in scenes])
-            loss = loss + torch.nn.functional.cross_entropy(heads["color"](pooled), color)
+            loss = loss + torch.nn.functional.cross_entropy(heads["color"](read), color)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -152,15 +159,26 @@ def vision_pretrain(model, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
     return losses
 
 
+def token_cell(o: Obj, cfg: ToyConfig) -> tuple[int, int]:
+    """(row, col) of the image-token cell that holds the object's centre."""
+    cell, (rows, cols) = cfg.geometry.token_size, cfg.geometry.token_grid
+    return min(int(o.cy // cell), rows - 1), min(int(o.cx // cell), cols - 1)
+
+
+def token_index(o: Obj, cfg: ToyConfig) -> int:
+    """Index, among an image's merged tokens (row-major over the token grid), of the object's centre token."""
+    r, c = token_cell(o, cfg)
+    return r * cfg.geometry.token_grid[1] + c
+
+
 def cell_targets(samples: list[TaskSample], cfg: ToyConfig) -> torch.Tensor:
     """(B·cells, 3) per image-token cell: object centres in it (0–3), colour and shape of the first (or none)."""
-    cell = cfg.geometry.token_size
     side, _ = cfg.geometry.token_grid
     out = torch.zeros(len(samples), side, side, 3, dtype=torch.long)
     out[..., 1], out[..., 2] = len(OBJECT_COLORS), len(SHAPES)  # "none" classes
     for b, s in enumerate(samples):
         for o in s.scene.objects:
-            r, c = min(int(o.cy // cell), side - 1), min(int(o.cx // cell), side - 1)
+            r, c = token_cell(o, cfg)
             if out[b, r, c, 0] == 0:
                 out[b, r, c, 1], out[b, r, c, 2] = OBJECT_COLORS.index(o.color), SHAPES.index(o.shape)
             out[b, r, c, 0] = min(3, int(out[b, r, c, 0]) + 1)

@@ -80,7 +80,7 @@ def test_main_training_leaves_the_pretrained_tower_frozen(tmp_path):
     assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("merger."))
 
 
-def test_crop_pretraining_reads_patches_or_tokens_and_a_frozen_tower_leaves_the_warmup_only_the_merger(tmp_path):
+def test_crop_pretraining_reads_patches_tokens_or_the_centre_token_and_a_frozen_tower_leaves_the_warmup_only_the_merger(tmp_path):
     from dataclasses import replace
 
     from countlens.toy.train import train
@@ -89,15 +89,16 @@ def test_crop_pretraining_reads_patches_or_tokens_and_a_frozen_tower_leaves_the_
                  freeze_vision=True)
     runs = {"init": tc, "patches": replace(tc, vision_pretrain=2, pretrain_reads="patches"),
             "patches+warmup": replace(tc, vision_pretrain=2, pretrain_reads="patches", vision_warmup=2),
-            "tokens": replace(tc, vision_pretrain=2)}
+            "tokens": replace(tc, vision_pretrain=2), "centre": replace(tc, vision_pretrain=2, pretrain_reads="centre")}
     for name, cfg in runs.items():
         train(tmp_path / name, SMALL, cfg)
-    init, patches, warm, tokens = (countlens.load(tmp_path / n).hf.model.visual.state_dict() for n in runs)
+    init, patches, warm, tokens, centre = (countlens.load(tmp_path / n).hf.model.visual.state_dict() for n in runs)
     tower = [k for k in init if not k.startswith("merger.")]
     merger = [k for k in init if k.startswith("merger.")]
     changed = lambda a, b, keys: not all(torch.equal(a[k], b[k]) for k in keys)  # noqa: E731
     assert changed(init, patches, tower) and not changed(init, patches, merger)  # read before the merger
     assert changed(init, tokens, tower) and changed(init, tokens, merger)  # read after it: the merger trains too
+    assert changed(init, centre, tower) and changed(init, centre, merger) and changed(tokens, centre, merger)
     assert not changed(patches, warm, tower) and changed(patches, warm, merger)  # frozen before the dense warmup
 
 
@@ -106,7 +107,7 @@ def test_unknown_pretrain_readout_is_refused():
 
     from countlens.errors import CountlensError
 
-    with pytest.raises(CountlensError, match="pretrain_reads 'merger' is unknown; use 'tokens' or 'patches'"):
+    with pytest.raises(CountlensError, match="pretrain_reads 'merger' is unknown; use 'centre', 'tokens' or 'patches'"):
         TrainConfig(pretrain_reads="merger")
 
 
@@ -145,3 +146,15 @@ def test_cell_targets_mark_object_centres():
     assert t[1, 1].tolist() == [1, 1, 2]  # green triangle
     assert t[0, 1, 0] == 0 and t[1, 0, 0] == 0
 
+
+
+def test_token_index_is_the_centre_cell_row_major():
+    from countlens.datasets.scene import Obj
+    from countlens.toy.train import token_index
+
+    g = ToyConfig(patch_size=8)  # 16 px tokens on a 12 x 12 grid
+    assert token_index(Obj("circle", "red", 40, 10, 6), g) == 0 * 12 + 2
+    assert token_index(Obj("square", "red", 15.9, 16.0, 4), g) == 1 * 12 + 0
+    assert token_index(Obj("triangle", "red", 191.5, 191.5, 1), g) == 143  # last cell
+    crop = ToyConfig(image_size=64, patch_size=8)  # a 4 x 4 crop grid
+    assert token_index(Obj("circle", "red", 40, 50, 6), crop) == 3 * 4 + 2
