@@ -57,10 +57,10 @@ class ToyConfig:
 
     image_size: int = 192
     # With 16 px patches the tower never learns to tell circles from squares (12–22 px objects
-    # straddle patches). With 8 px patches, `TrainConfig.vision_pretrain` and `freeze_vision`, the
-    # image token at an object's centre does (0.92), but 144 image tokens make every training step
-    # 2× slower (0.50 vs 0.25 s, tower frozen). Measured: bench/organism_vision.py, cell_shape.py,
-    # train_step.py and the README.
+    # straddle patches). With 8 px patches, `TrainConfig.vision_pretrain` (reading the "centre"
+    # token) and `freeze_vision`, the image token at an object's centre does (0.96), but 144 image
+    # tokens make every training step 2× slower (0.50 vs 0.25 s, tower frozen). Measured:
+    # bench/organism_vision.py, cell_shape.py, train_step.py and docs/organism_vision.md.
     patch_size: int = 16
     merge_size: int = 2
     vision_depth: int = 2
