@@ -26,7 +26,7 @@ import torch
 
 from _timing import measured
 from countlens.toy.recipe import ToyConfig, TrainConfig, build_model
-from countlens.toy.train import Collator, freeze_tower, training_sample
+from countlens.toy.train import Collator, answer_step, freeze_tower, training_batch
 
 SETTINGS = {
     "shipped_16px": (ToyConfig(), False),
@@ -49,13 +49,10 @@ def measure(cfg: ToyConfig, frozen: bool, block: int = 8, blocks: int = 5) -> di
     counter = iter(range(10**9))
 
     def make_batch(step: int):
-        return collate([training_sample(0, i, cfg, tc) for i in range(step * tc.batch_size, (step + 1) * tc.batch_size)])
+        return training_batch(collate, step, cfg, tc)
 
     def train_step(inputs, answers) -> None:
-        logits = model(**inputs, logits_to_keep=1).logits[:, -1]
-        torch.nn.functional.cross_entropy(logits, answers).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        answer_step(model, opt, inputs, answers)
 
     def inline():
         t = time.perf_counter()

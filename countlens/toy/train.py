@@ -229,6 +229,23 @@ def freeze_tower(model) -> None:
         p.requires_grad_(False)
 
 
+def training_batch(collate: Collator, step: int, cfg: ToyConfig, tc: TrainConfig) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Model inputs and answer ids of main-training step ``step``: a pure function of (seed, step)."""
+    idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
+    return collate([training_sample(tc.seed, i, cfg, tc) for i in idx])
+
+
+def answer_step(model, opt: torch.optim.Optimizer, inputs: dict[str, torch.Tensor], answers: torch.Tensor) -> torch.Tensor:
+    """One optimiser step on the cross-entropy of the answer token at the last prompt position; returns the loss."""
+    logits = model(**inputs, logits_to_keep=1).logits[:, -1]
+    loss = torch.nn.functional.cross_entropy(logits, answers)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def lr_at(step: int, tc: TrainConfig) -> float:
     if step < tc.warmup:
         return tc.lr * (step + 1) / tc.warmup
@@ -276,10 +293,6 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
     held_out += [task_sample(t, 1, i, image_size=cfg.image_size) for t in TASKS if t != "count" for i in range(64)]
     row: dict = {}
 
-    def make_batch(step: int):
-        idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
-        return collate([training_sample(tc.seed, i, cfg, tc) for i in idx])
-
     # Batches are built in this loop, not prefetched in a thread: on 2 cores a prefetch thread
     # competes with torch's two threads and made each step 1.3× slower (bench/train_step.py).
     # The weights are written only after the last step, so an interrupted run leaves no checkpoint.
@@ -291,13 +304,7 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
         for step in range(tc.steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, tc)
-            inputs, answers = make_batch(step)
-            logits = model(**inputs, logits_to_keep=1).logits[:, -1]
-            loss = torch.nn.functional.cross_entropy(logits, answers)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = answer_step(model, opt, *training_batch(collate, step, cfg, tc))
             if step % 50 == 0 or step == tc.steps - 1:
                 row = {"step": step, "loss": round(loss.item(), 4), "lr": lr_at(step, tc), "elapsed_s": round(time.time() - start, 1)}
                 if step % 250 == 0 or step == tc.steps - 1:

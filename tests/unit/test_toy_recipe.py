@@ -147,7 +147,6 @@ def test_cell_targets_mark_object_centres():
     assert t[0, 1, 0] == 0 and t[1, 0, 0] == 0
 
 
-
 def test_token_index_is_the_centre_cell_row_major():
     from countlens.datasets.scene import Obj
     from countlens.toy.train import token_index
