@@ -21,12 +21,13 @@ the same with 8 px patches (64 px crops). ``token_crops_then_merger`` / ``_8px``
 crop pretraining reads the merged image tokens (shape only; tower and merger train);
 ``token_crops_then_tower_8px`` leaves the tower trainable in the dense warmup.
 ``centre_crops_then_merger_8px``: the crop pretraining reads the merged token at the object's
-centre (``pretrain_reads="centre"``). ``dense_crops_depth2``
+centre (``pretrain_reads="centre"``); ``centre_crops_3000_then_merger_8px`` the same with 3,000 crop
+steps instead of 1,500, ``centre_crops_then_merger_8px_depth3`` with a 3-block tower. ``dense_crops_depth2``
 / ``_depth4`` train the whole tower and merger from scratch on the dense warmup's per-token
 targets, but on 96 px crops of 1–2 objects (1,500 steps of 64). A name that is not a setting is
 loaded as a checkpoint (`countlens.load`). Writes bench/cell_shape.json (merging into earlier results), with
 ``centre_token_commonest``, the held-out share of the commonest shape (the guessing baseline).
-About 24 minutes for the eight settings on 2 cores, 15–20 s per checkpoint.
+About 33 minutes for the ten settings on 2 cores, 15–20 s per checkpoint.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ SETTINGS = {
     "token_crops_then_merger": lambda: crops_then_merger(CFG12, replace(RECIPE12, pretrain_reads="tokens")),
     "token_crops_then_merger_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="tokens")),
     "centre_crops_then_merger_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="centre")),
+    "centre_crops_3000_then_merger_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="centre", vision_pretrain=3000)),
+    "centre_crops_then_merger_8px_depth3": lambda: crops_then_merger(ToyConfig(patch_size=8, vision_depth=3), replace(RECIPE12, crop_size=64, pretrain_reads="centre")),
     "token_crops_then_tower_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="tokens"),
                                                             freeze=False),
     "dense_crops_depth2": lambda: dense_crops(2),

@@ -7,7 +7,8 @@ It used to prefetch the next batch in a thread while the current step trained; o
 thread competes with torch's two threads. Both loops run here side by side on the same model, in
 alternating blocks of steps, for the shipped organism (16 px patches, whole model trains) and an
 8 px one with its tower frozen (`freeze_vision`). Also recorded: building a batch alone and a step
-on a ready batch alone, so that the loops' figures can be read against their parts. About 1.5
+on a ready batch alone, so that the loops' figures can be read against their parts, and that step
+under bf16 autocast (this CPU has AMX-BF16, but at the organism's widths bf16 is slower). About 2
 minutes on 2 cores.
 """
 
@@ -83,6 +84,12 @@ def measure(cfg: ToyConfig, frozen: bool, block: int = 8, blocks: int = 5) -> di
         train_step(*ready)
         return time.perf_counter() - t, 1
 
+    def step_only_bf16():
+        t = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            train_step(*ready)
+        return time.perf_counter() - t, 1
+
     inline(), prefetch()  # warm-up
 
     def run():
@@ -92,11 +99,13 @@ def measure(cfg: ToyConfig, frozen: bool, block: int = 8, blocks: int = 5) -> di
             out["prefetch_thread"].append(per_step(prefetch, 1))
         return {k: statistics.median(v) for k, v in out.items()} | {
             "build_batch_only": per_step(build_only, 5), "step_on_ready_batch": per_step(step_only, 5),
+            "step_on_ready_batch_bf16_autocast": per_step(step_only_bf16, 5),
         }
 
     times, load = measured(run)
     return {k: round(v, 4) for k, v in times.items()} | {
         "prefetch_over_inline": round(times["prefetch_thread"] / times["inline"], 3),
+        "bf16_autocast_over_fp32": round(times["step_on_ready_batch_bf16_autocast"] / times["step_on_ready_batch"], 3),
         "others_load_cores": load.others,
     }
 

@@ -59,7 +59,7 @@ class ToyConfig:
     # With 16 px patches the tower never learns to tell circles from squares (12–22 px objects
     # straddle patches). With 8 px patches, `TrainConfig.vision_pretrain` (reading the "centre"
     # token) and `freeze_vision`, the image token at an object's centre does (0.96), but 144 image
-    # tokens make every training step 2× slower (0.56 vs 0.29 s, tower frozen). Measured:
+    # tokens make every training step 2× slower (0.57 vs 0.28 s, tower frozen). Measured:
     # bench/organism_vision.py, cell_shape.py, train_step.py and docs/organism_vision.md.
     patch_size: int = 16
     merge_size: int = 2
