@@ -137,7 +137,8 @@ def data_countingtricks(
     patch_size: int = typer.Option(None, help="Plain grid instead of a model's: patch side in pixels."),
     shapes: str = typer.Option("circle,square,triangle", help="Comma-separated shapes the samples cycle through."),
     color: str = typer.Option("red", help="Object colour, or several comma-separated (one drawn per object)."),
-    prompt: str = typer.Option("std", help="Prompt style: std, objects, short or conflict (Digit-in-Conflict)."),
+    prompt: str = typer.Option("std", help="Prompt style: std (the papers' Pstd, answers 'circle: 7'), number "
+                               "(number only), objects, short, conflict or number_conflict (Digit-in-Conflict)."),
     workers: int = typer.Option(None, help="Processes (default: all cores); output is identical for any number."),
 ) -> None:
     """Write COUNTINGTRICKS images and a manifest with every object's geometry.
@@ -170,7 +171,8 @@ def discover_cmd(
     n_pairs: int = typer.Option(128, help="Clean/corrupt pairs for patching."),
     n_samples: int = typer.Option(128, help="Samples per task for lenses, attention and ablation."),
     seed: int = typer.Option(0),
-    prompt: str = typer.Option("auto", help="Prompt style: auto (short for toy, std otherwise), std, objects, short."),
+    prompt: str = typer.Option("auto", help="Prompt style: auto (short for toy, std otherwise), std (the papers' "
+                               "Pstd), number, objects, short."),
     batch_size: int = typer.Option(16),
     device: str = typer.Option(None, help="e.g. cuda; default: where from_pretrained puts it."),
     dtype: str = typer.Option(None, help="e.g. bfloat16."),
@@ -182,13 +184,13 @@ def discover_cmd(
     Example: countlens discover --model toy --out runs/toy
     """
     import countlens
-    from countlens.datasets.prompts import PROMPTS
+    from countlens.datasets.prompts import PAIR_PROMPTS
     from countlens.discover import DiscoverConfig, discover
 
     if out.exists() and not out.is_dir():
         _fail(CountlensError(f"--out {out} is a file; give a directory"))
-    if prompt != "auto" and (prompt not in PROMPTS or PROMPTS[prompt][1]):
-        _fail(CountlensError(f"--prompt {prompt!r}: use auto, std, objects or short"))
+    if prompt != "auto" and prompt not in PAIR_PROMPTS:
+        _fail(CountlensError(f"--prompt {prompt!r}: use auto or one of {', '.join(PAIR_PROMPTS)}"))
     for name, value in (("--n-per-case", n_per_case), ("--n-pairs", n_pairs), ("--n-samples", n_samples)):
         if value < 1:
             _fail(CountlensError(f"{name} must be ≥ 1, got {value}"))

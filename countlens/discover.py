@@ -105,10 +105,12 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
                                                                   prompt=prompt, color=("red", "green", "blue")),
                                               batch_size=bs, progress=True))
-    # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
+    # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit (the
+    # organism's vocabulary has no Pstd answer format: it gets the number-only prompt).
     position = [n for n, case in CASES.items() if case.family == "position"]
     per = max(1, c.n_per_case // 5)
-    for stage, style in (("conflict_std", "std"), ("conflict", "conflict")):
+    styles = ("number", "number_conflict") if vlm.name == "toy" else ("std", "conflict")
+    for stage, style in zip(("conflict_std", "conflict"), styles):
         stages.run(stage, lambda style=style: score(vlm, countingtricks(position, per, grid, seed=c.seed, prompt=style,
                                                                         color=("red", "green", "blue")), batch_size=bs))
     # 2–3. patching

@@ -2,7 +2,9 @@
 
 `countlens.load` (in `countlens.loading`) resolves a name to a `VLM`, offline. `VLM.prepare` turns images and questions into a `Batch`: the padded model
 inputs plus, per sample, where its image tokens are, which cell of the image-token grid each one
-covers, the last prompt position (where a single-token answer is read) and the answer's token ids.
+covers, the last prompt position, the read position (the last one: the last prompt token, or the
+last of any answer tokens teacher-forced after it) and the answers' token sequences
+(`countlens.answers` says how answers are written and terminated).
 Everything that reads or writes activations goes through `VLM.trace` and `VLM.module`, so the
 same code runs locally and, with ``remote=True``, on NDIF.
 """
@@ -31,6 +33,8 @@ class Batch:
 
     ``image_cell[b]`` is (n_image_tokens, 2): each image token's (row, col) on the token grid of
     ``geometry[b]``; (-1, -1) for image tokens that cover no single cell (row-end newline tokens).
+    ``prompt_last[b]`` is the last prompt token; ``last[b]`` the read position, the same unless
+    answer tokens were teacher-forced after the prompt (``forced=`` of `VLM.prepare`).
     """
 
     inputs: dict[str, torch.Tensor]
@@ -40,6 +44,11 @@ class Batch:
     last: torch.Tensor
     answer_ids: list[list[int]] | None = None
     prompts: list[str] = field(default_factory=list)
+    prompt_last: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.prompt_last is None:
+            self.prompt_last = self.last
 
     def __len__(self) -> int:
         return int(self.last.shape[0])
@@ -67,6 +76,7 @@ class VLM:
 
             envoy = NNsight(hf_model)
         self.nn = envoy
+        self._answer_end: int | None | bool = False  # False: not looked up yet
 
     def __repr__(self) -> str:
         return f"VLM({self.name!r}, {self.arch!r}, geometry={self.geometry})"
@@ -132,16 +142,19 @@ class VLM:
         prompts: Sequence[str],
         answers: Sequence[str] | None = None,
         *,
-        single_token: bool = True,
+        single_token: bool = False,
         chat: bool = True,
+        forced: Sequence[Sequence[int]] | None = None,
     ) -> Batch:
         """Build a padded batch: one image and one prompt per sample.
 
         ``prompts`` are questions; with ``chat=True`` (default) each is wrapped in the model's chat
         template with the image before the text, or where the prompt says ``<image>``. With
         ``chat=False`` a prompt is used verbatim and must contain the processor's image token
-        once. ``answers`` are tokenised without special tokens; ``single_token=True`` requires
-        each to be exactly one token (what single-token scoring and patching read).
+        once. ``answers`` become token sequences (`answer_ids`); ``single_token=True`` requires
+        each to be exactly one token. ``forced`` holds token ids per sample to teacher-force after
+        its prompt (an answer's first tokens); the rows stay left-padded, so every row's read
+        position is the last one.
         """
         if len(images) != len(prompts):
             raise InputError(f"got {len(images)} images but {len(prompts)} prompts; give one prompt per image")
@@ -149,9 +162,11 @@ class VLM:
             raise InputError(f"got {len(answers)} answers for {len(prompts)} prompts; give one answer per prompt")
         if len(images) == 0:
             raise InputError("empty batch: give at least one image and prompt")
+        if forced is not None and len(forced) != len(prompts):
+            raise InputError(f"got {len(forced)} forced answer prefixes for {len(prompts)} prompts; give one per prompt")
         pil = [_as_rgb(im, i) for i, im in enumerate(images)]
         texts = [self._chat_text(p, i) if chat else self._raw_text(p, i) for i, p in enumerate(prompts)]
-        answer_ids = None if answers is None else [self._answer_ids(a, single_token) for a in answers]
+        answer_ids = None if answers is None else [self._checked_answer(a, single_token) for a in answers]
         try:
             # One list per sample: Gemma3 reads a flat list as all the images of one prompt.
             # Left padding puts every sample's last prompt token at position -1, which single-token
@@ -161,6 +176,9 @@ class VLM:
         except (ValueError, TypeError) as err:
             raise InputError(f"the {type(self.processor).__name__} rejected the batch: {err}") from err
         inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
+        forcing = forced is not None and any(len(f) for f in forced)
+        if forcing:
+            inputs = _append_tokens(inputs, forced, self._pad_id())
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         image_pos, image_cell, geoms = [], [], []
         for b in range(ids.shape[0]):
@@ -173,7 +191,8 @@ class VLM:
         device = self.device
         if device.type != "meta":  # a remote model lives on the meta device; NDIF places the inputs
             inputs = {k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
-        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts))
+        prompt_last = last - torch.tensor([len(f) for f in forced]) if forcing else last
+        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last)
 
     def _chat_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):
@@ -195,11 +214,37 @@ class VLM:
             )
         return prompt
 
-    def _answer_ids(self, answer: str, single_token: bool) -> list[int]:
+    @property
+    def answer_end(self) -> int | None:
+        """The token appended to every answer, or None for bare answers: the end-of-answer token where
+        the vocabulary writes a count as a prefix of another (`countlens.answers`)."""
+        if self._answer_end is False:
+            from countlens.answers import end_of_answer_id, splits_numbers
+
+            end = end_of_answer_id(self.processor) if splits_numbers(self.tokenizer) else None
+            if end is None and splits_numbers(self.tokenizer):
+                raise InputError(f"{self.name or 'the model'}'s tokenizer splits numbers into digits but has no "
+                                 "end-of-answer token (no eos token, no chat template): set tokenizer.eos_token")
+            self._answer_end = end
+        return self._answer_end
+
+    def answer_ids(self, answer: str) -> list[int]:
+        """``answer`` as the model writes it: its tokens (no special tokens), then `answer_end` if any."""
+        if not isinstance(answer, str) or not answer.strip():
+            raise InputError(f"answer {answer!r} is empty or not a string; give the answer text")
         ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
         unk = self.tokenizer.unk_token_id
         if not ids or (unk is not None and unk in ids):
             raise InputError(f"answer {answer!r} is not in {self.name or 'the model'}'s vocabulary; use a word it knows")
+        end = self.answer_end
+        return ids if end is None else [*ids, end]
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(self.tokenizer.eos_token_id if pad is None else pad)
+
+    def _checked_answer(self, answer: str, single_token: bool) -> list[int]:
+        ids = self.answer_ids(answer)
         if single_token and len(ids) != 1:
             toks = self.tokenizer.convert_ids_to_tokens(ids)
             raise InputError(
@@ -215,6 +260,26 @@ class VLM:
             p = self.arch.patch_size
             return Geometry(gh * p, gw * p, p, self.arch.merge_size)
         return self.geometry_for(image.height, image.width)
+
+
+def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[int]], pad: int) -> dict:
+    """Each row's real tokens followed by its ``forced`` ids, re-padded on the left. Every per-token
+    tensor (input ids, attention mask, token-type ids) is extended: forced tokens are real text."""
+    ids = inputs["input_ids"]
+    per_token = [k for k, v in inputs.items() if v.shape[:2] == ids.shape and not v.is_floating_point()]
+    real = inputs["attention_mask"].bool()
+    rows = {k: [] for k in per_token}
+    for b, extra in enumerate(forced):
+        extra = torch.as_tensor(list(extra), dtype=ids.dtype)
+        for k in per_token:
+            tail = {"input_ids": extra, "attention_mask": torch.ones_like(extra)}.get(k, torch.zeros_like(extra))
+            rows[k].append(torch.cat([inputs[k][b][real[b]], tail.to(inputs[k].dtype)]))
+    width = max(len(r) for r in rows["input_ids"])
+    out = dict(inputs)
+    for k in per_token:
+        fill = pad if k == "input_ids" else 0
+        out[k] = torch.stack([torch.cat([torch.full((width - len(r),), fill, dtype=r.dtype), r]) for r in rows[k]])
+    return out
 
 
 def _cells(layout: str, geom: Geometry, n_tokens: int, b: int) -> torch.Tensor:

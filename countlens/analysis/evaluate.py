@@ -1,9 +1,12 @@
 """Counting evaluation: single-token scoring, greedy generation, answer parsing and the papers' metrics.
 
-Two ways to ask a VLM for a count. **Scoring** (`score`) reads the next-token logits at the last
-prompt position and takes the arg-max over the whole vocabulary: one forward pass, and the model
-may answer any token, so a wrong-format answer counts as wrong. **Generation** (`generate`) lets the
-model answer freely (greedy, a few tokens) and parses the first count in its text with
+Two ways to ask a VLM for a count. **Scoring** (`score`) reads the model's probabilities without
+letting it write: single-token scoring takes the arg-max over the whole vocabulary at the last
+prompt position (one forward; a wrong-format answer counts as wrong), and candidate scoring — for
+answers of several tokens, as real tokenizers write "12" ("1", "2") — teacher-forces every candidate
+answer and takes the most probable (`countlens.answers` says how sequences end and are scored).
+**Generation** (`generate`, the papers' way) lets the model answer freely (greedy, a few tokens) and
+parses its text: the Pstd format "circle: 7" with `parse_shape_count`, else the first count with
 `parse_count` ("I think there are 3 circles" → 3, "none" → 0, "I don't know" → unparsed).
 Both return an `xr.Dataset` over ``sample`` with ``correct``, ``count`` (gold N, −1 for non-counting
 samples), ``pred_count`` (−1 when unparseable) and ``parsed``, so the metrics below read either:
@@ -15,8 +18,8 @@ samples), ``pred_count`` (−1 when unparseable) and ``parsed``, so the metrics 
 - `digit_in_conflict`: the accuracy drop when the prompt carries a wrong hint (N±1, N±2) and the share
   of answers that repeat the hinted digit.
 
-A sample is anything with ``image`` (PIL), ``question``, ``answer`` (a word; a single token for
-`score`), ``task`` and ``meta`` (``count`` for counting samples; ``case``, ``shape``, ``distractor``
+A sample is anything with ``image`` (PIL), ``question``, ``answer`` (its text: "7", "circle: 7",
+"red"), ``task`` and ``meta`` (``count`` for counting samples; ``case``, ``shape``, ``distractor``
 when known): `countlens.datasets.tasks.TaskSample` is one.
 """
 
@@ -87,6 +90,24 @@ def parse_count(text: str) -> int | None:
     return 0
 
 
+def parse_shape_count(text: str, shape: str = "") -> int | None:
+    """The count of a Pstd-format answer ("circle: 7", "Circles: seven"), or else the first count.
+
+    The format is the papers' Pstd answer, ``{shape}: {number}`` (`countlens.datasets.prompts`); a
+    model that ignores it and answers "There are 7" is still read (→ 7), as the papers' parser does.
+    ``shape`` is the asked shape, singular or plural ("circle", "circles", "objects"); empty: any word.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"parse_shape_count got a {type(text).__name__}; give the answer text as a string")
+    stem = re.escape(shape[:-1] if shape.endswith("s") else shape) if shape else r"[a-z]+"
+    m = re.search(rf"\b{stem}s?\s*:\s*", text, re.IGNORECASE)
+    if m is not None:
+        found = parse_count(text[m.end():])
+        if found is not None:
+            return found
+    return parse_count(text)
+
+
 def token_text(token: str) -> str:
     """A vocabulary token as text: sub-word markers ("Ġ12", "▁twelve") turned back into spaces."""
     return str(token).translate(_TOKEN_MARKERS)
@@ -124,18 +145,50 @@ def _steps(n: int, batch_size: int, progress: bool, what: str):
     return steps
 
 
-@torch.no_grad()
-def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool = False) -> xr.Dataset:
-    """Per-sample single-token predictions: an xr.Dataset over ``sample``.
+SCORE_METHODS: tuple[str, ...] = ("auto", "token", "candidates")
 
-    Variables: pred (the arg-max token), gold, correct (pred is the answer's token), p_gold, task,
-    count, case, shape, distractor, pred_count / parsed (`parse_count` of the predicted token).
+
+@torch.no_grad()
+def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool = False, method: str = "auto",
+          candidates: Sequence[str] | None = None) -> xr.Dataset:
+    """Per-sample predictions by scoring: an xr.Dataset over ``sample``; ``attrs["method"]`` says how.
+
+    ``method``:
+    - ``"token"`` — single-token scoring: the arg-max over the whole vocabulary at the last prompt
+      position; every answer must be one token. Variables: pred (the arg-max token), correct, p_gold
+      (softmax probability of the answer's token), pred_count / parsed (`parse_count` of the token).
+    - ``"candidates"`` — candidate scoring: the teacher-forced log-probability of each candidate
+      answer sequence (`countlens.answers`: terminated where the vocabulary splits numbers), arg-max
+      over candidates. Candidates default to, for counting samples, the counts 0 … the largest gold
+      count among ``samples``, written like each sample's own answer ("7" → "0" … "12"; "circle: 7"
+      → "circle: 0" …); for other samples, the distinct gold answers of their task. ``candidates=``
+      gives one list for every sample. Variables: pred (the winning candidate's text), correct,
+      logp_gold, p_gold (its sequence probability), pred_count / parsed.
+    - ``"auto"`` (default) — ``"token"`` when every answer is a single token, else ``"candidates"``.
+    All carry gold, task, count, case, shape and distractor.
     """
     _check_samples(samples)
+    if method not in SCORE_METHODS:
+        raise InputError(f"unknown scoring method {method!r}; use one of {SCORE_METHODS}")
+    if method == "auto":
+        single = candidates is None and all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples)
+        method = "token" if single else "candidates"
+    if method == "token":
+        if candidates is not None:
+            raise InputError("candidates= is for method='candidates'; single-token scoring reads the whole vocabulary")
+        return _score_tokens(vlm, samples, batch_size, progress)
+    return _score_candidates(vlm, samples, _candidate_sets(samples, candidates), batch_size, progress)
+
+
+def _score_tokens(vlm, samples: Sequence[Sample], batch_size: int, progress: bool) -> xr.Dataset:
     preds, pred_text, p_gold, correct = [], [], [], []
     for i in _steps(len(samples), batch_size, progress, "scoring"):
         chunk = samples[i : i + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk])
+        try:
+            batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk],
+                                single_token=True)
+        except InputError as err:
+            raise InputError(f"{err}; or score with method='candidates'") from err
         # prepare pads on the left, so the last prompt position is the last position of every row.
         assert bool((batch.last == batch.inputs["input_ids"].shape[1] - 1).all())
         logits = vlm.forward(batch, logits_to_keep=1).logits[:, -1].float()  # Float[Tensor, "batch vocab"]
@@ -160,11 +213,126 @@ def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool =
     )
 
 
-def _is_correct(text: str, count: int | None, gold: str) -> bool:
-    """A counting answer is right when its first count is the gold number; any other answer when its
-    first word is the gold word (case and punctuation ignored)."""
-    want = parse_count(gold) if re.fullmatch(r"\s*[0-9]+\s*", gold) else None
-    if want is not None:
+def _candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) -> list[dict[str, int]]:
+    """Per sample, its candidate answers → their count (−1 for non-counting answers)."""
+    if candidates is not None:
+        cands = [str(c) for c in candidates]
+        if len(set(cands)) < 2:
+            raise InputError(f"candidates={list(candidates)!r}: give at least two distinct candidate answers")
+        fixed = {c: -1 if parse_count(c) is None else parse_count(c) for c in cands}
+        for i, s in enumerate(samples):
+            if str(s.answer) not in fixed:
+                raise InputError(f"sample {i}'s gold answer {s.answer!r} is not among candidates {cands}; "
+                                 "add it to candidates=")
+        return [fixed] * len(samples)
+    counts = [int((s.meta or {}).get("count", -1)) for s in samples]
+    top = max(counts)
+    by_task: dict[str, list[str]] = {}
+    for s, n in zip(samples, counts):
+        if n < 0:
+            by_task.setdefault(s.task, [])
+            if str(s.answer) not in by_task[s.task]:
+                by_task[s.task].append(str(s.answer))
+    out = []
+    for i, (s, n) in enumerate(zip(samples, counts)):
+        if n < 0:
+            if len(by_task[s.task]) < 2:
+                raise InputError(f"task {s.task!r} has one distinct answer ({by_task[s.task]}), so candidate "
+                                 "scoring has nothing to choose between; give candidates=")
+            out.append({a: -1 for a in by_task[s.task]})
+            continue
+        head, sep, tail = str(s.answer).rpartition(str(n))
+        if not sep:
+            raise InputError(f"sample {i}'s answer {s.answer!r} does not write its count {n} in digits, so its "
+                             "candidates cannot be written like it; give candidates=")
+        out.append({f"{head}{m}{tail}": m for m in range(top + 1)})
+    return out
+
+
+def _score_candidates(vlm, samples: Sequence[Sample], sets: list[dict[str, int]], batch_size: int,
+                      progress: bool) -> xr.Dataset:
+    from countlens.answers import read_rows
+
+    pred, logp_gold, pred_count, correct = [], [], [], []
+    for i in _steps(len(samples), batch_size, progress, "scoring candidates of"):
+        chunk = list(range(i, min(i + batch_size, len(samples))))
+        seqs = {j: _candidate_ids(vlm, sets[j], j) for j in chunk}
+        rows = [(j, prefix) for j in chunk for prefix in read_rows(list(seqs[j].values()))]
+        logp_rows = _forced_logprobs(vlm, samples, rows, batch_size)
+        for j in chunk:
+            mine = [(prefix, lp) for (k, prefix), lp in zip(rows, logp_rows) if k == j]
+            scores = {text: _sequence_logprob(ids, mine) for text, ids in seqs[j].items()}
+            best = max(scores, key=scores.get)  # ties: the first candidate (the smallest count)
+            gold = str(samples[j].answer)
+            pred.append(best)
+            logp_gold.append(scores[gold])
+            pred_count.append(sets[j][best] if sets[j][best] >= 0 else _parsed(best))
+            correct.append(best == gold)
+    lp = np.array(logp_gold)
+    return xr.Dataset(
+        {
+            "pred": ("sample", np.array(pred, dtype=object)),
+            "correct": ("sample", np.array(correct, dtype=bool)),
+            "logp_gold": ("sample", lp),
+            "p_gold": ("sample", np.exp(lp)),
+            "pred_count": ("sample", np.array(pred_count)),
+            "parsed": ("sample", np.array(pred_count) >= 0),
+            **_meta_vars(samples),
+        },
+        coords={"sample": np.arange(len(samples))},
+        attrs={"model": vlm.name, "arch": vlm.arch.name, "method": "candidate scoring",
+               "answer_end": -1 if vlm.answer_end is None else int(vlm.answer_end),
+               "candidates": ",".join(sorted({c for s in sets for c in s}))},
+    )
+
+
+def _parsed(text: str) -> int:
+    c = parse_count(text)
+    return -1 if c is None else c
+
+
+def _candidate_ids(vlm, cands: dict[str, int], j: int) -> dict[str, list[int]]:
+    ids = {text: vlm.answer_ids(text) for text in cands}
+    seen: dict[tuple, str] = {}
+    for text, seq in ids.items():
+        if tuple(seq) in seen:
+            raise InputError(f"sample {j}: candidates {seen[tuple(seq)]!r} and {text!r} tokenise identically "
+                             f"({seq}); give candidates the tokenizer tells apart")
+        seen[tuple(seq)] = text
+    return ids
+
+
+def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple]], batch_size: int) -> list:
+    """For each (sample, prefix) row: Float[Tensor, "len(prefix)+1 vocab"], the log-probabilities of the
+    next token after each of the prefix's own prefixes (the bare prompt first)."""
+    out = []
+    for r in range(0, len(rows), batch_size):
+        part = rows[r : r + batch_size]
+        keep = max(len(p) for _, p in part) + 1
+        batch = vlm.prepare([samples[j].image for j, _ in part], [samples[j].question for j, _ in part],
+                            forced=[list(p) for _, p in part])
+        logits = vlm.forward(batch, logits_to_keep=keep).logits[:, -keep:].float()
+        logp = logits.log_softmax(-1).cpu()
+        out += [logp[b, keep - len(p) - 1 :] for b, (_, p) in enumerate(part)]
+    return out
+
+
+def _sequence_logprob(seq: list[int], rows: list[tuple[tuple, torch.Tensor]]) -> float:
+    """Σ_t log p(seq[t] | seq[:t]) from the rows whose prefix extends seq[:-1]."""
+    need = tuple(seq[:-1])
+    logp = next(lp for p, lp in rows if p[: len(need)] == need)
+    return float(sum(logp[t, tok] for t, tok in enumerate(seq)))
+
+
+def _is_correct(text: str, count: int | None, sample: Sample) -> bool:
+    """A counting answer (gold count in the sample's meta, or a gold of digits only) is right when its
+    parsed count is the gold count; any other answer when its first word is the gold word (case and
+    punctuation ignored)."""
+    gold = str(sample.answer)
+    want = int((sample.meta or {}).get("count", -1))
+    if want < 0 and re.fullmatch(r"\s*[0-9]+\s*", gold):
+        want = int(gold)
+    if want >= 0:
         return count == want
     words = re.findall(r"[\w-]+", text.lower())
     return bool(words) and words[0] == gold.strip().lower()
@@ -173,16 +341,25 @@ def _is_correct(text: str, count: int | None, gold: str) -> bool:
 @torch.no_grad()
 def generate(vlm, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size: int = 16,
              progress: bool = False) -> xr.Dataset:
-    """Greedy free-form answers, parsed: an xr.Dataset over ``sample``.
+    """Greedy free-form answers, parsed (the papers' protocol): an xr.Dataset over ``sample``.
 
-    Variables: text (the decoded new tokens, special tokens dropped), pred_count (−1 when
-    unparseable), parsed, correct (see `_is_correct`), gold, count, case, task, shape, distractor.
+    Each answer is parsed with `parse_shape_count` for the sample's shape (its meta ``shape``), which
+    reads the Pstd format ("circle: 7") and otherwise the first count. Variables: text (the decoded
+    new tokens, special tokens dropped), pred_count (−1 when unparseable), parsed, correct (see
+    `_is_correct`; an unparsed counting answer is wrong and counted in `summary`'s ``unparsed``),
+    gold, count, case, task, shape, distractor. A gold answer longer than ``max_new_tokens`` (as the
+    model writes it, `countlens.answers`) is refused: the budget could never produce it.
     """
     _check_samples(samples)
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    longest = max(samples, key=lambda s: len(vlm.answer_ids(str(s.answer))))
+    need = len(vlm.answer_ids(str(longest.answer)))
+    if need > max_new_tokens:
+        raise InputError(f"gold answer {longest.answer!r} takes {need} tokens as {vlm.name or 'the model'} writes it, "
+                         f"more than max_new_tokens={max_new_tokens}; raise max_new_tokens to at least {need}")
     texts: list[str] = []
     pad = vlm.hf.generation_config.pad_token_id
     pad = vlm.tokenizer.pad_token_id if pad is None else pad
@@ -192,8 +369,8 @@ def generate(vlm, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size
         out = vlm.hf.generate(**batch.inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         new = out[:, batch.inputs["input_ids"].shape[1] :]  # Int[Tensor, "batch new"]: left padding aligns prompts
         texts += [t.strip() for t in vlm.tokenizer.batch_decode(new, skip_special_tokens=True)]
-    counts = [parse_count(t) for t in texts]
-    correct = [_is_correct(t, c, str(s.answer)) for t, c, s in zip(texts, counts, samples)]
+    counts = [parse_shape_count(t, str((s.meta or {}).get("shape", ""))) for t, s in zip(texts, samples)]
+    correct = [_is_correct(t, c, s) for t, c, s in zip(texts, counts, samples)]
     return xr.Dataset(
         {
             "text": ("sample", np.array(texts, dtype=object)),

@@ -6,6 +6,11 @@ keeps its average behaviour at each kind of position but loses everything specif
 `ablation_scan` ablates every head on its own (batch expansion: many heads per forward) and
 reports, per task, the drop in accuracy and in the gold answer's log-probability;
 `ablate` ablates a set of heads jointly; `top_heads` and `jaccard` compare tasks' top-k heads.
+
+Multi-token answers ("12" → "1", "2") are teacher-forced: log p(gold) sums the answer tokens'
+log-probabilities and a sample stays correct while each token is the arg-max given the ones before
+(`countlens.answers.sequence_scores`); the forced tokens belong to the ``last`` group, for the means
+too. Single-token answers read the last prompt position alone, as before.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.answers import answer_window, sequence_scores
 from countlens.circuits.patching import Edit, run_edits
 from countlens.circuits.sites import group_mask
 from countlens.errors import InputError
@@ -25,9 +31,12 @@ ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
 
 
 def _batches(vlm, samples: Sequence, batch_size: int):
+    """Prepared chunks with each gold answer's first len − 1 tokens teacher-forced."""
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
-        yield vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk])
+        answers = [vlm.answer_ids(s.answer) for s in chunk]
+        yield vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk],
+                          forced=[a[:-1] for a in answers])
 
 
 @torch.no_grad()
@@ -64,10 +73,10 @@ def _mean_values(batch, means: Tensor, layer: int, head: int, d_head: int) -> tu
     return real, value
 
 
-def _gold_scores(logits: Tensor, gold: Tensor) -> tuple[Tensor, Tensor]:
-    logp = logits.log_softmax(-1)
-    rows = torch.arange(logits.shape[-2])
-    return logits.argmax(-1) == gold, logp[..., rows, gold]
+def _gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """(correct, log p(gold)) from one replica's `run_edits` logits: Float[Tensor, "batch vocab"] at the
+    read position (single-token answers), or Float[Tensor, "batch keep vocab"] over the answer window."""
+    return sequence_scores(logits.unsqueeze(-2) if answer_window(answers) == 1 else logits, answers)
 
 
 def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Tensor | None = None,
@@ -97,16 +106,16 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
         drops = np.zeros((len(sites), 0))
         base_correct = []
         for batch in _batches(vlm, samples, batch_size):
-            gold = batch.answer_token
+            gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
             replicas = []
             for layer, head in sites:
                 real, value = _mean_values(batch, mu, layer, head, arch.d_head)
                 replicas.append(Edit(layer, real, head, value))
-            base = run_edits(vlm, batch, None, [[]])[0]
+            base = run_edits(vlm, batch, None, [[]], keep=keep)[0]
             b_ok, b_logp = _gold_scores(base, gold)
             # Reduce each replica to (correct, log p(gold)) as it comes: no full-vocabulary logits kept.
-            scores = run_edits(vlm, batch, None, replicas,
-                               reduce=lambda rows: torch.stack(_gold_scores(rows, gold.to(rows.device))).float())
+            scores = run_edits(vlm, batch, None, replicas, keep=keep,
+                               reduce=lambda rows: torch.stack(_gold_scores(rows, gold)).float())
             ok, logp = scores[:, 0].bool(), scores[:, 1]
             correct = np.concatenate([correct, ok.numpy()], axis=1)
             drops = np.concatenate([drops, (b_logp[None] - logp).numpy()], axis=1)
@@ -143,9 +152,9 @@ def ablate(vlm, samples: Sequence, heads: Sequence[tuple[int, int]], means: Tens
         for layer, head in heads:
             real, value = _mean_values(batch, means, layer, head, vlm.arch.d_head)
             edits.append(Edit(layer, real, head, value))
-        logits = run_edits(vlm, batch, None, [[], edits])
+        logits = run_edits(vlm, batch, None, [[], edits], keep=answer_window(batch.answer_ids))
         for key, lg in (("base_", logits[0]), ("", logits[1])):
-            ok, logp = _gold_scores(lg, batch.answer_token)
+            ok, logp = _gold_scores(lg, batch.answer_ids)
             rows[key + "correct"].append(ok.numpy())
             rows[key + "logp"].append(logp.numpy())
     data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}

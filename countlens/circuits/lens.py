@@ -3,6 +3,12 @@
 At the last prompt position, layer l's residual is passed through the model's own final norm and
 unembedding; the rank and probability of the gold answer token show where the answer becomes
 decodable (rank 0 = the top token). After the last layer this is exactly the model's output.
+
+Multi-token answers ("12" → "1", "2") are teacher-forced and read at each of their positions:
+``rank`` is the worst rank among the answer's tokens (0 when the lens decodes every one of them
+greedily), ``prob`` the product of their probabilities (the answer's sequence probability under the
+lens) and ``top`` the lens's top token at the first answer position. A single-token answer has one
+position, so these are its rank, probability and top token as before.
 Norm and unembedding run inside the trace, so the same code serves local and remote (NDIF) models.
 """
 
@@ -29,21 +35,25 @@ def logit_lens(vlm, samples: Sequence, layers: Sequence[int] | None = None, batc
     ranks, probs, tops = [], [], []
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk])
-        gold = batch.answer_token
+        answers = [vlm.answer_ids(s.answer) for s in chunk]
+        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk],
+                            forced=[a[:-1] for a in answers])
+        rows, cols, gold, first = _answer_positions(answers, batch.inputs["input_ids"].shape[1])
         r_l, p_l, t_l = [], [], []
         with vlm.trace(batch):
             norm, head = vlm.module(spec.final_norm), vlm.module(spec.lm_head)
             for layer in sorted(layers):
-                h = vlm.module(vlm.arch.layer(layer)).output[:, -1]
+                h = vlm.module(vlm.arch.layer(layer)).output[rows, cols]  # one row per answer token
                 logits = head(norm(h)).float()
-                g = logits[torch.arange(len(chunk)), gold.to(logits.device)]
+                g = logits[torch.arange(len(rows)), gold.to(logits.device)]
                 r_l.append((logits > g[:, None]).sum(-1).save())
-                p_l.append(logits.softmax(-1)[torch.arange(len(chunk)), gold.to(logits.device)].save())
+                p_l.append(logits.softmax(-1)[torch.arange(len(rows)), gold.to(logits.device)].save())
                 t_l.append(logits.argmax(-1).save())
-        ranks.append(torch.stack([r.cpu() for r in r_l]))
-        probs.append(torch.stack([p.cpu() for p in p_l]))
-        tops.append(torch.stack([t.cpu() for t in t_l]))
+        # Per sample: worst rank and product of probabilities over its answer tokens.
+        lengths = [len(a) for a in answers]
+        ranks.append(torch.stack([torch.stack([x.max() for x in r.cpu().split(lengths)]) for r in r_l]))
+        probs.append(torch.stack([torch.stack([x.prod() for x in p.cpu().split(lengths)]) for p in p_l]))
+        tops.append(torch.stack([t.cpu()[first] for t in t_l]))
     from countlens.results import provenance
 
     return xr.Dataset(
@@ -53,3 +63,16 @@ def logit_lens(vlm, samples: Sequence, layers: Sequence[int] | None = None, batc
         coords={"layer": sorted(layers), "sample": np.arange(len(samples))},
         attrs={**provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}), "method": "logit_lens"},
     )
+
+
+def _answer_positions(answers: list[list[int]], width: int):
+    """(batch rows, positions, gold ids, index of each sample's first token) of every answer token in a
+    left-padded batch that teacher-forced each answer's first len − 1 tokens."""
+    rows, cols, gold, first = [], [], [], []
+    for b, a in enumerate(answers):
+        first.append(len(gold))
+        for t, token in enumerate(a):
+            rows.append(b)
+            cols.append(width - len(a) + t)
+            gold.append(token)
+    return torch.tensor(rows), torch.tensor(cols), torch.tensor(gold), torch.tensor(first)

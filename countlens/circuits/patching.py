@@ -3,9 +3,14 @@
 A pair's two images differ only in how many objects they show (`countlens.datasets.count_pairs`).
 Patching copies activations of the corrupt run into the clean run at one site and asks how far the
 clean prediction moves toward the corrupt answer. With LD = logit(clean answer) − logit(corrupt
-answer) at the last prompt position, a site's **effect** is the normalised logit-difference change
+answer) at the read position, a site's **effect** is the normalised logit-difference change
 (Σ LD_patched − Σ LD_clean) / (Σ LD_corrupt − Σ LD_clean): 0 = no change, 1 = as corrupt. Its
 **overwrite rate** is the share of pairs whose arg-max becomes the corrupt answer.
+
+Multi-token answers (real tokenizers write "12" as "1", "2") are compared at the first token where
+the two answers differ, their shared prefix teacher-forced on both sides (`countlens.answers`): for
+10 vs 12 the read position is after "1" and LD = logit("0") − logit("2"); for 1 vs 10 it is the
+end-of-answer token against "0"; single-token answers are read at the last prompt token as before.
 
 - `patch_layers` (visual activation patching): the residual stream after layer l, over a token
   group (image tokens, the last prompt token, other text, all).
@@ -54,10 +59,20 @@ def _check_pairs(pairs: Sequence) -> None:
 
 
 def prepare_pairs(vlm, pairs: Sequence) -> PairBatch:
-    """Prepare clean and corrupt batches and check that their token positions line up."""
+    """Prepare clean and corrupt batches and check that their token positions line up.
+
+    Each pair's answers are compared where their token sequences first differ
+    (`countlens.answers.divergence`): the shared prefix (e.g. "1" of 10 and 12) is teacher-forced on
+    both sides, and ``clean_id`` / ``corrupt_id`` are the two tokens read at the position after it.
+    """
     _check_pairs(pairs)
+    from countlens.answers import divergence
+
+    split = [divergence(vlm.answer_ids(p.clean.answer), vlm.answer_ids(p.corrupt.answer),
+                        (p.clean.answer, p.corrupt.answer)) for p in pairs]
+    forced = [prefix for prefix, _, _ in split]
     prep = lambda side: vlm.prepare([s.image for s in side], [s.question for s in side],  # noqa: E731
-                                    [s.answer for s in side])
+                                    [s.answer for s in side], forced=forced)
     clean = prep([p.clean for p in pairs])
     corrupt = prep([p.corrupt for p in pairs])
     a, b = clean.inputs["input_ids"], corrupt.inputs["input_ids"]
@@ -68,9 +83,7 @@ def prepare_pairs(vlm, pairs: Sequence) -> PairBatch:
             f"{vlm.arch.name} gives these images different numbers of image tokens. Patching needs the same "
             "positions on both sides: use images of one size and the same question in each pair"
         )
-    if bool((clean.answer_token == corrupt.answer_token).any()):
-        raise InputError("a pair has the same answer token on both sides; its counts must differ")
-    return PairBatch(clean, corrupt, clean.answer_token, corrupt.answer_token)
+    return PairBatch(clean, corrupt, torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split]))
 
 
 def _logit_diff(logits: Tensor, clean_id: Tensor, corrupt_id: Tensor) -> Tensor:
@@ -115,9 +128,10 @@ def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
 
 @torch.no_grad()
 def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int = MAX_ROWS,
-              reduce=None) -> Tensor:
-    """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"],
-    or ``reduce(logits)`` per replica (e.g. the gold token's log-prob) so that a long sweep over a
+              reduce=None, keep: int = 1) -> Tensor:
+    """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"]
+    (with ``keep`` > 1 the last ``keep`` positions: Float[Tensor, "replicas batch keep vocab"]), or
+    ``reduce(logits)`` per replica (e.g. the gold answer's log-prob) so that a long sweep over a
     large vocabulary never holds every replica's full logits.
 
     ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
@@ -149,7 +163,7 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
         k = len(chunk)
         inputs = repeat_inputs(batch.inputs, k)
         where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, i in enumerate(chunk) for e in replicas[i]]
-        with vlm.trace(inputs, use_cache=False, logits_to_keep=1):
+        with vlm.trace(inputs, use_cache=False, logits_to_keep=keep):
             if clean:
                 vlm.module(tower).skip(repeat_output(clean["vision"], k))
                 if start >= 1:
@@ -173,7 +187,7 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
                     for r, e, b, s in rs:
                         src = _at(e.value, b, s) if e.value is not None else cache["resid"][layer][b, s]
                         hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
-            logits = vlm.nn.output.logits[:, -1].save()
+            logits = (vlm.nn.output.logits[:, -1] if keep == 1 else vlm.nn.output.logits[:, -keep:]).save()
         for r, i in enumerate(chunk):
             rows = logits[r * n : (r + 1) * n].float()
             out[i] = (rows if reduce is None else reduce(rows)).cpu()

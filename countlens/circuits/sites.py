@@ -8,8 +8,9 @@
   contributions (plus any o_proj bias) sum to the o_proj output.
 - **q** — after any q-norm (Qwen3, Gemma3) or else the q_proj output; head temperature scales it.
 
-Token groups (boolean masks over the padded batch): ``image`` (image tokens), ``last`` (the last
-prompt token, where the answer is read), ``text`` (every other real token), ``all`` (all real tokens).
+Token groups (boolean masks over the padded batch): ``image`` (image tokens), ``last`` (where the
+answer is read: the last prompt token, and any answer tokens teacher-forced after it up to the read
+position — see `countlens.answers`), ``text`` (every other real token), ``all`` (all real tokens).
 """
 
 from __future__ import annotations
@@ -31,16 +32,20 @@ def group_mask(batch, group: str) -> Tensor:
     mask = torch.zeros_like(real)
     if group == "all":
         return real.clone()
-    rows = torch.arange(len(ids))
+    answer = _answer_span(batch, ids.shape[1]).to(real.device)
     if group == "last":
-        mask[rows, batch.last] = True
-        return mask
+        return answer
     for b, pos in enumerate(batch.image_pos):
         mask[b, pos] = True
     if group == "image":
         return mask
-    mask[rows, batch.last] = True
-    return real & ~mask  # text: real tokens that are neither image tokens nor the last one
+    return real & ~mask & ~answer  # text: real tokens outside the image and the answer span
+
+
+def _answer_span(batch, width: int) -> Tensor:
+    """Bool[Tensor, "batch seq"]: each row's positions from its last prompt token to its read position."""
+    pos = torch.arange(width)[None]
+    return (pos >= batch.prompt_last[:, None]) & (pos <= batch.last[:, None])
 
 
 def repeat_inputs(inputs: dict[str, Tensor], k: int) -> dict[str, Tensor]:

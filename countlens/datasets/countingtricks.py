@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from countlens.datasets.contact import boundary_gap, ring_radius, touching_distance
-from countlens.datasets.prompts import PROMPTS, make_question
+from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene
 from countlens.datasets.tasks import TaskSample, sample_rng
 from countlens.errors import CountlensError, InputError
@@ -364,7 +364,8 @@ def trick_sample(
     question, prompt_meta = make_question(prompt, asked, n, sample_rng(seed, f"countingtricks/{name}/prompt", index))
     meta = {"count": n, "case": name, "family": c.family, "shape": asked, "prompt": prompt,
             "grid": [g.image_height, g.image_width, g.patch_size], "capacity": capacity(name, g), **prompt_meta}
-    return TaskSample(Scene(g.image_width, g.image_height, objs, background), question, str(n), "count", meta)
+    return TaskSample(Scene(g.image_width, g.image_height, objs, background), question,
+                      answer_text(prompt, asked, n), "count", meta)
 
 
 def countingtricks(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import permutations
 
-from countlens.datasets.prompts import PROMPTS, make_question
+from countlens.datasets.prompts import PAIR_PROMPTS, answer_text, make_question
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TaskSample, sample_rng
 from countlens.errors import InputError
@@ -55,9 +55,8 @@ def count_pair(
     """The ``index``-th pair of ``kind`` under ``seed``."""
     if kind not in KINDS:
         raise InputError(f"unknown pair kind {kind!r}; use one of {KINDS}")
-    if prompt not in PROMPTS or PROMPTS[prompt][1]:
-        raise InputError(f"prompt {prompt!r} is not a pair prompt; use one of "
-                         f"{tuple(k for k, (_, conflict) in PROMPTS.items() if not conflict)}")
+    if prompt not in PAIR_PROMPTS:
+        raise InputError(f"prompt {prompt!r} is not a pair prompt; use one of {PAIR_PROMPTS}")
     if (clean is None) != (corrupt is None):
         raise InputError("give both clean= and corrupt= (a fixed count pair) or neither (all pairs of counts=)")
     if clean is None:
@@ -93,7 +92,7 @@ def count_pair(
     def sample(n: int, role: str) -> TaskSample:
         meta = {"count": n, "kind": kind, "role": role, "shape": asked, "pair": index}
         scene = Scene(size, height, objs[:n], noise=noise, noise_seed=noise_seed)
-        return TaskSample(scene, question, str(n), "count", meta)
+        return TaskSample(scene, question, answer_text(prompt, asked, n), "count", meta)
 
     return CountPair(sample(clean, "clean"), sample(corrupt, "corrupt"), kind, index)
 
