@@ -3,8 +3,12 @@
 `build_tiny(name)` returns ``(model, processor)``: a model built from a config (no hub), seeded with
 ``torch.manual_seed(0)``, in eval mode, with ``config.architectures`` set; and a processor made of the
 architecture's real processor class, its PIL image processor (torchvision is not installed) and a
-word-level tokenizer that carries the architecture's special tokens and a chat template in the style
-of the real model. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads (where GQA exists), vision
+tokenizer that carries the architecture's special tokens and a chat template in the layout of the
+real model. Tokenizers (`real_vocab`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision carry the
+**real Qwen vocabulary** (special tokens at their real ids, config vocabulary 151,936 / 152,000 as in
+the real checkpoints), so "12" is "1", "2"; LLaVA-1.5 and Gemma 3 a small trained BPE that splits
+digits as their real tokenizers do; LLaVA-NeXT, Idefics3 and InternVL a word-level vocabulary in
+which every number up to 100 is one token. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads (where GQA exists), vision
 tower 2 layers of width 32, images of 32-64 px that give a 4×4 grid of image tokens per image (or per
 tile). Processors that also want a video processor are made image-only (`countlens.processors`).
 `tiny_inputs(name, processor)` makes a batch of 2 through the chat template and the processor.
@@ -104,7 +108,7 @@ def _seeded(model_cls, config):
 
 def _ids(tok, *tokens: str) -> list[int]:
     out = tok.convert_tokens_to_ids(list(tokens))
-    if tok.unk_token_id in out:
+    if any(i is None or (i == tok.unk_token_id and t != tok.unk_token) for t, i in zip(tokens, out)):
         raise AssertionError(f"unknown special token among {tokens}")
     return out
 
@@ -113,12 +117,16 @@ def _ids(tok, *tokens: str) -> list[int]:
 
 _QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
-_QWEN_TEMPLATE = _chat(
+_QWEN3_TEMPLATE = _chat(
     "<|im_start|>{{ message['role'] }}\n", "<|vision_start|><|image_pad|><|vision_end|>", "<|im_end|>\n",
     "<|im_start|>assistant\n",
 )
+# Qwen2-VL and Qwen2.5-VL open with a default system turn when the messages bring none.
+_QWEN2_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+                   "<|im_end|>\n{% endif %}" + _QWEN3_TEMPLATE)
 QWEN_PATCH = 8
 QWEN_MERGE = 2
+QWEN_VOCAB = 151_936  # Qwen2-VL-2B, Qwen2.5-VL-3B, Qwen3-VL: the BPE ranks, the specials, then unused rows
 
 
 def _qwen(name: str):
@@ -126,8 +134,11 @@ def _qwen(name: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from countlens.processors import image_only
+    from real_vocab import qwen_tokenizer
 
-    tok = _tokenizer(_QWEN_SPECIALS, pad="<|endoftext|>", eos="<|im_end|>", chat_template=_QWEN_TEMPLATE)
+    template = _QWEN3_TEMPLATE if name == "qwen3_vl" else _QWEN2_TEMPLATE
+    tok = qwen_tokenizer()
+    tok.chat_template = template
     pad, im_start, im_end, v_start, v_end, image, video = _ids(tok, *_QWEN_SPECIALS)
     side = TINY_IMAGE_SIZE[name][0]
     image_processor = Qwen2VLImageProcessorPil(
@@ -135,7 +146,7 @@ def _qwen(name: str):
         size={"shortest_edge": side * side, "longest_edge": side * side},
     )
     text = dict(
-        vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        vocab_size=QWEN_VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
         tie_word_embeddings=False, bos_token_id=im_start, eos_token_id=im_end, pad_token_id=pad,
     )
@@ -168,7 +179,7 @@ def _qwen(name: str):
         model_cls, proc_cls = tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLProcessor
     else:
         raise KeyError(name)
-    processor = image_only(proc_cls)(image_processor=image_processor, tokenizer=tok, chat_template=_QWEN_TEMPLATE)
+    processor = image_only(proc_cls)(image_processor=image_processor, tokenizer=tok, chat_template=template)
     return _seeded(model_cls, config), processor
 
 
@@ -178,9 +189,9 @@ _SMALL_VISION = dict(hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, num
                      num_attention_heads=V_HEADS)
 
 
-def _text(model_type: str, tok, **extra) -> dict:
+def _text(model_type: str, tok, vocab: int | None = None, **extra) -> dict:
     return dict(
-        model_type=model_type, vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        model_type=model_type, vocab_size=vocab or len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         max_position_embeddings=512, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id,
@@ -189,7 +200,8 @@ def _text(model_type: str, tok, **extra) -> dict:
 
 
 LLAVA_PATCH = 8
-LLAVA_TILE = 32  # px: the vision tower's input size (4×4 patches)
+LLAVA_TILE = 32
+ONEVISION_VOCAB = 152_000  # llava-onevision-qwen2 checkpoints  # px: the vision tower's input size (4×4 patches)
 
 
 def _llava():
@@ -197,10 +209,12 @@ def _llava():
     import transformers as tf
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
+    from real_vocab import digit_bpe
+
     specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
     template = _chat("{{ message['role'].upper() }}: ", "<image>\n", " ", "ASSISTANT:")
-    tok = _tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"},
-                     chat_template=template)
+    tok = digit_bpe(specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"},
+                    chat_template=template)
     config = tf.LlavaConfig(
         vision_config=dict(model_type="clip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
                            projection_dim=V_HIDDEN, **_SMALL_VISION),
@@ -255,16 +269,17 @@ def _llava_onevision():
 
     from countlens.processors import image_only
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
-    template = _chat("<|im_start|>{{ message['role'] }} ", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
-    tok = _tokenizer(specials, pad="<|endoftext|>", eos="<|im_end|>",
-                     named={"image_token": "<image>", "video_token": "<video>"}, chat_template=template)
+    from real_vocab import ONEVISION_SPECIALS, qwen_tokenizer
+
+    template = _chat("<|im_start|>{{ message['role'] }}\n", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
+    tok = qwen_tokenizer(ONEVISION_SPECIALS, image_token="<image>", video_token="<video>")
+    tok.chat_template = template
     # The real pinpoints (384 × {1..6} squared grid) scaled by 32/384.
     pinpoints = [[LLAVA_TILE * i, LLAVA_TILE * j] for i in range(1, 7) for j in range(1, 7)]
     config = tf.LlavaOnevisionConfig(
         vision_config=dict(model_type="siglip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
                            vision_use_head=False, **_SMALL_VISION),
-        text_config=_text("qwen2", tok),
+        text_config=_text("qwen2", tok, vocab=ONEVISION_VOCAB),
         image_token_index=tok.image_token_id, video_token_index=tok.video_token_id,
         image_grid_pinpoints=pinpoints, vision_feature_select_strategy="full", vision_feature_layer=-1,
         vision_aspect_ratio="anyres_max_9",
@@ -297,7 +312,9 @@ def _gemma3():
         "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n",
         "<start_of_image>", "<end_of_turn>\n", "<start_of_turn>model\n", prefix="{{ bos_token }}",
     )
-    tok = _tokenizer(specials, pad="<pad>", eos="<eos>", bos="<bos>", chat_template=template, named={
+    from real_vocab import digit_bpe
+
+    tok = digit_bpe(specials, pad="<pad>", eos="<eos>", bos="<bos>", chat_template=template, named={
         "image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"})
     text = _text("gemma3_text", tok, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=512,
                  layer_types=["sliding_attention", "full_attention"])

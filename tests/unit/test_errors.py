@@ -68,12 +68,17 @@ def test_prompt_without_an_image_slot(qwen):
     assert len(qwen.prepare([image()], [raw], chat=False).image_pos[0]) == 16
 
 
-def test_answers_must_be_single_known_tokens(qwen):
-    with pytest.raises(InputError, match=r"'3 circles' is 2 tokens.*single token"):
+def test_answers_of_any_length_unless_one_token_is_asked_for(qwen, tiny_checkpoint):
+    # The real Qwen vocabulary: "3", " circles", then the end-of-answer token <|im_end|>.
+    with pytest.raises(InputError, match=r"'3 circles' is 3 tokens.*single token"):
         qwen.prepare([image()], ["how many circles are there?"], ["3 circles"], single_token=True)
-    assert qwen.prepare([image()], ["how many circles?"], ["3 circles"]).answer_ids[0].__len__() == 2
+    assert len(qwen.prepare([image()], ["how many circles?"], ["3 circles"]).answer_ids[0]) == 3
+    for bad in ("", "  ", 3):
+        with pytest.raises(InputError, match="empty or not a string"):
+            qwen.prepare([image()], ["how many circles?"], [bad])
+    word_level = countlens.load(tiny_checkpoint("llava_next"))
     with pytest.raises(InputError, match="vocabulary"):
-        qwen.prepare([image()], ["how many circles are there?"], ["zebra"])
+        word_level.prepare([image()], ["how many circles are there?"], ["zebra"])
 
 
 def test_mismatched_lengths(qwen):
