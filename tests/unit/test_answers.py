@@ -1,0 +1,229 @@
+"""Multi-token answers on the real Qwen vocabulary ("12" → "1", "2"), checked against plain HF forwards.
+
+Every reference here builds its inputs by hand — the chat template, the processor, the answer's
+tokens concatenated with torch.cat, one sample per forward — and reads log-probabilities straight
+from the model's logits, so it shares nothing with `VLM.prepare(forced=...)` or the scoring code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import countlens
+from countlens import circuits
+from countlens.analysis.evaluate import generate, parse_shape_count, score, summary
+from countlens.answers import divergence, read_rows, shared_prefix, splits_numbers
+from countlens.datasets.pairs import count_pairs
+from countlens.datasets.prompts import PROMPTS, answer_text, make_question
+from countlens.datasets.tasks import TaskSample
+from countlens.errors import InputError
+from tiny_models import QWEN_VOCAB, TINY_IMAGE_SIZE
+
+SIDE = TINY_IMAGE_SIZE["qwen2_5_vl"][0]
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_checkpoint):
+    return countlens.load(tiny_checkpoint("qwen2_5_vl"))
+
+
+def counting(counts, prompt="short", seed=3) -> list[TaskSample]:
+    """One sample per count: the clean side of a pair with that many objects."""
+    out = []
+    for i, n in enumerate(counts):
+        p = count_pairs(1, n, 13, kind="shapes", image_size=SIDE, prompt=prompt, seed=seed + i)[0]
+        out.append(p.clean)
+    return out
+
+
+def plain_logprobs(vlm, sample, continuation: list[int]) -> torch.Tensor:
+    """log p(continuation[t] | prompt, continuation[:t]) for every t, from one hand-built forward."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": sample.question}]}]
+    text = vlm.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    enc = vlm.processor(text=[text], images=[[sample.image]], return_tensors="pt")
+    extra = torch.tensor([continuation])
+    inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
+    n = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
+    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(extra)], 1)
+    if "mm_token_type_ids" in inputs:
+        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra)], 1)
+    with torch.no_grad():
+        logp = vlm.hf(**inputs).logits[0].float().log_softmax(-1)
+    return torch.stack([logp[n - 1 + t, tok] for t, tok in enumerate(continuation)])
+
+
+def plain_logits_after(vlm, sample, prefix: list[int]) -> torch.Tensor:
+    """Next-token logits after the prompt and ``prefix``, from one hand-built forward."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": sample.question}]}]
+    text = vlm.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    enc = vlm.processor(text=[text], images=[[sample.image]], return_tensors="pt")
+    inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
+    extra = torch.tensor([prefix], dtype=torch.long)
+    for k, fill in (("input_ids", None), ("attention_mask", 1), ("mm_token_type_ids", 0)):
+        if k in inputs:
+            tail = extra if fill is None else torch.full_like(extra, fill)
+            inputs[k] = torch.cat([inputs[k], tail], 1)
+    with torch.no_grad():
+        return vlm.hf(**inputs).logits[0, -1].float()
+
+
+def test_the_real_qwen_vocabulary_splits_digits_and_keeps_its_special_ids(qwen):
+    tok = qwen.tokenizer
+    assert tok.tokenize("10") == ["1", "0"] and tok.tokenize("There are 12 circles.")[2:5] == ["Ġ", "1", "2"]
+    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                     "<|vision_end|>", "<|image_pad|>"])
+    assert ids == [151643, 151644, 151645, 151652, 151653, 151655]
+    assert qwen.hf.config.text_config.vocab_size == QWEN_VOCAB == 151_936
+    assert qwen.arch.image_token_id == 151655
+    assert splits_numbers(tok) and qwen.answer_end == 151645  # <|im_end|>, from the chat template
+    assert qwen.answer_ids("12") == [16, 17, 151645]
+    assert not splits_numbers(countlens.load("toy").tokenizer)
+
+
+def test_divergence_and_read_rows_on_digit_answers():
+    one, ten, twelve, nine, end = [16, 151645], [16, 15, 151645], [16, 17, 151645], [24, 151645], 151645
+    assert divergence(ten, twelve) == ([16], 15, 17)  # 10 vs 12: after "1", "0" vs "2"
+    assert divergence(one, ten) == ([16], end, 15)  # 1 vs 10: after "1", the end vs "0"
+    assert divergence(nine, twelve) == ([], 24, 16)  # 9 vs 12: "9" vs "1"
+    assert shared_prefix(ten, twelve) == 1
+    with pytest.raises(InputError, match="tokenise identically"):
+        divergence(ten, list(ten), ("10", "10"))
+    with pytest.raises(InputError, match="prefix of one another"):
+        divergence([16], [16, 15], ("1", "10"))
+    # Scoring counts 0..12: one row per longest proper prefix; single-token candidates need one row.
+    cands = [[15 + n, end] for n in range(10)] + [[16, 15 + d, end] for d in range(3)]
+    assert read_rows(cands) == sorted([(15 + n,) for n in range(10) if n != 1] + [(16, 15 + d) for d in range(3)])
+    assert read_rows([[5], [6], [7]]) == [()]
+
+
+def test_candidate_scoring_is_the_teacher_forced_sequence_log_probability(qwen):
+    samples = counting([1, 9, 10, 12])
+    ds = score(qwen, samples, batch_size=3)
+    assert ds.attrs["method"] == "candidate scoring" and ds.attrs["answer_end"] == 151645
+    for i in (0, 2, 3):
+        s = samples[i]
+        want = {n: float(plain_logprobs(qwen, s, qwen.answer_ids(str(n))).sum()) for n in range(13)}
+        assert float(ds.logp_gold[i]) == pytest.approx(want[s.meta["count"]], abs=1e-4)
+        assert int(ds.pred_count[i]) == max(want, key=want.get)
+        assert ds.pred.values[i] == str(max(want, key=want.get))
+    np.testing.assert_allclose(ds.p_gold, np.exp(ds.logp_gold))
+    assert bool(ds.parsed.all()) and list(ds["count"].values) == [1, 9, 10, 12]
+    with pytest.raises(InputError, match="method='candidates'"):
+        score(qwen, samples, method="token")
+
+
+def test_pstd_answers_are_scored_as_the_model_writes_them(qwen):
+    samples = counting([3, 11], prompt="std")
+    assert samples[1].answer == "circle: 11" or samples[1].answer.endswith(": 11")
+    ds = score(qwen, samples)
+    head = samples[1].answer.rsplit("11", 1)[0]
+    assert {f"{head}{n}" for n in range(12)} <= set(ds.attrs["candidates"].split(","))
+    assert f"{head}12" not in ds.attrs["candidates"].split(",")  # counts 0 … the largest asked
+    want = float(plain_logprobs(qwen, samples[1], qwen.answer_ids(samples[1].answer)).sum())
+    assert float(ds.logp_gold[1]) == pytest.approx(want, abs=1e-4)
+
+
+def test_single_token_scoring_is_unchanged_and_candidates_agree_with_it():
+    toy = countlens.load("toy")
+    from countlens.datasets.tasks import task_samples
+
+    samples = task_samples("count", 12, 5, image_size=toy.geometry.image_height)
+    token = score(toy, samples)
+    assert token.attrs["method"] == "single-token scoring"  # auto: every answer is one token
+    cands = score(toy, samples, method="candidates")
+    # One row per sample, the bare prompt: the same log-softmax as token scoring.
+    np.testing.assert_allclose(cands.p_gold, token.p_gold, rtol=1e-6)
+    # Right over the whole vocabulary implies right among the candidates, which hold the gold answer.
+    assert (token.correct.values <= cands.correct.values).all()
+    assert ((cands.pred_count.values == cands["count"].values) == cands.correct.values).all()
+
+
+def test_candidate_errors_name_the_answer():
+    toy = countlens.load("toy")
+    from countlens.datasets.tasks import task_samples
+
+    samples = task_samples("color", 3, 0, image_size=toy.geometry.image_height)
+    with pytest.raises(InputError, match="not among candidates"):
+        score(toy, samples, candidates=["zero", "one"])
+    gold = samples[0].answer
+    with pytest.raises(InputError, match="tokenise identically"):
+        score(toy, samples[:1], candidates=[gold, gold.upper()])  # the organism's vocabulary lowercases
+    words = [TaskSample(samples[0].scene, "how many?", "seven", "count", {"count": 7})]
+    with pytest.raises(InputError, match="does not write its count 7 in digits"):
+        score(toy, words, method="candidates")
+
+
+@pytest.mark.parametrize("clean,corrupt", [(1, 12), (9, 12), (10, 12), (12, 10), (1, 10)])
+def test_pairs_with_multi_token_answers(qwen, clean, corrupt):
+    pairs = count_pairs(2, clean, corrupt, kind="shapes", image_size=SIDE, prompt="short", seed=11)
+    vap = circuits.patch_layers(qwen, pairs, groups=("image", "last"), layers=[-1, 0, 1])
+    # The pair differs only in its image: patching every image-token embedding is the whole effect.
+    np.testing.assert_allclose(vap.effect.sel(layer=-1, group="image"), 1.0, atol=1e-5)
+    np.testing.assert_allclose(vap.logit_diff.sel(layer=-1, group="image").values, vap.corrupt_logit_diff.values,
+                               atol=1e-4)
+    # The metric, by hand: logits after the shared prefix, clean token minus corrupt token.
+    a, b = qwen.answer_ids(str(clean)), qwen.answer_ids(str(corrupt))
+    prefix, ta, tb = divergence(a, b)
+    for k, p in enumerate(pairs):
+        for side, want in ((p.clean, vap.clean_logit_diff), (p.corrupt, vap.corrupt_logit_diff)):
+            logits = plain_logits_after(qwen, side, prefix)
+            assert float(want[k]) == pytest.approx(float(logits[ta] - logits[tb]), abs=1e-4)
+    heads = circuits.patch_heads(qwen, pairs)
+    atp = circuits.attribution_patch(qwen, pairs)
+    assert np.isfinite(heads.effect.values).all() and np.isfinite(atp.effect.values).all()
+
+
+def test_ablation_and_logit_lens_teacher_force_the_gold_answer(qwen):
+    samples = counting([2, 10, 11, 12])
+    want = np.array([float(plain_logprobs(qwen, s, qwen.answer_ids(s.answer)).sum()) for s in samples])
+    none = circuits.ablate(qwen, samples, heads=[], batch_size=3)
+    np.testing.assert_allclose(none.base_logp, want, atol=1e-4)
+    np.testing.assert_allclose(none.logp, want, atol=1e-4)
+    hit = circuits.ablate(qwen, samples, heads=[(0, 0), (1, 2)], batch_size=3)
+    assert not np.allclose(hit.logp, want, atol=1e-4)
+    scan = circuits.ablation_scan(qwen, {"count": samples}, batch_size=4)
+    assert scan.logp_drop.shape == (1, qwen.arch.n_layers, qwen.arch.n_heads)
+    assert np.isfinite(scan.logp_drop.values).all()
+    # After the last layer the lens is the model: the product of the answer tokens' probabilities.
+    lens = circuits.logit_lens(qwen, samples, batch_size=3)
+    np.testing.assert_allclose(lens.prob.isel(layer=-1), np.exp(want), rtol=1e-3)
+    assert (lens["rank"].values >= 0).all()
+
+
+def test_headlens_decodes_heads_on_the_real_vocabulary(qwen):
+    samples = counting(range(1, 13))
+    hl = circuits.HeadLens.fit(qwen, samples)
+    dec = hl.decode(qwen, samples[:4], top_k=5)
+    assert dec.token.shape == (qwen.arch.n_layers, qwen.arch.n_heads, 4, 5)
+    assert ((dec.cter >= 0) & (dec.cter <= 1)).all() and int(dec.token_id.max()) < QWEN_VOCAB
+    assert circuits.headlens.is_number("1") and circuits.headlens.is_number("Ġ7")
+
+
+def test_generation_reports_unparsed_answers_and_refuses_a_short_budget(qwen):
+    samples = counting([3, 12])
+    with pytest.raises(InputError, match=r"'12' takes 3 tokens.*max_new_tokens=2"):
+        generate(qwen, samples, max_new_tokens=2)
+    ds = generate(qwen, samples, max_new_tokens=3)
+    assert ds.attrs["method"] == "greedy generation"
+    assert not ds.correct.values[~ds.parsed.values].any()  # never scored right when nothing parsed
+    unparsed = float(summary(ds)["unparsed"].iloc[0])
+    assert unparsed == pytest.approx(float((~ds.parsed.values).mean()))
+
+
+def test_the_papers_pstd_prompt_verbatim_and_its_parser():
+    rng = np.random.default_rng(0)
+    q, _ = make_question("std", "circle", 7, rng)
+    assert q == ("How many circles are there in the image? Respond concisely with shape counts using the following "
+                 "format: circle: {number}")
+    assert answer_text("std", "circles", 7) == "circle: 7" and answer_text("number", "circle", 7) == "7"
+    assert PROMPTS["number"].template.endswith("Respond concisely with the number only.")
+    q, meta = make_question("conflict", "square", 5, rng)
+    assert q.startswith("How many squares") and "Hint" in q and meta["distractor"] in (3, 4, 6, 7)
+    assert parse_shape_count("circle: 12", "circle") == 12
+    assert parse_shape_count("Circles: seven", "circles") == 7
+    assert parse_shape_count("There are 3 squares. square: 4", "square") == 4  # the format wins
+    assert parse_shape_count("I see 5.", "circle") == 5  # no format: the first count
+    assert parse_shape_count("triangle: many", "triangle") is None
