@@ -129,7 +129,7 @@ QWEN_MERGE = 2
 QWEN_VOCAB = 151_936  # Qwen2-VL-2B, Qwen2.5-VL-3B, Qwen3-VL: the BPE ranks, the specials, then unused rows
 
 
-def _qwen(name: str):
+def _qwen(name: str, image_side: int | None = None):
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -140,7 +140,7 @@ def _qwen(name: str):
     tok = qwen_tokenizer()
     tok.chat_template = template
     pad, im_start, im_end, v_start, v_end, image, video = _ids(tok, *_QWEN_SPECIALS)
-    side = TINY_IMAGE_SIZE[name][0]
+    side = image_side or TINY_IMAGE_SIZE[name][0]
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
         size={"shortest_edge": side * side, "longest_edge": side * side},
@@ -414,9 +414,9 @@ TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
 }
 
 _BUILDERS = {
-    "qwen2_vl": lambda: _qwen("qwen2_vl"),
-    "qwen2_5_vl": lambda: _qwen("qwen2_5_vl"),
-    "qwen3_vl": lambda: _qwen("qwen3_vl"),
+    "qwen2_vl": lambda **kw: _qwen("qwen2_vl", **kw),
+    "qwen2_5_vl": lambda **kw: _qwen("qwen2_5_vl", **kw),
+    "qwen3_vl": lambda **kw: _qwen("qwen3_vl", **kw),
     "llava": _llava,
     "llava_next": _llava_next,
     "llava_onevision": _llava_onevision,
@@ -428,11 +428,12 @@ _BUILDERS = {
 TINY_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
-def build_tiny(name: str):
-    """``(model, processor)`` for the tiny ``name`` (one of `TINY_NAMES`)."""
+def build_tiny(name: str, **kw):
+    """``(model, processor)`` for the tiny ``name`` (one of `TINY_NAMES`); the Qwen ones take
+    ``image_side=`` (pixels of the square image the processor pins, default `TINY_IMAGE_SIZE`)."""
     if name not in _BUILDERS:
         raise KeyError(f"no tiny model {name!r}; have {', '.join(TINY_NAMES)}")
-    return _BUILDERS[name]()
+    return _BUILDERS[name](**kw)
 
 
 def tiny_inputs(name: str, processor, images=None, question: str = "how many circles are there?"):

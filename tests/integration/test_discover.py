@@ -77,3 +77,20 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and message in result.output, (args, result.output)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_discover_on_the_real_qwen_vocabulary_with_counts_up_to_twelve(tmp_path, tiny_checkpoint):
+    """Qwen writes "12" as "1", "2": every stage must take multi-token answers (Pstd: "circle: 12")."""
+    from countlens import results
+
+    model = tiny_checkpoint("qwen2_5_vl", image_side=128)  # a 16×16 patch grid: every case fits 3 … 9+
+    out = tmp_path / "qwen"
+    args = ["--n-per-case", "10", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "16"]
+    result = runner.invoke(app, ["discover", "--model", str(model), "--out", str(out), *args])
+    assert result.exit_code == 0, result.output
+    cases = results.load(out / "results" / "cases.nc")
+    assert cases.attrs["method"] == "candidate scoring"
+    assert {10, 11, 12} <= set(cases["count"].values.tolist()) and cases.gold.values[0].startswith("circle: ")
+    vap = results.load(out / "results" / "vap.nc")
+    assert abs(float(vap.effect.sel(layer=-1, group="image")) - 1.0) < 1e-4
+    assert "Prompt style: `std`" in (out / "report.md").read_text()
