@@ -13,10 +13,11 @@ interleaved repeats (A, B, A, B, …), after a warm-up, waiting for a quiet mach
 - (b) Real-vocabulary Qwen, 32 samples with counts 1 … 12: candidate scoring (13 candidates ending in
   ``<|im_end|>``: 12 teacher-forced rows per sample, `countlens.answers.read_rows`) vs one plain
   forward of the same batch (what single-token scoring would cost, were the answers one token).
-- (c) Real-vocabulary Qwen, 12 pairs (1, 12), (9, 12), (10, 12), 4 of each: the all-heads sweep
-  ``patch_heads`` (L·H sites) vs as many plain forwards of the clean batch (L·H × pairs rows, the
-  same shared-prefix-forced inputs): P1, the cost of patching with multi-token targets over plain
-  forwards of the same rows.
+- (c) Real-vocabulary Qwen, 32 pairs of single-digit counts ((3, 5), (4, 6), (2, 7), (5, 3)) and 32
+  of multi-digit targets ((1, 12), (9, 12), (10, 12), (12, 10): a shared "1" is teacher-forced for
+  the last two): the layer sweep ``patch_layers`` (3 layers incl. the embeddings × 3 groups) vs as
+  many plain forwards of the clean batch (sites × pairs rows, the same inputs); and P1, an nnsight
+  trace saving one residual vs the plain forward of the same (prefix-forced) batch.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def counting(counts, side: int, seed: int = 3):
 
 def main(repeats: int = 5) -> dict:
     from countlens.analysis.evaluate import score
-    from countlens.circuits import patch_heads
+    from countlens.circuits import patch_layers
     from countlens.circuits.patching import prepare_pairs
+    from countlens.circuits.sites import repeat_inputs
     from countlens.datasets.pairs import count_pairs
     from countlens.datasets.tasks import task_samples
 
@@ -85,23 +87,38 @@ def main(repeats: int = 5) -> dict:
         "plain_forward_s": round(t["plain_forward"], 3), "candidates_s": round(t["candidates"], 3),
         "ratio": round(t["candidates"] / t["plain_forward"], 2), "others_load_cores": load.others}
 
-    pairs = [p for i, (a, b) in enumerate([(1, 12), (9, 12), (10, 12)])
-             for p in count_pairs(4, a, b, kind="shapes", image_size=side, prompt="short", seed=20 + i)]
-    sites = qwen.arch.n_layers * qwen.arch.n_heads
-    clean = prepare_pairs(qwen, pairs).clean
-    wide = countlens.circuits.sites.repeat_inputs(clean.inputs, sites)
+    groups = ("image", "last", "text")
+    sites = (qwen.arch.n_layers + 1) * len(groups)
+    kinds = {"single_digit": [(3, 5), (4, 6), (2, 7), (5, 3)], "multi_digit": [(1, 12), (9, 12), (10, 12), (12, 10)]}
+    out["c_real_vocab_layer_sweep"] = {"pairs": 32, "sites": sites, "patched_rows": sites * 32, "groups": groups}
+    for kind, counts in kinds.items():
+        pairs = [p for i, (a, b) in enumerate(counts)
+                 for p in count_pairs(8, a, b, kind="shapes", image_size=side, prompt="short", seed=20 + i)]
+        clean = prepare_pairs(qwen, pairs).clean
+        wide = repeat_inputs(clean.inputs, sites)
+        layer = qwen.arch.layer(qwen.arch.n_layers - 1)
 
-    def plain_rows():
-        with torch.no_grad():
-            qwen.hf(**wide, logits_to_keep=1, use_cache=False)
+        def plain_rows(wide=wide):
+            with torch.no_grad():
+                qwen.hf(**wide, logits_to_keep=1, use_cache=False)
 
-    fns = {"plain_forwards": plain_rows, "patch_heads": lambda: patch_heads(qwen, pairs, batch_size=len(pairs))}
-    t, load = measured(lambda: interleaved(fns, repeats))
-    out["c_real_vocab_head_sweep"] = {
-        "pairs": len(pairs), "pair_counts": "(1,12) (9,12) (10,12) x4", "sites": sites,
-        "patched_rows": sites * len(pairs), "plain_forwards_s": round(t["plain_forwards"], 3),
-        "patch_heads_s": round(t["patch_heads"], 3), "ratio_P1": round(t["patch_heads"] / t["plain_forwards"], 2),
-        "others_load_cores": load.others}
+        def plain(clean=clean):
+            qwen.forward(clean, logits_to_keep=1)
+
+        def traced(clean=clean):
+            with torch.no_grad(), qwen.trace(clean, logits_to_keep=1):
+                qwen.module(layer).output.save()
+
+        fns = {"plain_forwards": plain_rows,
+               "patch_layers": lambda pairs=pairs: patch_layers(qwen, pairs, groups=groups, batch_size=32),
+               "plain_forward": plain, "trace": traced}
+        t, load = measured(lambda: interleaved(fns, repeats))
+        out["c_real_vocab_layer_sweep"][kind] = {
+            "pair_counts": str(counts), "pairs_with_a_forced_prefix": int((clean.last > clean.prompt_last).sum()),
+            "plain_forwards_s": round(t["plain_forwards"], 3), "patch_layers_s": round(t["patch_layers"], 3),
+            "ratio_sweep_vs_plain": round(t["patch_layers"] / t["plain_forwards"], 2),
+            "trace_ms": round(1000 * t["trace"], 2), "plain_forward_ms": round(1000 * t["plain_forward"], 2),
+            "ratio_P1_trace_vs_plain": round(t["trace"] / t["plain_forward"], 3), "others_load_cores": load.others}
     Path(__file__).with_suffix(".json").write_text(json.dumps(out, indent=2) + "\n")
     return out
 

@@ -57,6 +57,9 @@ class ArchSpec:
     # Order of the projector's output tokens: "grid" (row-major, as in the LM input) or "window"
     # (Qwen2.5-VL's windowed vision blocks; the LM input is reordered to row-major afterwards).
     projector_order: str = "grid"
+    # Multimodal rotary positions (Qwen): the attribute where a prefill leaves each row's offset
+    # between sequence index and 3-D position id, which tokens fed after a KV cache must add.
+    rope_deltas: str | None = None
 
 
 _QWEN = dict(
@@ -66,6 +69,7 @@ _QWEN = dict(
     vision_tower="model.visual",
     projector="model.visual.merger",
     merge_attr="spatial_merge_size",
+    rope_deltas="model.rope_deltas",
 )
 _LLAVA = dict(
     layers="model.language_model.layers",

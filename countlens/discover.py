@@ -105,12 +105,10 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
                                                                   prompt=prompt, color=("red", "green", "blue")),
                                               batch_size=bs, progress=True))
-    # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit (the
-    # organism's vocabulary has no Pstd answer format: it gets the number-only prompt).
+    # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
     position = [n for n, case in CASES.items() if case.family == "position"]
     per = max(1, c.n_per_case // 5)
-    styles = ("number", "number_conflict") if vlm.name == "toy" else ("std", "conflict")
-    for stage, style in zip(("conflict_std", "conflict"), styles):
+    for stage, style in zip(("conflict_std", "conflict"), conflict_styles(vlm.name)):
         stages.run(stage, lambda style=style: score(vlm, countingtricks(position, per, grid, seed=c.seed, prompt=style,
                                                                         color=("red", "green", "blue")), batch_size=bs))
     # 2–3. patching
@@ -152,6 +150,12 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     table = head_table(heads, abl, hl, att)
     export_heads(table, out)
     return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
+
+
+def conflict_styles(model: str) -> tuple[str, str]:
+    """The Digit-in-Conflict prompt styles (base, with distractor): Pstd, except for the organism,
+    whose vocabulary cannot write Pstd's "circle: 7" answers and gets the number-only prompt."""
+    return ("number", "number_conflict") if model == "toy" else ("std", "conflict")
 
 
 def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset,
@@ -250,8 +254,8 @@ Mean accuracy: position cases (1–4) **{fam_acc.get('position', float('nan')):.
 Number avoidance: Pearson r between the count and its accuracy = **{avoid['r']:.2f}** (per count:
 {", ".join(f"{k}: {v:.2f}" for k, v in avoid['per_count'].items())}).
 
-Digit-in-Conflict (position cases, the same {dic['n_std']} images under Pstd and with a distractor
-digit N±1 / N±2 in the prompt): accuracy {dic['accuracy_std']:.3f} → {dic['accuracy_conflict']:.3f}; the
+Digit-in-Conflict (position cases, the same {dic['n_std']} images under the `{conflict_styles(model)[0]}` prompt and with
+a distractor digit N±1 / N±2 in it): accuracy {dic['accuracy_std']:.3f} → {dic['accuracy_conflict']:.3f}; the
 distractor is answered in {dic['distractor_share']:.1%} of conflict answers.
 
 ## 2. Where the count travels: visual activation patching

@@ -12,6 +12,7 @@ same code runs locally and, with ``remote=True``, on NDIF.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence
 
 import numpy as np
@@ -76,7 +77,6 @@ class VLM:
 
             envoy = NNsight(hf_model)
         self.nn = envoy
-        self._answer_end: int | None | bool = False  # False: not looked up yet
 
     def __repr__(self) -> str:
         return f"VLM({self.name!r}, {self.arch!r}, geometry={self.geometry})"
@@ -214,19 +214,19 @@ class VLM:
             )
         return prompt
 
-    @property
+    @cached_property
     def answer_end(self) -> int | None:
         """The token appended to every answer, or None for bare answers: the end-of-answer token where
         the vocabulary writes a count as a prefix of another (`countlens.answers`)."""
-        if self._answer_end is False:
-            from countlens.answers import end_of_answer_id, splits_numbers
+        from countlens.answers import end_of_answer_id, splits_numbers
 
-            end = end_of_answer_id(self.processor) if splits_numbers(self.tokenizer) else None
-            if end is None and splits_numbers(self.tokenizer):
-                raise InputError(f"{self.name or 'the model'}'s tokenizer splits numbers into digits but has no "
-                                 "end-of-answer token (no eos token, no chat template): set tokenizer.eos_token")
-            self._answer_end = end
-        return self._answer_end
+        if not splits_numbers(self.tokenizer):
+            return None
+        end = end_of_answer_id(self.processor)
+        if end is None:
+            raise InputError(f"{self.name or 'the model'}'s tokenizer splits numbers into digits but has no "
+                             "end-of-answer token (no eos token, no chat template): set tokenizer.eos_token")
+        return end
 
     def answer_ids(self, answer: str) -> list[int]:
         """``answer`` as the model writes it: its tokens (no special tokens), then `answer_end` if any."""

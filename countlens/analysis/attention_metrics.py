@@ -1,7 +1,7 @@
 """Where the answer position looks: attention diagnostics of visual grounding (MAS, VRA, Attn-IoU, ARS).
 
-Single-token scoring reads the answer at the last prompt position, so that position's attention row
-is what the answer sees. Per layer and sample we average it over heads and ask four questions
+The answer's first token is read at the last prompt position, so that position's attention row is
+what the answer sees. Per layer and sample we average it over heads and ask four questions
 ("Counting to Four", Figure 3):
 
 - **MAS**, Modality Attention Share: how much of the attention mass goes to image tokens at all
@@ -181,7 +181,7 @@ def attention_metrics(vlm, samples: Sequence, layers: Sequence[int] | None = Non
                       quantile: float = QUANTILE) -> xr.Dataset:
     """MAS, VRA, Attn-IoU and ARS of the last prompt position: an xr.Dataset over (layer, sample).
 
-    Also per sample: ``correct`` (single-token scoring, `countlens.analysis.evaluate.score`),
+    Also per sample: ``correct`` (`countlens.analysis.evaluate.score`),
     ``object_share`` (the share of cells that are object cells: VRA's value under uniform
     attention), ``case``, ``count``, ``task``. Attention comes from
     `countlens.circuits.attention.last_token_attention` (eager attention for that call only).

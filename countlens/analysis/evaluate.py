@@ -1,4 +1,4 @@
-"""Counting evaluation: single-token scoring, greedy generation, answer parsing and the papers' metrics.
+"""Counting evaluation: scoring (single-token and candidate), greedy generation, answer parsing and metrics.
 
 Two ways to ask a VLM for a count. **Scoring** (`score`) reads the model's probabilities without
 letting it write: single-token scoring takes the arg-max over the whole vocabulary at the last
@@ -25,6 +25,7 @@ when known): `countlens.datasets.tasks.TaskSample` is one.
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Protocol, Sequence
 
@@ -253,6 +254,8 @@ def _score_candidates(vlm, samples: Sequence[Sample], sets: list[dict[str, int]]
                       progress: bool) -> xr.Dataset:
     from countlens.answers import read_rows
 
+    if vlm.remote:
+        raise InputError(f"{vlm.name} is a remote (NDIF) model; candidate scoring runs local models only")
     pred, logp_gold, pred_count, correct = [], [], [], []
     for i in _steps(len(samples), batch_size, progress, "scoring candidates of"):
         chunk = list(range(i, min(i + batch_size, len(samples))))
@@ -304,17 +307,56 @@ def _candidate_ids(vlm, cands: dict[str, int], j: int) -> dict[str, list[int]]:
 
 def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple]], batch_size: int) -> list:
     """For each (sample, prefix) row: Float[Tensor, "len(prefix)+1 vocab"], the log-probabilities of the
-    next token after each of the prefix's own prefixes (the bare prompt first)."""
-    out = []
-    for r in range(0, len(rows), batch_size):
-        part = rows[r : r + batch_size]
-        keep = max(len(p) for _, p in part) + 1
-        batch = vlm.prepare([samples[j].image for j, _ in part], [samples[j].question for j, _ in part],
-                            forced=[list(p) for _, p in part])
-        logits = vlm.forward(batch, logits_to_keep=keep).logits[:, -keep:].float()
-        logp = logits.log_softmax(-1).cpu()
-        out += [logp[b, keep - len(p) - 1 :] for b, (_, p) in enumerate(part)]
-    return out
+    next token after each of the prefix's own prefixes (the bare prompt first).
+
+    Each sample's prompt runs once, with a KV cache; the cache is repeated for the sample's rows, and
+    only the prefixes' few tokens run after it — not a full forward per candidate. Rows of one
+    sample are padded to the chunk's most rows (repeating its last), prefixes on the right.
+    """
+    by_sample: dict[int, list[tuple]] = {}
+    for j, prefix in rows:
+        by_sample.setdefault(j, []).append(prefix)
+    found: dict[tuple[int, tuple], torch.Tensor] = {}
+    order = list(by_sample)
+    for c in range(0, len(order), batch_size):
+        js = order[c : c + batch_size]
+        found |= _cached_rows(vlm, [samples[j] for j in js], js, [by_sample[j] for j in js])
+    return [found[(j, prefix)] for j, prefix in rows]
+
+
+def _cached_rows(vlm, chunk: Sequence[Sample], js: list[int], prefixes: list[list[tuple]]) -> dict:
+    batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+    out = vlm.hf(**batch.inputs, use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1].float().log_softmax(-1).cpu()  # after the bare prompt
+    width = max(len(p) for ps in prefixes for p in ps)
+    if width == 0:  # single-token candidates: the prompt's own next-token distribution is all
+        return {(j, ()): first[b][None] for b, j in enumerate(js)}
+    per = max(len(ps) for ps in prefixes)
+    padded = [ps + [ps[-1]] * (per - len(ps)) for ps in prefixes]
+    device, mask = vlm.device, batch.inputs["attention_mask"]
+    ids = torch.full((len(js) * per, width), vlm._pad_id(), dtype=torch.long)
+    tail = torch.zeros(len(js) * per, width, dtype=mask.dtype)
+    for r, p in enumerate(p for ps in padded for p in ps):
+        ids[r, : len(p)] = torch.tensor(p)
+        tail[r, : len(p)] = 1
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(per)
+    kwargs = {}
+    if vlm.arch.spec.rope_deltas is not None:  # Qwen: 3-D positions continue from the prefill's offsets
+        owner, _, attr = vlm.arch.spec.rope_deltas.rpartition(".")
+        deltas = getattr(vlm.hf.get_submodule(owner), attr).repeat_interleave(per, 0)
+        pos = mask.shape[1] + torch.arange(width, device=deltas.device)[None] + deltas
+        kwargs["position_ids"] = pos[None].expand(3, -1, -1)
+    # transformers ≥ 5.40 names the argument `cache` (and warns on `past_key_values`).
+    kwargs["cache" if "cache" in inspect.signature(vlm.hf.forward).parameters else "past_key_values"] = cache
+    full_mask = torch.cat([mask.repeat_interleave(per, 0), tail.to(device)], 1)
+    cont = vlm.hf(input_ids=ids.to(device), attention_mask=full_mask, use_cache=False, **kwargs)
+    logp = cont.logits.float().log_softmax(-1).cpu()
+    found = {}
+    for b, j in enumerate(js):
+        for k, p in enumerate(padded[b]):
+            found[(j, p)] = torch.cat([first[b][None], logp[b * per + k, : len(p)]])
+    return found
 
 
 def _sequence_logprob(seq: list[int], rows: list[tuple[tuple, torch.Tensor]]) -> float:

@@ -83,6 +83,10 @@ def prepare_pairs(vlm, pairs: Sequence) -> PairBatch:
             f"{vlm.arch.name} gives these images different numbers of image tokens. Patching needs the same "
             "positions on both sides: use images of one size and the same question in each pair"
         )
+    for k, (g, h) in enumerate(zip(clean.geometry, corrupt.geometry)):
+        if g.token_grid != h.token_grid:  # equal token counts on different grids would pass the check above
+            raise InputError(f"pair {k}: the clean image gives a {g.token_grid} token grid and the corrupt one "
+                             f"{h.token_grid}, so image token i covers different cells; give both images one size")
     return PairBatch(clean, corrupt, torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split]))
 
 

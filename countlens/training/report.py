@@ -51,8 +51,8 @@ def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7) ->
 
 
 def _accuracies(vlm, sets: dict[str, list], batch_size: int, generated: frozenset = frozenset()) -> dict[str, float]:
-    """Accuracy per set: single-token scoring, or greedy generation + answer parsing for the sets in
-    ``generated`` (real benchmarks, whose counts need not be one token)."""
+    """Accuracy per set: scoring (`score`: single-token, or candidate scoring for multi-token answers),
+    or greedy generation + answer parsing for the sets in ``generated`` (real benchmarks)."""
     from countlens.analysis.evaluate import generate, score
 
     return {name: float((generate(vlm, samples, batch_size=batch_size) if name in generated else
@@ -72,7 +72,7 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     """Train the variants and evaluate them; returns the table (rows: variants) and writes it.
 
     ``extra_sets``: more evaluation columns, e.g. ``{"FSC-147": load_fsc147(root, limit=200)}`` — a
-    real benchmark kept locally, scored like the rest (single-token answers)."""
+    real benchmark kept locally, scored like the rest."""
     import countlens
     from countlens.circuits.temperature import beta_from_importance, head_temperature
 

@@ -48,8 +48,9 @@ def plain_logprobs(vlm, sample, continuation: list[int]) -> torch.Tensor:
     n = inputs["input_ids"].shape[1]
     inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
     inputs["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(extra)], 1)
-    if "mm_token_type_ids" in inputs:
-        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra)], 1)
+    for k in ("mm_token_type_ids", "token_type_ids"):  # Qwen / Gemma 3 mark image tokens; text is 0
+        if k in inputs:
+            inputs[k] = torch.cat([inputs[k], torch.zeros_like(extra)], 1)
     with torch.no_grad():
         logp = vlm.hf(**inputs).logits[0].float().log_softmax(-1)
     return torch.stack([logp[n - 1 + t, tok] for t, tok in enumerate(continuation)])
@@ -113,6 +114,21 @@ def test_candidate_scoring_is_the_teacher_forced_sequence_log_probability(qwen):
     assert bool(ds.parsed.all()) and list(ds["count"].values) == [1, 9, 10, 12]
     with pytest.raises(InputError, match="method='candidates'"):
         score(qwen, samples, method="token")
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3"])
+def test_candidate_scoring_on_every_architecture(name, tiny_checkpoint):
+    """The KV-cached candidate rows equal one full forward per candidate, on each architecture's
+    vocabulary (real Qwen, digit BPE, or word-level where "12" is one token)."""
+    vlm = countlens.load(tiny_checkpoint(name))
+    side = TINY_IMAGE_SIZE[name][0]
+    samples = [count_pairs(1, n, 13, kind="shapes", image_size=side, prompt="short", seed=7 + i)[0].clean
+               for i, n in enumerate([1, 10, 12])]
+    ds = score(vlm, samples, method="candidates", batch_size=2)
+    for i, s in enumerate(samples):
+        want = {n: float(plain_logprobs(vlm, s, vlm.answer_ids(str(n))).sum()) for n in range(13)}
+        assert float(ds.logp_gold[i]) == pytest.approx(want[s.meta["count"]], abs=1e-4)
+        assert int(ds.pred_count[i]) == max(want, key=want.get)
 
 
 def test_pstd_answers_are_scored_as_the_model_writes_them(qwen):

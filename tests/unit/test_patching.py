@@ -180,3 +180,17 @@ def test_bad_patching_input(organism):
         patch_layers(organism, _pairs(organism, n=1), groups=("pixels",))
     with pytest.raises(InputError, match="no pairs"):
         patch_heads(organism, [])
+
+
+def test_pairs_must_share_the_token_grid_not_only_the_token_count(tiny_checkpoint):
+    """64×64 and 128×32 images both give 16 Qwen image tokens, on a 4×4 and an 8×2 grid."""
+    from dataclasses import replace
+
+    from countlens.datasets.pairs import CountPair
+    from countlens.datasets.scene import Scene
+
+    vlm = countlens.load(tiny_checkpoint("qwen2_5_vl"))
+    p = count_pairs(1, 3, 5, kind="shapes", image_size=64, prompt="short", seed=1)[0]
+    wide = replace(p.corrupt, scene=Scene(128, 32, p.corrupt.scene.objects[:0]))
+    with pytest.raises(InputError, match=r"pair 0: .*\(4, 4\).*\(2, 8\)"):
+        prepare_pairs(vlm, [CountPair(p.clean, wide, p.kind, 0)])
