@@ -38,12 +38,12 @@ def counting(counts, prompt="short", seed=3) -> list[TaskSample]:
     return out
 
 
-def plain_logprobs(vlm, sample, continuation: list[int]) -> torch.Tensor:
-    """log p(continuation[t] | prompt, continuation[:t]) for every t, from one hand-built forward."""
+def hand_built_logits(vlm, sample, continuation: list[int]) -> tuple[torch.Tensor, int]:
+    """(logits of one hand-built forward of the prompt then ``continuation``, the prompt's length)."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": sample.question}]}]
     text = vlm.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     enc = vlm.processor(text=[text], images=[[sample.image]], return_tensors="pt")
-    extra = torch.tensor([continuation])
+    extra = torch.tensor([continuation], dtype=torch.long)
     inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
     n = inputs["input_ids"].shape[1]
     inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
@@ -52,23 +52,19 @@ def plain_logprobs(vlm, sample, continuation: list[int]) -> torch.Tensor:
         if k in inputs:
             inputs[k] = torch.cat([inputs[k], torch.zeros_like(extra)], 1)
     with torch.no_grad():
-        logp = vlm.hf(**inputs).logits[0].float().log_softmax(-1)
+        return vlm.hf(**inputs).logits[0].float(), n
+
+
+def plain_logprobs(vlm, sample, continuation: list[int]) -> torch.Tensor:
+    """log p(continuation[t] | prompt, continuation[:t]) for every t, from one hand-built forward."""
+    logits, n = hand_built_logits(vlm, sample, continuation)
+    logp = logits.log_softmax(-1)
     return torch.stack([logp[n - 1 + t, tok] for t, tok in enumerate(continuation)])
 
 
 def plain_logits_after(vlm, sample, prefix: list[int]) -> torch.Tensor:
     """Next-token logits after the prompt and ``prefix``, from one hand-built forward."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": sample.question}]}]
-    text = vlm.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    enc = vlm.processor(text=[text], images=[[sample.image]], return_tensors="pt")
-    inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
-    extra = torch.tensor([prefix], dtype=torch.long)
-    for k, fill in (("input_ids", None), ("attention_mask", 1), ("mm_token_type_ids", 0)):
-        if k in inputs:
-            tail = extra if fill is None else torch.full_like(extra, fill)
-            inputs[k] = torch.cat([inputs[k], tail], 1)
-    with torch.no_grad():
-        return vlm.hf(**inputs).logits[0, -1].float()
+    return hand_built_logits(vlm, sample, prefix)[0][-1]
 
 
 def test_the_real_qwen_vocabulary_splits_digits_and_keeps_its_special_ids(qwen):
