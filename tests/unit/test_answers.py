@@ -239,3 +239,19 @@ def test_the_papers_pstd_prompt_verbatim_and_its_parser():
     assert parse_shape_count("There are 3 squares. square: 4", "square") == 4  # the format wins
     assert parse_shape_count("I see 5.", "circle") == 5  # no format: the first count
     assert parse_shape_count("triangle: many", "triangle") is None
+
+
+def test_teacher_forced_tokens_are_appended_and_belong_to_the_answer_span(qwen):
+    from countlens.circuits.sites import group_mask
+
+    samples = counting([3, 12])
+    forced = [[], [16, 17]]  # nothing after the first prompt; "1", "2" after the second
+    batch = qwen.prepare([s.image for s in samples], [s.question for s in samples], forced=forced)
+    plain = qwen.prepare([s.image for s in samples], [s.question for s in samples])
+    ids, real = batch.inputs["input_ids"], batch.inputs["attention_mask"].bool()
+    assert ids[1, -2:].tolist() == [16, 17] and torch.equal(ids[1][real[1]][:-2], plain.inputs["input_ids"][1])
+    assert batch.last.tolist() == [ids.shape[1] - 1] * 2 and batch.prompt_last.tolist() == [ids.shape[1] - 1,
+                                                                                            ids.shape[1] - 3]
+    last, image, text = (group_mask(batch, g) for g in ("last", "image", "text"))
+    assert last.sum(1).tolist() == [1, 3] and last[1, -3:].all()
+    assert not (last & text).any() and not (last & image).any() and torch.equal(last | image | text, real)
