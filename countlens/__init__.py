@@ -4,14 +4,37 @@
     vlm = cl.load("toy")            # the shipped organism; or a local HF checkpoint directory
     batch = vlm.prepare(images, questions, answers)
 
-Importing countlens loads no model and touches no network.
+Importing countlens loads no model, touches no network, and imports neither torch nor transformers:
+the subpackages and `load` / `VLM` are imported on first use, so data generation (`cl.datasets`)
+and the command line's ``--help`` stay light.
 """
 
-from countlens import analysis, circuits, datasets, results, training
+from __future__ import annotations
+
+import importlib
+
 from countlens.errors import CountlensError
 from countlens.geometry import Geometry
-from countlens.loading import load
-from countlens.vlm import VLM, Batch
 
 __version__ = "0.1.0"
+
+#: Names imported on first use: attribute → the module that defines it (or the subpackage itself).
+_LAZY: dict[str, str] = {
+    "analysis": "countlens.analysis", "circuits": "countlens.circuits", "datasets": "countlens.datasets",
+    "results": "countlens.results", "training": "countlens.training",
+    "load": "countlens.loading", "VLM": "countlens.vlm", "Batch": "countlens.vlm",
+}
 __all__ = ["VLM", "Batch", "CountlensError", "Geometry", "analysis", "circuits", "datasets", "load", "results", "training"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'countlens' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if module.__name__ == f"countlens.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -20,6 +20,29 @@ def _fail(err: Exception) -> None:
     raise typer.Exit(code=2)
 
 
+def _check_out(out: Path | None, flag: str = "--out") -> None:
+    """Refuse an output directory that cannot be written, before any model loads; writes nothing."""
+    import os
+
+    if out is None:
+        return
+    if out.exists() and not out.is_dir():
+        _fail(CountlensError(f"{flag} {out} is a file; give a directory"))
+    base = out
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        _fail(CountlensError(f"{flag} {out}: {base} is a file, so no directory can be made under it; give another path"))
+    if not os.access(base, os.W_OK | os.X_OK) or base.resolve().parts[1:2] in (("proc",), ("sys",)):
+        _fail(CountlensError(f"{flag} {out}: {base} is not writable; give a directory you can write to"))
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value is not None and value < 1:
+            _fail(CountlensError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}"))
+
+
 @toy_app.command("train")
 def toy_train(
     out: Path = typer.Option(..., help="Directory to write the HF checkpoint, recipe and training log into."),
@@ -74,8 +97,8 @@ def eval_cmd(
     from countlens.analysis import accuracy, score
     from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, scene_kind, task_samples
 
-    if out is not None and out.exists() and not out.is_dir():
-        _fail(CountlensError(f"--out {out} is a file; give a directory"))
+    _check_out(out)
+    _check_positive(n=n, batch_size=batch_size)
     if not 0 <= seed < TRAIN_SEED_BASE:
         _fail(CountlensError(f"--seed {seed}: evaluation seeds are 0..{TRAIN_SEED_BASE - 1}; larger ones are the organism's training scenes"))
     try:
@@ -114,6 +137,8 @@ def _grid(model: str, image_size: int | None, patch_size: int | None):
     if (image_size is None) != (patch_size is None):
         raise CountlensError("give both --image-size and --patch-size, or neither (the model's grid)")
     if image_size is not None:
+        if image_size < 1 or patch_size < 1:
+            raise CountlensError(f"--image-size {image_size} and --patch-size {patch_size} must be positive pixel sizes")
         if image_size % patch_size:
             raise CountlensError(f"--image-size {image_size} is not a multiple of --patch-size {patch_size}")
         return Geometry.square(image_size, patch_size)
@@ -140,6 +165,8 @@ def data_countingtricks(
     prompt: str = typer.Option("std", help="Prompt style: std (the papers' Pstd, answers 'circle: 7'), number "
                                "(number only), objects, short, conflict or number_conflict (Digit-in-Conflict)."),
     workers: int = typer.Option(None, help="Processes (default: all cores); output is identical for any number."),
+    counts: str = typer.Option(None, help="Comma-separated counts the samples cycle through (default: 3…12, as the "
+                               "grid allows), e.g. 3,4,5."),
 ) -> None:
     """Write COUNTINGTRICKS images and a manifest with every object's geometry.
 
@@ -150,10 +177,16 @@ def data_countingtricks(
     from countlens.datasets.countingtricks import CASES
     from countlens.datasets.export import export_countingtricks
 
+    _check_out(out)
+    _check_positive(n=n, workers=workers)
+    try:
+        wanted = None if counts is None else tuple(int(x) for x in counts.split(",") if x.strip())
+    except ValueError:
+        _fail(CountlensError(f"--counts {counts!r}: give comma-separated integers, e.g. 3,4,5"))
     try:
         names = list(CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
         grid = _grid(model, image_size, patch_size)
-        kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt)
+        kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt, counts=wanted)
         with Progress() as bar:
             task = bar.add_task("countingtricks", total=len(names) * n)
             manifest = export_countingtricks(out, names, n, grid, seed, workers,
@@ -187,13 +220,10 @@ def discover_cmd(
     from countlens.datasets.prompts import PAIR_PROMPTS
     from countlens.discover import DiscoverConfig, discover
 
-    if out.exists() and not out.is_dir():
-        _fail(CountlensError(f"--out {out} is a file; give a directory"))
+    _check_out(out)
     if prompt != "auto" and prompt not in PAIR_PROMPTS:
         _fail(CountlensError(f"--prompt {prompt!r}: use auto or one of {', '.join(PAIR_PROMPTS)}"))
-    for name, value in (("--n-per-case", n_per_case), ("--n-pairs", n_pairs), ("--n-samples", n_samples)):
-        if value < 1:
-            _fail(CountlensError(f"{name} must be ≥ 1, got {value}"))
+    _check_positive(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size)
     try:
         vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
         config = DiscoverConfig(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, seed=seed,
@@ -220,17 +250,15 @@ def classify_cmd(
 
     Example: countlens classify --run runs/toy --cter-min 0.6
     """
-    import json
-
     from countlens.analysis.heads import HeadThresholds, export_heads
-    from countlens.discover import head_table, load_run, write_report
+    from countlens.discover import head_table, load_run, read_spec, write_report
 
     try:
+        spec = read_spec(run)
         r = load_run(run)
         thresholds = HeadThresholds(early, late, image_high, image_low, vgs_min, cter_min, important, constant)
         table = head_table(r["heads"], r["ablation"], r["headlens"], r["attention"], thresholds)
         export_heads(table, run)
-        spec = json.loads((run / "spec.json").read_text())
         write_report(spec["model"], spec["arch"], run, table=table)
     except CountlensError as err:
         _fail(err)
@@ -243,14 +271,10 @@ def report_cmd(run: Path = typer.Option(..., help="A `countlens discover` run di
 
     Example: countlens report --run runs/toy
     """
-    import json
-
-    from countlens.discover import write_report
+    from countlens.discover import read_spec, write_report
 
     try:
-        if not (run / "spec.json").exists():
-            raise CountlensError(f"{run} is not a countlens discover run (no spec.json); run `countlens discover --out {run}`")
-        spec = json.loads((run / "spec.json").read_text())
+        spec = read_spec(run)
         path = write_report(spec["model"], spec["arch"], run)
     except CountlensError as err:
         _fail(err)
@@ -276,21 +300,20 @@ def finetune_cmd(
 
     Example: countlens finetune --model toy --circuit runs/toy
     """
-    from countlens.training.finetune import FinetuneConfig
+    from countlens.training.finetune import FinetuneConfig, read_heads
     from countlens.training.report import before_after
 
-    if not (circuit / "heads.csv").exists():
-        _fail(CountlensError(f"--circuit {circuit}: no heads.csv there; run `countlens discover --out {circuit}` first"))
+    try:
+        read_heads(circuit)
+    except CountlensError as err:
+        _fail(CountlensError(f"--circuit {circuit}: {err}"))
     out = out or circuit / "finetune"
-    if out.exists() and not out.is_dir():
-        _fail(CountlensError(f"--out {out} is a file; give a directory"))
+    _check_out(out)
     try:
         target = tuple(int(x) for x in layers.split(",")) if layers else ()
     except ValueError:
         _fail(CountlensError(f"--layers {layers!r}: give comma-separated integers, e.g. 0,1"))
-    for name, value in (("--steps", steps), ("--n-train", n_train), ("--n-eval", n_eval)):
-        if value < 1:
-            _fail(CountlensError(f"{name} must be ≥ 1, got {value}"))
+    _check_positive(steps=steps, n_train=n_train, n_eval=n_eval, batch_size=batch_size, lora_r=lora_r)
     try:
         config = FinetuneConfig(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, lora_alpha=2 * lora_r,
                                 target_layers=target)

@@ -47,6 +47,38 @@ class DiscoverConfig:
     batch_size: int = 16
 
 
+def check_config(c: DiscoverConfig) -> None:
+    """Refuse settings no stage can run with, naming the setting."""
+    from countlens.datasets.pairs import KINDS
+    from countlens.datasets.prompts import PAIR_PROMPTS
+
+    for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be an integer ≥ 1, got {value!r}")
+    if c.prompt != "auto" and c.prompt not in PAIR_PROMPTS:
+        raise InputError(f"prompt {c.prompt!r}: use 'auto' or one of {PAIR_PROMPTS}")
+    if c.pair_kind not in KINDS:
+        raise InputError(f"pair_kind {c.pair_kind!r}: use one of {KINDS}")
+    if not c.alpha > 0:
+        raise InputError(f"alpha (head temperature) must be > 0, got {c.alpha}")
+
+
+def read_spec(run: str | Path) -> dict:
+    """A run's ``spec.json``, checked for what reports read (model, arch)."""
+    path = Path(run) / "spec.json"
+    if not path.exists():
+        raise InputError(f"{run} is not a countlens discover run (no spec.json); run `countlens discover --out {run}`")
+    try:
+        spec = json.loads(path.read_text())
+    except ValueError as err:
+        raise InputError(f"{path} is not JSON ({err}); rerun `countlens discover --out {run}`") from None
+    missing = [k for k in ("model", "arch") if not isinstance(spec, dict) or k not in spec]
+    if missing:
+        raise InputError(f"{path} lacks {missing}: not written by `countlens discover`; rerun it with --out {run}")
+    return spec
+
+
 class Stages:
     """Runs named stages once: a finished stage's result is loaded from disk instead of recomputed."""
 
@@ -91,8 +123,10 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     if out.exists() and not out.is_dir():
         raise InputError(f"output {out} is a file; give a directory")
     c = config
+    check_config(c)  # before anything is written: a refused run leaves no spec behind
     prompt = ("short" if vlm.name == "toy" else "std") if c.prompt == "auto" else c.prompt
-    spec = {"model": vlm.name, "arch": vlm.arch.name, "prompt": prompt, **asdict(c)}
+    # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
+    spec = {**asdict(c), "model": vlm.name, "arch": vlm.arch.name, "prompt": prompt}
     stages = Stages(out, spec, log)
     grid = vlm.geometry
     size = grid.image_height
@@ -173,8 +207,7 @@ def load_run(out: str | Path) -> dict:
     from countlens import results
 
     out = Path(out)
-    if not (out / "spec.json").exists():
-        raise InputError(f"{out} is not a countlens discover run (no spec.json); run `countlens discover --out {out}`")
+    read_spec(out)
     found = {p.stem: results.load(p) for p in sorted((out / "results").glob("*.nc"))}
     missing = [s for s in STAGES if s not in found]
     if missing:
@@ -211,8 +244,9 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     mas_iou = per_layer.unstack("outcome")[["mas", "iou"]].round(3)
     mas_iou.columns = [f"{m} ({o})" for m, o in mas_iou.columns]
     table = pd.read_csv(out / "heads.csv") if table is None else table
-    prompt = prompt or json.loads((out / "spec.json").read_text()).get("prompt", "?")
-    k = int(json.loads((out / "spec.json").read_text()).get("top_k", 5))
+    spec = read_spec(out)
+    prompt = prompt or spec.get("prompt", "?")
+    k = int(spec.get("top_k", 5))
     atp_score = circuits.compare(atp.effect, heads.effect, k=k)
     jac = circuits.jaccard(abl, k=k)
 

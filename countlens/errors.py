@@ -13,6 +13,14 @@ class CheckpointNotFoundError(CountlensError):
     """A model name or path that is neither the organism, a local directory, nor a cached hub id."""
 
 
+class CheckpointError(CountlensError):
+    """A checkpoint directory whose files cannot be read (invalid config.json, truncated weights)."""
+
+
+class DeviceError(CountlensError):
+    """A device this torch build or machine does not have."""
+
+
 class InputError(CountlensError):
     """Images, prompts or answers that the model's processor cannot turn into a batch."""
 

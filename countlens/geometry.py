@@ -26,9 +26,11 @@ class Geometry:
     merge_size: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("image_height", "image_width", "patch_size", "merge_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CountlensError(f"{name} must be a positive integer, got {value!r}")
         unit = self.patch_size * self.merge_size
-        if self.patch_size <= 0 or self.merge_size <= 0:
-            raise CountlensError(f"patch_size and merge_size must be positive, got {self}")
         if self.image_height % unit or self.image_width % unit:
             raise CountlensError(
                 f"image {self.image_height}x{self.image_width} is not a multiple of patch_size*merge_size"

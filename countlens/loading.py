@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 from countlens.arch import spec_for
-from countlens.errors import CheckpointNotFoundError, InputError, UnsupportedArchitectureError
+from countlens.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DeviceError,
+    InputError,
+    UnsupportedArchitectureError,
+)
 from countlens.vlm import VLM
 
 TOY_DIR = Path(__file__).parent / "toy" / "weights"
@@ -43,10 +49,13 @@ def load(
         )
     from transformers import AutoConfig
 
+    _check_device(device_map)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
         raise UnsupportedArchitectureError(f"{path}/config.json: {err}") from None
+    except OSError as err:  # not JSON, unreadable
+        raise CheckpointError(f"{path}/config.json cannot be read ({err}); restore it from the original checkpoint") from None
     spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -67,7 +76,22 @@ def load(
         model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).eval()
     except OSError as err:  # e.g. a directory with a config but no weights
         raise CheckpointNotFoundError(f"could not load weights from {path}: {err}") from None
+    except Exception as err:
+        if type(err).__name__ != "SafetensorError":  # truncated or corrupt weight files
+            raise
+        files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors"))) or "its .safetensors files"
+        raise CheckpointError(f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
+                              "corrupt, copy it again from the original checkpoint") from None
     return VLM(model, processor, name=label)
+
+
+def _check_device(device_map) -> None:
+    """Refuse a CUDA device on a build or machine without one, before anything loads."""
+    wanted = [device_map] if isinstance(device_map, str) else list((device_map or {}).values())
+    if any(str(d).startswith("cuda") for d in wanted) and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise DeviceError(f"device {device_map!r}: {why}; leave --device unset to run on the CPU, or install a "
+                          "CUDA build of torch on a GPU machine (make test TORCH_SPEC=...)")
 
 
 def _dtype(dtype: str | torch.dtype) -> str | torch.dtype:

@@ -236,6 +236,11 @@ def _prepare_parent(path: Path) -> None:
         parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
         raise ResultError(f"cannot save to {path}: a parent of it is a file, not a directory ({e})") from e
+    except OSError as e:  # read-only or virtual file systems (/proc), no permission
+        raise ResultError(f"cannot save to {path}: its directory {parent} cannot be created ({e}); "
+                          "choose a path you can write to") from e
+    if not os.access(parent, os.W_OK):
+        raise ResultError(f"cannot save to {path}: {parent} is not writable; choose a path you can write to")
 
 
 def _write_netcdf(dataset: xr.Dataset, path: Path) -> None:

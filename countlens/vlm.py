@@ -156,6 +156,10 @@ class VLM:
         its prompt (an answer's first tokens); the rows stay left-padded, so every row's read
         position is the last one.
         """
+        for name, value in (("images", images), ("prompts", prompts), ("answers", answers), ("forced", forced)):
+            single = isinstance(value, (str, Image.Image)) or (isinstance(value, np.ndarray) and value.ndim == 3)
+            if single or (value is not None and not hasattr(value, "__len__")):
+                raise InputError(f"{name} is a single {type(value).__name__}; give a list, one per sample: [{name[:-1]}]")
         if len(images) != len(prompts):
             raise InputError(f"got {len(images)} images but {len(prompts)} prompts; give one prompt per image")
         if answers is not None and len(answers) != len(prompts):
@@ -197,6 +201,8 @@ class VLM:
     def _chat_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):
             raise InputError(f"prompt {i} is a {type(prompt).__name__}; give a string")
+        if not prompt.replace(IMAGE_SLOT, "").strip():
+            raise InputError(f"prompt {i} is empty; give the question to ask about the image")
         if prompt.count(IMAGE_SLOT) > 1:
             raise InputError(f"prompt {i} has {prompt.count(IMAGE_SLOT)} {IMAGE_SLOT} slots; countlens uses one image per prompt")
         before, _, after = prompt.partition(IMAGE_SLOT) if IMAGE_SLOT in prompt else ("", "", prompt)
@@ -206,6 +212,8 @@ class VLM:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def _raw_text(self, prompt: str, i: int) -> str:
+        if not isinstance(prompt, str):
+            raise InputError(f"prompt {i} is a {type(prompt).__name__}; give a string")
         token = getattr(self.processor, "image_token", None) or IMAGE_SLOT
         if prompt.count(token) != 1:
             raise InputError(

@@ -1,5 +1,25 @@
-"""Measurements on a VLM: counting evaluation (more to come: attention diagnostics, probes, head tables)."""
+"""Measurements on a VLM: counting evaluation (scoring, generation, parsing, the papers' metrics),
+case tables, attention diagnostics (MAS, VRA, Attention-IoU, ARS), detection probes on taps,
+last-token representations, head classification and plots (`countlens.analysis.plots`)."""
 
-from countlens.analysis.evaluate import accuracy, score
+from countlens.analysis.attention_metrics import attention_metrics
+from countlens.analysis.evaluate import (
+    accuracy,
+    digit_in_conflict,
+    generate,
+    number_avoidance,
+    parse_count,
+    parse_shape_count,
+    score,
+    summary,
+)
+from countlens.analysis.heads import HeadThresholds, classify_heads, export_heads
+from countlens.analysis.probes import probe_taps
+from countlens.analysis.representations import representation_view
+from countlens.analysis.tables import case_table
 
-__all__ = ["accuracy", "score"]
+__all__ = [
+    "HeadThresholds", "accuracy", "attention_metrics", "case_table", "classify_heads", "digit_in_conflict",
+    "export_heads", "generate", "number_avoidance", "parse_count", "parse_shape_count", "probe_taps",
+    "representation_view", "score", "summary",
+]

@@ -2,12 +2,12 @@
 
 from countlens.datasets.countingtricks import CASES, Case, capacity, countingtricks, trick_sample
 from countlens.datasets.pairs import KINDS, CountPair, count_pair, count_pairs
-from countlens.datasets.prompts import PROMPTS, make_question
+from countlens.datasets.prompts import PAIR_PROMPTS, PROMPTS, answer_text, make_question
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, place_objects
 from countlens.datasets.tasks import TASKS, TaskSample, task_sample, task_samples
 
 __all__ = [
-    "CASES", "KINDS", "PALETTE", "PROMPTS", "SHAPES", "TASKS", "Case", "CountPair", "Obj", "Scene", "TaskSample",
-    "capacity", "count_pair", "count_pairs", "countingtricks", "make_question", "place_objects", "task_sample",
+    "CASES", "KINDS", "PAIR_PROMPTS", "PALETTE", "PROMPTS", "SHAPES", "TASKS", "Case", "CountPair", "Obj", "Scene", "TaskSample",
+    "answer_text", "capacity", "count_pair", "count_pairs", "countingtricks", "make_question", "place_objects", "task_sample",
     "task_samples", "trick_sample",
 ]

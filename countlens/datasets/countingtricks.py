@@ -105,6 +105,9 @@ def as_geometry(grid: Geometry | None = None, image_size: int | None = None, pat
         return grid
     if image_size is None or patch_size is None:
         raise InputError("give grid= (e.g. vlm.geometry) or both image_size= and patch_size=")
+    for name, value in (("image_size", image_size), ("patch_size", patch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer number of pixels, got {value!r}")
     if image_size % patch_size:
         raise InputError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
     return Geometry.square(image_size, patch_size)
@@ -311,14 +314,16 @@ def resolve_counts(name: str, grid: Geometry, counts=None) -> tuple[int, ...]:
         out = tuple(n for n in DEFAULT_COUNTS if cap is None or n <= cap)
         if not out:
             raise CountlensError(f"case {name} fits only {cap} objects on a {grid.patch_grid} patch grid, fewer than "
-                                 f"{DEFAULT_COUNTS[0]}; use a larger image or give counts= explicitly")
+                                 f"{DEFAULT_COUNTS[0]}; use a larger image or give counts= explicitly "
+                                 "(--counts on the command line)")
         return out
     out = tuple(int(n) for n in counts)
     if not out or min(out) < 1:
         raise InputError(f"counts must be a non-empty list of positive integers, got {counts!r}")
     if cap is not None and max(out) > cap:
         raise InputError(f"case {name} fits at most {cap} objects apart on a {grid.patch_grid} grid of "
-                         f"{grid.patch_size}px patches, but counts go up to {max(out)}; lower the counts or use a larger image")
+                         f"{grid.patch_size}px patches, but counts go up to {max(out)}; lower the counts "
+                         "(counts= / --counts) or use a larger image")
     return out
 
 
@@ -376,7 +381,9 @@ def countingtricks(
     **kw,
 ) -> list[TaskSample]:
     """``n_per_case`` samples of each case (default: all 32), case by case; see `trick_sample`."""
+    if isinstance(cases, str):  # one case named alone: "1A"
+        cases = [cases]
     names = list(CASES) if cases is None else [case(n).name for n in cases]
-    if n_per_case < 1:
-        raise InputError(f"n_per_case must be ≥ 1, got {n_per_case}")
+    if isinstance(n_per_case, bool) or not isinstance(n_per_case, int) or n_per_case < 1:
+        raise InputError(f"n_per_case must be an integer ≥ 1, got {n_per_case!r}")
     return [trick_sample(name, seed, i, grid, **kw) for name in names for i in range(n_per_case)]

@@ -100,6 +100,6 @@ def count_pair(
 def count_pairs(n: int, clean: int | None = None, corrupt: int | None = None, kind: str = "shapes",
                 grid: Geometry | None = None, seed: int = 0, **kw) -> list[CountPair]:
     """``n`` pairs (see `count_pair`); e.g. ``count_pairs(64, 3, 5, grid=vlm.geometry)``."""
-    if n < 1:
-        raise InputError(f"n must be ≥ 1, got {n}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InputError(f"count_pairs: n (the number of pairs) must be an integer ≥ 1, got {n!r}")
     return [count_pair(seed, i, kind, clean, corrupt, grid, **kw) for i in range(n)]

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
-from countlens.errors import CountlensError
+from countlens.errors import CountlensError, InputError
 
 TASKS: tuple[str, ...] = ("count", "color", "shape")
 TRAIN_SEED_BASE = 1000
@@ -76,6 +76,9 @@ def task_sample(
 
 
 def task_samples(task: str, n: int, seed: int, start: int = 0, **kw) -> list[TaskSample]:
+    """Samples ``start`` … ``start + n − 1`` of ``task`` under ``seed`` (see `task_sample`)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InputError(f"task_samples: n must be an integer ≥ 1, got {n!r}")
     return [task_sample(task, seed, i, **kw) for i in range(start, start + n)]
 
 

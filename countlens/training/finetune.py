@@ -65,14 +65,36 @@ def target_layers_from(circuit, classes: Sequence[str] = ("visual grounding", "c
     import pandas as pd
 
     if isinstance(circuit, (str, Path)):
-        path = Path(circuit) / "heads.csv"
-        if not path.exists():
-            raise InputError(f"no circuit at {circuit}: {path} is missing; run `countlens discover --out {circuit}` first")
-        circuit = pd.read_csv(path)
+        circuit = read_heads(circuit)
     chosen = circuit[circuit["class"].isin(classes)]
     if chosen.empty:
         chosen = circuit.sort_values("importance", ascending=False).head(fallback_k)
     return tuple(sorted({int(x) for x in chosen["layer"]}))
+
+
+HEAD_COLUMNS: tuple[str, ...] = ("layer", "head", "class", "importance")
+
+
+def read_heads(circuit: str | Path):
+    """A discover run's head table (``heads.csv``), checked for the columns fine-tuning reads."""
+    import pandas as pd
+
+    path = Path(circuit) / "heads.csv"
+    if not path.exists():
+        raise InputError(f"no circuit at {circuit}: {path} is missing; run `countlens discover --out {circuit}` first")
+    try:
+        table = pd.read_csv(path)
+    except (ValueError, pd.errors.ParserError) as err:
+        raise InputError(f"{path} is not a head table ({err}); rerun `countlens discover --out {circuit}`") from None
+    missing = [c for c in HEAD_COLUMNS if c not in table.columns]
+    if missing or table.empty:
+        raise InputError(f"{path} is not a countlens head table: it lacks the columns {missing or list(HEAD_COLUMNS)} "
+                         f"or has no rows; rerun `countlens discover --out {circuit}` or `countlens classify --run {circuit}`")
+    try:
+        table = table.astype({"layer": int, "head": int, "importance": float})
+    except (ValueError, TypeError) as err:
+        raise InputError(f"{path}: the layer, head and importance columns must be numbers ({err})") from None
+    return table
 
 
 def _lora_config(vlm, config: FinetuneConfig):

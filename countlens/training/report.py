@@ -61,8 +61,9 @@ def _accuracies(vlm, sets: dict[str, list], batch_size: int, generated: frozense
 
 def importance_from(circuit) -> xr.DataArray:
     """The circuit's per-head importance (layer, head) from its ``heads.csv``."""
-    table = pd.read_csv(Path(circuit) / "heads.csv")
-    return table.set_index(["layer", "head"])["importance"].to_xarray()
+    from countlens.training.finetune import read_heads
+
+    return read_heads(circuit).set_index(["layer", "head"])["importance"].to_xarray()
 
 
 def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
