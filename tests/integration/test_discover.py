@@ -71,7 +71,7 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
         (["discover", "--model", "nope/none", "--out", str(tmp_path / "a")], "nope/none"),
         (["discover", "--out", str(f)], "is a file"),
         (["discover", "--out", str(tmp_path / "b"), "--prompt", "loud"], "--prompt"),
-        (["finetune", "--circuit", str(tmp_path / "missing")], "no heads.csv"),
+        (["finetune", "--circuit", str(tmp_path / "missing")], "heads.csv is missing"),
         (["finetune", "--circuit", str(tmp_path), "--layers", "x"], "heads.csv"),
     ):
         result = runner.invoke(app, args)
