@@ -75,3 +75,14 @@ def test_data_countingtricks_rejects_bad_arguments(tmp_path):
         result = runner.invoke(app, ["data", "countingtricks", "--out", str(out), "--n", "2", *extra])
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
         assert not out.exists()
+
+
+def test_importing_countlens_and_its_cli_loads_no_torch():
+    """--help answers at once and data generation stays light: torch loads only when a command needs it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, countlens, countlens.cli, countlens.datasets; "
+             "print(sorted(m for m in ('torch', 'transformers', 'nnsight') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
