@@ -168,7 +168,8 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
         vlm, countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt,
                             color=("red", "green", "blue")), batch_size=bs))
     # 6. ablation across tasks
-    abl = stages.run("ablation", lambda: circuits.ablation_scan(vlm, data, batch_size=bs, progress=True))
+    abl = stages.run("ablation", lambda: circuits.ablation_scan(vlm, data, batch_size=bs, store=sweeps / "ablation",
+                                                                progress=True))
     # 7. temperature from head-patching importance
     betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
 

@@ -140,7 +140,7 @@ def _steps(n: int, batch_size: int, progress: bool, what: str):
         raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
     steps = range(0, n, batch_size)
     if progress:
-        from rich.progress import track
+        from countlens.progress import track
 
         steps = track(steps, description=f"{what} {n} samples")
     return steps

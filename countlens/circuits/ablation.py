@@ -80,50 +80,50 @@ def _gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tens
 
 
 def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Tensor | None = None,
-                  batch_size: int = 16, progress: bool = False) -> xr.Dataset:
+                  batch_size: int = 16, store=None, progress: bool = False) -> xr.Dataset:
     """Ablate each head alone on each task: ``acc_drop`` and ``logp_drop`` over (task, layer, head).
 
     ``means``: per-task reference means (default: each task's own samples), or one tensor for all.
+    ``store``: a directory (or `countlens.results.SweepStore`) that receives each finished chunk of
+    samples, and each task's means, so a killed scan resumes where it stopped.
     """
     if not tasks:
         raise InputError("give tasks={'name': samples, ...}")
+    for name, samples in tasks.items():
+        if len(samples) == 0:
+            raise InputError(f"task {name!r} has no samples")
     arch = vlm.arch
     sites = [(layer, head) for layer in range(arch.n_layers) for head in range(arch.n_heads)]
+    store = _open_store(vlm, store, tasks, batch_size, means)
     acc_drop = np.zeros((len(tasks), arch.n_layers, arch.n_heads))
     logp_drop = np.zeros_like(acc_drop)
     base_acc = np.zeros(len(tasks))
-    items = list(tasks.items())
+    chunks = [(t, name, start) for t, (name, samples) in enumerate(tasks.items())
+              for start in range(0, len(samples), batch_size)]
     if progress:
-        from rich.progress import track
+        from countlens.progress import track
 
-        items = track(items, description="mean ablation")
-    for t, (name, samples) in enumerate(items):
-        if len(samples) == 0:
-            raise InputError(f"task {name!r} has no samples")
-        mu = means if isinstance(means, Tensor) else (means or {}).get(name)
-        mu = group_means(vlm, samples, batch_size) if mu is None else mu
-        correct = np.zeros((len(sites), 0), dtype=bool)
-        drops = np.zeros((len(sites), 0))
-        base_correct = []
-        for batch in _batches(vlm, samples, batch_size):
-            gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
-            replicas = []
-            for layer, head in sites:
-                real, value = _mean_values(batch, mu, layer, head, arch.d_head)
-                replicas.append(Edit(layer, real, head, value))
-            base = run_edits(vlm, batch, None, [[]], keep=keep)[0]
-            b_ok, b_logp = _gold_scores(base, gold)
-            # Reduce each replica to (correct, log p(gold)) as it comes: no full-vocabulary logits kept.
-            scores = run_edits(vlm, batch, None, replicas, keep=keep,
-                               reduce=lambda rows: torch.stack(_gold_scores(rows, gold)).float())
-            ok, logp = scores[:, 0].bool(), scores[:, 1]
-            correct = np.concatenate([correct, ok.numpy()], axis=1)
-            drops = np.concatenate([drops, (b_logp[None] - logp).numpy()], axis=1)
-            base_correct.append(b_ok.numpy())
-        base = np.concatenate(base_correct)
+        chunks = track(chunks, description="mean ablation, chunks")
+    parts: dict[str, list[xr.Dataset]] = {name: [] for name in tasks}
+    mus: dict[str, Tensor] = {}
+    for t, name, start in chunks:
+        samples = tasks[name]
+        key = f"{name}_{start:06d}"
+        if store is not None and key in store.done():
+            parts[name].append(store.read(key))
+            continue
+        if name not in mus:
+            mus[name] = _task_means(vlm, name, samples, means, batch_size, store)
+        part = _scan_chunk(vlm, samples[start : start + batch_size], mus[name], sites)
+        if store is not None:
+            store.write(key, part)
+        parts[name].append(part)
+    for t, name in enumerate(tasks):
+        ds = xr.concat(parts[name], dim="sample")
+        base = ds.base_correct.values.astype(bool)
         base_acc[t] = base.mean()
-        acc_drop[t] = (base.mean() - correct.mean(1)).reshape(arch.n_layers, arch.n_heads)
-        logp_drop[t] = drops.mean(1).reshape(arch.n_layers, arch.n_heads)
+        acc_drop[t] = (base.mean() - ds.correct.values.mean(1)).reshape(arch.n_layers, arch.n_heads)
+        logp_drop[t] = ds.logp_drop.values.mean(1).reshape(arch.n_layers, arch.n_heads)
     from countlens.results import provenance
 
     names = list(tasks)
@@ -134,6 +134,57 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
         attrs={**provenance(vlm.name, vlm.arch.name, dataset={k: len(v) for k, v in tasks.items()}),
                "method": "mean_ablation", "groups": ",".join(ABLATION_GROUPS)},
     )
+
+
+def _task_means(vlm, name: str, samples: Sequence, means, batch_size: int, store) -> Tensor:
+    """The task's reference means: given, stored by an earlier run, or computed (and stored)."""
+    mu = means if isinstance(means, Tensor) else (means or {}).get(name)
+    if mu is not None:
+        return mu
+    key = f"means_{name}"
+    if store is not None and key in store.done():
+        return torch.from_numpy(store.read(key).values)
+    mu = group_means(vlm, samples, batch_size)
+    if store is not None:
+        store.write(key, xr.DataArray(mu.numpy(), dims=("layer", "group", "unit")))
+    return mu
+
+
+def _scan_chunk(vlm, chunk: Sequence, mu: Tensor, sites: list[tuple[int, int]]) -> xr.Dataset:
+    """One chunk of samples: per site and sample, correct and the drop in log p(gold); the baseline."""
+    batch = next(_batches(vlm, chunk, len(chunk)))
+    gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
+    replicas = []
+    for layer, head in sites:
+        real, value = _mean_values(batch, mu, layer, head, vlm.arch.d_head)
+        replicas.append(Edit(layer, real, head, value))
+    base = run_edits(vlm, batch, None, [[]], keep=keep)[0]
+    b_ok, b_logp = _gold_scores(base, gold)
+    # Reduce each replica to (correct, log p(gold)) as it comes: no full-vocabulary logits kept.
+    scores = run_edits(vlm, batch, None, replicas, keep=keep,
+                       reduce=lambda rows: torch.stack(_gold_scores(rows, gold)).float())
+    ok, logp = scores[:, 0].bool(), scores[:, 1]
+    return xr.Dataset({"correct": (("site", "sample"), ok.numpy()),
+                       "logp_drop": (("site", "sample"), (b_logp[None] - logp).numpy()),
+                       "base_correct": ("sample", b_ok.numpy())})
+
+
+def _open_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means):
+    if store is None:
+        return None
+    from countlens.results import SweepStore
+
+    if isinstance(store, SweepStore):
+        return store
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, samples in tasks.items():
+        for s in samples:
+            h.update(f"{name}|{s.question}|{s.answer}|{getattr(s, 'scene', None)!r}".encode())
+    spec = {"sweep": "ablation_scan", "model": vlm.name, "tasks": {k: len(v) for k, v in tasks.items()},
+            "batch_size": batch_size, "samples_digest": h.hexdigest()[:16], "given_means": means is not None}
+    return SweepStore(store, spec)
 
 
 def ablate(vlm, samples: Sequence, heads: Sequence[tuple[int, int]], means: Tensor | None = None,

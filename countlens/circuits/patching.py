@@ -223,7 +223,7 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
     dims = tuple(coords)
     chunks = list(_chunks(pairs, batch_size))
     if progress:
-        from rich.progress import track
+        from countlens.progress import track
 
         chunks = track(chunks, description=f"patching {len(pairs)} pairs")
     parts = []

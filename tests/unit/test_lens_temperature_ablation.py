@@ -133,3 +133,26 @@ def test_ablation_scan_single_heads_match_joint_ablation_of_one_head(organism):
     assert set(tops) == {"count", "color"} and all(len(v) == 3 for v in tops.values())
     jac = jaccard(scan, k=3)
     assert np.allclose(np.diag(jac.values), 1.0) and np.allclose(jac.values, jac.values.T)
+
+
+def test_ablation_scan_streams_chunks_and_resumes_without_recomputing(organism, tmp_path, monkeypatch):
+    from countlens.circuits import ablation
+
+    tasks = {"count": task_samples("count", 6, 3), "color": task_samples("color", 4, 3)}
+    plain = ablation_scan(organism, tasks, batch_size=4)
+    stored = ablation_scan(organism, tasks, batch_size=4, store=tmp_path / "abl")
+    for var in ("acc_drop", "logp_drop", "base_acc"):
+        np.testing.assert_array_equal(stored[var].values, plain[var].values)
+    chunks = sorted(p.stem for p in (tmp_path / "abl" / "chunks").glob("*.nc"))
+    assert chunks == ["color_000000", "count_000000", "count_000004", "means_color", "means_count"]
+    # A killed run: one chunk never finished. The rerun computes that chunk alone (and no means).
+    (tmp_path / "abl" / "chunks" / "count_000004.nc").unlink()
+    calls = {"chunk": 0, "means": 0}
+    real_chunk, real_means = ablation._scan_chunk, ablation.group_means
+    monkeypatch.setattr(ablation, "_scan_chunk", lambda *a: (calls.__setitem__("chunk", calls["chunk"] + 1),
+                                                            real_chunk(*a))[1])
+    monkeypatch.setattr(ablation, "group_means", lambda *a: (calls.__setitem__("means", calls["means"] + 1),
+                                                            real_means(*a))[1])
+    resumed = ablation_scan(organism, tasks, batch_size=4, store=tmp_path / "abl")
+    assert calls == {"chunk": 1, "means": 0}
+    np.testing.assert_array_equal(resumed.logp_drop.values, plain.logp_drop.values)
