@@ -24,3 +24,34 @@ def track(items: Sequence[T] | Iterable[T], description: str, total: int | None 
         yield item
         of = f"/{total}" if total is not None else ""
         print(f"{description}: {i}{of} ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+
+
+class Bar:
+    """``with Bar("training +SFT", 300) as bar: bar.update(step, "loss 0.41")`` — a rich bar on a
+    terminal, else a line every ``total / lines`` steps and at the end."""
+
+    def __init__(self, description: str, total: int, lines: int = 10):
+        self.description, self.total, self.every = description, total, max(1, total // lines)
+        self._bar = None
+
+    def __enter__(self) -> Bar:
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn(self.description), BarColumn(),
+                                 TextColumn("{task.completed}/{task.total} {task.fields[info]}"), TimeElapsedColumn())
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.description, total=self.total, info="")
+        self._start = time.perf_counter()
+        return self
+
+    def update(self, done: int, info: str = "") -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, info=info)
+        elif done % self.every == 0 or done == self.total:
+            print(f"{self.description}: {done}/{self.total} {info} ({time.perf_counter() - self._start:.1f} s)",
+                  file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)

@@ -3,8 +3,10 @@
 Rows: baseline / +SFT / +SFT+focus / +SFT+focus+temperature / +SFT+focus+MAS. Columns: counting on
 held-out task scenes (in distribution), COUNTINGTRICKS by group (position 1–4, dilation 5A–8A,
 adjacency 9–15), and the organism's non-counting tasks (colour, shape: transfer or damage). Each
-variant trains its own adapter under ``out/<variant>/`` (resumable); the temperature row reuses the
-+SFT+focus adapter with the circuit's most important heads sharpened (β = α·γ).
+variant trains its own adapter under ``out/<variant>/`` (resumable, with a progress bar); the
+temperature row reuses the +SFT+focus adapter with the circuit's most important heads sharpened
+(β = α·γ). Finished rows are kept in ``out/accuracies.json``: a resumed run neither retrains nor
+re-evaluates them (the baseline included).
 
 Training data (`default_training_data`): COUNTINGTRICKS scenes of every case plus ordinary counting
 scenes, from training seeds (≥ 1000) — never an evaluation scene.
@@ -12,12 +14,14 @@ scenes, from training seeds (≥ 1000) — never an evaluation scene.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pandas as pd
 import xarray as xr
 
+from countlens.progress import Bar
 from countlens.training.finetune import FinetuneConfig, finetune, target_layers_from, with_adapter
 
 VARIANTS: dict[str, dict] = {
@@ -61,6 +65,27 @@ def _accuracies(vlm, sets: dict[str, list], batch_size: int, generated: frozense
                          score(vlm, samples, batch_size=batch_size)).correct.mean()) for name, samples in sets.items()}
 
 
+class _Rows:
+    """Finished rows of the before/after table in a JSON file, valid only for the same settings."""
+
+    def __init__(self, path: Path, spec: dict):
+        self.path, self.spec = path, spec
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        self.rows = saved.get("rows", {}) if saved.get("spec") == spec else {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.rows
+
+    def get(self, name: str, compute):
+        if name not in self.rows:
+            self.rows[name] = compute()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp")  # replaced whole: a kill never leaves half a file
+            tmp.write_text(json.dumps({"spec": self.spec, "rows": self.rows}, indent=1))
+            tmp.replace(self.path)
+        return self.rows[name]
+
+
 def importance_from(circuit) -> xr.DataArray:
     """The circuit's per-head importance (layer, head) from its ``heads.csv``."""
     from countlens.training.finetune import read_heads
@@ -89,17 +114,29 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     sets = {**sets, **(extra_sets or {})}
     generated = frozenset(extra_sets or {})
     betas = beta_from_importance(importance_from(circuit), alpha=alpha, top_k=top_k)
-    rows = {"baseline": _accuracies(base, sets, batch_size, generated)}
-    log(f"baseline: {rows['baseline']}")
+    # Each row's accuracies are kept in out/accuracies.json, so a resumed run evaluates only what is new.
+    done = _Rows(out / "accuracies.json", {"model": model, "sets": {k: len(v) for k, v in sets.items()},
+                                            "config": json.loads(json.dumps(asdict(config), default=str)),
+                                            "n_train": len(train), "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()}})
+    log(f"baseline: {done.get('baseline', lambda: _accuracies(base, sets, batch_size, generated))}")
     for name, terms in VARIANTS.items():
-        adapter = finetune(base, train, out / name.strip("+").replace("+", "_").lower(), replace(config, **terms))
+        wanted = [name] + (["+SFT+focus+temperature"] if name == "+SFT+focus" else [])
+        if all(w in done for w in wanted):
+            log(f"{name}: done before")
+            continue
+        variant = replace(config, **terms)
+        with Bar(f"training {name}", variant.steps) as bar:
+            adapter = finetune(base, train, out / name.strip("+").replace("+", "_").lower(), variant,
+                               progress=lambda row: bar.update(row["step"] + 1, f"loss {row['loss']:.3f}"))
         tuned = with_adapter(model, adapter)
-        rows[name] = _accuracies(tuned, sets, batch_size, generated)
-        log(f"{name}: {rows[name]}")
+        log(f"{name}: {done.get(name, lambda: _accuracies(tuned, sets, batch_size, generated))}")
         if name == "+SFT+focus":
-            with head_temperature(tuned, betas):
-                rows["+SFT+focus+temperature"] = _accuracies(tuned, sets, batch_size, generated)
-            log(f"+SFT+focus+temperature: {rows['+SFT+focus+temperature']}")
+            def sharpened():
+                with head_temperature(tuned, betas):
+                    return _accuracies(tuned, sets, batch_size, generated)
+
+            log(f"+SFT+focus+temperature: {done.get('+SFT+focus+temperature', sharpened)}")
+    rows = done.rows
     order = ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
     table = pd.DataFrame(rows).T.loc[order]
     table.attrs.update(target_layers=list(layers), betas={f"L{a}H{b}": v for (a, b), v in betas.items()},

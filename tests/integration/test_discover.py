@@ -48,7 +48,7 @@ def _fsc147_fixture(root):
     (root / "Train_Test_Val_FSC_147.json").write_text(json.dumps({"train": [], "val": [], "test": list(ann)}))
 
 
-def test_finetune_adds_the_before_after_table(tmp_path):
+def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     out = tmp_path / "run"
     assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL]).exit_code == 0
     _fsc147_fixture(tmp_path / "fsc")
@@ -59,6 +59,16 @@ def test_finetune_adds_the_before_after_table(tmp_path):
     assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
     assert "FSC-147" in table.columns and table["FSC-147"].between(0, 1).all()
     assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
+    # A rerun (a resume after a kill) neither retrains nor re-evaluates a finished row.
+    from countlens.training import report as before_after_module
+
+    calls = []
+    real = before_after_module._accuracies
+    monkeypatch.setattr(before_after_module, "_accuracies", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = runner.invoke(app, ["finetune", "--circuit", str(out), "--steps", "2", "--batch-size", "4",
+                                "--n-train", "16", "--n-eval", "16", "--fsc147", str(tmp_path / "fsc")])
+    assert again.exit_code == 0 and again.output.count("done before") == 3 and calls == [], again.output
+    assert pd.read_csv(out / "finetune" / "before_after.csv", index_col=0).equals(table)
     # Re-rendering the report from results/ keeps the fine-tune section.
     assert runner.invoke(app, ["report", "--run", str(out)]).exit_code == 0
     assert (out / "report.md").read_text().count("Circuit-guided fine-tune") == 1
