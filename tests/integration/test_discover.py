@@ -22,6 +22,12 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     heads = pd.read_csv(out / "heads.csv")
     assert len(heads) == 24 and set(heads["class"]) <= {"visual grounding", "cross-modal routing",
                                                          "counting aggregation", "awareness", "other"}
+    # The spec names the prompt that ran, not "auto", so a re-rendered report says it too.
+    import json
+
+    assert json.loads((out / "spec.json").read_text())["prompt"] == "short"
+    assert runner.invoke(app, ["report", "--run", str(out)]).exit_code == 0
+    assert "Prompt style: `short`" in (out / "report.md").read_text()
     # A second run loads every stage instead of recomputing it.
     (out / "results" / "lens.nc").unlink()
     again = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
