@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(subst =,-,$(subst <,lt,$(subst >,gt,$(subst $(space),,$(TORCH_SPEC)))))
 space := $(subst ,, )
 
-.PHONY: demo test setup clean
+.PHONY: demo test docs setup clean
 
 setup: $(STAMP)
 
@@ -27,5 +27,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
+# The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or reference.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache .hypothesis

@@ -60,7 +60,7 @@ class ToyConfig:
     # straddle patches). With 8 px patches, `TrainConfig.vision_pretrain` (reading the "centre"
     # token) and `freeze_vision`, the image token at an object's centre does (0.96), but 144 image
     # tokens make every training step 2× slower (0.57 vs 0.28 s, tower frozen). Measured:
-    # bench/organism_vision.py, cell_shape.py, train_step.py and docs/organism_vision.md.
+    # docs/organism/organism_vision.py, cell_shape.py, train_step.py and docs/organism/vision.md.
     patch_size: int = 16
     merge_size: int = 2
     vision_depth: int = 2

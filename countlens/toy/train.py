@@ -122,10 +122,10 @@ def vision_pretrain(model, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
     language model counts an object at the token of its centre, so that is where shape must be:
     with 8 px patches and the tower then frozen for the dense warmup (`freeze_vision`), a linear
     probe reads it there at 0.96 after "centre", 0.92 after "tokens" and 0.65 after "patches"
-    (which puts it into the patches instead: 0.99 max-pooled). Measured: `bench/cell_shape.py`.
+    (which puts it into the patches instead: 0.99 max-pooled). Measured: `docs/organism/cell_shape.py`.
     Asking the colour too from the pooled tokens cut shape from 0.98 to 0.79 in a one-off run, so
     only "patches" asks it. Crops are cheap (a 64 px crop has a ninth of a 192 px scene's pixels),
-    so the tower sees many objects per second. Why small patches and crops: `bench/organism_vision.py`.
+    so the tower sees many objects per second. Why small patches and crops: `docs/organism/organism_vision.py`.
     """
     patches = tc.pretrain_reads == "patches"
     crop_cfg = replace(cfg, image_size=tc.crop_size)

@@ -1,7 +1,7 @@
 """Does the image token at an object's centre know the object's shape? Linear probes on a tower's features.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/cell_shape.py                      # every setting below
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/cell_shape.py toy runs/toy-12px    # or trained checkpoints
+    HF_HUB_OFFLINE=1 .venv/bin/python docs/organism/cell_shape.py                      # every setting below
+    HF_HUB_OFFLINE=1 .venv/bin/python docs/organism/cell_shape.py toy runs/toy-12px    # or trained checkpoints
 
 To count the circles among squares, the language model needs each object's shape on the image
 token it counts the object at (the dense warmup teaches the merger to mark object centres per
@@ -25,7 +25,7 @@ centre (``pretrain_reads="centre"``); ``centre_crops_3000_then_merger_8px`` the 
 steps instead of 1,500, ``centre_crops_then_merger_8px_depth3`` with a 3-block tower. ``dense_crops_depth2``
 / ``_depth4`` train the whole tower and merger from scratch on the dense warmup's per-token
 targets, but on 96 px crops of 1–2 objects (1,500 steps of 64). A name that is not a setting is
-loaded as a checkpoint (`countlens.load`). Writes bench/cell_shape.json (merging into earlier results), with
+loaded as a checkpoint (`countlens.load`). Writes docs/organism/cell_shape.json (merging into earlier results), with
 ``centre_token_commonest``, the held-out share of the commonest shape (the guessing baseline).
 About 33 minutes for the ten settings on 2 cores, 15–20 s per checkpoint.
 """

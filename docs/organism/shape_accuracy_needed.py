@@ -1,6 +1,6 @@
 """How well must the organism see each object's shape to count at 95 %? A bound from the eval's scenes.
 
-    .venv/bin/python bench/shape_accuracy_needed.py     # writes bench/shape_accuracy_needed.json
+    .venv/bin/python docs/organism/shape_accuracy_needed.py     # writes docs/organism/shape_accuracy_needed.json
 
 The issue's target is ≥ 95 % on all in-distribution counting scenes with N ≤ 10, the scenes that
 `countlens eval` draws (seed 1, 600 scenes). Most ask for one shape ("how many circles …") and a
@@ -10,7 +10,7 @@ one of the other two shapes, uniformly, independently per object) and otherwise 
 it answers with the number of objects it sees as the named shape ("how many objects …" needs no
 shape). Its expected accuracy per scene kind, averaged over 2,000 draws per scene, is recorded for
 each ``p``, beside the organism's measured shape accuracy at the image token of an object's centre
-(`bench/cell_shape.py`: 0.615 shipped; 0.924 and 0.962 for the best 8 px towers).
+(`docs/organism/cell_shape.py`: 0.615 shipped; 0.924 and 0.962 for the best 8 px towers).
 
 A counter that ignores shape answers every "one shape only" scene right and every "among others"
 scene wrong unless the count of others is zero: that is the shipped organism's strategy (0.963 /
@@ -27,7 +27,7 @@ import numpy as np
 from countlens.datasets.scene import SHAPES
 from countlens.datasets.tasks import scene_kind, task_samples
 
-P_SHAPE = (0.6, 0.8, 0.9, 0.92, 0.924, 0.95, 0.962, 0.977, 0.98, 0.99, 0.995, 0.999, 1.0)  # 0.924, 0.962: bench/cell_shape.py; 0.977: centre_token_errors.py (MLP probe)
+P_SHAPE = (0.6, 0.8, 0.9, 0.92, 0.924, 0.95, 0.962, 0.977, 0.98, 0.99, 0.995, 0.999, 1.0)  # 0.924, 0.962: docs/organism/cell_shape.py; 0.977: centre_token_errors.py (MLP probe)
 
 
 def expected_accuracy(samples, p: float, draws: int = 2000, seed: int = 0) -> dict[str, float]:

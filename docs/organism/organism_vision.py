@@ -1,7 +1,7 @@
 """Which vision tower can learn to tell circles from squares: patch size and crop pretraining.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/organism_vision.py     # writes bench/organism_vision.json
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/organism_vision.py vit_8px_crops_recipe   # rerun some learners
+    HF_HUB_OFFLINE=1 .venv/bin/python docs/organism/organism_vision.py     # writes docs/organism/organism_vision.json
+    HF_HUB_OFFLINE=1 .venv/bin/python docs/organism/organism_vision.py vit_8px_crops_recipe   # rerun some learners
 
 The shipped organism (16 px patches) counts one shape at 96 % but named shapes among others at
 16 %: its tower never learned circle from square. Every learner below gets the same single-object

@@ -1,18 +1,18 @@
 """Which objects does the token at an object's centre misread? Linear and MLP probes, broken down.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/centre_token_errors.py runs/toy-8px-centre   # any checkpoint or cell_shape setting
+    HF_HUB_OFFLINE=1 .venv/bin/python docs/organism/centre_token_errors.py runs/toy-8px-centre   # any checkpoint or cell_shape setting
 
-`bench/cell_shape.py` scores a *linear* probe for shape on the merged token whose cell holds an
+`docs/organism/cell_shape.py` scores a *linear* probe for shape on the merged token whose cell holds an
 object's centre, fitted on 384 scenes. The language model reads that token through nonlinear
 layers and sees far more scenes, so this bench fits both a linear and a one-hidden-layer MLP probe
 (256 GELU units) on 1,536 training-seed counting scenes (about 10,000 objects) and scores them on
 256 held-out ones (seed 7), by object size, by the gap to the object's nearest neighbour (px
 between their enclosing discs) and by shape. Objects that share a centre cell with another are
 left out (their cell has two labels). The per-object accuracy is what
-`bench/shape_accuracy_needed.py` turns into the counting accuracy of a perfect counter that
+`docs/organism/shape_accuracy_needed.py` turns into the counting accuracy of a perfect counter that
 reads shape as well as the probe. A probe bounds from below what the token holds (the MLP can
 overfit: on the shipped tower it scores under the linear probe). Writes
-bench/centre_token_errors.json (merging into earlier results). About 30 s per checkpoint on 2 cores.
+docs/organism/centre_token_errors.json (merging into earlier results). About 30 s per checkpoint on 2 cores.
 """
 
 from __future__ import annotations
