@@ -2,9 +2,10 @@
 
 Real VLM tokenizers write numbers digit by digit (Qwen2/2.5/3-VL: "12" → "1", "2"; LLaMA and Gemma
 split digits too), so an answer is a *sequence* of tokens, and "1" is the first token of 1, 10, 11
-and 12. Three rules make every measurement well defined on such vocabularies, and each reduces to
-the plain next-token read when answers are single tokens (the organism's word-level vocabulary),
-so single-token results stay bit for bit what they were.
+and 12. Three rules make every measurement well defined on such vocabularies. Where every answer is a
+single token (a word-level vocabulary such as the organism's) each reduces to the plain next-token
+read, so those results stay bit for bit what they were; on a digit-splitting vocabulary every
+answer, even "3", ends with the end-of-answer token, so its figures are the new definitions'.
 
 - **Termination.** Where a vocabulary writes one count as a proper prefix of another ("1" of "10",
   `splits_numbers`), a sequence's probability cannot rank them: p("1") ≥ p("1", "0") always. Such a
@@ -53,7 +54,9 @@ def end_of_answer_id(processor) -> int | None:
         text = ""
     if mark in text:
         after = tok(text.split(mark, 1)[1], add_special_tokens=False)["input_ids"]
-        if after and after[0] in set(tok.all_special_ids):
+        added = getattr(tok, "added_tokens_decoder", {}) or {}
+        special = set(tok.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+        if after and after[0] in special:
             return int(after[0])
     return None if tok.eos_token_id is None else int(tok.eos_token_id)
 

@@ -126,7 +126,11 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     check_config(c)  # before anything is written: a refused run leaves no spec behind
     prompt = ("short" if vlm.name == "toy" else "std") if c.prompt == "auto" else c.prompt
     # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
-    spec = {**asdict(c), "model": vlm.name, "arch": vlm.arch.name, "prompt": prompt}
+    from countlens.datasets.prompts import PROMPTS
+
+    # The template too: a run made when a style's text or answer form differed is another spec.
+    spec = {**asdict(c), "model": vlm.name, "arch": vlm.arch.name, "prompt": prompt,
+            "prompt_template": PROMPTS[prompt].template, "answer_form": PROMPTS[prompt].answer}
     stages = Stages(out, spec, log)
     grid = vlm.geometry
     size = grid.image_height

@@ -49,7 +49,8 @@ def load(
         )
     from transformers import AutoConfig
 
-    _check_device(device_map)
+    if not remote:  # NDIF places remote models itself
+        _check_device(device_map)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
@@ -87,8 +88,9 @@ def load(
 
 def _check_device(device_map) -> None:
     """Refuse a CUDA device on a build or machine without one, before anything loads."""
-    wanted = [device_map] if isinstance(device_map, str) else list((device_map or {}).values())
-    if any(str(d).startswith("cuda") for d in wanted) and not torch.cuda.is_available():
+    wanted = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    on_cuda = [d for d in wanted if str(d).startswith("cuda") or (isinstance(d, int) and not isinstance(d, bool))]
+    if on_cuda and not torch.cuda.is_available():  # an int is a CUDA ordinal to from_pretrained
         why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
         raise DeviceError(f"device {device_map!r}: {why}; leave --device unset to run on the CPU, or install a "
                           "CUDA build of torch on a GPU machine (make test TORCH_SPEC=...)")

@@ -189,6 +189,8 @@ def _score_tokens(vlm, samples: Sequence[Sample], batch_size: int, progress: boo
             batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk],
                                 single_token=True)
         except InputError as err:
+            if "single token" not in str(err):
+                raise
             raise InputError(f"{err}; or score with method='candidates'") from err
         # prepare pads on the left, so the last prompt position is the last position of every row.
         assert bool((batch.last == batch.inputs["input_ids"].shape[1] - 1).all())
@@ -227,7 +229,9 @@ def _candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None)
                                  "add it to candidates=")
         return [fixed] * len(samples)
     counts = [int((s.meta or {}).get("count", -1)) for s in samples]
-    top = max(counts)
+    # Counts 0 … the largest gold count or Digit-in-Conflict distractor asked: a hinted number is
+    # always among the candidates.
+    top = max(counts + [int((s.meta or {}).get("distractor", -1)) for s in samples])
     by_task: dict[str, list[str]] = {}
     for s, n in zip(samples, counts):
         if n < 0:
@@ -318,8 +322,12 @@ def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple
         by_sample.setdefault(j, []).append(prefix)
     found: dict[tuple[int, tuple], torch.Tensor] = {}
     order = list(by_sample)
-    for c in range(0, len(order), batch_size):
-        js = order[c : c + batch_size]
+    from countlens.circuits.patching import MAX_ROWS
+
+    # Each sample's KV cache is repeated once per row: bound the continuation batch by MAX_ROWS rows.
+    step = max(1, min(batch_size, MAX_ROWS // max(len(v) for v in by_sample.values())))
+    for c in range(0, len(order), step):
+        js = order[c : c + step]
         found |= _cached_rows(vlm, [samples[j] for j in js], js, [by_sample[j] for j in js])
     return [found[(j, prefix)] for j, prefix in rows]
 

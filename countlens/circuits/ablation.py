@@ -10,12 +10,16 @@ reports, per task, the drop in accuracy and in the gold answer's log-probability
 Multi-token answers ("12" → "1", "2") are teacher-forced: log p(gold) sums the answer tokens'
 log-probabilities and a sample stays correct while each token is the arg-max given the ones before
 (`countlens.answers.sequence_scores`); the forced tokens belong to the ``last`` group, for the means
-too. Single-token answers read the last prompt position alone, as before.
+too. Where every answer is one token (a word-level vocabulary) nothing is forced and the scan reads
+the last prompt position alone, as it always did; on a digit-splitting vocabulary every answer,
+even "3", ends with the end-of-answer token, so log p(gold) covers that token too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import re
 
 import numpy as np
 import torch
@@ -178,12 +182,20 @@ def _open_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means):
         return store
     import hashlib
 
+    for name in tasks:  # task names become chunk file names: refuse a bad one before any work
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
+            raise InputError(f"task name {name!r} cannot name a stored chunk; use letters, digits, '_' or '-'")
     h = hashlib.sha256()
     for name, samples in tasks.items():
         for s in samples:
-            h.update(f"{name}|{s.question}|{s.answer}|{getattr(s, 'scene', None)!r}".encode())
+            where = getattr(s, "scene", None) or getattr(s, "image_path", None) or getattr(s, "id", None)
+            h.update(f"{name}|{s.question}|{s.answer}|{where!r}".encode())
+    given = [means] if isinstance(means, Tensor) else [means[k] for k in sorted(means or {})]
+    for m in given:  # the means' values, not only whether there were any
+        h.update(m.detach().double().cpu().numpy().tobytes())
     spec = {"sweep": "ablation_scan", "model": vlm.name, "tasks": {k: len(v) for k, v in tasks.items()},
-            "batch_size": batch_size, "samples_digest": h.hexdigest()[:16], "given_means": means is not None}
+            "batch_size": batch_size, "digest": h.hexdigest()[:16], "given_means": sorted(means) if isinstance(
+                means, dict) else means is not None}
     return SweepStore(store, spec)
 
 

@@ -65,6 +65,17 @@ def _accuracies(vlm, sets: dict[str, list], batch_size: int, generated: frozense
                          score(vlm, samples, batch_size=batch_size)).correct.mean()) for name, samples in sets.items()}
 
 
+def _digest(samples) -> str:
+    """Which samples a table was computed on (questions, answers and scene layouts or image files)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in samples:
+        where = getattr(s, "scene", None) or getattr(s, "image_path", None) or getattr(s, "id", None)
+        h.update(f"{s.question}|{s.answer}|{where!r}".encode())
+    return h.hexdigest()[:16]
+
+
 class _Rows:
     """Finished rows of the before/after table in a JSON file, valid only for the same settings."""
 
@@ -115,7 +126,8 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     generated = frozenset(extra_sets or {})
     betas = beta_from_importance(importance_from(circuit), alpha=alpha, top_k=top_k)
     # Each row's accuracies are kept in out/accuracies.json, so a resumed run evaluates only what is new.
-    done = _Rows(out / "accuracies.json", {"model": model, "sets": {k: len(v) for k, v in sets.items()},
+    done = _Rows(out / "accuracies.json", {"model": str(model), "sets": {k: len(v) for k, v in sets.items()},
+                                            "digest": _digest([*train, *(x for v in sets.values() for x in v)]),
                                             "config": json.loads(json.dumps(asdict(config), default=str)),
                                             "n_train": len(train), "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()}})
     log(f"baseline: {done.get('baseline', lambda: _accuracies(base, sets, batch_size, generated))}")

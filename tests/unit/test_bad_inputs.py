@@ -89,6 +89,8 @@ API_CASES = [
     ("truncated weights", lambda c: countlens.load(c.truncated), CheckpointError, "model.safetensors"),
     ("bad dtype", lambda c: countlens.load("toy", dtype="bf16"), InputError, "bf16"),
     ("cuda on a CPU build", lambda c: countlens.load("toy", device_map="cuda"), DeviceError, "cuda"),
+    ("a CUDA ordinal on a CPU build", lambda c: countlens.load("toy", device_map=0), DeviceError, "device 0"),
+    ("cuda in a device map", lambda c: countlens.load("toy", device_map={"": "cuda:0"}), DeviceError, "cuda:0"),
     # inputs
     ("one image not in a list", lambda c: c.toy.prepare(c.image, ["how many circles?"]), InputError, "images"),
     ("one prompt as a string", lambda c: c.toy.prepare([c.image], "how many circles?"), InputError, "prompts"),
