@@ -167,6 +167,7 @@ def data_countingtricks(
     workers: int = typer.Option(None, help="Processes (default: all cores); output is identical for any number."),
     counts: str = typer.Option(None, help="Comma-separated counts the samples cycle through (default: 3…12, as the "
                                "grid allows), e.g. 3,4,5."),
+    overwrite: bool = typer.Option(False, help="Replace a previous export in --out (only its images and manifest)."),
 ) -> None:
     """Write COUNTINGTRICKS images and a manifest with every object's geometry.
 
@@ -189,7 +190,7 @@ def data_countingtricks(
         kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt, counts=wanted)
         with Progress() as bar:
             task = bar.add_task("countingtricks", total=len(names) * n)
-            manifest = export_countingtricks(out, names, n, grid, seed, workers,
+            manifest = export_countingtricks(out, names, n, grid, seed, workers, overwrite=overwrite,
                                              progress=lambda k: bar.update(task, completed=k), **kw)
     except CountlensError as err:
         _fail(err)

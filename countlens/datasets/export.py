@@ -3,7 +3,9 @@
 Samples are pure functions of (seed, case, index), so workers can generate them in any order; the
 pool returns them in (case, index) order and PNG encoding is deterministic, so the files and the
 manifest are byte-identical for any number of workers. The manifest is written last, to a temporary
-name renamed into place: a directory with ``manifest.jsonl`` is complete.
+name renamed into place: a directory with ``manifest.jsonl`` is complete. An export goes into an
+empty (or new) directory; ``overwrite=True`` first removes a previous export's own files there
+(its images and manifest, nothing else), so a folder never mixes two exports.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -44,6 +47,24 @@ def _job(args: tuple) -> tuple[dict, bytes | None]:
     return sample_record(s, file), (_png(s) if write_png else None)
 
 
+_OWN_IMAGE = re.compile(r"images/[0-9]+[A-Z]/[0-9]+[A-Z]_[0-9]{5}\.png")
+
+
+def _make_room(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty ``out``; with ``overwrite``, remove a previous export's own files first."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise InputError(f"output {out} is not empty; give a new or empty directory, or overwrite=True "
+                         "(--overwrite) to replace the COUNTINGTRICKS export there")
+    own = [p for p in out.rglob("*.png") if _OWN_IMAGE.fullmatch(p.relative_to(out).as_posix())]
+    for p in own + [out / "manifest.jsonl", out / "manifest.jsonl.partial"]:
+        p.unlink(missing_ok=True)
+    for d in sorted((p for p in (out / "images").glob("*") if p.is_dir()), reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+
+
 def generate(cases: list[str], n: int, grid: Geometry, seed: int, workers: int = 1, write_png: bool = True,
              **kw) -> Iterator[tuple[dict, bytes | None]]:
     """(record, png bytes) for every (case, index), in order, from ``workers`` processes."""
@@ -63,6 +84,7 @@ def export_countingtricks(
     seed: int = 0,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    overwrite: bool = False,
     **kw,
 ) -> Path:
     """Write ``n`` samples of each case under ``out``; returns the manifest's path."""
@@ -78,6 +100,7 @@ def export_countingtricks(
     for name in names:
         resolve_counts(name, grid, kw.get("counts"))
     trick_sample(names[0], seed, 0, grid, **kw)
+    _make_room(out, overwrite)
     workers = workers or os.cpu_count() or 1
     for name in names:
         (out / "images" / name).mkdir(parents=True, exist_ok=True)

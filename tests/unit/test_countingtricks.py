@@ -145,3 +145,17 @@ def test_ring_neighbours_touch_for_every_shape():
         objs = [Obj(s, "red", x + 100, y + 100, 16.0, r) for s, r, x, y in members]
         for a, b in zip(objs, objs[1:] + objs[:1]):
             assert math.isclose(boundary_gap(a, b), 0.0, abs_tol=1e-6)
+
+
+def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_only_its_own_files(tmp_path):
+    grid = GRIDS[0]
+    export_countingtricks(tmp_path, ["1A", "9A"], 5, grid, seed=0, workers=1)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="not empty"):
+        export_countingtricks(tmp_path, ["1A"], 2, grid, seed=0, workers=1)
+    assert len(list(tmp_path.rglob("*.png"))) == 10  # the refused call changed nothing
+    manifest = export_countingtricks(tmp_path, ["1A"], 2, grid, seed=0, workers=1, overwrite=True)
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
+    assert files == ["images/1A/1A_00000.png", "images/1A/1A_00001.png"]
+    assert len(manifest.read_text().splitlines()) == 2 and (tmp_path / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "images" / "9A").exists()
