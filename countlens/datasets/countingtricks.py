@@ -16,10 +16,10 @@ diameter; lattice objects are upright and "apart" means their bounding boxes sta
 - **5A–8A, dilation**: cell-centred objects of size 2.5p, 3p, 3.5p, 4p, apart.
 - **9–15, adjacency** (size p; upright except where a layout turns them: 12A's ring objects turn
   with the ring and 15A's triangles alternate up and down; **A** outlines touching, **B** 1 px
-  apart): 9 pairs side by side, 10 rows of ≤ 4, 11 columns of ≤ 4, 12A one ring, 13 a random compact cluster (each new
-  object touches one already placed, at a multiple of 15°), 14 rows of ≤ 4 mixing circles, squares
-  and triangles, 15A the shape's tiling of a block (square grid, hexagonal circle packing,
-  alternating triangles).
+  apart): 9 pairs side by side, 10 rows of ≤ 4, 11 columns of ≤ 4, 12A one ring, 13 a random
+  compact cluster (each new object touches one already placed, at a multiple of 15°), 14 rows of
+  ≤ 4 mixing circles, squares and triangles, 15A the shape's tiling of a block (square grid,
+  hexagonal circle packing, alternating triangles).
 
 Counts: N cycles through ``counts`` (default 3–12) by sample index, so every case is balanced; the
 shape cycles through ``shapes`` likewise. When the grid is too small for a lattice case to hold N
