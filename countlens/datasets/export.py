@@ -19,7 +19,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from PIL import Image
+
 from countlens.datasets.countingtricks import CASES, case, resolve_counts, trick_sample
+from countlens.datasets.scene import PALETTE
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
 from countlens.geometry import Geometry
@@ -35,8 +38,16 @@ def sample_record(s: TaskSample, file: str | None = None) -> dict:
 
 
 def _png(s: TaskSample) -> bytes:
+    """A flat-colour scene as an 8-bit palette PNG (``Image.open(f).convert("RGB")`` gives back its
+    exact pixels; one byte a pixel to compress instead of three), a textured one as RGB; zlib level 1."""
     buf = io.BytesIO()
-    s.image.save(buf, format="PNG", optimize=False, compress_level=6)
+    if s.scene.noise == 0:
+        idx, names = s.scene.render_indexed()
+        image = Image.fromarray(idx, mode="P")
+        image.putpalette([c for name in names for c in PALETTE[name]])
+    else:
+        image = s.image
+    image.save(buf, format="PNG", optimize=False, compress_level=1)
     return buf.getvalue()
 
 

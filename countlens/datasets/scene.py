@@ -16,6 +16,7 @@ circumscribed circle (so a circle and a triangle of one size fit the same disc).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -94,33 +95,49 @@ class Scene:
                     "move it inwards or make it smaller"
                 )
 
-    def masks(self) -> np.ndarray:
-        """(n_objects, height, width) bool: the pixels each object covers (before occlusion)."""
-        out = np.zeros((len(self.objects), self.height, self.width), dtype=bool)
-        for i, o in enumerate(self.objects):
+    @cached_property
+    def footprints(self) -> tuple[tuple[int, int, np.ndarray], ...]:
+        """Per object, (row0, col0, Bool[ndarray, "h w"]): the pixels it covers inside its bounding
+        square, whose top-left pixel is (row0, col0). Computed once per scene; masks, boxes and
+        the rendering all read it, so each object's pixels are tested once."""
+        out = []
+        for o in self.objects:
             # Only the object's enclosing disc can be inside: test the pixels of its bounding square.
             r0, r1 = max(0, int(np.floor(o.cy - o.radius)) - 1), min(self.height, int(np.ceil(o.cy + o.radius)) + 1)
             c0, c1 = max(0, int(np.floor(o.cx - o.radius)) - 1), min(self.width, int(np.ceil(o.cx + o.radius)) + 1)
             ys = np.arange(r0, r1, dtype=np.float64)[:, None] + 0.5
             xs = np.arange(c0, c1, dtype=np.float64)[None, :] + 0.5
-            out[i, r0:r1, c0:c1] = _inside(o, xs, ys)
+            out.append((r0, c0, _inside(o, xs, ys)))
+        return tuple(out)
+
+    def masks(self) -> np.ndarray:
+        """(n_objects, height, width) bool: the pixels each object covers (before occlusion)."""
+        out = np.zeros((len(self.objects), self.height, self.width), dtype=bool)
+        for i, (r0, c0, m) in enumerate(self.footprints):
+            out[i, r0 : r0 + m.shape[0], c0 : c0 + m.shape[1]] = m
         return out
 
     def boxes(self) -> np.ndarray:
         """(n_objects, 4) float xyxy pixel boxes of each object's mask (tight, in pixel edges)."""
-        masks = self.masks()
         boxes = np.zeros((len(self.objects), 4))
-        for i, m in enumerate(masks):
-            rows, cols = np.nonzero(m)
-            boxes[i] = (cols.min(), rows.min(), cols.max() + 1, rows.max() + 1)
+        for i, (r0, c0, m) in enumerate(self.footprints):
+            rows, cols = np.nonzero(m.any(1))[0], np.nonzero(m.any(0))[0]
+            boxes[i] = (c0 + cols.min(), r0 + rows.min(), c0 + cols.max() + 1, r0 + rows.max() + 1)
         return boxes
+
+    def render_indexed(self) -> tuple[np.ndarray, list[str]]:
+        """(Uint8[ndarray, "height width"] colour indices, the colour names they index; the
+        background is 0): the objects painted in order over the background, before any texture."""
+        names = list(dict.fromkeys([self.background, *(o.color for o in self.objects)]))
+        idx = np.zeros((self.height, self.width), dtype=np.uint8)
+        for o, (r0, c0, m) in zip(self.objects, self.footprints):
+            idx[r0 : r0 + m.shape[0], c0 : c0 + m.shape[1]][m] = names.index(o.color)
+        return idx, names
 
     def render_array(self) -> np.ndarray:
         """(height, width, 3) uint8 pixels."""
-        img = np.empty((self.height, self.width, 3), dtype=np.uint8)
-        img[:] = PALETTE[self.background]
-        for o, m in zip(self.objects, self.masks()):
-            img[m] = PALETTE[o.color]
+        idx, names = self.render_indexed()
+        img = np.array([PALETTE[n] for n in names], dtype=np.uint8)[idx]
         if self.noise > 0:
             img = self._texture(img)
         return img

@@ -159,3 +159,19 @@ def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_only_its_ow
     assert files == ["images/1A/1A_00000.png", "images/1A/1A_00001.png"]
     assert len(manifest.read_text().splitlines()) == 2 and (tmp_path / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "images" / "9A").exists()
+
+
+def test_exported_palette_pngs_load_as_the_exact_rgb_pixels(tmp_path):
+    import json
+
+    from PIL import Image
+
+    export_countingtricks(tmp_path, ["1B", "9A", "14A"], 3, GRIDS[1], seed=2, workers=1, color=("red", "blue"))
+    for line in (tmp_path / "manifest.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        with Image.open(tmp_path / rec["file"]) as im:
+            assert im.mode == "P"  # 8-bit palette
+            rgb = np.asarray(im.convert("RGB"))
+        index = int(rec["file"].rsplit("_", 1)[1].split(".")[0])
+        want = trick_sample(rec["case"], 2, index, GRIDS[1], color=("red", "blue")).scene.render_array()
+        np.testing.assert_array_equal(rgb, want)

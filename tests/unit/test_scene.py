@@ -77,3 +77,26 @@ def test_polygon_outline_matches_the_rendered_mask(shape):
         x0, y0, x1, y1 = o.extent()
         rows, cols = np.nonzero(mask)
         assert x0 <= cols.min() + 0.5 and cols.max() + 0.5 <= x1 and y0 <= rows.min() + 0.5 and rows.max() + 0.5 <= y1
+
+
+def test_rendering_from_footprints_equals_painting_whole_image_masks():
+    """Independent reference: every object's inside-test over the whole image, painted in order."""
+    from countlens.datasets.countingtricks import CASES, trick_sample
+    from countlens.datasets.scene import PALETTE, _inside
+    from countlens.datasets.tasks import task_sample
+
+    scenes = [trick_sample(name, 3, i, image_size=192, patch_size=16).scene for name in CASES for i in (0, 7)]
+    scenes += [task_sample(t, 5, i).scene for t in ("count", "color", "shape") for i in range(6)]
+    for sc in scenes:
+        ys = np.arange(sc.height, dtype=np.float64)[:, None] + 0.5
+        xs = np.arange(sc.width, dtype=np.float64)[None, :] + 0.5
+        full = [_inside(o, xs, ys) for o in sc.objects]
+        want = np.empty((sc.height, sc.width, 3), dtype=np.uint8)
+        want[:] = PALETTE[sc.background]
+        for o, m in zip(sc.objects, full):
+            want[m] = PALETTE[o.color]
+        np.testing.assert_array_equal(sc.render_array(), want)
+        np.testing.assert_array_equal(sc.masks(), np.array(full).reshape(len(full), sc.height, sc.width))
+        for box, m in zip(sc.boxes(), full):
+            rows, cols = np.nonzero(m)
+            assert tuple(box) == (cols.min(), rows.min(), cols.max() + 1, rows.max() + 1)
