@@ -27,7 +27,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.analysis.heads import HeadThresholds, classify_heads, constancy
-from countlens.errors import InputError
+from countlens.errors import InputError, require_count
 
 FINETUNE_SECTION = "## 9. Circuit-guided fine-tune"
 STAGES: tuple[str, ...] = ("cases", "conflict_std", "conflict", "vap", "heads", "atp", "lens", "headlens", "attention",
@@ -53,9 +53,7 @@ def check_config(c: DiscoverConfig) -> None:
     from countlens.datasets.prompts import PAIR_PROMPTS
 
     for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k"):
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be an integer ≥ 1, got {value!r}")
+        require_count(getattr(c, name), name)
     if c.prompt != "auto" and c.prompt not in PAIR_PROMPTS:
         raise InputError(f"prompt {c.prompt!r}: use 'auto' or one of {PAIR_PROMPTS}")
     if c.pair_kind not in KINDS:

@@ -27,3 +27,9 @@ class InputError(CountlensError):
 
 class LayerError(CountlensError, IndexError):
     """A layer (or head) index outside the model."""
+
+
+def require_count(value, name: str) -> None:
+    """Refuse anything but an integer ≥ 1 (a bool, a float such as 2.5, zero, a negative) as ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name} must be an integer ≥ 1, got {value!r}")

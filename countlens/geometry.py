@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from countlens.errors import CountlensError
+from countlens.errors import CountlensError, require_count
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,7 @@ class Geometry:
 
     def __post_init__(self) -> None:
         for name in ("image_height", "image_width", "patch_size", "merge_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CountlensError(f"{name} must be a positive integer, got {value!r}")
+            require_count(getattr(self, name), name)
         unit = self.patch_size * self.merge_size
         if self.image_height % unit or self.image_width % unit:
             raise CountlensError(

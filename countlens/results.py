@@ -46,7 +46,9 @@ __all__ = [
     "SweepStore",
     "load",
     "provenance",
+    "samples_digest",
     "save",
+    "write_text",
 ]
 
 ENGINE = "netcdf4"
@@ -288,13 +290,27 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
     with _atomic_path(path) as tmp:
         tmp.write_text(text)
 
 
 # --------------------------------------------------------------------------------------------
 # resumable sweeps
+
+
+def samples_digest(samples: Iterable) -> str:
+    """Which samples a stored result was computed on: a hash of each one's question, answer and
+    scene layout (or image file, or id, for loaded benchmarks), in order. Stores keep it in their spec,
+    so a rerun on other samples is refused instead of resumed."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in samples:
+        where = getattr(s, "scene", None) or getattr(s, "image_path", None) or getattr(s, "id", None)
+        h.update(f"{s.question}|{s.answer}|{where!r}".encode())
+    return h.hexdigest()[:16]
 
 
 class SweepStore:
@@ -400,7 +416,7 @@ class SweepStore:
 
     def _check_spec(self) -> None:
         if not self._spec_file.exists():
-            _write_text(self._spec_file, json.dumps(self.spec, sort_keys=True, indent=2) + "\n")
+            write_text(self._spec_file, json.dumps(self.spec, sort_keys=True, indent=2) + "\n")
             return
         stored = json.loads(self._spec_file.read_text())
         if stored != self.spec:
@@ -433,7 +449,7 @@ class SweepStore:
         text = "".join(key + "\n" for key in order)
         current = self._order_file.read_text() if self._order_file.exists() else ""
         if text != current:
-            _write_text(self._order_file, text)
+            write_text(self._order_file, text)
         return order
 
 

@@ -222,7 +222,7 @@ def _candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None)
         cands = [str(c) for c in candidates]
         if len(set(cands)) < 2:
             raise InputError(f"candidates={list(candidates)!r}: give at least two distinct candidate answers")
-        fixed = {c: -1 if parse_count(c) is None else parse_count(c) for c in cands}
+        fixed = {c: _parsed(c) for c in cands}
         for i, s in enumerate(samples):
             if str(s.answer) not in fixed:
                 raise InputError(f"sample {i}'s gold answer {s.answer!r} is not among candidates {cands}; "
@@ -405,10 +405,9 @@ def generate(vlm, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    longest = max(samples, key=lambda s: len(vlm.answer_ids(str(s.answer))))
-    need = len(vlm.answer_ids(str(longest.answer)))
+    need, longest = max((len(vlm.answer_ids(str(s.answer))), str(s.answer)) for s in samples)
     if need > max_new_tokens:
-        raise InputError(f"gold answer {longest.answer!r} takes {need} tokens as {vlm.name or 'the model'} writes it, "
+        raise InputError(f"gold answer {longest!r} takes {need} tokens as {vlm.name or 'the model'} writes it, "
                          f"more than max_new_tokens={max_new_tokens}; raise max_new_tokens to at least {need}")
     texts: list[str] = []
     pad = vlm.hf.generation_config.pad_token_id

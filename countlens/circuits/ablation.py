@@ -102,15 +102,14 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
     acc_drop = np.zeros((len(tasks), arch.n_layers, arch.n_heads))
     logp_drop = np.zeros_like(acc_drop)
     base_acc = np.zeros(len(tasks))
-    chunks = [(t, name, start) for t, (name, samples) in enumerate(tasks.items())
-              for start in range(0, len(samples), batch_size)]
+    chunks = [(name, start) for name, samples in tasks.items() for start in range(0, len(samples), batch_size)]
     if progress:
         from countlens.progress import track
 
         chunks = track(chunks, description="mean ablation, chunks")
     parts: dict[str, list[xr.Dataset]] = {name: [] for name in tasks}
     mus: dict[str, Tensor] = {}
-    for t, name, start in chunks:
+    for name, start in chunks:
         samples = tasks[name]
         key = f"{name}_{start:06d}"
         if store is not None and key in store.done():
@@ -176,7 +175,7 @@ def _scan_chunk(vlm, chunk: Sequence, mu: Tensor, sites: list[tuple[int, int]]) 
 def _open_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means):
     if store is None:
         return None
-    from countlens.results import SweepStore
+    from countlens.results import SweepStore, samples_digest
 
     if isinstance(store, SweepStore):
         return store
@@ -185,17 +184,15 @@ def _open_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means):
     for name in tasks:  # task names become chunk file names: refuse a bad one before any work
         if not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
             raise InputError(f"task name {name!r} cannot name a stored chunk; use letters, digits, '_' or '-'")
-    h = hashlib.sha256()
-    for name, samples in tasks.items():
-        for s in samples:
-            where = getattr(s, "scene", None) or getattr(s, "image_path", None) or getattr(s, "id", None)
-            h.update(f"{name}|{s.question}|{s.answer}|{where!r}".encode())
     given = [means] if isinstance(means, Tensor) else [means[k] for k in sorted(means or {})]
+    h = hashlib.sha256()
     for m in given:  # the means' values, not only whether there were any
         h.update(m.detach().double().cpu().numpy().tobytes())
+    # "tasks" names each task and its size, in order, so one digest over all samples places them.
     spec = {"sweep": "ablation_scan", "model": vlm.name, "tasks": {k: len(v) for k, v in tasks.items()},
-            "batch_size": batch_size, "digest": h.hexdigest()[:16], "given_means": sorted(means) if isinstance(
-                means, dict) else means is not None}
+            "batch_size": batch_size, "samples_digest": samples_digest(s for v in tasks.values() for s in v),
+            "means_digest": h.hexdigest()[:16],
+            "given_means": sorted(means) if isinstance(means, dict) else means is not None}
     return SweepStore(store, spec)
 
 

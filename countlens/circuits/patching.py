@@ -262,23 +262,12 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
     return ds
 
 
-def _pairs_digest(pairs: Sequence) -> str:
-    """Which pairs a sweep ran on (questions, answers and scene layouts), for its store's spec."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for p in pairs:
-        for side in (p.clean, p.corrupt):
-            h.update(f"{side.question}|{side.answer}|{getattr(side, 'scene', None)!r}".encode())
-    return h.hexdigest()[:16]
-
-
 def _open_store(store, spec: dict, pairs: Sequence):
     if store is None:
         return None
-    from countlens.results import SweepStore
+    from countlens.results import SweepStore, samples_digest
 
-    spec = {**spec, "pairs_digest": _pairs_digest(pairs)}
+    spec = {**spec, "pairs_digest": samples_digest(side for p in pairs for side in (p.clean, p.corrupt))}
 
     return store if isinstance(store, SweepStore) else SweepStore(store, spec)
 

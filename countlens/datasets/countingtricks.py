@@ -39,7 +39,7 @@ from countlens.datasets.contact import boundary_gap, ring_radius, touching_dista
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene
 from countlens.datasets.tasks import TaskSample, sample_rng
-from countlens.errors import CountlensError, InputError
+from countlens.errors import CountlensError, InputError, require_count
 from countlens.geometry import Geometry
 
 DEFAULT_COUNTS: tuple[int, ...] = tuple(range(3, 13))
@@ -106,9 +106,8 @@ def as_geometry(grid: Geometry | None = None, image_size: int | None = None, pat
         return grid
     if image_size is None or patch_size is None:
         raise InputError("give grid= (e.g. vlm.geometry) or both image_size= and patch_size=")
-    for name, value in (("image_size", image_size), ("patch_size", patch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be a positive integer number of pixels, got {value!r}")
+    require_count(image_size, "image_size (pixels)")
+    require_count(patch_size, "patch_size (pixels)")
     if image_size % patch_size:
         raise InputError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
     return Geometry.square(image_size, patch_size)
@@ -385,6 +384,5 @@ def countingtricks(
     if isinstance(cases, str):  # one case named alone: "1A"
         cases = [cases]
     names = list(CASES) if cases is None else [case(n).name for n in cases]
-    if isinstance(n_per_case, bool) or not isinstance(n_per_case, int) or n_per_case < 1:
-        raise InputError(f"n_per_case must be an integer ≥ 1, got {n_per_case!r}")
+    require_count(n_per_case, "n_per_case")
     return [trick_sample(name, seed, i, grid, **kw) for name in names for i in range(n_per_case)]

@@ -23,7 +23,7 @@ from itertools import permutations
 from countlens.datasets.prompts import PAIR_PROMPTS, answer_text, make_question
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TaskSample, sample_rng
-from countlens.errors import InputError
+from countlens.errors import InputError, require_count
 from countlens.geometry import Geometry
 
 KINDS: tuple[str, ...] = ("dots", "shapes", "polygons", "rendered")
@@ -100,6 +100,5 @@ def count_pair(
 def count_pairs(n: int, clean: int | None = None, corrupt: int | None = None, kind: str = "shapes",
                 grid: Geometry | None = None, seed: int = 0, **kw) -> list[CountPair]:
     """``n`` pairs (see `count_pair`); e.g. ``count_pairs(64, 3, 5, grid=vlm.geometry)``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InputError(f"count_pairs: n (the number of pairs) must be an integer ≥ 1, got {n!r}")
+    require_count(n, "count_pairs: n (the number of pairs)")
     return [count_pair(seed, i, kind, clean, corrupt, grid, **kw) for i in range(n)]

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
-from countlens.errors import CountlensError, InputError
+from countlens.errors import CountlensError, require_count
 
 TASKS: tuple[str, ...] = ("count", "color", "shape")
 TRAIN_SEED_BASE = 1000
@@ -77,8 +77,7 @@ def task_sample(
 
 def task_samples(task: str, n: int, seed: int, start: int = 0, **kw) -> list[TaskSample]:
     """Samples ``start`` … ``start + n − 1`` of ``task`` under ``seed`` (see `task_sample`)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InputError(f"task_samples: n must be an integer ≥ 1, got {n!r}")
+    require_count(n, "task_samples: n")
     return [task_sample(task, seed, i, **kw) for i in range(start, start + n)]
 
 

@@ -22,6 +22,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.progress import Bar
+from countlens.results import samples_digest, write_text
 from countlens.training.finetune import FinetuneConfig, finetune, target_layers_from, with_adapter
 
 VARIANTS: dict[str, dict] = {
@@ -65,17 +66,6 @@ def _accuracies(vlm, sets: dict[str, list], batch_size: int, generated: frozense
                          score(vlm, samples, batch_size=batch_size)).correct.mean()) for name, samples in sets.items()}
 
 
-def _digest(samples) -> str:
-    """Which samples a table was computed on (questions, answers and scene layouts or image files)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for s in samples:
-        where = getattr(s, "scene", None) or getattr(s, "image_path", None) or getattr(s, "id", None)
-        h.update(f"{s.question}|{s.answer}|{where!r}".encode())
-    return h.hexdigest()[:16]
-
-
 class _Rows:
     """Finished rows of the before/after table in a JSON file, valid only for the same settings."""
 
@@ -91,9 +81,7 @@ class _Rows:
         if name not in self.rows:
             self.rows[name] = compute()
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")  # replaced whole: a kill never leaves half a file
-            tmp.write_text(json.dumps({"spec": self.spec, "rows": self.rows}, indent=1))
-            tmp.replace(self.path)
+            write_text(self.path, json.dumps({"spec": self.spec, "rows": self.rows}, indent=1))
         return self.rows[name]
 
 
@@ -127,7 +115,7 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     betas = beta_from_importance(importance_from(circuit), alpha=alpha, top_k=top_k)
     # Each row's accuracies are kept in out/accuracies.json, so a resumed run evaluates only what is new.
     done = _Rows(out / "accuracies.json", {"model": str(model), "sets": {k: len(v) for k, v in sets.items()},
-                                            "digest": _digest([*train, *(x for v in sets.values() for x in v)]),
+                                            "digest": samples_digest([*train, *(x for v in sets.values() for x in v)]),
                                             "config": json.loads(json.dumps(asdict(config), default=str)),
                                             "n_train": len(train), "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()}})
     log(f"baseline: {done.get('baseline', lambda: _accuracies(base, sets, batch_size, generated))}")
