@@ -139,9 +139,9 @@ def _grid(model: str, image_size: int | None, patch_size: int | None):
     if image_size is not None:
         if image_size < 1 or patch_size < 1:
             raise CountlensError(f"--image-size {image_size} and --patch-size {patch_size} must be positive pixel sizes")
-        if image_size % patch_size:
-            raise CountlensError(f"--image-size {image_size} is not a multiple of --patch-size {patch_size}")
-        return Geometry.square(image_size, patch_size)
+        if image_size < patch_size:
+            raise CountlensError(f"--image-size {image_size} is smaller than --patch-size {patch_size}")
+        return Geometry.data_grid(image_size, patch_size)
     if model == "toy":
         from countlens.toy.recipe import ToyConfig
 

@@ -108,9 +108,9 @@ def as_geometry(grid: Geometry | None = None, image_size: int | None = None, pat
         raise InputError("give grid= (e.g. vlm.geometry) or both image_size= and patch_size=")
     require_count(image_size, "image_size (pixels)")
     require_count(patch_size, "patch_size (pixels)")
-    if image_size % patch_size:
-        raise InputError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
-    return Geometry.square(image_size, patch_size)
+    if image_size < patch_size:
+        raise InputError(f"image_size {image_size} is smaller than one patch_size {patch_size}")
+    return Geometry.data_grid(image_size, patch_size)
 
 
 def case(name: str) -> Case:

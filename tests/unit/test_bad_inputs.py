@@ -60,7 +60,7 @@ API_CASES = [
     # data generation
     ("patch size 0", lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=0), InputError, "patch_size"),
     ("image size 0", lambda c: countingtricks(["1A"], 2, image_size=0, patch_size=16), InputError, "image_size"),
-    ("image not a multiple", lambda c: countingtricks(["1A"], 2, image_size=190, patch_size=16), InputError, "190"),
+    ("image below a patch", lambda c: countingtricks(["1A"], 2, image_size=12, patch_size=16), InputError, "12"),
     ("unknown case", lambda c: countingtricks(["99Z"], 2, image_size=192, patch_size=16), InputError, "99Z"),
     ("n_per_case 0", lambda c: countingtricks(["1A"], 0, image_size=192, patch_size=16), InputError, "n_per_case"),
     ("counts above capacity", lambda c: countingtricks(["8A"], 2, image_size=192, patch_size=16, counts=[40]),

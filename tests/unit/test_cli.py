@@ -69,7 +69,7 @@ def test_data_countingtricks_writes_images_and_manifest(tmp_path):
 
 def test_data_countingtricks_rejects_bad_arguments(tmp_path):
     for extra, message in ((["--cases", "1A,99Z"], "unknown COUNTINGTRICKS case"),
-                           (["--image-size", "200", "--patch-size", "16"], "not a multiple"),
+                           (["--image-size", "12", "--patch-size", "16"], "smaller than --patch-size"),
                            (["--prompt", "loud"], "unknown prompt style")):
         out = tmp_path / "x"
         result = runner.invoke(app, ["data", "countingtricks", "--out", str(out), "--n", "2", *extra])

@@ -14,7 +14,8 @@ from countlens.datasets.export import export_countingtricks
 from countlens.errors import CountlensError, InputError
 from countlens.geometry import Geometry
 
-GRIDS = [Geometry.square(192, 16), Geometry.square(224, 14)]
+# The organism's grid, a 14 px ViT's, and the MAS paper's 384 px / 27 px (14 whole cells and a 6 px partial one).
+GRIDS = [Geometry.square(192, 16), Geometry.square(224, 14), Geometry.data_grid(384, 27)]
 N = 12  # samples per case and grid: every count 3..12 once and two more
 
 
@@ -22,7 +23,7 @@ def samples(name: str, grid: Geometry):
     return [trick_sample(name, 0, i, grid) for i in range(N)]
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.patch_size}px")
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.image_width}-{g.patch_size}px")
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.anchor])
 def test_lattice_centres_sit_where_the_case_says(name, grid):
     c, p = CASES[name], grid.patch_size
@@ -40,6 +41,9 @@ def test_lattice_centres_sit_where_the_case_says(name, grid):
             if c.jitter == 0:
                 assert dx == 0 and dy == 0
             assert c.size[0] * p - 1e-9 <= o.size <= c.size[1] * p + 1e-9
+            # Anchors belong to whole cells: never the centre of a partial last cell.
+            rows, cols = grid.patch_grid
+            assert o.cx - dx * p <= cols * p and o.cy - dy * p <= rows * p
         # Counting connected components of the drawn image gives the label.
         ink = (s.scene.render_array() != 255).any(-1)
         assert ndimage.label(ink, structure=np.ones((3, 3)))[1] == s.meta["count"]
@@ -57,7 +61,7 @@ def _touch_px(a_mask: np.ndarray, b_mask: np.ndarray) -> float:
     return max(0.0, d - 1.0)
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.patch_size}px")
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.image_width}-{g.patch_size}px")
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.layout])
 def test_adjacency_cases_touch(name, grid):
     c = CASES[name]
