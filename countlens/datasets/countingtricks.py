@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class Case:
     layout: str | None = None  # adjacency cases: pairs, rows, columns, ring, cluster, mixed, tiling
     gap_px: float = 0.0  # adjacency cases: distance between neighbouring outlines, in pixels
 
-    @property
+    @cached_property
     def params(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
@@ -147,6 +148,7 @@ def _lattice_terms(c: Case, g: Geometry) -> tuple[float, float, int]:
     return c.size[1] * p / 2 + jitter, jitter, max(1, math.ceil(sep / p - 1e-9))
 
 
+@lru_cache(maxsize=1024)
 def capacity(name: str, grid: Geometry) -> int | None:
     """How many objects a lattice case always fits on this grid (None for adjacency cases)."""
     c = case(name)
@@ -157,27 +159,51 @@ def capacity(name: str, grid: Geometry) -> int | None:
     return max((len(xs[ox::step]) * len(ys[oy::step]) for ox in range(step) for oy in range(step)), default=0)
 
 
+@lru_cache(maxsize=256)
+def _anchor_table(c: Case, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """A lattice case's anchors (k, 2) in row-major order and their Chebyshev distances (k, k):
+    fixed per case and grid, so computed once."""
+    margin, _, _ = _lattice_terms(c, g)
+    xs, ys = _anchors(c, g, margin)
+    pts = np.array([(x, y) for y in ys for x in xs]).reshape(-1, 2)
+    return pts, np.abs(pts[:, None, :] - pts[None, :, :]).max(-1)
+
+
+def _greedy(order: np.ndarray, dist: np.ndarray, sizes: np.ndarray, spacing: float, n: int) -> list[int]:
+    """Scan anchors in ``order`` once and keep each whose Chebyshev distance to every kept one is at
+    least the two objects' mean size plus ``spacing``, the new object's size being ``sizes[i]``
+    for the i-th kept. ``slack[a]``, the least of dist(a, kept) − size(kept)/2, makes each step one
+    vectorised scan."""
+    chosen: list[int] = []
+    slack = np.full(len(dist), np.inf)
+    pos = 0
+    while len(chosen) < n and pos < len(order):
+        rest = order[pos:]
+        ok = slack[rest] >= sizes[len(chosen)] / 2 + spacing - 1e-9
+        hit = int(ok.argmax())
+        if not ok[hit]:
+            break
+        m = int(rest[hit])
+        slack = np.minimum(slack, dist[m] - sizes[len(chosen)] / 2)
+        chosen.append(m)
+        pos += hit + 1
+    return chosen
+
+
 def _lattice(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...], rng) -> tuple[Obj, ...]:
     p = g.patch_size
     margin, jitter, step = _lattice_terms(c, g)
-    xs, ys = _anchors(c, g, margin)
+    grid_pts, dist = _anchor_table(c, g)
     sizes = rng.uniform(c.size[0] * p, c.size[1] * p, size=n) if c.size[0] != c.size[1] else np.full(n, c.size[0] * p)
-    # Chebyshev distance between anchors: the boxes of two objects stay p/2 apart after jitter.
-    need = lambda i, j: (sizes[i] + sizes[j]) / 2 + APART * p + 2 * jitter  # noqa: E731
-    grid_pts = np.array([(x, y) for y in ys for x in xs])
     chosen: list[int] = []
     for _ in range(10):  # random greedy first: varied layouts, not only sub-lattices
-        chosen = []
-        for k in rng.permutation(len(grid_pts)):
-            i = len(chosen)
-            if all(np.abs(grid_pts[k] - grid_pts[m]).max() >= need(i, j) - 1e-9 for j, m in enumerate(chosen)):
-                chosen.append(int(k))
-                if len(chosen) == n:
-                    break
+        # Chebyshev distance between anchors: the boxes of two objects stay p/2 apart after jitter.
+        chosen = _greedy(rng.permutation(len(grid_pts)), dist, sizes, APART * p + 2 * jitter, n)
         if len(chosen) == n:
             break
     else:
         # A sub-lattice `step` cells apart always satisfies every pair; pick one that holds n.
+        xs, ys = _anchors(c, g, margin)
         offsets = [(ox, oy) for ox in range(step) for oy in range(step) if len(xs[ox::step]) * len(ys[oy::step]) >= n]
         if not offsets:
             raise CountlensError(f"case {c.name} cannot place {n} objects on a {g.patch_grid} grid of {p}px patches")
@@ -366,7 +392,9 @@ def trick_sample(
     objs = _lattice(c, g, n, shape, colors, rng) if c.anchor else _adjacent(c, g, n, shape, colors, rng)
     asked = "objects" if c.layout == "mixed" else shape
     # The prompt draws from its own stream, so the image is the same under every prompt style.
-    question, prompt_meta = make_question(prompt, asked, n, sample_rng(seed, f"countingtricks/{name}/prompt", index))
+    # Only a conflict prompt draws (its distractor), so only it pays for a generator.
+    prompt_rng = sample_rng(seed, f"countingtricks/{name}/prompt", index) if PROMPTS[prompt].conflict else None
+    question, prompt_meta = make_question(prompt, asked, n, prompt_rng)
     meta = {"count": n, "case": name, "family": c.family, "shape": asked, "prompt": prompt,
             "grid": [g.image_height, g.image_width, g.patch_size], "capacity": capacity(name, g), **prompt_meta}
     return TaskSample(Scene(g.image_width, g.image_height, objs, background), question,

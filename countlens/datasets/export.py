@@ -15,39 +15,36 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
-from PIL import Image
-
 from countlens.datasets.countingtricks import CASES, case, resolve_counts, trick_sample
-from countlens.datasets.scene import PALETTE
+from countlens.datasets.png import indexed_png
+from countlens.datasets.scene import PALETTE, Obj
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
 from countlens.geometry import Geometry
+
+_OBJ_FIELDS = tuple(f.name for f in fields(Obj))  # the manifest's object keys (asdict deep-copies: slow)
 
 
 def sample_record(s: TaskSample, file: str | None = None) -> dict:
     """A JSON-ready description of a sample: question, answer, case parameters, objects and boxes."""
     boxes = s.scene.boxes().tolist() if s.scene.objects else []
-    objects = [{**asdict(o), "box": b} for o, b in zip(s.scene.objects, boxes)]
+    objects = [{f: getattr(o, f) for f in _OBJ_FIELDS} | {"box": b} for o, b in zip(s.scene.objects, boxes)]
     rec = {"file": file, "question": s.question, "answer": s.answer, **s.meta, "objects": objects,
-           "image_size": [s.scene.height, s.scene.width], "case_params": CASES[s.meta["case"]].params}
+           "image_size": [s.scene.height, s.scene.width], "case_params": dict(CASES[s.meta["case"]].params)}
     return rec
 
 
 def _png(s: TaskSample) -> bytes:
-    """A flat-colour scene as an 8-bit palette PNG (``Image.open(f).convert("RGB")`` gives back its
-    exact pixels; one byte a pixel to compress instead of three), a textured one as RGB; zlib level 1."""
-    buf = io.BytesIO()
+    """A flat-colour scene as a palette PNG of 1–4 bits a pixel (`png.indexed_png`;
+    ``Image.open(f).convert("RGB")`` gives back its exact pixels), a textured one as RGB; zlib level 1."""
     if s.scene.noise == 0:
         idx, names = s.scene.render_indexed()
-        image = Image.fromarray(idx, mode="P")
-        image.putpalette([c for name in names for c in PALETTE[name]])
-    else:
-        image = s.image
-    image.save(buf, format="PNG", optimize=False, compress_level=1)
+        return indexed_png(idx, [PALETTE[name] for name in names])
+    buf = io.BytesIO()
+    s.image.save(buf, format="PNG", optimize=False, compress_level=1)
     return buf.getvalue()
 
 
@@ -83,6 +80,8 @@ def generate(cases: list[str], n: int, grid: Geometry, seed: int, workers: int =
     if workers <= 1:
         yield from map(_job, jobs)
         return
+    from concurrent.futures import ProcessPoolExecutor  # here: multiprocessing costs a one-worker run 20 ms
+
     with ProcessPoolExecutor(max_workers=workers) as pool:
         yield from pool.map(_job, jobs, chunksize=max(1, min(64, len(jobs) // (4 * workers))))
 

@@ -62,8 +62,9 @@ def answer_text(style: str, shape: str, count: int) -> str:
     return PROMPTS[style].answer.format(shape=singular(shape), n=int(count))
 
 
-def make_question(style: str, shape: str, count: int, rng: np.random.Generator) -> tuple[str, dict]:
-    """(question, meta) for counting ``shape`` objects (``"objects"`` for all) under a prompt style."""
+def make_question(style: str, shape: str, count: int, rng: np.random.Generator | None) -> tuple[str, dict]:
+    """(question, meta) for counting ``shape`` objects (``"objects"`` for all) under a prompt style;
+    ``rng`` draws a conflict style's distractor and may be None for the other styles."""
     template, conflict, _ = PROMPTS[style]
     question = template.format(plural=plural(shape), shape=singular(shape))
     if not conflict:

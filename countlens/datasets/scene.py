@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from PIL import Image
 
 from countlens.errors import CountlensError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 Shape = Literal["circle", "square", "triangle"]
 SHAPES: tuple[Shape, ...] = ("circle", "square", "triangle")
@@ -121,8 +123,8 @@ class Scene:
         """(n_objects, 4) float xyxy pixel boxes of each object's mask (tight, in pixel edges)."""
         boxes = np.zeros((len(self.objects), 4))
         for i, (r0, c0, m) in enumerate(self.footprints):
-            rows, cols = np.nonzero(m.any(1))[0], np.nonzero(m.any(0))[0]
-            boxes[i] = (c0 + cols.min(), r0 + rows.min(), c0 + cols.max() + 1, r0 + rows.max() + 1)
+            rows, cols = np.flatnonzero(m.any(1)), np.flatnonzero(m.any(0))
+            boxes[i] = (c0 + cols[0], r0 + rows[0], c0 + cols[-1] + 1, r0 + rows[-1] + 1)
         return boxes
 
     def render_indexed(self) -> tuple[np.ndarray, list[str]]:
@@ -153,6 +155,8 @@ class Scene:
         return np.clip(img.astype(np.float64) + shade[..., None] + pixel, 0, 255).round().astype(np.uint8)
 
     def render(self) -> Image.Image:
+        from PIL import Image  # here, not at import: exports and layouts never need PIL
+
         return Image.fromarray(self.render_array(), mode="RGB")
 
 

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.errors import CountlensError, require_count
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 TASKS: tuple[str, ...] = ("count", "color", "shape")
 TRAIN_SEED_BASE = 1000
