@@ -15,8 +15,9 @@ circumscribed circle (so a circle and a triangle of one size fit the same disc).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -98,41 +99,33 @@ class Scene:
                 )
 
     @cached_property
+    def _prints(self) -> tuple[tuple[int, int, np.ndarray, tuple[int, int, int, int]], ...]:
+        return tuple(_footprint(o.shape, o.size, o.rotation, o.cx, o.cy, self.width, self.height) for o in self.objects)
+
+    @property
     def footprints(self) -> tuple[tuple[int, int, np.ndarray], ...]:
         """Per object, (row0, col0, Bool[ndarray, "h w"]): the pixels it covers inside its bounding
-        square, whose top-left pixel is (row0, col0). Computed once per scene; masks, boxes and
-        the rendering all read it, so each object's pixels are tested once."""
-        out = []
-        for o in self.objects:
-            # Only the object's enclosing disc can be inside: test the pixels of its bounding square.
-            r0, r1 = max(0, int(np.floor(o.cy - o.radius)) - 1), min(self.height, int(np.ceil(o.cy + o.radius)) + 1)
-            c0, c1 = max(0, int(np.floor(o.cx - o.radius)) - 1), min(self.width, int(np.ceil(o.cx + o.radius)) + 1)
-            ys = np.arange(r0, r1, dtype=np.float64)[:, None] + 0.5
-            xs = np.arange(c0, c1, dtype=np.float64)[None, :] + 0.5
-            out.append((r0, c0, _inside(o, xs, ys)))
-        return tuple(out)
+        square, whose top-left pixel is (row0, col0); the arrays are read-only. Computed once per
+        object placement (`_footprint`); masks, boxes and the rendering all read it."""
+        return tuple(f[:3] for f in self._prints)
 
     def masks(self) -> np.ndarray:
         """(n_objects, height, width) bool: the pixels each object covers (before occlusion)."""
         out = np.zeros((len(self.objects), self.height, self.width), dtype=bool)
-        for i, (r0, c0, m) in enumerate(self.footprints):
+        for i, (r0, c0, m, _) in enumerate(self._prints):
             out[i, r0 : r0 + m.shape[0], c0 : c0 + m.shape[1]] = m
         return out
 
     def boxes(self) -> np.ndarray:
         """(n_objects, 4) float xyxy pixel boxes of each object's mask (tight, in pixel edges)."""
-        boxes = np.zeros((len(self.objects), 4))
-        for i, (r0, c0, m) in enumerate(self.footprints):
-            rows, cols = np.flatnonzero(m.any(1)), np.flatnonzero(m.any(0))
-            boxes[i] = (c0 + cols[0], r0 + rows[0], c0 + cols[-1] + 1, r0 + rows[-1] + 1)
-        return boxes
+        return np.array([f[3] for f in self._prints], dtype=np.float64).reshape(-1, 4)
 
     def render_indexed(self) -> tuple[np.ndarray, list[str]]:
         """(Uint8[ndarray, "height width"] colour indices, the colour names they index; the
         background is 0): the objects painted in order over the background, before any texture."""
         names = list(dict.fromkeys([self.background, *(o.color for o in self.objects)]))
         idx = np.zeros((self.height, self.width), dtype=np.uint8)
-        for o, (r0, c0, m) in zip(self.objects, self.footprints):
+        for o, (r0, c0, m, _) in zip(self.objects, self._prints):
             idx[r0 : r0 + m.shape[0], c0 : c0 + m.shape[1]][m] = names.index(o.color)
         return idx, names
 
@@ -158,6 +151,30 @@ class Scene:
         from PIL import Image  # here, not at import: exports and layouts never need PIL
 
         return Image.fromarray(self.render_array(), mode="RGB")
+
+
+@lru_cache(maxsize=8192)
+def _footprint(shape: Shape, size: float, rotation: float, cx: float, cy: float, width: int, height: int
+               ) -> tuple[int, int, np.ndarray, tuple[int, int, int, int]]:
+    """(row0, col0, read-only mask over the object's bounding square, tight xyxy pixel box).
+
+    A pure function of the placement, cached: lattice cases put objects of one size on the same
+    anchors over and over, so most of a data set's objects are drawn once."""
+    o = Obj(shape, "red", cx, cy, size, rotation)
+    # Only the object's enclosing disc can be inside: test the pixels of its bounding square.
+    r0, r1 = max(0, math.floor(cy - o.radius) - 1), min(height, math.ceil(cy + o.radius) + 1)
+    c0, c1 = max(0, math.floor(cx - o.radius) - 1), min(width, math.ceil(cx + o.radius) + 1)
+    ys = np.arange(r0 + 0.5, r1, dtype=np.float64)[:, None]
+    xs = np.arange(c0 + 0.5, c1, dtype=np.float64)[None, :]
+    mask = _inside(o, xs, ys)
+    mask.flags.writeable = False
+    # A convex shape's rows (columns) with ink are one run: its ends are the first True from each side.
+    rows, cols = mask.any(1), mask.any(0)
+    if not rows.any():
+        raise CountlensError(f"object {o} is too small to cover a pixel centre; make it larger")
+    top, bottom = int(rows.argmax()), len(rows) - int(rows[::-1].argmax())
+    left, right = int(cols.argmax()), len(cols) - int(cols[::-1].argmax())
+    return r0, c0, mask, (c0 + left, r0 + top, c0 + right, r0 + bottom)
 
 
 def polygon(o: Obj) -> np.ndarray:

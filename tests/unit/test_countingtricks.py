@@ -179,3 +179,26 @@ def test_exported_palette_pngs_load_as_the_exact_rgb_pixels(tmp_path):
         index = int(rec["file"].rsplit("_", 1)[1].split(".")[0])
         want = trick_sample(rec["case"], 2, index, GRIDS[1], color=("red", "blue")).scene.render_array()
         np.testing.assert_array_equal(rgb, want)
+
+
+def test_generating_and_exporting_loads_no_torch(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from countlens.datasets import countingtricks; "
+            "from countlens.datasets.export import export_countingtricks; from countlens.geometry import Geometry; "
+            f"export_countingtricks({str(tmp_path)!r}, ['1A', '9A'], 2, Geometry.data_grid(384, 27), workers=1); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert len(list(tmp_path.rglob("*.png"))) == 4
+
+
+def test_footprints_are_shared_read_only():
+    s = trick_sample("1A", 0, 0, GRIDS[0])
+    again = trick_sample("1A", 0, 0, GRIDS[0])
+    m = s.scene.footprints[0][2]
+    assert again.scene.footprints[0][2] is m  # one placement, drawn once
+    with pytest.raises(ValueError):
+        m[0, 0] = True
+    assert s.scene.masks()[0].flags.writeable  # what callers get is theirs
