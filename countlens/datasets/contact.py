@@ -7,6 +7,11 @@ between the two outlines (≤ 0 when they overlap). `touching_distance` finds, b
 monotone quantity, how far apart two centres must be along a direction for the outlines to stand
 exactly ``gap`` pixels apart (0: touching); results are cached because adjacency layouts reuse a
 few (shape, size, rotation, direction) combinations many times.
+
+Touching at a single point is invisible once drawn: a triangle's tip pixel is often not inked, so
+two "touching" triangles show a gap. `facing_rotation` turns a polygon so that it meets its
+neighbour along an edge (`shared_edge`, the length of outline two touching polygons share), and
+`pixel_joined` says whether two drawn masks touch under 4- or 8-connectivity.
 """
 
 from __future__ import annotations
@@ -90,6 +95,66 @@ def touching_distance(
         return boundary_gap(a, Obj(shape_b, "red", t * u[0], t * u[1], size, rot_b))
 
     return _bisect(gap_at, 0.0, 2 * size + gap + 1.0, gap)
+
+
+def shared_edge(a: Obj, b: Obj, tol: float = 1e-6) -> float:
+    """Length in pixels of the outline two touching polygons share: 0 for a circle or a point contact."""
+    if a.shape == "circle" or b.shape == "circle":
+        return 0.0
+    p, q = polygon(a), polygon(b)
+    total = 0.0
+    for e0, e1 in zip(p, np.roll(p, -1, axis=0)):
+        length = float(np.hypot(*(e1 - e0)))
+        u = (e1 - e0) / length
+        normal = np.array([-u[1], u[0]])
+        for f0, f1 in zip(q, np.roll(q, -1, axis=0)):
+            if abs((f0 - e0) @ normal) > tol or abs((f1 - e0) @ normal) > tol:
+                continue  # not on this edge's line
+            lo, hi = sorted((float((f0 - e0) @ u), float((f1 - e0) @ u)))
+            total += max(0.0, min(length, hi) - max(0.0, lo))
+    return total
+
+
+_PERIOD = {"square": 90, "triangle": 120}  # rotations that leave the outline unchanged
+
+
+@lru_cache(maxsize=8192)
+def contact_length(shape_a: str, rot_a: float, shape_b: str, rot_b: float, size: float, angle: float) -> float:
+    """`shared_edge` of a at the origin and b placed along ``angle`` (degrees) so that they touch."""
+    if shape_a == "circle" or shape_b == "circle":
+        return 0.0
+    t = touching_distance(shape_a, rot_a, shape_b, rot_b, size, angle, 0.0)
+    u = np.cos(np.deg2rad(angle)), np.sin(np.deg2rad(angle))
+    return shared_edge(Obj(shape_a, "red", 0.0, 0.0, size, rot_a), Obj(shape_b, "red", t * u[0], t * u[1], size, rot_b))
+
+
+def facing_rotation(shape_a: str, rot_a: float, shape_b: str, size: float, angle: float) -> tuple[float, float]:
+    """(rotation, shared length): the rotation, a multiple of 15°, at which b placed along ``angle``
+    from a (rotated ``rot_a``) and touching it shares the longest edge with it; ties go to the
+    smallest rotation, so a circle, or a polygon that can only meet a at a point, stays at 0°."""
+    best = (0.0, 0.0)
+    for rot in range(0, _PERIOD.get(shape_b, 0), 15):
+        shared = contact_length(shape_a, rot_a, shape_b, float(rot), size, angle)
+        if shared > best[1] + 1e-9:
+            best = (float(rot), shared)
+    return best
+
+
+def pixel_joined(a: np.ndarray, b: np.ndarray, connectivity: int = 4) -> bool:
+    """Whether two (h, w) masks overlap or touch: some pixel of b is a 4- (or 8-) neighbour of one of a."""
+    if connectivity not in (4, 8):
+        raise ValueError(f"connectivity is 4 or 8, got {connectivity}")
+    grown = a.copy()
+    grown[1:] |= a[:-1]
+    grown[:-1] |= a[1:]
+    grown[:, 1:] |= a[:, :-1]
+    grown[:, :-1] |= a[:, 1:]
+    if connectivity == 8:
+        grown[1:, 1:] |= a[:-1, :-1]
+        grown[:-1, :-1] |= a[1:, 1:]
+        grown[1:, :-1] |= a[:-1, 1:]
+        grown[:-1, 1:] |= a[1:, :-1]
+    return bool((grown & b).any())
 
 
 def ring_radius(shape: str, size: float, n: int, gap: float = 0.0) -> float:

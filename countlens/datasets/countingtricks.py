@@ -14,12 +14,16 @@ diameter; lattice objects are upright and "apart" means their bounding boxes sta
   on a horizontal grid line (3) / on a grid intersection (4); letter **A** size p, **B** size
   uniform in [0.75p, 1.5p], **C** size p + centre jitter uniform in ±0.2p per axis, **D** both.
 - **5A–8A, dilation**: cell-centred objects of size 2.5p, 3p, 3.5p, 4p, apart.
-- **9–15, adjacency** (size p; upright except where a layout turns them: 12A's ring objects turn
-  with the ring and 15A's triangles alternate up and down; **A** outlines touching, **B** 1 px
-  apart): 9 pairs side by side, 10 rows of ≤ 4, 11 columns of ≤ 4, 12A one ring, 13 a random
-  compact cluster (each new object touches one already placed, at a multiple of 15°), 14 rows of
-  ≤ 4 mixing circles, squares and triangles, 15A the shape's tiling of a block (square grid,
-  hexagonal circle packing, alternating triangles).
+- **9–15, adjacency** (size p; **A** outlines touching, **B** 1 px apart): 9 pairs side by side,
+  10 rows of ≤ 4, 11 columns of ≤ 4, 12A one ring, 13 a random compact cluster (each new object
+  touches one already placed, at a multiple of 15°), 14 rows of ≤ 4 mixing circles, squares and
+  triangles, 15A the shape's tiling of a block (square grid, hexagonal circle packing, alternating
+  triangles). Polygons turn so that neighbours meet along an edge, which a point contact does not
+  show once drawn: in lines (9, 10, 11, 14) squares stay upright and triangles point up, down,
+  left or right (a row alternates up and down, a column left and right, a triangle turns a flat
+  side to a square); in 13 each new polygon turns to share an edge with the one it touches, and a
+  direction where it could only meet it at a point is redrawn; 12A's objects turn with the ring.
+  What shows in the pixels, per case: ``docs/countingtricks/pixel_contact.py``.
 
 Counts: N cycles through ``counts`` (default 3–12) by sample index, so every case is balanced; the
 shape cycles through ``shapes`` likewise. When the grid is too small for a lattice case to hold N
@@ -30,13 +34,14 @@ Every sample is a pure function of (seed, case, index).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
 
-from countlens.datasets.contact import boundary_gap, ring_radius, touching_distance
+from countlens.datasets.contact import boundary_gap, contact_length, facing_rotation, ring_radius, touching_distance
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene
 from countlens.datasets.tasks import TaskSample, sample_rng
@@ -227,14 +232,37 @@ def _split(n: int, most: int) -> list[int]:
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
+# A line's polygons keep their edges on the line's axes: squares upright, triangles pointing up,
+# down (60°), right (30°) or left (90°), so every shared edge is across the line.
+_LINE_ROTATIONS = {"circle": (0.0,), "square": (0.0,), "triangle": (0.0, 30.0, 60.0, 90.0)}
+
+
+@lru_cache(maxsize=1024)
+def _line_rotations(shapes: tuple[str, ...], size: float, angle: float) -> tuple[float, ...]:
+    """Rotations for objects in a line along ``angle``, each touching the next, such that the
+    shortest edge shared by neighbours is as long as it can be, then their sum (ties: the first
+    in order). A row of triangles alternates up and down; a triangle beside a square turns a flat
+    side to it. Exhaustive: lines hold at most 4 objects and a triangle 4 rotations."""
+    best, best_key = (0.0,) * len(shapes), (-1.0, -1.0)
+    for rots in itertools.product(*(_LINE_ROTATIONS[s] for s in shapes)):
+        shared = [contact_length(a, ra, b, rb, size, angle)
+                  for a, ra, b, rb in zip(shapes, rots, shapes[1:], rots[1:])]
+        key = (min(shared, default=0.0), sum(shared))
+        if key[0] > best_key[0] + 1e-9 or (abs(key[0] - best_key[0]) <= 1e-9 and key[1] > best_key[1] + 1e-9):
+            best, best_key = rots, key
+    return best
+
+
 def _chain(shapes: list[str], size: float, angle: float, gap: float) -> list[tuple[str, float, float, float]]:
-    """Objects (shape, rotation, x, y) in a line along ``angle``, each touching the previous one."""
-    out = [(shapes[0], 0.0, 0.0, 0.0)]
+    """Objects (shape, rotation, x, y) in a line along ``angle``, each ``gap`` from the previous one,
+    turned to meet their neighbours along edges where the shapes can (`_line_rotations`)."""
+    rots = _line_rotations(tuple(shapes), size, angle)
+    out = [(shapes[0], rots[0], 0.0, 0.0)]
     u = (math.cos(math.radians(angle)), math.sin(math.radians(angle)))
-    for s in shapes[1:]:
-        prev, _, x, y = out[-1]
-        t = touching_distance(prev, 0.0, s, 0.0, size, angle, gap)
-        out.append((s, 0.0, x + t * u[0], y + t * u[1]))
+    for s, rot in zip(shapes[1:], rots[1:]):
+        prev, prev_rot, x, y = out[-1]
+        t = touching_distance(prev, prev_rot, s, rot, size, angle, gap)
+        out.append((s, rot, x + t * u[0], y + t * u[1]))
     return out
 
 
@@ -245,16 +273,21 @@ def _ring(shape: str, n: int, size: float, gap: float) -> list[tuple[str, float,
 
 
 def _cluster(shape: str, n: int, size: float, gap: float, rng) -> list[tuple[str, float, float, float]]:
+    """Grow a cluster: each new object touches a random placed one along a multiple of 15°; polygons
+    turn to meet it along an edge, and a direction where they could only meet at a point is redrawn."""
     placed = [(shape, 0.0, 0.0, 0.0)]
     while len(placed) < n:
         for _ in range(500):
-            _, _, x, y = placed[rng.integers(len(placed))]
+            _, anchor_rot, x, y = placed[rng.integers(len(placed))]
             angle = 15.0 * int(rng.integers(24))
-            t = touching_distance(shape, 0.0, shape, 0.0, size, angle, gap)
+            rot, shared = facing_rotation(shape, anchor_rot, shape, size, angle)
+            if shape != "circle" and shared < 1.0:
+                continue
+            t = touching_distance(shape, anchor_rot, shape, rot, size, angle, gap)
             cand = (x + t * math.cos(math.radians(angle)), y + t * math.sin(math.radians(angle)))
-            new = Obj(shape, "red", cand[0], cand[1], size)
+            new = Obj(shape, "red", cand[0], cand[1], size, rot)
             if all(boundary_gap(new, Obj(s, "red", px, py, size, r)) >= gap - 1e-6 for s, r, px, py in placed):
-                placed.append((shape, 0.0, *cand))
+                placed.append((shape, rot, *cand))
                 break
         else:
             raise CountlensError(f"could not grow a cluster of {n} {shape}s; use fewer objects")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from countlens.datasets.contact import boundary_gap
+from countlens.datasets.contact import boundary_gap, facing_rotation, pixel_joined, shared_edge
+from countlens.datasets.scene import Obj
 from countlens.datasets.countingtricks import CASES, capacity, countingtricks, trick_sample
 from countlens.datasets.export import export_countingtricks
 from countlens.errors import CountlensError, InputError
@@ -202,3 +203,50 @@ def test_footprints_are_shared_read_only():
     with pytest.raises(ValueError):
         m[0, 0] = True
     assert s.scene.masks()[0].flags.writeable  # what callers get is theirs
+
+
+def _touching_polygon_pairs(scene):
+    objs, masks = scene.objects, scene.masks()
+    for a in range(len(objs)):
+        for b in range(a + 1, len(objs)):
+            if abs(boundary_gap(objs[a], objs[b])) < 1e-6 and "circle" not in (objs[a].shape, objs[b].shape):
+                yield objs[a], objs[b], masks[a], masks[b]
+
+
+@pytest.mark.parametrize("grid", GRIDS[::2], ids=lambda g: f"{g.image_width}-{g.patch_size}px")
+@pytest.mark.parametrize("name", ["9A", "10A", "11A"])
+def test_touching_polygons_in_lines_share_an_edge_that_shows(name, grid):
+    seen = 0
+    for i in range(30):  # counts 3..12 under each shape
+        s = trick_sample(name, 0, i, grid)
+        for a, b, ma, mb in _touching_polygon_pairs(s.scene):
+            seen += 1
+            assert shared_edge(a, b) >= 0.5 * grid.patch_size, (name, i, a, b)
+            assert pixel_joined(ma, mb, 4), (name, i, a, b)
+    assert seen > 50
+
+
+def test_cluster_polygons_each_share_an_edge_with_a_neighbour():
+    for i in range(30):
+        s = trick_sample("13A", 0, i, GRIDS[0])
+        objs = s.scene.objects
+        if objs[0].shape == "circle":
+            continue
+        for k, o in enumerate(objs):
+            assert max(shared_edge(o, other) for j, other in enumerate(objs) if j != k) >= 1.0, (i, o)
+
+
+def test_contact_helpers_on_hand_made_pairs():
+    up = Obj("triangle", "red", 0.0, 0.0, 16.0)
+    assert shared_edge(Obj("square", "red", 0, 0, 10), Obj("square", "red", 10, 3, 10)) == pytest.approx(7.0)
+    assert shared_edge(up, Obj("circle", "red", 20, 0, 16)) == 0.0
+    assert shared_edge(Obj("square", "red", 0, 0, 10), Obj("square", "red", 10, 10, 10)) == 0.0  # corners only
+    rot, shared = facing_rotation("triangle", 0.0, "triangle", 16.0, 0.0)
+    assert rot == 60.0 and shared == pytest.approx(2 / 3 * 8 * math.sqrt(3))  # down beside up: 2/3 of an edge
+    assert facing_rotation("square", 0.0, "square", 16.0, 45.0) == (0.0, 0.0)  # diagonal: corners only
+    a = np.zeros((5, 5), dtype=bool)
+    a[2, 2] = True
+    diagonal, beside = np.zeros_like(a), np.zeros_like(a)
+    diagonal[3, 3], beside[2, 3] = True, True
+    assert pixel_joined(a, beside, 4) and not pixel_joined(a, diagonal, 4) and pixel_joined(a, diagonal, 8)
+    assert not pixel_joined(a, np.zeros_like(a), 8)
