@@ -13,6 +13,11 @@ resumes where it stopped; the long sweeps also stream their chunks to ``results/
 6. ``ablation`` — mean ablation of every head on the counting, colour and shape tasks; Jaccard;
 7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);
 then the head table (``heads.csv`` / ``.md`` / ``.tex``), plots and ``report.md``.
+
+Launched as several processes (``torchrun --nproc_per_node N -m countlens.cli discover …`` or
+``accelerate launch``; `countlens.distributed`), every rank first takes its share of the three
+sweeps (``vap``, ``heads``, ``ablation``), meeting in ``results/sweeps/``; then rank 0 alone runs
+the other stages and writes the report, the same as one process would.
 """
 
 from __future__ import annotations
@@ -91,9 +96,13 @@ class Stages:
                 raise InputError(f"{out} holds a run with a different spec ({old}); use a new --out directory "
                                  f"or the same settings ({spec})")
         else:
-            spec_file.write_text(json.dumps(spec, indent=1, sort_keys=True))
+            from countlens.results import write_text
 
-    def run(self, name: str, compute: Callable[[], xr.Dataset | xr.DataArray]):
+            write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic: ranks may race
+
+    def run(self, name: str, compute: Callable[[], xr.Dataset | xr.DataArray], save: bool = True):
+        """The stage's stored result, else ``compute()`` (stored unless ``save=False``: the ranks
+        of a sharded run other than 0 compute their share and leave the writing to rank 0)."""
         from countlens import results
 
         path = self.dir / f"{name}.nc"
@@ -102,14 +111,15 @@ class Stages:
             return results.load(path)
         self.log(f"[{name}] running")
         value = compute()
-        results.save(value, path)
+        if save:
+            results.save(value, path)
         return value
 
 
 def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
              log: Callable[[str], None] = print) -> Path:
     """Run every stage on ``vlm`` into ``out``; returns the path of ``report.md``."""
-    from countlens import circuits
+    from countlens import circuits, distributed
     from countlens.analysis.evaluate import score
     from countlens.analysis.heads import export_heads
     from countlens.analysis.attention_metrics import attention_metrics
@@ -137,6 +147,27 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     def tasks(seed_offset: int = 0) -> dict:
         return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")}
 
+    # The sweeps' inputs: pairs for patching, tasks for ablation (pure functions of the seed).
+    pairs = count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10))
+    data = tasks()
+    sweeps = out / "results" / "sweeps"
+    shard = distributed.current()
+    sweep_stages = {
+        "vap": lambda: circuits.patch_layers(vlm, pairs, groups=("image", "last", "text"), batch_size=bs,
+                                             store=sweeps / "vap", progress=True, shard=shard),
+        "heads": lambda: circuits.patch_heads(vlm, pairs, batch_size=bs, store=sweeps / "heads", progress=True,
+                                              shard=shard),
+        "ablation": lambda: circuits.ablation_scan(vlm, data, batch_size=bs, store=sweeps / "ablation",
+                                                   progress=True, shard=shard),
+    }
+    if shard.sharded:
+        # Every rank takes its share of the sweeps first; then rank 0 alone runs the other stages
+        # (the sweeps' results now stored) and writes the report.
+        for name, sweep in sweep_stages.items():
+            stages.run(name, sweep, save=shard.rank == 0)
+        if shard.rank != 0:
+            log(f"rank {shard.rank} of {shard.world}: its share of the sweeps is done; rank 0 writes the report")
+            return out / "report.md"
     # 1. COUNTINGTRICKS
     stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
                                                                   prompt=prompt, color=("red", "green", "blue")),
@@ -148,15 +179,10 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
         stages.run(stage, lambda style=style: score(vlm, countingtricks(position, per, grid, seed=c.seed, prompt=style,
                                                                         color=("red", "green", "blue")), batch_size=bs))
     # 2–3. patching
-    pairs = count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10))
-    sweeps = out / "results" / "sweeps"
-    stages.run("vap", lambda: circuits.patch_layers(vlm, pairs, groups=("image", "last", "text"),
-                                                          batch_size=bs, store=sweeps / "vap", progress=True))
-    heads = stages.run("heads", lambda: circuits.patch_heads(vlm, pairs, batch_size=bs, store=sweeps / "heads",
-                                                             progress=True))
+    stages.run("vap", sweep_stages["vap"])
+    heads = stages.run("heads", sweep_stages["heads"])
     stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
     # 4–5. lenses and attention
-    data = tasks()
     stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
 
     def headlens() -> xr.Dataset:
@@ -170,8 +196,7 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
         vlm, countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt,
                             color=("red", "green", "blue")), batch_size=bs))
     # 6. ablation across tasks
-    abl = stages.run("ablation", lambda: circuits.ablation_scan(vlm, data, batch_size=bs, store=sweeps / "ablation",
-                                                                progress=True))
+    abl = stages.run("ablation", sweep_stages["ablation"])
     # 7. temperature from head-patching importance
     betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
 

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import secrets
+import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -59,7 +60,7 @@ NAME_ATTR = "countlens_name"
 DATAARRAY_VAR = "__countlens_dataarray__"
 TMP_SUFFIX = ".tmp"
 # A key becomes a file name: no separators, no leading dot (temp files start with one), bounded
-# length so the temp name (".<key>.nc.<hex>.tmp") stays under the usual 255-byte limit.
+# length so the temp name (".<key>.nc.<host>~<pid>-<hex>.tmp") stays under the usual 255-byte limit.
 KEY_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+,-]{0,199}")
 
 
@@ -258,7 +259,7 @@ def _atomic_path(path: Path) -> Iterator[Path]:
     and ends in ``.tmp`` so stale ones (from a SIGKILL) are recognisable and never mistaken for
     results. The writer creates the file itself, so it gets the usual umask permissions.
     """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    tmp = path.with_name(f".{path.name}.{_writer_id()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
     try:
         yield tmp
         _fsync(tmp)
@@ -320,8 +321,11 @@ class SweepStore:
     finished key, written atomically) and ``order.txt`` (keys in the order first written,
     append-only). A chunk exists exactly when its key is finished, so after a crash `todo` lists
     just the unfinished keys. If ``spec`` has a ``"keys"`` list, that is the sweep's plan:
-    `todo` and `assemble` default to it. One process writes to a store at a time: opening a
-    store deletes the temp files a killed writer left.
+    `todo` and `assemble` default to it. Opening a store deletes the temp files a killed writer
+    left. The ranks of a sharded sweep (`countlens.distributed`) write one store together, each
+    its own keys: temp names carry the writer's host and pid, so a rank's open spares the temps of
+    live ones, and a line of ``order.txt`` lost to a concurrent rewrite is recovered from the
+    chunk's age.
     """
 
     def __init__(self, path: str | os.PathLike, spec: dict) -> None:
@@ -431,9 +435,11 @@ class SweepStore:
 
     def _remove_temp_files(self) -> None:
         # A temp file is a write a killed process never finished; its chunk counts as not done.
+        # Ranks of a sharded sweep share the store: keep the temps of writers still alive.
         for directory in (self.path, self.chunks):
             for tmp in directory.glob(f".*{TMP_SUFFIX}"):
-                tmp.unlink(missing_ok=True)
+                if not _writer_alive(tmp.name):
+                    tmp.unlink(missing_ok=True)
 
     def _written_order(self) -> list[str]:
         """Finished keys in first-written order: order.txt, then any chunk it missed, by age."""
@@ -451,6 +457,33 @@ class SweepStore:
         if text != current:
             write_text(self._order_file, text)
         return order
+
+
+def _writer_id() -> str:
+    """Which process on which host writes a temp file (in its name), so that a store opened by one
+    rank of a sharded sweep removes only the temps of writers that died."""
+    host = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:24] or "host"
+    return f"{host}~{os.getpid()}"
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the writer a temp file's name records is a live process (on this host; a writer on
+    another host is assumed alive, since it cannot be checked from here)."""
+    m = re.search(r"\.([A-Za-z0-9]+)~([0-9]+)-[0-9a-f]+" + re.escape(TMP_SUFFIX) + "$", name)
+    if m is None:
+        return False  # an older countlens's temp: its writer is long gone
+    host, pid = m.group(1), int(m.group(2))
+    if host != _writer_id().split("~")[0]:
+        return True
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _normalise_spec(spec: dict) -> dict:

@@ -26,9 +26,11 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens import distributed
 from countlens.answers import answer_window, sequence_scores
 from countlens.circuits.patching import Edit, run_edits
 from countlens.circuits.sites import group_mask
+from countlens.distributed import Shard
 from countlens.errors import InputError
 
 ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
@@ -84,12 +86,15 @@ def _gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tens
 
 
 def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Tensor | None = None,
-                  batch_size: int = 16, store=None, progress: bool = False) -> xr.Dataset:
+                  batch_size: int = 16, store=None, progress: bool = False, shard: Shard | None = None
+                  ) -> xr.Dataset:
     """Ablate each head alone on each task: ``acc_drop`` and ``logp_drop`` over (task, layer, head).
 
     ``means``: per-task reference means (default: each task's own samples), or one tensor for all.
     ``store``: a directory (or `countlens.results.SweepStore`) that receives each finished chunk of
-    samples, and each task's means, so a killed scan resumes where it stopped.
+    samples, and each task's means, so a killed scan resumes where it stopped. Launched as several
+    processes, the chunks are split between them (`countlens.distributed`; a rank computes the
+    means of the tasks its chunks need, so two ranks may both compute, and store, one task's).
     """
     if not tasks:
         raise InputError("give tasks={'name': samples, ...}")
@@ -99,19 +104,23 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
     arch = vlm.arch
     sites = [(layer, head) for layer in range(arch.n_layers) for head in range(arch.n_heads)]
     store = _open_store(vlm, store, tasks, batch_size, means)
+    shard = distributed.resolve(shard, store, "ablation_scan")
     acc_drop = np.zeros((len(tasks), arch.n_layers, arch.n_heads))
     logp_drop = np.zeros_like(acc_drop)
     base_acc = np.zeros(len(tasks))
     chunks = [(name, start) for name, samples in tasks.items() for start in range(0, len(samples), batch_size)]
+    keys = [f"{name}_{start:06d}" for name, start in chunks]
+    mine = set(shard.mine(keys))
+    todo = [(key, name, start) for key, (name, start) in zip(keys, chunks) if key in mine]
     if progress:
         from countlens.progress import track
 
-        chunks = track(chunks, description="mean ablation, chunks")
+        todo = track(todo, description="mean ablation, chunks" + (
+            f" (rank {shard.rank} of {shard.world})" if shard.sharded else ""))
     parts: dict[str, list[xr.Dataset]] = {name: [] for name in tasks}
     mus: dict[str, Tensor] = {}
-    for name, start in chunks:
+    for key, name, start in todo:
         samples = tasks[name]
-        key = f"{name}_{start:06d}"
         if store is not None and key in store.done():
             parts[name].append(store.read(key))
             continue
@@ -121,6 +130,9 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
         if store is not None:
             store.write(key, part)
         parts[name].append(part)
+    if shard.sharded:
+        distributed.wait_for(store, keys, shard)
+        parts = {name: [store.read(key) for key, (n, _) in zip(keys, chunks) if n == name] for name in tasks}
     for t, name in enumerate(tasks):
         ds = xr.concat(parts[name], dim="sample")
         base = ds.base_correct.values.astype(bool)

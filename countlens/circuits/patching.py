@@ -24,7 +24,8 @@ the image's information — the image also enters below the patched site.
 
 Speed: many sites are patched in one forward by *batch expansion* — the clean batch is stacked k
 times and replica r receives site r's patch — so an L×H sweep costs about L·H/k forwards.
-Long sweeps stream each chunk of pairs to a `countlens.results.SweepStore` and resume from it.
+Long sweeps stream each chunk of pairs to a `countlens.results.SweepStore` and resume from it;
+launched as several processes they split the chunks between them (`countlens.distributed`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens import distributed
 from countlens.circuits.sites import GROUPS, group_mask, heads_view, repeat_inputs, repeat_output
+from countlens.distributed import Shard
 from countlens.errors import InputError
 
 MAX_ROWS = 256  # rows per expanded forward (replicas × pairs); lower it on small GPUs
@@ -216,19 +219,25 @@ def _provenance(vlm, pairs: Sequence, **extra) -> dict:
     return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
 
 
-def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool) -> xr.Dataset:
-    """Run ``make_edits(pair_batch)`` over chunks of pairs; per-pair logit diffs (site…, pair)."""
+def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool,
+           shard: Shard | None = None) -> xr.Dataset:
+    """Run ``make_edits(pair_batch)`` over chunks of pairs; per-pair logit diffs (site…, pair).
+    Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
     _check_pairs(pairs)
+    shard = distributed.resolve(shard, store, "this patching sweep")
     shape = tuple(len(v) for v in coords.values())
     dims = tuple(coords)
     chunks = list(_chunks(pairs, batch_size))
+    keys = [f"pairs_{start:06d}_{start + len(chunk):06d}" for start, chunk in chunks]
+    mine = set(shard.mine(keys))
+    todo = [(key, start, chunk) for key, (start, chunk) in zip(keys, chunks) if key in mine]
     if progress:
         from countlens.progress import track
 
-        chunks = track(chunks, description=f"patching {len(pairs)} pairs")
+        todo = track(todo, description=f"patching {len(pairs)} pairs" + (
+            f" (rank {shard.rank} of {shard.world})" if shard.sharded else ""))
     parts = []
-    for start, chunk in chunks:
-        key = f"pairs_{start:06d}_{start + len(chunk):06d}"
+    for key, start, chunk in todo:
         if store is not None and key in store.done():
             parts.append(store.read(key))
             continue
@@ -252,6 +261,9 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
         if store is not None:
             store.write(key, part)
         parts.append(part)
+    if shard.sharded:
+        distributed.wait_for(store, keys, shard)
+        parts = [store.read(key) for key in keys]
     ds = xr.concat(parts, dim="pair", data_vars="minimal")
     ld, clean_ld, corrupt_ld = (torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff",
                                                                          "corrupt_logit_diff"))
@@ -274,7 +286,7 @@ def _open_store(store, spec: dict, pairs: Sequence):
 
 def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last", "text"),
                  layers: Sequence[int] | None = None, batch_size: int = 16, store=None,
-                 progress: bool = False) -> xr.Dataset:
+                 progress: bool = False, shard: Shard | None = None) -> xr.Dataset:
     """Visual activation patching: xr.Dataset with ``effect`` and ``overwrite`` over (layer, group)
     and per-pair ``logit_diff`` / ``to_corrupt`` over (layer, group, pair). Layers default to −1
     (the embeddings: input of layer 0) … n_layers − 1."""
@@ -293,13 +305,14 @@ def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last",
     spec = {"sweep": "patch_layers", "model": vlm.name, "layers": layers, "groups": list(groups),
             "pairs": len(pairs), "batch_size": batch_size}
     ds = _sweep(vlm, pairs, edits, {"layer": layers, "group": list(groups)}, batch_size,
-                _open_store(store, spec, pairs), progress)
+                _open_store(store, spec, pairs), progress, shard)
     ds.attrs["method"] = "patch_layers"
     return ds
 
 
 def patch_heads(vlm, pairs: Sequence, layers: Sequence[int] | None = None, positions: str = "all",
-                batch_size: int = 16, store=None, progress: bool = False) -> xr.Dataset:
+                batch_size: int = 16, store=None, progress: bool = False, shard: Shard | None = None
+                ) -> xr.Dataset:
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text")."""
     layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
@@ -313,7 +326,8 @@ def patch_heads(vlm, pairs: Sequence, layers: Sequence[int] | None = None, posit
 
     spec = {"sweep": "patch_heads", "model": vlm.name, "layers": layers, "positions": positions,
             "pairs": len(pairs), "batch_size": batch_size}
-    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _open_store(store, spec, pairs), progress)
+    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _open_store(store, spec, pairs),
+                progress, shard)
     ds.attrs.update(method="patch_heads", positions=positions)
     return ds
 

@@ -153,17 +153,34 @@ class Scene:
         return Image.fromarray(self.render_array(), mode="RGB")
 
 
-@lru_cache(maxsize=8192)
 def _footprint(shape: Shape, size: float, rotation: float, cx: float, cy: float, width: int, height: int
                ) -> tuple[int, int, np.ndarray, tuple[int, int, int, int]]:
     """(row0, col0, read-only mask over the object's bounding square, tight xyxy pixel box).
 
-    A pure function of the placement, cached: lattice cases put objects of one size on the same
-    anchors over and over, so most of a data set's objects are drawn once."""
-    o = Obj(shape, "red", cx, cy, size, rotation)
+    The mask depends on the centre only through its offset within a pixel: a pixel centre's
+    offset (c + 0.5) − cx equals (c − ⌊cx⌋ + 0.5) − (cx − ⌊cx⌋) to the last bit (both sides are
+    one rounding of the same real number), so `_unit_footprint` draws the object once per size,
+    rotation and sub-pixel offset — lattice cases place objects at the same offset in every cell."""
+    bx, by = math.floor(cx), math.floor(cy)
+    r0, c0, mask, (x0, y0, x1, y1) = _unit_footprint(shape, size, rotation, cx - bx, cy - by)
+    r0, c0 = r0 + by, c0 + bx
+    # The bounding square's 1 px margin may cross the border; the object itself never does.
+    top, left = max(0, -r0), max(0, -c0)
+    bottom, right = min(mask.shape[0], height - r0), min(mask.shape[1], width - c0)
+    if top or left or bottom < mask.shape[0] or right < mask.shape[1]:
+        mask = mask[top:bottom, left:right]
+        r0, c0 = r0 + top, c0 + left
+    return r0, c0, mask, (x0 + bx, y0 + by, x1 + bx, y1 + by)
+
+
+@lru_cache(maxsize=8192)
+def _unit_footprint(shape: Shape, size: float, rotation: float, fx: float, fy: float
+                    ) -> tuple[int, int, np.ndarray, tuple[int, int, int, int]]:
+    """`_footprint` of an object centred at (fx, fy) with 0 ≤ fx, fy < 1, unclipped."""
+    o = Obj(shape, "red", fx, fy, size, rotation)
     # Only the object's enclosing disc can be inside: test the pixels of its bounding square.
-    r0, r1 = max(0, math.floor(cy - o.radius) - 1), min(height, math.ceil(cy + o.radius) + 1)
-    c0, c1 = max(0, math.floor(cx - o.radius) - 1), min(width, math.ceil(cx + o.radius) + 1)
+    r0, r1 = math.floor(fy - o.radius) - 1, math.ceil(fy + o.radius) + 1
+    c0, c1 = math.floor(fx - o.radius) - 1, math.ceil(fx + o.radius) + 1
     ys = np.arange(r0 + 0.5, r1, dtype=np.float64)[:, None]
     xs = np.arange(c0 + 0.5, c1, dtype=np.float64)[None, :]
     mask = _inside(o, xs, ys)

@@ -1,0 +1,81 @@
+"""Sharded sweeps: two torchrun ranks sharing a store give one process's results bit for bit,
+and a rank that dies costs only its own chunks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from countlens.results import load
+
+WORKER = Path(__file__).with_name("sharded_sweep.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+SWEEPS = ("layers", "heads", "ablation")
+
+
+def _run(argv: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    # A launcher's variables in the test's own environment must not leak into the runs.
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run(argv, env={**base, "HF_HUB_OFFLINE": "1", **(env or {})}, capture_output=True,
+                          text=True, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _same(a, b) -> None:
+    assert set(a.data_vars) == set(b.data_vars)
+    for v in a.data_vars:
+        assert np.array_equal(a[v].values, b[v].values), v  # bit for bit
+    for c in a.coords:
+        assert np.array_equal(a[c].values, b[c].values), c
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    _run([sys.executable, str(WORKER), str(out)])
+    return out
+
+
+def test_two_torchrun_ranks_give_one_process_results_bit_for_bit(single, tmp_path):
+    _run([str(TORCHRUN), "--nproc_per_node", "2", "--master_port", "0", str(WORKER), str(tmp_path)])
+    for name in SWEEPS:
+        want = load(single / "0_of_1" / f"{name}.nc")
+        for rank in (0, 1):
+            _same(load(tmp_path / f"{rank}_of_2" / f"{name}.nc"), want)
+    # Each rank wrote its own chunks: every 2nd key, from its rank.
+    chunks = sorted(p.stem for p in (tmp_path / "stores" / "heads" / "chunks").glob("*.nc"))
+    assert chunks == [f"pairs_{s:06d}_{min(s + 3, 10):06d}" for s in range(0, 10, 3)]
+
+
+def test_a_rank_that_dies_costs_only_its_chunks(single, tmp_path):
+    # Rank 0 alone, of a world of 2: it writes its chunks, then gives up waiting for rank 1's.
+    lone = _run([sys.executable, str(WORKER), str(tmp_path), "heads"],
+                env={"RANK": "0", "WORLD_SIZE": "2", "COUNTLENS_SHARD_TIMEOUT": "1"}, check=False)
+    assert lone.returncode != 0 and "never wrote" in lone.stderr and "relaunch" in lone.stderr
+    chunks = tmp_path / "stores" / "heads" / "chunks"
+    written = {p.stem: p.stat().st_mtime_ns for p in chunks.glob("*.nc")}
+    assert sorted(written) == ["pairs_000000_000003", "pairs_000006_000009"]
+    # Relaunched, both ranks finish; rank 0's chunks are read, not recomputed.
+    _run([str(TORCHRUN), "--nproc_per_node", "2", "--master_port", "0", str(WORKER), str(tmp_path), "heads"])
+    assert {k: (chunks / f"{k}.nc").stat().st_mtime_ns for k in written} == written
+    _same(load(tmp_path / "0_of_2" / "heads.nc"), load(single / "0_of_1" / "heads.nc"))
+
+
+def test_sharded_discover_matches_one_process(tmp_path):
+    cli = Path(sys.executable).with_name("countlens")
+    args = ["discover", "--model", "toy", "--n-per-case", "2", "--n-pairs", "8", "--n-samples", "8",
+            "--batch-size", "4"]
+    _run([str(cli), *args, "--out", str(tmp_path / "one")], env={"OMP_NUM_THREADS": "1"})
+    ranks = _run([str(TORCHRUN), "--nproc_per_node", "2", "--master_port", "0", "--no-python", str(cli), *args,
+                  "--out", str(tmp_path / "two")])
+    assert "rank 1 of 2: its share of the sweeps is done" in ranks.stdout
+    for stage in ("vap", "heads", "ablation", "cases", "temperature"):
+        _same(load(tmp_path / "two" / "results" / f"{stage}.nc"), load(tmp_path / "one" / "results" / f"{stage}.nc"))
+    assert (tmp_path / "two" / "report.md").read_text() == (tmp_path / "one" / "report.md").read_text()
