@@ -327,6 +327,8 @@ def finetune_cmd(
                              log=typer.echo)
     except CountlensError as err:
         _fail(err)
+    if table is None:  # a data-parallel rank other than 0: rank 0 writes the table and the report
+        return
     report = circuit / "report.md"
     if report.exists():
         from countlens.discover import FINETUNE_SECTION

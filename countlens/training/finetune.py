@@ -5,8 +5,13 @@ attention terms at ``target_layers`` — taken from a circuit (the layers of its
 cross-modal-routing heads, `target_layers_from`) or given. LoRA adapters (peft) sit on the language
 model's attention projections, optionally only at the target layers; AdamW with 3 % linear warmup
 then linear decay; gradient accumulation; bf16 autocast on GPU, fp32 on CPU, through `accelerate`.
-One process: a large model spreads over several GPUs with ``device_map``; data-parallel
-``accelerate launch`` (sharded batches, one checkpoint writer) is not supported yet.
+A large model spreads over several GPUs with ``device_map`` in one process; or the run is data
+parallel under ``accelerate launch --num_processes N`` / ``torchrun --nproc_per_node N`` (DDP, or
+FSDP with ``configs/accelerate/fsdp.yaml``): each step's global batch of ``batch_size`` samples
+is split between the ranks (rank r takes samples r, r + N, …), the gradients averaged, so the
+optimiser sees the global batch's gradient; rank 0 alone writes checkpoints, the adapter and the
+log. The mean of the ranks' mean losses is the global mean when every sample has as many answer
+tokens (single-token answers; with answers of unequal length, DDP weights the ranks equally).
 
 Batches are a pure function of (seed, step), so a run killed at any point resumes from its last
 checkpoint (adapter, optimiser, scheduler and step, written atomically every ``save_every`` steps)
@@ -24,12 +29,14 @@ import re
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from countlens.errors import InputError
+from countlens.results import write_text
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -131,10 +138,10 @@ def _batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
     return np.array(out)
 
 
-def _save_checkpoint(model, optimizer, scheduler, step: int, log: list, out: Path) -> None:
+def _save_checkpoint(model, state_dict: dict, optimizer, scheduler, step: int, log: list, out: Path) -> None:
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}, tmp / "state.pt")
     (tmp / "log.json").write_text(json.dumps(log))
     # Swap directories so that a crash leaves either the old or the new checkpoint complete.
@@ -156,7 +163,7 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
              progress: Callable[[dict], None] | None = None) -> Path:
     """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
     adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator, InitProcessGroupKwargs
     from peft import get_peft_model
 
     out = Path(out)
@@ -176,11 +183,16 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
     if spec_file.exists() and json.loads(spec_file.read_text()) != spec:
         raise InputError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
     out.mkdir(parents=True, exist_ok=True)
-    spec_file.write_text(json.dumps(spec, indent=1))
+    write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
 
     torch.manual_seed(config.seed)
-    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
-                              mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, cpu=not torch.cuda.is_available(),
+                              mixed_precision="bf16" if torch.cuda.is_available() else "no",
+                              # rank 0 may evaluate for long between two fine-tunes while the others wait
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=4))])
+    if config.batch_size % accelerator.num_processes:
+        raise InputError(f"batch_size {config.batch_size} is the global batch, split between "
+                         f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}")
     frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
     peft_model = get_peft_model(vlm.hf, _lora_config(vlm, config))
     try:
@@ -213,12 +225,14 @@ def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneCon
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, log = state["step"], json.loads((ckpt / "log.json").read_text())
-    model, optimizer, scheduler = accelerator.prepare(peft_model, optimizer, scheduler)
+    # The scheduler stays outside `prepare`: accelerate would step it once per process per step.
+    model, optimizer = accelerator.prepare(peft_model, optimizer)
+    rank, world, lead = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     model.train()
     while step < config.steps:
         for micro in range(config.grad_accum):
             idx = _batch_indices(len(samples), step * config.grad_accum + micro, config.batch_size, config.seed)
-            tb = training_batch(vlm, [samples[i] for i in idx])
+            tb = training_batch(vlm, [samples[i] for i in idx[rank::world]])
             inputs = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in tb.inputs.items()}
             with accelerator.accumulate(model), accelerator.autocast():
                 if attn_terms:
@@ -241,18 +255,27 @@ def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneCon
                 optimizer.step()
                 scheduler.step() if accelerator.sync_gradients else None
                 optimizer.zero_grad()
-        row = {"step": step, "loss": float(loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
+        # The logged losses are the global batch's: the mean over ranks of each rank's mean.
+        values = torch.stack([loss.detach(), *(v.detach() for v in terms.values())]).float()
+        values = accelerator.reduce(values, reduction="mean") if world > 1 else values
+        row = {"step": step, "loss": float(values[0]), **{k: float(v) for k, v in zip(terms, values[1:])},
                "lr": scheduler.get_last_lr()[0]}
         log.append(row)
         step += 1
-        if progress is not None:
+        if progress is not None and lead:
             progress(row)
         if step % config.save_every == 0 or step == config.steps:
-            _save_checkpoint(accelerator.unwrap_model(model), optimizer, scheduler, step, log, out)
+            weights = accelerator.get_state_dict(model)  # every rank: FSDP gathers the shards here
+            if lead:
+                _save_checkpoint(accelerator.unwrap_model(model), weights, optimizer, scheduler, step, log, out)
+            accelerator.wait_for_everyone()
     adapter = out / "adapter"
-    shutil.rmtree(adapter, ignore_errors=True)
-    accelerator.unwrap_model(model).save_pretrained(adapter)
-    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    weights = accelerator.get_state_dict(model)
+    if lead:
+        shutil.rmtree(adapter, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(adapter, state_dict=weights)
+        (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    accelerator.wait_for_everyone()
     return adapter
 
 

@@ -15,6 +15,7 @@ scenes, from training seeds (≥ 1000) — never an evaluation scene.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -95,14 +96,18 @@ def importance_from(circuit) -> xr.DataArray:
 def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
                  train=None, sets: dict[str, list] | None = None, alpha: float = 1.2, top_k: int = 3,
                  batch_size: int = 32, n_train: int = 2048, n_eval: int = 200, extra_sets: dict | None = None,
-                 log=print) -> pd.DataFrame:
+                 log=print) -> pd.DataFrame | None:
     """Train the variants and evaluate them; returns the table (rows: variants) and writes it.
 
     ``extra_sets``: more evaluation columns, e.g. ``{"FSC-147": load_fsc147(root, limit=200)}`` — a
     real benchmark kept locally, scored like the rest."""
     import countlens
+    from countlens import distributed
     from countlens.circuits.temperature import beta_from_importance, head_temperature
 
+    # Data parallel (accelerate launch / torchrun): every rank trains each variant with the others;
+    # rank 0 alone evaluates and writes, and the other ranks return None.
+    lead = distributed.current().rank == 0
     out = Path(out)
     base = countlens.load(model)
     prompt = "short" if base.name == "toy" else "std"
@@ -118,16 +123,19 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
                                             "digest": samples_digest([*train, *(x for v in sets.values() for x in v)]),
                                             "config": json.loads(json.dumps(asdict(config), default=str)),
                                             "n_train": len(train), "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()}})
-    log(f"baseline: {done.get('baseline', lambda: _accuracies(base, sets, batch_size, generated))}")
+    if lead:
+        log(f"baseline: {done.get('baseline', lambda: _accuracies(base, sets, batch_size, generated))}")
     for name, terms in VARIANTS.items():
         wanted = [name] + (["+SFT+focus+temperature"] if name == "+SFT+focus" else [])
-        if all(w in done for w in wanted):
-            log(f"{name}: done before")
+        if all(w in done for w in wanted):  # the same on every rank: all read one file at the start
+            log(f"{name}: done before") if lead else None
             continue
         variant = replace(config, **terms)
-        with Bar(f"training {name}", variant.steps) as bar:
+        with Bar(f"training {name}", variant.steps) if lead else nullcontext() as bar:
             adapter = finetune(base, train, out / name.strip("+").replace("+", "_").lower(), variant,
                                progress=lambda row: bar.update(row["step"] + 1, f"loss {row['loss']:.3f}"))
+        if not lead:
+            continue
         tuned = with_adapter(model, adapter)
         log(f"{name}: {done.get(name, lambda: _accuracies(tuned, sets, batch_size, generated))}")
         if name == "+SFT+focus":
@@ -136,6 +144,8 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
                     return _accuracies(tuned, sets, batch_size, generated)
 
             log(f"+SFT+focus+temperature: {done.get('+SFT+focus+temperature', sharpened)}")
+    if not lead:
+        return None
     rows = done.rows
     order = ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
     table = pd.DataFrame(rows).T.loc[order]

@@ -15,6 +15,7 @@ from countlens.results import load
 
 WORKER = Path(__file__).with_name("sharded_sweep.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+CLI = Path(sys.executable).with_name("countlens")
 SWEEPS = ("layers", "heads", "ablation")
 
 
@@ -44,7 +45,7 @@ def single(tmp_path_factory) -> Path:
 
 
 def test_two_torchrun_ranks_give_one_process_results_bit_for_bit(single, tmp_path):
-    _run([str(TORCHRUN), "--nproc_per_node", "2", "--master_port", "0", str(WORKER), str(tmp_path)])
+    _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp_path)])
     for name in SWEEPS:
         want = load(single / "0_of_1" / f"{name}.nc")
         for rank in (0, 1):
@@ -63,19 +64,37 @@ def test_a_rank_that_dies_costs_only_its_chunks(single, tmp_path):
     written = {p.stem: p.stat().st_mtime_ns for p in chunks.glob("*.nc")}
     assert sorted(written) == ["pairs_000000_000003", "pairs_000006_000009"]
     # Relaunched, both ranks finish; rank 0's chunks are read, not recomputed.
-    _run([str(TORCHRUN), "--nproc_per_node", "2", "--master_port", "0", str(WORKER), str(tmp_path), "heads"])
+    _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp_path), "heads"])
     assert {k: (chunks / f"{k}.nc").stat().st_mtime_ns for k in written} == written
     _same(load(tmp_path / "0_of_2" / "heads.nc"), load(single / "0_of_1" / "heads.nc"))
 
 
-def test_sharded_discover_matches_one_process(tmp_path):
-    cli = Path(sys.executable).with_name("countlens")
+@pytest.fixture(scope="module")
+def discovered(tmp_path_factory) -> dict[str, Path]:
+    """`countlens discover` on the organism at small sizes: one process, and two torchrun ranks."""
+    root = tmp_path_factory.mktemp("discover")
     args = ["discover", "--model", "toy", "--n-per-case", "2", "--n-pairs", "8", "--n-samples", "8",
             "--batch-size", "4"]
-    _run([str(cli), *args, "--out", str(tmp_path / "one")], env={"OMP_NUM_THREADS": "1"})
-    ranks = _run([str(TORCHRUN), "--nproc_per_node", "2", "--master_port", "0", "--no-python", str(cli), *args,
-                  "--out", str(tmp_path / "two")])
-    assert "rank 1 of 2: its share of the sweeps is done" in ranks.stdout
+    _run([str(CLI), *args, "--out", str(root / "one")], env={"OMP_NUM_THREADS": "1"})
+    ranks = _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", str(CLI), *args,
+                  "--out", str(root / "two")])
+    return {"one": root / "one", "two": root / "two", "stdout": ranks.stdout}
+
+
+def test_sharded_discover_matches_one_process(discovered):
+    assert "rank 1 of 2: its share of the sweeps is done" in discovered["stdout"]
     for stage in ("vap", "heads", "ablation", "cases", "temperature"):
-        _same(load(tmp_path / "two" / "results" / f"{stage}.nc"), load(tmp_path / "one" / "results" / f"{stage}.nc"))
-    assert (tmp_path / "two" / "report.md").read_text() == (tmp_path / "one" / "report.md").read_text()
+        _same(load(discovered["two"] / "results" / f"{stage}.nc"), load(discovered["one"] / "results" / f"{stage}.nc"))
+    assert (discovered["two"] / "report.md").read_text() == (discovered["one"] / "report.md").read_text()
+
+
+def test_data_parallel_finetune_command_writes_one_table(discovered):
+    run = discovered["two"]
+    done = _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", str(CLI), "finetune",
+                 "--model", "toy", "--circuit", str(run), "--steps", "2", "--batch-size", "4", "--n-train", "16",
+                 "--n-eval", "8"])
+    table = (run / "finetune" / "before_after.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in table[1:]] == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature",
+                                                          "+SFT+focus+MAS"]
+    assert done.stdout.count("+SFT+focus+MAS ") == 1  # the table, printed by rank 0 alone
+    assert (run / "report.md").read_text().count("Circuit-guided fine-tune") == 1
