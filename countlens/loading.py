@@ -50,6 +50,7 @@ def load(
     from transformers import AutoConfig
 
     if not remote:  # NDIF places remote models itself
+        device_map = rank_device(device_map)
         _check_device(device_map)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -84,6 +85,16 @@ def load(
         raise CheckpointError(f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
                               "corrupt, copy it again from the original checkpoint") from None
     return VLM(model, processor, name=label)
+
+
+def rank_device(device_map):
+    """``"cuda"`` means this rank's GPU when a launcher started several processes (``LOCAL_RANK``
+    set, ``WORLD_SIZE`` > 1): ``"cuda:<LOCAL_RANK>"``, so eight ranks do not all load on GPU 0.
+    Anything else is kept."""
+    local, world = os.environ.get("LOCAL_RANK"), os.environ.get("WORLD_SIZE", "1")
+    if device_map == "cuda" and local is not None and world.isdigit() and int(world) > 1 and local.isdigit():
+        return f"cuda:{local}"
+    return device_map
 
 
 def _check_device(device_map) -> None:

@@ -219,6 +219,9 @@ def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneCon
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     step, log = 0, []
     ckpt = _latest_checkpoint(out)
+    if ckpt is not None and accelerator.distributed_type == "FSDP":
+        raise InputError(f"{out} holds a checkpoint, and resuming under FSDP is not supported: its optimiser "
+                         "state is rank 0's shard only. Train into a new directory, or resume without FSDP (DDP)")
     if ckpt is not None:
         set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
         state = torch.load(ckpt / "state.pt", weights_only=False)

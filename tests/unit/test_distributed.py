@@ -60,3 +60,29 @@ def test_opening_a_store_spares_live_writers_temps(tmp_path):
     SweepStore(tmp_path, {"sweep": "t"})
     assert live.exists() and other_host.exists() and not dead.exists() and not old_style.exists()
     assert _writer_alive(live.name) and not _writer_alive(old_style.name)
+
+
+def test_the_accelerate_configs_in_the_repo_load():
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
+    ddp, fsdp = (load_config_from_file(str(root / f"{name}.yaml")) for name in ("ddp", "fsdp"))
+    assert ddp.distributed_type == "MULTI_GPU" and fsdp.distributed_type == "FSDP"
+    wrapped = fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"]
+    assert hasattr(modeling_qwen2_5_vl, wrapped)  # the layer class FSDP wraps exists under that name
+    assert fsdp.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"  # rank 0 writes the whole adapter
+
+
+def test_cuda_means_this_ranks_gpu_under_a_launcher(monkeypatch):
+    from countlens.loading import rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert rank_device("cuda") == "cuda:3"
+    assert [rank_device(d) for d in ("cpu", "cuda:1", None, "auto")] == ["cpu", "cuda:1", None, "auto"]
+    assert rank_device({"": 0}) == {"": 0}
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert rank_device("cuda") == "cuda"
