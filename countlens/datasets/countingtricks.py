@@ -171,7 +171,9 @@ def _anchor_table(c: Case, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
     margin, _, _ = _lattice_terms(c, g)
     xs, ys = _anchors(c, g, margin)
     pts = np.array([(x, y) for y in ys for x in xs]).reshape(-1, 2)
-    return pts, np.abs(pts[:, None, :] - pts[None, :, :]).max(-1)
+    dist = np.abs(pts[:, None, :] - pts[None, :, :]).max(-1)
+    pts.flags.writeable = dist.flags.writeable = False  # shared by every sample of the case
+    return pts, dist
 
 
 def _greedy(order: np.ndarray, dist: np.ndarray, sizes: np.ndarray, spacing: float, n: int) -> list[int]:
