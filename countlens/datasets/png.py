@@ -3,7 +3,7 @@
 A COUNTINGTRICKS image holds a handful of colours, so it is written as an indexed PNG (colour type
 3) at the smallest bit depth its palette allows (1 bit for two colours, 2 for four, 4 for sixteen,
 else 8), each row unfiltered, the whole compressed by zlib at level 1. PIL's palette PNG at the same
-level and bit depth takes 206 µs a 384 px COUNTINGTRICKS image to this writer's 49 µs
+level and bit depth takes 218 µs a 384 px COUNTINGTRICKS image to this writer's 52 µs
 (`bench/countingtricks_throughput.py`, ``png``). Any PNG reader decodes the file, and
 ``Image.open(f).convert("RGB")`` gives back the exact pixels. Same input, same bytes, on one zlib.
 """
