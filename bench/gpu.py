@@ -1,0 +1,201 @@
+"""The GPU check at a real model's width: Qwen2.5-VL-7B's widths, random init, no downloads.
+
+    python bench/gpu.py                      # a GPU machine: depth 28, bf16, 448 px → bench/gpu.json
+    python bench/gpu.py --dry-run OUT.json   # CPU, depth 1, fp32, 112 px, 2 pairs (run by the tests)
+    python bench/gpu.py --device cpu --dtype float32 --depth 2 --image-size 224 --pairs 2 --naive-heads 4 \
+        --repeats 1 --out bench/gpu_cpu_depth2.json   # the CPU rehearsal recorded here
+
+The model is a `Qwen2_5_VLForConditionalGeneration` built from a config with the 7B checkpoint's
+widths — text hidden 3,584, 28 heads, 4 KV heads, intermediate 18,944, vocabulary 152,064; vision
+width 1,280, 16 heads, intermediate 3,420, patch 14, merge 2, window 112 px, full attention in
+blocks 7/15/23/31 — at ``--depth`` text layers (and as many vision blocks, at most 32), random
+weights, on the device in ``--dtype``. It reads the organism's word-level tokenizer (the vocabulary
+size, which sets the unembedding's cost, is the config's 152,064). Measured, each the median over
+``--repeats``, the two sides of a comparison interleaved:
+
+- **P1**: an nnsight trace saving one residual vs the plain forward of the same clean batch;
+- the layer **VAP** sweep (`patch_layers`, image / last / text × every layer) vs as many plain
+  forwards (one per site);
+- **P2**: the all-head sweep (`patch_heads`, batched replicas) vs a naive loop of one forward per
+  head (`run_edits` with one edit, as ``bench/patching_sweeps.py`` defines it); goal ≥ 5×. The
+  naive loop runs ``--naive-heads`` heads (all by default) and its time is scaled to all heads.
+
+Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU, the process's peak RSS on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+WIDTHS = dict(hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
+              vision_hidden=1280, vision_heads=16, vision_intermediate=3420, patch=14, merge=2)
+
+
+def build(depth: int, image_size: int, dtype: torch.dtype, device: str):
+    """(VLM, geometry) of a random-init Qwen2.5-VL at the 7B widths and ``depth`` layers."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from countlens.geometry import Geometry
+    from countlens.processors import image_only
+    from countlens.toy.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB, build_tokenizer
+    from countlens.vlm import VLM
+
+    w = WIDTHS
+    tok = {t: VOCAB.index(t) for t in SPECIAL_TOKENS}
+    vision_depth = min(depth, 32)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=w["vocab"], hidden_size=w["hidden"], intermediate_size=w["intermediate"],
+                         num_hidden_layers=depth, num_attention_heads=w["heads"], num_key_value_heads=w["kv_heads"],
+                         max_position_embeddings=4096, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                         bos_token_id=tok["<|im_start|>"], eos_token_id=tok["<|im_end|>"],
+                         pad_token_id=tok["<|endoftext|>"]),
+        vision_config=dict(depth=vision_depth, hidden_size=w["vision_hidden"], num_heads=w["vision_heads"],
+                           intermediate_size=w["vision_intermediate"], out_hidden_size=w["hidden"],
+                           patch_size=w["patch"], spatial_merge_size=w["merge"], temporal_patch_size=2,
+                           window_size=112, fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < vision_depth]),
+        image_token_id=tok["<|image_pad|>"], video_token_id=tok["<|video_pad|>"],
+        vision_start_token_id=tok["<|vision_start|>"], vision_end_token_id=tok["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype).eval()
+    pixels = image_size * image_size
+    images = Qwen2VLImageProcessorPil(patch_size=w["patch"], merge_size=w["merge"], temporal_patch_size=2,
+                                      size={"shortest_edge": pixels, "longest_edge": pixels})
+    processor = image_only(Qwen2_5_VLProcessor)(image_processor=images, tokenizer=build_tokenizer(),
+                                                 chat_template=CHAT_TEMPLATE)
+    vlm = VLM(model, processor, name=f"qwen2.5-vl-7b-widths-depth{depth}")
+    return vlm, Geometry.square(image_size, w["patch"], w["merge"])
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _interleaved(fns: dict, repeats: int, device: str) -> dict[str, float]:
+    for fn in fns.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _peak_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run(depth: int, image_size: int, n_pairs: int, dtype: str, device: str, repeats: int,
+        naive_heads: int | None) -> dict:
+    from countlens.circuits.patching import Edit, cache_run, patch_heads, patch_layers, prepare_pairs, run_edits
+    from countlens.circuits.sites import group_mask
+    from countlens.datasets.pairs import count_pairs
+
+    t0 = time.perf_counter()
+    vlm, grid = build(depth, image_size, getattr(torch, dtype), device)
+    built_s = time.perf_counter() - t0
+    pairs = count_pairs(n_pairs, kind="dots", grid=grid, prompt="short", counts=range(2, 8), seed=0)
+    pb = prepare_pairs(vlm, pairs)
+    arch = vlm.arch
+    layer = arch.layer(arch.n_layers // 2)
+    groups = ("image", "last", "text")
+    n_sites = (arch.n_layers + 1) * len(groups)
+
+    def plain():
+        with torch.no_grad():
+            vlm.forward(pb.clean, logits_to_keep=1)
+
+    def traced():
+        with torch.no_grad(), vlm.trace(pb.clean, logits_to_keep=1):
+            vlm.module(layer).output.save()
+
+    t = _interleaved({"plain": plain, "traced": traced}, repeats, device)
+    vap = _interleaved({"patch_layers": lambda: patch_layers(vlm, pairs, groups=groups, batch_size=n_pairs),
+                        "plain_x_sites": lambda: [plain() for _ in range(n_sites)]}, repeats, device)
+    heads = [(la, h) for la in range(arch.n_layers) for h in range(arch.n_heads)]
+    chosen = heads[: naive_heads or len(heads)]
+    mask = group_mask(pb.clean, "all")
+
+    def naive():
+        b = prepare_pairs(vlm, pairs)
+        cache = cache_run(vlm, b.corrupt, range(arch.n_layers))
+        for la, h in chosen:
+            run_edits(vlm, b.clean, cache, [Edit(la, mask, h)], max_rows=n_pairs)
+
+    p2 = _interleaved({"patch_heads": lambda: patch_heads(vlm, pairs, batch_size=n_pairs), "naive": naive},
+                      repeats, device)
+    naive_all = p2["naive"] * len(heads) / len(chosen)
+    text, vision = vlm.hf.config.text_config, vlm.hf.config.vision_config
+    ms = lambda s: round(1000 * s, 1)  # noqa: E731
+    return {
+        "model": vlm.name, "depth": depth, "dtype": dtype,
+        "config": {"hidden": text.hidden_size, "heads": text.num_attention_heads,
+                   "kv_heads": text.num_key_value_heads, "intermediate": text.intermediate_size,
+                   "vocab": text.vocab_size, "layers": text.num_hidden_layers,
+                   "vision_hidden": vision.hidden_size, "vision_heads": vision.num_heads,
+                   "vision_intermediate": vision.intermediate_size, "vision_depth": vision.depth,
+                   "patch": vision.patch_size, "merge": vision.spatial_merge_size},
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+        "image_size": image_size, "image_tokens": (image_size // 28) ** 2,
+        "sequence_length": int(pb.clean.inputs["input_ids"].shape[1]), "pairs": n_pairs,
+        "parameters": sum(p.numel() for p in vlm.hf.parameters()), "build_s": round(built_s, 1),
+        "repeats": repeats, "torch": torch.__version__,
+        "p1": {"plain_forward_ms": ms(t["plain"]), "nnsight_trace_ms": ms(t["traced"]),
+               "ratio": round(t["traced"] / t["plain"], 3)},
+        "vap": {"sites": n_sites, "patch_layers_ms": ms(vap["patch_layers"]),
+                "plain_forwards_ms": ms(vap["plain_x_sites"]),
+                "ratio": round(vap["patch_layers"] / vap["plain_x_sites"], 3)},
+        "p2": {"heads": len(heads), "naive_heads_run": len(chosen), "patch_heads_ms": ms(p2["patch_heads"]),
+               "naive_all_heads_ms": ms(naive_all), "speedup": round(naive_all / p2["patch_heads"], 2),
+               "goal": ">= 5"},
+        "peak_memory_bytes": _peak_bytes(device),
+    }
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", metavar="OUT", type=Path, help="CPU, depth 1, fp32, 112 px, 2 pairs; write OUT")
+    ap.add_argument("--depth", type=int, default=28)
+    ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--naive-heads", type=int, default=None, help="heads the naive loop runs (default: all)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
+    args = ap.parse_args()
+    if args.dry_run:
+        result = run(1, 112, 2, "float32", "cpu", 1, naive_heads=4)
+        args.dry_run.write_text(json.dumps(result, indent=2) + "\n")
+        return result
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("no CUDA device here: run on a GPU machine, or --dry-run OUT for the CPU check")
+    result = run(args.depth, args.image_size, args.pairs, args.dtype, args.device, args.repeats, args.naive_heads)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=2))
