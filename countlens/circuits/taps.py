@@ -11,7 +11,8 @@ each stage still encodes:
 Token-grid taps use `Batch.image_cell`; where several tokens map to one cell (LLaVA-NeXT /
 OneVision's high-resolution tokens) the cell holds their mean. Vision taps undo the processor's patch
 order: row-major for CLIP/SigLIP towers (a CLS token is dropped), merge blocks for Qwen2-VL and
-Qwen3-VL. Qwen2.5-VL's windowed blocks and any-resolution crops are not mapped yet (clear error).
+Qwen3-VL, and for Qwen2.5-VL merge blocks put back from its windowed order (the model's own window
+index, inverted). Any-resolution crops are not mapped yet (clear error).
 """
 
 from __future__ import annotations
@@ -43,18 +44,33 @@ def _token_grid_map(acts: Tensor, batch) -> Tensor:
     return out
 
 
+def _window_index(vlm, grid_thw: Tensor) -> Tensor:
+    """Qwen2.5-VL's order of merge units inside its vision blocks, from the model's own code."""
+    visual = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks.rsplit(".", 1)[0])
+    if hasattr(visual, "get_window_index"):  # transformers 4.x keeps it on the tower
+        return visual.get_window_index(grid_thw)[0]
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import get_vision_window_index
+
+    return get_vision_window_index(grid_thw, visual.spatial_merge_size, visual.window_size, visual.patch_size)[0]
+
+
 def _vision_grid_map(acts: Tensor, vlm, batch) -> Tensor:
     spec = vlm.arch.spec
-    if spec.layout != "grid" or spec.projector_order == "window":
-        raise InputError(f"vision-block taps are not mapped for {vlm.arch.name} yet (windowed or any-resolution "
-                         "patch order); use the 'projector' or 'llm' taps")
+    if spec.layout != "grid":
+        raise InputError(f"vision-block taps are not mapped for {vlm.arch.name} yet (any-resolution crops); "
+                         "use the 'projector' or 'llm' taps")
     rows, cols = batch.geometry[0].patch_grid
     if any(g.patch_grid != (rows, cols) for g in batch.geometry):
         raise InputError("vision-block taps need one image size per batch")
     n = len(batch)
     if acts.dim() == 2:  # Qwen: all images' patches concatenated, each image in 2×2 merge blocks
         m = vlm.arch.merge_size
-        x = acts.float().cpu().view(n, rows // m, cols // m, m, m, -1)
+        x = acts.float().cpu()
+        if spec.projector_order == "window":
+            # Qwen2.5-VL's blocks hold the merge units window by window: put them back in order.
+            unit = x.view(x.shape[0] // (m * m), m * m, -1)
+            x = unit[torch.argsort(_window_index(vlm, batch.inputs["image_grid_thw"]).cpu())].reshape(x.shape)
+        x = x.view(n, rows // m, cols // m, m, m, -1)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(n, -1, rows, cols)
     x = acts.float().cpu()
     if x.shape[1] == rows * cols + 1:  # CLIP: a CLS token first

@@ -17,7 +17,7 @@ def _scene_sample(size: int, objs=()) -> TaskSample:
     return TaskSample(Scene(size, size, tuple(objs)), "how many circles are there in the image?", "1", "count")
 
 
-@pytest.mark.parametrize("name", ["toy", "qwen2_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("name", ["toy", "qwen2_vl", "qwen2_5_vl", "llava", "gemma3"])
 def test_an_object_changes_its_own_cell(name, tiny_checkpoint):
     vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name))
     size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
@@ -32,7 +32,7 @@ def test_an_object_changes_its_own_cell(name, tiny_checkpoint):
     trow, tcol = int((row + 0.5) * p // unit), int((col + 0.5) * p // unit)
     # The vision tower mixes patches by attention, but the object's own token changes most.
     assert divmod(int(change.argmax()), change.shape[1]) == (trow, tcol)
-    if name in ("toy", "qwen2_vl", "llava"):
+    if name in ("toy", "qwen2_vl", "qwen2_5_vl", "llava"):
         vis = tap(vlm, samples, "vision", 0)
         vchange = (vis[1] - vis[0]).norm(dim=0)
         assert vis.shape[-2:] == g.patch_grid
@@ -51,3 +51,23 @@ def test_tap_errors():
     with pytest.raises(InputError, match="out of range"):
         tap(vlm, s, "vision", 7)
     torch.manual_seed(0)
+
+
+def test_qwen2_5_vl_vision_tap_is_the_patch_grid_the_merger_reads(tiny_checkpoint):
+    # Oracle: put the last block's mapped patches back in merge-block order and run the tower's own
+    # merger on them; that must give the image tokens the language model receives, cell for cell.
+    vlm = countlens.load(tiny_checkpoint("qwen2_5_vl"))
+    size = TINY_IMAGE_SIZE["qwen2_5_vl"][0]
+    p = vlm.geometry_for(size, size).patch_size
+    samples = [_scene_sample(size, [Obj("circle", "red", 1.5 * p, 2.5 * p, p)]),
+               _scene_sample(size, [Obj("square", "blue", 5.5 * p, 4.5 * p, 2 * p)])]
+    blocks = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)
+    vis = tap(vlm, samples, "vision", len(blocks) - 1)
+    proj = tap(vlm, samples, "projector")
+    n, d, rows, cols = vis.shape
+    m = vlm.arch.merge_size
+    merge_order = vis.permute(0, 2, 3, 1).reshape(n, rows // m, m, cols // m, m, d).permute(0, 1, 3, 2, 4, 5)
+    merger = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks.rsplit(".", 1)[0]).merger
+    with torch.no_grad():
+        tokens = merger(merge_order.reshape(-1, d))
+    torch.testing.assert_close(tokens, proj.permute(0, 2, 3, 1).reshape(-1, proj.shape[1]), rtol=1e-4, atol=1e-5)
