@@ -64,7 +64,12 @@ def current() -> Shard:
     if world is None:
         return Shard()
     try:
-        return Shard(int(rank or 0), int(world))
+        world_n = int(world)
+        if world_n > 1 and rank is None:
+            # Else every process would take rank 0's share and wait for the rest forever.
+            raise InputError(f"WORLD_SIZE={world} but RANK is unset: launch with torchrun / accelerate launch "
+                             "(which set both), set RANK per process, or unset WORLD_SIZE")
+        return Shard(int(rank or 0), world_n)
     except ValueError:
         raise InputError(f"RANK={rank!r} WORLD_SIZE={world!r} are not integers; unset them or launch "
                          "with torchrun / accelerate launch") from None
@@ -85,7 +90,8 @@ def wait_for(store, keys: Sequence[str], shard: Shard, timeout: float | None = N
         timeout = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
     deadline = time.monotonic() + timeout
     while True:
-        missing = [k for k in keys if k not in store.done()]
+        done = store.done()  # one directory listing per poll
+        missing = [k for k in keys if k not in done]
         if not missing:
             return
         if time.monotonic() > deadline:

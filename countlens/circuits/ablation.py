@@ -93,8 +93,8 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
     ``means``: per-task reference means (default: each task's own samples), or one tensor for all.
     ``store``: a directory (or `countlens.results.SweepStore`) that receives each finished chunk of
     samples, and each task's means, so a killed scan resumes where it stopped. Launched as several
-    processes, the chunks are split between them (`countlens.distributed`; a rank computes the
-    means of the tasks its chunks need, so two ranks may both compute, and store, one task's).
+    processes, the chunks are split between them (`countlens.distributed`; rank 0 computes the
+    tasks' means first, the other ranks read them from the store).
     """
     if not tasks:
         raise InputError("give tasks={'name': samples, ...}")
@@ -119,6 +119,13 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
             f" (rank {shard.rank} of {shard.world})" if shard.sharded else ""))
     parts: dict[str, list[xr.Dataset]] = {name: [] for name in tasks}
     mus: dict[str, Tensor] = {}
+    if shard.sharded:
+        # Every rank needs every task's means: rank 0 computes (and stores) them, the others read them.
+        needed = [name for name in tasks if _given_means(means, name) is None]
+        if shard.rank == 0:
+            mus.update({name: _task_means(vlm, name, tasks[name], means, batch_size, store) for name in needed})
+        else:
+            distributed.wait_for(store, [_means_key(name) for name in needed], shard)
     for key, name, start in todo:
         samples = tasks[name]
         if store is not None and key in store.done():
@@ -151,12 +158,20 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
     )
 
 
+def _given_means(means, name: str) -> Tensor | None:
+    return means if isinstance(means, Tensor) else (means or {}).get(name)
+
+
+def _means_key(name: str) -> str:
+    return f"means_{name}"
+
+
 def _task_means(vlm, name: str, samples: Sequence, means, batch_size: int, store) -> Tensor:
     """The task's reference means: given, stored by an earlier run, or computed (and stored)."""
-    mu = means if isinstance(means, Tensor) else (means or {}).get(name)
+    mu = _given_means(means, name)
     if mu is not None:
         return mu
-    key = f"means_{name}"
+    key = _means_key(name)
     if store is not None and key in store.done():
         return torch.from_numpy(store.read(key).values)
     mu = group_means(vlm, samples, batch_size)

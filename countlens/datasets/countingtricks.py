@@ -66,8 +66,13 @@ class Case:
     layout: str | None = None  # adjacency cases: pairs, rows, columns, ring, cluster, mixed, tiling
     gap_px: float = 0.0  # adjacency cases: distance between neighbouring outlines, in pixels
 
-    @cached_property
+    @property
     def params(self) -> dict:
+        """The case's parameters (a fresh dict: the cached one is shared)."""
+        return dict(self._params)
+
+    @cached_property
+    def _params(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 

@@ -33,7 +33,7 @@ def sample_record(s: TaskSample, file: str | None = None) -> dict:
     boxes = s.scene.boxes().tolist() if s.scene.objects else []
     objects = [{f: getattr(o, f) for f in _OBJ_FIELDS} | {"box": b} for o, b in zip(s.scene.objects, boxes)]
     rec = {"file": file, "question": s.question, "answer": s.answer, **s.meta, "objects": objects,
-           "image_size": [s.scene.height, s.scene.width], "case_params": dict(CASES[s.meta["case"]].params)}
+           "image_size": [s.scene.height, s.scene.width], "case_params": CASES[s.meta["case"]].params}
     return rec
 
 

@@ -219,12 +219,13 @@ def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneCon
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     step, log = 0, []
     ckpt = _latest_checkpoint(out)
-    if ckpt is not None and accelerator.distributed_type == "FSDP":
-        raise InputError(f"{out} holds a checkpoint, and resuming under FSDP is not supported: its optimiser "
-                         "state is rank 0's shard only. Train into a new directory, or resume without FSDP (DDP)")
     if ckpt is not None:
-        set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
         state = torch.load(ckpt / "state.pt", weights_only=False)
+        if accelerator.distributed_type == "FSDP" and state["step"] < config.steps:
+            raise InputError(f"{out} holds a checkpoint at step {state['step']} of {config.steps}, and resuming "
+                             "under FSDP is not supported: its optimiser state is rank 0's shard only. Train "
+                             "into a new directory, or resume without FSDP (DDP)")
+        set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, log = state["step"], json.loads((ckpt / "log.json").read_text())

@@ -86,3 +86,12 @@ def test_cuda_means_this_ranks_gpu_under_a_launcher(monkeypatch):
     assert rank_device({"": 0}) == {"": 0}
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert rank_device("cuda") == "cuda"
+
+
+def test_a_world_without_a_rank_is_refused(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(InputError, match="RANK is unset"):
+        distributed.current()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert distributed.current() == Shard(0, 1)
