@@ -128,7 +128,8 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     for name, terms in VARIANTS.items():
         wanted = [name] + (["+SFT+focus+temperature"] if name == "+SFT+focus" else [])
         if all(w in done for w in wanted):  # the same on every rank: all read one file at the start
-            log(f"{name}: done before") if lead else None
+            if lead:
+                log(f"{name}: done before")
             continue
         variant = replace(config, **terms)
         with Bar(f"training {name}", variant.steps) if lead else nullcontext() as bar:

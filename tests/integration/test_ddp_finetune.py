@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_sharded import TORCHRUN, _run
+
+from launch import TWO_RANKS, run
 
 WORKER = Path(__file__).with_name("ddp_finetune.py")
-TWO = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(WORKER)]
+TWO = [*TWO_RANKS, str(WORKER)]
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -22,8 +23,8 @@ def _adapter(out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
-    _run([sys.executable, str(WORKER), str(one)], env={"OMP_NUM_THREADS": "1"})
-    _run([*TWO, str(two)])
+    run([sys.executable, str(WORKER), str(one)], env={"OMP_NUM_THREADS": "1"})
+    run([*TWO, str(two)])
     return {"one": one, "two": two}
 
 
@@ -43,10 +44,10 @@ def test_two_ranks_train_the_single_process_adapter(runs):
 
 
 def test_a_killed_rank_resumes_to_the_uninterrupted_adapter(runs, tmp_path):
-    died = _run([*TWO, str(tmp_path), "--die-after-checkpoint"], check=False)
+    died = run([*TWO, str(tmp_path), "--die-after-checkpoint"], check=False)
     assert died.returncode != 0
     assert (tmp_path / "checkpoint" / "state.pt").exists() and not (tmp_path / "adapter").exists()
-    _run([*TWO, str(tmp_path)])
+    run([*TWO, str(tmp_path)])
     a, b = _adapter(runs["two"]), _adapter(tmp_path)
     for k in a:
         assert torch.equal(a[k], b[k]), k  # same ranks, same steps from the checkpoint: bit for bit

@@ -3,8 +3,6 @@ and a rank that dies costs only its own chunks."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,21 +10,10 @@ import numpy as np
 import pytest
 
 from countlens.results import load
+from launch import CLI, TWO_RANKS, run
 
 WORKER = Path(__file__).with_name("sharded_sweep.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-CLI = Path(sys.executable).with_name("countlens")
 SWEEPS = ("layers", "heads", "ablation")
-
-
-def _run(argv: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    # A launcher's variables in the test's own environment must not leak into the runs.
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run(argv, env={**base, "HF_HUB_OFFLINE": "1", **(env or {})}, capture_output=True,
-                          text=True, timeout=600)
-    if check:
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
 
 
 def _same(a, b) -> None:
@@ -40,12 +27,12 @@ def _same(a, b) -> None:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
-    _run([sys.executable, str(WORKER), str(out)])
+    run([sys.executable, str(WORKER), str(out)])
     return out
 
 
 def test_two_torchrun_ranks_give_one_process_results_bit_for_bit(single, tmp_path):
-    _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp_path)])
+    run([*TWO_RANKS, str(WORKER), str(tmp_path)])
     for name in SWEEPS:
         want = load(single / "0_of_1" / f"{name}.nc")
         for rank in (0, 1):
@@ -57,14 +44,14 @@ def test_two_torchrun_ranks_give_one_process_results_bit_for_bit(single, tmp_pat
 
 def test_a_rank_that_dies_costs_only_its_chunks(single, tmp_path):
     # Rank 0 alone, of a world of 2: it writes its chunks, then gives up waiting for rank 1's.
-    lone = _run([sys.executable, str(WORKER), str(tmp_path), "heads"],
-                env={"RANK": "0", "WORLD_SIZE": "2", "COUNTLENS_SHARD_TIMEOUT": "1"}, check=False)
+    lone = run([sys.executable, str(WORKER), str(tmp_path), "heads"],
+               env={"RANK": "0", "WORLD_SIZE": "2", "COUNTLENS_SHARD_TIMEOUT": "1"}, check=False)
     assert lone.returncode != 0 and "never wrote" in lone.stderr and "relaunch" in lone.stderr
     chunks = tmp_path / "stores" / "heads" / "chunks"
     written = {p.stem: p.stat().st_mtime_ns for p in chunks.glob("*.nc")}
     assert sorted(written) == ["pairs_000000_000003", "pairs_000006_000009"]
     # Relaunched, both ranks finish; rank 0's chunks are read, not recomputed.
-    _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp_path), "heads"])
+    run([*TWO_RANKS, str(WORKER), str(tmp_path), "heads"])
     assert {k: (chunks / f"{k}.nc").stat().st_mtime_ns for k in written} == written
     _same(load(tmp_path / "0_of_2" / "heads.nc"), load(single / "0_of_1" / "heads.nc"))
 
@@ -75,9 +62,8 @@ def discovered(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("discover")
     args = ["discover", "--model", "toy", "--n-per-case", "2", "--n-pairs", "8", "--n-samples", "8",
             "--batch-size", "4"]
-    _run([str(CLI), *args, "--out", str(root / "one")], env={"OMP_NUM_THREADS": "1"})
-    ranks = _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", str(CLI), *args,
-                  "--out", str(root / "two")])
+    run([str(CLI), *args, "--out", str(root / "one")], env={"OMP_NUM_THREADS": "1"})
+    ranks = run([*TWO_RANKS, "--no-python", str(CLI), *args, "--out", str(root / "two")])
     return {"one": root / "one", "two": root / "two", "stdout": ranks.stdout}
 
 
@@ -89,12 +75,12 @@ def test_sharded_discover_matches_one_process(discovered):
 
 
 def test_data_parallel_finetune_command_writes_one_table(discovered):
-    run = discovered["two"]
-    done = _run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", str(CLI), "finetune",
-                 "--model", "toy", "--circuit", str(run), "--steps", "2", "--batch-size", "4", "--n-train", "16",
-                 "--n-eval", "8"])
-    table = (run / "finetune" / "before_after.csv").read_text().splitlines()
+    circuit = discovered["two"]
+    done = run([*TWO_RANKS, "--no-python", str(CLI), "finetune",
+                "--model", "toy", "--circuit", str(circuit), "--steps", "2", "--batch-size", "4", "--n-train", "16",
+                "--n-eval", "8"])
+    table = (circuit / "finetune" / "before_after.csv").read_text().splitlines()
     assert [line.split(",")[0] for line in table[1:]] == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature",
                                                           "+SFT+focus+MAS"]
     assert done.stdout.count("+SFT+focus+MAS ") == 1  # the table, printed by rank 0 alone
-    assert (run / "report.md").read_text().count("Circuit-guided fine-tune") == 1
+    assert (circuit / "report.md").read_text().count("Circuit-guided fine-tune") == 1
