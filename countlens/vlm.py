@@ -90,6 +90,12 @@ class VLM:
             kwargs.setdefault("remote", True)
         return self.nn.trace(**inputs, **kwargs)
 
+    def read(self, batch: Batch | dict, **kwargs):
+        """A trace that reads activations: no KV cache and logits at the last position only, since
+        nothing read off a layer needs either (at a 152k vocabulary, full logits are
+        rows × seq × 152k floats, more than the model's activations)."""
+        return self.trace(batch, use_cache=False, logits_to_keep=1, **kwargs)
+
     def module(self, path: str):
         """The nnsight envoy at a dotted module path (``model.language_model.layers.3.self_attn``)."""
         node = self.nn

@@ -69,7 +69,7 @@ def last_token_states(vlm, samples: Sequence, layers: Sequence[int], batch_size:
         chunk = samples[start : start + batch_size]
         batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
         saved = []
-        with vlm.trace(batch):
+        with vlm.read(batch):
             for path in paths:  # ascending, the order the layers run in
                 saved.append(vlm.module(path).output[:, -1].save())
         out.append(torch.stack([h.float().cpu() for h in saved]))

@@ -56,7 +56,7 @@ def group_means(vlm, samples: Sequence, batch_size: int = 32) -> Tensor:
     for batch in _batches(vlm, samples, batch_size):
         masks = [group_mask(batch, g) for g in ABLATION_GROUPS]
         zs = []
-        with vlm.trace(batch):
+        with vlm.read(batch):
             for layer in range(arch.n_layers):
                 zs.append(vlm.module(arch.o_proj(layer)).input.save())
         for layer, z in enumerate(zs):

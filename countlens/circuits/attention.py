@@ -41,7 +41,7 @@ def last_token_attention(vlm, batch, layers: Sequence[int] | None = None) -> Ten
     """Float[Tensor, "layer batch head seq"]: attention from the last prompt position, per head."""
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     rows = []
-    with eager_attention(vlm), vlm.trace(batch):
+    with eager_attention(vlm), vlm.read(batch):
         for layer in layers:
             probs = vlm.module(vlm.arch.self_attn(layer)).output[1]
             rows.append(probs[torch.arange(len(batch)), :, batch.last.to(probs.device)].float().save())

@@ -75,7 +75,7 @@ class HeadLens:
             batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
             real = batch.inputs["attention_mask"].bool()
             outs = {}
-            with vlm.trace(batch):
+            with vlm.read(batch):
                 for layer in layers:
                     outs[layer] = vlm.module(arch.o_proj(layer)).output.save()
                 final = vlm.module(arch.layer(arch.n_layers - 1)).output.save()
@@ -128,7 +128,7 @@ class HeadLens:
             chunk = samples[start : start + batch_size]
             batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
             zs = {}
-            with vlm.trace(batch):
+            with vlm.read(batch):
                 for layer in self.layers:
                     zs[layer] = vlm.module(arch.o_proj(layer)).input[:, -1].save()
             per_layer = [self.head_logits(vlm, layer, zs[layer], bias).topk(top_k, -1).indices.cpu()

@@ -41,7 +41,7 @@ def logit_lens(vlm, samples: Sequence, layers: Sequence[int] | None = None, batc
                             forced=[a[:-1] for a in answers])
         rows, cols, gold, first = _answer_positions(answers, batch.inputs["input_ids"].shape[1])
         r_l, p_l, t_l = [], [], []
-        with vlm.trace(batch):
+        with vlm.read(batch):
             norm, head = vlm.module(spec.final_norm), vlm.module(spec.lm_head)
             for layer in sorted(layers):
                 h = vlm.module(vlm.arch.layer(layer)).output[rows, cols]  # one row per answer token

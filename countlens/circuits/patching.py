@@ -103,7 +103,7 @@ def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = T
     """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
     ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens)."""
     out: dict = {"resid": {}, "z": {}}
-    with vlm.trace(batch, logits_to_keep=1):
+    with vlm.read(batch):
         if resid and -1 in layers:
             out["resid"][-1] = vlm.module(vlm.arch.layer(0)).input.save()
         for layer in sorted(x for x in layers if x >= 0):
@@ -161,7 +161,7 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
     clean: dict = {}
     if len(replicas) > 1:
         # A copy of the tower's output, because the model edits that object afterwards.
-        with vlm.trace(batch, use_cache=False):
+        with vlm.read(batch):
             clean["vision"] = repeat_output(vlm.module(tower).output, 1)
             for layer in sorted({s - 1 for s in starts if s >= 1}):
                 clean[layer] = vlm.module(vlm.arch.layer(layer)).output.save()
@@ -244,9 +244,12 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
         pb = prepare_pairs(vlm, chunk)
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers))
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
-        logits = run_edits(vlm, pb.clean, cache, make_edits(pb))
-        ld = _logit_diff(logits.flatten(0, 1), pb.clean_id.repeat(len(logits)), pb.corrupt_id.repeat(len(logits)))
-        pred = logits.argmax(-1) == pb.corrupt_id[None]
+        # Per replica only (LD, arg-max is the corrupt answer): the full logits of an L×H sweep would be
+        # L·H·pairs·vocab floats (28·28·16·152k ≈ 7.6 GB at 7B).
+        read = lambda rows: torch.stack([_logit_diff(rows, pb.clean_id, pb.corrupt_id),  # noqa: E731
+                                         (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()])
+        out = run_edits(vlm, pb.clean, cache, make_edits(pb), reduce=read)
+        ld, pred = out[:, 0].contiguous(), out[:, 1].bool()
         pair = np.arange(start, start + len(chunk))
         part = xr.Dataset(
             {
@@ -349,7 +352,7 @@ def attribution_patch(vlm, pairs: Sequence, positions: str = "all", batch_size: 
         for p in params:  # gradients only for activations: no parameter .grad buffers
             p.requires_grad_(False)
         try:
-            with torch.enable_grad(), vlm.trace(pb.clean):
+            with torch.enable_grad(), vlm.read(pb.clean):
                 for layer in range(n_layers):
                     z = vlm.module(vlm.arch.o_proj(layer)).input
                     z.requires_grad_(True)

@@ -83,5 +83,5 @@ def head_contributions(vlm, layer: int, z: Tensor) -> Tensor:
     """ĥ_i·W_O per head: Float[Tensor, "... n_heads d_model"] from z Float[Tensor, "... n_heads*d_head"]."""
     w = o_proj_weight(vlm, layer)
     h = vlm.arch.n_heads
-    w_heads = w.view(w.shape[0], h, -1).to(z.dtype)  # d_model × heads × d_head
+    w_heads = w.view(w.shape[0], h, -1).to(z.device, z.dtype)  # d_model × heads × d_head (z may sit on the CPU)
     return torch.einsum("...hd,mhd->...hm", heads_view(z, h), w_heads)

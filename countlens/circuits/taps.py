@@ -92,7 +92,7 @@ def tap(vlm, samples: Sequence, kind: str, index: int | None = None, batch_size:
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
         batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
-        with vlm.trace(batch):
+        with vlm.read(batch):
             if kind == "vision":
                 blocks = vlm.module(spec.vision_blocks)
                 if not 0 <= index < len(blocks):
