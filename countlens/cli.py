@@ -235,6 +235,60 @@ def discover_cmd(
     typer.echo(f"report: {report}")
 
 
+@app.command("plan")
+def plan_cmd(
+    model: str = typer.Option("toy", help="'toy', a local checkpoint directory (its config and processor are "
+                              "read; no weights), or a cached hub id."),
+    image_size: int = typer.Option(None, help="Square image side in pixels (dynamic-resolution processors); "
+                                   "default: the processor's."),
+    memory: float = typer.Option(None, help="The device's memory in GiB (e.g. 141 for an H200); default: this "
+                                 "machine's available memory."),
+    device: str = typer.Option("cpu", help="Where discover would run: cpu or cuda."),
+    dtype: str = typer.Option(None, help="e.g. bfloat16; default: the checkpoint's."),
+    n_per_case: int = typer.Option(100),
+    n_pairs: int = typer.Option(128),
+    n_samples: int = typer.Option(128),
+    prompt: str = typer.Option("auto"),
+    batch_size: int = typer.Option(16),
+    json_out: Path = typer.Option(None, "--json", help="Also write the plan as JSON here."),
+) -> None:
+    """Plan `countlens discover` before running it: per stage, its forwards, rows per stacked
+    forward, peak memory and FLOPs, for the given image size, batch and device memory.
+
+    Example: countlens plan --model runs/qwen2.5-vl-7b --image-size 448 --memory 141 --device cuda --dtype bfloat16
+    """
+    import json
+
+    from countlens import plan
+    from countlens.discover import DiscoverConfig
+
+    _check_positive(image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
+                    batch_size=batch_size)
+    if memory is not None and not memory > 0:
+        _fail(CountlensError(f"--memory must be > 0 GiB, got {memory}"))
+    try:
+        vlm = plan.meta_vlm(model, dtype=dtype, image_size=image_size)
+        config = DiscoverConfig(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, prompt=prompt,
+                                batch_size=batch_size)
+        p = plan.plan(vlm, config, memory=None if memory is None else int(memory * 2**30), device=device)
+    except CountlensError as err:
+        _fail(err)
+    gib = 2**30
+    typer.echo(f"{p.model} on {p.device} with {p.memory / gib:.1f} GiB: weights {p.widths.weight_bytes / gib:.2f} GiB, "
+               f"runtime {p.base / gib:.2f} GiB, {p.image_size} px images ({p.patches} patches each); "
+               f"batch {batch_size}")
+    typer.echo(p.table().to_markdown())
+    for s in p.stages:
+        for note in s.notes:
+            typer.echo(f"{s.name}: {note}")
+    over = p.over()
+    if over:
+        typer.echo(f"over {p.memory / gib:.1f} GiB: {', '.join(over)}; lower --batch-size or give a larger device")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(p.to_dict(), indent=1) + "\n")
+
+
 @app.command("classify")
 def classify_cmd(
     run: Path = typer.Option(..., help="A `countlens discover` run directory."),

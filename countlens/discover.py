@@ -123,16 +123,13 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     from countlens.analysis.evaluate import score
     from countlens.analysis.heads import export_heads
     from countlens.analysis.attention_metrics import attention_metrics
-    from countlens.datasets.countingtricks import CASES, countingtricks
-    from countlens.datasets.pairs import count_pairs
-    from countlens.datasets.tasks import task_samples
 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InputError(f"output {out} is a file; give a directory")
     c = config
     check_config(c)  # before anything is written: a refused run leaves no spec behind
-    prompt = ("short" if vlm.name == "toy" else "std") if c.prompt == "auto" else c.prompt
+    prompt = resolved_prompt(vlm, c)
     # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
     from countlens.datasets.prompts import PROMPTS
 
@@ -140,16 +137,10 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     spec = {**asdict(c), "model": vlm.name, "arch": vlm.arch.name, "prompt": prompt,
             "prompt_template": PROMPTS[prompt].template, "answer_form": PROMPTS[prompt].answer}
     stages = Stages(out, spec, log)
-    grid = vlm.geometry
-    size = grid.image_height
     bs = c.batch_size
 
-    def tasks(seed_offset: int = 0) -> dict:
-        return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")}
-
-    # The sweeps' inputs: pairs for patching, tasks for ablation (pure functions of the seed).
-    pairs = count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10))
-    data = tasks()
+    inputs = stage_inputs(vlm, c, prompt)
+    pairs, data = inputs["pairs"](), inputs["tasks"]()
     sweeps = out / "results" / "sweeps"
     shard = distributed.current()
     sweep_stages = {
@@ -169,15 +160,10 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
             log(f"rank {shard.rank} of {shard.world}: its share of the sweeps is done; rank 0 writes the report")
             return out / "report.md"
     # 1. COUNTINGTRICKS
-    stages.run("cases", lambda: score(vlm, countingtricks(None, c.n_per_case, grid, seed=c.seed,
-                                                                  prompt=prompt, color=("red", "green", "blue")),
-                                              batch_size=bs, progress=True))
+    stages.run("cases", lambda: score(vlm, inputs["cases"](), batch_size=bs, progress=True))
     # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
-    position = [n for n, case in CASES.items() if case.family == "position"]
-    per = max(1, c.n_per_case // 5)
-    for stage, style in zip(("conflict_std", "conflict"), conflict_styles(vlm.name)):
-        stages.run(stage, lambda style=style: score(vlm, countingtricks(position, per, grid, seed=c.seed, prompt=style,
-                                                                        color=("red", "green", "blue")), batch_size=bs))
+    for stage in ("conflict_std", "conflict"):
+        stages.run(stage, lambda stage=stage: score(vlm, inputs[stage](), batch_size=bs))
     # 2–3. patching
     stages.run("vap", sweep_stages["vap"])
     heads = stages.run("heads", sweep_stages["heads"])
@@ -186,22 +172,19 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
 
     def headlens() -> xr.Dataset:
-        fit = [s for samples in tasks(seed_offset=500).values() for s in samples]
-        return circuits.HeadLens.fit(vlm, fit, batch_size=bs).decode(vlm, data["count"], batch_size=bs)
+        return circuits.HeadLens.fit(vlm, inputs["headlens_fit"](), batch_size=bs).decode(vlm, data["count"], batch_size=bs)
 
     hl = stages.run("headlens", headlens)
     att = stages.run("attention", lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs)
                      .to_dataset(name="image_attention"))
-    stages.run("attention_metrics", lambda: attention_metrics(
-        vlm, countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt,
-                            color=("red", "green", "blue")), batch_size=bs))
+    stages.run("attention_metrics", lambda: attention_metrics(vlm, inputs["attention_metrics"](), batch_size=bs))
     # 6. ablation across tasks
     abl = stages.run("ablation", sweep_stages["ablation"])
     # 7. temperature from head-patching importance
     betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
 
     def temperature() -> xr.Dataset:
-        held = task_samples("count", 2 * c.n_samples, c.seed + 900, image_size=size)
+        held = inputs["temperature"]()
         base = score(vlm, held, batch_size=bs)
         with circuits.head_temperature(vlm, betas):
             sharp = score(vlm, held, batch_size=bs)
@@ -212,6 +195,46 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     table = head_table(heads, abl, hl, att)
     export_heads(table, out)
     return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
+
+
+def resolved_prompt(vlm, c: DiscoverConfig) -> str:
+    """The prompt style a run uses: ``c.prompt``, or for "auto" the organism's short form on the
+    organism (its vocabulary cannot write Pstd's answers) and Pstd elsewhere."""
+    return ("short" if vlm.name == "toy" else "std") if c.prompt == "auto" else c.prompt
+
+
+def stage_inputs(vlm, c: DiscoverConfig, prompt: str) -> dict[str, Callable[[], list]]:
+    """Each stage's samples, made on demand (every one a pure function of the seed): ``pairs`` for
+    patching, ``tasks`` ({task: samples}) for the lens, attention and ablation, and the samples of
+    ``cases``, ``conflict_std`` / ``conflict``, ``headlens_fit``, ``attention_metrics`` and
+    ``temperature``. `countlens.plan` sizes the stages from the same lists."""
+    from countlens.datasets.countingtricks import CASES, countingtricks
+    from countlens.datasets.pairs import count_pairs
+    from countlens.datasets.tasks import task_samples
+
+    grid = vlm.geometry
+    size = grid.image_height
+    colors = ("red", "green", "blue")
+
+    def tasks(seed_offset: int = 0) -> dict:
+        return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")}
+
+    position = [n for n, case in CASES.items() if case.family == "position"]
+    base, distractor = conflict_styles(vlm.name)
+    conflict = lambda style: countingtricks(position, max(1, c.n_per_case // 5), grid,  # noqa: E731
+                                            seed=c.seed, prompt=style, color=colors)
+    return {
+        "pairs": lambda: count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt,
+                                     counts=range(1, 10)),
+        "tasks": tasks,
+        "cases": lambda: countingtricks(None, c.n_per_case, grid, seed=c.seed, prompt=prompt, color=colors),
+        "conflict_std": lambda: conflict(base),
+        "conflict": lambda: conflict(distractor),
+        "headlens_fit": lambda: [s for samples in tasks(seed_offset=500).values() for s in samples],
+        "attention_metrics": lambda: countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed,
+                                                    prompt=prompt, color=colors),
+        "temperature": lambda: task_samples("count", 2 * c.n_samples, c.seed + 900, image_size=size),
+    }
 
 
 def conflict_styles(model: str) -> tuple[str, str]:

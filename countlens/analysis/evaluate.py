@@ -194,11 +194,11 @@ def _score_tokens(vlm, samples: Sequence[Sample], batch_size: int, progress: boo
             raise InputError(f"{err}; or score with method='candidates'") from err
         # prepare pads on the left, so the last prompt position is the last position of every row.
         assert bool((batch.last == batch.inputs["input_ids"].shape[1] - 1).all())
-        logits = vlm.forward(batch, logits_to_keep=1).logits[:, -1].float()  # Float[Tensor, "batch vocab"]
+        logits = vlm.forward(batch, use_cache=False, logits_to_keep=1).logits[:, -1].float()  # Float[Tensor, "batch vocab"]
         gold_ids = batch.answer_token.to(logits.device)
         pred_ids = logits.argmax(-1)
         correct += (pred_ids == gold_ids).tolist()
-        preds += vlm.tokenizer.convert_ids_to_tokens(pred_ids.tolist())
+        preds += [t or "" for t in vlm.tokenizer.convert_ids_to_tokens(pred_ids.tolist())]  # "": a row no token owns
         pred_text += [vlm.tokenizer.decode([t]) for t in pred_ids.tolist()]
         p_gold += logits.softmax(-1)[torch.arange(len(chunk)), gold_ids].tolist()
     counts = [parse_count(t) for t in pred_text]

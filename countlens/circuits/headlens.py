@@ -135,7 +135,9 @@ class HeadLens:
                          for layer in self.layers]  # each: batch heads k
             top_ids.append(torch.stack(per_layer))  # layer batch heads k
         ids = torch.cat(top_ids, 1).permute(0, 2, 1, 3).numpy()  # layer head sample k
-        vocab = vlm.tokenizer.convert_ids_to_tokens(list(range(int(ids.max()) + 1)))
+        # The unembedding may have more rows than the tokenizer has tokens (Qwen2.5-VL-7B: 152,064
+        # rows, 151,665 tokens); the rows no token owns decode to "".
+        vocab = [t or "" for t in vlm.tokenizer.convert_ids_to_tokens(list(range(int(ids.max()) + 1)))]
         tokens = np.vectorize(lambda i: vocab[i], otypes=[object])(ids)
         visual = np.vectorize(lambda t: _clean(t) in visual_words, otypes=[bool])(tokens)
         number = np.vectorize(is_number, otypes=[bool])(tokens)

@@ -43,7 +43,9 @@ from countlens.circuits.sites import GROUPS, group_mask, heads_view, repeat_inpu
 from countlens.distributed import Shard
 from countlens.errors import InputError
 
-MAX_ROWS = 256  # rows per expanded forward (replicas × pairs); lower it on small GPUs
+#: Rows per batch-expanded forward (replicas × pairs) at most; fewer where the device's free memory
+#: holds fewer (`countlens.plan.rows_per_forward`).
+MAX_ROWS = 256
 
 
 @dataclass
@@ -134,7 +136,7 @@ def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int = MAX_ROWS,
+def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int | None = None,
               reduce=None, keep: int = 1) -> Tensor:
     """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"]
     (with ``keep`` > 1 the last ``keep`` positions: Float[Tensor, "replicas batch keep vocab"]), or
@@ -142,12 +144,18 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
     large vocabulary never holds every replica's full logits.
 
     ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
-    stacked in one forward, ``max_rows // len(batch)`` at a time. Two savings, exact by construction:
+    stacked in one forward, ``max_rows // len(batch)`` at a time (``max_rows`` None: as many rows as
+    the device's free memory holds, at most `MAX_ROWS`; `countlens.plan.rows_per_forward`). Two savings, exact by construction:
     every replica shows the same images, so the vision tower runs once and is skipped in the stacked
     forwards; and nothing changes below a replica's lowest edited layer, so the layers beneath the
     lowest edit of a stacked forward are skipped too, their clean output fed in from one clean run.
     """
     n = len(batch)
+    if max_rows is None:
+        from countlens import plan
+
+        seq = int(batch.inputs["input_ids"].shape[1])
+        max_rows = plan.rows_per_forward(plan.widths(vlm), seq, plan.free_bytes(vlm.device), keep)
     per_pass = max(1, max_rows // n)
     d_head = vlm.arch.d_head
     n_layers = vlm.arch.n_layers

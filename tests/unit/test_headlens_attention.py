@@ -54,6 +54,21 @@ def test_headlens_fit_decode_and_scores():
     assert is_number("Ġ12") and is_number("seven") and not is_number("red")
 
 
+def test_headlens_decodes_unembedding_rows_no_token_owns(tiny_checkpoint):
+    """Qwen checkpoints pad the unembedding past the tokenizer (151,936 rows, 151,657 tokens): a row
+    no token owns decodes to "" instead of breaking the scores."""
+    vlm = countlens.load(tiny_checkpoint("qwen2_vl"))
+    n_tokens, head = len(vlm.tokenizer), vlm.hf.get_submodule(vlm.arch.spec.lm_head)
+    assert head.weight.shape[0] > n_tokens
+    with torch.no_grad():
+        head.weight[n_tokens:] = 50 * head.weight[:n_tokens].abs().max()  # padding rows win every top-k
+    data = _samples(vlm, "qwen2_vl", 3)
+    ident = HeadLens([0], torch.eye(vlm.arch.d_model)[None], torch.zeros(1, vlm.arch.d_model), torch.ones(1))
+    dec = ident.decode(vlm, data, top_k=3)
+    assert (dec.token_id.values >= n_tokens).any() and (dec.token.values[dec.token_id.values >= n_tokens] == "").all()
+    assert float(dec.vgs.max()) <= 1
+
+
 def test_attention_is_eager_only_inside_and_shares_are_fractions():
     vlm = countlens.load("toy")
     text = vlm.hf.config.text_config

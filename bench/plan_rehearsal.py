@@ -1,0 +1,156 @@
+"""The 7B-width rehearsal of `countlens plan`: every discover stage, planned and measured, on CPU.
+
+    python bench/plan_rehearsal.py                  # depths 1 and 2, 448 px → bench/plan_rehearsal.json
+    python bench/plan_rehearsal.py --depths 1 --image-size 112 --out /tmp/r.json   # a quick check
+
+Each depth runs in a fresh process: a random-init Qwen2.5-VL at Qwen2.5-VL-7B's widths
+(`bench/gpu.py`'s `build`: text hidden 3,584, 28 heads, 4 KV heads, intermediate 18,944, vocabulary
+152,064; vision width 1,280), ``--depth`` text layers and as many vision blocks, fp32, the real Qwen
+vocabulary (so answers are multi-token and discover scores candidates), then:
+
+1. `countlens.plan.plan` on the loaded model (memory: what is free now plus the weights);
+2. `countlens.discover` at small n, each stage's peak resident set read from ``VmHWM`` (reset
+   through ``/proc/self/clear_refs`` at the stage's start, after ``malloc_trim``) and its wall time.
+
+Written: per depth and stage, planned and measured peak (bytes, ratio), planned FLOPs and seconds;
+then the plan of the same model at 28 layers in bf16 on a 141 GiB GPU (the H200's), with each
+stage's time extrapolated linearly from depths 1 and 2 (CPU) and, from the FLOPs, at an assumed
+utilisation of the H200's dense bf16 peak (an assumption, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+H200_BF16_FLOPS = 989e12  # dense bf16 peak, from NVIDIA's H200 datasheet
+ASSUMED_UTILISATION = 0.4
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def _reset_hwm() -> None:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def one_depth(depth: int, image_size: int, config: dict) -> dict:
+    """Plan, then run, discover on the depth-``depth`` model in this process."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu import build
+
+    from countlens import plan
+    from countlens.discover import DiscoverConfig, discover
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    base = plan.resident_bytes()
+    vlm, _ = build(depth, image_size, torch.float32, "cpu", real_vocab=True)
+    c = DiscoverConfig(**config)
+    t = time.perf_counter()
+    p = plan.plan(vlm, c, base=base)
+    plan_s = time.perf_counter() - t
+    measured: dict[str, dict] = {}
+    current: list = [None, 0.0]
+
+    def close() -> None:
+        if current[0] is not None:
+            measured[current[0]] = {"peak_bytes": _hwm(), "seconds": round(time.perf_counter() - current[1], 1)}
+            print(f"depth {depth} {current[0]}: {measured[current[0]]}", file=sys.stderr, flush=True)
+
+    def log(line: str) -> None:
+        if line.startswith("[") and line.endswith("] running"):
+            close()
+            _reset_hwm()
+            current[:] = [line[1:].split("]")[0], time.perf_counter()]
+
+    with tempfile.TemporaryDirectory() as out:
+        discover(vlm, out, c, log=log)
+        close()
+    planned = p.to_dict()
+    stages = {}
+    for name, m in measured.items():
+        q = planned["stages"][name]
+        stages[name] = {"planned_peak_bytes": q["peak_bytes"], "measured_peak_bytes": m["peak_bytes"],
+                        "ratio": round(m["peak_bytes"] / q["peak_bytes"], 3), "rows": q["rows"],
+                        "forwards": q["forwards"], "planned_flops": q["flops"], "seconds": m["seconds"],
+                        "cpu_gflops_per_s": round(q["flops"] / max(m["seconds"], 1e-9) / 1e9, 1)}
+    return {"depth": depth, "image_size": image_size, "base_bytes": base, "weights_bytes": p.widths.weight_bytes,
+            "memory_bytes": p.memory, "plan_seconds": round(plan_s, 1), "stages": stages}
+
+
+def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
+    """The plan at 28 layers, bf16, on a 141 GiB GPU, and each stage's time: linear in depth from
+    the CPU runs, and from its FLOPs at the assumed utilisation of an H200."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu import build
+
+    from countlens import plan
+    from countlens.discover import DiscoverConfig
+
+    vlm, _ = build(28, image_size, torch.bfloat16, "meta", real_vocab=True)
+    p = plan.plan(vlm, DiscoverConfig(**config), memory=141 * 2**30, device="cuda").to_dict()
+    by_depth = {r["depth"]: r["stages"] for r in runs}
+    out = {}
+    for name, q in p["stages"].items():
+        row = {"planned_peak_gib": round(q["peak_bytes"] / 2**30, 2), "rows": q["rows"],
+               "tflop": round(q["flops"] / 1e12, 2),
+               "h200_seconds_at_assumed_utilisation": round(q["flops"] / (H200_BF16_FLOPS * ASSUMED_UTILISATION), 2)}
+        if 1 in by_depth and 2 in by_depth and name in by_depth[1] and name in by_depth[2]:
+            t1, t2 = by_depth[1][name]["seconds"], by_depth[2][name]["seconds"]
+            row["cpu_seconds_linear_in_depth"] = round(t1 + 27 * (t2 - t1), 0)
+        out[name] = row
+    return {"weights_gib": round(p["weights_bytes"] / 2**30, 2), "stages": out,
+            "assumption": f"{ASSUMED_UTILISATION:.0%} of {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--n-pairs", type=int, default=2)
+    ap.add_argument("--n-samples", type=int, default=2)
+    ap.add_argument("--n-per-case", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one depth, print JSON
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
+    args = ap.parse_args()
+    config = dict(n_pairs=args.n_pairs, n_samples=args.n_samples, n_per_case=args.n_per_case,
+                  batch_size=args.batch_size)
+    if args.one is not None:
+        print("REHEARSAL " + json.dumps(one_depth(args.one, args.image_size, config)))
+        return
+    runs = []
+    for depth in args.depths:
+        cmd = [sys.executable, __file__, "--one", str(depth), "--image-size", str(args.image_size),
+               "--n-pairs", str(args.n_pairs), "--n-samples", str(args.n_samples),
+               "--n-per-case", str(args.n_per_case), "--batch-size", str(args.batch_size)]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # each stage's figures go to stderr
+        line = next((x for x in done.stdout.splitlines() if x.startswith("REHEARSAL ")), None)
+        if line is None:
+            sys.exit(f"depth {depth} failed (its traceback is above)")
+        runs.append(json.loads(line[len("REHEARSAL "):]))
+        print(json.dumps({k: v for k, v in runs[-1]["stages"].items()}, indent=1), flush=True)
+    result = {"config": config, "image_size": args.image_size, "cpu_threads": os.cpu_count(), "runs": runs,
+              "h200_28_layers": extrapolate(runs, args.image_size, config)}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["h200_28_layers"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,471 @@
+"""A memory and time plan for `countlens discover`: per stage, its forwards, peak memory and FLOPs.
+
+Nothing runs on the model: the plan reads the model's modules (a loaded model, or one built on the
+meta device from a checkpoint's config), prepares one batch of each stage's own samples to learn
+its sequence length, and counts.
+
+**FLOPs** of a forward: 2 × every ``Linear`` weight × the tokens it sees (decoder layers: every
+token; vision blocks: every patch; projector: every image token; ``lm_head``: the positions whose
+logits are kept; patch embedding: every patch) plus attention, 4·S²·(heads·d_head) per decoder layer
+and row and 4·P²·width per vision block and image (full attention: an upper bound for windowed
+blocks; a class token's position is not counted). Exact against torch's FLOP counter on eager
+attention for Qwen2-VL (``tests/unit/test_plan.py``).
+
+**Memory** of a stage: weights + the runtime's base + what the stage keeps across its forwards
+(corrupt caches, saved activations, edit values) + the largest transient of one of its forwards.
+A decoder forward of R rows × S tokens holds about R·S·(3·d_ff + 4·d_model) activations at once
+(the MLP's three d_ff-wide tensors beside the residual stream); eager attention adds
+R·heads·S² scores (in the model's dtype and as float32); the kept logits R·keep·vocab twice (dtype
+and float32); a KV cache 2·layers·R·S·kv_heads·d_head; a backward pass the activations each
+layer saves for it, about R·S·(4·d_ff + 6·d_model) per layer. The vision tower's transient is the
+same count at its own widths over the batch's patches. These are countlens's own estimates; the
+7B-width rehearsal (``bench/plan_rehearsal.py``) measures them against peak RSS.
+
+`rows_per_forward` is what the batch-expanded sweeps (`countlens.circuits.run_edits`) use instead
+of a constant: the most stacked rows whose transient fits a share of the device's free memory,
+capped at `countlens.circuits.patching.MAX_ROWS`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+#: Share of the free memory a sweep's stacked forward may take (the rest: the allocator's slack).
+FREE_SHARE = 0.7
+
+
+@dataclass(frozen=True)
+class Widths:
+    """What a plan needs of a model, read off its modules."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    d_ff: int  # widest Linear output in a decoder layer
+    vocab: int
+    layer_linear: int  # Linear weights in all decoder layers
+    vision_width: int
+    vision_ff: int
+    vision_blocks: int
+    vision_linear: int  # Linear weights in all vision blocks
+    projector_linear: int
+    patch_embed: int  # patch-embedding weights (applied once per patch)
+    merge: int
+    weight_bytes: int  # every parameter and buffer
+    act_bytes: int  # bytes per activation element (the model's dtype)
+
+    @property
+    def lm_head(self) -> int:
+        return self.vocab * self.d_model
+
+
+def widths(vlm) -> Widths:
+    """The `Widths` of a `countlens.VLM` (a model on any device, the meta device included)."""
+    hf, arch, spec = vlm.hf, vlm.arch, vlm.arch.spec
+    linears = lambda m: [x for x in m.modules() if isinstance(x, torch.nn.Linear)]  # noqa: E731
+    layers = hf.get_submodule(spec.layers)
+    blocks = hf.get_submodule(spec.vision_blocks)
+    block0 = linears(blocks[0]) if len(blocks) else []
+    tower = hf.get_submodule(spec.vision_tower)
+    convs = [x for x in tower.modules() if isinstance(x, torch.nn.modules.conv._ConvNd)]
+    head = hf.get_submodule(spec.lm_head)
+    return Widths(
+        n_layers=arch.n_layers, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads, d_head=arch.d_head,
+        d_model=arch.d_model, d_ff=max(x.out_features for x in linears(layers[0])), vocab=head.weight.shape[0],
+        layer_linear=sum(x.weight.numel() for x in linears(layers)),
+        vision_width=block0[0].in_features if block0 else 0,
+        vision_ff=max((x.out_features for x in block0), default=0), vision_blocks=len(blocks),
+        vision_linear=sum(x.weight.numel() for x in linears(blocks)),
+        projector_linear=sum(x.weight.numel() for x in linears(hf.get_submodule(spec.projector))),
+        patch_embed=sum(x.weight.numel() for x in convs), merge=arch.merge_size,
+        weight_bytes=sum(t.numel() * t.element_size() for t in [*hf.parameters(), *hf.buffers()]),
+        act_bytes=torch.finfo(hf.dtype).bits // 8,
+    )
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One kind of forward a stage runs ``count`` times: ``rows`` × ``seq`` tokens through ``layers``
+    decoder layers (None: all), logits kept at ``keep`` positions, ``images`` images through the
+    vision tower (None: one per row; 0 when a sweep feeds the tower's output back in)."""
+
+    rows: int
+    seq: int
+    count: int = 1
+    keep: int = 1
+    layers: int | None = None
+    images: int | None = None
+    eager: bool = False
+    cache: bool = False  # builds a KV cache
+    context: int = 0  # earlier positions attended through a KV cache (continuations)
+    grad: bool = False  # activations kept for a backward pass
+    extra: int = 0  # further transient bytes (e.g. logits post-processing)
+
+
+def forward_flops(w: Widths, f: Forward, patches: int) -> float:
+    """FLOPs of one forward (``patches``: vision patches per image)."""
+    layers = w.n_layers if f.layers is None else f.layers
+    images = f.rows if f.images is None else f.images
+    tokens = f.rows * f.seq
+    text = 2 * w.layer_linear * layers / w.n_layers * tokens
+    text += 4 * f.rows * f.seq * (f.seq + f.context) * w.n_heads * w.d_head * layers
+    head = 2 * w.lm_head * f.rows * f.keep
+    merged = patches // (w.merge * w.merge)
+    vision = images * (2 * (w.vision_linear + w.patch_embed) * patches + 2 * w.projector_linear * merged
+                       + 4 * patches**2 * w.vision_width * w.vision_blocks)
+    if f.grad:  # backward through activations only: about twice the forward's matmuls
+        text, head = 3 * text, 3 * head
+    return float(text + head + vision)
+
+
+def forward_bytes(w: Widths, f: Forward, patches: int) -> int:
+    """Peak transient bytes of one forward: the largest of its layers' live sets, plus logits,
+    cache and what a backward pass keeps."""
+    b, tokens = w.act_bytes, f.rows * f.seq
+    layer = tokens * (3 * w.d_ff + 4 * w.d_model) * b
+    if f.eager:
+        scores = f.rows * w.n_heads * f.seq * (f.seq + f.context) * (2 * b + 4)
+        layer = max(layer, tokens * 4 * w.d_model * b + scores)
+    images = f.rows if f.images is None else f.images
+    vision = images * patches * (3 * w.vision_ff + 4 * w.vision_width) * b
+    logits = f.rows * f.keep * w.vocab * (b + 4)
+    cache = 2 * w.n_layers * f.rows * (f.seq + f.context) * w.n_kv_heads * w.d_head * b if f.cache or f.context else 0
+    saved = (w.n_layers if f.layers is None else f.layers) * tokens * (4 * w.d_ff + 6 * w.d_model) * b if f.grad else 0
+    return int(max(layer, vision) + logits + cache + saved + f.extra)
+
+
+def stacked_row_bytes(w: Widths, seq: int, keep: int = 1) -> int:
+    """Transient bytes one more row adds to a batch-expanded forward (its activations, its logits
+    as float32 twice, and its copy of the input of the first layer run)."""
+    b = w.act_bytes
+    return seq * (3 * w.d_ff + 5 * w.d_model) * b + keep * w.vocab * (b + 8)
+
+
+def free_bytes(device: torch.device | str) -> int:
+    """Free memory where a tensor on ``device`` lives: the GPU's (``mem_get_info``), else the
+    host's available memory (``/proc/meminfo``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: v for k, v in (line.split(":", 1) for line in f)}
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) if hasattr(os, "sysconf") else 1 << 40
+
+
+def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, cap: int | None = None) -> int:
+    """The most rows a batch-expanded forward of ``seq`` tokens may stack: FREE_SHARE of ``free``
+    bytes over what a row costs (`stacked_row_bytes`), at least 1 and at most ``cap`` (`MAX_ROWS`)."""
+    from countlens.circuits.patching import MAX_ROWS
+
+    return max(1, min(cap or MAX_ROWS, int(FREE_SHARE * free) // max(1, stacked_row_bytes(w, seq, keep))))
+
+
+@dataclass
+class StagePlan:
+    """A stage's forwards, what it keeps across them and on the host, and its totals."""
+
+    name: str
+    forwards: list[Forward]
+    kept: int = 0  # bytes held across the stage's forwards, on the model's device
+    host: int = 0  # bytes held in host memory (on a CPU model: the same memory)
+    rows: int = 0  # rows per stacked forward (the sweeps)
+    batch: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """Per-stage plans for one model, configuration and memory budget (`plan`)."""
+
+    model: str
+    widths: Widths
+    image_size: int
+    patches: int  # vision patches per image
+    base: int  # the runtime's own memory (CPU: this process's resident set before the weights)
+    free: int  # memory the sweeps' rows were sized from
+    device: str
+    stages: list[StagePlan]
+    memory: int  # the device's memory in all
+
+    def over(self) -> list[str]:
+        """Stages whose planned peak exceeds the device's memory."""
+        return [s.name for s in self.stages if self.peak(s) > self.memory]
+
+    def peak(self, s: StagePlan) -> int:
+        """Peak bytes of stage ``s`` on the model's device (on the CPU, host memory included)."""
+        transient = max(forward_bytes(self.widths, f, self.patches) for f in s.forwards)
+        host = s.host if self.device == "cpu" else 0
+        return self.widths.weight_bytes + self.base + s.kept + host + transient
+
+    def flops(self, s: StagePlan) -> float:
+        return sum(f.count * forward_flops(self.widths, f, self.patches) for f in s.forwards)
+
+    def table(self):
+        """A pandas DataFrame, one row per stage."""
+        import pandas as pd
+
+        gib = 1 << 30
+        rows = [{"stage": s.name, "forwards": sum(f.count for f in s.forwards),
+                 "rows": max(f.rows for f in s.forwards), "tokens": max(f.seq for f in s.forwards),
+                 "batch": s.batch, "kept_gib": round(s.kept / gib, 3), "host_gib": round(s.host / gib, 3),
+                 "peak_gib": round(self.peak(s) / gib, 2), "tflop": round(self.flops(s) / 1e12, 3)}
+                for s in self.stages]
+        return pd.DataFrame(rows).set_index("stage")
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {"model": self.model, "device": self.device, "memory_bytes": self.memory, "image_size": self.image_size, "patches": self.patches,
+                "weights_bytes": self.widths.weight_bytes, "base_bytes": self.base, "free_bytes": self.free,
+                "widths": asdict(self.widths),
+                "stages": {s.name: {"peak_bytes": self.peak(s), "flops": self.flops(s), "kept_bytes": s.kept,
+                                    "host_bytes": s.host, "rows": max(f.rows for f in s.forwards),
+                                    "forwards": sum(f.count for f in s.forwards), "notes": s.notes}
+                           for s in self.stages}}
+
+
+def _chunk_sizes(n: int, size: int) -> dict[int, int]:
+    """{chunk length: how many chunks} of ``n`` items in chunks of ``size``."""
+    sizes = {size: n // size} if n >= size else {}
+    if n % size:
+        sizes[n % size] = 1
+    return sizes
+
+
+def _stacked(w: Widths, firsts: list[int], n: int, seq: int, rows: int, keep: int, count: int,
+             extra_per_row: int = 0) -> list[Forward]:
+    """The stacked forwards of `run_edits` over replicas whose lowest edited layers are ``firsts``:
+    sorted, ``rows // n`` replicas a pass, layers below a pass's first edit skipped."""
+    per_pass = max(1, rows // n)
+    order = sorted(firsts)
+    out = []
+    for i in range(0, len(order), per_pass):
+        k = len(order[i : i + per_pass])
+        out.append(Forward(k * n, seq, count=count, keep=keep, layers=w.n_layers - max(0, order[i]), images=0,
+                           extra=k * n * extra_per_row))
+    return out
+
+
+def _sweep_rows(w: Widths, seq: int, free: int, kept: int, keep: int = 1) -> int:
+    return rows_per_forward(w, seq, max(0, free - kept), keep)
+
+
+class _Planner:
+    """Builds each discover stage's `StagePlan` from the stage's own samples."""
+
+    def __init__(self, vlm, config, free: int):
+        from countlens.discover import resolved_prompt, stage_inputs
+
+        self.vlm, self.c, self.free = vlm, config, free
+        self.w = widths(vlm)
+        self.inputs = stage_inputs(vlm, config, resolved_prompt(vlm, config))
+        self.bs = config.batch_size
+
+    def _seq(self, samples, forced: bool = False) -> int:
+        chunk = samples[: self.bs]
+        kw = {}
+        if forced:
+            kw = dict(answers=[s.answer for s in chunk], forced=[self.vlm.answer_ids(s.answer)[:-1] for s in chunk])
+        batch = self.vlm.prepare([s.image for s in chunk], [s.question for s in chunk], **kw)
+        return int(batch.inputs["input_ids"].shape[1])
+
+    def score(self, name: str, samples, times: int = 1) -> StagePlan:
+        from countlens.analysis.evaluate import _candidate_sets
+        from countlens.answers import read_rows
+
+        vlm, w, seq = self.vlm, self.w, self._seq(samples)
+        if all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples):
+            fw = [Forward(n, seq, count=k * times) for n, k in _chunk_sizes(len(samples), self.bs).items()]
+            return StagePlan(name, fw, batch=self.bs, notes=["single-token scoring"])
+        sets = {tuple(sorted(c)) for c in _candidate_sets(samples, None)}
+        prefixes = [read_rows([vlm.answer_ids(t) for t in cands]) for cands in sets]
+        per = max(len(p) for p in prefixes)
+        width = max(len(x) for p in prefixes for x in p)
+        from countlens.circuits.patching import MAX_ROWS
+
+        step = max(1, min(self.bs, MAX_ROWS // per))
+        fw = []
+        for n, k in _chunk_sizes(len(samples), step).items():
+            fw.append(Forward(n, seq, count=k * times, cache=True))
+            if width:
+                fw.append(Forward(n * per, width, count=k * times, keep=width, images=0, context=seq,
+                                  extra=n * per * width * w.vocab * 8))
+        return StagePlan(name, fw, batch=step, notes=[f"candidate scoring: {per} rows a sample, {width} forced tokens"])
+
+    def _patching(self, name: str, firsts: list[int]) -> StagePlan:
+        from countlens.circuits.patching import prepare_pairs
+
+        w, b = self.w, self.w.act_bytes
+        pairs = self.inputs["pairs"]()
+        n0 = min(self.bs, len(pairs))
+        seq = int(prepare_pairs(self.vlm, pairs[:n0]).clean.inputs["input_ids"].shape[1])
+        dz = w.n_heads * w.d_head
+        starts = len({f for f in firsts if f >= 1})
+        kept = lambda n: n * seq * ((w.n_layers + 1) * w.d_model + w.n_layers * dz + starts * w.d_model) * b  # noqa: E731
+        rows = _sweep_rows(w, seq, self.free, kept(n0))
+        fw = []
+        for n, k in _chunk_sizes(len(pairs), self.bs).items():
+            fw += [Forward(n, seq, count=3 * k)]  # corrupt cache, clean logits, the clean pre-pass
+            fw += _stacked(w, firsts, n, seq, rows, 1, k)
+        return StagePlan(name, fw, kept=kept(n0), rows=rows, batch=self.bs)
+
+    def vap(self) -> StagePlan:
+        return self._patching("vap", [la for la in range(-1, self.w.n_layers) for _ in range(3)])
+
+    def heads(self) -> StagePlan:
+        return self._patching("heads", [la for la in range(self.w.n_layers) for _ in range(self.w.n_heads)])
+
+    def atp(self) -> StagePlan:
+        from countlens.circuits.patching import prepare_pairs
+
+        w, b = self.w, self.w.act_bytes
+        pairs = self.inputs["pairs"]()
+        n0 = min(self.bs, len(pairs))
+        seq = int(prepare_pairs(self.vlm, pairs[:n0]).clean.inputs["input_ids"].shape[1])
+        per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
+        fw = []
+        for n, k in _chunk_sizes(len(pairs), self.bs).items():
+            fw += [Forward(n, seq, count=k), Forward(n, seq, count=k, grad=True, extra=2 * w.n_layers * per_layer)]
+        return StagePlan("atp", fw, kept=w.n_layers * per_layer, batch=self.bs)
+
+    def lens(self) -> StagePlan:
+        w, samples = self.w, self.inputs["tasks"]()["count"]
+        seq = self._seq(samples, forced=True)
+        a = max(len(self.vlm.answer_ids(s.answer)) for s in samples)
+        fw = [Forward(n, seq, count=k, extra=n * a * w.vocab * 12)
+              for n, k in _chunk_sizes(len(samples), self.bs).items()]
+        return StagePlan("lens", fw, batch=self.bs)
+
+    def headlens(self) -> StagePlan:
+        w, b = self.w, self.w.act_bytes
+        fit, decode = self.inputs["headlens_fit"](), self.inputs["tasks"]()["count"]
+        seq = self._seq(fit)
+        n0 = min(self.bs, len(fit))
+        fw = [Forward(n, seq, count=k) for n, k in _chunk_sizes(len(fit), self.bs).items()]
+        fw += [Forward(n, self._seq(decode), count=k, extra=n * w.n_heads * w.vocab * 8)
+               for n, k in _chunk_sizes(len(decode), self.bs).items()]
+        tokens = len(fit) * seq  # an upper bound: padding is dropped
+        # float64 copies of every layer's head outputs, then one layer's centred copies and Gram matrix.
+        host = (w.n_layers + 1) * tokens * w.d_model * 8 + 3 * tokens * w.d_model * 8 + 2 * w.d_model**2 * 8
+        return StagePlan("headlens", fw, kept=(w.n_layers + 1) * n0 * seq * w.d_model * b, host=host, batch=self.bs)
+
+    def attention(self) -> StagePlan:
+        samples = self.inputs["tasks"]()["count"]
+        seq = self._seq(samples)
+        fw = [Forward(n, seq, count=k, eager=True) for n, k in _chunk_sizes(len(samples), self.bs).items()]
+        return StagePlan("attention", fw, batch=self.bs)
+
+    def attention_metrics(self) -> StagePlan:
+        samples = self.inputs["attention_metrics"]()
+        seq = self._seq(samples)
+        scored = self.score("attention_metrics", samples)
+        fw = [Forward(n, seq, count=k, eager=True) for n, k in _chunk_sizes(len(samples), self.bs).items()]
+        return StagePlan("attention_metrics", fw + scored.forwards, batch=self.bs, notes=scored.notes)
+
+    def ablation(self) -> StagePlan:
+        from countlens.answers import answer_window
+
+        w, b = self.w, self.w.act_bytes
+        dz = w.n_heads * w.d_head
+        firsts = [la for la in range(w.n_layers) for _ in range(w.n_heads)]
+        fw, kept, host, rows = [], 0, 0, 0
+        for samples in self.inputs["tasks"]().values():
+            seq = self._seq(samples, forced=True)
+            keep = answer_window([self.vlm.answer_ids(s.answer) for s in samples[: self.bs]])
+            n0 = min(self.bs, len(samples))
+            task_kept = w.n_layers * n0 * seq * dz * b  # the means pass saves every layer's z
+            edit_values = w.n_layers * n0 * seq * (dz * 4 + w.n_heads)  # float32 values and masks, per head
+            rows = _sweep_rows(w, seq, self.free - (edit_values if self.vlm.device.type == "cpu" else 0), 0, keep)
+            kept, host = max(kept, task_kept), max(host, edit_values)
+            for n, k in _chunk_sizes(len(samples), self.bs).items():
+                fw += [Forward(n, seq, count=k), Forward(n, seq, count=k, keep=keep)]
+                fw += _stacked(w, firsts, n, seq, rows, keep, k, extra_per_row=keep * w.vocab * 4)
+        return StagePlan("ablation", fw, kept=kept, host=host, rows=rows, batch=self.bs)
+
+
+def plan(vlm, config=None, memory: int | None = None, device: str | None = None, base: int | None = None) -> Plan:
+    """The `Plan` of `countlens discover` on ``vlm`` with ``config`` (a `DiscoverConfig`).
+
+    ``vlm`` may be loaded (the plan of running here, now) or built on the meta device (`meta_vlm`:
+    the plan for a device that has ``memory`` bytes in all). ``memory``: the device's total memory
+    (default: a loaded model's free memory now plus its weights; for a meta model, this host's
+    available memory). ``device``: "cpu" or "cuda", where a meta model would run (default "cpu").
+    ``base``: the runtime's own bytes (default: on the CPU this process's resident set less the
+    loaded weights; on a GPU 0, the CUDA context being outside the allocator's count).
+    """
+    from countlens.discover import DiscoverConfig, check_config
+    from countlens.errors import InputError
+
+    c = config or DiscoverConfig()
+    check_config(c)
+    w = widths(vlm)
+    loaded = vlm.device.type != "meta"
+    where = device or ("cpu" if vlm.device.type in ("cpu", "meta") else vlm.device.type)
+    if where not in ("cpu", "cuda"):
+        raise InputError(f"device {where!r}: plan for 'cpu' or 'cuda'")
+    if base is None:
+        base = max(0, resident_bytes() - (w.weight_bytes if loaded else 0)) if where == "cpu" else 0
+    if memory is None:
+        memory = free_bytes(vlm.device if loaded else "cpu") + (w.weight_bytes if loaded else 0) + (
+            base if loaded else 0)
+    free = memory - w.weight_bytes - base
+    if free <= 0:
+        raise InputError(f"{vlm.name}'s weights ({w.weight_bytes / 2**30:.1f} GiB) and the runtime "
+                         f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
+                         "memory, a smaller dtype, or several devices (device_map='auto')")
+    p = _Planner(vlm, c, free)
+    pairs = p.inputs["pairs"]()
+    sample = p.vlm.prepare([pairs[0].clean.image], [pairs[0].clean.question])
+    patches = len(sample.image_pos[0]) * w.merge * w.merge
+    stages = [p.score("cases", p.inputs["cases"]()), p.score("conflict_std", p.inputs["conflict_std"]()),
+              p.score("conflict", p.inputs["conflict"]()), p.vap(), p.heads(), p.atp(), p.lens(), p.headlens(),
+              p.attention(), p.attention_metrics(), p.ablation(),
+              p.score("temperature", p.inputs["temperature"](), times=2)]
+    return Plan(vlm.name, w, vlm.geometry.image_height, patches, base, free, where, stages, memory)
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (Linux ``/proc/self/statm``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int | None = None):
+    """A `countlens.VLM` of the checkpoint at ``path`` built on the meta device: its config and
+    processor read, no weights (what `countlens plan` reads). ``image_size`` pins a dynamic-resolution
+    processor to square images of that side."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from countlens.arch import spec_for
+    from countlens.errors import InputError
+    from countlens.loading import _dtype, _resolve_path, load_processor
+    from countlens.vlm import VLM, _fixed_size
+
+    where, label = _resolve_path(path)
+    config = AutoConfig.from_pretrained(where, local_files_only=True)
+    spec_for(config)
+    processor = load_processor(where, config)
+    if image_size is not None:
+        ip = processor.image_processor
+        fixed = _fixed_size(ip)
+        if fixed is None:
+            ip.size = {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size}
+        elif fixed != (image_size, image_size):
+            raise InputError(f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
+                             f"{fixed[1]}; leave --image-size unset")
+    kind = _dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=kind)
+    return VLM(model.eval(), processor, name=label)

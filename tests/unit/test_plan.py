@@ -1,0 +1,118 @@
+"""`countlens plan`: FLOPs equal torch's FLOP counter, widths read the same off a meta model, sweeps
+take their rows from free memory (and give the same results with fewer), the CLI writes a plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from typer.testing import CliRunner
+
+import countlens
+from countlens import plan
+from countlens.circuits.patching import MAX_ROWS, patch_heads
+from countlens.cli import app
+from countlens.datasets.pairs import count_pairs
+from countlens.datasets.tasks import task_samples
+from countlens.discover import STAGES, DiscoverConfig
+from countlens.errors import InputError
+
+SMALL = DiscoverConfig(n_per_case=2, n_pairs=4, n_samples=4, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def organism():
+    return countlens.load("toy")
+
+
+@pytest.mark.parametrize("name", ["toy", "llava"])
+def test_forward_flops_equal_torch_flop_counter(name, tiny_checkpoint):
+    """Eager attention runs as matmuls, which torch counts: the plan's count is exact."""
+    vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name), attn_implementation="eager")
+    samples = task_samples("count", 3, 0, image_size=vlm.geometry.image_height)
+    batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])
+    w = plan.widths(vlm)
+    seq = batch.inputs["input_ids"].shape[1]
+    for keep in (1, 3):
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            vlm.hf(**batch.inputs, logits_to_keep=keep, use_cache=False)
+        planned = plan.forward_flops(w, plan.Forward(3, seq, keep=keep), len(batch.image_pos[0]) * w.merge**2)
+        if name == "toy":
+            assert planned == counter.get_total_flops()
+        else:  # CLIP's class token, one vision position more than the patches, is not planned
+            assert 0 < counter.get_total_flops() - planned < 0.01 * planned
+
+
+def test_meta_model_reads_the_loaded_models_widths(organism):
+    assert plan.widths(plan.meta_vlm("toy")) == plan.widths(organism)
+
+
+def test_rows_per_forward_fit_free_memory(organism):
+    w = plan.widths(organism)
+    per_row = plan.stacked_row_bytes(w, 50)
+    assert plan.rows_per_forward(w, 50, 1 << 40) == MAX_ROWS
+    assert plan.rows_per_forward(w, 50, 0) == 1
+    rows = plan.rows_per_forward(w, 50, int(10.5 * per_row / plan.FREE_SHARE))
+    assert rows == 10
+    assert plan.rows_per_forward(w, 100, int(10.5 * per_row / plan.FREE_SHARE)) < rows  # longer rows, fewer
+
+
+def test_a_sweep_on_little_memory_stacks_fewer_rows_and_gives_the_same_effects(organism, monkeypatch):
+    pairs = count_pairs(4, kind="dots", grid=organism.geometry, seed=0, prompt="short", counts=range(1, 10))
+    full = patch_heads(organism, pairs, batch_size=4)
+    w = plan.widths(organism)
+    seen = []
+    rows_per_forward = plan.rows_per_forward
+
+    def spy(*args, **kwargs):
+        seen.append(rows_per_forward(*args, **kwargs))
+        return seen[-1]
+
+    seq = 60
+    monkeypatch.setattr(plan, "free_bytes", lambda device: int(9 * plan.stacked_row_bytes(w, seq) / plan.FREE_SHARE))
+    monkeypatch.setattr(plan, "rows_per_forward", spy)
+    small = patch_heads(organism, pairs, batch_size=4)
+    assert seen and max(seen) < 4 * full.sizes["layer"] * full.sizes["head"]  # not every replica in one forward
+    assert max(seen) < MAX_ROWS
+    torch.testing.assert_close(torch.tensor(small.effect.values), torch.tensor(full.effect.values), atol=1e-5, rtol=0)
+    assert (small.to_corrupt.values == full.to_corrupt.values).mean() > 0.99
+
+
+def test_plan_covers_every_stage_and_sizes_sweeps_like_run_edits(organism):
+    p = plan.plan(organism, SMALL)
+    assert [s.name for s in p.stages] == list(STAGES)
+    by = {s.name: s for s in p.stages}
+    assert by["heads"].rows == MAX_ROWS  # the organism's rows are tiny: the cap holds
+    for s in p.stages:
+        assert p.peak(s) > p.widths.weight_bytes + p.base
+        assert p.flops(s) > 0
+    # Every head of every pair is one stacked row: 6 layers × 4 heads × 4 pairs = 96 rows, one forward.
+    stacked = [f for f in by["heads"].forwards if f.images == 0]
+    assert sum(f.rows * f.count for f in stacked) == SMALL.n_pairs * organism.arch.n_layers * organism.arch.n_heads
+
+
+def test_little_memory_shrinks_the_sweeps_and_flags_nothing_it_fits(organism):
+    w = plan.widths(organism)
+    roomy = plan.plan(organism, SMALL, memory=1 << 36, base=0)
+    tight = plan.plan(organism, SMALL, memory=w.weight_bytes + 40 * plan.stacked_row_bytes(w, 60), base=0)
+    assert {s.name: s.rows for s in tight.stages}["heads"] < {s.name: s.rows for s in roomy.stages}["heads"]
+    assert roomy.over() == []
+    with pytest.raises(InputError, match="do not fit"):
+        plan.plan(organism, SMALL, memory=w.weight_bytes // 2, base=0)
+
+
+def test_cli_plan_writes_json_and_refuses_bad_memory(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--model", "toy", "--n-per-case", "2", "--n-pairs", "4", "--n-samples", "4",
+                                 "--image-size", "224", "--memory", "8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert list(data["stages"]) == list(STAGES)
+    assert data["image_size"] == 224 and data["patches"] == (224 // 16) ** 2
+    assert data["memory_bytes"] == 8 * 2**30
+    assert "| heads" in result.output
+    bad = runner.invoke(app, ["plan", "--model", "toy", "--memory", "0"])
+    assert bad.exit_code == 2 and "--memory" in bad.output
