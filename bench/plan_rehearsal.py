@@ -13,8 +13,8 @@ vocabulary (so answers are multi-token and discover scores candidates), then:
    through ``/proc/self/clear_refs`` at the stage's start, after ``malloc_trim``) and its wall time.
 
 Written: per depth and stage, planned and measured peak (bytes, ratio), planned FLOPs and seconds;
-then the plan of the same model at 28 layers in bf16 on a 141 GiB GPU (the H200's), with each
-stage's time extrapolated linearly from depths 1 and 2 (CPU) and, from the FLOPs, at an assumed
+then at 28 layers: each stage's CPU time extrapolated linearly from depths 1 and 2, and the plan of
+the default discover in bf16 on a 141 GiB GPU (the H200's), its time from the FLOPs at an assumed
 utilisation of the H200's dense bf16 peak (an assumption, not a measurement).
 """
 
@@ -57,11 +57,10 @@ def one_depth(depth: int, image_size: int, config: dict) -> dict:
     from countlens.discover import DiscoverConfig, discover
 
     torch.set_num_threads(os.cpu_count() or 1)
-    base = plan.resident_bytes()
     vlm, _ = build(depth, image_size, torch.float32, "cpu", real_vocab=True)
     c = DiscoverConfig(**config)
     t = time.perf_counter()
-    p = plan.plan(vlm, c, base=base)
+    p = plan.plan(vlm, c)  # its defaults: memory free now + weights, base = resident set − weights
     plan_s = time.perf_counter() - t
     measured: dict[str, dict] = {}
     current: list = [None, 0.0]
@@ -88,13 +87,15 @@ def one_depth(depth: int, image_size: int, config: dict) -> dict:
                         "ratio": round(m["peak_bytes"] / q["peak_bytes"], 3), "rows": q["rows"],
                         "forwards": q["forwards"], "planned_flops": q["flops"], "seconds": m["seconds"],
                         "cpu_gflops_per_s": round(q["flops"] / max(m["seconds"], 1e-9) / 1e9, 1)}
-    return {"depth": depth, "image_size": image_size, "base_bytes": base, "weights_bytes": p.widths.weight_bytes,
+    return {"depth": depth, "image_size": image_size, "base_bytes": p.base, "weights_bytes": p.widths.weight_bytes,
             "memory_bytes": p.memory, "plan_seconds": round(plan_s, 1), "stages": stages}
 
 
 def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
-    """The plan at 28 layers, bf16, on a 141 GiB GPU, and each stage's time: linear in depth from
-    the CPU runs, and from its FLOPs at the assumed utilisation of an H200."""
+    """Two things at 28 layers: each stage's CPU seconds at the rehearsal's sizes, linear in depth from
+    depths 1 and 2 (and whether time tracks the planned FLOPs: seconds per TFLOP at both depths);
+    and the plan of the default `countlens discover` in bf16 on a 141 GiB GPU (the H200's), its
+    time from the FLOPs at an assumed utilisation."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -103,20 +104,28 @@ def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
     from countlens import plan
     from countlens.discover import DiscoverConfig
 
-    vlm, _ = build(28, image_size, torch.bfloat16, "meta", real_vocab=True)
-    p = plan.plan(vlm, DiscoverConfig(**config), memory=141 * 2**30, device="cuda").to_dict()
     by_depth = {r["depth"]: r["stages"] for r in runs}
-    out = {}
-    for name, q in p["stages"].items():
-        row = {"planned_peak_gib": round(q["peak_bytes"] / 2**30, 2), "rows": q["rows"],
-               "tflop": round(q["flops"] / 1e12, 2),
-               "h200_seconds_at_assumed_utilisation": round(q["flops"] / (H200_BF16_FLOPS * ASSUMED_UTILISATION), 2)}
-        if 1 in by_depth and 2 in by_depth and name in by_depth[1] and name in by_depth[2]:
-            t1, t2 = by_depth[1][name]["seconds"], by_depth[2][name]["seconds"]
-            row["cpu_seconds_linear_in_depth"] = round(t1 + 27 * (t2 - t1), 0)
-        out[name] = row
-    return {"weights_gib": round(p["weights_bytes"] / 2**30, 2), "stages": out,
-            "assumption": f"{ASSUMED_UTILISATION:.0%} of {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s"}
+    cpu = {}
+    if 1 in by_depth and 2 in by_depth:
+        for name in by_depth[1]:
+            a, b = by_depth[1][name], by_depth[2].get(name)
+            if b is None:
+                continue
+            cpu[name] = {"seconds_depth_28": round(a["seconds"] + 27 * (b["seconds"] - a["seconds"])),
+                         "s_per_tflop": [round(x["seconds"] / (x["planned_flops"] / 1e12), 2) for x in (a, b)]}
+    vlm, _ = build(28, image_size, torch.bfloat16, "meta", real_vocab=True)
+    default = DiscoverConfig()
+    p = plan.plan(vlm, default, memory=141 * 2**30, device="cuda").to_dict()
+    gpu = {name: {"planned_peak_gib": round(q["peak_bytes"] / 2**30, 2), "rows": q["rows"],
+                  "forwards": q["forwards"], "tflop": round(q["flops"] / 1e12, 1),
+                  "seconds_at_assumed_utilisation": round(q["flops"] / (H200_BF16_FLOPS * ASSUMED_UTILISATION), 1)}
+           for name, q in p["stages"].items()}
+    return {"cpu_at_rehearsal_sizes": cpu,
+            "h200_default_discover": {"config": {k: getattr(default, k) for k in ("n_per_case", "n_pairs",
+                                                                                 "n_samples", "batch_size")},
+                                      "weights_gib": round(p["weights_bytes"] / 2**30, 2), "stages": gpu,
+                                      "assumption": f"{ASSUMED_UTILISATION:.0%} of {H200_BF16_FLOPS / 1e12:.0f} "
+                                                    "TFLOP/s dense bf16, not measured"}}
 
 
 def main() -> None:
@@ -147,9 +156,9 @@ def main() -> None:
         runs.append(json.loads(line[len("REHEARSAL "):]))
         print(json.dumps({k: v for k, v in runs[-1]["stages"].items()}, indent=1), flush=True)
     result = {"config": config, "image_size": args.image_size, "cpu_threads": os.cpu_count(), "runs": runs,
-              "h200_28_layers": extrapolate(runs, args.image_size, config)}
+              "depth_28": extrapolate(runs, args.image_size, config)}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["h200_28_layers"], indent=1))
+    print(json.dumps(result["depth_28"], indent=1))
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
     stages.run("attention_metrics", lambda: attention_metrics(vlm, inputs["attention_metrics"](), batch_size=bs))
     # 6. ablation across tasks
     abl = stages.run("ablation", sweep_stages["ablation"])
-    # 7. temperature from head-patching importance
+    # 7. temperature from head-patching importance (the head table's `importance`)
     betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
 
     def temperature() -> xr.Dataset:
@@ -245,12 +245,16 @@ def conflict_styles(model: str) -> tuple[str, str]:
 
 def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset,
                thresholds: HeadThresholds = HeadThresholds()) -> pd.DataFrame:
-    """Classify heads from a run's results: importance = max(|patching effect|, counting ablation
-    drop scaled to the largest drop)."""
-    drop = abl.logp_drop.sel(task="count").clip(min=0)
-    importance = np.maximum(np.abs(heads.effect), drop / max(1e-9, float(drop.max())))
-    return classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), importance,
-                          constancy(hl.token.isel(k=0)), thresholds)
+    """Classify heads from a run's results. ``importance`` is on one scale, the paper's γ_h:
+    |effect| of patching the head's z (the share of the logit difference it carries, 0 … 1).
+    ``ablation_drop`` is a column of its own, the counting task's mean drop in log p(gold) (nats)
+    when the head is mean-ablated: a second measure, not mixed into the first."""
+    table = classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), np.abs(heads.effect),
+                           constancy(hl.token.isel(k=0)), thresholds)
+    drop = abl.logp_drop.sel(task="count")
+    table.insert(table.columns.get_loc("importance") + 1, "ablation_drop",
+                 [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])])
+    return table
 
 
 def load_run(out: str | Path) -> dict:

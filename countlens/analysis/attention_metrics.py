@@ -1,21 +1,23 @@
 """Where the answer position looks: attention diagnostics of visual grounding (MAS, VRA, Attn-IoU, ARS).
 
 The answer's first token is read at the last prompt position, so that position's attention row is
-what the answer sees. Per layer and sample we average it over heads and ask four questions
-("Counting to Four", Figure 3):
+what the answer sees. Per layer and sample we average it over heads and ask four questions, after
+"Counting to Four" (Figure 3). MAS follows the paper's definition (read at one position); VRA and
+ARS are **countlens's own** definitions (the paper gives numbers but no formula) and Attn-IoU is
+countlens's reduction of the paper's per-head, pixel-mask IoU to a head mean on token cells, so
+none of the three is comparable with the paper's figures (`docs/fidelity.md`):
 
 - **MAS**, Modality Attention Share: how much of the attention mass goes to image tokens at all
-  (the head-mean of each head's share; the paper finds ≈ 10 % on average).
+  (the head-mean of each head's share).
 - **VRA**, Visual Region Attention: of that visual attention, the share that lands on image tokens
-  whose cell holds an object (the paper: ≈ 42 % even for correct answers).
+  whose cell holds an object.
 - **Attn-IoU**: the visual attention back-projected onto the token grid, scaled to a maximum of 1,
   binarised at ``threshold`` (0.5: cells holding at least half the peak attention) and compared by
   IoU with the object cells. 1 = it looks exactly at the objects' cells, no more, no less.
 - **ARS**, Attention Reward Score: the visual attention renormalised to a distribution over the grid
   cells, clipped at its 99th percentile (so one sink cell cannot dominate) and divided by that clip
   value (to [0, 1], independent of grid size); ARS = mean over object cells − mean over the other
-  cells, in [−1, 1]: > 0 when attention prefers objects, < 0 when it prefers background
-  (the paper: −0.15).
+  cells, in [−1, 1]: > 0 when attention prefers objects, < 0 when it prefers background.
 
 **Object cells** (`object_cells`): a token cell is covered when the union of the object masks
 covers ≥ ``coverage`` (25 %) of its pixels. A token of a 2×2-merging model (Qwen) spans 2×2 patches,

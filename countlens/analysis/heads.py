@@ -2,7 +2,8 @@
 
 Inputs, all over (layer, head): HeadLens ``vgs`` (share of visual-attribute words among the decoded
 top-k) and ``cter`` (share of number tokens), ``image_attention`` (share of the last position's
-attention on image tokens), ``importance`` (|effect| of patching the head, or of ablating it), and
+attention on image tokens), ``importance`` (one scale: |effect| of patching the head; `discover`
+passes its head-patching effect, the papers' γ_h), and
 ``constancy`` (how often the head's top-1 decoded token is the same across samples). Depth is
 layer / (n_layers − 1). Rules, first match wins (thresholds are `HeadThresholds` fields):
 
@@ -37,7 +38,7 @@ class HeadThresholds:
     image_low: float = 0.2
     vgs_min: float = 0.2
     cter_min: float = 0.5
-    important: float = 0.05  # |patching effect| (normalised logit difference) or ablation drop
+    important: float = 0.05  # importance: |patching effect| (share of the logit difference)
     constant: float = 0.9
 
 
@@ -88,7 +89,8 @@ def export_heads(df: pd.DataFrame, out: str | Path, stem: str = "heads") -> list
     """Write the table as CSV, Markdown and LaTeX; returns the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cols = ["head_id", "layer", "head", "class", "importance", "image_attention", "vgs", "cter", "constancy", "depth"]
+    cols = ["head_id", "layer", "head", "class", "importance", "ablation_drop", "image_attention", "vgs", "cter",
+            "constancy", "depth"]
     table = df[[c for c in cols if c in df]]
     paths = [out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.tex"]
     table.to_csv(paths[0], index=False)

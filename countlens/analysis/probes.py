@@ -13,7 +13,7 @@ when two objects' centres fall in one cell, the one nearer the cell centre keeps
 moves to the free edge-neighbour on its nearer side (its centre stays within reach of the offset
 range); an object with no free such neighbour is dropped from the targets (its ground-truth box
 stays in the evaluation, so it counts as a miss). Training minimises BCE on objectness over all
-cells plus (1 − GIoU) over the target cells, with Adam. Inputs are standardised per channel with
+cells plus (1 − GIoU) over the target cells, with AdamW. Inputs are standardised per channel with
 the training set's mean and standard deviation (stored in the probe), so residual-stream taps with
 large outlier channels train like the others. Detections are decoded, filtered by score and
 de-duplicated with greedy NMS, and scored by class-agnostic AP@50 with COCO's 101-point
@@ -51,7 +51,7 @@ DEFAULT_TAPS: tuple[Tap, ...] = (("vision", 0), ("vision", 1), ("projector", Non
 class ProbeConfig:
     """Hyper-parameters of the probe and its training; one config is used for every tap."""
 
-    hidden: int = 64  # bottleneck channels (the paper's 1×1 bottleneck width)
+    hidden: int = 64  # bottleneck channels: countlens's own (the paper's probes, 1.7–2.2 M parameters, are wider)
     groups: int = 8  # GroupNorm groups; must divide hidden
     epochs: int = 40
     lr: float = 3e-3
