@@ -201,12 +201,14 @@ def data_countingtricks(
 def discover_cmd(
     model: str = typer.Option("toy", help="'toy', a local checkpoint directory, or a cached hub id."),
     out: Path = typer.Option(..., help="Run directory: results/, figures/, heads.csv and report.md go here."),
-    n_per_case: int = typer.Option(100, help="COUNTINGTRICKS samples per case."),
-    n_pairs: int = typer.Option(128, help="Clean/corrupt pairs for patching."),
-    n_samples: int = typer.Option(128, help="Samples per task for lenses, attention and ablation."),
+    preset: str = typer.Option(None, help="A paper's protocol: counting-circuits or counting-to-four "
+                               "(countlens.presets); the flags below override it."),
+    n_per_case: int = typer.Option(None, help="COUNTINGTRICKS samples per case [100]."),
+    n_pairs: int = typer.Option(None, help="Clean/corrupt pairs for patching [128]."),
+    n_samples: int = typer.Option(None, help="Samples per task for lenses, attention and ablation [128]."),
     seed: int = typer.Option(0),
-    prompt: str = typer.Option("auto", help="Prompt style: auto (short for toy, std otherwise), std (the papers' "
-                               "Pstd), number, objects, short."),
+    prompt: str = typer.Option(None, help="Prompt style [auto]: auto (short for toy, std otherwise), std (the "
+                               "papers' Pstd), number, objects, short."),
     batch_size: int = typer.Option(16),
     device: str = typer.Option(None, help="e.g. cuda; default: where from_pretrained puts it."),
     dtype: str = typer.Option(None, help="e.g. bfloat16."),
@@ -218,17 +220,21 @@ def discover_cmd(
     Example: countlens discover --model toy --out runs/toy
     """
     import countlens
+    from countlens import presets
     from countlens.datasets.prompts import PAIR_PROMPTS
-    from countlens.discover import DiscoverConfig, discover
+    from countlens.discover import DiscoverConfig, check_config, discover
 
     _check_out(out)
-    if prompt != "auto" and prompt not in PAIR_PROMPTS:
+    if prompt is not None and prompt != "auto" and prompt not in PAIR_PROMPTS:
         _fail(CountlensError(f"--prompt {prompt!r}: use auto or one of {', '.join(PAIR_PROMPTS)}"))
     _check_positive(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size)
+    given = {k: v for k, v in dict(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
+                                   prompt=prompt).items() if v is not None}
     try:
+        config = (presets.discover_config(preset, seed=seed, batch_size=batch_size, **given) if preset else
+                  DiscoverConfig(seed=seed, batch_size=batch_size, **given))
+        check_config(config)  # before the model loads
         vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
-        config = DiscoverConfig(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, seed=seed,
-                                prompt=prompt, batch_size=batch_size)
         report = discover(vlm, out, config, log=typer.echo)
     except CountlensError as err:
         _fail(err)
@@ -245,10 +251,11 @@ def plan_cmd(
                                  "machine's available memory."),
     device: str = typer.Option("cpu", help="Where discover would run: cpu or cuda."),
     dtype: str = typer.Option(None, help="e.g. bfloat16; default: the checkpoint's."),
-    n_per_case: int = typer.Option(100),
-    n_pairs: int = typer.Option(128),
-    n_samples: int = typer.Option(128),
-    prompt: str = typer.Option("auto"),
+    preset: str = typer.Option(None, help="Plan a preset's run (as `countlens discover --preset`)."),
+    n_per_case: int = typer.Option(None, help="As `countlens discover` [100]."),
+    n_pairs: int = typer.Option(None, help="[128]"),
+    n_samples: int = typer.Option(None, help="[128]"),
+    prompt: str = typer.Option(None, help="[auto]"),
     batch_size: int = typer.Option(16),
     json_out: Path = typer.Option(None, "--json", help="Also write the plan as JSON here."),
 ) -> None:
@@ -259,17 +266,19 @@ def plan_cmd(
     """
     import json
 
-    from countlens import plan
+    from countlens import plan, presets
     from countlens.discover import DiscoverConfig
 
     _check_positive(image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
                     batch_size=batch_size)
     if memory is not None and not memory > 0:
         _fail(CountlensError(f"--memory must be > 0 GiB, got {memory}"))
+    given = {k: v for k, v in dict(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
+                                   prompt=prompt).items() if v is not None}
     try:
+        config = (presets.discover_config(preset, batch_size=batch_size, **given) if preset else
+                  DiscoverConfig(batch_size=batch_size, **given))
         vlm = plan.meta_vlm(model, dtype=dtype, image_size=image_size)
-        config = DiscoverConfig(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, prompt=prompt,
-                                batch_size=batch_size)
         p = plan.plan(vlm, config, memory=None if memory is None else int(memory * 2**30), device=device)
     except CountlensError as err:
         _fail(err)
@@ -292,26 +301,38 @@ def plan_cmd(
 @app.command("classify")
 def classify_cmd(
     run: Path = typer.Option(..., help="A `countlens discover` run directory."),
-    early: float = typer.Option(0.34, help="Depth (layer / last layer) at or below which a head is early."),
-    late: float = typer.Option(0.5, help="Depth at or above which a head is late."),
-    image_high: float = typer.Option(0.3, help="Image-attention share that counts as reading the image."),
-    image_low: float = typer.Option(0.2, help="Image-attention share below which a head ignores the image."),
-    vgs_min: float = typer.Option(0.2, help="Minimum VGS of a visual-grounding head."),
-    cter_min: float = typer.Option(0.5, help="Minimum CTER of routing and aggregation heads."),
-    important: float = typer.Option(0.05, help="Minimum importance of routing and aggregation heads."),
-    constant: float = typer.Option(0.9, help="Top-1 constancy of an awareness head."),
+    early: float = typer.Option(None, help="Depth (layer / last layer) at or below which a head is early [0.34]."),
+    late: float = typer.Option(None, help="Depth at or above which a head is late (aggregation) [0.5]."),
+    image_high: float = typer.Option(None, help="Image-attention share that counts as reading the image [0.3]."),
+    image_low: float = typer.Option(None, help="Image-attention share below which a head ignores the image [0.2]."),
+    vgs_min: float = typer.Option(None, help="Minimum VGS of a visual-grounding head [0.2]."),
+    cter_min: float = typer.Option(None, help="Minimum CTER of routing and aggregation heads [0.5]."),
+    important: float = typer.Option(None, help="Minimum importance (|patching effect|) of routing and aggregation "
+                                    "heads [0.05]."),
+    constant: float = typer.Option(None, help="Top-1 constancy of an awareness head [0.9]."),
+    routing_from: float = typer.Option(None, help="Depth from which routing heads may sit [0]."),
+    routing_to: float = typer.Option(None, help="Depth below which routing heads sit [--late]."),
+    align_min: float = typer.Option(None, help="Share of samples whose top-1 token is the count, for an "
+                                    "aggregation head [0: not tested]."),
+    difficulty_min: float = typer.Option(None, help="Difficulty-word share that makes an awareness head [not tested]."),
 ) -> None:
     """Re-classify a run's heads with other thresholds; rewrites heads.csv / .md / .tex and report.md.
+    Thresholds not given keep the run's (its preset's, else the defaults in brackets).
 
     Example: countlens classify --run runs/toy --cter-min 0.6
     """
-    from countlens.analysis.heads import HeadThresholds, export_heads
+    from countlens.analysis.heads import export_heads
     from countlens.discover import head_table, load_run, read_spec, write_report
+    from countlens.presets import thresholds as preset_thresholds
 
+    given = {k: v for k, v in dict(early=early, late=late, image_high=image_high, image_low=image_low, vgs_min=vgs_min,
+                                   cter_min=cter_min, important=important, constant=constant,
+                                   routing_from=routing_from, routing_to=routing_to, align_min=align_min,
+                                   difficulty_min=difficulty_min).items() if v is not None}
     try:
         spec = read_spec(run)
         r = load_run(run)
-        thresholds = HeadThresholds(early, late, image_high, image_low, vgs_min, cter_min, important, constant)
+        thresholds = preset_thresholds(spec.get("preset", ""), **given)
         table = head_table(r["heads"], r["ablation"], r["headlens"], r["attention"], thresholds)
         export_heads(table, run)
         write_report(spec["model"], spec["arch"], run, table=table)

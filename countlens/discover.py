@@ -48,8 +48,10 @@ class DiscoverConfig:
     prompt: str = "auto"  # "auto": the organism's short form for "toy", else Pstd
     pair_kind: str = "shapes"
     alpha: float = 1.2  # head temperature: β_h = α·γ_h
-    top_k: int = 5  # heads sharpened / compared across tasks
+    top_k: int = 5  # heads sharpened; AtP's top-k overlap with exact patching
     batch_size: int = 16
+    jaccard_k: int = 5  # top heads per task compared across tasks (Jaccard)
+    preset: str = ""  # a `countlens.presets` name whose values these are ("": none)
 
 
 def check_config(c: DiscoverConfig) -> None:
@@ -57,8 +59,12 @@ def check_config(c: DiscoverConfig) -> None:
     from countlens.datasets.pairs import KINDS
     from countlens.datasets.prompts import PAIR_PROMPTS
 
-    for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k"):
+    for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k", "jaccard_k"):
         require_count(getattr(c, name), name)
+    if c.preset:
+        from countlens.presets import get
+
+        get(c.preset)  # raises for an unknown name
     if c.prompt != "auto" and c.prompt not in PAIR_PROMPTS:
         raise InputError(f"prompt {c.prompt!r}: use 'auto' or one of {PAIR_PROMPTS}")
     if c.pair_kind not in KINDS:
@@ -192,7 +198,9 @@ def discover(vlm, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
                           attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})})
 
     stages.run("temperature", temperature)
-    table = head_table(heads, abl, hl, att)
+    from countlens.presets import thresholds
+
+    table = head_table(heads, abl, hl, att, thresholds(c.preset))
     export_heads(table, out)
     return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
 
@@ -248,9 +256,17 @@ def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Datas
     """Classify heads from a run's results. ``importance`` is on one scale, the paper's γ_h:
     |effect| of patching the head's z (the share of the logit difference it carries, 0 … 1).
     ``ablation_drop`` is a column of its own, the counting task's mean drop in log p(gold) (nats)
-    when the head is mean-ablated: a second measure, not mixed into the first."""
+    when the head is mean-ablated: a second measure, not mixed into the first. ``alignment``: the
+    share of counting samples whose top-1 decoded token is the first token of their count (runs
+    made before HeadLens recorded it: not measured); ``difficulty``: HeadLens's difficulty-word share."""
+    top1 = hl.token_id.isel(k=0)
+    alignment = None
+    if "count_token" in hl:
+        known = hl.count_token >= 0
+        alignment = (top1 == hl.count_token).where(known).mean("sample")
     table = classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), np.abs(heads.effect),
-                           constancy(hl.token.isel(k=0)), thresholds)
+                           constancy(hl.token.isel(k=0)), thresholds, alignment=alignment,
+                           difficulty=hl.get("difficulty"))
     drop = abl.logp_drop.sel(task="count")
     table.insert(table.columns.get_loc("importance") + 1, "ablation_drop",
                  [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])])
@@ -302,8 +318,9 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     spec = read_spec(out)
     prompt = prompt or spec.get("prompt", "?")
     k = int(spec.get("top_k", 5))
+    jk = int(spec.get("jaccard_k", k))
     atp_score = circuits.compare(atp.effect, heads.effect, k=k)
-    jac = circuits.jaccard(abl, k=k)
+    jac = circuits.jaccard(abl, k=jk)
 
     figs = out / "figures"
     by_case = accuracy(cases, "case")["accuracy"].reindex(list(CASES))
@@ -323,12 +340,21 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     decoded_layer = next((int(la) for la in lens.layer.values if float(lens["rank"].sel(layer=la).median()) == 0), None)
     sharp = float(temp.sharpened.mean()), float(temp.base.mean())
     classes = table["class"].value_counts().to_dict()
-    tops = {t: ", ".join(f"L{la}H{h}" for la, h in v) for t, v in circuits.top_heads(abl, k=k).items()}
+    tops = {t: ", ".join(f"L{la}H{h}" for la, h in v) for t, v in circuits.top_heads(abl, k=jk).items()}
     vap_table = vap.effect.to_pandas().round(3).to_markdown()
+    overwrite_table = vap.overwrite.to_pandas().round(3).to_markdown()
+    preset_line = ""
+    if spec.get("preset"):
+        from countlens.presets import get
+
+        chosen = get(spec["preset"])
+        values = {**chosen.discover, **chosen.thresholds}
+        preset_line = (f"\n\nPreset `{chosen.name}` ({chosen.paper}): " + ", ".join(f"{k_} = {v}" for k_, v in values.items())
+                       + " (their sources: `countlens.presets`; what is still countlens's own: docs/fidelity.md).")
     text = f"""# Counting circuit of `{model}` ({arch})
 
 Produced by `countlens discover`. Prompt style: `{prompt}`. Every number below is read from the
-result files in `results/` (xarray netCDF; `countlens.results.load`).
+result files in `results/` (xarray netCDF; `countlens.results.load`).{preset_line}
 
 ## 1. COUNTINGTRICKS
 
@@ -357,6 +383,10 @@ over one token group, carries into the clean run ({int(vap.sizes['pair'])} pairs
 {"the last prompt token carries at least half from layer " + str(first_last) if first_last is not None else "the last token never carries half"}.
 
 {vap_table}
+
+Overwrite rate (the papers' measure): the share of pairs whose prediction becomes the corrupt answer.
+
+{overwrite_table}
 
 ## 3. Heads: exact patching and attribution patching
 

@@ -157,8 +157,8 @@ def free_bytes(device: torch.device | str) -> int:
         with open("/proc/meminfo") as f:
             info = {k: v for k, v in (line.split(":", 1) for line in f)}
         return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) if hasattr(os, "sysconf") else 1 << 40
+    except (OSError, KeyError, ValueError):  # no /proc: the free pages
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, cap: int | None = None) -> int:
@@ -171,7 +171,7 @@ def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, cap: int | N
 
 @dataclass
 class StagePlan:
-    """A stage's forwards, what it keeps across them and on the host, and its totals."""
+    """A stage's forwards and what it keeps across them, on the device and on the host."""
 
     name: str
     forwards: list[Forward]
@@ -190,7 +190,7 @@ class Plan:
     widths: Widths
     image_size: int
     patches: int  # vision patches per image
-    base: int  # the runtime's own memory (CPU: this process's resident set before the weights)
+    base: int  # the runtime's own memory (CPU: the resident set less the weights)
     free: int  # memory the sweeps' rows were sized from
     device: str
     stages: list[StagePlan]

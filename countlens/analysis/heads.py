@@ -3,19 +3,24 @@
 Inputs, all over (layer, head): HeadLens ``vgs`` (share of visual-attribute words among the decoded
 top-k) and ``cter`` (share of number tokens), ``image_attention`` (share of the last position's
 attention on image tokens), ``importance`` (one scale: |effect| of patching the head; `discover`
-passes its head-patching effect, the papers' γ_h), and
-``constancy`` (how often the head's top-1 decoded token is the same across samples). Depth is
+passes its head-patching effect, the papers' γ_h), ``constancy`` (how often the head's top-1
+decoded token is the same across samples) and, optionally, ``alignment`` (how often its top-1
+token is the sample's count) and ``difficulty`` (share of difficulty words in its top-k). Depth is
 layer / (n_layers − 1). Rules, first match wins (thresholds are `HeadThresholds` fields):
 
 1. **visual grounding** — early (depth ≤ early), reads the image (image_attention ≥ image_high) and
    decodes visual attributes (vgs ≥ vgs_min);
-2. **cross-modal routing** — not late (depth < late), reads the image (image_attention ≥ image_high),
-   decodes numbers (cter ≥ cter_min) and matters (importance ≥ important);
+2. **cross-modal routing** — in the routing band (routing_from ≤ depth < routing_to, default
+   0 … late), reads the image (image_attention ≥ image_high), decodes numbers (cter ≥ cter_min) and
+   matters (importance ≥ important);
 3. **counting aggregation** — late (depth ≥ late), barely reads the image (< image_low), decodes
-   numbers and matters;
+   numbers, matters, and (align_min > 0) its top-1 token is the count on ≥ align_min of samples;
 4. **awareness** — decodes the same top-1 token on most samples (constancy ≥ constant), whatever the
-   count: an existence or difficulty signal rather than the count;
+   count (an existence signal), or (difficulty_min set) difficulty words (difficulty ≥ difficulty_min);
 5. **other**.
+
+The defaults are countlens's, sized for the organism; `countlens.presets` holds the bands that class
+a paper's layer ranges as the paper does.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class HeadThresholds:
     cter_min: float = 0.5
     important: float = 0.05  # importance: |patching effect| (share of the logit difference)
     constant: float = 0.9
+    routing_from: float = 0.0  # depth band of routing heads: routing_from ≤ depth < routing_to
+    routing_to: float | None = None  # None: late
+    align_min: float = 0.0  # aggregation: top-1 token = the count on ≥ this share (0: not tested)
+    difficulty_min: float | None = None  # awareness by difficulty words (None: not tested)
 
 
 def constancy(top1: xr.DataArray) -> xr.DataArray:
@@ -53,7 +62,8 @@ def constancy(top1: xr.DataArray) -> xr.DataArray:
 
 def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.DataArray,
                    importance: xr.DataArray, constancy: xr.DataArray | None = None,
-                   thresholds: HeadThresholds = HeadThresholds()) -> pd.DataFrame:
+                   thresholds: HeadThresholds = HeadThresholds(), alignment: xr.DataArray | None = None,
+                   difficulty: xr.DataArray | None = None) -> pd.DataFrame:
     """One row per head: the measurements, depth and ``class``; sorted by importance."""
     t = thresholds
     layers = vgs.layer.values
@@ -61,21 +71,26 @@ def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.Da
     plain = lambda da: da.reset_coords(drop=True)  # noqa: E731 - drop scalar coords such as task=…
     frame = xr.Dataset({"vgs": plain(vgs), "cter": plain(cter), "image_attention": plain(image_attention),
                         "importance": plain(abs(importance))})
-    if constancy is not None:
-        frame["constancy"] = plain(constancy)
+    for name, value in (("constancy", constancy), ("alignment", alignment), ("difficulty", difficulty)):
+        if value is not None:
+            frame[name] = plain(value)
     df = frame.to_dataframe().reset_index()
     df["depth"] = df["layer"] / max(1, n_layers - 1)
-    if "constancy" not in df:
-        df["constancy"] = np.nan
+    for name in ("constancy", "alignment", "difficulty"):
+        if name not in df:
+            df[name] = np.nan
+    routing_to = t.late if t.routing_to is None else t.routing_to
 
     def rule(r) -> str:
+        counts = r.cter >= t.cter_min and r.importance >= t.important
         if r.depth <= t.early and r.image_attention >= t.image_high and r.vgs >= t.vgs_min:
             return CLASSES[0]
-        if r.depth < t.late and r.image_attention >= t.image_high and r.cter >= t.cter_min and r.importance >= t.important:
+        if t.routing_from <= r.depth < routing_to and r.image_attention >= t.image_high and counts:
             return CLASSES[1]
-        if r.depth >= t.late and r.image_attention < t.image_low and r.cter >= t.cter_min and r.importance >= t.important:
+        if r.depth >= t.late and r.image_attention < t.image_low and counts and (
+                t.align_min <= 0 or r.alignment >= t.align_min):
             return CLASSES[2]
-        if r.constancy >= t.constant:
+        if r.constancy >= t.constant or (t.difficulty_min is not None and r.difficulty >= t.difficulty_min):
             return CLASSES[3]
         return CLASSES[4]
 
@@ -90,8 +105,8 @@ def export_heads(df: pd.DataFrame, out: str | Path, stem: str = "heads") -> list
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cols = ["head_id", "layer", "head", "class", "importance", "ablation_drop", "image_attention", "vgs", "cter",
-            "constancy", "depth"]
-    table = df[[c for c in cols if c in df]]
+            "constancy", "alignment", "difficulty", "depth"]
+    table = df[[c for c in cols if c in df and not (c in ("alignment", "difficulty") and df[c].isna().all())]]
     paths = [out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.tex"]
     table.to_csv(paths[0], index=False)
     paths[1].write_text(table.to_markdown(index=False, floatfmt=".3f") + "\n")

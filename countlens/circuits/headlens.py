@@ -11,8 +11,11 @@ Fit: ridge least squares on every real token position of a fitting set, in close
 per layer, deterministic; λ is relative to the mean eigenvalue of XᵀX, default 1e-2). R² is reported
 per layer on a held-out fifth of the positions. Scores per head, over the decoded top-k tokens at the
 last prompt position, averaged over samples: VGS — the share of visual-attribute words (colours,
-shapes, geometry; `VISUAL_WORDS`, configurable) — and CTER — the share of number tokens (digits and
-number words).
+shapes, geometry; `VISUAL_WORDS`, configurable) — CTER — the share of number tokens (digits and
+number words) — and difficulty — the share of words that say a count is hard (`DIFFICULTY_WORDS`:
+the paper's awareness heads write "difficult", "impossible" at large counts). Each sample's
+``count_token`` (the first token of its count written as a number) lets a head's top-1 token be
+compared with the count (`countlens.discover.head_table`'s alignment).
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ VISUAL_WORDS: frozenset[str] = frozenset(
 NUMBER_WORDS: frozenset[str] = frozenset(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
     "sixteen seventeen eighteen nineteen twenty".split()
+)
+
+
+#: Words that report a count as hard rather than give it (countlens's own list, after the paper's examples).
+DIFFICULTY_WORDS: frozenset[str] = frozenset(
+    "difficult difficulty impossible hard many numerous countless several unclear uncertain unknown "
+    "lots multiple various crowded".split()
 )
 
 
@@ -141,6 +151,9 @@ class HeadLens:
         tokens = np.vectorize(lambda i: vocab[i], otypes=[object])(ids)
         visual = np.vectorize(lambda t: _clean(t) in visual_words, otypes=[bool])(tokens)
         number = np.vectorize(is_number, otypes=[bool])(tokens)
+        hard = np.vectorize(lambda t: _clean(t) in DIFFICULTY_WORDS, otypes=[bool])(tokens)
+        counts = [int((s.meta or {}).get("count", -1)) for s in samples]
+        count_token = [vlm.answer_ids(str(n))[0] if n >= 0 else -1 for n in counts]
         from countlens.results import provenance
 
         return xr.Dataset(
@@ -148,6 +161,8 @@ class HeadLens:
              "token": (("layer", "head", "sample", "k"), tokens.astype(str)),
              "vgs": (("layer", "head"), visual.mean((2, 3))),
              "cter": (("layer", "head"), number.mean((2, 3))),
+             "difficulty": (("layer", "head"), hard.mean((2, 3))),
+             "count_token": ("sample", np.array(count_token)),
              "r2": ("layer", self.r2.numpy())},
             coords={"layer": self.layers, "head": np.arange(arch.n_heads), "sample": np.arange(len(samples)),
                     "k": np.arange(top_k)},

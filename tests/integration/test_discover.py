@@ -110,3 +110,32 @@ def test_discover_on_the_real_qwen_vocabulary_with_counts_up_to_twelve(tmp_path,
     vap = results.load(out / "results" / "vap.nc")
     assert abs(float(vap.effect.sel(layer=-1, group="image")) - 1.0) < 1e-4
     assert "Prompt style: `std`" in (out / "report.md").read_text()
+
+
+def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
+    """Each preset end to end at small sizes (the flags override its sizes), on the real Qwen
+    vocabulary, since both presets ask the Pstd prompt; spec and report name what the preset set."""
+    import json
+
+    model = tiny_checkpoint("qwen2_5_vl", image_side=128)
+    small = ["--n-per-case", "2", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "16"]
+    out = tmp_path / "circuits"
+    result = runner.invoke(app, ["discover", "--model", str(model), "--out", str(out), "--preset", "counting-circuits",
+                                 *small])
+    assert result.exit_code == 0, result.output
+    spec = json.loads((out / "spec.json").read_text())
+    assert (spec["preset"], spec["pair_kind"], spec["jaccard_k"], spec["n_pairs"]) == ("counting-circuits", "dots", 20, 4)
+    report = (out / "report.md").read_text()
+    assert "Preset `counting-circuits`" in report and "routing_from = 0.6" in report and "Top-20 heads" in report
+    assert "Overwrite rate" in report
+    heads = pd.read_csv(out / "heads.csv")
+    assert {"alignment", "difficulty", "ablation_drop"} <= set(heads.columns)
+    assert heads["alignment"].between(0, 1).all()
+    out4 = tmp_path / "four"
+    result = runner.invoke(app, ["discover", "--model", str(model), "--out", str(out4), "--preset", "counting-to-four",
+                                 *small])
+    assert result.exit_code == 0, result.output
+    spec = json.loads((out4 / "spec.json").read_text())
+    assert (spec["preset"], spec["n_per_case"], spec["prompt"]) == ("counting-to-four", 2, "std")
+    bad = runner.invoke(app, ["discover", "--model", str(model), "--out", str(tmp_path / "x"), "--preset", "nope"])
+    assert bad.exit_code == 2 and "unknown preset" in bad.output and not (tmp_path / "x").exists()
