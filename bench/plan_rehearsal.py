@@ -1,7 +1,8 @@
 """The 7B-width rehearsal of `countlens plan`: every discover stage, planned and measured, on CPU.
 
     python bench/plan_rehearsal.py                  # depths 1 and 2, 448 px → bench/plan_rehearsal.json
-    python bench/plan_rehearsal.py --depths 1 --image-size 112 --out /tmp/r.json   # a quick check
+    python bench/plan_rehearsal.py --depths 1 --image-size 224 --out /tmp/r.json   # a quicker check
+    python bench/plan_rehearsal.py --replan           # the recorded runs against the current plan
 
 Each depth runs in a fresh process: a random-init Qwen2.5-VL at Qwen2.5-VL-7B's widths
 (`bench/gpu.py`'s `build`: text hidden 3,584, 28 heads, 4 KV heads, intermediate 18,944, vocabulary
@@ -128,6 +129,34 @@ def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
                                                     "TFLOP/s dense bf16, not measured"}}
 
 
+def replan(path: Path) -> dict:
+    """Recompute the planned side of a recorded rehearsal with the current `countlens.plan` (on meta
+    models with the recorded memory and runtime base, so the sweeps get the same rows) against its
+    measured side, unchanged; the earlier planned peaks are kept as ``previous_planned_peak_bytes``."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu import build
+
+    from countlens import plan
+    from countlens.discover import DiscoverConfig
+
+    result = json.loads(path.read_text())
+    for run in result["runs"]:
+        vlm, _ = build(run["depth"], result["image_size"], torch.float32, "meta", real_vocab=True)
+        q = plan.plan(vlm, DiscoverConfig(**result["config"]), memory=run["memory_bytes"], device="cpu",
+                      base=run["base_bytes"]).to_dict()["stages"]
+        for name, st in run["stages"].items():
+            if q[name]["rows"] != st["rows"]:
+                sys.exit(f"depth {run['depth']} {name}: the current plan stacks {q[name]['rows']} rows, the "
+                         f"measured run {st['rows']}; measure again instead")
+            st.setdefault("previous_planned_peak_bytes", st["planned_peak_bytes"])
+            st["planned_peak_bytes"] = q[name]["peak_bytes"]
+            st["ratio"] = round(st["measured_peak_bytes"] / st["planned_peak_bytes"], 3)
+    result["depth_28"] = extrapolate(result["runs"], result["image_size"], result["config"])
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
@@ -138,7 +167,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one depth, print JSON
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
+    ap.add_argument("--replan", action="store_true", help="recompute the planned side of --out's rehearsal")
     args = ap.parse_args()
+    if args.replan:
+        result = replan(args.out)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({r["depth"]: {k: v["ratio"] for k, v in r["stages"].items()} for r in result["runs"]}))
+        return
     config = dict(n_pairs=args.n_pairs, n_samples=args.n_samples, n_per_case=args.n_per_case,
                   batch_size=args.batch_size)
     if args.one is not None:

@@ -197,6 +197,16 @@ def data_countingtricks(
     typer.echo(f"wrote {len(names) * n} images and {manifest}")
 
 
+def _discover_config(preset: str | None, **values):
+    """A DiscoverConfig from the flags given (None: not given): over the preset's values, if any,
+    else over the defaults."""
+    from countlens import presets
+    from countlens.discover import DiscoverConfig
+
+    given = {k: v for k, v in values.items() if v is not None}
+    return presets.discover_config(preset, **given) if preset else DiscoverConfig(**given)
+
+
 @app.command("discover")
 def discover_cmd(
     model: str = typer.Option("toy", help="'toy', a local checkpoint directory, or a cached hub id."),
@@ -220,19 +230,16 @@ def discover_cmd(
     Example: countlens discover --model toy --out runs/toy
     """
     import countlens
-    from countlens import presets
     from countlens.datasets.prompts import PAIR_PROMPTS
-    from countlens.discover import DiscoverConfig, check_config, discover
+    from countlens.discover import check_config, discover
 
     _check_out(out)
     if prompt is not None and prompt != "auto" and prompt not in PAIR_PROMPTS:
         _fail(CountlensError(f"--prompt {prompt!r}: use auto or one of {', '.join(PAIR_PROMPTS)}"))
     _check_positive(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size)
-    given = {k: v for k, v in dict(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
-                                   prompt=prompt).items() if v is not None}
     try:
-        config = (presets.discover_config(preset, seed=seed, batch_size=batch_size, **given) if preset else
-                  DiscoverConfig(seed=seed, batch_size=batch_size, **given))
+        config = _discover_config(preset, seed=seed, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs,
+                                  n_samples=n_samples, prompt=prompt)
         check_config(config)  # before the model loads
         vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
         report = discover(vlm, out, config, log=typer.echo)
@@ -266,18 +273,15 @@ def plan_cmd(
     """
     import json
 
-    from countlens import plan, presets
-    from countlens.discover import DiscoverConfig
+    from countlens import plan
 
     _check_positive(image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
                     batch_size=batch_size)
     if memory is not None and not memory > 0:
         _fail(CountlensError(f"--memory must be > 0 GiB, got {memory}"))
-    given = {k: v for k, v in dict(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
-                                   prompt=prompt).items() if v is not None}
     try:
-        config = (presets.discover_config(preset, batch_size=batch_size, **given) if preset else
-                  DiscoverConfig(batch_size=batch_size, **given))
+        config = _discover_config(preset, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs,
+                                  n_samples=n_samples, prompt=prompt)
         vlm = plan.meta_vlm(model, dtype=dtype, image_size=image_size)
         p = plan.plan(vlm, config, memory=None if memory is None else int(memory * 2**30), device=device)
     except CountlensError as err:

@@ -17,8 +17,10 @@ A decoder forward of R rows × S tokens holds about R·S·(3·d_ff + 4·d_model)
 (the MLP's three d_ff-wide tensors beside the residual stream); eager attention adds
 R·heads·S² scores (in the model's dtype and as float32); the kept logits R·keep·vocab twice (dtype
 and float32); a KV cache 2·layers·R·S·kv_heads·d_head; a backward pass the activations each
-layer saves for it, about R·S·(4·d_ff + 6·d_model) per layer. The vision tower's transient is the
-same count at its own widths over the batch's patches. These are countlens's own estimates; the
+layer saves for it, about R·S·(4·d_ff + 6·d_model) per layer; a batch-expanded forward, per row,
+the stacked input of its first layer and (its vision tower skipped) the row's pixel values and a
+copy of the tower's output. The vision tower's transient is the same count as a decoder layer's at
+its own widths over the batch's patches. These are countlens's own estimates; the
 7B-width rehearsal (``bench/plan_rehearsal.py``) measures them against peak RSS.
 
 `rows_per_forward` is what the batch-expanded sweeps (`countlens.circuits.run_edits`) use instead
@@ -140,11 +142,21 @@ def forward_bytes(w: Widths, f: Forward, patches: int) -> int:
     return int(max(layer, vision) + logits + cache + saved + f.extra)
 
 
-def stacked_row_bytes(w: Widths, seq: int, keep: int = 1) -> int:
-    """Transient bytes one more row adds to a batch-expanded forward (its activations, its logits
-    as float32 twice, and its copy of the input of the first layer run)."""
+def replica_copy_bytes(w: Widths, seq: int, patches: int = 0) -> int:
+    """Bytes of the inputs a batch-expanded forward stacks per row: the input of its first layer
+    run, and (the vision tower skipped, its output fed in) the row's pixel values and a copy of the
+    tower's output (patch states and merged image tokens)."""
+    pixel = w.patch_embed // max(1, w.vision_width)  # one patch's input values
+    tokens = patches // (w.merge * w.merge)
+    return (seq * w.d_model + patches * (pixel + w.vision_width) + tokens * w.d_model) * w.act_bytes
+
+
+def stacked_row_bytes(w: Widths, seq: int, keep: int = 1, patches: int = 0) -> int:
+    """Transient bytes one more row adds to a batch-expanded forward: its activations, its logits
+    (in the model's dtype and as float32, twice), and its stacked inputs (`replica_copy_bytes`)."""
     b = w.act_bytes
-    return seq * (3 * w.d_ff + 5 * w.d_model) * b + keep * w.vocab * (b + 8)
+    return (seq * (3 * w.d_ff + 4 * w.d_model) * b + keep * w.vocab * (b + 8)
+            + replica_copy_bytes(w, seq, patches))
 
 
 def free_bytes(device: torch.device | str) -> int:
@@ -161,12 +173,14 @@ def free_bytes(device: torch.device | str) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, cap: int | None = None) -> int:
-    """The most rows a batch-expanded forward of ``seq`` tokens may stack: FREE_SHARE of ``free``
-    bytes over what a row costs (`stacked_row_bytes`), at least 1 and at most ``cap`` (`MAX_ROWS`)."""
+def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, patches: int = 0, cap: int | None = None) -> int:
+    """The most rows a batch-expanded forward of ``seq`` tokens (``patches`` vision patches a row)
+    may stack: FREE_SHARE of ``free`` bytes over what a row costs (`stacked_row_bytes`), at least 1
+    and at most ``cap`` (`MAX_ROWS`)."""
     from countlens.circuits.patching import MAX_ROWS
 
-    return max(1, min(cap or MAX_ROWS, int(FREE_SHARE * free) // max(1, stacked_row_bytes(w, seq, keep))))
+    per_row = stacked_row_bytes(w, seq, keep, patches)
+    return max(1, min(cap or MAX_ROWS, int(FREE_SHARE * free) // max(1, per_row)))
 
 
 @dataclass
@@ -224,7 +238,8 @@ class Plan:
     def to_dict(self) -> dict:
         from dataclasses import asdict
 
-        return {"model": self.model, "device": self.device, "memory_bytes": self.memory, "image_size": self.image_size, "patches": self.patches,
+        return {"model": self.model, "device": self.device, "memory_bytes": self.memory,
+                "image_size": self.image_size, "patches": self.patches,
                 "weights_bytes": self.widths.weight_bytes, "base_bytes": self.base, "free_bytes": self.free,
                 "widths": asdict(self.widths),
                 "stages": {s.name: {"peak_bytes": self.peak(s), "flops": self.flops(s), "kept_bytes": s.kept,
@@ -241,7 +256,7 @@ def _chunk_sizes(n: int, size: int) -> dict[int, int]:
     return sizes
 
 
-def _stacked(w: Widths, firsts: list[int], n: int, seq: int, rows: int, keep: int, count: int,
+def _stacked(w: Widths, firsts: list[int], n: int, seq: int, rows: int, keep: int, count: int, patches: int,
              extra_per_row: int = 0) -> list[Forward]:
     """The stacked forwards of `run_edits` over replicas whose lowest edited layers are ``firsts``:
     sorted, ``rows // n`` replicas a pass, layers below a pass's first edit skipped."""
@@ -251,12 +266,12 @@ def _stacked(w: Widths, firsts: list[int], n: int, seq: int, rows: int, keep: in
     for i in range(0, len(order), per_pass):
         k = len(order[i : i + per_pass])
         out.append(Forward(k * n, seq, count=count, keep=keep, layers=w.n_layers - max(0, order[i]), images=0,
-                           extra=k * n * extra_per_row))
+                           extra=k * n * (extra_per_row + replica_copy_bytes(w, seq, patches))))
     return out
 
 
-def _sweep_rows(w: Widths, seq: int, free: int, kept: int, keep: int = 1) -> int:
-    return rows_per_forward(w, seq, max(0, free - kept), keep)
+def _sweep_rows(w: Widths, seq: int, free: int, kept: int, keep: int, patches: int) -> int:
+    return rows_per_forward(w, seq, max(0, free - kept), keep, patches)
 
 
 class _Planner:
@@ -269,6 +284,8 @@ class _Planner:
         self.w = widths(vlm)
         self.inputs = stage_inputs(vlm, config, resolved_prompt(vlm, config))
         self.bs = config.batch_size
+        first = self.inputs["pairs"]()[0].clean
+        self.patches = len(vlm.prepare([first.image], [first.question]).image_pos[0]) * self.w.merge**2
 
     def _seq(self, samples, forced: bool = False) -> int:
         chunk = samples[: self.bs]
@@ -311,11 +328,11 @@ class _Planner:
         dz = w.n_heads * w.d_head
         starts = len({f for f in firsts if f >= 1})
         kept = lambda n: n * seq * ((w.n_layers + 1) * w.d_model + w.n_layers * dz + starts * w.d_model) * b  # noqa: E731
-        rows = _sweep_rows(w, seq, self.free, kept(n0))
+        rows = _sweep_rows(w, seq, self.free, kept(n0), 1, self.patches)
         fw = []
         for n, k in _chunk_sizes(len(pairs), self.bs).items():
             fw += [Forward(n, seq, count=3 * k)]  # corrupt cache, clean logits, the clean pre-pass
-            fw += _stacked(w, firsts, n, seq, rows, 1, k)
+            fw += _stacked(w, firsts, n, seq, rows, 1, k, self.patches)
         return StagePlan(name, fw, kept=kept(n0), rows=rows, batch=self.bs)
 
     def vap(self) -> StagePlan:
@@ -384,11 +401,12 @@ class _Planner:
             n0 = min(self.bs, len(samples))
             task_kept = w.n_layers * n0 * seq * dz * b  # the means pass saves every layer's z
             edit_values = w.n_layers * n0 * seq * (dz * 4 + w.n_heads)  # float32 values and masks, per head
-            rows = _sweep_rows(w, seq, self.free - (edit_values if self.vlm.device.type == "cpu" else 0), 0, keep)
+            rows = _sweep_rows(w, seq, self.free - (edit_values if self.vlm.device.type == "cpu" else 0), 0, keep,
+                               self.patches)
             kept, host = max(kept, task_kept), max(host, edit_values)
             for n, k in _chunk_sizes(len(samples), self.bs).items():
                 fw += [Forward(n, seq, count=k), Forward(n, seq, count=k, keep=keep)]
-                fw += _stacked(w, firsts, n, seq, rows, keep, k, extra_per_row=keep * w.vocab * 4)
+                fw += _stacked(w, firsts, n, seq, rows, keep, k, self.patches, extra_per_row=keep * w.vocab * 4)
         return StagePlan("ablation", fw, kept=kept, host=host, rows=rows, batch=self.bs)
 
 
@@ -423,14 +441,11 @@ def plan(vlm, config=None, memory: int | None = None, device: str | None = None,
                          f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
                          "memory, a smaller dtype, or several devices (device_map='auto')")
     p = _Planner(vlm, c, free)
-    pairs = p.inputs["pairs"]()
-    sample = p.vlm.prepare([pairs[0].clean.image], [pairs[0].clean.question])
-    patches = len(sample.image_pos[0]) * w.merge * w.merge
     stages = [p.score("cases", p.inputs["cases"]()), p.score("conflict_std", p.inputs["conflict_std"]()),
               p.score("conflict", p.inputs["conflict"]()), p.vap(), p.heads(), p.atp(), p.lens(), p.headlens(),
               p.attention(), p.attention_metrics(), p.ablation(),
               p.score("temperature", p.inputs["temperature"](), times=2)]
-    return Plan(vlm.name, w, vlm.geometry.image_height, patches, base, free, where, stages, memory)
+    return Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory)
 
 
 def resident_bytes() -> int:

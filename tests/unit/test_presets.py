@@ -47,6 +47,7 @@ def _paper_heads():
     m["image"][19, 23], m["cter"][19, 23], m["importance"][19, 23] = 0.5, 0.8, 0.3  # routing L19H23
     m["image"][26, 26], m["cter"][26, 26], m["importance"][26, 26], m["alignment"][26, 26] = 0.05, 0.9, 0.2, 0.9
     m["image"][25, 3], m["cter"][25, 3], m["importance"][25, 3], m["alignment"][25, 3] = 0.05, 0.9, 0.2, 0.1
+    m["image"][5, 0], m["cter"][5, 0], m["importance"][5, 0] = 0.5, 0.8, 0.3  # routing-like, but early
     m["constancy"][26, 8] = 0.95  # existence: always "1"
     m["difficulty"][23, 19] = 0.3  # "difficult", "impossible"
     da = {k: xr.DataArray(v, dims=("layer", "head"), coords=coords) for k, v in m.items()}
@@ -67,6 +68,7 @@ def test_counting_circuits_bands_class_the_papers_heads():
     assert got[(26, 26)] == "counting aggregation"
     assert got[(25, 3)] == "other"  # decodes numbers but not the count: not aggregation
     assert got[(26, 8)] == "awareness" and got[(23, 19)] == "awareness"
+    assert got[(5, 0)] == "other"  # depth 0.19: before the paper's routing layers
     assert sum(c != "other" for c in got.values()) == 5
 
 
@@ -75,3 +77,30 @@ def test_the_defaults_cannot_class_the_papers_routing_or_difficulty_heads():
     assert got[(19, 23)] != "cross-modal routing"  # depth 0.70 ≥ late = 0.5
     assert got[(23, 19)] == "other"  # difficulty words are not tested
     assert got[(25, 3)] == "counting aggregation"  # alignment is not tested
+    assert got[(5, 0)] == "cross-modal routing"
+
+
+def test_head_table_alignment_is_the_share_of_samples_decoding_the_count():
+    """A head's alignment: the share of samples (with a known count) whose top-1 token is the
+    first token of the count; ablation_drop is copied, unscaled, beside importance."""
+    from countlens.discover import head_table
+
+    coords = {"layer": [0, 1], "head": [0, 1]}
+    count_token = np.array([7, 8, 9, -1])  # the last sample has no count
+    top1 = np.zeros((2, 2, 4), dtype=int)
+    top1[1, 1] = [7, 8, 0, 5]  # 2 of 3 known samples
+    top1[0, 1] = [7, 8, 9, 9]  # 3 of 3
+    hl = xr.Dataset({"token_id": (("layer", "head", "sample", "k"), top1[..., None]),
+                     "token": (("layer", "head", "sample", "k"), top1[..., None].astype(str)),
+                     "vgs": (("layer", "head"), np.zeros((2, 2))), "cter": (("layer", "head"), np.zeros((2, 2))),
+                     "difficulty": (("layer", "head"), np.zeros((2, 2))), "count_token": ("sample", count_token)},
+                    coords={**coords, "sample": np.arange(4), "k": [0]})
+    heads = xr.Dataset({"effect": (("layer", "head"), np.array([[0.5, -0.2], [0.1, 0.0]]))}, coords=coords)
+    abl = xr.Dataset({"logp_drop": (("task", "layer", "head"), np.array([[[2.0, 0.5], [-0.1, 0.0]]]))},
+                     coords={"task": ["count"], **coords})
+    att = xr.Dataset({"image_attention": (("layer", "head", "sample"), np.zeros((2, 2, 4)))},
+                     coords={**coords, "sample": np.arange(4)})
+    t = head_table(heads, abl, hl, att).set_index("head_id")
+    assert t.loc["L1H1", "alignment"] == pytest.approx(2 / 3) and t.loc["L0H1", "alignment"] == 1.0
+    assert t.loc["L0H0", "alignment"] == 0.0
+    assert t.loc["L0H1", "importance"] == pytest.approx(0.2) and t.loc["L0H0", "ablation_drop"] == 2.0
