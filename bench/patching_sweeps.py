@@ -12,7 +12,7 @@ so that load from other processes hits both alike. The load average is recorded 
   i.e. the same number of patched rows (sites × pairs). Also a breakdown of the sweep (prepare, the two
   cached runs, the expanded edit forwards) and the edit forwards against plain forwards of the very
   same expanded inputs (the cost of the interventions themselves).
-- (b) the all-heads sweep batched (``run_edits`` with the default ``MAX_ROWS``, and `patch_heads`) vs
+- (b) the all-heads sweep batched (``run_edits`` with ``MAX_ROWS`` rows, and `patch_heads`) vs
   one head per forward (``run_edits(..., max_rows=len(pairs))``), on one prepared batch of all 32 pairs;
   max |Δlogit| against the one-per-forward logits, a scan of other ``max_rows`` values, and a naive loop
   (one full forward per head, nothing reused: what a hand-written nnsight loop does).

@@ -39,6 +39,10 @@ STAGES: tuple[str, ...] = ("cases", "conflict_std", "conflict", "vap", "heads", 
                            "attention_metrics", "ablation", "temperature")
 
 
+#: DiscoverConfig fields added after runs were made, with the default under which such a run resumes.
+ADDED_FIELDS: dict = {"jaccard_k": 5, "preset": ""}
+
+
 @dataclass(frozen=True)
 class DiscoverConfig:
     n_per_case: int = 100  # COUNTINGTRICKS samples per case
@@ -98,6 +102,8 @@ class Stages:
         spec_file = out / "spec.json"
         if spec_file.exists():
             old = json.loads(spec_file.read_text())
+            # Fields added since a run was made, at their defaults, change none of its stages.
+            old = {**{k: v for k, v in ADDED_FIELDS.items() if k not in old and spec.get(k) == v}, **old}
             if old != spec:
                 raise InputError(f"{out} holds a run with a different spec ({old}); use a new --out directory "
                                  f"or the same settings ({spec})")
@@ -259,6 +265,12 @@ def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Datas
     when the head is mean-ablated: a second measure, not mixed into the first. ``alignment``: the
     share of counting samples whose top-1 decoded token is the first token of their count (runs
     made before HeadLens recorded it: not measured); ``difficulty``: HeadLens's difficulty-word share."""
+    for field, measure in (("align_min", "count_token"), ("difficulty_min", "difficulty")):
+        value = getattr(thresholds, field)
+        if value is not None and value > 0 and measure not in hl:
+            raise InputError(f"{field}={value}: this run's HeadLens results have no {measure!r} (made before "
+                             "countlens recorded it); delete results/headlens.nc and rerun `countlens discover` "
+                             "with the same --out to compute it")
     top1 = hl.token_id.isel(k=0)
     alignment = None
     if "count_token" in hl:
@@ -421,7 +433,7 @@ binarised (≥ 0.5 × max) attention map vs object cells, split by whether the a
 
 {pd.Series(classes).to_frame("heads").to_markdown()}
 
-The full table is in `heads.csv` / `heads.md` / `heads.tex` (thresholds in `countlens.analysis.heads`).
+The full table is in `heads.csv` / `heads.md` / `heads.tex` (rules in `countlens.analysis.heads`; thresholds: {"the preset's, `countlens.presets`" if spec.get("preset") else "the defaults, `HeadThresholds`"}; `countlens classify` changes them).
 
 {table.head(10).round(3).to_markdown(index=False)}
 

@@ -153,7 +153,8 @@ def replica_copy_bytes(w: Widths, seq: int, patches: int = 0) -> int:
 
 def stacked_row_bytes(w: Widths, seq: int, keep: int = 1, patches: int = 0) -> int:
     """Transient bytes one more row adds to a batch-expanded forward: its activations, its logits
-    (in the model's dtype and as float32, twice), and its stacked inputs (`replica_copy_bytes`)."""
+    (in the model's dtype, as float32, and a reduction's float32 copy: a bound), and its stacked
+    inputs (`replica_copy_bytes`)."""
     b = w.act_bytes
     return (seq * (3 * w.d_ff + 4 * w.d_model) * b + keep * w.vocab * (b + 8)
             + replica_copy_bytes(w, seq, patches))
@@ -163,14 +164,26 @@ def free_bytes(device: torch.device | str) -> int:
     """Free memory where a tensor on ``device`` lives: the GPU's (``mem_get_info``), else the
     host's available memory (``/proc/meminfo``)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cuda":  # memory torch's allocator holds but does not use is free to it
+        return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                   - torch.cuda.memory_allocated(device))
     try:
         with open("/proc/meminfo") as f:
             info = {k: v for k, v in (line.split(":", 1) for line in f)}
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):  # no /proc: the free pages
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def model_free_bytes(vlm) -> int | None:
+    """The least free memory over the devices that hold ``vlm``'s weights (several GPUs under
+    ``device_map="auto"``); None for a remote (NDIF) model, whose memory is not this machine's."""
+    if vlm.remote:
+        return None
+    devices = {p.device for p in vlm.hf.parameters()}
+    if any(d.type == "meta" for d in devices):
+        return None
+    return min(free_bytes(d) for d in devices)
 
 
 def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, patches: int = 0, cap: int | None = None) -> int:

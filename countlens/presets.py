@@ -11,7 +11,9 @@ value it set. Values the papers do not give stay countlens's defaults and are li
   and head classes by depth bands that class the paper's layer ranges on a 28-layer model as the
   paper does: visual grounding in the first tenth (its layer 1), cross-modal routing at depth
   0.6–0.9 (its layers 18–24, e.g. L19H23), counting aggregation from depth 0.8 (its layers 23–28,
-  e.g. L26H26) whose top-1 decoded token is the count on at least half the samples (the paper:
+  e.g. L26H26; with layers counted from 1, as "23–28" of 28 layers implies, depth ≥ 0.81; the bands
+  hold both readings: routing 17–24 and aggregation 22–27 counted from 0) whose top-1 decoded token
+  is the count on at least half the samples (the paper:
   "highly aligns with the final number prediction"), and awareness that includes difficulty words
   (its L23H19: "difficult", "impossible").
 - ``counting-to-four`` ("Counting to Four is still a Chore", paper 000): COUNTINGTRICKS at the

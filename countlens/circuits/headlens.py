@@ -128,8 +128,10 @@ class HeadLens:
     @torch.no_grad()
     def decode(self, vlm, samples: Sequence, top_k: int = 10, batch_size: int = 16,
                visual_words: frozenset[str] = VISUAL_WORDS, bias: bool = True) -> xr.Dataset:
-        """Top-k decoded tokens per (layer, head, sample) at the last prompt position, and per-head
-        ``vgs`` / ``cter`` (shares of visual-attribute and number tokens, averaged over samples)."""
+        """Top-k decoded tokens per (layer, head, sample) at the last prompt position; per head
+        ``vgs`` / ``cter`` / ``difficulty`` (shares of visual-attribute, number and difficulty tokens,
+        averaged over samples); per sample ``count_token``, the first token of its count (−1 for a
+        sample without one)."""
         if len(samples) == 0:
             raise InputError("HeadLens.decode needs samples")
         arch = vlm.arch
@@ -153,7 +155,7 @@ class HeadLens:
         number = np.vectorize(is_number, otypes=[bool])(tokens)
         hard = np.vectorize(lambda t: _clean(t) in DIFFICULTY_WORDS, otypes=[bool])(tokens)
         counts = [int((s.meta or {}).get("count", -1)) for s in samples]
-        count_token = [vlm.answer_ids(str(n))[0] if n >= 0 else -1 for n in counts]
+        count_token = [_first_word_token(vlm, str(n)) if n >= 0 else -1 for n in counts]
         from countlens.results import provenance
 
         return xr.Dataset(
@@ -169,6 +171,14 @@ class HeadLens:
             attrs={**provenance(vlm.name, arch.name, dataset={"samples": len(samples)}), "method": "headlens",
                    "top_k": top_k, "bias": int(bias)},
         )
+
+
+def _first_word_token(vlm, text: str) -> int:
+    """The first token of ``text`` that is more than a word marker (SentencePiece may write "7" as
+    "▁", "7"): the token a head decoding that number puts first."""
+    ids = vlm.answer_ids(text)
+    tokens = vlm.tokenizer.convert_ids_to_tokens(ids)
+    return next((i for i, t in zip(ids, tokens) if t and _clean(t)), ids[0])
 
 
 def _ridge(x: Tensor, y: Tensor, ridge: float) -> tuple[Tensor, Tensor]:

@@ -154,9 +154,13 @@ def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int 
     if max_rows is None:
         from countlens import plan
 
-        w, seq = plan.widths(vlm), int(batch.inputs["input_ids"].shape[1])
-        patches = max(len(p) for p in batch.image_pos) * w.merge**2
-        max_rows = plan.rows_per_forward(w, seq, plan.free_bytes(vlm.device), keep, patches)
+        free = plan.model_free_bytes(vlm)
+        if free is None:  # a remote model: the server's memory is not known here
+            max_rows = MAX_ROWS
+        else:
+            w, seq = plan.widths(vlm), int(batch.inputs["input_ids"].shape[1])
+            patches = max(len(p) for p in batch.image_pos) * w.merge**2
+            max_rows = plan.rows_per_forward(w, seq, free, keep, patches)
     per_pass = max(1, max_rows // n)
     d_head = vlm.arch.d_head
     n_layers = vlm.arch.n_layers

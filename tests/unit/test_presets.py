@@ -104,3 +104,39 @@ def test_head_table_alignment_is_the_share_of_samples_decoding_the_count():
     assert t.loc["L1H1", "alignment"] == pytest.approx(2 / 3) and t.loc["L0H1", "alignment"] == 1.0
     assert t.loc["L0H0", "alignment"] == 0.0
     assert t.loc["L0H1", "importance"] == pytest.approx(0.2) and t.loc["L0H0", "ablation_drop"] == 2.0
+
+
+def test_a_threshold_whose_measure_the_run_lacks_is_refused():
+    """Runs made before HeadLens recorded count_token / difficulty: asking for alignment or
+    difficulty names the fix instead of classing nothing."""
+    from countlens.discover import head_table
+
+    coords = {"layer": [0], "head": [0]}
+    hl = xr.Dataset({"token_id": (("layer", "head", "sample", "k"), np.zeros((1, 1, 2, 1), dtype=int)),
+                     "token": (("layer", "head", "sample", "k"), np.full((1, 1, 2, 1), "a")),
+                     "vgs": (("layer", "head"), [[0.0]]), "cter": (("layer", "head"), [[0.0]])},
+                    coords={**coords, "sample": [0, 1], "k": [0]})
+    heads = xr.Dataset({"effect": (("layer", "head"), [[0.1]])}, coords=coords)
+    abl = xr.Dataset({"logp_drop": (("task", "layer", "head"), [[[0.1]]])}, coords={"task": ["count"], **coords})
+    att = xr.Dataset({"image_attention": (("layer", "head", "sample"), np.zeros((1, 1, 2)))},
+                     coords={**coords, "sample": [0, 1]})
+    assert len(head_table(heads, abl, hl, att)) == 1  # the defaults need neither measure
+    with pytest.raises(InputError, match="count_token"):
+        head_table(heads, abl, hl, att, presets.thresholds("counting-circuits"))
+    with pytest.raises(InputError, match="difficulty"):
+        head_table(heads, abl, hl, att, HeadThresholds(difficulty_min=0.1))
+
+
+def test_a_run_made_before_the_new_fields_resumes(tmp_path):
+    """spec.json of a run made before jaccard_k / preset existed: the same settings resume it."""
+    import json
+    from dataclasses import asdict
+
+    from countlens.discover import Stages
+
+    spec = {**asdict(DiscoverConfig()), "model": "toy"}
+    old = {k: v for k, v in spec.items() if k not in ("jaccard_k", "preset")}
+    (tmp_path / "spec.json").write_text(json.dumps(old))
+    Stages(tmp_path, spec, log=lambda _: None)  # no "different spec"
+    with pytest.raises(InputError, match="different spec"):
+        Stages(tmp_path, {**spec, "jaccard_k": 20}, log=lambda _: None)
