@@ -197,13 +197,18 @@ def data_countingtricks(
     typer.echo(f"wrote {len(names) * n} images and {manifest}")
 
 
+def _given(**values) -> dict:
+    """The options given on the command line: those whose value is not None."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def _discover_config(preset: str | None, **values):
     """A DiscoverConfig from the flags given (None: not given): over the preset's values, if any,
     else over the defaults."""
     from countlens import presets
     from countlens.discover import DiscoverConfig
 
-    given = {k: v for k, v in values.items() if v is not None}
+    given = _given(**values)
     return presets.discover_config(preset, **given) if preset else DiscoverConfig(**given)
 
 
@@ -329,10 +334,9 @@ def classify_cmd(
     from countlens.discover import head_table, load_run, read_spec, write_report
     from countlens.presets import thresholds as preset_thresholds
 
-    given = {k: v for k, v in dict(early=early, late=late, image_high=image_high, image_low=image_low, vgs_min=vgs_min,
-                                   cter_min=cter_min, important=important, constant=constant,
-                                   routing_from=routing_from, routing_to=routing_to, align_min=align_min,
-                                   difficulty_min=difficulty_min).items() if v is not None}
+    given = _given(early=early, late=late, image_high=image_high, image_low=image_low, vgs_min=vgs_min,
+                   cter_min=cter_min, important=important, constant=constant, routing_from=routing_from,
+                   routing_to=routing_to, align_min=align_min, difficulty_min=difficulty_min)
     try:
         spec = read_spec(run)
         r = load_run(run)

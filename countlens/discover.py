@@ -39,8 +39,8 @@ STAGES: tuple[str, ...] = ("cases", "conflict_std", "conflict", "vap", "heads", 
                            "attention_metrics", "ablation", "temperature")
 
 
-#: DiscoverConfig fields added after runs were made, with the default under which such a run resumes.
-ADDED_FIELDS: dict = {"jaccard_k": 5, "preset": ""}
+#: DiscoverConfig fields added after runs were made: a run without them resumes under their defaults.
+ADDED_FIELDS: tuple[str, ...] = ("jaccard_k", "preset")
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,8 @@ class Stages:
         if spec_file.exists():
             old = json.loads(spec_file.read_text())
             # Fields added since a run was made, at their defaults, change none of its stages.
-            old = {**{k: v for k, v in ADDED_FIELDS.items() if k not in old and spec.get(k) == v}, **old}
+            defaults = asdict(DiscoverConfig())
+            old = {**{k: defaults[k] for k in ADDED_FIELDS if k not in old and spec.get(k) == defaults[k]}, **old}
             if old != spec:
                 raise InputError(f"{out} holds a run with a different spec ({old}); use a new --out directory "
                                  f"or the same settings ({spec})")

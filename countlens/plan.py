@@ -295,10 +295,21 @@ class _Planner:
 
         self.vlm, self.c, self.free = vlm, config, free
         self.w = widths(vlm)
-        self.inputs = stage_inputs(vlm, config, resolved_prompt(vlm, config))
+        self._make = stage_inputs(vlm, config, resolved_prompt(vlm, config))
+        self._made: dict[str, object] = {}
         self.bs = config.batch_size
-        first = self.inputs["pairs"]()[0].clean
+        first = self.samples("pairs")[0].clean
         self.patches = len(vlm.prepare([first.image], [first.question]).image_pos[0]) * self.w.merge**2
+        from countlens.circuits.patching import prepare_pairs
+
+        pairs = self.samples("pairs")
+        self.pair_seq = int(prepare_pairs(vlm, pairs[: self.bs]).clean.inputs["input_ids"].shape[1])
+
+    def samples(self, name: str):
+        """A stage's samples (`discover.stage_inputs`), made once: several stages share them."""
+        if name not in self._made:
+            self._made[name] = self._make[name]()
+        return self._made[name]
 
     def _seq(self, samples, forced: bool = False) -> int:
         chunk = samples[: self.bs]
@@ -332,12 +343,9 @@ class _Planner:
         return StagePlan(name, fw, batch=step, notes=[f"candidate scoring: {per} rows a sample, {width} forced tokens"])
 
     def _patching(self, name: str, firsts: list[int]) -> StagePlan:
-        from countlens.circuits.patching import prepare_pairs
-
-        w, b = self.w, self.w.act_bytes
-        pairs = self.inputs["pairs"]()
+        w, b, seq = self.w, self.w.act_bytes, self.pair_seq
+        pairs = self.samples("pairs")
         n0 = min(self.bs, len(pairs))
-        seq = int(prepare_pairs(self.vlm, pairs[:n0]).clean.inputs["input_ids"].shape[1])
         dz = w.n_heads * w.d_head
         starts = len({f for f in firsts if f >= 1})
         kept = lambda n: n * seq * ((w.n_layers + 1) * w.d_model + w.n_layers * dz + starts * w.d_model) * b  # noqa: E731
@@ -355,12 +363,9 @@ class _Planner:
         return self._patching("heads", [la for la in range(self.w.n_layers) for _ in range(self.w.n_heads)])
 
     def atp(self) -> StagePlan:
-        from countlens.circuits.patching import prepare_pairs
-
-        w, b = self.w, self.w.act_bytes
-        pairs = self.inputs["pairs"]()
+        w, b, seq = self.w, self.w.act_bytes, self.pair_seq
+        pairs = self.samples("pairs")
         n0 = min(self.bs, len(pairs))
-        seq = int(prepare_pairs(self.vlm, pairs[:n0]).clean.inputs["input_ids"].shape[1])
         per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
         fw = []
         for n, k in _chunk_sizes(len(pairs), self.bs).items():
@@ -368,7 +373,7 @@ class _Planner:
         return StagePlan("atp", fw, kept=w.n_layers * per_layer, batch=self.bs)
 
     def lens(self) -> StagePlan:
-        w, samples = self.w, self.inputs["tasks"]()["count"]
+        w, samples = self.w, self.samples("tasks")["count"]
         seq = self._seq(samples, forced=True)
         a = max(len(self.vlm.answer_ids(s.answer)) for s in samples)
         fw = [Forward(n, seq, count=k, extra=n * a * w.vocab * 12)
@@ -377,7 +382,7 @@ class _Planner:
 
     def headlens(self) -> StagePlan:
         w, b = self.w, self.w.act_bytes
-        fit, decode = self.inputs["headlens_fit"](), self.inputs["tasks"]()["count"]
+        fit, decode = self.samples("headlens_fit"), self.samples("tasks")["count"]
         seq = self._seq(fit)
         n0 = min(self.bs, len(fit))
         fw = [Forward(n, seq, count=k) for n, k in _chunk_sizes(len(fit), self.bs).items()]
@@ -389,13 +394,13 @@ class _Planner:
         return StagePlan("headlens", fw, kept=(w.n_layers + 1) * n0 * seq * w.d_model * b, host=host, batch=self.bs)
 
     def attention(self) -> StagePlan:
-        samples = self.inputs["tasks"]()["count"]
+        samples = self.samples("tasks")["count"]
         seq = self._seq(samples)
         fw = [Forward(n, seq, count=k, eager=True) for n, k in _chunk_sizes(len(samples), self.bs).items()]
         return StagePlan("attention", fw, batch=self.bs)
 
     def attention_metrics(self) -> StagePlan:
-        samples = self.inputs["attention_metrics"]()
+        samples = self.samples("attention_metrics")
         seq = self._seq(samples)
         scored = self.score("attention_metrics", samples)
         fw = [Forward(n, seq, count=k, eager=True) for n, k in _chunk_sizes(len(samples), self.bs).items()]
@@ -408,7 +413,7 @@ class _Planner:
         dz = w.n_heads * w.d_head
         firsts = [la for la in range(w.n_layers) for _ in range(w.n_heads)]
         fw, kept, host, rows = [], 0, 0, 0
-        for samples in self.inputs["tasks"]().values():
+        for samples in self.samples("tasks").values():
             seq = self._seq(samples, forced=True)
             keep = answer_window([self.vlm.answer_ids(s.answer) for s in samples[: self.bs]])
             n0 = min(self.bs, len(samples))
@@ -454,10 +459,10 @@ def plan(vlm, config=None, memory: int | None = None, device: str | None = None,
                          f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
                          "memory, a smaller dtype, or several devices (device_map='auto')")
     p = _Planner(vlm, c, free)
-    stages = [p.score("cases", p.inputs["cases"]()), p.score("conflict_std", p.inputs["conflict_std"]()),
-              p.score("conflict", p.inputs["conflict"]()), p.vap(), p.heads(), p.atp(), p.lens(), p.headlens(),
+    stages = [p.score("cases", p.samples("cases")), p.score("conflict_std", p.samples("conflict_std")),
+              p.score("conflict", p.samples("conflict")), p.vap(), p.heads(), p.atp(), p.lens(), p.headlens(),
               p.attention(), p.attention_metrics(), p.ablation(),
-              p.score("temperature", p.inputs["temperature"](), times=2)]
+              p.score("temperature", p.samples("temperature"), times=2)]
     return Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory)
 
 

@@ -253,6 +253,11 @@ class VLM:
         end = self.answer_end
         return ids if end is None else [*ids, end]
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """The tokenizer's token for each id; "" for a row of the unembedding no token owns (Qwen
+        checkpoints pad it: Qwen2.5-VL-7B has 152,064 rows and 151,665 tokens)."""
+        return [t or "" for t in self.tokenizer.convert_ids_to_tokens(list(ids))]
+
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(self.tokenizer.eos_token_id if pad is None else pad)

@@ -198,7 +198,7 @@ def _score_tokens(vlm, samples: Sequence[Sample], batch_size: int, progress: boo
         gold_ids = batch.answer_token.to(logits.device)
         pred_ids = logits.argmax(-1)
         correct += (pred_ids == gold_ids).tolist()
-        preds += [t or "" for t in vlm.tokenizer.convert_ids_to_tokens(pred_ids.tolist())]  # "": a row no token owns
+        preds += vlm.token_strings(pred_ids.tolist())
         pred_text += [vlm.tokenizer.decode([t]) for t in pred_ids.tolist()]
         p_gold += logits.softmax(-1)[torch.arange(len(chunk)), gold_ids].tolist()
     counts = [parse_count(t) for t in pred_text]

@@ -82,12 +82,12 @@ def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.Da
     routing_to = t.late if t.routing_to is None else t.routing_to
 
     def rule(r) -> str:
-        counts = r.cter >= t.cter_min and r.importance >= t.important
+        numeric_and_important = r.cter >= t.cter_min and r.importance >= t.important
         if r.depth <= t.early and r.image_attention >= t.image_high and r.vgs >= t.vgs_min:
             return CLASSES[0]
-        if t.routing_from <= r.depth < routing_to and r.image_attention >= t.image_high and counts:
+        if t.routing_from <= r.depth < routing_to and r.image_attention >= t.image_high and numeric_and_important:
             return CLASSES[1]
-        if r.depth >= t.late and r.image_attention < t.image_low and counts and (
+        if r.depth >= t.late and r.image_attention < t.image_low and numeric_and_important and (
                 t.align_min <= 0 or r.alignment >= t.align_min):
             return CLASSES[2]
         if r.constancy >= t.constant or (t.difficulty_min is not None and r.difficulty >= t.difficulty_min):

@@ -147,9 +147,7 @@ class HeadLens:
                          for layer in self.layers]  # each: batch heads k
             top_ids.append(torch.stack(per_layer))  # layer batch heads k
         ids = torch.cat(top_ids, 1).permute(0, 2, 1, 3).numpy()  # layer head sample k
-        # The unembedding may have more rows than the tokenizer has tokens (Qwen2.5-VL-7B: 152,064
-        # rows, 151,665 tokens); the rows no token owns decode to "".
-        vocab = [t or "" for t in vlm.tokenizer.convert_ids_to_tokens(list(range(int(ids.max()) + 1)))]
+        vocab = vlm.token_strings(range(int(ids.max()) + 1))
         tokens = np.vectorize(lambda i: vocab[i], otypes=[object])(ids)
         visual = np.vectorize(lambda t: _clean(t) in visual_words, otypes=[bool])(tokens)
         number = np.vectorize(is_number, otypes=[bool])(tokens)
@@ -177,8 +175,7 @@ def _first_word_token(vlm, text: str) -> int:
     """The first token of ``text`` that is more than a word marker (SentencePiece may write "7" as
     "▁", "7"): the token a head decoding that number puts first."""
     ids = vlm.answer_ids(text)
-    tokens = vlm.tokenizer.convert_ids_to_tokens(ids)
-    return next((i for i, t in zip(ids, tokens) if t and _clean(t)), ids[0])
+    return next((i for i, t in zip(ids, vlm.token_strings(ids)) if _clean(t)), ids[0])
 
 
 def _ridge(x: Tensor, y: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
