@@ -60,7 +60,7 @@ class DiscoverConfig:
 
 def check_config(c: DiscoverConfig) -> None:
     """Refuse settings no stage can run with, naming the setting."""
-    from countlens.datasets.pairs import KINDS
+    from countlens.datasets.pairs import check_kind
     from countlens.datasets.prompts import PAIR_PROMPTS
 
     for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k", "jaccard_k"):
@@ -71,8 +71,10 @@ def check_config(c: DiscoverConfig) -> None:
         get(c.preset)  # raises for an unknown name
     if c.prompt != "auto" and c.prompt not in PAIR_PROMPTS:
         raise InputError(f"prompt {c.prompt!r}: use 'auto' or one of {PAIR_PROMPTS}")
-    if c.pair_kind not in KINDS:
-        raise InputError(f"pair_kind {c.pair_kind!r}: use one of {KINDS}")
+    try:
+        check_kind(c.pair_kind)
+    except InputError as err:
+        raise InputError(f"pair_kind: {err}") from None
     if not c.alpha > 0:
         raise InputError(f"alpha (head temperature) must be > 0, got {c.alpha}")
 

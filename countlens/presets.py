@@ -28,21 +28,62 @@ from countlens.errors import InputError
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """A fine-tune protocol for `countlens.training.report.before_after`: what trains, on what, and
+    which rows and columns the before/after table has."""
+
+    config: dict = field(default_factory=dict)  # FinetuneConfig fields
+    epochs: float | None = None  # steps = ceil(epochs · training scenes / batch_size); None: config's steps
+    rows: tuple[str, ...] = ("+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS")
+    training: str = "countingtricks"  # `report.TRAINING`: countingtricks, syn or fsc147
+    n_train: int | None = 2048  # None: the whole training split
+    evaluation: tuple[str, ...] = ("count (in-dist.)", "tricks position", "tricks dilation", "tricks adjacency",
+                                   "color", "shape", "FSC-Test", "PixMo-Count")  # local sets: when given
+    layers: str = "circuit"  # attention-loss layers: "circuit" (its VG and routing heads' layers) or "all"
+    temperature_classes: tuple[str, ...] = ()  # heads the temperature row sharpens; (): top-k by importance
+    sources: dict = field(default_factory=dict)
+
+
+#: countlens's own protocol (no paper's): the before/after table of `countlens finetune` without --preset.
+DEFAULT_RECIPE = Recipe(config={"steps": 300, "batch_size": 16, "lr": 1e-3, "lora_r": 32, "lora_alpha": 64})
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     paper: str
     discover: dict = field(default_factory=dict)  # DiscoverConfig fields
     thresholds: dict = field(default_factory=dict)  # HeadThresholds fields
+    finetune: Recipe = DEFAULT_RECIPE
+    probe: dict = field(default_factory=dict)  # ProbeConfig fields
     sources: dict = field(default_factory=dict)  # field → where in the paper its value comes from
 
 
 PRESETS: dict[str, Preset] = {
     "counting-circuits": Preset(
         "counting-circuits", "Counting Circuits (paper 002)",
-        discover={"pair_kind": "dots", "prompt": "std", "jaccard_k": 20},
+        discover={"pair_kind": "dots+polygons", "prompt": "std", "jaccard_k": 20},
         thresholds={"early": 0.1, "routing_from": 0.6, "routing_to": 0.9, "late": 0.8, "align_min": 0.5,
                     "difficulty_min": 0.1},
-        sources={"pair_kind": "Key design 1: pairs of black-dot images differing only in count",
+        finetune=Recipe(
+            config={"lora_r": 64, "lora_alpha": 128, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "sigma": 1.0},
+            epochs=2, rows=("+SFT", "+SFT+focus", "+SFT+focus+temperature"), training="syn", n_train=8000,
+            evaluation=("SynReal", "PixMo-Count", "color", "shape"),
+            temperature_classes=("cross-modal routing", "counting aggregation"),
+            sources={"lora_r": "Training: LoRA r = 64 on every self-attention projection",
+                     "lora_alpha": "countlens's own (the paper gives none): 2 × r",
+                     "lr": "Training: AdamW, lr 2e-5, bf16", "batch_size": "Training: batch size 2",
+                     "warmup": "Training: 3 % warm-up, linear decay", "epochs": "Training: 2 epochs",
+                     "sigma": "Key design 3: Gaussian prior with sigma = 1 (cells)",
+                     "focus": "Training: L = L_SFT + lambda L_focus, lambda = 1.0",
+                     "training": "Training: 8,000 SynDot + SynPoly images (countlens: half each, counts 1-10)",
+                     "rows": "Ablation table: Baseline / +SFT / +SFT+L_focus / Full (+ beta_h)",
+                     "evaluation": "Main table: SynReal and PixMo-Count accuracy and MAE (countlens: SynReal is "
+                                   "rendered textured scenes; colour/shape stand in for the general-reasoning columns)",
+                     "temperature_classes": "Key design 4: beta_h = alpha * gamma_h on the routing and "
+                                            "aggregation heads, alpha = 1.2"}),
+        sources={"pair_kind": "Key design 1: pairs of synthetic images differing only in count (black dots; "
+                              "the SynDot and SynPoly data, alternating)",
                  "prompt": "the Pstd prompt of the evaluation",
                  "jaccard_k": "Key findings: top-20 critical heads per task, Jaccard between tasks",
                  "early": "Key design 2: visual-grounding heads concentrated in layer 1",
@@ -57,7 +98,20 @@ PRESETS: dict[str, Preset] = {
     "counting-to-four": Preset(
         "counting-to-four", "Counting to Four is still a Chore for VLMs (paper 000)",
         discover={"n_per_case": 1000, "prompt": "std"},
-        sources={"n_per_case": "Method steps: 32 cases x 1,000 samples", "prompt": "Method steps: the Pstd prompt"},
+        finetune=Recipe(
+            config={"tau": 0.4}, epochs=10, rows=("+SFT", "+SFT+MAS"), training="fsc147", n_train=None,
+            evaluation=("Circles (Syn)", "FSC-Val", "FSC-Test"), layers="all",
+            sources={"tau": "Method steps (4): tau = 0.4", "mas": "Method steps (4): lambda_mas = 0.1",
+                     "epochs": "Method steps (4): 10 epochs", "training": "Method steps (4): FSC-147 SFT data",
+                     "rows": "Table 4: SFT against SFT + MAS",
+                     "evaluation": "Table 4: Circles (Syn), FSC-Val, FSC-Test exact-match accuracy (countlens "
+                                   "adds MAE; Circles (Syn) is COUNTINGTRICKS drawn in circles only)",
+                     "layers": "countlens's own: the paper's MAS_l, averaged over every layer"}),
+        probe={"hidden": 512, "head_hidden": 256},
+        sources={"hidden": "Table 3: 1x1 bottleneck; 1.7-2.2 M parameters, 0.5 M apart between 1024- and "
+                           "2048-channel taps (countlens: 512 channels, 1.70 M / 2.23 M)",
+                 "head_hidden": "Table 3: a shared YOLO head (countlens: 256 channels, about 1.18 M parameters)",
+                 "n_per_case": "Method steps: 32 cases x 1,000 samples", "prompt": "Method steps: the Pstd prompt"},
     ),
 }
 
@@ -77,6 +131,18 @@ def discover_config(name: str, **overrides):
     if unknown:
         raise InputError(f"{sorted(unknown)} are not DiscoverConfig fields; use some of {sorted(known)}")
     return DiscoverConfig(**{**get(name).discover, **overrides, "preset": name})
+
+
+def recipe(name: str = "") -> Recipe:
+    """The fine-tune `Recipe` of preset ``name`` ("": countlens's own, `DEFAULT_RECIPE`)."""
+    return get(name).finetune if name else DEFAULT_RECIPE
+
+
+def probe_config(name: str, **overrides):
+    """The `ProbeConfig` of preset ``name``, with ``overrides`` (e.g. fewer epochs)."""
+    from countlens.analysis.probes import ProbeConfig
+
+    return ProbeConfig(**{**get(name).probe, **overrides})
 
 
 def thresholds(name: str = "", **overrides):

@@ -4,9 +4,11 @@ Following "Counting to Four is still a Chore for VLMs", a frozen model's activat
 (`countlens.circuits.taps`: a vision block, the projector output, or a decoder layer at the image
 tokens) are laid out as a feature map Float[Tensor, "sample d rows cols"], and the *same* small
 detector is trained on every tap: a 1×1 convolution down to ``config.hidden`` channels (the only
-part whose size depends on the tap's width d), GroupNorm, SiLU, then a YOLO-style head (3×3 conv →
-GroupNorm → SiLU → 1×1 conv to 5 outputs per cell). Each grid cell makes one anchor-free prediction:
-an objectness logit and a box (dx, dy, log w, log h) relative to the cell — the centre is
+part whose size depends on the tap's width d), GroupNorm, SiLU, then a YOLO-style head (3×3 conv
+to ``config.head_hidden`` channels → GroupNorm → SiLU → 1×1 conv to 5 outputs per cell; the
+paper's capacity, 1.7–2.2 M parameters, is `presets.probe_config("counting-to-four")`). Each grid
+cell makes one anchor-free prediction: an objectness logit and a box (dx, dy, log w, log h)
+relative to the cell — the centre is
 ``cell + 2·sigmoid(dx) − 0.5`` cells (YOLOv5's range, −0.5…1.5, so a box may sit just outside its
 cell) and the size ``exp(log w)`` cells. An object is the target of the cell containing its centre;
 when two objects' centres fall in one cell, the one nearer the cell centre keeps it and the other
@@ -51,8 +53,9 @@ DEFAULT_TAPS: tuple[Tap, ...] = (("vision", 0), ("vision", 1), ("projector", Non
 class ProbeConfig:
     """Hyper-parameters of the probe and its training; one config is used for every tap."""
 
-    hidden: int = 64  # bottleneck channels: countlens's own (the paper's probes, 1.7–2.2 M parameters, are wider)
-    groups: int = 8  # GroupNorm groups; must divide hidden
+    hidden: int = 64  # bottleneck channels: countlens's own (the paper's width: presets.probe_config("counting-to-four"))
+    head_hidden: int | None = None  # the YOLO head's 3×3 conv channels; None: hidden
+    groups: int = 8  # GroupNorm groups; must divide hidden and head_hidden
     epochs: int = 40
     lr: float = 3e-3
     weight_decay: float = 1e-4
@@ -65,8 +68,10 @@ class ProbeConfig:
     threads: int | None = 1  # torch threads while training: tiny convs run fastest on one; None = leave as is
 
     def __post_init__(self) -> None:
-        if self.hidden < 1 or self.hidden % self.groups:
-            raise InputError(f"ProbeConfig.hidden={self.hidden} must be a positive multiple of groups={self.groups}")
+        for name in ("hidden", "head_hidden"):
+            width = getattr(self, name)
+            if width is not None and (width < 1 or width % self.groups):
+                raise InputError(f"ProbeConfig.{name}={width} must be a positive multiple of groups={self.groups}")
         if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
             raise InputError("ProbeConfig needs epochs ≥ 1, batch_size ≥ 1 and lr > 0; fix the offending field")
 
@@ -77,8 +82,9 @@ class DetectionProbe(nn.Module):
     def __init__(self, in_channels: int, config: ProbeConfig = ProbeConfig()):
         super().__init__()
         h, g = config.hidden, config.groups
+        k = config.head_hidden or h
         self.bottleneck = nn.Sequential(nn.Conv2d(in_channels, h, 1), nn.GroupNorm(g, h), nn.SiLU())
-        self.head = nn.Sequential(nn.Conv2d(h, h, 3, padding=1), nn.GroupNorm(g, h), nn.SiLU(), nn.Conv2d(h, 5, 1))
+        self.head = nn.Sequential(nn.Conv2d(h, k, 3, padding=1), nn.GroupNorm(g, k), nn.SiLU(), nn.Conv2d(k, 5, 1))
         self.register_buffer("mean", torch.zeros(in_channels, 1, 1))
         self.register_buffer("std", torch.ones(in_channels, 1, 1))
         with torch.no_grad():

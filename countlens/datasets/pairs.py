@@ -1,4 +1,5 @@
-"""Controlled count pairs for activation patching: two images that differ only in how many objects.
+"""Controlled count pairs for activation patching (two images that differ only in how many objects),
+and single counting scenes of the same kinds for fine-tuning and evaluation.
 
 A pair draws one layout of max(clean, corrupt) objects; the clean image shows its first ``clean``
 objects and the corrupt image its first ``corrupt``, so every object they share has the same shape,
@@ -11,8 +12,10 @@ clean run then moves only the count. Kinds:
 - ``rendered``: ``shapes`` on a textured, noisy background (a stand-in for rendered, SynReal-like
   scenes); clean and corrupt share the texture, so the noise is not a difference between them.
 
-``clean``/``corrupt`` fix one count pair (e.g. 3 → 5); left as None, pairs cycle by index through
-every ordered pair of distinct counts in ``counts``. Every pair is a pure function of (seed, kind, index).
+Kinds mix with '+': ``dots+polygons`` (the Counting Circuits SynDot and SynPoly data) alternates
+by index: item i is item i // 2 of its own kind. ``clean``/``corrupt`` fix one count pair (e.g.
+3 → 5); left as None, pairs cycle by index through every ordered pair of distinct counts in
+``counts``. Every pair and scene is a pure function of (seed, kind, index).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from countlens.geometry import Geometry
 
 KINDS: tuple[str, ...] = ("dots", "shapes", "polygons", "rendered")
 DEFAULT_COUNTS: tuple[int, ...] = tuple(range(1, 10))
+#: Single scenes' counts: the Counting Circuits synthetic data covers 1–10.
+SCENE_COUNTS: tuple[int, ...] = tuple(range(1, 11))
 TEXTURE_NOISE = 18.0
 
 
@@ -41,36 +46,27 @@ class CountPair:
     index: int
 
 
-def count_pair(
-    seed: int,
-    index: int,
-    kind: str = "shapes",
-    clean: int | None = None,
-    corrupt: int | None = None,
-    grid: Geometry | None = None,
-    image_size: int | None = None,
-    counts=DEFAULT_COUNTS,
-    prompt: str = "std",
-) -> CountPair:
-    """The ``index``-th pair of ``kind`` under ``seed``."""
-    if kind not in KINDS:
-        raise InputError(f"unknown pair kind {kind!r}; use one of {KINDS}")
-    if prompt not in PAIR_PROMPTS:
-        raise InputError(f"prompt {prompt!r} is not a pair prompt; use one of {PAIR_PROMPTS}")
-    if (clean is None) != (corrupt is None):
-        raise InputError("give both clean= and corrupt= (a fixed count pair) or neither (all pairs of counts=)")
-    if clean is None:
-        options = list(permutations(sorted(set(int(c) for c in counts)), 2))
-        if not options:
-            raise InputError(f"counts={counts!r} needs at least two distinct values to form pairs")
-        clean, corrupt = options[index % len(options)]
-    if clean == corrupt or min(clean, corrupt) < 0:
-        raise InputError(f"clean={clean} and corrupt={corrupt} must be distinct non-negative counts")
+def check_kind(kind: str) -> tuple[str, ...]:
+    """The single kinds of ``kind`` ("dots+polygons" → ("dots", "polygons")); raises on an unknown one."""
+    parts = tuple(kind.split("+")) if isinstance(kind, str) else ()
+    if not parts or any(k not in KINDS for k in parts):
+        raise InputError(f"unknown pair kind {kind!r}; use one of {KINDS}, or several joined by '+' "
+                         "(e.g. 'dots+polygons': they alternate by index)")
+    return parts
+
+
+def _kind(kind: str, index: int) -> tuple[str, int]:
+    """Item ``index`` of ``kind`` as (single kind, index among that kind's items): a mix interleaves
+    its kinds' own sequences, so each kind still cycles through every count."""
+    parts = check_kind(kind)
+    return parts[index % len(parts)], index // len(parts)
+
+
+def _draw(rng, kind: str, m: int, grid: Geometry | None, image_size: int | None, prompt: str):
+    """One layout of ``m`` objects of ``kind``: (scene maker, the asked noun, the question)."""
     size = grid.image_width if grid is not None else (image_size or 192)
     height = grid.image_height if grid is not None else size
     scale = min(size, height) / 192
-    rng = sample_rng(seed, f"pairs/{kind}", index)
-    m = max(clean, corrupt)
     if kind == "dots":
         p = grid.patch_size if grid is not None else 16
         specs = [("circle", "black", 0.8 * p)] * m
@@ -89,12 +85,69 @@ def count_pair(
     noise_seed = int(rng.integers(2**31))
     question, _ = make_question(prompt, asked, m, rng)
 
+    def scene(n: int) -> Scene:
+        return Scene(size, height, objs[:n], noise=noise, noise_seed=noise_seed)
+
+    return scene, asked, question
+
+
+def _check_prompt(prompt: str) -> None:
+    if prompt not in PAIR_PROMPTS:
+        raise InputError(f"prompt {prompt!r} is not a pair prompt; use one of {PAIR_PROMPTS}")
+
+
+def count_pair(
+    seed: int,
+    index: int,
+    kind: str = "shapes",
+    clean: int | None = None,
+    corrupt: int | None = None,
+    grid: Geometry | None = None,
+    image_size: int | None = None,
+    counts=DEFAULT_COUNTS,
+    prompt: str = "std",
+) -> CountPair:
+    """The ``index``-th pair of ``kind`` under ``seed``."""
+    kind, own = _kind(kind, index)
+    _check_prompt(prompt)
+    if (clean is None) != (corrupt is None):
+        raise InputError("give both clean= and corrupt= (a fixed count pair) or neither (all pairs of counts=)")
+    if clean is None:
+        options = list(permutations(sorted(set(int(c) for c in counts)), 2))
+        if not options:
+            raise InputError(f"counts={counts!r} needs at least two distinct values to form pairs")
+        clean, corrupt = options[own % len(options)]
+    if clean == corrupt or min(clean, corrupt) < 0:
+        raise InputError(f"clean={clean} and corrupt={corrupt} must be distinct non-negative counts")
+    rng = sample_rng(seed, f"pairs/{kind}", own)
+    scene, asked, question = _draw(rng, kind, max(clean, corrupt), grid, image_size, prompt)
+
     def sample(n: int, role: str) -> TaskSample:
         meta = {"count": n, "kind": kind, "role": role, "shape": asked, "pair": index}
-        scene = Scene(size, height, objs[:n], noise=noise, noise_seed=noise_seed)
-        return TaskSample(scene, question, answer_text(prompt, asked, n), "count", meta)
+        return TaskSample(scene(n), question, answer_text(prompt, asked, n), "count", meta)
 
     return CountPair(sample(clean, "clean"), sample(corrupt, "corrupt"), kind, index)
+
+
+def count_scene(seed: int, index: int, kind: str = "dots", grid: Geometry | None = None,
+                image_size: int | None = None, counts=SCENE_COUNTS, prompt: str = "std") -> TaskSample:
+    """The ``index``-th single counting scene of ``kind`` (the counts cycle by index): fine-tuning
+    data (SynDot = "dots", SynPoly = "polygons") and the rendered evaluation set ("rendered")."""
+    kind, own = _kind(kind, index)
+    _check_prompt(prompt)
+    counts = sorted(set(int(c) for c in counts))
+    if not counts or counts[0] < 0:
+        raise InputError(f"counts={counts!r}: give at least one non-negative count")
+    n = counts[own % len(counts)]
+    scene, asked, question = _draw(sample_rng(seed, f"scenes/{kind}", own), kind, n, grid, image_size, prompt)
+    meta = {"count": n, "kind": kind, "shape": asked}
+    return TaskSample(scene(n), question, answer_text(prompt, asked, n), "count", meta)
+
+
+def count_scenes(n: int, kind: str = "dots", grid: Geometry | None = None, seed: int = 0, **kw) -> list[TaskSample]:
+    """``n`` scenes (see `count_scene`); e.g. ``count_scenes(8000, "dots+polygons", vlm.geometry)``."""
+    require_count(n, "count_scenes: n (the number of scenes)")
+    return [count_scene(seed, i, kind, grid, **kw) for i in range(n)]
 
 
 def count_pairs(n: int, clean: int | None = None, corrupt: int | None = None, kind: str = "shapes",
