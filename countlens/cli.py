@@ -370,23 +370,36 @@ def finetune_cmd(
     circuit: Path = typer.Option(..., help="A `countlens discover` run directory (its heads.csv and report.md)."),
     model: str = typer.Option("toy", help="The model the circuit was found in."),
     out: Path = typer.Option(None, help="Where adapters and the table go (default: CIRCUIT/finetune)."),
-    steps: int = typer.Option(300, help="Optimiser steps per variant."),
-    batch_size: int = typer.Option(16),
-    lr: float = typer.Option(1e-3),
-    lora_r: int = typer.Option(32, help="LoRA rank (alpha = 2 × rank)."),
+    preset: str = typer.Option(None, help="A paper's recipe: counting-circuits or counting-to-four "
+                               "(countlens.presets); the flags below override it."),
+    steps: int = typer.Option(None, help="Optimiser steps per variant [300; a preset: from its epochs]."),
+    epochs: float = typer.Option(None, help="Epochs over the training scenes (sets the steps) [a preset's]."),
+    batch_size: int = typer.Option(None, help="[16]"),
+    lr: float = typer.Option(None, help="[1e-3]"),
+    lora_r: int = typer.Option(None, help="LoRA rank (alpha = 2 × rank) [32]."),
     layers: str = typer.Option(None, help="Comma-separated target layers (default: from the circuit's head classes)."),
-    n_train: int = typer.Option(2048, help="Training scenes (half COUNTINGTRICKS, half counting scenes)."),
-    n_eval: int = typer.Option(200, help="Evaluation scenes per in-distribution set (COUNTINGTRICKS: n/8 per case)."),
-    fsc147: Path = typer.Option(None, help="A local FSC-147 copy: adds its test split (first n-eval images) as a column."),
+    n_train: int = typer.Option(None, help="Training scenes [2048: half COUNTINGTRICKS, half counting scenes]."),
+    n_eval: int = typer.Option(200, help="Evaluation scenes per set (COUNTINGTRICKS: n/8 per case; local copies: "
+                               "their first n)."),
+    fsc147: Path = typer.Option(None, help="A local FSC-147 copy: its FSC-Val / FSC-Test columns (and counting-to-four's "
+                                "training data)."),
+    pixmo: Path = typer.Option(None, help="A local PixMo-Count file (JSONL or parquet): its column."),
 ) -> None:
-    """Circuit-guided LoRA fine-tunes (SFT, +focus, +MAS, +temperature) and the before/after table,
-    appended to CIRCUIT/report.md. Resumable.
+    """Circuit-guided LoRA fine-tunes (SFT, +focus, +MAS, +temperature) and the before/after table
+    (accuracy, MAE), appended to CIRCUIT/report.md. Resumable.
 
     Example: countlens finetune --model toy --circuit runs/toy
     """
-    from countlens.training.finetune import FinetuneConfig, read_heads
+    from dataclasses import replace
+
+    from countlens import presets
+    from countlens.training.finetune import read_heads
     from countlens.training.report import before_after
 
+    try:
+        recipe = presets.recipe(preset or "")
+    except CountlensError as err:
+        _fail(CountlensError(f"--preset: {err}"))
     try:
         read_heads(circuit)
     except CountlensError as err:
@@ -398,16 +411,16 @@ def finetune_cmd(
     except ValueError:
         _fail(CountlensError(f"--layers {layers!r}: give comma-separated integers, e.g. 0,1"))
     _check_positive(steps=steps, n_train=n_train, n_eval=n_eval, batch_size=batch_size, lora_r=lora_r)
+    if epochs is not None and not epochs > 0:
+        _fail(CountlensError(f"--epochs {epochs}: give a positive number"))
+    local = _given(fsc147=fsc147, pixmo=pixmo)
+    given = _given(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target or None)
+    if lora_r is not None:
+        given["lora_alpha"] = 2 * lora_r
     try:
-        config = FinetuneConfig(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, lora_alpha=2 * lora_r,
-                                target_layers=target)
-        extra = None
-        if fsc147 is not None:
-            from countlens.datasets.loaders import load_fsc147
-
-            extra = {"FSC-147": load_fsc147(fsc147, split="test", limit=n_eval)}
-        table = before_after(model, circuit, out, config, n_train=n_train, n_eval=n_eval, extra_sets=extra,
-                             log=typer.echo)
+        table = before_after(model, circuit, out, overrides=given, n_train=n_train, n_eval=n_eval,
+                             recipe=replace(recipe, epochs=epochs) if epochs is not None else recipe,
+                             preset=preset or "", local=local, log=typer.echo)
     except CountlensError as err:
         _fail(err)
     if table is None:  # a data-parallel rank other than 0: rank 0 writes the table and the report
@@ -418,8 +431,11 @@ def finetune_cmd(
 
         text = report.read_text().split(FINETUNE_SECTION)[0].rstrip("\n")
         section = (out / "before_after.md").read_text()
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in _given(
+            preset=preset, steps=steps, epochs=epochs, batch_size=batch_size, lr=lr, lora_r=lora_r, layers=layers,
+            n_train=n_train, fsc147=fsc147, pixmo=pixmo).items())
         report.write_text(f"{text}\n\n{FINETUNE_SECTION}\n\nCommand: `countlens finetune --model {model} "
-                          f"--circuit {circuit} --steps {steps}`.\n\n{section}")
+                          f"--circuit {circuit}{' ' + flags if flags else ''}`.\n\n{section}")
     typer.echo(table.round(3).to_string())
 
 

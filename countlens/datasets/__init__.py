@@ -1,13 +1,14 @@
 """Controlled counting data: scenes, COUNTINGTRICKS, count pairs, prompts, task scenes and loaders."""
 
 from countlens.datasets.countingtricks import CASES, Case, capacity, countingtricks, trick_sample
-from countlens.datasets.pairs import KINDS, CountPair, count_pair, count_pairs
+from countlens.datasets.pairs import KINDS, CountPair, count_pair, count_pairs, count_scene, count_scenes
 from countlens.datasets.prompts import PAIR_PROMPTS, PROMPTS, answer_text, make_question
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, place_objects
 from countlens.datasets.tasks import TASKS, TaskSample, task_sample, task_samples
 
 __all__ = [
     "CASES", "KINDS", "PAIR_PROMPTS", "PALETTE", "PROMPTS", "SHAPES", "TASKS", "Case", "CountPair", "Obj", "Scene", "TaskSample",
-    "answer_text", "capacity", "count_pair", "count_pairs", "countingtricks", "make_question", "place_objects", "task_sample",
+    "answer_text", "capacity", "count_pair", "count_pairs", "count_scene",
+    "count_scenes", "countingtricks", "make_question", "place_objects", "task_sample",
     "task_samples", "trick_sample",
 ]

@@ -1,20 +1,27 @@
 """Before/after report of the circuit-guided fine-tune, in the papers' ablation layout.
 
-Rows: baseline / +SFT / +SFT+focus / +SFT+focus+temperature / +SFT+focus+MAS. Columns: counting on
-held-out task scenes (in distribution), COUNTINGTRICKS by group (position 1–4, dilation 5A–8A,
-adjacency 9–15), and the organism's non-counting tasks (colour, shape: transfer or damage). Each
-variant trains its own adapter under ``out/<variant>/`` (resumable, with a progress bar); the
-temperature row reuses the +SFT+focus adapter with the circuit's most important heads sharpened
-(β = α·γ). Finished rows are kept in ``out/accuracies.json``: a resumed run neither retrains nor
-re-evaluates them (the baseline included).
+A `countlens.presets.Recipe` says what trains and what is measured: countlens's own
+(`DEFAULT_RECIPE`), or a paper's (``preset="counting-circuits"``: Baseline / +SFT / +SFT+focus /
+Full with β on SynDot + SynPoly scenes, SynReal and PixMo-Count columns; ``"counting-to-four"``:
+SFT against SFT+MAS on FSC-147, Circles (Syn) / FSC-Val / FSC-Test columns). Rows, from
+`VARIANTS`: baseline / +SFT / +SFT+focus / +SFT+focus+temperature / +SFT+focus+MAS / +SFT+MAS.
+Columns: accuracy per evaluation set and, for counting sets, MAE. countlens's own columns are
+counting on held-out task scenes (in distribution), COUNTINGTRICKS by group (position 1–4,
+dilation 5A–8A, adjacency 9–15), and the organism's non-counting tasks (colour, shape: transfer or
+damage); local benchmark copies (FSC-147, PixMo-Count) add theirs. Each variant trains its own
+adapter under ``out/<variant>/`` (resumable, with a progress bar); the temperature row reuses the
++SFT+focus adapter with the circuit's heads sharpened (β = α·γ). Finished rows are kept in
+``out/accuracies.json``: a resumed run neither retrains nor re-evaluates them (the baseline included).
 
-Training data (`default_training_data`): COUNTINGTRICKS scenes of every case plus ordinary counting
-scenes, from training seeds (≥ 1000) — never an evaluation scene.
+Training data (`training_data`) comes from training seeds (≥ 1000) or a train split — never an
+evaluation scene.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -30,10 +37,17 @@ VARIANTS: dict[str, dict] = {
     "+SFT": {"focus": 0.0, "mas": 0.0},
     "+SFT+focus": {"focus": 1.0, "mas": 0.0},
     "+SFT+focus+MAS": {"focus": 1.0, "mas": 0.1},
+    "+SFT+MAS": {"focus": 0.0, "mas": 0.1},
 }
+#: The +SFT+focus adapter evaluated with the circuit's heads sharpened (β = α·γ): no training of its own.
+TEMPERATURE_ROW = "+SFT+focus+temperature"
+TRAINING: tuple[str, ...] = ("countingtricks", "syn", "fsc147")
+#: Evaluation columns read from a local benchmark copy (``local``'s key), scored by generation + parsing.
+LOCAL_SETS: dict[str, str] = {"FSC-Val": "fsc147", "FSC-Test": "fsc147", "PixMo-Count": "pixmo"}
+TRAIN_SEED = 1000  # training scenes come from seeds ≥ 1000; evaluation scenes from 7
 
 
-def default_training_data(grid, n: int = 2048, prompt: str = "short", seed: int = 1000) -> list:
+def default_training_data(grid, n: int = 2048, prompt: str = "short", seed: int = TRAIN_SEED) -> list:
     """Half COUNTINGTRICKS (all 32 cases), half counting task scenes; training seeds only."""
     from countlens.datasets.countingtricks import CASES, countingtricks
     from countlens.datasets.tasks import task_samples
@@ -45,26 +59,103 @@ def default_training_data(grid, n: int = 2048, prompt: str = "short", seed: int 
     return tricks + task_samples("count", n - len(tricks), seed, image_size=grid.image_height)
 
 
-def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7) -> dict[str, list]:
+def training_data(recipe, grid, prompt: str, local: dict | None = None, n: int | None = None) -> list:
+    """The recipe's training scenes: ``countingtricks`` (`default_training_data`), ``syn`` (SynDot and
+    SynPoly-style scenes alternating, counts 1–10) or ``fsc147`` (the train split of ``local["fsc147"]``)."""
+    from countlens.datasets.pairs import count_scenes
+    from countlens.errors import InputError
+
+    n = recipe.n_train if n is None else n
+    _check_training_source(recipe, local)
+    if recipe.training == "countingtricks":
+        return default_training_data(grid, n or 2048, prompt=prompt)
+    if recipe.training == "syn":
+        return count_scenes(n or 8000, "dots+polygons", grid, seed=TRAIN_SEED, prompt=prompt)
+    from countlens.datasets.loaders import load_fsc147
+
+    train = load_fsc147(local["fsc147"], split="train", limit=n)
+    if not train:
+        raise InputError(f"{local['fsc147']}: FSC-147's train split lists no images; pass a complete copy")
+    return train
+
+
+def _check_training_source(recipe, local: dict | None) -> None:
+    from countlens.errors import InputError
+
+    if recipe.training not in TRAINING:
+        raise InputError(f"unknown training data {recipe.training!r}; use one of {TRAINING}")
+    if recipe.training == "fsc147" and not (local or {}).get("fsc147"):
+        raise InputError("this recipe fine-tunes on FSC-147's train split: pass a local copy "
+                         "(`--fsc147 ROOT` / local={'fsc147': ROOT}); no data set is downloaded")
+
+
+def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
+                    names: Sequence[str] | None = None, local: dict | None = None, log=print) -> dict[str, list]:
+    """The evaluation columns ``names`` (default: countlens's own, `DEFAULT_RECIPE.evaluation`), ``n``
+    scenes each (COUNTINGTRICKS families: n/8 per case; colour, shape: n/2). A local benchmark's column
+    (`LOCAL_SETS`) comes from ``local`` and is left out, with a line in the log, when no copy is given."""
     from countlens.datasets.countingtricks import CASES, countingtricks
+    from countlens.datasets.pairs import count_scenes
     from countlens.datasets.tasks import task_samples
+    from countlens.errors import InputError
+    from countlens.presets import DEFAULT_RECIPE
 
-    size = grid.image_height
-    tricks = countingtricks(None, max(1, n // 8), grid, seed=seed, prompt=prompt, color=("red", "green", "blue"))
-    groups = {f: [s for s in tricks if CASES[s.meta["case"]].family == f] for f in ("position", "dilation", "adjacency")}
-    return {"count (in-dist.)": task_samples("count", n, seed, image_size=size),
-            **{f"tricks {f}": v for f, v in groups.items()},
-            "color": task_samples("color", n // 2, seed, image_size=size),
-            "shape": task_samples("shape", n // 2, seed, image_size=size)}
+    names = DEFAULT_RECIPE.evaluation if names is None else names
+    size, local, colors = grid.image_height, local or {}, ("red", "green", "blue")
+
+    def tricks(family: str) -> list:
+        cases = [c for c, case in CASES.items() if case.family == family]
+        return countingtricks(cases, max(1, n // 8), grid, seed=seed, prompt=prompt, color=colors)
+
+    def fsc(split: str):
+        from countlens.datasets.loaders import load_fsc147
+
+        return lambda: load_fsc147(local["fsc147"], split=split, limit=n)
+
+    def pixmo():
+        from countlens.datasets.loaders import load_pixmo_count
+
+        return load_pixmo_count(local["pixmo"], limit=n)
+
+    makers = {
+        "count (in-dist.)": lambda: task_samples("count", n, seed, image_size=size),
+        **{f"tricks {f}": (lambda f=f: tricks(f)) for f in ("position", "dilation", "adjacency")},
+        "color": lambda: task_samples("color", n // 2, seed, image_size=size),
+        "shape": lambda: task_samples("shape", n // 2, seed, image_size=size),
+        "SynReal": lambda: count_scenes(n, "rendered", grid, seed=seed, prompt=prompt),
+        "Circles (Syn)": lambda: countingtricks(None, max(1, n // len(CASES)), grid, seed=seed, prompt=prompt,
+                                                shapes="circle", color=colors),
+        "FSC-Val": fsc("val"), "FSC-Test": fsc("test"), "PixMo-Count": pixmo,
+    }
+    unknown = [x for x in names if x not in makers]
+    if unknown:
+        raise InputError(f"unknown evaluation sets {unknown}; use some of {list(makers)}")
+    sets = {}
+    for name in names:
+        if name in LOCAL_SETS and not local.get(LOCAL_SETS[name]):
+            log(f"{name}: no local copy given (--{LOCAL_SETS[name]}), column left out")
+            continue
+        samples = makers[name]()
+        if samples:
+            sets[name] = samples
+        else:
+            log(f"{name}: the local copy holds no samples for it, column left out")
+    return sets
 
 
-def _accuracies(vlm, sets: dict[str, list], batch_size: int, generated: frozenset = frozenset()) -> dict[str, float]:
-    """Accuracy per set: scoring (`score`: single-token, or candidate scoring for multi-token answers),
-    or greedy generation + answer parsing for the sets in ``generated`` (real benchmarks)."""
-    from countlens.analysis.evaluate import generate, score
+def _metrics(vlm, sets: dict[str, list], batch_size: int, generated: frozenset = frozenset()) -> dict[str, float]:
+    """Accuracy per set, and MAE (|predicted − true count| over parsed answers) per counting set:
+    scoring (`score`) or, for the sets in ``generated`` (real benchmarks), greedy generation + parsing."""
+    from countlens.analysis.evaluate import generate, score, summary
 
-    return {name: float((generate(vlm, samples, batch_size=batch_size) if name in generated else
-                         score(vlm, samples, batch_size=batch_size)).correct.mean()) for name, samples in sets.items()}
+    out = {}
+    for name, samples in sets.items():
+        ds = (generate if name in generated else score)(vlm, samples, batch_size=batch_size)
+        row = summary(ds).loc["all"]
+        out[name] = float(row["accuracy"])
+        if all(s.task == "count" for s in samples):
+            out[f"{name} MAE"] = float(row["mae"])
+    return out
 
 
 class _Rows:
@@ -86,82 +177,114 @@ class _Rows:
         return self.rows[name]
 
 
-def importance_from(circuit) -> xr.DataArray:
-    """The circuit's per-head importance (layer, head) from its ``heads.csv``."""
+def importance_from(circuit, classes: Sequence[str] = ()) -> xr.DataArray:
+    """The circuit's per-head importance (layer, head) from its ``heads.csv``; with ``classes``, zero
+    outside the heads of those classes (all heads when none has one of them)."""
     from countlens.training.finetune import read_heads
 
-    return read_heads(circuit).set_index(["layer", "head"])["importance"].to_xarray()
+    table = read_heads(circuit)
+    chosen = table["class"].isin(classes)
+    if len(classes) and chosen.any():
+        table = table.assign(importance=table["importance"].where(chosen, 0.0))
+    return table.set_index(["layer", "head"])["importance"].to_xarray()
 
 
-def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
-                 train=None, sets: dict[str, list] | None = None, alpha: float = 1.2, top_k: int = 3,
-                 batch_size: int = 32, n_train: int = 2048, n_eval: int = 200, extra_sets: dict | None = None,
+def recipe_config(recipe, n_train: int, **given) -> FinetuneConfig:
+    """The recipe's `FinetuneConfig` with the ``given`` fields over it; with the recipe's ``epochs``
+    (and no ``steps`` given), steps = ceil(epochs · n_train / batch_size)."""
+    values = {**recipe.config, **given}
+    if recipe.epochs is not None and "steps" not in given:
+        values["steps"] = max(1, math.ceil(recipe.epochs * n_train / values.get("batch_size", FinetuneConfig.batch_size)))
+    return FinetuneConfig(**values)
+
+
+def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig | None = None,
+                 overrides: dict | None = None, train=None, sets: dict[str, list] | None = None, alpha: float = 1.2, top_k: int = 3,
+                 batch_size: int = 32, n_train: int | None = None, n_eval: int = 200,
+                 extra_sets: dict | None = None, recipe=None, preset: str = "", local: dict | None = None,
                  log=print) -> pd.DataFrame | None:
-    """Train the variants and evaluate them; returns the table (rows: variants) and writes it.
+    """Train the recipe's variants and evaluate them; returns the table (rows: variants) and writes it.
 
-    ``extra_sets``: more evaluation columns, e.g. ``{"FSC-147": load_fsc147(root, limit=200)}`` — a
-    real benchmark kept locally, scored like the rest."""
+    ``recipe``: a `countlens.presets.Recipe` (default: the ``preset``'s, else countlens's own). Without
+    ``config``, the run's config is the recipe's with ``overrides`` (FinetuneConfig fields) over it. ``local``: local benchmark copies,
+    ``{"fsc147": ROOT, "pixmo": FILE}``, for the recipe's columns and FSC-147 training data.
+    ``extra_sets``: more evaluation columns, e.g. ``{"mine": samples}``, scored by generation."""
     import countlens
     from countlens import distributed
     from countlens.circuits.temperature import beta_from_importance, head_temperature
+    from countlens.presets import recipe as preset_recipe
 
     # Data parallel (accelerate launch / torchrun): every rank trains each variant with the others;
     # rank 0 alone evaluates and writes, and the other ranks return None.
     lead = distributed.current().rank == 0
     out = Path(out)
+    recipe = preset_recipe(preset) if recipe is None else recipe
+    if train is None:
+        _check_training_source(recipe, local)  # before the model loads
     base = countlens.load(model)
     prompt = "short" if base.name == "toy" else "std"
-    layers = config.target_layers or target_layers_from(circuit)
+    say = log if lead else (lambda _: None)
+    train = training_data(recipe, base.geometry, prompt, local, n_train) if train is None else train
+    config = recipe_config(recipe, len(train), **(overrides or {})) if config is None else config
+    layers = config.target_layers or (tuple(range(base.arch.n_layers)) if recipe.layers == "all"
+                                      else target_layers_from(circuit))
     config = replace(config, target_layers=tuple(layers))
-    train = default_training_data(base.geometry, n_train, prompt=prompt) if train is None else train
-    sets = evaluation_sets(base.geometry, n_eval, prompt=prompt) if sets is None else sets
+    sets = evaluation_sets(base.geometry, n_eval, prompt=prompt, names=recipe.evaluation, local=local,
+                           log=say) if sets is None else sets
     sets = {**sets, **(extra_sets or {})}
-    generated = frozenset(extra_sets or {})
-    betas = beta_from_importance(importance_from(circuit), alpha=alpha, top_k=top_k)
-    # Each row's accuracies are kept in out/accuracies.json, so a resumed run evaluates only what is new.
-    done = _Rows(out / "accuracies.json", {"model": str(model), "sets": {k: len(v) for k, v in sets.items()},
+    generated = frozenset(name for name in sets if name in LOCAL_SETS) | frozenset(extra_sets or {})
+    betas = beta_from_importance(importance_from(circuit, recipe.temperature_classes), alpha=alpha, top_k=top_k)
+    rows = ["baseline", *recipe.rows]
+    # Each row's metrics are kept in out/accuracies.json, so a resumed run evaluates only what is new.
+    done = _Rows(out / "accuracies.json", {"model": str(model), "preset": preset, "rows": rows,
+                                            "metrics": ["accuracy", "mae"], "sets": {k: len(v) for k, v in sets.items()},
                                             "digest": samples_digest([*train, *(x for v in sets.values() for x in v)]),
                                             "config": json.loads(json.dumps(asdict(config), default=str)),
                                             "n_train": len(train), "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()}})
     if lead:
-        log(f"baseline: {done.get('baseline', lambda: _accuracies(base, sets, batch_size, generated))}")
-    for name, terms in VARIANTS.items():
-        wanted = [name] + (["+SFT+focus+temperature"] if name == "+SFT+focus" else [])
+        log(f"baseline: {done.get('baseline', lambda: _metrics(base, sets, batch_size, generated))}")
+    for name in (r for r in recipe.rows if r in VARIANTS):
+        wanted = [name] + ([TEMPERATURE_ROW] if name == "+SFT+focus" and TEMPERATURE_ROW in rows else [])
         if all(w in done for w in wanted):  # the same on every rank: all read one file at the start
-            if lead:
-                log(f"{name}: done before")
+            say(f"{name}: done before")
             continue
-        variant = replace(config, **terms)
+        variant = replace(config, **VARIANTS[name])
         with Bar(f"training {name}", variant.steps) if lead else nullcontext() as bar:
             adapter = finetune(base, train, out / name.strip("+").replace("+", "_").lower(), variant,
                                progress=lambda row: bar.update(row["step"] + 1, f"loss {row['loss']:.3f}"))
         if not lead:
             continue
         tuned = with_adapter(model, adapter)
-        log(f"{name}: {done.get(name, lambda: _accuracies(tuned, sets, batch_size, generated))}")
-        if name == "+SFT+focus":
+        log(f"{name}: {done.get(name, lambda: _metrics(tuned, sets, batch_size, generated))}")
+        if TEMPERATURE_ROW in wanted:
             def sharpened():
                 with head_temperature(tuned, betas):
-                    return _accuracies(tuned, sets, batch_size, generated)
+                    return _metrics(tuned, sets, batch_size, generated)
 
-            log(f"+SFT+focus+temperature: {done.get('+SFT+focus+temperature', sharpened)}")
+            log(f"{TEMPERATURE_ROW}: {done.get(TEMPERATURE_ROW, sharpened)}")
     if not lead:
         return None
-    rows = done.rows
-    order = ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
-    table = pd.DataFrame(rows).T.loc[order]
+    table = pd.DataFrame(done.rows).T.loc[rows]
     table.attrs.update(target_layers=list(layers), betas={f"L{a}H{b}": v for (a, b), v in betas.items()},
-                       n_train=len(train), n_eval={k: len(v) for k, v in sets.items()})
+                       n_train=len(train), n_eval={k: len(v) for k, v in sets.items()}, preset=preset,
+                       alpha=alpha)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "before_after.csv")
-    (out / "before_after.md").write_text(_markdown(table, config))
+    (out / "before_after.md").write_text(_markdown(table, config, recipe))
     return table
 
 
-def _markdown(table: pd.DataFrame, config: FinetuneConfig) -> str:
+def _markdown(table: pd.DataFrame, config: FinetuneConfig, recipe) -> str:
     a = table.attrs
-    return (f"{(100 * table).round(1).to_markdown()}\n\nAccuracy in %. LoRA r={config.lora_r} on the language model's "
-            f"attention projections, {config.steps} steps × batch {config.batch_size}, lr {config.lr}; target layers "
-            f"{a['target_layers']}; λ_focus 1.0 (σ = {config.sigma} cell), λ_mas 0.1 (τ = {config.tau}); temperature "
-            f"β = {a['betas']}; {a['n_train']} training scenes; evaluation sizes {a['n_eval']}.\n")
-
+    shown = pd.DataFrame({c: (table[c].astype(float).round(2) if c.endswith(" MAE") else (100 * table[c].astype(float)).round(1))
+                          for c in table.columns}, index=table.index)
+    terms = {row: VARIANTS.get(row, VARIANTS["+SFT+focus"]) for row in table.index if row != "baseline"}
+    lambdas = "; ".join(f"{row}: λ_focus {t['focus']}, λ_mas {t['mas']}" for row, t in terms.items())
+    source = f"preset `{a['preset']}`" if a["preset"] else "countlens's own recipe (no preset)"
+    temperature = (f" Temperature row: β = α·γ_h, α = {a['alpha']}, on {a['betas']}." if TEMPERATURE_ROW in table.index
+                   else "")
+    return (f"{shown.to_markdown()}\n\nAccuracy in %, MAE in counts (parsed answers of counting sets). {source}: "
+            f"LoRA r={config.lora_r} (α {config.lora_alpha}) on the language model's attention projections, "
+            f"{config.steps} steps × batch {config.batch_size}, lr {config.lr}, warm-up {config.warmup:.0%}; "
+            f"target layers {a['target_layers']}; {lambdas} (σ = {config.sigma} cell, τ = {config.tau}).{temperature} "
+            f"{a['n_train']} training scenes ({recipe.training}); evaluation sizes {a['n_eval']}.\n")

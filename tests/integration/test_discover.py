@@ -38,20 +38,35 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     assert other.exit_code == 2 and "different spec" in other.output
 
 
-def _fsc147_fixture(root):
-    """A three-image FSC-147 layout made of COUNTINGTRICKS scenes (points = object centres)."""
+def _fsc147_fixture(root, splits=(("test", 3),)):
+    """An FSC-147 layout made of COUNTINGTRICKS scenes (points = object centres), ``n`` images per split."""
     import json
 
     from countlens.datasets.countingtricks import trick_sample
 
     (root / "images_384_VarV2").mkdir(parents=True)
-    ann = {}
-    for i in range(3):
-        s = trick_sample("4A", 0, i, image_size=192, patch_size=16)
-        s.image.save(root / "images_384_VarV2" / f"{i}.jpg")
-        ann[f"{i}.jpg"] = {"points": [[o.cx, o.cy] for o in s.scene.objects], "box_examples_coordinates": []}
+    ann, names = {}, {"train": [], "val": [], "test": []}
+    for split, n in splits:
+        for i in range(n):
+            s = trick_sample("4A", 0, len(ann), image_size=192, patch_size=16)
+            s.image.save(root / "images_384_VarV2" / f"{len(ann)}.jpg")
+            names[split].append(f"{len(ann)}.jpg")
+            ann[f"{len(ann)}.jpg"] = {"points": [[o.cx, o.cy] for o in s.scene.objects], "box_examples_coordinates": []}
     (root / "annotation_FSC147_384.json").write_text(json.dumps(ann))
-    (root / "Train_Test_Val_FSC_147.json").write_text(json.dumps({"train": [], "val": [], "test": list(ann)}))
+    (root / "Train_Test_Val_FSC_147.json").write_text(json.dumps(names))
+
+
+def _pixmo_fixture(path):
+    """A three-image PixMo-Count JSONL file made of task scenes."""
+    import json
+
+    from countlens.datasets.tasks import task_samples
+
+    lines = []
+    for i, s in enumerate(task_samples("count", 3, seed=11, image_size=192)):
+        s.image.save(path.parent / f"p{i}.png")
+        lines.append(json.dumps({"image": f"p{i}.png", "count": s.meta["count"], "label": "shapes"}))
+    path.write_text("\n".join(lines) + "\n")
 
 
 def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
@@ -63,14 +78,18 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     table = pd.read_csv(out / "finetune" / "before_after.csv", index_col=0)
     assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
-    assert "FSC-147" in table.columns and table["FSC-147"].between(0, 1).all()
+    assert "FSC-Test" in table.columns and table["FSC-Test"].between(0, 1).all()
+    # Counting sets carry their MAE beside the accuracy; colour and shape questions have none.
+    assert {"count (in-dist.) MAE", "tricks adjacency MAE", "FSC-Test MAE"} <= set(table.columns)
+    assert "color MAE" not in table.columns and (table["count (in-dist.) MAE"] >= 0).all()
+    assert "PixMo-Count: no local copy given (--pixmo), column left out" in result.output
     assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
     # A rerun (a resume after a kill) neither retrains nor re-evaluates a finished row.
     from countlens.training import report as before_after_module
 
     calls = []
-    real = before_after_module._accuracies
-    monkeypatch.setattr(before_after_module, "_accuracies", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = before_after_module._metrics
+    monkeypatch.setattr(before_after_module, "_metrics", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = runner.invoke(app, ["finetune", "--circuit", str(out), "--steps", "2", "--batch-size", "4",
                                 "--n-train", "16", "--n-eval", "16", "--fsc147", str(tmp_path / "fsc")])
     assert again.exit_code == 0 and again.output.count("done before") == 3 and calls == [], again.output
@@ -78,6 +97,41 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     # Re-rendering the report from results/ keeps the fine-tune section.
     assert runner.invoke(app, ["report", "--run", str(out)]).exit_code == 0
     assert (out / "report.md").read_text().count("Circuit-guided fine-tune") == 1
+
+
+def test_finetune_presets_run_each_papers_recipe(tmp_path):
+    """counting-circuits: Baseline / +SFT / +SFT+focus / Full on SynDot + SynPoly scenes, with SynReal and
+    PixMo-Count accuracy and MAE; counting-to-four: SFT against SFT+MAS on FSC-147's train split."""
+    import json
+
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(run), *SMALL]).exit_code == 0
+    _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
+    _pixmo_fixture(tmp_path / "pixmo.jsonl")
+    tiny = ["--n-train", "4", "--n-eval", "4"]
+    cc = runner.invoke(app, ["finetune", "--circuit", str(run), "--preset", "counting-circuits", "--out",
+                             str(tmp_path / "cc"), "--pixmo", str(tmp_path / "pixmo.jsonl"), *tiny])
+    assert cc.exit_code == 0, cc.output
+    table = pd.read_csv(tmp_path / "cc" / "before_after.csv", index_col=0)
+    assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature"]
+    assert {"SynReal", "SynReal MAE", "PixMo-Count", "PixMo-Count MAE", "color", "shape"} == set(table.columns)
+    spec = json.loads((tmp_path / "cc" / "sft_focus" / "finetune.json").read_text())
+    # The paper's recipe; 2 epochs of 4 scenes at batch 2 = 4 steps.
+    assert {k: spec[k] for k in ("lora_r", "lr", "batch_size", "warmup", "focus", "steps", "samples")} == {
+        "lora_r": 64, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "focus": 1.0, "steps": 4, "samples": 4}
+    assert "preset `counting-circuits`" in (tmp_path / "cc" / "before_after.md").read_text()
+    c4 = runner.invoke(app, ["finetune", "--circuit", str(run), "--preset", "counting-to-four", "--out",
+                             str(tmp_path / "c4"), "--fsc147", str(tmp_path / "fsc"), "--epochs", "1", *tiny])
+    assert c4.exit_code == 0, c4.output
+    table = pd.read_csv(tmp_path / "c4" / "before_after.csv", index_col=0)
+    assert list(table.index) == ["baseline", "+SFT", "+SFT+MAS"]
+    assert list(table.columns) == ["Circles (Syn)", "Circles (Syn) MAE", "FSC-Val", "FSC-Val MAE", "FSC-Test",
+                                   "FSC-Test MAE"]
+    spec = json.loads((tmp_path / "c4" / "sft_mas" / "finetune.json").read_text())
+    assert (spec["mas"], spec["tau"], spec["focus"], spec["samples"], spec["target_layers"]) == (0.1, 0.4, 0.0, 4, list(range(6)))
+    missing = runner.invoke(app, ["finetune", "--circuit", str(run), "--preset", "counting-to-four",
+                                  "--out", str(tmp_path / "none")])
+    assert missing.exit_code == 2 and "--fsc147" in missing.output and not (tmp_path / "none").exists()
 
 
 def test_bad_arguments_exit_2_and_write_nothing(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from countlens.datasets.pairs import KINDS, count_pair, count_pairs
+from countlens.datasets.pairs import KINDS, count_pair, count_pairs, count_scene, count_scenes
 from countlens.errors import InputError
 from countlens.geometry import Geometry
 
@@ -47,3 +47,27 @@ def test_bad_pair_arguments():
         count_pair(0, 0, clean=3, corrupt=3)
     with pytest.raises(InputError, match="not a pair prompt"):
         count_pair(0, 0, prompt="conflict")
+
+
+def test_a_mix_interleaves_each_kinds_own_sequence():
+    mix = count_pairs(6, kind="dots+polygons", grid=GRID, seed=4)
+    dots, polygons = count_pairs(3, kind="dots", grid=GRID, seed=4), count_pairs(3, kind="polygons", grid=GRID, seed=4)
+    for i, p in enumerate(mix):
+        own = (dots if i % 2 == 0 else polygons)[i // 2]
+        assert p.kind == own.kind and p.index == i
+        assert p.clean.scene == own.clean.scene and p.corrupt.scene == own.corrupt.scene
+    with pytest.raises(InputError, match="unknown pair kind 'dots\\+lines'"):
+        count_pair(0, 0, "dots+lines")
+
+
+def test_count_scenes_cycle_their_counts_per_kind_and_are_pure():
+    scenes = count_scenes(20, "dots+rendered", GRID, seed=1, counts=range(1, 11))
+    for kind in ("dots", "rendered"):
+        own = [s for s in scenes if s.meta["kind"] == kind]
+        assert [s.meta["count"] for s in own] == list(range(1, 11))
+        assert all(len(s.scene.objects) == s.meta["count"] for s in own)
+    again = count_scenes(20, "dots+rendered", GRID, seed=1, counts=range(1, 11))
+    assert [s.scene for s in again] == [s.scene for s in scenes]
+    assert count_scenes(2, "dots", GRID, seed=2)[0].scene != count_scenes(2, "dots", GRID, seed=1)[0].scene
+    with pytest.raises(InputError, match="counts"):
+        count_scene(0, 0, "dots", counts=())

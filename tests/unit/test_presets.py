@@ -11,18 +11,66 @@ from countlens import presets
 from countlens.analysis.heads import HeadThresholds, classify_heads
 from countlens.discover import DiscoverConfig, check_config
 from countlens.errors import InputError
+from countlens.training.finetune import FinetuneConfig
 
 
 def test_preset_values_are_the_papers():
     cc = presets.discover_config("counting-circuits")
-    assert (cc.pair_kind, cc.prompt, cc.jaccard_k, cc.preset) == ("dots", "std", 20, "counting-circuits")
+    assert (cc.pair_kind, cc.prompt, cc.jaccard_k, cc.preset) == ("dots+polygons", "std", 20, "counting-circuits")
     c4 = presets.discover_config("counting-to-four")
     assert (c4.n_per_case, c4.prompt) == (1000, "std")
     t = presets.thresholds("counting-circuits")
     assert (t.early, t.routing_from, t.routing_to, t.late, t.align_min, t.difficulty_min) == (0.1, 0.6, 0.9, 0.8, 0.5, 0.1)
     assert presets.thresholds("") == HeadThresholds()
     for p in presets.PRESETS.values():  # every value a preset sets says where it comes from
-        assert set(p.discover) | set(p.thresholds) <= set(p.sources)
+        assert set(p.discover) | set(p.thresholds) | set(p.probe) <= set(p.sources)
+        assert set(p.finetune.config) <= set(p.finetune.sources)
+
+
+def test_finetune_recipes_are_the_papers():
+    from countlens.training.report import VARIANTS, recipe_config
+
+    cc = presets.recipe("counting-circuits")  # paper 002, Training and the ablation table
+    config = recipe_config(cc, cc.n_train)
+    assert (config.lora_r, config.lr, config.batch_size, config.warmup, config.sigma) == (64, 2e-5, 2, 0.03, 1.0)
+    assert (cc.epochs, cc.n_train, cc.training) == (2, 8000, "syn") and config.steps == 8000  # 2 × 8000 / 2
+    assert cc.rows == ("+SFT", "+SFT+focus", "+SFT+focus+temperature")
+    assert VARIANTS["+SFT+focus"] == {"focus": 1.0, "mas": 0.0}  # λ = 1.0
+    assert {"SynReal", "PixMo-Count"} <= set(cc.evaluation)
+    assert set(cc.temperature_classes) == {"cross-modal routing", "counting aggregation"}
+    c4 = presets.recipe("counting-to-four")  # paper 000, Method steps (4) and Table 4
+    config = recipe_config(c4, 3659)  # FSC-147's train split
+    assert (config.tau, c4.epochs, c4.training, c4.n_train) == (0.4, 10, "fsc147", None)
+    assert config.steps == -(-10 * 3659 // FinetuneConfig.batch_size)
+    assert c4.rows == ("+SFT", "+SFT+MAS") and VARIANTS["+SFT+MAS"] == {"focus": 0.0, "mas": 0.1}
+    assert c4.evaluation == ("Circles (Syn)", "FSC-Val", "FSC-Test")
+    assert presets.recipe("") == presets.DEFAULT_RECIPE and recipe_config(presets.DEFAULT_RECIPE, 10).steps == 300
+    # A given field wins over the recipe, and given steps over its epochs.
+    assert recipe_config(cc, 8000, steps=5, lr=1e-3).steps == 5 and recipe_config(cc, 8000, lr=1e-3).lr == 1e-3
+
+
+def test_the_paper_probe_has_the_papers_capacity():
+    from countlens.analysis.probes import DetectionProbe
+
+    config = presets.probe_config("counting-to-four")
+    encoder, projector = (DetectionProbe(d, config).n_params for d in (1024, 2048))  # Table 3's tap widths
+    assert 1.65e6 < encoder < 1.75e6 and 2.15e6 < projector < 2.25e6  # "1.7 M–2.2 M"
+    assert abs((projector - encoder) - 0.5e6) < 0.05e6  # "differ by only 0.5 M"
+    assert DetectionProbe(1024).n_params < 0.11e6  # countlens's default: 16× smaller
+    assert presets.probe_config("counting-to-four", epochs=2).epochs == 2
+
+
+def test_syn_training_data_is_half_dots_half_polygons_with_counts_to_ten():
+    from countlens.geometry import Geometry
+    from countlens.training.report import training_data
+
+    scenes = training_data(presets.recipe("counting-circuits"), Geometry(192, 192, 16), "std", n=40)
+    kinds = [s.meta["kind"] for s in scenes]
+    assert kinds.count("dots") == kinds.count("polygons") == 20
+    for kind in ("dots", "polygons"):
+        assert sorted({s.meta["count"] for s in scenes if s.meta["kind"] == kind}) == list(range(1, 11))
+    with pytest.raises(InputError, match="--fsc147"):
+        training_data(presets.recipe("counting-to-four"), Geometry(192, 192, 16), "std")
 
 
 def test_overrides_win_and_bad_names_are_refused():
