@@ -5,7 +5,9 @@ what the answer sees. Per layer and sample we average it over heads and ask four
 "Counting to Four" (Figure 3). MAS follows the paper's definition (read at one position); VRA and
 ARS are **countlens's own** definitions (the paper gives numbers but no formula) and Attn-IoU is
 countlens's reduction of the paper's per-head, pixel-mask IoU to a head mean on token cells, so
-none of the three is comparable with the paper's figures (`docs/fidelity.md`):
+none of the three is comparable with the paper's figures (`docs/fidelity.md`). The paper's own
+Attn-IoU, per layer-head against the object pixels, is `head_attention_iou` (its binarisation
+threshold, which the paper does not give, is countlens's 0.5 × peak):
 
 - **MAS**, Modality Attention Share: how much of the attention mass goes to image tokens at all
   (the head-mean of each head's share).
@@ -136,6 +138,28 @@ def attention_iou(grid_map: Tensor, mask: Tensor, threshold: float = THRESHOLD) 
     return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
 
 
+def pixel_attention_iou(grid_map: Tensor, scene, threshold: float = THRESHOLD) -> Tensor:
+    """The paper's Attn-IoU, Float[Tensor, "..."]: ``grid_map`` (Float[Tensor, "... rows cols"], one
+    layer-head's map each) back-projected to the scene's pixels, each pixel taking its token cell's
+    value, binarised at ``threshold`` · peak, and compared by IoU with the union of the object masks.
+
+    Counted per cell, not per pixel: the attended pixels are whole cells, so the intersection is the
+    object pixels of the attended cells. NaN when neither set has a pixel.
+    """
+    n_rows, n_cols = grid_map.shape[-2:]
+    rows, cols = _edges(scene.height, n_rows, "high"), _edges(scene.width, n_cols, "wide")
+    masks = scene.masks()
+    obj = masks.any(0) if len(masks) else np.zeros((scene.height, scene.width), bool)
+    on = torch.from_numpy(_cell_sums(obj, rows, cols)).float().to(grid_map.device)  # object pixels per cell
+    area = torch.from_numpy(np.diff(rows)[:, None] * np.diff(cols)[None, :]).float().to(grid_map.device)
+    m = grid_map.float()
+    peak = m.amax((-2, -1), keepdim=True)
+    attended = ((peak > 0) & (m >= threshold * peak)).float()
+    inter = (attended * on).sum((-2, -1))
+    union = (attended * area).sum((-2, -1)) + float(obj.sum()) - inter
+    return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
+
+
 def attention_reward(grid_map: Tensor, mask: Tensor, quantile: float = QUANTILE) -> Tensor:
     """ARS, Float[Tensor, "..."]: mean of the clipped, rescaled attention on object cells minus elsewhere.
 
@@ -214,6 +238,30 @@ def attention_metrics(vlm, samples: Sequence, layers: Sequence[int] | None = Non
     return xr.Dataset(data, coords={"layer": layers, "sample": np.arange(len(samples))},
                       attrs={"model": vlm.name, "arch": vlm.arch.name, "position": "last prompt token",
                              "coverage": coverage, "threshold": threshold, "quantile": quantile})
+
+
+def head_attention_iou(vlm, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16, *,
+                       threshold: float = THRESHOLD) -> xr.DataArray:
+    """The paper's Attn-IoU per layer-head (`pixel_attention_iou` of each head's map from the last
+    prompt position): an xr.DataArray over (layer, head, sample)."""
+    from countlens.circuits.attention import last_token_attention
+
+    _check(samples, batch_size)
+    layers = list(range(vlm.arch.n_layers)) if layers is None else sorted({int(x) for x in layers})
+    for layer in layers:
+        vlm.arch.self_attn(layer)
+    out = []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+        attn = last_token_attention(vlm, batch, layers)  # Float[Tensor, "layer batch head seq"]
+        for b, s in enumerate(chunk):
+            image = attn[:, b][..., batch.image_pos[b].to(attn.device)]  # Float[Tensor, "layer head n_image"]
+            grid = grid_attention(image, batch.image_cell[b], batch.geometry[b].token_grid)
+            out.append(pixel_attention_iou(grid, s.scene, threshold))
+    return xr.DataArray(torch.stack(out, -1).numpy(), dims=("layer", "head", "sample"), name="pixel_iou",
+                        coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
+                        attrs={"threshold": threshold, "position": "last prompt token"})
 
 
 # ----------------------------------------------------------------------------- aggregation

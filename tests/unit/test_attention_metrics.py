@@ -16,7 +16,9 @@ from countlens.analysis.attention_metrics import (
     attention_metrics,
     attention_reward,
     grid_attention,
+    head_attention_iou,
     object_cells,
+    pixel_attention_iou,
     region_share,
 )
 from countlens.circuits.attention import last_token_attention
@@ -131,3 +133,39 @@ def test_ars_sign_and_vra_on_synthetic_maps():
     assert region_share(on, obj, visual=torch.tensor(6.0)).item() == pytest.approx(0.5)
     with pytest.raises(InputError, match="same Geometry"):
         attention_iou(torch.ones(4, 4), obj)
+
+
+def _pixel_iou_by_upsampling(grid_map: np.ndarray, scene, threshold: float = 0.5) -> float:
+    """The paper's Attn-IoU written out: every pixel takes its cell's value, then IoU of pixel sets."""
+    rows, cols = grid_map.shape
+    r = np.minimum((np.arange(scene.height) + 0.5) * rows // scene.height, rows - 1).astype(int)
+    c = np.minimum((np.arange(scene.width) + 0.5) * cols // scene.width, cols - 1).astype(int)
+    pixels = grid_map[r][:, c]
+    attended = pixels >= threshold * pixels.max()
+    obj = scene.masks().any(0)
+    return (attended & obj).sum() / (attended | obj).sum()
+
+
+def test_pixel_iou_agrees_with_an_upsampled_pixel_mask():
+    rng = np.random.default_rng(0)
+    scene = Scene(192, 192, (Obj("circle", "red", 40, 50, 30), Obj("square", "blue", 130, 120, 44, 20)))
+    maps = rng.random((5, 6, 6)) ** 4
+    got = pixel_attention_iou(torch.from_numpy(maps), scene).numpy()
+    want = [_pixel_iou_by_upsampling(m, scene) for m in maps]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # All attention on the one cell holding most of the circle: IoU = its object pixels / (cell ∪ circle).
+    only = torch.zeros(6, 6)
+    only[1, 1] = 1.0
+    assert float(pixel_attention_iou(only, scene)) == pytest.approx(_pixel_iou_by_upsampling(only.numpy(), scene))
+    assert math.isnan(float(pixel_attention_iou(torch.zeros(6, 6), Scene(192, 192, ()))))
+
+
+def test_head_attention_iou_is_per_layer_head(vlm):
+    samples = countingtricks(["1A", "5A"], 1, grid=vlm.geometry, prompt="short")
+    iou = head_attention_iou(vlm, samples, layers=[0, 2], batch_size=2)
+    assert iou.dims == ("layer", "head", "sample") and iou.shape == (2, vlm.arch.n_heads, 2)
+    batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])
+    att = last_token_attention(vlm, batch, [2])[0, 1]  # head seq, sample 1
+    grid = grid_attention(att[:, batch.image_pos[1]], batch.image_cell[1], vlm.geometry.token_grid)
+    want = [_pixel_iou_by_upsampling(grid[h].numpy(), samples[1].scene) for h in range(vlm.arch.n_heads)]
+    np.testing.assert_allclose(iou.sel(layer=2, sample=1).values, want, rtol=1e-5)
