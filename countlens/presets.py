@@ -66,7 +66,8 @@ PRESETS: dict[str, Preset] = {
         thresholds={"early": 0.1, "routing_from": 0.6, "routing_to": 0.9, "late": 0.8, "align_min": 0.5,
                     "difficulty_min": 0.1},
         finetune=Recipe(
-            config={"lora_r": 64, "lora_alpha": 128, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "sigma": 1.0},
+            config={"lora_r": 64, "lora_alpha": 128, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "sigma": 1.0,
+                    "ce_on": "digits"},
             epochs=2, rows=("+SFT", "+SFT+focus", "+SFT+focus+temperature"), training="syn", n_train=8000,
             evaluation=("SynReal", "PixMo-Count", "color", "shape"),
             temperature_classes=("cross-modal routing", "counting aggregation"),
@@ -75,6 +76,7 @@ PRESETS: dict[str, Preset] = {
                      "lr": "Training: AdamW, lr 2e-5, bf16", "batch_size": "Training: batch size 2",
                      "warmup": "Training: 3 % warm-up, linear decay", "epochs": "Training: 2 epochs",
                      "sigma": "Key design 3: Gaussian prior with sigma = 1 (cells)",
+                     "ce_on": "Training: L_SFT is the cross-entropy of the generated count digit tokens only",
                      "focus": "Training: L = L_SFT + lambda L_focus, lambda = 1.0",
                      "training": "Training: 8,000 SynDot + SynPoly images (countlens: half each, counts 1-10)",
                      "rows": "Ablation table: Baseline / +SFT / +SFT+L_focus / Full (+ beta_h)",

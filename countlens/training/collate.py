@@ -2,7 +2,8 @@
 
 `VLM.prepare` builds the prompt (chat template, images, left padding). A training batch appends
 each sample's answer tokens after its prompt and pads the answers on the right; labels are −100
-everywhere except on answer tokens, so the cross-entropy only counts the answer. ``targets`` marks
+everywhere except on answer tokens, so the cross-entropy only counts the answer (or, with
+``ce_on="digits"``, only the answer's digit tokens, as Counting Circuits' L_SFT). ``targets`` marks
 the query positions that *predict* an answer token (the last prompt position, then each answer
 token but the last): the positions whose attention the focus and MAS losses shape.
 """
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from countlens.errors import InputError
+
 IGNORE = -100
+CE_ON: tuple[str, ...] = ("answer", "digits")
 
 
 @dataclass
@@ -27,8 +31,11 @@ class TrainBatch:
     samples: Sequence
 
 
-def training_batch(vlm, samples: Sequence) -> TrainBatch:
-    """Prompt + answer batch for ``samples`` (anything with image, question, answer)."""
+def training_batch(vlm, samples: Sequence, ce_on: str = "answer") -> TrainBatch:
+    """Prompt + answer batch for ``samples`` (anything with image, question, answer). ``ce_on``:
+    "answer" labels every answer token; "digits" only those holding a digit (`digit_labels`)."""
+    if ce_on not in CE_ON:
+        raise InputError(f"ce_on={ce_on!r}: use one of {CE_ON}")
     prompt = vlm.prepare([s.image for s in samples], [s.question for s in samples], [s.answer for s in samples],
                          single_token=False)
     answers = prompt.answer_ids
@@ -49,7 +56,26 @@ def training_batch(vlm, samples: Sequence) -> TrainBatch:
         if isinstance(t, Tensor) and t.shape[:2] == (n, length) and t.dim() == 2:
             extra = tail if name == "input_ids" else tail_mask if name == "attention_mask" else torch.zeros_like(tail, dtype=t.dtype)
             inputs[name] = torch.cat([t, extra], dim=1)
-    return TrainBatch(inputs, labels, answer_targets(labels), prompt, samples)
+    # The attention losses shape every position that predicts an answer token, whatever the CE reads.
+    targets = answer_targets(labels)
+    return TrainBatch(inputs, digit_labels(vlm, labels, samples) if ce_on == "digits" else labels, targets,
+                      prompt, samples)
+
+
+def digit_labels(vlm, labels: Tensor, samples: Sequence = ()) -> Tensor:
+    """``labels`` kept only on answer tokens that hold a digit: the Counting Circuits L_SFT, the
+    cross-entropy of the count's digit tokens (Pstd's "circle: 12" → "1", "2" on Qwen)."""
+    keep = labels != IGNORE
+    digits = torch.tensor([any(ch.isdigit() for ch in t) for t in vlm.token_strings(labels[keep].tolist())],
+                          dtype=torch.bool)
+    out = labels.clone()
+    out[keep] = torch.where(digits, labels[keep], torch.full_like(labels[keep], IGNORE))
+    empty = [b for b in range(len(out)) if keep[b].any() and not (out[b] != IGNORE).any()]
+    if empty:
+        answer = samples[empty[0]].answer if len(samples) > empty[0] else "?"
+        raise InputError(f"ce_on='digits': the answer of sample {empty[0]} ({answer!r}) has no digit token; "
+                         "give digit answers (a Pstd or number prompt) or train with ce_on='answer'")
+    return out
 
 
 def answer_targets(labels: Tensor) -> Tensor:

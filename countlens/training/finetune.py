@@ -37,8 +37,10 @@ import torch
 
 from countlens.errors import InputError
 from countlens.results import write_text
+from countlens.training.collate import CE_ON
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADDED_FIELDS: dict = {"ce_on": "answer"}  # FinetuneConfig fields newer than some fine-tune directories
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class FinetuneConfig:
     tau: float = 0.4
     sigma: float = 1.0
     mas_reduce: str = "token"
+    ce_on: str = "answer"  # "digits": the CE on the count's digit tokens only (Counting Circuits' L_SFT)
     seed: int = 0
     save_every: int = 50
     extra: dict = field(default_factory=dict)
@@ -177,10 +180,13 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
                          "or set focus=0 and mas=0 for plain SFT")
     for layer in config.target_layers:
         vlm.arch.layer(layer)
+    if config.ce_on not in CE_ON:
+        raise InputError(f"ce_on={config.ce_on!r}: use one of {CE_ON}")
     spec_file = out / "finetune.json"
     spec = {"model": vlm.name, "samples": len(samples), **{k: v for k, v in asdict(config).items() if k != "save_every"}}
     spec = json.loads(json.dumps(spec))
-    if spec_file.exists() and json.loads(spec_file.read_text()) != spec:
+    # A fine-tune written before a field existed ran at that field's default.
+    if spec_file.exists() and {**ADDED_FIELDS, **json.loads(spec_file.read_text())} != spec:
         raise InputError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
     out.mkdir(parents=True, exist_ok=True)
     write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
@@ -236,7 +242,7 @@ def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneCon
     while step < config.steps:
         for micro in range(config.grad_accum):
             idx = _batch_indices(len(samples), step * config.grad_accum + micro, config.batch_size, config.seed)
-            tb = training_batch(vlm, [samples[i] for i in idx[rank::world]])
+            tb = training_batch(vlm, [samples[i] for i in idx[rank::world]], config.ce_on)
             inputs = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in tb.inputs.items()}
             with accelerator.accumulate(model), accelerator.autocast():
                 if attn_terms:

@@ -117,8 +117,9 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     assert {"SynReal", "SynReal MAE", "PixMo-Count", "PixMo-Count MAE", "color", "shape"} == set(table.columns)
     spec = json.loads((tmp_path / "cc" / "sft_focus" / "finetune.json").read_text())
     # The paper's recipe; 2 epochs of 4 scenes at batch 2 = 4 steps.
-    assert {k: spec[k] for k in ("lora_r", "lr", "batch_size", "warmup", "focus", "steps", "samples")} == {
-        "lora_r": 64, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "focus": 1.0, "steps": 4, "samples": 4}
+    assert {k: spec[k] for k in ("lora_r", "lr", "batch_size", "warmup", "focus", "ce_on", "steps", "samples")} == {
+        "lora_r": 64, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "focus": 1.0, "ce_on": "digits", "steps": 4,
+        "samples": 4}
     assert "preset `counting-circuits`" in (tmp_path / "cc" / "before_after.md").read_text()
     c4 = runner.invoke(app, ["finetune", "--circuit", str(run), "--preset", "counting-to-four", "--out",
                              str(tmp_path / "c4"), "--fsc147", str(tmp_path / "fsc"), "--epochs", "1", *tiny])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -134,6 +135,15 @@ def test_finetune_resumes_after_a_kill_to_the_same_adapter(organism, tmp_path):
     resumed = finetune(organism, samples, tmp_path / "killed", config)
     a, b = load_file(full / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # A directory written before ce_on existed resumes (it ran at the default), another ce_on does not.
+    import json
+
+    spec = json.loads((tmp_path / "full" / "finetune.json").read_text())
+    del spec["ce_on"]
+    (tmp_path / "full" / "finetune.json").write_text(json.dumps(spec))
+    assert finetune(organism, samples, tmp_path / "full", config) == full
+    with pytest.raises(InputError, match="other settings"):
+        finetune(organism, samples, tmp_path / "full", replace(config, ce_on="digits"))
     # The caller's model is untouched, and the adapter loads merged into a fresh model.
     assert not any("lora" in n for n, _ in organism.hf.named_parameters())
     tuned = with_adapter("toy", full)
@@ -144,7 +154,32 @@ def test_finetune_resumes_after_a_kill_to_the_same_adapter(organism, tmp_path):
 def test_finetune_input_errors(organism, tmp_path):
     with pytest.raises(InputError, match="target_layers"):
         finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1))
+    with pytest.raises(InputError, match="ce_on"):
+        finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1, focus=0, ce_on="all"))
     with pytest.raises(InputError, match="no circuit"):
         from countlens.training.finetune import target_layers_from
 
         target_layers_from(tmp_path)
+
+
+def test_digit_labels_keep_only_the_counts_digits_on_the_real_qwen_vocabulary():
+    from types import SimpleNamespace
+
+    from real_vocab import QWEN2_VL_SPECIALS, qwen_tokenizer
+
+    from countlens.training.collate import digit_labels
+
+    tok = qwen_tokenizer(QWEN2_VL_SPECIALS)
+    vlm = SimpleNamespace(token_strings=lambda ids: tok.convert_ids_to_tokens(ids))
+    answers = ["circle: 12", "dot: 7"]
+    ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
+    labels = torch.full((2, 8), IGNORE)
+    for b, a in enumerate(ids):
+        labels[b, 2 : 2 + len(a)] = torch.tensor(a)
+    kept = digit_labels(vlm, labels)
+    assert [tok.convert_ids_to_tokens(row[row != IGNORE].tolist()) for row in kept] == [["1", "2"], ["7"]]
+    assert ((kept != IGNORE) <= (labels != IGNORE)).all()  # never labels a token the answer lacks
+    words = torch.full((1, 4), IGNORE)
+    words[0, 1:3] = torch.tensor(tok("seven dots", add_special_tokens=False)["input_ids"])
+    with pytest.raises(InputError, match="no digit token"):
+        digit_labels(vlm, words, [TaskSample(None, "q", "seven dots", "count")])
