@@ -3,6 +3,7 @@
     python bench/plan_rehearsal.py                  # depths 1 and 2, 448 px → bench/plan_rehearsal.json
     python bench/plan_rehearsal.py --depths 1 --image-size 224 --out /tmp/r.json   # a quicker check
     python bench/plan_rehearsal.py --replan           # the recorded runs against the current plan
+    python bench/plan_rehearsal.py --remeasure headlens   # one stage measured again, alone, at each depth
 
 Each depth runs in a fresh process: a random-init Qwen2.5-VL at Qwen2.5-VL-7B's widths
 (`bench/gpu.py`'s `build`: text hidden 3,584, 28 heads, 4 KV heads, intermediate 18,944, vocabulary
@@ -47,8 +48,21 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def one_depth(depth: int, image_size: int, config: dict) -> dict:
-    """Plan, then run, discover on the depth-``depth`` model in this process."""
+def _alone(vlm, c, name: str, log) -> None:
+    """Run only discover's stage ``name`` on its own samples (`--remeasure`): HeadLens's fit + decode."""
+    from countlens import circuits
+    from countlens.discover import resolved_prompt, stage_inputs
+
+    if name != "headlens":
+        sys.exit(f"--remeasure takes headlens only, not {name}; run the whole rehearsal instead")
+    inputs = stage_inputs(vlm, c, resolved_prompt(vlm, c))
+    fit, data = inputs["headlens_fit"](), inputs["tasks"]()["count"]
+    log(f"[{name}] running")
+    circuits.HeadLens.fit(vlm, fit, batch_size=c.batch_size).decode(vlm, data, batch_size=c.batch_size)
+
+
+def one_depth(depth: int, image_size: int, config: dict, only: list[str] | None = None) -> dict:
+    """Plan, then run, discover on the depth-``depth`` model in this process (or only the stages ``only``)."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -77,9 +91,14 @@ def one_depth(depth: int, image_size: int, config: dict) -> dict:
             _reset_hwm()
             current[:] = [line[1:].split("]")[0], time.perf_counter()]
 
-    with tempfile.TemporaryDirectory() as out:
-        discover(vlm, out, c, log=log)
+    if only:
+        for name in only:
+            _alone(vlm, c, name, log)
         close()
+    else:
+        with tempfile.TemporaryDirectory() as out:
+            discover(vlm, out, c, log=log)
+            close()
     planned = p.to_dict()
     stages = {}
     for name, m in measured.items():
@@ -157,6 +176,29 @@ def replan(path: Path) -> dict:
     return result
 
 
+def remeasure(path: Path, names: list[str]) -> dict:
+    """Measure the stages ``names`` again, alone, at each recorded depth, and put their figures in the
+    record (the earlier ones kept as ``previous_measured_peak_bytes``); the other stages are replanned."""
+    result = json.loads(path.read_text())
+    for run in result["runs"]:
+        cmd = [sys.executable, __file__, "--one", str(run["depth"]), "--image-size", str(result["image_size"]),
+               *(x for k, v in result["config"].items() for x in (f"--{k.replace('_', '-')}", str(v))),
+               "--only", *names]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("REHEARSAL ")), None)
+        if line is None:
+            sys.exit(f"depth {run['depth']} failed (its traceback is above)")
+        fresh = json.loads(line[len("REHEARSAL "):])["stages"]
+        for name in names:
+            old = run["stages"][name]
+            fresh[name]["previous_measured_peak_bytes"] = old.get("previous_measured_peak_bytes",
+                                                                  old["measured_peak_bytes"])
+            fresh[name]["measured_alone"] = True
+            run["stages"][name] = fresh[name]
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return replan(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
@@ -168,7 +210,15 @@ def main() -> None:
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one depth, print JSON
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     ap.add_argument("--replan", action="store_true", help="recompute the planned side of --out's rehearsal")
+    ap.add_argument("--remeasure", nargs="+", metavar="STAGE", help="measure these stages again, alone "
+                    "(headlens), into --out's record")
+    ap.add_argument("--only", nargs="+", help=argparse.SUPPRESS)  # internal: with --one
     args = ap.parse_args()
+    if args.remeasure:
+        result = remeasure(args.out, args.remeasure)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({r["depth"]: {k: v["ratio"] for k, v in r["stages"].items()} for r in result["runs"]}))
+        return
     if args.replan:
         result = replan(args.out)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -177,7 +227,7 @@ def main() -> None:
     config = dict(n_pairs=args.n_pairs, n_samples=args.n_samples, n_per_case=args.n_per_case,
                   batch_size=args.batch_size)
     if args.one is not None:
-        print("REHEARSAL " + json.dumps(one_depth(args.one, args.image_size, config)))
+        print("REHEARSAL " + json.dumps(one_depth(args.one, args.image_size, config, args.only)))
         return
     runs = []
     for depth in args.depths:

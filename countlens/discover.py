@@ -322,9 +322,10 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     r = load_run(out)
     cases, std, conflict, vap, heads, atp, lens, hl, att, am, abl, temp = (r[s] for s in STAGES)
     from countlens.analysis.attention_metrics import aggregate
-    from countlens.analysis.evaluate import digit_in_conflict, number_avoidance
+    from countlens.analysis.evaluate import digit_in_conflict, number_avoidance, summary
 
     avoid = number_avoidance(cases.where(cases["count"] >= 0, drop=True))
+    overall = summary(cases).loc["all"]
     dic = digit_in_conflict(std, conflict)
     per_layer = aggregate(am, by=None, per_layer=True)
     mas_iou = per_layer.unstack("outcome")[["mas", "iou"]].round(3)
@@ -377,7 +378,8 @@ result files in `results/` (xarray netCDF; `countlens.results.load`).{preset_lin
 
 Mean accuracy: position cases (1–4) **{fam_acc.get('position', float('nan')):.3f}**, dilation (5A–8A)
 **{fam_acc.get('dilation', float('nan')):.3f}**, adjacency (9–15) **{fam_acc.get('adjacency', float('nan')):.3f}**
-({int(cases.sizes['sample'])} samples). Per case:
+({int(cases.sizes['sample'])} samples); over all cases, accuracy **{overall['accuracy']:.3f}** and MAE
+**{overall['mae']:.2f}** (|predicted − true count| over the parsed answers). Per case:
 
 {by_case.to_frame().T.round(2).to_markdown(index=False)}
 

@@ -388,9 +388,10 @@ class _Planner:
         fw = [Forward(n, seq, count=k) for n, k in _chunk_sizes(len(fit), self.bs).items()]
         fw += [Forward(n, self._seq(decode), count=k, extra=n * w.n_heads * w.vocab * 8)
                for n, k in _chunk_sizes(len(decode), self.bs).items()]
-        tokens = len(fit) * seq  # an upper bound: padding is dropped
-        # float64 copies of every layer's head outputs, then one layer's centred copies and Gram matrix.
-        host = (w.n_layers + 1) * tokens * w.d_model * 8 + 3 * tokens * w.d_model * 8 + 2 * w.d_model**2 * 8
+        tokens = n0 * seq  # one batch's positions, an upper bound: padding is dropped
+        # float64 sums: XᵀX and Xᵀy of the fitting and held-out positions per layer, one product being
+        # added, and the solve's matrices at the end; one batch's y and one layer's x with its two parts.
+        host = (4 * w.n_layers + 5) * w.d_model**2 * 8 + 4 * tokens * w.d_model * 8
         return StagePlan("headlens", fw, kept=(w.n_layers + 1) * n0 * seq * w.d_model * b, host=host, batch=self.bs)
 
     def attention(self) -> StagePlan:

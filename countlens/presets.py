@@ -1,23 +1,30 @@
-"""Paper presets: one name sets `countlens discover` to a paper's protocol, as far as countlens has it.
+"""Paper presets: one name sets countlens to a paper's protocol, as far as countlens has it.
 
-A preset is data: the `DiscoverConfig` fields and `HeadThresholds` fields it changes, and where a
-value comes from. ``countlens discover --preset NAME`` (or ``DiscoverConfig(preset=NAME)`` through
-`discover_config`) applies it; the run's ``spec.json`` and ``report.md`` name the preset and every
-value it set. Values the papers do not give stay countlens's defaults and are listed as such in
-[the fidelity table](../docs/fidelity.md).
+A preset is data: the `DiscoverConfig` and `HeadThresholds` fields it changes, its fine-tune
+`Recipe` (the `FinetuneConfig` fields, epochs, rows, training data and evaluation columns of
+`countlens.training.report.before_after`), its `ProbeConfig` fields, and where each value comes
+from. ``countlens discover --preset NAME`` (`discover_config`) and ``countlens finetune --preset
+NAME`` (`recipe`) apply it; the run's ``spec.json`` / ``report.md`` and the fine-tune's table name
+the preset and the values it set. Values the papers do not give stay countlens's defaults and are
+listed as such in [the fidelity table](../docs/fidelity.md).
 
-- ``counting-circuits`` ("Counting Circuits", paper 002): black-dot count pairs (the paper's
-  SynDot pairs, e.g. 3 against 5 dots), the Pstd prompt, Jaccard over the top-20 heads per task,
-  and head classes by depth bands that class the paper's layer ranges on a 28-layer model as the
-  paper does: visual grounding in the first tenth (its layer 1), cross-modal routing at depth
-  0.6–0.9 (its layers 18–24, e.g. L19H23), counting aggregation from depth 0.8 (its layers 23–28,
-  e.g. L26H26; with layers counted from 1, as "23–28" of 28 layers implies, depth ≥ 0.81; the bands
-  hold both readings: routing 17–24 and aggregation 22–27 counted from 0) whose top-1 decoded token
-  is the count on at least half the samples (the paper:
-  "highly aligns with the final number prediction"), and awareness that includes difficulty words
-  (its L23H19: "difficult", "impossible").
+- ``counting-circuits`` ("Counting Circuits", paper 002): count pairs of black dots and of polygons
+  alternating (the paper's SynDot and SynPoly, e.g. 3 against 5 dots), the Pstd prompt, Jaccard
+  over the top-20 heads per task, and head classes by depth bands that class the paper's layer
+  ranges on a 28-layer model as the paper does: visual grounding in the first tenth (its layer 1),
+  cross-modal routing at depth 0.6–0.9 (its layers 18–24, e.g. L19H23), counting aggregation from
+  depth 0.8 (its layers 23–28, e.g. L26H26; with layers counted from 1, as "23–28" of 28 layers
+  implies, depth ≥ 0.81; the bands hold both readings: routing 17–24 and aggregation 22–27 counted
+  from 0) whose top-1 decoded token is the count on at least half the samples (the paper: "highly
+  aligns with the final number prediction"), and awareness that includes difficulty words (its
+  L23H19: "difficult", "impossible"). Its fine-tune: LoRA r 64, AdamW lr 2e-5, batch 2, 3 %
+  warm-up, 2 epochs on 8,000 SynDot + SynPoly-style scenes, CE on the count's digits, λ_focus 1;
+  rows Baseline / +SFT / +SFT+focus / Full (β on the routing and aggregation heads), columns
+  SynReal and PixMo-Count (accuracy and MAE).
 - ``counting-to-four`` ("Counting to Four is still a Chore", paper 000): COUNTINGTRICKS at the
-  paper's 1,000 samples per case, under Pstd.
+  paper's 1,000 samples per case, under Pstd; its fine-tune SFT against SFT+MAS (τ 0.4, λ 0.1,
+  10 epochs) on FSC-147's train split, columns Circles (Syn), FSC-Val, FSC-Test; probes at the
+  paper's capacity (1.7 M / 2.2 M parameters at 1024 / 2048 channels).
 """
 
 from __future__ import annotations

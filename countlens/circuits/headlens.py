@@ -9,7 +9,9 @@ norm), and decodes a head as logits_i = U·norm(T(ĥ_i)) — the model's own fin
 
 Fit: ridge least squares on every real token position of a fitting set, in closed form (one solve
 per layer, deterministic; λ is relative to the mean eigenvalue of XᵀX, default 1e-2). R² is reported
-per layer on a held-out fifth of the positions. Scores per head, over the decoded top-k tokens at the
+per layer on a held-out fifth of the positions. Both come from float64 sums accumulated batch by
+batch (XᵀX, Xᵀy, Σx, Σy, Σ|y|², for the fitting and the held-out positions), so the host keeps
+4·d_model² numbers per layer, not the positions (a 7B model's default fit: 11 GiB instead of 94). Scores per head, over the decoded top-k tokens at the
 last prompt position, averaged over samples: VGS — the share of visual-attribute words (colours,
 shapes, geometry; `VISUAL_WORDS`, configurable) — CTER — the share of number tokens (digits and
 number words) — and difficulty — the share of words that say a count is hard (`DIFFICULTY_WORDS`:
@@ -78,10 +80,20 @@ class HeadLens:
             raise InputError("HeadLens.fit needs samples")
         arch = vlm.arch
         layers = list(range(arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
-        xs: dict[int, list[Tensor]] = {layer: [] for layer in layers}
-        ys: list[Tensor] = []
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start : start + batch_size]
+        chunks = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
+        # The held-out fifth is drawn over all positions at once, so a first, forward-free pass counts them.
+        sizes = [int(vlm.prepare([s.image for s in c], [s.question for s in c]).inputs["attention_mask"].sum())
+                 for c in chunks]
+        n = sum(sizes)
+        if n < 10:
+            raise InputError(f"HeadLens.fit got only {n} token positions; give more samples")
+        held = torch.zeros(n, dtype=torch.bool)
+        held[torch.randperm(n, generator=torch.Generator().manual_seed(0))[: max(1, n // 5)]] = True
+        # Sums over positions, not the positions: a layer keeps d_model² numbers, whatever the data size.
+        fit = {layer: _Moments() for layer in layers}
+        test = {layer: _Moments() for layer in layers}
+        offset = 0
+        for chunk in chunks:
             batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
             real = batch.inputs["attention_mask"].bool()
             outs = {}
@@ -89,25 +101,20 @@ class HeadLens:
                 for layer in layers:
                     outs[layer] = vlm.module(arch.o_proj(layer)).output.save()
                 final = vlm.module(arch.layer(arch.n_layers - 1)).output.save()
+            y = final[real.to(final.device)].double().cpu()
+            part = held[offset : offset + len(y)]
+            offset += len(y)
             for layer in layers:
-                xs[layer].append(outs[layer][real.to(outs[layer].device)].double().cpu())
-            ys.append(final[real.to(final.device)].double().cpu())
-        y = torch.cat(ys)
-        n = len(y)
-        if n < 10:
-            raise InputError(f"HeadLens.fit got only {n} token positions; give more samples")
-        held = torch.zeros(n, dtype=torch.bool)
-        held[torch.randperm(n, generator=torch.Generator().manual_seed(0))[: max(1, n // 5)]] = True
+                x = outs[layer][real.to(outs[layer].device)].double().cpu()
+                fit[layer].add(x[~part], y[~part])
+                test[layer].add(x[part], y[part])
+            del outs, final
         a_all, b_all, r2_all = [], [], []
         for layer in layers:
-            x = torch.cat(xs[layer])
-            a, b = _ridge(x[~held], y[~held], ridge)
-            pred = x[held] @ a.T + b
-            resid = ((y[held] - pred) ** 2).sum()
-            total = ((y[held] - y[held].mean(0)) ** 2).sum()
+            a, b = fit[layer].ridge(ridge)
             a_all.append(a.float())
             b_all.append(b.float())
-            r2_all.append(float(1 - resid / total))
+            r2_all.append(test[layer].r2(a, b))
         return cls(layers, torch.stack(a_all), torch.stack(b_all), torch.tensor(r2_all), vlm.name)
 
     def r2_array(self) -> xr.DataArray:
@@ -178,11 +185,34 @@ def _first_word_token(vlm, text: str) -> int:
     return next((i for i, t in zip(ids, vlm.token_strings(ids)) if _clean(t)), ids[0])
 
 
-def _ridge(x: Tensor, y: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
-    """A, b minimising |y − (x·Aᵀ + b)|² + λ|A|², with λ = ridge × mean eigenvalue of the centred XᵀX."""
-    mx, my = x.mean(0), y.mean(0)
-    xc, yc = x - mx, y - my
-    gram = xc.T @ xc
-    lam = ridge * torch.trace(gram) / gram.shape[0]
-    a = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), xc.T @ yc).T
-    return a, my - mx @ a.T
+class _Moments:
+    """Float64 sums over token positions of x, y, xxᵀ, xyᵀ and |y|²: enough for the ridge fit and R²."""
+
+    def __init__(self) -> None:
+        self.n, self.sx, self.sy, self.sxx, self.sxy, self.yy = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+
+    def add(self, x: Tensor, y: Tensor) -> None:
+        """x Float64[Tensor, "pos d_model"], y Float64[Tensor, "pos d_model"]."""
+        self.n += len(x)
+        self.sx = self.sx + x.sum(0)
+        self.sy = self.sy + y.sum(0)
+        self.sxx = self.sxx + x.T @ x
+        self.sxy = self.sxy + x.T @ y
+        self.yy = self.yy + float((y * y).sum())
+
+    def ridge(self, ridge: float) -> tuple[Tensor, Tensor]:
+        """A, b minimising |y − (x·Aᵀ + b)|² + λ|A|², with λ = ridge × mean eigenvalue of the centred XᵀX."""
+        mx, my = self.sx / self.n, self.sy / self.n
+        gram = self.sxx - self.n * torch.outer(mx, mx)
+        cross = self.sxy - self.n * torch.outer(mx, my)
+        lam = ridge * torch.trace(gram) / gram.shape[0]
+        a = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), cross).T
+        return a, my - mx @ a.T
+
+    def r2(self, a: Tensor, b: Tensor) -> float:
+        """1 − Σ|y − (Ax + b)|² / Σ|y − ȳ|² over these positions, from the sums alone."""
+        a = a.double()
+        resid = (self.yy - 2 * (torch.trace(a @ self.sxy) + b @ self.sy)
+                 + torch.trace(a @ self.sxx @ a.T) + 2 * b @ (a @ self.sx) + self.n * b @ b)
+        total = self.yy - float(self.sy @ self.sy) / self.n
+        return float(1 - resid / total)

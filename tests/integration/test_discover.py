@@ -179,7 +179,7 @@ def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
                                  *small])
     assert result.exit_code == 0, result.output
     spec = json.loads((out / "spec.json").read_text())
-    assert (spec["preset"], spec["pair_kind"], spec["jaccard_k"], spec["n_pairs"]) == ("counting-circuits", "dots", 20, 4)
+    assert (spec["preset"], spec["pair_kind"], spec["jaccard_k"], spec["n_pairs"]) == ("counting-circuits", "dots+polygons", 20, 4)
     report = (out / "report.md").read_text()
     assert "Preset `counting-circuits`" in report and "routing_from = 0.6" in report and "Top-20 heads" in report
     assert "Overwrite rate" in report
@@ -192,5 +192,7 @@ def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
     assert result.exit_code == 0, result.output
     spec = json.loads((out4 / "spec.json").read_text())
     assert (spec["preset"], spec["n_per_case"], spec["prompt"]) == ("counting-to-four", 2, "std")
+    report = (out4 / "report.md").read_text()  # the paper's accuracy, MAE and count-vs-accuracy r
+    assert "over all cases, accuracy **" in report and "MAE" in report and "Pearson r between the count" in report
     bad = runner.invoke(app, ["discover", "--model", str(model), "--out", str(tmp_path / "x"), "--preset", "nope"])
     assert bad.exit_code == 2 and "unknown preset" in bad.output and not (tmp_path / "x").exists()

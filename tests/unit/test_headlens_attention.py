@@ -54,6 +54,45 @@ def test_headlens_fit_decode_and_scores():
     assert is_number("Ġ12") and is_number("seven") and not is_number("red")
 
 
+def _fit_in_memory(vlm, samples, layers, ridge=1e-2):
+    """HeadLens's fit written out with every position in memory: one forward, explicit X and y."""
+    batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])
+    real = batch.inputs["attention_mask"].bool()
+    outs = []
+    with torch.no_grad(), vlm.trace(batch):
+        for layer in layers:
+            outs.append(vlm.module(vlm.arch.o_proj(layer)).output.save())
+        final = vlm.module(vlm.arch.layer(vlm.arch.n_layers - 1)).output.save()
+    y = final[real].double()
+    held = torch.zeros(len(y), dtype=torch.bool)
+    held[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))[: len(y) // 5]] = True
+    got = []
+    for out in outs:
+        x = out[real].double()
+        xf, yf = x[~held], y[~held]
+        xc, yc = xf - xf.mean(0), yf - yf.mean(0)
+        gram = xc.T @ xc
+        a = torch.linalg.solve(gram + ridge * torch.trace(gram) / len(gram) * torch.eye(len(gram), dtype=gram.dtype),
+                               xc.T @ yc).T
+        b = yf.mean(0) - xf.mean(0) @ a.T
+        pred = x[held] @ a.T + b
+        r2 = 1 - ((y[held] - pred) ** 2).sum() / ((y[held] - y[held].mean(0)) ** 2).sum()
+        got.append((a, b, float(r2)))
+    return got
+
+
+def test_headlens_streamed_sums_equal_the_fit_on_all_positions_at_once():
+    """Batches of 3 (one of 2) accumulate XᵀX, Xᵀy and the held-out sums: the same A, b and R² as the
+    least squares on every position held at once, with the same held-out fifth."""
+    vlm = countlens.load("toy")
+    samples = [s for t in ("count", "color") for s in _samples(vlm, "toy", 4, 3, t)]
+    hl = HeadLens.fit(vlm, samples, layers=[1, 4], batch_size=3)
+    for i, (a, b, r2) in enumerate(_fit_in_memory(vlm, samples, [1, 4])):
+        torch.testing.assert_close(hl.A[i], a.float(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(hl.b[i], b.float(), atol=1e-5, rtol=1e-4)
+        assert float(hl.r2[i]) == pytest.approx(r2, abs=1e-6)
+
+
 def test_headlens_decodes_unembedding_rows_no_token_owns(tiny_checkpoint):
     """Qwen checkpoints pad the unembedding past the tokenizer (151,936 rows, 151,657 tokens): a row
     no token owns decodes to "" instead of breaking the scores."""
