@@ -194,6 +194,8 @@ def remeasure(path: Path, names: list[str]) -> dict:
             fresh[name]["previous_measured_peak_bytes"] = old.get("previous_measured_peak_bytes",
                                                                   old["measured_peak_bytes"])
             fresh[name]["measured_alone"] = True
+            if "previous_planned_peak_bytes" in old:  # the plan before any correction, as replan keeps it
+                fresh[name]["previous_planned_peak_bytes"] = old["previous_planned_peak_bytes"]
             run["stages"][name] = fresh[name]
     path.write_text(json.dumps(result, indent=1) + "\n")
     return replan(path)

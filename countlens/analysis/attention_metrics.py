@@ -6,8 +6,8 @@ what the answer sees. Per layer and sample we average it over heads and ask four
 ARS are **countlens's own** definitions (the paper gives numbers but no formula) and Attn-IoU is
 countlens's reduction of the paper's per-head, pixel-mask IoU to a head mean on token cells, so
 none of the three is comparable with the paper's figures (`docs/fidelity.md`). The paper's own
-Attn-IoU, per layer-head against the object pixels, is `head_attention_iou` (its binarisation
-threshold, which the paper does not give, is countlens's 0.5 × peak):
+Attn-IoU, per layer-head against the object pixels, is the result's ``pixel_iou`` (its
+binarisation threshold, which the paper does not give, is countlens's 0.5 × peak):
 
 - **MAS**, Modality Attention Share: how much of the attention mass goes to image tokens at all
   (the head-mean of each head's share).
@@ -207,7 +207,8 @@ def attention_metrics(vlm, samples: Sequence, layers: Sequence[int] | None = Non
                       quantile: float = QUANTILE) -> xr.Dataset:
     """MAS, VRA, Attn-IoU and ARS of the last prompt position: an xr.Dataset over (layer, sample).
 
-    Also per sample: ``correct`` (`countlens.analysis.evaluate.score`),
+    Also ``pixel_iou`` over (layer, head, sample): the paper's Attn-IoU, each head's own map against
+    the object pixels (`pixel_attention_iou`). Per sample: ``correct`` (`countlens.analysis.evaluate.score`),
     ``object_share`` (the share of cells that are object cells: VRA's value under uniform
     attention), ``case``, ``count``, ``task``. Attention comes from
     `countlens.circuits.attention.last_token_attention` (eager attention for that call only).
@@ -221,47 +222,29 @@ def attention_metrics(vlm, samples: Sequence, layers: Sequence[int] | None = Non
         vlm.arch.self_attn(layer)  # raises a LayerError naming the valid range
     rows: dict[str, list[Tensor]] = {k: [] for k in METRICS}
     share: list[float] = []
+    pixel: list[Tensor] = []
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
         batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
-        head_mean = last_token_attention(vlm, batch, layers).mean(2)  # Float[Tensor, "layer batch seq"]
+        attn = last_token_attention(vlm, batch, layers)  # Float[Tensor, "layer batch head seq"]
+        head_mean = attn.mean(2)
         for b, s in enumerate(chunk):
             obj = object_cells(s.scene, batch.geometry[b], coverage)
             share.append(float(obj.float().mean()))
             got = _sample_metrics(head_mean[:, b], batch.image_pos[b], batch.image_cell[b], obj, quantile, threshold)
             for k in METRICS:
                 rows[k].append(got[k])
+            per_head = attn[:, b][..., batch.image_pos[b].to(attn.device)]  # Float[Tensor, "layer head n_image"]
+            grid = grid_attention(per_head, batch.image_cell[b], batch.geometry[b].token_grid)
+            pixel.append(pixel_attention_iou(grid, s.scene, threshold))
     scored = score(vlm, samples, batch_size=batch_size)
     data = {k: (("layer", "sample"), torch.stack(v, -1).numpy()) for k, v in rows.items()}
+    data["pixel_iou"] = (("layer", "head", "sample"), torch.stack(pixel, -1).numpy())
     data |= {"object_share": ("sample", np.array(share)), "correct": ("sample", scored["correct"].values)}
     data |= {k: ("sample", scored[k].values) for k in ("case", "count", "task")}
-    return xr.Dataset(data, coords={"layer": layers, "sample": np.arange(len(samples))},
+    return xr.Dataset(data, coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
                       attrs={"model": vlm.name, "arch": vlm.arch.name, "position": "last prompt token",
                              "coverage": coverage, "threshold": threshold, "quantile": quantile})
-
-
-def head_attention_iou(vlm, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16, *,
-                       threshold: float = THRESHOLD) -> xr.DataArray:
-    """The paper's Attn-IoU per layer-head (`pixel_attention_iou` of each head's map from the last
-    prompt position): an xr.DataArray over (layer, head, sample)."""
-    from countlens.circuits.attention import last_token_attention
-
-    _check(samples, batch_size)
-    layers = list(range(vlm.arch.n_layers)) if layers is None else sorted({int(x) for x in layers})
-    for layer in layers:
-        vlm.arch.self_attn(layer)
-    out = []
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
-        attn = last_token_attention(vlm, batch, layers)  # Float[Tensor, "layer batch head seq"]
-        for b, s in enumerate(chunk):
-            image = attn[:, b][..., batch.image_pos[b].to(attn.device)]  # Float[Tensor, "layer head n_image"]
-            grid = grid_attention(image, batch.image_cell[b], batch.geometry[b].token_grid)
-            out.append(pixel_attention_iou(grid, s.scene, threshold))
-    return xr.DataArray(torch.stack(out, -1).numpy(), dims=("layer", "head", "sample"), name="pixel_iou",
-                        coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
-                        attrs={"threshold": threshold, "position": "last prompt token"})
 
 
 # ----------------------------------------------------------------------------- aggregation

@@ -212,7 +212,8 @@ class _Moments:
     def r2(self, a: Tensor, b: Tensor) -> float:
         """1 − Σ|y − (Ax + b)|² / Σ|y − ȳ|² over these positions, from the sums alone."""
         a = a.double()
-        resid = (self.yy - 2 * (torch.trace(a @ self.sxy) + b @ self.sy)
-                 + torch.trace(a @ self.sxx @ a.T) + 2 * b @ (a @ self.sx) + self.n * b @ b)
+        # tr(A·Sxy) and tr(A·Sxx·Aᵀ) as elementwise sums: one d³ product instead of three.
+        resid = (self.yy - 2 * ((a * self.sxy.T).sum() + b @ self.sy)
+                 + ((a @ self.sxx) * a).sum() + 2 * b @ (a @ self.sx) + self.n * b @ b)
         total = self.yy - float(self.sy @ self.sy) / self.n
         return float(1 - resid / total)

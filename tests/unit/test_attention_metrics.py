@@ -16,7 +16,6 @@ from countlens.analysis.attention_metrics import (
     attention_metrics,
     attention_reward,
     grid_attention,
-    head_attention_iou,
     object_cells,
     pixel_attention_iou,
     region_share,
@@ -160,9 +159,9 @@ def test_pixel_iou_agrees_with_an_upsampled_pixel_mask():
     assert math.isnan(float(pixel_attention_iou(torch.zeros(6, 6), Scene(192, 192, ()))))
 
 
-def test_head_attention_iou_is_per_layer_head(vlm):
+def test_the_papers_attention_iou_is_per_layer_head(vlm):
     samples = countingtricks(["1A", "5A"], 1, grid=vlm.geometry, prompt="short")
-    iou = head_attention_iou(vlm, samples, layers=[0, 2], batch_size=2)
+    iou = attention_metrics(vlm, samples, layers=[0, 2], batch_size=2).pixel_iou
     assert iou.dims == ("layer", "head", "sample") and iou.shape == (2, vlm.arch.n_heads, 2)
     batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])
     att = last_token_attention(vlm, batch, [2])[0, 1]  # head seq, sample 1
