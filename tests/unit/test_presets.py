@@ -188,3 +188,20 @@ def test_a_run_made_before_the_new_fields_resumes(tmp_path):
     Stages(tmp_path, spec, log=lambda _: None)  # no "different spec"
     with pytest.raises(InputError, match="different spec"):
         Stages(tmp_path, {**spec, "jaccard_k": 20}, log=lambda _: None)
+
+
+def test_the_full_rows_temperature_sharpens_the_classes_the_recipe_names(tmp_path):
+    import pandas as pd
+
+    from countlens.circuits.temperature import beta_from_importance
+    from countlens.training.report import importance_from
+
+    pd.DataFrame({"layer": [0, 1, 2, 3], "head": [0, 0, 0, 0], "importance": [0.9, 0.5, 0.45, 0.2],
+                  "class": ["visual grounding", "cross-modal routing", "counting aggregation", "other"]}
+                 ).to_csv(tmp_path / "heads.csv", index=False)
+    classes = presets.recipe("counting-circuits").temperature_classes
+    betas = beta_from_importance(importance_from(tmp_path, classes), alpha=1.2, top_k=3)
+    assert set(betas) == {(1, 0), (2, 0)}  # the routing and aggregation heads, not the more important VG head
+    assert set(beta_from_importance(importance_from(tmp_path), alpha=1.2, top_k=3)) == {(0, 0)}
+    # A circuit with no head of those classes falls back to all heads.
+    assert importance_from(tmp_path, ("awareness",)).sel(layer=0, head=0) == 0.9
