@@ -369,7 +369,8 @@ def report_cmd(run: Path = typer.Option(..., help="A `countlens discover` run di
 def finetune_cmd(
     circuit: Path = typer.Option(..., help="A `countlens discover` run directory (its heads.csv and report.md)."),
     model: str = typer.Option("toy", help="The model the circuit was found in."),
-    out: Path = typer.Option(None, help="Where adapters and the table go (default: CIRCUIT/finetune)."),
+    out: Path = typer.Option(None, help="Where adapters and the table go (default: CIRCUIT/finetune, with a "
+                             "preset CIRCUIT/finetune-PRESET)."),
     preset: str = typer.Option(None, help="A paper's recipe: counting-circuits or counting-to-four "
                                "(countlens.presets); the flags below override it."),
     steps: int = typer.Option(None, help="Optimiser steps per variant [300; a preset: from its epochs]."),
@@ -404,7 +405,7 @@ def finetune_cmd(
         read_heads(circuit)
     except CountlensError as err:
         _fail(CountlensError(f"--circuit {circuit}: {err}"))
-    out = out or circuit / "finetune"
+    out = out or circuit / (f"finetune-{preset}" if preset else "finetune")  # a preset's adapters apart
     _check_out(out)
     try:
         target = tuple(int(x) for x in layers.split(",")) if layers else ()

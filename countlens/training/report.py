@@ -79,11 +79,33 @@ def training_data(recipe, grid, prompt: str, local: dict | None = None, n: int |
     return train
 
 
+EVALUATION: tuple[str, ...] = ("count (in-dist.)", "tricks position", "tricks dilation", "tricks adjacency", "color",
+                               "shape", "SynReal", "Circles (Syn)", "FSC-Val", "FSC-Test", "PixMo-Count")
+
+
+def check_recipe(recipe, local: dict | None = None, train=None) -> None:
+    """Refuse a recipe no run can finish, naming the field, before any model loads."""
+    from countlens.errors import InputError
+
+    bad_rows = [r for r in recipe.rows if r not in VARIANTS and r != TEMPERATURE_ROW]
+    if bad_rows:
+        raise InputError(f"Recipe.rows {bad_rows}: use some of {[*VARIANTS, TEMPERATURE_ROW]}")
+    if TEMPERATURE_ROW in recipe.rows and "+SFT+focus" not in recipe.rows:
+        raise InputError(f"Recipe.rows: {TEMPERATURE_ROW!r} evaluates the +SFT+focus adapter; list '+SFT+focus' too")
+    bad_sets = [x for x in recipe.evaluation if x not in EVALUATION]
+    if bad_sets:
+        raise InputError(f"Recipe.evaluation {bad_sets}: use some of {list(EVALUATION)}")
+    if recipe.layers not in ("circuit", "all"):
+        raise InputError(f"Recipe.layers={recipe.layers!r}: use 'circuit' or 'all'")
+    if train is None:
+        _check_training_source(recipe, local)
+
+
 def _check_training_source(recipe, local: dict | None) -> None:
     from countlens.errors import InputError
 
     if recipe.training not in TRAINING:
-        raise InputError(f"unknown training data {recipe.training!r}; use one of {TRAINING}")
+        raise InputError(f"Recipe.training={recipe.training!r}: use one of {TRAINING}")
     if recipe.training == "fsc147" and not (local or {}).get("fsc147"):
         raise InputError("this recipe fine-tunes on FSC-147's train split: pass a local copy "
                          "(`--fsc147 ROOT` / local={'fsc147': ROOT}); no data set is downloaded")
@@ -129,7 +151,7 @@ def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
     }
     unknown = [x for x in names if x not in makers]
     if unknown:
-        raise InputError(f"unknown evaluation sets {unknown}; use some of {list(makers)}")
+        raise InputError(f"unknown evaluation sets {unknown}; use some of {list(EVALUATION)}")
     sets = {}
     for name in names:
         if name in LOCAL_SETS and not local.get(LOCAL_SETS[name]):
@@ -199,15 +221,16 @@ def recipe_config(recipe, n_train: int, **given) -> FinetuneConfig:
 
 
 def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig | None = None,
-                 overrides: dict | None = None, train=None, sets: dict[str, list] | None = None, alpha: float = 1.2, top_k: int = 3,
-                 batch_size: int = 32, n_train: int | None = None, n_eval: int = 200,
-                 extra_sets: dict | None = None, recipe=None, preset: str = "", local: dict | None = None,
-                 log=print) -> pd.DataFrame | None:
+                 overrides: dict | None = None, train=None, sets: dict[str, list] | None = None,
+                 alpha: float = 1.2, top_k: int = 3, batch_size: int = 32, n_train: int | None = None,
+                 n_eval: int = 200, extra_sets: dict | None = None, recipe=None, preset: str = "",
+                 local: dict | None = None, log=print) -> pd.DataFrame | None:
     """Train the recipe's variants and evaluate them; returns the table (rows: variants) and writes it.
 
     ``recipe``: a `countlens.presets.Recipe` (default: the ``preset``'s, else countlens's own). Without
-    ``config``, the run's config is the recipe's with ``overrides`` (FinetuneConfig fields) over it. ``local``: local benchmark copies,
-    ``{"fsc147": ROOT, "pixmo": FILE}``, for the recipe's columns and FSC-147 training data.
+    ``config``, the run's config is the recipe's with ``overrides`` (FinetuneConfig fields) over it.
+    ``local``: local benchmark copies, ``{"fsc147": ROOT, "pixmo": FILE}``, for the recipe's columns
+    and FSC-147 training data.
     ``extra_sets``: more evaluation columns, e.g. ``{"mine": samples}``, scored by generation."""
     import countlens
     from countlens import distributed
@@ -219,8 +242,7 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     lead = distributed.current().rank == 0
     out = Path(out)
     recipe = preset_recipe(preset) if recipe is None else recipe
-    if train is None:
-        _check_training_source(recipe, local)  # before the model loads
+    check_recipe(recipe, local, train)  # before the model loads
     base = countlens.load(model)
     prompt = "short" if base.name == "toy" else "std"
     say = log if lead else (lambda _: None)

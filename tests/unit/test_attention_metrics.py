@@ -38,7 +38,7 @@ def test_mas_matches_last_token_attention_and_metrics_are_bounded(vlm):
     samples = countingtricks(["1A", "9A"], 2, grid=vlm.geometry, prompt="short")
     layers = [0, 4]
     ds = attention_metrics(vlm, samples, layers=layers, batch_size=3)
-    assert dict(ds.sizes) == {"layer": 2, "sample": 4} and list(ds.layer.values) == layers
+    assert dict(ds.sizes) == {"layer": 2, "head": vlm.arch.n_heads, "sample": 4} and list(ds.layer.values) == layers
     mas = ds.mas.values
     assert ((mas >= 0) & (mas <= 1 + 1e-6)).all()
     batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])

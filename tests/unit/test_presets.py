@@ -205,3 +205,24 @@ def test_the_full_rows_temperature_sharpens_the_classes_the_recipe_names(tmp_pat
     assert set(beta_from_importance(importance_from(tmp_path), alpha=1.2, top_k=3)) == {(0, 0)}
     # A circuit with no head of those classes falls back to all heads.
     assert importance_from(tmp_path, ("awareness",)).sel(layer=0, head=0) == 0.9
+
+
+def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads():
+    from dataclasses import replace
+
+    from countlens.geometry import Geometry
+    from countlens.training.report import EVALUATION, LOCAL_SETS, check_recipe, evaluation_sets
+
+    base = presets.DEFAULT_RECIPE
+    for change, message in (({"rows": ("+SFT", "+LoRA")}, "Recipe.rows"),
+                            ({"rows": ("+SFT+focus+temperature",)}, "list '\\+SFT\\+focus' too"),
+                            ({"evaluation": ("MMMU",)}, "Recipe.evaluation"), ({"layers": "some"}, "Recipe.layers"),
+                            ({"training": "web"}, "Recipe.training")):
+        with pytest.raises(InputError, match=message):
+            check_recipe(replace(base, **change))
+    for p in presets.PRESETS.values():
+        check_recipe(p.finetune, local={"fsc147": "x"})
+    # Every name check_recipe accepts builds (the local ones are left out without a copy).
+    lines = []
+    sets = evaluation_sets(Geometry(192, 192, 16, 2), n=8, prompt="short", names=EVALUATION, log=lines.append)
+    assert set(sets) == set(EVALUATION) - set(LOCAL_SETS) and len(lines) == len(LOCAL_SETS)
