@@ -100,12 +100,16 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
 
 
 def test_finetune_presets_run_each_papers_recipe(tmp_path):
-    """counting-circuits: Baseline / +SFT / +SFT+focus / Full on SynDot + SynPoly scenes, with SynReal and
-    PixMo-Count accuracy and MAE; counting-to-four: SFT against SFT+MAS on FSC-147's train split."""
+    """Each preset end to end on the organism: discover, then the fine-tune. counting-circuits: Baseline /
+    +SFT / +SFT+focus / Full on SynDot + SynPoly scenes, with SynReal and PixMo-Count accuracy and MAE;
+    counting-to-four: SFT against SFT+MAS on FSC-147's train split (the fixtures' small copies)."""
     import json
 
-    run = tmp_path / "run"
-    assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(run), *SMALL]).exit_code == 0
+    run, run4 = tmp_path / "run", tmp_path / "run4"  # each paper's discover on the organism, at toy sizes
+    for preset, out in (("counting-circuits", run), ("counting-to-four", run4)):
+        found = runner.invoke(app, ["discover", "--model", "toy", "--preset", preset, "--out", str(out), *SMALL])
+        assert found.exit_code == 0, found.output
+        assert f"Preset `{preset}`" in (out / "report.md").read_text()
     _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
     _pixmo_fixture(tmp_path / "pixmo.jsonl")
     tiny = ["--n-train", "4", "--n-eval", "4"]
@@ -121,7 +125,7 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
         "lora_r": 64, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "focus": 1.0, "ce_on": "digits", "steps": 4,
         "samples": 4}
     assert "preset `counting-circuits`" in (tmp_path / "cc" / "before_after.md").read_text()
-    c4 = runner.invoke(app, ["finetune", "--circuit", str(run), "--preset", "counting-to-four", "--out",
+    c4 = runner.invoke(app, ["finetune", "--circuit", str(run4), "--preset", "counting-to-four", "--out",
                              str(tmp_path / "c4"), "--fsc147", str(tmp_path / "fsc"), "--epochs", "1", *tiny])
     assert c4.exit_code == 0, c4.output
     table = pd.read_csv(tmp_path / "c4" / "before_after.csv", index_col=0)
