@@ -374,7 +374,7 @@ def finetune_cmd(
     preset: str = typer.Option(None, help="A paper's recipe: counting-circuits or counting-to-four "
                                "(countlens.presets); the flags below override it."),
     steps: int = typer.Option(None, help="Optimiser steps per variant [300; a preset: from its epochs]."),
-    epochs: float = typer.Option(None, help="Epochs over the training scenes (sets the steps) [a preset's]."),
+    epochs: float = typer.Option(None, help="Epochs over the training scenes (sets the steps); default: the preset's."),
     batch_size: int = typer.Option(None, help="[16]"),
     lr: float = typer.Option(None, help="[1e-3]"),
     lora_r: int = typer.Option(None, help="LoRA rank (alpha = 2 × rank) [32]."),
