@@ -401,6 +401,10 @@ def finetune_cmd(
         recipe = presets.recipe(preset or "")
     except CountlensError as err:
         _fail(CountlensError(f"--preset: {err}"))
+    if epochs is not None and not epochs > 0:
+        _fail(CountlensError(f"--epochs {epochs}: give a positive number"))
+    if epochs is not None and steps is not None:
+        _fail(CountlensError("--steps and --epochs both set the run's length; give one of them"))
     try:
         read_heads(circuit)
     except CountlensError as err:
@@ -412,8 +416,6 @@ def finetune_cmd(
     except ValueError:
         _fail(CountlensError(f"--layers {layers!r}: give comma-separated integers, e.g. 0,1"))
     _check_positive(steps=steps, n_train=n_train, n_eval=n_eval, batch_size=batch_size, lora_r=lora_r)
-    if epochs is not None and not epochs > 0:
-        _fail(CountlensError(f"--epochs {epochs}: give a positive number"))
     local = _given(fsc147=fsc147, pixmo=pixmo)
     given = _given(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target or None)
     if lora_r is not None:
@@ -434,7 +436,7 @@ def finetune_cmd(
         section = (out / "before_after.md").read_text()
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in _given(
             preset=preset, steps=steps, epochs=epochs, batch_size=batch_size, lr=lr, lora_r=lora_r, layers=layers,
-            n_train=n_train, fsc147=fsc147, pixmo=pixmo).items())
+            n_train=n_train, n_eval=n_eval, fsc147=fsc147, pixmo=pixmo).items())
         report.write_text(f"{text}\n\n{FINETUNE_SECTION}\n\nCommand: `countlens finetune --model {model} "
                           f"--circuit {circuit}{' ' + flags if flags else ''}`.\n\n{section}")
     typer.echo(table.round(3).to_string())

@@ -11,7 +11,7 @@ Fit: ridge least squares on every real token position of a fitting set, in close
 per layer, deterministic; λ is relative to the mean eigenvalue of XᵀX, default 1e-2). R² is reported
 per layer on a held-out fifth of the positions. Both come from float64 sums accumulated batch by
 batch (XᵀX, Xᵀy, Σx, Σy, Σ|y|², for the fitting and the held-out positions), so the host keeps
-4·d_model² numbers per layer, not the positions (a 7B model's default fit: 11 GiB instead of 94). Scores per head, over the decoded top-k tokens at the
+4·d_model² numbers per layer, not the positions (a 7B model's default fit: 11.7 GiB instead of 94). Scores per head, over the decoded top-k tokens at the
 last prompt position, averaged over samples: VGS — the share of visual-attribute words (colours,
 shapes, geometry; `VISUAL_WORDS`, configurable) — CTER — the share of number tokens (digits and
 number words) — and difficulty — the share of words that say a count is hard (`DIFFICULTY_WORDS`:
@@ -109,13 +109,13 @@ class HeadLens:
                 fit[layer].add(x[~part], y[~part])
                 test[layer].add(x[part], y[part])
             del outs, final
-        a_all, b_all, r2_all = [], [], []
-        for layer in layers:
-            a, b = fit[layer].ridge(ridge)
-            a_all.append(a.float())
-            b_all.append(b.float())
-            r2_all.append(test[layer].r2(a, b))
-        return cls(layers, torch.stack(a_all), torch.stack(b_all), torch.tensor(r2_all), vlm.name)
+        d = arch.d_model
+        a_all, b_all, r2_all = torch.empty(len(layers), d, d), torch.empty(len(layers), d), []
+        for i, layer in enumerate(layers):  # each layer's sums are let go once it is solved
+            a, b = fit.pop(layer).ridge(ridge)
+            a_all[i], b_all[i] = a, b
+            r2_all.append(test.pop(layer).r2(a, b))
+        return cls(layers, a_all, b_all, torch.tensor(r2_all), vlm.name)
 
     def r2_array(self) -> xr.DataArray:
         return xr.DataArray(self.r2.numpy(), dims=("layer",), coords={"layer": self.layers}, name="r2")
@@ -189,24 +189,29 @@ class _Moments:
     """Float64 sums over token positions of x, y, xxᵀ, xyᵀ and |y|²: enough for the ridge fit and R²."""
 
     def __init__(self) -> None:
-        self.n, self.sx, self.sy, self.sxx, self.sxy, self.yy = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+        self.n, self.yy = 0, 0.0
+        self.sx = self.sy = self.sxx = self.sxy = None
 
     def add(self, x: Tensor, y: Tensor) -> None:
         """x Float64[Tensor, "pos d_model"], y Float64[Tensor, "pos d_model"]."""
+        if self.sxx is None:
+            d = x.shape[1]
+            self.sx, self.sy = x.new_zeros(d), y.new_zeros(y.shape[1])
+            self.sxx, self.sxy = x.new_zeros(d, d), x.new_zeros(d, y.shape[1])
         self.n += len(x)
-        self.sx = self.sx + x.sum(0)
-        self.sy = self.sy + y.sum(0)
-        self.sxx = self.sxx + x.T @ x
-        self.sxy = self.sxy + x.T @ y
-        self.yy = self.yy + float((y * y).sum())
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.sxx.addmm_(x.T, x)  # in place: no d_model² temporary per batch
+        self.sxy.addmm_(x.T, y)
+        self.yy += float((y * y).sum())
 
     def ridge(self, ridge: float) -> tuple[Tensor, Tensor]:
         """A, b minimising |y − (x·Aᵀ + b)|² + λ|A|², with λ = ridge × mean eigenvalue of the centred XᵀX."""
         mx, my = self.sx / self.n, self.sy / self.n
         gram = self.sxx - self.n * torch.outer(mx, mx)
         cross = self.sxy - self.n * torch.outer(mx, my)
-        lam = ridge * torch.trace(gram) / gram.shape[0]
-        a = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), cross).T
+        gram.diagonal().add_(ridge * torch.trace(gram) / gram.shape[0])
+        a = torch.linalg.solve(gram, cross).T
         return a, my - mx @ a.T
 
     def r2(self, a: Tensor, b: Tensor) -> float:

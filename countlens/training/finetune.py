@@ -182,11 +182,18 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
         vlm.arch.layer(layer)
     if config.ce_on not in CE_ON:
         raise InputError(f"ce_on={config.ce_on!r}: use one of {CE_ON}")
+    if config.ce_on == "digits":
+        _check_digit_answers(vlm, samples)
+    from countlens.results import samples_digest
+
     spec_file = out / "finetune.json"
-    spec = {"model": vlm.name, "samples": len(samples), **{k: v for k, v in asdict(config).items() if k != "save_every"}}
+    spec = {"model": vlm.name, "samples": len(samples), "digest": samples_digest(samples),
+            **{k: v for k, v in asdict(config).items() if k != "save_every"}}
     spec = json.loads(json.dumps(spec))
-    # A fine-tune written before a field existed ran at that field's default.
-    if spec_file.exists() and {**ADDED_FIELDS, **json.loads(spec_file.read_text())} != spec:
+    # A fine-tune written before a field existed ran at that field's default; one written before the
+    # samples' digest was kept is taken to have trained on these samples.
+    saved = json.loads(spec_file.read_text()) if spec_file.exists() else None
+    if saved is not None and {**ADDED_FIELDS, "digest": spec["digest"], **saved} != spec:
         raise InputError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
     out.mkdir(parents=True, exist_ok=True)
     write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
@@ -208,6 +215,14 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
         peft_model.unload()  # the caller's model without LoRA layers again, whatever happened
         for n, p in vlm.hf.named_parameters():
             p.requires_grad_(frozen.get(n, p.requires_grad))
+
+
+def _check_digit_answers(vlm, samples: Sequence) -> None:
+    """ce_on='digits' trains on the answers' digit tokens: refuse, before training, an answer without one."""
+    for answer in sorted({s.answer for s in samples}):
+        if not any(ch.isdigit() for t in vlm.token_strings(vlm.answer_ids(answer)) for ch in t):
+            raise InputError(f"ce_on='digits': the answer {answer!r} has no digit token; give digit answers "
+                             "(a Pstd or number prompt) or train with ce_on='answer'")
 
 
 def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneConfig, progress) -> Path:

@@ -83,9 +83,23 @@ EVALUATION: tuple[str, ...] = ("count (in-dist.)", "tricks position", "tricks di
                                "shape", "SynReal", "Circles (Syn)", "FSC-Val", "FSC-Test", "PixMo-Count")
 
 
-def check_recipe(recipe, local: dict | None = None, train=None) -> None:
+def check_recipe(recipe, local: dict | None = None, train=None, overrides: dict | None = None) -> None:
     """Refuse a recipe no run can finish, naming the field, before any model loads."""
+    from countlens.analysis.heads import CLASSES
     from countlens.errors import InputError
+
+    _check_fields({**recipe.config, **(overrides or {})}, "Recipe.config / overrides")
+    bad_classes = [c for c in recipe.temperature_classes if c not in CLASSES]
+    if bad_classes:
+        raise InputError(f"Recipe.temperature_classes {bad_classes}: use some of {list(CLASSES)}")
+    for key, path in (local or {}).items():
+        if key not in ("fsc147", "pixmo"):
+            raise InputError(f"local copy {key!r}: give 'fsc147' (a root directory) or 'pixmo' (a file)")
+        if not Path(path).exists():
+            raise InputError(f"--{key} {path}: no such file or directory; give the path of a local copy")
+    if recipe.training == "fsc147" and train is None and any(VARIANTS.get(r, {}).get("focus") for r in recipe.rows):
+        raise InputError("the focus loss needs object centres of synthetic scenes; a recipe that trains on "
+                         "FSC-147 takes rows without focus (e.g. '+SFT', '+SFT+MAS')")
 
     bad_rows = [r for r in recipe.rows if r not in VARIANTS and r != TEMPERATURE_ROW]
     if bad_rows:
@@ -99,6 +113,17 @@ def check_recipe(recipe, local: dict | None = None, train=None) -> None:
         raise InputError(f"Recipe.layers={recipe.layers!r}: use 'circuit' or 'all'")
     if train is None:
         _check_training_source(recipe, local)
+
+
+#: The column a local copy adds to a recipe that has none of its columns.
+LOCAL_DEFAULT_SET: dict[str, str] = {"fsc147": "FSC-Test", "pixmo": "PixMo-Count"}
+
+
+def evaluation_names(recipe, local: dict | None = None) -> tuple[str, ...]:
+    """The recipe's columns, plus a column for each local copy given that none of them reads."""
+    extra = [name for key, name in LOCAL_DEFAULT_SET.items()
+             if key in (local or {}) and not any(LOCAL_SETS.get(x) == key for x in recipe.evaluation)]
+    return (*recipe.evaluation, *extra)
 
 
 def _check_training_source(recipe, local: dict | None) -> None:
@@ -214,10 +239,23 @@ def importance_from(circuit, classes: Sequence[str] = ()) -> xr.DataArray:
 def recipe_config(recipe, n_train: int, **given) -> FinetuneConfig:
     """The recipe's `FinetuneConfig` with the ``given`` fields over it; with the recipe's ``epochs``
     (and no ``steps`` given), steps = ceil(epochs · n_train / batch_size)."""
+    _check_fields({**recipe.config, **given}, "Recipe.config / overrides")
     values = {**recipe.config, **given}
     if recipe.epochs is not None and "steps" not in given:
-        values["steps"] = max(1, math.ceil(recipe.epochs * n_train / values.get("batch_size", FinetuneConfig.batch_size)))
+        per_step = values.get("batch_size", FinetuneConfig.batch_size) * values.get("grad_accum", FinetuneConfig.grad_accum)
+        values["steps"] = max(1, math.ceil(recipe.epochs * n_train / per_step))
     return FinetuneConfig(**values)
+
+
+def _check_fields(values: dict, what: str) -> None:
+    from dataclasses import fields
+
+    from countlens.errors import InputError
+
+    known = {f.name for f in fields(FinetuneConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise InputError(f"{what}: {unknown} are not FinetuneConfig fields; use some of {sorted(known)}")
 
 
 def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig | None = None,
@@ -242,7 +280,7 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     lead = distributed.current().rank == 0
     out = Path(out)
     recipe = preset_recipe(preset) if recipe is None else recipe
-    check_recipe(recipe, local, train)  # before the model loads
+    check_recipe(recipe, local, train, overrides)  # before the model loads
     base = countlens.load(model)
     prompt = "short" if base.name == "toy" else "std"
     say = log if lead else (lambda _: None)
@@ -251,7 +289,7 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     layers = config.target_layers or (tuple(range(base.arch.n_layers)) if recipe.layers == "all"
                                       else target_layers_from(circuit))
     config = replace(config, target_layers=tuple(layers))
-    sets = evaluation_sets(base.geometry, n_eval, prompt=prompt, names=recipe.evaluation, local=local,
+    sets = evaluation_sets(base.geometry, n_eval, prompt=prompt, names=evaluation_names(recipe, local), local=local,
                            log=say) if sets is None else sets
     sets = {**sets, **(extra_sets or {})}
     generated = frozenset(name for name in sets if name in LOCAL_SETS) | frozenset(extra_sets or {})

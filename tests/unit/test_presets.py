@@ -45,8 +45,18 @@ def test_finetune_recipes_are_the_papers():
     assert c4.rows == ("+SFT", "+SFT+MAS") and VARIANTS["+SFT+MAS"] == {"focus": 0.0, "mas": 0.1}
     assert c4.evaluation == ("Circles (Syn)", "FSC-Val", "FSC-Test")
     assert presets.recipe("") == presets.DEFAULT_RECIPE and recipe_config(presets.DEFAULT_RECIPE, 10).steps == 300
-    # A given field wins over the recipe, and given steps over its epochs.
+    # A given field wins over the recipe, and given steps over its epochs; an epoch counts accumulated steps.
     assert recipe_config(cc, 8000, steps=5, lr=1e-3).steps == 5 and recipe_config(cc, 8000, lr=1e-3).lr == 1e-3
+    assert recipe_config(cc, 8000, grad_accum=4).steps == 2000
+
+
+def test_a_local_copy_given_adds_its_column_where_the_recipe_has_none():
+    from countlens.training.report import evaluation_names
+
+    c4, cc = presets.recipe("counting-to-four"), presets.recipe("counting-circuits")
+    assert evaluation_names(c4, {"pixmo": "p", "fsc147": "f"}) == (*c4.evaluation, "PixMo-Count")
+    assert evaluation_names(cc, {"fsc147": "f"}) == (*cc.evaluation, "FSC-Test")
+    assert evaluation_names(presets.DEFAULT_RECIPE) == presets.DEFAULT_RECIPE.evaluation
 
 
 def test_the_paper_probe_has_the_papers_capacity():
@@ -217,11 +227,18 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads():
     for change, message in (({"rows": ("+SFT", "+LoRA")}, "Recipe.rows"),
                             ({"rows": ("+SFT+focus+temperature",)}, "list '\\+SFT\\+focus' too"),
                             ({"evaluation": ("MMMU",)}, "Recipe.evaluation"), ({"layers": "some"}, "Recipe.layers"),
-                            ({"training": "web"}, "Recipe.training")):
+                            ({"training": "web"}, "Recipe.training"),
+                            ({"config": {"lora_rank": 8}}, "not FinetuneConfig fields"),
+                            ({"temperature_classes": ("routing",)}, "Recipe.temperature_classes"),
+                            ({"training": "fsc147", "rows": ("+SFT+focus",)}, "object centres")):
         with pytest.raises(InputError, match=message):
-            check_recipe(replace(base, **change))
+            check_recipe(replace(base, **change), local={"fsc147": "."})
+    with pytest.raises(InputError, match="--pixmo /nowhere: no such file"):
+        check_recipe(base, local={"pixmo": "/nowhere"})
+    with pytest.raises(InputError, match="not FinetuneConfig fields"):
+        check_recipe(base, overrides={"step": 3})
     for p in presets.PRESETS.values():
-        check_recipe(p.finetune, local={"fsc147": "x"})
+        check_recipe(p.finetune, local={"fsc147": "."})
     # Every name check_recipe accepts builds (the local ones are left out without a copy).
     lines = []
     sets = evaluation_sets(Geometry(192, 192, 16, 2), n=8, prompt="short", names=EVALUATION, log=lines.append)

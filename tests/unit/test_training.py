@@ -139,11 +139,14 @@ def test_finetune_resumes_after_a_kill_to_the_same_adapter(organism, tmp_path):
     import json
 
     spec = json.loads((tmp_path / "full" / "finetune.json").read_text())
-    del spec["ce_on"]
+    del spec["ce_on"], spec["digest"]
     (tmp_path / "full" / "finetune.json").write_text(json.dumps(spec))
     assert finetune(organism, samples, tmp_path / "full", config) == full
     with pytest.raises(InputError, match="other settings"):
         finetune(organism, samples, tmp_path / "full", replace(config, ce_on="digits"))
+    # As many samples but other ones: not the fine-tune that directory holds.
+    with pytest.raises(InputError, match="other settings"):
+        finetune(organism, task_samples("count", 12, 2000), tmp_path / "full", config)
     # The caller's model is untouched, and the adapter loads merged into a fresh model.
     assert not any("lora" in n for n, _ in organism.hf.named_parameters())
     tuned = with_adapter("toy", full)
@@ -156,6 +159,10 @@ def test_finetune_input_errors(organism, tmp_path):
         finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1))
     with pytest.raises(InputError, match="ce_on"):
         finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1, focus=0, ce_on="all"))
+    words = [TaskSample(s.scene, s.question, "two circles", "count") for s in task_samples("count", 2, 1000)]
+    with pytest.raises(InputError, match="'two circles' has no digit token"):  # before any step
+        finetune(organism, words, tmp_path / "y", FinetuneConfig(steps=1, focus=0, ce_on="digits"))
+    assert not (tmp_path / "y").exists()
     with pytest.raises(InputError, match="no circuit"):
         from countlens.training.finetune import target_layers_from
 
