@@ -100,7 +100,6 @@ def check_recipe(recipe, local: dict | None = None, train=None, overrides: dict 
     if recipe.training == "fsc147" and train is None and any(VARIANTS.get(r, {}).get("focus") for r in recipe.rows):
         raise InputError("the focus loss needs object centres of synthetic scenes; a recipe that trains on "
                          "FSC-147 takes rows without focus (e.g. '+SFT', '+SFT+MAS')")
-
     bad_rows = [r for r in recipe.rows if r not in VARIANTS and r != TEMPERATURE_ROW]
     if bad_rows:
         raise InputError(f"Recipe.rows {bad_rows}: use some of {[*VARIANTS, TEMPERATURE_ROW]}")
@@ -238,9 +237,9 @@ def importance_from(circuit, classes: Sequence[str] = ()) -> xr.DataArray:
 
 def recipe_config(recipe, n_train: int, **given) -> FinetuneConfig:
     """The recipe's `FinetuneConfig` with the ``given`` fields over it; with the recipe's ``epochs``
-    (and no ``steps`` given), steps = ceil(epochs · n_train / batch_size)."""
-    _check_fields({**recipe.config, **given}, "Recipe.config / overrides")
+    (and no ``steps`` given), steps = ceil(epochs · n_train / (batch_size · grad_accum))."""
     values = {**recipe.config, **given}
+    _check_fields(values, "Recipe.config / overrides")
     if recipe.epochs is not None and "steps" not in given:
         per_step = values.get("batch_size", FinetuneConfig.batch_size) * values.get("grad_accum", FinetuneConfig.grad_accum)
         values["steps"] = max(1, math.ceil(recipe.epochs * n_train / per_step))
