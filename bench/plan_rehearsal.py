@@ -148,7 +148,19 @@ def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
                                                     "TFLOP/s dense bf16, not measured"}}
 
 
-def replan(path: Path) -> dict:
+def _depth_in_subprocess(depth: int, image_size: int, config: dict, only: list[str] | None = None) -> dict:
+    """`one_depth` in a fresh process (each stage's figures go to its stderr); exits if it failed."""
+    cmd = [sys.executable, __file__, "--one", str(depth), "--image-size", str(image_size),
+           *(x for k, v in config.items() for x in (f"--{k.replace('_', '-')}", str(v))),
+           *(["--only", *only] if only else [])]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("REHEARSAL ")), None)
+    if line is None:
+        sys.exit(f"depth {depth} failed (its traceback is above)")
+    return json.loads(line[len("REHEARSAL "):])
+
+
+def replan(result: dict) -> dict:
     """Recompute the planned side of a recorded rehearsal with the current `countlens.plan` (on meta
     models with the recorded memory and runtime base, so the sweeps get the same rows) against its
     measured side, unchanged; the earlier planned peaks are kept as ``previous_planned_peak_bytes``."""
@@ -160,7 +172,6 @@ def replan(path: Path) -> dict:
     from countlens import plan
     from countlens.discover import DiscoverConfig
 
-    result = json.loads(path.read_text())
     for run in result["runs"]:
         vlm, _ = build(run["depth"], result["image_size"], torch.float32, "meta", real_vocab=True)
         q = plan.plan(vlm, DiscoverConfig(**result["config"]), memory=run["memory_bytes"], device="cpu",
@@ -176,19 +187,11 @@ def replan(path: Path) -> dict:
     return result
 
 
-def remeasure(path: Path, names: list[str]) -> dict:
+def remeasure(result: dict, names: list[str]) -> dict:
     """Measure the stages ``names`` again, alone, at each recorded depth, and put their figures in the
     record (the earlier ones kept as ``previous_measured_peak_bytes``); the other stages are replanned."""
-    result = json.loads(path.read_text())
     for run in result["runs"]:
-        cmd = [sys.executable, __file__, "--one", str(run["depth"]), "--image-size", str(result["image_size"]),
-               *(x for k, v in result["config"].items() for x in (f"--{k.replace('_', '-')}", str(v))),
-               "--only", *names]
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        line = next((x for x in done.stdout.splitlines() if x.startswith("REHEARSAL ")), None)
-        if line is None:
-            sys.exit(f"depth {run['depth']} failed (its traceback is above)")
-        fresh = json.loads(line[len("REHEARSAL "):])["stages"]
+        fresh = _depth_in_subprocess(run["depth"], result["image_size"], result["config"], names)["stages"]
         for name in names:
             old = run["stages"][name]
             fresh[name]["previous_measured_peak_bytes"] = old.get("previous_measured_peak_bytes",
@@ -197,8 +200,7 @@ def remeasure(path: Path, names: list[str]) -> dict:
             if "previous_planned_peak_bytes" in old:  # the plan before any correction, as replan keeps it
                 fresh[name]["previous_planned_peak_bytes"] = old["previous_planned_peak_bytes"]
             run["stages"][name] = fresh[name]
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    return replan(path)
+    return replan(result)
 
 
 def main() -> None:
@@ -216,13 +218,9 @@ def main() -> None:
                     "(headlens), into --out's record")
     ap.add_argument("--only", nargs="+", help=argparse.SUPPRESS)  # internal: with --one
     args = ap.parse_args()
-    if args.remeasure:
-        result = remeasure(args.out, args.remeasure)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps({r["depth"]: {k: v["ratio"] for k, v in r["stages"].items()} for r in result["runs"]}))
-        return
-    if args.replan:
-        result = replan(args.out)
+    if args.remeasure or args.replan:
+        recorded = json.loads(args.out.read_text())
+        result = remeasure(recorded, args.remeasure) if args.remeasure else replan(recorded)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({r["depth"]: {k: v["ratio"] for k, v in r["stages"].items()} for r in result["runs"]}))
         return
@@ -233,14 +231,7 @@ def main() -> None:
         return
     runs = []
     for depth in args.depths:
-        cmd = [sys.executable, __file__, "--one", str(depth), "--image-size", str(args.image_size),
-               "--n-pairs", str(args.n_pairs), "--n-samples", str(args.n_samples),
-               "--n-per-case", str(args.n_per_case), "--batch-size", str(args.batch_size)]
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # each stage's figures go to stderr
-        line = next((x for x in done.stdout.splitlines() if x.startswith("REHEARSAL ")), None)
-        if line is None:
-            sys.exit(f"depth {depth} failed (its traceback is above)")
-        runs.append(json.loads(line[len("REHEARSAL "):]))
+        runs.append(_depth_in_subprocess(depth, args.image_size, config))
         print(json.dumps({k: v for k, v in runs[-1]["stages"].items()}, indent=1), flush=True)
     result = {"config": config, "image_size": args.image_size, "cpu_threads": os.cpu_count(), "runs": runs,
               "depth_28": extrapolate(runs, args.image_size, config)}
