@@ -66,8 +66,7 @@ def digit_labels(vlm, labels: Tensor, samples: Sequence = ()) -> Tensor:
     """``labels`` kept only on answer tokens that hold a digit: the Counting Circuits L_SFT, the
     cross-entropy of the count's digit tokens (Pstd's "circle: 12" → "1", "2" on Qwen)."""
     keep = labels != IGNORE
-    digits = torch.tensor([any(ch.isdigit() for ch in t) for t in vlm.token_strings(labels[keep].tolist())],
-                          dtype=torch.bool)
+    digits = torch.tensor(digit_mask(vlm, labels[keep].tolist()), dtype=torch.bool)
     out = labels.clone()
     out[keep] = torch.where(digits, labels[keep], torch.full_like(labels[keep], IGNORE))
     empty = [b for b in range(len(out)) if keep[b].any() and not (out[b] != IGNORE).any()]
@@ -76,6 +75,11 @@ def digit_labels(vlm, labels: Tensor, samples: Sequence = ()) -> Tensor:
         raise InputError(f"ce_on='digits': the answer of sample {empty[0]} ({answer!r}) has no digit token; "
                          "give digit answers (a Pstd or number prompt) or train with ce_on='answer'")
     return out
+
+
+def digit_mask(vlm, ids: Sequence[int]) -> list[bool]:
+    """For each token id, whether its token holds a digit ("1", "Ġ12", "▁7")."""
+    return [any(ch.isdigit() for ch in t) for t in vlm.token_strings(ids)]
 
 
 def answer_targets(labels: Tensor) -> Tensor:

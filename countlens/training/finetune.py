@@ -37,7 +37,7 @@ import torch
 
 from countlens.errors import InputError
 from countlens.results import write_text
-from countlens.training.collate import CE_ON
+from countlens.training.collate import CE_ON, digit_mask
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ADDED_FIELDS: dict = {"ce_on": "answer"}  # FinetuneConfig fields newer than some fine-tune directories
@@ -220,7 +220,7 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
 def _check_digit_answers(vlm, samples: Sequence) -> None:
     """ce_on='digits' trains on the answers' digit tokens: refuse, before training, an answer without one."""
     for answer in sorted({s.answer for s in samples}):
-        if not any(ch.isdigit() for t in vlm.token_strings(vlm.answer_ids(answer)) for ch in t):
+        if not any(digit_mask(vlm, vlm.answer_ids(answer))):
             raise InputError(f"ce_on='digits': the answer {answer!r} has no digit token; give digit answers "
                              "(a Pstd or number prompt) or train with ce_on='answer'")
 
