@@ -144,23 +144,40 @@ def _resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
 
 
 def load_processor(path: str, config):
-    """The model's processor, offline. Falls back to an image-only build when the stock processor
-    needs a video sub-processor (torchvision)."""
-    from transformers import AutoProcessor, AutoTokenizer
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    """The model's processor, offline, with one parse of its tokenizer.
 
-    try:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-        # Without a loadable processor class AutoProcessor quietly returns the bare tokenizer.
-        if getattr(processor, "image_processor", None) is not None:
-            return processor
-    except Exception:  # noqa: BLE001 — the fallback below reports its own, clearer error
-        pass
+    The stock processor (`AutoProcessor`) is used where it can be built. Where it cannot — its video
+    sub-processor needs torchvision, absent here — the image-only build is made directly: trying
+    `AutoProcessor` first would parse the tokenizer (seconds for a 151k-entry vocabulary) before
+    failing on the video processor, and the fallback would parse it again."""
     import transformers
+    from transformers import AutoProcessor
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.utils import is_torchvision_available
+
+    proc_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(config.model_type, ""), None)
+    needs_video = proc_cls is not None and "video_processor" in proc_cls.get_attributes()
+    if proc_cls is None or not needs_video or is_torchvision_available():
+        try:
+            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+            # Without a loadable processor class AutoProcessor quietly returns the bare tokenizer.
+            if getattr(processor, "image_processor", None) is not None:
+                return processor
+        except Exception:  # noqa: BLE001 — the image-only build below reports its own, clearer error
+            pass
+    if proc_cls is None:
+        raise UnsupportedArchitectureError(f"{path}: transformers has no processor class for model_type "
+                                           f"{config.model_type!r}; save the checkpoint's processor with it")
+    return _image_only_processor(path, proc_cls)
+
+
+def _image_only_processor(path: str, proc_cls: type):
+    """``proc_cls`` built from the checkpoint's tokenizer, image processor, chat template and
+    settings, without a video sub-processor (`countlens.processors.image_only`)."""
+    from transformers import AutoTokenizer
 
     from countlens.processors import image_only
 
-    proc_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = _load_image_processor(path)
     template_file = Path(path) / "chat_template.jinja"

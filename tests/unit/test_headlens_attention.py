@@ -13,6 +13,11 @@ from countlens.circuits.headlens import HeadLens, is_number
 from countlens.circuits.sites import head_contributions
 from countlens.datasets.tasks import task_samples
 from tiny_models import TINY_IMAGE_SIZE
+from tolerance import assert_close, scale_of
+
+#: The ridge solve's amplification of float32 rounding in its inputs (measured ≤ 10 here under four
+#: kernel choices, see tests/tolerance.py): its condition number with ridge 1e-2 on these activations.
+HEADLENS_SOLVE = 100
 
 
 def _samples(vlm, name, n, seed=1, task="count"):
@@ -31,7 +36,8 @@ def test_head_contributions_sum_to_the_o_proj_output(name, tiny_checkpoint):
         out = vlm.module(vlm.arch.o_proj(layer)).output.save()
     total = head_contributions(vlm, layer, z).sum(-2)
     bias = vlm.hf.get_submodule(vlm.arch.o_proj(layer)).bias
-    torch.testing.assert_close(total + (0 if bias is None else bias), out, atol=1e-5, rtol=1e-5)
+    # Per-head products summed vs one GEMM: the same sum in another order.
+    assert_close(total + (0 if bias is None else bias), out, what=f"{name}: Σ head contributions vs o_proj")
 
 
 def test_headlens_fit_decode_and_scores():
@@ -50,7 +56,7 @@ def test_headlens_fit_decode_and_scores():
         z = vlm.module(vlm.arch.o_proj(5)).input[:, -1].save()
     got = ident.head_logits(vlm, 5, z)
     ref = vlm.hf.lm_head(vlm.hf.model.language_model.norm(head_contributions(vlm, 5, z)))
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert_close(got, ref, what="identity HeadLens vs unembedding")
     assert is_number("Ġ12") and is_number("seven") and not is_number("red")
 
 
@@ -88,9 +94,11 @@ def test_headlens_streamed_sums_equal_the_fit_on_all_positions_at_once():
     samples = [s for t in ("count", "color") for s in _samples(vlm, "toy", 4, 3, t)]
     hl = HeadLens.fit(vlm, samples, layers=[1, 4], batch_size=3)
     for i, (a, b, r2) in enumerate(_fit_in_memory(vlm, samples, [1, 4])):
-        torch.testing.assert_close(hl.A[i], a.float(), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(hl.b[i], b.float(), atol=1e-5, rtol=1e-4)
-        assert float(hl.r2[i]) == pytest.approx(r2, abs=1e-6)
+        # Batches of 3 vs one forward round the activations differently; the ridge solve passes that on
+        # amplified by its condition number, hence HEADLENS_SOLVE × the float32 bound.
+        assert_close(hl.A[i], a, scale=HEADLENS_SOLVE * scale_of(a), what="streamed vs in-memory A")
+        assert_close(hl.b[i], b, scale=HEADLENS_SOLVE * scale_of(b), what="streamed vs in-memory b")
+        assert_close(hl.r2[i], r2, what="streamed vs in-memory R²")
 
 
 def test_headlens_decodes_unembedding_rows_no_token_owns(tiny_checkpoint):
@@ -118,10 +126,10 @@ def test_attention_is_eager_only_inside_and_shares_are_fractions():
     s = _samples(vlm, "toy", 3)
     batch = vlm.prepare([x.image for x in s], [x.question for x in s])
     att = last_token_attention(vlm, batch, layers=[0, 3])
-    np.testing.assert_allclose(att.sum(-1).numpy(), 1.0, atol=1e-5)
+    assert_close(att.sum(-1), 1.0, what="attention row sums")
     share = image_attention_share(vlm, s, layers=[0, 3])
     assert share.dims == ("layer", "head", "sample") and ((share >= 0) & (share <= 1 + 1e-6)).all()
     # Eager attention reads the same model: logits unchanged.
     with eager_attention(vlm):
         eager = vlm.forward(batch).logits
-    torch.testing.assert_close(eager, vlm.forward(batch).logits, atol=1e-4, rtol=1e-4)
+    assert_close(eager, vlm.forward(batch).logits, what="eager vs sdpa logits")  # another attention kernel
