@@ -6,7 +6,7 @@ A preset is data: the `DiscoverConfig` and `HeadThresholds` fields it changes, i
 from. ``countlens discover --preset NAME`` (`discover_config`) and ``countlens finetune --preset
 NAME`` (`recipe`) apply it; the run's ``spec.json`` / ``report.md`` and the fine-tune's table name
 the preset and the values it set. Values the papers do not give stay countlens's defaults and are
-listed as such in [the fidelity table](../docs/fidelity.md).
+listed as such in [the fidelity table](../fidelity.md).
 
 - ``counting-circuits`` ("Counting Circuits", paper 002): count pairs of black dots and of polygons
   alternating (the paper's SynDot and SynPoly, e.g. 3 against 5 dots), the Pstd prompt, Jaccard

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 from launch import TWO_RANKS, run
 
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
+
 WORKER = Path(__file__).with_name("ddp_finetune.py")
 TWO = [*TWO_RANKS, str(WORKER)]
 

@@ -3,6 +3,10 @@
 import runpy
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
+
 
 def test_walkthrough_runs(tmp_path):
     module = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "walkthrough.py"))

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 

@@ -10,8 +10,8 @@ from countlens.datasets.tasks import task_samples
 from countlens.loading import TOY_DIR
 
 
-def test_loads_by_name_with_its_geometry():
-    vlm = countlens.load("toy")
+def test_loads_by_name_with_its_geometry(loaded):
+    vlm = loaded("toy")
     assert vlm.name == "toy" and vlm.arch.name == "qwen2_vl"
     assert vlm.arch.n_layers == 6 and vlm.arch.n_heads == 4 and vlm.arch.n_kv_heads == 2
     g = vlm.geometry
@@ -25,18 +25,18 @@ def test_ships_small_with_its_recipe_and_log():
     assert (TOY_DIR / "countlens_recipe.json").exists() and (TOY_DIR / "train_log.jsonl").exists()
 
 
-def test_counts_held_out_scenes():
+def test_counts_held_out_scenes(loaded):
     # Seed 2 is never a training seed (those are >= 1000); the README's figures use seed 1 and more
     # scenes. Measured there: 96 % on single-shape scenes (N <= 10), 16 % when other shapes mix in.
-    vlm = countlens.load("toy")
+    vlm = loaded("toy")
     samples = [s for s in task_samples("count", 240, seed=2) if s.meta["count"] <= 10]
     single = [s for s in samples if not s.meta["mixed"]][:128]
     assert float(score(vlm, single, batch_size=64).correct.mean()) >= 0.9
     assert float(score(vlm, samples, batch_size=64).correct.mean()) >= 0.6  # chance is ~0.08
 
 
-def test_trace_matches_forward_on_the_organism():
-    vlm = countlens.load("toy")
+def test_trace_matches_forward_on_the_organism(loaded):
+    vlm = loaded("toy")
     s = task_samples("count", 3, seed=2)
     batch = vlm.prepare([x.image for x in s], [x.question for x in s], [x.answer for x in s])
     with vlm.trace(batch):

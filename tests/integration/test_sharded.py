@@ -12,6 +12,8 @@ import pytest
 from countlens.results import load
 from launch import CLI, TWO_RANKS, run
 
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
+
 WORKER = Path(__file__).with_name("sharded_sweep.py")
 SWEEPS = ("layers", "heads", "ablation")
 

@@ -27,8 +27,8 @@ SIDE = TINY_IMAGE_SIZE["qwen2_5_vl"][0]
 
 
 @pytest.fixture(scope="module")
-def qwen(tiny_checkpoint):
-    return countlens.load(tiny_checkpoint("qwen2_5_vl"))
+def qwen(loaded):
+    return loaded("qwen2_5_vl")
 
 
 def counting(counts, prompt="short", seed=3) -> list[TaskSample]:
@@ -69,7 +69,7 @@ def plain_logits_after(vlm, sample, prefix: list[int]) -> torch.Tensor:
     return hand_built_logits(vlm, sample, prefix)[0][-1]
 
 
-def test_the_real_qwen_vocabulary_splits_digits_and_keeps_its_special_ids(qwen):
+def test_the_real_qwen_vocabulary_splits_digits_and_keeps_its_special_ids(qwen, loaded):
     tok = qwen.tokenizer
     assert tok.tokenize("10") == ["1", "0"] and tok.tokenize("There are 12 circles.")[2:5] == ["Ġ", "1", "2"]
     ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
@@ -79,7 +79,7 @@ def test_the_real_qwen_vocabulary_splits_digits_and_keeps_its_special_ids(qwen):
     assert qwen.arch.image_token_id == 151655
     assert splits_numbers(tok) and qwen.answer_end == 151645  # <|im_end|>, from the chat template
     assert qwen.answer_ids("12") == [16, 17, 151645]
-    assert not splits_numbers(countlens.load("toy").tokenizer)
+    assert not splits_numbers(loaded("toy").tokenizer)
 
 
 def test_divergence_and_read_rows_on_digit_answers():
@@ -98,6 +98,7 @@ def test_divergence_and_read_rows_on_digit_answers():
     assert read_rows([[5], [6], [7]]) == [()]
 
 
+@pytest.mark.numeric
 def test_candidate_scoring_is_the_teacher_forced_sequence_log_probability(qwen):
     samples = counting([1, 9, 10, 12])
     ds = score(qwen, samples, batch_size=3)
@@ -115,11 +116,12 @@ def test_candidate_scoring_is_the_teacher_forced_sequence_log_probability(qwen):
         score(qwen, samples, method="token")
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3"])
-def test_candidate_scoring_on_every_architecture(name, tiny_checkpoint):
+def test_candidate_scoring_on_every_architecture(name, loaded):
     """The KV-cached candidate rows equal one full forward per candidate, on each architecture's
     vocabulary (real Qwen, digit BPE, or word-level where "12" is one token)."""
-    vlm = countlens.load(tiny_checkpoint(name))
+    vlm = loaded(name)
     side = TINY_IMAGE_SIZE[name][0]
     samples = [count_pairs(1, n, 13, kind="shapes", image_size=side, prompt="short", seed=7 + i)[0].clean
                for i, n in enumerate([1, 10, 12])]
@@ -130,6 +132,7 @@ def test_candidate_scoring_on_every_architecture(name, tiny_checkpoint):
         assert int(ds.pred_count[i]) == max(want, key=want.get)
 
 
+@pytest.mark.numeric
 def test_pstd_answers_are_scored_as_the_model_writes_them(qwen):
     samples = counting([3, 11], prompt="std")
     assert samples[1].answer == "circle: 11" or samples[1].answer.endswith(": 11")
@@ -141,8 +144,9 @@ def test_pstd_answers_are_scored_as_the_model_writes_them(qwen):
     assert_close(ds.logp_gold[1], want, what="Pstd log p")
 
 
-def test_single_token_scoring_is_unchanged_and_candidates_agree_with_it():
-    toy = countlens.load("toy")
+@pytest.mark.numeric
+def test_single_token_scoring_is_unchanged_and_candidates_agree_with_it(loaded):
+    toy = loaded("toy")
     from countlens.datasets.tasks import task_samples
 
     samples = task_samples("count", 12, 5, image_size=toy.geometry.image_height)
@@ -156,8 +160,8 @@ def test_single_token_scoring_is_unchanged_and_candidates_agree_with_it():
     assert ((cands.pred_count.values == cands["count"].values) == cands.correct.values).all()
 
 
-def test_candidate_errors_name_the_answer():
-    toy = countlens.load("toy")
+def test_candidate_errors_name_the_answer(loaded):
+    toy = loaded("toy")
     from countlens.datasets.tasks import task_samples
 
     samples = task_samples("color", 3, 0, image_size=toy.geometry.image_height)
@@ -171,6 +175,7 @@ def test_candidate_errors_name_the_answer():
         score(toy, words, method="candidates")
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("clean,corrupt", [(1, 12), (9, 12), (10, 12), (12, 10), (1, 10)])
 def test_pairs_with_multi_token_answers(qwen, clean, corrupt):
     pairs = count_pairs(2, clean, corrupt, kind="shapes", image_size=SIDE, prompt="short", seed=11)
@@ -194,6 +199,7 @@ def test_pairs_with_multi_token_answers(qwen, clean, corrupt):
     assert np.isfinite(heads.effect.values).all() and np.isfinite(atp.effect.values).all()
 
 
+@pytest.mark.numeric
 def test_ablation_and_logit_lens_teacher_force_the_gold_answer(qwen):
     samples = counting([2, 10, 11, 12])
     want = np.array([float(plain_logprobs(qwen, s, qwen.answer_ids(s.answer)).sum()) for s in samples])

@@ -38,9 +38,9 @@ from countlens.results import ResultError, ResultNotFoundError
 
 
 @pytest.fixture(scope="module")
-def ctx(tiny_checkpoint, tmp_path_factory):
-    toy = countlens.load("toy")
-    qwen = countlens.load(tiny_checkpoint("qwen2_5_vl"))
+def ctx(tmp_path_factory, loaded):
+    toy = loaded("toy")
+    qwen = loaded("qwen2_5_vl")
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "a_file").write_text("x")
     bad_config = tmp / "bad_config"
@@ -194,11 +194,11 @@ def test_cli_bad_input(case, tmp_path):
     assert not (tmp_path / "out").exists()  # validated before anything was written
 
 
-def test_discover_refused_then_corrected_in_the_same_directory(tmp_path):
+def test_discover_refused_then_corrected_in_the_same_directory(tmp_path, loaded):
     """A refused run leaves no spec.json behind to block the corrected rerun."""
     from countlens.discover import DiscoverConfig, discover
 
-    toy = countlens.load("toy")
+    toy = loaded("toy")
     with pytest.raises(InputError, match="batch_size"):
         discover(toy, tmp_path / "run", DiscoverConfig(batch_size=0))
     assert not (tmp_path / "run").exists()

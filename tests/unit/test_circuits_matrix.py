@@ -18,9 +18,10 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_effect, logit_scale
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_every_circuit_function_runs(name, tiny_checkpoint):
-    vlm = countlens.load(tiny_checkpoint(name))
+def test_every_circuit_function_runs(name, loaded):
+    vlm = loaded(name)
     size = TINY_IMAGE_SIZE[name][0]
     pairs = count_pairs(2, 3, 5, kind="polygons", image_size=size, prompt="short", seed=1)
     samples = task_samples("count", 3, 1, image_size=size)

@@ -22,8 +22,8 @@ from countlens.errors import InputError
 
 
 @pytest.fixture(scope="module")
-def vlm():
-    return countlens.load("toy")
+def vlm(loaded):
+    return loaded("toy")
 
 
 @pytest.mark.parametrize(

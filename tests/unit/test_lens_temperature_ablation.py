@@ -18,14 +18,15 @@ from tolerance import assert_close, bound, scale_of
 
 
 @pytest.fixture(scope="module")
-def organism():
-    return countlens.load("toy")
+def organism(loaded):
+    return loaded("toy")
 
 
 def _batch(vlm, samples):
     return vlm.prepare([s.image for s in samples], [s.question for s in samples], [s.answer for s in samples])
 
 
+@pytest.mark.numeric
 def test_logit_lens_last_layer_is_the_model_output(organism):
     samples = task_samples("count", 6, 1)
     lens = logit_lens(organism, samples, batch_size=4)
@@ -38,10 +39,11 @@ def test_logit_lens_last_layer_is_the_model_output(organism):
     assert (lens["rank"].values >= 0).all() and lens["rank"].dims == ("layer", "sample")
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", ["toy", "qwen3_vl", "gemma3"])
-def test_temperature_on_every_head_of_a_layer_equals_scaling_the_attention(name, tiny_checkpoint):
+def test_temperature_on_every_head_of_a_layer_equals_scaling_the_attention(name, loaded):
     """Independent reimplementation: β on all heads of a layer = the attention module's ``scaling`` × β."""
-    vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name))
+    vlm = loaded(name)
     size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
     batch = _batch(vlm, task_samples("count", 3, 2, image_size=size))
     layer, beta = 1, 1.7
@@ -59,8 +61,8 @@ def test_temperature_on_every_head_of_a_layer_equals_scaling_the_attention(name,
 
 
 @pytest.mark.parametrize("name", ["toy", "qwen3_vl", "gemma3"])
-def test_temperature_beta_one_is_exact_and_one_head_only_touches_that_head(name, tiny_checkpoint):
-    vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name))
+def test_temperature_beta_one_is_exact_and_one_head_only_touches_that_head(name, loaded):
+    vlm = loaded(name)
     size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
     batch = _batch(vlm, task_samples("count", 3, 2, image_size=size))
     base = vlm.forward(batch).logits
@@ -80,14 +82,14 @@ def test_temperature_beta_one_is_exact_and_one_head_only_touches_that_head(name,
     assert changed[1] > 1e-6 and changed[others].max() == 0
 
 
-def test_beta_from_importance():
+def test_beta_from_importance(loaded):
     imp = xr.DataArray(np.array([[0.1, 0.9], [0.5, -0.2]]), dims=("layer", "head"))
     betas = beta_from_importance(imp, alpha=1.2, top_k=3)
     assert betas == pytest.approx({(0, 1): 1.2})  # 1.2·0.5/0.9 < 1: not flattened
     loose = beta_from_importance(imp, alpha=1.2, top_k=3, floor=0.0)
     assert loose == pytest.approx({(0, 1): 1.2, (1, 0): 1.2 * 0.5 / 0.9, (1, 1): 1.2 * 0.2 / 0.9})
     with pytest.raises(InputError):
-        with head_temperature(countlens.load("toy"), {(0, 9): 1.2}):
+        with head_temperature(loaded("toy"), {(0, 9): 1.2}):
             pass
 
 
@@ -114,6 +116,7 @@ def _hook_ablation_logits(vlm, samples, heads, means):
             h.remove()
 
 
+@pytest.mark.numeric
 def test_joint_mean_ablation_agrees_with_plain_hooks(organism):
     samples = task_samples("count", 6, 3)
     means = group_means(organism, samples, batch_size=4)
@@ -124,6 +127,7 @@ def test_joint_mean_ablation_agrees_with_plain_hooks(organism):
     assert_close(res.logp, ref[torch.arange(6), gold], what="mean-ablated log p vs hooks")
 
 
+@pytest.mark.numeric
 def test_ablation_scan_single_heads_match_joint_ablation_of_one_head(organism):
     tasks = {"count": task_samples("count", 4, 5), "color": task_samples("color", 4, 5)}
     scan = ablation_scan(organism, tasks, batch_size=4)

@@ -31,6 +31,7 @@ from countlens.circuits.patching import patch_heads, prepare_pairs  # noqa: E402
 from countlens.circuits.sites import group_mask  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
 from tiny_models import TINY_IMAGE_SIZE  # noqa: E402
+from tolerance import F32_REL, assert_close, scale_of  # noqa: E402
 
 try:
     from transformer_lens.model_bridge.sources import build_bridge_from_module
@@ -41,7 +42,6 @@ except ImportError as exc:  # pragma: no cover - other transformer-lens versions
     pytest.skip(f"transformer-lens {version('transformer-lens')} lacks build_bridge_from_module: {exc}",
                 allow_module_level=True)
 
-ATOL = 1e-4
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +76,7 @@ def _ld(logits, pb):
     return (last[rows, pb.clean_id] - last[rows, pb.corrupt_id]).numpy()
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
 @torch.no_grad()
 def test_head_patching_agrees_with_transformerlens_hook_z(tiny_checkpoint, monkeypatch, name):
@@ -91,8 +92,11 @@ def test_head_patching_agrees_with_transformerlens_hook_z(tiny_checkpoint, monke
     # 1. The bridge's own forward (images included) reproduces the HF logits.
     clean_ids, clean_rest = _split(pb.clean.inputs)
     corrupt_ids, corrupt_rest = _split(pb.corrupt.inputs)
+    scale = 0.0
     for ids, rest, inputs in ((clean_ids, clean_rest, pb.clean.inputs), (corrupt_ids, corrupt_rest, pb.corrupt.inputs)):
-        torch.testing.assert_close(bridge(ids, **rest), vlm.hf(**inputs).logits, atol=ATOL, rtol=0)
+        hf = vlm.hf(**inputs).logits
+        scale = max(scale, scale_of(hf))
+        assert_close(bridge(ids, **rest), hf, what="bridge vs HF logits")
 
     # 2. Corrupt z from TL's cache, then one clean run per (layer, head) with that head patched at hook_z.
     _, cache = bridge.run_with_cache(corrupt_ids, names_filter=lambda n: n.endswith("attn.hook_z"), **corrupt_rest)
@@ -112,11 +116,12 @@ def test_head_patching_agrees_with_transformerlens_hook_z(tiny_checkpoint, monke
             tl_ld[layer, head] = _ld(logits, pb)
 
     got = ds.logit_diff.transpose("layer", "head", "pair").values
-    np.testing.assert_allclose(ds.clean_logit_diff.values, clean_ld, atol=ATOL)
-    np.testing.assert_allclose(got, tl_ld, atol=ATOL)
+    assert_close(ds.clean_logit_diff, clean_ld, scale=scale, what="clean LD vs TL")
+    assert_close(got, tl_ld, scale=scale, what="head-patched LD vs TL")
     # Random-init effects are only ~1e-4–1e-3, so also compare the effects (patched − clean) on their
-    # own scale: the layer-0 heads must move LD measurably and agree to 1 % of the largest effect.
+    # own scale: the layer-0 heads must move LD measurably and agree to 1 % of the largest effect
+    # (measured ≤ 2 % of that under four kernel choices: both runs round the same HF modules alike).
     effect_tl, effect_cl = tl_ld - clean_ld, got - ds.clean_logit_diff.values
-    scale = np.abs(effect_cl).max()
-    assert scale > 1e-4, f"head patching barely moves LD ({scale:.2e}); the comparison would be vacuous"
-    np.testing.assert_allclose(effect_cl, effect_tl, atol=1e-2 * scale)
+    moved = np.abs(effect_cl).max()
+    assert moved > 1e-4, f"head patching barely moves LD ({moved:.2e}); the comparison would be vacuous"
+    assert_close(effect_cl, effect_tl, scale=1e-2 * moved / F32_REL, what="head effects vs TL")

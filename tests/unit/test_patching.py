@@ -25,8 +25,8 @@ from tolerance import assert_close, assert_effect, logit_scale, scale_of
 
 
 @pytest.fixture(scope="module")
-def organism():
-    return countlens.load("toy")
+def organism(loaded):
+    return loaded("toy")
 
 
 def _pairs(vlm, n=3, image_size=None):
@@ -88,6 +88,7 @@ def _hook_logit_diffs(vlm, pairs, sites):
     return np.stack(out), scale
 
 
+@pytest.mark.numeric
 def test_layer_and_head_patching_agree_with_plain_hooks_on_the_organism(organism):
     pairs = _pairs(organism)
     vap = patch_layers(organism, pairs, groups=("image", "last", "text"), batch_size=2)
@@ -100,9 +101,10 @@ def test_layer_and_head_patching_agree_with_plain_hooks_on_the_organism(organism
     assert_close(np.stack(got), ref, scale=scale, what="nnsight vs hook LDs")
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "llava_onevision", "gemma3"])
-def test_patching_agrees_with_plain_hooks_on_tiny_architectures(tiny_checkpoint, name):
-    vlm = countlens.load(tiny_checkpoint(name))
+def test_patching_agrees_with_plain_hooks_on_tiny_architectures(name, loaded):
+    vlm = loaded(name)
     pairs = _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
     heads = patch_heads(vlm, pairs, positions="image")
     vap = patch_layers(vlm, pairs, groups=("image", "last"))
@@ -114,6 +116,7 @@ def test_patching_agrees_with_plain_hooks_on_tiny_architectures(tiny_checkpoint,
     assert_close(np.stack(got), ref, scale=scale, what=f"{name}: nnsight vs hook LDs")
 
 
+@pytest.mark.numeric
 def test_patching_clean_into_clean_changes_nothing(organism):
     pb = prepare_pairs(organism, _pairs(organism))
     clean = cache_run(organism, pb.clean, range(organism.arch.n_layers))
@@ -124,6 +127,7 @@ def test_patching_clean_into_clean_changes_nothing(organism):
         assert_close(logits, clean["logits"].cpu(), what="clean-into-clean logits")
 
 
+@pytest.mark.numeric
 def test_patching_everything_gives_the_corrupt_run(organism):
     pairs = _pairs(organism)
     vap = patch_layers(organism, pairs, groups=("all",), layers=[-1, 0, 5])
@@ -189,15 +193,28 @@ def test_bad_patching_input(organism):
         patch_heads(organism, [])
 
 
-def test_pairs_must_share_the_token_grid_not_only_the_token_count(tiny_checkpoint):
+def test_pairs_must_share_the_token_grid_not_only_the_token_count(loaded):
     """64×64 and 128×32 images both give 16 Qwen image tokens, on a 4×4 and an 8×2 grid."""
     from dataclasses import replace
 
     from countlens.datasets.pairs import CountPair
     from countlens.datasets.scene import Scene
 
-    vlm = countlens.load(tiny_checkpoint("qwen2_5_vl"))
+    vlm = loaded("qwen2_5_vl")
     p = count_pairs(1, 3, 5, kind="shapes", image_size=64, prompt="short", seed=1)[0]
     wide = replace(p.corrupt, scene=Scene(128, 32, p.corrupt.scene.objects[:0]))
     with pytest.raises(InputError, match=r"pair 0: .*\(4, 4\).*\(2, 8\)"):
         prepare_pairs(vlm, [CountPair(p.clean, wide, p.kind, 0)])
+
+
+def test_spearman_is_scipys_with_ties_and_nan_when_constant():
+    from scipy.stats import spearmanr
+
+    from countlens.circuits.patching import spearman
+
+    rng = np.random.default_rng(0)
+    for n in (2, 5, 40):
+        a, b = rng.normal(size=n), rng.integers(0, 3, n).astype(float)  # b has ties
+        for x, y in ((a, b), (b, a), (a, -a), (b, b)):
+            assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic, abs=1e-12)
+    assert np.isnan(spearman(np.ones(4), np.arange(4.0)))

@@ -24,14 +24,14 @@ SMALL = DiscoverConfig(n_per_case=2, n_pairs=4, n_samples=4, batch_size=4)
 
 
 @pytest.fixture(scope="module")
-def organism():
-    return countlens.load("toy")
+def organism(loaded):
+    return loaded("toy")
 
 
 @pytest.mark.parametrize("name", ["toy", "llava"])
-def test_forward_flops_equal_torch_flop_counter(name, tiny_checkpoint):
+def test_forward_flops_equal_torch_flop_counter(name, loaded):
     """Eager attention runs as matmuls, which torch counts: the plan's count is exact."""
-    vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name), attn_implementation="eager")
+    vlm = loaded(name, attn_implementation="eager")
     samples = task_samples("count", 3, 0, image_size=vlm.geometry.image_height)
     batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])
     w = plan.widths(vlm)
@@ -60,6 +60,7 @@ def test_rows_per_forward_fit_free_memory(organism):
     assert plan.rows_per_forward(w, 100, int(10.5 * per_row / plan.FREE_SHARE)) < rows  # longer rows, fewer
 
 
+@pytest.mark.numeric
 def test_a_sweep_on_little_memory_stacks_fewer_rows_and_gives_the_same_effects(organism, monkeypatch):
     pairs = count_pairs(4, kind="dots", grid=organism.geometry, seed=0, prompt="short", counts=range(1, 10))
     full = patch_heads(organism, pairs, batch_size=4)

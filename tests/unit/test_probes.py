@@ -154,8 +154,8 @@ def test_probe_input_errors():
         ProbeConfig(hidden=10, groups=4)
 
 
-def test_probe_taps_end_to_end_on_the_organism():
-    vlm = countlens.load("toy")
+def test_probe_taps_end_to_end_on_the_organism(loaded):
+    vlm = loaded("toy")
     data = countingtricks(["1A", "4D"], 6, grid=vlm.geometry, seed=0, prompt="short")
     config = ProbeConfig(hidden=8, groups=4, epochs=2, batch_size=4)
     train, test = [s for i, s in enumerate(data) if i % 3], data[::3]  # both hold 1A and 4D

@@ -56,15 +56,16 @@ def test_countingtricks_geometry_on_random_grids(name, patch, cells, seed, index
 
 
 @pytest.fixture(scope="module")
-def toy():
-    return countlens.load("toy")
+def toy(loaded):
+    return loaded("toy")
 
 
 @pytest.fixture(scope="module")
-def qwen(tiny_checkpoint):
-    return countlens.load(tiny_checkpoint("qwen2_5_vl"))
+def qwen(loaded):
+    return loaded("qwen2_5_vl")
 
 
+@pytest.mark.numeric
 @MODEL
 @given(layer=st.integers(-1, 5), head=st.one_of(st.none(), st.integers(0, 3)), group=st.sampled_from(GROUPS),
        seed=st.integers(0, 1000))
@@ -77,6 +78,7 @@ def test_self_patching_changes_nothing(toy, layer, head, group, seed):
     assert_close(patched, clean["logits"].cpu(), what="self-patched logits")  # another batch shape: rounding only
 
 
+@pytest.mark.numeric
 @MODEL
 @given(counts=st.lists(st.integers(1, 12), min_size=2, max_size=2, unique=True), seed=st.integers(0, 1000))
 def test_patching_every_image_embedding_carries_the_whole_effect(qwen, counts, seed):
@@ -100,6 +102,7 @@ def test_beta_one_is_bit_identical(toy, heads, seed):
         assert torch.equal(toy.forward(batch).logits, base)
 
 
+@pytest.mark.numeric
 @MODEL
 @given(layer=st.integers(0, 5), seed=st.integers(0, 1000))
 def test_head_contributions_sum_to_the_o_proj_output(toy, layer, seed):

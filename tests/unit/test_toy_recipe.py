@@ -32,7 +32,7 @@ def test_fast_collate_equals_the_processor():
     ref = proc(text=texts, images=[s.image for s in samples], padding=True, return_tensors="pt")
     assert set(ref.keys()) == set(inputs)
     for k in ref:
-        torch.testing.assert_close(inputs[k], ref[k], rtol=0, atol=1e-6, msg=k)
+        assert torch.equal(inputs[k], ref[k]), k  # the same processor on the same images
     assert answers.tolist() == proc.tokenizer.convert_tokens_to_ids([s.answer for s in samples])
 
 
