@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 import xarray as xr
+from torch import Tensor
 
 from countlens.errors import InputError
 
@@ -265,10 +266,9 @@ def _score_candidates(vlm, samples: Sequence[Sample], sets: list[dict[str, int]]
         chunk = list(range(i, min(i + batch_size, len(samples))))
         seqs = {j: _candidate_ids(vlm, sets[j], j) for j in chunk}
         rows = [(j, prefix) for j in chunk for prefix in read_rows(list(seqs[j].values()))]
-        logp_rows = _forced_logprobs(vlm, samples, rows, batch_size)
+        after = _forced_logprobs(vlm, samples, rows, batch_size)
         for j in chunk:
-            mine = [(prefix, lp) for (k, prefix), lp in zip(rows, logp_rows) if k == j]
-            scores = {text: _sequence_logprob(ids, mine) for text, ids in seqs[j].items()}
+            scores = {text: _sequence_logprob(ids, after[j]) for text, ids in seqs[j].items()}
             best = max(scores, key=scores.get)  # ties: the first candidate (the smallest count)
             gold = str(samples[j].answer)
             pred.append(best)
@@ -309,9 +309,10 @@ def _candidate_ids(vlm, cands: dict[str, int], j: int) -> dict[str, list[int]]:
     return ids
 
 
-def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple]], batch_size: int) -> list:
-    """For each (sample, prefix) row: Float[Tensor, "len(prefix)+1 vocab"], the log-probabilities of the
-    next token after each of the prefix's own prefixes (the bare prompt first).
+def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple]], batch_size: int) -> dict:
+    """For each sample of the (sample, prefix) rows, the next-token scores after every context its
+    rows teacher-force: ``{j: {context: (Float[Tensor, "vocab"] logits, log-sum-exp)}}``, the bare
+    prompt's context being ``()``. A token's log-probability is then logit − lse.
 
     Each sample's prompt runs once, with a KV cache; the cache is repeated for the sample's rows, and
     only the prefixes' few tokens run after it — not a full forward per candidate. Rows of one
@@ -320,7 +321,7 @@ def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple
     by_sample: dict[int, list[tuple]] = {}
     for j, prefix in rows:
         by_sample.setdefault(j, []).append(prefix)
-    found: dict[tuple[int, tuple], torch.Tensor] = {}
+    found: dict[int, dict] = {}
     order = list(by_sample)
     from countlens.circuits.patching import MAX_ROWS
 
@@ -329,16 +330,16 @@ def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple
     for c in range(0, len(order), step):
         js = order[c : c + step]
         found |= _cached_rows(vlm, [samples[j] for j in js], js, [by_sample[j] for j in js])
-    return [found[(j, prefix)] for j, prefix in rows]
+    return found
 
 
 def _cached_rows(vlm, chunk: Sequence[Sample], js: list[int], prefixes: list[list[tuple]]) -> dict:
     batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
     out = vlm.hf(**batch.inputs, use_cache=True, logits_to_keep=1)
-    first = out.logits[:, -1].float().log_softmax(-1).cpu()  # after the bare prompt
+    first = out.logits[:, -1].float().cpu()  # after the bare prompt
     width = max(len(p) for ps in prefixes for p in ps)
     if width == 0:  # single-token candidates: the prompt's own next-token distribution is all
-        return {(j, ()): first[b][None] for b, j in enumerate(js)}
+        return {j: _normalised({(): first[b]}) for b, j in enumerate(js)}
     per = max(len(ps) for ps in prefixes)
     padded = [ps + [ps[-1]] * (per - len(ps)) for ps in prefixes]
     device, mask = vlm.device, batch.inputs["attention_mask"]
@@ -358,20 +359,34 @@ def _cached_rows(vlm, chunk: Sequence[Sample], js: list[int], prefixes: list[lis
     # transformers ≥ 5.40 names the argument `cache` (and warns on `past_key_values`).
     kwargs["cache" if "cache" in inspect.signature(vlm.hf.forward).parameters else "past_key_values"] = cache
     full_mask = torch.cat([mask.repeat_interleave(per, 0), tail.to(device)], 1)
-    cont = vlm.hf(input_ids=ids.to(device), attention_mask=full_mask, use_cache=False, **kwargs)
-    logp = cont.logits.float().log_softmax(-1).cpu()
+    logits = vlm.hf(input_ids=ids.to(device), attention_mask=full_mask, use_cache=False, **kwargs).logits.float().cpu()
     found = {}
     for b, j in enumerate(js):
+        # Rows share their prefixes' first tokens ("circle", ":", " " before each digit): the scores
+        # after a context are the same in every row that teacher-forces it, so each is kept once.
+        contexts = {(): first[b]}
         for k, p in enumerate(padded[b]):
-            found[(j, p)] = torch.cat([first[b][None], logp[b * per + k, : len(p)]])
+            for t in range(len(p)):
+                contexts.setdefault(p[: t + 1], logits[b * per + k, t])
+        found[j] = _normalised(contexts)
     return found
 
 
-def _sequence_logprob(seq: list[int], rows: list[tuple[tuple, torch.Tensor]]) -> float:
-    """Σ_t log p(seq[t] | seq[:t]) from the rows whose prefix extends seq[:-1]."""
-    need = tuple(seq[:-1])
-    logp = next(lp for p, lp in rows if p[: len(need)] == need)
-    return float(sum(logp[t, tok] for t, tok in enumerate(seq)))
+def _normalised(contexts: dict[tuple, Tensor]) -> dict[tuple, tuple[Tensor, float]]:
+    """Each context's logits with their log-sum-exp, in one reduction over the vocabulary (not a
+    log-softmax written out for every position of every row, once most of candidate scoring's time)."""
+    keys = list(contexts)
+    lse = torch.stack([contexts[c] for c in keys]).logsumexp(-1).tolist()
+    return {c: (contexts[c], z) for c, z in zip(keys, lse)}
+
+
+def _sequence_logprob(seq: list[int], after: dict[tuple, tuple[Tensor, float]]) -> float:
+    """Σ_t log p(seq[t] | seq[:t]) from the scores after each of seq's contexts."""
+    total = 0.0
+    for t, token in enumerate(seq):
+        logits, lse = after[tuple(seq[:t])]
+        total += float(logits[token]) - lse
+    return total
 
 
 def _is_correct(text: str, count: int | None, sample: Sample) -> bool:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 CLI = Path(sys.executable).with_name("countlens")
 #: Two ranks on this machine (``--standalone`` picks a free rendezvous port; ``--master_port 0`` hangs).
@@ -21,3 +24,16 @@ def run(argv: list[str], env: dict | None = None, check: bool = True) -> subproc
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+@contextmanager
+def one_thread_here():
+    """The one-process side of a comparison, run inside the test process (no start-up of a new
+    interpreter, ~8 s here) with the single thread that torchrun gives each rank, so that its
+    reductions and bits are the ranks' own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import TWO_RANKS, run
+import ddp_finetune
+from launch import TWO_RANKS, one_thread_here, run
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
 
@@ -25,7 +26,8 @@ def _adapter(out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
-    run([sys.executable, str(WORKER), str(one)], env={"OMP_NUM_THREADS": "1"})
+    with one_thread_here():
+        ddp_finetune.main(one, die=False)
     run([*TWO, str(two)])
     return {"one": one, "two": two}
 

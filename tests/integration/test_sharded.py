@@ -8,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+import sharded_sweep
+from countlens.cli import app
 from countlens.results import load
-from launch import CLI, TWO_RANKS, run
+from launch import CLI, TWO_RANKS, one_thread_here, run
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
 
@@ -29,7 +32,8 @@ def _same(a, b) -> None:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
-    run([sys.executable, str(WORKER), str(out)])
+    with one_thread_here():
+        sharded_sweep.main(out)
     return out
 
 
@@ -62,9 +66,11 @@ def test_a_rank_that_dies_costs_only_its_chunks(single, tmp_path):
 def discovered(tmp_path_factory) -> dict[str, Path]:
     """`countlens discover` on the organism at small sizes: one process, and two torchrun ranks."""
     root = tmp_path_factory.mktemp("discover")
-    args = ["discover", "--model", "toy", "--n-per-case", "2", "--n-pairs", "8", "--n-samples", "8",
+    args = ["discover", "--model", "toy", "--n-per-case", "1", "--n-pairs", "8", "--n-samples", "8",
             "--batch-size", "4"]
-    run([str(CLI), *args, "--out", str(root / "one")], env={"OMP_NUM_THREADS": "1"})
+    with one_thread_here():
+        done = CliRunner().invoke(app, [*args, "--out", str(root / "one")])
+    assert done.exit_code == 0, done.output
     ranks = run([*TWO_RANKS, "--no-python", str(CLI), *args, "--out", str(root / "two")])
     return {"one": root / "one", "two": root / "two", "stdout": ranks.stdout}
 
