@@ -41,6 +41,7 @@ def load(
     ``attn_implementation`` ("eager", "sdpa") go to ``from_pretrained``. ``remote=True`` builds the
     model on the meta device and sends every `VLM.trace` to NDIF (needs nnsight's API key set up).
     """
+    torch_dtype = None if dtype is None else _dtype(dtype)  # a bad dtype fails before anything is read
     path, label = _resolve_path(name_or_path)
     if remote and (str(name_or_path) == "toy" or Path(str(name_or_path)).expanduser().is_dir()):
         raise CheckpointNotFoundError(
@@ -61,8 +62,8 @@ def load(
     spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
-    if dtype is not None:
-        kwargs["dtype"] = _dtype(dtype)
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
     if device_map is not None:
         kwargs["device_map"] = device_map
     if attn_implementation is not None:

@@ -27,6 +27,7 @@ def test_every_tutorial_page_is_collected():
     assert not blocks(DOCS / "tutorials" / "real-checkpoints.md")  # GPU / NDIF only: shown, not run
 
 
+@pytest.mark.slow  # each page's code end to end
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_page_code_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

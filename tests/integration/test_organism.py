@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import countlens
@@ -25,6 +26,7 @@ def test_ships_small_with_its_recipe_and_log():
     assert (TOY_DIR / "countlens_recipe.json").exists() and (TOY_DIR / "train_log.jsonl").exists()
 
 
+@pytest.mark.slow  # 240 scenes scored
 def test_counts_held_out_scenes(loaded):
     # Seed 2 is never a training seed (those are >= 1000); the README's figures use seed 1 and more
     # scenes. Measured there: 96 % on single-shape scenes (N <= 10), 16 % when other shapes mix in.

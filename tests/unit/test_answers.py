@@ -117,6 +117,7 @@ def test_candidate_scoring_is_the_teacher_forced_sequence_log_probability(qwen):
 
 
 @pytest.mark.numeric
+@pytest.mark.slow  # six architectures × 39 hand-built forwards
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3"])
 def test_candidate_scoring_on_every_architecture(name, loaded):
     """The KV-cached candidate rows equal one full forward per candidate, on each architecture's

@@ -1,5 +1,6 @@
 """The command line: help works, eval writes its tables, bad arguments exit 2 and write nothing."""
 
+import pytest
 from typer.testing import CliRunner
 
 from countlens.cli import app
@@ -13,6 +14,7 @@ def test_help_of_every_command():
         assert result.exit_code == 0 and "Usage" in result.output, args
 
 
+@pytest.mark.slow  # the eval command end to end
 def test_eval_writes_tables(tiny_checkpoint, tmp_path):
     out = tmp_path / "eval"
     result = runner.invoke(app, ["eval", "--model", str(tiny_checkpoint("qwen2_vl")), "--n", "8", "--out", str(out)])
@@ -21,6 +23,7 @@ def test_eval_writes_tables(tiny_checkpoint, tmp_path):
     assert len((out / "samples.csv").read_text().splitlines()) == 1 + 8 + 2 + 2
 
 
+@pytest.mark.slow  # the eval command end to end
 def test_eval_splits_counting_by_scene_kind(tiny_checkpoint, tmp_path):
     import pandas as pd
 

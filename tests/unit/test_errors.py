@@ -10,8 +10,8 @@ from tiny_models import TINY_IMAGE_SIZE
 
 
 @pytest.fixture(scope="module")
-def qwen(tiny_checkpoint):
-    return countlens.load(tiny_checkpoint("qwen2_vl"))
+def qwen(loaded):
+    return loaded("qwen2_vl")
 
 
 def image(mode="RGB"):

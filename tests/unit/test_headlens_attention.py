@@ -13,7 +13,9 @@ from countlens.circuits.headlens import HeadLens, is_number
 from countlens.circuits.sites import head_contributions
 from countlens.datasets.tasks import task_samples
 from tiny_models import TINY_IMAGE_SIZE
-from tolerance import assert_close
+from tolerance import assert_close, scale_of
+
+SOLVE = 10  # HeadLens's least-squares solve: its amplification of its inputs' rounding, with margin
 
 
 def _samples(vlm, name, n, seed=1, task="count"):
@@ -93,10 +95,11 @@ def test_headlens_streamed_sums_equal_the_fit_on_all_positions_at_once(loaded):
     samples = [s for t in ("count", "color") for s in _samples(vlm, "toy", 4, 3, t)]
     hl = HeadLens.fit(vlm, samples, layers=[1, 4], batch_size=3)
     for i, (a, b, r2) in enumerate(_fit_in_memory(vlm, samples, [1, 4])):
-        # Batches of 3 vs one forward round the activations differently; the float64 ridge solve (ridge
-        # 1e-2) is well enough conditioned to pass that on unamplified (measured ≤ 0.1 of the bound).
-        assert_close(hl.A[i], a, what="streamed vs in-memory A")
-        assert_close(hl.b[i], b, what="streamed vs in-memory b")
+        # Batches of 3 vs one forward round the activations differently, and the ridge solve passes
+        # that on amplified by its conditioning: measured up to 0.25 of the plain float32 bound under
+        # other kernels (make test-kernels), so it is allowed SOLVE × that bound.
+        assert_close(hl.A[i], a, scale=SOLVE * scale_of(a, hl.A[i]), what="streamed vs in-memory A")
+        assert_close(hl.b[i], b, scale=SOLVE * scale_of(b, hl.b[i]), what="streamed vs in-memory b")
         assert_close(hl.r2[i], r2, what="streamed vs in-memory R²")
 
 
