@@ -85,8 +85,8 @@ def assert_effect(effect, want, *, clean, corrupt, scale: float, what: str = "ef
                              f"{denominator:.3g})")
 
 
-def logit_scale(vlm, batch) -> float:
-    """The largest |logit| of a plain forward of ``batch``: the size whose rounding logit
-    differences inherit."""
+def logit_scale(vlm, pb) -> float:
+    """The largest |logit| of plain forwards of prepared pairs ``pb`` (`prepare_pairs`), clean and
+    corrupt: the size whose rounding their logit differences inherit."""
     with torch.no_grad():
-        return scale_of(vlm.forward(batch).logits)
+        return scale_of(vlm.forward(pb.clean).logits, vlm.forward(pb.corrupt).logits)

@@ -179,8 +179,7 @@ def test_discover_on_the_real_qwen_vocabulary_with_counts_up_to_twelve(tmp_path,
     # Patching every image embedding is the whole effect, up to rounding over this effect's denominator;
     # the logits' size, which that rounding scales with, read on pairs like the run's.
     vlm = countlens.load(model)
-    pb = prepare_pairs(vlm, count_pairs(4, kind="shapes", image_size=128, prompt="std", seed=0))
-    scale = max(logit_scale(vlm, pb.clean), logit_scale(vlm, pb.corrupt))
+    scale = logit_scale(vlm, prepare_pairs(vlm, count_pairs(4, kind="shapes", image_size=128, prompt="std", seed=0)))
     assert_effect(vap.effect.sel(layer=-1, group="image"), 1.0, clean=vap.clean_logit_diff,
                   corrupt=vap.corrupt_logit_diff, scale=scale)
     assert "Prompt style: `std`" in (out / "report.md").read_text()

@@ -181,8 +181,7 @@ def test_candidate_errors_name_the_answer(loaded):
 def test_pairs_with_multi_token_answers(qwen, clean, corrupt):
     pairs = count_pairs(2, clean, corrupt, kind="shapes", image_size=SIDE, prompt="short", seed=11)
     vap = circuits.patch_layers(qwen, pairs, groups=("image", "last"), layers=[-1, 0, 1])
-    pb = prepare_pairs(qwen, pairs)
-    scale = max(logit_scale(qwen, pb.clean), logit_scale(qwen, pb.corrupt))
+    scale = logit_scale(qwen, prepare_pairs(qwen, pairs))
     # The pair differs only in its image: patching every image-token embedding is the whole effect.
     assert_effect(vap.effect.sel(layer=-1, group="image"), 1.0, clean=vap.clean_logit_diff,
                   corrupt=vap.corrupt_logit_diff, scale=scale)

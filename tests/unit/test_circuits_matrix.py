@@ -34,7 +34,7 @@ def test_every_circuit_function_runs(name, loaded):
     everything = [n_layers - 1] + ([] if name == "qwen3_vl" else [-1])
     full = circuits.patch_layers(vlm, pairs, groups=("all",), layers=everything)
     pb = prepare_pairs(vlm, pairs)
-    scale = max(logit_scale(vlm, pb.clean), logit_scale(vlm, pb.corrupt))
+    scale = logit_scale(vlm, pb)
     assert_effect(full.effect, 1.0, clean=full.clean_logit_diff, corrupt=full.corrupt_logit_diff, scale=scale,
                   what=f"{name}: all-patched effect")
     heads = circuits.patch_heads(vlm, pairs, positions="last")

@@ -131,8 +131,7 @@ def test_patching_clean_into_clean_changes_nothing(organism):
 def test_patching_everything_gives_the_corrupt_run(organism):
     pairs = _pairs(organism)
     vap = patch_layers(organism, pairs, groups=("all",), layers=[-1, 0, 5])
-    pb = prepare_pairs(organism, pairs)
-    scale = max(logit_scale(organism, pb.clean), logit_scale(organism, pb.corrupt))
+    scale = logit_scale(organism, prepare_pairs(organism, pairs))
     assert_effect(vap.effect, 1.0, clean=vap.clean_logit_diff, corrupt=vap.corrupt_logit_diff, scale=scale)
     assert_close(vap.logit_diff.sel(group="all").values[0], vap.corrupt_logit_diff, scale=scale,
                  what="all-patched LD vs corrupt LD")

@@ -79,8 +79,7 @@ def test_a_sweep_on_little_memory_stacks_fewer_rows_and_gives_the_same_effects(o
     assert seen and max(seen) < 4 * full.sizes["layer"] * full.sizes["head"]  # not every replica in one forward
     assert max(seen) < MAX_ROWS
     # Fewer replicas per forward: other GEMM shapes, so the two sweeps agree up to rounding.
-    pb = prepare_pairs(organism, pairs)
-    scale = max(logit_scale(organism, pb.clean), logit_scale(organism, pb.corrupt))
+    scale = logit_scale(organism, prepare_pairs(organism, pairs))
     assert_effect(small.effect, full.effect, clean=full.clean_logit_diff, corrupt=full.corrupt_logit_diff,
                   scale=scale, want_rounded=True, what="few-rows vs all-rows effect")
     assert (small.to_corrupt.values == full.to_corrupt.values).mean() > 0.99

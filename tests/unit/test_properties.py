@@ -84,8 +84,7 @@ def test_self_patching_changes_nothing(toy, layer, head, group, seed):
 def test_patching_every_image_embedding_carries_the_whole_effect(qwen, counts, seed):
     pairs = count_pairs(2, counts[0], counts[1], kind="shapes", image_size=64, prompt="short", seed=seed)
     vap = circuits.patch_layers(qwen, pairs, groups=("image",), layers=[-1])
-    pb = prepare_pairs(qwen, pairs)
-    scale = max(logit_scale(qwen, pb.clean), logit_scale(qwen, pb.corrupt))
+    scale = logit_scale(qwen, prepare_pairs(qwen, pairs))
     assert_effect(vap.effect, 1.0, clean=vap.clean_logit_diff, corrupt=vap.corrupt_logit_diff, scale=scale)
 
 
