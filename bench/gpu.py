@@ -65,7 +65,7 @@ def _tokenizer(real_vocab: bool):
 
 def build(depth: int, image_size: int, dtype: torch.dtype, device: str, real_vocab: bool = False):
     """(VLM, geometry) of a random-init Qwen2.5-VL at the 7B widths and ``depth`` layers (on the
-    ``"meta"`` device: no weights, for `countlens.plan`)."""
+    ``"meta"`` device: no weights, for `countlens.pipeline.plan`)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     from transformers.initialization import no_init_weights
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

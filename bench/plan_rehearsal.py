@@ -10,8 +10,8 @@ Each depth runs in a fresh process: a random-init Qwen2.5-VL at Qwen2.5-VL-7B's 
 152,064; vision width 1,280), ``--depth`` text layers and as many vision blocks, fp32, the real Qwen
 vocabulary (so answers are multi-token and discover scores candidates), then:
 
-1. `countlens.plan.plan` on the loaded model (memory: what is free now plus the weights);
-2. `countlens.discover` at small n, each stage's peak resident set read from ``VmHWM`` (reset
+1. `countlens.pipeline.plan.plan` on the loaded model (memory: what is free now plus the weights);
+2. `countlens.pipeline.discover` at small n, each stage's peak resident set read from ``VmHWM`` (reset
    through ``/proc/self/clear_refs`` at the stage's start, after ``malloc_trim``) and its wall time.
 
 Written: per depth and stage, planned and measured peak (bytes, ratio), planned FLOPs and seconds;
@@ -51,7 +51,8 @@ def _reset_hwm() -> None:
 def _alone(vlm, c, name: str, log) -> None:
     """Run only discover's stage ``name`` on its own samples (`--remeasure`): HeadLens's fit + decode."""
     from countlens import circuits
-    from countlens.discover import resolved_prompt, stage_inputs
+    from countlens.pipeline.config import resolved_prompt
+    from countlens.pipeline.discover import stage_inputs
 
     if name != "headlens":
         sys.exit(f"--remeasure takes headlens only, not {name}; run the whole rehearsal instead")
@@ -68,8 +69,9 @@ def one_depth(depth: int, image_size: int, config: dict, only: list[str] | None 
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import build
 
-    from countlens import plan
-    from countlens.discover import DiscoverConfig, discover
+    from countlens.pipeline import plan
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.pipeline.discover import discover
 
     torch.set_num_threads(os.cpu_count() or 1)
     vlm, _ = build(depth, image_size, torch.float32, "cpu", real_vocab=True)
@@ -121,8 +123,8 @@ def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import build
 
-    from countlens import plan
-    from countlens.discover import DiscoverConfig
+    from countlens.pipeline import plan
+    from countlens.pipeline.config import DiscoverConfig
 
     by_depth = {r["depth"]: r["stages"] for r in runs}
     cpu = {}
@@ -161,7 +163,7 @@ def _depth_in_subprocess(depth: int, image_size: int, config: dict, only: list[s
 
 
 def replan(result: dict) -> dict:
-    """Recompute the planned side of a recorded rehearsal with the current `countlens.plan` (on meta
+    """Recompute the planned side of a recorded rehearsal with the current `countlens.pipeline.plan` (on meta
     models with the recorded memory and runtime base, so the sweeps get the same rows) against its
     measured side, unchanged; the earlier planned peaks are kept as ``previous_planned_peak_bytes``."""
     import torch
@@ -169,8 +171,8 @@ def replan(result: dict) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import build
 
-    from countlens import plan
-    from countlens.discover import DiscoverConfig
+    from countlens.pipeline import plan
+    from countlens.pipeline.config import DiscoverConfig
 
     for run in result["runs"]:
         vlm, _ = build(run["depth"], result["image_size"], torch.float32, "meta", real_vocab=True)

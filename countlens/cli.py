@@ -205,8 +205,8 @@ def _given(**values) -> dict:
 def _discover_config(preset: str | None, **values):
     """A DiscoverConfig from the flags given (None: not given): over the preset's values, if any,
     else over the defaults."""
-    from countlens import presets
-    from countlens.discover import DiscoverConfig
+    from countlens.pipeline import presets
+    from countlens.pipeline.config import DiscoverConfig
 
     given = _given(**values)
     return presets.discover_config(preset, **given) if preset else DiscoverConfig(**given)
@@ -217,7 +217,7 @@ def discover_cmd(
     model: str = typer.Option("toy", help="'toy', a local checkpoint directory, or a cached hub id."),
     out: Path = typer.Option(..., help="Run directory: results/, figures/, heads.csv and report.md go here."),
     preset: str = typer.Option(None, help="A paper's protocol: counting-circuits or counting-to-four "
-                               "(countlens.presets); the flags below override it."),
+                               "(countlens.pipeline.presets); the flags below override it."),
     n_per_case: int = typer.Option(None, help="COUNTINGTRICKS samples per case [100]."),
     n_pairs: int = typer.Option(None, help="Clean/corrupt pairs for patching [128]."),
     n_samples: int = typer.Option(None, help="Samples per task for lenses, attention and ablation [128]."),
@@ -236,7 +236,8 @@ def discover_cmd(
     """
     import countlens
     from countlens.datasets.prompts import PAIR_PROMPTS
-    from countlens.discover import check_config, discover
+    from countlens.pipeline.config import check_config
+    from countlens.pipeline.discover import discover
 
     _check_out(out)
     if prompt is not None and prompt != "auto" and prompt not in PAIR_PROMPTS:
@@ -278,7 +279,8 @@ def plan_cmd(
     """
     import json
 
-    from countlens import plan
+    from countlens.loading import meta_vlm
+    from countlens.pipeline import plan
 
     _check_positive(image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
                     batch_size=batch_size)
@@ -287,7 +289,7 @@ def plan_cmd(
     try:
         config = _discover_config(preset, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs,
                                   n_samples=n_samples, prompt=prompt)
-        vlm = plan.meta_vlm(model, dtype=dtype, image_size=image_size)
+        vlm = meta_vlm(model, dtype=dtype, image_size=image_size)
         p = plan.plan(vlm, config, memory=None if memory is None else int(memory * 2**30), device=device)
     except CountlensError as err:
         _fail(err)
@@ -331,8 +333,10 @@ def classify_cmd(
     Example: countlens classify --run runs/toy --cter-min 0.6
     """
     from countlens.analysis.heads import export_heads
-    from countlens.discover import head_table, load_run, read_spec, write_report
-    from countlens.presets import thresholds as preset_thresholds
+    from countlens.analysis.heads import head_table
+    from countlens.pipeline.rundir import load_run, read_spec
+    from countlens.pipeline.report import write_report
+    from countlens.pipeline.presets import thresholds as preset_thresholds
 
     given = _given(early=early, late=late, image_high=image_high, image_low=image_low, vgs_min=vgs_min,
                    cter_min=cter_min, important=important, constant=constant, routing_from=routing_from,
@@ -355,7 +359,8 @@ def report_cmd(run: Path = typer.Option(..., help="A `countlens discover` run di
 
     Example: countlens report --run runs/toy
     """
-    from countlens.discover import read_spec, write_report
+    from countlens.pipeline.rundir import read_spec
+    from countlens.pipeline.report import write_report
 
     try:
         spec = read_spec(run)
@@ -372,7 +377,7 @@ def finetune_cmd(
     out: Path = typer.Option(None, help="Where adapters and the table go (default: CIRCUIT/finetune, with a "
                              "preset CIRCUIT/finetune-PRESET)."),
     preset: str = typer.Option(None, help="A paper's recipe: counting-circuits or counting-to-four "
-                               "(countlens.presets); the flags below override it."),
+                               "(countlens.pipeline.presets); the flags below override it."),
     steps: int = typer.Option(None, help="Optimiser steps per variant [300; a preset: from its epochs]."),
     epochs: float = typer.Option(None, help="Epochs over the training scenes (sets the steps); default: the preset's."),
     batch_size: int = typer.Option(None, help="[16]"),
@@ -393,9 +398,9 @@ def finetune_cmd(
     """
     from dataclasses import replace
 
-    from countlens import presets
+    from countlens.pipeline import presets
     from countlens.training.finetune import read_heads
-    from countlens.training.report import before_after
+    from countlens.pipeline.finetune_job import before_after
 
     try:
         recipe = presets.recipe(preset or "")
@@ -430,7 +435,7 @@ def finetune_cmd(
         return
     report = circuit / "report.md"
     if report.exists():
-        from countlens.discover import FINETUNE_SECTION
+        from countlens.pipeline.report import FINETUNE_SECTION
 
         text = report.read_text().split(FINETUNE_SECTION)[0].rstrip("\n")
         section = (out / "before_after.md").read_text()

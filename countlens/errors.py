@@ -22,7 +22,18 @@ class DeviceError(CountlensError):
 
 
 class InputError(CountlensError):
-    """Images, prompts or answers that the model's processor cannot turn into a batch."""
+    """Data that cannot be used as given: images, prompts, answers, samples, pairs, arguments of a
+    function that measures them."""
+
+
+class ConfigError(CountlensError):
+    """A configuration that cannot run: a `DiscoverConfig` / `FinetuneConfig` field, a preset, a
+    recipe, a command-line option, a dtype or device name."""
+
+
+class RunDirError(CountlensError):
+    """A run directory (or store) that does not hold what the command needs: another run's spec, a
+    missing or unreadable result file, a directory that is not a countlens run."""
 
 
 class LayerError(CountlensError, IndexError):

@@ -22,7 +22,7 @@ from countlens.errors import (
     InputError,
     UnsupportedArchitectureError,
 )
-from countlens.vlm import VLM
+from countlens.vlm import VLM, fixed_size
 
 TOY_DIR = Path(__file__).parent / "toy" / "weights"
 
@@ -41,8 +41,8 @@ def load(
     ``attn_implementation`` ("eager", "sdpa") go to ``from_pretrained``. ``remote=True`` builds the
     model on the meta device and sends every `VLM.trace` to NDIF (needs nnsight's API key set up).
     """
-    torch_dtype = None if dtype is None else _dtype(dtype)  # a bad dtype fails before anything is read
-    path, label = _resolve_path(name_or_path)
+    kind = None if dtype is None else torch_dtype(dtype)  # a bad dtype fails before anything is read
+    path, label = resolve_path(name_or_path)
     if remote and (str(name_or_path) == "toy" or Path(str(name_or_path)).expanduser().is_dir()):
         raise CheckpointNotFoundError(
             f"remote=True needs a hub id that NDIF serves (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'), not {str(name_or_path)!r}; "
@@ -62,8 +62,8 @@ def load(
     spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype
+    if kind is not None:
+        kwargs["dtype"] = kind
     if device_map is not None:
         kwargs["device_map"] = device_map
     if attn_implementation is not None:
@@ -108,7 +108,8 @@ def _check_device(device_map) -> None:
                           "CUDA build of torch on a GPU machine (make test TORCH_SPEC=...)")
 
 
-def _dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+def torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    """``dtype`` as torch names it ("bfloat16" → torch.bfloat16; "auto" kept), or an error naming it."""
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     value = getattr(torch, str(dtype), None)
@@ -117,7 +118,8 @@ def _dtype(dtype: str | torch.dtype) -> str | torch.dtype:
     return value
 
 
-def _resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
+def resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
+    """(local directory, label) of "toy", a checkpoint directory or a cached hub id; never downloads."""
     name = str(name_or_path)
     if name == "toy":
         if not (TOY_DIR / "config.json").exists():
@@ -210,3 +212,27 @@ def _load_image_processor(path: str):
         if cls is not None:
             return cls.from_dict(cfg)
     raise CheckpointNotFoundError(f"{path} names an unknown image processor {name!r}")
+
+
+def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int | None = None):
+    """A `countlens.VLM` of the checkpoint at ``path`` built on the meta device: its config and
+    processor read, no weights (what `countlens plan` reads). ``image_size`` pins a dynamic-resolution
+    processor to square images of that side."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    where, label = resolve_path(path)
+    config = AutoConfig.from_pretrained(where, local_files_only=True)
+    spec_for(config)
+    processor = load_processor(where, config)
+    if image_size is not None:
+        ip = processor.image_processor
+        fixed = fixed_size(ip)
+        if fixed is None:
+            ip.size = {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size}
+        elif fixed != (image_size, image_size):
+            raise InputError(f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
+                             f"{fixed[1]}; leave --image-size unset")
+    kind = torch_dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=kind)
+    return VLM(model.eval(), processor, name=label)

@@ -121,7 +121,7 @@ class VLM:
     def geometry(self) -> Geometry:
         """The patch grid for this model's native (or default) square image size."""
         ip = self.processor.image_processor
-        size = _fixed_size(ip)
+        size = fixed_size(ip)
         if size is None:  # dynamic: a square image of the pinned area, else of the default side
             lo, hi = ip.size["shortest_edge"], ip.size["longest_edge"]
             side = round(lo**0.5) if lo == hi else DEFAULT_DYNAMIC_SIDE
@@ -131,7 +131,7 @@ class VLM:
     def geometry_for(self, height: int, width: int) -> Geometry:
         """The geometry the processor will use for an input image of ``height`` × ``width`` pixels."""
         ip = self.processor.image_processor
-        size = _fixed_size(ip)
+        size = fixed_size(ip)
         if size is not None:
             return Geometry(size[0], size[1], self.arch.patch_size, self.arch.merge_size)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -188,7 +188,7 @@ class VLM:
         inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
         forcing = forced is not None and any(len(f) for f in forced)
         if forcing:
-            inputs = _append_tokens(inputs, forced, self._pad_id())
+            inputs = _append_tokens(inputs, forced, self.pad_id())
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         image_pos, image_cell, geoms = [], [], []
         for b in range(ids.shape[0]):
@@ -258,7 +258,8 @@ class VLM:
         checkpoints pad it: Qwen2.5-VL-7B has 152,064 rows and 151,665 tokens)."""
         return [t or "" for t in self.tokenizer.convert_ids_to_tokens(list(ids))]
 
-    def _pad_id(self) -> int:
+    def pad_id(self) -> int:
+        """The id that pads rows: the tokenizer's pad token, else its end-of-sequence token."""
         pad = self.tokenizer.pad_token_id
         return int(self.tokenizer.eos_token_id if pad is None else pad)
 
@@ -327,7 +328,7 @@ def _cells(layout: str, geom: Geometry, n_tokens: int, b: int) -> torch.Tensor:
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def _fixed_size(ip) -> tuple[int, int] | None:
+def fixed_size(ip) -> tuple[int, int] | None:
     """(height, width) every image is resized to, or None for dynamic resolution."""
     size = {k: v for k, v in dict(getattr(ip, "size", None) or {}).items() if v is not None}
     if "shortest_edge" in size and "longest_edge" in size:  # Qwen: bounds on the pixel count,

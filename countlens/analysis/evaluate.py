@@ -179,7 +179,7 @@ def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool =
         if candidates is not None:
             raise InputError("candidates= is for method='candidates'; single-token scoring reads the whole vocabulary")
         return _score_tokens(vlm, samples, batch_size, progress)
-    return _score_candidates(vlm, samples, _candidate_sets(samples, candidates), batch_size, progress)
+    return _score_candidates(vlm, samples, candidate_sets(samples, candidates), batch_size, progress)
 
 
 def _score_tokens(vlm, samples: Sequence[Sample], batch_size: int, progress: bool) -> xr.Dataset:
@@ -217,7 +217,7 @@ def _score_tokens(vlm, samples: Sequence[Sample], batch_size: int, progress: boo
     )
 
 
-def _candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) -> list[dict[str, int]]:
+def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) -> list[dict[str, int]]:
     """Per sample, its candidate answers → their count (−1 for non-counting answers)."""
     if candidates is not None:
         cands = [str(c) for c in candidates]
@@ -323,7 +323,7 @@ def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple
         by_sample.setdefault(j, []).append(prefix)
     found: dict[int, dict] = {}
     order = list(by_sample)
-    from countlens.circuits.patching import MAX_ROWS
+    from countlens.memory import MAX_ROWS
 
     # Each sample's KV cache is repeated once per row: bound the continuation batch by MAX_ROWS rows.
     step = max(1, min(batch_size, MAX_ROWS // max(len(v) for v in by_sample.values())))
@@ -343,7 +343,7 @@ def _cached_rows(vlm, chunk: Sequence[Sample], js: list[int], prefixes: list[lis
     per = max(len(ps) for ps in prefixes)
     padded = [ps + [ps[-1]] * (per - len(ps)) for ps in prefixes]
     device, mask = vlm.device, batch.inputs["attention_mask"]
-    ids = torch.full((len(js) * per, width), vlm._pad_id(), dtype=torch.long)
+    ids = torch.full((len(js) * per, width), vlm.pad_id(), dtype=torch.long)
     tail = torch.zeros(len(js) * per, width, dtype=mask.dtype)
     for r, p in enumerate(p for ps in padded for p in ps):
         ids[r, : len(p)] = torch.tensor(p)

@@ -19,7 +19,7 @@ layer / (n_layers − 1). Rules, first match wins (thresholds are `HeadThreshold
    count (an existence signal), or (difficulty_min set) difficulty words (difficulty ≥ difficulty_min);
 5. **other**.
 
-The defaults are countlens's, sized for the organism; `countlens.presets` holds the bands that class
+The defaults are countlens's, sized for the organism; `countlens.pipeline.presets` holds the bands that class
 a paper's layer ranges as the paper does.
 """
 
@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import xarray as xr
+
+from countlens.errors import RunDirError
 
 CLASSES: tuple[str, ...] = ("visual grounding", "cross-modal routing", "counting aggregation", "awareness", "other")
 
@@ -98,6 +100,34 @@ def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.Da
     df.insert(0, "head_id", [f"L{la}H{h}" for la, h in zip(df["layer"], df["head"])])
     df.attrs["thresholds"] = asdict(t)
     return df.sort_values("importance", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset,
+               thresholds: HeadThresholds = HeadThresholds()) -> pd.DataFrame:
+    """Classify heads from a discover run's results (`countlens.pipeline.rundir.load_run`). ``importance`` is on one scale, the paper's γ_h:
+    |effect| of patching the head's z (the share of the logit difference it carries, 0 … 1).
+    ``ablation_drop`` is a column of its own, the counting task's mean drop in log p(gold) (nats)
+    when the head is mean-ablated: a second measure, not mixed into the first. ``alignment``: the
+    share of counting samples whose top-1 decoded token is the first token of their count (runs
+    made before HeadLens recorded it: not measured); ``difficulty``: HeadLens's difficulty-word share."""
+    for field, measure in (("align_min", "count_token"), ("difficulty_min", "difficulty")):
+        value = getattr(thresholds, field)
+        if value is not None and value > 0 and measure not in hl:
+            raise RunDirError(f"{field}={value}: this run's HeadLens results have no {measure!r} (made before "
+                             "countlens recorded it); delete results/headlens.nc and rerun `countlens discover` "
+                             "with the same --out to compute it")
+    top1 = hl.token_id.isel(k=0)
+    alignment = None
+    if "count_token" in hl:
+        known = hl.count_token >= 0
+        alignment = (top1 == hl.count_token).where(known).mean("sample")
+    table = classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), np.abs(heads.effect),
+                           constancy(hl.token.isel(k=0)), thresholds, alignment=alignment,
+                           difficulty=hl.get("difficulty"))
+    drop = abl.logp_drop.sel(task="count")
+    table.insert(table.columns.get_loc("importance") + 1, "ablation_drop",
+                 [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])])
+    return table
 
 
 def export_heads(df: pd.DataFrame, out: str | Path, stem: str = "heads") -> list[Path]:

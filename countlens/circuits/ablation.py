@@ -17,9 +17,9 @@ even "3", ends with the end-of-answer token, so log p(gold) covers that token to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import hashlib
 import re
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -28,10 +28,12 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.answers import answer_window, sequence_scores
-from countlens.circuits.patching import Edit, run_edits
+from countlens.circuits.edits import Edit, run_edits
 from countlens.circuits.sites import group_mask
+from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
+from countlens.results import SweepStore, provenance, samples_digest
 
 ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
 
@@ -103,21 +105,13 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
             raise InputError(f"task {name!r} has no samples")
     arch = vlm.arch
     sites = [(layer, head) for layer in range(arch.n_layers) for head in range(arch.n_heads)]
-    store = _open_store(vlm, store, tasks, batch_size, means)
+    store = _scan_store(vlm, store, tasks, batch_size, means)
     shard = distributed.resolve(shard, store, "ablation_scan")
     acc_drop = np.zeros((len(tasks), arch.n_layers, arch.n_heads))
     logp_drop = np.zeros_like(acc_drop)
     base_acc = np.zeros(len(tasks))
     chunks = [(name, start) for name, samples in tasks.items() for start in range(0, len(samples), batch_size)]
     keys = [f"{name}_{start:06d}" for name, start in chunks]
-    mine = set(shard.mine(keys))
-    todo = [(key, name, start) for key, (name, start) in zip(keys, chunks) if key in mine]
-    if progress:
-        from countlens.progress import track
-
-        todo = track(todo, description="mean ablation, chunks" + (
-            f" (rank {shard.rank} of {shard.world})" if shard.sharded else ""))
-    parts: dict[str, list[xr.Dataset]] = {name: [] for name in tasks}
     mus: dict[str, Tensor] = {}
     if shard.sharded:
         # Every rank needs every task's means: rank 0 computes (and stores) them, the others read them.
@@ -126,28 +120,24 @@ def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Te
             mus.update({name: _task_means(vlm, name, tasks[name], means, batch_size, store) for name in needed})
         else:
             distributed.wait_for(store, [_means_key(name) for name in needed], shard)
-    for key, name, start in todo:
+
+    def chunk_result(key: str) -> xr.Dataset:
+        name, start = chunks[keys.index(key)]
         samples = tasks[name]
-        if store is not None and key in store.done():
-            parts[name].append(store.read(key))
-            continue
-        if name not in mus:
+        if name not in mus:  # a task's means only once one of its chunks is computed
             mus[name] = _task_means(vlm, name, samples, means, batch_size, store)
-        part = _scan_chunk(vlm, samples[start : start + batch_size], mus[name], sites)
-        if store is not None:
-            store.write(key, part)
+        return _scan_chunk(vlm, samples[start : start + batch_size], mus[name], sites)
+
+    done = run_chunks(keys, chunk_result, store, shard, "mean ablation, chunks" if progress else None)
+    parts: dict[str, list[xr.Dataset]] = {name: [] for name in tasks}
+    for (name, _), part in zip(chunks, done):
         parts[name].append(part)
-    if shard.sharded:
-        distributed.wait_for(store, keys, shard)
-        parts = {name: [store.read(key) for key, (n, _) in zip(keys, chunks) if n == name] for name in tasks}
     for t, name in enumerate(tasks):
         ds = xr.concat(parts[name], dim="sample")
         base = ds.base_correct.values.astype(bool)
         base_acc[t] = base.mean()
         acc_drop[t] = (base.mean() - ds.correct.values.mean(1)).reshape(arch.n_layers, arch.n_heads)
         logp_drop[t] = ds.logp_drop.values.mean(1).reshape(arch.n_layers, arch.n_heads)
-    from countlens.results import provenance
-
     names = list(tasks)
     return xr.Dataset(
         {"acc_drop": (("task", "layer", "head"), acc_drop), "logp_drop": (("task", "layer", "head"), logp_drop),
@@ -199,28 +189,25 @@ def _scan_chunk(vlm, chunk: Sequence, mu: Tensor, sites: list[tuple[int, int]]) 
                        "base_correct": ("sample", b_ok.numpy())})
 
 
-def _open_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means):
+def _scan_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means) -> SweepStore | None:
     if store is None:
         return None
-    from countlens.results import SweepStore, samples_digest
-
-    if isinstance(store, SweepStore):
-        return store
-    import hashlib
-
     for name in tasks:  # task names become chunk file names: refuse a bad one before any work
         if not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
             raise InputError(f"task name {name!r} cannot name a stored chunk; use letters, digits, '_' or '-'")
-    given = [means] if isinstance(means, Tensor) else [means[k] for k in sorted(means or {})]
-    h = hashlib.sha256()
-    for m in given:  # the means' values, not only whether there were any
-        h.update(m.detach().double().cpu().numpy().tobytes())
-    # "tasks" names each task and its size, in order, so one digest over all samples places them.
-    spec = {"sweep": "ablation_scan", "model": vlm.name, "tasks": {k: len(v) for k, v in tasks.items()},
-            "batch_size": batch_size, "samples_digest": samples_digest(s for v in tasks.values() for s in v),
-            "means_digest": h.hexdigest()[:16],
-            "given_means": sorted(means) if isinstance(means, dict) else means is not None}
-    return SweepStore(store, spec)
+
+    def spec() -> dict:
+        given = [means] if isinstance(means, Tensor) else [means[k] for k in sorted(means or {})]
+        h = hashlib.sha256()
+        for m in given:  # the means' values, not only whether there were any
+            h.update(m.detach().double().cpu().numpy().tobytes())
+        # "tasks" names each task and its size, in order, so one digest over all samples places them.
+        return {"sweep": "ablation_scan", "model": vlm.name, "tasks": {k: len(v) for k, v in tasks.items()},
+                "batch_size": batch_size, "samples_digest": samples_digest(s for v in tasks.values() for s in v),
+                "means_digest": h.hexdigest()[:16],
+                "given_means": sorted(means) if isinstance(means, dict) else means is not None}
+
+    return open_store(store, spec)
 
 
 def ablate(vlm, samples: Sequence, heads: Sequence[tuple[int, int]], means: Tensor | None = None,

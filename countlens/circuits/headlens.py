@@ -17,7 +17,7 @@ shapes, geometry; `VISUAL_WORDS`, configurable) — CTER — the share of number
 number words) — and difficulty — the share of words that say a count is hard (`DIFFICULTY_WORDS`:
 the paper's awareness heads write "difficult", "impossible" at large counts). Each sample's
 ``count_token`` (the first token of its count written as a number) lets a head's top-1 token be
-compared with the count (`countlens.discover.head_table`'s alignment).
+compared with the count (`countlens.analysis.heads.head_table`'s alignment).
 """
 
 from __future__ import annotations

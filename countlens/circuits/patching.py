@@ -39,14 +39,12 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import distributed
-from countlens.circuits.sites import GROUPS, group_mask, heads_view, repeat_inputs, repeat_output
+from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.sites import GROUPS, group_mask, heads_view
+from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
-
-#: Rows per batch-expanded forward (replicas × pairs) at most; fewer where the device's free memory
-#: holds fewer (`countlens.plan.rows_per_forward`).
-MAX_ROWS = 256
-
+from countlens.results import SweepStore, provenance, samples_digest
 
 @dataclass
 class PairBatch:
@@ -100,134 +98,13 @@ def _logit_diff(logits: Tensor, clean_id: Tensor, corrupt_id: Tensor) -> Tensor:
     return logits[rows, clean_id.to(logits.device)] - logits[rows, corrupt_id.to(logits.device)]
 
 
-@torch.no_grad()
-def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
-    """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
-    ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens)."""
-    out: dict = {"resid": {}, "z": {}}
-    with vlm.read(batch):
-        if resid and -1 in layers:
-            out["resid"][-1] = vlm.module(vlm.arch.layer(0)).input.save()
-        for layer in sorted(x for x in layers if x >= 0):
-            if z:
-                out["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
-            if resid:
-                out["resid"][layer] = vlm.module(vlm.arch.layer(layer)).output.save()
-        logits = vlm.nn.output.logits[:, -1].save()
-    out["logits"] = logits.float()
-    return out
-
-
-@dataclass(frozen=True)
-class Edit:
-    """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None; layer
-    −1 = the input of layer 0) or head ``head``'s z there, with ``value`` (Float[Tensor, "batch seq d"])
-    or else the cached run's."""
-
-    layer: int
-    mask: Tensor  # Bool[Tensor, "batch seq"]
-    head: int | None = None
-    value: Tensor | None = None
-
-
-def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
-    """value[b, s], wherever value and the indices live (edit values may sit on the CPU)."""
-    return value[b.to(value.device), s.to(value.device)]
-
-
-@torch.no_grad()
-def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int | None = None,
-              reduce=None, keep: int = 1) -> Tensor:
-    """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"]
-    (with ``keep`` > 1 the last ``keep`` positions: Float[Tensor, "replicas batch keep vocab"]), or
-    ``reduce(logits)`` per replica (e.g. the gold answer's log-prob) so that a long sweep over a
-    large vocabulary never holds every replica's full logits.
-
-    ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
-    stacked in one forward, ``max_rows // len(batch)`` at a time (``max_rows`` None: as many rows as
-    the device's free memory holds, at most `MAX_ROWS`; `countlens.plan.rows_per_forward`). Two savings, exact by construction:
-    every replica shows the same images, so the vision tower runs once and is skipped in the stacked
-    forwards; and nothing changes below a replica's lowest edited layer, so the layers beneath the
-    lowest edit of a stacked forward are skipped too, their clean output fed in from one clean run.
-    """
-    n = len(batch)
-    if max_rows is None:
-        from countlens import plan
-
-        free = plan.model_free_bytes(vlm)
-        if free is None:  # a remote model: the server's memory is not known here
-            max_rows = MAX_ROWS
-        else:
-            w, seq = plan.widths(vlm), int(batch.inputs["input_ids"].shape[1])
-            patches = max(len(p) for p in batch.image_pos) * w.merge**2
-            max_rows = plan.rows_per_forward(w, seq, free, keep, patches)
-    per_pass = max(1, max_rows // n)
-    d_head = vlm.arch.d_head
-    n_layers = vlm.arch.n_layers
-    replicas = [[r] if isinstance(r, Edit) else list(r) for r in replicas]
-    # Stacked forwards share their skipped prefix: order replicas by their lowest edited layer.
-    first = [min((e.layer for e in edits), default=n_layers) for edits in replicas]
-    order = sorted(range(len(replicas)), key=lambda i: first[i])
-    chunks = [order[i : i + per_pass] for i in range(0, len(order), per_pass)]
-    starts = [min(first[i] for i in chunk) for chunk in chunks]
-    tower = vlm.arch.spec.vision_tower
-    clean: dict = {}
-    if len(replicas) > 1:
-        # A copy of the tower's output, because the model edits that object afterwards.
-        with vlm.read(batch):
-            clean["vision"] = repeat_output(vlm.module(tower).output, 1)
-            for layer in sorted({s - 1 for s in starts if s >= 1}):
-                clean[layer] = vlm.module(vlm.arch.layer(layer)).output.save()
-    out = [None] * len(replicas)
-    for chunk, start in zip(chunks, starts):
-        k = len(chunk)
-        inputs = repeat_inputs(batch.inputs, k)
-        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, i in enumerate(chunk) for e in replicas[i]]
-        with vlm.trace(inputs, use_cache=False, logits_to_keep=keep):
-            if clean:
-                vlm.module(tower).skip(repeat_output(clean["vision"], k))
-                if start >= 1:
-                    # Layers below the first edit: only the last one's output is ever read.
-                    below = repeat_output(clean[start - 1], k)
-                    for layer in range(start):
-                        vlm.module(vlm.arch.layer(layer)).skip(below)
-            # nnsight needs modules in execution order: layers ascending, o_proj before the layer output.
-            for layer in sorted({e.layer for _, e, _, _ in where}):
-                zs = [w for w in where if w[1].layer == layer and w[1].head is not None]
-                if zs:
-                    zin = vlm.module(vlm.arch.o_proj(layer)).input
-                    for r, e, b, s in zs:
-                        cols = slice(e.head * d_head, (e.head + 1) * d_head)
-                        src = _at(e.value, b, s) if e.value is not None else cache["z"][layer][b, s, cols]
-                        zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
-                rs = [w for w in where if w[1].layer == layer and w[1].head is None]
-                if rs:
-                    site = vlm.module(vlm.arch.layer(max(layer, 0)))
-                    hid = site.input if layer == -1 else site.output
-                    for r, e, b, s in rs:
-                        src = _at(e.value, b, s) if e.value is not None else cache["resid"][layer][b, s]
-                        hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
-            logits = (vlm.nn.output.logits[:, -1] if keep == 1 else vlm.nn.output.logits[:, -keep:]).save()
-        for r, i in enumerate(chunk):
-            rows = logits[r * n : (r + 1) * n].float()
-            out[i] = (rows if reduce is None else reduce(rows)).cpu()
-    return torch.stack(out)
-
-
 def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corrupt_ld: Tensor) -> tuple:
     denom = float(corrupt_ld.sum() - clean_ld.sum())
     effect = (patched_ld.sum(-1) - clean_ld.sum()) / denom
     return effect, pred_corrupt.float().mean(-1)
 
 
-def _chunks(pairs: Sequence, batch_size: int):
-    for start in range(0, len(pairs), batch_size):
-        yield start, pairs[start : start + batch_size]
-
-
 def _provenance(vlm, pairs: Sequence, **extra) -> dict:
-    from countlens.results import provenance
-
     kinds = sorted({getattr(p, "kind", "?") for p in pairs})
     return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
 
@@ -240,20 +117,12 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
     shard = distributed.resolve(shard, store, "this patching sweep")
     shape = tuple(len(v) for v in coords.values())
     dims = tuple(coords)
-    chunks = list(_chunks(pairs, batch_size))
-    keys = [f"pairs_{start:06d}_{start + len(chunk):06d}" for start, chunk in chunks]
-    mine = set(shard.mine(keys))
-    todo = [(key, start, chunk) for key, (start, chunk) in zip(keys, chunks) if key in mine]
-    if progress:
-        from countlens.progress import track
+    starts = range(0, len(pairs), batch_size)
+    keys = [f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}" for start in starts]
 
-        todo = track(todo, description=f"patching {len(pairs)} pairs" + (
-            f" (rank {shard.rank} of {shard.world})" if shard.sharded else ""))
-    parts = []
-    for key, start, chunk in todo:
-        if store is not None and key in store.done():
-            parts.append(store.read(key))
-            continue
+    def chunk_result(key: str) -> xr.Dataset:
+        start = starts[keys.index(key)]
+        chunk = pairs[start : start + batch_size]
         pb = prepare_pairs(vlm, chunk)
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers))
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
@@ -264,7 +133,7 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
         out = run_edits(vlm, pb.clean, cache, make_edits(pb), reduce=read)
         ld, pred = out[:, 0].contiguous(), out[:, 1].bool()
         pair = np.arange(start, start + len(chunk))
-        part = xr.Dataset(
+        return xr.Dataset(
             {
                 "logit_diff": (dims + ("pair",), ld.view(*shape, len(chunk)).numpy()),
                 "to_corrupt": (dims + ("pair",), pred.view(*shape, len(chunk)).numpy()),
@@ -274,12 +143,8 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
             },
             coords={**coords, "pair": pair},
         )
-        if store is not None:
-            store.write(key, part)
-        parts.append(part)
-    if shard.sharded:
-        distributed.wait_for(store, keys, shard)
-        parts = [store.read(key) for key in keys]
+
+    parts = run_chunks(keys, chunk_result, store, shard, f"patching {len(pairs)} pairs" if progress else None)
     ds = xr.concat(parts, dim="pair", data_vars="minimal")
     ld, clean_ld, corrupt_ld = (torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff",
                                                                          "corrupt_logit_diff"))
@@ -290,14 +155,9 @@ def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progres
     return ds
 
 
-def _open_store(store, spec: dict, pairs: Sequence):
-    if store is None:
-        return None
-    from countlens.results import SweepStore, samples_digest
-
-    spec = {**spec, "pairs_digest": samples_digest(side for p in pairs for side in (p.clean, p.corrupt))}
-
-    return store if isinstance(store, SweepStore) else SweepStore(store, spec)
+def _pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
+    return open_store(store, lambda: {**spec, "pairs_digest": samples_digest(
+        side for p in pairs for side in (p.clean, p.corrupt))})
 
 
 def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last", "text"),
@@ -321,7 +181,7 @@ def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last",
     spec = {"sweep": "patch_layers", "model": vlm.name, "layers": layers, "groups": list(groups),
             "pairs": len(pairs), "batch_size": batch_size}
     ds = _sweep(vlm, pairs, edits, {"layer": layers, "group": list(groups)}, batch_size,
-                _open_store(store, spec, pairs), progress, shard)
+                _pairs_store(store, spec, pairs), progress, shard)
     ds.attrs["method"] = "patch_layers"
     return ds
 
@@ -342,7 +202,7 @@ def patch_heads(vlm, pairs: Sequence, layers: Sequence[int] | None = None, posit
 
     spec = {"sweep": "patch_heads", "model": vlm.name, "layers": layers, "positions": positions,
             "pairs": len(pairs), "batch_size": batch_size}
-    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _open_store(store, spec, pairs),
+    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _pairs_store(store, spec, pairs),
                 progress, shard)
     ds.attrs.update(method="patch_heads", positions=positions)
     return ds
@@ -356,7 +216,8 @@ def attribution_patch(vlm, pairs: Sequence, positions: str = "all", batch_size: 
     head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     resid_est = torch.zeros(n_layers, dtype=torch.float64)
     clean_sum = corrupt_sum = 0.0
-    for _, chunk in _chunks(pairs, batch_size):
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
         pb = prepare_pairs(vlm, chunk)
         corrupt = cache_run(vlm, pb.corrupt, range(n_layers))
         mask = group_mask(pb.clean, positions)

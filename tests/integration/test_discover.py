@@ -92,7 +92,7 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     assert "PixMo-Count" not in table.columns and "PixMo-Count" not in result.output  # no copy, no column
     assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
     # A rerun (a resume after a kill) neither retrains nor re-evaluates a finished row.
-    from countlens.training import report as before_after_module
+    from countlens.pipeline import finetune_job as before_after_module
 
     calls = []
     real = before_after_module._metrics

@@ -196,7 +196,8 @@ def test_cli_bad_input(case, tmp_path):
 
 def test_discover_refused_then_corrected_in_the_same_directory(tmp_path, loaded):
     """A refused run leaves no spec.json behind to block the corrected rerun."""
-    from countlens.discover import DiscoverConfig, discover
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.pipeline.discover import discover
 
     toy = loaded("toy")
     with pytest.raises(InputError, match="batch_size"):

@@ -11,12 +11,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 import countlens
-from countlens import plan
-from countlens.circuits.patching import MAX_ROWS, patch_heads, prepare_pairs
+from countlens import memory
+from countlens.circuits.patching import patch_heads, prepare_pairs
+from countlens.loading import meta_vlm
+from countlens.memory import MAX_ROWS
+from countlens.pipeline import plan
 from countlens.cli import app
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
-from countlens.discover import STAGES, DiscoverConfig
+from countlens.pipeline.config import STAGES, DiscoverConfig
 from countlens.errors import InputError
 from tolerance import assert_effect, logit_scale
 
@@ -34,7 +37,7 @@ def test_forward_flops_equal_torch_flop_counter(name, loaded):
     vlm = loaded(name, attn_implementation="eager")
     samples = task_samples("count", 3, 0, image_size=vlm.geometry.image_height)
     batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])
-    w = plan.widths(vlm)
+    w = memory.widths(vlm)
     seq = batch.inputs["input_ids"].shape[1]
     for keep in (1, 3):
         with FlopCounterMode(display=False) as counter, torch.no_grad():
@@ -47,34 +50,34 @@ def test_forward_flops_equal_torch_flop_counter(name, loaded):
 
 
 def test_meta_model_reads_the_loaded_models_widths(organism):
-    assert plan.widths(plan.meta_vlm("toy")) == plan.widths(organism)
+    assert memory.widths(meta_vlm("toy")) == memory.widths(organism)
 
 
 def test_rows_per_forward_fit_free_memory(organism):
-    w = plan.widths(organism)
-    per_row = plan.stacked_row_bytes(w, 50)
-    assert plan.rows_per_forward(w, 50, 1 << 40) == MAX_ROWS
-    assert plan.rows_per_forward(w, 50, 0) == 1
-    rows = plan.rows_per_forward(w, 50, int(10.5 * per_row / plan.FREE_SHARE))
+    w = memory.widths(organism)
+    per_row = memory.stacked_row_bytes(w, 50)
+    assert memory.rows_per_forward(w, 50, 1 << 40) == MAX_ROWS
+    assert memory.rows_per_forward(w, 50, 0) == 1
+    rows = memory.rows_per_forward(w, 50, int(10.5 * per_row / memory.FREE_SHARE))
     assert rows == 10
-    assert plan.rows_per_forward(w, 100, int(10.5 * per_row / plan.FREE_SHARE)) < rows  # longer rows, fewer
+    assert memory.rows_per_forward(w, 100, int(10.5 * per_row / memory.FREE_SHARE)) < rows  # longer rows, fewer
 
 
 @pytest.mark.numeric
 def test_a_sweep_on_little_memory_stacks_fewer_rows_and_gives_the_same_effects(organism, monkeypatch):
     pairs = count_pairs(4, kind="dots", grid=organism.geometry, seed=0, prompt="short", counts=range(1, 10))
     full = patch_heads(organism, pairs, batch_size=4)
-    w = plan.widths(organism)
+    w = memory.widths(organism)
     seen = []
-    rows_per_forward = plan.rows_per_forward
+    rows_per_forward = memory.rows_per_forward
 
     def spy(*args, **kwargs):
         seen.append(rows_per_forward(*args, **kwargs))
         return seen[-1]
 
     seq = 60
-    monkeypatch.setattr(plan, "free_bytes", lambda device: int(9 * plan.stacked_row_bytes(w, seq) / plan.FREE_SHARE))
-    monkeypatch.setattr(plan, "rows_per_forward", spy)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int(9 * memory.stacked_row_bytes(w, seq) / memory.FREE_SHARE))
+    monkeypatch.setattr(memory, "rows_per_forward", spy)
     small = patch_heads(organism, pairs, batch_size=4)
     assert seen and max(seen) < 4 * full.sizes["layer"] * full.sizes["head"]  # not every replica in one forward
     assert max(seen) < MAX_ROWS
@@ -97,9 +100,9 @@ def test_plan_covers_every_stage_and_sizes_sweeps_like_run_edits(organism):
 
 
 def test_little_memory_shrinks_the_sweeps_and_flags_nothing_it_fits(organism):
-    w = plan.widths(organism)
+    w = memory.widths(organism)
     roomy = plan.plan(organism, SMALL, memory=1 << 36, base=0)
-    tight = plan.plan(organism, SMALL, memory=w.weight_bytes + 40 * plan.stacked_row_bytes(w, 60), base=0)
+    tight = plan.plan(organism, SMALL, memory=w.weight_bytes + 40 * memory.stacked_row_bytes(w, 60), base=0)
     assert {s.name: s.rows for s in tight.stages}["heads"] < {s.name: s.rows for s in roomy.stages}["heads"]
     assert roomy.over() == []
     # A device between the smallest and the largest stage's peak: exactly the larger stages are flagged.
@@ -129,6 +132,6 @@ def test_cli_plan_writes_json_and_refuses_bad_memory(tmp_path):
 
 def test_remote_models_keep_the_fixed_row_cap(organism, monkeypatch):
     """A remote (NDIF) model's memory is the server's: no free figure is read from this machine."""
-    assert plan.model_free_bytes(organism) > 0
+    assert memory.model_free_bytes(organism) > 0
     monkeypatch.setattr(organism, "remote", True)
-    assert plan.model_free_bytes(organism) is None
+    assert memory.model_free_bytes(organism) is None

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from countlens import presets
+from countlens.pipeline import presets
 from countlens.analysis.heads import HeadThresholds, classify_heads
-from countlens.discover import DiscoverConfig, check_config
+from countlens.pipeline.config import DiscoverConfig, check_config
 from countlens.errors import InputError
 from countlens.training.finetune import FinetuneConfig
 
@@ -28,7 +28,7 @@ def test_preset_values_are_the_papers():
 
 
 def test_finetune_recipes_are_the_papers():
-    from countlens.training.report import VARIANTS, recipe_config
+    from countlens.pipeline.finetune_job import VARIANTS, recipe_config
 
     cc = presets.recipe("counting-circuits")  # paper 002, Training and the ablation table
     config = recipe_config(cc, cc.n_train)
@@ -51,7 +51,7 @@ def test_finetune_recipes_are_the_papers():
 
 
 def test_a_local_copy_given_adds_its_column_where_the_recipe_has_none():
-    from countlens.training.report import evaluation_names
+    from countlens.pipeline.finetune_job import evaluation_names
 
     c4, cc = presets.recipe("counting-to-four"), presets.recipe("counting-circuits")
     assert evaluation_names(c4, {"pixmo": "p", "fsc147": "f"}) == (*c4.evaluation, "PixMo-Count")
@@ -72,7 +72,7 @@ def test_the_paper_probe_has_the_papers_capacity():
 
 def test_syn_training_data_is_half_dots_half_polygons_with_counts_to_ten():
     from countlens.geometry import Geometry
-    from countlens.training.report import training_data
+    from countlens.pipeline.finetune_job import training_data
 
     scenes = training_data(presets.recipe("counting-circuits"), Geometry(192, 192, 16), "std", n=40)
     kinds = [s.meta["kind"] for s in scenes]
@@ -141,7 +141,7 @@ def test_the_defaults_cannot_class_the_papers_routing_or_difficulty_heads():
 def test_head_table_alignment_is_the_share_of_samples_decoding_the_count():
     """A head's alignment: the share of samples (with a known count) whose top-1 token is the
     first token of the count; ablation_drop is copied, unscaled, beside importance."""
-    from countlens.discover import head_table
+    from countlens.analysis.heads import head_table
 
     coords = {"layer": [0, 1], "head": [0, 1]}
     count_token = np.array([7, 8, 9, -1])  # the last sample has no count
@@ -167,7 +167,7 @@ def test_head_table_alignment_is_the_share_of_samples_decoding_the_count():
 def test_a_threshold_whose_measure_the_run_lacks_is_refused():
     """Runs made before HeadLens recorded count_token / difficulty: asking for alignment or
     difficulty names the fix instead of classing nothing."""
-    from countlens.discover import head_table
+    from countlens.analysis.heads import head_table
 
     coords = {"layer": [0], "head": [0]}
     hl = xr.Dataset({"token_id": (("layer", "head", "sample", "k"), np.zeros((1, 1, 2, 1), dtype=int)),
@@ -190,7 +190,7 @@ def test_a_run_made_before_the_new_fields_resumes(tmp_path):
     import json
     from dataclasses import asdict
 
-    from countlens.discover import Stages
+    from countlens.pipeline.rundir import Stages
 
     spec = {**asdict(DiscoverConfig()), "model": "toy"}
     old = {k: v for k, v in spec.items() if k not in ("jaccard_k", "preset")}
@@ -204,7 +204,7 @@ def test_the_full_rows_temperature_sharpens_the_classes_the_recipe_names(tmp_pat
     import pandas as pd
 
     from countlens.circuits.temperature import beta_from_importance
-    from countlens.training.report import importance_from
+    from countlens.pipeline.finetune_job import importance_from
 
     pd.DataFrame({"layer": [0, 1, 2, 3], "head": [0, 0, 0, 0], "importance": [0.9, 0.5, 0.45, 0.2],
                   "class": ["visual grounding", "cross-modal routing", "counting aggregation", "other"]}
@@ -221,7 +221,7 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads():
     from dataclasses import replace
 
     from countlens.geometry import Geometry
-    from countlens.training.report import EVALUATION, LOCAL_SETS, check_recipe, evaluation_sets
+    from countlens.pipeline.finetune_job import EVALUATION, LOCAL_SETS, check_recipe, evaluation_sets
 
     base = presets.DEFAULT_RECIPE
     for change, message in (({"rows": ("+SFT", "+LoRA")}, "Recipe.rows"),

@@ -23,72 +23,21 @@ copy of the tower's output. The vision tower's transient is the same count as a 
 its own widths over the batch's patches. These are countlens's own estimates; the
 7B-width rehearsal (``bench/plan_rehearsal.py``) measures them against peak RSS.
 
-`rows_per_forward` is what the batch-expanded sweeps (`countlens.circuits.run_edits`) use instead
-of a constant: the most stacked rows whose transient fits a share of the device's free memory,
-capped at `countlens.circuits.patching.MAX_ROWS`.
+Row sizing of the sweeps (`rows_per_forward`, `Widths`) lives in `countlens.memory`; this module
+plans the stages above it.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
 
-import torch
-
-#: Share of the free memory a sweep's stacked forward may take (the rest: the allocator's slack).
-FREE_SHARE = 0.7
-
-
-@dataclass(frozen=True)
-class Widths:
-    """What a plan needs of a model, read off its modules."""
-
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_head: int
-    d_model: int
-    d_ff: int  # widest Linear output in a decoder layer
-    vocab: int
-    layer_linear: int  # Linear weights in all decoder layers
-    vision_width: int
-    vision_ff: int
-    vision_blocks: int
-    vision_linear: int  # Linear weights in all vision blocks
-    projector_linear: int
-    patch_embed: int  # patch-embedding weights (applied once per patch)
-    merge: int
-    weight_bytes: int  # every parameter and buffer
-    act_bytes: int  # bytes per activation element (the model's dtype)
-
-    @property
-    def lm_head(self) -> int:
-        return self.vocab * self.d_model
-
-
-def widths(vlm) -> Widths:
-    """The `Widths` of a `countlens.VLM` (a model on any device, the meta device included)."""
-    hf, arch, spec = vlm.hf, vlm.arch, vlm.arch.spec
-    linears = lambda m: [x for x in m.modules() if isinstance(x, torch.nn.Linear)]  # noqa: E731
-    layers = hf.get_submodule(spec.layers)
-    blocks = hf.get_submodule(spec.vision_blocks)
-    block0 = linears(blocks[0]) if len(blocks) else []
-    tower = hf.get_submodule(spec.vision_tower)
-    convs = [x for x in tower.modules() if isinstance(x, torch.nn.modules.conv._ConvNd)]
-    head = hf.get_submodule(spec.lm_head)
-    return Widths(
-        n_layers=arch.n_layers, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads, d_head=arch.d_head,
-        d_model=arch.d_model, d_ff=max(x.out_features for x in linears(layers[0])), vocab=head.weight.shape[0],
-        layer_linear=sum(x.weight.numel() for x in linears(layers)),
-        vision_width=block0[0].in_features if block0 else 0,
-        vision_ff=max((x.out_features for x in block0), default=0), vision_blocks=len(blocks),
-        vision_linear=sum(x.weight.numel() for x in linears(blocks)),
-        projector_linear=sum(x.weight.numel() for x in linears(hf.get_submodule(spec.projector))),
-        patch_embed=sum(x.weight.numel() for x in convs), merge=arch.merge_size,
-        weight_bytes=sum(t.numel() * t.element_size() for t in [*hf.parameters(), *hf.buffers()]),
-        act_bytes=torch.finfo(hf.dtype).bits // 8,
-    )
+from countlens.analysis.evaluate import candidate_sets
+from countlens.answers import answer_window, read_rows
+from countlens.circuits.patching import prepare_pairs
+from countlens.errors import ConfigError
+from countlens.memory import MAX_ROWS, Widths, free_bytes, replica_copy_bytes, resident_bytes, rows_per_forward, widths
+from countlens.pipeline.config import DiscoverConfig, resolved_prompt
+from countlens.pipeline.discover import check, stage_inputs
 
 
 @dataclass(frozen=True)
@@ -140,60 +89,6 @@ def forward_bytes(w: Widths, f: Forward, patches: int) -> int:
     cache = 2 * w.n_layers * f.rows * (f.seq + f.context) * w.n_kv_heads * w.d_head * b if f.cache or f.context else 0
     saved = (w.n_layers if f.layers is None else f.layers) * tokens * (4 * w.d_ff + 6 * w.d_model) * b if f.grad else 0
     return int(max(layer, vision) + logits + cache + saved + f.extra)
-
-
-def replica_copy_bytes(w: Widths, seq: int, patches: int = 0) -> int:
-    """Bytes of the inputs a batch-expanded forward stacks per row: the input of its first layer
-    run, and (the vision tower skipped, its output fed in) the row's pixel values and a copy of the
-    tower's output (patch states and merged image tokens)."""
-    pixel = w.patch_embed // max(1, w.vision_width)  # one patch's input values
-    tokens = patches // (w.merge * w.merge)
-    return (seq * w.d_model + patches * (pixel + w.vision_width) + tokens * w.d_model) * w.act_bytes
-
-
-def stacked_row_bytes(w: Widths, seq: int, keep: int = 1, patches: int = 0) -> int:
-    """Transient bytes one more row adds to a batch-expanded forward: its activations, its logits
-    (in the model's dtype, as float32, and a reduction's float32 copy: a bound), and its stacked
-    inputs (`replica_copy_bytes`)."""
-    b = w.act_bytes
-    return (seq * (3 * w.d_ff + 4 * w.d_model) * b + keep * w.vocab * (b + 8)
-            + replica_copy_bytes(w, seq, patches))
-
-
-def free_bytes(device: torch.device | str) -> int:
-    """Free memory where a tensor on ``device`` lives: the GPU's (``mem_get_info``), else the
-    host's available memory (``/proc/meminfo``)."""
-    device = torch.device(device)
-    if device.type == "cuda":  # memory torch's allocator holds but does not use is free to it
-        return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                   - torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/meminfo") as f:
-            info = {k: v for k, v in (line.split(":", 1) for line in f)}
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):  # no /proc: the free pages
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def model_free_bytes(vlm) -> int | None:
-    """The least free memory over the devices that hold ``vlm``'s weights (several GPUs under
-    ``device_map="auto"``); None for a remote (NDIF) model, whose memory is not this machine's."""
-    if vlm.remote:
-        return None
-    devices = {p.device for p in vlm.hf.parameters()}
-    if any(d.type == "meta" for d in devices):
-        return None
-    return min(free_bytes(d) for d in devices)
-
-
-def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, patches: int = 0, cap: int | None = None) -> int:
-    """The most rows a batch-expanded forward of ``seq`` tokens (``patches`` vision patches a row)
-    may stack: FREE_SHARE of ``free`` bytes over what a row costs (`stacked_row_bytes`), at least 1
-    and at most ``cap`` (`MAX_ROWS`)."""
-    from countlens.circuits.patching import MAX_ROWS
-
-    per_row = stacked_row_bytes(w, seq, keep, patches)
-    return max(1, min(cap or MAX_ROWS, int(FREE_SHARE * free) // max(1, per_row)))
 
 
 @dataclass
@@ -291,8 +186,6 @@ class _Planner:
     """Builds each discover stage's `StagePlan` from the stage's own samples."""
 
     def __init__(self, vlm, config, free: int):
-        from countlens.discover import resolved_prompt, stage_inputs
-
         self.vlm, self.c, self.free = vlm, config, free
         self.w = widths(vlm)
         self._make = stage_inputs(vlm, config, resolved_prompt(vlm, config))
@@ -300,13 +193,11 @@ class _Planner:
         self.bs = config.batch_size
         first = self.samples("pairs")[0].clean
         self.patches = len(vlm.prepare([first.image], [first.question]).image_pos[0]) * self.w.merge**2
-        from countlens.circuits.patching import prepare_pairs
-
         pairs = self.samples("pairs")
         self.pair_seq = int(prepare_pairs(vlm, pairs[: self.bs]).clean.inputs["input_ids"].shape[1])
 
     def samples(self, name: str):
-        """A stage's samples (`discover.stage_inputs`), made once: several stages share them."""
+        """A stage's samples (`countlens.pipeline.discover.stage_inputs`), made once: several stages share them."""
         if name not in self._made:
             self._made[name] = self._make[name]()
         return self._made[name]
@@ -320,19 +211,14 @@ class _Planner:
         return int(batch.inputs["input_ids"].shape[1])
 
     def score(self, name: str, samples, times: int = 1) -> StagePlan:
-        from countlens.analysis.evaluate import _candidate_sets
-        from countlens.answers import read_rows
-
         vlm, w, seq = self.vlm, self.w, self._seq(samples)
         if all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples):
             fw = [Forward(n, seq, count=k * times) for n, k in _chunk_sizes(len(samples), self.bs).items()]
             return StagePlan(name, fw, batch=self.bs, notes=["single-token scoring"])
-        sets = {tuple(sorted(c)) for c in _candidate_sets(samples, None)}
+        sets = {tuple(sorted(c)) for c in candidate_sets(samples, None)}
         prefixes = [read_rows([vlm.answer_ids(t) for t in cands]) for cands in sets]
         per = max(len(p) for p in prefixes)
         width = max(len(x) for p in prefixes for x in p)
-        from countlens.circuits.patching import MAX_ROWS
-
         step = max(1, min(self.bs, MAX_ROWS // per))
         fw = []
         for n, k in _chunk_sizes(len(samples), step).items():
@@ -408,8 +294,6 @@ class _Planner:
         return StagePlan("attention_metrics", fw + scored.forwards, batch=self.bs, notes=scored.notes)
 
     def ablation(self) -> StagePlan:
-        from countlens.answers import answer_window
-
         w, b = self.w, self.w.act_bytes
         dz = w.n_heads * w.d_head
         firsts = [la for la in range(w.n_layers) for _ in range(w.n_heads)]
@@ -439,16 +323,13 @@ def plan(vlm, config=None, memory: int | None = None, device: str | None = None,
     ``base``: the runtime's own bytes (default: on the CPU this process's resident set less the
     loaded weights; on a GPU 0, the CUDA context being outside the allocator's count).
     """
-    from countlens.discover import DiscoverConfig, check_config
-    from countlens.errors import InputError
-
     c = config or DiscoverConfig()
-    check_config(c)
+    check(c)
     w = widths(vlm)
     loaded = vlm.device.type != "meta"
     where = device or ("cpu" if vlm.device.type in ("cpu", "meta") else vlm.device.type)
     if where not in ("cpu", "cuda"):
-        raise InputError(f"device {where!r}: plan for 'cpu' or 'cuda'")
+        raise ConfigError(f"device {where!r}: plan for 'cpu' or 'cuda'")
     if base is None:
         base = max(0, resident_bytes() - (w.weight_bytes if loaded else 0)) if where == "cpu" else 0
     if memory is None:
@@ -456,7 +337,7 @@ def plan(vlm, config=None, memory: int | None = None, device: str | None = None,
             base if loaded else 0)
     free = memory - w.weight_bytes - base
     if free <= 0:
-        raise InputError(f"{vlm.name}'s weights ({w.weight_bytes / 2**30:.1f} GiB) and the runtime "
+        raise ConfigError(f"{vlm.name}'s weights ({w.weight_bytes / 2**30:.1f} GiB) and the runtime "
                          f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
                          "memory, a smaller dtype, or several devices (device_map='auto')")
     p = _Planner(vlm, c, free)
@@ -465,41 +346,3 @@ def plan(vlm, config=None, memory: int | None = None, device: str | None = None,
               p.attention(), p.attention_metrics(), p.ablation(),
               p.score("temperature", p.samples("temperature"), times=2)]
     return Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory)
-
-
-def resident_bytes() -> int:
-    """This process's resident set now (Linux ``/proc/self/statm``; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int | None = None):
-    """A `countlens.VLM` of the checkpoint at ``path`` built on the meta device: its config and
-    processor read, no weights (what `countlens plan` reads). ``image_size`` pins a dynamic-resolution
-    processor to square images of that side."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from countlens.arch import spec_for
-    from countlens.errors import InputError
-    from countlens.loading import _dtype, _resolve_path, load_processor
-    from countlens.vlm import VLM, _fixed_size
-
-    where, label = _resolve_path(path)
-    config = AutoConfig.from_pretrained(where, local_files_only=True)
-    spec_for(config)
-    processor = load_processor(where, config)
-    if image_size is not None:
-        ip = processor.image_processor
-        fixed = _fixed_size(ip)
-        if fixed is None:
-            ip.size = {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size}
-        elif fixed != (image_size, image_size):
-            raise InputError(f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
-                             f"{fixed[1]}; leave --image-size unset")
-    kind = _dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config, dtype=kind)
-    return VLM(model.eval(), processor, name=label)

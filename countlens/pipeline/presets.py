@@ -2,7 +2,7 @@
 
 A preset is data: the `DiscoverConfig` and `HeadThresholds` fields it changes, its fine-tune
 `Recipe` (the `FinetuneConfig` fields, epochs, rows, training data and evaluation columns of
-`countlens.training.report.before_after`), its `ProbeConfig` fields, and where each value comes
+`countlens.pipeline.finetune_job.before_after`), its `ProbeConfig` fields, and where each value comes
 from. ``countlens discover --preset NAME`` (`discover_config`) and ``countlens finetune --preset
 NAME`` (`recipe`) apply it; the run's ``spec.json`` / ``report.md`` and the fine-tune's table name
 the preset and the values it set. Values the papers do not give stay countlens's defaults and are
@@ -31,30 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from countlens.errors import InputError
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A fine-tune protocol for `countlens.training.report.before_after`: what trains, on what, and
-    which rows and columns the before/after table has."""
-
-    config: dict = field(default_factory=dict)  # FinetuneConfig fields
-    epochs: float | None = None  # steps = ceil(epochs · training scenes / batch_size); None: config's steps
-    rows: tuple[str, ...] = ("+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS")
-    training: str = "countingtricks"  # `report.TRAINING`: countingtricks, syn or fsc147
-    n_train: int | None = 2048  # None: the whole training split
-    # Columns (`report.EVALUATION`); a local copy given (--fsc147, --pixmo) that none of them reads adds
-    # its own (FSC-Test, PixMo-Count), and a local column listed here is left out when no copy is given.
-    evaluation: tuple[str, ...] = ("count (in-dist.)", "tricks position", "tricks dilation", "tricks adjacency",
-                                   "color", "shape")
-    layers: str = "circuit"  # attention-loss layers: "circuit" (its VG and routing heads' layers) or "all"
-    temperature_classes: tuple[str, ...] = ()  # heads the temperature row sharpens; (): top-k by importance
-    sources: dict = field(default_factory=dict)
-
-
-#: countlens's own protocol (no paper's): the before/after table of `countlens finetune` without --preset.
-DEFAULT_RECIPE = Recipe(config={"steps": 300, "batch_size": 16, "lr": 1e-3, "lora_r": 32, "lora_alpha": 64})
+from countlens.analysis.heads import HeadThresholds
+from countlens.analysis.probes import ProbeConfig
+from countlens.errors import ConfigError
+from countlens.pipeline.config import DiscoverConfig
+from countlens.training.recipe import DEFAULT_RECIPE, Recipe
 
 
 @dataclass(frozen=True)
@@ -129,18 +110,16 @@ PRESETS: dict[str, Preset] = {
 
 def get(name: str) -> Preset:
     if name not in PRESETS:
-        raise InputError(f"unknown preset {name!r}; use one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; use one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
 
-def discover_config(name: str, **overrides):
+def discover_config(name: str, **overrides) -> DiscoverConfig:
     """The `DiscoverConfig` of preset ``name``; ``overrides`` (e.g. small sizes) win over it."""
-    from countlens.discover import DiscoverConfig
-
     known = {f.name for f in fields(DiscoverConfig)}
     unknown = set(overrides) - known
     if unknown:
-        raise InputError(f"{sorted(unknown)} are not DiscoverConfig fields; use some of {sorted(known)}")
+        raise ConfigError(f"{sorted(unknown)} are not DiscoverConfig fields; use some of {sorted(known)}")
     return DiscoverConfig(**{**get(name).discover, **overrides, "preset": name})
 
 
@@ -149,16 +128,12 @@ def recipe(name: str = "") -> Recipe:
     return get(name).finetune if name else DEFAULT_RECIPE
 
 
-def probe_config(name: str, **overrides):
+def probe_config(name: str, **overrides) -> ProbeConfig:
     """The `ProbeConfig` of preset ``name``, with ``overrides`` (e.g. fewer epochs)."""
-    from countlens.analysis.probes import ProbeConfig
-
     return ProbeConfig(**{**get(name).probe, **overrides})
 
 
-def thresholds(name: str = "", **overrides):
+def thresholds(name: str = "", **overrides) -> HeadThresholds:
     """The `HeadThresholds` of preset ``name`` ("": countlens's defaults), with ``overrides``."""
-    from countlens.analysis.heads import HeadThresholds
-
     base = HeadThresholds(**get(name).thresholds) if name else HeadThresholds()
     return replace(base, **overrides)

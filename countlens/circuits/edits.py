@@ -1,0 +1,135 @@
+"""Edits of a forward pass: overwrite sites (a layer's residual, a head's z) and read the logits.
+
+`run_edits` is the engine under patching and ablation. Many edited copies ("replicas") of one
+clean batch run stacked in one forward, replica r receiving its own edits; every replica shows the
+same images, so the vision tower runs once, and nothing changes below a replica's lowest edited
+layer, so those layers run once too. `cache_run` records the activations a patch copies from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from countlens import memory
+from countlens.circuits.sites import repeat_inputs, repeat_output
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM, Batch
+
+
+@torch.no_grad()
+def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
+    """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
+    ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens)."""
+    out: dict = {"resid": {}, "z": {}}
+    with vlm.read(batch):
+        if resid and -1 in layers:
+            out["resid"][-1] = vlm.module(vlm.arch.layer(0)).input.save()
+        for layer in sorted(x for x in layers if x >= 0):
+            if z:
+                out["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
+            if resid:
+                out["resid"][layer] = vlm.module(vlm.arch.layer(layer)).output.save()
+        logits = vlm.nn.output.logits[:, -1].save()
+    out["logits"] = logits.float()
+    return out
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None; layer
+    −1 = the input of layer 0) or head ``head``'s z there, with ``value`` (Float[Tensor, "batch seq d"])
+    or else the cached run's."""
+
+    layer: int
+    mask: Tensor  # Bool[Tensor, "batch seq"]
+    head: int | None = None
+    value: Tensor | None = None
+
+
+def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
+    """value[b, s], wherever value and the indices live (edit values may sit on the CPU)."""
+    return value[b.to(value.device), s.to(value.device)]
+
+
+@torch.no_grad()
+def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int | None = None,
+              reduce=None, keep: int = 1) -> Tensor:
+    """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"]
+    (with ``keep`` > 1 the last ``keep`` positions: Float[Tensor, "replicas batch keep vocab"]), or
+    ``reduce(logits)`` per replica (e.g. the gold answer's log-prob) so that a long sweep over a
+    large vocabulary never holds every replica's full logits.
+
+    ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
+    stacked in one forward, ``max_rows // len(batch)`` at a time (``max_rows`` None: as many rows as
+    the device's free memory holds, at most `countlens.memory.MAX_ROWS`;
+    `countlens.memory.rows_per_forward`). Two savings, exact by construction:
+    every replica shows the same images, so the vision tower runs once and is skipped in the stacked
+    forwards; and nothing changes below a replica's lowest edited layer, so the layers beneath the
+    lowest edit of a stacked forward are skipped too, their clean output fed in from one clean run.
+    """
+    n = len(batch)
+    if max_rows is None:
+        free = memory.model_free_bytes(vlm)
+        if free is None:  # a remote model: the server's memory is not known here
+            max_rows = memory.MAX_ROWS
+        else:
+            w, seq = memory.widths(vlm), int(batch.inputs["input_ids"].shape[1])
+            patches = max(len(p) for p in batch.image_pos) * w.merge**2
+            max_rows = memory.rows_per_forward(w, seq, free, keep, patches)
+    per_pass = max(1, max_rows // n)
+    d_head = vlm.arch.d_head
+    n_layers = vlm.arch.n_layers
+    replicas = [[r] if isinstance(r, Edit) else list(r) for r in replicas]
+    # Stacked forwards share their skipped prefix: order replicas by their lowest edited layer.
+    first = [min((e.layer for e in edits), default=n_layers) for edits in replicas]
+    order = sorted(range(len(replicas)), key=lambda i: first[i])
+    chunks = [order[i : i + per_pass] for i in range(0, len(order), per_pass)]
+    starts = [min(first[i] for i in chunk) for chunk in chunks]
+    tower = vlm.arch.spec.vision_tower
+    clean: dict = {}
+    if len(replicas) > 1:
+        # A copy of the tower's output, because the model edits that object afterwards.
+        with vlm.read(batch):
+            clean["vision"] = repeat_output(vlm.module(tower).output, 1)
+            for layer in sorted({s - 1 for s in starts if s >= 1}):
+                clean[layer] = vlm.module(vlm.arch.layer(layer)).output.save()
+    out = [None] * len(replicas)
+    for chunk, start in zip(chunks, starts):
+        k = len(chunk)
+        inputs = repeat_inputs(batch.inputs, k)
+        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, i in enumerate(chunk) for e in replicas[i]]
+        with vlm.trace(inputs, use_cache=False, logits_to_keep=keep):
+            if clean:
+                vlm.module(tower).skip(repeat_output(clean["vision"], k))
+                if start >= 1:
+                    # Layers below the first edit: only the last one's output is ever read.
+                    below = repeat_output(clean[start - 1], k)
+                    for layer in range(start):
+                        vlm.module(vlm.arch.layer(layer)).skip(below)
+            # nnsight needs modules in execution order: layers ascending, o_proj before the layer output.
+            for layer in sorted({e.layer for _, e, _, _ in where}):
+                zs = [w for w in where if w[1].layer == layer and w[1].head is not None]
+                if zs:
+                    zin = vlm.module(vlm.arch.o_proj(layer)).input
+                    for r, e, b, s in zs:
+                        cols = slice(e.head * d_head, (e.head + 1) * d_head)
+                        src = _at(e.value, b, s) if e.value is not None else cache["z"][layer][b, s, cols]
+                        zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
+                rs = [w for w in where if w[1].layer == layer and w[1].head is None]
+                if rs:
+                    site = vlm.module(vlm.arch.layer(max(layer, 0)))
+                    hid = site.input if layer == -1 else site.output
+                    for r, e, b, s in rs:
+                        src = _at(e.value, b, s) if e.value is not None else cache["resid"][layer][b, s]
+                        hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
+            logits = (vlm.nn.output.logits[:, -1] if keep == 1 else vlm.nn.output.logits[:, -keep:]).save()
+        for r, i in enumerate(chunk):
+            rows = logits[r * n : (r + 1) * n].float()
+            out[i] = (rows if reduce is None else reduce(rows)).cpu()
+    return torch.stack(out)

@@ -1,0 +1,66 @@
+"""What one `countlens discover` run computes: `DiscoverConfig`, its checks, and the stage names.
+
+A configuration is pure data; `check_config` refuses values no stage can run with before anything
+is written. Paper presets (`countlens.pipeline.presets`) fill these fields; they import this module,
+never the other way round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from countlens.errors import ConfigError, require_count
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
+#: The stages of a run, in the order they run and the report reads them (`results/<stage>.nc`).
+STAGES: tuple[str, ...] = ("cases", "conflict_std", "conflict", "vap", "heads", "atp", "lens", "headlens", "attention",
+                           "attention_metrics", "ablation", "temperature")
+
+
+@dataclass(frozen=True)
+class DiscoverConfig:
+    n_per_case: int = 100  # COUNTINGTRICKS samples per case
+    n_pairs: int = 128  # clean/corrupt pairs for patching
+    n_samples: int = 128  # task samples for lens, HeadLens, attention, ablation (per task)
+    seed: int = 0
+    prompt: str = "auto"  # "auto": the organism's short form for "toy", else Pstd
+    pair_kind: str = "shapes"
+    alpha: float = 1.2  # head temperature: β_h = α·γ_h
+    top_k: int = 5  # heads sharpened; AtP's top-k overlap with exact patching
+    batch_size: int = 16
+    jaccard_k: int = 5  # top heads per task compared across tasks (Jaccard)
+    preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
+
+
+def check_config(c: DiscoverConfig) -> None:
+    """Refuse settings no stage can run with, naming the setting (the preset's name is checked
+    where the presets are known: `countlens.pipeline.presets.get`)."""
+    from countlens.datasets.pairs import check_kind
+    from countlens.datasets.prompts import PAIR_PROMPTS
+    from countlens.errors import InputError
+
+    for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k", "jaccard_k"):
+        require_count(getattr(c, name), name)
+    if c.prompt != "auto" and c.prompt not in PAIR_PROMPTS:
+        raise ConfigError(f"prompt {c.prompt!r}: use 'auto' or one of {PAIR_PROMPTS}")
+    try:
+        check_kind(c.pair_kind)
+    except InputError as err:
+        raise ConfigError(f"pair_kind: {err}") from None
+    if not c.alpha > 0:
+        raise ConfigError(f"alpha (head temperature) must be > 0, got {c.alpha}")
+
+
+def resolved_prompt(vlm: VLM, c: DiscoverConfig) -> str:
+    """The prompt style a run uses: ``c.prompt``, or for "auto" the organism's short form on the
+    organism (its vocabulary cannot write Pstd's answers) and Pstd elsewhere."""
+    return ("short" if vlm.name == "toy" else "std") if c.prompt == "auto" else c.prompt
+
+
+def conflict_styles(model: str) -> tuple[str, str]:
+    """The Digit-in-Conflict prompt styles (base, with distractor): Pstd, except for the organism,
+    whose vocabulary cannot write Pstd's "circle: 7" answers and gets the number-only prompt."""
+    return ("number", "number_conflict") if model == "toy" else ("std", "conflict")

@@ -1,0 +1,163 @@
+"""The main job: from a model to a counting-circuit report, one resumable stage at a time.
+
+Stages (each writes ``results/<stage>.nc`` and is skipped when that file exists, so a killed run
+resumes where it stopped; the long sweeps also stream their chunks to ``results/sweeps/``):
+
+1. ``cases`` — COUNTINGTRICKS accuracy, 32 cases, and number avoidance; ``conflict_std`` /
+   ``conflict`` — Digit-in-Conflict on the position cases;
+2. ``vap`` — visual activation patching by layer over image / last / text tokens;
+3. ``heads`` and ``atp`` — head patching of z and attribution patching, and how well AtP ranks heads;
+4. ``lens`` — logit lens of the gold answer at the last prompt token;
+5. ``headlens`` — HeadLens maps, decoded tokens, VGS / CTER; ``attention`` — image-attention share;
+   ``attention_metrics`` — MAS, VRA, Attention-IoU, ARS per layer on COUNTINGTRICKS scenes;
+6. ``ablation`` — mean ablation of every head on the counting, colour and shape tasks; Jaccard;
+7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);
+then the head table (``heads.csv`` / ``.md`` / ``.tex``), plots and ``report.md``.
+
+Launched as several processes (``torchrun --nproc_per_node N -m countlens.cli discover …`` or
+``accelerate launch``; `countlens.distributed`), every rank first takes its share of the three
+sweeps (``vap``, ``heads``, ``ablation``), meeting in ``results/sweeps/``; then rank 0 alone runs
+the other stages and writes the report, the same as one process would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import xarray as xr
+
+from countlens import circuits, distributed
+from countlens.analysis.attention_metrics import attention_metrics
+from countlens.analysis.evaluate import score
+from countlens.analysis.heads import export_heads, head_table
+from countlens.errors import RunDirError
+from countlens.pipeline import presets
+from countlens.pipeline.config import DiscoverConfig, check_config, conflict_styles, resolved_prompt
+from countlens.pipeline.report import write_report
+from countlens.pipeline.rundir import Stages
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
+
+def check(c: DiscoverConfig) -> None:
+    """`check_config`, and the preset named (`presets.get`): before anything is written."""
+    check_config(c)
+    if c.preset:
+        presets.get(c.preset)
+
+
+def discover(vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
+             log: Callable[[str], None] = print) -> Path:
+    """Run every stage on ``vlm`` into ``out``; returns the path of ``report.md``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"output {out} is a file; give a directory")
+    c = config
+    check(c)  # before anything is written: a refused run leaves no spec behind
+    prompt = resolved_prompt(vlm, c)
+    # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
+    from countlens.datasets.prompts import PROMPTS
+
+    # The template too: a run made when a style's text or answer form differed is another spec.
+    spec = {**asdict(c), "model": vlm.name, "arch": vlm.arch.name, "prompt": prompt,
+            "prompt_template": PROMPTS[prompt].template, "answer_form": PROMPTS[prompt].answer}
+    stages = Stages(out, spec, log)
+    bs = c.batch_size
+
+    inputs = stage_inputs(vlm, c, prompt)
+    pairs, data = inputs["pairs"](), inputs["tasks"]()
+    sweeps = out / "results" / "sweeps"
+    shard = distributed.current()
+    sweep_stages = {
+        "vap": lambda: circuits.patch_layers(vlm, pairs, groups=("image", "last", "text"), batch_size=bs,
+                                             store=sweeps / "vap", progress=True, shard=shard),
+        "heads": lambda: circuits.patch_heads(vlm, pairs, batch_size=bs, store=sweeps / "heads", progress=True,
+                                              shard=shard),
+        "ablation": lambda: circuits.ablation_scan(vlm, data, batch_size=bs, store=sweeps / "ablation",
+                                                   progress=True, shard=shard),
+    }
+    if shard.sharded:
+        # Every rank takes its share of the sweeps first; then rank 0 alone runs the other stages
+        # (the sweeps' results now stored) and writes the report.
+        for name, sweep in sweep_stages.items():
+            stages.run(name, sweep, save=shard.rank == 0)
+        if shard.rank != 0:
+            log(f"rank {shard.rank} of {shard.world}: its share of the sweeps is done; rank 0 writes the report")
+            return out / "report.md"
+    # 1. COUNTINGTRICKS
+    stages.run("cases", lambda: score(vlm, inputs["cases"](), batch_size=bs, progress=True))
+    # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
+    for stage in ("conflict_std", "conflict"):
+        stages.run(stage, lambda stage=stage: score(vlm, inputs[stage](), batch_size=bs))
+    # 2–3. patching
+    stages.run("vap", sweep_stages["vap"])
+    heads = stages.run("heads", sweep_stages["heads"])
+    stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
+    # 4–5. lenses and attention
+    stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
+
+    def headlens() -> xr.Dataset:
+        return circuits.HeadLens.fit(vlm, inputs["headlens_fit"](), batch_size=bs).decode(vlm, data["count"], batch_size=bs)
+
+    hl = stages.run("headlens", headlens)
+    att = stages.run("attention", lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs)
+                     .to_dataset(name="image_attention"))
+    stages.run("attention_metrics", lambda: attention_metrics(vlm, inputs["attention_metrics"](), batch_size=bs))
+    # 6. ablation across tasks
+    abl = stages.run("ablation", sweep_stages["ablation"])
+    # 7. temperature from head-patching importance (the head table's `importance`)
+    betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
+
+    def temperature() -> xr.Dataset:
+        held = inputs["temperature"]()
+        base = score(vlm, held, batch_size=bs)
+        with circuits.head_temperature(vlm, betas):
+            sharp = score(vlm, held, batch_size=bs)
+        return xr.Dataset({"base": base.correct, "sharpened": sharp.correct},
+                          attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})})
+
+    stages.run("temperature", temperature)
+    table = head_table(heads, abl, hl, att, presets.thresholds(c.preset))
+    export_heads(table, out)
+    return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
+
+
+def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable[[], list]]:
+    """Each stage's samples, made on demand (every one a pure function of the seed): ``pairs`` for
+    patching, ``tasks`` ({task: samples}) for the lens, attention and ablation, and the samples of
+    ``cases``, ``conflict_std`` / ``conflict``, ``headlens_fit``, ``attention_metrics`` and
+    ``temperature``. `countlens.pipeline.plan` sizes the stages from the same lists."""
+    from countlens.datasets.countingtricks import CASES, countingtricks
+    from countlens.datasets.pairs import count_pairs
+    from countlens.datasets.tasks import task_samples
+
+    grid = vlm.geometry
+    size = grid.image_height
+    colors = ("red", "green", "blue")
+
+    def tasks(seed_offset: int = 0) -> dict:
+        return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")}
+
+    position = [n for n, case in CASES.items() if case.family == "position"]
+    base, distractor = conflict_styles(vlm.name)
+    conflict = lambda style: countingtricks(position, max(1, c.n_per_case // 5), grid,  # noqa: E731
+                                            seed=c.seed, prompt=style, color=colors)
+    return {
+        "pairs": lambda: count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt,
+                                     counts=range(1, 10)),
+        "tasks": tasks,
+        "cases": lambda: countingtricks(None, c.n_per_case, grid, seed=c.seed, prompt=prompt, color=colors),
+        "conflict_std": lambda: conflict(base),
+        "conflict": lambda: conflict(distractor),
+        "headlens_fit": lambda: [s for samples in tasks(seed_offset=500).values() for s in samples],
+        "attention_metrics": lambda: countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed,
+                                                    prompt=prompt, color=colors),
+        "temperature": lambda: task_samples("count", 2 * c.n_samples, c.seed + 900, image_size=size),
+    }
+
+

@@ -1,0 +1,79 @@
+"""A discover run directory: its ``spec.json``, its stage results, and the runner that resumes them.
+
+Layout: ``spec.json`` (what the run computes: its `DiscoverConfig`, model, arch and prompt),
+``results/<stage>.nc`` (one per finished stage), ``results/sweeps/`` (the long sweeps' chunks), the
+head table, ``figures/`` and ``report.md``. A directory belongs to one spec: rerunning with other
+settings is refused, so a resumed run never mixes two runs' results.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import xarray as xr
+
+from countlens import results
+from countlens.errors import RunDirError
+from countlens.pipeline.config import STAGES
+
+
+def read_spec(run: str | Path) -> dict:
+    """A run's ``spec.json``, checked for what reports read (model, arch)."""
+    path = Path(run) / "spec.json"
+    if not path.exists():
+        raise RunDirError(f"{run} is not a countlens discover run (no spec.json); run `countlens discover --out {run}`")
+    try:
+        spec = json.loads(path.read_text())
+    except ValueError as err:
+        raise RunDirError(f"{path} is not JSON ({err}); rerun `countlens discover --out {run}`") from None
+    missing = [k for k in ("model", "arch") if not isinstance(spec, dict) or k not in spec]
+    if missing:
+        raise RunDirError(f"{path} lacks {missing}: not written by `countlens discover`; rerun it with --out {run}")
+    return spec
+
+
+def load_run(out: str | Path) -> dict[str, xr.Dataset]:
+    """Every stage result of a finished run directory, by stage name."""
+    out = Path(out)
+    read_spec(out)
+    found = {p.stem: results.load(p) for p in sorted((out / "results").glob("*.nc"))}
+    missing = [s for s in STAGES if s not in found]
+    if missing:
+        raise RunDirError(f"{out} misses stages {missing}; rerun `countlens discover --out {out}` to finish it")
+    return found
+
+
+class Stages:
+    """Runs named stages once: a finished stage's result is loaded from disk instead of recomputed."""
+
+    def __init__(self, out: Path, spec: dict, log: Callable[[str], None] = print):
+        self.out, self.log = out, log
+        self.dir = out / "results"
+        spec_file = out / "spec.json"
+        if spec_file.exists():
+            old = read_spec(out)
+            lacking = sorted(set(spec) - set(old))
+            if lacking:
+                raise RunDirError(f"{spec_file} lacks {lacking}: it was written by an older countlens; rerun "
+                                  f"into a new --out directory")
+            if old != spec:
+                raise RunDirError(f"{out} holds a run with a different spec ({old}); use a new --out directory "
+                                  f"or the same settings ({spec})")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not spec_file.exists():
+            results.write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic: ranks may race
+
+    def run(self, name: str, compute: Callable[[], xr.Dataset | xr.DataArray], save: bool = True):
+        """The stage's stored result, else ``compute()`` (stored unless ``save=False``: the ranks
+        of a sharded run other than 0 compute their share and leave the writing to rank 0)."""
+        path = self.dir / f"{name}.nc"
+        if path.exists():
+            self.log(f"[{name}] done before: {path}")
+            return results.load(path)
+        self.log(f"[{name}] running")
+        value = compute()
+        if save:
+            results.save(value, path)
+        return value
