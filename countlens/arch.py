@@ -24,8 +24,16 @@ needs a tile layout): Idefics3 / SmolVLM and InternVL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from countlens.errors import LayerError, UnsupportedArchitectureError
+
+#: How image tokens sit on the image (see the module docstring).
+Layout = Literal["grid", "anyres"]
+#: Axis order of a q-norm's output: (batch, seq, heads, d_head) or (batch, heads, seq, d_head).
+QNormLayout = Literal["bshd", "bhsd"]
+#: Order of the projector's output tokens: row-major, or Qwen2.5-VL's windows.
+ProjectorOrder = Literal["grid", "window"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class ArchSpec:
     q_norm: str | None = None
     # Axis order of the q-norm's output: Qwen3 normalises (batch, seq, heads, d_head), Gemma 3
     # normalises after the transpose, (batch, heads, seq, d_head).
-    q_norm_layout: str = "bshd"
+    q_norm_layout: QNormLayout = "bshd"
     o_proj: str = "self_attn.o_proj"
     lm_head: str = "lm_head"
     # Config attributes:
@@ -53,10 +61,10 @@ class ArchSpec:
     image_token_attr: str = "image_token_id"
     merge_attr: str | None = None  # on the vision config; None → merge 1 (or `pooled_tokens_attr`)
     pooled_tokens_attr: str | None = None  # on the top config: tokens per image after pooling (Gemma3)
-    layout: str = "grid"
+    layout: Layout = "grid"
     # Order of the projector's output tokens: "grid" (row-major, as in the LM input) or "window"
     # (Qwen2.5-VL's windowed vision blocks; the LM input is reordered to row-major afterwards).
-    projector_order: str = "grid"
+    projector_order: ProjectorOrder = "grid"
     # Multimodal rotary positions (Qwen): the attribute where a prefill leaves each row's offset
     # between sequence index and 3-D position id, which tokens fed after a KV cache must add.
     rope_deltas: str | None = None

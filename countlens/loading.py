@@ -18,8 +18,8 @@ from countlens.arch import spec_for
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConfigError,
     DeviceError,
-    InputError,
     UnsupportedArchitectureError,
 )
 from countlens.vlm import VLM, fixed_size
@@ -114,7 +114,7 @@ def torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
         return dtype
     value = getattr(torch, str(dtype), None)
     if not isinstance(value, torch.dtype):
-        raise InputError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'")
+        raise ConfigError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'")
     return value
 
 
@@ -230,8 +230,8 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
         if fixed is None:
             ip.size = {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size}
         elif fixed != (image_size, image_size):
-            raise InputError(f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
-                             f"{fixed[1]}; leave --image-size unset")
+            raise ConfigError(f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
+                              f"{fixed[1]}; leave --image-size unset")
     kind = torch_dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, dtype=kind)

@@ -76,6 +76,15 @@ class SpecMismatchError(ResultError):
     """A sweep directory reopened with a spec other than the one it was started with."""
 
 
+def top_sites(da: xr.DataArray, k: int | None = None, absolute: bool = False) -> list[tuple[int, int, float]]:
+    """The ``k`` largest (layer, head) cells of ``da`` (all with None; by |value| with ``absolute``),
+    largest first and ties in (layer, head) order: (layer, head, value), the value's sign kept."""
+    flat = da.stack(site=("layer", "head"))
+    values = flat.values
+    order = np.argsort(-(np.abs(values) if absolute else values), kind="stable")[:k]
+    return [(int(flat.site.values[i][0]), int(flat.site.values[i][1]), float(values[i])) for i in order]
+
+
 # --------------------------------------------------------------------------------------------
 # provenance
 

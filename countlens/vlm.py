@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -141,6 +142,25 @@ class VLM:
         return Geometry(h, w, self.arch.patch_size, self.arch.merge_size)
 
     # -- inputs --------------------------------------------------------------
+
+    def prepare_samples(self, samples: Sequence, *, answers: bool = False, teacher_force: bool = False,
+                        single_token: bool = False) -> Batch:
+        """`prepare` for samples (anything with ``image``, ``question`` and ``answer``): their images
+        and questions; with ``answers`` their answers too; with ``teacher_force`` (implies answers)
+        each answer's first len − 1 tokens forced after the prompt, so that the last len positions
+        read the whole answer (multi-token answers: "12" → "1", "2")."""
+        images, questions = [s.image for s in samples], [s.question for s in samples]
+        if not (answers or teacher_force):
+            return self.prepare(images, questions, single_token=single_token)
+        given = [s.answer for s in samples]
+        forced = [self.answer_ids(a)[:-1] for a in given] if teacher_force else None
+        return self.prepare(images, questions, given, single_token=single_token, forced=forced)
+
+    def batches(self, samples: Sequence, batch_size: int, **kw) -> Iterator[tuple[Sequence, Batch]]:
+        """(chunk, its `prepare_samples` batch) for consecutive chunks of ``batch_size`` samples."""
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start : start + batch_size]
+            yield chunk, self.prepare_samples(chunk, **kw)
 
     def prepare(
         self,

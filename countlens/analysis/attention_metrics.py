@@ -35,6 +35,7 @@ ARS when all or none of the cells are object cells.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -44,6 +45,11 @@ from torch import Tensor
 
 from countlens.errors import InputError
 from countlens.geometry import Geometry
+
+if TYPE_CHECKING:
+    from jaxtyping import Bool, Float, Int
+
+    from countlens.vlm import VLM
 
 METRICS: tuple[str, ...] = ("mas", "vra", "iou", "ars")
 COVERAGE = 0.25
@@ -67,8 +73,9 @@ def _cell_sums(masks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndar
     return np.add.reduceat(per_row, cols[:-1], axis=-1)
 
 
-def object_cells(scene, geometry: Geometry, coverage: float = COVERAGE, each_object: bool = True) -> Tensor:
-    """Bool[Tensor, "rows cols"]: the token cells of ``geometry`` that hold an object.
+def object_cells(scene, geometry: Geometry, coverage: float = COVERAGE, each_object: bool = True
+                 ) -> Bool[Tensor, "rows cols"]:
+    """The token cells of ``geometry`` that hold an object.
 
     A cell is covered when the union of ``scene.masks()`` covers ≥ ``coverage`` of its pixels (a cell
     of a scene at the geometry's size is ``geometry.token_size`` px square). With ``each_object``,
@@ -91,8 +98,9 @@ def object_cells(scene, geometry: Geometry, coverage: float = COVERAGE, each_obj
 # ----------------------------------------------------------------------------- pure metrics on a grid
 
 
-def grid_attention(image_attn: Tensor, cells: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Float[Tensor, "... rows cols"]: attention on image tokens back-projected onto the token grid.
+def grid_attention(image_attn: Float[Tensor, "... n_image"], cells: Int[Tensor, "n_image 2"], grid: tuple[int, int]
+                   ) -> Float[Tensor, "... rows cols"]:
+    """Attention on image tokens back-projected onto the token grid.
 
     ``image_attn`` is Float[Tensor, "... n_image"], ``cells`` Int[Tensor, "n_image 2"] (row, col) per
     image token (`Batch.image_cell`); tokens at (−1, −1) (row-end newlines) are dropped, tokens that
@@ -114,8 +122,9 @@ def _flat(grid_map: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return grid_map.flatten(-2).float(), mask.to(grid_map.device).flatten(-2).bool()
 
 
-def region_share(grid_map: Tensor, mask: Tensor, visual: Tensor | None = None) -> Tensor:
-    """VRA, Float[Tensor, "..."]: attention on object cells / ``visual`` (default: the grid's total).
+def region_share(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"],
+                 visual: Float[Tensor, "..."] | None = None) -> Float[Tensor, "..."]:
+    """VRA: attention on object cells / ``visual`` (default: the grid's total).
 
     Pass the attention on *all* image tokens as ``visual`` when some image tokens have no cell.
     """
@@ -125,8 +134,9 @@ def region_share(grid_map: Tensor, mask: Tensor, visual: Tensor | None = None) -
     return torch.where(total > 0, hit / total.clamp_min(1e-30), torch.full_like(hit, float("nan")))
 
 
-def attention_iou(grid_map: Tensor, mask: Tensor, threshold: float = THRESHOLD) -> Tensor:
-    """Attn-IoU, Float[Tensor, "..."]: IoU of {cells ≥ threshold · peak attention} with the object cells.
+def attention_iou(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"],
+                  threshold: float = THRESHOLD) -> Float[Tensor, "..."]:
+    """Attn-IoU: IoU of {cells ≥ threshold · peak attention} with the object cells.
 
     NaN when both sets are empty (no attention and no objects).
     """
@@ -138,8 +148,9 @@ def attention_iou(grid_map: Tensor, mask: Tensor, threshold: float = THRESHOLD) 
     return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
 
 
-def pixel_attention_iou(grid_map: Tensor, scene, threshold: float = THRESHOLD) -> Tensor:
-    """The paper's Attn-IoU, Float[Tensor, "..."]: ``grid_map`` (Float[Tensor, "... rows cols"], one
+def pixel_attention_iou(grid_map: Float[Tensor, "... rows cols"], scene, threshold: float = THRESHOLD
+                        ) -> Float[Tensor, "..."]:
+    """The paper's Attn-IoU: ``grid_map`` (Float[Tensor, "... rows cols"], one
     layer-head's map each) back-projected to the scene's pixels, each pixel taking its token cell's
     value, binarised at ``threshold`` · peak, and compared by IoU with the union of the object masks.
 
@@ -160,8 +171,9 @@ def pixel_attention_iou(grid_map: Tensor, scene, threshold: float = THRESHOLD) -
     return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
 
 
-def attention_reward(grid_map: Tensor, mask: Tensor, quantile: float = QUANTILE) -> Tensor:
-    """ARS, Float[Tensor, "..."]: mean of the clipped, rescaled attention on object cells minus elsewhere.
+def attention_reward(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"],
+                     quantile: float = QUANTILE) -> Float[Tensor, "..."]:
+    """ARS: mean of the clipped, rescaled attention on object cells minus elsewhere.
 
     p = map / map.sum() over the cells; c = the ``quantile`` of p over the cells (linear
     interpolation); q = min(p, c) / c ∈ [0, 1]; ARS = mean(q[object]) − mean(q[¬object]) ∈ [−1, 1].
@@ -202,7 +214,7 @@ def _sample_metrics(head_mean: Tensor, pos: Tensor, cells: Tensor, obj: Tensor, 
             "ars": attention_reward(grid, obj, quantile)}
 
 
-def attention_metrics(vlm, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16, *,
+def attention_metrics(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16, *,
                       coverage: float = COVERAGE, threshold: float = THRESHOLD,
                       quantile: float = QUANTILE) -> xr.Dataset:
     """MAS, VRA, Attn-IoU and ARS of the last prompt position: an xr.Dataset over (layer, sample).
@@ -223,9 +235,7 @@ def attention_metrics(vlm, samples: Sequence, layers: Sequence[int] | None = Non
     rows: dict[str, list[Tensor]] = {k: [] for k in METRICS}
     share: list[float] = []
     pixel: list[Tensor] = []
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+    for chunk, batch in vlm.batches(samples, batch_size):
         attn = last_token_attention(vlm, batch, layers)  # Float[Tensor, "layer batch head seq"]
         head_mean = attn.mean(2)
         for b, s in enumerate(chunk):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -36,6 +36,9 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.errors import InputError
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
 
 _UNITS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
           "sixteen seventeen eighteen nineteen").split()
@@ -151,7 +154,7 @@ SCORE_METHODS: tuple[str, ...] = ("auto", "token", "candidates")
 
 
 @torch.no_grad()
-def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool = False, method: str = "auto",
+def score(vlm: VLM, samples: Sequence[Sample], batch_size: int = 32, progress: bool = False, method: str = "auto",
           candidates: Sequence[str] | None = None) -> xr.Dataset:
     """Per-sample predictions by scoring: an xr.Dataset over ``sample``; ``attrs["method"]`` says how.
 
@@ -182,13 +185,12 @@ def score(vlm, samples: Sequence[Sample], batch_size: int = 32, progress: bool =
     return _score_candidates(vlm, samples, candidate_sets(samples, candidates), batch_size, progress)
 
 
-def _score_tokens(vlm, samples: Sequence[Sample], batch_size: int, progress: bool) -> xr.Dataset:
+def _score_tokens(vlm: VLM, samples: Sequence[Sample], batch_size: int, progress: bool) -> xr.Dataset:
     preds, pred_text, p_gold, correct = [], [], [], []
     for i in _steps(len(samples), batch_size, progress, "scoring"):
         chunk = samples[i : i + batch_size]
         try:
-            batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk],
-                                single_token=True)
+            batch = vlm.prepare_samples(chunk, answers=True, single_token=True)
         except InputError as err:
             if "single token" not in str(err):
                 raise
@@ -255,7 +257,7 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
     return out
 
 
-def _score_candidates(vlm, samples: Sequence[Sample], sets: list[dict[str, int]], batch_size: int,
+def _score_candidates(vlm: VLM, samples: Sequence[Sample], sets: list[dict[str, int]], batch_size: int,
                       progress: bool) -> xr.Dataset:
     from countlens.answers import read_rows
 
@@ -298,7 +300,7 @@ def _parsed(text: str) -> int:
     return -1 if c is None else c
 
 
-def _candidate_ids(vlm, cands: dict[str, int], j: int) -> dict[str, list[int]]:
+def _candidate_ids(vlm: VLM, cands: dict[str, int], j: int) -> dict[str, list[int]]:
     ids = {text: vlm.answer_ids(text) for text in cands}
     seen: dict[tuple, str] = {}
     for text, seq in ids.items():
@@ -309,7 +311,7 @@ def _candidate_ids(vlm, cands: dict[str, int], j: int) -> dict[str, list[int]]:
     return ids
 
 
-def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple]], batch_size: int) -> dict:
+def _forced_logprobs(vlm: VLM, samples: Sequence[Sample], rows: list[tuple[int, tuple]], batch_size: int) -> dict:
     """For each sample of the (sample, prefix) rows, the next-token scores after every context its
     rows teacher-force: ``{j: {context: (Float[Tensor, "vocab"] logits, log-sum-exp)}}``, the bare
     prompt's context being ``()``. A token's log-probability is then logit − lse.
@@ -333,8 +335,8 @@ def _forced_logprobs(vlm, samples: Sequence[Sample], rows: list[tuple[int, tuple
     return found
 
 
-def _cached_rows(vlm, chunk: Sequence[Sample], js: list[int], prefixes: list[list[tuple]]) -> dict:
-    batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+def _cached_rows(vlm: VLM, chunk: Sequence[Sample], js: list[int], prefixes: list[list[tuple]]) -> dict:
+    batch = vlm.prepare_samples(chunk)
     out = vlm.hf(**batch.inputs, use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1].float().cpu()  # after the bare prompt
     width = max(len(p) for ps in prefixes for p in ps)
@@ -404,7 +406,7 @@ def _is_correct(text: str, count: int | None, sample: Sample) -> bool:
 
 
 @torch.no_grad()
-def generate(vlm, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size: int = 16,
+def generate(vlm: VLM, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size: int = 16,
              progress: bool = False) -> xr.Dataset:
     """Greedy free-form answers, parsed (the papers' protocol): an xr.Dataset over ``sample``.
 
@@ -429,7 +431,7 @@ def generate(vlm, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size
     pad = vlm.tokenizer.pad_token_id if pad is None else pad
     for i in _steps(len(samples), batch_size, progress, "generating"):
         chunk = samples[i : i + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+        batch = vlm.prepare_samples(chunk)
         out = vlm.hf.generate(**batch.inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         new = out[:, batch.inputs["input_ids"].shape[1] :]  # Int[Tensor, "batch new"]: left padding aligns prompts
         texts += [t.strip() for t in vlm.tokenizer.batch_decode(new, skip_special_tokens=True)]

@@ -108,22 +108,19 @@ def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Datas
     |effect| of patching the head's z (the share of the logit difference it carries, 0 … 1).
     ``ablation_drop`` is a column of its own, the counting task's mean drop in log p(gold) (nats)
     when the head is mean-ablated: a second measure, not mixed into the first. ``alignment``: the
-    share of counting samples whose top-1 decoded token is the first token of their count (runs
-    made before HeadLens recorded it: not measured); ``difficulty``: HeadLens's difficulty-word share."""
-    for field, measure in (("align_min", "count_token"), ("difficulty_min", "difficulty")):
-        value = getattr(thresholds, field)
-        if value is not None and value > 0 and measure not in hl:
-            raise RunDirError(f"{field}={value}: this run's HeadLens results have no {measure!r} (made before "
-                             "countlens recorded it); delete results/headlens.nc and rerun `countlens discover` "
-                             "with the same --out to compute it")
+    share of counting samples whose top-1 decoded token is the first token of their count;
+    ``difficulty``: HeadLens's difficulty-word share. Both come from the HeadLens results
+    (`countlens.circuits.headlens.HeadLens.decode` writes ``count_token`` and ``difficulty``)."""
+    missing = [name for name in ("count_token", "difficulty") if name not in hl]
+    if missing:
+        raise RunDirError(f"the run's HeadLens results (results/headlens.nc) lack {missing}: they were written "
+                          "by an older countlens; delete results/headlens.nc and rerun `countlens discover` "
+                          "with the same --out to recompute them")
     top1 = hl.token_id.isel(k=0)
-    alignment = None
-    if "count_token" in hl:
-        known = hl.count_token >= 0
-        alignment = (top1 == hl.count_token).where(known).mean("sample")
+    alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")
     table = classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), np.abs(heads.effect),
                            constancy(hl.token.isel(k=0)), thresholds, alignment=alignment,
-                           difficulty=hl.get("difficulty"))
+                           difficulty=hl.difficulty)
     drop = abl.logp_drop.sel(task="count")
     table.insert(table.columns.get_loc("importance") + 1, "ablation_drop",
                  [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])])

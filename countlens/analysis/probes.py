@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,7 +43,12 @@ import xarray as xr
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from countlens.errors import InputError
+from countlens.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from jaxtyping import Float, Int
+
+    from countlens.vlm import VLM
 
 #: A tap: (kind, index), as `countlens.circuits.taps.tap` takes them.
 Tap = tuple[str, int | None]
@@ -71,9 +77,9 @@ class ProbeConfig:
         for name in ("hidden", "head_hidden"):
             width = getattr(self, name)
             if width is not None and (width < 1 or width % self.groups):
-                raise InputError(f"ProbeConfig.{name}={width} must be a positive multiple of groups={self.groups}")
+                raise ConfigError(f"ProbeConfig.{name}={width} must be a positive multiple of groups={self.groups}")
         if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
-            raise InputError("ProbeConfig needs epochs ≥ 1, batch_size ≥ 1 and lr > 0; fix the offending field")
+            raise ConfigError("ProbeConfig needs epochs ≥ 1, batch_size ≥ 1 and lr > 0; fix the offending field")
 
 
 class DetectionProbe(nn.Module):
@@ -91,8 +97,8 @@ class DetectionProbe(nn.Module):
             self.head[-1].bias.zero_()
             self.head[-1].bias[0] = math.log(config.prior / (1 - config.prior))
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Float[Tensor, "batch d rows cols"] → raw outputs Float[Tensor, "batch 5 rows cols"]."""
+    def forward(self, x: Float[Tensor, "batch d rows cols"]) -> Float[Tensor, "batch 5 rows cols"]:
+        """Raw outputs (objectness, dx, dy, log w, log h) per cell of a feature map."""
         return self.head(self.bottleneck((x - self.mean) / self.std))
 
     @property
@@ -104,8 +110,8 @@ class DetectionProbe(nn.Module):
 # ----------------------------------------------------------------------------- boxes
 
 
-def box_iou(a: Tensor, b: Tensor) -> Tensor:
-    """Float[Tensor, "n m"]: IoU of every xyxy box in ``a`` (n, 4) with every one in ``b`` (m, 4)."""
+def box_iou(a: Float[Tensor, "n 4"], b: Float[Tensor, "m 4"]) -> Float[Tensor, "n m"]:
+    """IoU of every xyxy box in ``a`` with every one in ``b``."""
     lt = torch.maximum(a[:, None, :2], b[None, :, :2])
     rb = torch.minimum(a[:, None, 2:], b[None, :, 2:])
     inter = (rb - lt).clamp(min=0).prod(-1)
@@ -113,8 +119,8 @@ def box_iou(a: Tensor, b: Tensor) -> Tensor:
     return inter / (area(a)[:, None] + area(b)[None, :] - inter).clamp(min=1e-12)
 
 
-def giou(a: Tensor, b: Tensor) -> Tensor:
-    """Float[Tensor, "n"]: generalised IoU of paired xyxy boxes ``a[i]``, ``b[i]`` (in [−1, 1])."""
+def giou(a: Float[Tensor, "n 4"], b: Float[Tensor, "n 4"]) -> Float[Tensor, " n"]:
+    """Generalised IoU of paired xyxy boxes ``a[i]``, ``b[i]`` (in [−1, 1])."""
     lt, rb = torch.maximum(a[:, :2], b[:, :2]), torch.minimum(a[:, 2:], b[:, 2:])
     inter = (rb - lt).clamp(min=0).prod(-1)
     area_a, area_b = (a[:, 2:] - a[:, :2]).prod(-1), (b[:, 2:] - b[:, :2]).prod(-1)
@@ -123,8 +129,8 @@ def giou(a: Tensor, b: Tensor) -> Tensor:
     return inter / union.clamp(min=1e-12) - (hull - union) / hull.clamp(min=1e-12)
 
 
-def nms(boxes: Tensor, scores: Tensor, iou: float = 0.5) -> Tensor:
-    """Long[Tensor, "kept"]: greedy non-maximum suppression, indices of kept boxes by falling score.
+def nms(boxes: Float[Tensor, "n 4"], scores: Float[Tensor, " n"], iou: float = 0.5) -> Int[Tensor, " kept"]:
+    """Greedy non-maximum suppression: indices (int64) of kept boxes by falling score.
 
     Boxes are taken in order of score (ties: the earlier index first); a box is dropped when its IoU
     with an already kept box exceeds ``iou``.
@@ -176,8 +182,9 @@ def _assign(boxes: np.ndarray, rows: int, cols: int) -> list[tuple[int, int, int
     return out
 
 
-def build_targets(samples: Sequence, rows: int, cols: int) -> tuple[Tensor, Tensor]:
-    """(objectness Float[Tensor, "sample rows cols"], boxes Float[Tensor, "sample rows cols 4"]).
+def build_targets(samples: Sequence, rows: int, cols: int
+                  ) -> tuple[Float[Tensor, "sample rows cols"], Float[Tensor, "sample rows cols 4"]]:
+    """(objectness, boxes): each cell's target.
 
     Boxes are normalised xyxy (fractions of the image); zero where a cell has no target.
     """
@@ -194,8 +201,9 @@ def build_targets(samples: Sequence, rows: int, cols: int) -> tuple[Tensor, Tens
 # ----------------------------------------------------------------------------- training
 
 
-def decode(out: Tensor) -> tuple[Tensor, Tensor]:
-    """Raw outputs Float[Tensor, "batch 5 rows cols"] → (logits "batch rows cols", boxes "batch rows cols 4").
+def decode(out: Float[Tensor, "batch 5 rows cols"]
+           ) -> tuple[Float[Tensor, "batch rows cols"], Float[Tensor, "batch rows cols 4"]]:
+    """Raw outputs → (objectness logits, boxes).
 
     Boxes are normalised xyxy: centre ``(col + 2σ(dx) − 0.5) / cols``, width ``exp(log w) / cols``.
     """
@@ -209,7 +217,8 @@ def decode(out: Tensor) -> tuple[Tensor, Tensor]:
     return out[:, 0], torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
 
 
-def probe_loss(out: Tensor, obj: Tensor, box: Tensor, box_weight: float) -> Tensor:
+def probe_loss(out: Float[Tensor, "batch 5 rows cols"], obj: Float[Tensor, "batch rows cols"],
+               box: Float[Tensor, "batch rows cols 4"], box_weight: float) -> Float[Tensor, ""]:
     """BCE objectness (mean over cells) + box_weight · mean (1 − GIoU) over the target cells."""
     logits, pred = decode(out)
     loss = F.binary_cross_entropy_with_logits(logits, obj)
@@ -239,8 +248,9 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def fit_probe(features: Tensor, samples: Sequence, config: ProbeConfig = ProbeConfig()) -> DetectionProbe:
-    """Train a `DetectionProbe` on Float[Tensor, "sample d rows cols"] maps of ``samples``' images.
+def fit_probe(features: Float[Tensor, "sample d rows cols"], samples: Sequence, config: ProbeConfig = ProbeConfig()
+              ) -> DetectionProbe:
+    """Train a `DetectionProbe` on the maps ``features`` of ``samples``' images.
 
     Deterministic for a given ``config.seed`` (initialisation and batch order draw from it; the
     global torch RNG is left untouched). The final epoch's mean loss is kept as ``probe.train_loss``.
@@ -274,7 +284,7 @@ def fit_probe(features: Tensor, samples: Sequence, config: ProbeConfig = ProbeCo
 
 
 @torch.no_grad()
-def predict(probe: DetectionProbe, features: Tensor, image_size: int | tuple[int, int],
+def predict(probe: DetectionProbe, features: Float[Tensor, "sample d rows cols"], image_size: int | tuple[int, int],
             score_threshold: float = 0.01, nms_iou: float = 0.5) -> list[np.ndarray]:
     """Per image, an (n, 5) array of detections (x0, y0, x1, y1, score) in pixels, by falling score.
 
@@ -352,8 +362,8 @@ def average_precision(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray
     return float(np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0).mean())
 
 
-def evaluate_probe(probe: DetectionProbe, features: Tensor, samples: Sequence, config: ProbeConfig = ProbeConfig(),
-                   by: str | None = None) -> float | dict[str, float]:
+def evaluate_probe(probe: DetectionProbe, features: Float[Tensor, "sample d rows cols"], samples: Sequence,
+                   config: ProbeConfig = ProbeConfig(), by: str | None = None) -> float | dict[str, float]:
     """AP@50 of ``probe`` on the maps ``features`` of ``samples`` (their scenes' boxes are the truth).
 
     With ``by`` (a meta key such as ``"case"``), a dict of AP@50 per value of ``sample.meta[by]``.
@@ -379,7 +389,7 @@ def tap_name(kind: str, index: int | None) -> str:
     return kind if index is None else f"{kind}.{index}"
 
 
-def _probe_one(vlm, train_samples: Sequence, test_samples: Sequence, tap: Tap, config: ProbeConfig,
+def _probe_one(vlm: VLM, train_samples: Sequence, test_samples: Sequence, tap: Tap, config: ProbeConfig,
                batch_size: int, by_case: bool) -> dict:
     """Extract one tap's features (train and test in one pass), fit a probe, score it; a row of results."""
     from countlens.circuits.taps import tap as read_tap
@@ -397,7 +407,7 @@ def _probe_one(vlm, train_samples: Sequence, test_samples: Sequence, tap: Tap, c
     return row
 
 
-def probe_taps(vlm, train_samples: Sequence, test_samples: Sequence, taps: Sequence[Tap] = DEFAULT_TAPS,
+def probe_taps(vlm: VLM, train_samples: Sequence, test_samples: Sequence, taps: Sequence[Tap] = DEFAULT_TAPS,
                config: ProbeConfig = ProbeConfig(), batch_size: int = 16) -> xr.Dataset:
     """Train one probe per tap on ``train_samples`` and score AP@50 on ``test_samples``.
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +33,11 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.errors import InputError
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.vlm import VLM
 
 #: Count ranges of `separation`: all counts, the subitizing range, and beyond it.
 RANGES: dict[str, tuple[int, int]] = {"all": (0, 10**9), "1-4": (1, 4), "5+": (5, 10**9)}
@@ -52,8 +57,9 @@ def _counts(samples: Sequence) -> np.ndarray:
 
 
 @torch.no_grad()
-def last_token_states(vlm, samples: Sequence, layers: Sequence[int], batch_size: int = 16) -> Tensor:
-    """Float[Tensor, "layer sample d"]: decoder layer outputs at the last prompt position.
+def last_token_states(vlm: VLM, samples: Sequence, layers: Sequence[int], batch_size: int = 16
+                      ) -> Float[Tensor, "layer sample d"]:
+    """Decoder layer outputs at the last prompt position.
 
     ``layers`` are read in ascending order (the returned first axis follows that order); an index
     outside the model raises `countlens.errors.LayerError` naming the valid range.
@@ -65,9 +71,7 @@ def last_token_states(vlm, samples: Sequence, layers: Sequence[int], batch_size:
     layers = sorted({int(x) for x in layers})
     paths = [vlm.arch.layer(layer) for layer in layers]
     out = []
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+    for chunk, batch in vlm.batches(samples, batch_size):
         saved = []
         with vlm.read(batch):
             for path in paths:  # ascending, the order the layers run in
@@ -80,14 +84,14 @@ def last_token_states(vlm, samples: Sequence, layers: Sequence[int], batch_size:
 
 
 class PCA(NamedTuple):
-    coords: Tensor  # Float[Tensor, "sample k"]
-    components: Tensor  # Float[Tensor, "k d"], unit rows
-    explained: Tensor  # Float[Tensor, "k"], share of the total variance
-    mean: Tensor  # Float[Tensor, "d"]
+    coords: Float[Tensor, "sample k"]
+    components: Float[Tensor, "k d"]  # unit rows
+    explained: Float[Tensor, " k"]  # share of the total variance
+    mean: Float[Tensor, " d"]
 
 
-def pca(x: Tensor, k: int = 2) -> PCA:
-    """Top-``k`` principal components of Float[Tensor, "sample d"] (deterministic sign)."""
+def pca(x: Float[Tensor, "sample d"], k: int = 2) -> PCA:
+    """Top-``k`` principal components of the rows of ``x`` (deterministic sign)."""
     if x.ndim != 2 or len(x) < 2:
         raise InputError(f"pca needs a (sample, d) matrix with at least 2 samples; got shape {tuple(x.shape)}")
     if not 1 <= k <= min(x.shape):
@@ -125,9 +129,9 @@ def _conditional_p(d2: np.ndarray, perplexity: float, tol: float = 1e-5, steps: 
     return p
 
 
-def tsne(x: Tensor, dim: int = 2, perplexity: float = 30.0, n_iter: int = 750, learning_rate: float | None = None,
-         seed: int = 0) -> Tensor:
-    """Float[Tensor, "sample dim"]: an exact t-SNE embedding of Float[Tensor, "sample d"] (≤ 500 points).
+def tsne(x: Float[Tensor, "sample d"], dim: int = 2, perplexity: float = 30.0, n_iter: int = 750,
+         learning_rate: float | None = None, seed: int = 0) -> Float[Tensor, "sample dim"]:
+    """An exact t-SNE embedding of the rows of ``x`` (≤ 500 points).
 
     van der Maaten & Hinton (2008) with the usual schedule: early exaggeration 12 for the first
     250 iterations, momentum 0.5 then 0.8, per-parameter gains, learning rate max(n / 48, 50) unless
@@ -165,8 +169,8 @@ def tsne(x: Tensor, dim: int = 2, perplexity: float = 30.0, n_iter: int = 750, l
 # ----------------------------------------------------------------------------- separation
 
 
-def silhouette(x: Tensor, labels: np.ndarray) -> float:
-    """Mean silhouette of Float[Tensor, "sample k"] grouped by ``labels`` (NaN with < 2 groups).
+def silhouette(x: Float[Tensor, "sample k"], labels: np.ndarray) -> float:
+    """Mean silhouette of the rows of ``x`` grouped by ``labels`` (NaN with < 2 groups).
 
     A sample alone in its group scores 0, as in scikit-learn.
     """
@@ -188,7 +192,8 @@ def silhouette(x: Tensor, labels: np.ndarray) -> float:
     return float(s.mean())
 
 
-def separation(states: Tensor, counts: Sequence[int], k: int = 10, layers: Sequence[int] | None = None) -> xr.DataArray:
+def separation(states: Float[Tensor, "layer sample d"], counts: Sequence[int], k: int = 10,
+               layers: Sequence[int] | None = None) -> xr.DataArray:
     """Silhouette of count groups per layer, over (layer, range) with ranges "all", "1-4", "5+".
 
     ``states`` is Float[Tensor, "layer sample d"]; each layer's states are projected on their top
@@ -218,7 +223,7 @@ def separation(states: Tensor, counts: Sequence[int], k: int = 10, layers: Seque
 # ----------------------------------------------------------------------------- view
 
 
-def representation_view(vlm, samples: Sequence, layers: Sequence[int], k: int = 2, separation_k: int = 10,
+def representation_view(vlm: VLM, samples: Sequence, layers: Sequence[int], k: int = 2, separation_k: int = 10,
                         with_tsne: bool = False, seed: int = 0, batch_size: int = 16) -> xr.Dataset:
     """Last-token states of ``samples`` at ``layers``: PCA maps, explained variance and separation.
 

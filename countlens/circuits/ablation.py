@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,29 +34,25 @@ from countlens.circuits.sites import group_mask
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.results import SweepStore, provenance, samples_digest
+from countlens.results import SweepStore, provenance, samples_digest, top_sites
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.vlm import VLM, Batch
 
 ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
 
 
-def _batches(vlm, samples: Sequence, batch_size: int):
-    """Prepared chunks with each gold answer's first len − 1 tokens teacher-forced."""
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        answers = [vlm.answer_ids(s.answer) for s in chunk]
-        yield vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk],
-                          forced=[a[:-1] for a in answers])
-
-
 @torch.no_grad()
-def group_means(vlm, samples: Sequence, batch_size: int = 32) -> Tensor:
-    """Float[Tensor, "layer group n_heads*d_head"]: mean z per token group over a reference set."""
+def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tensor, "layer group n_heads*d_head"]:
+    """Mean z per token group (`ABLATION_GROUPS`) over a reference set."""
     if len(samples) == 0:
         raise InputError("no reference samples for the means")
     arch = vlm.arch
     sums = torch.zeros(arch.n_layers, len(ABLATION_GROUPS), arch.n_heads * arch.d_head, dtype=torch.float64)
     counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
-    for batch in _batches(vlm, samples, batch_size):
+    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
         masks = [group_mask(batch, g) for g in ABLATION_GROUPS]
         zs = []
         with vlm.read(batch):
@@ -68,7 +65,7 @@ def group_means(vlm, samples: Sequence, batch_size: int = 32) -> Tensor:
     return (sums / counts.clamp(min=1)[None, :, None]).float()
 
 
-def _mean_values(batch, means: Tensor, layer: int, head: int, d_head: int) -> tuple[Tensor, Tensor]:
+def _mean_values(batch: Batch, means: Tensor, layer: int, head: int, d_head: int) -> tuple[Tensor, Tensor]:
     """(mask of real tokens, Float[Tensor, "batch seq d_head"] holding each position's group mean)."""
     cols = slice(head * d_head, (head + 1) * d_head)
     ids = batch.inputs["input_ids"]
@@ -87,7 +84,9 @@ def _gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tens
     return sequence_scores(logits.unsqueeze(-2) if answer_window(answers) == 1 else logits, answers)
 
 
-def ablation_scan(vlm, tasks: dict[str, Sequence], means: dict[str, Tensor] | Tensor | None = None,
+def ablation_scan(vlm: VLM, tasks: dict[str, Sequence],
+                  means: (dict[str, Float[Tensor, "layer group n_heads*d_head"]]
+                          | Float[Tensor, "layer group n_heads*d_head"] | None) = None,
                   batch_size: int = 16, store=None, progress: bool = False, shard: Shard | None = None
                   ) -> xr.Dataset:
     """Ablate each head alone on each task: ``acc_drop`` and ``logp_drop`` over (task, layer, head).
@@ -156,7 +155,7 @@ def _means_key(name: str) -> str:
     return f"means_{name}"
 
 
-def _task_means(vlm, name: str, samples: Sequence, means, batch_size: int, store) -> Tensor:
+def _task_means(vlm: VLM, name: str, samples: Sequence, means, batch_size: int, store) -> Tensor:
     """The task's reference means: given, stored by an earlier run, or computed (and stored)."""
     mu = _given_means(means, name)
     if mu is not None:
@@ -170,9 +169,9 @@ def _task_means(vlm, name: str, samples: Sequence, means, batch_size: int, store
     return mu
 
 
-def _scan_chunk(vlm, chunk: Sequence, mu: Tensor, sites: list[tuple[int, int]]) -> xr.Dataset:
+def _scan_chunk(vlm: VLM, chunk: Sequence, mu: Tensor, sites: list[tuple[int, int]]) -> xr.Dataset:
     """One chunk of samples: per site and sample, correct and the drop in log p(gold); the baseline."""
-    batch = next(_batches(vlm, chunk, len(chunk)))
+    batch = vlm.prepare_samples(chunk, teacher_force=True)
     gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
     replicas = []
     for layer, head in sites:
@@ -189,7 +188,7 @@ def _scan_chunk(vlm, chunk: Sequence, mu: Tensor, sites: list[tuple[int, int]]) 
                        "base_correct": ("sample", b_ok.numpy())})
 
 
-def _scan_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means) -> SweepStore | None:
+def _scan_store(vlm: VLM, store, tasks: dict[str, Sequence], batch_size: int, means) -> SweepStore | None:
     if store is None:
         return None
     for name in tasks:  # task names become chunk file names: refuse a bad one before any work
@@ -210,8 +209,8 @@ def _scan_store(vlm, store, tasks: dict[str, Sequence], batch_size: int, means) 
     return open_store(store, spec)
 
 
-def ablate(vlm, samples: Sequence, heads: Sequence[tuple[int, int]], means: Tensor | None = None,
-           batch_size: int = 16) -> xr.Dataset:
+def ablate(vlm: VLM, samples: Sequence, heads: Sequence[tuple[int, int]],
+           means: Float[Tensor, "layer group n_heads*d_head"] | None = None, batch_size: int = 16) -> xr.Dataset:
     """Ablate ``heads`` jointly: per sample ``correct`` and ``logp`` before and after."""
     if len(samples) == 0:
         raise InputError("no samples to ablate on")
@@ -221,7 +220,7 @@ def ablate(vlm, samples: Sequence, heads: Sequence[tuple[int, int]], means: Tens
             raise InputError(f"head {head} out of range: {vlm.arch.name} has heads 0..{vlm.arch.n_heads - 1}")
     means = group_means(vlm, samples, batch_size) if means is None else means
     rows = {"correct": [], "logp": [], "base_correct": [], "base_logp": []}
-    for batch in _batches(vlm, samples, batch_size):
+    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
         edits = []
         for layer, head in heads:
             real, value = _mean_values(batch, means, layer, head, vlm.arch.d_head)
@@ -240,9 +239,7 @@ def top_heads(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> dict[str,
     """Per task, the ``k`` heads whose ablation hurts most by ``by``."""
     out = {}
     for task in scan.task.values:
-        flat = scan[by].sel(task=task).stack(site=("layer", "head"))
-        order = np.argsort(-flat.values, kind="stable")[:k]
-        out[str(task)] = [(int(flat.site.values[i][0]), int(flat.site.values[i][1])) for i in order]
+        out[str(task)] = [(layer, head) for layer, head, _ in top_sites(scan[by].sel(task=task), k)]
     return out
 
 

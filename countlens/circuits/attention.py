@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,9 +21,14 @@ from torch import Tensor
 from countlens.circuits.sites import group_mask
 from countlens.errors import InputError
 
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.vlm import VLM, Batch
+
 
 @contextmanager
-def eager_attention(vlm) -> Iterator[None]:
+def eager_attention(vlm: VLM) -> Iterator[None]:
     """Switch the language model to eager attention inside the block (the vision tower is untouched)."""
     text = getattr(vlm.hf.config, vlm.arch.spec.text_config)
     previous = text._attn_implementation
@@ -37,8 +43,9 @@ def eager_attention(vlm) -> Iterator[None]:
 
 
 @torch.no_grad()
-def last_token_attention(vlm, batch, layers: Sequence[int] | None = None) -> Tensor:
-    """Float[Tensor, "layer batch head seq"]: attention from the last prompt position, per head."""
+def last_token_attention(vlm: VLM, batch: Batch, layers: Sequence[int] | None = None
+                         ) -> Float[Tensor, "layer batch head seq"]:
+    """Attention from the last prompt position, per head."""
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     rows = []
     with eager_attention(vlm), vlm.read(batch):
@@ -48,16 +55,14 @@ def last_token_attention(vlm, batch, layers: Sequence[int] | None = None) -> Ten
     return torch.stack([r.cpu() for r in rows])
 
 
-def image_attention_share(vlm, samples: Sequence, layers: Sequence[int] | None = None,
+def image_attention_share(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None,
                           batch_size: int = 16) -> xr.DataArray:
     """Share of the last position's attention that lands on image tokens: (layer, head, sample)."""
     if len(samples) == 0:
         raise InputError("no samples given")
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     parts = []
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+    for _, batch in vlm.batches(samples, batch_size):
         att = last_token_attention(vlm, batch, layers)  # layer batch head seq
         image = group_mask(batch, "image").float()
         parts.append(torch.einsum("lbhs,bs->lhb", att, image))

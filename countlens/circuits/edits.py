@@ -19,11 +19,13 @@ from countlens import memory
 from countlens.circuits.sites import repeat_inputs, repeat_output
 
 if TYPE_CHECKING:
+    from jaxtyping import Bool, Float
+
     from countlens.vlm import VLM, Batch
 
 
 @torch.no_grad()
-def cache_run(vlm, batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
+def cache_run(vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
     """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
     ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens)."""
     out: dict = {"resid": {}, "z": {}}
@@ -47,9 +49,9 @@ class Edit:
     or else the cached run's."""
 
     layer: int
-    mask: Tensor  # Bool[Tensor, "batch seq"]
+    mask: Bool[Tensor, "batch seq"]
     head: int | None = None
-    value: Tensor | None = None
+    value: Float[Tensor, "batch seq d"] | None = None
 
 
 def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
@@ -58,8 +60,8 @@ def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def run_edits(vlm, batch, cache: dict | None, replicas: Sequence, max_rows: int | None = None,
-              reduce=None, keep: int = 1) -> Tensor:
+def run_edits(vlm: VLM, batch: Batch, cache: dict | None, replicas: Sequence, max_rows: int | None = None,
+              reduce=None, keep: int = 1) -> Float[Tensor, "replicas ..."]:
     """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"]
     (with ``keep`` > 1 the last ``keep`` positions: Float[Tensor, "replicas batch keep vocab"]), or
     ``reduce(logits)`` per replica (e.g. the gold answer's log-prob) so that a long sweep over a

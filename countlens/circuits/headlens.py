@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,11 @@ from torch import Tensor
 
 from countlens.circuits.sites import head_contributions
 from countlens.errors import InputError
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.vlm import VLM
 
 VISUAL_WORDS: frozenset[str] = frozenset(
     "red green blue yellow purple orange black white gray grey pink brown color colour colors colours "
@@ -67,14 +73,14 @@ class HeadLens:
     """Per-layer affine maps to the final residual stream; `decode` reads every head through them."""
 
     layers: list[int]
-    A: Tensor  # Float[Tensor, "layer d_model d_model"]
-    b: Tensor  # Float[Tensor, "layer d_model"]
-    r2: Tensor  # Float[Tensor, "layer"], held-out
+    A: Float[Tensor, "layer d_model d_model"]
+    b: Float[Tensor, "layer d_model"]
+    r2: Float[Tensor, " layer"]  # held-out
     model: str = ""
 
     @classmethod
     @torch.no_grad()
-    def fit(cls, vlm, samples: Sequence, layers: Sequence[int] | None = None, ridge: float = 1e-2,
+    def fit(cls, vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, ridge: float = 1e-2,
             batch_size: int = 16) -> HeadLens:
         if len(samples) == 0:
             raise InputError("HeadLens.fit needs samples")
@@ -82,7 +88,7 @@ class HeadLens:
         layers = list(range(arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
         chunks = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
         # The held-out fifth is drawn over all positions at once, so a first, forward-free pass counts them.
-        sizes = [int(vlm.prepare([s.image for s in c], [s.question for s in c]).inputs["attention_mask"].sum())
+        sizes = [int(vlm.prepare_samples(c).inputs["attention_mask"].sum())
                  for c in chunks]
         n = sum(sizes)
         if n < 10:
@@ -94,7 +100,7 @@ class HeadLens:
         test = {layer: _Moments() for layer in layers}
         offset = 0
         for chunk in chunks:
-            batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+            batch = vlm.prepare_samples(chunk)
             real = batch.inputs["attention_mask"].bool()
             outs = {}
             with vlm.read(batch):
@@ -121,8 +127,9 @@ class HeadLens:
         return xr.DataArray(self.r2.numpy(), dims=("layer",), coords={"layer": self.layers}, name="r2")
 
     @torch.no_grad()
-    def head_logits(self, vlm, layer: int, z: Tensor, bias: bool = True) -> Tensor:
-        """Float[Tensor, "... n_heads vocab"]: each head's decoded logits from z (..., n_heads·d_head)."""
+    def head_logits(self, vlm: VLM, layer: int, z: Float[Tensor, "... n_heads*d_head"], bias: bool = True
+                    ) -> Float[Tensor, "... n_heads vocab"]:
+        """Each head's decoded logits from its z."""
         i = self.layers.index(layer)
         contrib = head_contributions(vlm, layer, z.float().to(self.A.device))  # ... heads d_model
         mapped = contrib @ self.A[i].T + (self.b[i] if bias else 0.0)
@@ -133,7 +140,7 @@ class HeadLens:
         return head(norm(mapped.to(head.weight.device, dtype))).float()
 
     @torch.no_grad()
-    def decode(self, vlm, samples: Sequence, top_k: int = 10, batch_size: int = 16,
+    def decode(self, vlm: VLM, samples: Sequence, top_k: int = 10, batch_size: int = 16,
                visual_words: frozenset[str] = VISUAL_WORDS, bias: bool = True) -> xr.Dataset:
         """Top-k decoded tokens per (layer, head, sample) at the last prompt position; per head
         ``vgs`` / ``cter`` / ``difficulty`` (shares of visual-attribute, number and difficulty tokens,
@@ -143,9 +150,7 @@ class HeadLens:
             raise InputError("HeadLens.decode needs samples")
         arch = vlm.arch
         top_ids = []
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start : start + batch_size]
-            batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+        for chunk, batch in vlm.batches(samples, batch_size):
             zs = {}
             with vlm.read(batch):
                 for layer in self.layers:
@@ -178,7 +183,7 @@ class HeadLens:
         )
 
 
-def _first_word_token(vlm, text: str) -> int:
+def _first_word_token(vlm: VLM, text: str) -> int:
     """The first token of ``text`` that is more than a word marker (SentencePiece may write "7" as
     "▁", "7"): the token a head decoding that number puts first."""
     ids = vlm.answer_ids(text)

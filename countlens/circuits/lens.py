@@ -16,6 +16,7 @@ Norm and unembedding run inside the trace, so the same code serves local and rem
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,9 +24,12 @@ import xarray as xr
 
 from countlens.errors import InputError
 
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
 
 @torch.no_grad()
-def logit_lens(vlm, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 32) -> xr.Dataset:
+def logit_lens(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 32) -> xr.Dataset:
     """``rank`` and ``prob`` of each sample's gold token, and the ``top`` token id, over (layer, sample)."""
     if len(samples) == 0:
         raise InputError("no samples given to logit_lens")
@@ -34,11 +38,8 @@ def logit_lens(vlm, samples: Sequence, layers: Sequence[int] | None = None, batc
         vlm.arch.layer(layer)
     spec = vlm.arch.spec
     ranks, probs, tops = [], [], []
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        answers = [vlm.answer_ids(s.answer) for s in chunk]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk], [s.answer for s in chunk],
-                            forced=[a[:-1] for a in answers])
+    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
+        answers = batch.answer_ids
         rows, cols, gold, first = _answer_positions(answers, batch.inputs["input_ids"].shape[1])
         r_l, p_l, t_l = [], [], []
         with vlm.read(batch):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,14 +47,19 @@ from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.results import SweepStore, provenance, samples_digest
 
+if TYPE_CHECKING:
+    from jaxtyping import Int
+
+    from countlens.vlm import VLM, Batch
+
 @dataclass
 class PairBatch:
     """A chunk of pairs prepared for patching: the two batches and each pair's two answer tokens."""
 
-    clean: object  # countlens.vlm.Batch
-    corrupt: object
-    clean_id: Tensor  # (pairs,)
-    corrupt_id: Tensor
+    clean: Batch
+    corrupt: Batch
+    clean_id: Int[Tensor, " pairs"]  # a leading space: one named dim (jaxtyping's spelling that linters accept)
+    corrupt_id: Int[Tensor, " pairs"]
 
 
 def _check_pairs(pairs: Sequence) -> None:
@@ -61,7 +67,7 @@ def _check_pairs(pairs: Sequence) -> None:
         raise InputError("no pairs given; build some with countlens.datasets.count_pairs")
 
 
-def prepare_pairs(vlm, pairs: Sequence) -> PairBatch:
+def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     """Prepare clean and corrupt batches and check that their token positions line up.
 
     Each pair's answers are compared where their token sequences first differ
@@ -104,12 +110,12 @@ def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corru
     return effect, pred_corrupt.float().mean(-1)
 
 
-def _provenance(vlm, pairs: Sequence, **extra) -> dict:
+def _provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
     kinds = sorted({getattr(p, "kind", "?") for p in pairs})
     return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
 
 
-def _sweep(vlm, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool,
+def _sweep(vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool,
            shard: Shard | None = None) -> xr.Dataset:
     """Run ``make_edits(pair_batch)`` over chunks of pairs; per-pair logit diffs (site…, pair).
     Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
@@ -160,7 +166,7 @@ def _pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
         side for p in pairs for side in (p.clean, p.corrupt))})
 
 
-def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last", "text"),
+def patch_layers(vlm: VLM, pairs: Sequence, groups: Sequence[str] = ("image", "last", "text"),
                  layers: Sequence[int] | None = None, batch_size: int = 16, store=None,
                  progress: bool = False, shard: Shard | None = None) -> xr.Dataset:
     """Visual activation patching: xr.Dataset with ``effect`` and ``overwrite`` over (layer, group)
@@ -186,7 +192,7 @@ def patch_layers(vlm, pairs: Sequence, groups: Sequence[str] = ("image", "last",
     return ds
 
 
-def patch_heads(vlm, pairs: Sequence, layers: Sequence[int] | None = None, positions: str = "all",
+def patch_heads(vlm: VLM, pairs: Sequence, layers: Sequence[int] | None = None, positions: str = "all",
                 batch_size: int = 16, store=None, progress: bool = False, shard: Shard | None = None
                 ) -> xr.Dataset:
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
@@ -208,7 +214,7 @@ def patch_heads(vlm, pairs: Sequence, layers: Sequence[int] | None = None, posit
     return ds
 
 
-def attribution_patch(vlm, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
+def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
     """AtP: first-order estimates of head patching (``effect`` over (layer, head)) and of residual
     patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps."""
     _check_pairs(pairs)

@@ -15,16 +15,23 @@ position — see `countlens.answers`), ``text`` (every other real token), ``all`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from countlens.errors import InputError
 
+if TYPE_CHECKING:
+    from jaxtyping import Bool, Float
+
+    from countlens.vlm import VLM, Batch
+
 GROUPS: tuple[str, ...] = ("image", "last", "text", "all")
 
 
-def group_mask(batch, group: str) -> Tensor:
-    """Bool[Tensor, "batch seq"]: the positions of ``group`` in each row of a prepared `Batch`."""
+def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:
+    """The positions of ``group`` in each row of a prepared `Batch`."""
     if group not in GROUPS:
         raise InputError(f"unknown token group {group!r}; use one of {GROUPS}")
     ids = batch.inputs["input_ids"]
@@ -42,7 +49,7 @@ def group_mask(batch, group: str) -> Tensor:
     return real & ~mask & ~answer  # text: real tokens outside the image and the answer span
 
 
-def _answer_span(batch, width: int) -> Tensor:
+def _answer_span(batch: Batch, width: int) -> Tensor:
     """Bool[Tensor, "batch seq"]: each row's positions from its last prompt token to its read position."""
     pos = torch.arange(width)[None]
     return (pos >= batch.prompt_last[:, None]) & (pos <= batch.last[:, None])
@@ -69,18 +76,19 @@ def repeat_output(out, k: int):
     return out
 
 
-def heads_view(z: Tensor, n_heads: int) -> Tensor:
-    """Float[Tensor, "batch seq n_heads*d_head"] → Float[Tensor, "batch seq n_heads d_head"]."""
+def heads_view(z: Float[Tensor, "batch seq n_heads*d_head"], n_heads: int) -> Float[Tensor, "batch seq n_heads d_head"]:
+    """z with its last axis split into the heads."""
     return z.view(*z.shape[:-1], n_heads, z.shape[-1] // n_heads)
 
 
-def o_proj_weight(vlm, layer: int) -> Tensor:
-    """Float[Tensor, "d_model n_heads*d_head"]: o_proj's weight at ``layer``."""
+def o_proj_weight(vlm: VLM, layer: int) -> Float[Tensor, "d_model n_heads*d_head"]:
+    """o_proj's weight at ``layer``."""
     return vlm.hf.get_submodule(vlm.arch.o_proj(layer)).weight
 
 
-def head_contributions(vlm, layer: int, z: Tensor) -> Tensor:
-    """ĥ_i·W_O per head: Float[Tensor, "... n_heads d_model"] from z Float[Tensor, "... n_heads*d_head"]."""
+def head_contributions(vlm: VLM, layer: int, z: Float[Tensor, "... n_heads*d_head"]
+                       ) -> Float[Tensor, "... n_heads d_model"]:
+    """ĥ_i·W_O per head, from z."""
     w = o_proj_weight(vlm, layer)
     h = vlm.arch.n_heads
     w_heads = w.view(w.shape[0], h, -1).to(z.device, z.dtype)  # d_model × heads × d_head (z may sit on the CPU)

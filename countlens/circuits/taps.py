@@ -18,16 +18,22 @@ index, inverted). Any-resolution crops are not mapped yet (clear error).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from countlens.errors import InputError
 
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.vlm import VLM, Batch
+
 TAPS: tuple[str, ...] = ("vision", "projector", "llm")
 
 
-def _token_grid_map(acts: Tensor, batch) -> Tensor:
+def _token_grid_map(acts: Tensor, batch: Batch) -> Tensor:
     """Float[Tensor, "batch d rows cols"] from per-position activations Float[Tensor, "batch seq d"]."""
     rows = max(g.token_grid[0] for g in batch.geometry)
     cols = max(g.token_grid[1] for g in batch.geometry)
@@ -44,7 +50,7 @@ def _token_grid_map(acts: Tensor, batch) -> Tensor:
     return out
 
 
-def _window_index(vlm, grid_thw: Tensor) -> Tensor:
+def _window_index(vlm: VLM, grid_thw: Tensor) -> Tensor:
     """Qwen2.5-VL's order of merge units inside its vision blocks, from the model's own code."""
     visual = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks.rsplit(".", 1)[0])
     if hasattr(visual, "get_window_index"):  # transformers 4.x keeps it on the tower
@@ -54,7 +60,7 @@ def _window_index(vlm, grid_thw: Tensor) -> Tensor:
     return get_vision_window_index(grid_thw, visual.spatial_merge_size, visual.window_size, visual.patch_size)[0]
 
 
-def _vision_grid_map(acts: Tensor, vlm, batch) -> Tensor:
+def _vision_grid_map(acts: Tensor, vlm: VLM, batch: Batch) -> Tensor:
     spec = vlm.arch.spec
     if spec.layout != "grid":
         raise InputError(f"vision-block taps are not mapped for {vlm.arch.name} yet (any-resolution crops); "
@@ -81,17 +87,16 @@ def _vision_grid_map(acts: Tensor, vlm, batch) -> Tensor:
 
 
 @torch.no_grad()
-def tap(vlm, samples: Sequence, kind: str, index: int | None = None, batch_size: int = 16) -> Tensor:
-    """Float[Tensor, "sample d rows cols"]: the ``kind`` tap ("vision", "projector", "llm") of every sample."""
+def tap(vlm: VLM, samples: Sequence, kind: str, index: int | None = None, batch_size: int = 16
+        ) -> Float[Tensor, "sample d rows cols"]:
+    """The ``kind`` tap ("vision", "projector", "llm") of every sample, laid out on the image grid."""
     if kind not in TAPS:
         raise InputError(f"unknown tap {kind!r}; use one of {TAPS}")
     if kind in ("vision", "llm") and index is None:
         raise InputError(f"the {kind!r} tap needs an index: the vision block or decoder layer to read")
     spec = vlm.arch.spec
     out = []
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        batch = vlm.prepare([s.image for s in chunk], [s.question for s in chunk])
+    for _, batch in vlm.batches(samples, batch_size):
         with vlm.read(batch):
             if kind == "vision":
                 blocks = vlm.module(spec.vision_blocks)

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import xarray as xr
 
 from countlens.errors import InputError
+from countlens.results import top_sites
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
 
 
 @contextmanager
-def head_temperature(vlm, betas: dict[tuple[int, int], float]) -> Iterator[None]:
+def head_temperature(vlm: VLM, betas: dict[tuple[int, int], float]) -> Iterator[None]:
     """``with head_temperature(vlm, {(layer, head): β, ...}): ...`` scales those heads' attention logits."""
     arch = vlm.arch
     by_layer: dict[int, dict[int, float]] = {}
@@ -73,11 +78,9 @@ def beta_from_importance(importance: xr.DataArray, alpha: float = 1.2, top_k: in
     """β_h = α·γ_h for the ``top_k`` heads by |importance| (an xr.DataArray over layer × head)."""
     if set(importance.dims) != {"layer", "head"}:
         raise InputError(f"importance must have dims (layer, head), got {importance.dims}")
-    flat = abs(importance).stack(site=("layer", "head"))
-    top = flat.sortby(flat, ascending=False).isel(site=slice(0, top_k))
-    peak = float(top.max())
+    top = top_sites(importance, top_k, absolute=True)
+    peak = max((abs(v) for _, _, v in top), default=0.0)
     if peak <= 0:
         return {}
-    betas = {(int(layer), int(head)): alpha * float(v) / peak
-             for (layer, head), v in zip(top.site.values, top.values)}
+    betas = {(layer, head): alpha * abs(v) / peak for layer, head, v in top}
     return {k: b for k, b in betas.items() if b >= floor}

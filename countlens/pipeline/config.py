@@ -43,7 +43,7 @@ def check_config(c: DiscoverConfig) -> None:
     from countlens.errors import InputError
 
     for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k", "jaccard_k"):
-        require_count(getattr(c, name), name)
+        require_count(getattr(c, name), name, ConfigError)
     if c.prompt != "auto" and c.prompt not in PAIR_PROMPTS:
         raise ConfigError(f"prompt {c.prompt!r}: use 'auto' or one of {PAIR_PROMPTS}")
     try:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import xarray as xr
@@ -32,6 +33,9 @@ import xarray as xr
 from countlens.progress import Bar
 from countlens.results import samples_digest, write_text
 from countlens.training.finetune import FinetuneConfig, finetune, target_layers_from, with_adapter
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
 
 VARIANTS: dict[str, dict] = {
     "+SFT": {"focus": 0.0, "mas": 0.0},
@@ -86,30 +90,30 @@ EVALUATION: tuple[str, ...] = ("count (in-dist.)", "tricks position", "tricks di
 def check_recipe(recipe, local: dict | None = None, train=None, overrides: dict | None = None) -> None:
     """Refuse a recipe no run can finish, naming the field, before any model loads."""
     from countlens.analysis.heads import CLASSES
-    from countlens.errors import InputError
+    from countlens.errors import ConfigError
 
     _check_fields({**recipe.config, **(overrides or {})}, "Recipe.config / overrides")
     bad_classes = [c for c in recipe.temperature_classes if c not in CLASSES]
     if bad_classes:
-        raise InputError(f"Recipe.temperature_classes {bad_classes}: use some of {list(CLASSES)}")
+        raise ConfigError(f"Recipe.temperature_classes {bad_classes}: use some of {list(CLASSES)}")
     for key, path in (local or {}).items():
         if key not in ("fsc147", "pixmo"):
-            raise InputError(f"local copy {key!r}: give 'fsc147' (a root directory) or 'pixmo' (a file)")
+            raise ConfigError(f"local copy {key!r}: give 'fsc147' (a root directory) or 'pixmo' (a file)")
         if not Path(path).exists():
-            raise InputError(f"--{key} {path}: no such file or directory; give the path of a local copy")
+            raise ConfigError(f"--{key} {path}: no such file or directory; give the path of a local copy")
     if recipe.training == "fsc147" and train is None and any(VARIANTS.get(r, {}).get("focus") for r in recipe.rows):
-        raise InputError("the focus loss needs object centres of synthetic scenes; a recipe that trains on "
-                         "FSC-147 takes rows without focus (e.g. '+SFT', '+SFT+MAS')")
+        raise ConfigError("the focus loss needs object centres of synthetic scenes; a recipe that trains on "
+                          "FSC-147 takes rows without focus (e.g. '+SFT', '+SFT+MAS')")
     bad_rows = [r for r in recipe.rows if r not in VARIANTS and r != TEMPERATURE_ROW]
     if bad_rows:
-        raise InputError(f"Recipe.rows {bad_rows}: use some of {[*VARIANTS, TEMPERATURE_ROW]}")
+        raise ConfigError(f"Recipe.rows {bad_rows}: use some of {[*VARIANTS, TEMPERATURE_ROW]}")
     if TEMPERATURE_ROW in recipe.rows and "+SFT+focus" not in recipe.rows:
-        raise InputError(f"Recipe.rows: {TEMPERATURE_ROW!r} evaluates the +SFT+focus adapter; list '+SFT+focus' too")
+        raise ConfigError(f"Recipe.rows: {TEMPERATURE_ROW!r} evaluates the +SFT+focus adapter; list '+SFT+focus' too")
     bad_sets = [x for x in recipe.evaluation if x not in EVALUATION]
     if bad_sets:
-        raise InputError(f"Recipe.evaluation {bad_sets}: use some of {list(EVALUATION)}")
+        raise ConfigError(f"Recipe.evaluation {bad_sets}: use some of {list(EVALUATION)}")
     if recipe.layers not in ("circuit", "all"):
-        raise InputError(f"Recipe.layers={recipe.layers!r}: use 'circuit' or 'all'")
+        raise ConfigError(f"Recipe.layers={recipe.layers!r}: use 'circuit' or 'all'")
     if train is None:
         _check_training_source(recipe, local)
 
@@ -126,13 +130,13 @@ def evaluation_names(recipe, local: dict | None = None) -> tuple[str, ...]:
 
 
 def _check_training_source(recipe, local: dict | None) -> None:
-    from countlens.errors import InputError
+    from countlens.errors import ConfigError
 
     if recipe.training not in TRAINING:
-        raise InputError(f"Recipe.training={recipe.training!r}: use one of {TRAINING}")
+        raise ConfigError(f"Recipe.training={recipe.training!r}: use one of {TRAINING}")
     if recipe.training == "fsc147" and not (local or {}).get("fsc147"):
-        raise InputError("this recipe fine-tunes on FSC-147's train split: pass a local copy "
-                         "(`--fsc147 ROOT` / local={'fsc147': ROOT}); no data set is downloaded")
+        raise ConfigError("this recipe fine-tunes on FSC-147's train split: pass a local copy "
+                          "(`--fsc147 ROOT` / local={'fsc147': ROOT}); no data set is downloaded")
 
 
 def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
@@ -143,7 +147,7 @@ def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
     from countlens.datasets.countingtricks import CASES, countingtricks
     from countlens.datasets.pairs import count_scenes
     from countlens.datasets.tasks import task_samples
-    from countlens.errors import InputError
+    from countlens.errors import ConfigError
     from countlens.training.recipe import DEFAULT_RECIPE
 
     names = DEFAULT_RECIPE.evaluation if names is None else names
@@ -175,7 +179,7 @@ def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
     }
     unknown = [x for x in names if x not in makers]
     if unknown:
-        raise InputError(f"unknown evaluation sets {unknown}; use some of {list(EVALUATION)}")
+        raise ConfigError(f"unknown evaluation sets {unknown}; use some of {list(EVALUATION)}")
     sets = {}
     for name in names:
         if name in LOCAL_SETS and not local.get(LOCAL_SETS[name]):
@@ -189,7 +193,7 @@ def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
     return sets
 
 
-def _metrics(vlm, sets: dict[str, list], batch_size: int, generated: frozenset = frozenset()) -> dict[str, float]:
+def _metrics(vlm: VLM, sets: dict[str, list], batch_size: int, generated: frozenset = frozenset()) -> dict[str, float]:
     """Accuracy per set, and MAE (|predicted − true count| over parsed answers) per counting set:
     scoring (`score`) or, for the sets in ``generated`` (real benchmarks), greedy generation + parsing."""
     from countlens.analysis.evaluate import generate, score, summary
@@ -249,12 +253,12 @@ def recipe_config(recipe, n_train: int, **given) -> FinetuneConfig:
 def _check_fields(values: dict, what: str) -> None:
     from dataclasses import fields
 
-    from countlens.errors import InputError
+    from countlens.errors import ConfigError
 
     known = {f.name for f in fields(FinetuneConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise InputError(f"{what}: {unknown} are not FinetuneConfig fields; use some of {sorted(known)}")
+        raise ConfigError(f"{what}: {unknown} are not FinetuneConfig fields; use some of {sorted(known)}")
 
 
 def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig | None = None,

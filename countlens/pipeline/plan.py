@@ -30,6 +30,7 @@ plans the stages above it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from countlens.analysis.evaluate import candidate_sets
 from countlens.answers import answer_window, read_rows
@@ -38,6 +39,9 @@ from countlens.errors import ConfigError
 from countlens.memory import MAX_ROWS, Widths, free_bytes, replica_copy_bytes, resident_bytes, rows_per_forward, widths
 from countlens.pipeline.config import DiscoverConfig, resolved_prompt
 from countlens.pipeline.discover import check, stage_inputs
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ def _sweep_rows(w: Widths, seq: int, free: int, kept: int, keep: int, patches: i
 class _Planner:
     """Builds each discover stage's `StagePlan` from the stage's own samples."""
 
-    def __init__(self, vlm, config, free: int):
+    def __init__(self, vlm: VLM, config, free: int):
         self.vlm, self.c, self.free = vlm, config, free
         self.w = widths(vlm)
         self._make = stage_inputs(vlm, config, resolved_prompt(vlm, config))
@@ -204,10 +208,7 @@ class _Planner:
 
     def _seq(self, samples, forced: bool = False) -> int:
         chunk = samples[: self.bs]
-        kw = {}
-        if forced:
-            kw = dict(answers=[s.answer for s in chunk], forced=[self.vlm.answer_ids(s.answer)[:-1] for s in chunk])
-        batch = self.vlm.prepare([s.image for s in chunk], [s.question for s in chunk], **kw)
+        batch = self.vlm.prepare_samples(chunk, teacher_force=forced)
         return int(batch.inputs["input_ids"].shape[1])
 
     def score(self, name: str, samples, times: int = 1) -> StagePlan:
@@ -313,7 +314,7 @@ class _Planner:
         return StagePlan("ablation", fw, kept=kept, host=host, rows=rows, batch=self.bs)
 
 
-def plan(vlm, config=None, memory: int | None = None, device: str | None = None, base: int | None = None) -> Plan:
+def plan(vlm: VLM, config=None, memory: int | None = None, device: str | None = None, base: int | None = None) -> Plan:
     """The `Plan` of `countlens discover` on ``vlm`` with ``config`` (a `DiscoverConfig`).
 
     ``vlm`` may be loaded (the plan of running here, now) or built on the meta device (`meta_vlm`:

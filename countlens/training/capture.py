@@ -13,12 +13,16 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from countlens.errors import InputError
 
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
 
 @contextmanager
-def attention_at(vlm, layers: Sequence[int]) -> Iterator[dict[int, object]]:
+def attention_at(vlm: VLM, layers: Sequence[int]) -> Iterator[dict[int, object]]:
     """``with attention_at(vlm, [3, 4]) as attn: model(...)`` → ``attn[l]``: Float[Tensor, "batch heads seq seq"]."""
     arch = vlm.arch
     for layer in layers:

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from countlens.errors import InputError
+from countlens.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM, Batch
 
 IGNORE = -100
 CE_ON: tuple[str, ...] = ("answer", "digits")
@@ -27,17 +31,16 @@ class TrainBatch:
     inputs: dict[str, Tensor]
     labels: Tensor  # Long[Tensor, "batch seq"], IGNORE off the answer
     targets: Tensor  # Bool[Tensor, "batch seq"], positions that predict an answer token
-    prompt: object  # the prompt-only countlens Batch (image positions, cells, geometry)
+    prompt: Batch  # the prompt-only batch (image positions, cells, geometry)
     samples: Sequence
 
 
-def training_batch(vlm, samples: Sequence, ce_on: str = "answer") -> TrainBatch:
+def training_batch(vlm: VLM, samples: Sequence, ce_on: str = "answer") -> TrainBatch:
     """Prompt + answer batch for ``samples`` (anything with image, question, answer). ``ce_on``:
     "answer" labels every answer token; "digits" only those holding a digit (`digit_labels`)."""
     if ce_on not in CE_ON:
-        raise InputError(f"ce_on={ce_on!r}: use one of {CE_ON}")
-    prompt = vlm.prepare([s.image for s in samples], [s.question for s in samples], [s.answer for s in samples],
-                         single_token=False)
+        raise ConfigError(f"ce_on={ce_on!r}: use one of {CE_ON}")
+    prompt = vlm.prepare_samples(samples, answers=True)
     answers = prompt.answer_ids
     width = max(len(a) for a in answers)
     ids = prompt.inputs["input_ids"]
@@ -62,7 +65,7 @@ def training_batch(vlm, samples: Sequence, ce_on: str = "answer") -> TrainBatch:
                       prompt, samples)
 
 
-def digit_labels(vlm, labels: Tensor, samples: Sequence = ()) -> Tensor:
+def digit_labels(vlm: VLM, labels: Tensor, samples: Sequence = ()) -> Tensor:
     """``labels`` kept only on answer tokens that hold a digit: the Counting Circuits L_SFT, the
     cross-entropy of the count's digit tokens (Pstd's "circle: 12" → "1", "2" on Qwen)."""
     keep = labels != IGNORE
@@ -77,7 +80,7 @@ def digit_labels(vlm, labels: Tensor, samples: Sequence = ()) -> Tensor:
     return out
 
 
-def digit_mask(vlm, ids: Sequence[int]) -> list[bool]:
+def digit_mask(vlm: VLM, ids: Sequence[int]) -> list[bool]:
     """For each token id, whether its token holds a digit ("1", "Ġ12", "▁7")."""
     return [any(ch.isdigit() for ch in t) for t in vlm.token_strings(ids)]
 

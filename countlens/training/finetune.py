@@ -31,16 +31,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from countlens.errors import InputError
+from countlens.errors import ConfigError, InputError, RunDirError
 from countlens.results import write_text
 from countlens.training.collate import CE_ON, digit_mask
 
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-ADDED_FIELDS: dict = {"ce_on": "answer"}  # FinetuneConfig fields newer than some fine-tune directories
 
 
 @dataclass(frozen=True)
@@ -91,23 +94,23 @@ def read_heads(circuit: str | Path):
 
     path = Path(circuit) / "heads.csv"
     if not path.exists():
-        raise InputError(f"no circuit at {circuit}: {path} is missing; run `countlens discover --out {circuit}` first")
+        raise RunDirError(f"no circuit at {circuit}: {path} is missing; run `countlens discover --out {circuit}` first")
     try:
         table = pd.read_csv(path)
     except (ValueError, pd.errors.ParserError) as err:
-        raise InputError(f"{path} is not a head table ({err}); rerun `countlens discover --out {circuit}`") from None
+        raise RunDirError(f"{path} is not a head table ({err}); rerun `countlens discover --out {circuit}`") from None
     missing = [c for c in HEAD_COLUMNS if c not in table.columns]
     if missing or table.empty:
-        raise InputError(f"{path} is not a countlens head table: it lacks the columns {missing or list(HEAD_COLUMNS)} "
-                         f"or has no rows; rerun `countlens discover --out {circuit}` or `countlens classify --run {circuit}`")
+        raise RunDirError(f"{path} is not a countlens head table: it lacks the columns {missing or list(HEAD_COLUMNS)} "
+                          f"or has no rows; rerun `countlens discover --out {circuit}` or `countlens classify --run {circuit}`")
     try:
         table = table.astype({"layer": int, "head": int, "importance": float})
     except (ValueError, TypeError) as err:
-        raise InputError(f"{path}: the layer, head and importance columns must be numbers ({err})") from None
+        raise RunDirError(f"{path}: the layer, head and importance columns must be numbers ({err})") from None
     return table
 
 
-def _lora_config(vlm, config: FinetuneConfig):
+def _lora_config(vlm: VLM, config: FinetuneConfig):
     from peft import LoraConfig
 
     spec = vlm.arch.spec
@@ -162,7 +165,7 @@ def _latest_checkpoint(out: Path) -> Path | None:
     return None
 
 
-def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
+def finetune(vlm: VLM, samples: Sequence, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
              progress: Callable[[dict], None] | None = None) -> Path:
     """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
     adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
@@ -171,17 +174,17 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
 
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise InputError(f"output {out} is a file; give a directory")
+        raise RunDirError(f"output {out} is a file; give a directory")
     if len(samples) == 0:
         raise InputError("no training samples")
     attn_terms = config.focus > 0 or config.mas > 0
     if attn_terms and not config.target_layers:
-        raise InputError("focus/MAS losses need target_layers (e.g. target_layers_from('runs/toy')); "
-                         "or set focus=0 and mas=0 for plain SFT")
+        raise ConfigError("focus/MAS losses need target_layers (e.g. target_layers_from('runs/toy')); "
+                          "or set focus=0 and mas=0 for plain SFT")
     for layer in config.target_layers:
         vlm.arch.layer(layer)
     if config.ce_on not in CE_ON:
-        raise InputError(f"ce_on={config.ce_on!r}: use one of {CE_ON}")
+        raise ConfigError(f"ce_on={config.ce_on!r}: use one of {CE_ON}")
     if config.ce_on == "digits":
         _check_digit_answers(vlm, samples)
     from countlens.results import samples_digest
@@ -190,11 +193,16 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
     spec = {"model": vlm.name, "samples": len(samples), "digest": samples_digest(samples),
             **{k: v for k, v in asdict(config).items() if k != "save_every"}}
     spec = json.loads(json.dumps(spec))
-    # A fine-tune written before a field existed ran at that field's default; one written before the
-    # samples' digest was kept is taken to have trained on these samples.
+    # A saved spec is compared whole: a field it lacks (a digest included) leaves unknown what that
+    # fine-tune trained with, so it resumes nothing.
     saved = json.loads(spec_file.read_text()) if spec_file.exists() else None
-    if saved is not None and {**ADDED_FIELDS, "digest": spec["digest"], **saved} != spec:
-        raise InputError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
+    if saved is not None:
+        lacking = sorted(set(spec) - set(saved))
+        if lacking:
+            raise RunDirError(f"{spec_file} lacks {lacking}: it was written by an older countlens; fine-tune "
+                              f"into a new directory")
+        if saved != spec:
+            raise RunDirError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
     out.mkdir(parents=True, exist_ok=True)
     write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
 
@@ -204,8 +212,8 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
                               # rank 0 may evaluate for long between two fine-tunes while the others wait
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=4))])
     if config.batch_size % accelerator.num_processes:
-        raise InputError(f"batch_size {config.batch_size} is the global batch, split between "
-                         f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}")
+        raise ConfigError(f"batch_size {config.batch_size} is the global batch, split between "
+                          f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}")
     frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
     peft_model = get_peft_model(vlm.hf, _lora_config(vlm, config))
     try:
@@ -217,7 +225,7 @@ def finetune(vlm, samples: Sequence, out: str | Path, config: FinetuneConfig = F
             p.requires_grad_(frozen.get(n, p.requires_grad))
 
 
-def _check_digit_answers(vlm, samples: Sequence) -> None:
+def _check_digit_answers(vlm: VLM, samples: Sequence) -> None:
     """ce_on='digits' trains on the answers' digit tokens: refuse, before training, an answer without one."""
     for answer in sorted({s.answer for s in samples}):
         if not any(digit_mask(vlm, vlm.answer_ids(answer))):
@@ -225,7 +233,7 @@ def _check_digit_answers(vlm, samples: Sequence) -> None:
                              "(a Pstd or number prompt) or train with ce_on='answer'")
 
 
-def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneConfig, progress) -> Path:
+def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: FinetuneConfig, progress) -> Path:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -243,9 +251,9 @@ def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneCon
     if ckpt is not None:
         state = torch.load(ckpt / "state.pt", weights_only=False)
         if accelerator.distributed_type == "FSDP" and state["step"] < config.steps:
-            raise InputError(f"{out} holds a checkpoint at step {state['step']} of {config.steps}, and resuming "
-                             "under FSDP is not supported: its optimiser state is rank 0's shard only. Train "
-                             "into a new directory, or resume without FSDP (DDP)")
+            raise RunDirError(f"{out} holds a checkpoint at step {state['step']} of {config.steps}, and resuming "
+                              "under FSDP is not supported: its optimiser state is rank 0's shard only. Train "
+                              "into a new directory, or resume without FSDP (DDP)")
         set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -304,7 +312,7 @@ def _train(vlm, peft_model, accelerator, samples, out: Path, config: FinetuneCon
     return adapter
 
 
-def with_adapter(name_or_path: str, adapter: str | Path, **load_kw):
+def with_adapter(name_or_path: str, adapter: str | Path, **load_kw) -> VLM:
     """A fresh `VLM` of ``name_or_path`` with the LoRA ``adapter`` merged into its weights."""
     from peft import PeftModel
 
@@ -313,7 +321,7 @@ def with_adapter(name_or_path: str, adapter: str | Path, **load_kw):
 
     adapter = Path(adapter)
     if not (adapter / "adapter_config.json").exists():
-        raise InputError(f"no LoRA adapter at {adapter} (adapter_config.json missing); train one with finetune()")
+        raise RunDirError(f"no LoRA adapter at {adapter} (adapter_config.json missing); train one with finetune()")
     base = countlens.load(name_or_path, **load_kw)
     merged = PeftModel.from_pretrained(base.hf, adapter).merge_and_unload()
     merged.eval()

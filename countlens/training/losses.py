@@ -17,12 +17,16 @@ by `countlens.training.capture.attention_at`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from countlens.training.collate import IGNORE
+
+if TYPE_CHECKING:
+    from countlens.vlm import Batch
 
 
 def answer_ce(logits: Tensor, labels: Tensor) -> Tensor:
@@ -47,7 +51,7 @@ def gaussian_prior(centres: Sequence[tuple[float, float]], grid: tuple[int, int]
     return prior / prior.sum()
 
 
-def object_prior(batch, samples: Sequence, sigma: float = 1.0) -> list[Tensor]:
+def object_prior(batch: Batch, samples: Sequence, sigma: float = 1.0) -> list[Tensor]:
     """Per sample, the prior over its image tokens (in `Batch.image_pos` order), from scene objects."""
     priors = []
     for b, s in enumerate(samples):

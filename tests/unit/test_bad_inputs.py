@@ -27,6 +27,7 @@ from countlens.datasets import count_pairs, countingtricks, task_samples
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConfigError,
     CountlensError,
     DeviceError,
     InputError,
@@ -87,7 +88,7 @@ API_CASES = [
     ("missing checkpoint", lambda c: countlens.load(c.tmp / "nowhere"), CheckpointNotFoundError, "nowhere"),
     ("invalid config.json", lambda c: countlens.load(c.bad_config), CheckpointError, "config.json"),
     ("truncated weights", lambda c: countlens.load(c.truncated), CheckpointError, "model.safetensors"),
-    ("bad dtype", lambda c: countlens.load("toy", dtype="bf16"), InputError, "bf16"),
+    ("bad dtype", lambda c: countlens.load("toy", dtype="bf16"), ConfigError, "bf16"),
     ("cuda on a CPU build", lambda c: countlens.load("toy", device_map="cuda"), DeviceError, "cuda"),
     ("a CUDA ordinal on a CPU build", lambda c: countlens.load("toy", device_map=0), DeviceError, "device 0"),
     ("cuda in a device map", lambda c: countlens.load("toy", device_map={"": "cuda:0"}), DeviceError, "cuda:0"),
@@ -200,7 +201,7 @@ def test_discover_refused_then_corrected_in_the_same_directory(tmp_path, loaded)
     from countlens.pipeline.discover import discover
 
     toy = loaded("toy")
-    with pytest.raises(InputError, match="batch_size"):
+    with pytest.raises(ConfigError, match="batch_size"):
         discover(toy, tmp_path / "run", DiscoverConfig(batch_size=0))
     assert not (tmp_path / "run").exists()
 

@@ -10,7 +10,7 @@ import pytest
 
 from countlens import distributed
 from countlens.distributed import Shard, ShardError
-from countlens.errors import InputError
+from countlens.errors import ConfigError
 from countlens.results import SweepStore, _writer_alive, _writer_id
 
 
@@ -30,15 +30,15 @@ def test_the_shard_comes_from_the_launcher(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert distributed.current() == Shard(1, 4)
     monkeypatch.setenv("RANK", "x")
-    with pytest.raises(InputError, match="not integers"):
+    with pytest.raises(ConfigError, match="not integers"):
         distributed.current()
     monkeypatch.setenv("RANK", "4")
-    with pytest.raises(InputError, match="0 ≤ r < W"):
+    with pytest.raises(ConfigError, match="0 ≤ r < W"):
         distributed.current()
 
 
 def test_a_sharded_sweep_needs_a_store_and_gives_up_naming_what_is_missing(tmp_path):
-    with pytest.raises(InputError, match="store="):
+    with pytest.raises(ConfigError, match="store="):
         distributed.resolve(Shard(0, 2), None, "patch_heads")
     assert distributed.resolve(Shard(0, 2), tmp_path, "x") == Shard(0, 2)
     store = SweepStore(tmp_path / "s", {"sweep": "t"})
@@ -91,7 +91,7 @@ def test_cuda_means_this_ranks_gpu_under_a_launcher(monkeypatch):
 def test_a_world_without_a_rank_is_refused(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(InputError, match="RANK is unset"):
+    with pytest.raises(ConfigError, match="RANK is unset"):
         distributed.current()
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert distributed.current() == Shard(0, 1)

@@ -5,7 +5,13 @@ import pytest
 from PIL import Image
 
 import countlens
-from countlens.errors import CheckpointNotFoundError, CountlensError, InputError, UnsupportedArchitectureError
+from countlens.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CountlensError,
+    InputError,
+    UnsupportedArchitectureError,
+)
 from tiny_models import TINY_IMAGE_SIZE
 
 
@@ -25,7 +31,7 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_checkpoint):
 
 
 def test_bad_dtype_and_config_only_directory(tiny_checkpoint, tmp_path):
-    with pytest.raises(InputError, match="not a torch dtype"):
+    with pytest.raises(ConfigError, match="not a torch dtype"):
         countlens.load(tiny_checkpoint("qwen2_vl"), dtype="bf16")
     import shutil
 

@@ -20,7 +20,7 @@ from countlens.cli import app
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
 from countlens.pipeline.config import STAGES, DiscoverConfig
-from countlens.errors import InputError
+from countlens.errors import ConfigError
 from tolerance import assert_effect, logit_scale
 
 SMALL = DiscoverConfig(n_per_case=2, n_pairs=4, n_samples=4, batch_size=4)
@@ -111,7 +111,7 @@ def test_little_memory_shrinks_the_sweeps_and_flags_nothing_it_fits(organism):
     squeezed = plan.plan(organism, SMALL, memory=1 << 36, base=0)
     squeezed.memory = cut
     assert squeezed.over() == [n for n, v in peaks.items() if v > cut] and squeezed.over()
-    with pytest.raises(InputError, match="do not fit"):
+    with pytest.raises(ConfigError, match="do not fit"):
         plan.plan(organism, SMALL, memory=w.weight_bytes // 2, base=0)
 
 

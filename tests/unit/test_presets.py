@@ -10,7 +10,7 @@ import xarray as xr
 from countlens.pipeline import presets
 from countlens.analysis.heads import HeadThresholds, classify_heads
 from countlens.pipeline.config import DiscoverConfig, check_config
-from countlens.errors import InputError
+from countlens.errors import ConfigError, RunDirError
 from countlens.training.finetune import FinetuneConfig
 
 
@@ -79,18 +79,18 @@ def test_syn_training_data_is_half_dots_half_polygons_with_counts_to_ten():
     assert kinds.count("dots") == kinds.count("polygons") == 20
     for kind in ("dots", "polygons"):
         assert sorted({s.meta["count"] for s in scenes if s.meta["kind"] == kind}) == list(range(1, 11))
-    with pytest.raises(InputError, match="--fsc147"):
+    with pytest.raises(ConfigError, match="--fsc147"):
         training_data(presets.recipe("counting-to-four"), Geometry(192, 192, 16), "std")
 
 
 def test_overrides_win_and_bad_names_are_refused():
     small = presets.discover_config("counting-to-four", n_per_case=2)
     assert small.n_per_case == 2 and small.prompt == "std"
-    with pytest.raises(InputError, match="unknown preset"):
+    with pytest.raises(ConfigError, match="unknown preset"):
         presets.get("counting-to-five")
-    with pytest.raises(InputError, match="not DiscoverConfig fields"):
+    with pytest.raises(ConfigError, match="not DiscoverConfig fields"):
         presets.discover_config("counting-circuits", n_pair=3)
-    with pytest.raises(InputError, match="unknown preset"):
+    with pytest.raises(ConfigError, match="unknown preset"):
         check_config(DiscoverConfig(preset="nope"))
 
 
@@ -179,9 +179,9 @@ def test_a_threshold_whose_measure_the_run_lacks_is_refused():
     att = xr.Dataset({"image_attention": (("layer", "head", "sample"), np.zeros((1, 1, 2)))},
                      coords={**coords, "sample": [0, 1]})
     assert len(head_table(heads, abl, hl, att)) == 1  # the defaults need neither measure
-    with pytest.raises(InputError, match="count_token"):
+    with pytest.raises(RunDirError, match="count_token"):
         head_table(heads, abl, hl, att, presets.thresholds("counting-circuits"))
-    with pytest.raises(InputError, match="difficulty"):
+    with pytest.raises(RunDirError, match="difficulty"):
         head_table(heads, abl, hl, att, HeadThresholds(difficulty_min=0.1))
 
 
@@ -196,7 +196,7 @@ def test_a_run_made_before_the_new_fields_resumes(tmp_path):
     old = {k: v for k, v in spec.items() if k not in ("jaccard_k", "preset")}
     (tmp_path / "spec.json").write_text(json.dumps(old))
     Stages(tmp_path, spec, log=lambda _: None)  # no "different spec"
-    with pytest.raises(InputError, match="different spec"):
+    with pytest.raises(RunDirError, match="different spec"):
         Stages(tmp_path, {**spec, "jaccard_k": 20}, log=lambda _: None)
 
 
@@ -231,11 +231,11 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads():
                             ({"config": {"lora_rank": 8}}, "not FinetuneConfig fields"),
                             ({"temperature_classes": ("routing",)}, "Recipe.temperature_classes"),
                             ({"training": "fsc147", "rows": ("+SFT+focus",)}, "object centres")):
-        with pytest.raises(InputError, match=message):
+        with pytest.raises(ConfigError, match=message):
             check_recipe(replace(base, **change), local={"fsc147": "."})
-    with pytest.raises(InputError, match="--pixmo /nowhere: no such file"):
+    with pytest.raises(ConfigError, match="--pixmo /nowhere: no such file"):
         check_recipe(base, local={"pixmo": "/nowhere"})
-    with pytest.raises(InputError, match="not FinetuneConfig fields"):
+    with pytest.raises(ConfigError, match="not FinetuneConfig fields"):
         check_recipe(base, overrides={"step": 3})
     for p in presets.PRESETS.values():
         check_recipe(p.finetune, local={"fsc147": "."})

@@ -22,7 +22,7 @@ from countlens.analysis.probes import (
 from countlens.datasets.countingtricks import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.datasets.tasks import TaskSample
-from countlens.errors import InputError
+from countlens.errors import ConfigError, InputError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -150,7 +150,7 @@ def test_probe_input_errors():
         fit_probe(x[:3], samples)
     with pytest.raises(InputError, match="sample d rows cols"):
         fit_probe(x[:, 0], samples)
-    with pytest.raises(InputError, match="multiple of groups"):
+    with pytest.raises(ConfigError, match="multiple of groups"):
         ProbeConfig(hidden=10, groups=4)
 
 

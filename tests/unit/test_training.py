@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import countlens
 from countlens.circuits.sites import group_mask
 from countlens.datasets.tasks import TaskSample, task_samples
-from countlens.errors import InputError
+from countlens.errors import ConfigError, InputError, RunDirError
 from countlens.training.capture import attention_at
 from countlens.training.collate import IGNORE, answer_targets, training_batch
 from countlens.training.finetune import FinetuneConfig, _batch_indices, finetune, with_adapter
@@ -142,10 +142,10 @@ def test_finetune_resumes_after_a_kill_to_the_same_adapter(organism, tmp_path):
     del spec["ce_on"], spec["digest"]
     (tmp_path / "full" / "finetune.json").write_text(json.dumps(spec))
     assert finetune(organism, samples, tmp_path / "full", config) == full
-    with pytest.raises(InputError, match="other settings"):
+    with pytest.raises(RunDirError, match="other settings"):
         finetune(organism, samples, tmp_path / "full", replace(config, ce_on="digits"))
     # As many samples but other ones: not the fine-tune that directory holds.
-    with pytest.raises(InputError, match="other settings"):
+    with pytest.raises(RunDirError, match="other settings"):
         finetune(organism, task_samples("count", 12, 2000), tmp_path / "full", config)
     # The caller's model is untouched, and the adapter loads merged into a fresh model.
     assert not any("lora" in n for n, _ in organism.hf.named_parameters())
@@ -155,15 +155,15 @@ def test_finetune_resumes_after_a_kill_to_the_same_adapter(organism, tmp_path):
 
 
 def test_finetune_input_errors(organism, tmp_path):
-    with pytest.raises(InputError, match="target_layers"):
+    with pytest.raises(ConfigError, match="target_layers"):
         finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1))
-    with pytest.raises(InputError, match="ce_on"):
+    with pytest.raises(ConfigError, match="ce_on"):
         finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1, focus=0, ce_on="all"))
     words = [TaskSample(s.scene, s.question, "two circles", "count") for s in task_samples("count", 2, 1000)]
     with pytest.raises(InputError, match="'two circles' has no digit token"):  # before any step
         finetune(organism, words, tmp_path / "y", FinetuneConfig(steps=1, focus=0, ce_on="digits"))
     assert not (tmp_path / "y").exists()
-    with pytest.raises(InputError, match="no circuit"):
+    with pytest.raises(RunDirError, match="no circuit"):
         from countlens.training.finetune import target_layers_from
 
         target_layers_from(tmp_path)

@@ -6,7 +6,7 @@ the object points or boxes where the benchmark has them. Annotation files are JS
 JSONL (one JSON object per line) or parquet (one record per row, as Hugging Face stores datasets);
 `read_records` picks the reader from the file suffix and pairs each record with a descriptor of
 where it is ("line 3", "row 2", "record 5"). Records are validated when they are loaded, with
-`_field`, so a malformed record fails at load time with a `LoaderError` that names the file, the
+`record_field`, so a malformed record fails at load time with a `LoaderError` that names the file, the
 record and the field; images are opened only when `CountSample.image` is read.
 """
 
@@ -199,7 +199,7 @@ def _expected(types: type | tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
-def _field(
+def record_field(
     record: dict,
     name: str,
     types: type | tuple[type, ...],
@@ -229,17 +229,17 @@ def _field(
     return value
 
 
-def _count_field(record: dict, name: str, file: PathLike, record_id: str) -> int:
+def count_field(record: dict, name: str, file: PathLike, record_id: str) -> int:
     """``record[name]`` as a count: an int ≥ 0."""
-    value = _field(record, name, int, file, record_id)
+    value = record_field(record, name, int, file, record_id)
     if value < 0:
         raise LoaderError(f"{file}: {record_id}: field {name!r} is {value}; a count must be ≥ 0")
     return value
 
 
-def _points_field(record: dict, name: str, file: PathLike, record_id: str) -> np.ndarray | None:
+def points_field(record: dict, name: str, file: PathLike, record_id: str) -> np.ndarray | None:
     """``record[name]`` as an (n, 2) float array of x, y; from [x, y] pairs or {"x", "y"} dicts; None if absent."""
-    value = _field(record, name, list, file, record_id, default=None)
+    value = record_field(record, name, list, file, record_id, default=None)
     if value is None:
         return None
     out = np.zeros((len(value), 2))
@@ -259,7 +259,7 @@ def _points_field(record: dict, name: str, file: PathLike, record_id: str) -> np
     return out
 
 
-def _image_field(
+def image_field(
     record: dict, names: tuple[str, ...], image_root: Path, file: PathLike, record_id: str
 ) -> tuple[Path | None, bytes | None]:
     """The image of a record as (path, None) or (None, bytes), from the first present field of ``names``.
@@ -291,7 +291,7 @@ def _image_field(
     )
 
 
-def _check_template(question: str, key: str) -> None:
+def check_template(question: str, key: str) -> None:
     """A LoaderError unless ``question`` formats with ``key`` alone."""
     try:
         question.format(**{key: "objects"})
@@ -299,6 +299,6 @@ def _check_template(question: str, key: str) -> None:
         raise LoaderError(f"question template {question!r} is invalid ({e!r}); it may use only {{{key}}}") from None
 
 
-def _check_limit(limit: int | None) -> None:
+def check_limit(limit: int | None) -> None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise LoaderError(f"limit is {limit!r}; give a non-negative int or None")

@@ -14,10 +14,10 @@ from pathlib import Path
 from countlens.datasets.loaders.common import (
     CountSample,
     PathLike,
-    _check_limit,
-    _count_field,
-    _field,
-    _image_field,
+    check_limit,
+    count_field,
+    record_field,
+    image_field,
     read_records,
 )
 
@@ -26,18 +26,18 @@ def load_countbench(
     path: PathLike, image_root: PathLike | None = None, *, limit: int | None = None
 ) -> list[CountSample]:
     """The records of a CountBench JSONL or parquet file as `CountSample`, in file order."""
-    _check_limit(limit)
+    check_limit(limit)
     path = Path(path)
     records = read_records(path, "pass the JSONL or parquet file of a local CountBench copy")
     root = Path(image_root) if image_root is not None else path.parent
     out = []
     for i, (rid, record) in enumerate(records[:limit] if limit is not None else records):
-        image_path, image_bytes = _image_field(record, ("image",), root, path, rid)
-        question = _field(record, "question", str, path, rid)
-        count = _count_field(record, "number", path, rid)
-        sample_id = _field(record, "id", (str, int), path, rid, default=i)
+        image_path, image_bytes = image_field(record, ("image",), root, path, rid)
+        question = record_field(record, "question", str, path, rid)
+        count = count_field(record, "number", path, rid)
+        sample_id = record_field(record, "id", (str, int), path, rid, default=i)
         meta: dict = {"file": str(path)}
-        text = _field(record, "text", str, path, rid, default=None)
+        text = record_field(record, "text", str, path, rid, default=None)
         if text is not None:
             meta["text"] = text
         out.append(

@@ -21,10 +21,10 @@ from countlens.datasets.loaders.common import (
     CountSample,
     LoaderError,
     PathLike,
-    _check_limit,
-    _check_template,
-    _field,
-    _points_field,
+    check_limit,
+    check_template,
+    record_field,
+    points_field,
     read_json,
     require_file,
 )
@@ -49,7 +49,7 @@ def load_fsc147(
 
     ``question`` is formatted with ``name``, the image's class (plural, as FSC-147 spells it).
     """
-    _check_limit(limit)
+    check_limit(limit)
     root = Path(root)
     if not root.is_dir():
         raise LoaderError(f"{root}: FSC-147 root directory not found; {_FIX}")
@@ -68,7 +68,7 @@ def load_fsc147(
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise LoaderError(f"{split_file}: split {split!r} must be a list of image names")
     classes = _read_classes(root / CLASSES)
-    _check_template(question, "name")
+    check_template(question, "name")
 
     out = []
     for name in names[:limit] if limit is not None else names:
@@ -78,7 +78,7 @@ def load_fsc147(
         rid = f"image {name!r}"
         if not isinstance(record, dict):
             raise LoaderError(f"{ann_file}: {rid}: annotation has type {type(record).__name__}, expected dict")
-        points = _points_field(record, "points", ann_file, rid)
+        points = points_field(record, "points", ann_file, rid)
         if points is None:
             raise LoaderError(f"{ann_file}: {rid}: field 'points' is missing")
         meta: dict = {"file": str(ann_file), "class": classes.get(name, DEFAULT_OBJECT)}
@@ -86,7 +86,7 @@ def load_fsc147(
         if exemplars is not None:
             meta["exemplar_boxes"] = exemplars
         for key in ("H", "W"):
-            value = _field(record, key, (int, float), ann_file, rid, default=None)
+            value = record_field(record, key, (int, float), ann_file, rid, default=None)
             if value is not None:
                 meta[key] = value
         out.append(
@@ -124,7 +124,7 @@ def _read_classes(path: Path) -> dict[str, str]:
 
 def _exemplar_boxes(record: dict, file: Path, rid: str) -> np.ndarray | None:
     """The exemplar boxes (four corners each) as an (n, 4) x0, y0, x1, y1 array; None if absent."""
-    boxes = _field(record, "box_examples_coordinates", list, file, rid, default=None)
+    boxes = record_field(record, "box_examples_coordinates", list, file, rid, default=None)
     if boxes is None:
         return None
     out = np.zeros((len(boxes), 4))

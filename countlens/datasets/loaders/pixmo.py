@@ -17,12 +17,12 @@ from pathlib import Path
 from countlens.datasets.loaders.common import (
     CountSample,
     PathLike,
-    _check_limit,
-    _check_template,
-    _count_field,
-    _field,
-    _image_field,
-    _points_field,
+    check_limit,
+    check_template,
+    count_field,
+    record_field,
+    image_field,
+    points_field,
     read_records,
 )
 
@@ -39,19 +39,19 @@ def load_pixmo_count(
     limit: int | None = None,
 ) -> list[CountSample]:
     """The records of a PixMo-Count JSONL or parquet file as `CountSample`, in file order."""
-    _check_limit(limit)
-    _check_template(question, "label")
+    check_limit(limit)
+    check_template(question, "label")
     path = Path(path)
     records = read_records(path, "pass the JSONL or parquet file of a local PixMo-Count copy")
     root = Path(image_root) if image_root is not None else path.parent
     out = []
     for i, (rid, record) in enumerate(records[:limit] if limit is not None else records):
-        image_path, image_bytes = _image_field(record, ("image", "image_path"), root, path, rid)
-        count = _count_field(record, "count", path, rid)
-        points = _points_field(record, "points", path, rid)
-        label = _field(record, "label", str, path, rid, default=DEFAULT_OBJECT)
-        sample_id = _field(record, "id", (str, int), path, rid, default=i)
-        row_split = _field(record, "split", str, path, rid, default=None)
+        image_path, image_bytes = image_field(record, ("image", "image_path"), root, path, rid)
+        count = count_field(record, "count", path, rid)
+        points = points_field(record, "points", path, rid)
+        label = record_field(record, "label", str, path, rid, default=DEFAULT_OBJECT)
+        sample_id = record_field(record, "id", (str, int), path, rid, default=i)
+        row_split = record_field(record, "split", str, path, rid, default=None)
         meta = {"file": str(path), "label": label}
         if "image_url" in record:
             meta["image_url"] = record["image_url"]

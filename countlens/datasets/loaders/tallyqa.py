@@ -17,9 +17,9 @@ from countlens.datasets.loaders.common import (
     CountSample,
     LoaderError,
     PathLike,
-    _check_limit,
-    _count_field,
-    _field,
+    check_limit,
+    count_field,
+    record_field,
     read_records,
 )
 
@@ -31,7 +31,7 @@ def load_tallyqa(
 
     ``limit`` counts the kept records (after ``simple_only``).
     """
-    _check_limit(limit)
+    check_limit(limit)
     path = Path(path)
     root = Path(image_root)
     if not root.is_dir():
@@ -44,18 +44,18 @@ def load_tallyqa(
     for i, (rid, record) in enumerate(records):
         if limit is not None and len(out) >= limit:
             break
-        image = _field(record, "image", str, path, rid)
-        question = _field(record, "question", str, path, rid)
-        count = _count_field(record, "answer", path, rid)
+        image = record_field(record, "image", str, path, rid)
+        question = record_field(record, "question", str, path, rid)
+        count = count_field(record, "answer", path, rid)
         if simple_only:
-            issimple = _field(record, "issimple", bool, path, rid, fix=fix)
+            issimple = record_field(record, "issimple", bool, path, rid, fix=fix)
         else:
-            issimple = _field(record, "issimple", bool, path, rid, default=None)
+            issimple = record_field(record, "issimple", bool, path, rid, default=None)
         if simple_only and not issimple:
             continue
-        question_id = _field(record, "question_id", (int, str), path, rid, default=None)
-        image_id = _field(record, "image_id", (int, str), path, rid, default=None)
-        source = _field(record, "data_source", str, path, rid, default=None)
+        question_id = record_field(record, "question_id", (int, str), path, rid, default=None)
+        image_id = record_field(record, "image_id", (int, str), path, rid, default=None)
+        source = record_field(record, "data_source", str, path, rid, default=None)
         out.append(
             CountSample(
                 image_path=root / image,
