@@ -4,8 +4,8 @@ Real VLM tokenizers write numbers digit by digit (Qwen2/2.5/3-VL: "12" → "1", 
 split digits too), so an answer is a *sequence* of tokens, and "1" is the first token of 1, 10, 11
 and 12. Three rules make every measurement well defined on such vocabularies. Where every answer is a
 single token (a word-level vocabulary such as the organism's) each reduces to the plain next-token
-read, so those results stay bit for bit what they were; on a digit-splitting vocabulary every
-answer, even "3", ends with the end-of-answer token, so its figures are the new definitions'.
+read, bit for bit; on a digit-splitting vocabulary every answer, even "3", ends with the
+end-of-answer token, so its figures count that token too.
 
 - **Termination.** Where a vocabulary writes one count as a proper prefix of another ("1" of "10",
   `splits_numbers`), a sequence's probability cannot rank them: p("1") ≥ p("1", "0") always. Such a

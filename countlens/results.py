@@ -447,7 +447,7 @@ class SweepStore:
         # Ranks of a sharded sweep share the store: keep the temps of writers still alive.
         for directory in (self.path, self.chunks):
             for tmp in directory.glob(f".*{TMP_SUFFIX}"):
-                if not _writer_alive(tmp.name):
+                if not _writer_alive(str(tmp)):
                     tmp.unlink(missing_ok=True)
 
     def _written_order(self) -> list[str]:
@@ -476,11 +476,13 @@ def _writer_id() -> str:
 
 
 def _writer_alive(name: str) -> bool:
-    """Whether the writer a temp file's name records is a live process (on this host; a writer on
-    another host is assumed alive, since it cannot be checked from here)."""
+    """Whether the writer a temp file's name (or path) records is a live process (on this host; a
+    writer on another host is assumed alive, since it cannot be checked from here)."""
     m = re.search(r"\.([A-Za-z0-9]+)~([0-9]+)-[0-9a-f]+" + re.escape(TMP_SUFFIX) + "$", name)
     if m is None:
-        return False  # an older countlens's temp: its writer is long gone
+        raise ResultError(f"{name} is a temp file whose name lacks its writer's <host>~<pid>: it was written "
+                          "by an older countlens; delete it (an unfinished write: no finished chunk is lost) and "
+                          "reopen the store")
     host, pid = m.group(1), int(m.group(2))
     if host != _writer_id().split("~")[0]:
         return True

@@ -11,8 +11,9 @@ Multi-token answers ("12" → "1", "2") are teacher-forced: log p(gold) sums the
 log-probabilities and a sample stays correct while each token is the arg-max given the ones before
 (`countlens.answers.sequence_scores`); the forced tokens belong to the ``last`` group, for the means
 too. Where every answer is one token (a word-level vocabulary) nothing is forced and the scan reads
-the last prompt position alone, as it always did; on a digit-splitting vocabulary every answer,
-even "3", ends with the end-of-answer token, so log p(gold) covers that token too.
+the last prompt position alone, where the model writes that one token; on a digit-splitting
+vocabulary every answer, even "3", ends with the end-of-answer token, so log p(gold) covers that
+token too.
 """
 
 from __future__ import annotations

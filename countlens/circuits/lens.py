@@ -8,8 +8,8 @@ Multi-token answers ("12" → "1", "2") are teacher-forced and read at each of t
 ``rank`` is the worst rank among the answer's tokens (0 when the lens decodes every one of them
 greedily), ``prob`` the product of their probabilities (the answer's sequence probability under the
 lens) and ``top`` the lens's top token at the first answer position. A single-token answer has one
-position, so these are its rank, probability and top token as before (on a digit-splitting
-vocabulary every answer, even "3", has two positions: its digit and the end-of-answer token).
+position, the last prompt position, where all three are read (on a digit-splitting vocabulary
+every answer, even "3", has two positions: its digit and the end-of-answer token).
 Norm and unembedding run inside the trace, so the same code serves local and remote (NDIF) models.
 """
 

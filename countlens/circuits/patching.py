@@ -10,7 +10,8 @@ answer) at the read position, a site's **effect** is the normalised logit-differ
 Multi-token answers (real tokenizers write "12" as "1", "2") are compared at the first token where
 the two answers differ, their shared prefix teacher-forced on both sides (`countlens.answers`): for
 10 vs 12 the read position is after "1" and LD = logit("0") − logit("2"); for 1 vs 10 it is the
-end-of-answer token against "0"; single-token answers are read at the last prompt token as before.
+end-of-answer token against "0"; two single-token answers share no prefix, so they are read at the
+last prompt token.
 
 - `patch_layers` (visual activation patching): the residual stream after layer l, over a token
   group (image tokens, the last prompt token, other text, all).

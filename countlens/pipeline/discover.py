@@ -63,7 +63,8 @@ def discover(vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(
     # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
     from countlens.datasets.prompts import PROMPTS
 
-    # The template too: a run made when a style's text or answer form differed is another spec.
+    # The template and answer form too, not only the style's name: the same name with other text or
+    # another answer form asks the model another question, so it is another spec.
     spec = {**asdict(c), "model": vlm.name, "arch": vlm.arch.name, "prompt": prompt,
             "prompt_template": PROMPTS[prompt].template, "answer_form": PROMPTS[prompt].answer}
     stages = Stages(out, spec, log)

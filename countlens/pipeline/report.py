@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import xarray as xr
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
@@ -21,9 +20,11 @@ from countlens.analysis import plots
 from countlens.analysis.attention_metrics import aggregate
 from countlens.analysis.evaluate import accuracy, digit_in_conflict, number_avoidance, summary
 from countlens.datasets.countingtricks import CASES
+from countlens.errors import RunDirError
 from countlens.pipeline import presets
 from countlens.pipeline.config import STAGES, conflict_styles
 from countlens.pipeline.rundir import load_run, read_spec
+from countlens.results import top_sites
 
 FINETUNE_SECTION = "## 9. Circuit-guided fine-tune"
 
@@ -54,15 +55,15 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     per_layer = aggregate(am, by=None, per_layer=True)
     mas_iou = per_layer.unstack("outcome")[["mas", "iou"]].round(3)
     mas_iou.columns = [f"{m} ({o})" for m, o in mas_iou.columns]
-    pixel_iou = None
-    if "pixel_iou" in am:  # runs made before it have the head-mean IoU only
-        by_head = am.pixel_iou.mean("sample", skipna=True).fillna(0.0)
-        pixel_iou = {"top_head": _argmax_head(by_head), "mean": float(by_head.mean())}
+    if "pixel_iou" not in am:
+        raise RunDirError(f"{out}/results/attention_metrics.nc lacks 'pixel_iou': it was written by an older "
+                          f"countlens; delete it and rerun `countlens discover --out {out}` to recompute it")
+    by_head = am.pixel_iou.mean("sample", skipna=True).fillna(0.0)
+    pixel_iou = {"top_head": _argmax_head(by_head), "mean": float(by_head.mean())}
     table = pd.read_csv(out / "heads.csv") if table is None else table
     spec = read_spec(out)
-    prompt = prompt or spec.get("prompt", "?")
-    k = int(spec.get("top_k", 5))
-    jk = int(spec.get("jaccard_k", k))
+    prompt = prompt or spec["prompt"]
+    k, jk = int(spec["top_k"]), int(spec["jaccard_k"])
     atp_score = circuits.compare(atp.effect, heads.effect, k=k)
     jac = circuits.jaccard(abl, k=jk)
 
@@ -125,9 +126,7 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
 
 
 def _top_effects(effect: xr.DataArray, k: int) -> str:
-    flat = effect.stack(site=("layer", "head"))
-    order = np.argsort(-np.abs(flat.values), kind="stable")[:k]
-    return ", ".join(f"L{flat.site.values[i][0]}H{flat.site.values[i][1]} ({float(flat.values[i]):.2f})" for i in order)
+    return ", ".join(f"L{layer}H{head} ({value:.2f})" for layer, head, value in top_sites(effect, k, absolute=True))
 
 
 def _image_sentence(layer: int | None) -> str:
@@ -140,6 +139,5 @@ def _image_sentence(layer: int | None) -> str:
 
 
 def _argmax_head(da: xr.DataArray) -> str:
-    flat = da.stack(site=("layer", "head"))
-    layer, head = flat.site.values[int(np.argmax(flat.values))]
-    return f"L{layer}H{head} ({float(flat.max()):.2f})"
+    [(layer, head, value)] = top_sites(da, 1)
+    return f"L{layer}H{head} ({value:.2f})"

@@ -9,7 +9,8 @@ runner = CliRunner()
 
 
 def test_help_of_every_command():
-    for args in (["--help"], ["eval", "--help"], ["toy", "--help"], ["toy", "train", "--help"], ["data", "countingtricks", "--help"]):
+    commands = ("eval", "toy", "toy train", "data countingtricks", "discover", "plan", "classify", "report", "finetune")
+    for args in (["--help"], *([*c.split(), "--help"] for c in commands)):
         result = runner.invoke(app, args)
         assert result.exit_code == 0 and "Usage" in result.output, args
 
@@ -89,3 +90,38 @@ def test_importing_countlens_and_its_cli_loads_no_torch():
              "print(sorted(m for m in ('torch', 'transformers', 'nnsight') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_option_defaults_are_the_dataclasses():
+    """The defaults the options use and their help states are read from the dataclasses they fill."""
+    from dataclasses import MISSING, fields
+
+    from countlens import cli
+    from countlens.analysis.heads import HeadThresholds
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.toy.recipe import TrainConfig
+    from countlens.training.finetune import FinetuneConfig
+    from countlens.training.recipe import DEFAULT_RECIPE, Recipe
+
+    for where, cls in (("countlens.pipeline.config:DiscoverConfig", DiscoverConfig),
+                       ("countlens.analysis.heads:HeadThresholds", HeadThresholds),
+                       ("countlens.training.finetune:FinetuneConfig", FinetuneConfig),
+                       ("countlens.training.recipe:Recipe", Recipe),
+                       ("countlens.toy.recipe:TrainConfig", TrainConfig)):
+        assert cli._defaults(where) == {f.name: f.default for f in fields(cls) if f.default is not MISSING}, where
+    # Without --preset, finetune runs countlens's own recipe: the FinetuneConfig defaults its help states.
+    for name in ("steps", "batch_size", "lr", "lora_r"):
+        assert DEFAULT_RECIPE.config.get(name, cli.FINETUNE[name]) == cli.FINETUNE[name], name
+
+
+def test_one_handler_turns_any_countlens_error_into_exit_2(tmp_path, monkeypatch):
+    from countlens.errors import RunDirError
+    from countlens.pipeline import rundir
+
+    def unreadable(run):
+        raise RunDirError(f"{run} says what went wrong")
+
+    monkeypatch.setattr(rundir, "read_spec", unreadable)
+    result = runner.invoke(app, ["report", "--run", str(tmp_path)])
+    assert result.exit_code == 2 and result.output == f"error: {tmp_path} says what went wrong\n", result.output
+    assert not (tmp_path / "report.md").exists()

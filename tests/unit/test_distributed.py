@@ -11,7 +11,7 @@ import pytest
 from countlens import distributed
 from countlens.distributed import Shard, ShardError
 from countlens.errors import ConfigError
-from countlens.results import SweepStore, _writer_alive, _writer_id
+from countlens.results import ResultError, SweepStore, _writer_alive, _writer_id
 
 
 def test_keys_are_dealt_round_robin():
@@ -54,12 +54,25 @@ def test_opening_a_store_spares_live_writers_temps(tmp_path):
     host = _writer_id().split("~")[0]
     dead = store.chunks / f".b.nc.{host}~{dead_pid}-0123abcd.tmp"
     other_host = store.chunks / f".c.nc.elsewhere~{os.getpid()}-0123abcd.tmp"
-    old_style = store.chunks / ".d.nc.0123abcd.tmp"
-    for p in (live, dead, other_host, old_style):
+    for p in (live, dead, other_host):
         p.write_text("partial")
     SweepStore(tmp_path, {"sweep": "t"})
-    assert live.exists() and other_host.exists() and not dead.exists() and not old_style.exists()
-    assert _writer_alive(live.name) and not _writer_alive(old_style.name)
+    assert live.exists() and other_host.exists() and not dead.exists()
+    assert _writer_alive(live.name) and not _writer_alive(dead.name)
+
+
+def test_a_temp_that_does_not_name_its_writer_is_refused_naming_it(tmp_path):
+    """A temp named without <host>~<pid> (as an older countlens named them): opening the store
+    names the file and the fix instead of guessing whether its writer is alive."""
+    store = SweepStore(tmp_path, {"sweep": "t"})
+    unnamed = store.chunks / ".d.nc.0123abcd.tmp"
+    unnamed.write_text("partial")
+    with pytest.raises(ResultError,
+                       match=r"chunks/\.d\.nc\.0123abcd\.tmp .*lacks its writer's <host>~<pid>.*delete it"):
+        SweepStore(tmp_path, {"sweep": "t"})
+    assert unnamed.exists()  # refused, not removed
+    unnamed.unlink()
+    SweepStore(tmp_path, {"sweep": "t"})  # the fix the message names works
 
 
 def test_the_accelerate_configs_in_the_repo_load():

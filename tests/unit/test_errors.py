@@ -10,6 +10,7 @@ from countlens.errors import (
     ConfigError,
     CountlensError,
     InputError,
+    RunDirError,
     UnsupportedArchitectureError,
 )
 from tiny_models import TINY_IMAGE_SIZE
@@ -92,4 +93,4 @@ def test_mismatched_lengths(qwen):
         qwen.prepare([image(), image()], ["how many?"])
     with pytest.raises(InputError, match="empty batch"):
         qwen.prepare([], [])
-    assert issubclass(InputError, CountlensError)
+    assert all(issubclass(e, CountlensError) for e in (InputError, ConfigError, RunDirError))

@@ -10,6 +10,7 @@ import xarray as xr
 from countlens.pipeline import presets
 from countlens.analysis.heads import HeadThresholds, classify_heads
 from countlens.pipeline.config import DiscoverConfig, check_config
+from countlens.pipeline.discover import check
 from countlens.errors import ConfigError, RunDirError
 from countlens.training.finetune import FinetuneConfig
 
@@ -91,7 +92,7 @@ def test_overrides_win_and_bad_names_are_refused():
     with pytest.raises(ConfigError, match="not DiscoverConfig fields"):
         presets.discover_config("counting-circuits", n_pair=3)
     with pytest.raises(ConfigError, match="unknown preset"):
-        check_config(DiscoverConfig(preset="nope"))
+        check(DiscoverConfig(preset="nope"))
 
 
 def _paper_heads():
@@ -164,38 +165,47 @@ def test_head_table_alignment_is_the_share_of_samples_decoding_the_count():
     assert t.loc["L0H1", "importance"] == pytest.approx(0.2) and t.loc["L0H0", "ablation_drop"] == 2.0
 
 
-def test_a_threshold_whose_measure_the_run_lacks_is_refused():
-    """Runs made before HeadLens recorded count_token / difficulty: asking for alignment or
-    difficulty names the fix instead of classing nothing."""
+def test_headlens_results_without_count_token_or_difficulty_are_refused():
+    """HeadLens.decode writes count_token and difficulty: results without them (an older
+    countlens's) are refused whatever the thresholds, naming the variables and the fix."""
+    import re
+
     from countlens.analysis.heads import head_table
 
     coords = {"layer": [0], "head": [0]}
-    hl = xr.Dataset({"token_id": (("layer", "head", "sample", "k"), np.zeros((1, 1, 2, 1), dtype=int)),
-                     "token": (("layer", "head", "sample", "k"), np.full((1, 1, 2, 1), "a")),
-                     "vgs": (("layer", "head"), [[0.0]]), "cter": (("layer", "head"), [[0.0]])},
-                    coords={**coords, "sample": [0, 1], "k": [0]})
+    full = xr.Dataset({"token_id": (("layer", "head", "sample", "k"), np.zeros((1, 1, 2, 1), dtype=int)),
+                       "token": (("layer", "head", "sample", "k"), np.full((1, 1, 2, 1), "a")),
+                       "vgs": (("layer", "head"), [[0.0]]), "cter": (("layer", "head"), [[0.0]]),
+                       "difficulty": (("layer", "head"), [[0.0]]), "count_token": ("sample", [3, -1])},
+                      coords={**coords, "sample": [0, 1], "k": [0]})
     heads = xr.Dataset({"effect": (("layer", "head"), [[0.1]])}, coords=coords)
     abl = xr.Dataset({"logp_drop": (("task", "layer", "head"), [[[0.1]]])}, coords={"task": ["count"], **coords})
     att = xr.Dataset({"image_attention": (("layer", "head", "sample"), np.zeros((1, 1, 2)))},
                      coords={**coords, "sample": [0, 1]})
-    assert len(head_table(heads, abl, hl, att)) == 1  # the defaults need neither measure
-    with pytest.raises(RunDirError, match="count_token"):
-        head_table(heads, abl, hl, att, presets.thresholds("counting-circuits"))
-    with pytest.raises(RunDirError, match="difficulty"):
-        head_table(heads, abl, hl, att, HeadThresholds(difficulty_min=0.1))
+    assert len(head_table(heads, abl, full, att, presets.thresholds("counting-circuits"))) == 1
+    fix = "delete results/headlens.nc and rerun `countlens discover` with the same --out"
+    for lacking in (["count_token"], ["difficulty"], ["count_token", "difficulty"]):
+        hl = full.drop_vars(lacking)
+        for thresholds in (HeadThresholds(), presets.thresholds("counting-circuits")):
+            with pytest.raises(RunDirError, match=re.escape(f"lack {lacking}") + ".*" + re.escape(fix)):
+                head_table(heads, abl, hl, att, thresholds)
 
 
-def test_a_run_made_before_the_new_fields_resumes(tmp_path):
-    """spec.json of a run made before jaccard_k / preset existed: the same settings resume it."""
+def test_a_spec_json_that_lacks_fields_is_refused_naming_them(tmp_path):
+    """spec.json without fields of today's spec (jaccard_k / preset: an older countlens's) is
+    refused, naming them; a spec with every field but other values is another run."""
     import json
     from dataclasses import asdict
 
     from countlens.pipeline.rundir import Stages
 
-    spec = {**asdict(DiscoverConfig()), "model": "toy"}
+    spec = {**asdict(DiscoverConfig()), "model": "toy", "arch": "toy"}
     old = {k: v for k, v in spec.items() if k not in ("jaccard_k", "preset")}
     (tmp_path / "spec.json").write_text(json.dumps(old))
-    Stages(tmp_path, spec, log=lambda _: None)  # no "different spec"
+    with pytest.raises(RunDirError, match=r"spec.json lacks \['jaccard_k', 'preset'\].*new --out directory"):
+        Stages(tmp_path, spec, log=lambda _: None)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    Stages(tmp_path, spec, log=lambda _: None)  # the same settings resume
     with pytest.raises(RunDirError, match="different spec"):
         Stages(tmp_path, {**spec, "jaccard_k": 20}, log=lambda _: None)
 

@@ -215,7 +215,10 @@ def test_reopen_cleans_crash_debris(tmp_path):
     store.write("layer=0", chunk("layer=0"))
     # What a kill leaves: a half-written temp chunk, a chunk renamed before its order line, and
     # an order line cut short.
-    (store.chunks / ".layer=1.nc.deadbeef.tmp").write_bytes(b"CDF\x01half")
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+    host = results._writer_id().split("~")[0]
+    (store.chunks / f".layer=1.nc.{host}~{dead_pid}-deadbeef.tmp").write_bytes(b"CDF\x01half")
     results.save(chunk("layer=2"), store.chunks / "layer=2.nc")
     with open(tmp_path / "s" / "order.txt", "a") as f:
         f.write("layer=")

@@ -135,18 +135,24 @@ def test_finetune_resumes_after_a_kill_to_the_same_adapter(organism, tmp_path):
     resumed = finetune(organism, samples, tmp_path / "killed", config)
     a, b = load_file(full / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same process, same steps: bit for bit
-    # A directory written before ce_on existed resumes (it ran at the default), another ce_on does not.
+    # A finished directory with the same settings is returned as it is; another ce_on is refused.
     import json
+    import re
 
-    spec = json.loads((tmp_path / "full" / "finetune.json").read_text())
-    del spec["ce_on"], spec["digest"]
-    (tmp_path / "full" / "finetune.json").write_text(json.dumps(spec))
     assert finetune(organism, samples, tmp_path / "full", config) == full
     with pytest.raises(RunDirError, match="other settings"):
         finetune(organism, samples, tmp_path / "full", replace(config, ce_on="digits"))
     # As many samples but other ones: not the fine-tune that directory holds.
     with pytest.raises(RunDirError, match="other settings"):
         finetune(organism, task_samples("count", 12, 2000), tmp_path / "full", config)
+    # A finetune.json that lacks fields of today's spec (an older countlens's) is refused, naming them.
+    spec_file = tmp_path / "full" / "finetune.json"
+    spec = json.loads(spec_file.read_text())
+    for lacking in (["ce_on", "digest"], ["digest"]):
+        spec_file.write_text(json.dumps({k: v for k, v in spec.items() if k not in lacking}))
+        with pytest.raises(RunDirError, match=re.escape(f"finetune.json lacks {lacking}") + ".*new directory"):
+            finetune(organism, samples, tmp_path / "full", config)
+        assert json.loads(spec_file.read_text()).keys() == spec.keys() - set(lacking)  # left as it was
     # The caller's model is untouched, and the adapter loads merged into a fresh model.
     assert not any("lora" in n for n, _ in organism.hf.named_parameters())
     tuned = with_adapter("toy", full)
