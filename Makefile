@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(subst =,-,$(subst <,lt,$(subst >,gt,$(subst $(space),,$(TORCH_SPEC)))))
 space := $(subst ,, )
 
-.PHONY: demo test test-kernels docs setup clean
+.PHONY: demo test test-kernels docs lint setup clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ test-kernels: $(STAMP)
 	  env $$k $(BIN)/python tests/kernels.py && \
 	  env $$k HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m numeric -p no:cacheprovider || exit 1; \
 	done
+
+# ruff's lint and its formatter (settings in pyproject.toml; the version pinned in the dev extra).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The documentation site (docs/, mkdocs.yml) into site/. --strict fails on any warning (a broken link
 # or reference); its log is shown only then (--quiet would hide the very warnings --strict counts).

@@ -33,9 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models, real_vocab
 
 import torch  # noqa: E402
+from _timing import interleaved, measured  # noqa: E402
 
 import countlens  # noqa: E402
-from _timing import interleaved, measured  # noqa: E402
 
 
 def real_vocab_qwen():
@@ -51,8 +51,10 @@ def real_vocab_qwen():
 def counting(counts, side: int, seed: int = 3):
     from countlens.datasets.pairs import count_pairs
 
-    return [count_pairs(1, n, 13, kind="shapes", image_size=side, prompt="short", seed=seed + i)[0].clean
-            for i, n in enumerate(counts)]
+    return [
+        count_pairs(1, n, 13, kind="shapes", image_size=side, prompt="short", seed=seed + i)[0].clean
+        for i, n in enumerate(counts)
+    ]
 
 
 def main(repeats: int = 5) -> dict:
@@ -64,36 +66,54 @@ def main(repeats: int = 5) -> dict:
     from countlens.datasets.tasks import task_samples
 
     torch.set_num_threads(2)
-    out: dict = {"threads": 2, "repeats": repeats, "machine": {
-        "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
+    out: dict = {
+        "threads": 2,
+        "repeats": repeats,
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+    }
 
     toy = countlens.load("toy")
     samples = task_samples("count", 64, 3, image_size=toy.geometry.image_height)
     fns = {"token": lambda: score(toy, samples), "candidates": lambda: score(toy, samples, method="candidates")}
     t, load = measured(lambda: interleaved(fns, repeats))
-    out["a_organism_scoring"] = {"samples": len(samples), "token_s": round(t["token"], 3),
-                                 "candidates_s": round(t["candidates"], 3),
-                                 "ratio": round(t["candidates"] / t["token"], 2), "others_load_cores": load.others}
+    out["a_organism_scoring"] = {
+        "samples": len(samples),
+        "token_s": round(t["token"], 3),
+        "candidates_s": round(t["candidates"], 3),
+        "ratio": round(t["candidates"] / t["token"], 2),
+        "others_load_cores": load.others,
+    }
 
     qwen = real_vocab_qwen()
     side = qwen.geometry.image_height
     qs = counting([1 + i % 12 for i in range(32)], side)
     batch = qwen.prepare([s.image for s in qs], [s.question for s in qs])
-    fns = {"plain_forward": lambda: qwen.forward(batch, logits_to_keep=1),
-           "candidates": lambda: score(qwen, qs, batch_size=32)}
+    fns = {
+        "plain_forward": lambda: qwen.forward(batch, logits_to_keep=1),
+        "candidates": lambda: score(qwen, qs, batch_size=32),
+    }
     t, load = measured(lambda: interleaved(fns, repeats))
     out["b_real_vocab_candidates"] = {
-        "samples": len(qs), "candidates": 13, "rows_per_sample": 12, "vocab": qwen.hf.config.text_config.vocab_size,
-        "plain_forward_s": round(t["plain_forward"], 3), "candidates_s": round(t["candidates"], 3),
-        "ratio": round(t["candidates"] / t["plain_forward"], 2), "others_load_cores": load.others}
+        "samples": len(qs),
+        "candidates": 13,
+        "rows_per_sample": 12,
+        "vocab": qwen.hf.config.text_config.vocab_size,
+        "plain_forward_s": round(t["plain_forward"], 3),
+        "candidates_s": round(t["candidates"], 3),
+        "ratio": round(t["candidates"] / t["plain_forward"], 2),
+        "others_load_cores": load.others,
+    }
 
     groups = ("image", "last", "text")
     sites = (qwen.arch.n_layers + 1) * len(groups)
     kinds = {"single_digit": [(3, 5), (4, 6), (2, 7), (5, 3)], "multi_digit": [(1, 12), (9, 12), (10, 12), (12, 10)]}
     out["c_real_vocab_layer_sweep"] = {"pairs": 32, "sites": sites, "patched_rows": sites * 32, "groups": groups}
     for kind, counts in kinds.items():
-        pairs = [p for i, (a, b) in enumerate(counts)
-                 for p in count_pairs(8, a, b, kind="shapes", image_size=side, prompt="short", seed=20 + i)]
+        pairs = [
+            p
+            for i, (a, b) in enumerate(counts)
+            for p in count_pairs(8, a, b, kind="shapes", image_size=side, prompt="short", seed=20 + i)
+        ]
         clean = prepare_pairs(qwen, pairs).clean
         wide = repeat_inputs(clean.inputs, sites)
         layer = qwen.arch.layer(qwen.arch.n_layers - 1)
@@ -109,16 +129,24 @@ def main(repeats: int = 5) -> dict:
             with torch.no_grad(), qwen.trace(clean, logits_to_keep=1):
                 qwen.module(layer).output.save()
 
-        fns = {"plain_forwards": plain_rows,
-               "patch_layers": lambda pairs=pairs: patch_layers(qwen, pairs, groups=groups, batch_size=32),
-               "plain_forward": plain, "trace": traced}
+        fns = {
+            "plain_forwards": plain_rows,
+            "patch_layers": lambda pairs=pairs: patch_layers(qwen, pairs, groups=groups, batch_size=32),
+            "plain_forward": plain,
+            "trace": traced,
+        }
         t, load = measured(lambda: interleaved(fns, repeats))
         out["c_real_vocab_layer_sweep"][kind] = {
-            "pair_counts": str(counts), "pairs_with_a_forced_prefix": int((clean.last > clean.prompt_last).sum()),
-            "plain_forwards_s": round(t["plain_forwards"], 3), "patch_layers_s": round(t["patch_layers"], 3),
+            "pair_counts": str(counts),
+            "pairs_with_a_forced_prefix": int((clean.last > clean.prompt_last).sum()),
+            "plain_forwards_s": round(t["plain_forwards"], 3),
+            "patch_layers_s": round(t["patch_layers"], 3),
             "ratio_sweep_vs_plain": round(t["patch_layers"] / t["plain_forwards"], 2),
-            "trace_ms": round(1000 * t["trace"], 2), "plain_forward_ms": round(1000 * t["plain_forward"], 2),
-            "ratio_P1_trace_vs_plain": round(t["trace"] / t["plain_forward"], 3), "others_load_cores": load.others}
+            "trace_ms": round(1000 * t["trace"], 2),
+            "plain_forward_ms": round(1000 * t["plain_forward"], 2),
+            "ratio_P1_trace_vs_plain": round(t["trace"] / t["plain_forward"], 3),
+            "others_load_cores": load.others,
+        }
     Path(__file__).with_suffix(".json").write_text(json.dumps(out, indent=2) + "\n")
     return out
 

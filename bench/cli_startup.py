@@ -17,8 +17,16 @@ import sys
 import time
 from pathlib import Path
 
-COMMANDS: tuple[str, ...] = ("", "eval", "discover", "finetune", "classify", "report", "data countingtricks",
-                             "toy train")
+COMMANDS: tuple[str, ...] = (
+    "",
+    "eval",
+    "discover",
+    "finetune",
+    "classify",
+    "report",
+    "data countingtricks",
+    "toy train",
+)
 
 
 def wall(argv: list[str], repeats: int = 7) -> float:
@@ -44,7 +52,9 @@ def main() -> dict:
     exe = str(Path(sys.executable).with_name("countlens"))
     helps = {(c or "countlens") + " --help": round(wall([exe, *c.split(), "--help"]), 3) for c in COMMANDS}
     result = {
-        "help_s": helps, "slowest_help_s": max(helps.values()), "goal_s": 1.0,
+        "help_s": helps,
+        "slowest_help_s": max(helps.values()),
+        "goal_s": 1.0,
         "import": {m: import_profile(m) for m in ("countlens", "countlens.datasets", "countlens.cli")},
     }
     Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

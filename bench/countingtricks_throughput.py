@@ -1,7 +1,8 @@
 """COUNTINGTRICKS throughput: side by side with the MAS paper's generator on its grid, the PNG
 encodings, and generation vs export on the organism's grid.
 
-    .venv/bin/python bench/countingtricks_throughput.py [--reference DIR]   # writes bench/countingtricks_throughput.json
+    # writes bench/countingtricks_throughput.json
+    .venv/bin/python bench/countingtricks_throughput.py [--reference DIR]
 
 **paper_grid** (issue 21). The reference generator's own work: its 18 circle cases (1A–4A, 1B–4B,
 2C–4C, 2D–4D, 5A–8A) × 100 images at its grid, 384 px / 27 px (14 whole cells and a 6 px partial
@@ -10,7 +11,8 @@ one), counts 1–10, PNGs and labels written. Both run as whole processes pinned
 reference, countlens, …), each into a fresh directory; medians over ``repeats`` and the median of
 the per-pair ratios. Twice: into tmpfs (``/dev/shm``: the generators' own cost) and into the temp
 directory on disk, where file creation on this shared machine's ext4 adds 0.1–1.4 s of kernel time
-to either side's run at random (seen with ``/usr/bin/time``), so that row's pairs scatter widely. countlens draws counts 1–10 cut to what each case fits
+to either side's run at random (seen with ``/usr/bin/time``), so that row's pairs scatter widely. countlens draws
+counts 1–10 cut to what each case fits
 (6A and 7A: 9, 8A: 4; it refuses to label more objects than it drew), and writes its manifest.
 countlens runs as a user's script would call it, `export_countingtricks` in a ``python -c``
 process (`PAPER_WORK`). The reference is the paper's public ``vlm-count-eval/synthetic_data/generate.py`` (repository
@@ -60,8 +62,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _timing import interleaved, measured  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-PAPER_CASES = ("1A", "2A", "3A", "4A", "1B", "2B", "3B", "4B", "2C", "3C", "4C", "2D", "3D", "4D",
-               "5A", "6A", "7A", "8A")
+PAPER_CASES = (
+    "1A",
+    "2A",
+    "3A",
+    "4A",
+    "1B",
+    "2B",
+    "3B",
+    "4B",
+    "2C",
+    "3C",
+    "4C",
+    "2D",
+    "3D",
+    "4D",
+    "5A",
+    "6A",
+    "7A",
+    "8A",
+)
 PAPER_SIZE, PAPER_PATCH, PAPER_N, PAPER_COUNTS = 384, 27, 100, range(1, 11)
 ONE_THREAD = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
@@ -87,15 +107,32 @@ for cap, cases in by_cap.items():
 
 def _reference_config() -> str:
     """The reference's config.yml for the work above: its own defaults, one model, 100 per case."""
-    lines = ["defaults:", f"  image_size: {PAPER_SIZE}", f"  patch_size: {PAPER_PATCH}",
-             f"  images_per_case: {PAPER_N}", f"  count_range: [{PAPER_COUNTS[0]}, {PAPER_COUNTS[-1]}]",
-             "  seed: 42", "  draw_grid: false", "  min_radius_factor: 0.3", "  max_radius_factor: 1.2", "  cases:"]
+    lines = [
+        "defaults:",
+        f"  image_size: {PAPER_SIZE}",
+        f"  patch_size: {PAPER_PATCH}",
+        f"  images_per_case: {PAPER_N}",
+        f"  count_range: [{PAPER_COUNTS[0]}, {PAPER_COUNTS[-1]}]",
+        "  seed: 42",
+        "  draw_grid: false",
+        "  min_radius_factor: 0.3",
+        "  max_radius_factor: 1.2",
+        "  cases:",
+    ]
     large = {"5A": "large_25", "6A": "large_30", "7A": "large_35", "8A": "large_40"}
     for c in PAPER_CASES:
         size = large.get(c) or ("fixed" if c[1] in "AC" else "varied")
         lines.append(f'    "{c}": {{name: "{c}", size: "{size}", placement: "p"}}')
-    lines += ["models:", "  angga-27:", f"    image_size: {PAPER_SIZE}", f"    patch_size: {PAPER_PATCH}",
-              f"    images_per_case: {PAPER_N}", '    description: "384x27"', "output:", '  base_path: "out"']
+    lines += [
+        "models:",
+        "  angga-27:",
+        f"    image_size: {PAPER_SIZE}",
+        f"    patch_size: {PAPER_PATCH}",
+        f"    images_per_case: {PAPER_N}",
+        '    description: "384x27"',
+        "output:",
+        '  base_path: "out"',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -104,15 +141,28 @@ def _pinned_run(argv: list[str], cwd: Path) -> float:
     os.sync()
     time.sleep(0.5)
     t = time.perf_counter()
-    subprocess.run(argv, cwd=cwd, env={**os.environ, **ONE_THREAD}, check=True, capture_output=True,
-                   preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    subprocess.run(
+        argv,
+        cwd=cwd,
+        env={**os.environ, **ONE_THREAD},
+        check=True,
+        capture_output=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, {0}),
+    )
     return time.perf_counter() - t
 
 
 def paper_grid(reference: Path | None, repeats: int, where: str | None) -> dict:
     images = len(PAPER_CASES) * PAPER_N
-    row: dict = {"cases": list(PAPER_CASES), "image_size": PAPER_SIZE, "patch_size": PAPER_PATCH,
-                 "n_per_case": PAPER_N, "images": images, "cores": 1, "repeats": repeats}
+    row: dict = {
+        "cases": list(PAPER_CASES),
+        "image_size": PAPER_SIZE,
+        "patch_size": PAPER_PATCH,
+        "n_per_case": PAPER_N,
+        "images": images,
+        "cores": 1,
+        "repeats": repeats,
+    }
     me = [sys.executable, "-c", PAPER_WORK]
     row["written_to"] = where or tempfile.gettempdir()
     with tempfile.TemporaryDirectory(dir=where) as tmp:
@@ -142,7 +192,9 @@ def paper_grid(reference: Path | None, repeats: int, where: str | None) -> dict:
         (t_ours, t_ref), load = measured(both)
         pngs = lambda d: sorted(d.rglob("*.png"))  # noqa: E731
         row["countlens_pngs"] = len(pngs(root / "countlens_0"))
-        row["countlens_runs_identical"] = tree_digest(root / "countlens_0") == tree_digest(root / f"countlens_{repeats - 1}")
+        row["countlens_runs_identical"] = tree_digest(root / "countlens_0") == tree_digest(
+            root / f"countlens_{repeats - 1}"
+        )
         row["countlens_s"] = round(statistics.median(t_ours), 3)
         row["countlens_images_per_s_per_core"] = round(images / statistics.median(t_ours), 1)
         row["countlens_png_bytes_mean"] = round(statistics.mean(p.stat().st_size for p in pngs(root / "countlens_0")))
@@ -153,8 +205,10 @@ def paper_grid(reference: Path | None, repeats: int, where: str | None) -> dict:
             row["reference_images_per_s_per_core"] = round(images / statistics.median(t_ref), 1)
             row["reference_png_bytes_mean"] = round(statistics.mean(p.stat().st_size for p in ref_pngs))
             row["speedup_median_of_pairs"] = round(statistics.median(r / o for o, r in zip(t_ours, t_ref)), 2)
-            row["speedup_pairs_min_max"] = [round(min(r / o for o, r in zip(t_ours, t_ref)), 2),
-                                            round(max(r / o for o, r in zip(t_ours, t_ref)), 2)]
+            row["speedup_pairs_min_max"] = [
+                round(min(r / o for o, r in zip(t_ours, t_ref)), 2),
+                round(max(r / o for o, r in zip(t_ours, t_ref)), 2),
+            ]
         else:
             row["reference"] = "not run: give --reference DIR (a local copy of the paper's synthetic_data/)"
     row["others_load_cores"] = load.others
@@ -172,8 +226,10 @@ def png_encodings(n_scenes: int = 180) -> dict:
     from countlens.geometry import Geometry
 
     grid = Geometry.data_grid(PAPER_SIZE, PAPER_PATCH)
-    scenes = [trick_sample(PAPER_CASES[i % len(PAPER_CASES)], 0, i, grid, shapes="circle",
-                           counts=[1, 2, 3, 4]).scene for i in range(n_scenes)]
+    scenes = [
+        trick_sample(PAPER_CASES[i % len(PAPER_CASES)], 0, i, grid, shapes="circle", counts=[1, 2, 3, 4]).scene
+        for i in range(n_scenes)
+    ]
     indexed = [s.render_indexed() for s in scenes]
     rgb = [s.render_array() for s in scenes]
 
@@ -187,13 +243,17 @@ def png_encodings(n_scenes: int = 180) -> dict:
         image.putpalette([c for n in names for c in PALETTE[n]])
         return pil(image, compress_level=1)
 
-    encoders = {"countlens_palette": lambda k: indexed_png(indexed[k][0], [PALETTE[n] for n in indexed[k][1]]),
-                "pil_palette_level1": lambda k: pil_palette(*indexed[k]),
-                "pil_rgb_level6": lambda k: pil(Image.fromarray(rgb[k], mode="RGB"))}
+    encoders = {
+        "countlens_palette": lambda k: indexed_png(indexed[k][0], [PALETTE[n] for n in indexed[k][1]]),
+        "pil_palette_level1": lambda k: pil_palette(*indexed[k]),
+        "pil_rgb_level6": lambda k: pil(Image.fromarray(rgb[k], mode="RGB")),
+    }
     out: dict = {"scenes": n_scenes, "image_size": PAPER_SIZE}
     for name, enc in encoders.items():
         data = [enc(k) for k in range(n_scenes)]
-        assert all(np.array_equal(np.asarray(Image.open(io.BytesIO(d)).convert("RGB")), rgb[k]) for k, d in enumerate(data))
+        assert all(
+            np.array_equal(np.asarray(Image.open(io.BytesIO(d)).convert("RGB")), rgb[k]) for k, d in enumerate(data)
+        )
         secs = interleaved({name: lambda: [enc(k) for k in range(n_scenes)]}, 3)[name]
         out[name] = {"bytes_mean": round(statistics.mean(map(len, data))), "encode_us": round(secs / n_scenes * 1e6, 1)}
     return out
@@ -228,13 +288,19 @@ def organism_grid(n: int = 30, n_large: int = 90, repeats: int = 3, seed: int = 
             for c in cases:
                 for i in range(k):
                     s = trick_sample(c, seed, i, grid)
-                    s.image
+                    _ = s.image  # renders the scene: the cost being timed
                     sample_record(s, "x.png")
+
         return run
 
     gen(1)()  # warm-up (imports, caches)
-    result: dict = {"cases": len(cases), "grid": [grid.image_height, grid.image_width, grid.patch_size],
-                    "seed": seed, "repeats": repeats, "sizes": {}}
+    result: dict = {
+        "cases": len(cases),
+        "grid": [grid.image_height, grid.image_width, grid.patch_size],
+        "seed": seed,
+        "repeats": repeats,
+        "sizes": {},
+    }
     for k in (n, n_large):
         images = len(cases) * k
         row: dict = {"n_per_case": k, "images": images}
@@ -248,9 +314,17 @@ def organism_grid(n: int = 30, n_large: int = 90, repeats: int = 3, seed: int = 
                 shutil.rmtree(tmp, ignore_errors=True)
                 Path(tmp).mkdir(exist_ok=True)
                 runs.update({1: iter(range(10**6)), 2: iter(range(10**6))})
-                return interleaved({"generate": gen(k), "generate_render": gen_render(k),
-                                    "generate_render_record": gen_render_record(k),
-                                    "export_w1": lambda: export(1), "export_w2": lambda: export(2)}, repeats, warm=False)
+                return interleaved(
+                    {
+                        "generate": gen(k),
+                        "generate_render": gen_render(k),
+                        "generate_render_record": gen_render_record(k),
+                        "export_w1": lambda: export(1),
+                        "export_w2": lambda: export(2),
+                    },
+                    repeats,
+                    warm=False,
+                )
 
             secs, load = measured(one_size)
             for name, t in secs.items():
@@ -273,11 +347,18 @@ def main() -> dict:
     args = ap.parse_args()
     if args.reference is not None and not (args.reference / "generate.py").is_file():
         ap.error(f"--reference {args.reference} holds no generate.py")
-    result = {"cores": os.cpu_count(), "python": platform.python_version(), "numpy": version("numpy"),
-              "pillow": version("pillow"), "paper_grid": {
-                  "tmpfs": paper_grid(args.reference, args.repeats, "/dev/shm"),
-                  "disk": paper_grid(args.reference, args.repeats, None)},
-              "png": png_encodings(), "organism_grid": organism_grid()}
+    result = {
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": version("numpy"),
+        "pillow": version("pillow"),
+        "paper_grid": {
+            "tmpfs": paper_grid(args.reference, args.repeats, "/dev/shm"),
+            "disk": paper_grid(args.reference, args.repeats, None),
+        },
+        "png": png_encodings(),
+        "organism_grid": organism_grid(),
+    }
     Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 

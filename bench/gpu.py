@@ -41,8 +41,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-WIDTHS = dict(hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
-              vision_hidden=1280, vision_heads=16, vision_intermediate=3420, patch=14, merge=2)
+WIDTHS = dict(
+    hidden=3584,
+    heads=28,
+    kv_heads=4,
+    intermediate=18944,
+    vocab=152064,
+    vision_hidden=1280,
+    vision_heads=16,
+    vision_intermediate=3420,
+    patch=14,
+    merge=2,
+)
 
 
 def _tokenizer(real_vocab: bool):
@@ -80,18 +90,36 @@ def build(depth: int, image_size: int, dtype: torch.dtype, device: str, real_voc
     tok = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
     vision_depth = min(depth, 32)
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=w["vocab"], hidden_size=w["hidden"], intermediate_size=w["intermediate"],
-                         num_hidden_layers=depth, num_attention_heads=w["heads"], num_key_value_heads=w["kv_heads"],
-                         max_position_embeddings=4096, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-                         bos_token_id=tok["<|im_start|>"], eos_token_id=tok["<|im_end|>"],
-                         pad_token_id=tok["<|endoftext|>"]),
-        vision_config=dict(depth=vision_depth, hidden_size=w["vision_hidden"], num_heads=w["vision_heads"],
-                           intermediate_size=w["vision_intermediate"], out_hidden_size=w["hidden"],
-                           patch_size=w["patch"], spatial_merge_size=w["merge"], temporal_patch_size=2,
-                           window_size=112, fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < vision_depth]),
-        image_token_id=tok["<|image_pad|>"], video_token_id=tok["<|video_pad|>"],
-        vision_start_token_id=tok["<|vision_start|>"], vision_end_token_id=tok["<|vision_end|>"],
+        text_config=dict(
+            vocab_size=w["vocab"],
+            hidden_size=w["hidden"],
+            intermediate_size=w["intermediate"],
+            num_hidden_layers=depth,
+            num_attention_heads=w["heads"],
+            num_key_value_heads=w["kv_heads"],
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+            bos_token_id=tok["<|im_start|>"],
+            eos_token_id=tok["<|im_end|>"],
+            pad_token_id=tok["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            hidden_size=w["vision_hidden"],
+            num_heads=w["vision_heads"],
+            intermediate_size=w["vision_intermediate"],
+            out_hidden_size=w["hidden"],
+            patch_size=w["patch"],
+            spatial_merge_size=w["merge"],
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < vision_depth],
+        ),
+        image_token_id=tok["<|image_pad|>"],
+        video_token_id=tok["<|video_pad|>"],
+        vision_start_token_id=tok["<|vision_start|>"],
+        vision_end_token_id=tok["<|vision_end|>"],
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -104,8 +132,12 @@ def build(depth: int, image_size: int, dtype: torch.dtype, device: str, real_voc
         model.init_weights()
     model.eval()
     pixels = image_size * image_size
-    images = Qwen2VLImageProcessorPil(patch_size=w["patch"], merge_size=w["merge"], temporal_patch_size=2,
-                                      size={"shortest_edge": pixels, "longest_edge": pixels})
+    images = Qwen2VLImageProcessorPil(
+        patch_size=w["patch"],
+        merge_size=w["merge"],
+        temporal_patch_size=2,
+        size={"shortest_edge": pixels, "longest_edge": pixels},
+    )
     processor = image_only(Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tokenizer, chat_template=template)
     vlm = VLM(model, processor, name=f"qwen2.5-vl-7b-widths-depth{depth}")
     return vlm, Geometry.square(image_size, w["patch"], w["merge"])
@@ -136,8 +168,16 @@ def _peak_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(depth: int, image_size: int, n_pairs: int, dtype: str, device: str, repeats: int,
-        naive_heads: int | None, warmup: bool = True) -> dict:
+def run(
+    depth: int,
+    image_size: int,
+    n_pairs: int,
+    dtype: str,
+    device: str,
+    repeats: int,
+    naive_heads: int | None,
+    warmup: bool = True,
+) -> dict:
     from countlens.circuits.patching import Edit, cache_run, patch_heads, patch_layers, prepare_pairs, run_edits
     from countlens.circuits.sites import group_mask
     from countlens.datasets.pairs import count_pairs
@@ -161,8 +201,15 @@ def run(depth: int, image_size: int, n_pairs: int, dtype: str, device: str, repe
             vlm.module(layer).output.save()
 
     t = _interleaved({"plain": plain, "traced": traced}, repeats, device, warmup)
-    vap = _interleaved({"patch_layers": lambda: patch_layers(vlm, pairs, groups=groups, batch_size=n_pairs),
-                        "plain_x_sites": lambda: [plain() for _ in range(n_sites)]}, repeats, device, warmup)
+    vap = _interleaved(
+        {
+            "patch_layers": lambda: patch_layers(vlm, pairs, groups=groups, batch_size=n_pairs),
+            "plain_x_sites": lambda: [plain() for _ in range(n_sites)],
+        },
+        repeats,
+        device,
+        warmup,
+    )
     heads = [(la, h) for la in range(arch.n_layers) for h in range(arch.n_heads)]
     chosen = heads[: naive_heads or len(heads)]
     mask = group_mask(pb.clean, "all")
@@ -173,41 +220,71 @@ def run(depth: int, image_size: int, n_pairs: int, dtype: str, device: str, repe
         for la, h in chosen:
             run_edits(vlm, b.clean, cache, [Edit(la, mask, h)], max_rows=n_pairs)
 
-    p2 = _interleaved({"patch_heads": lambda: patch_heads(vlm, pairs, batch_size=n_pairs), "naive": naive},
-                      repeats, device, warmup)
+    p2 = _interleaved(
+        {"patch_heads": lambda: patch_heads(vlm, pairs, batch_size=n_pairs), "naive": naive}, repeats, device, warmup
+    )
     naive_all = p2["naive"] * len(heads) / len(chosen)
     text, vision = vlm.hf.config.text_config, vlm.hf.config.vision_config
     ms = lambda s: round(1000 * s, 1)  # noqa: E731
     return {
-        "model": vlm.name, "depth": depth, "dtype": dtype,
-        "config": {"hidden": text.hidden_size, "heads": text.num_attention_heads,
-                   "kv_heads": text.num_key_value_heads, "intermediate": text.intermediate_size,
-                   "vocab": text.vocab_size, "layers": text.num_hidden_layers,
-                   "vision_hidden": vision.hidden_size, "vision_heads": vision.num_heads,
-                   "vision_intermediate": vision.intermediate_size, "vision_depth": vision.depth,
-                   "patch": vision.patch_size, "merge": vision.spatial_merge_size},
+        "model": vlm.name,
+        "depth": depth,
+        "dtype": dtype,
+        "config": {
+            "hidden": text.hidden_size,
+            "heads": text.num_attention_heads,
+            "kv_heads": text.num_key_value_heads,
+            "intermediate": text.intermediate_size,
+            "vocab": text.vocab_size,
+            "layers": text.num_hidden_layers,
+            "vision_hidden": vision.hidden_size,
+            "vision_heads": vision.num_heads,
+            "vision_intermediate": vision.intermediate_size,
+            "vision_depth": vision.depth,
+            "patch": vision.patch_size,
+            "merge": vision.spatial_merge_size,
+        },
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
-        "image_size": image_size, "image_tokens": (image_size // 28) ** 2,
-        "sequence_length": int(pb.clean.inputs["input_ids"].shape[1]), "pairs": n_pairs,
-        "parameters": sum(p.numel() for p in vlm.hf.parameters()), "build_s": round(built_s, 1),
-        "repeats": repeats, "torch": torch.__version__,
-        "p1": {"plain_forward_ms": ms(t["plain"]), "nnsight_trace_ms": ms(t["traced"]),
-               "ratio": round(t["traced"] / t["plain"], 3)},
-        "vap": {"sites": n_sites, "patch_layers_ms": ms(vap["patch_layers"]),
-                "plain_forwards_ms": ms(vap["plain_x_sites"]),
-                "ratio": round(vap["patch_layers"] / vap["plain_x_sites"], 3)},
-        "p2": {"heads": len(heads), "naive_heads_run": len(chosen), "patch_heads_ms": ms(p2["patch_heads"]),
-               "naive_all_heads_ms": ms(naive_all), "speedup": round(naive_all / p2["patch_heads"], 2),
-               "goal": ">= 5"},
+        "image_size": image_size,
+        "image_tokens": (image_size // 28) ** 2,
+        "sequence_length": int(pb.clean.inputs["input_ids"].shape[1]),
+        "pairs": n_pairs,
+        "parameters": sum(p.numel() for p in vlm.hf.parameters()),
+        "build_s": round(built_s, 1),
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "p1": {
+            "plain_forward_ms": ms(t["plain"]),
+            "nnsight_trace_ms": ms(t["traced"]),
+            "ratio": round(t["traced"] / t["plain"], 3),
+        },
+        "vap": {
+            "sites": n_sites,
+            "patch_layers_ms": ms(vap["patch_layers"]),
+            "plain_forwards_ms": ms(vap["plain_x_sites"]),
+            "ratio": round(vap["patch_layers"] / vap["plain_x_sites"], 3),
+        },
+        "p2": {
+            "heads": len(heads),
+            "naive_heads_run": len(chosen),
+            "patch_heads_ms": ms(p2["patch_heads"]),
+            "naive_all_heads_ms": ms(naive_all),
+            "speedup": round(naive_all / p2["patch_heads"], 2),
+            "goal": ">= 5",
+        },
         "peak_memory_bytes": _peak_bytes(device),
     }
 
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", metavar="OUT", type=Path,
-                    help="CPU, depth 1, fp32, 112 px, 2 pairs, no warm-up (checks that it all runs; its times "
-                         "are not results); write OUT")
+    ap.add_argument(
+        "--dry-run",
+        metavar="OUT",
+        type=Path,
+        help="CPU, depth 1, fp32, 112 px, 2 pairs, no warm-up (checks that it all runs; its times "
+        "are not results); write OUT",
+    )
     ap.add_argument("--depth", type=int, default=28)
     ap.add_argument("--image-size", type=int, default=448)
     ap.add_argument("--pairs", type=int, default=8)

@@ -75,16 +75,22 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import xarray as xr  # noqa: E402
+from _timing import Load, interleaved, measured  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 import countlens  # noqa: E402
 import countlens.circuits.patching as patching  # noqa: E402
 from countlens.circuits.patching import (  # noqa: E402
-    MAX_ROWS, Edit, attribution_patch, cache_run, compare, patch_heads, patch_layers, prepare_pairs,
+    MAX_ROWS,
+    Edit,
+    attribution_patch,
+    cache_run,
+    compare,
+    patch_heads,
+    patch_layers,
+    prepare_pairs,
 )
 from countlens.circuits.sites import group_mask, repeat_inputs  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
-
-from _timing import Load, interleaved, measured  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 THREADS = 2
 PAIRS_KW = dict(kind="shapes", prompt="short", counts=range(2, 9), seed=0)
@@ -123,22 +129,27 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
         for _ in range(n_sites):
             vlm.forward(batch, logits_to_keep=1)
 
-    t, load = measured(lambda: interleaved({"sweep": lambda: patch_layers(vlm, pairs, groups=groups), "plain": plain},
-                                           repeats))
+    t, load = measured(
+        lambda: interleaved({"sweep": lambda: patch_layers(vlm, pairs, groups=groups), "plain": plain}, repeats)
+    )
 
     # Breakdown of the same sweep, step by step as `_sweep` does it (batch_size=16 chunks), and the
     # edit forwards against plain forwards of the same expanded inputs (vision tower included).
     bs, layers = 16, sorted(set(range(vlm.arch.n_layers)) | set(sweep_layers))  # every layer, as `_sweep`
-    chunks = [pairs[s:s + bs] for s in range(0, len(pairs), bs)]
+    chunks = [pairs[s : s + bs] for s in range(0, len(pairs), bs)]
     pbs = [prepare_pairs(vlm, c) for c in chunks]
     caches = [cache_run(vlm, pb.corrupt, layers) for pb in pbs]
     edits = []
     for pb in pbs:
         masks = {g: group_mask(pb.clean, g) for g in groups}
         edits.append([Edit(layer, masks[g]) for layer in sweep_layers for g in groups])
-    shapes = [[len(e[k:k + max(1, MAX_ROWS // len(pb.clean.inputs["input_ids"]))])
-               for k in range(0, len(e), max(1, MAX_ROWS // len(pb.clean.inputs["input_ids"])))]
-              for pb, e in zip(pbs, edits)]
+    shapes = [
+        [
+            len(e[k : k + max(1, MAX_ROWS // len(pb.clean.inputs["input_ids"]))])
+            for k in range(0, len(e), max(1, MAX_ROWS // len(pb.clean.inputs["input_ids"])))
+        ]
+        for pb, e in zip(pbs, edits)
+    ]
 
     @torch.no_grad()
     def plain_same_inputs():
@@ -148,25 +159,39 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
 
     visual = vlm.hf.get_submodule(vlm.arch.spec.vision_tower) if hasattr(vlm.arch, "spec") else vlm.hf.model.visual
     inp = batch.inputs
-    parts, load_parts = measured(lambda: interleaved({
-            "prepare": lambda: [prepare_pairs(vlm, c) for c in chunks],
-            "cache_corrupt": lambda: [cache_run(vlm, pb.corrupt, layers) for pb in pbs],
-            "cache_clean": lambda: [cache_run(vlm, pb.clean, [], resid=False, z=False) for pb in pbs],
-            "edit_forwards": lambda: [run_edits(vlm, pb, c, e) for pb, c, e in zip(pbs, caches, edits)],
-            "plain_same_inputs": plain_same_inputs,
-            "vision_tower_32": lambda: visual(inp["pixel_values"], grid_thw=inp["image_grid_thw"]),
-            "plain_forward_32": lambda: vlm.forward(batch, logits_to_keep=1),
-        }, repeats))
+    parts, load_parts = measured(
+        lambda: interleaved(
+            {
+                "prepare": lambda: [prepare_pairs(vlm, c) for c in chunks],
+                "cache_corrupt": lambda: [cache_run(vlm, pb.corrupt, layers) for pb in pbs],
+                "cache_clean": lambda: [cache_run(vlm, pb.clean, [], resid=False, z=False) for pb in pbs],
+                "edit_forwards": lambda: [run_edits(vlm, pb, c, e) for pb, c, e in zip(pbs, caches, edits)],
+                "plain_same_inputs": plain_same_inputs,
+                "vision_tower_32": lambda: visual(inp["pixel_values"], grid_thw=inp["image_grid_thw"]),
+                "plain_forward_32": lambda: vlm.forward(batch, logits_to_keep=1),
+            },
+            repeats,
+        )
+    )
     return {
-        "layers": sweep_layers, "groups": list(groups),
-        "sites": n_sites, "pairs": len(pairs), "patched_rows": n_sites * len(pairs),
-        "batch_size": bs, "max_rows": MAX_ROWS, "repeats": repeats,
-        "patch_layers_ms": ms(t["sweep"]), "plain_forwards_ms": ms(t["plain"]),
-        "ratio": round(t["sweep"] / t["plain"], 3), "goal": "<= 1.10", "others_load_cores": load.others,
+        "layers": sweep_layers,
+        "groups": list(groups),
+        "sites": n_sites,
+        "pairs": len(pairs),
+        "patched_rows": n_sites * len(pairs),
+        "batch_size": bs,
+        "max_rows": MAX_ROWS,
+        "repeats": repeats,
+        "patch_layers_ms": ms(t["sweep"]),
+        "plain_forwards_ms": ms(t["plain"]),
+        "ratio": round(t["sweep"] / t["plain"], 3),
+        "goal": "<= 1.10",
+        "others_load_cores": load.others,
         "breakdown_ms": {k: ms(v) for k, v in parts.items()},
         "breakdown_others_load_cores": load_parts.others,
-        "expanded_forwards_rows": [[k * len(pb.clean.inputs["input_ids"]) for k in reps]
-                                   for pb, reps in zip(pbs, shapes)],
+        "expanded_forwards_rows": [
+            [k * len(pb.clean.inputs["input_ids"]) for k in reps] for pb, reps in zip(pbs, shapes)
+        ],
         "ratio_edit_forwards_vs_plain": round(parts["edit_forwards"] / t["plain"], 3),
         "ratio_edit_forwards_vs_plain_same_inputs": round(parts["edit_forwards"] / parts["plain_same_inputs"], 3),
         "vision_tower_share_of_plain_forward": round(parts["vision_tower_32"] / parts["plain_forward_32"], 3),
@@ -193,20 +218,27 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
         return torch.cat([run_edits(vlm, b, c, [e], max_rows=n) for e in edits])
 
     naive = naive_sweep()
-    t, load = measured(lambda: interleaved({
-        "patch_heads_bs32": lambda: patch_heads(vlm, pairs, batch_size=n),
-        "naive_one_full_forward_per_head": naive_sweep,
-        "one_per_forward_sweep": one_per_forward_sweep,
-        "patch_heads_default": lambda: patch_heads(vlm, pairs),
-    }, repeats))
+    t, load = measured(
+        lambda: interleaved(
+            {
+                "patch_heads_bs32": lambda: patch_heads(vlm, pairs, batch_size=n),
+                "naive_one_full_forward_per_head": naive_sweep,
+                "one_per_forward_sweep": one_per_forward_sweep,
+                "patch_heads_default": lambda: patch_heads(vlm, pairs),
+            },
+            repeats,
+        )
+    )
 
     # run_edits alone at several max_rows (n = one edit per forward … all edits in one forward).
     scan, fns = {}, {}
     for max_rows in (n, 2 * n, 4 * n, MAX_ROWS, 16 * n, len(edits) * n):
         logits = run_edits(vlm, pb, cache, edits, max_rows=max_rows)  # doubles as the warm-up
-        scan[str(max_rows)] = {"edits_per_forward": max(1, max_rows // n),
-                               "forwards": -(-len(edits) // max(1, max_rows // n)),
-                               "max_abs_diff_vs_one_per_forward": float((logits - ref).abs().max())}
+        scan[str(max_rows)] = {
+            "edits_per_forward": max(1, max_rows // n),
+            "forwards": -(-len(edits) // max(1, max_rows // n)),
+            "max_abs_diff_vs_one_per_forward": float((logits - ref).abs().max()),
+        }
         fns[str(max_rows)] = lambda m=max_rows: run_edits(vlm, pb, cache, edits, max_rows=m)
     secs, load_scan = measured(lambda: interleaved(fns, repeats, warm=False))
     for k, v in scan.items():
@@ -217,11 +249,16 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
 
     ds = patch_heads(vlm, pairs, batch_size=n)
     ref_ld = logit_diff(ref.flatten(0, 1), pb.clean_id.repeat(len(ref)), pb.corrupt_id.repeat(len(ref))).view(
-        vlm.arch.n_layers, vlm.arch.n_heads, n)
+        vlm.arch.n_layers, vlm.arch.n_heads, n
+    )
     ds16 = patch_heads(vlm, pairs)
     return {
-        "sites": len(edits), "pairs": n, "positions": "all", "repeats": repeats,
-        "patch_heads_bs32_ms": ms(t["patch_heads_bs32"]), "patch_heads_default_bs16_ms": ms(t["patch_heads_default"]),
+        "sites": len(edits),
+        "pairs": n,
+        "positions": "all",
+        "repeats": repeats,
+        "patch_heads_bs32_ms": ms(t["patch_heads_bs32"]),
+        "patch_heads_default_bs16_ms": ms(t["patch_heads_default"]),
         "one_per_forward_sweep_ms": ms(t["one_per_forward_sweep"]),
         "naive_one_full_forward_per_head_ms": ms(t["naive_one_full_forward_per_head"]),
         "speedup_batched_vs_naive": round(t["naive_one_full_forward_per_head"] / t["patch_heads_bs32"], 3),
@@ -229,31 +266,43 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
         "speedup_batched_vs_one_per_forward": round(t["one_per_forward_sweep"] / t["patch_heads_bs32"], 3),
         "speedup_default_vs_one_per_forward": round(t["one_per_forward_sweep"] / t["patch_heads_default"], 3),
         "goal": ">= 5",
-        "max_abs_diff_logit_diff_patch_heads_bs32_vs_one_per_forward":
-            float((torch.from_numpy(ds["logit_diff"].values) - ref_ld).abs().max()),
-        "max_abs_diff_logit_diff_patch_heads_bs16_vs_one_per_forward":
-            float((torch.from_numpy(ds16["logit_diff"].values) - ref_ld).abs().max()),
+        "max_abs_diff_logit_diff_patch_heads_bs32_vs_one_per_forward": float(
+            (torch.from_numpy(ds["logit_diff"].values) - ref_ld).abs().max()
+        ),
+        "max_abs_diff_logit_diff_patch_heads_bs16_vs_one_per_forward": float(
+            (torch.from_numpy(ds16["logit_diff"].values) - ref_ld).abs().max()
+        ),
         "max_abs_diff_effect_bs16_vs_bs32": float(abs(ds16["effect"] - ds["effect"]).max()),
         "run_edits_max_rows_scan": scan,
-        "others_load_cores": load.others, "scan_others_load_cores": load_scan.others,
+        "others_load_cores": load.others,
+        "scan_others_load_cores": load_scan.others,
     }
 
 
 def bench_atp(vlm, pairs, repeats: int) -> dict:
-    t, load = measured(lambda: interleaved(
-        {"atp": lambda: attribution_patch(vlm, pairs), "exact": lambda: patch_heads(vlm, pairs)}, repeats))
+    t, load = measured(
+        lambda: interleaved(
+            {"atp": lambda: attribution_patch(vlm, pairs), "exact": lambda: patch_heads(vlm, pairs)}, repeats
+        )
+    )
     atp, exact = attribution_patch(vlm, pairs), patch_heads(vlm, pairs)
     # Residual AtP against exact residual patching over (layer, group) for the three token groups. (Over
     # *all* positions exact patching sets the whole corrupt state, effect 1 at every layer; over image
     # tokens alone the exact effects are ~0 after layer 0, so a ranking of one group is mostly noise.)
     groups = ("image", "last", "text")
-    resid_atp = xr.concat([attribution_patch(vlm, pairs, positions=g).resid_effect for g in groups],
-                          dim=xr.DataArray(list(groups), dims="group"))
+    resid_atp = xr.concat(
+        [attribution_patch(vlm, pairs, positions=g).resid_effect for g in groups],
+        dim=xr.DataArray(list(groups), dims="group"),
+    )
     resid_exact = patch_layers(vlm, pairs, groups=groups, layers=range(vlm.arch.n_layers)).effect
     return {
-        "repeats": repeats, "attribution_patch_ms": ms(t["atp"]), "patch_heads_ms": ms(t["exact"]),
-        "speedup_atp_vs_exact": round(t["exact"] / t["atp"], 3), "others_load_cores": load.others,
-        "heads": compare(atp.effect, exact.effect, k=5), "goal_spearman": ">= 0.8",
+        "repeats": repeats,
+        "attribution_patch_ms": ms(t["atp"]),
+        "patch_heads_ms": ms(t["exact"]),
+        "speedup_atp_vs_exact": round(t["exact"] / t["atp"], 3),
+        "others_load_cores": load.others,
+        "heads": compare(atp.effect, exact.effect, k=5),
+        "goal_spearman": ">= 0.8",
         "resid_layer_x_group": compare(resid_atp.transpose("layer", "group"), resid_exact, k=5),
         "resid_effect_atp": {g: [round(float(x), 3) for x in resid_atp.sel(group=g).values] for g in groups},
         "resid_effect_exact": {g: [round(float(x), 3) for x in resid_exact.sel(group=g).values] for g in groups},
@@ -282,11 +331,18 @@ def peak_child(n: int) -> dict:
     t = time.perf_counter()
     with Load() as load:
         patch_layers(vlm, pairs, groups=("image", "last", "text"), batch_size=16)
-    return {"pairs": n, "maxrss_at_start_mib": at_start, "maxrss_before_sweep_mib": before,
-            "maxrss_after_sweep_mib": rss(), "sweep_delta_mib": round(rss() - before, 1),
-            "vmhwm_reset_mib": hwm_reset, "vmhwm_after_sweep_mib": status_mib("VmHWM"),
-            "sweep_own_peak_mib": round(status_mib("VmHWM") - hwm_reset, 1),
-            "sweep_s_cold": round(time.perf_counter() - t, 2), "others_load_cores": load.others}
+    return {
+        "pairs": n,
+        "maxrss_at_start_mib": at_start,
+        "maxrss_before_sweep_mib": before,
+        "maxrss_after_sweep_mib": rss(),
+        "sweep_delta_mib": round(rss() - before, 1),
+        "vmhwm_reset_mib": hwm_reset,
+        "vmhwm_after_sweep_mib": status_mib("VmHWM"),
+        "sweep_own_peak_mib": round(status_mib("VmHWM") - hwm_reset, 1),
+        "sweep_s_cold": round(time.perf_counter() - t, 2),
+        "others_load_cores": load.others,
+    }
 
 
 def bench_memory(sizes=(16, 32, 64, 128)) -> dict:
@@ -300,15 +356,23 @@ def bench_memory(sizes=(16, 32, 64, 128)) -> dict:
             env = {**os.environ, "HF_HUB_OFFLINE": "1", **extra}
 
             def child(n=n, env=env):
-                proc = subprocess.run([sys.executable, __file__, "--peak-mem", str(n)], capture_output=True,
-                                      text=True, check=True, env=env)
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--peak-mem", str(n)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env=env,
+                )
                 return json.loads(proc.stdout.strip().splitlines()[-1])
 
             rows.append(measured(child)[0])
         peaks = [r["maxrss_after_sweep_mib"] for r in rows]
         own = [r["sweep_own_peak_mib"] for r in rows]
-        out[label] = {"sizes": rows, "maxrss_spread_mib": round(max(peaks) - min(peaks), 1),
-                      "sweep_own_peak_spread_mib": round(max(own) - min(own), 1)}
+        out[label] = {
+            "sizes": rows,
+            "maxrss_spread_mib": round(max(peaks) - min(peaks), 1),
+            "sweep_own_peak_spread_mib": round(max(own) - min(own), 1),
+        }
     return out
 
 
@@ -322,21 +386,34 @@ def main(n_pairs: int = 32, repeats: int = 5) -> dict:
     import transformers
 
     result = {
-        "model": "toy", "layers": vlm.arch.n_layers, "heads": vlm.arch.n_heads, "pairs": n_pairs,
-        "pairs_kw": {**PAIRS_KW, "counts": "range(2, 9)"}, "threads": THREADS,
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "nnsight": nnsight.__version__,
-                    "processor": platform.processor() or platform.machine()},
+        "model": "toy",
+        "layers": vlm.arch.n_layers,
+        "heads": vlm.arch.n_heads,
+        "pairs": n_pairs,
+        "pairs_kw": {**PAIRS_KW, "counts": "range(2, 9)"},
+        "threads": THREADS,
+        "machine": {
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "nnsight": nnsight.__version__,
+            "processor": platform.processor() or platform.machine(),
+        },
     }
     result["a_layers_vs_plain"] = bench_layers(vlm, pairs, repeats)
     result["b_heads_batched_vs_one_per_forward"] = bench_heads(vlm, pairs, max(3, repeats - 2))
     result["c_atp_vs_exact"] = bench_atp(vlm, pairs, repeats)
     result["d_peak_memory"] = memory
     result["source_sha256"] = {"start": src_start, "end": source_digest()}
-    result["library"] = {"snapshot_of": os.environ.get("COUNTLENS_BENCH_SNAPSHOT"),
-                         "ran_from": str(Path(countlens.__file__).parent)}
-    result["loadavg_1_5_15"] = {"start": [round(x, 2) for x in load_start],
-                                "end": [round(x, 2) for x in os.getloadavg()]}
+    result["library"] = {
+        "snapshot_of": os.environ.get("COUNTLENS_BENCH_SNAPSHOT"),
+        "ran_from": str(Path(countlens.__file__).parent),
+    }
+    result["loadavg_1_5_15"] = {
+        "start": [round(x, 2) for x in load_start],
+        "end": [round(x, 2) for x in os.getloadavg()],
+    }
     Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 

@@ -105,12 +105,25 @@ def one_depth(depth: int, image_size: int, config: dict, only: list[str] | None 
     stages = {}
     for name, m in measured.items():
         q = planned["stages"][name]
-        stages[name] = {"planned_peak_bytes": q["peak_bytes"], "measured_peak_bytes": m["peak_bytes"],
-                        "ratio": round(m["peak_bytes"] / q["peak_bytes"], 3), "rows": q["rows"],
-                        "forwards": q["forwards"], "planned_flops": q["flops"], "seconds": m["seconds"],
-                        "cpu_gflops_per_s": round(q["flops"] / max(m["seconds"], 1e-9) / 1e9, 1)}
-    return {"depth": depth, "image_size": image_size, "base_bytes": p.base, "weights_bytes": p.widths.weight_bytes,
-            "memory_bytes": p.memory, "plan_seconds": round(plan_s, 1), "stages": stages}
+        stages[name] = {
+            "planned_peak_bytes": q["peak_bytes"],
+            "measured_peak_bytes": m["peak_bytes"],
+            "ratio": round(m["peak_bytes"] / q["peak_bytes"], 3),
+            "rows": q["rows"],
+            "forwards": q["forwards"],
+            "planned_flops": q["flops"],
+            "seconds": m["seconds"],
+            "cpu_gflops_per_s": round(q["flops"] / max(m["seconds"], 1e-9) / 1e9, 1),
+        }
+    return {
+        "depth": depth,
+        "image_size": image_size,
+        "base_bytes": p.base,
+        "weights_bytes": p.widths.weight_bytes,
+        "memory_bytes": p.memory,
+        "plan_seconds": round(plan_s, 1),
+        "stages": stages,
+    }
 
 
 def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
@@ -133,33 +146,51 @@ def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
             a, b = by_depth[1][name], by_depth[2].get(name)
             if b is None:
                 continue
-            cpu[name] = {"seconds_depth_28": round(a["seconds"] + 27 * (b["seconds"] - a["seconds"])),
-                         "s_per_tflop": [round(x["seconds"] / (x["planned_flops"] / 1e12), 2) for x in (a, b)]}
+            cpu[name] = {
+                "seconds_depth_28": round(a["seconds"] + 27 * (b["seconds"] - a["seconds"])),
+                "s_per_tflop": [round(x["seconds"] / (x["planned_flops"] / 1e12), 2) for x in (a, b)],
+            }
     vlm, _ = build(28, image_size, torch.bfloat16, "meta", real_vocab=True)
     default = DiscoverConfig()
     p = plan.plan(vlm, default, memory=141 * 2**30, device="cuda").to_dict()
-    gpu = {name: {"planned_peak_gib": round(q["peak_bytes"] / 2**30, 2), "rows": q["rows"],
-                  "forwards": q["forwards"], "tflop": round(q["flops"] / 1e12, 1),
-                  "seconds_at_assumed_utilisation": round(q["flops"] / (H200_BF16_FLOPS * ASSUMED_UTILISATION), 1)}
-           for name, q in p["stages"].items()}
-    return {"cpu_at_rehearsal_sizes": cpu,
-            "h200_default_discover": {"config": {k: getattr(default, k) for k in ("n_per_case", "n_pairs",
-                                                                                 "n_samples", "batch_size")},
-                                      "weights_gib": round(p["weights_bytes"] / 2**30, 2), "stages": gpu,
-                                      "assumption": f"{ASSUMED_UTILISATION:.0%} of {H200_BF16_FLOPS / 1e12:.0f} "
-                                                    "TFLOP/s dense bf16, not measured"}}
+    gpu = {
+        name: {
+            "planned_peak_gib": round(q["peak_bytes"] / 2**30, 2),
+            "rows": q["rows"],
+            "forwards": q["forwards"],
+            "tflop": round(q["flops"] / 1e12, 1),
+            "seconds_at_assumed_utilisation": round(q["flops"] / (H200_BF16_FLOPS * ASSUMED_UTILISATION), 1),
+        }
+        for name, q in p["stages"].items()
+    }
+    return {
+        "cpu_at_rehearsal_sizes": cpu,
+        "h200_default_discover": {
+            "config": {k: getattr(default, k) for k in ("n_per_case", "n_pairs", "n_samples", "batch_size")},
+            "weights_gib": round(p["weights_bytes"] / 2**30, 2),
+            "stages": gpu,
+            "assumption": f"{ASSUMED_UTILISATION:.0%} of {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s dense bf16, not measured",
+        },
+    }
 
 
 def _depth_in_subprocess(depth: int, image_size: int, config: dict, only: list[str] | None = None) -> dict:
     """`one_depth` in a fresh process (each stage's figures go to its stderr); exits if it failed."""
-    cmd = [sys.executable, __file__, "--one", str(depth), "--image-size", str(image_size),
-           *(x for k, v in config.items() for x in (f"--{k.replace('_', '-')}", str(v))),
-           *(["--only", *only] if only else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        str(depth),
+        "--image-size",
+        str(image_size),
+        *(x for k, v in config.items() for x in (f"--{k.replace('_', '-')}", str(v))),
+        *(["--only", *only] if only else []),
+    ]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     line = next((x for x in done.stdout.splitlines() if x.startswith("REHEARSAL ")), None)
     if line is None:
         sys.exit(f"depth {depth} failed (its traceback is above)")
-    return json.loads(line[len("REHEARSAL "):])
+    return json.loads(line[len("REHEARSAL ") :])
 
 
 def replan(result: dict) -> dict:
@@ -176,12 +207,15 @@ def replan(result: dict) -> dict:
 
     for run in result["runs"]:
         vlm, _ = build(run["depth"], result["image_size"], torch.float32, "meta", real_vocab=True)
-        q = plan.plan(vlm, DiscoverConfig(**result["config"]), memory=run["memory_bytes"], device="cpu",
-                      base=run["base_bytes"]).to_dict()["stages"]
+        q = plan.plan(
+            vlm, DiscoverConfig(**result["config"]), memory=run["memory_bytes"], device="cpu", base=run["base_bytes"]
+        ).to_dict()["stages"]
         for name, st in run["stages"].items():
             if q[name]["rows"] != st["rows"]:
-                sys.exit(f"depth {run['depth']} {name}: the current plan stacks {q[name]['rows']} rows, the "
-                         f"measured run {st['rows']}; measure again instead")
+                sys.exit(
+                    f"depth {run['depth']} {name}: the current plan stacks {q[name]['rows']} rows, the "
+                    f"measured run {st['rows']}; measure again instead"
+                )
             st.setdefault("previous_planned_peak_bytes", st["planned_peak_bytes"])
             st["planned_peak_bytes"] = q[name]["peak_bytes"]
             st["ratio"] = round(st["measured_peak_bytes"] / st["planned_peak_bytes"], 3)
@@ -196,8 +230,9 @@ def remeasure(result: dict, names: list[str]) -> dict:
         fresh = _depth_in_subprocess(run["depth"], result["image_size"], result["config"], names)["stages"]
         for name in names:
             old = run["stages"][name]
-            fresh[name]["previous_measured_peak_bytes"] = old.get("previous_measured_peak_bytes",
-                                                                  old["measured_peak_bytes"])
+            fresh[name]["previous_measured_peak_bytes"] = old.get(
+                "previous_measured_peak_bytes", old["measured_peak_bytes"]
+            )
             fresh[name]["measured_alone"] = True
             if "previous_planned_peak_bytes" in old:  # the plan before any correction, as replan keeps it
                 fresh[name]["previous_planned_peak_bytes"] = old["previous_planned_peak_bytes"]
@@ -216,8 +251,12 @@ def main() -> None:
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one depth, print JSON
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     ap.add_argument("--replan", action="store_true", help="recompute the planned side of --out's rehearsal")
-    ap.add_argument("--remeasure", nargs="+", metavar="STAGE", help="measure these stages again, alone "
-                    "(headlens), into --out's record")
+    ap.add_argument(
+        "--remeasure",
+        nargs="+",
+        metavar="STAGE",
+        help="measure these stages again, alone (headlens), into --out's record",
+    )
     ap.add_argument("--only", nargs="+", help=argparse.SUPPRESS)  # internal: with --one
     args = ap.parse_args()
     if args.remeasure or args.replan:
@@ -226,8 +265,9 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({r["depth"]: {k: v["ratio"] for k, v in r["stages"].items()} for r in result["runs"]}))
         return
-    config = dict(n_pairs=args.n_pairs, n_samples=args.n_samples, n_per_case=args.n_per_case,
-                  batch_size=args.batch_size)
+    config = dict(
+        n_pairs=args.n_pairs, n_samples=args.n_samples, n_per_case=args.n_per_case, batch_size=args.batch_size
+    )
     if args.one is not None:
         print("REHEARSAL " + json.dumps(one_depth(args.one, args.image_size, config, args.only)))
         return
@@ -235,8 +275,13 @@ def main() -> None:
     for depth in args.depths:
         runs.append(_depth_in_subprocess(depth, args.image_size, config))
         print(json.dumps({k: v for k, v in runs[-1]["stages"].items()}, indent=1), flush=True)
-    result = {"config": config, "image_size": args.image_size, "cpu_threads": os.cpu_count(), "runs": runs,
-              "depth_28": extrapolate(runs, args.image_size, config)}
+    result = {
+        "config": config,
+        "image_size": args.image_size,
+        "cpu_threads": os.cpu_count(),
+        "runs": runs,
+        "depth_28": extrapolate(runs, args.image_size, config),
+    }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["depth_28"], indent=1))
 

@@ -50,16 +50,27 @@ def main(train_per_case: int = 19, test_per_case: int = 7) -> dict:
     sep = separation(last_token_states(vlm, test, layers), [s.meta["count"] for s in test], layers=layers)
     sep_seconds = time.perf_counter() - t
     result = {
-        "model": "toy", "threads": 1, "cases": f"{CASES[0]}-{CASES[-1]}", "train": len(train), "test": len(test),
+        "model": "toy",
+        "threads": 1,
+        "cases": f"{CASES[0]}-{CASES[-1]}",
+        "train": len(train),
+        "test": len(test),
         "config": ds.attrs["config"],
         "taps": {
-            tap: {"ap50": _r(ds.ap50.sel(tap=tap)), "n_params": int(ds.n_params.sel(tap=tap)),
-                  "channels": int(ds.channels.sel(tap=tap)), "grid": int(ds.grid.sel(tap=tap)),
-                  "train_loss": _r(ds.train_loss.sel(tap=tap)), "seconds": round(float(ds.seconds.sel(tap=tap)), 1),
-                  "ap50_by_anchor": {str(a): _r(by_anchor.sel(tap=tap, anchor=a)) for a in by_anchor.anchor.values}}
-            for tap in ds.tap.values},
-        "separation_last_token": {f"llm.{layer}": {r: _r(sep.sel(layer=layer, range=r)) for r in sep.range.values}
-                                  for layer in layers},
+            tap: {
+                "ap50": _r(ds.ap50.sel(tap=tap)),
+                "n_params": int(ds.n_params.sel(tap=tap)),
+                "channels": int(ds.channels.sel(tap=tap)),
+                "grid": int(ds.grid.sel(tap=tap)),
+                "train_loss": _r(ds.train_loss.sel(tap=tap)),
+                "seconds": round(float(ds.seconds.sel(tap=tap)), 1),
+                "ap50_by_anchor": {str(a): _r(by_anchor.sel(tap=tap, anchor=a)) for a in by_anchor.anchor.values},
+            }
+            for tap in ds.tap.values
+        },
+        "separation_last_token": {
+            f"llm.{layer}": {r: _r(sep.sel(layer=layer, range=r)) for r in sep.range.values} for layer in layers
+        },
         "separation_seconds": round(sep_seconds, 1),
         "wall_seconds": round(time.perf_counter() - start, 1),
         "torch": torch.__version__,

@@ -48,9 +48,14 @@ def main(batch_size: int = 32, repeats: int = 20) -> dict:
 
     t_plain, t_trace = median_time(plain, repeats), median_time(traced, repeats)
     result = {
-        "model": "toy", "batch_size": batch_size, "repeats": repeats, "threads": 2,
-        "plain_forward_ms": round(1000 * t_plain, 2), "nnsight_trace_ms": round(1000 * t_trace, 2),
-        "ratio": round(t_trace / t_plain, 3), "torch": torch.__version__,
+        "model": "toy",
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "threads": 2,
+        "plain_forward_ms": round(1000 * t_plain, 2),
+        "nnsight_trace_ms": round(1000 * t_trace, 2),
+        "ratio": round(t_trace / t_plain, 3),
+        "torch": torch.__version__,
     }
     (Path(__file__).with_suffix(".json")).write_text(json.dumps(result, indent=2) + "\n")
     return result

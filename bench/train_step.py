@@ -24,8 +24,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-
 from _timing import measured
+
 from countlens.toy.recipe import ToyConfig, TrainConfig, build_model
 from countlens.toy.train import Collator, answer_step, freeze_tower, training_batch
 
@@ -98,7 +98,8 @@ def measure(cfg: ToyConfig, frozen: bool, block: int = 8, blocks: int = 5) -> di
             out["inline"].append(per_step(inline, 1))
             out["prefetch_thread"].append(per_step(prefetch, 1))
         return {k: statistics.median(v) for k, v in out.items()} | {
-            "build_batch_only": per_step(build_only, 5), "step_on_ready_batch": per_step(step_only, 5),
+            "build_batch_only": per_step(build_only, 5),
+            "step_on_ready_batch": per_step(step_only, 5),
             "step_on_ready_batch_bf16_autocast": per_step(step_only_bf16, 5),
         }
 
@@ -114,8 +115,10 @@ def main() -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     result = {
-        "unit": "seconds per step (median of alternating blocks of 8 steps)", "batch_size": TrainConfig().batch_size,
-        "threads": 2, "torch": torch.__version__,
+        "unit": "seconds per step (median of alternating blocks of 8 steps)",
+        "batch_size": TrainConfig().batch_size,
+        "threads": 2,
+        "torch": torch.__version__,
     }
     for name, (cfg, frozen) in SETTINGS.items():
         result[name] = measure(cfg, frozen)

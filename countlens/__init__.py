@@ -20,11 +20,27 @@ __version__ = "0.1.0"
 
 #: Names imported on first use: attribute → the module that defines it (or the subpackage itself).
 _LAZY: dict[str, str] = {
-    "analysis": "countlens.analysis", "circuits": "countlens.circuits", "datasets": "countlens.datasets",
-    "results": "countlens.results", "training": "countlens.training",
-    "load": "countlens.loading", "VLM": "countlens.vlm", "Batch": "countlens.vlm",
+    "analysis": "countlens.analysis",
+    "circuits": "countlens.circuits",
+    "datasets": "countlens.datasets",
+    "results": "countlens.results",
+    "training": "countlens.training",
+    "load": "countlens.loading",
+    "VLM": "countlens.vlm",
+    "Batch": "countlens.vlm",
 }
-__all__ = ["VLM", "Batch", "CountlensError", "Geometry", "analysis", "circuits", "datasets", "load", "results", "training"]
+__all__ = [
+    "VLM",
+    "Batch",
+    "CountlensError",
+    "Geometry",
+    "analysis",
+    "circuits",
+    "datasets",
+    "load",
+    "results",
+    "training",
+]
 
 
 def __getattr__(name: str):

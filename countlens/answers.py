@@ -46,8 +46,10 @@ def end_of_answer_id(processor) -> int | None:
     an assistant message's text, else the tokenizer's eos token; None when there is neither."""
     tok = getattr(processor, "tokenizer", processor)
     mark = "ANSWERMARK"
-    messages = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": mark}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": mark}]},
+    ]
     try:
         text = processor.apply_chat_template(messages, tokenize=False)
     except Exception:  # no chat template, or one that rejects an assistant turn: fall back to eos

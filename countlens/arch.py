@@ -96,8 +96,14 @@ SPECS: dict[str, ArchSpec] = {
         ArchSpec("llava", ("llava",), **_LLAVA),
         ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
         ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),
-        ArchSpec("gemma3", ("gemma3",), q_norm="self_attn.q_norm", q_norm_layout="bhsd",
-                 pooled_tokens_attr="mm_tokens_per_image", **_LLAVA),
+        ArchSpec(
+            "gemma3",
+            ("gemma3",),
+            q_norm="self_attn.q_norm",
+            q_norm_layout="bhsd",
+            pooled_tokens_attr="mm_tokens_per_image",
+            **_LLAVA,
+        ),
     ]
 }
 _BY_MODEL_TYPE = {t: s for s in SPECS.values() for t in s.model_types}
@@ -166,7 +172,7 @@ def resolve(config) -> Arch:
     d_head = getattr(text, "head_dim", None) or text.hidden_size // n_heads
     image_token_id = getattr(config, spec.image_token_attr, None)
     if image_token_id is None:
-        image_token_id = getattr(config, "image_token_index")
+        image_token_id = config.image_token_index
     patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
     if spec.merge_attr:
         merge = getattr(vision, spec.merge_attr)

@@ -31,10 +31,10 @@ class CountlensGroup(TyperGroup):
             raise typer.Exit(code=2) from None
 
 
-app = typer.Typer(cls=CountlensGroup, no_args_is_help=True,
-                  help="countlens: counting as a probe of how VLMs reason.")
-toy_app = typer.Typer(cls=CountlensGroup, no_args_is_help=True,
-                      help="The shipped model organism: train it from scratch.")
+app = typer.Typer(cls=CountlensGroup, no_args_is_help=True, help="countlens: counting as a probe of how VLMs reason.")
+toy_app = typer.Typer(
+    cls=CountlensGroup, no_args_is_help=True, help="The shipped model organism: train it from scratch."
+)
 app.add_typer(toy_app, name="toy")
 data_app = typer.Typer(cls=CountlensGroup, no_args_is_help=True, help="Generate controlled counting data sets on disk.")
 app.add_typer(data_app, name="data")
@@ -48,8 +48,9 @@ def _defaults(where: str) -> dict:
     is left out; the tests check the result against `dataclasses.fields` of the imported class."""
     module, name = where.split(":")
     path = Path(__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    body = next(node.body for node in ast.parse(path.read_text()).body
-                if isinstance(node, ast.ClassDef) and node.name == name)
+    body = next(
+        node.body for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef) and node.name == name
+    )
     out = {}
     for node in body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
@@ -106,10 +107,16 @@ def _check_positive(**values: int | None) -> None:
 @toy_app.command("train")
 def toy_train(
     out: Annotated[Path, typer.Option(help="Directory to write the HF checkpoint, recipe and training log into.")],
-    seed: Annotated[int, typer.Option(help="Seed of the initialisation and of the training "
-                                      "scenes.")] = TOY_TRAIN["seed"],
-    steps: Annotated[int | None, typer.Option(help="Override the recipe's number of steps (e.g. for a quick check).",
-                                              show_default=_shown(TOY_TRAIN["steps"]))] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the initialisation and of the training scenes.")] = TOY_TRAIN[
+        "seed"
+    ],
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            help="Override the recipe's number of steps (e.g. for a quick check).",
+            show_default=_shown(TOY_TRAIN["steps"]),
+        ),
+    ] = None,
 ) -> None:
     """Train the organism deterministically (about 25 min on 2 CPU cores).
 
@@ -127,13 +134,21 @@ def toy_train(
     tc = TrainConfig(seed=seed)
     if steps is not None:
         tc = replace(tc, steps=steps)
-    with Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
-                  TimeElapsedColumn()) as bar:
+    with Progress(
+        TextColumn("training"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
+        TimeElapsedColumn(),
+    ) as bar:
         task = bar.add_task("train", total=tc.steps, info="")
 
         def report(row: dict) -> None:
-            bar.update(task, completed=row["step"] + 1, info=f"loss {row['loss']:.3f}" + (
-                f" held-out {row['held_out_acc']:.3f}" if "held_out_acc" in row else ""))
+            bar.update(
+                task,
+                completed=row["step"] + 1,
+                info=f"loss {row['loss']:.3f}"
+                + (f" held-out {row['held_out_acc']:.3f}" if "held_out_acc" in row else ""),
+            )
 
         last = train(out, ToyConfig(), tc, progress=report)
     typer.echo(f"saved to {out}: {last}")
@@ -142,8 +157,9 @@ def toy_train(
 @app.command("eval")
 def eval_cmd(
     model: Model = "toy",
-    out: Annotated[Path | None, typer.Option(help="Directory for samples.csv and accuracy.md (nothing written if "
-                                                  "omitted).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Directory for samples.csv and accuracy.md (nothing written if omitted).")
+    ] = None,
     n: Annotated[int, typer.Option(help="Counting scenes to score (each other task gets n/4).")] = 600,
     seed: Annotated[int, typer.Option(help="Evaluation seed (< 1000: never a training seed of the organism).")] = 1,
     batch_size: Annotated[int, typer.Option()] = 32,
@@ -163,8 +179,10 @@ def eval_cmd(
     _check_out(out)
     _check_positive(n=n, batch_size=batch_size)
     if not 0 <= seed < TRAIN_SEED_BASE:
-        raise ConfigError(f"--seed {seed}: evaluation seeds are 0..{TRAIN_SEED_BASE - 1}; larger ones are the "
-                          "organism's training scenes")
+        raise ConfigError(
+            f"--seed {seed}: evaluation seeds are 0..{TRAIN_SEED_BASE - 1}; larger ones are the "
+            "organism's training scenes"
+        )
     vlm = countlens.load(model, dtype=dtype, device_map=device)
     size = vlm.geometry.image_height
     samples = task_samples("count", n, seed, image_size=size)
@@ -219,23 +237,38 @@ def data_countingtricks(
     n: Annotated[int, typer.Option(help="Samples per case.")] = 1000,
     seed: Annotated[int, typer.Option()] = 0,
     model: Annotated[str, typer.Option(help="Model whose patch grid places the objects.")] = "toy",
-    image_size: Annotated[int | None, typer.Option(help="Plain grid instead of a model's: image side in "
-                                                        "pixels.")] = None,
-    patch_size: Annotated[int | None, typer.Option(help="Plain grid instead of a model's: patch side in "
-                                                        "pixels.")] = None,
-    shapes: Annotated[str, typer.Option(help="Comma-separated shapes the samples cycle "
-                                        "through.")] = "circle,square,triangle",
-    color: Annotated[str, typer.Option(help="Object colour, or several comma-separated (one drawn per "
-                                       "object).")] = "red",
-    prompt: Annotated[str, typer.Option(help="Prompt style: std (the papers' Pstd, answers 'circle: 7'), number "
-                                        "(number only), objects, short, conflict or number_conflict "
-                                        "(Digit-in-Conflict).")] = "std",
-    workers: Annotated[int | None, typer.Option(help="Processes (default: all cores); output is identical for any "
-                                                     "number.")] = None,
-    counts: Annotated[str | None, typer.Option(help="Comma-separated counts the samples cycle through (default: "
-                                                    "3…12, as the grid allows), e.g. 3,4,5.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous export in --out (only its images and "
-                                                 "manifest).")] = False,
+    image_size: Annotated[
+        int | None, typer.Option(help="Plain grid instead of a model's: image side in pixels.")
+    ] = None,
+    patch_size: Annotated[
+        int | None, typer.Option(help="Plain grid instead of a model's: patch side in pixels.")
+    ] = None,
+    shapes: Annotated[
+        str, typer.Option(help="Comma-separated shapes the samples cycle through.")
+    ] = "circle,square,triangle",
+    color: Annotated[
+        str, typer.Option(help="Object colour, or several comma-separated (one drawn per object).")
+    ] = "red",
+    prompt: Annotated[
+        str,
+        typer.Option(
+            help="Prompt style: std (the papers' Pstd, answers 'circle: 7'), number "
+            "(number only), objects, short, conflict or number_conflict "
+            "(Digit-in-Conflict)."
+        ),
+    ] = "std",
+    workers: Annotated[
+        int | None, typer.Option(help="Processes (default: all cores); output is identical for any number.")
+    ] = None,
+    counts: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated counts the samples cycle through (default: 3…12, as the grid allows), e.g. 3,4,5."
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace a previous export in --out (only its images and manifest).")
+    ] = False,
 ) -> None:
     """Write COUNTINGTRICKS images and a manifest with every object's geometry.
 
@@ -257,8 +290,17 @@ def data_countingtricks(
     kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt, counts=wanted)
     with Progress() as bar:
         task = bar.add_task("countingtricks", total=len(names) * n)
-        manifest = export_countingtricks(out, names, n, grid, seed, workers, overwrite=overwrite,
-                                         progress=lambda k: bar.update(task, completed=k), **kw)
+        manifest = export_countingtricks(
+            out,
+            names,
+            n,
+            grid,
+            seed,
+            workers,
+            overwrite=overwrite,
+            progress=lambda k: bar.update(task, completed=k),
+            **kw,
+        )
     typer.echo(f"wrote {len(names) * n} images and {manifest}")
 
 
@@ -279,15 +321,25 @@ def _discover_config(preset: str | None, **values):
 
 # DiscoverConfig fields that a preset may set: None (not given) leaves them to the preset, else to
 # the DiscoverConfig default the help shows.
-NPerCase = Annotated[int | None, typer.Option(help="COUNTINGTRICKS samples per case.",
-                                              show_default=_shown(DISCOVER["n_per_case"]))]
-NPairs = Annotated[int | None, typer.Option(help="Clean/corrupt pairs for patching.",
-                                            show_default=_shown(DISCOVER["n_pairs"]))]
-NSamples = Annotated[int | None, typer.Option(help="Samples per task for lenses, attention and ablation.",
-                                              show_default=_shown(DISCOVER["n_samples"]))]
-Prompt = Annotated[str | None, typer.Option(help="Prompt style: auto (short for toy, std otherwise), std (the "
-                                            "papers' Pstd), number, objects, short.",
-                                            show_default=_shown(DISCOVER["prompt"]))]
+NPerCase = Annotated[
+    int | None, typer.Option(help="COUNTINGTRICKS samples per case.", show_default=_shown(DISCOVER["n_per_case"]))
+]
+NPairs = Annotated[
+    int | None, typer.Option(help="Clean/corrupt pairs for patching.", show_default=_shown(DISCOVER["n_pairs"]))
+]
+NSamples = Annotated[
+    int | None,
+    typer.Option(
+        help="Samples per task for lenses, attention and ablation.", show_default=_shown(DISCOVER["n_samples"])
+    ),
+]
+Prompt = Annotated[
+    str | None,
+    typer.Option(
+        help="Prompt style: auto (short for toy, std otherwise), std (the papers' Pstd), number, objects, short.",
+        show_default=_shown(DISCOVER["prompt"]),
+    ),
+]
 BatchSize = Annotated[int, typer.Option()]
 
 
@@ -295,8 +347,13 @@ BatchSize = Annotated[int, typer.Option()]
 def discover_cmd(
     out: Annotated[Path, typer.Option(help="Run directory: results/, figures/, heads.csv and report.md go here.")],
     model: Model = "toy",
-    preset: Annotated[str | None, typer.Option(help="A paper's protocol: counting-circuits or counting-to-four "
-                                               "(countlens.pipeline.presets); the flags below override it.")] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="A paper's protocol: counting-circuits or counting-to-four "
+            "(countlens.pipeline.presets); the flags below override it."
+        ),
+    ] = None,
     n_per_case: NPerCase = None,
     n_pairs: NPairs = None,
     n_samples: NSamples = None,
@@ -321,8 +378,15 @@ def discover_cmd(
     if prompt is not None and prompt != "auto" and prompt not in PAIR_PROMPTS:
         raise ConfigError(f"--prompt {prompt!r}: use auto or one of {', '.join(PAIR_PROMPTS)}")
     _check_positive(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size)
-    config = _discover_config(preset, seed=seed, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs,
-                              n_samples=n_samples, prompt=prompt)
+    config = _discover_config(
+        preset,
+        seed=seed,
+        batch_size=batch_size,
+        n_per_case=n_per_case,
+        n_pairs=n_pairs,
+        n_samples=n_samples,
+        prompt=prompt,
+    )
     check_config(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
     report = discover(vlm, out, config, log=typer.echo)
@@ -331,12 +395,23 @@ def discover_cmd(
 
 @app.command("plan")
 def plan_cmd(
-    model: Annotated[str, typer.Option(help="'toy', a local checkpoint directory (its config and processor are "
-                                       "read; no weights), or a cached hub id.")] = "toy",
-    image_size: Annotated[int | None, typer.Option(help="Square image side in pixels (dynamic-resolution "
-                                                   "processors); default: the processor's.")] = None,
-    memory: Annotated[float | None, typer.Option(help="The device's memory in GiB (e.g. 141 for an H200); "
-                                                 "default: this machine's available memory.")] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            help="'toy', a local checkpoint directory (its config and processor are "
+            "read; no weights), or a cached hub id."
+        ),
+    ] = "toy",
+    image_size: Annotated[
+        int | None,
+        typer.Option(help="Square image side in pixels (dynamic-resolution processors); default: the processor's."),
+    ] = None,
+    memory: Annotated[
+        float | None,
+        typer.Option(
+            help="The device's memory in GiB (e.g. 141 for an H200); default: this machine's available memory."
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="Where discover would run: cpu or cuda.")] = "cpu",
     dtype: Annotated[str | None, typer.Option(help="e.g. bfloat16; default: the checkpoint's.")] = None,
     preset: Annotated[str | None, typer.Option(help="Plan a preset's run (as `countlens discover --preset`).")] = None,
@@ -357,18 +432,22 @@ def plan_cmd(
     from countlens.loading import meta_vlm
     from countlens.pipeline import plan
 
-    _check_positive(image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples,
-                    batch_size=batch_size)
+    _check_positive(
+        image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size
+    )
     if memory is not None and not memory > 0:
         raise ConfigError(f"--memory must be > 0 GiB, got {memory}")
-    config = _discover_config(preset, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs,
-                              n_samples=n_samples, prompt=prompt)
+    config = _discover_config(
+        preset, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, prompt=prompt
+    )
     vlm = meta_vlm(model, dtype=dtype, image_size=image_size)
     p = plan.plan(vlm, config, memory=None if memory is None else int(memory * 2**30), device=device)
     gib = 2**30
-    typer.echo(f"{p.model} on {p.device} with {p.memory / gib:.1f} GiB: weights {p.widths.weight_bytes / gib:.2f} GiB, "
-               f"runtime {p.base / gib:.2f} GiB, {p.image_size} px images ({p.patches} patches each); "
-               f"batch {batch_size}")
+    typer.echo(
+        f"{p.model} on {p.device} with {p.memory / gib:.1f} GiB: weights {p.widths.weight_bytes / gib:.2f} GiB, "
+        f"runtime {p.base / gib:.2f} GiB, {p.image_size} px images ({p.patches} patches each); "
+        f"batch {batch_size}"
+    )
     typer.echo(p.table().to_markdown())
     for s in p.stages:
         for note in s.notes:
@@ -384,37 +463,78 @@ def plan_cmd(
 @app.command("classify")
 def classify_cmd(
     run: Run,
-    early: Annotated[float | None, typer.Option(
-        help="Depth (layer / last layer) at or below which a head is early.",
-        show_default=_shown(THRESHOLDS["early"]))] = None,
-    late: Annotated[float | None, typer.Option(
-        help="Depth at or above which a head is late (aggregation).", show_default=_shown(THRESHOLDS["late"]))] = None,
-    image_high: Annotated[float | None, typer.Option(
-        help="Image-attention share that counts as reading the image.",
-        show_default=_shown(THRESHOLDS["image_high"]))] = None,
-    image_low: Annotated[float | None, typer.Option(
-        help="Image-attention share below which a head ignores the image.",
-        show_default=_shown(THRESHOLDS["image_low"]))] = None,
-    vgs_min: Annotated[float | None, typer.Option(
-        help="Minimum VGS of a visual-grounding head.", show_default=_shown(THRESHOLDS["vgs_min"]))] = None,
-    cter_min: Annotated[float | None, typer.Option(
-        help="Minimum CTER of routing and aggregation heads.", show_default=_shown(THRESHOLDS["cter_min"]))] = None,
-    important: Annotated[float | None, typer.Option(
-        help="Minimum importance (|patching effect|) of routing and aggregation heads.",
-        show_default=_shown(THRESHOLDS["important"]))] = None,
-    constant: Annotated[float | None, typer.Option(
-        help="Top-1 constancy of an awareness head.", show_default=_shown(THRESHOLDS["constant"]))] = None,
-    routing_from: Annotated[float | None, typer.Option(
-        help="Depth from which routing heads may sit.", show_default=_shown(THRESHOLDS["routing_from"]))] = None,
-    routing_to: Annotated[float | None, typer.Option(
-        help="Depth below which routing heads sit.",
-        show_default=_shown(THRESHOLDS["routing_to"], none="--late"))] = None,
-    align_min: Annotated[float | None, typer.Option(
-        help="Share of samples whose top-1 token is the count, for an aggregation head (0: not tested).",
-        show_default=_shown(THRESHOLDS["align_min"]))] = None,
-    difficulty_min: Annotated[float | None, typer.Option(
-        help="Difficulty-word share that makes an awareness head.",
-        show_default=_shown(THRESHOLDS["difficulty_min"], none="not tested"))] = None,
+    early: Annotated[
+        float | None,
+        typer.Option(
+            help="Depth (layer / last layer) at or below which a head is early.",
+            show_default=_shown(THRESHOLDS["early"]),
+        ),
+    ] = None,
+    late: Annotated[
+        float | None,
+        typer.Option(
+            help="Depth at or above which a head is late (aggregation).", show_default=_shown(THRESHOLDS["late"])
+        ),
+    ] = None,
+    image_high: Annotated[
+        float | None,
+        typer.Option(
+            help="Image-attention share that counts as reading the image.",
+            show_default=_shown(THRESHOLDS["image_high"]),
+        ),
+    ] = None,
+    image_low: Annotated[
+        float | None,
+        typer.Option(
+            help="Image-attention share below which a head ignores the image.",
+            show_default=_shown(THRESHOLDS["image_low"]),
+        ),
+    ] = None,
+    vgs_min: Annotated[
+        float | None,
+        typer.Option(help="Minimum VGS of a visual-grounding head.", show_default=_shown(THRESHOLDS["vgs_min"])),
+    ] = None,
+    cter_min: Annotated[
+        float | None,
+        typer.Option(
+            help="Minimum CTER of routing and aggregation heads.", show_default=_shown(THRESHOLDS["cter_min"])
+        ),
+    ] = None,
+    important: Annotated[
+        float | None,
+        typer.Option(
+            help="Minimum importance (|patching effect|) of routing and aggregation heads.",
+            show_default=_shown(THRESHOLDS["important"]),
+        ),
+    ] = None,
+    constant: Annotated[
+        float | None,
+        typer.Option(help="Top-1 constancy of an awareness head.", show_default=_shown(THRESHOLDS["constant"])),
+    ] = None,
+    routing_from: Annotated[
+        float | None,
+        typer.Option(help="Depth from which routing heads may sit.", show_default=_shown(THRESHOLDS["routing_from"])),
+    ] = None,
+    routing_to: Annotated[
+        float | None,
+        typer.Option(
+            help="Depth below which routing heads sit.", show_default=_shown(THRESHOLDS["routing_to"], none="--late")
+        ),
+    ] = None,
+    align_min: Annotated[
+        float | None,
+        typer.Option(
+            help="Share of samples whose top-1 token is the count, for an aggregation head (0: not tested).",
+            show_default=_shown(THRESHOLDS["align_min"]),
+        ),
+    ] = None,
+    difficulty_min: Annotated[
+        float | None,
+        typer.Option(
+            help="Difficulty-word share that makes an awareness head.",
+            show_default=_shown(THRESHOLDS["difficulty_min"], none="not tested"),
+        ),
+    ] = None,
 ) -> None:
     """Re-classify a run's heads with other thresholds; rewrites heads.csv / .md / .tex and report.md.
     Thresholds not given keep the run's (its preset's, else the defaults in brackets).
@@ -426,9 +546,20 @@ def classify_cmd(
     from countlens.pipeline.report import write_report
     from countlens.pipeline.rundir import load_run, read_spec
 
-    given = _given(early=early, late=late, image_high=image_high, image_low=image_low, vgs_min=vgs_min,
-                   cter_min=cter_min, important=important, constant=constant, routing_from=routing_from,
-                   routing_to=routing_to, align_min=align_min, difficulty_min=difficulty_min)
+    given = _given(
+        early=early,
+        late=late,
+        image_high=image_high,
+        image_low=image_low,
+        vgs_min=vgs_min,
+        cter_min=cter_min,
+        important=important,
+        constant=constant,
+        routing_from=routing_from,
+        routing_to=routing_to,
+        align_min=align_min,
+        difficulty_min=difficulty_min,
+    )
     spec = read_spec(run)
     r = load_run(run)
     thresholds = preset_thresholds(spec.get("preset", ""), **given)
@@ -454,33 +585,56 @@ def report_cmd(run: Run) -> None:
 
 @app.command("finetune")
 def finetune_cmd(
-    circuit: Annotated[Path, typer.Option(help="A `countlens discover` run directory (its heads.csv and "
-                                               "report.md).")],
+    circuit: Annotated[Path, typer.Option(help="A `countlens discover` run directory (its heads.csv and report.md).")],
     model: Annotated[str, typer.Option(help="The model the circuit was found in.")] = "toy",
-    out: Annotated[Path | None, typer.Option(help="Where adapters and the table go (default: CIRCUIT/finetune, "
-                                                  "with a preset CIRCUIT/finetune-PRESET).")] = None,
-    preset: Annotated[str | None, typer.Option(help="A paper's recipe: counting-circuits or counting-to-four "
-                                               "(countlens.pipeline.presets); the flags below override it.")] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimiser steps per variant.",
-                                              show_default=f"{FINETUNE['steps']}; a preset: from its epochs")] = None,
-    epochs: Annotated[float | None, typer.Option(help="Epochs over the training scenes (sets the steps); default: "
-                                                 "the preset's.")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Global batch.",
-                                                   show_default=_shown(FINETUNE["batch_size"]))] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where adapters and the table go (default: CIRCUIT/finetune, with a preset CIRCUIT/finetune-PRESET)."
+        ),
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="A paper's recipe: counting-circuits or counting-to-four "
+            "(countlens.pipeline.presets); the flags below override it."
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            help="Optimiser steps per variant.", show_default=f"{FINETUNE['steps']}; a preset: from its epochs"
+        ),
+    ] = None,
+    epochs: Annotated[
+        float | None, typer.Option(help="Epochs over the training scenes (sets the steps); default: the preset's.")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Global batch.", show_default=_shown(FINETUNE["batch_size"]))
+    ] = None,
     lr: Annotated[float | None, typer.Option(help="Learning rate.", show_default=_shown(FINETUNE["lr"]))] = None,
-    lora_r: Annotated[int | None, typer.Option(help="LoRA rank (alpha = 2 × rank).",
-                                               show_default=_shown(FINETUNE["lora_r"]))] = None,
-    layers: Annotated[str | None, typer.Option(help="Comma-separated target layers (default: from the circuit's "
-                                               "head classes).")] = None,
-    n_train: Annotated[int | None, typer.Option(
-        help="Training scenes.",
-        show_default=f"{RECIPE['n_train']}: half COUNTINGTRICKS, half counting scenes")] = None,
-    n_eval: Annotated[int, typer.Option(help="Evaluation scenes per set (COUNTINGTRICKS: n/8 per case; local "
-                                        "copies: their first n).")] = 200,
-    fsc147: Annotated[Path | None, typer.Option(help="A local FSC-147 copy: its FSC-Val / FSC-Test columns (and "
-                                                "counting-to-four's training data).")] = None,
-    pixmo: Annotated[Path | None, typer.Option(help="A local PixMo-Count file (JSONL or parquet): its "
-                                               "column.")] = None,
+    lora_r: Annotated[
+        int | None, typer.Option(help="LoRA rank (alpha = 2 × rank).", show_default=_shown(FINETUNE["lora_r"]))
+    ] = None,
+    layers: Annotated[
+        str | None, typer.Option(help="Comma-separated target layers (default: from the circuit's head classes).")
+    ] = None,
+    n_train: Annotated[
+        int | None,
+        typer.Option(
+            help="Training scenes.", show_default=f"{RECIPE['n_train']}: half COUNTINGTRICKS, half counting scenes"
+        ),
+    ] = None,
+    n_eval: Annotated[
+        int, typer.Option(help="Evaluation scenes per set (COUNTINGTRICKS: n/8 per case; local copies: their first n).")
+    ] = 200,
+    fsc147: Annotated[
+        Path | None,
+        typer.Option(
+            help="A local FSC-147 copy: its FSC-Val / FSC-Test columns (and counting-to-four's training data)."
+        ),
+    ] = None,
+    pixmo: Annotated[Path | None, typer.Option(help="A local PixMo-Count file (JSONL or parquet): its column.")] = None,
 ) -> None:
     """Circuit-guided LoRA fine-tunes (SFT, +focus, +MAS, +temperature) and the before/after table
     (accuracy, MAE), appended to CIRCUIT/report.md. Resumable.
@@ -516,9 +670,18 @@ def finetune_cmd(
     given = _given(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target or None)
     if lora_r is not None:
         given["lora_alpha"] = 2 * lora_r
-    table = before_after(model, circuit, out, overrides=given, n_train=n_train, n_eval=n_eval,
-                         recipe=replace(recipe, epochs=epochs) if epochs is not None else recipe,
-                         preset=preset or "", local=local, log=typer.echo)
+    table = before_after(
+        model,
+        circuit,
+        out,
+        overrides=given,
+        n_train=n_train,
+        n_eval=n_eval,
+        recipe=replace(recipe, epochs=epochs) if epochs is not None else recipe,
+        preset=preset or "",
+        local=local,
+        log=typer.echo,
+    )
     if table is None:  # a data-parallel rank other than 0: rank 0 writes the table and the report
         return
     report = circuit / "report.md"
@@ -527,11 +690,26 @@ def finetune_cmd(
 
         text = report.read_text().split(FINETUNE_SECTION)[0].rstrip("\n")
         section = (out / "before_after.md").read_text()
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in _given(
-            preset=preset, steps=steps, epochs=epochs, batch_size=batch_size, lr=lr, lora_r=lora_r, layers=layers,
-            n_train=n_train, n_eval=n_eval, fsc147=fsc147, pixmo=pixmo).items())
-        report.write_text(f"{text}\n\n{FINETUNE_SECTION}\n\nCommand: `countlens finetune --model {model} "
-                          f"--circuit {circuit}{' ' + flags if flags else ''}`.\n\n{section}")
+        flags = " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in _given(
+                preset=preset,
+                steps=steps,
+                epochs=epochs,
+                batch_size=batch_size,
+                lr=lr,
+                lora_r=lora_r,
+                layers=layers,
+                n_train=n_train,
+                n_eval=n_eval,
+                fsc147=fsc147,
+                pixmo=pixmo,
+            ).items()
+        )
+        report.write_text(
+            f"{text}\n\n{FINETUNE_SECTION}\n\nCommand: `countlens finetune --model {model} "
+            f"--circuit {circuit}{' ' + flags if flags else ''}`.\n\n{section}"
+        )
     typer.echo(table.round(3).to_string())
 
 

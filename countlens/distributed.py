@@ -40,10 +40,15 @@ class Shard:
     world: int = 1
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.world, int) and self.world >= 1 and isinstance(self.rank, int)
-                and 0 <= self.rank < self.world):
-            raise ConfigError(f"a shard is rank r of world W with 0 ≤ r < W, got rank={self.rank!r} "
-                              f"world={self.world!r}")
+        if not (
+            isinstance(self.world, int)
+            and self.world >= 1
+            and isinstance(self.rank, int)
+            and 0 <= self.rank < self.world
+        ):
+            raise ConfigError(
+                f"a shard is rank r of world W with 0 ≤ r < W, got rank={self.rank!r} world={self.world!r}"
+            )
 
     @property
     def sharded(self) -> bool:
@@ -67,20 +72,26 @@ def current() -> Shard:
         world_n = int(world)
         if world_n > 1 and rank is None:
             # Else every process would take rank 0's share and wait for the rest forever.
-            raise ConfigError(f"WORLD_SIZE={world} but RANK is unset: launch with torchrun / accelerate launch "
-                              "(which set both), set RANK per process, or unset WORLD_SIZE")
+            raise ConfigError(
+                f"WORLD_SIZE={world} but RANK is unset: launch with torchrun / accelerate launch "
+                "(which set both), set RANK per process, or unset WORLD_SIZE"
+            )
         return Shard(int(rank or 0), world_n)
     except ValueError:
-        raise ConfigError(f"RANK={rank!r} WORLD_SIZE={world!r} are not integers; unset them or launch "
-                          "with torchrun / accelerate launch") from None
+        raise ConfigError(
+            f"RANK={rank!r} WORLD_SIZE={world!r} are not integers; unset them or launch "
+            "with torchrun / accelerate launch"
+        ) from None
 
 
 def resolve(shard: Shard | None, store, what: str) -> Shard:
     """``shard`` or the current one; a sharded sweep must have a store to meet in."""
     shard = current() if shard is None else shard
     if shard.sharded and store is None:
-        raise ConfigError(f"{what} runs as rank {shard.rank} of {shard.world} but has no store=; ranks share "
-                          "their chunks through a SweepStore directory every rank can see: pass store=DIR")
+        raise ConfigError(
+            f"{what} runs as rank {shard.rank} of {shard.world} but has no store=; ranks share "
+            "their chunks through a SweepStore directory every rank can see: pass store=DIR"
+        )
     return shard
 
 
@@ -99,5 +110,6 @@ def wait_for(store, keys: Sequence[str], shard: Shard, timeout: float | None = N
                 f"rank {shard.rank} of {shard.world} waited {timeout:g} s for {len(missing)} chunks of "
                 f"{store.path} ({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}) that other ranks "
                 f"never wrote; relaunch the same command to resume (finished chunks are kept), or raise "
-                f"{WAIT_ENV}")
+                f"{WAIT_ENV}"
+            )
         time.sleep(poll)

@@ -35,11 +35,14 @@ class Geometry:
             require_count(getattr(self, name), name)
         if self.partial:
             if self.merge_size != 1:
-                raise CountlensError("a grid with partial cells (partial=True) is a data set's grid; it takes "
-                                     f"merge_size 1, got {self.merge_size}")
+                raise CountlensError(
+                    "a grid with partial cells (partial=True) is a data set's grid; it takes "
+                    f"merge_size 1, got {self.merge_size}"
+                )
             if self.image_height < self.patch_size or self.image_width < self.patch_size:
-                raise CountlensError(f"image {self.image_height}x{self.image_width} is smaller than one "
-                                     f"{self.patch_size}px patch")
+                raise CountlensError(
+                    f"image {self.image_height}x{self.image_width} is smaller than one {self.patch_size}px patch"
+                )
             return
         unit = self.patch_size * self.merge_size
         if self.image_height % unit or self.image_width % unit:

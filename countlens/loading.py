@@ -45,7 +45,8 @@ def load(
     path, label = resolve_path(name_or_path)
     if remote and (str(name_or_path) == "toy" or Path(str(name_or_path)).expanduser().is_dir()):
         raise CheckpointNotFoundError(
-            f"remote=True needs a hub id that NDIF serves (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'), not {str(name_or_path)!r}; "
+            "remote=True needs a hub id that NDIF serves (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'), "
+            f"not {str(name_or_path)!r}; "
             "local checkpoints run locally: drop remote=True"
         )
     from transformers import AutoConfig
@@ -58,7 +59,9 @@ def load(
     except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
         raise UnsupportedArchitectureError(f"{path}/config.json: {err}") from None
     except OSError as err:  # not JSON, unreadable
-        raise CheckpointError(f"{path}/config.json cannot be read ({err}); restore it from the original checkpoint") from None
+        raise CheckpointError(
+            f"{path}/config.json cannot be read ({err}); restore it from the original checkpoint"
+        ) from None
     spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -83,8 +86,10 @@ def load(
         if type(err).__name__ != "SafetensorError":  # truncated or corrupt weight files
             raise
         files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors"))) or "its .safetensors files"
-        raise CheckpointError(f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
-                              "corrupt, copy it again from the original checkpoint") from None
+        raise CheckpointError(
+            f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
+            "corrupt, copy it again from the original checkpoint"
+        ) from None
     return VLM(model, processor, name=label)
 
 
@@ -104,8 +109,10 @@ def _check_device(device_map) -> None:
     on_cuda = [d for d in wanted if str(d).startswith("cuda") or (isinstance(d, int) and not isinstance(d, bool))]
     if on_cuda and not torch.cuda.is_available():  # an int is a CUDA ordinal to from_pretrained
         why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise DeviceError(f"device {device_map!r}: {why}; leave --device unset to run on the CPU, or install a "
-                          "CUDA build of torch on a GPU machine (make test TORCH_SPEC=...)")
+        raise DeviceError(
+            f"device {device_map!r}: {why}; leave --device unset to run on the CPU, or install a "
+            "CUDA build of torch on a GPU machine (make test TORCH_SPEC=...)"
+        )
 
 
 def torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
@@ -131,7 +138,9 @@ def resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
     p = Path(name).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
-            raise CheckpointNotFoundError(f"{p} is a directory without config.json; give a Hugging Face checkpoint directory")
+            raise CheckpointNotFoundError(
+                f"{p} is a directory without config.json; give a Hugging Face checkpoint directory"
+            )
         return str(p), name
     if p.exists():
         raise CheckpointNotFoundError(f"{p} is a file; give a checkpoint directory, a cached hub id or 'toy'")
@@ -169,8 +178,10 @@ def load_processor(path: str, config):
         except Exception:  # noqa: BLE001 — the image-only build below reports its own, clearer error
             pass
     if proc_cls is None:
-        raise UnsupportedArchitectureError(f"{path}: transformers has no processor class for model_type "
-                                           f"{config.model_type!r}; save the checkpoint's processor with it")
+        raise UnsupportedArchitectureError(
+            f"{path}: transformers has no processor class for model_type "
+            f"{config.model_type!r}; save the checkpoint's processor with it"
+        )
     return _image_only_processor(path, proc_cls)
 
 
@@ -190,7 +201,11 @@ def _image_only_processor(path: str, proc_cls: type):
     settings = json.loads(settings_file.read_text()) if settings_file.exists() else {}
     cls = image_only(proc_cls)
     accepted = inspect.signature(proc_cls.__init__).parameters
-    extra = {k: v for k, v in settings.items() if k in accepted and k not in ("image_processor", "tokenizer", "video_processor", "chat_template")}
+    extra = {
+        k: v
+        for k, v in settings.items()
+        if k in accepted and k not in ("image_processor", "tokenizer", "video_processor", "chat_template")
+    }
     return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **extra)
 
 
@@ -204,7 +219,9 @@ def _load_image_processor(path: str):
     elif nested.exists() and "image_processor" in json.loads(nested.read_text()):
         cfg = json.loads(nested.read_text())["image_processor"]
     else:
-        raise CheckpointNotFoundError(f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint")
+        raise CheckpointNotFoundError(
+            f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint"
+        )
     name = cfg.pop("image_processor_type", "")
     # Prefer the PIL backend: the torchvision-backed processors don't run without torchvision.
     for candidate in (name if name.endswith("Pil") else name.removesuffix("Fast") + "Pil", name):
@@ -230,8 +247,10 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
         if fixed is None:
             ip.size = {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size}
         elif fixed != (image_size, image_size):
-            raise ConfigError(f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
-                              f"{fixed[1]}; leave --image-size unset")
+            raise ConfigError(
+                f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
+                f"{fixed[1]}; leave --image-size unset"
+            )
     kind = torch_dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, dtype=kind)

@@ -65,14 +65,21 @@ def widths(vlm: VLM) -> Widths:
     convs = [x for x in tower.modules() if isinstance(x, torch.nn.modules.conv._ConvNd)]
     head = hf.get_submodule(spec.lm_head)
     return Widths(
-        n_layers=arch.n_layers, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads, d_head=arch.d_head,
-        d_model=arch.d_model, d_ff=max(x.out_features for x in linears(layers[0])), vocab=head.weight.shape[0],
+        n_layers=arch.n_layers,
+        n_heads=arch.n_heads,
+        n_kv_heads=arch.n_kv_heads,
+        d_head=arch.d_head,
+        d_model=arch.d_model,
+        d_ff=max(x.out_features for x in linears(layers[0])),
+        vocab=head.weight.shape[0],
         layer_linear=sum(x.weight.numel() for x in linears(layers)),
         vision_width=block0[0].in_features if block0 else 0,
-        vision_ff=max((x.out_features for x in block0), default=0), vision_blocks=len(blocks),
+        vision_ff=max((x.out_features for x in block0), default=0),
+        vision_blocks=len(blocks),
         vision_linear=sum(x.weight.numel() for x in linears(blocks)),
         projector_linear=sum(x.weight.numel() for x in linears(hf.get_submodule(spec.projector))),
-        patch_embed=sum(x.weight.numel() for x in convs), merge=arch.merge_size,
+        patch_embed=sum(x.weight.numel() for x in convs),
+        merge=arch.merge_size,
         weight_bytes=sum(t.numel() * t.element_size() for t in [*hf.parameters(), *hf.buffers()]),
         act_bytes=torch.finfo(hf.dtype).bits // 8,
     )
@@ -92,8 +99,7 @@ def stacked_row_bytes(w: Widths, seq: int, keep: int = 1, patches: int = 0) -> i
     (in the model's dtype, as float32, and a reduction's float32 copy: a bound), and its stacked
     inputs (`replica_copy_bytes`)."""
     b = w.act_bytes
-    return (seq * (3 * w.d_ff + 4 * w.d_model) * b + keep * w.vocab * (b + 8)
-            + replica_copy_bytes(w, seq, patches))
+    return seq * (3 * w.d_ff + 4 * w.d_model) * b + keep * w.vocab * (b + 8) + replica_copy_bytes(w, seq, patches)
 
 
 def free_bytes(device: torch.device | str) -> int:
@@ -101,8 +107,11 @@ def free_bytes(device: torch.device | str) -> int:
     host's available memory (``/proc/meminfo``)."""
     device = torch.device(device)
     if device.type == "cuda":  # memory torch's allocator holds but does not use is free to it
-        return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                   - torch.cuda.memory_allocated(device))
+        return int(
+            torch.cuda.mem_get_info(device)[0]
+            + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device)
+        )
     try:
         with open("/proc/meminfo") as f:
             info = {k: v for k, v in (line.split(":", 1) for line in f)}
@@ -137,5 +146,3 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-

@@ -38,8 +38,12 @@ class Bar:
         if sys.stderr.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn(self.description), BarColumn(),
-                                 TextColumn("{task.completed}/{task.total} {task.fields[info]}"), TimeElapsedColumn())
+            self._bar = Progress(
+                TextColumn(self.description),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
+                TimeElapsedColumn(),
+            )
             self._bar.__enter__()
             self._task = self._bar.add_task(self.description, total=self.total, info="")
         self._start = time.perf_counter()
@@ -49,8 +53,11 @@ class Bar:
         if self._bar is not None:
             self._bar.update(self._task, completed=done, info=info)
         elif done % self.every == 0 or done == self.total:
-            print(f"{self.description}: {done}/{self.total} {info} ({time.perf_counter() - self._start:.1f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.description}: {done}/{self.total} {info} ({time.perf_counter() - self._start:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:

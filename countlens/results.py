@@ -144,8 +144,9 @@ def _to_json(value: Any, key: str) -> str:
     try:
         return json.dumps(value, sort_keys=True)
     except (TypeError, ValueError) as e:
-        raise ResultError(f"provenance value {key!r} = {value!r} is not JSON-serialisable ({e}); pass "
-                          f"str/int/float/list/dict values") from e
+        raise ResultError(
+            f"provenance value {key!r} = {value!r} is not JSON-serialisable ({e}); pass str/int/float/list/dict values"
+        ) from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,8 +180,9 @@ def load(path: str | os.PathLike) -> xr.DataArray | xr.Dataset:
     try:
         dataset = xr.load_dataset(path, engine=ENGINE)  # load_: read into memory and close the file
     except (OSError, ValueError) as e:
-        raise ResultError(f"{path} is not a netCDF file ({e}); countlens results are saved with "
-                          f"countlens.results.save") from e
+        raise ResultError(
+            f"{path} is not a netCDF file ({e}); countlens results are saved with countlens.results.save"
+        ) from e
     return _from_dataset(dataset.drop_encoding(), path)
 
 
@@ -211,8 +213,10 @@ def _from_dataset(dataset: xr.Dataset, path: Path) -> xr.DataArray | xr.Dataset:
         array = dataset[DATAARRAY_VAR]
         array.name = json.loads(attrs.get(NAME_ATTR, "null"))
         return array
-    raise ResultError(f"{path} is a netCDF file but not a countlens result (no {KIND_ATTR!r} attr); "
-                      f"open it with xarray.open_dataset, or write results with countlens.results.save")
+    raise ResultError(
+        f"{path} is a netCDF file but not a countlens result (no {KIND_ATTR!r} attr); "
+        f"open it with xarray.open_dataset, or write results with countlens.results.save"
+    )
 
 
 def _encode_name(name: Any) -> str:
@@ -242,15 +246,17 @@ def _prepare_parent(path: Path) -> None:
     if path.is_dir():
         raise ResultError(f"cannot save to {path}: it is a directory; give a file path such as {path / 'result.nc'}")
     if parent.exists() and not parent.is_dir():
-        raise ResultError(f"cannot save to {path}: its parent {parent} is a file, not a directory; "
-                          f"choose a path inside a directory")
+        raise ResultError(
+            f"cannot save to {path}: its parent {parent} is a file, not a directory; choose a path inside a directory"
+        )
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
         raise ResultError(f"cannot save to {path}: a parent of it is a file, not a directory ({e})") from e
     except OSError as e:  # read-only or virtual file systems (/proc), no permission
-        raise ResultError(f"cannot save to {path}: its directory {parent} cannot be created ({e}); "
-                          "choose a path you can write to") from e
+        raise ResultError(
+            f"cannot save to {path}: its directory {parent} cannot be created ({e}); choose a path you can write to"
+        ) from e
     if not os.access(parent, os.W_OK):
         raise ResultError(f"cannot save to {path}: {parent} is not writable; choose a path you can write to")
 
@@ -386,8 +392,10 @@ class SweepStore:
     def read(self, key: str) -> xr.DataArray | xr.Dataset:
         path = self._chunk_path(key)
         if not path.exists():
-            raise ResultNotFoundError(f"sweep {self.path} has no chunk {key!r} ({len(self.done())} done); "
-                                      f"compute it and store.write({key!r}, result) first")
+            raise ResultNotFoundError(
+                f"sweep {self.path} has no chunk {key!r} ({len(self.done())} done); "
+                f"compute it and store.write({key!r}, result) first"
+            )
         return load(path)
 
     def assemble(self, dim: str, keys: Iterable[str] | None = None) -> xr.DataArray | xr.Dataset:
@@ -404,18 +412,28 @@ class SweepStore:
             raise ResultError(f"sweep {self.path} has no chunks to assemble; write some first")
         missing = [key for key in keys if key not in self.done()]
         if missing:
-            raise ResultError(f"sweep {self.path} is missing {len(missing)} of {len(keys)} chunks "
-                              f"({_preview(missing)}); compute store.todo(keys) first")
+            raise ResultError(
+                f"sweep {self.path} is missing {len(missing)} of {len(keys)} chunks "
+                f"({_preview(missing)}); compute store.todo(keys) first"
+            )
         # data_vars=None: concatenate variables that have `dim` (or all, if `dim` is new) and keep
         # the rest once; join="exact": chunks whose other coords differ are an error, not NaNs.
-        return xr.concat([self.read(key) for key in keys], dim=dim, data_vars=None, coords="different",
-                         compat="equals", join="exact", combine_attrs="override")
+        return xr.concat(
+            [self.read(key) for key in keys],
+            dim=dim,
+            data_vars=None,
+            coords="different",
+            compat="equals",
+            join="exact",
+            combine_attrs="override",
+        )
 
     def _keys_or_plan(self, keys: Iterable[str] | None, caller: str) -> list[str]:
         if keys is None:
             if "keys" not in self.spec:
-                raise ResultError(f"store.{caller}() needs keys: pass them, or start the sweep with a "
-                                  f"spec holding a 'keys' list")
+                raise ResultError(
+                    f"store.{caller}() needs keys: pass them, or start the sweep with a spec holding a 'keys' list"
+                )
             keys = self.spec["keys"]
         if isinstance(keys, str):
             raise ResultError(f"store.{caller} takes a list of keys, got the single str {keys!r}")
@@ -480,9 +498,11 @@ def _writer_alive(name: str) -> bool:
     writer on another host is assumed alive, since it cannot be checked from here)."""
     m = re.search(r"\.([A-Za-z0-9]+)~([0-9]+)-[0-9a-f]+" + re.escape(TMP_SUFFIX) + "$", name)
     if m is None:
-        raise ResultError(f"{name} is a temp file whose name lacks its writer's <host>~<pid>: it was written "
-                          "by an older countlens; delete it (an unfinished write: no finished chunk is lost) and "
-                          "reopen the store")
+        raise ResultError(
+            f"{name} is a temp file whose name lacks its writer's <host>~<pid>: it was written "
+            "by an older countlens; delete it (an unfinished write: no finished chunk is lost) and "
+            "reopen the store"
+        )
     host, pid = m.group(1), int(m.group(2))
     if host != _writer_id().split("~")[0]:
         return True
@@ -505,8 +525,9 @@ def _normalise_spec(spec: dict) -> dict:
     try:
         spec = json.loads(json.dumps(spec, sort_keys=True))
     except (TypeError, ValueError) as e:
-        raise ResultError(f"SweepStore spec is not JSON-serialisable ({e}); use str/int/float/bool/"
-                          f"list/dict values") from e
+        raise ResultError(
+            f"SweepStore spec is not JSON-serialisable ({e}); use str/int/float/bool/list/dict values"
+        ) from e
     if "keys" in spec and not isinstance(spec["keys"], list):
         raise ResultError(f"spec 'keys' must be a list of chunk keys, got {spec['keys']!r}")
     return spec

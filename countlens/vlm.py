@@ -1,6 +1,7 @@
 """VLM: a Hugging Face vision-language model wrapped for nnsight tracing, with its processor and spec.
 
-`countlens.load` (in `countlens.loading`) resolves a name to a `VLM`, offline. `VLM.prepare` turns images and questions into a `Batch`: the padded model
+`countlens.load` (in `countlens.loading`) resolves a name to a `VLM`, offline. `VLM.prepare` turns images and
+questions into a `Batch`: the padded model
 inputs plus, per sample, where its image tokens are, which cell of the image-token grid each one
 covers, the last prompt position, the read position (the last one: the last prompt token, or the
 last of any answer tokens teacher-forced after it) and the answers' token sequences
@@ -11,9 +12,9 @@ same code runs locally and, with ``remote=True``, on NDIF.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -143,8 +144,9 @@ class VLM:
 
     # -- inputs --------------------------------------------------------------
 
-    def prepare_samples(self, samples: Sequence, *, answers: bool = False, teacher_force: bool = False,
-                        single_token: bool = False) -> Batch:
+    def prepare_samples(
+        self, samples: Sequence, *, answers: bool = False, teacher_force: bool = False, single_token: bool = False
+    ) -> Batch:
         """`prepare` for samples (anything with ``image``, ``question`` and ``answer``): their images
         and questions; with ``answers`` their answers too; with ``teacher_force`` (implies answers)
         each answer's first len − 1 tokens forced after the prompt, so that the last len positions
@@ -185,7 +187,9 @@ class VLM:
         for name, value in (("images", images), ("prompts", prompts), ("answers", answers), ("forced", forced)):
             single = isinstance(value, (str, Image.Image)) or (isinstance(value, np.ndarray) and value.ndim == 3)
             if single or (value is not None and not hasattr(value, "__len__")):
-                raise InputError(f"{name} is a single {type(value).__name__}; give a list, one per sample: [{name[:-1]}]")
+                raise InputError(
+                    f"{name} is a single {type(value).__name__}; give a list, one per sample: [{name[:-1]}]"
+                )
         if len(images) != len(prompts):
             raise InputError(f"got {len(images)} images but {len(prompts)} prompts; give one prompt per image")
         if answers is not None and len(answers) != len(prompts):
@@ -193,7 +197,9 @@ class VLM:
         if len(images) == 0:
             raise InputError("empty batch: give at least one image and prompt")
         if forced is not None and len(forced) != len(prompts):
-            raise InputError(f"got {len(forced)} forced answer prefixes for {len(prompts)} prompts; give one per prompt")
+            raise InputError(
+                f"got {len(forced)} forced answer prefixes for {len(prompts)} prompts; give one per prompt"
+            )
         pil = [_as_rgb(im, i) for i, im in enumerate(images)]
         texts = [self._chat_text(p, i) if chat else self._raw_text(p, i) for i, p in enumerate(prompts)]
         answer_ids = None if answers is None else [self._checked_answer(a, single_token) for a in answers]
@@ -201,8 +207,9 @@ class VLM:
             # One list per sample: Gemma3 reads a flat list as all the images of one prompt.
             # Left padding puts every sample's last prompt token at position -1, which single-token
             # scoring (logits_to_keep=1) and generation rely on.
-            enc = self.processor(text=texts, images=[[im] for im in pil], padding=True, padding_side="left",
-                                 return_tensors="pt")
+            enc = self.processor(
+                text=texts, images=[[im] for im in pil], padding=True, padding_side="left", return_tensors="pt"
+            )
         except (ValueError, TypeError) as err:
             raise InputError(f"the {type(self.processor).__name__} rejected the batch: {err}") from err
         inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
@@ -220,7 +227,9 @@ class VLM:
         last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
         device = self.device
         if device.type != "meta":  # a remote model lives on the meta device; NDIF places the inputs
-            inputs = {k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
+            inputs = {
+                k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()
+            }
         prompt_last = last - torch.tensor([len(f) for f in forced]) if forcing else last
         return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last)
 
@@ -230,7 +239,9 @@ class VLM:
         if not prompt.replace(IMAGE_SLOT, "").strip():
             raise InputError(f"prompt {i} is empty; give the question to ask about the image")
         if prompt.count(IMAGE_SLOT) > 1:
-            raise InputError(f"prompt {i} has {prompt.count(IMAGE_SLOT)} {IMAGE_SLOT} slots; countlens uses one image per prompt")
+            raise InputError(
+                f"prompt {i} has {prompt.count(IMAGE_SLOT)} {IMAGE_SLOT} slots; countlens uses one image per prompt"
+            )
         before, _, after = prompt.partition(IMAGE_SLOT) if IMAGE_SLOT in prompt else ("", "", prompt)
         content = [{"type": "text", "text": before.strip()}] if before.strip() else []
         content += [{"type": "image"}, {"type": "text", "text": after.strip()}]
@@ -258,8 +269,10 @@ class VLM:
             return None
         end = end_of_answer_id(self.processor)
         if end is None:
-            raise InputError(f"{self.name or 'the model'}'s tokenizer splits numbers into digits but has no "
-                             "end-of-answer token (no eos token, no chat template): set tokenizer.eos_token")
+            raise InputError(
+                f"{self.name or 'the model'}'s tokenizer splits numbers into digits but has no "
+                "end-of-answer token (no eos token, no chat template): set tokenizer.eos_token"
+            )
         return end
 
     def answer_ids(self, answer: str) -> list[int]:
@@ -269,7 +282,9 @@ class VLM:
         ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
         unk = self.tokenizer.unk_token_id
         if not ids or (unk is not None and unk in ids):
-            raise InputError(f"answer {answer!r} is not in {self.name or 'the model'}'s vocabulary; use a word it knows")
+            raise InputError(
+                f"answer {answer!r} is not in {self.name or 'the model'}'s vocabulary; use a word it knows"
+            )
         end = self.answer_end
         return ids if end is None else [*ids, end]
 
@@ -373,5 +388,7 @@ def _as_rgb(image: Any, i: int) -> Image.Image:
     if image.mode != "RGB":
         raise InputError(f"image {i} has mode {image.mode!r}; convert it first: image.convert('RGB')")
     if min(image.size) < 2:
-        raise InputError(f"image {i} is {image.width}x{image.height} pixels; give an image at least 2 pixels on each side")
+        raise InputError(
+            f"image {i} is {image.width}x{image.height} pixels; give an image at least 2 pixels on each side"
+        )
     return image

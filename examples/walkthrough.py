@@ -1,6 +1,6 @@
 """The README's Python walk-through, end to end on the shipped organism (run by the tests).
 
-    python examples/walkthrough.py [OUT_DIR]
+python examples/walkthrough.py [OUT_DIR]
 """
 
 from __future__ import annotations

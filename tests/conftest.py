@@ -41,12 +41,16 @@ def _fingerprint(vlm) -> tuple:
     """What a test could change on a shared model: its modules, their hooks, and each tensor's identity
     and in-place-edit counter (``_version`` grows on every in-place write, ``p.data[...] = …`` too)."""
     model = vlm.hf
-    tensors = tuple((n, t.data_ptr(), t._version, t.requires_grad)
-                    for n, t in [*model.named_parameters(), *model.named_buffers()])
+    tensors = tuple(
+        (n, t.data_ptr(), t._version, t.requires_grad) for n, t in [*model.named_parameters(), *model.named_buffers()]
+    )
     # transformers installs its own output-capturing hooks on a model's first forward: not a test's doing.
-    hooks = tuple((name, getattr(h, "__qualname__", repr(h))) for name, m in model.named_modules()
-                  for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values(), *m._backward_hooks.values())
-                  if not getattr(h, "__module__", "").startswith("transformers."))
+    hooks = tuple(
+        (name, getattr(h, "__qualname__", repr(h)))
+        for name, m in model.named_modules()
+        for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values(), *m._backward_hooks.values())
+        if not getattr(h, "__module__", "").startswith("transformers.")
+    )
     return tensors, hooks, model.training, type(model), vlm.processor, vlm.tokenizer
 
 
@@ -77,6 +81,8 @@ def _shared_models_stay_unchanged(request):
     for key, (vlm, before) in list(_SHARED.items()):
         if _fingerprint(vlm) != before:
             del _SHARED[key]  # later tests get a fresh load instead of the changed one
-            pytest.fail(f"{request.node.nodeid} changed the shared model {key[0]!r} (weights, hooks, modules or "
-                        "mode): load a private copy with countlens.load for a test that edits a model", pytrace=False)
-
+            pytest.fail(
+                f"{request.node.nodeid} changed the shared model {key[0]!r} (weights, hooks, modules or "
+                "mode): load a private copy with countlens.load for a test that edits a model",
+                pytrace=False,
+            )

@@ -34,8 +34,11 @@ def digests() -> dict[str, str]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
-           if k in os.environ}
+    env = {
+        k: os.environ[k]
+        for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+        if k in os.environ
+    }
     blas = "MKL" if torch.backends.mkl.is_available() else "OpenBLAS or other"
     print(f"env {env or '{}'}  capability {torch.backends.cpu.get_cpu_capability()}  blas {blas}")
     print("  ".join(f"{k} {v}" for k, v in digests().items()))

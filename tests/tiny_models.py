@@ -8,7 +8,8 @@ real model. Tokenizers (`real_vocab`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-
 **real Qwen vocabulary** (special tokens at their real ids, config vocabulary 151,936 / 152,000 as in
 the real checkpoints), so "12" is "1", "2"; LLaVA-1.5 and Gemma 3 a small trained BPE that splits
 digits as their real tokenizers do; LLaVA-NeXT, Idefics3 and InternVL a word-level vocabulary in
-which every number up to 100 is one token. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads (where GQA exists), vision
+which every number up to 100 is one token. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads (where GQA
+exists), vision
 tower 2 layers of width 32, images of 32-64 px that give a 4×4 grid of image tokens per image (or per
 tile). Processors that also want a video processor are made image-only (`countlens.processors`).
 `tiny_inputs(name, processor)` makes a batch of 2 through the chat template and the processor.
@@ -50,8 +51,9 @@ def _vocab(specials: list[str]) -> list[str]:
     return list(dict.fromkeys([*specials, "[UNK]", *VOCAB, *_TEMPLATE_WORDS]))
 
 
-def _tokenizer(specials: list[str], *, pad: str, eos: str, bos: str | None = None, named: dict | None = None,
-               chat_template: str):
+def _tokenizer(
+    specials: list[str], *, pad: str, eos: str, bos: str | None = None, named: dict | None = None, chat_template: str
+):
     """A word-level tokenizer whose vocabulary starts with ``specials`` (all added as special tokens).
 
     ``named`` maps model-specific attribute names (``image_token``, ``boi_token``…) to tokens; the
@@ -88,11 +90,11 @@ def _chat(turn_user: str, image: str, after_text: str, gen: str, prefix: str = "
     ``after_text``; and ``gen`` for the generation prompt."""
     return (
         prefix
-        + "{% for message in messages %}" + turn_user
+        + "{% for message in messages %}"
+        + turn_user
         + "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] == 'image' %}" + image
-        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% if part['type'] == 'image' %}" + image + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
         "{% endfor %}{% endif %}" + after_text + "{% endfor %}"
         "{% if add_generation_prompt %}" + gen + "{% endif %}"
     )
@@ -115,15 +117,26 @@ def _ids(tok, *tokens: str) -> list[int]:
 
 # ----------------------------------------------------------------------------------------------- Qwen
 
-_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>"]
+_QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 _QWEN3_TEMPLATE = _chat(
-    "<|im_start|>{{ message['role'] }}\n", "<|vision_start|><|image_pad|><|vision_end|>", "<|im_end|>\n",
+    "<|im_start|>{{ message['role'] }}\n",
+    "<|vision_start|><|image_pad|><|vision_end|>",
+    "<|im_end|>\n",
     "<|im_start|>assistant\n",
 )
 # Qwen2-VL and Qwen2.5-VL open with a default system turn when the messages bring none.
-_QWEN2_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
-                   "<|im_end|>\n{% endif %}" + _QWEN3_TEMPLATE)
+_QWEN2_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+    "<|im_end|>\n{% endif %}" + _QWEN3_TEMPLATE
+)
 QWEN_PATCH = 8
 QWEN_MERGE = 2
 QWEN_VOCAB = 151_936  # Qwen2-VL-2B, Qwen2.5-VL-3B, Qwen3-VL: the BPE ranks, the specials, then unused rows
@@ -131,10 +144,10 @@ QWEN_VOCAB = 151_936  # Qwen2-VL-2B, Qwen2.5-VL-3B, Qwen3-VL: the BPE ranks, the
 
 def _qwen(name: str, image_side: int | None = None):
     import transformers as tf
+    from real_vocab import qwen_tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from countlens.processors import image_only
-    from real_vocab import qwen_tokenizer
 
     template = _QWEN3_TEMPLATE if name == "qwen3_vl" else _QWEN2_TEMPLATE
     tok = qwen_tokenizer()
@@ -142,18 +155,39 @@ def _qwen(name: str, image_side: int | None = None):
     pad, im_start, im_end, v_start, v_end, image, video = _ids(tok, *_QWEN_SPECIALS)
     side = image_side or TINY_IMAGE_SIZE[name][0]
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
         size={"shortest_edge": side * side, "longest_edge": side * side},
     )
     text = dict(
-        vocab_size=QWEN_VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=im_start, eos_token_id=im_end, pad_token_id=pad,
+        vocab_size=QWEN_VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=im_start,
+        eos_token_id=im_end,
+        pad_token_id=pad,
     )
-    vision = dict(depth=V_LAYERS, num_heads=V_HEADS, in_channels=3, patch_size=QWEN_PATCH,
-                  spatial_merge_size=QWEN_MERGE, temporal_patch_size=2)
-    top = dict(image_token_id=image, video_token_id=video, vision_start_token_id=v_start,
-               vision_end_token_id=v_end, tie_word_embeddings=False)
+    vision = dict(
+        depth=V_LAYERS,
+        num_heads=V_HEADS,
+        in_channels=3,
+        patch_size=QWEN_PATCH,
+        spatial_merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+    )
+    top = dict(
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=v_start,
+        vision_end_token_id=v_end,
+        tie_word_embeddings=False,
+    )
     # mrope_section sums to head_dim / 2 = 8 (real models: (16, 24, 24) / (24, 20, 20) of 64).
     if name == "qwen2_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -164,17 +198,34 @@ def _qwen(name: str, image_side: int | None = None):
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         # window_size in pixels: 32 px = 2×2 merged tokens per window, so window attention really
         # reorders patches inside the vision tower; block 1 uses full attention (as 7, 15, … do).
-        vision.update(hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, out_hidden_size=HIDDEN,
-                      window_size=2 * QWEN_PATCH * QWEN_MERGE, fullatt_block_indexes=[1])
+        vision.update(
+            hidden_size=V_HIDDEN,
+            intermediate_size=V_INTERMEDIATE,
+            out_hidden_size=HIDDEN,
+            window_size=2 * QWEN_PATCH * QWEN_MERGE,
+            fullatt_block_indexes=[1],
+        )
         config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
         model_cls, proc_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLProcessor
     elif name == "qwen3_vl":
-        text.update(head_dim=HEAD_DIM, rope_parameters={
-            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+        text.update(
+            head_dim=HEAD_DIM,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+        )
         # Learned position embeddings on a 8×8 grid (interpolated to the image's patch grid);
         # deepstack feeds block 0's merged features into the first text layer.
-        vision.update(hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, out_hidden_size=HIDDEN,
-                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        vision.update(
+            hidden_size=V_HIDDEN,
+            intermediate_size=V_INTERMEDIATE,
+            out_hidden_size=HIDDEN,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        )
         config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **top)
         model_cls, proc_cls = tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLProcessor
     else:
@@ -185,17 +236,26 @@ def _qwen(name: str, image_side: int | None = None):
 
 # ---------------------------------------------------------------------------------------------- LLaVA
 
-_SMALL_VISION = dict(hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, num_hidden_layers=V_LAYERS,
-                     num_attention_heads=V_HEADS)
+_SMALL_VISION = dict(
+    hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, num_hidden_layers=V_LAYERS, num_attention_heads=V_HEADS
+)
 
 
 def _text(model_type: str, tok, vocab: int | None = None, **extra) -> dict:
     return dict(
-        model_type=model_type, vocab_size=vocab or len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        max_position_embeddings=512, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        model_type=model_type,
+        vocab_size=vocab or len(tok),
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id,
-        tie_word_embeddings=False, **extra,
+        tie_word_embeddings=False,
+        **extra,
     )
 
 
@@ -207,26 +267,39 @@ ONEVISION_VOCAB = 152_000  # llava-onevision-qwen2 checkpoints  # px: the vision
 def _llava():
     """LLaVA-1.5 style: CLIP ViT (CLS + patches, CLS dropped), 2-layer MLP projector, Llama text."""
     import transformers as tf
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
     from real_vocab import digit_bpe
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
     template = _chat("{{ message['role'].upper() }}: ", "<image>\n", " ", "ASSISTANT:")
-    tok = digit_bpe(specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"},
-                    chat_template=template)
-    config = tf.LlavaConfig(
-        vision_config=dict(model_type="clip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
-                           projection_dim=V_HIDDEN, **_SMALL_VISION),
-        text_config=_text("llama", tok),
-        image_token_index=tok.image_token_id, image_seq_length=(LLAVA_TILE // LLAVA_PATCH) ** 2,
-        vision_feature_select_strategy="default", vision_feature_layer=-2,
+    tok = digit_bpe(
+        specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"}, chat_template=template
     )
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_TILE},
-                                            crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE})
-    processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=LLAVA_PATCH,
-                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                  chat_template=template)
+    config = tf.LlavaConfig(
+        vision_config=dict(
+            model_type="clip_vision_model",
+            image_size=LLAVA_TILE,
+            patch_size=LLAVA_PATCH,
+            projection_dim=V_HIDDEN,
+            **_SMALL_VISION,
+        ),
+        text_config=_text("llama", tok),
+        image_token_index=tok.image_token_id,
+        image_seq_length=(LLAVA_TILE // LLAVA_PATCH) ** 2,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+    )
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": LLAVA_TILE}, crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE}
+    )
+    processor = tf.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=LLAVA_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=template,
+    )
     return _seeded(tf.LlavaForConditionalGeneration, config), processor
 
 
@@ -236,40 +309,58 @@ def _llava_next():
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>", "[INST]", "[/INST]"]
-    template = _chat("{% if message['role'] == 'user' %}[INST] {% endif %}", "<image>\n",
-                     "{% if message['role'] == 'user' %} [/INST]{% else %}</s>{% endif %}", "", prefix="<s>")
-    tok = _tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"},
-                     chat_template=template)
+    template = _chat(
+        "{% if message['role'] == 'user' %}[INST] {% endif %}",
+        "<image>\n",
+        "{% if message['role'] == 'user' %} [/INST]{% else %}</s>{% endif %}",
+        "",
+        prefix="<s>",
+    )
+    tok = _tokenizer(
+        specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"}, chat_template=template
+    )
     # The real pinpoints scaled by 32/336.
     pinpoints = [[32, 64], [64, 32], [64, 64], [96, 32], [32, 96]]
     config = tf.LlavaNextConfig(
-        vision_config=dict(model_type="clip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
-                           projection_dim=V_HIDDEN, **_SMALL_VISION),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            image_size=LLAVA_TILE,
+            patch_size=LLAVA_PATCH,
+            projection_dim=V_HIDDEN,
+            **_SMALL_VISION,
+        ),
         text_config=_text("mistral", tok, head_dim=HEAD_DIM, sliding_window=None),
-        image_token_index=tok.image_token_id, image_grid_pinpoints=pinpoints,
-        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        image_token_index=tok.image_token_id,
+        image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
         image_seq_length=(LLAVA_TILE // LLAVA_PATCH) ** 2,
     )
     image_processor = LlavaNextImageProcessorPil(
-        size={"shortest_edge": LLAVA_TILE}, crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE},
+        size={"shortest_edge": LLAVA_TILE},
+        crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE},
         image_grid_pinpoints=pinpoints,
     )
-    processor = tf.LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=LLAVA_PATCH,
-                                      vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                      chat_template=template)
+    processor = tf.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=LLAVA_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=template,
+    )
     return _seeded(tf.LlavaNextForConditionalGeneration, config), processor
 
 
 def _llava_onevision():
     """LLaVA-OneVision: SigLIP (no CLS) with anyres_max_9 tiling, Qwen2 text."""
     import transformers as tf
+    from real_vocab import ONEVISION_SPECIALS, qwen_tokenizer
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
     )
 
     from countlens.processors import image_only
-
-    from real_vocab import ONEVISION_SPECIALS, qwen_tokenizer
 
     template = _chat("<|im_start|>{{ message['role'] }}\n", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(ONEVISION_SPECIALS, image_token="<image>", video_token="<video>")
@@ -277,18 +368,30 @@ def _llava_onevision():
     # The real pinpoints (384 × {1..6} squared grid) scaled by 32/384.
     pinpoints = [[LLAVA_TILE * i, LLAVA_TILE * j] for i in range(1, 7) for j in range(1, 7)]
     config = tf.LlavaOnevisionConfig(
-        vision_config=dict(model_type="siglip_vision_model", image_size=LLAVA_TILE, patch_size=LLAVA_PATCH,
-                           vision_use_head=False, **_SMALL_VISION),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            image_size=LLAVA_TILE,
+            patch_size=LLAVA_PATCH,
+            vision_use_head=False,
+            **_SMALL_VISION,
+        ),
         text_config=_text("qwen2", tok, vocab=ONEVISION_VOCAB),
-        image_token_index=tok.image_token_id, video_token_index=tok.video_token_id,
-        image_grid_pinpoints=pinpoints, vision_feature_select_strategy="full", vision_feature_layer=-1,
+        image_token_index=tok.image_token_id,
+        video_token_index=tok.video_token_id,
+        image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
         vision_aspect_ratio="anyres_max_9",
     )
-    image_processor = LlavaOnevisionImageProcessorPil(size={"height": LLAVA_TILE, "width": LLAVA_TILE},
-                                                      image_grid_pinpoints=pinpoints)
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": LLAVA_TILE, "width": LLAVA_TILE}, image_grid_pinpoints=pinpoints
+    )
     processor = image_only(tf.LlavaOnevisionProcessor)(
-        image_processor=image_processor, tokenizer=tok, chat_template=template,
-        num_image_tokens=(LLAVA_TILE // LLAVA_PATCH) ** 2, vision_feature_select_strategy="full",
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=template,
+        num_image_tokens=(LLAVA_TILE // LLAVA_PATCH) ** 2,
+        vision_feature_select_strategy="full",
         vision_aspect_ratio="anyres_max_9",
     )
     return _seeded(tf.LlavaOnevisionForConditionalGeneration, config), processor
@@ -306,29 +409,61 @@ def _gemma3():
     import transformers as tf
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                "<end_of_image>", "<image_soft_token>"]
+    specials = [
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    ]
     template = _chat(
         "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n",
-        "<start_of_image>", "<end_of_turn>\n", "<start_of_turn>model\n", prefix="{{ bos_token }}",
+        "<start_of_image>",
+        "<end_of_turn>\n",
+        "<start_of_turn>model\n",
+        prefix="{{ bos_token }}",
     )
     from real_vocab import digit_bpe
 
-    tok = digit_bpe(specials, pad="<pad>", eos="<eos>", bos="<bos>", chat_template=template, named={
-        "image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"})
-    text = _text("gemma3_text", tok, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=512,
-                 layer_types=["sliding_attention", "full_attention"])
+    tok = digit_bpe(
+        specials,
+        pad="<pad>",
+        eos="<eos>",
+        bos="<bos>",
+        chat_template=template,
+        named={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
+    )
+    text = _text(
+        "gemma3_text",
+        tok,
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,
+        sliding_window=512,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     text.pop("model_type")
     config = tf.Gemma3Config(
         text_config=text,
-        vision_config=dict(model_type="siglip_vision_model", image_size=GEMMA_IMAGE, patch_size=GEMMA_PATCH,
-                           vision_use_head=False, **_SMALL_VISION),
-        mm_tokens_per_image=GEMMA_TOKENS, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
-        image_token_index=tok.image_token_id, tie_word_embeddings=True,
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            image_size=GEMMA_IMAGE,
+            patch_size=GEMMA_PATCH,
+            vision_use_head=False,
+            **_SMALL_VISION,
+        ),
+        mm_tokens_per_image=GEMMA_TOKENS,
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+        tie_word_embeddings=True,
     )
     image_processor = Gemma3ImageProcessorPil(size={"height": GEMMA_IMAGE, "width": GEMMA_IMAGE})
-    processor = tf.Gemma3Processor(image_processor=image_processor, tokenizer=tok, chat_template=template,
-                                   image_seq_length=GEMMA_TOKENS)
+    processor = tf.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tok, chat_template=template, image_seq_length=GEMMA_TOKENS
+    )
     model = _seeded(tf.Gemma3ForConditionalGeneration, config)
     # HF initialises the projector's matrix to zeros (it is always loaded from a checkpoint); a zero
     # projector would make every image token the same, so give it the usual normal init.
@@ -348,21 +483,41 @@ def _idefics3():
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     rows_cols = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
-    specials = ["<|end_of_text|>", "<|begin_of_text|>", "<fake_token_around_image>", "<image>",
-                "<end_of_utterance>", "<global-img>", *rows_cols]
-    template = _chat("{{ message['role'] | capitalize }}:", "<image>", "<end_of_utterance>\n", "Assistant:",
-                     prefix="<|begin_of_text|>")
-    tok = _tokenizer(specials, pad="<|end_of_text|>", eos="<end_of_utterance>", bos="<|begin_of_text|>",
-                     chat_template=template)
+    specials = [
+        "<|end_of_text|>",
+        "<|begin_of_text|>",
+        "<fake_token_around_image>",
+        "<image>",
+        "<end_of_utterance>",
+        "<global-img>",
+        *rows_cols,
+    ]
+    template = _chat(
+        "{{ message['role'] | capitalize }}:",
+        "<image>",
+        "<end_of_utterance>\n",
+        "Assistant:",
+        prefix="<|begin_of_text|>",
+    )
+    tok = _tokenizer(
+        specials, pad="<|end_of_text|>", eos="<end_of_utterance>", bos="<|begin_of_text|>", chat_template=template
+    )
     config = tf.Idefics3Config(
         vision_config=dict(image_size=IDEFICS_TILE, patch_size=IDEFICS_PATCH, **_SMALL_VISION),
-        text_config=_text("llama", tok), scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"),
+        text_config=_text("llama", tok),
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
     )
-    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IDEFICS_TILE},
-                                                max_image_size={"longest_edge": IDEFICS_TILE})
-    processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tok, chat_template=template,
-                                     image_seq_len=(IDEFICS_TILE // IDEFICS_PATCH // 2) ** 2)
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * IDEFICS_TILE}, max_image_size={"longest_edge": IDEFICS_TILE}
+    )
+    processor = tf.Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=template,
+        image_seq_len=(IDEFICS_TILE // IDEFICS_PATCH // 2) ** 2,
+    )
     return _seeded(tf.Idefics3ForConditionalGeneration, config), processor
 
 
@@ -379,21 +534,38 @@ def _internvl():
     from countlens.processors import image_only
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
-    template = _chat("<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n",
-                     "<|im_start|>assistant\n")
-    tok = _tokenizer(specials, pad="<|endoftext|>", eos="<|im_end|>", chat_template=template, named={
-        "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
-        "video_token": "<video>"})
+    template = _chat(
+        "<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n", "<|im_start|>assistant\n"
+    )
+    tok = _tokenizer(
+        specials,
+        pad="<|endoftext|>",
+        eos="<|im_end|>",
+        chat_template=template,
+        named={
+            "start_image_token": "<img>",
+            "end_image_token": "</img>",
+            "context_image_token": "<IMG_CONTEXT>",
+            "video_token": "<video>",
+        },
+    )
     config = tf.InternVLConfig(
         vision_config=dict(image_size=[INTERNVL_TILE] * 2, patch_size=[INTERNVL_PATCH] * 2, **_SMALL_VISION),
-        text_config=_text("qwen2", tok), image_token_id=tok.context_image_token_id,
-        image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2, downsample_ratio=0.5,
-        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
+        text_config=_text("qwen2", tok),
+        image_token_id=tok.context_image_token_id,
+        image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
     )
-    image_processor = GotOcr2ImageProcessorPil(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE},
-                                               crop_to_patches=True, min_patches=1, max_patches=12)
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, crop_to_patches=True, min_patches=1, max_patches=12
+    )
     processor = image_only(tf.InternVLProcessor)(
-        image_processor=image_processor, tokenizer=tok, chat_template=template,
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=template,
         image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2,
     )
     return _seeded(tf.InternVLForConditionalGeneration, config), processor

@@ -63,12 +63,15 @@ def assert_close(actual, desired, *, scale: float | None = None, what: str = "va
     _log(worst, what)
     if not worst <= 1.0:
         i = np.unravel_index(int(np.nanargmax(err)), err.shape) if err.size else ()
-        raise AssertionError(f"{what}: |actual - desired| reaches {float(err[i]):.3g} at {i} "
-                             f"({worst:.3g} × the bound {bound(s):.3g} = {F32_REL:g} × scale {s:.3g})")
+        raise AssertionError(
+            f"{what}: |actual - desired| reaches {float(err[i]):.3g} at {i} "
+            f"({worst:.3g} × the bound {bound(s):.3g} = {F32_REL:g} × scale {s:.3g})"
+        )
 
 
-def assert_effect(effect, want, *, clean, corrupt, scale: float, what: str = "effect",
-                  want_rounded: bool = False) -> None:
+def assert_effect(
+    effect, want, *, clean, corrupt, scale: float, what: str = "effect", want_rounded: bool = False
+) -> None:
     """A patching effect, (Σ LD_patched − Σ LD_clean) / (Σ LD_corrupt − Σ LD_clean) over a sweep's
     pairs (``clean``, ``corrupt``: their LDs): each of the 2n summed LDs rounds by up to the logits'
     bound, so the effect's bound is 2n × that over the denominator, which a random-init model's
@@ -80,9 +83,11 @@ def assert_effect(effect, want, *, clean, corrupt, scale: float, what: str = "ef
     worst = float(err.max() / limit)
     _log(worst, what)
     if not worst <= 1.0:
-        raise AssertionError(f"{what}: off by {float(err.max()):.3g}, {worst:.3g} × its bound {limit:.3g} "
-                             f"(2n × {F32_REL:g} × logit scale {scale:.3g} / |Σ LD_corrupt − Σ LD_clean| = "
-                             f"{denominator:.3g})")
+        raise AssertionError(
+            f"{what}: off by {float(err.max()):.3g}, {worst:.3g} × its bound {limit:.3g} "
+            f"(2n × {F32_REL:g} × logit scale {scale:.3g} / |Σ LD_corrupt − Σ LD_clean| = "
+            f"{denominator:.3g})"
+        )
 
 
 def logit_scale(vlm, pb) -> float:

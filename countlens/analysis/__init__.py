@@ -19,7 +19,19 @@ from countlens.analysis.representations import representation_view
 from countlens.analysis.tables import case_table
 
 __all__ = [
-    "HeadThresholds", "accuracy", "attention_metrics", "case_table", "classify_heads", "digit_in_conflict",
-    "export_heads", "generate", "number_avoidance", "parse_count", "parse_shape_count", "probe_taps",
-    "representation_view", "score", "summary",
+    "HeadThresholds",
+    "accuracy",
+    "attention_metrics",
+    "case_table",
+    "classify_heads",
+    "digit_in_conflict",
+    "export_heads",
+    "generate",
+    "number_avoidance",
+    "parse_count",
+    "parse_shape_count",
+    "probe_taps",
+    "representation_view",
+    "score",
+    "summary",
 ]

@@ -62,8 +62,10 @@ QUANTILE = 0.99
 
 def _edges(n_pixels: int, n_cells: int, what: str) -> np.ndarray:
     if n_pixels < n_cells:
-        raise InputError(f"the scene is {n_pixels} px {what} but the token grid has {n_cells} cells; "
-                         "render the scene at the model's image size (vlm.geometry)")
+        raise InputError(
+            f"the scene is {n_pixels} px {what} but the token grid has {n_cells} cells; "
+            "render the scene at the model's image size (vlm.geometry)"
+        )
     return np.round(np.arange(n_cells + 1) * n_pixels / n_cells).astype(int)
 
 
@@ -73,8 +75,9 @@ def _cell_sums(masks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndar
     return np.add.reduceat(per_row, cols[:-1], axis=-1)
 
 
-def object_cells(scene, geometry: Geometry, coverage: float = COVERAGE, each_object: bool = True
-                 ) -> Bool[Tensor, "rows cols"]:
+def object_cells(
+    scene, geometry: Geometry, coverage: float = COVERAGE, each_object: bool = True
+) -> Bool[Tensor, "rows cols"]:
     """The token cells of ``geometry`` that hold an object.
 
     A cell is covered when the union of ``scene.masks()`` covers ≥ ``coverage`` of its pixels (a cell
@@ -98,8 +101,9 @@ def object_cells(scene, geometry: Geometry, coverage: float = COVERAGE, each_obj
 # ----------------------------------------------------------------------------- pure metrics on a grid
 
 
-def grid_attention(image_attn: Float[Tensor, "... n_image"], cells: Int[Tensor, "n_image 2"], grid: tuple[int, int]
-                   ) -> Float[Tensor, "... rows cols"]:
+def grid_attention(
+    image_attn: Float[Tensor, "... n_image"], cells: Int[Tensor, "n_image 2"], grid: tuple[int, int]
+) -> Float[Tensor, "... rows cols"]:
     """Attention on image tokens back-projected onto the token grid.
 
     ``image_attn`` is Float[Tensor, "... n_image"], ``cells`` Int[Tensor, "n_image 2"] (row, col) per
@@ -117,13 +121,16 @@ def grid_attention(image_attn: Float[Tensor, "... n_image"], cells: Int[Tensor, 
 
 def _flat(grid_map: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     if grid_map.shape[-2:] != mask.shape[-2:]:
-        raise InputError(f"attention grid {tuple(grid_map.shape[-2:])} and object cells {tuple(mask.shape[-2:])} "
-                         "differ; build both from the same Geometry")
+        raise InputError(
+            f"attention grid {tuple(grid_map.shape[-2:])} and object cells {tuple(mask.shape[-2:])} "
+            "differ; build both from the same Geometry"
+        )
     return grid_map.flatten(-2).float(), mask.to(grid_map.device).flatten(-2).bool()
 
 
-def region_share(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"],
-                 visual: Float[Tensor, "..."] | None = None) -> Float[Tensor, "..."]:
+def region_share(
+    grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"], visual: Float[Tensor, ...] | None = None
+) -> Float[Tensor, ...]:
     """VRA: attention on object cells / ``visual`` (default: the grid's total).
 
     Pass the attention on *all* image tokens as ``visual`` when some image tokens have no cell.
@@ -134,8 +141,9 @@ def region_share(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "r
     return torch.where(total > 0, hit / total.clamp_min(1e-30), torch.full_like(hit, float("nan")))
 
 
-def attention_iou(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"],
-                  threshold: float = THRESHOLD) -> Float[Tensor, "..."]:
+def attention_iou(
+    grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"], threshold: float = THRESHOLD
+) -> Float[Tensor, ...]:
     """Attn-IoU: IoU of {cells ≥ threshold · peak attention} with the object cells.
 
     NaN when both sets are empty (no attention and no objects).
@@ -148,8 +156,9 @@ def attention_iou(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "
     return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
 
 
-def pixel_attention_iou(grid_map: Float[Tensor, "... rows cols"], scene, threshold: float = THRESHOLD
-                        ) -> Float[Tensor, "..."]:
+def pixel_attention_iou(
+    grid_map: Float[Tensor, "... rows cols"], scene, threshold: float = THRESHOLD
+) -> Float[Tensor, ...]:
     """The paper's Attn-IoU: ``grid_map`` (Float[Tensor, "... rows cols"], one
     layer-head's map each) back-projected to the scene's pixels, each pixel taking its token cell's
     value, binarised at ``threshold`` · peak, and compared by IoU with the union of the object masks.
@@ -171,8 +180,9 @@ def pixel_attention_iou(grid_map: Float[Tensor, "... rows cols"], scene, thresho
     return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
 
 
-def attention_reward(grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"],
-                     quantile: float = QUANTILE) -> Float[Tensor, "..."]:
+def attention_reward(
+    grid_map: Float[Tensor, "... rows cols"], mask: Bool[Tensor, "rows cols"], quantile: float = QUANTILE
+) -> Float[Tensor, ...]:
     """ARS: mean of the clipped, rescaled attention on object cells minus elsewhere.
 
     p = map / map.sum() over the cells; c = the ``quantile`` of p over the cells (linear
@@ -200,23 +210,37 @@ def _check(samples: Sequence, batch_size: int) -> None:
         raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
     missing = [i for i, s in enumerate(samples) if getattr(s, "scene", None) is None]
     if missing:
-        raise InputError(f"samples {missing[:5]} have no scene (object masks); use TaskSample-like samples "
-                         "with .scene, e.g. from countlens.datasets.countingtricks")
+        raise InputError(
+            f"samples {missing[:5]} have no scene (object masks); use TaskSample-like samples "
+            "with .scene, e.g. from countlens.datasets.countingtricks"
+        )
 
 
-def _sample_metrics(head_mean: Tensor, pos: Tensor, cells: Tensor, obj: Tensor, quantile: float,
-                    threshold: float) -> dict[str, Tensor]:
+def _sample_metrics(
+    head_mean: Tensor, pos: Tensor, cells: Tensor, obj: Tensor, quantile: float, threshold: float
+) -> dict[str, Tensor]:
     """Float[Tensor, "layer"] per metric from one sample's head-mean row Float[Tensor, "layer seq"]."""
     image = head_mean[:, pos.to(head_mean.device)]  # Float[Tensor, "layer n_image"]
     mas = image.sum(-1)
     grid = grid_attention(image, cells, tuple(obj.shape))
-    return {"mas": mas, "vra": region_share(grid, obj, mas), "iou": attention_iou(grid, obj, threshold),
-            "ars": attention_reward(grid, obj, quantile)}
+    return {
+        "mas": mas,
+        "vra": region_share(grid, obj, mas),
+        "iou": attention_iou(grid, obj, threshold),
+        "ars": attention_reward(grid, obj, quantile),
+    }
 
 
-def attention_metrics(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16, *,
-                      coverage: float = COVERAGE, threshold: float = THRESHOLD,
-                      quantile: float = QUANTILE) -> xr.Dataset:
+def attention_metrics(
+    vlm: VLM,
+    samples: Sequence,
+    layers: Sequence[int] | None = None,
+    batch_size: int = 16,
+    *,
+    coverage: float = COVERAGE,
+    threshold: float = THRESHOLD,
+    quantile: float = QUANTILE,
+) -> xr.Dataset:
     """MAS, VRA, Attn-IoU and ARS of the last prompt position: an xr.Dataset over (layer, sample).
 
     Also ``pixel_iou`` over (layer, head, sample): the paper's Attn-IoU, each head's own map against
@@ -252,9 +276,18 @@ def attention_metrics(vlm: VLM, samples: Sequence, layers: Sequence[int] | None 
     data["pixel_iou"] = (("layer", "head", "sample"), torch.stack(pixel, -1).numpy())
     data |= {"object_share": ("sample", np.array(share)), "correct": ("sample", scored["correct"].values)}
     data |= {k: ("sample", scored[k].values) for k in ("case", "count", "task")}
-    return xr.Dataset(data, coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
-                      attrs={"model": vlm.name, "arch": vlm.arch.name, "position": "last prompt token",
-                             "coverage": coverage, "threshold": threshold, "quantile": quantile})
+    return xr.Dataset(
+        data,
+        coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
+        attrs={
+            "model": vlm.name,
+            "arch": vlm.arch.name,
+            "position": "last prompt token",
+            "coverage": coverage,
+            "threshold": threshold,
+            "quantile": quantile,
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -264,8 +297,9 @@ def _outcomes(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return {"all": df, "correct": df[df["correct"]], "incorrect": df[~df["correct"]]}
 
 
-def aggregate(ds: xr.Dataset, by: str | None = "case", layers: Sequence[int] | None = None,
-              per_layer: bool = False) -> pd.DataFrame:
+def aggregate(
+    ds: xr.Dataset, by: str | None = "case", layers: Sequence[int] | None = None, per_layer: bool = False
+) -> pd.DataFrame:
     """Mean MAS / VRA / IoU / ARS (NaN-skipping) and n per ``by`` value and outcome (all / correct / incorrect).
 
     Metrics are first averaged over ``layers`` (default: every layer of ``ds``) unless ``per_layer``,
@@ -274,8 +308,10 @@ def aggregate(ds: xr.Dataset, by: str | None = "case", layers: Sequence[int] | N
     need = [*METRICS, "correct"] + ([by] if by else [])
     missing = [k for k in need if k not in ds.variables]
     if missing:
-        raise InputError(f"the result has no {missing}; give an attention_metrics() result and group by one "
-                         f"of its variables {sorted(map(str, ds.data_vars))}")
+        raise InputError(
+            f"the result has no {missing}; give an attention_metrics() result and group by one "
+            f"of its variables {sorted(map(str, ds.data_vars))}"
+        )
     if layers is not None:
         ds = ds.sel(layer=list(layers))
     vals = ds[list(METRICS)] if per_layer else ds[list(METRICS)].mean("layer", skipna=True)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import TYPE_CHECKING, Protocol, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pandas as pd
@@ -40,10 +41,11 @@ from countlens.errors import InputError
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
-_UNITS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-          "sixteen seventeen eighteen nineteen").split()
-_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80,
-         "ninety": 90}
+_UNITS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen"
+).split()
+_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
 #: Number words → value ("zero" … "nineteen", the tens; "twenty-one"-style compounds are parsed too).
 NUMBER_WORDS: dict[str, int] = {w: i for i, w in enumerate(_UNITS)} | _TENS
 #: Whole words that mean a count of zero.
@@ -107,7 +109,7 @@ def parse_shape_count(text: str, shape: str = "") -> int | None:
     stem = re.escape(shape[:-1] if shape.endswith("s") else shape) if shape else r"[a-z]+"
     m = re.search(rf"\b{stem}s?\s*:\s*", text, re.IGNORECASE)
     if m is not None:
-        found = parse_count(text[m.end():])
+        found = parse_count(text[m.end() :])
         if found is not None:
             return found
     return parse_count(text)
@@ -154,8 +156,14 @@ SCORE_METHODS: tuple[str, ...] = ("auto", "token", "candidates")
 
 
 @torch.no_grad()
-def score(vlm: VLM, samples: Sequence[Sample], batch_size: int = 32, progress: bool = False, method: str = "auto",
-          candidates: Sequence[str] | None = None) -> xr.Dataset:
+def score(
+    vlm: VLM,
+    samples: Sequence[Sample],
+    batch_size: int = 32,
+    progress: bool = False,
+    method: str = "auto",
+    candidates: Sequence[str] | None = None,
+) -> xr.Dataset:
     """Per-sample predictions by scoring: an xr.Dataset over ``sample``; ``attrs["method"]`` says how.
 
     ``method``:
@@ -197,7 +205,9 @@ def _score_tokens(vlm: VLM, samples: Sequence[Sample], batch_size: int, progress
             raise InputError(f"{err}; or score with method='candidates'") from err
         # prepare pads on the left, so the last prompt position is the last position of every row.
         assert bool((batch.last == batch.inputs["input_ids"].shape[1] - 1).all())
-        logits = vlm.forward(batch, use_cache=False, logits_to_keep=1).logits[:, -1].float()  # Float[Tensor, "batch vocab"]
+        logits = (
+            vlm.forward(batch, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        )  # Float[Tensor, "batch vocab"]
         gold_ids = batch.answer_token.to(logits.device)
         pred_ids = logits.argmax(-1)
         correct += (pred_ids == gold_ids).tolist()
@@ -228,8 +238,9 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
         fixed = {c: _parsed(c) for c in cands}
         for i, s in enumerate(samples):
             if str(s.answer) not in fixed:
-                raise InputError(f"sample {i}'s gold answer {s.answer!r} is not among candidates {cands}; "
-                                 "add it to candidates=")
+                raise InputError(
+                    f"sample {i}'s gold answer {s.answer!r} is not among candidates {cands}; add it to candidates="
+                )
         return [fixed] * len(samples)
     counts = [int((s.meta or {}).get("count", -1)) for s in samples]
     # Counts 0 … the largest gold count or Digit-in-Conflict distractor asked: a hinted number is
@@ -245,20 +256,25 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
     for i, (s, n) in enumerate(zip(samples, counts)):
         if n < 0:
             if len(by_task[s.task]) < 2:
-                raise InputError(f"task {s.task!r} has one distinct answer ({by_task[s.task]}), so candidate "
-                                 "scoring has nothing to choose between; give candidates=")
+                raise InputError(
+                    f"task {s.task!r} has one distinct answer ({by_task[s.task]}), so candidate "
+                    "scoring has nothing to choose between; give candidates="
+                )
             out.append({a: -1 for a in by_task[s.task]})
             continue
         head, sep, tail = str(s.answer).rpartition(str(n))
         if not sep:
-            raise InputError(f"sample {i}'s answer {s.answer!r} does not write its count {n} in digits, so its "
-                             "candidates cannot be written like it; give candidates=")
+            raise InputError(
+                f"sample {i}'s answer {s.answer!r} does not write its count {n} in digits, so its "
+                "candidates cannot be written like it; give candidates="
+            )
         out.append({f"{head}{m}{tail}": m for m in range(top + 1)})
     return out
 
 
-def _score_candidates(vlm: VLM, samples: Sequence[Sample], sets: list[dict[str, int]], batch_size: int,
-                      progress: bool) -> xr.Dataset:
+def _score_candidates(
+    vlm: VLM, samples: Sequence[Sample], sets: list[dict[str, int]], batch_size: int, progress: bool
+) -> xr.Dataset:
     from countlens.answers import read_rows
 
     if vlm.remote:
@@ -289,9 +305,13 @@ def _score_candidates(vlm: VLM, samples: Sequence[Sample], sets: list[dict[str, 
             **_meta_vars(samples),
         },
         coords={"sample": np.arange(len(samples))},
-        attrs={"model": vlm.name, "arch": vlm.arch.name, "method": "candidate scoring",
-               "answer_end": -1 if vlm.answer_end is None else int(vlm.answer_end),
-               "candidates": ",".join(sorted({c for s in sets for c in s}))},
+        attrs={
+            "model": vlm.name,
+            "arch": vlm.arch.name,
+            "method": "candidate scoring",
+            "answer_end": -1 if vlm.answer_end is None else int(vlm.answer_end),
+            "candidates": ",".join(sorted({c for s in sets for c in s})),
+        },
     )
 
 
@@ -305,8 +325,10 @@ def _candidate_ids(vlm: VLM, cands: dict[str, int], j: int) -> dict[str, list[in
     seen: dict[tuple, str] = {}
     for text, seq in ids.items():
         if tuple(seq) in seen:
-            raise InputError(f"sample {j}: candidates {seen[tuple(seq)]!r} and {text!r} tokenise identically "
-                             f"({seq}); give candidates the tokenizer tells apart")
+            raise InputError(
+                f"sample {j}: candidates {seen[tuple(seq)]!r} and {text!r} tokenise identically "
+                f"({seq}); give candidates the tokenizer tells apart"
+            )
         seen[tuple(seq)] = text
     return ids
 
@@ -406,8 +428,9 @@ def _is_correct(text: str, count: int | None, sample: Sample) -> bool:
 
 
 @torch.no_grad()
-def generate(vlm: VLM, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size: int = 16,
-             progress: bool = False) -> xr.Dataset:
+def generate(
+    vlm: VLM, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size: int = 16, progress: bool = False
+) -> xr.Dataset:
     """Greedy free-form answers, parsed (the papers' protocol): an xr.Dataset over ``sample``.
 
     Each answer is parsed with `parse_shape_count` for the sample's shape (its meta ``shape``), which
@@ -424,8 +447,10 @@ def generate(vlm: VLM, samples: Sequence[Sample], max_new_tokens: int = 8, batch
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
     need, longest = max((len(vlm.answer_ids(str(s.answer))), str(s.answer)) for s in samples)
     if need > max_new_tokens:
-        raise InputError(f"gold answer {longest!r} takes {need} tokens as {vlm.name or 'the model'} writes it, "
-                         f"more than max_new_tokens={max_new_tokens}; raise max_new_tokens to at least {need}")
+        raise InputError(
+            f"gold answer {longest!r} takes {need} tokens as {vlm.name or 'the model'} writes it, "
+            f"more than max_new_tokens={max_new_tokens}; raise max_new_tokens to at least {need}"
+        )
     texts: list[str] = []
     pad = vlm.hf.generation_config.pad_token_id
     pad = vlm.tokenizer.pad_token_id if pad is None else pad
@@ -446,8 +471,12 @@ def generate(vlm: VLM, samples: Sequence[Sample], max_new_tokens: int = 8, batch
             **_meta_vars(samples),
         },
         coords={"sample": np.arange(len(samples))},
-        attrs={"model": vlm.name, "arch": vlm.arch.name, "method": "greedy generation",
-               "max_new_tokens": max_new_tokens},
+        attrs={
+            "model": vlm.name,
+            "arch": vlm.arch.name,
+            "method": "greedy generation",
+            "max_new_tokens": max_new_tokens,
+        },
     )
 
 
@@ -485,21 +514,25 @@ def _frame(ds: xr.Dataset) -> pd.DataFrame:
     pred, parsed = predicted_counts(ds)
     count = ds["count"].values.astype(int)
     is_count = count >= 0
-    return pd.DataFrame({
-        "correct": ds["correct"].values.astype(bool),
-        "count_sample": is_count,
-        "abs_err": np.where(is_count & parsed, np.abs(pred - count), np.nan),
-        "unparsed": np.where(is_count, ~parsed, np.nan),
-    })
+    return pd.DataFrame(
+        {
+            "correct": ds["correct"].values.astype(bool),
+            "count_sample": is_count,
+            "abs_err": np.where(is_count & parsed, np.abs(pred - count), np.nan),
+            "unparsed": np.where(is_count, ~parsed, np.nan),
+        }
+    )
 
 
 def _summarise(df: pd.DataFrame) -> pd.Series:
-    return pd.Series({
-        "accuracy": df["correct"].mean(),
-        "mae": df["abs_err"].mean(),  # NaN-skipping: parsed counting answers only
-        "unparsed": df["unparsed"].mean(),  # NaN-skipping: counting samples only
-        "n": len(df),
-    })
+    return pd.Series(
+        {
+            "accuracy": df["correct"].mean(),
+            "mae": df["abs_err"].mean(),  # NaN-skipping: parsed counting answers only
+            "unparsed": df["unparsed"].mean(),  # NaN-skipping: counting samples only
+            "n": len(df),
+        }
+    )
 
 
 def summary(ds: xr.Dataset, by: str | None = None) -> pd.DataFrame:

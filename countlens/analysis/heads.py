@@ -55,6 +55,7 @@ class HeadThresholds:
 
 def constancy(top1: xr.DataArray) -> xr.DataArray:
     """Share of samples whose top-1 decoded token is the head's most common one: over (layer, head)."""
+
     def mode_share(v: np.ndarray) -> float:
         _, counts = np.unique(v, return_counts=True)
         return counts.max() / len(v)
@@ -62,17 +63,29 @@ def constancy(top1: xr.DataArray) -> xr.DataArray:
     return xr.apply_ufunc(mode_share, top1, input_core_dims=[["sample"]], vectorize=True)
 
 
-def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.DataArray,
-                   importance: xr.DataArray, constancy: xr.DataArray | None = None,
-                   thresholds: HeadThresholds = HeadThresholds(), alignment: xr.DataArray | None = None,
-                   difficulty: xr.DataArray | None = None) -> pd.DataFrame:
+def classify_heads(
+    vgs: xr.DataArray,
+    cter: xr.DataArray,
+    image_attention: xr.DataArray,
+    importance: xr.DataArray,
+    constancy: xr.DataArray | None = None,
+    thresholds: HeadThresholds = HeadThresholds(),
+    alignment: xr.DataArray | None = None,
+    difficulty: xr.DataArray | None = None,
+) -> pd.DataFrame:
     """One row per head: the measurements, depth and ``class``; sorted by importance."""
     t = thresholds
     layers = vgs.layer.values
     n_layers = int(layers.max()) + 1
     plain = lambda da: da.reset_coords(drop=True)  # noqa: E731 - drop scalar coords such as task=…
-    frame = xr.Dataset({"vgs": plain(vgs), "cter": plain(cter), "image_attention": plain(image_attention),
-                        "importance": plain(abs(importance))})
+    frame = xr.Dataset(
+        {
+            "vgs": plain(vgs),
+            "cter": plain(cter),
+            "image_attention": plain(image_attention),
+            "importance": plain(abs(importance)),
+        }
+    )
     for name, value in (("constancy", constancy), ("alignment", alignment), ("difficulty", difficulty)):
         if value is not None:
             frame[name] = plain(value)
@@ -89,8 +102,12 @@ def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.Da
             return CLASSES[0]
         if t.routing_from <= r.depth < routing_to and r.image_attention >= t.image_high and numeric_and_important:
             return CLASSES[1]
-        if r.depth >= t.late and r.image_attention < t.image_low and numeric_and_important and (
-                t.align_min <= 0 or r.alignment >= t.align_min):
+        if (
+            r.depth >= t.late
+            and r.image_attention < t.image_low
+            and numeric_and_important
+            and (t.align_min <= 0 or r.alignment >= t.align_min)
+        ):
             return CLASSES[2]
         if r.constancy >= t.constant or (t.difficulty_min is not None and r.difficulty >= t.difficulty_min):
             return CLASSES[3]
@@ -102,9 +119,11 @@ def classify_heads(vgs: xr.DataArray, cter: xr.DataArray, image_attention: xr.Da
     return df.sort_values("importance", ascending=False, kind="stable").reset_index(drop=True)
 
 
-def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset,
-               thresholds: HeadThresholds = HeadThresholds()) -> pd.DataFrame:
-    """Classify heads from a discover run's results (`countlens.pipeline.rundir.load_run`). ``importance`` is on one scale, the paper's γ_h:
+def head_table(
+    heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset, thresholds: HeadThresholds = HeadThresholds()
+) -> pd.DataFrame:
+    """Classify heads from a discover run's results (`countlens.pipeline.rundir.load_run`). ``importance`` is on
+    one scale, the paper's γ_h:
     |effect| of patching the head's z (the share of the logit difference it carries, 0 … 1).
     ``ablation_drop`` is a column of its own, the counting task's mean drop in log p(gold) (nats)
     when the head is mean-ablated: a second measure, not mixed into the first. ``alignment``: the
@@ -113,17 +132,29 @@ def head_table(heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Datas
     (`countlens.circuits.headlens.HeadLens.decode` writes ``count_token`` and ``difficulty``)."""
     missing = [name for name in ("count_token", "difficulty") if name not in hl]
     if missing:
-        raise RunDirError(f"the run's HeadLens results (results/headlens.nc) lack {missing}: they were written "
-                          "by an older countlens; delete results/headlens.nc and rerun `countlens discover` "
-                          "with the same --out to recompute them")
+        raise RunDirError(
+            f"the run's HeadLens results (results/headlens.nc) lack {missing}: they were written "
+            "by an older countlens; delete results/headlens.nc and rerun `countlens discover` "
+            "with the same --out to recompute them"
+        )
     top1 = hl.token_id.isel(k=0)
     alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")
-    table = classify_heads(hl.vgs, hl.cter, att.image_attention.mean("sample"), np.abs(heads.effect),
-                           constancy(hl.token.isel(k=0)), thresholds, alignment=alignment,
-                           difficulty=hl.difficulty)
+    table = classify_heads(
+        hl.vgs,
+        hl.cter,
+        att.image_attention.mean("sample"),
+        np.abs(heads.effect),
+        constancy(hl.token.isel(k=0)),
+        thresholds,
+        alignment=alignment,
+        difficulty=hl.difficulty,
+    )
     drop = abl.logp_drop.sel(task="count")
-    table.insert(table.columns.get_loc("importance") + 1, "ablation_drop",
-                 [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])])
+    table.insert(
+        table.columns.get_loc("importance") + 1,
+        "ablation_drop",
+        [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])],
+    )
     return table
 
 
@@ -131,8 +162,21 @@ def export_heads(df: pd.DataFrame, out: str | Path, stem: str = "heads") -> list
     """Write the table as CSV, Markdown and LaTeX; returns the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cols = ["head_id", "layer", "head", "class", "importance", "ablation_drop", "image_attention", "vgs", "cter",
-            "constancy", "alignment", "difficulty", "depth"]
+    cols = [
+        "head_id",
+        "layer",
+        "head",
+        "class",
+        "importance",
+        "ablation_drop",
+        "image_attention",
+        "vgs",
+        "cter",
+        "constancy",
+        "alignment",
+        "difficulty",
+        "depth",
+    ]
     table = df[[c for c in cols if c in df and not (c in ("alignment", "difficulty") and df[c].isna().all())]]
     paths = [out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.tex"]
     table.to_csv(paths[0], index=False)

@@ -32,8 +32,9 @@ def plot_layers(vap: xr.Dataset, path: str | Path, title: str = "Visual activati
     plt, fig, ax = _figure()
     for g in vap.group.values:
         (line,) = ax.plot(vap.layer, vap.effect.sel(group=g), marker="o", label=f"{g} (effect)")
-        ax.plot(vap.layer, vap.overwrite.sel(group=g), ls="--", alpha=0.6, color=line.get_color(),
-                label=f"{g} (overwrite)")
+        ax.plot(
+            vap.layer, vap.overwrite.sel(group=g), ls="--", alpha=0.6, color=line.get_color(), label=f"{g} (overwrite)"
+        )
     ax.set(xlabel="layer", ylabel="share of the corrupt behaviour", title=title, ylim=(-0.05, 1.05))
     ax.legend(fontsize=7, ncol=2)
     return _save(plt, fig, path)
@@ -44,10 +45,17 @@ def plot_heatmap(da: xr.DataArray, path: str | Path, title: str, cmap: str = "vi
     da = da.transpose("layer", "head")
     plt, fig, ax = _figure(1.2 + 0.55 * da.sizes["head"], 1.0 + 0.42 * da.sizes["layer"])
     vmax = float(np.nanmax(np.abs(da.values))) or 1.0
-    im = ax.imshow(da.values, cmap="RdBu_r" if center else cmap, vmin=-vmax if center else None,
-                   vmax=vmax if center else None, aspect="auto")
+    im = ax.imshow(
+        da.values,
+        cmap="RdBu_r" if center else cmap,
+        vmin=-vmax if center else None,
+        vmax=vmax if center else None,
+        aspect="auto",
+    )
     for (i, j), v in np.ndenumerate(da.values):
-        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="white" if abs(v) < 0.6 * vmax else "black")
+        ax.text(
+            j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="white" if abs(v) < 0.6 * vmax else "black"
+        )
     ax.set(xlabel="head", ylabel="layer", title=title, xticks=range(da.sizes["head"]), yticks=range(da.sizes["layer"]))
     ax.set_yticklabels(da.layer.values)
     fig.colorbar(im, ax=ax, fraction=0.05)

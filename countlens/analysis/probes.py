@@ -59,7 +59,9 @@ DEFAULT_TAPS: tuple[Tap, ...] = (("vision", 0), ("vision", 1), ("projector", Non
 class ProbeConfig:
     """Hyper-parameters of the probe and its training; one config is used for every tap."""
 
-    hidden: int = 64  # bottleneck channels: countlens's own (the paper's width: presets.probe_config("counting-to-four"))
+    hidden: int = (
+        64  # bottleneck channels: countlens's own (the paper's width: presets.probe_config("counting-to-four"))
+    )
     head_hidden: int | None = None  # the YOLO head's 3×3 conv channels; None: hidden
     groups: int = 8  # GroupNorm groups; must divide hidden and head_hidden
     epochs: int = 40
@@ -182,8 +184,9 @@ def _assign(boxes: np.ndarray, rows: int, cols: int) -> list[tuple[int, int, int
     return out
 
 
-def build_targets(samples: Sequence, rows: int, cols: int
-                  ) -> tuple[Float[Tensor, "sample rows cols"], Float[Tensor, "sample rows cols 4"]]:
+def build_targets(
+    samples: Sequence, rows: int, cols: int
+) -> tuple[Float[Tensor, "sample rows cols"], Float[Tensor, "sample rows cols 4"]]:
     """(objectness, boxes): each cell's target.
 
     Boxes are normalised xyxy (fractions of the image); zero where a cell has no target.
@@ -201,8 +204,9 @@ def build_targets(samples: Sequence, rows: int, cols: int
 # ----------------------------------------------------------------------------- training
 
 
-def decode(out: Float[Tensor, "batch 5 rows cols"]
-           ) -> tuple[Float[Tensor, "batch rows cols"], Float[Tensor, "batch rows cols 4"]]:
+def decode(
+    out: Float[Tensor, "batch 5 rows cols"],
+) -> tuple[Float[Tensor, "batch rows cols"], Float[Tensor, "batch rows cols 4"]]:
     """Raw outputs → (objectness logits, boxes).
 
     Boxes are normalised xyxy: centre ``(col + 2σ(dx) − 0.5) / cols``, width ``exp(log w) / cols``.
@@ -217,8 +221,12 @@ def decode(out: Float[Tensor, "batch 5 rows cols"]
     return out[:, 0], torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
 
 
-def probe_loss(out: Float[Tensor, "batch 5 rows cols"], obj: Float[Tensor, "batch rows cols"],
-               box: Float[Tensor, "batch rows cols 4"], box_weight: float) -> Float[Tensor, ""]:
+def probe_loss(
+    out: Float[Tensor, "batch 5 rows cols"],
+    obj: Float[Tensor, "batch rows cols"],
+    box: Float[Tensor, "batch rows cols 4"],
+    box_weight: float,
+) -> Float[Tensor, ""]:
     """BCE objectness (mean over cells) + box_weight · mean (1 − GIoU) over the target cells."""
     logits, pred = decode(out)
     loss = F.binary_cross_entropy_with_logits(logits, obj)
@@ -233,7 +241,9 @@ def _check_features(features: Tensor, samples: Sequence, name: str = "features")
         shape = tuple(features.shape) if isinstance(features, Tensor) else type(features).__name__
         raise InputError(f"{name} must be a Float[Tensor, 'sample d rows cols'] map (e.g. from taps.tap); got {shape}")
     if len(features) != len(samples):
-        raise InputError(f"{name} has {len(features)} maps but {len(samples)} samples were given; pass one map per sample")
+        raise InputError(
+            f"{name} has {len(features)} maps but {len(samples)} samples were given; pass one map per sample"
+        )
 
 
 @contextmanager
@@ -248,8 +258,9 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def fit_probe(features: Float[Tensor, "sample d rows cols"], samples: Sequence, config: ProbeConfig = ProbeConfig()
-              ) -> DetectionProbe:
+def fit_probe(
+    features: Float[Tensor, "sample d rows cols"], samples: Sequence, config: ProbeConfig = ProbeConfig()
+) -> DetectionProbe:
     """Train a `DetectionProbe` on the maps ``features`` of ``samples``' images.
 
     Deterministic for a given ``config.seed`` (initialisation and batch order draw from it; the
@@ -284,8 +295,13 @@ def fit_probe(features: Float[Tensor, "sample d rows cols"], samples: Sequence, 
 
 
 @torch.no_grad()
-def predict(probe: DetectionProbe, features: Float[Tensor, "sample d rows cols"], image_size: int | tuple[int, int],
-            score_threshold: float = 0.01, nms_iou: float = 0.5) -> list[np.ndarray]:
+def predict(
+    probe: DetectionProbe,
+    features: Float[Tensor, "sample d rows cols"],
+    image_size: int | tuple[int, int],
+    score_threshold: float = 0.01,
+    nms_iou: float = 0.5,
+) -> list[np.ndarray]:
     """Per image, an (n, 5) array of detections (x0, y0, x1, y1, score) in pixels, by falling score.
 
     ``image_size`` is the side of a square image or (height, width). Detections under
@@ -321,7 +337,9 @@ def _match(pred: np.ndarray, gt: np.ndarray, iou: float) -> np.ndarray:
     tp = np.zeros(len(pred), dtype=bool)
     if len(pred) == 0 or len(gt) == 0:
         return tp
-    overlap = box_iou(torch.as_tensor(pred[:, :4], dtype=torch.float64), torch.as_tensor(gt, dtype=torch.float64)).numpy()
+    overlap = box_iou(
+        torch.as_tensor(pred[:, :4], dtype=torch.float64), torch.as_tensor(gt, dtype=torch.float64)
+    ).numpy()
     claimed = np.zeros(len(gt), dtype=bool)
     for i in np.argsort(-pred[:, 4], kind="stable"):
         cand = np.where(claimed, -1.0, overlap[i])
@@ -341,7 +359,9 @@ def average_precision(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray
     the first rank reaching that recall, or 0 if none does. AP is the mean of these 101 values.
     """
     if len(preds) != len(gt_boxes):
-        raise InputError(f"got predictions for {len(preds)} images but ground truth for {len(gt_boxes)}; pass one of each per image")
+        raise InputError(
+            f"got predictions for {len(preds)} images but ground truth for {len(gt_boxes)}; pass one of each per image"
+        )
     n_gt = sum(len(g) for g in gt_boxes)
     if n_gt == 0:
         raise InputError("gt_boxes holds no objects, so AP is undefined; evaluate on images with objects")
@@ -362,8 +382,13 @@ def average_precision(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray
     return float(np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0).mean())
 
 
-def evaluate_probe(probe: DetectionProbe, features: Float[Tensor, "sample d rows cols"], samples: Sequence,
-                   config: ProbeConfig = ProbeConfig(), by: str | None = None) -> float | dict[str, float]:
+def evaluate_probe(
+    probe: DetectionProbe,
+    features: Float[Tensor, "sample d rows cols"],
+    samples: Sequence,
+    config: ProbeConfig = ProbeConfig(),
+    by: str | None = None,
+) -> float | dict[str, float]:
     """AP@50 of ``probe`` on the maps ``features`` of ``samples`` (their scenes' boxes are the truth).
 
     With ``by`` (a meta key such as ``"case"``), a dict of AP@50 per value of ``sample.meta[by]``.
@@ -377,8 +402,10 @@ def evaluate_probe(probe: DetectionProbe, features: Float[Tensor, "sample d rows
     if by is None:
         return average_precision(preds, gts)
     keys = [str(s.meta.get(by)) for s in samples]
-    return {k: average_precision([p for p, kk in zip(preds, keys) if kk == k], [g for g, kk in zip(gts, keys) if kk == k])
-            for k in dict.fromkeys(keys)}
+    return {
+        k: average_precision([p for p, kk in zip(preds, keys) if kk == k], [g for g, kk in zip(gts, keys) if kk == k])
+        for k in dict.fromkeys(keys)
+    }
 
 
 # ----------------------------------------------------------------------------- taps
@@ -389,26 +416,44 @@ def tap_name(kind: str, index: int | None) -> str:
     return kind if index is None else f"{kind}.{index}"
 
 
-def _probe_one(vlm: VLM, train_samples: Sequence, test_samples: Sequence, tap: Tap, config: ProbeConfig,
-               batch_size: int, by_case: bool) -> dict:
+def _probe_one(
+    vlm: VLM,
+    train_samples: Sequence,
+    test_samples: Sequence,
+    tap: Tap,
+    config: ProbeConfig,
+    batch_size: int,
+    by_case: bool,
+) -> dict:
     """Extract one tap's features (train and test in one pass), fit a probe, score it; a row of results."""
     from countlens.circuits.taps import tap as read_tap
 
     start = time.perf_counter()
     feats = read_tap(vlm, list(train_samples) + list(test_samples), tap[0], tap[1], batch_size=batch_size)
     tap_seconds = time.perf_counter() - start
-    train, test = feats[: len(train_samples)], feats[len(train_samples):]
+    train, test = feats[: len(train_samples)], feats[len(train_samples) :]
     probe = fit_probe(train, train_samples, config)
-    row = {"ap50": evaluate_probe(probe, test, test_samples, config),
-           "ap50_case": evaluate_probe(probe, test, test_samples, config, by="case") if by_case else {},
-           "n_params": probe.n_params, "train_loss": probe.train_loss, "tap_seconds": tap_seconds,
-           "channels": feats.shape[1], "grid": feats.shape[2]}
+    row = {
+        "ap50": evaluate_probe(probe, test, test_samples, config),
+        "ap50_case": evaluate_probe(probe, test, test_samples, config, by="case") if by_case else {},
+        "n_params": probe.n_params,
+        "train_loss": probe.train_loss,
+        "tap_seconds": tap_seconds,
+        "channels": feats.shape[1],
+        "grid": feats.shape[2],
+    }
     row["seconds"] = time.perf_counter() - start
     return row
 
 
-def probe_taps(vlm: VLM, train_samples: Sequence, test_samples: Sequence, taps: Sequence[Tap] = DEFAULT_TAPS,
-               config: ProbeConfig = ProbeConfig(), batch_size: int = 16) -> xr.Dataset:
+def probe_taps(
+    vlm: VLM,
+    train_samples: Sequence,
+    test_samples: Sequence,
+    taps: Sequence[Tap] = DEFAULT_TAPS,
+    config: ProbeConfig = ProbeConfig(),
+    batch_size: int = 16,
+) -> xr.Dataset:
     """Train one probe per tap on ``train_samples`` and score AP@50 on ``test_samples``.
 
     Each tap's features are computed once (train and test in one pass) and dropped after its probe.
@@ -426,12 +471,18 @@ def probe_taps(vlm: VLM, train_samples: Sequence, test_samples: Sequence, taps: 
     by_case = all("case" in getattr(s, "meta", {}) for s in test_samples)
     rows = [_probe_one(vlm, train_samples, test_samples, t, config, batch_size, by_case) for t in taps]
     data = {v: ("tap", [r[v] for r in rows]) for v in ("ap50", "n_params", "train_loss", "seconds", "tap_seconds")}
-    coords = {"tap": [tap_name(k, i) for k, i in taps], "kind": ("tap", [k for k, _ in taps]),
-              "index": ("tap", [-1 if i is None else i for _, i in taps]),
-              "channels": ("tap", [r["channels"] for r in rows]), "grid": ("tap", [r["grid"] for r in rows])}
+    coords = {
+        "tap": [tap_name(k, i) for k, i in taps],
+        "kind": ("tap", [k for k, _ in taps]),
+        "index": ("tap", [-1 if i is None else i for _, i in taps]),
+        "channels": ("tap", [r["channels"] for r in rows]),
+        "grid": ("tap", [r["grid"] for r in rows]),
+    }
     if by_case:
         coords["case"] = list(rows[0]["ap50_case"])
         data["ap50_case"] = (("tap", "case"), [[r["ap50_case"][c] for c in coords["case"]] for r in rows])
     dataset = {"train": len(train_samples), "test": len(test_samples)}
-    attrs = provenance(vlm.name, vlm.arch.name, dataset=dataset, seed=config.seed, method="probe_taps", config=asdict(config))
+    attrs = provenance(
+        vlm.name, vlm.arch.name, dataset=dataset, seed=config.seed, method="probe_taps", config=asdict(config)
+    )
     return xr.Dataset(data, coords=coords, attrs=attrs)

@@ -51,14 +51,17 @@ def _counts(samples: Sequence) -> np.ndarray:
     """Int (sample,): each sample's ``meta["count"]`` (COUNTINGTRICKS and the count task set it)."""
     missing = [i for i, s in enumerate(samples) if "count" not in getattr(s, "meta", {})]
     if missing:
-        raise InputError(f"samples {missing[:5]} have no meta['count']; use counting samples "
-                         "(datasets.countingtricks or task_samples('count', ...))")
+        raise InputError(
+            f"samples {missing[:5]} have no meta['count']; use counting samples "
+            "(datasets.countingtricks or task_samples('count', ...))"
+        )
     return np.array([int(s.meta["count"]) for s in samples])
 
 
 @torch.no_grad()
-def last_token_states(vlm: VLM, samples: Sequence, layers: Sequence[int], batch_size: int = 16
-                      ) -> Float[Tensor, "layer sample d"]:
+def last_token_states(
+    vlm: VLM, samples: Sequence, layers: Sequence[int], batch_size: int = 16
+) -> Float[Tensor, "layer sample d"]:
     """Decoder layer outputs at the last prompt position.
 
     ``layers`` are read in ascending order (the returned first axis follows that order); an index
@@ -71,7 +74,7 @@ def last_token_states(vlm: VLM, samples: Sequence, layers: Sequence[int], batch_
     layers = sorted({int(x) for x in layers})
     paths = [vlm.arch.layer(layer) for layer in layers]
     out = []
-    for chunk, batch in vlm.batches(samples, batch_size):
+    for _, batch in vlm.batches(samples, batch_size):
         saved = []
         with vlm.read(batch):
             for path in paths:  # ascending, the order the layers run in
@@ -129,8 +132,14 @@ def _conditional_p(d2: np.ndarray, perplexity: float, tol: float = 1e-5, steps: 
     return p
 
 
-def tsne(x: Float[Tensor, "sample d"], dim: int = 2, perplexity: float = 30.0, n_iter: int = 750,
-         learning_rate: float | None = None, seed: int = 0) -> Float[Tensor, "sample dim"]:
+def tsne(
+    x: Float[Tensor, "sample d"],
+    dim: int = 2,
+    perplexity: float = 30.0,
+    n_iter: int = 750,
+    learning_rate: float | None = None,
+    seed: int = 0,
+) -> Float[Tensor, "sample dim"]:
     """An exact t-SNE embedding of the rows of ``x`` (≤ 500 points).
 
     van der Maaten & Hinton (2008) with the usual schedule: early exaggeration 12 for the first
@@ -141,8 +150,10 @@ def tsne(x: Float[Tensor, "sample d"], dim: int = 2, perplexity: float = 30.0, n
     if x.ndim != 2 or n < 4:
         raise InputError(f"tsne needs a (sample, d) matrix with at least 4 samples; got shape {tuple(x.shape)}")
     if n > TSNE_MAX_POINTS:
-        raise InputError(f"tsne here is exact (O(n²)) and takes at most {TSNE_MAX_POINTS} points, got {n}; "
-                         "subsample, or install scikit-learn or openTSNE for Barnes-Hut t-SNE")
+        raise InputError(
+            f"tsne here is exact (O(n²)) and takes at most {TSNE_MAX_POINTS} points, got {n}; "
+            "subsample, or install scikit-learn or openTSNE for Barnes-Hut t-SNE"
+        )
     if not 1 <= perplexity < n:
         raise InputError(f"tsne perplexity {perplexity} must be in [1, n_samples={n}); lower it")
     xs = x.double().numpy()
@@ -192,8 +203,9 @@ def silhouette(x: Float[Tensor, "sample k"], labels: np.ndarray) -> float:
     return float(s.mean())
 
 
-def separation(states: Float[Tensor, "layer sample d"], counts: Sequence[int], k: int = 10,
-               layers: Sequence[int] | None = None) -> xr.DataArray:
+def separation(
+    states: Float[Tensor, "layer sample d"], counts: Sequence[int], k: int = 10, layers: Sequence[int] | None = None
+) -> xr.DataArray:
     """Silhouette of count groups per layer, over (layer, range) with ranges "all", "1-4", "5+".
 
     ``states`` is Float[Tensor, "layer sample d"]; each layer's states are projected on their top
@@ -201,8 +213,9 @@ def separation(states: Float[Tensor, "layer sample d"], counts: Sequence[int], k
     whose count lies in the range. A range with fewer than two distinct counts gives NaN.
     """
     if states.ndim != 3:
-        raise InputError(f"states must be (layer, sample, d), e.g. from last_token_states; "
-                         f"got shape {tuple(states.shape)}")
+        raise InputError(
+            f"states must be (layer, sample, d), e.g. from last_token_states; got shape {tuple(states.shape)}"
+        )
     counts = np.asarray(counts, dtype=int)
     if len(counts) != states.shape[1]:
         raise InputError(f"got {len(counts)} counts for {states.shape[1]} samples; pass one count per sample")
@@ -216,15 +229,28 @@ def separation(states: Float[Tensor, "layer sample d"], counts: Sequence[int], k
         for ri, (lo, hi) in enumerate(RANGES.values()):
             keep = (counts >= lo) & (counts <= hi)
             values[li, ri] = silhouette(coords[torch.from_numpy(keep)], counts[keep])
-    return xr.DataArray(values, dims=("layer", "range"), coords={"layer": layers, "range": list(RANGES)},
-                        name="separation", attrs={"metric": "silhouette", "pca_k": k})
+    return xr.DataArray(
+        values,
+        dims=("layer", "range"),
+        coords={"layer": layers, "range": list(RANGES)},
+        name="separation",
+        attrs={"metric": "silhouette", "pca_k": k},
+    )
 
 
 # ----------------------------------------------------------------------------- view
 
 
-def representation_view(vlm: VLM, samples: Sequence, layers: Sequence[int], k: int = 2, separation_k: int = 10,
-                        with_tsne: bool = False, seed: int = 0, batch_size: int = 16) -> xr.Dataset:
+def representation_view(
+    vlm: VLM,
+    samples: Sequence,
+    layers: Sequence[int],
+    k: int = 2,
+    separation_k: int = 10,
+    with_tsne: bool = False,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> xr.Dataset:
     """Last-token states of ``samples`` at ``layers``: PCA maps, explained variance and separation.
 
     Variables: ``pca`` (layer, sample, pc), ``explained`` (layer, pc), ``separation`` (layer, range)
@@ -234,9 +260,11 @@ def representation_view(vlm: VLM, samples: Sequence, layers: Sequence[int], k: i
     layers = sorted({int(x) for x in layers})
     states = last_token_states(vlm, samples, layers, batch_size)
     fits = [pca(s, k) for s in states]
-    data = {"pca": (("layer", "sample", "pc"), torch.stack([f.coords for f in fits]).numpy()),
-            "explained": (("layer", "pc"), torch.stack([f.explained for f in fits]).numpy()),
-            "separation": separation(states, counts, separation_k, layers)}
+    data = {
+        "pca": (("layer", "sample", "pc"), torch.stack([f.coords for f in fits]).numpy()),
+        "explained": (("layer", "pc"), torch.stack([f.explained for f in fits]).numpy()),
+        "separation": separation(states, counts, separation_k, layers),
+    }
     if with_tsne:
         perplexity = min(30.0, (len(samples) - 1) / 3)
         maps = [tsne(s, k, perplexity=perplexity, seed=seed) for s in states]
@@ -244,18 +272,31 @@ def representation_view(vlm: VLM, samples: Sequence, layers: Sequence[int], k: i
     from countlens.results import provenance
 
     cases = [str(s.meta.get("case", s.task)) for s in samples]
-    coords = {"layer": layers, "sample": np.arange(len(samples)), "pc": np.arange(k), "count": ("sample", counts),
-              "case": ("sample", cases)}
-    attrs = provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, seed=seed,
-                       method="representation_view", position="last prompt token")
+    coords = {
+        "layer": layers,
+        "sample": np.arange(len(samples)),
+        "pc": np.arange(k),
+        "count": ("sample", counts),
+        "case": ("sample", cases),
+    }
+    attrs = provenance(
+        vlm.name,
+        vlm.arch.name,
+        dataset={"samples": len(samples)},
+        seed=seed,
+        method="representation_view",
+        position="last prompt token",
+    )
     return xr.Dataset(data, coords=coords, attrs=attrs)
 
 
 def plot_representations(ds: xr.Dataset, path: str | Path, var: str = "pca") -> Path:
     """One panel per layer: the first two ``var`` ("pca" or "tsne") coordinates coloured by count."""
     if var not in ds or ds.sizes.get("pc", 0) < 2:
-        raise InputError(f"the dataset has no 2-D {var!r} map; build it with representation_view(..., k≥2"
-                         f"{', with_tsne=True' if var == 'tsne' else ''})")
+        raise InputError(
+            f"the dataset has no 2-D {var!r} map; build it with representation_view(..., k≥2"
+            f"{', with_tsne=True' if var == 'tsne' else ''})"
+        )
     import matplotlib
 
     matplotlib.use("Agg")

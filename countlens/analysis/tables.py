@@ -31,13 +31,17 @@ def family_row(family: str) -> str:
 def _case_accuracy(name: str, ds: xr.Dataset) -> pd.Series:
     """Accuracy (%) per case of one result; raises on cases that are not COUNTINGTRICKS cases."""
     if "case" not in ds or "correct" not in ds:
-        raise InputError(f"result {name!r} has no 'case' or 'correct' variable; give a score() or generate() "
-                         "result of COUNTINGTRICKS samples")
+        raise InputError(
+            f"result {name!r} has no 'case' or 'correct' variable; give a score() or generate() "
+            "result of COUNTINGTRICKS samples"
+        )
     cases = ds["case"].values.astype(str)
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
-        raise InputError(f"result {name!r} has samples of cases {unknown} that are not COUNTINGTRICKS cases; "
-                         "select the COUNTINGTRICKS samples first, e.g. ds.where(ds.case != '', drop=True)")
+        raise InputError(
+            f"result {name!r} has samples of cases {unknown} that are not COUNTINGTRICKS cases; "
+            "select the COUNTINGTRICKS samples first, e.g. ds.where(ds.case != '', drop=True)"
+        )
     df = pd.DataFrame({"case": cases, "correct": ds["correct"].values.astype(float)})
     return 100.0 * df.groupby("case")["correct"].mean()
 
@@ -69,8 +73,11 @@ def case_table(results: dict[str, xr.Dataset]) -> pd.DataFrame:
 
 
 def _fmt(value, digits: int) -> str:
-    return "–" if value is None or (isinstance(value, float) and np.isnan(value)) else (
-        f"{value:.{digits}f}" if isinstance(value, (float, np.floating)) else str(value))
+    return (
+        "–"
+        if value is None or (isinstance(value, float) and np.isnan(value))
+        else (f"{value:.{digits}f}" if isinstance(value, (float, np.floating)) else str(value))
+    )
 
 
 def _is_mean_row(label) -> bool:

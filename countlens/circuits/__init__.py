@@ -13,7 +13,21 @@ from countlens.circuits.taps import tap
 from countlens.circuits.temperature import beta_from_importance, head_temperature
 
 __all__ = [
-    "HeadLens", "ablate", "ablation_scan", "attribution_patch", "beta_from_importance", "compare",
-    "eager_attention", "group_means", "head_temperature", "image_attention_share", "jaccard",
-    "last_token_attention", "logit_lens", "patch_heads", "patch_layers", "tap", "top_heads",
+    "HeadLens",
+    "ablate",
+    "ablation_scan",
+    "attribution_patch",
+    "beta_from_importance",
+    "compare",
+    "eager_attention",
+    "group_means",
+    "head_temperature",
+    "image_attention_share",
+    "jaccard",
+    "last_token_attention",
+    "logit_lens",
+    "patch_heads",
+    "patch_layers",
+    "tap",
+    "top_heads",
 ]

@@ -85,11 +85,17 @@ def _gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tens
     return sequence_scores(logits.unsqueeze(-2) if answer_window(answers) == 1 else logits, answers)
 
 
-def ablation_scan(vlm: VLM, tasks: dict[str, Sequence],
-                  means: (dict[str, Float[Tensor, "layer group n_heads*d_head"]]
-                          | Float[Tensor, "layer group n_heads*d_head"] | None) = None,
-                  batch_size: int = 16, store=None, progress: bool = False, shard: Shard | None = None
-                  ) -> xr.Dataset:
+def ablation_scan(
+    vlm: VLM,
+    tasks: dict[str, Sequence],
+    means: (
+        dict[str, Float[Tensor, "layer group n_heads*d_head"]] | Float[Tensor, "layer group n_heads*d_head"] | None
+    ) = None,
+    batch_size: int = 16,
+    store=None,
+    progress: bool = False,
+    shard: Shard | None = None,
+) -> xr.Dataset:
     """Ablate each head alone on each task: ``acc_drop`` and ``logp_drop`` over (task, layer, head).
 
     ``means``: per-task reference means (default: each task's own samples), or one tensor for all.
@@ -140,11 +146,17 @@ def ablation_scan(vlm: VLM, tasks: dict[str, Sequence],
         logp_drop[t] = ds.logp_drop.values.mean(1).reshape(arch.n_layers, arch.n_heads)
     names = list(tasks)
     return xr.Dataset(
-        {"acc_drop": (("task", "layer", "head"), acc_drop), "logp_drop": (("task", "layer", "head"), logp_drop),
-         "base_acc": ("task", base_acc)},
+        {
+            "acc_drop": (("task", "layer", "head"), acc_drop),
+            "logp_drop": (("task", "layer", "head"), logp_drop),
+            "base_acc": ("task", base_acc),
+        },
         coords={"task": names, "layer": np.arange(arch.n_layers), "head": np.arange(arch.n_heads)},
-        attrs={**provenance(vlm.name, vlm.arch.name, dataset={k: len(v) for k, v in tasks.items()}),
-               "method": "mean_ablation", "groups": ",".join(ABLATION_GROUPS)},
+        attrs={
+            **provenance(vlm.name, vlm.arch.name, dataset={k: len(v) for k, v in tasks.items()}),
+            "method": "mean_ablation",
+            "groups": ",".join(ABLATION_GROUPS),
+        },
     )
 
 
@@ -181,12 +193,17 @@ def _scan_chunk(vlm: VLM, chunk: Sequence, mu: Tensor, sites: list[tuple[int, in
     base = run_edits(vlm, batch, None, [[]], keep=keep)[0]
     b_ok, b_logp = _gold_scores(base, gold)
     # Reduce each replica to (correct, log p(gold)) as it comes: no full-vocabulary logits kept.
-    scores = run_edits(vlm, batch, None, replicas, keep=keep,
-                       reduce=lambda rows: torch.stack(_gold_scores(rows, gold)).float())
+    scores = run_edits(
+        vlm, batch, None, replicas, keep=keep, reduce=lambda rows: torch.stack(_gold_scores(rows, gold)).float()
+    )
     ok, logp = scores[:, 0].bool(), scores[:, 1]
-    return xr.Dataset({"correct": (("site", "sample"), ok.numpy()),
-                       "logp_drop": (("site", "sample"), (b_logp[None] - logp).numpy()),
-                       "base_correct": ("sample", b_ok.numpy())})
+    return xr.Dataset(
+        {
+            "correct": (("site", "sample"), ok.numpy()),
+            "logp_drop": (("site", "sample"), (b_logp[None] - logp).numpy()),
+            "base_correct": ("sample", b_ok.numpy()),
+        }
+    )
 
 
 def _scan_store(vlm: VLM, store, tasks: dict[str, Sequence], batch_size: int, means) -> SweepStore | None:
@@ -202,16 +219,26 @@ def _scan_store(vlm: VLM, store, tasks: dict[str, Sequence], batch_size: int, me
         for m in given:  # the means' values, not only whether there were any
             h.update(m.detach().double().cpu().numpy().tobytes())
         # "tasks" names each task and its size, in order, so one digest over all samples places them.
-        return {"sweep": "ablation_scan", "model": vlm.name, "tasks": {k: len(v) for k, v in tasks.items()},
-                "batch_size": batch_size, "samples_digest": samples_digest(s for v in tasks.values() for s in v),
-                "means_digest": h.hexdigest()[:16],
-                "given_means": sorted(means) if isinstance(means, dict) else means is not None}
+        return {
+            "sweep": "ablation_scan",
+            "model": vlm.name,
+            "tasks": {k: len(v) for k, v in tasks.items()},
+            "batch_size": batch_size,
+            "samples_digest": samples_digest(s for v in tasks.values() for s in v),
+            "means_digest": h.hexdigest()[:16],
+            "given_means": sorted(means) if isinstance(means, dict) else means is not None,
+        }
 
     return open_store(store, spec)
 
 
-def ablate(vlm: VLM, samples: Sequence, heads: Sequence[tuple[int, int]],
-           means: Float[Tensor, "layer group n_heads*d_head"] | None = None, batch_size: int = 16) -> xr.Dataset:
+def ablate(
+    vlm: VLM,
+    samples: Sequence,
+    heads: Sequence[tuple[int, int]],
+    means: Float[Tensor, "layer group n_heads*d_head"] | None = None,
+    batch_size: int = 16,
+) -> xr.Dataset:
     """Ablate ``heads`` jointly: per sample ``correct`` and ``logp`` before and after."""
     if len(samples) == 0:
         raise InputError("no samples to ablate on")
@@ -232,8 +259,11 @@ def ablate(vlm: VLM, samples: Sequence, heads: Sequence[tuple[int, int]],
             rows[key + "correct"].append(ok.numpy())
             rows[key + "logp"].append(logp.numpy())
     data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}
-    return xr.Dataset(data, coords={"sample": np.arange(len(samples))},
-                      attrs={"heads": ",".join(f"L{la}H{h}" for la, h in heads), "method": "ablate"})
+    return xr.Dataset(
+        data,
+        coords={"sample": np.arange(len(samples))},
+        attrs={"heads": ",".join(f"L{la}H{h}" for la, h in heads), "method": "ablate"},
+    )
 
 
 def top_heads(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> dict[str, list[tuple[int, int]]]:
@@ -249,5 +279,10 @@ def jaccard(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> xr.DataArra
     tops = {t: set(v) for t, v in top_heads(scan, k, by).items()}
     names = list(tops)
     mat = np.array([[len(tops[a] & tops[b]) / len(tops[a] | tops[b]) for b in names] for a in names])
-    return xr.DataArray(mat, dims=("task", "task_other"), coords={"task": names, "task_other": names},
-                        name="jaccard", attrs={"k": k, "by": by})
+    return xr.DataArray(
+        mat,
+        dims=("task", "task_other"),
+        coords={"task": names, "task_other": names},
+        name="jaccard",
+        attrs={"k": k, "by": by},
+    )

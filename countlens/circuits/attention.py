@@ -43,8 +43,9 @@ def eager_attention(vlm: VLM) -> Iterator[None]:
 
 
 @torch.no_grad()
-def last_token_attention(vlm: VLM, batch: Batch, layers: Sequence[int] | None = None
-                         ) -> Float[Tensor, "layer batch head seq"]:
+def last_token_attention(
+    vlm: VLM, batch: Batch, layers: Sequence[int] | None = None
+) -> Float[Tensor, "layer batch head seq"]:
     """Attention from the last prompt position, per head."""
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     rows = []
@@ -55,8 +56,9 @@ def last_token_attention(vlm: VLM, batch: Batch, layers: Sequence[int] | None = 
     return torch.stack([r.cpu() for r in rows])
 
 
-def image_attention_share(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None,
-                          batch_size: int = 16) -> xr.DataArray:
+def image_attention_share(
+    vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16
+) -> xr.DataArray:
     """Share of the last position's attention that lands on image tokens: (layer, head, sample)."""
     if len(samples) == 0:
         raise InputError("no samples given")
@@ -66,6 +68,9 @@ def image_attention_share(vlm: VLM, samples: Sequence, layers: Sequence[int] | N
         att = last_token_attention(vlm, batch, layers)  # layer batch head seq
         image = group_mask(batch, "image").float()
         parts.append(torch.einsum("lbhs,bs->lhb", att, image))
-    return xr.DataArray(torch.cat(parts, -1).numpy(), dims=("layer", "head", "sample"), name="image_attention",
-                        coords={"layer": layers, "head": np.arange(vlm.arch.n_heads),
-                                "sample": np.arange(len(samples))})
+    return xr.DataArray(
+        torch.cat(parts, -1).numpy(),
+        dims=("layer", "head", "sample"),
+        name="image_attention",
+        coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
+    )

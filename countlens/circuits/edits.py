@@ -8,7 +8,7 @@ layer, so those layers run once too. `cache_run` records the activations a patch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,8 +60,15 @@ def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def run_edits(vlm: VLM, batch: Batch, cache: dict | None, replicas: Sequence, max_rows: int | None = None,
-              reduce=None, keep: int = 1) -> Float[Tensor, "replicas ..."]:
+def run_edits(
+    vlm: VLM,
+    batch: Batch,
+    cache: dict | None,
+    replicas: Sequence,
+    max_rows: int | None = None,
+    reduce=None,
+    keep: int = 1,
+) -> Float[Tensor, "replicas ..."]:
     """Last-position logits with each replica's edits applied: Float[Tensor, "replicas batch vocab"]
     (with ``keep`` > 1 the last ``keep`` positions: Float[Tensor, "replicas batch keep vocab"]), or
     ``reduce(logits)`` per replica (e.g. the gold answer's log-prob) so that a long sweep over a

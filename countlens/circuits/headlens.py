@@ -11,7 +11,8 @@ Fit: ridge least squares on every real token position of a fitting set, in close
 per layer, deterministic; λ is relative to the mean eigenvalue of XᵀX, default 1e-2). R² is reported
 per layer on a held-out fifth of the positions. Both come from float64 sums accumulated batch by
 batch (XᵀX, Xᵀy, Σx, Σy, Σ|y|², for the fitting and the held-out positions), so the host keeps
-4·d_model² numbers per layer, not the positions (a 7B model's default fit: 11.7 GiB instead of 94). Scores per head, over the decoded top-k tokens at the
+4·d_model² numbers per layer, not the positions (a 7B model's default fit: 11.7 GiB instead of 94). Scores per
+head, over the decoded top-k tokens at the
 last prompt position, averaged over samples: VGS — the share of visual-attribute words (colours,
 shapes, geometry; `VISUAL_WORDS`, configurable) — CTER — the share of number tokens (digits and
 number words) — and difficulty — the share of words that say a count is hard (`DIFFICULTY_WORDS`:
@@ -80,16 +81,16 @@ class HeadLens:
 
     @classmethod
     @torch.no_grad()
-    def fit(cls, vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, ridge: float = 1e-2,
-            batch_size: int = 16) -> HeadLens:
+    def fit(
+        cls, vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, ridge: float = 1e-2, batch_size: int = 16
+    ) -> HeadLens:
         if len(samples) == 0:
             raise InputError("HeadLens.fit needs samples")
         arch = vlm.arch
         layers = list(range(arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
         chunks = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
         # The held-out fifth is drawn over all positions at once, so a first, forward-free pass counts them.
-        sizes = [int(vlm.prepare_samples(c).inputs["attention_mask"].sum())
-                 for c in chunks]
+        sizes = [int(vlm.prepare_samples(c).inputs["attention_mask"].sum()) for c in chunks]
         n = sum(sizes)
         if n < 10:
             raise InputError(f"HeadLens.fit got only {n} token positions; give more samples")
@@ -127,8 +128,9 @@ class HeadLens:
         return xr.DataArray(self.r2.numpy(), dims=("layer",), coords={"layer": self.layers}, name="r2")
 
     @torch.no_grad()
-    def head_logits(self, vlm: VLM, layer: int, z: Float[Tensor, "... n_heads*d_head"], bias: bool = True
-                    ) -> Float[Tensor, "... n_heads vocab"]:
+    def head_logits(
+        self, vlm: VLM, layer: int, z: Float[Tensor, "... n_heads*d_head"], bias: bool = True
+    ) -> Float[Tensor, "... n_heads vocab"]:
         """Each head's decoded logits from its z."""
         i = self.layers.index(layer)
         contrib = head_contributions(vlm, layer, z.float().to(self.A.device))  # ... heads d_model
@@ -140,8 +142,15 @@ class HeadLens:
         return head(norm(mapped.to(head.weight.device, dtype))).float()
 
     @torch.no_grad()
-    def decode(self, vlm: VLM, samples: Sequence, top_k: int = 10, batch_size: int = 16,
-               visual_words: frozenset[str] = VISUAL_WORDS, bias: bool = True) -> xr.Dataset:
+    def decode(
+        self,
+        vlm: VLM,
+        samples: Sequence,
+        top_k: int = 10,
+        batch_size: int = 16,
+        visual_words: frozenset[str] = VISUAL_WORDS,
+        bias: bool = True,
+    ) -> xr.Dataset:
         """Top-k decoded tokens per (layer, head, sample) at the last prompt position; per head
         ``vgs`` / ``cter`` / ``difficulty`` (shares of visual-attribute, number and difficulty tokens,
         averaged over samples); per sample ``count_token``, the first token of its count (−1 for a
@@ -150,13 +159,14 @@ class HeadLens:
             raise InputError("HeadLens.decode needs samples")
         arch = vlm.arch
         top_ids = []
-        for chunk, batch in vlm.batches(samples, batch_size):
+        for _, batch in vlm.batches(samples, batch_size):
             zs = {}
             with vlm.read(batch):
                 for layer in self.layers:
                     zs[layer] = vlm.module(arch.o_proj(layer)).input[:, -1].save()
-            per_layer = [self.head_logits(vlm, layer, zs[layer], bias).topk(top_k, -1).indices.cpu()
-                         for layer in self.layers]  # each: batch heads k
+            per_layer = [
+                self.head_logits(vlm, layer, zs[layer], bias).topk(top_k, -1).indices.cpu() for layer in self.layers
+            ]  # each: batch heads k
             top_ids.append(torch.stack(per_layer))  # layer batch heads k
         ids = torch.cat(top_ids, 1).permute(0, 2, 1, 3).numpy()  # layer head sample k
         vocab = vlm.token_strings(range(int(ids.max()) + 1))
@@ -169,17 +179,27 @@ class HeadLens:
         from countlens.results import provenance
 
         return xr.Dataset(
-            {"token_id": (("layer", "head", "sample", "k"), ids),
-             "token": (("layer", "head", "sample", "k"), tokens.astype(str)),
-             "vgs": (("layer", "head"), visual.mean((2, 3))),
-             "cter": (("layer", "head"), number.mean((2, 3))),
-             "difficulty": (("layer", "head"), hard.mean((2, 3))),
-             "count_token": ("sample", np.array(count_token)),
-             "r2": ("layer", self.r2.numpy())},
-            coords={"layer": self.layers, "head": np.arange(arch.n_heads), "sample": np.arange(len(samples)),
-                    "k": np.arange(top_k)},
-            attrs={**provenance(vlm.name, arch.name, dataset={"samples": len(samples)}), "method": "headlens",
-                   "top_k": top_k, "bias": int(bias)},
+            {
+                "token_id": (("layer", "head", "sample", "k"), ids),
+                "token": (("layer", "head", "sample", "k"), tokens.astype(str)),
+                "vgs": (("layer", "head"), visual.mean((2, 3))),
+                "cter": (("layer", "head"), number.mean((2, 3))),
+                "difficulty": (("layer", "head"), hard.mean((2, 3))),
+                "count_token": ("sample", np.array(count_token)),
+                "r2": ("layer", self.r2.numpy()),
+            },
+            coords={
+                "layer": self.layers,
+                "head": np.arange(arch.n_heads),
+                "sample": np.arange(len(samples)),
+                "k": np.arange(top_k),
+            },
+            attrs={
+                **provenance(vlm.name, arch.name, dataset={"samples": len(samples)}),
+                "method": "headlens",
+                "top_k": top_k,
+                "bias": int(bias),
+            },
         )
 
 
@@ -223,7 +243,12 @@ class _Moments:
         """1 − Σ|y − (Ax + b)|² / Σ|y − ȳ|² over these positions, from the sums alone."""
         a = a.double()
         # tr(A·Sxy) and tr(A·Sxx·Aᵀ) as elementwise sums: one d³ product instead of three.
-        resid = (self.yy - 2 * ((a * self.sxy.T).sum() + b @ self.sy)
-                 + ((a @ self.sxx) * a).sum() + 2 * b @ (a @ self.sx) + self.n * b @ b)
+        resid = (
+            self.yy
+            - 2 * ((a * self.sxy.T).sum() + b @ self.sy)
+            + ((a @ self.sxx) * a).sum()
+            + 2 * b @ (a @ self.sx)
+            + self.n * b @ b
+        )
         total = self.yy - float(self.sy @ self.sy) / self.n
         return float(1 - resid / total)

@@ -59,9 +59,11 @@ def logit_lens(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None,
     from countlens.results import provenance
 
     return xr.Dataset(
-        {"rank": (("layer", "sample"), torch.cat(ranks, 1).numpy()),
-         "prob": (("layer", "sample"), torch.cat(probs, 1).numpy()),
-         "top": (("layer", "sample"), torch.cat(tops, 1).numpy())},
+        {
+            "rank": (("layer", "sample"), torch.cat(ranks, 1).numpy()),
+            "prob": (("layer", "sample"), torch.cat(probs, 1).numpy()),
+            "top": (("layer", "sample"), torch.cat(tops, 1).numpy()),
+        },
         coords={"layer": sorted(layers), "sample": np.arange(len(samples))},
         attrs={**provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}), "method": "logit_lens"},
     )

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
     from countlens.vlm import VLM, Batch
 
+
 @dataclass
 class PairBatch:
     """A chunk of pairs prepared for patching: the two batches and each pair's two answer tokens."""
@@ -78,11 +79,15 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     _check_pairs(pairs)
     from countlens.answers import divergence
 
-    split = [divergence(vlm.answer_ids(p.clean.answer), vlm.answer_ids(p.corrupt.answer),
-                        (p.clean.answer, p.corrupt.answer)) for p in pairs]
+    split = [
+        divergence(vlm.answer_ids(p.clean.answer), vlm.answer_ids(p.corrupt.answer), (p.clean.answer, p.corrupt.answer))
+        for p in pairs
+    ]
     forced = [prefix for prefix, _, _ in split]
-    prep = lambda side: vlm.prepare([s.image for s in side], [s.question for s in side],  # noqa: E731
-                                    [s.answer for s in side], forced=forced)
+
+    def prep(side: Sequence) -> Batch:
+        return vlm.prepare([s.image for s in side], [s.question for s in side], [s.answer for s in side], forced=forced)
+
     clean = prep([p.clean for p in pairs])
     corrupt = prep([p.corrupt for p in pairs])
     a, b = clean.inputs["input_ids"], corrupt.inputs["input_ids"]
@@ -95,8 +100,10 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
         )
     for k, (g, h) in enumerate(zip(clean.geometry, corrupt.geometry)):
         if g.token_grid != h.token_grid:  # equal token counts on different grids would pass the check above
-            raise InputError(f"pair {k}: the clean image gives a {g.token_grid} token grid and the corrupt one "
-                             f"{h.token_grid}, so image token i covers different cells; give both images one size")
+            raise InputError(
+                f"pair {k}: the clean image gives a {g.token_grid} token grid and the corrupt one "
+                f"{h.token_grid}, so image token i covers different cells; give both images one size"
+            )
     return PairBatch(clean, corrupt, torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split]))
 
 
@@ -116,8 +123,9 @@ def _provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
     return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
 
 
-def _sweep(vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool,
-           shard: Shard | None = None) -> xr.Dataset:
+def _sweep(
+    vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool, shard: Shard | None = None
+) -> xr.Dataset:
     """Run ``make_edits(pair_batch)`` over chunks of pairs; per-pair logit diffs (site…, pair).
     Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
     _check_pairs(pairs)
@@ -133,10 +141,13 @@ def _sweep(vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, pr
         pb = prepare_pairs(vlm, chunk)
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers))
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
+
         # Per replica only (LD, arg-max is the corrupt answer): the full logits of an L×H sweep would be
         # L·H·pairs·vocab floats (28·28·16·152k ≈ 7.6 GB at 7B).
-        read = lambda rows: torch.stack([_logit_diff(rows, pb.clean_id, pb.corrupt_id),  # noqa: E731
-                                         (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()])
+        def read(rows: Tensor) -> Tensor:
+            to_corrupt = (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()
+            return torch.stack([_logit_diff(rows, pb.clean_id, pb.corrupt_id), to_corrupt])
+
         out = run_edits(vlm, pb.clean, cache, make_edits(pb), reduce=read)
         ld, pred = out[:, 0].contiguous(), out[:, 1].bool()
         pair = np.arange(start, start + len(chunk))
@@ -153,8 +164,9 @@ def _sweep(vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, pr
 
     parts = run_chunks(keys, chunk_result, store, shard, f"patching {len(pairs)} pairs" if progress else None)
     ds = xr.concat(parts, dim="pair", data_vars="minimal")
-    ld, clean_ld, corrupt_ld = (torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff",
-                                                                         "corrupt_logit_diff"))
+    ld, clean_ld, corrupt_ld = (
+        torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")
+    )
     effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
     ds["effect"] = (dims, effect.numpy())
     ds["overwrite"] = (dims, overwrite.numpy())
@@ -163,13 +175,21 @@ def _sweep(vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, pr
 
 
 def _pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
-    return open_store(store, lambda: {**spec, "pairs_digest": samples_digest(
-        side for p in pairs for side in (p.clean, p.corrupt))})
+    return open_store(
+        store, lambda: {**spec, "pairs_digest": samples_digest(side for p in pairs for side in (p.clean, p.corrupt))}
+    )
 
 
-def patch_layers(vlm: VLM, pairs: Sequence, groups: Sequence[str] = ("image", "last", "text"),
-                 layers: Sequence[int] | None = None, batch_size: int = 16, store=None,
-                 progress: bool = False, shard: Shard | None = None) -> xr.Dataset:
+def patch_layers(
+    vlm: VLM,
+    pairs: Sequence,
+    groups: Sequence[str] = ("image", "last", "text"),
+    layers: Sequence[int] | None = None,
+    batch_size: int = 16,
+    store=None,
+    progress: bool = False,
+    shard: Shard | None = None,
+) -> xr.Dataset:
     """Visual activation patching: xr.Dataset with ``effect`` and ``overwrite`` over (layer, group)
     and per-pair ``logit_diff`` / ``to_corrupt`` over (layer, group, pair). Layers default to −1
     (the embeddings: input of layer 0) … n_layers − 1."""
@@ -185,17 +205,38 @@ def patch_layers(vlm: VLM, pairs: Sequence, groups: Sequence[str] = ("image", "l
         masks = {g: group_mask(pb.clean, g) for g in groups}
         return [Edit(layer, masks[g]) for layer in layers for g in groups]
 
-    spec = {"sweep": "patch_layers", "model": vlm.name, "layers": layers, "groups": list(groups),
-            "pairs": len(pairs), "batch_size": batch_size}
-    ds = _sweep(vlm, pairs, edits, {"layer": layers, "group": list(groups)}, batch_size,
-                _pairs_store(store, spec, pairs), progress, shard)
+    spec = {
+        "sweep": "patch_layers",
+        "model": vlm.name,
+        "layers": layers,
+        "groups": list(groups),
+        "pairs": len(pairs),
+        "batch_size": batch_size,
+    }
+    ds = _sweep(
+        vlm,
+        pairs,
+        edits,
+        {"layer": layers, "group": list(groups)},
+        batch_size,
+        _pairs_store(store, spec, pairs),
+        progress,
+        shard,
+    )
     ds.attrs["method"] = "patch_layers"
     return ds
 
 
-def patch_heads(vlm: VLM, pairs: Sequence, layers: Sequence[int] | None = None, positions: str = "all",
-                batch_size: int = 16, store=None, progress: bool = False, shard: Shard | None = None
-                ) -> xr.Dataset:
+def patch_heads(
+    vlm: VLM,
+    pairs: Sequence,
+    layers: Sequence[int] | None = None,
+    positions: str = "all",
+    batch_size: int = 16,
+    store=None,
+    progress: bool = False,
+    shard: Shard | None = None,
+) -> xr.Dataset:
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text")."""
     layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
@@ -207,10 +248,24 @@ def patch_heads(vlm: VLM, pairs: Sequence, layers: Sequence[int] | None = None, 
         mask = group_mask(pb.clean, positions)
         return [Edit(layer, mask, head) for layer in layers for head in heads]
 
-    spec = {"sweep": "patch_heads", "model": vlm.name, "layers": layers, "positions": positions,
-            "pairs": len(pairs), "batch_size": batch_size}
-    ds = _sweep(vlm, pairs, edits, {"layer": layers, "head": heads}, batch_size, _pairs_store(store, spec, pairs),
-                progress, shard)
+    spec = {
+        "sweep": "patch_heads",
+        "model": vlm.name,
+        "layers": layers,
+        "positions": positions,
+        "pairs": len(pairs),
+        "batch_size": batch_size,
+    }
+    ds = _sweep(
+        vlm,
+        pairs,
+        edits,
+        {"layer": layers, "head": heads},
+        batch_size,
+        _pairs_store(store, spec, pairs),
+        progress,
+        shard,
+    )
     ds.attrs.update(method="patch_heads", positions=positions)
     return ds
 
@@ -262,8 +317,10 @@ def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_s
         corrupt_sum += float(_logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
     denom = corrupt_sum - clean_sum
     ds = xr.Dataset(
-        {"effect": (("layer", "head"), (head_est / denom).numpy()),
-         "resid_effect": ("layer", (resid_est / denom).numpy())},
+        {
+            "effect": (("layer", "head"), (head_est / denom).numpy()),
+            "resid_effect": ("layer", (resid_est / denom).numpy()),
+        },
         coords={"layer": np.arange(n_layers), "head": np.arange(n_heads)},
         attrs={**_provenance(vlm, pairs), "method": "attribution_patch", "positions": positions},
     )

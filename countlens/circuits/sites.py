@@ -86,8 +86,9 @@ def o_proj_weight(vlm: VLM, layer: int) -> Float[Tensor, "d_model n_heads*d_head
     return vlm.hf.get_submodule(vlm.arch.o_proj(layer)).weight
 
 
-def head_contributions(vlm: VLM, layer: int, z: Float[Tensor, "... n_heads*d_head"]
-                       ) -> Float[Tensor, "... n_heads d_model"]:
+def head_contributions(
+    vlm: VLM, layer: int, z: Float[Tensor, "... n_heads*d_head"]
+) -> Float[Tensor, "... n_heads d_model"]:
     """ĥ_i·W_O per head, from z."""
     w = o_proj_weight(vlm, layer)
     h = vlm.arch.n_heads

@@ -27,8 +27,13 @@ def open_store(store: str | SweepStore | None, spec: Callable[[], dict]) -> Swee
     return SweepStore(store, spec())
 
 
-def run_chunks(keys: Sequence[str], compute: Callable[[str], xr.Dataset | xr.DataArray],
-               store: SweepStore | None, shard: Shard, description: str | None = None) -> list:
+def run_chunks(
+    keys: Sequence[str],
+    compute: Callable[[str], xr.Dataset | xr.DataArray],
+    store: SweepStore | None,
+    shard: Shard,
+    description: str | None = None,
+) -> list:
     """Every chunk's result, in the order of ``keys``: read from ``store`` where finished, else
     ``compute(key)`` (then written to ``store``). Sharded, this rank computes its share, then waits
     for the other ranks' chunks and reads them all. ``description``: a progress line per chunk."""

@@ -63,8 +63,10 @@ def _window_index(vlm: VLM, grid_thw: Tensor) -> Tensor:
 def _vision_grid_map(acts: Tensor, vlm: VLM, batch: Batch) -> Tensor:
     spec = vlm.arch.spec
     if spec.layout != "grid":
-        raise InputError(f"vision-block taps are not mapped for {vlm.arch.name} yet (any-resolution crops); "
-                         "use the 'projector' or 'llm' taps")
+        raise InputError(
+            f"vision-block taps are not mapped for {vlm.arch.name} yet (any-resolution crops); "
+            "use the 'projector' or 'llm' taps"
+        )
     rows, cols = batch.geometry[0].patch_grid
     if any(g.patch_grid != (rows, cols) for g in batch.geometry):
         raise InputError("vision-block taps need one image size per batch")
@@ -87,8 +89,9 @@ def _vision_grid_map(acts: Tensor, vlm: VLM, batch: Batch) -> Tensor:
 
 
 @torch.no_grad()
-def tap(vlm: VLM, samples: Sequence, kind: str, index: int | None = None, batch_size: int = 16
-        ) -> Float[Tensor, "sample d rows cols"]:
+def tap(
+    vlm: VLM, samples: Sequence, kind: str, index: int | None = None, batch_size: int = 16
+) -> Float[Tensor, "sample d rows cols"]:
     """The ``kind`` tap ("vision", "projector", "llm") of every sample, laid out on the image grid."""
     if kind not in TAPS:
         raise InputError(f"unknown tap {kind!r}; use one of {TAPS}")

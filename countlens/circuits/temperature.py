@@ -56,6 +56,7 @@ def head_temperature(vlm: VLM, betas: dict[tuple[int, int], float]) -> Iterator[
 def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
     """A hook scaling head h of q by β_h; ``layout``: "bs(hd)" (q_proj output, heads·d_head last),
     "bshd" or "bhsd" (a q-norm's output, per `ArchSpec.q_norm_layout`)."""
+
     def hook(module, args, output):
         # β in float32: in bf16, 1.2 would become 1.203125.
         scale = torch.ones(n_heads, device=output.device, dtype=torch.float32)
@@ -67,14 +68,17 @@ def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
             return (output.float() * scale[:, None]).to(output.dtype)
         if layout == "bhsd" and output.dim() == 4 and output.shape[1] == n_heads and output.shape[-1] == d_head:
             return (output.float() * scale[:, None, None]).to(output.dtype)
-        raise InputError(f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__} for layout "
-                         f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in countlens/arch.py")
+        raise InputError(
+            f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__} for layout "
+            f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in countlens/arch.py"
+        )
 
     return hook
 
 
-def beta_from_importance(importance: xr.DataArray, alpha: float = 1.2, top_k: int = 10,
-                         floor: float = 1.0) -> dict[tuple[int, int], float]:
+def beta_from_importance(
+    importance: xr.DataArray, alpha: float = 1.2, top_k: int = 10, floor: float = 1.0
+) -> dict[tuple[int, int], float]:
     """β_h = α·γ_h for the ``top_k`` heads by |importance| (an xr.DataArray over layer × head)."""
     if set(importance.dims) != {"layer", "head"}:
         raise InputError(f"importance must have dims (layer, head), got {importance.dims}")

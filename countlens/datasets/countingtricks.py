@@ -78,14 +78,23 @@ class Case:
 
 def _build_cases() -> dict[str, Case]:
     cases: dict[str, Case] = {}
-    where = {"center": "at a cell centre", "vline": "on a vertical grid line", "hline": "on a horizontal grid line",
-             "cross": "on a grid intersection"}
-    variants = {"A": ((1.0, 1.0), 0.0, "size p"), "B": ((0.75, 1.5), 0.0, "size 0.75-1.5p"),
-                "C": ((1.0, 1.0), 0.2, "size p, jitter ±0.2p"), "D": ((0.75, 1.5), 0.2, "size 0.75-1.5p, jitter ±0.2p")}
+    where = {
+        "center": "at a cell centre",
+        "vline": "on a vertical grid line",
+        "hline": "on a horizontal grid line",
+        "cross": "on a grid intersection",
+    }
+    variants = {
+        "A": ((1.0, 1.0), 0.0, "size p"),
+        "B": ((0.75, 1.5), 0.0, "size 0.75-1.5p"),
+        "C": ((1.0, 1.0), 0.2, "size p, jitter ±0.2p"),
+        "D": ((0.75, 1.5), 0.2, "size 0.75-1.5p, jitter ±0.2p"),
+    }
     for k, anchor in enumerate(where, start=1):
         for letter, (size, jitter, text) in variants.items():
-            cases[f"{k}{letter}"] = Case(f"{k}{letter}", "position", f"centre {where[anchor]}, {text}",
-                                         anchor=anchor, size=size, jitter=jitter)
+            cases[f"{k}{letter}"] = Case(
+                f"{k}{letter}", "position", f"centre {where[anchor]}, {text}", anchor=anchor, size=size, jitter=jitter
+            )
     for k, d in zip(range(5, 9), (2.5, 3.0, 3.5, 4.0)):
         cases[f"{k}A"] = Case(f"{k}A", "dilation", f"cell-centred, size {d:g}p, apart", anchor="center", size=(d, d))
     adjacency = [
@@ -224,7 +233,7 @@ def _lattice(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...], 
         grid_pts, chosen = sub, [int(k) for k in rng.permutation(len(sub))[:n]]
     objs = []
     for i, k in enumerate(chosen):
-        dx, dy = (rng.uniform(-jitter, jitter, size=2) if jitter else (0.0, 0.0))
+        dx, dy = rng.uniform(-jitter, jitter, size=2) if jitter else (0.0, 0.0)
         color = colors[rng.integers(len(colors))]
         objs.append(Obj(shape, color, float(grid_pts[k][0] + dx), float(grid_pts[k][1] + dy), float(sizes[i])))
     return tuple(objs)
@@ -252,8 +261,7 @@ def _line_rotations(shapes: tuple[str, ...], size: float, angle: float) -> tuple
     side to it. Exhaustive: lines hold at most 4 objects and a triangle 4 rotations."""
     best, best_key = (0.0,) * len(shapes), (-1.0, -1.0)
     for rots in itertools.product(*(_LINE_ROTATIONS[s] for s in shapes)):
-        shared = [contact_length(a, ra, b, rb, size, angle)
-                  for a, ra, b, rb in zip(shapes, rots, shapes[1:], rots[1:])]
+        shared = [contact_length(a, ra, b, rb, size, angle) for a, ra, b, rb in zip(shapes, rots, shapes[1:], rots[1:])]
         key = (min(shared, default=0.0), sum(shared))
         if key[0] > best_key[0] + 1e-9 or (abs(key[0] - best_key[0]) <= 1e-9 and key[1] > best_key[1] + 1e-9):
             best, best_key = rots, key
@@ -350,24 +358,33 @@ def _adjacent(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...],
             hi = np.max([(x + ri, y + ri) for (_, _, x, y), ri in zip(members, r)], axis=0)
             w, h = hi - lo
             if w > g.image_width or h > g.image_height:
-                raise CountlensError(f"case {c.name}: {n} objects of {size:g}px do not fit a "
-                                     f"{g.image_width}x{g.image_height} image; use fewer objects or a larger image")
+                raise CountlensError(
+                    f"case {c.name}: {n} objects of {size:g}px do not fit a "
+                    f"{g.image_width}x{g.image_height} image; use fewer objects or a larger image"
+                )
             for _ in range(200):
                 x0 = rng.uniform(0, g.image_width - w)
                 y0 = rng.uniform(0, g.image_height - h)
                 box = np.array([x0, y0, x0 + w, y0 + h])
-                clear = all(box[0] >= b[2] + apart or b[0] >= box[2] + apart or box[1] >= b[3] + apart
-                            or b[1] >= box[3] + apart for b, _ in placed)
+                clear = all(
+                    box[0] >= b[2] + apart or b[0] >= box[2] + apart or box[1] >= b[3] + apart or b[1] >= box[3] + apart
+                    for b, _ in placed
+                )
                 if clear:
                     placed.append((box, [(s, rot, x - lo[0] + x0, y - lo[1] + y0) for s, rot, x, y in members]))
                     break
             else:
                 break
         else:
-            return tuple(Obj(s, colors[rng.integers(len(colors))], float(x), float(y), size, float(rot))
-                         for _, members in placed for s, rot, x, y in members)
-    raise CountlensError(f"case {c.name}: could not lay out {n} objects in a {g.image_width}x{g.image_height} "
-                         "image; use fewer objects or a larger image")
+            return tuple(
+                Obj(s, colors[rng.integers(len(colors))], float(x), float(y), size, float(rot))
+                for _, members in placed
+                for s, rot, x, y in members
+            )
+    raise CountlensError(
+        f"case {c.name}: could not lay out {n} objects in a {g.image_width}x{g.image_height} "
+        "image; use fewer objects or a larger image"
+    )
 
 
 # ----------------------------------------------------------------------------- samples
@@ -379,17 +396,21 @@ def resolve_counts(name: str, grid: Geometry, counts=None) -> tuple[int, ...]:
     if counts is None:
         out = tuple(n for n in DEFAULT_COUNTS if cap is None or n <= cap)
         if not out:
-            raise CountlensError(f"case {name} fits only {cap} objects on a {grid.patch_grid} patch grid, fewer than "
-                                 f"{DEFAULT_COUNTS[0]}; use a larger image or give counts= explicitly "
-                                 "(--counts on the command line)")
+            raise CountlensError(
+                f"case {name} fits only {cap} objects on a {grid.patch_grid} patch grid, fewer than "
+                f"{DEFAULT_COUNTS[0]}; use a larger image or give counts= explicitly "
+                "(--counts on the command line)"
+            )
         return out
     out = tuple(int(n) for n in counts)
     if not out or min(out) < 1:
         raise InputError(f"counts must be a non-empty list of positive integers, got {counts!r}")
     if cap is not None and max(out) > cap:
-        raise InputError(f"case {name} fits at most {cap} objects apart on a {grid.patch_grid} grid of "
-                         f"{grid.patch_size}px patches, but counts go up to {max(out)}; lower the counts "
-                         "(counts= / --counts) or use a larger image")
+        raise InputError(
+            f"case {name} fits at most {cap} objects apart on a {grid.patch_grid} grid of "
+            f"{grid.patch_size}px patches, but counts go up to {max(out)}; lower the counts "
+            "(counts= / --counts) or use a larger image"
+        )
     return out
 
 
@@ -435,10 +456,19 @@ def trick_sample(
     # Only a conflict prompt draws (its distractor), so only it pays for a generator.
     prompt_rng = sample_rng(seed, f"countingtricks/{name}/prompt", index) if PROMPTS[prompt].conflict else None
     question, prompt_meta = make_question(prompt, asked, n, prompt_rng)
-    meta = {"count": n, "case": name, "family": c.family, "shape": asked, "prompt": prompt,
-            "grid": [g.image_height, g.image_width, g.patch_size], "capacity": capacity(name, g), **prompt_meta}
-    return TaskSample(Scene(g.image_width, g.image_height, objs, background), question,
-                      answer_text(prompt, asked, n), "count", meta)
+    meta = {
+        "count": n,
+        "case": name,
+        "family": c.family,
+        "shape": asked,
+        "prompt": prompt,
+        "grid": [g.image_height, g.image_width, g.patch_size],
+        "capacity": capacity(name, g),
+        **prompt_meta,
+    }
+    return TaskSample(
+        Scene(g.image_width, g.image_height, objs, background), question, answer_text(prompt, asked, n), "count", meta
+    )
 
 
 def countingtricks(

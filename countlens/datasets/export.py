@@ -32,8 +32,15 @@ def sample_record(s: TaskSample, file: str | None = None) -> dict:
     """A JSON-ready description of a sample: question, answer, case parameters, objects and boxes."""
     boxes = s.scene.boxes().tolist() if s.scene.objects else []
     objects = [{f: getattr(o, f) for f in _OBJ_FIELDS} | {"box": b} for o, b in zip(s.scene.objects, boxes)]
-    rec = {"file": file, "question": s.question, "answer": s.answer, **s.meta, "objects": objects,
-           "image_size": [s.scene.height, s.scene.width], "case_params": CASES[s.meta["case"]].params}
+    rec = {
+        "file": file,
+        "question": s.question,
+        "answer": s.answer,
+        **s.meta,
+        "objects": objects,
+        "image_size": [s.scene.height, s.scene.width],
+        "case_params": CASES[s.meta["case"]].params,
+    }
     return rec
 
 
@@ -63,8 +70,10 @@ def _make_room(out: Path, overwrite: bool) -> None:
     if not out.exists() or not any(out.iterdir()):
         return
     if not overwrite:
-        raise InputError(f"output {out} is not empty; give a new or empty directory, or overwrite=True "
-                         "(--overwrite) to replace the COUNTINGTRICKS export there")
+        raise InputError(
+            f"output {out} is not empty; give a new or empty directory, or overwrite=True "
+            "(--overwrite) to replace the COUNTINGTRICKS export there"
+        )
     own = [p for p in out.rglob("*.png") if _OWN_IMAGE.fullmatch(p.relative_to(out).as_posix())]
     for p in own + [out / "manifest.jsonl", out / "manifest.jsonl.partial"]:
         p.unlink(missing_ok=True)
@@ -73,8 +82,9 @@ def _make_room(out: Path, overwrite: bool) -> None:
             d.rmdir()
 
 
-def generate(cases: list[str], n: int, grid: Geometry, seed: int, workers: int = 1, write_png: bool = True,
-             **kw) -> Iterator[tuple[dict, bytes | None]]:
+def generate(
+    cases: list[str], n: int, grid: Geometry, seed: int, workers: int = 1, write_png: bool = True, **kw
+) -> Iterator[tuple[dict, bytes | None]]:
     """(record, png bytes) for every (case, index), in order, from ``workers`` processes."""
     jobs = [(name, seed, i, grid, kw, write_png) for name in cases for i in range(n)]
     if workers <= 1:

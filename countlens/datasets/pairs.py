@@ -50,8 +50,10 @@ def check_kind(kind: str) -> tuple[str, ...]:
     """The single kinds of ``kind`` ("dots+polygons" → ("dots", "polygons")); raises on an unknown one."""
     parts = tuple(kind.split("+")) if isinstance(kind, str) else ()
     if not parts or any(k not in KINDS for k in parts):
-        raise InputError(f"unknown pair kind {kind!r}; use one of {KINDS}, or several joined by '+' "
-                         "(e.g. 'dots+polygons': they alternate by index)")
+        raise InputError(
+            f"unknown pair kind {kind!r}; use one of {KINDS}, or several joined by '+' "
+            "(e.g. 'dots+polygons': they alternate by index)"
+        )
     return parts
 
 
@@ -78,8 +80,10 @@ def _draw(rng, kind: str, m: int, grid: Geometry | None, image_size: int | None,
         else:
             asked = SHAPES[rng.integers(len(SHAPES))]
             shapes = [asked] * m
-        specs = [(s, OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))], float(rng.uniform(*SIZE_RANGE) * scale))
-                 for s in shapes]
+        specs = [
+            (s, OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))], float(rng.uniform(*SIZE_RANGE) * scale))
+            for s in shapes
+        ]
     objs = place_objects(rng, size, height, specs)
     noise = TEXTURE_NOISE if kind == "rendered" else 0.0
     noise_seed = int(rng.integers(2**31))
@@ -129,8 +133,15 @@ def count_pair(
     return CountPair(sample(clean, "clean"), sample(corrupt, "corrupt"), kind, index)
 
 
-def count_scene(seed: int, index: int, kind: str = "dots", grid: Geometry | None = None,
-                image_size: int | None = None, counts=SCENE_COUNTS, prompt: str = "std") -> TaskSample:
+def count_scene(
+    seed: int,
+    index: int,
+    kind: str = "dots",
+    grid: Geometry | None = None,
+    image_size: int | None = None,
+    counts=SCENE_COUNTS,
+    prompt: str = "std",
+) -> TaskSample:
     """The ``index``-th single counting scene of ``kind`` (the counts cycle by index): fine-tuning
     data (SynDot = "dots", SynPoly = "polygons") and the rendered evaluation set ("rendered")."""
     kind, own = _kind(kind, index)
@@ -150,8 +161,15 @@ def count_scenes(n: int, kind: str = "dots", grid: Geometry | None = None, seed:
     return [count_scene(seed, i, kind, grid, **kw) for i in range(n)]
 
 
-def count_pairs(n: int, clean: int | None = None, corrupt: int | None = None, kind: str = "shapes",
-                grid: Geometry | None = None, seed: int = 0, **kw) -> list[CountPair]:
+def count_pairs(
+    n: int,
+    clean: int | None = None,
+    corrupt: int | None = None,
+    kind: str = "shapes",
+    grid: Geometry | None = None,
+    seed: int = 0,
+    **kw,
+) -> list[CountPair]:
     """``n`` pairs (see `count_pair`); e.g. ``count_pairs(64, 3, 5, grid=vlm.geometry)``."""
     require_count(n, "count_pairs: n (the number of pairs)")
     return [count_pair(seed, i, kind, clean, corrupt, grid, **kw) for i in range(n)]

@@ -55,5 +55,10 @@ def indexed_png(index: np.ndarray, palette: list[tuple[int, int, int]], level: i
     rows = _pack_rows(index, bits)
     raw = np.concatenate([np.zeros((h, 1), dtype=np.uint8), rows], axis=1)  # filter byte 0: none
     header = struct.pack(">IIBBBBB", w, h, bits, 3, 0, 0, 0)  # colour type 3: indexed
-    return (_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"PLTE", bytes(c for rgb in palette for c in rgb))
-            + _chunk(b"IDAT", zlib.compress(raw.tobytes(), level)) + _chunk(b"IEND", b""))
+    return (
+        _SIGNATURE
+        + _chunk(b"IHDR", header)
+        + _chunk(b"PLTE", bytes(c for rgb in palette for c in rgb))
+        + _chunk(b"IDAT", zlib.compress(raw.tobytes(), level))
+        + _chunk(b"IEND", b"")
+    )

@@ -21,8 +21,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-PSTD = ("How many {plural} are there in the image? Respond concisely with shape counts using the "
-        "following format: {shape}: {{number}}")
+PSTD = (
+    "How many {plural} are there in the image? Respond concisely with shape counts using the "
+    "following format: {shape}: {{number}}"
+)
 NUMBER_ONLY = "How many {plural} are there in the image? Respond concisely with the number only."
 SHORT = "how many {plural} are there in the image?"
 CONFLICT_HINT = " Hint: someone said there are {distractor}."

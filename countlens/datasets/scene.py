@@ -153,8 +153,9 @@ class Scene:
         return Image.fromarray(self.render_array(), mode="RGB")
 
 
-def _footprint(shape: Shape, size: float, rotation: float, cx: float, cy: float, width: int, height: int
-               ) -> tuple[int, int, np.ndarray, tuple[int, int, int, int]]:
+def _footprint(
+    shape: Shape, size: float, rotation: float, cx: float, cy: float, width: int, height: int
+) -> tuple[int, int, np.ndarray, tuple[int, int, int, int]]:
     """(row0, col0, read-only mask over the object's bounding square, tight xyxy pixel box).
 
     The mask depends on the centre only through its offset within a pixel: a pixel centre's
@@ -174,8 +175,9 @@ def _footprint(shape: Shape, size: float, rotation: float, cx: float, cy: float,
 
 
 @lru_cache(maxsize=8192)
-def _unit_footprint(shape: Shape, size: float, rotation: float, fx: float, fy: float
-                    ) -> tuple[int, int, np.ndarray, tuple[int, int, int, int]]:
+def _unit_footprint(
+    shape: Shape, size: float, rotation: float, fx: float, fy: float
+) -> tuple[int, int, np.ndarray, tuple[int, int, int, int]]:
     """`_footprint` of an object centred at (fx, fy) with 0 ≤ fx, fy < 1, unclipped."""
     o = Obj(shape, "red", fx, fy, size, rotation)
     # Only the object's enclosing disc can be inside: test the pixels of its bounding square.

@@ -16,8 +16,20 @@ if TYPE_CHECKING:
     from countlens.vlm import VLM
 
 #: The stages of a run, in the order they run and the report reads them (`results/<stage>.nc`).
-STAGES: tuple[str, ...] = ("cases", "conflict_std", "conflict", "vap", "heads", "atp", "lens", "headlens", "attention",
-                           "attention_metrics", "ablation", "temperature")
+STAGES: tuple[str, ...] = (
+    "cases",
+    "conflict_std",
+    "conflict",
+    "vap",
+    "heads",
+    "atp",
+    "lens",
+    "headlens",
+    "attention",
+    "attention_metrics",
+    "ablation",
+    "temperature",
+)
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,9 @@ def check(c: DiscoverConfig) -> None:
         presets.get(c.preset)
 
 
-def discover(vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(),
-             log: Callable[[str], None] = print) -> Path:
+def discover(
+    vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(), log: Callable[[str], None] = print
+) -> Path:
     """Run every stage on ``vlm`` into ``out``; returns the path of ``report.md``."""
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -65,8 +66,14 @@ def discover(vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(
 
     # The template and answer form too, not only the style's name: the same name with other text or
     # another answer form asks the model another question, so it is another spec.
-    spec = {**asdict(c), "model": vlm.name, "arch": vlm.arch.name, "prompt": prompt,
-            "prompt_template": PROMPTS[prompt].template, "answer_form": PROMPTS[prompt].answer}
+    spec = {
+        **asdict(c),
+        "model": vlm.name,
+        "arch": vlm.arch.name,
+        "prompt": prompt,
+        "prompt_template": PROMPTS[prompt].template,
+        "answer_form": PROMPTS[prompt].answer,
+    }
     stages = Stages(out, spec, log)
     bs = c.batch_size
 
@@ -75,12 +82,21 @@ def discover(vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(
     sweeps = out / "results" / "sweeps"
     shard = distributed.current()
     sweep_stages = {
-        "vap": lambda: circuits.patch_layers(vlm, pairs, groups=("image", "last", "text"), batch_size=bs,
-                                             store=sweeps / "vap", progress=True, shard=shard),
-        "heads": lambda: circuits.patch_heads(vlm, pairs, batch_size=bs, store=sweeps / "heads", progress=True,
-                                              shard=shard),
-        "ablation": lambda: circuits.ablation_scan(vlm, data, batch_size=bs, store=sweeps / "ablation",
-                                                   progress=True, shard=shard),
+        "vap": lambda: circuits.patch_layers(
+            vlm,
+            pairs,
+            groups=("image", "last", "text"),
+            batch_size=bs,
+            store=sweeps / "vap",
+            progress=True,
+            shard=shard,
+        ),
+        "heads": lambda: circuits.patch_heads(
+            vlm, pairs, batch_size=bs, store=sweeps / "heads", progress=True, shard=shard
+        ),
+        "ablation": lambda: circuits.ablation_scan(
+            vlm, data, batch_size=bs, store=sweeps / "ablation", progress=True, shard=shard
+        ),
     }
     if shard.sharded:
         # Every rank takes its share of the sweeps first; then rank 0 alone runs the other stages
@@ -103,11 +119,15 @@ def discover(vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(
     stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
 
     def headlens() -> xr.Dataset:
-        return circuits.HeadLens.fit(vlm, inputs["headlens_fit"](), batch_size=bs).decode(vlm, data["count"], batch_size=bs)
+        return circuits.HeadLens.fit(vlm, inputs["headlens_fit"](), batch_size=bs).decode(
+            vlm, data["count"], batch_size=bs
+        )
 
     hl = stages.run("headlens", headlens)
-    att = stages.run("attention", lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs)
-                     .to_dataset(name="image_attention"))
+    att = stages.run(
+        "attention",
+        lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs).to_dataset(name="image_attention"),
+    )
     stages.run("attention_metrics", lambda: attention_metrics(vlm, inputs["attention_metrics"](), batch_size=bs))
     # 6. ablation across tasks
     abl = stages.run("ablation", sweep_stages["ablation"])
@@ -119,8 +139,10 @@ def discover(vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(
         base = score(vlm, held, batch_size=bs)
         with circuits.head_temperature(vlm, betas):
             sharp = score(vlm, held, batch_size=bs)
-        return xr.Dataset({"base": base.correct, "sharpened": sharp.correct},
-                          attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})})
+        return xr.Dataset(
+            {"base": base.correct, "sharpened": sharp.correct},
+            attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})},
+        )
 
     stages.run("temperature", temperature)
     table = head_table(heads, abl, hl, att, presets.thresholds(c.preset))
@@ -142,23 +164,27 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
     colors = ("red", "green", "blue")
 
     def tasks(seed_offset: int = 0) -> dict:
-        return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")}
+        return {
+            t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")
+        }
 
     position = [n for n, case in CASES.items() if case.family == "position"]
     base, distractor = conflict_styles(vlm.name)
-    conflict = lambda style: countingtricks(position, max(1, c.n_per_case // 5), grid,  # noqa: E731
-                                            seed=c.seed, prompt=style, color=colors)
+
+    def conflict(style: str) -> list:
+        return countingtricks(position, max(1, c.n_per_case // 5), grid, seed=c.seed, prompt=style, color=colors)
+
     return {
-        "pairs": lambda: count_pairs(c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt,
-                                     counts=range(1, 10)),
+        "pairs": lambda: count_pairs(
+            c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10)
+        ),
         "tasks": tasks,
         "cases": lambda: countingtricks(None, c.n_per_case, grid, seed=c.seed, prompt=prompt, color=colors),
         "conflict_std": lambda: conflict(base),
         "conflict": lambda: conflict(distractor),
         "headlens_fit": lambda: [s for samples in tasks(seed_offset=500).values() for s in samples],
-        "attention_metrics": lambda: countingtricks(None, max(1, c.n_per_case // 12), grid, seed=c.seed,
-                                                    prompt=prompt, color=colors),
+        "attention_metrics": lambda: countingtricks(
+            None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt, color=colors
+        ),
         "temperature": lambda: task_samples("count", 2 * c.n_samples, c.seed + 900, image_size=size),
     }
-
-

@@ -83,8 +83,19 @@ def training_data(recipe, grid, prompt: str, local: dict | None = None, n: int |
     return train
 
 
-EVALUATION: tuple[str, ...] = ("count (in-dist.)", "tricks position", "tricks dilation", "tricks adjacency", "color",
-                               "shape", "SynReal", "Circles (Syn)", "FSC-Val", "FSC-Test", "PixMo-Count")
+EVALUATION: tuple[str, ...] = (
+    "count (in-dist.)",
+    "tricks position",
+    "tricks dilation",
+    "tricks adjacency",
+    "color",
+    "shape",
+    "SynReal",
+    "Circles (Syn)",
+    "FSC-Val",
+    "FSC-Test",
+    "PixMo-Count",
+)
 
 
 def check_recipe(recipe, local: dict | None = None, train=None, overrides: dict | None = None) -> None:
@@ -102,8 +113,10 @@ def check_recipe(recipe, local: dict | None = None, train=None, overrides: dict 
         if not Path(path).exists():
             raise ConfigError(f"--{key} {path}: no such file or directory; give the path of a local copy")
     if recipe.training == "fsc147" and train is None and any(VARIANTS.get(r, {}).get("focus") for r in recipe.rows):
-        raise ConfigError("the focus loss needs object centres of synthetic scenes; a recipe that trains on "
-                          "FSC-147 takes rows without focus (e.g. '+SFT', '+SFT+MAS')")
+        raise ConfigError(
+            "the focus loss needs object centres of synthetic scenes; a recipe that trains on "
+            "FSC-147 takes rows without focus (e.g. '+SFT', '+SFT+MAS')"
+        )
     bad_rows = [r for r in recipe.rows if r not in VARIANTS and r != TEMPERATURE_ROW]
     if bad_rows:
         raise ConfigError(f"Recipe.rows {bad_rows}: use some of {[*VARIANTS, TEMPERATURE_ROW]}")
@@ -124,8 +137,11 @@ LOCAL_DEFAULT_SET: dict[str, str] = {"fsc147": "FSC-Test", "pixmo": "PixMo-Count
 
 def evaluation_names(recipe, local: dict | None = None) -> tuple[str, ...]:
     """The recipe's columns, plus a column for each local copy given that none of them reads."""
-    extra = [name for key, name in LOCAL_DEFAULT_SET.items()
-             if key in (local or {}) and not any(LOCAL_SETS.get(x) == key for x in recipe.evaluation)]
+    extra = [
+        name
+        for key, name in LOCAL_DEFAULT_SET.items()
+        if key in (local or {}) and not any(LOCAL_SETS.get(x) == key for x in recipe.evaluation)
+    ]
     return (*recipe.evaluation, *extra)
 
 
@@ -135,12 +151,21 @@ def _check_training_source(recipe, local: dict | None) -> None:
     if recipe.training not in TRAINING:
         raise ConfigError(f"Recipe.training={recipe.training!r}: use one of {TRAINING}")
     if recipe.training == "fsc147" and not (local or {}).get("fsc147"):
-        raise ConfigError("this recipe fine-tunes on FSC-147's train split: pass a local copy "
-                          "(`--fsc147 ROOT` / local={'fsc147': ROOT}); no data set is downloaded")
+        raise ConfigError(
+            "this recipe fine-tunes on FSC-147's train split: pass a local copy "
+            "(`--fsc147 ROOT` / local={'fsc147': ROOT}); no data set is downloaded"
+        )
 
 
-def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
-                    names: Sequence[str] | None = None, local: dict | None = None, log=print) -> dict[str, list]:
+def evaluation_sets(
+    grid,
+    n: int = 200,
+    prompt: str = "short",
+    seed: int = 7,
+    names: Sequence[str] | None = None,
+    local: dict | None = None,
+    log=print,
+) -> dict[str, list]:
     """The evaluation columns ``names`` (default: countlens's own, `DEFAULT_RECIPE.evaluation`), ``n``
     scenes each (COUNTINGTRICKS families: n/8 per case; colour, shape: n/2). A local benchmark's column
     (`LOCAL_SETS`) comes from ``local`` and is left out, with a line in the log, when no copy is given."""
@@ -173,9 +198,12 @@ def evaluation_sets(grid, n: int = 200, prompt: str = "short", seed: int = 7,
         "color": lambda: task_samples("color", n // 2, seed, image_size=size),
         "shape": lambda: task_samples("shape", n // 2, seed, image_size=size),
         "SynReal": lambda: count_scenes(n, "rendered", grid, seed=seed, prompt=prompt),
-        "Circles (Syn)": lambda: countingtricks(None, max(1, n // len(CASES)), grid, seed=seed, prompt=prompt,
-                                                shapes="circle", color=colors),
-        "FSC-Val": fsc("val"), "FSC-Test": fsc("test"), "PixMo-Count": pixmo,
+        "Circles (Syn)": lambda: countingtricks(
+            None, max(1, n // len(CASES)), grid, seed=seed, prompt=prompt, shapes="circle", color=colors
+        ),
+        "FSC-Val": fsc("val"),
+        "FSC-Test": fsc("test"),
+        "PixMo-Count": pixmo,
     }
     unknown = [x for x in names if x not in makers]
     if unknown:
@@ -245,7 +273,9 @@ def recipe_config(recipe, n_train: int, **given) -> FinetuneConfig:
     values = {**recipe.config, **given}
     _check_fields(values, "Recipe.config / overrides")
     if recipe.epochs is not None and "steps" not in given:
-        per_step = values.get("batch_size", FinetuneConfig.batch_size) * values.get("grad_accum", FinetuneConfig.grad_accum)
+        per_step = values.get("batch_size", FinetuneConfig.batch_size) * values.get(
+            "grad_accum", FinetuneConfig.grad_accum
+        )
         values["steps"] = max(1, math.ceil(recipe.epochs * n_train / per_step))
     return FinetuneConfig(**values)
 
@@ -261,11 +291,25 @@ def _check_fields(values: dict, what: str) -> None:
         raise ConfigError(f"{what}: {unknown} are not FinetuneConfig fields; use some of {sorted(known)}")
 
 
-def before_after(model: str, circuit: str | Path, out: str | Path, config: FinetuneConfig | None = None,
-                 overrides: dict | None = None, train=None, sets: dict[str, list] | None = None,
-                 alpha: float = 1.2, top_k: int = 3, batch_size: int = 32, n_train: int | None = None,
-                 n_eval: int = 200, extra_sets: dict | None = None, recipe=None, preset: str = "",
-                 local: dict | None = None, log=print) -> pd.DataFrame | None:
+def before_after(
+    model: str,
+    circuit: str | Path,
+    out: str | Path,
+    config: FinetuneConfig | None = None,
+    overrides: dict | None = None,
+    train=None,
+    sets: dict[str, list] | None = None,
+    alpha: float = 1.2,
+    top_k: int = 3,
+    batch_size: int = 32,
+    n_train: int | None = None,
+    n_eval: int = 200,
+    extra_sets: dict | None = None,
+    recipe=None,
+    preset: str = "",
+    local: dict | None = None,
+    log=print,
+) -> pd.DataFrame | None:
     """Train the recipe's variants and evaluate them; returns the table (rows: variants) and writes it.
 
     ``recipe``: a `countlens.training.recipe.Recipe` (default: the ``preset``'s, else countlens's own). Without
@@ -289,21 +333,36 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     say = log if lead else (lambda _: None)
     train = training_data(recipe, base.geometry, prompt, local, n_train) if train is None else train
     config = recipe_config(recipe, len(train), **(overrides or {})) if config is None else config
-    layers = config.target_layers or (tuple(range(base.arch.n_layers)) if recipe.layers == "all"
-                                      else target_layers_from(circuit))
+    layers = config.target_layers or (
+        tuple(range(base.arch.n_layers)) if recipe.layers == "all" else target_layers_from(circuit)
+    )
     config = replace(config, target_layers=tuple(layers))
-    sets = evaluation_sets(base.geometry, n_eval, prompt=prompt, names=evaluation_names(recipe, local), local=local,
-                           log=say) if sets is None else sets
+    sets = (
+        evaluation_sets(
+            base.geometry, n_eval, prompt=prompt, names=evaluation_names(recipe, local), local=local, log=say
+        )
+        if sets is None
+        else sets
+    )
     sets = {**sets, **(extra_sets or {})}
     generated = frozenset(name for name in sets if name in LOCAL_SETS) | frozenset(extra_sets or {})
     betas = beta_from_importance(importance_from(circuit, recipe.temperature_classes), alpha=alpha, top_k=top_k)
     rows = ["baseline", *recipe.rows]
     # Each row's metrics are kept in out/accuracies.json, so a resumed run evaluates only what is new.
-    done = _Rows(out / "accuracies.json", {"model": str(model), "preset": preset, "rows": rows,
-                                            "metrics": ["accuracy", "mae"], "sets": {k: len(v) for k, v in sets.items()},
-                                            "digest": samples_digest([*train, *(x for v in sets.values() for x in v)]),
-                                            "config": json.loads(json.dumps(asdict(config), default=str)),
-                                            "n_train": len(train), "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()}})
+    done = _Rows(
+        out / "accuracies.json",
+        {
+            "model": str(model),
+            "preset": preset,
+            "rows": rows,
+            "metrics": ["accuracy", "mae"],
+            "sets": {k: len(v) for k, v in sets.items()},
+            "digest": samples_digest([*train, *(x for v in sets.values() for x in v)]),
+            "config": json.loads(json.dumps(asdict(config), default=str)),
+            "n_train": len(train),
+            "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()},
+        },
+    )
     if lead:
         log(f"baseline: {done.get('baseline', lambda: _metrics(base, sets, batch_size, generated))}")
     for name in (r for r in recipe.rows if r in VARIANTS):
@@ -313,14 +372,20 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
             continue
         variant = replace(config, **VARIANTS[name])
         with Bar(f"training {name}", variant.steps) if lead else nullcontext() as bar:
-            adapter = finetune(base, train, out / name.strip("+").replace("+", "_").lower(), variant,
-                               progress=lambda row: bar.update(row["step"] + 1, f"loss {row['loss']:.3f}"))
+            adapter = finetune(
+                base,
+                train,
+                out / name.strip("+").replace("+", "_").lower(),
+                variant,
+                progress=lambda row: bar.update(row["step"] + 1, f"loss {row['loss']:.3f}"),
+            )
         if not lead:
             continue
         tuned = with_adapter(model, adapter)
-        log(f"{name}: {done.get(name, lambda: _metrics(tuned, sets, batch_size, generated))}")
+        log(f"{name}: {done.get(name, lambda tuned=tuned: _metrics(tuned, sets, batch_size, generated))}")
         if TEMPERATURE_ROW in wanted:
-            def sharpened():
+
+            def sharpened(tuned=tuned):
                 with head_temperature(tuned, betas):
                     return _metrics(tuned, sets, batch_size, generated)
 
@@ -328,9 +393,14 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
     if not lead:
         return None
     table = pd.DataFrame(done.rows).T.loc[rows]
-    table.attrs.update(target_layers=list(layers), betas={f"L{a}H{b}": v for (a, b), v in betas.items()},
-                       n_train=len(train), n_eval={k: len(v) for k, v in sets.items()}, preset=preset,
-                       alpha=alpha)
+    table.attrs.update(
+        target_layers=list(layers),
+        betas={f"L{a}H{b}": v for (a, b), v in betas.items()},
+        n_train=len(train),
+        n_eval={k: len(v) for k, v in sets.items()},
+        preset=preset,
+        alpha=alpha,
+    )
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "before_after.csv")
     (out / "before_after.md").write_text(_markdown(table, config, recipe))
@@ -339,15 +409,23 @@ def before_after(model: str, circuit: str | Path, out: str | Path, config: Finet
 
 def _markdown(table: pd.DataFrame, config: FinetuneConfig, recipe) -> str:
     a = table.attrs
-    shown = pd.DataFrame({c: (table[c].astype(float).round(2) if c.endswith(" MAE") else (100 * table[c].astype(float)).round(1))
-                          for c in table.columns}, index=table.index)
+    shown = pd.DataFrame(
+        {
+            c: (table[c].astype(float).round(2) if c.endswith(" MAE") else (100 * table[c].astype(float)).round(1))
+            for c in table.columns
+        },
+        index=table.index,
+    )
     terms = {row: VARIANTS.get(row, VARIANTS["+SFT+focus"]) for row in table.index if row != "baseline"}
     lambdas = "; ".join(f"{row}: λ_focus {t['focus']}, λ_mas {t['mas']}" for row, t in terms.items())
     source = f"preset `{a['preset']}`" if a["preset"] else "countlens's own recipe (no preset)"
-    temperature = (f" Temperature row: β = α·γ_h, α = {a['alpha']}, on {a['betas']}." if TEMPERATURE_ROW in table.index
-                   else "")
-    return (f"{shown.to_markdown()}\n\nAccuracy in %, MAE in counts (parsed answers of counting sets). {source}: "
-            f"LoRA r={config.lora_r} (α {config.lora_alpha}) on the language model's attention projections, "
-            f"{config.steps} steps × batch {config.batch_size}, lr {config.lr}, warm-up {config.warmup:.0%}; "
-            f"target layers {a['target_layers']}; {lambdas} (σ = {config.sigma} cell, τ = {config.tau}).{temperature} "
-            f"{a['n_train']} training scenes ({recipe.training}); evaluation sizes {a['n_eval']}.\n")
+    temperature = (
+        f" Temperature row: β = α·γ_h, α = {a['alpha']}, on {a['betas']}." if TEMPERATURE_ROW in table.index else ""
+    )
+    return (
+        f"{shown.to_markdown()}\n\nAccuracy in %, MAE in counts (parsed answers of counting sets). {source}: "
+        f"LoRA r={config.lora_r} (α {config.lora_alpha}) on the language model's attention projections, "
+        f"{config.steps} steps × batch {config.batch_size}, lr {config.lr}, warm-up {config.warmup:.0%}; "
+        f"target layers {a['target_layers']}; {lambdas} (σ = {config.sigma} cell, τ = {config.tau}).{temperature} "
+        f"{a['n_train']} training scenes ({recipe.training}); evaluation sizes {a['n_eval']}.\n"
+    )

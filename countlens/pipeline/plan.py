@@ -72,8 +72,11 @@ def forward_flops(w: Widths, f: Forward, patches: int) -> float:
     text += 4 * f.rows * f.seq * (f.seq + f.context) * w.n_heads * w.d_head * layers
     head = 2 * w.lm_head * f.rows * f.keep
     merged = patches // (w.merge * w.merge)
-    vision = images * (2 * (w.vision_linear + w.patch_embed) * patches + 2 * w.projector_linear * merged
-                       + 4 * patches**2 * w.vision_width * w.vision_blocks)
+    vision = images * (
+        2 * (w.vision_linear + w.patch_embed) * patches
+        + 2 * w.projector_linear * merged
+        + 4 * patches**2 * w.vision_width * w.vision_blocks
+    )
     if f.grad:  # backward through activations only: about twice the forward's matmuls
         text, head = 3 * text, 3 * head
     return float(text + head + vision)
@@ -140,24 +143,48 @@ class Plan:
         import pandas as pd
 
         gib = 1 << 30
-        rows = [{"stage": s.name, "forwards": sum(f.count for f in s.forwards),
-                 "rows": max(f.rows for f in s.forwards), "tokens": max(f.seq for f in s.forwards),
-                 "batch": s.batch, "kept_gib": round(s.kept / gib, 3), "host_gib": round(s.host / gib, 3),
-                 "peak_gib": round(self.peak(s) / gib, 2), "tflop": round(self.flops(s) / 1e12, 3)}
-                for s in self.stages]
+        rows = [
+            {
+                "stage": s.name,
+                "forwards": sum(f.count for f in s.forwards),
+                "rows": max(f.rows for f in s.forwards),
+                "tokens": max(f.seq for f in s.forwards),
+                "batch": s.batch,
+                "kept_gib": round(s.kept / gib, 3),
+                "host_gib": round(s.host / gib, 3),
+                "peak_gib": round(self.peak(s) / gib, 2),
+                "tflop": round(self.flops(s) / 1e12, 3),
+            }
+            for s in self.stages
+        ]
         return pd.DataFrame(rows).set_index("stage")
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
 
-        return {"model": self.model, "device": self.device, "memory_bytes": self.memory,
-                "image_size": self.image_size, "patches": self.patches,
-                "weights_bytes": self.widths.weight_bytes, "base_bytes": self.base, "free_bytes": self.free,
-                "widths": asdict(self.widths),
-                "stages": {s.name: {"peak_bytes": self.peak(s), "flops": self.flops(s), "kept_bytes": s.kept,
-                                    "host_bytes": s.host, "rows": max(f.rows for f in s.forwards),
-                                    "forwards": sum(f.count for f in s.forwards), "notes": s.notes}
-                           for s in self.stages}}
+        return {
+            "model": self.model,
+            "device": self.device,
+            "memory_bytes": self.memory,
+            "image_size": self.image_size,
+            "patches": self.patches,
+            "weights_bytes": self.widths.weight_bytes,
+            "base_bytes": self.base,
+            "free_bytes": self.free,
+            "widths": asdict(self.widths),
+            "stages": {
+                s.name: {
+                    "peak_bytes": self.peak(s),
+                    "flops": self.flops(s),
+                    "kept_bytes": s.kept,
+                    "host_bytes": s.host,
+                    "rows": max(f.rows for f in s.forwards),
+                    "forwards": sum(f.count for f in s.forwards),
+                    "notes": s.notes,
+                }
+                for s in self.stages
+            },
+        }
 
 
 def _chunk_sizes(n: int, size: int) -> dict[int, int]:
@@ -168,8 +195,17 @@ def _chunk_sizes(n: int, size: int) -> dict[int, int]:
     return sizes
 
 
-def _stacked(w: Widths, firsts: list[int], n: int, seq: int, rows: int, keep: int, count: int, patches: int,
-             extra_per_row: int = 0) -> list[Forward]:
+def _stacked(
+    w: Widths,
+    firsts: list[int],
+    n: int,
+    seq: int,
+    rows: int,
+    keep: int,
+    count: int,
+    patches: int,
+    extra_per_row: int = 0,
+) -> list[Forward]:
     """The stacked forwards of `run_edits` over replicas whose lowest edited layers are ``firsts``:
     sorted, ``rows // n`` replicas a pass, layers below a pass's first edit skipped."""
     per_pass = max(1, rows // n)
@@ -177,8 +213,17 @@ def _stacked(w: Widths, firsts: list[int], n: int, seq: int, rows: int, keep: in
     out = []
     for i in range(0, len(order), per_pass):
         k = len(order[i : i + per_pass])
-        out.append(Forward(k * n, seq, count=count, keep=keep, layers=w.n_layers - max(0, order[i]), images=0,
-                           extra=k * n * (extra_per_row + replica_copy_bytes(w, seq, patches))))
+        out.append(
+            Forward(
+                k * n,
+                seq,
+                count=count,
+                keep=keep,
+                layers=w.n_layers - max(0, order[i]),
+                images=0,
+                extra=k * n * (extra_per_row + replica_copy_bytes(w, seq, patches)),
+            )
+        )
     return out
 
 
@@ -225,8 +270,17 @@ class _Planner:
         for n, k in _chunk_sizes(len(samples), step).items():
             fw.append(Forward(n, seq, count=k * times, cache=True))
             if width:
-                fw.append(Forward(n * per, width, count=k * times, keep=width, images=0, context=seq,
-                                  extra=n * per * width * w.vocab * 8))
+                fw.append(
+                    Forward(
+                        n * per,
+                        width,
+                        count=k * times,
+                        keep=width,
+                        images=0,
+                        context=seq,
+                        extra=n * per * width * w.vocab * 8,
+                    )
+                )
         return StagePlan(name, fw, batch=step, notes=[f"candidate scoring: {per} rows a sample, {width} forced tokens"])
 
     def _patching(self, name: str, firsts: list[int]) -> StagePlan:
@@ -263,8 +317,9 @@ class _Planner:
         w, samples = self.w, self.samples("tasks")["count"]
         seq = self._seq(samples, forced=True)
         a = max(len(self.vlm.answer_ids(s.answer)) for s in samples)
-        fw = [Forward(n, seq, count=k, extra=n * a * w.vocab * 12)
-              for n, k in _chunk_sizes(len(samples), self.bs).items()]
+        fw = [
+            Forward(n, seq, count=k, extra=n * a * w.vocab * 12) for n, k in _chunk_sizes(len(samples), self.bs).items()
+        ]
         return StagePlan("lens", fw, batch=self.bs)
 
     def headlens(self) -> StagePlan:
@@ -273,8 +328,10 @@ class _Planner:
         seq = self._seq(fit)
         n0 = min(self.bs, len(fit))
         fw = [Forward(n, seq, count=k) for n, k in _chunk_sizes(len(fit), self.bs).items()]
-        fw += [Forward(n, self._seq(decode), count=k, extra=n * w.n_heads * w.vocab * 8)
-               for n, k in _chunk_sizes(len(decode), self.bs).items()]
+        fw += [
+            Forward(n, self._seq(decode), count=k, extra=n * w.n_heads * w.vocab * 8)
+            for n, k in _chunk_sizes(len(decode), self.bs).items()
+        ]
         tokens = n0 * seq  # one batch's positions, an upper bound: padding is dropped
         # float64 sums: XᵀX and Xᵀy of the fitting and held-out positions per layer, one product being
         # added, and the solve's matrices at the end; one batch's y and one layer's x with its two parts.
@@ -305,8 +362,9 @@ class _Planner:
             n0 = min(self.bs, len(samples))
             task_kept = w.n_layers * n0 * seq * dz * b  # the means pass saves every layer's z
             edit_values = w.n_layers * n0 * seq * (dz * 4 + w.n_heads)  # float32 values and masks, per head
-            rows = _sweep_rows(w, seq, self.free - (edit_values if self.vlm.device.type == "cpu" else 0), 0, keep,
-                               self.patches)
+            rows = _sweep_rows(
+                w, seq, self.free - (edit_values if self.vlm.device.type == "cpu" else 0), 0, keep, self.patches
+            )
             kept, host = max(kept, task_kept), max(host, edit_values)
             for n, k in _chunk_sizes(len(samples), self.bs).items():
                 fw += [Forward(n, seq, count=k), Forward(n, seq, count=k, keep=keep)]
@@ -334,16 +392,29 @@ def plan(vlm: VLM, config=None, memory: int | None = None, device: str | None = 
     if base is None:
         base = max(0, resident_bytes() - (w.weight_bytes if loaded else 0)) if where == "cpu" else 0
     if memory is None:
-        memory = free_bytes(vlm.device if loaded else "cpu") + (w.weight_bytes if loaded else 0) + (
-            base if loaded else 0)
+        memory = (
+            free_bytes(vlm.device if loaded else "cpu") + (w.weight_bytes if loaded else 0) + (base if loaded else 0)
+        )
     free = memory - w.weight_bytes - base
     if free <= 0:
-        raise ConfigError(f"{vlm.name}'s weights ({w.weight_bytes / 2**30:.1f} GiB) and the runtime "
-                         f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
-                         "memory, a smaller dtype, or several devices (device_map='auto')")
+        raise ConfigError(
+            f"{vlm.name}'s weights ({w.weight_bytes / 2**30:.1f} GiB) and the runtime "
+            f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
+            "memory, a smaller dtype, or several devices (device_map='auto')"
+        )
     p = _Planner(vlm, c, free)
-    stages = [p.score("cases", p.samples("cases")), p.score("conflict_std", p.samples("conflict_std")),
-              p.score("conflict", p.samples("conflict")), p.vap(), p.heads(), p.atp(), p.lens(), p.headlens(),
-              p.attention(), p.attention_metrics(), p.ablation(),
-              p.score("temperature", p.samples("temperature"), times=2)]
+    stages = [
+        p.score("cases", p.samples("cases")),
+        p.score("conflict_std", p.samples("conflict_std")),
+        p.score("conflict", p.samples("conflict")),
+        p.vap(),
+        p.heads(),
+        p.atp(),
+        p.lens(),
+        p.headlens(),
+        p.attention(),
+        p.attention_metrics(),
+        p.ablation(),
+        p.score("temperature", p.samples("temperature"), times=2),
+    ]
     return Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory)

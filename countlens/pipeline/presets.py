@@ -51,59 +51,97 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "counting-circuits": Preset(
-        "counting-circuits", "Counting Circuits (paper 002)",
+        "counting-circuits",
+        "Counting Circuits (paper 002)",
         discover={"pair_kind": "dots+polygons", "prompt": "std", "jaccard_k": 20},
-        thresholds={"early": 0.1, "routing_from": 0.6, "routing_to": 0.9, "late": 0.8, "align_min": 0.5,
-                    "difficulty_min": 0.1},
+        thresholds={
+            "early": 0.1,
+            "routing_from": 0.6,
+            "routing_to": 0.9,
+            "late": 0.8,
+            "align_min": 0.5,
+            "difficulty_min": 0.1,
+        },
         finetune=Recipe(
-            config={"lora_r": 64, "lora_alpha": 128, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "sigma": 1.0,
-                    "ce_on": "digits"},
-            epochs=2, rows=("+SFT", "+SFT+focus", "+SFT+focus+temperature"), training="syn", n_train=8000,
+            config={
+                "lora_r": 64,
+                "lora_alpha": 128,
+                "lr": 2e-5,
+                "batch_size": 2,
+                "warmup": 0.03,
+                "sigma": 1.0,
+                "ce_on": "digits",
+            },
+            epochs=2,
+            rows=("+SFT", "+SFT+focus", "+SFT+focus+temperature"),
+            training="syn",
+            n_train=8000,
             evaluation=("SynReal", "PixMo-Count", "color", "shape"),
             temperature_classes=("cross-modal routing", "counting aggregation"),
-            sources={"lora_r": "Training: LoRA r = 64 on every self-attention projection",
-                     "lora_alpha": "countlens's own (the paper gives none): 2 × r",
-                     "lr": "Training: AdamW, lr 2e-5, bf16", "batch_size": "Training: batch size 2",
-                     "warmup": "Training: 3 % warm-up, linear decay", "epochs": "Training: 2 epochs",
-                     "sigma": "Key design 3: Gaussian prior with sigma = 1 (cells)",
-                     "ce_on": "Training: L_SFT is the cross-entropy of the generated count digit tokens only",
-                     "focus": "Training: L = L_SFT + lambda L_focus, lambda = 1.0",
-                     "training": "Training: 8,000 SynDot + SynPoly images (countlens: half each, counts 1-10)",
-                     "rows": "Ablation table: Baseline / +SFT / +SFT+L_focus / Full (+ beta_h)",
-                     "evaluation": "Main table: SynReal and PixMo-Count accuracy and MAE (countlens: SynReal is "
-                                   "rendered textured scenes; colour/shape stand in for the general-reasoning columns)",
-                     "temperature_classes": "Key design 4: beta_h = alpha * gamma_h on the routing and "
-                                            "aggregation heads, alpha = 1.2"}),
-        sources={"pair_kind": "Key design 1: pairs of synthetic images differing only in count (black dots; "
-                              "the SynDot and SynPoly data, alternating)",
-                 "prompt": "the Pstd prompt of the evaluation",
-                 "jaccard_k": "Key findings: top-20 critical heads per task, Jaccard between tasks",
-                 "early": "Key design 2: visual-grounding heads concentrated in layer 1",
-                 "routing_from": "Key design 2: routing heads in layers 18-24 (depth 0.63-0.89 of 28 layers)",
-                 "routing_to": "Key design 2: routing heads in layers 18-24",
-                 "late": "Key design 2: aggregation heads in layers 23-28 (depth >= 0.81)",
-                 "align_min": "Key design 2: aggregation output highly aligns with the final number "
-                              "(countlens: top-1 token = the count's first token on >= half the samples)",
-                 "difficulty_min": "Key design 2: awareness heads write 'difficult', 'impossible' at large counts "
-                                   "(countlens: >= 10 % of the top-10 tokens are difficulty words)"},
+            sources={
+                "lora_r": "Training: LoRA r = 64 on every self-attention projection",
+                "lora_alpha": "countlens's own (the paper gives none): 2 × r",
+                "lr": "Training: AdamW, lr 2e-5, bf16",
+                "batch_size": "Training: batch size 2",
+                "warmup": "Training: 3 % warm-up, linear decay",
+                "epochs": "Training: 2 epochs",
+                "sigma": "Key design 3: Gaussian prior with sigma = 1 (cells)",
+                "ce_on": "Training: L_SFT is the cross-entropy of the generated count digit tokens only",
+                "focus": "Training: L = L_SFT + lambda L_focus, lambda = 1.0",
+                "training": "Training: 8,000 SynDot + SynPoly images (countlens: half each, counts 1-10)",
+                "rows": "Ablation table: Baseline / +SFT / +SFT+L_focus / Full (+ beta_h)",
+                "evaluation": "Main table: SynReal and PixMo-Count accuracy and MAE (countlens: SynReal is "
+                "rendered textured scenes; colour/shape stand in for the general-reasoning columns)",
+                "temperature_classes": "Key design 4: beta_h = alpha * gamma_h on the routing and "
+                "aggregation heads, alpha = 1.2",
+            },
+        ),
+        sources={
+            "pair_kind": "Key design 1: pairs of synthetic images differing only in count (black dots; "
+            "the SynDot and SynPoly data, alternating)",
+            "prompt": "the Pstd prompt of the evaluation",
+            "jaccard_k": "Key findings: top-20 critical heads per task, Jaccard between tasks",
+            "early": "Key design 2: visual-grounding heads concentrated in layer 1",
+            "routing_from": "Key design 2: routing heads in layers 18-24 (depth 0.63-0.89 of 28 layers)",
+            "routing_to": "Key design 2: routing heads in layers 18-24",
+            "late": "Key design 2: aggregation heads in layers 23-28 (depth >= 0.81)",
+            "align_min": "Key design 2: aggregation output highly aligns with the final number "
+            "(countlens: top-1 token = the count's first token on >= half the samples)",
+            "difficulty_min": "Key design 2: awareness heads write 'difficult', 'impossible' at large counts "
+            "(countlens: >= 10 % of the top-10 tokens are difficulty words)",
+        },
     ),
     "counting-to-four": Preset(
-        "counting-to-four", "Counting to Four is still a Chore for VLMs (paper 000)",
+        "counting-to-four",
+        "Counting to Four is still a Chore for VLMs (paper 000)",
         discover={"n_per_case": 1000, "prompt": "std"},
         finetune=Recipe(
-            config={"tau": 0.4}, epochs=10, rows=("+SFT", "+SFT+MAS"), training="fsc147", n_train=None,
-            evaluation=("Circles (Syn)", "FSC-Val", "FSC-Test"), layers="all",
-            sources={"tau": "Method steps (4): tau = 0.4", "mas": "Method steps (4): lambda_mas = 0.1",
-                     "epochs": "Method steps (4): 10 epochs", "training": "Method steps (4): FSC-147 SFT data",
-                     "rows": "Table 4: SFT against SFT + MAS",
-                     "evaluation": "Table 4: Circles (Syn), FSC-Val, FSC-Test exact-match accuracy (countlens "
-                                   "adds MAE; Circles (Syn) is COUNTINGTRICKS drawn in circles only)",
-                     "layers": "countlens's own: the paper's MAS_l, averaged over every layer"}),
+            config={"tau": 0.4},
+            epochs=10,
+            rows=("+SFT", "+SFT+MAS"),
+            training="fsc147",
+            n_train=None,
+            evaluation=("Circles (Syn)", "FSC-Val", "FSC-Test"),
+            layers="all",
+            sources={
+                "tau": "Method steps (4): tau = 0.4",
+                "mas": "Method steps (4): lambda_mas = 0.1",
+                "epochs": "Method steps (4): 10 epochs",
+                "training": "Method steps (4): FSC-147 SFT data",
+                "rows": "Table 4: SFT against SFT + MAS",
+                "evaluation": "Table 4: Circles (Syn), FSC-Val, FSC-Test exact-match accuracy (countlens "
+                "adds MAE; Circles (Syn) is COUNTINGTRICKS drawn in circles only)",
+                "layers": "countlens's own: the paper's MAS_l, averaged over every layer",
+            },
+        ),
         probe={"hidden": 512, "head_hidden": 256},
-        sources={"hidden": "Table 3: 1x1 bottleneck; 1.7-2.2 M parameters, 0.5 M apart between 1024- and "
-                           "2048-channel taps (countlens: 512 channels, 1.71 M / 2.23 M)",
-                 "head_hidden": "Table 3: a shared YOLO head (countlens: 256 channels, about 1.18 M parameters)",
-                 "n_per_case": "Method steps: 32 cases x 1,000 samples", "prompt": "Method steps: the Pstd prompt"},
+        sources={
+            "hidden": "Table 3: 1x1 bottleneck; 1.7-2.2 M parameters, 0.5 M apart between 1024- and "
+            "2048-channel taps (countlens: 512 channels, 1.71 M / 2.23 M)",
+            "head_hidden": "Table 3: a shared YOLO head (countlens: 256 channels, about 1.18 M parameters)",
+            "n_per_case": "Method steps: 32 cases x 1,000 samples",
+            "prompt": "Method steps: the Pstd prompt",
+        },
     ),
 }
 

@@ -29,8 +29,12 @@ from countlens.results import top_sites
 FINETUNE_SECTION = "## 9. Circuit-guided fine-tune"
 
 # The report's prose: templates/report.md.j2. `fmt` formats as an f-string does (format(x, ".3f")).
-_TEMPLATES = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), keep_trailing_newline=True,
-                         undefined=StrictUndefined, autoescape=False)
+_TEMPLATES = Environment(
+    loader=FileSystemLoader(Path(__file__).parent / "templates"),
+    keep_trailing_newline=True,
+    undefined=StrictUndefined,
+    autoescape=False,
+)
 _TEMPLATES.filters["fmt"] = format
 
 
@@ -43,8 +47,9 @@ def _transition(vap: xr.Dataset) -> tuple[int | None, int | None]:
     return (max(img_layers) if img_layers else None), (min(last_layers) if last_layers else None)
 
 
-def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | None = None,
-                 prompt: str | None = None) -> Path:
+def write_report(
+    model: str, arch: str, out: str | Path, table: pd.DataFrame | None = None, prompt: str | None = None
+) -> Path:
     """Figures and ``report.md`` from the results in ``out`` (``table``: the head table, else heads.csv)."""
     out = Path(out)
     r = load_run(out)
@@ -56,8 +61,10 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     mas_iou = per_layer.unstack("outcome")[["mas", "iou"]].round(3)
     mas_iou.columns = [f"{m} ({o})" for m, o in mas_iou.columns]
     if "pixel_iou" not in am:
-        raise RunDirError(f"{out}/results/attention_metrics.nc lacks 'pixel_iou': it was written by an older "
-                          f"countlens; delete it and rerun `countlens discover --out {out}` to recompute it")
+        raise RunDirError(
+            f"{out}/results/attention_metrics.nc lacks 'pixel_iou': it was written by an older "
+            f"countlens; delete it and rerun `countlens discover --out {out}` to recompute it"
+        )
     by_head = am.pixel_iou.mean("sample", skipna=True).fillna(0.0)
     pixel_iou = {"top_head": _argmax_head(by_head), "mean": float(by_head.mean())}
     table = pd.read_csv(out / "heads.csv") if table is None else table
@@ -74,13 +81,24 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     plots.plot_bars(by_case, figs / "cases.png", "COUNTINGTRICKS accuracy per case")
     plots.plot_layers(vap, figs / "vap.png")
     plots.plot_heatmap(heads.effect, figs / "heads.png", "Head patching effect (z, all positions)", center=True)
-    plots.plot_scatter(heads.effect, atp.effect, figs / "atp.png", "exact patching effect", "AtP estimate",
-                       f"AtP vs exact (Spearman {atp_score['spearman']:.2f})")
+    plots.plot_scatter(
+        heads.effect,
+        atp.effect,
+        figs / "atp.png",
+        "exact patching effect",
+        "AtP estimate",
+        f"AtP vs exact (Spearman {atp_score['spearman']:.2f})",
+    )
     plots.plot_lens(lens, figs / "lens.png")
-    plots.plot_heatmap(att.image_attention.mean("sample"), figs / "image_attention.png",
-                       "Attention of the last token on image tokens")
-    plots.plot_heatmap(abl.logp_drop.sel(task="count"), figs / "ablation_count.png",
-                       "Mean ablation: drop in log p(gold), counting", center=True)
+    plots.plot_heatmap(
+        att.image_attention.mean("sample"), figs / "image_attention.png", "Attention of the last token on image tokens"
+    )
+    plots.plot_heatmap(
+        abl.logp_drop.sel(task="count"),
+        figs / "ablation_count.png",
+        "Mean ablation: drop in log p(gold), counting",
+        center=True,
+    )
     first_img, first_last = _transition(vap)
     decoded_layer = next((int(la) for la in lens.layer.values if float(lens["rank"].sel(layer=la).median()) == 0), None)
     sharp = float(temp.sharpened.mean()), float(temp.base.mean())
@@ -90,32 +108,52 @@ def write_report(model: str, arch: str, out: str | Path, table: pd.DataFrame | N
     if spec.get("preset"):
         chosen = presets.get(spec["preset"])
         values = {**chosen.discover, **chosen.thresholds}
-        preset = {"name": chosen.name, "paper": chosen.paper,
-                  "settings": ", ".join(f"{k_} = {v}" for k_, v in values.items())}
+        preset = {
+            "name": chosen.name,
+            "paper": chosen.paper,
+            "settings": ", ".join(f"{k_} = {v}" for k_, v in values.items()),
+        }
     text = _TEMPLATES.get_template("report.md.j2").render(
-        model=model, arch=arch, prompt=prompt, preset=preset,
+        model=model,
+        arch=arch,
+        prompt=prompt,
+        preset=preset,
         family={f: fam_acc.get(f, float("nan")) for f in ("position", "dilation", "adjacency")},
         n_cases=int(cases.sizes["sample"]),
         overall={"accuracy": overall["accuracy"], "mae": overall["mae"]},
         case_table=by_case.to_frame().T.round(2).to_markdown(index=False),
         avoidance={"r": avoid["r"], "per_count": ", ".join(f"{k}: {v:.2f}" for k, v in avoid["per_count"].items())},
         conflict={**dic, "style": conflict_styles(model)[0]},
-        vap={"n_pairs": int(vap.sizes["pair"]), "image_sentence": _image_sentence(first_img), "first_last": first_last,
-             "effect_table": vap.effect.to_pandas().round(3).to_markdown(),
-             "overwrite_table": vap.overwrite.to_pandas().round(3).to_markdown()},
+        vap={
+            "n_pairs": int(vap.sizes["pair"]),
+            "image_sentence": _image_sentence(first_img),
+            "first_last": first_last,
+            "effect_table": vap.effect.to_pandas().round(3).to_markdown(),
+            "overwrite_table": vap.overwrite.to_pandas().round(3).to_markdown(),
+        },
         top_effects=_top_effects(heads.effect, 5),
         atp=atp_score,
         lens={"decoded_layer": decoded_layer, "final_p_gold": float(lens.prob.isel(layer=-1).mean())},
-        headlens={"r2": ", ".join(f"{float(v):.2f}" for v in hl.r2.values),
-                  "most_image_attentive": _argmax_head(att.image_attention.mean("sample")),
-                  "top_vgs": _argmax_head(hl.vgs), "top_cter": _argmax_head(hl.cter)},
+        headlens={
+            "r2": ", ".join(f"{float(v):.2f}" for v in hl.r2.values),
+            "most_image_attentive": _argmax_head(att.image_attention.mean("sample")),
+            "top_vgs": _argmax_head(hl.vgs),
+            "top_cter": _argmax_head(hl.cter),
+        },
         attention={"n_scenes": int(am.sizes["sample"]), "mas_iou_table": mas_iou.to_markdown(), "pixel_iou": pixel_iou},
         classes_table=pd.Series(classes).to_frame("heads").to_markdown(),
         heads_table=table.head(10).round(3).to_markdown(index=False),
-        ablation={"k": jac.attrs["k"], "top_heads": "; ".join(f"{t}: {v}" for t, v in tops.items()),
-                  "jaccard_table": jac.to_pandas().round(2).to_markdown()},
-        temperature={"betas": temp.attrs["betas"], "base": sharp[1], "sharpened": sharp[0],
-                     "n_scenes": int(temp.sizes["sample"])},
+        ablation={
+            "k": jac.attrs["k"],
+            "top_heads": "; ".join(f"{t}: {v}" for t, v in tops.items()),
+            "jaccard_table": jac.to_pandas().round(2).to_markdown(),
+        },
+        temperature={
+            "betas": temp.attrs["betas"],
+            "base": sharp[1],
+            "sharpened": sharp[0],
+            "n_scenes": int(temp.sizes["sample"]),
+        },
     )
     path = out / "report.md"
     if path.exists() and FINETUNE_SECTION in path.read_text():
@@ -133,8 +171,10 @@ def _image_sentence(layer: int | None) -> str:
     if layer is None:
         return "Image tokens never carry half the effect by themselves, not even at the input"
     if layer == -1:
-        return ("Image tokens carry the count at the input (layer −1, the embeddings) but not after layer 0: "
-                "layer 0 already moves it onto text positions")
+        return (
+            "Image tokens carry the count at the input (layer −1, the embeddings) but not after layer 0: "
+            "layer 0 already moves it onto text positions"
+        )
     return f"Image tokens carry at least half the effect up to layer {layer}"
 
 

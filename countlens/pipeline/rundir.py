@@ -56,11 +56,15 @@ class Stages:
             old = read_spec(out)
             lacking = sorted(set(spec) - set(old))
             if lacking:
-                raise RunDirError(f"{spec_file} lacks {lacking}: it was written by an older countlens; rerun "
-                                  f"into a new --out directory")
+                raise RunDirError(
+                    f"{spec_file} lacks {lacking}: it was written by an older countlens; rerun "
+                    f"into a new --out directory"
+                )
             if old != spec:
-                raise RunDirError(f"{out} holds a run with a different spec ({old}); use a new --out directory "
-                                  f"or the same settings ({spec})")
+                raise RunDirError(
+                    f"{out} holds a run with a different spec ({old}); use a new --out directory "
+                    f"or the same settings ({spec})"
+                )
         self.dir.mkdir(parents=True, exist_ok=True)
         if not spec_file.exists():
             results.write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic: ranks may race

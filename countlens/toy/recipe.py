@@ -14,13 +14,37 @@ from countlens.datasets.scene import OBJECT_COLORS, SHAPES
 from countlens.errors import CountlensError
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>", "[UNK]",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "[UNK]",
 ]
 NUMBER_WORDS = [
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-    "nineteen", "twenty",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
 ]
 # Words of the organism's tasks and of the papers' prompts (Pstd, Digit-in-Conflict), so that
 # those prompts tokenize without unknown words even where the organism never saw them.
@@ -32,13 +56,17 @@ WORDS = (
     "circle circles square squares triangle triangles dot dots ball balls item items thing things "
     "big small large tiny round"
 ).split()
-VOCAB: list[str] = list(dict.fromkeys(
-    SPECIAL_TOKENS
-    + [str(i) for i in range(0, 101)]
-    + NUMBER_WORDS
-    + list(OBJECT_COLORS) + ["black", "white", "gray", "grey", "pink", "brown"]
-    + list(SHAPES) + WORDS
-))
+VOCAB: list[str] = list(
+    dict.fromkeys(
+        SPECIAL_TOKENS
+        + [str(i) for i in range(0, 101)]
+        + NUMBER_WORDS
+        + list(OBJECT_COLORS)
+        + ["black", "white", "gray", "grey", "pink", "brown"]
+        + list(SHAPES)
+        + WORDS
+    )
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -97,19 +125,27 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 1e-3
     warmup: int = 100
-    vision_pretrain: int = 0  # steps of shape pretraining of the vision tower on small crops (off in the shipped recipe)
+    vision_pretrain: int = (
+        0  # steps of shape pretraining of the vision tower on small crops (off in the shipped recipe)
+    )
     crop_size: int = 64  # side (px) of those one-object crops; objects keep their in-scene sizes
     crop_batch: int = 64
-    pretrain_reads: str = "tokens"  # what vision_pretrain's head reads: the "centre" token, pooled "tokens", pooled "patches"
+    pretrain_reads: str = (
+        "tokens"  # what vision_pretrain's head reads: the "centre" token, pooled "tokens", pooled "patches"
+    )
     vision_warmup: int = 300  # steps of dense pretraining of the vision tower (see train.vision_warmup)
-    freeze_vision: bool = False  # freeze patch embedding and blocks after crop pretraining (else after the dense warmup)
+    freeze_vision: bool = (
+        False  # freeze patch embedding and blocks after crop pretraining (else after the dense warmup)
+    )
     weight_decay: float = 0.01
     task_mix: dict = field(default_factory=lambda: {"count": 0.7, "color": 0.15, "shape": 0.15})
     threads: int = 2
 
     def __post_init__(self) -> None:
         if self.pretrain_reads not in ("centre", "tokens", "patches"):
-            raise CountlensError(f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'centre', 'tokens' or 'patches'")
+            raise CountlensError(
+                f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'centre', 'tokens' or 'patches'"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -106,7 +106,11 @@ def pretraining_crops(seed: int, step: int, cfg: ToyConfig, tc: TrainConfig) -> 
     out = []
     for i in range(step * tc.crop_batch, (step + 1) * tc.crop_batch):
         rng = sample_rng(TRAIN_SEED_BASE + seed, "crop", i)
-        spec = (SHAPES[rng.integers(len(SHAPES))], OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))], float(rng.uniform(lo, hi)))
+        spec = (
+            SHAPES[rng.integers(len(SHAPES))],
+            OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))],
+            float(rng.uniform(lo, hi)),
+        )
         out.append(Scene(tc.crop_size, tc.crop_size, place_objects(rng, tc.crop_size, tc.crop_size, [spec])))
     return out
 
@@ -148,7 +152,9 @@ def vision_pretrain(model, cfg: ToyConfig, tc: TrainConfig) -> list[float]:
             read = feats[arange, torch.tensor([token_index(sc.objects[0], crop_cfg) for sc in scenes])]
         else:
             read = feats.max(1).values
-        loss = torch.nn.functional.cross_entropy(heads["shape"](read), torch.tensor([SHAPES.index(sc.objects[0].shape) for sc in scenes]))
+        loss = torch.nn.functional.cross_entropy(
+            heads["shape"](read), torch.tensor([SHAPES.index(sc.objects[0].shape) for sc in scenes])
+        )
         if patches:
             color = torch.tensor([OBJECT_COLORS.index(sc.objects[0].color) for sc in scenes])
             loss = loss + torch.nn.functional.cross_entropy(heads["color"](read), color)
@@ -229,13 +235,17 @@ def freeze_tower(model) -> None:
         p.requires_grad_(False)
 
 
-def training_batch(collate: Collator, step: int, cfg: ToyConfig, tc: TrainConfig) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def training_batch(
+    collate: Collator, step: int, cfg: ToyConfig, tc: TrainConfig
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Model inputs and answer ids of main-training step ``step``: a pure function of (seed, step)."""
     idx = range(step * tc.batch_size, (step + 1) * tc.batch_size)
     return collate([training_sample(tc.seed, i, cfg, tc) for i in idx])
 
 
-def answer_step(model, opt: torch.optim.Optimizer, inputs: dict[str, torch.Tensor], answers: torch.Tensor) -> torch.Tensor:
+def answer_step(
+    model, opt: torch.optim.Optimizer, inputs: dict[str, torch.Tensor], answers: torch.Tensor
+) -> torch.Tensor:
     """One optimiser step on the cross-entropy of the answer token at the last prompt position; returns the loss."""
     logits = model(**inputs, logits_to_keep=1).logits[:, -1]
     loss = torch.nn.functional.cross_entropy(logits, answers)
@@ -269,8 +279,10 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
     """Train and save the organism to ``out`` (HF format + recipe + log). Returns the last log row."""
     out = Path(out)
     if tc.vision_pretrain and tc.crop_size % cfg.geometry.token_size:
-        raise CountlensError(f"crop_size {tc.crop_size} is not a multiple of the organism's token size "
-                             f"{cfg.geometry.token_size} px; choose e.g. {4 * cfg.geometry.token_size}")
+        raise CountlensError(
+            f"crop_size {tc.crop_size} is not a multiple of the organism's token size "
+            f"{cfg.geometry.token_size} px; choose e.g. {4 * cfg.geometry.token_size}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(tc.threads)
     tokenizer, image_processor = build_tokenizer(), build_image_processor(cfg)
@@ -280,7 +292,8 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tc.lr, betas=(0.9, 0.98),
+        lr=tc.lr,
+        betas=(0.9, 0.98),
     )
     start = time.time()
     crops = vision_pretrain(model, cfg, tc) if tc.vision_pretrain else []
@@ -298,15 +311,26 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
     # The weights are written only after the last step, so an interrupted run leaves no checkpoint.
     with (out / "train_log.jsonl").open("w") as log:
         for step in range(0, len(crops), 100):
-            log.write(json.dumps({"vision_pretrain_step": step, "loss": round(float(np.mean(crops[step : step + 100])), 4)}) + "\n")
+            log.write(
+                json.dumps({"vision_pretrain_step": step, "loss": round(float(np.mean(crops[step : step + 100])), 4)})
+                + "\n"
+            )
         for step in range(0, len(warm), 50):
-            log.write(json.dumps({"vision_warmup_step": step, "loss": round(float(np.mean(warm[step : step + 50])), 4)}) + "\n")
+            log.write(
+                json.dumps({"vision_warmup_step": step, "loss": round(float(np.mean(warm[step : step + 50])), 4)})
+                + "\n"
+            )
         for step in range(tc.steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, tc)
             loss = answer_step(model, opt, *training_batch(collate, step, cfg, tc))
             if step % 50 == 0 or step == tc.steps - 1:
-                row = {"step": step, "loss": round(loss.item(), 4), "lr": lr_at(step, tc), "elapsed_s": round(time.time() - start, 1)}
+                row = {
+                    "step": step,
+                    "loss": round(loss.item(), 4),
+                    "lr": lr_at(step, tc),
+                    "elapsed_s": round(time.time() - start, 1),
+                }
                 if step % 250 == 0 or step == tc.steps - 1:
                     row["held_out_acc"] = round(quick_accuracy(model, collate, held_out), 4)
                 log.write(json.dumps(row) + "\n")

@@ -38,8 +38,9 @@ def attention_at(vlm: VLM, layers: Sequence[int]) -> Iterator[dict[int, object]]
         for layer in range(arch.n_layers):
             attn = vlm.hf.get_submodule(arch.self_attn(layer))
             if layer in layers:
-                handles.append(attn.register_forward_hook(
-                    lambda m, args, out, layer=layer: captured.__setitem__(layer, out[1])))
+                handles.append(
+                    attn.register_forward_hook(lambda m, args, out, layer=layer: captured.__setitem__(layer, out[1]))
+                )
             elif fast == "sdpa":  # SDPA takes eager's additive masks; flash attention does not
                 own = copy.copy(attn.config)
                 own._attn_implementation = fast

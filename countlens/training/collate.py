@@ -57,12 +57,19 @@ def training_batch(vlm: VLM, samples: Sequence, ce_on: str = "answer") -> TrainB
     for name, t in prompt.inputs.items():
         # Per-token tensors (ids, attention mask, token-type ids) grow by the answer columns.
         if isinstance(t, Tensor) and t.shape[:2] == (n, length) and t.dim() == 2:
-            extra = tail if name == "input_ids" else tail_mask if name == "attention_mask" else torch.zeros_like(tail, dtype=t.dtype)
+            extra = (
+                tail
+                if name == "input_ids"
+                else tail_mask
+                if name == "attention_mask"
+                else torch.zeros_like(tail, dtype=t.dtype)
+            )
             inputs[name] = torch.cat([t, extra], dim=1)
     # The attention losses shape every position that predicts an answer token, whatever the CE reads.
     targets = answer_targets(labels)
-    return TrainBatch(inputs, digit_labels(vlm, labels, samples) if ce_on == "digits" else labels, targets,
-                      prompt, samples)
+    return TrainBatch(
+        inputs, digit_labels(vlm, labels, samples) if ce_on == "digits" else labels, targets, prompt, samples
+    )
 
 
 def digit_labels(vlm: VLM, labels: Tensor, samples: Sequence = ()) -> Tensor:
@@ -75,8 +82,10 @@ def digit_labels(vlm: VLM, labels: Tensor, samples: Sequence = ()) -> Tensor:
     empty = [b for b in range(len(out)) if keep[b].any() and not (out[b] != IGNORE).any()]
     if empty:
         answer = samples[empty[0]].answer if len(samples) > empty[0] else "?"
-        raise InputError(f"ce_on='digits': the answer of sample {empty[0]} ({answer!r}) has no digit token; "
-                         "give digit answers (a Pstd or number prompt) or train with ce_on='answer'")
+        raise InputError(
+            f"ce_on='digits': the answer of sample {empty[0]} ({answer!r}) has no digit token; "
+            "give digit answers (a Pstd or number prompt) or train with ce_on='answer'"
+        )
     return out
 
 

@@ -70,12 +70,12 @@ class FinetuneConfig:
     extra: dict = field(default_factory=dict)
 
 
-def target_layers_from(circuit, classes: Sequence[str] = ("visual grounding", "cross-modal routing"),
-                       fallback_k: int = 3) -> tuple[int, ...]:
+def target_layers_from(
+    circuit, classes: Sequence[str] = ("visual grounding", "cross-modal routing"), fallback_k: int = 3
+) -> tuple[int, ...]:
     """Layers of the circuit's heads in ``classes``; else of its ``fallback_k`` most important heads.
 
     ``circuit``: a `countlens discover` run directory (its ``heads.csv``) or a head table DataFrame."""
-    import pandas as pd
 
     if isinstance(circuit, (str, Path)):
         circuit = read_heads(circuit)
@@ -101,8 +101,10 @@ def read_heads(circuit: str | Path):
         raise RunDirError(f"{path} is not a head table ({err}); rerun `countlens discover --out {circuit}`") from None
     missing = [c for c in HEAD_COLUMNS if c not in table.columns]
     if missing or table.empty:
-        raise RunDirError(f"{path} is not a countlens head table: it lacks the columns {missing or list(HEAD_COLUMNS)} "
-                          f"or has no rows; rerun `countlens discover --out {circuit}` or `countlens classify --run {circuit}`")
+        raise RunDirError(
+            f"{path} is not a countlens head table: it lacks the columns {missing or list(HEAD_COLUMNS)} "
+            f"or has no rows; rerun `countlens discover --out {circuit}` or `countlens classify --run {circuit}`"
+        )
     try:
         table = table.astype({"layer": int, "head": int, "importance": float})
     except (ValueError, TypeError) as err:
@@ -114,12 +116,21 @@ def _lora_config(vlm: VLM, config: FinetuneConfig):
     from peft import LoraConfig
 
     spec = vlm.arch.spec
-    layers = config.target_layers if config.lora_target_layers_only and config.target_layers else range(vlm.arch.n_layers)
+    layers = (
+        config.target_layers if config.lora_target_layers_only and config.target_layers else range(vlm.arch.n_layers)
+    )
     # A full-match regex on module names: only the language model's attention projections.
-    pattern = (rf"{re.escape(spec.layers)}\.({'|'.join(str(x) for x in layers)})\.{re.escape(spec.self_attn)}"
-               rf"\.({'|'.join(PROJECTIONS)})")
-    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=pattern, bias="none")
+    pattern = (
+        rf"{re.escape(spec.layers)}\.({'|'.join(str(x) for x in layers)})\.{re.escape(spec.self_attn)}"
+        rf"\.({'|'.join(PROJECTIONS)})"
+    )
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=pattern,
+        bias="none",
+    )
 
 
 def _lr_lambda(config: FinetuneConfig) -> Callable[[int], float]:
@@ -148,7 +159,9 @@ def _save_checkpoint(model, state_dict: dict, optimizer, scheduler, step: int, l
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state_dict)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}, tmp / "state.pt")
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}, tmp / "state.pt"
+    )
     (tmp / "log.json").write_text(json.dumps(log))
     # Swap directories so that a crash leaves either the old or the new checkpoint complete.
     if final.exists():
@@ -165,8 +178,13 @@ def _latest_checkpoint(out: Path) -> Path | None:
     return None
 
 
-def finetune(vlm: VLM, samples: Sequence, out: str | Path, config: FinetuneConfig = FinetuneConfig(),
-             progress: Callable[[dict], None] | None = None) -> Path:
+def finetune(
+    vlm: VLM,
+    samples: Sequence,
+    out: str | Path,
+    config: FinetuneConfig = FinetuneConfig(),
+    progress: Callable[[dict], None] | None = None,
+) -> Path:
     """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
     adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
     from accelerate import Accelerator, InitProcessGroupKwargs
@@ -179,8 +197,10 @@ def finetune(vlm: VLM, samples: Sequence, out: str | Path, config: FinetuneConfi
         raise InputError("no training samples")
     attn_terms = config.focus > 0 or config.mas > 0
     if attn_terms and not config.target_layers:
-        raise ConfigError("focus/MAS losses need target_layers (e.g. target_layers_from('runs/toy')); "
-                          "or set focus=0 and mas=0 for plain SFT")
+        raise ConfigError(
+            "focus/MAS losses need target_layers (e.g. target_layers_from('runs/toy')); "
+            "or set focus=0 and mas=0 for plain SFT"
+        )
     for layer in config.target_layers:
         vlm.arch.layer(layer)
     if config.ce_on not in CE_ON:
@@ -190,8 +210,12 @@ def finetune(vlm: VLM, samples: Sequence, out: str | Path, config: FinetuneConfi
     from countlens.results import samples_digest
 
     spec_file = out / "finetune.json"
-    spec = {"model": vlm.name, "samples": len(samples), "digest": samples_digest(samples),
-            **{k: v for k, v in asdict(config).items() if k != "save_every"}}
+    spec = {
+        "model": vlm.name,
+        "samples": len(samples),
+        "digest": samples_digest(samples),
+        **{k: v for k, v in asdict(config).items() if k != "save_every"},
+    }
     spec = json.loads(json.dumps(spec))
     # A saved spec is compared whole: a field it lacks (a digest included) leaves unknown what that
     # fine-tune trained with, so it resumes nothing.
@@ -199,21 +223,27 @@ def finetune(vlm: VLM, samples: Sequence, out: str | Path, config: FinetuneConfi
     if saved is not None:
         lacking = sorted(set(spec) - set(saved))
         if lacking:
-            raise RunDirError(f"{spec_file} lacks {lacking}: it was written by an older countlens; fine-tune "
-                              f"into a new directory")
+            raise RunDirError(
+                f"{spec_file} lacks {lacking}: it was written by an older countlens; fine-tune into a new directory"
+            )
         if saved != spec:
             raise RunDirError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
     out.mkdir(parents=True, exist_ok=True)
     write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
 
     torch.manual_seed(config.seed)
-    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, cpu=not torch.cuda.is_available(),
-                              mixed_precision="bf16" if torch.cuda.is_available() else "no",
-                              # rank 0 may evaluate for long between two fine-tunes while the others wait
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=4))])
+    accelerator = Accelerator(
+        gradient_accumulation_steps=config.grad_accum,
+        cpu=not torch.cuda.is_available(),
+        mixed_precision="bf16" if torch.cuda.is_available() else "no",
+        # rank 0 may evaluate for long between two fine-tunes while the others wait
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=4))],
+    )
     if config.batch_size % accelerator.num_processes:
-        raise ConfigError(f"batch_size {config.batch_size} is the global batch, split between "
-                          f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}")
+        raise ConfigError(
+            f"batch_size {config.batch_size} is the global batch, split between "
+            f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}"
+        )
     frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
     peft_model = get_peft_model(vlm.hf, _lora_config(vlm, config))
     try:
@@ -229,8 +259,10 @@ def _check_digit_answers(vlm: VLM, samples: Sequence) -> None:
     """ce_on='digits' trains on the answers' digit tokens: refuse, before training, an answer without one."""
     for answer in sorted({s.answer for s in samples}):
         if not any(digit_mask(vlm, vlm.answer_ids(answer))):
-            raise InputError(f"ce_on='digits': the answer {answer!r} has no digit token; give digit answers "
-                             "(a Pstd or number prompt) or train with ce_on='answer'")
+            raise InputError(
+                f"ce_on='digits': the answer {answer!r} has no digit token; give digit answers "
+                "(a Pstd or number prompt) or train with ce_on='answer'"
+            )
 
 
 def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: FinetuneConfig, progress) -> Path:
@@ -251,9 +283,11 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
     if ckpt is not None:
         state = torch.load(ckpt / "state.pt", weights_only=False)
         if accelerator.distributed_type == "FSDP" and state["step"] < config.steps:
-            raise RunDirError(f"{out} holds a checkpoint at step {state['step']} of {config.steps}, and resuming "
-                              "under FSDP is not supported: its optimiser state is rank 0's shard only. Train "
-                              "into a new directory, or resume without FSDP (DDP)")
+            raise RunDirError(
+                f"{out} holds a checkpoint at step {state['step']} of {config.steps}, and resuming "
+                "under FSDP is not supported: its optimiser state is rank 0's shard only. Train "
+                "into a new directory, or resume without FSDP (DDP)"
+            )
         set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -291,8 +325,12 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
         # The logged losses are the global batch's: the mean over ranks of each rank's mean.
         values = torch.stack([loss.detach(), *(v.detach() for v in terms.values())]).float()
         values = accelerator.reduce(values, reduction="mean") if world > 1 else values
-        row = {"step": step, "loss": float(values[0]), **{k: float(v) for k, v in zip(terms, values[1:])},
-               "lr": scheduler.get_last_lr()[0]}
+        row = {
+            "step": step,
+            "loss": float(values[0]),
+            **{k: float(v) for k, v in zip(terms, values[1:])},
+            "lr": scheduler.get_last_lr()[0],
+        }
         log.append(row)
         step += 1
         if progress is not None and lead:

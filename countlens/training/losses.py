@@ -67,8 +67,9 @@ def object_prior(batch: Batch, samples: Sequence, sigma: float = 1.0) -> list[Te
     return priors
 
 
-def focus_loss(attn: Sequence[Tensor], targets: Tensor, image_pos: Sequence[Tensor], priors: Sequence[Tensor],
-               eps: float = 1e-8) -> Tensor:
+def focus_loss(
+    attn: Sequence[Tensor], targets: Tensor, image_pos: Sequence[Tensor], priors: Sequence[Tensor], eps: float = 1e-8
+) -> Tensor:
     """Cross-entropy between each prior and the head-mean attention over image tokens, renormalised;
     mean over target layers, target positions and samples."""
     losses = []
@@ -87,8 +88,9 @@ def modality_share(attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor) 
     return torch.stack([(a.mean(1) * image_mask[:, None, :].to(a.device, a.dtype)).sum(-1) for a in attn])
 
 
-def mas_loss(attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor, tau: float = 0.4,
-             reduce: str = "token") -> Tensor:
+def mas_loss(
+    attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor, tau: float = 0.4, reduce: str = "token"
+) -> Tensor:
     """Hinge max(0, τ − MAS) at the target positions of each target layer."""
     mas = modality_share(attn, targets, image_mask)
     hinge = (tau - mas).clamp(min=0)

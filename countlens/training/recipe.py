@@ -24,8 +24,14 @@ class Recipe:
     n_train: int | None = 2048  # None: the whole training split
     # Columns (`finetune_job.EVALUATION`); a local copy given (--fsc147, --pixmo) that none of them reads adds
     # its own (FSC-Test, PixMo-Count), and a local column listed here is left out when no copy is given.
-    evaluation: tuple[str, ...] = ("count (in-dist.)", "tricks position", "tricks dilation", "tricks adjacency",
-                                   "color", "shape")
+    evaluation: tuple[str, ...] = (
+        "count (in-dist.)",
+        "tricks position",
+        "tricks dilation",
+        "tricks adjacency",
+        "color",
+        "shape",
+    )
     layers: str = "circuit"  # attention-loss layers: "circuit" (its VG and routing heads' layers) or "all"
     temperature_classes: tuple[str, ...] = ()  # heads the temperature row sharpens; (): top-k by importance
     sources: dict = field(default_factory=dict)

@@ -10,16 +10,16 @@ is a 4- (or 8-) neighbour of, or the same as, a pixel of the other. For A cases 
 touching should look like (100 %); for B cases it is what "1 px apart" must not look like (0 %),
 since a reader of the image cannot tell such a pair from a touching one. "Edge" is the share of
 touching polygon–polygon pairs (squares and triangles; circles meet at a point) that share at least
-1 px of outline (`contact.shared_edge`); the last line says how many of those are 4-joined. 60 samples per case and grid (every count 3–12 under every
-shape twice), seed 0, split by the shape asked, on the organism's grid (192 px / 16 px) and the MAS paper's (384 px / 27 px).
+1 px of outline (`contact.shared_edge`); the last line says how many of those are 4-joined. 60 samples per case and
+grid (every count 3–12 under every
+shape twice), seed 0, split by the shape asked, on the organism's grid (192 px / 16 px) and the MAS paper's (384 px
+/ 27 px).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import numpy as np
 
 from countlens.datasets.contact import boundary_gap, pixel_joined, shared_edge
 from countlens.datasets.countingtricks import CASES, trick_sample
@@ -50,15 +50,27 @@ def case_rows(name: str, grid: Geometry) -> dict:
                         t[4] += 1
                         t[5] += pixel_joined(masks[a], masks[b], 4)
     share = lambda k, m: round(k / m, 3) if m else None  # noqa: E731
-    return {shape: {"pairs": p, "joined_4": share(j4, p), "joined_8": share(j8, p), "polygon_pairs": pp,
-                    "edge": share(e, pp), "edge_pairs": e, "edge_pairs_joined_4": share(ej, e)}
-            for shape, (p, j4, j8, pp, e, ej) in tally.items()}
+    return {
+        shape: {
+            "pairs": p,
+            "joined_4": share(j4, p),
+            "joined_8": share(j8, p),
+            "polygon_pairs": pp,
+            "edge": share(e, pp),
+            "edge_pairs": e,
+            "edge_pairs_joined_4": share(ej, e),
+        }
+        for shape, (p, j4, j8, pp, e, ej) in tally.items()
+    }
 
 
 def main() -> dict:
     names = [n for n, c in CASES.items() if c.layout]
-    result = {"n_samples": N_SAMPLES, "seed": 0,
-              "grids": {g: {n: case_rows(n, grid) for n in names} for g, grid in GRIDS.items()}}
+    result = {
+        "n_samples": N_SAMPLES,
+        "seed": 0,
+        "grids": {g: {n: case_rows(n, grid) for n in names} for g, grid in GRIDS.items()},
+    }
     Path(__file__).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -69,8 +81,9 @@ def table(result: dict, grid: str = "384/27") -> str:
     shapes = ("circle", "square", "triangle", "objects")
     lines = ["| case | " + " | ".join(f"{s}: 4 / 8 / edge %" for s in shapes) + " |", "|---" * 5 + "|"]
     for name, rows in result["grids"][grid].items():
-        cells = [" / ".join(pct(rows[s][k]) for k in ("joined_4", "joined_8", "edge")) if s in rows else ""
-                 for s in shapes]
+        cells = [
+            " / ".join(pct(rows[s][k]) for k in ("joined_4", "joined_8", "edge")) if s in rows else "" for s in shapes
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

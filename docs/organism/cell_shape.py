@@ -48,7 +48,15 @@ from organism_vision import labels, single_object_scenes
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import TRAIN_SEED_BASE, TaskSample, object_sizes, sample_rng, task_sample
 from countlens.toy.recipe import ToyConfig, TrainConfig, build_model
-from countlens.toy.train import CELL_CLASSES, Collator, cell_loss, cell_targets, freeze_tower, vision_pretrain, vision_warmup
+from countlens.toy.train import (
+    CELL_CLASSES,
+    Collator,
+    cell_loss,
+    cell_targets,
+    freeze_tower,
+    vision_pretrain,
+    vision_warmup,
+)
 
 CFG12 = ToyConfig(patch_size=12)
 RECIPE12 = TrainConfig(vision_pretrain=1500, crop_size=72, freeze_vision=True, pretrain_reads="patches")
@@ -60,7 +68,10 @@ def features(visual, cfg: ToyConfig, scenes: list[Scene], merged: bool, batch: i
     with torch.no_grad():
         for i in range(0, len(scenes), batch):
             chunk = scenes[i : i + batch]
-            o = visual(patchify(np.stack([s.render_array() for s in chunk])), grid_thw=torch.tensor([[1, *cfg.geometry.patch_grid]] * len(chunk)))
+            o = visual(
+                patchify(np.stack([s.render_array() for s in chunk])),
+                grid_thw=torch.tensor([[1, *cfg.geometry.patch_grid]] * len(chunk)),
+            )
             t = o.pooler_output if merged else o.last_hidden_state
             out.append(t.view(len(chunk), -1, t.shape[-1]))
     return torch.cat(out)
@@ -98,7 +109,9 @@ def probes(visual, cfg: ToyConfig) -> dict:
         out[name] = linear_probe(pooled[0], labels(train), pooled[1], labels(held))
     held_tokens, held_shapes = centre_tokens(visual, cfg, 7, 128)
     out["centre_token"] = linear_probe(*centre_tokens(visual, cfg, TRAIN_SEED_BASE + 99, 384), held_tokens, held_shapes)
-    out["centre_token_commonest"] = round(float(torch.bincount(held_shapes).max() / len(held_shapes)), 3)  # the guessing baseline
+    out["centre_token_commonest"] = round(
+        float(torch.bincount(held_shapes).max() / len(held_shapes)), 3
+    )  # the guessing baseline
     return out
 
 
@@ -117,13 +130,23 @@ def dense_crops(depth: int, steps: int = 1500, crop: int = 96, batch: int = 64):
     visual = build_model(cfg, seed=0).model.visual.train()
     head = torch.nn.Linear(cfg.hidden, sum(CELL_CLASSES))
     opt = torch.optim.AdamW(list(visual.parameters()) + list(head.parameters()), lr=1e-3)
-    patchify, grid, (lo, hi) = Collator(crop_cfg).pixel_values, torch.tensor([[1, *crop_cfg.geometry.patch_grid]] * batch), object_sizes(192)
+    patchify, grid, (lo, hi) = (
+        Collator(crop_cfg).pixel_values,
+        torch.tensor([[1, *crop_cfg.geometry.patch_grid]] * batch),
+        object_sizes(192),
+    )
     for step in range(steps):
         scenes = []
         for i in range(step * batch, (step + 1) * batch):
             rng = sample_rng(TRAIN_SEED_BASE + 9, "dense-crop", i)
-            specs = [(SHAPES[rng.integers(len(SHAPES))], OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))], float(rng.uniform(lo, hi)))
-                     for _ in range(int(rng.integers(1, 3)))]
+            specs = [
+                (
+                    SHAPES[rng.integers(len(SHAPES))],
+                    OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))],
+                    float(rng.uniform(lo, hi)),
+                )
+                for _ in range(int(rng.integers(1, 3)))
+            ]
             scenes.append(Scene(crop, crop, place_objects(rng, crop, crop, specs)))
         target = cell_targets([TaskSample(s, "", "", "count") for s in scenes], crop_cfg)
         feats = visual(patchify(np.stack([s.render_array() for s in scenes])), grid_thw=grid).pooler_output
@@ -138,12 +161,21 @@ SETTINGS = {
     "crops_then_merger": lambda: crops_then_merger(CFG12, RECIPE12),
     "crops_then_merger_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64)),
     "token_crops_then_merger": lambda: crops_then_merger(CFG12, replace(RECIPE12, pretrain_reads="tokens")),
-    "token_crops_then_merger_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="tokens")),
-    "centre_crops_then_merger_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="centre")),
-    "centre_crops_3000_then_merger_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="centre", vision_pretrain=3000)),
-    "centre_crops_then_merger_8px_depth3": lambda: crops_then_merger(ToyConfig(patch_size=8, vision_depth=3), replace(RECIPE12, crop_size=64, pretrain_reads="centre")),
-    "token_crops_then_tower_8px": lambda: crops_then_merger(ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="tokens"),
-                                                            freeze=False),
+    "token_crops_then_merger_8px": lambda: crops_then_merger(
+        ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="tokens")
+    ),
+    "centre_crops_then_merger_8px": lambda: crops_then_merger(
+        ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="centre")
+    ),
+    "centre_crops_3000_then_merger_8px": lambda: crops_then_merger(
+        ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="centre", vision_pretrain=3000)
+    ),
+    "centre_crops_then_merger_8px_depth3": lambda: crops_then_merger(
+        ToyConfig(patch_size=8, vision_depth=3), replace(RECIPE12, crop_size=64, pretrain_reads="centre")
+    ),
+    "token_crops_then_tower_8px": lambda: crops_then_merger(
+        ToyConfig(patch_size=8), replace(RECIPE12, crop_size=64, pretrain_reads="tokens"), freeze=False
+    ),
     "dense_crops_depth2": lambda: dense_crops(2),
     "dense_crops_depth4": lambda: dense_crops(4),
 }
@@ -167,6 +199,10 @@ if __name__ == "__main__":
     for name in sys.argv[1:] or list(SETTINGS):
         start = time.perf_counter()
         visual, cfg = tower(name)
-        results[name] = {**probes(visual, cfg), "patch_size": cfg.patch_size, "seconds": round(time.perf_counter() - start, 1)}
+        results[name] = {
+            **probes(visual, cfg),
+            "patch_size": cfg.patch_size,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
         print(name, results[name], flush=True)
         path.write_text(json.dumps(results, indent=2) + "\n")

@@ -1,6 +1,7 @@
 """Which objects does the token at an object's centre misread? Linear and MLP probes, broken down.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python docs/organism/centre_token_errors.py runs/toy-8px-centre   # any checkpoint or cell_shape setting
+    # any checkpoint or cell_shape setting:
+    HF_HUB_OFFLINE=1 .venv/bin/python docs/organism/centre_token_errors.py runs/toy-8px-centre
 
 `docs/organism/cell_shape.py` scores a *linear* probe for shape on the merged token whose cell holds an
 object's centre, fitted on 384 scenes. The language model reads that token through nonlinear
@@ -64,7 +65,10 @@ def fit(kind: str, x: torch.Tensor, y: torch.Tensor, steps: int = 1500) -> torch
     if kind == "linear":
         head, lr = torch.nn.Linear(d, len(SHAPES)), 1e-2
     else:
-        head, lr = torch.nn.Sequential(torch.nn.Linear(d, 256), torch.nn.GELU(), torch.nn.Linear(256, len(SHAPES))), 3e-3
+        head, lr = (
+            torch.nn.Sequential(torch.nn.Linear(d, 256), torch.nn.GELU(), torch.nn.Linear(256, len(SHAPES))),
+            3e-3,
+        )
     opt = torch.optim.Adam(head.parameters(), lr=lr, weight_decay=1e-4)
     for _ in range(steps):
         loss = torch.nn.functional.cross_entropy(head(x), y)

@@ -103,8 +103,14 @@ class PatchifyCNN(torch.nn.Module):
         super().__init__()
         p, m, act = cfg.patch_size, cfg.merge_size, torch.nn.GELU
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(3, filters, p, stride=p), act(), torch.nn.Conv2d(filters, 128, m, stride=m), act(),
-            torch.nn.Conv2d(128, 128, 1), act(), torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten(),
+            torch.nn.Conv2d(3, filters, p, stride=p),
+            act(),
+            torch.nn.Conv2d(filters, 128, m, stride=m),
+            act(),
+            torch.nn.Conv2d(128, 128, 1),
+            act(),
+            torch.nn.AdaptiveMaxPool2d(1),
+            torch.nn.Flatten(),
             torch.nn.Linear(128, len(SHAPES)),
         )
 
@@ -117,9 +123,16 @@ class CNN(torch.nn.Module):
         super().__init__()
         act, pool = torch.nn.GELU, torch.nn.MaxPool2d
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 32, 3, padding=1), act(), pool(2),
-            torch.nn.Conv2d(32, 64, 3, padding=1), act(), pool(2),
-            torch.nn.Conv2d(64, 64, 3, padding=1), act(), torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten(),
+            torch.nn.Conv2d(3, 32, 3, padding=1),
+            act(),
+            pool(2),
+            torch.nn.Conv2d(32, 64, 3, padding=1),
+            act(),
+            pool(2),
+            torch.nn.Conv2d(64, 64, 3, padding=1),
+            act(),
+            torch.nn.AdaptiveMaxPool2d(1),
+            torch.nn.Flatten(),
             torch.nn.Linear(64, len(SHAPES)),
         )
 
@@ -132,8 +145,13 @@ def _pixels(scenes) -> torch.Tensor:
     return x / 255.0 - 0.5
 
 
-def learn(make: Callable[[], torch.nn.Module], size_range: tuple[float, float] | None = None, crops: bool = False,
-          steps: int = STEPS, batch_size: int = BATCH) -> dict:
+def learn(
+    make: Callable[[], torch.nn.Module],
+    size_range: tuple[float, float] | None = None,
+    crops: bool = False,
+    steps: int = STEPS,
+    batch_size: int = BATCH,
+) -> dict:
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -27,7 +27,21 @@ import numpy as np
 from countlens.datasets.scene import SHAPES
 from countlens.datasets.tasks import scene_kind, task_samples
 
-P_SHAPE = (0.6, 0.8, 0.9, 0.92, 0.924, 0.95, 0.962, 0.977, 0.98, 0.99, 0.995, 0.999, 1.0)  # 0.924, 0.962: docs/organism/cell_shape.py; 0.977: centre_token_errors.py (MLP probe)
+P_SHAPE = (
+    0.6,
+    0.8,
+    0.9,
+    0.92,
+    0.924,
+    0.95,
+    0.962,
+    0.977,
+    0.98,
+    0.99,
+    0.995,
+    0.999,
+    1.0,
+)  # 0.924, 0.962: docs/organism/cell_shape.py; 0.977: centre_token_errors.py (MLP probe)
 
 
 def expected_accuracy(samples, p: float, draws: int = 2000, seed: int = 0) -> dict[str, float]:

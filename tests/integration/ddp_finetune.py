@@ -26,8 +26,9 @@ from countlens import distributed  # noqa: E402
 from countlens.datasets import task_samples  # noqa: E402
 from countlens.training.finetune import FinetuneConfig, finetune  # noqa: E402
 
-CONFIG = FinetuneConfig(steps=4, batch_size=8, lr=1e-3, lora_r=8, lora_alpha=16, target_layers=(0,), focus=1.0,
-                        save_every=2)
+CONFIG = FinetuneConfig(
+    steps=4, batch_size=8, lr=1e-3, lora_r=8, lora_alpha=16, target_layers=(0,), focus=1.0, save_every=2
+)
 
 
 def _die_after_checkpoint(out: Path) -> None:

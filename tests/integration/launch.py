@@ -19,8 +19,9 @@ def run(argv: list[str], env: dict | None = None, check: bool = True) -> subproc
     """``argv`` with HF_HUB_OFFLINE=1 and ``env``; asserts success unless ``check=False``."""
     # A launcher's variables in the test's own environment must not leak into the runs.
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run(argv, env={**base, "HF_HUB_OFFLINE": "1", **(env or {})}, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        argv, env={**base, "HF_HUB_OFFLINE": "1", **(env or {})}, capture_output=True, text=True, timeout=600
+    )
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

@@ -3,15 +3,13 @@ same global batch, and a run whose rank was killed resumes to the uninterrupted 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import ddp_finetune
 import pytest
 import torch
-from safetensors.torch import load_file
-
-import ddp_finetune
 from launch import TWO_RANKS, one_thread_here, run
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
 
@@ -39,8 +37,9 @@ def test_two_ranks_train_the_single_process_adapter(runs):
     # gradients: the same arithmetic in another order, so equal to float rounding, not bit for bit.
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)  # seen: ≤ 2.4e-6 on weights ≤ 0.09
-    moved = max(float((a[k] - load_file(runs["one"] / "checkpoint" / "adapter_model.safetensors")[k]).abs().max())
-                for k in a)
+    moved = max(
+        float((a[k] - load_file(runs["one"] / "checkpoint" / "adapter_model.safetensors")[k]).abs().max()) for k in a
+    )
     assert moved == 0.0  # the final checkpoint is the adapter (steps 4 = a checkpoint step)
     log_one = (runs["one"] / "train_log.jsonl").read_text().splitlines()
     log_two = (runs["two"] / "train_log.jsonl").read_text().splitlines()

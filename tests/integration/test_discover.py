@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from tolerance import assert_effect, logit_scale
 from typer.testing import CliRunner
 
 import countlens
 from countlens.circuits.patching import prepare_pairs
 from countlens.cli import app
 from countlens.datasets.pairs import count_pairs
-from tolerance import assert_effect, logit_scale
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
 
@@ -27,8 +27,13 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
         assert section in report
     assert len(list((out / "figures").glob("*.png"))) >= 6
     heads = pd.read_csv(out / "heads.csv")
-    assert len(heads) == 24 and set(heads["class"]) <= {"visual grounding", "cross-modal routing",
-                                                         "counting aggregation", "awareness", "other"}
+    assert len(heads) == 24 and set(heads["class"]) <= {
+        "visual grounding",
+        "cross-modal routing",
+        "counting aggregation",
+        "awareness",
+        "other",
+    }
     # The spec names the prompt that ran, not "auto", so a re-rendered report says it too.
     import json
 
@@ -54,7 +59,7 @@ def _fsc147_fixture(root, splits=(("test", 3),)):
     (root / "images_384_VarV2").mkdir(parents=True)
     ann, names = {}, {"train": [], "val": [], "test": []}
     for split, n in splits:
-        for i in range(n):
+        for _ in range(n):
             s = trick_sample("4A", 0, len(ann), image_size=192, patch_size=16)
             s.image.save(root / "images_384_VarV2" / f"{len(ann)}.jpg")
             names[split].append(f"{len(ann)}.jpg")
@@ -80,8 +85,24 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     out = tmp_path / "run"
     assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL]).exit_code == 0
     _fsc147_fixture(tmp_path / "fsc")
-    result = runner.invoke(app, ["finetune", "--circuit", str(out), "--steps", "2", "--batch-size", "4", "--n-train", "16",
-                                 "--n-eval", "16", "--fsc147", str(tmp_path / "fsc")])
+    result = runner.invoke(
+        app,
+        [
+            "finetune",
+            "--circuit",
+            str(out),
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--n-train",
+            "16",
+            "--n-eval",
+            "16",
+            "--fsc147",
+            str(tmp_path / "fsc"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     table = pd.read_csv(out / "finetune" / "before_after.csv", index_col=0)
     assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS"]
@@ -97,8 +118,24 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     calls = []
     real = before_after_module._metrics
     monkeypatch.setattr(before_after_module, "_metrics", lambda *a, **k: calls.append(1) or real(*a, **k))
-    again = runner.invoke(app, ["finetune", "--circuit", str(out), "--steps", "2", "--batch-size", "4",
-                                "--n-train", "16", "--n-eval", "16", "--fsc147", str(tmp_path / "fsc")])
+    again = runner.invoke(
+        app,
+        [
+            "finetune",
+            "--circuit",
+            str(out),
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--n-train",
+            "16",
+            "--n-eval",
+            "16",
+            "--fsc147",
+            str(tmp_path / "fsc"),
+        ],
+    )
     assert again.exit_code == 0 and again.output.count("done before") == 3 and calls == [], again.output
     assert pd.read_csv(out / "finetune" / "before_after.csv", index_col=0).equals(table)
     # Re-rendering the report from results/ keeps the fine-tune section.
@@ -120,8 +157,21 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
     _pixmo_fixture(tmp_path / "pixmo.jsonl")
     tiny = ["--n-train", "4", "--n-eval", "4"]
-    cc = runner.invoke(app, ["finetune", "--circuit", str(run), "--preset", "counting-circuits", "--out",
-                             str(tmp_path / "cc"), "--pixmo", str(tmp_path / "pixmo.jsonl"), *tiny])
+    cc = runner.invoke(
+        app,
+        [
+            "finetune",
+            "--circuit",
+            str(run),
+            "--preset",
+            "counting-circuits",
+            "--out",
+            str(tmp_path / "cc"),
+            "--pixmo",
+            str(tmp_path / "pixmo.jsonl"),
+            *tiny,
+        ],
+    )
     assert cc.exit_code == 0, cc.output
     table = pd.read_csv(tmp_path / "cc" / "before_after.csv", index_col=0)
     assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature"]
@@ -129,20 +179,55 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     spec = json.loads((tmp_path / "cc" / "sft_focus" / "finetune.json").read_text())
     # The paper's recipe; 2 epochs of 4 scenes at batch 2 = 4 steps.
     assert {k: spec[k] for k in ("lora_r", "lr", "batch_size", "warmup", "focus", "ce_on", "steps", "samples")} == {
-        "lora_r": 64, "lr": 2e-5, "batch_size": 2, "warmup": 0.03, "focus": 1.0, "ce_on": "digits", "steps": 4,
-        "samples": 4}
+        "lora_r": 64,
+        "lr": 2e-5,
+        "batch_size": 2,
+        "warmup": 0.03,
+        "focus": 1.0,
+        "ce_on": "digits",
+        "steps": 4,
+        "samples": 4,
+    }
     assert "preset `counting-circuits`" in (tmp_path / "cc" / "before_after.md").read_text()
-    c4 = runner.invoke(app, ["finetune", "--circuit", str(run4), "--preset", "counting-to-four", "--out",
-                             str(tmp_path / "c4"), "--fsc147", str(tmp_path / "fsc"), "--epochs", "1", *tiny])
+    c4 = runner.invoke(
+        app,
+        [
+            "finetune",
+            "--circuit",
+            str(run4),
+            "--preset",
+            "counting-to-four",
+            "--out",
+            str(tmp_path / "c4"),
+            "--fsc147",
+            str(tmp_path / "fsc"),
+            "--epochs",
+            "1",
+            *tiny,
+        ],
+    )
     assert c4.exit_code == 0, c4.output
     table = pd.read_csv(tmp_path / "c4" / "before_after.csv", index_col=0)
     assert list(table.index) == ["baseline", "+SFT", "+SFT+MAS"]
-    assert list(table.columns) == ["Circles (Syn)", "Circles (Syn) MAE", "FSC-Val", "FSC-Val MAE", "FSC-Test",
-                                   "FSC-Test MAE"]
+    assert list(table.columns) == [
+        "Circles (Syn)",
+        "Circles (Syn) MAE",
+        "FSC-Val",
+        "FSC-Val MAE",
+        "FSC-Test",
+        "FSC-Test MAE",
+    ]
     spec = json.loads((tmp_path / "c4" / "sft_mas" / "finetune.json").read_text())
-    assert (spec["mas"], spec["tau"], spec["focus"], spec["samples"], spec["target_layers"]) == (0.1, 0.4, 0.0, 4, list(range(6)))
-    missing = runner.invoke(app, ["finetune", "--circuit", str(run), "--preset", "counting-to-four",
-                                  "--out", str(tmp_path / "none")])
+    assert (spec["mas"], spec["tau"], spec["focus"], spec["samples"], spec["target_layers"]) == (
+        0.1,
+        0.4,
+        0.0,
+        4,
+        list(range(6)),
+    )
+    missing = runner.invoke(
+        app, ["finetune", "--circuit", str(run), "--preset", "counting-to-four", "--out", str(tmp_path / "none")]
+    )
     assert missing.exit_code == 2 and "--fsc147" in missing.output and not (tmp_path / "none").exists()
 
 
@@ -180,8 +265,13 @@ def test_discover_on_the_real_qwen_vocabulary_with_counts_up_to_twelve(tmp_path,
     # the logits' size, which that rounding scales with, read on pairs like the run's.
     vlm = countlens.load(model)
     scale = logit_scale(vlm, prepare_pairs(vlm, count_pairs(4, kind="shapes", image_size=128, prompt="std", seed=0)))
-    assert_effect(vap.effect.sel(layer=-1, group="image"), 1.0, clean=vap.clean_logit_diff,
-                  corrupt=vap.corrupt_logit_diff, scale=scale)
+    assert_effect(
+        vap.effect.sel(layer=-1, group="image"),
+        1.0,
+        clean=vap.clean_logit_diff,
+        corrupt=vap.corrupt_logit_diff,
+        scale=scale,
+    )
     assert "Prompt style: `std`" in (out / "report.md").read_text()
 
 
@@ -193,11 +283,17 @@ def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
     model = tiny_checkpoint("qwen2_5_vl", image_side=128)
     small = ["--n-per-case", "2", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "16"]
     out = tmp_path / "circuits"
-    result = runner.invoke(app, ["discover", "--model", str(model), "--out", str(out), "--preset", "counting-circuits",
-                                 *small])
+    result = runner.invoke(
+        app, ["discover", "--model", str(model), "--out", str(out), "--preset", "counting-circuits", *small]
+    )
     assert result.exit_code == 0, result.output
     spec = json.loads((out / "spec.json").read_text())
-    assert (spec["preset"], spec["pair_kind"], spec["jaccard_k"], spec["n_pairs"]) == ("counting-circuits", "dots+polygons", 20, 4)
+    assert (spec["preset"], spec["pair_kind"], spec["jaccard_k"], spec["n_pairs"]) == (
+        "counting-circuits",
+        "dots+polygons",
+        20,
+        4,
+    )
     report = (out / "report.md").read_text()
     assert "Preset `counting-circuits`" in report and "routing_from = 0.6" in report and "Top-20 heads" in report
     assert "Overwrite rate" in report
@@ -205,8 +301,9 @@ def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
     assert {"alignment", "difficulty", "ablation_drop"} <= set(heads.columns)
     assert heads["alignment"].between(0, 1).all()
     out4 = tmp_path / "four"
-    result = runner.invoke(app, ["discover", "--model", str(model), "--out", str(out4), "--preset", "counting-to-four",
-                                 *small])
+    result = runner.invoke(
+        app, ["discover", "--model", str(model), "--out", str(out4), "--preset", "counting-to-four", *small]
+    )
     assert result.exit_code == 0, result.output
     spec = json.loads((out4 / "spec.json").read_text())
     assert (spec["preset"], spec["n_per_case"], spec["prompt"]) == ("counting-to-four", 2, "std")

@@ -22,8 +22,9 @@ def blocks(page: Path) -> list[str]:
 def test_every_tutorial_page_is_collected():
     names = {p.stem for p in PAGES}
     assert {"patch-heads", "countingtricks", "classify-heads", "finetune", "real-checkpoints"} <= names
-    assert all(blocks(DOCS / "tutorials" / f"{n}.md") for n in ("patch-heads", "countingtricks", "classify-heads",
-                                                                 "finetune"))
+    assert all(
+        blocks(DOCS / "tutorials" / f"{n}.md") for n in ("patch-heads", "countingtricks", "classify-heads", "finetune")
+    )
     assert not blocks(DOCS / "tutorials" / "real-checkpoints.md")  # GPU / NDIF only: shown, not run
 
 
@@ -56,7 +57,8 @@ def test_make_docs_fails_on_a_broken_link(tmp_path):
     bin_dir = Path(sys.executable).parent
     assert (bin_dir / "mkdocs").exists(), f"mkdocs is not installed beside {sys.executable} (pip install -e '.[dev]')"
     # STAMP= : the copy has no .venv of its own; this interpreter's bin/ stands in for it.
-    done = subprocess.run(["make", "-s", "docs", "STAMP=", f"BIN={bin_dir}"], cwd=copy, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        ["make", "-s", "docs", "STAMP=", f"BIN={bin_dir}"], cwd=copy, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode != 0, done.stdout[-2000:]
     assert "no-such-page.md" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]

@@ -18,13 +18,29 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 def test_gpu_bench_dry_run(tmp_path):
     out = tmp_path / "gpu.json"
-    done = subprocess.run([sys.executable, str(BENCH), "--dry-run", str(out)], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--dry-run", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["config"] == {"hidden": 3584, "heads": 28, "kv_heads": 4, "intermediate": 18944, "vocab": 152064,
-                           "layers": 1, "vision_hidden": 1280, "vision_heads": 16, "vision_intermediate": 3420,
-                           "vision_depth": 1, "patch": 14, "merge": 2}
+    assert r["config"] == {
+        "hidden": 3584,
+        "heads": 28,
+        "kv_heads": 4,
+        "intermediate": 18944,
+        "vocab": 152064,
+        "layers": 1,
+        "vision_hidden": 1280,
+        "vision_heads": 16,
+        "vision_intermediate": 3420,
+        "vision_depth": 1,
+        "patch": 14,
+        "merge": 2,
+    }
     assert r["image_tokens"] == 16 and r["p2"]["heads"] == 28 and r["vap"]["sites"] == 6
     for section, key in (("p1", "ratio"), ("vap", "ratio"), ("p2", "speedup")):
         assert r[section][key] > 0

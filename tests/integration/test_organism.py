@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import countlens
 from countlens.analysis import score
 from countlens.datasets.tasks import task_samples
 from countlens.loading import TOY_DIR

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sharded_sweep
+from launch import CLI, TWO_RANKS, one_thread_here, run
 from typer.testing import CliRunner
 
-import sharded_sweep
 from countlens.cli import app
 from countlens.results import load
-from launch import CLI, TWO_RANKS, one_thread_here, run
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
 
@@ -50,8 +50,11 @@ def test_two_torchrun_ranks_give_one_process_results_bit_for_bit(single, tmp_pat
 
 def test_a_rank_that_dies_costs_only_its_chunks(single, tmp_path):
     # Rank 0 alone, of a world of 2: it writes its chunks, then gives up waiting for rank 1's.
-    lone = run([sys.executable, str(WORKER), str(tmp_path), "heads"],
-               env={"RANK": "0", "WORLD_SIZE": "2", "COUNTLENS_SHARD_TIMEOUT": "1"}, check=False)
+    lone = run(
+        [sys.executable, str(WORKER), str(tmp_path), "heads"],
+        env={"RANK": "0", "WORLD_SIZE": "2", "COUNTLENS_SHARD_TIMEOUT": "1"},
+        check=False,
+    )
     assert lone.returncode != 0 and "never wrote" in lone.stderr and "relaunch" in lone.stderr
     chunks = tmp_path / "stores" / "heads" / "chunks"
     written = {p.stem: p.stat().st_mtime_ns for p in chunks.glob("*.nc")}
@@ -66,8 +69,19 @@ def test_a_rank_that_dies_costs_only_its_chunks(single, tmp_path):
 def discovered(tmp_path_factory) -> dict[str, Path]:
     """`countlens discover` on the organism at small sizes: one process, and two torchrun ranks."""
     root = tmp_path_factory.mktemp("discover")
-    args = ["discover", "--model", "toy", "--n-per-case", "1", "--n-pairs", "8", "--n-samples", "8",
-            "--batch-size", "4"]
+    args = [
+        "discover",
+        "--model",
+        "toy",
+        "--n-per-case",
+        "1",
+        "--n-pairs",
+        "8",
+        "--n-samples",
+        "8",
+        "--batch-size",
+        "4",
+    ]
     with one_thread_here():
         done = CliRunner().invoke(app, [*args, "--out", str(root / "one")])
     assert done.exit_code == 0, done.output
@@ -84,11 +98,33 @@ def test_sharded_discover_matches_one_process(discovered):
 
 def test_data_parallel_finetune_command_writes_one_table(discovered):
     circuit = discovered["two"]
-    done = run([*TWO_RANKS, "--no-python", str(CLI), "finetune",
-                "--model", "toy", "--circuit", str(circuit), "--steps", "2", "--batch-size", "4", "--n-train", "16",
-                "--n-eval", "8"])
+    done = run(
+        [
+            *TWO_RANKS,
+            "--no-python",
+            str(CLI),
+            "finetune",
+            "--model",
+            "toy",
+            "--circuit",
+            str(circuit),
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--n-train",
+            "16",
+            "--n-eval",
+            "8",
+        ]
+    )
     table = (circuit / "finetune" / "before_after.csv").read_text().splitlines()
-    assert [line.split(",")[0] for line in table[1:]] == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature",
-                                                          "+SFT+focus+MAS"]
+    assert [line.split(",")[0] for line in table[1:]] == [
+        "baseline",
+        "+SFT",
+        "+SFT+focus",
+        "+SFT+focus+temperature",
+        "+SFT+focus+MAS",
+    ]
     assert done.stdout.count("+SFT+focus+MAS ") == 1  # the table, printed by rank 0 alone
     assert (circuit / "report.md").read_text().count("Circuit-guided fine-tune") == 1

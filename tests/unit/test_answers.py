@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import QWEN_VOCAB, TINY_IMAGE_SIZE
+from tolerance import assert_close, assert_effect, bound, logit_scale, scale_of
 
-import countlens
 from countlens import circuits
 from countlens.analysis.evaluate import generate, parse_shape_count, score, summary
 from countlens.answers import divergence, read_rows, shared_prefix, splits_numbers
@@ -20,8 +21,6 @@ from countlens.datasets.pairs import count_pairs
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
-from tiny_models import QWEN_VOCAB, TINY_IMAGE_SIZE
-from tolerance import assert_close, assert_effect, bound, logit_scale, scale_of
 
 SIDE = TINY_IMAGE_SIZE["qwen2_5_vl"][0]
 
@@ -72,8 +71,9 @@ def plain_logits_after(vlm, sample, prefix: list[int]) -> torch.Tensor:
 def test_the_real_qwen_vocabulary_splits_digits_and_keeps_its_special_ids(qwen, loaded):
     tok = qwen.tokenizer
     assert tok.tokenize("10") == ["1", "0"] and tok.tokenize("There are 12 circles.")[2:5] == ["Ġ", "1", "2"]
-    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-                                     "<|vision_end|>", "<|image_pad|>"])
+    ids = tok.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    )
     assert ids == [151643, 151644, 151645, 151652, 151653, 151655]
     assert qwen.hf.config.text_config.vocab_size == QWEN_VOCAB == 151_936
     assert qwen.arch.image_token_id == 151655
@@ -124,8 +124,10 @@ def test_candidate_scoring_on_every_architecture(name, loaded):
     vocabulary (real Qwen, digit BPE, or word-level where "12" is one token)."""
     vlm = loaded(name)
     side = TINY_IMAGE_SIZE[name][0]
-    samples = [count_pairs(1, n, 13, kind="shapes", image_size=side, prompt="short", seed=7 + i)[0].clean
-               for i, n in enumerate([1, 10, 12])]
+    samples = [
+        count_pairs(1, n, 13, kind="shapes", image_size=side, prompt="short", seed=7 + i)[0].clean
+        for i, n in enumerate([1, 10, 12])
+    ]
     ds = score(vlm, samples, method="candidates", batch_size=2)
     for i, s in enumerate(samples):
         want = {n: float(plain_logprobs(vlm, s, vlm.answer_ids(str(n))).sum()) for n in range(13)}
@@ -183,10 +185,19 @@ def test_pairs_with_multi_token_answers(qwen, clean, corrupt):
     vap = circuits.patch_layers(qwen, pairs, groups=("image", "last"), layers=[-1, 0, 1])
     scale = logit_scale(qwen, prepare_pairs(qwen, pairs))
     # The pair differs only in its image: patching every image-token embedding is the whole effect.
-    assert_effect(vap.effect.sel(layer=-1, group="image"), 1.0, clean=vap.clean_logit_diff,
-                  corrupt=vap.corrupt_logit_diff, scale=scale)
-    assert_close(vap.logit_diff.sel(layer=-1, group="image"), vap.corrupt_logit_diff, scale=scale,
-                 what="patched-image LD vs corrupt LD")
+    assert_effect(
+        vap.effect.sel(layer=-1, group="image"),
+        1.0,
+        clean=vap.clean_logit_diff,
+        corrupt=vap.corrupt_logit_diff,
+        scale=scale,
+    )
+    assert_close(
+        vap.logit_diff.sel(layer=-1, group="image"),
+        vap.corrupt_logit_diff,
+        scale=scale,
+        what="patched-image LD vs corrupt LD",
+    )
     # The metric, by hand: logits after the shared prefix, clean token minus corrupt token.
     a, b = qwen.answer_ids(str(clean)), qwen.answer_ids(str(corrupt))
     prefix, ta, tb = divergence(a, b)
@@ -240,8 +251,10 @@ def test_generation_reports_unparsed_answers_and_refuses_a_short_budget(qwen):
 def test_the_papers_pstd_prompt_verbatim_and_its_parser():
     rng = np.random.default_rng(0)
     q, _ = make_question("std", "circle", 7, rng)
-    assert q == ("How many circles are there in the image? Respond concisely with shape counts using the following "
-                 "format: circle: {number}")
+    assert q == (
+        "How many circles are there in the image? Respond concisely with shape counts using the following "
+        "format: circle: {number}"
+    )
     assert answer_text("std", "circles", 7) == "circle: 7" and answer_text("number", "circle", 7) == "7"
     assert PROMPTS["number"].template.endswith("Respond concisely with the number only.")
     q, meta = make_question("conflict", "square", 5, rng)
@@ -262,8 +275,10 @@ def test_teacher_forced_tokens_are_appended_and_belong_to_the_answer_span(qwen):
     plain = qwen.prepare([s.image for s in samples], [s.question for s in samples])
     ids, real = batch.inputs["input_ids"], batch.inputs["attention_mask"].bool()
     assert ids[1, -2:].tolist() == [16, 17] and torch.equal(ids[1][real[1]][:-2], plain.inputs["input_ids"][1])
-    assert batch.last.tolist() == [ids.shape[1] - 1] * 2 and batch.prompt_last.tolist() == [ids.shape[1] - 1,
-                                                                                            ids.shape[1] - 3]
+    assert batch.last.tolist() == [ids.shape[1] - 1] * 2 and batch.prompt_last.tolist() == [
+        ids.shape[1] - 1,
+        ids.shape[1] - 3,
+    ]
     last, image, text = (group_mask(batch, g) for g in ("last", "image", "text"))
     assert last.sum(1).tolist() == [1, 3] and last[1, -3:].all()
     assert not (last & text).any() and not (last & image).any() and torch.equal(last | image | text, real)

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-import countlens
-from countlens.arch import SPECS
 from tiny_models import TINY_IMAGE_SIZE
+
+from countlens.arch import SPECS
 
 SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3")
 QUESTION = "how many circles are there?"
@@ -26,7 +25,7 @@ def vlm(request, loaded):
 def images_of(name: str, n: int = 2, cell=None, geometry=None):
     h, w = TINY_IMAGE_SIZE[name]
     out = []
-    for i in range(n):
+    for _ in range(n):
         a = np.zeros((h, w, 3), np.uint8)
         if cell is not None:
             rows, cols = geometry.token_grid
@@ -46,8 +45,18 @@ def test_spec_resolves_and_paths_exist(vlm):
     assert (arch.n_layers, arch.n_heads, arch.d_head) == (2, 4, 16)
     assert arch.n_kv_heads in (2, 4)
     spec = arch.spec
-    for path in [arch.layer(1), arch.q_site(0), arch.o_proj(1), arch.self_attn(0), spec.final_norm, spec.lm_head,
-                 spec.layers, spec.vision_blocks, spec.projector, f"{arch.layer(0)}.{spec.k_proj}"]:
+    for path in [
+        arch.layer(1),
+        arch.q_site(0),
+        arch.o_proj(1),
+        arch.self_attn(0),
+        spec.final_norm,
+        spec.lm_head,
+        spec.layers,
+        spec.vision_blocks,
+        spec.projector,
+        f"{arch.layer(0)}.{spec.k_proj}",
+    ]:
         vlm.hf.get_submodule(path)  # raises AttributeError when a path is wrong
     assert len(vlm.hf.get_submodule(spec.layers)) == arch.n_layers
     with pytest.raises(IndexError, match="layers 0..1"):  # a LayerError, also a CountlensError

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from tolerance import assert_close
 
-import countlens
 from countlens.analysis.attention_metrics import (
     aggregate,
     attention_iou,
@@ -25,7 +25,6 @@ from countlens.datasets.countingtricks import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.errors import InputError, LayerError
 from countlens.geometry import Geometry
-from tolerance import assert_close
 
 GEOM = Geometry.square(192, 16, 2)  # the organism's grid: 6 × 6 token cells of 32 px
 

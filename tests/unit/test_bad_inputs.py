@@ -53,8 +53,16 @@ def ctx(tmp_path_factory, loaded):
     weights.write_bytes(weights.read_bytes()[:4096])
     pairs = count_pairs(2, 3, 5, kind="shapes", grid=toy.geometry, prompt="short", seed=1)
     samples = task_samples("count", 3, 1, image_size=toy.geometry.image_height)
-    return SimpleNamespace(toy=toy, qwen=qwen, tmp=tmp, pairs=pairs, samples=samples, bad_config=bad_config,
-                           truncated=truncated, image=Image.new("RGB", (192, 192)))
+    return SimpleNamespace(
+        toy=toy,
+        qwen=qwen,
+        tmp=tmp,
+        pairs=pairs,
+        samples=samples,
+        bad_config=bad_config,
+        truncated=truncated,
+        image=Image.new("RGB", (192, 192)),
+    )
 
 
 API_CASES = [
@@ -64,12 +72,24 @@ API_CASES = [
     ("image below a patch", lambda c: countingtricks(["1A"], 2, image_size=12, patch_size=16), InputError, "12"),
     ("unknown case", lambda c: countingtricks(["99Z"], 2, image_size=192, patch_size=16), InputError, "99Z"),
     ("n_per_case 0", lambda c: countingtricks(["1A"], 0, image_size=192, patch_size=16), InputError, "n_per_case"),
-    ("counts above capacity", lambda c: countingtricks(["8A"], 2, image_size=192, patch_size=16, counts=[40]),
-     InputError, "40"),
-    ("unknown shape", lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, shapes="hexagon"),
-     InputError, "hexagon"),
-    ("unknown prompt", lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, prompt="polite"),
-     InputError, "polite"),
+    (
+        "counts above capacity",
+        lambda c: countingtricks(["8A"], 2, image_size=192, patch_size=16, counts=[40]),
+        InputError,
+        "40",
+    ),
+    (
+        "unknown shape",
+        lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, shapes="hexagon"),
+        InputError,
+        "hexagon",
+    ),
+    (
+        "unknown prompt",
+        lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, prompt="polite"),
+        InputError,
+        "polite",
+    ),
     ("pairs n float", lambda c: count_pairs(2.5, 3, 5, image_size=192), InputError, "2.5"),
     ("pairs n 0", lambda c: count_pairs(0), InputError, "got 0"),
     ("pair kind", lambda c: count_pairs(2, kind="cats"), InputError, "cats"),
@@ -79,10 +99,18 @@ API_CASES = [
     ("unknown task", lambda c: task_samples("dance", 2, 0), CountlensError, "dance"),
     ("geometry patch 0", lambda c: Geometry(192, 192, 0), CountlensError, "patch_size"),
     # results
-    ("save under /proc", lambda c: results.save(xr.DataArray([1.0], dims="x"), "/proc/countlens/x.nc"),
-     ResultError, "/proc/countlens"),
-    ("save under a file", lambda c: results.save(xr.DataArray([1.0], dims="x"), c.tmp / "a_file" / "x.nc"),
-     ResultError, "a_file"),
+    (
+        "save under /proc",
+        lambda c: results.save(xr.DataArray([1.0], dims="x"), "/proc/countlens/x.nc"),
+        ResultError,
+        "/proc/countlens",
+    ),
+    (
+        "save under a file",
+        lambda c: results.save(xr.DataArray([1.0], dims="x"), c.tmp / "a_file" / "x.nc"),
+        ResultError,
+        "a_file",
+    ),
     ("load a missing result", lambda c: results.load(c.tmp / "missing.nc"), ResultNotFoundError, "missing.nc"),
     # loading
     ("missing checkpoint", lambda c: countlens.load(c.tmp / "nowhere"), CheckpointNotFoundError, "nowhere"),
@@ -99,16 +127,28 @@ API_CASES = [
     ("images and prompts differ", lambda c: c.toy.prepare([c.image, c.image], ["how many?"]), InputError, "2 images"),
     ("grey image", lambda c: c.toy.prepare([c.image.convert("L")], ["how many?"]), InputError, "mode 'L'"),
     ("empty answer", lambda c: c.toy.prepare([c.image], ["how many?"], [""]), InputError, "answer ''"),
-    ("answer outside the vocabulary", lambda c: c.toy.prepare([c.image], ["how many?"], ["zebra"]),
-     InputError, "zebra"),
+    (
+        "answer outside the vocabulary",
+        lambda c: c.toy.prepare([c.image], ["how many?"], ["zebra"]),
+        InputError,
+        "zebra",
+    ),
     # evaluation
     ("score no samples", lambda c: score(c.toy, []), InputError, "no samples"),
     ("score method", lambda c: score(c.toy, c.samples, method="vibes"), InputError, "vibes"),
     ("one candidate", lambda c: score(c.toy, c.samples, candidates=["3"]), InputError, "at least two"),
-    ("gold outside the candidates", lambda c: score(c.toy, c.samples, candidates=["98", "99"]),
-     InputError, "not among candidates"),
-    ("token scoring of a multi-token answer", lambda c: score(c.qwen, task_samples("count", 2, 1, image_size=64),
-                                                              method="token"), InputError, "single token"),
+    (
+        "gold outside the candidates",
+        lambda c: score(c.toy, c.samples, candidates=["98", "99"]),
+        InputError,
+        "not among candidates",
+    ),
+    (
+        "token scoring of a multi-token answer",
+        lambda c: score(c.qwen, task_samples("count", 2, 1, image_size=64), method="token"),
+        InputError,
+        "single token",
+    ),
     ("generation budget 0", lambda c: generate(c.toy, c.samples, max_new_tokens=0), InputError, "max_new_tokens"),
     ("parse a number", lambda c: parse_count(3), InputError, "int"),
     # circuits
@@ -157,17 +197,32 @@ CLI_CASES = [
     ("eval out under /proc", lambda t: ["eval", "--out", "/proc/countlens-out"], "not writable"),
     ("eval cuda", lambda t: ["eval", "--device", "cuda", "--n", "4", "--out", str(t / "out")], "device 'cuda'"),
     ("missing model", lambda t: ["eval", "--model", str(t / "nowhere"), "--out", str(t / "out")], "nowhere"),
-    ("data workers 0", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--workers", "0"],
-     "--workers must be ≥ 1"),
-    ("data image size 0", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--image-size", "0",
-                                     "--patch-size", "16"], "--image-size 0"),
+    (
+        "data workers 0",
+        lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--workers", "0"],
+        "--workers must be ≥ 1",
+    ),
+    (
+        "data image size 0",
+        lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--image-size", "0", "--patch-size", "16"],
+        "--image-size 0",
+    ),
     ("data unknown case", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--cases", "99Z"], "99Z"),
-    ("data counts not numbers", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--counts", "a,b"],
-     "--counts 'a,b'"),
-    ("data counts above capacity", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--cases", "8A",
-                                              "--counts", "50", "--n", "2"], "50"),
-    ("discover batch size 0", lambda t: ["discover", "--out", str(t / "out"), "--batch-size", "0"],
-     "--batch-size must be ≥ 1"),
+    (
+        "data counts not numbers",
+        lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--counts", "a,b"],
+        "--counts 'a,b'",
+    ),
+    (
+        "data counts above capacity",
+        lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--cases", "8A", "--counts", "50", "--n", "2"],
+        "50",
+    ),
+    (
+        "discover batch size 0",
+        lambda t: ["discover", "--out", str(t / "out"), "--batch-size", "0"],
+        "--batch-size must be ≥ 1",
+    ),
     ("discover pairs 0", lambda t: ["discover", "--out", str(t / "out"), "--n-pairs", "0"], "--n-pairs"),
     ("discover prompt", lambda t: ["discover", "--out", str(t / "out"), "--prompt", "conflict"], "conflict"),
     ("discover out is a file", lambda t: ["discover", "--out", str(t / "a_file")], "a_file is a file"),

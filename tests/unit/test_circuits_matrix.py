@@ -6,16 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_arch_matrix import SUPPORTED
+from tiny_models import TINY_IMAGE_SIZE
+from tolerance import assert_close, assert_effect, logit_scale
 
-import countlens
 from countlens import circuits
 from countlens.circuits.patching import Edit, cache_run, prepare_pairs, run_edits
 from countlens.circuits.sites import group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
-from test_arch_matrix import SUPPORTED
-from tiny_models import TINY_IMAGE_SIZE
-from tolerance import assert_close, assert_effect, logit_scale
 
 
 @pytest.mark.numeric
@@ -35,8 +34,14 @@ def test_every_circuit_function_runs(name, loaded):
     full = circuits.patch_layers(vlm, pairs, groups=("all",), layers=everything)
     pb = prepare_pairs(vlm, pairs)
     scale = logit_scale(vlm, pb)
-    assert_effect(full.effect, 1.0, clean=full.clean_logit_diff, corrupt=full.corrupt_logit_diff, scale=scale,
-                  what=f"{name}: all-patched effect")
+    assert_effect(
+        full.effect,
+        1.0,
+        clean=full.clean_logit_diff,
+        corrupt=full.corrupt_logit_diff,
+        scale=scale,
+        what=f"{name}: all-patched effect",
+    )
     heads = circuits.patch_heads(vlm, pairs, positions="last")
     assert heads.effect.shape == (n_layers, n_heads)
     atp = circuits.attribution_patch(vlm, pairs)

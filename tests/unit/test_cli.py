@@ -35,13 +35,22 @@ def test_eval_splits_counting_by_scene_kind(tiny_checkpoint, tmp_path):
     result = runner.invoke(app, ["eval", "--model", str(model), "--n", "40", "--out", str(out)])
     assert result.exit_code == 0, result.output
     df = pd.read_csv(out / "samples.csv").query("task == 'count'")
-    want = ["total (how many objects)" if s.meta["shape"] == "any" else
-            "named shape among other shapes" if s.meta["mixed"] else "one shape only"
-            for s in task_samples("count", 40, 1, image_size=countlens.load(model).geometry.image_height)]
+    want = [
+        "total (how many objects)"
+        if s.meta["shape"] == "any"
+        else "named shape among other shapes"
+        if s.meta["mixed"]
+        else "one shape only"
+        for s in task_samples("count", 40, 1, image_size=countlens.load(model).geometry.image_height)
+    ]
     assert df["scene"].tolist() == want and len(set(want)) == 3
     table = (out / "accuracy.md").read_text().split("per scene kind")[1].split("## ")[0]
-    rows = {cells[0]: cells[1:] for line in table.splitlines() if line.startswith("| ")
-            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    rows = {
+        cells[0]: cells[1:]
+        for line in table.splitlines()
+        if line.startswith("| ")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
     for kind, group in df[df["count"] <= 10].groupby("scene"):
         assert rows[kind] == [f"{group['correct'].mean():.3f}", str(len(group))]
 
@@ -63,8 +72,22 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
 
 def test_data_countingtricks_writes_images_and_manifest(tmp_path):
     out = tmp_path / "tricks"
-    args = ["data", "countingtricks", "--out", str(out), "--cases", "1A,12A", "--n", "3", "--image-size", "224",
-            "--patch-size", "14", "--workers", "1"]
+    args = [
+        "data",
+        "countingtricks",
+        "--out",
+        str(out),
+        "--cases",
+        "1A,12A",
+        "--n",
+        "3",
+        "--image-size",
+        "224",
+        "--patch-size",
+        "14",
+        "--workers",
+        "1",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 6
@@ -72,9 +95,11 @@ def test_data_countingtricks_writes_images_and_manifest(tmp_path):
 
 
 def test_data_countingtricks_rejects_bad_arguments(tmp_path):
-    for extra, message in ((["--cases", "1A,99Z"], "unknown COUNTINGTRICKS case"),
-                           (["--image-size", "12", "--patch-size", "16"], "smaller than --patch-size"),
-                           (["--prompt", "loud"], "unknown prompt style")):
+    for extra, message in (
+        (["--cases", "1A,99Z"], "unknown COUNTINGTRICKS case"),
+        (["--image-size", "12", "--patch-size", "16"], "smaller than --patch-size"),
+        (["--prompt", "loud"], "unknown prompt style"),
+    ):
         out = tmp_path / "x"
         result = runner.invoke(app, ["data", "countingtricks", "--out", str(out), "--n", "2", *extra])
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
@@ -86,8 +111,10 @@ def test_importing_countlens_and_its_cli_loads_no_torch():
     import subprocess
     import sys
 
-    probe = ("import sys, countlens, countlens.cli, countlens.datasets; "
-             "print(sorted(m for m in ('torch', 'transformers', 'nnsight') if m in sys.modules))")
+    probe = (
+        "import sys, countlens, countlens.cli, countlens.datasets; "
+        "print(sorted(m for m in ('torch', 'transformers', 'nnsight') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -103,11 +130,13 @@ def test_option_defaults_are_the_dataclasses():
     from countlens.training.finetune import FinetuneConfig
     from countlens.training.recipe import DEFAULT_RECIPE, Recipe
 
-    for where, cls in (("countlens.pipeline.config:DiscoverConfig", DiscoverConfig),
-                       ("countlens.analysis.heads:HeadThresholds", HeadThresholds),
-                       ("countlens.training.finetune:FinetuneConfig", FinetuneConfig),
-                       ("countlens.training.recipe:Recipe", Recipe),
-                       ("countlens.toy.recipe:TrainConfig", TrainConfig)):
+    for where, cls in (
+        ("countlens.pipeline.config:DiscoverConfig", DiscoverConfig),
+        ("countlens.analysis.heads:HeadThresholds", HeadThresholds),
+        ("countlens.training.finetune:FinetuneConfig", FinetuneConfig),
+        ("countlens.training.recipe:Recipe", Recipe),
+        ("countlens.toy.recipe:TrainConfig", TrainConfig),
+    ):
         assert cli._defaults(where) == {f.name: f.default for f in fields(cls) if f.default is not MISSING}, where
     # Without --preset, finetune runs countlens's own recipe: the FinetuneConfig defaults its help states.
     for name in ("steps", "batch_size", "lr", "lora_r"):

@@ -9,9 +9,9 @@ import pytest
 from scipy import ndimage
 
 from countlens.datasets.contact import boundary_gap, facing_rotation, pixel_joined, shared_edge
-from countlens.datasets.scene import Obj
 from countlens.datasets.countingtricks import CASES, capacity, countingtricks, trick_sample
 from countlens.datasets.export import export_countingtricks
+from countlens.datasets.scene import Obj
 from countlens.errors import CountlensError, InputError
 from countlens.geometry import Geometry
 
@@ -70,8 +70,9 @@ def test_adjacency_cases_touch(name, grid):
         objs = s.scene.objects
         assert len(objs) == s.meta["count"]
         masks = s.scene.masks()
-        gaps = np.array([[boundary_gap(a, b) if i != j else np.inf for j, b in enumerate(objs)]
-                         for i, a in enumerate(objs)])
+        gaps = np.array(
+            [[boundary_gap(a, b) if i != j else np.inf for j, b in enumerate(objs)] for i, a in enumerate(objs)]
+        )
         # No two objects overlap, and every object has a neighbour exactly gap_px away.
         assert gaps.min() >= c.gap_px - 1e-6
         nearest = gaps.min(axis=1)
@@ -186,10 +187,12 @@ def test_generating_and_exporting_loads_no_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from countlens.datasets import countingtricks; "
-            "from countlens.datasets.export import export_countingtricks; from countlens.geometry import Geometry; "
-            f"export_countingtricks({str(tmp_path)!r}, ['1A', '9A'], 2, Geometry.data_grid(384, 27), workers=1); "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; from countlens.datasets import countingtricks; "
+        "from countlens.datasets.export import export_countingtricks; from countlens.geometry import Geometry; "
+        f"export_countingtricks({str(tmp_path)!r}, ['1A', '9A'], 2, Geometry.data_grid(384, 27), workers=1); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     assert len(list(tmp_path.rglob("*.png"))) == 4

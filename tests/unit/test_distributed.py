@@ -49,8 +49,9 @@ def test_a_sharded_sweep_needs_a_store_and_gives_up_naming_what_is_missing(tmp_p
 def test_opening_a_store_spares_live_writers_temps(tmp_path):
     store = SweepStore(tmp_path, {"sweep": "t"})
     live = store.chunks / f".a.nc.{_writer_id()}-0123abcd.tmp"
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout.strip()
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     host = _writer_id().split("~")[0]
     dead = store.chunks / f".b.nc.{host}~{dead_pid}-0123abcd.tmp"
     other_host = store.chunks / f".c.nc.elsewhere~{os.getpid()}-0123abcd.tmp"
@@ -67,8 +68,9 @@ def test_a_temp_that_does_not_name_its_writer_is_refused_naming_it(tmp_path):
     store = SweepStore(tmp_path, {"sweep": "t"})
     unnamed = store.chunks / ".d.nc.0123abcd.tmp"
     unnamed.write_text("partial")
-    with pytest.raises(ResultError,
-                       match=r"chunks/\.d\.nc\.0123abcd\.tmp .*lacks its writer's <host>~<pid>.*delete it"):
+    with pytest.raises(
+        ResultError, match=r"chunks/\.d\.nc\.0123abcd\.tmp .*lacks its writer's <host>~<pid>.*delete it"
+    ):
         SweepStore(tmp_path, {"sweep": "t"})
     assert unnamed.exists()  # refused, not removed
     unnamed.unlink()

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from PIL import Image
+from tiny_models import TINY_IMAGE_SIZE
 
 import countlens
 from countlens.errors import (
@@ -13,7 +14,6 @@ from countlens.errors import (
     RunDirError,
     UnsupportedArchitectureError,
 )
-from tiny_models import TINY_IMAGE_SIZE
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import xarray as xr
 
-import countlens
 from countlens.analysis.evaluate import (
     accuracy,
     digit_in_conflict,
@@ -79,8 +78,13 @@ def _ds(**vars_) -> xr.Dataset:
 
 
 def test_summary_accuracy_mae_unparsed():
-    ds = _ds(count=[3, 4, 5, 6, -1], pred_count=[3, 5, -1, 9, -1], parsed=[True, True, False, True, False],
-             correct=[True, False, False, False, True], case=["1A", "1A", "9A", "9A", ""])
+    ds = _ds(
+        count=[3, 4, 5, 6, -1],
+        pred_count=[3, 5, -1, 9, -1],
+        parsed=[True, True, False, True, False],
+        correct=[True, False, False, False, True],
+        case=["1A", "1A", "9A", "9A", ""],
+    )
     overall = summary(ds)
     assert list(overall.index) == ["all"] and int(overall.loc["all", "n"]) == 5
     assert overall.loc["all", "accuracy"] == pytest.approx(2 / 5)
@@ -113,8 +117,12 @@ def test_number_avoidance_on_synthetic_data():
 
 def test_digit_in_conflict_on_synthetic_data():
     std = _ds(correct=[True, True, True, False])
-    conflict = _ds(count=[3, 4, 5, 6], pred_count=[4, 4, 7, -1], parsed=[True, True, True, False],
-                   correct=[False, True, False, False])
+    conflict = _ds(
+        count=[3, 4, 5, 6],
+        pred_count=[4, 4, 7, -1],
+        parsed=[True, True, True, False],
+        correct=[False, True, False, False],
+    )
     out = digit_in_conflict(std, conflict, distractors=[4, 2, 7, 8])
     assert out["accuracy_std"] == 0.75 and out["accuracy_conflict"] == 0.25 and out["drop"] == 0.5
     assert out["distractor_share"] == 0.5  # samples 0 and 2 repeat the hint
@@ -128,8 +136,16 @@ def test_case_table_layout_and_files(tmp_path):
     b = _ds(case=["1A", "9A"], correct=[True, True])
     table = case_table({"model-a": a, "model-b": b})
     assert list(table.columns) == ["model-a", "model-b"]
-    assert list(table.index) == ["1A", "5A", "6A", "9A", "mean (position)", "mean (dilation)", "mean (adjacency)",
-                                 "mean (all)"]
+    assert list(table.index) == [
+        "1A",
+        "5A",
+        "6A",
+        "9A",
+        "mean (position)",
+        "mean (dilation)",
+        "mean (adjacency)",
+        "mean (all)",
+    ]
     assert table.loc["1A", "model-a"] == 50.0 and table.loc["mean (dilation)", "model-a"] == 100.0
     assert table.loc["mean (all)", "model-a"] == pytest.approx((50 + 100 + 100 + 0) / 4)
     assert np.isnan(table.loc["5A", "model-b"]) and table.loc["mean (all)", "model-b"] == 100.0

@@ -3,17 +3,16 @@ unembedding. Attention: eager probabilities only inside the block, shares are pr
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from tiny_models import TINY_IMAGE_SIZE
+from tolerance import assert_close, scale_of
 
 import countlens
 from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
 from countlens.circuits.headlens import HeadLens, is_number
 from countlens.circuits.sites import head_contributions
 from countlens.datasets.tasks import task_samples
-from tiny_models import TINY_IMAGE_SIZE
-from tolerance import assert_close, scale_of
 
 SOLVE = 10  # HeadLens's least-squares solve: its amplification of its inputs' rounding, with margin
 
@@ -78,8 +77,9 @@ def _fit_in_memory(vlm, samples, layers, ridge=1e-2):
         xf, yf = x[~held], y[~held]
         xc, yc = xf - xf.mean(0), yf - yf.mean(0)
         gram = xc.T @ xc
-        a = torch.linalg.solve(gram + ridge * torch.trace(gram) / len(gram) * torch.eye(len(gram), dtype=gram.dtype),
-                               xc.T @ yc).T
+        a = torch.linalg.solve(
+            gram + ridge * torch.trace(gram) / len(gram) * torch.eye(len(gram), dtype=gram.dtype), xc.T @ yc
+        ).T
         b = yf.mean(0) - xf.mean(0) @ a.T
         pred = x[held] @ a.T + b
         r2 = 1 - ((y[held] - pred) ** 2).sum() / ((y[held] - y[held].mean(0)) ** 2).sum()

@@ -15,9 +15,25 @@ PACKAGE = Path(__file__).resolve().parents[2] / "countlens"
 
 #: Layer of each top-level part, lowest first; an import may point to its own layer or below.
 LAYERS: dict[str, int] = {
-    "errors": 0, "geometry": 1, "progress": 1, "arch": 2, "datasets": 2,
-    "answers": 3, "results": 3, "distributed": 3, "memory": 3, "vlm": 3, "loading": 3, "processors": 3, "toy": 3,
-    "circuits": 4, "analysis": 5, "training": 6, "pipeline": 7, "cli": 8, "": 9,
+    "errors": 0,
+    "geometry": 1,
+    "progress": 1,
+    "arch": 2,
+    "datasets": 2,
+    "answers": 3,
+    "results": 3,
+    "distributed": 3,
+    "memory": 3,
+    "vlm": 3,
+    "loading": 3,
+    "processors": 3,
+    "toy": 3,
+    "circuits": 4,
+    "analysis": 5,
+    "training": 6,
+    "pipeline": 7,
+    "cli": 8,
+    "": 9,
 }
 #: Parts that may import only these (besides themselves): data generation needs no model.
 ONLY: dict[str, set[str]] = {"datasets": {"datasets", "geometry", "errors", "progress"}}
@@ -46,8 +62,10 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, st
             if node.level:
                 anchor = package[: len(package) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
-            targets = [(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base, alias.name)
-                       for alias in node.names]
+            targets = [
+                (f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base, alias.name)
+                for alias in node.names
+            ]
         else:
             continue
         for module, imported in targets:
@@ -77,7 +95,7 @@ def test_no_import_cycle():
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -104,8 +122,12 @@ def test_arrows_point_down():
 
 
 def test_no_module_imports_another_modules_private_name():
-    private = [f"{a} imports {name} from {b}" for a, targets in graph().items() for b, name in targets
-               if name.startswith("_") and not name.startswith("__")]
+    private = [
+        f"{a} imports {name} from {b}"
+        for a, targets in graph().items()
+        for b, name in targets
+        if name.startswith("_") and not name.startswith("__")
+    ]
     assert not private, "\n".join(private)
 
 

@@ -6,15 +6,14 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
+from tiny_models import TINY_IMAGE_SIZE
+from tolerance import assert_close, bound, scale_of
 
-import countlens
 from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
 from countlens.circuits.lens import logit_lens
 from countlens.circuits.temperature import beta_from_importance, head_temperature
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError
-from tiny_models import TINY_IMAGE_SIZE
-from tolerance import assert_close, bound, scale_of
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +102,13 @@ def _hook_ablation_logits(vlm, samples, heads, means):
     d = vlm.arch.d_head
     handles = []
     for layer, head in heads:
+
         def pre(m, args, layer=layer, head=head):
             z = args[0].clone()
             for g, mask in enumerate(masks):
-                z[..., head * d:(head + 1) * d][mask] = means[layer, g, head * d:(head + 1) * d]
+                z[..., head * d : (head + 1) * d][mask] = means[layer, g, head * d : (head + 1) * d]
             return (z, *args[1:])
+
         handles.append(vlm.hf.get_submodule(vlm.arch.o_proj(layer)).register_forward_pre_hook(pre))
     try:
         return vlm.forward(batch).logits[:, -1].float()
@@ -133,8 +134,12 @@ def test_ablation_scan_single_heads_match_joint_ablation_of_one_head(organism):
     scan = ablation_scan(organism, tasks, batch_size=4)
     assert scan.acc_drop.dims == ("task", "layer", "head")
     one = ablate(organism, tasks["color"], [(1, 2)], batch_size=4)
-    assert_close(scan.logp_drop.sel(task="color", layer=1, head=2), (one.base_logp - one.logp).mean(),
-                 scale=scale_of(one.base_logp, one.logp), what="scan vs joint drop")  # a difference of log p
+    assert_close(
+        scan.logp_drop.sel(task="color", layer=1, head=2),
+        (one.base_logp - one.logp).mean(),
+        scale=scale_of(one.base_logp, one.logp),
+        what="scan vs joint drop",
+    )  # a difference of log p
     tops = top_heads(scan, k=3)
     assert set(tops) == {"count", "color"} and all(len(v) == 3 for v in tops.values())
     jac = jaccard(scan, k=3)
@@ -155,10 +160,12 @@ def test_ablation_scan_streams_chunks_and_resumes_without_recomputing(organism, 
     (tmp_path / "abl" / "chunks" / "count_000004.nc").unlink()
     calls = {"chunk": 0, "means": 0}
     real_chunk, real_means = ablation._scan_chunk, ablation.group_means
-    monkeypatch.setattr(ablation, "_scan_chunk", lambda *a: (calls.__setitem__("chunk", calls["chunk"] + 1),
-                                                            real_chunk(*a))[1])
-    monkeypatch.setattr(ablation, "group_means", lambda *a: (calls.__setitem__("means", calls["means"] + 1),
-                                                            real_means(*a))[1])
+    monkeypatch.setattr(
+        ablation, "_scan_chunk", lambda *a: (calls.__setitem__("chunk", calls["chunk"] + 1), real_chunk(*a))[1]
+    )
+    monkeypatch.setattr(
+        ablation, "group_means", lambda *a: (calls.__setitem__("means", calls["means"] + 1), real_means(*a))[1]
+    )
     resumed = ablation_scan(organism, tasks, batch_size=4, store=tmp_path / "abl")
     assert calls == {"chunk": 1, "means": 0}
     np.testing.assert_array_equal(resumed.logp_drop.values, plain.logp_drop.values)

@@ -26,12 +26,13 @@ import torch  # noqa: E402
 
 tl = pytest.importorskip("transformer_lens")
 
+from tiny_models import TINY_IMAGE_SIZE  # noqa: E402
+from tolerance import F32_REL, assert_close, scale_of  # noqa: E402
+
 import countlens  # noqa: E402
 from countlens.circuits.patching import patch_heads, prepare_pairs  # noqa: E402
 from countlens.circuits.sites import group_mask  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
-from tiny_models import TINY_IMAGE_SIZE  # noqa: E402
-from tolerance import F32_REL, assert_close, scale_of  # noqa: E402
 
 try:
     from transformer_lens.model_bridge.sources import build_bridge_from_module
@@ -39,9 +40,9 @@ try:
 except ImportError as exc:  # pragma: no cover - other transformer-lens versions
     from importlib.metadata import version
 
-    pytest.skip(f"transformer-lens {version('transformer-lens')} lacks build_bridge_from_module: {exc}",
-                allow_module_level=True)
-
+    pytest.skip(
+        f"transformer-lens {version('transformer-lens')} lacks build_bridge_from_module: {exc}", allow_module_level=True
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +56,8 @@ def _no_pip_from_transformer_lens(monkeypatch):
 def _bridge(path, monkeypatch):
     """A TransformerBridge around a fresh eager-attention copy of the checkpoint (the bridge edits
     the model it wraps in place, so it never touches the model countlens traces)."""
-    from transformers import AutoModelForImageTextToText
-
     from transformer_lens.model_bridge.supported_architectures.qwen2_5_vl import Qwen2_5_VLArchitectureAdapter
+    from transformers import AutoModelForImageTextToText
 
     monkeypatch.setattr(Qwen2_5_VLArchitectureAdapter, "required_libraries", [])
     hf = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager", local_files_only=True)
@@ -107,6 +107,7 @@ def test_head_patching_agrees_with_transformerlens_hook_z(tiny_checkpoint, monke
     for layer in range(n_layers):
         z_corrupt = cache[f"blocks.{layer}.attn.hook_z"]
         for head in range(n_heads):
+
             def patch(z, hook, z_corrupt=z_corrupt, head=head):
                 z = z.clone()
                 z[:, :, head][mask] = z_corrupt[:, :, head][mask]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import TINY_IMAGE_SIZE
+from tolerance import assert_close, assert_effect, logit_scale, scale_of
 
-import countlens
 from countlens.circuits.patching import (
     Edit,
     attribution_patch,
@@ -20,8 +21,6 @@ from countlens.circuits.patching import (
 from countlens.circuits.sites import group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError, LayerError
-from tiny_models import TINY_IMAGE_SIZE
-from tolerance import assert_close, assert_effect, logit_scale, scale_of
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +41,27 @@ def _hook_logit_diffs(vlm, pairs, sites):
     model, arch = vlm.hf, vlm.arch
     # 1. Record the corrupt run's o_proj inputs and layer outputs with hooks.
     z_c, h_c, handles = {}, {}, []
-    handles.append(model.get_submodule(arch.layer(0)).register_forward_pre_hook(
-        lambda m, args, kwargs: h_c.__setitem__(-1, (args[0] if args else kwargs["hidden_states"]).detach().clone()),
-        with_kwargs=True))
+    handles.append(
+        model.get_submodule(arch.layer(0)).register_forward_pre_hook(
+            lambda m, args, kwargs: h_c.__setitem__(
+                -1, (args[0] if args else kwargs["hidden_states"]).detach().clone()
+            ),
+            with_kwargs=True,
+        )
+    )
     for layer in range(arch.n_layers):
-        handles.append(model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(
-            lambda m, args, layer=layer: z_c.__setitem__(layer, args[0].detach().clone())))
-        handles.append(model.get_submodule(arch.layer(layer)).register_forward_hook(
-            lambda m, args, out, layer=layer: h_c.__setitem__(layer, (out[0] if isinstance(out, tuple) else out)
-                                                                 .detach().clone())))
+        handles.append(
+            model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(
+                lambda m, args, layer=layer: z_c.__setitem__(layer, args[0].detach().clone())
+            )
+        )
+        handles.append(
+            model.get_submodule(arch.layer(layer)).register_forward_hook(
+                lambda m, args, out, layer=layer: h_c.__setitem__(
+                    layer, (out[0] if isinstance(out, tuple) else out).detach().clone()
+                )
+            )
+        )
     with torch.no_grad():
         model(**pb.corrupt.inputs)
     for h in handles:
@@ -60,24 +71,30 @@ def _hook_logit_diffs(vlm, pairs, sites):
     for layer, head, group in sites:
         mask = group_mask(pb.clean, group)
         if head is None and layer == -1:
+
             def pre_embed(m, args, kwargs, mask=mask):
                 hid = (args[0] if args else kwargs["hidden_states"]).clone()
                 hid[mask] = h_c[-1][mask]
                 return ((hid, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hid})
+
             handle = model.get_submodule(arch.layer(0)).register_forward_pre_hook(pre_embed, with_kwargs=True)
         elif head is None:
+
             def hook(m, args, output, layer=layer, mask=mask):
                 hid = output[0] if isinstance(output, tuple) else output
                 hid = hid.clone()
                 hid[mask] = h_c[layer][mask]
                 return (hid, *output[1:]) if isinstance(output, tuple) else hid
+
             handle = model.get_submodule(arch.layer(layer)).register_forward_hook(hook)
         else:
+
             def pre(m, args, layer=layer, head=head, mask=mask):
                 z = args[0].clone()
                 cols = slice(head * d, (head + 1) * d)
                 z[..., cols][mask] = z_c[layer][..., cols][mask]
                 return (z, *args[1:])
+
             handle = model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(pre)
         with torch.no_grad():
             logits = model(**pb.clean.inputs).logits[:, -1].float()
@@ -108,8 +125,11 @@ def test_patching_agrees_with_plain_hooks_on_tiny_architectures(name, loaded):
     pairs = _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
     heads = patch_heads(vlm, pairs, positions="image")
     vap = patch_layers(vlm, pairs, groups=("image", "last"))
-    sites = [(1, h, "image") for h in range(vlm.arch.n_heads)] + [(-1, None, "image"), (0, None, "image"),
-                                                                  (1, None, "last")]
+    sites = [(1, h, "image") for h in range(vlm.arch.n_heads)] + [
+        (-1, None, "image"),
+        (0, None, "image"),
+        (1, None, "last"),
+    ]
     ref, scale = _hook_logit_diffs(vlm, pairs, sites)
     got = [heads.logit_diff.sel(layer=1, head=h).values for h in range(vlm.arch.n_heads)]
     got += [vap.logit_diff.sel(layer=layer, group=g).values for layer, _, g in sites[-3:]]
@@ -133,8 +153,12 @@ def test_patching_everything_gives_the_corrupt_run(organism):
     vap = patch_layers(organism, pairs, groups=("all",), layers=[-1, 0, 5])
     scale = logit_scale(organism, prepare_pairs(organism, pairs))
     assert_effect(vap.effect, 1.0, clean=vap.clean_logit_diff, corrupt=vap.corrupt_logit_diff, scale=scale)
-    assert_close(vap.logit_diff.sel(group="all").values[0], vap.corrupt_logit_diff, scale=scale,
-                 what="all-patched LD vs corrupt LD")
+    assert_close(
+        vap.logit_diff.sel(group="all").values[0],
+        vap.corrupt_logit_diff,
+        scale=scale,
+        what="all-patched LD vs corrupt LD",
+    )
 
 
 def test_attribution_patching_tracks_exact_head_patching(organism):

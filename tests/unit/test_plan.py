@@ -7,21 +7,20 @@ import json
 
 import pytest
 import torch
+from tolerance import assert_effect, logit_scale
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
-import countlens
 from countlens import memory
 from countlens.circuits.patching import patch_heads, prepare_pairs
-from countlens.loading import meta_vlm
-from countlens.memory import MAX_ROWS
-from countlens.pipeline import plan
 from countlens.cli import app
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
-from countlens.pipeline.config import STAGES, DiscoverConfig
 from countlens.errors import ConfigError
-from tolerance import assert_effect, logit_scale
+from countlens.loading import meta_vlm
+from countlens.memory import MAX_ROWS
+from countlens.pipeline import plan
+from countlens.pipeline.config import STAGES, DiscoverConfig
 
 SMALL = DiscoverConfig(n_per_case=2, n_pairs=4, n_samples=4, batch_size=4)
 
@@ -76,15 +75,24 @@ def test_a_sweep_on_little_memory_stacks_fewer_rows_and_gives_the_same_effects(o
         return seen[-1]
 
     seq = 60
-    monkeypatch.setattr(memory, "free_bytes", lambda device: int(9 * memory.stacked_row_bytes(w, seq) / memory.FREE_SHARE))
+    monkeypatch.setattr(
+        memory, "free_bytes", lambda device: int(9 * memory.stacked_row_bytes(w, seq) / memory.FREE_SHARE)
+    )
     monkeypatch.setattr(memory, "rows_per_forward", spy)
     small = patch_heads(organism, pairs, batch_size=4)
     assert seen and max(seen) < 4 * full.sizes["layer"] * full.sizes["head"]  # not every replica in one forward
     assert max(seen) < MAX_ROWS
     # Fewer replicas per forward: other GEMM shapes, so the two sweeps agree up to rounding.
     scale = logit_scale(organism, prepare_pairs(organism, pairs))
-    assert_effect(small.effect, full.effect, clean=full.clean_logit_diff, corrupt=full.corrupt_logit_diff,
-                  scale=scale, want_rounded=True, what="few-rows vs all-rows effect")
+    assert_effect(
+        small.effect,
+        full.effect,
+        clean=full.clean_logit_diff,
+        corrupt=full.corrupt_logit_diff,
+        scale=scale,
+        want_rounded=True,
+        what="few-rows vs all-rows effect",
+    )
     assert (small.to_corrupt.values == full.to_corrupt.values).mean() > 0.99
 
 
@@ -118,8 +126,26 @@ def test_little_memory_shrinks_the_sweeps_and_flags_nothing_it_fits(organism):
 def test_cli_plan_writes_json_and_refuses_bad_memory(tmp_path):
     runner = CliRunner()
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", "--model", "toy", "--n-per-case", "2", "--n-pairs", "4", "--n-samples", "4",
-                                 "--image-size", "224", "--memory", "8", "--json", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "toy",
+            "--n-per-case",
+            "2",
+            "--n-pairs",
+            "4",
+            "--n-samples",
+            "4",
+            "--image-size",
+            "224",
+            "--memory",
+            "8",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert list(data["stages"]) == list(STAGES)

@@ -11,7 +11,8 @@ from PIL import Image
 from countlens.datasets.png import indexed_png
 
 PALETTE = [(255, 255, 255), (220, 30, 30), (30, 70, 220), (0, 0, 0), (128, 128, 128)] + [
-    (i, 255 - i, (7 * i) % 256) for i in range(5, 256)]
+    (i, 255 - i, (7 * i) % 256) for i in range(5, 256)
+]
 
 
 @pytest.mark.parametrize("colours, depth", [(1, 1), (2, 1), (3, 2), (4, 2), (5, 4), (16, 4), (17, 8), (256, 8)])

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from countlens.pipeline import presets
 from countlens.analysis.heads import HeadThresholds, classify_heads
-from countlens.pipeline.config import DiscoverConfig, check_config
-from countlens.pipeline.discover import check
 from countlens.errors import ConfigError, RunDirError
+from countlens.pipeline import presets
+from countlens.pipeline.config import DiscoverConfig
+from countlens.pipeline.discover import check
 from countlens.training.finetune import FinetuneConfig
 
 
@@ -21,7 +21,14 @@ def test_preset_values_are_the_papers():
     c4 = presets.discover_config("counting-to-four")
     assert (c4.n_per_case, c4.prompt) == (1000, "std")
     t = presets.thresholds("counting-circuits")
-    assert (t.early, t.routing_from, t.routing_to, t.late, t.align_min, t.difficulty_min) == (0.1, 0.6, 0.9, 0.8, 0.5, 0.1)
+    assert (t.early, t.routing_from, t.routing_to, t.late, t.align_min, t.difficulty_min) == (
+        0.1,
+        0.6,
+        0.9,
+        0.8,
+        0.5,
+        0.1,
+    )
     assert presets.thresholds("") == HeadThresholds()
     for p in presets.PRESETS.values():  # every value a preset sets says where it comes from
         assert set(p.discover) | set(p.thresholds) | set(p.probe) <= set(p.sources)
@@ -115,8 +122,16 @@ def _paper_heads():
 
 def _classes(thresholds):
     d = _paper_heads()
-    df = classify_heads(d["vgs"], d["cter"], d["image"], d["importance"], d["constancy"], thresholds,
-                        alignment=d["alignment"], difficulty=d["difficulty"])
+    df = classify_heads(
+        d["vgs"],
+        d["cter"],
+        d["image"],
+        d["importance"],
+        d["constancy"],
+        thresholds,
+        alignment=d["alignment"],
+        difficulty=d["difficulty"],
+    )
     return {(int(la), int(h)): c for la, h, c in zip(df["layer"], df["head"], df["class"])}
 
 
@@ -149,16 +164,26 @@ def test_head_table_alignment_is_the_share_of_samples_decoding_the_count():
     top1 = np.zeros((2, 2, 4), dtype=int)
     top1[1, 1] = [7, 8, 0, 5]  # 2 of 3 known samples
     top1[0, 1] = [7, 8, 9, 9]  # 3 of 3
-    hl = xr.Dataset({"token_id": (("layer", "head", "sample", "k"), top1[..., None]),
-                     "token": (("layer", "head", "sample", "k"), top1[..., None].astype(str)),
-                     "vgs": (("layer", "head"), np.zeros((2, 2))), "cter": (("layer", "head"), np.zeros((2, 2))),
-                     "difficulty": (("layer", "head"), np.zeros((2, 2))), "count_token": ("sample", count_token)},
-                    coords={**coords, "sample": np.arange(4), "k": [0]})
+    hl = xr.Dataset(
+        {
+            "token_id": (("layer", "head", "sample", "k"), top1[..., None]),
+            "token": (("layer", "head", "sample", "k"), top1[..., None].astype(str)),
+            "vgs": (("layer", "head"), np.zeros((2, 2))),
+            "cter": (("layer", "head"), np.zeros((2, 2))),
+            "difficulty": (("layer", "head"), np.zeros((2, 2))),
+            "count_token": ("sample", count_token),
+        },
+        coords={**coords, "sample": np.arange(4), "k": [0]},
+    )
     heads = xr.Dataset({"effect": (("layer", "head"), np.array([[0.5, -0.2], [0.1, 0.0]]))}, coords=coords)
-    abl = xr.Dataset({"logp_drop": (("task", "layer", "head"), np.array([[[2.0, 0.5], [-0.1, 0.0]]]))},
-                     coords={"task": ["count"], **coords})
-    att = xr.Dataset({"image_attention": (("layer", "head", "sample"), np.zeros((2, 2, 4)))},
-                     coords={**coords, "sample": np.arange(4)})
+    abl = xr.Dataset(
+        {"logp_drop": (("task", "layer", "head"), np.array([[[2.0, 0.5], [-0.1, 0.0]]]))},
+        coords={"task": ["count"], **coords},
+    )
+    att = xr.Dataset(
+        {"image_attention": (("layer", "head", "sample"), np.zeros((2, 2, 4)))},
+        coords={**coords, "sample": np.arange(4)},
+    )
     t = head_table(heads, abl, hl, att).set_index("head_id")
     assert t.loc["L1H1", "alignment"] == pytest.approx(2 / 3) and t.loc["L0H1", "alignment"] == 1.0
     assert t.loc["L0H0", "alignment"] == 0.0
@@ -173,15 +198,22 @@ def test_headlens_results_without_count_token_or_difficulty_are_refused():
     from countlens.analysis.heads import head_table
 
     coords = {"layer": [0], "head": [0]}
-    full = xr.Dataset({"token_id": (("layer", "head", "sample", "k"), np.zeros((1, 1, 2, 1), dtype=int)),
-                       "token": (("layer", "head", "sample", "k"), np.full((1, 1, 2, 1), "a")),
-                       "vgs": (("layer", "head"), [[0.0]]), "cter": (("layer", "head"), [[0.0]]),
-                       "difficulty": (("layer", "head"), [[0.0]]), "count_token": ("sample", [3, -1])},
-                      coords={**coords, "sample": [0, 1], "k": [0]})
+    full = xr.Dataset(
+        {
+            "token_id": (("layer", "head", "sample", "k"), np.zeros((1, 1, 2, 1), dtype=int)),
+            "token": (("layer", "head", "sample", "k"), np.full((1, 1, 2, 1), "a")),
+            "vgs": (("layer", "head"), [[0.0]]),
+            "cter": (("layer", "head"), [[0.0]]),
+            "difficulty": (("layer", "head"), [[0.0]]),
+            "count_token": ("sample", [3, -1]),
+        },
+        coords={**coords, "sample": [0, 1], "k": [0]},
+    )
     heads = xr.Dataset({"effect": (("layer", "head"), [[0.1]])}, coords=coords)
     abl = xr.Dataset({"logp_drop": (("task", "layer", "head"), [[[0.1]]])}, coords={"task": ["count"], **coords})
-    att = xr.Dataset({"image_attention": (("layer", "head", "sample"), np.zeros((1, 1, 2)))},
-                     coords={**coords, "sample": [0, 1]})
+    att = xr.Dataset(
+        {"image_attention": (("layer", "head", "sample"), np.zeros((1, 1, 2)))}, coords={**coords, "sample": [0, 1]}
+    )
     assert len(head_table(heads, abl, full, att, presets.thresholds("counting-circuits"))) == 1
     fix = "delete results/headlens.nc and rerun `countlens discover` with the same --out"
     for lacking in (["count_token"], ["difficulty"], ["count_token", "difficulty"]):
@@ -216,9 +248,14 @@ def test_the_full_rows_temperature_sharpens_the_classes_the_recipe_names(tmp_pat
     from countlens.circuits.temperature import beta_from_importance
     from countlens.pipeline.finetune_job import importance_from
 
-    pd.DataFrame({"layer": [0, 1, 2, 3], "head": [0, 0, 0, 0], "importance": [0.9, 0.5, 0.45, 0.2],
-                  "class": ["visual grounding", "cross-modal routing", "counting aggregation", "other"]}
-                 ).to_csv(tmp_path / "heads.csv", index=False)
+    pd.DataFrame(
+        {
+            "layer": [0, 1, 2, 3],
+            "head": [0, 0, 0, 0],
+            "importance": [0.9, 0.5, 0.45, 0.2],
+            "class": ["visual grounding", "cross-modal routing", "counting aggregation", "other"],
+        }
+    ).to_csv(tmp_path / "heads.csv", index=False)
     classes = presets.recipe("counting-circuits").temperature_classes
     betas = beta_from_importance(importance_from(tmp_path, classes), alpha=1.2, top_k=3)
     assert set(betas) == {(1, 0), (2, 0)}  # the routing and aggregation heads, not the more important VG head
@@ -234,13 +271,16 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads():
     from countlens.pipeline.finetune_job import EVALUATION, LOCAL_SETS, check_recipe, evaluation_sets
 
     base = presets.DEFAULT_RECIPE
-    for change, message in (({"rows": ("+SFT", "+LoRA")}, "Recipe.rows"),
-                            ({"rows": ("+SFT+focus+temperature",)}, "list '\\+SFT\\+focus' too"),
-                            ({"evaluation": ("MMMU",)}, "Recipe.evaluation"), ({"layers": "some"}, "Recipe.layers"),
-                            ({"training": "web"}, "Recipe.training"),
-                            ({"config": {"lora_rank": 8}}, "not FinetuneConfig fields"),
-                            ({"temperature_classes": ("routing",)}, "Recipe.temperature_classes"),
-                            ({"training": "fsc147", "rows": ("+SFT+focus",)}, "object centres")):
+    for change, message in (
+        ({"rows": ("+SFT", "+LoRA")}, "Recipe.rows"),
+        ({"rows": ("+SFT+focus+temperature",)}, "list '\\+SFT\\+focus' too"),
+        ({"evaluation": ("MMMU",)}, "Recipe.evaluation"),
+        ({"layers": "some"}, "Recipe.layers"),
+        ({"training": "web"}, "Recipe.training"),
+        ({"config": {"lora_rank": 8}}, "not FinetuneConfig fields"),
+        ({"temperature_classes": ("routing",)}, "Recipe.temperature_classes"),
+        ({"training": "fsc147", "rows": ("+SFT+focus",)}, "object centres"),
+    ):
         with pytest.raises(ConfigError, match=message):
             check_recipe(replace(base, **change), local={"fsc147": "."})
     with pytest.raises(ConfigError, match="--pixmo /nowhere: no such file"):

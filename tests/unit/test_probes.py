@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import countlens
 from countlens.analysis.probes import (
     DetectionProbe,
     ProbeConfig,
@@ -23,7 +22,6 @@ from countlens.datasets.countingtricks import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import ConfigError, InputError
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,8 +100,13 @@ def test_a_shared_cell_goes_to_the_nearer_centre_and_the_other_object_moves_next
 
 
 def _sample(objs, size: int = 192) -> TaskSample:
-    return TaskSample(Scene(size, size, tuple(objs)), "how many circles are there in the image?", str(len(objs)),
-                      "count", {"count": len(objs)})
+    return TaskSample(
+        Scene(size, size, tuple(objs)),
+        "how many circles are there in the image?",
+        str(len(objs)),
+        "count",
+        {"count": len(objs)},
+    )
 
 
 # ----------------------------------------------------------------------------- training

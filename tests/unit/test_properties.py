@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from scipy import ndimage
+from tolerance import assert_close, assert_effect, logit_scale
 
-import countlens
 from countlens import circuits
 from countlens.circuits.patching import Edit, cache_run, prepare_pairs, run_edits
 from countlens.circuits.sites import GROUPS, group_mask, head_contributions
@@ -21,17 +21,26 @@ from countlens.datasets.countingtricks import CASES, trick_sample
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import CountlensError
 from countlens.geometry import Geometry
-from tolerance import assert_close, assert_effect, logit_scale
 
 # Derandomized: the examples are a pure function of the test, so CI runs the same ones every time.
-FEW = settings(max_examples=12, deadline=None, derandomize=True, database=None,
-               suppress_health_check=[HealthCheck.function_scoped_fixture])
+FEW = settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 MODEL = settings(FEW, max_examples=5)
 
 
 @FEW
-@given(name=st.sampled_from(list(CASES)), patch=st.integers(8, 24), cells=st.integers(8, 14),
-       seed=st.integers(0, 10_000), index=st.integers(0, 40))
+@given(
+    name=st.sampled_from(list(CASES)),
+    patch=st.integers(8, 24),
+    cells=st.integers(8, 14),
+    seed=st.integers(0, 10_000),
+    index=st.integers(0, 40),
+)
 def test_countingtricks_geometry_on_random_grids(name, patch, cells, seed, index):
     grid = Geometry.square(patch * cells, patch)
     try:
@@ -43,7 +52,7 @@ def test_countingtricks_geometry_on_random_grids(name, patch, cells, seed, index
     boxes = s.scene.boxes()  # inside the image
     assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= grid.image_width).all()
     assert (boxes[:, 3] <= grid.image_height).all()
-    gaps = [boundary_gap(a, b) for i, a in enumerate(objs) for b in objs[i + 1:]]
+    gaps = [boundary_gap(a, b) for i, a in enumerate(objs) for b in objs[i + 1 :]]
     assert min(gaps, default=np.inf) >= c.gap_px - 1e-6  # no overlaps; adjacency touches at its gap
     if c.anchor:
         on = {"center": (0.5, 0.5), "vline": (0.0, 0.5), "hline": (0.5, 0.0), "cross": (0.0, 0.0)}[c.anchor]
@@ -67,8 +76,12 @@ def qwen(loaded):
 
 @pytest.mark.numeric
 @MODEL
-@given(layer=st.integers(-1, 5), head=st.one_of(st.none(), st.integers(0, 3)), group=st.sampled_from(GROUPS),
-       seed=st.integers(0, 1000))
+@given(
+    layer=st.integers(-1, 5),
+    head=st.one_of(st.none(), st.integers(0, 3)),
+    group=st.sampled_from(GROUPS),
+    seed=st.integers(0, 1000),
+)
 def test_self_patching_changes_nothing(toy, layer, head, group, seed):
     assume(not (layer == -1 and head is not None))
     pairs = count_pairs(2, kind="shapes", grid=toy.geometry, prompt="short", seed=seed)
@@ -89,8 +102,9 @@ def test_patching_every_image_embedding_carries_the_whole_effect(qwen, counts, s
 
 
 @MODEL
-@given(heads=st.sets(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=6),
-       seed=st.integers(0, 1000))
+@given(
+    heads=st.sets(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=6), seed=st.integers(0, 1000)
+)
 def test_beta_one_is_bit_identical(toy, heads, seed):
     from countlens.datasets.tasks import task_samples
 

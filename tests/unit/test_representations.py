@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tolerance import assert_close
 
-import countlens
 from countlens.analysis.representations import (
     last_token_states,
     pca,
@@ -18,8 +18,6 @@ from countlens.analysis.representations import (
 )
 from countlens.datasets.countingtricks import countingtricks
 from countlens.errors import InputError, LayerError
-from tolerance import assert_close
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

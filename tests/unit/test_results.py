@@ -86,8 +86,16 @@ def dataset() -> xr.Dataset:
 
 
 def test_provenance_is_netcdf_safe():
-    attrs = results.provenance("toy", "qwen2_vl", dataset={"b": 2, "a": [1, 2]}, seed=3, flag=False,
-                               layers=[1, 2], lr=np.float32(0.5), skip=None)
+    attrs = results.provenance(
+        "toy",
+        "qwen2_vl",
+        dataset={"b": 2, "a": [1, 2]},
+        seed=3,
+        flag=False,
+        layers=[1, 2],
+        lr=np.float32(0.5),
+        skip=None,
+    )
     assert attrs["model"] == "toy" and attrs["arch"] == "qwen2_vl" and attrs["seed"] == 3
     assert json.loads(attrs["dataset"]) == {"a": [1, 2], "b": 2}
     assert attrs["flag"] == "false" and attrs["layers"] == "[1, 2]" and attrs["lr"] == 0.5
@@ -215,8 +223,9 @@ def test_reopen_cleans_crash_debris(tmp_path):
     store.write("layer=0", chunk("layer=0"))
     # What a kill leaves: a half-written temp chunk, a chunk renamed before its order line, and
     # an order line cut short.
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout.strip()
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     host = results._writer_id().split("~")[0]
     (store.chunks / f".layer=1.nc.{host}~{dead_pid}-deadbeef.tmp").write_bytes(b"CDF\x01half")
     results.save(chunk("layer=2"), store.chunks / "layer=2.nc")
@@ -231,8 +240,10 @@ def test_reopen_cleans_crash_debris(tmp_path):
 @pytest.mark.parametrize("kill", [{"kill_after": 3}, {"kill_in_write": 4}], ids=["between_writes", "during_write"])
 def test_sweep_resumes_after_sigkill(tmp_path, kill):
     path = tmp_path / "killed"
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_results; "
-            f"test_results.run_sweep({str(path)!r}, **{kill!r})")
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_results; "
+        f"test_results.run_sweep({str(path)!r}, **{kill!r})"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     half_written = list(path.glob("chunks/.*.tmp"))

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY_IMAGE_SIZE
+from tolerance import assert_close
 
-import countlens
 from countlens.circuits.taps import tap
 from countlens.datasets.scene import Obj, Scene
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
-from tiny_models import TINY_IMAGE_SIZE
-from tolerance import assert_close
 
 
 def _scene_sample(size: int, objs=()) -> TaskSample:
@@ -61,8 +60,10 @@ def test_qwen2_5_vl_vision_tap_is_the_patch_grid_the_merger_reads(loaded):
     vlm = loaded("qwen2_5_vl")
     size = TINY_IMAGE_SIZE["qwen2_5_vl"][0]
     p = vlm.geometry_for(size, size).patch_size
-    samples = [_scene_sample(size, [Obj("circle", "red", 1.5 * p, 2.5 * p, p)]),
-               _scene_sample(size, [Obj("square", "blue", 5.5 * p, 4.5 * p, 2 * p)])]
+    samples = [
+        _scene_sample(size, [Obj("circle", "red", 1.5 * p, 2.5 * p, p)]),
+        _scene_sample(size, [Obj("square", "blue", 5.5 * p, 4.5 * p, 2 * p)]),
+    ]
     blocks = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)
     vis = tap(vlm, samples, "vision", len(blocks) - 1)
     proj = tap(vlm, samples, "projector")

@@ -4,11 +4,29 @@ import torch
 
 import countlens
 from countlens.datasets.tasks import TASKS, task_samples
-from countlens.toy.recipe import ToyConfig, TrainConfig, build_image_processor, build_model, build_processor, build_tokenizer
+from countlens.toy.recipe import (
+    ToyConfig,
+    TrainConfig,
+    build_image_processor,
+    build_model,
+    build_processor,
+    build_tokenizer,
+)
 from countlens.toy.train import Collator, training_sample
 
-SMALL = ToyConfig(image_size=64, patch_size=16, merge_size=2, vision_depth=1, vision_dim=32, text_layers=2, hidden=64,
-                  heads=4, kv_heads=2, intermediate=96, mrope_section=(2, 3, 3))
+SMALL = ToyConfig(
+    image_size=64,
+    patch_size=16,
+    merge_size=2,
+    vision_depth=1,
+    vision_dim=32,
+    text_layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    intermediate=96,
+    mrope_section=(2, 3, 3),
+)
 
 
 def test_every_answer_is_one_known_token():
@@ -25,8 +43,11 @@ def test_fast_collate_equals_the_processor():
     samples = [training_sample(0, i, cfg, TrainConfig()) for i in range(6)]
     inputs, answers = Collator(cfg)(samples)
     texts = [
-        proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}],
-                                 tokenize=False, add_generation_prompt=True)
+        proc.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         for s in samples
     ]
     ref = proc(text=texts, images=[s.image for s in samples], padding=True, return_tensors="pt")
@@ -53,7 +74,9 @@ def test_training_is_a_pure_function_of_the_seed(tmp_path):
 
     from countlens.toy.train import train
 
-    tc = replace(TrainConfig(), steps=3, batch_size=4, vision_pretrain=2, crop_batch=4, vision_warmup=2, warmup=1, threads=1)
+    tc = replace(
+        TrainConfig(), steps=3, batch_size=4, vision_pretrain=2, crop_batch=4, vision_warmup=2, warmup=1, threads=1
+    )
     train(tmp_path / "a", SMALL, tc)
     train(tmp_path / "b", SMALL, tc)
     train(tmp_path / "c", SMALL, replace(tc, seed=1))
@@ -70,8 +93,17 @@ def test_main_training_leaves_the_pretrained_tower_frozen(tmp_path):
 
     from countlens.toy.train import train
 
-    tc = replace(TrainConfig(), steps=0, batch_size=4, vision_pretrain=2, crop_batch=4, vision_warmup=2, warmup=1, threads=1,
-                 freeze_vision=True)
+    tc = replace(
+        TrainConfig(),
+        steps=0,
+        batch_size=4,
+        vision_pretrain=2,
+        crop_batch=4,
+        vision_warmup=2,
+        warmup=1,
+        threads=1,
+        freeze_vision=True,
+    )
     train(tmp_path / "a", SMALL, tc)  # pretraining only
     train(tmp_path / "b", SMALL, replace(tc, steps=3))
     before, after = (countlens.load(tmp_path / d).hf.model.visual.state_dict() for d in "ab")
@@ -80,16 +112,30 @@ def test_main_training_leaves_the_pretrained_tower_frozen(tmp_path):
     assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("merger."))
 
 
-def test_crop_pretraining_reads_patches_tokens_or_the_centre_token_and_a_frozen_tower_leaves_the_warmup_only_the_merger(tmp_path):
+def test_crop_pretraining_reads_patches_tokens_or_the_centre_token_and_a_frozen_tower_leaves_the_warmup_only_the_merger(
+    tmp_path,
+):
     from dataclasses import replace
 
     from countlens.toy.train import train
 
-    tc = replace(TrainConfig(), steps=0, batch_size=4, vision_pretrain=0, crop_batch=4, vision_warmup=0, threads=1,
-                 freeze_vision=True)
-    runs = {"init": tc, "patches": replace(tc, vision_pretrain=2, pretrain_reads="patches"),
-            "patches+warmup": replace(tc, vision_pretrain=2, pretrain_reads="patches", vision_warmup=2),
-            "tokens": replace(tc, vision_pretrain=2), "centre": replace(tc, vision_pretrain=2, pretrain_reads="centre")}
+    tc = replace(
+        TrainConfig(),
+        steps=0,
+        batch_size=4,
+        vision_pretrain=0,
+        crop_batch=4,
+        vision_warmup=0,
+        threads=1,
+        freeze_vision=True,
+    )
+    runs = {
+        "init": tc,
+        "patches": replace(tc, vision_pretrain=2, pretrain_reads="patches"),
+        "patches+warmup": replace(tc, vision_pretrain=2, pretrain_reads="patches", vision_warmup=2),
+        "tokens": replace(tc, vision_pretrain=2),
+        "centre": replace(tc, vision_pretrain=2, pretrain_reads="centre"),
+    }
     for name, cfg in runs.items():
         train(tmp_path / name, SMALL, cfg)
     init, patches, warm, tokens, centre = (countlens.load(tmp_path / n).hf.model.visual.state_dict() for n in runs)
@@ -112,8 +158,9 @@ def test_unknown_pretrain_readout_is_refused():
 
 
 def test_crop_size_off_the_token_grid_is_refused_before_writing(tmp_path):
-    import pytest
     from dataclasses import replace
+
+    import pytest
 
     from countlens.errors import CountlensError
     from countlens.toy.train import train
@@ -140,7 +187,9 @@ def test_cell_targets_mark_object_centres():
     from countlens.datasets.tasks import TaskSample
     from countlens.toy.train import cell_targets
 
-    scene = Scene(64, 64, (Obj("circle", "red", 8, 8, 6), Obj("square", "blue", 12, 10, 4), Obj("triangle", "green", 40, 50, 8)))
+    scene = Scene(
+        64, 64, (Obj("circle", "red", 8, 8, 6), Obj("square", "blue", 12, 10, 4), Obj("triangle", "green", 40, 50, 8))
+    )
     t = cell_targets([TaskSample(scene, "q", "3", "count")], SMALL).reshape(2, 2, 3)  # 32-px cells
     assert t[0, 0].tolist() == [2, 0, 0]  # two centres; the first is a red circle
     assert t[1, 1].tolist() == [1, 1, 2]  # green triangle

@@ -164,7 +164,9 @@ def test_finetune_input_errors(organism, tmp_path):
     with pytest.raises(ConfigError, match="target_layers"):
         finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1))
     with pytest.raises(ConfigError, match="ce_on"):
-        finetune(organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1, focus=0, ce_on="all"))
+        finetune(
+            organism, task_samples("count", 2, 1000), tmp_path / "x", FinetuneConfig(steps=1, focus=0, ce_on="all")
+        )
     words = [TaskSample(s.scene, s.question, "two circles", "count") for s in task_samples("count", 2, 1000)]
     with pytest.raises(InputError, match="'two circles' has no digit token"):  # before any step
         finetune(organism, words, tmp_path / "y", FinetuneConfig(steps=1, focus=0, ce_on="digits"))

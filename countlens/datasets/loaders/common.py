@@ -252,8 +252,7 @@ def points_field(record: dict, name: str, file: PathLike, record_id: str) -> np.
             or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in p)
         ):
             raise LoaderError(
-                f"{file}: {record_id}: field {name!r}: item {i} is {p!r}; "
-                'expected [x, y] or {"x": x, "y": y} numbers'
+                f'{file}: {record_id}: field {name!r}: item {i} is {p!r}; expected [x, y] or {{"x": x, "y": y}} numbers'
             )
         out[i] = p
     return out

@@ -16,9 +16,9 @@ from countlens.datasets.loaders.common import (
     PathLike,
     check_limit,
     count_field,
-    record_field,
     image_field,
     read_records,
+    record_field,
 )
 
 

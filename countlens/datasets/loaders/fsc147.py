@@ -23,9 +23,9 @@ from countlens.datasets.loaders.common import (
     PathLike,
     check_limit,
     check_template,
-    record_field,
     points_field,
     read_json,
+    record_field,
     require_file,
 )
 

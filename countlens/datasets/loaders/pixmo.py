@@ -20,10 +20,10 @@ from countlens.datasets.loaders.common import (
     check_limit,
     check_template,
     count_field,
-    record_field,
     image_field,
     points_field,
     read_records,
+    record_field,
 )
 
 QUESTION = "How many {label} are there in the image?"

@@ -19,8 +19,8 @@ from countlens.datasets.loaders.common import (
     PathLike,
     check_limit,
     count_field,
-    record_field,
     read_records,
+    record_field,
 )
 
 
