@@ -11,13 +11,13 @@ one), counts 1–10, PNGs and labels written. Both run as whole processes pinned
 reference, countlens, …), each into a fresh directory; medians over ``repeats`` and the median of
 the per-pair ratios. Twice: into tmpfs (``/dev/shm``: the generators' own cost) and into the temp
 directory on disk, where file creation on this shared machine's ext4 adds 0.1–1.4 s of kernel time
-to either side's run at random (seen with ``/usr/bin/time``), so that row's pairs scatter widely. countlens draws
-counts 1–10 cut to what each case fits
-(6A and 7A: 9, 8A: 4; it refuses to label more objects than it drew), and writes its manifest.
-countlens runs as a user's script would call it, `export_countingtricks` in a ``python -c``
-process (`PAPER_WORK`). The reference is the paper's public ``vlm-count-eval/synthetic_data/generate.py`` (repository
-leduy99/-CVPRW26-Modality-Attention-Share), not part of countlens: give a local copy's folder
-with ``--reference``; it runs unmodified beside a ``config.yml`` of the work above. Without it only
+to either side's run at random (seen with ``/usr/bin/time``), so that row's pairs scatter widely.
+countlens draws counts 1–10 cut to what each case fits (6A and 7A: 9, 8A: 4; it refuses to label
+more objects than it drew), and writes its manifest. countlens runs as a user's script would call
+it, `export_countingtricks` in a ``python -c`` process (`PAPER_WORK`). The reference is the paper's
+public ``vlm-count-eval/synthetic_data/generate.py`` (repository
+leduy99/-CVPRW26-Modality-Attention-Share), not part of countlens: give a local copy's folder with
+``--reference``; it runs unmodified beside a ``config.yml`` of the work above. Without it only
 countlens is timed.
 
 **png**: bytes and encode time per image of the same 180 paper-grid scenes under countlens's

@@ -1,11 +1,11 @@
 """VLM: a Hugging Face vision-language model wrapped for nnsight tracing, with its processor and spec.
 
-`countlens.load` (in `countlens.loading`) resolves a name to a `VLM`, offline. `VLM.prepare` turns images and
-questions into a `Batch`: the padded model
-inputs plus, per sample, where its image tokens are, which cell of the image-token grid each one
-covers, the last prompt position, the read position (the last one: the last prompt token, or the
-last of any answer tokens teacher-forced after it) and the answers' token sequences
-(`countlens.answers` says how answers are written and terminated).
+`countlens.load` (in `countlens.loading`) resolves a name to a `VLM`, offline. `VLM.prepare` turns
+images and questions into a `Batch`: the padded model inputs plus, per sample, where its image
+tokens are, which cell of the image-token grid each one covers, the last prompt position, the read
+position (the last one: the last prompt token, or the last of any answer tokens teacher-forced after
+it) and the answers' token sequences (`countlens.answers` says how answers are written and
+terminated).
 Everything that reads or writes activations goes through `VLM.trace` and `VLM.module`, so the
 same code runs locally and, with ``remote=True``, on NDIF.
 """

@@ -1,18 +1,18 @@
 """Tiny random-init Hugging Face VLMs with working offline processors, for the architecture test matrix.
 
 `build_tiny(name)` returns ``(model, processor)``: a model built from a config (no hub), seeded with
-``torch.manual_seed(0)``, in eval mode, with ``config.architectures`` set; and a processor made of the
-architecture's real processor class, its PIL image processor (torchvision is not installed) and a
-tokenizer that carries the architecture's special tokens and a chat template in the layout of the
+``torch.manual_seed(0)``, in eval mode, with ``config.architectures`` set; and a processor made of
+the architecture's real processor class, its PIL image processor (torchvision is not installed) and
+a tokenizer that carries the architecture's special tokens and a chat template in the layout of the
 real model. Tokenizers (`real_vocab`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision carry the
-**real Qwen vocabulary** (special tokens at their real ids, config vocabulary 151,936 / 152,000 as in
-the real checkpoints), so "12" is "1", "2"; LLaVA-1.5 and Gemma 3 a small trained BPE that splits
+**real Qwen vocabulary** (special tokens at their real ids, config vocabulary 151,936 / 152,000 as
+in the real checkpoints), so "12" is "1", "2"; LLaVA-1.5 and Gemma 3 a small trained BPE that splits
 digits as their real tokenizers do; LLaVA-NeXT, Idefics3 and InternVL a word-level vocabulary in
-which every number up to 100 is one token. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads (where GQA
-exists), vision
-tower 2 layers of width 32, images of 32-64 px that give a 4×4 grid of image tokens per image (or per
-tile). Processors that also want a video processor are made image-only (`countlens.processors`).
-`tiny_inputs(name, processor)` makes a batch of 2 through the chat template and the processor.
+which every number up to 100 is one token. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads
+(where GQA exists), vision tower 2 layers of width 32, images of 32-64 px that give a 4×4 grid of
+image tokens per image (or per tile). Processors that also want a video processor are made
+image-only (`countlens.processors`). `tiny_inputs(name, processor)` makes a batch of 2 through the
+chat template and the processor.
 
 Image sizes (`TINY_IMAGE_SIZE[name]`, (height, width) of the PIL image to feed):
 - qwen2_vl / qwen2_5_vl / qwen3_vl: 64×64, patch 8, merge 2 → 16 image tokens (4×4).

@@ -122,14 +122,14 @@ def classify_heads(
 def head_table(
     heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset, thresholds: HeadThresholds = HeadThresholds()
 ) -> pd.DataFrame:
-    """Classify heads from a discover run's results (`countlens.pipeline.rundir.load_run`). ``importance`` is on
-    one scale, the paper's γ_h:
-    |effect| of patching the head's z (the share of the logit difference it carries, 0 … 1).
-    ``ablation_drop`` is a column of its own, the counting task's mean drop in log p(gold) (nats)
-    when the head is mean-ablated: a second measure, not mixed into the first. ``alignment``: the
-    share of counting samples whose top-1 decoded token is the first token of their count;
-    ``difficulty``: HeadLens's difficulty-word share. Both come from the HeadLens results
-    (`countlens.circuits.headlens.HeadLens.decode` writes ``count_token`` and ``difficulty``)."""
+    """Classify heads from a discover run's results (`countlens.pipeline.rundir.load_run`).
+    ``importance`` is on one scale, the paper's γ_h: |effect| of patching the head's z (the share of
+    the logit difference it carries, 0 … 1). ``ablation_drop`` is a column of its own, the counting
+    task's mean drop in log p(gold) (nats) when the head is mean-ablated: a second measure, not
+    mixed into the first. ``alignment``: the share of counting samples whose top-1 decoded token is
+    the first token of their count; ``difficulty``: HeadLens's difficulty-word share. Both come from
+    the HeadLens results (`countlens.circuits.headlens.HeadLens.decode` writes ``count_token`` and
+    ``difficulty``)."""
     missing = [name for name in ("count_token", "difficulty") if name not in hl]
     if missing:
         raise RunDirError(

@@ -11,14 +11,14 @@ Fit: ridge least squares on every real token position of a fitting set, in close
 per layer, deterministic; λ is relative to the mean eigenvalue of XᵀX, default 1e-2). R² is reported
 per layer on a held-out fifth of the positions. Both come from float64 sums accumulated batch by
 batch (XᵀX, Xᵀy, Σx, Σy, Σ|y|², for the fitting and the held-out positions), so the host keeps
-4·d_model² numbers per layer, not the positions (a 7B model's default fit: 11.7 GiB instead of 94). Scores per
-head, over the decoded top-k tokens at the
-last prompt position, averaged over samples: VGS — the share of visual-attribute words (colours,
-shapes, geometry; `VISUAL_WORDS`, configurable) — CTER — the share of number tokens (digits and
-number words) — and difficulty — the share of words that say a count is hard (`DIFFICULTY_WORDS`:
-the paper's awareness heads write "difficult", "impossible" at large counts). Each sample's
-``count_token`` (the first token of its count written as a number) lets a head's top-1 token be
-compared with the count (`countlens.analysis.heads.head_table`'s alignment).
+4·d_model² numbers per layer, not the positions (a 7B model's default fit: 11.7 GiB instead of 94).
+Scores per head, over the decoded top-k tokens at the last prompt position, averaged over samples:
+VGS — the share of visual-attribute words (colours, shapes, geometry; `VISUAL_WORDS`, configurable)
+— CTER — the share of number tokens (digits and number words) — and difficulty — the share of words
+that say a count is hard (`DIFFICULTY_WORDS`: the paper's awareness heads write "difficult",
+"impossible" at large counts). Each sample's ``count_token`` (the first token of its count written
+as a number) lets a head's top-1 token be compared with the count
+(`countlens.analysis.heads.head_table`'s alignment).
 """
 
 from __future__ import annotations

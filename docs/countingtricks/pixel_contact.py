@@ -4,16 +4,15 @@ along an edge.
 
     .venv/bin/python docs/countingtricks/pixel_contact.py    # writes pixel_contact.json beside it, prints the table
 
-Neighbours are the pairs whose outlines stand exactly the case's gap apart (0 px for A, 1 px for
-B; `contact.boundary_gap` within 1e-6 px). "Joined" (`contact.pixel_joined`): a pixel of one mask
-is a 4- (or 8-) neighbour of, or the same as, a pixel of the other. For A cases that is what
-touching should look like (100 %); for B cases it is what "1 px apart" must not look like (0 %),
-since a reader of the image cannot tell such a pair from a touching one. "Edge" is the share of
-touching polygon–polygon pairs (squares and triangles; circles meet at a point) that share at least
-1 px of outline (`contact.shared_edge`); the last line says how many of those are 4-joined. 60 samples per case and
-grid (every count 3–12 under every
-shape twice), seed 0, split by the shape asked, on the organism's grid (192 px / 16 px) and the MAS paper's (384 px
-/ 27 px).
+Neighbours are the pairs whose outlines stand exactly the case's gap apart (0 px for A, 1 px for B;
+`contact.boundary_gap` within 1e-6 px). "Joined" (`contact.pixel_joined`): a pixel of one mask is a
+4- (or 8-) neighbour of, or the same as, a pixel of the other. For A cases that is what touching
+should look like (100 %); for B cases it is what "1 px apart" must not look like (0 %), since a
+reader of the image cannot tell such a pair from a touching one. "Edge" is the share of touching
+polygon–polygon pairs (squares and triangles; circles meet at a point) that share at least 1 px of
+outline (`contact.shared_edge`); the last line says how many of those are 4-joined. 60 samples per
+case and grid (every count 3–12 under every shape twice), seed 0, split by the shape asked, on the
+organism's grid (192 px / 16 px) and the MAS paper's (384 px / 27 px).
 """
 
 from __future__ import annotations
