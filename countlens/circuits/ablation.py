@@ -116,8 +116,11 @@ def ablation_scan(
     acc_drop = np.zeros((len(tasks), arch.n_layers, arch.n_heads))
     logp_drop = np.zeros_like(acc_drop)
     base_acc = np.zeros(len(tasks))
-    chunks = [(name, start) for name, samples in tasks.items() for start in range(0, len(samples), batch_size)]
-    keys = [f"{name}_{start:06d}" for name, start in chunks]
+    chunks = {
+        f"{name}_{start:06d}": (name, start)
+        for name, samples in tasks.items()
+        for start in range(0, len(samples), batch_size)
+    }
     mus: dict[str, Tensor] = {}
     if shard.sharded:
         # Every rank needs every task's means: rank 0 computes (and stores) them, the others read them.
@@ -127,16 +130,16 @@ def ablation_scan(
         else:
             distributed.wait_for(store, [_means_key(name) for name in needed], shard)
 
-    def chunk_result(key: str) -> xr.Dataset:
-        name, start = chunks[keys.index(key)]
+    def chunk_result(chunk: tuple[str, int]) -> xr.Dataset:
+        name, start = chunk
         samples = tasks[name]
         if name not in mus:  # a task's means only once one of its chunks is computed
             mus[name] = _task_means(vlm, name, samples, means, batch_size, store)
         return _scan_chunk(vlm, samples[start : start + batch_size], mus[name], sites)
 
-    done = run_chunks(keys, chunk_result, store, shard, "mean ablation, chunks" if progress else None)
+    done = run_chunks(chunks, chunk_result, store, shard, "mean ablation, chunks" if progress else None)
     parts: dict[str, list[xr.Dataset]] = {name: [] for name in tasks}
-    for (name, _), part in zip(chunks, done):
+    for (name, _), part in zip(chunks.values(), done):
         parts[name].append(part)
     for t, name in enumerate(tasks):
         ds = xr.concat(parts[name], dim="sample")

@@ -132,11 +132,12 @@ def _sweep(
     shard = distributed.resolve(shard, store, "this patching sweep")
     shape = tuple(len(v) for v in coords.values())
     dims = tuple(coords)
-    starts = range(0, len(pairs), batch_size)
-    keys = [f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}" for start in starts]
+    starts = {
+        f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}": start
+        for start in range(0, len(pairs), batch_size)
+    }
 
-    def chunk_result(key: str) -> xr.Dataset:
-        start = starts[keys.index(key)]
+    def chunk_result(start: int) -> xr.Dataset:
         chunk = pairs[start : start + batch_size]
         pb = prepare_pairs(vlm, chunk)
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers))
@@ -162,7 +163,7 @@ def _sweep(
             coords={**coords, "pair": pair},
         )
 
-    parts = run_chunks(keys, chunk_result, store, shard, f"patching {len(pairs)} pairs" if progress else None)
+    parts = run_chunks(starts, chunk_result, store, shard, f"patching {len(pairs)} pairs" if progress else None)
     ds = xr.concat(parts, dim="pair", data_vars="minimal")
     ld, clean_ld, corrupt_ld = (
         torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")

@@ -10,13 +10,16 @@ every rank then holds the whole sweep, as one process would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import xarray as xr
 
 from countlens import distributed
 from countlens.distributed import Shard
 from countlens.results import SweepStore
+
+Chunk = TypeVar("Chunk")
 
 
 def open_store(store: str | SweepStore | None, spec: Callable[[], dict]) -> SweepStore | None:
@@ -28,15 +31,17 @@ def open_store(store: str | SweepStore | None, spec: Callable[[], dict]) -> Swee
 
 
 def run_chunks(
-    keys: Sequence[str],
-    compute: Callable[[str], xr.Dataset | xr.DataArray],
+    chunks: Mapping[str, Chunk],
+    compute: Callable[[Chunk], xr.Dataset | xr.DataArray],
     store: SweepStore | None,
     shard: Shard,
     description: str | None = None,
 ) -> list:
-    """Every chunk's result, in the order of ``keys``: read from ``store`` where finished, else
-    ``compute(key)`` (then written to ``store``). Sharded, this rank computes its share, then waits
-    for the other ranks' chunks and reads them all. ``description``: a progress line per chunk."""
+    """Every chunk's result, in the order of ``chunks`` ({stored key: what ``compute`` takes}): read
+    from ``store`` where finished, else ``compute(chunk)`` (then written to ``store``). Sharded, this
+    rank computes its share, then waits for the other ranks' chunks and reads them all.
+    ``description``: a progress line per chunk."""
+    keys = list(chunks)
     mine = set(shard.mine(keys))
     todo = [key for key in keys if key in mine]
     if description is not None:
@@ -49,7 +54,7 @@ def run_chunks(
         if store is not None and key in store.done():
             parts.append(store.read(key))
             continue
-        part = compute(key)
+        part = compute(chunks[key])
         if store is not None:
             store.write(key, part)
         parts.append(part)
