@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from countlens.errors import CountlensError
+from countlens.errors import CountlensError, RunDirError
 
 __all__ = [
     "ResultError",
@@ -304,6 +304,14 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def refuse_older_spec(saved: dict, spec: dict, source: Path, fix: str) -> None:
+    """Refuse a saved spec (a run's or a fine-tune's) that lacks fields of today's ``spec``: an older
+    countlens wrote it, and what it ran with in those fields is unknown. ``fix``: what to do instead."""
+    lacking = sorted(set(spec) - set(saved))
+    if lacking:
+        raise RunDirError(f"{source} lacks {lacking}: it was written by an older countlens; {fix}")
 
 
 def write_text(path: Path, text: str) -> None:

@@ -54,12 +54,7 @@ class Stages:
         spec_file = out / "spec.json"
         if spec_file.exists():
             old = read_spec(out)
-            lacking = sorted(set(spec) - set(old))
-            if lacking:
-                raise RunDirError(
-                    f"{spec_file} lacks {lacking}: it was written by an older countlens; rerun "
-                    f"into a new --out directory"
-                )
+            results.refuse_older_spec(old, spec, spec_file, "rerun into a new --out directory")
             if old != spec:
                 raise RunDirError(
                     f"{out} holds a run with a different spec ({old}); use a new --out directory "

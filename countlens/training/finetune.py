@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from countlens.errors import ConfigError, InputError, RunDirError
-from countlens.results import write_text
+from countlens.results import refuse_older_spec, write_text
 from countlens.training.collate import CE_ON, digit_mask
 
 if TYPE_CHECKING:
@@ -221,11 +221,7 @@ def finetune(
     # fine-tune trained with, so it resumes nothing.
     saved = json.loads(spec_file.read_text()) if spec_file.exists() else None
     if saved is not None:
-        lacking = sorted(set(spec) - set(saved))
-        if lacking:
-            raise RunDirError(
-                f"{spec_file} lacks {lacking}: it was written by an older countlens; fine-tune into a new directory"
-            )
+        refuse_older_spec(saved, spec, spec_file, "fine-tune into a new directory")
         if saved != spec:
             raise RunDirError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
     out.mkdir(parents=True, exist_ok=True)
