@@ -371,8 +371,7 @@ def discover_cmd(
     """
     import countlens
     from countlens.datasets.prompts import PAIR_PROMPTS
-    from countlens.pipeline.config import check_config
-    from countlens.pipeline.discover import discover
+    from countlens.pipeline.discover import check, discover
 
     _check_out(out)
     if prompt is not None and prompt != "auto" and prompt not in PAIR_PROMPTS:
@@ -387,7 +386,7 @@ def discover_cmd(
         n_samples=n_samples,
         prompt=prompt,
     )
-    check_config(config)  # before the model loads
+    check(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
     report = discover(vlm, out, config, log=typer.echo)
     typer.echo(f"report: {report}")
