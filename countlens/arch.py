@@ -10,15 +10,16 @@ Adding an architecture means adding one `ArchSpec` to `SPECS`, keyed by the HF c
 ``model_type``; print ``[n for n, _ in model.named_modules()]`` on a tiny config to find the paths,
 and add the architecture to the test matrix (``tests/tiny_models.py``).
 
-Layouts (how image tokens sit on the image, implemented in `countlens.vlm`):
+Layouts (how image tokens sit on the image; `countlens.layouts` maps each token to its cell):
 - ``grid``: the image's tokens are the token grid (patch grid ÷ merge) in row-major order.
 - ``anyres``: LLaVA-NeXT / OneVision — the base image's grid in row-major order first, then the
   high-resolution image as one finer grid in row-major order with a newline token ending each row.
-  `countlens.vlm` maps each high-resolution token to the base-grid cell it falls in (square
-  crop grids; newlines and unmapped tokens get cell (-1, -1)).
+- ``tiles_thumbnail``: InternVL — the image resized to a grid of tiles, each tile's token grid in
+  row-major order, tiles in row-major order, then (when there is more than one tile) a thumbnail:
+  the whole image at one tile's size.
 
-Not yet specified (they run under `tests/tiny_models.py` but tile their images, so the cell map
-needs a tile layout): Idefics3 / SmolVLM and InternVL.
+Not yet specified (it runs under `tests/tiny_models.py` but needs its own tile layout): Idefics3 /
+SmolVLM.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from countlens.errors import LayerError, UnsupportedArchitectureError
+from countlens.errors import CheckpointError, LayerError, UnsupportedArchitectureError
 
 #: How image tokens sit on the image (see the module docstring).
-Layout = Literal["grid", "anyres"]
+Layout = Literal["grid", "anyres", "tiles_thumbnail"]
 #: Axis order of a q-norm's output: (batch, seq, heads, d_head) or (batch, heads, seq, d_head).
 QNormLayout = Literal["bshd", "bhsd"]
 #: Order of the projector's output tokens: row-major, or Qwen2.5-VL's windows.
@@ -50,6 +51,9 @@ class ArchSpec:
     q_proj: str = "self_attn.q_proj"
     k_proj: str = "self_attn.k_proj"
     q_norm: str | None = None
+    # Where one spec covers several language models (InternVL: Qwen2.5 or Qwen3), the text
+    # model_types that have the q-norm; None: every model of the spec has it.
+    q_norm_text_types: tuple[str, ...] | None = None
     # Axis order of the q-norm's output: Qwen3 normalises (batch, seq, heads, d_head), Gemma 3
     # normalises after the transpose, (batch, heads, seq, d_head).
     q_norm_layout: QNormLayout = "bshd"
@@ -59,7 +63,11 @@ class ArchSpec:
     text_config: str = "text_config"
     vision_config: str = "vision_config"
     image_token_attr: str = "image_token_id"
-    merge_attr: str | None = None  # on the vision config; None → merge 1 (or `pooled_tokens_attr`)
+    # Patches per side merged into one image token: a dotted config path from the top config
+    # (``vision_config.spatial_merge_size``); with ``merge_is_ratio`` the path holds the inverse, a
+    # downsampling ratio (InternVL's ``downsample_ratio`` 0.5 → 2 × 2). None → 1 (or `pooled_tokens_attr`).
+    merge: str | None = None
+    merge_is_ratio: bool = False
     pooled_tokens_attr: str | None = None  # on the top config: tokens per image after pooling (Gemma3)
     layout: Layout = "grid"
     # Order of the projector's output tokens: "grid" (row-major, as in the LM input) or "window"
@@ -76,7 +84,7 @@ _QWEN = dict(
     vision_blocks="model.visual.blocks",
     vision_tower="model.visual",
     projector="model.visual.merger",
-    merge_attr="spatial_merge_size",
+    merge="vision_config.spatial_merge_size",
     rope_deltas="model.rope_deltas",
 )
 _LLAVA = dict(
@@ -96,6 +104,20 @@ SPECS: dict[str, ArchSpec] = {
         ArchSpec("llava", ("llava",), **_LLAVA),
         ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
         ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),
+        ArchSpec(
+            "internvl",
+            ("internvl",),
+            layers="model.language_model.layers",
+            final_norm="model.language_model.norm",
+            vision_blocks="model.vision_tower.encoder.layer",
+            vision_tower="model.vision_tower",
+            projector="model.multi_modal_projector",
+            q_norm="self_attn.q_norm",  # InternVL3.5's Qwen3 language models; InternVL3's Qwen2.5 have none
+            q_norm_text_types=("qwen3",),
+            merge="downsample_ratio",
+            merge_is_ratio=True,
+            layout="tiles_thumbnail",
+        ),
         ArchSpec(
             "gemma3",
             ("gemma3",),
@@ -122,6 +144,7 @@ class Arch:
     image_token_id: int
     patch_size: int
     merge_size: int
+    q_norm: str | None = None  # the spec's q-norm where this model has one
 
     @property
     def name(self) -> str:
@@ -133,7 +156,7 @@ class Arch:
 
     def q_site(self, i: int) -> str:
         """The module whose output is q after any q-norm (where head temperature scales q)."""
-        return f"{self.layer(i)}.{self.spec.q_norm or self.spec.q_proj}"
+        return f"{self.layer(i)}.{self.q_norm or self.spec.q_proj}"
 
     def o_proj(self, i: int) -> str:
         return f"{self.layer(i)}.{self.spec.o_proj}"
@@ -174,8 +197,10 @@ def resolve(config) -> Arch:
     if image_token_id is None:
         image_token_id = config.image_token_index
     patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
-    if spec.merge_attr:
-        merge = getattr(vision, spec.merge_attr)
+    if spec.merge:
+        merge = _config_value(config, spec.merge)
+        if spec.merge_is_ratio:
+            merge = _inverse_ratio(merge, spec.merge)
     elif spec.pooled_tokens_attr:
         side = vision.image_size // patch
         per_side = round(getattr(config, spec.pooled_tokens_attr) ** 0.5)
@@ -192,4 +217,28 @@ def resolve(config) -> Arch:
         image_token_id=int(image_token_id),
         patch_size=int(patch),
         merge_size=int(merge),
+        q_norm=spec.q_norm if _has_q_norm(spec, text) else None,
     )
+
+
+def _has_q_norm(spec: ArchSpec, text) -> bool:
+    return spec.q_norm is not None and (
+        spec.q_norm_text_types is None or getattr(text, "model_type", None) in spec.q_norm_text_types
+    )
+
+
+def _config_value(config, path: str):
+    value = config
+    for part in path.split("."):
+        if not hasattr(value, part):
+            raise CheckpointError(f"{type(config).__name__} has no {path!r}, which countlens reads as the merge size")
+        value = getattr(value, part)
+    return value
+
+
+def _inverse_ratio(ratio: float, path: str) -> int:
+    """The merge size a downsampling ratio stands for (0.5 → 2), refusing ratios that are not 1/n."""
+    merge = round(1 / ratio) if ratio and ratio > 0 else 0
+    if merge < 1 or abs(merge * ratio - 1) > 1e-6:
+        raise CheckpointError(f"{path} = {ratio!r} is not 1/n for a whole n; countlens needs a whole merge size")
+    return merge

@@ -24,6 +24,7 @@ from PIL import Image
 from countlens.arch import Arch, resolve
 from countlens.errors import InputError
 from countlens.geometry import Geometry
+from countlens.layouts import token_cells
 
 #: Image side assumed for dynamic-resolution processors (Qwen) when no size is given.
 DEFAULT_DYNAMIC_SIDE = 448
@@ -35,7 +36,9 @@ class Batch:
     """Model inputs plus per-sample token bookkeeping. Positions index the padded sequence.
 
     ``image_cell[b]`` is (n_image_tokens, 2): each image token's (row, col) on the token grid of
-    ``geometry[b]``; (-1, -1) for image tokens that cover no single cell (row-end newline tokens).
+    ``geometry[b]``, the cell its centre falls in (several tokens share a cell where the processor
+    also shows the image at a finer resolution: `countlens.layouts`); (-1, -1) for image tokens that
+    cover no single cell (row-end newline tokens).
     ``prompt_last[b]`` is the last prompt token; ``last[b]`` the read position, the same unless
     answer tokens were teacher-forced after the prompt (``forced=`` of `VLM.prepare`).
     """
@@ -48,6 +51,7 @@ class Batch:
     answer_ids: list[list[int]] | None = None
     prompts: list[str] = field(default_factory=list)
     prompt_last: torch.Tensor | None = None
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # each input image's (height, width)
 
     def __post_init__(self):
         if self.prompt_last is None:
@@ -222,7 +226,8 @@ class VLM:
             pos = torch.nonzero(ids[b] == self.arch.image_token_id).flatten()
             geom = self._sample_geometry(inputs, b, pil[b])
             image_pos.append(pos)
-            image_cell.append(_cells(self.arch.spec.layout, geom, len(pos), b))
+            layout = token_cells(self.arch.spec.layout, geom, len(pos), (pil[b].height, pil[b].width), b)
+            image_cell.append(layout.cells)
             geoms.append(geom)
         last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
         device = self.device
@@ -231,7 +236,8 @@ class VLM:
                 k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()
             }
         prompt_last = last - torch.tensor([len(f) for f in forced]) if forcing else last
-        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last)
+        sizes = [(im.height, im.width) for im in pil]
+        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last, sizes)
 
     def _chat_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):
@@ -335,32 +341,6 @@ def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[in
         fill = pad if k == "input_ids" else 0
         out[k] = torch.stack([torch.cat([torch.full((width - len(r),), fill, dtype=r.dtype), r]) for r in rows[k]])
     return out
-
-
-def _cells(layout: str, geom: Geometry, n_tokens: int, b: int) -> torch.Tensor:
-    rows, cols = geom.token_grid
-    grid = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
-    if layout == "grid":
-        if n_tokens != rows * cols:
-            raise InputError(
-                f"sample {b}: {n_tokens} image tokens but a {rows}x{cols} token grid; "
-                "one image per prompt is supported, with the processor's own image size"
-            )
-        return grid
-    if layout == "anyres":
-        # Base image first (row-major), then the high-resolution grid, R rows of C tokens + a newline.
-        n_rest = n_tokens - rows * cols
-        if n_rest < 0:
-            raise InputError(f"sample {b}: {n_tokens} image tokens, fewer than the base grid {rows}x{cols}")
-        rest = torch.full((n_rest, 2), -1)
-        side = int((n_rest) ** 0.5)
-        if side * (side + 1) == n_rest and side % rows == 0:  # a square high-res grid, side = R = C
-            r, c = torch.meshgrid(torch.arange(side), torch.arange(side + 1), indexing="ij")
-            cells = torch.stack([r * rows // side, c * cols // side], -1).reshape(-1, 2)
-            cells[(c == side).reshape(-1)] = -1  # the row-end newline tokens
-            rest = cells
-        return torch.cat([grid, rest])
-    raise ValueError(f"unknown layout {layout!r}")
 
 
 def fixed_size(ip) -> tuple[int, int] | None:

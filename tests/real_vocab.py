@@ -38,6 +38,35 @@ QWEN2_VL_SPECIALS: tuple[str, ...] = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+#: Qwen2.5's added tokens after Qwen2-VL's (`<tool_call>` 151,657 … `<|file_sep|>` 151,664).
+QWEN2_5_SPECIALS: tuple[str, ...] = (
+    *QWEN2_VL_SPECIALS,
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+#: InternVL3-hf (Qwen2.5 language model): `<img>` 151,665, `</img>` 151,666, `<IMG_CONTEXT>` 151,667 (the
+#: image token of OpenGVLab/InternVL3-*-hf configs), then the grounding tokens; text vocabulary 151,674.
+#: `<video>` is not in that vocabulary (the processor needs a video token): here it is id 151,674.
+INTERNVL3_SPECIALS: tuple[str, ...] = (
+    *QWEN2_5_SPECIALS,
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<video>",
+)
+INTERNVL3_VOCAB = 151_674
 #: LLaVA-OneVision (Qwen2 language model): `<image>` 151,646 and `<video>` 151,647 after the chat tokens.
 ONEVISION_SPECIALS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 

@@ -4,10 +4,10 @@
 ``torch.manual_seed(0)``, in eval mode, with ``config.architectures`` set; and a processor made of
 the architecture's real processor class, its PIL image processor (torchvision is not installed) and
 a tokenizer that carries the architecture's special tokens and a chat template in the layout of the
-real model. Tokenizers (`real_vocab`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision carry the
+real model. Tokenizers (`real_vocab`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision and InternVL carry the
 **real Qwen vocabulary** (special tokens at their real ids, config vocabulary 151,936 / 152,000 as
 in the real checkpoints), so "12" is "1", "2"; LLaVA-1.5 and Gemma 3 a small trained BPE that splits
-digits as their real tokenizers do; LLaVA-NeXT, Idefics3 and InternVL a word-level vocabulary in
+digits as their real tokenizers do; LLaVA-NeXT and Idefics3 a word-level vocabulary in
 which every number up to 100 is one token. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads
 (where GQA exists), vision tower 2 layers of width 32, images of 32-64 px that give a 4×4 grid of
 image tokens per image (or per tile). Processors that also want a video processor are made
@@ -21,7 +21,8 @@ Image sizes (`TINY_IMAGE_SIZE[name]`, (height, width) of the PIL image to feed):
 - llava_onevision: 64×64 → anyres 2×2 crops of 32 px (SigLIP, patch 8): 16 base + 8×(8+1) = 88 tokens.
 - gemma3: 64×64 (SigLIP patch 8 → 8×8, avg-pooled 2×2) → 16 image tokens (4×4).
 - idefics3: 64×64 → 2×2 tiles of 32 px + a global image, 16 tokens each (80 in all).
-- internvl: 64×64 → 2×2 tiles of 32 px + a thumbnail, 16 tokens each (80 in all).
+- internvl / internvl3_5 (Qwen2.5 / Qwen3 text): 64×64 → 2×2 tiles of 32 px (patch 4, pixel-shuffled
+  by 0.5) + a thumbnail, 16 tokens each (80 in all); a 32×32 image is one tile, 16 tokens.
 """
 
 from __future__ import annotations
@@ -527,31 +528,30 @@ INTERNVL_TILE = 32
 INTERNVL_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 0.5 → 4×4 tokens per tile
 
 
-def _internvl():
+def _internvl(text_model: str = "qwen2"):
+    """InternVL3 (Qwen2.5 language model; ``text_model="qwen3"``: InternVL3.5's Qwen3) with the real
+    Qwen vocabulary and InternVL3's added tokens at their real ids (`<IMG_CONTEXT>` 151,667)."""
     import transformers as tf
+    from real_vocab import INTERNVL3_SPECIALS, INTERNVL3_VOCAB, qwen_tokenizer
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     from countlens.processors import image_only
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
     template = _chat(
         "<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n", "<|im_start|>assistant\n"
     )
-    tok = _tokenizer(
-        specials,
-        pad="<|endoftext|>",
-        eos="<|im_end|>",
-        chat_template=template,
-        named={
-            "start_image_token": "<img>",
-            "end_image_token": "</img>",
-            "context_image_token": "<IMG_CONTEXT>",
-            "video_token": "<video>",
-        },
+    tok = qwen_tokenizer(
+        INTERNVL3_SPECIALS,
+        start_image_token="<img>",
+        end_image_token="</img>",
+        context_image_token="<IMG_CONTEXT>",
+        video_token="<video>",
     )
+    tok.chat_template = template
+    extra = dict(head_dim=HEAD_DIM) if text_model == "qwen3" else {}
     config = tf.InternVLConfig(
         vision_config=dict(image_size=[INTERNVL_TILE] * 2, patch_size=[INTERNVL_PATCH] * 2, **_SMALL_VISION),
-        text_config=_text("qwen2", tok),
+        text_config=_text(text_model, tok, vocab=INTERNVL3_VOCAB, **extra),
         image_token_id=tok.context_image_token_id,
         image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2,
         downsample_ratio=0.5,
@@ -583,6 +583,7 @@ TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "gemma3": (GEMMA_IMAGE, GEMMA_IMAGE),
     "idefics3": (2 * IDEFICS_TILE, 2 * IDEFICS_TILE),
     "internvl": (2 * INTERNVL_TILE, 2 * INTERNVL_TILE),
+    "internvl3_5": (2 * INTERNVL_TILE, 2 * INTERNVL_TILE),
 }
 
 _BUILDERS = {
@@ -595,6 +596,7 @@ _BUILDERS = {
     "gemma3": _gemma3,
     "idefics3": _idefics3,
     "internvl": _internvl,
+    "internvl3_5": lambda: _internvl("qwen3"),
 }
 
 TINY_NAMES: tuple[str, ...] = tuple(_BUILDERS)

@@ -9,10 +9,12 @@ each stage still encodes:
 - ``("llm", l)`` — the residual stream after decoder layer ``l`` at the image positions, token grid.
 
 Token-grid taps use `Batch.image_cell`; where several tokens map to one cell (LLaVA-NeXT /
-OneVision's high-resolution tokens) the cell holds their mean. Vision taps undo the processor's patch
-order: row-major for CLIP/SigLIP towers (a CLS token is dropped), merge blocks for Qwen2-VL and
-Qwen3-VL, and for Qwen2.5-VL merge blocks put back from its windowed order (the model's own window
-index, inverted). Any-resolution crops are not mapped yet (clear error).
+OneVision's high-resolution tokens, InternVL's tiles and thumbnail) the cell holds their mean. Vision
+taps undo the processor's patch order: row-major for CLIP/SigLIP towers (a CLS token is dropped),
+merge blocks for Qwen2-VL and Qwen3-VL, and for Qwen2.5-VL merge blocks put back from its windowed
+order (the model's own window index, inverted); InternVL's tiles are laid on the base patch grid as
+its tokens are on the token grid (`countlens.layouts` at merge 1), each cell the mean of the patches
+that see it. LLaVA's any-resolution crops are not mapped yet (clear error).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.geometry import Geometry
+from countlens.layouts import token_cells
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -60,8 +64,36 @@ def _window_index(vlm: VLM, grid_thw: Tensor) -> Tensor:
     return get_vision_window_index(grid_thw, visual.spatial_merge_size, visual.window_size, visual.patch_size)[0]
 
 
+def _tiled_patch_map(x: Tensor, vlm: VLM, batch: Batch) -> Tensor:
+    """Float[Tensor, "batch d rows cols"] on the base patch grid from every tile's patches
+    Float[Tensor, "tiles patches d"] (all samples' tiles in order, a CLS token first where the tower has one)."""
+    g = batch.geometry[0]
+    rows, cols = g.patch_grid
+    if x.shape[1] == rows * cols + 1:
+        x = x[:, 1:]
+    if x.shape[1] != rows * cols:
+        raise InputError(f"vision block output has {x.shape[1]} tokens per tile; expected {rows}×{cols} patches")
+    per_tile_tokens = rows * cols // vlm.arch.merge_size**2
+    patches = Geometry(g.image_height, g.image_width, g.patch_size)
+    out = torch.zeros(len(batch), x.shape[-1], rows, cols)
+    start = 0
+    for b, pos in enumerate(batch.image_pos):
+        n_tiles = len(pos) // per_tile_tokens
+        cells = token_cells(vlm.arch.spec.layout, patches, n_tiles * rows * cols, batch.image_sizes[b], b).cells
+        flat = cells[:, 0] * cols + cells[:, 1]
+        total = torch.zeros(rows * cols, x.shape[-1]).index_add_(
+            0, flat, x[start : start + n_tiles].reshape(-1, x.shape[-1])
+        )
+        count = torch.zeros(rows * cols, 1).index_add_(0, flat, torch.ones(len(flat), 1))
+        out[b] = (total / count).T.reshape(-1, rows, cols)
+        start += n_tiles
+    return out
+
+
 def _vision_grid_map(acts: Tensor, vlm: VLM, batch: Batch) -> Tensor:
     spec = vlm.arch.spec
+    if spec.layout == "tiles_thumbnail":
+        return _tiled_patch_map(acts.float().cpu(), vlm, batch)
     if spec.layout != "grid":
         raise InputError(
             f"vision-block taps are not mapped for {vlm.arch.name} yet (any-resolution crops); "

@@ -12,18 +12,24 @@ from PIL import Image
 from tiny_models import TINY_IMAGE_SIZE
 
 from countlens.arch import SPECS
+from countlens.layouts import token_cells
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3", "internvl")
+# Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
+# q-norm) under "internvl". The cheap checks of this file run on them too.
+VARIANTS = {"internvl3_5": "internvl"}
 QUESTION = "how many circles are there?"
 
 
-@pytest.fixture(scope="module", params=SUPPORTED)
+@pytest.fixture(scope="module", params=SUPPORTED + tuple(VARIANTS))
 def vlm(request, loaded):
-    return loaded(request.param)
+    model = loaded(request.param)
+    model.tiny_name = request.param  # the tiny model's name (TINY_IMAGE_SIZE's key)
+    return model
 
 
-def images_of(name: str, n: int = 2, cell=None, geometry=None):
-    h, w = TINY_IMAGE_SIZE[name]
+def images_of(name: str, n: int = 2, cell=None, geometry=None, size=None):
+    h, w = size or TINY_IMAGE_SIZE[name]
     out = []
     for _ in range(n):
         a = np.zeros((h, w, 3), np.uint8)
@@ -41,7 +47,7 @@ def test_every_spec_is_in_the_matrix():
 
 def test_spec_resolves_and_paths_exist(vlm):
     arch = vlm.arch
-    assert arch.name in SUPPORTED
+    assert arch.name == VARIANTS.get(vlm.tiny_name, vlm.tiny_name)
     assert (arch.n_layers, arch.n_heads, arch.d_head) == (2, 4, 16)
     assert arch.n_kv_heads in (2, 4)
     spec = arch.spec
@@ -64,16 +70,17 @@ def test_spec_resolves_and_paths_exist(vlm):
 
 
 # Tiny models whose vocabulary splits digits (the real Qwen one, or a trained digit BPE): tests/real_vocab.py.
-REAL_VOCAB = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "gemma3")
+REAL_VOCAB = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "gemma3", "internvl", "internvl3_5")
 
 
 def test_prepare_positions_agree_with_the_processor(vlm):
-    name = vlm.arch.name
+    name = vlm.tiny_name
     imgs = images_of(name)
     batch = vlm.prepare(imgs, [QUESTION, "what color is the square?"], ["3", "red"])
     ids = batch.inputs["input_ids"]
     h, w = TINY_IMAGE_SIZE[name]
     counted = vlm.processor._get_num_multimodal_tokens(image_sizes=[(h, w)])["num_image_tokens"][0]
+    counted -= 2 * (vlm.arch.name == "internvl")  # InternVL counts its <img> and </img> tokens too
     for b in range(2):
         pos = batch.image_pos[b]
         assert len(pos) == counted
@@ -108,27 +115,36 @@ def lm_input(vlm, batch) -> torch.Tensor:
     return seen["h"]
 
 
-def test_each_image_token_sees_its_own_cell(vlm):
-    name = vlm.arch.name
-    dark = vlm.prepare(images_of(name, 1), [QUESTION])
+@pytest.mark.parametrize("scale", [1, 2, 3])
+def test_each_image_token_sees_its_own_cell(vlm, scale):
+    """A bright square in one base cell changes most, in every view of the image (the base grid,
+    LLaVA's high-resolution crops, InternVL's tiles and thumbnail), a token that `image_cell` maps to
+    that cell. ``scale`` 1: the matrix's image size (2×2 tiles or crops where the model tiles);
+    2, 3: that size ×2, ×3 on models that tile (4×4, 6×6 tiles), for the tile layouts."""
+    name = vlm.tiny_name
+    h, w = TINY_IMAGE_SIZE[name]
+    if scale > 1 and vlm.arch.spec.layout != "tiles_thumbnail":
+        pytest.skip("larger images change only the tile count, on tiled layouts")
+    dark = vlm.prepare(images_of(name, 1, size=(h * scale, w * scale)), [QUESTION])
     geom = dark.geometry[0]
     rows, cols = geom.token_grid
     base = lm_input(vlm, dark)[0, dark.image_pos[0]]
-    cells = dark.image_cell[0]
+    layout = token_cells(vlm.arch.spec.layout, geom, len(dark.image_pos[0]), (h * scale, w * scale), 0)
+    assert torch.equal(layout.cells, dark.image_cell[0])
+    assert len(set(layout.views.tolist())) == (
+        1 if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3") else 2
+    )
     for cell in [(0, 0), (rows - 1, cols - 1), (1, cols - 2), (rows - 2, 0)]:
-        lit = vlm.prepare(images_of(name, 1, cell, geom), [QUESTION])
+        lit = vlm.prepare(images_of(name, 1, cell, geom, size=(h * scale, w * scale)), [QUESTION])
         change = (lm_input(vlm, lit)[0, lit.image_pos[0]] - base).norm(dim=-1)
-        # Among the base grid's tokens (row-major, first rows*cols), the lit cell changes most;
-        # so it does among anyres' high-resolution tokens, of which several share a base cell.
-        base_grid = change[: rows * cols]
-        assert tuple(cells[int(base_grid.argmax())].tolist()) == cell, (name, cell)
-        hires = change[rows * cols :]
-        if len(hires):
-            assert tuple(cells[rows * cols + int(hires.argmax())].tolist()) == cell, (name, cell, "high-res")
+        for view in layout.views.unique():
+            idx = torch.nonzero(layout.views == view).flatten()
+            top = idx[int(change[idx].argmax())]
+            assert tuple(layout.cells[top].tolist()) == cell, (name, cell, int(view))
 
 
 def test_trace_equals_plain_forward(vlm):
-    batch = vlm.prepare(images_of(vlm.arch.name), [QUESTION, "what shape is the red object?"])
+    batch = vlm.prepare(images_of(vlm.tiny_name), [QUESTION, "what shape is the red object?"])
     with vlm.trace(batch):
         resid = vlm.module(vlm.arch.layer(0)).output.save()  # modules in execution order
         logits = vlm.nn.output.logits.save()

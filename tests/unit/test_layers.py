@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "results": 3,
     "distributed": 3,
     "memory": 3,
+    "layouts": 3,
     "vlm": 3,
     "loading": 3,
     "processors": 3,

@@ -17,22 +17,24 @@ def _scene_sample(size: int, objs=()) -> TaskSample:
     return TaskSample(Scene(size, size, tuple(objs)), "how many circles are there in the image?", "1", "count")
 
 
-@pytest.mark.parametrize("name", ["toy", "qwen2_vl", "qwen2_5_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("name", ["toy", "qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "internvl"])
 def test_an_object_changes_its_own_cell(name, loaded):
     vlm = loaded(name)
     size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
     g = vlm.geometry_for(size, size)
     p, unit = g.patch_size, g.token_size
-    # A square filling exactly patch (row 2, col 1) of the ViT grid, i.e. one token cell.
+    # A square filling exactly patch (row 2, col 1) of the ViT grid, i.e. one token cell. InternVL's
+    # grid is one tile's; the 2×-larger image is 2×2 tiles and a thumbnail, so scale the square.
     row, col = 2, 1
-    obj = Obj("square", "red", (col + 0.5) * p, (row + 0.5) * p, p)
+    k = size / g.image_height
+    obj = Obj("square", "red", (col + 0.5) * p * k, (row + 0.5) * p * k, p * k)
     samples = [_scene_sample(size), _scene_sample(size, [obj])]
     proj = tap(vlm, samples, "projector")
     change = (proj[1] - proj[0]).norm(dim=0)
     trow, tcol = int((row + 0.5) * p // unit), int((col + 0.5) * p // unit)
     # The vision tower mixes patches by attention, but the object's own token changes most.
     assert divmod(int(change.argmax()), change.shape[1]) == (trow, tcol)
-    if name in ("toy", "qwen2_vl", "qwen2_5_vl", "llava"):
+    if name in ("toy", "qwen2_vl", "qwen2_5_vl", "llava", "internvl"):
         vis = tap(vlm, samples, "vision", 0)
         vchange = (vis[1] - vis[0]).norm(dim=0)
         assert vis.shape[-2:] == g.patch_grid
