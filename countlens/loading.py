@@ -20,6 +20,7 @@ from countlens.errors import (
     CheckpointNotFoundError,
     ConfigError,
     DeviceError,
+    InputError,
     UnsupportedArchitectureError,
 )
 from countlens.vlm import VLM, fixed_size
@@ -90,7 +91,46 @@ def load(
             f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
             "corrupt, copy it again from the original checkpoint"
         ) from None
-    return VLM(model, processor, name=label)
+    vlm = VLM(model, processor, name=label)
+    check_processor(vlm, path)
+    return vlm
+
+
+def check_processor(vlm: VLM, path: str) -> None:
+    """Refuse a checkpoint whose processor disagrees with its model config, before any real input:
+    an image size the vision tower does not take, or a number of image tokens per image (one tile)
+    other than the config's patch and merge give. Either would fail later, deep in a forward, or —
+    worse — run with image tokens mapped to the wrong cells."""
+    from PIL import Image
+
+    ip, arch = vlm.processor.image_processor, vlm.arch
+    files = "the image processor (preprocessor_config.json / processor_config.json)"
+    size = fixed_size(ip)
+    side = getattr(getattr(vlm.hf.config, arch.spec.vision_config), "image_size", None)
+    if size is not None and side is not None and arch.spec.pooled_tokens_attr is None:
+        side = tuple(side) if isinstance(side, (list, tuple)) else (side, side)
+        if tuple(size) != side:
+            raise CheckpointError(
+                f"{path}: {files} resizes images (tiles) to {size[0]}×{size[1]} px but config.json's "
+                f"vision_config.image_size is {side[0]}×{side[1]}; make the two agree (copy both files from "
+                "one original checkpoint)"
+            )
+    if arch.spec.layout == "anyres" or not getattr(vlm.processor, "chat_template", None):
+        return  # anyres adds crops to the base grid; without a chat template there is no prompt to try
+    g = vlm.geometry
+    rows, cols = g.token_grid
+    try:
+        n = len(vlm.prepare([Image.new("RGB", (g.image_width, g.image_height))], ["how many?"]).image_pos[0])
+        wrote = f"writes {n} image tokens"
+    except InputError as err:  # the count fits no layout at all
+        n, wrote = None, f"writes image tokens that fit no {arch.spec.layout} layout ({err})"
+    if n != rows * cols:
+        raise CheckpointError(
+            f"{path}: for one {g.image_height}×{g.image_width} image {files} {wrote}, but "
+            f"config.json gives a {rows}×{cols} token grid (patch {arch.patch_size}, merge {arch.merge_size}); "
+            "its image_seq_length / patch / merge settings disagree with the model's config: copy both "
+            "files from one original checkpoint"
+        )
 
 
 def rank_device(device_map):
@@ -254,4 +294,6 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
     kind = torch_dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, dtype=kind)
-    return VLM(model.eval(), processor, name=label)
+    vlm = VLM(model.eval(), processor, name=label)
+    check_processor(vlm, where)
+    return vlm

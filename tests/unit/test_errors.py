@@ -94,3 +94,31 @@ def test_mismatched_lengths(qwen):
     with pytest.raises(InputError, match="empty batch"):
         qwen.prepare([], [])
     assert all(issubclass(e, CountlensError) for e in (InputError, ConfigError, RunDirError))
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("image_seq_length", 64, r"writes 64 image tokens.*4×4 token grid \(patch 4, merge 2\)"),
+        ("size", {"height": 64, "width": 64}, r"resizes images \(tiles\) to 64×64.*vision_config.image_size is 32×32"),
+    ],
+)
+def test_a_processor_that_disagrees_with_the_config_is_refused(tiny_checkpoint, tmp_path, setting, value, message):
+    """InternVL's processor writes image_seq_length tokens per tile whatever the model computes; a
+    checkpoint whose two files disagree is refused at load time, naming both, before any weights."""
+    import json
+    import shutil
+
+    from countlens.errors import CheckpointError
+
+    src = tiny_checkpoint("internvl")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    settings = tmp_path / "processor_config.json"
+    cfg = json.loads(settings.read_text())
+    if setting == "size":
+        cfg["image_processor"]["size"] = value
+    else:
+        cfg[setting] = value
+    settings.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        countlens.load(tmp_path)
