@@ -17,6 +17,9 @@ Layouts (how image tokens sit on the image; `countlens.layouts` maps each token 
 - ``tiles_thumbnail``: InternVL — the image resized to a grid of tiles, each tile's token grid in
   row-major order, tiles in row-major order, then (when there is more than one tile) a thumbnail:
   the whole image at one tile's size.
+- ``thumbnail_tiles``: Ovis2 — the thumbnail first, then the tiles (separated by other tokens).
+- ``hd_global``: Phi-4-multimodal — the crops stitched into one grid with a newline per row, a
+  separator, then the global image with a newline per row.
 
 Not yet specified (it runs under `tests/tiny_models.py` but needs its own tile layout): Idefics3 /
 SmolVLM.
@@ -30,7 +33,7 @@ from typing import Literal
 from countlens.errors import CheckpointError, LayerError, UnsupportedArchitectureError
 
 #: How image tokens sit on the image (see the module docstring).
-Layout = Literal["grid", "anyres", "tiles_thumbnail"]
+Layout = Literal["grid", "anyres", "tiles_thumbnail", "thumbnail_tiles", "hd_global"]
 #: Axis order of a q-norm's output: (batch, seq, heads, d_head) or (batch, heads, seq, d_head).
 QNormLayout = Literal["bshd", "bhsd"]
 #: Order of the projector's output tokens: row-major, or Qwen2.5-VL's windows.
@@ -50,6 +53,9 @@ class ArchSpec:
     self_attn: str = "self_attn"
     q_proj: str = "self_attn.q_proj"
     k_proj: str = "self_attn.k_proj"
+    # One projection computes q, k and v (Phi-4's ``qkv_proj``): its output is q (heads × d_head),
+    # then k, then v; head temperature scales the q columns only.
+    fused_qkv: bool = False
     q_norm: str | None = None
     # Where one spec covers several language models (InternVL: Qwen2.5 or Qwen3), the text
     # model_types that have the q-norm; None: every model of the spec has it.
@@ -59,14 +65,17 @@ class ArchSpec:
     q_norm_layout: QNormLayout = "bshd"
     o_proj: str = "self_attn.o_proj"
     lm_head: str = "lm_head"
-    # Config attributes:
+    # The transformers Auto class that loads the checkpoint.
+    loader: str = "AutoModelForImageTextToText"
+    # Config attributes: "" for the top config itself (Phi-4 keeps its text settings there).
     text_config: str = "text_config"
     vision_config: str = "vision_config"
-    image_token_attr: str = "image_token_id"
+    image_token_attr: str = "image_token_id"  # a dotted path from the top config
     # Patches per side merged into one image token: a dotted config path from the top config
-    # (``vision_config.spatial_merge_size``); with ``merge_is_ratio`` the path holds the inverse, a
-    # downsampling ratio (InternVL's ``downsample_ratio`` 0.5 → 2 × 2). None → 1 (or `pooled_tokens_attr`).
-    merge: str | None = None
+    # (``vision_config.spatial_merge_size``), or a number where the model's code fixes it (Phi-4's
+    # 2 × 2 average pool); with ``merge_is_ratio`` the path holds the inverse, a downsampling ratio
+    # (InternVL's ``downsample_ratio`` 0.5 → 2 × 2). None → 1 (or `pooled_tokens_attr`).
+    merge: str | int | None = None
     merge_is_ratio: bool = False
     pooled_tokens_attr: str | None = None  # on the top config: tokens per image after pooling (Gemma3)
     layout: Layout = "grid"
@@ -119,6 +128,36 @@ SPECS: dict[str, ArchSpec] = {
             layout="tiles_thumbnail",
         ),
         ArchSpec(
+            "ovis2",
+            ("ovis2",),
+            layers="model.language_model.layers",
+            final_norm="model.language_model.norm",
+            vision_blocks="model.vision_tower.transformer.encoder.layers",
+            vision_tower="model.vision_tower",
+            # Probabilities over the visual vocabulary times this table are the image tokens.
+            projector="model.visual_embeddings_table",
+            merge="vision_config.hidden_stride",
+            layout="thumbnail_tiles",
+        ),
+        ArchSpec(
+            "phi4_multimodal",
+            ("phi4_multimodal",),
+            layers="model.layers",
+            final_norm="model.norm",
+            vision_blocks="model.embed_tokens_extend.image_embed.img_processor.encoder.layers",
+            vision_tower="model.embed_tokens_extend.image_embed.img_processor",
+            # img_projection_up → GELU → img_projection_down, siblings of the tower; the last is named.
+            projector="model.embed_tokens_extend.image_embed.img_projection_down",
+            q_proj="self_attn.qkv_proj",
+            k_proj="self_attn.qkv_proj",
+            fused_qkv=True,
+            loader="AutoModelForCausalLM",
+            text_config="",
+            image_token_attr="vision_config.image_token_id",
+            merge=2,  # a fixed 2 × 2 average pool in the model's code
+            layout="hd_global",
+        ),
+        ArchSpec(
             "gemma3",
             ("gemma3",),
             q_norm="self_attn.q_norm",
@@ -164,6 +203,13 @@ class Arch:
     def self_attn(self, i: int) -> str:
         return f"{self.layer(i)}.{self.spec.self_attn}"
 
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The attention projections' module names (LoRA's targets): q, k, v, o, or fused qkv and o."""
+        if self.spec.fused_qkv:
+            return (self.spec.q_proj.rsplit(".", 1)[-1], self.spec.o_proj.rsplit(".", 1)[-1])
+        return tuple(p.rsplit(".", 1)[-1] for p in (self.spec.q_proj, self.spec.k_proj, "v_proj", self.spec.o_proj))
+
     def _check_layer(self, i: int) -> None:
         if not 0 <= i < self.n_layers:
             raise LayerError(f"layer {i} out of range: {self.name} has layers 0..{self.n_layers - 1}")
@@ -189,16 +235,18 @@ def spec_for(config) -> ArchSpec:
 
 def resolve(config) -> Arch:
     spec = spec_for(config)
-    text = getattr(config, spec.text_config)
+    text = getattr(config, spec.text_config) if spec.text_config else config
     vision = getattr(config, spec.vision_config)
     n_heads = text.num_attention_heads
     d_head = getattr(text, "head_dim", None) or text.hidden_size // n_heads
-    image_token_id = getattr(config, spec.image_token_attr, None)
+    image_token_id = _config_value(config, spec.image_token_attr, "the image token id", None)
     if image_token_id is None:
         image_token_id = config.image_token_index
     patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
-    if spec.merge:
-        merge = _config_value(config, spec.merge)
+    if isinstance(spec.merge, int):
+        merge = spec.merge
+    elif spec.merge:
+        merge = _config_value(config, spec.merge, "the merge size")
         if spec.merge_is_ratio:
             merge = _inverse_ratio(merge, spec.merge)
     elif spec.pooled_tokens_attr:
@@ -227,11 +275,17 @@ def _has_q_norm(spec: ArchSpec, text) -> bool:
     )
 
 
-def _config_value(config, path: str):
+_REQUIRED = object()
+
+
+def _config_value(config, path: str, what: str, default=_REQUIRED):
+    """The value at a dotted ``path`` from the top config; ``default`` where it is missing, or an error."""
     value = config
     for part in path.split("."):
         if not hasattr(value, part):
-            raise CheckpointError(f"{type(config).__name__} has no {path!r}, which countlens reads as the merge size")
+            if default is not _REQUIRED:
+                return default
+            raise CheckpointError(f"{type(config).__name__} has no {path!r}, which countlens reads as {what}")
         value = getattr(value, part)
     return value
 

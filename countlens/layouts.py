@@ -21,11 +21,16 @@ Layouts (named by `countlens.arch.ArchSpec.layout`):
 - ``anyres``: the base grid row-major, then the high-resolution grid row-major with a newline token
   ending each row. Mapped for square crop grids (side a multiple of the base grid's); other
   high-resolution tokens get (-1, -1).
-- ``tiles_thumbnail``: the image resized to R × C tiles of the base size; each tile's token grid in
-  row-major order, tiles in row-major order, then the thumbnail when R·C > 1. The processor picks
-  R × C from the image's aspect ratio; countlens reads R·C off the token count and takes the
-  factorisation whose C / R is closest to the image's width / height, which is the processor's own
-  choice among grids of that many tiles.
+- ``tiles_thumbnail`` (InternVL) and ``thumbnail_tiles`` (Ovis2): the image resized to R × C tiles of
+  the base size, each tile's token grid in row-major order, tiles in row-major order, and — when
+  R·C > 1 — a thumbnail (the whole image at one tile's size) after the tiles or before them. Ovis2's
+  separators between tiles are other tokens than the image token, so they are not image tokens here.
+- ``hd_global`` (Phi-4-multimodal): the high-resolution crops stitched into one grid, R useful rows
+  of C tokens each ended by a newline, one separator, then the global image (the base grid) with a
+  newline ending each row. Newlines and the separator get (-1, -1).
+
+R × C (tiles or crops) is the processor's own choice (`countlens.processors.tile_grid`); Phi-4's
+useful R, C (the crops' padding dropped) are read off the token count.
 """
 
 from __future__ import annotations
@@ -54,24 +59,28 @@ class TokenCells:
     views: Int[Tensor, " n_tokens"]
 
 
-def token_cells(layout: str, geom: Geometry, n_tokens: int, image_size: tuple[int, int], sample: int) -> TokenCells:
+#: Layouts that cut the image into a processor-chosen grid of tiles (crops).
+TILED = ("tiles_thumbnail", "thumbnail_tiles", "hd_global")
+
+
+def token_cells(
+    layout: str, geom: Geometry, n_tokens: int, sample: int, tiles: tuple[int, int] | None = None
+) -> TokenCells:
     """The cells and views of a sample's ``n_tokens`` image tokens under ``layout`` (see the module
-    docstring); ``image_size`` is the input image's (height, width), which picks a tile grid."""
+    docstring); ``tiles`` is the (rows, cols) grid of tiles or crops the processor cut (TILED layouts)."""
     rows, cols = geom.token_grid
     if layout == "grid":
         _expect(n_tokens, rows * cols, f"a {rows}x{cols} token grid", sample)
         return _one_view(rows, cols)
     if layout == "anyres":
         return _anyres(rows, cols, n_tokens, sample)
-    if layout == "tiles_thumbnail":
-        return _tiles(rows, cols, n_tokens, image_size, sample, thumbnail_first=False)
-    raise ValueError(f"unknown layout {layout!r}")
-
-
-def tile_grid(n_tiles: int, height: int, width: int) -> tuple[int, int]:
-    """(rows, cols) of ``n_tiles`` tiles whose aspect ratio cols / rows is closest to width / height."""
-    pairs = [(r, n_tiles // r) for r in range(1, n_tiles + 1) if n_tiles % r == 0]
-    return min(pairs, key=lambda rc: abs(width / height - rc[1] / rc[0]))
+    if layout not in TILED:
+        raise ValueError(f"unknown layout {layout!r}")
+    if tiles is None:
+        raise InputError(f"sample {sample}: the {layout} layout needs the processor's tile grid; none was given")
+    if layout == "hd_global":
+        return _hd_global(rows, cols, n_tokens, tiles, sample)
+    return _tiles(rows, cols, n_tokens, tiles, sample, thumbnail_first=layout == "thumbnail_tiles")
 
 
 def _grid(rows: int, cols: int) -> Tensor:
@@ -114,22 +123,44 @@ def _anyres(rows: int, cols: int, n_tokens: int, sample: int) -> TokenCells:
 
 
 def _tiles(
-    rows: int, cols: int, n_tokens: int, image_size: tuple[int, int], sample: int, *, thumbnail_first: bool
+    rows: int, cols: int, n_tokens: int, tiles: tuple[int, int], sample: int, *, thumbnail_first: bool
 ) -> TokenCells:
     per_tile = rows * cols
-    if n_tokens % per_tile:
-        raise InputError(
-            f"sample {sample}: {n_tokens} image tokens is not a whole number of {rows}x{cols} tiles; "
-            "the processor's tile size, patch size or merge disagrees with the model's config"
-        )
-    if n_tokens == per_tile:  # one tile: no thumbnail
-        return _one_view(rows, cols)
-    tile_rows, tile_cols = tile_grid(n_tokens // per_tile - 1, *image_size)
-    # Token (tile t, r, c) sits at row (t // C)·rows + r, column (t % C)·cols + c of the stitched grid.
+    tile_rows, tile_cols = tiles
     n_tiles = tile_rows * tile_cols
+    _expect(n_tokens, per_tile * (n_tiles + (n_tiles > 1)), f"{tile_rows}x{tile_cols} tiles of {rows}x{cols}", sample)
+    if n_tiles == 1:  # one tile: no thumbnail
+        return _one_view(rows, cols)
+    # Token (tile t, r, c) sits at row (t // C)·rows + r, column (t % C)·cols + c of the stitched grid.
     t, local = torch.arange(n_tiles).repeat_interleave(per_tile), _grid(rows, cols).repeat(n_tiles, 1)
     fine = torch.stack([(t // tile_cols) * rows + local[:, 0], (t % tile_cols) * cols + local[:, 1]], -1)
     cells = _coarsen(fine, (tile_rows * rows, tile_cols * cols), rows, cols)
     tiles = TokenCells(cells, torch.full((len(t),), FINE_VIEW))
     thumbnail = _one_view(rows, cols)
     return _join(thumbnail, tiles) if thumbnail_first else _join(tiles, thumbnail)
+
+
+def _hd_global(rows: int, cols: int, n_tokens: int, crops: tuple[int, int], sample: int) -> TokenCells:
+    crop_rows, crop_cols = crops
+    n_hd = n_tokens - 1 - rows * (cols + 1)
+    # One side of the stitched grid is whole (the image fills it); the other may lose padded rows or
+    # columns: R·(C + 1) = n_hd with C = crop_cols·cols, else R = crop_rows·rows.
+    full_c, full_r = crop_cols * cols, crop_rows * rows
+    if n_hd > 0 and n_hd % (full_c + 1) == 0 and n_hd // (full_c + 1) <= full_r:
+        hd_rows, hd_cols = n_hd // (full_c + 1), full_c
+    elif n_hd > 0 and n_hd % full_r == 0 and n_hd // full_r - 1 <= full_c:
+        hd_rows, hd_cols = full_r, n_hd // full_r - 1
+    else:
+        raise InputError(
+            f"sample {sample}: {n_tokens} image tokens fit no {crop_rows}x{crop_cols} crop grid of {rows}x{cols} "
+            "tokens per crop with a newline per row; the processor's settings disagree with the model's config"
+        )
+    fine = _grid(hd_rows, hd_cols + 1)  # R rows of C tokens and a newline
+    cells = _coarsen(fine, (full_r, full_c), rows, cols)
+    cells[fine[:, 1] == hd_cols] = -1
+    hd = TokenCells(cells, torch.full((len(fine),), FINE_VIEW))
+    separator = TokenCells(torch.full((1, 2), -1), torch.full((1,), BASE_VIEW))
+    glob = _grid(rows, cols + 1)
+    glob_cells = glob.clone()
+    glob_cells[glob[:, 1] == cols] = -1
+    return _join(hd, separator, TokenCells(glob_cells, torch.full((len(glob),), BASE_VIEW)))

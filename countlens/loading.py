@@ -63,7 +63,7 @@ def load(
         raise CheckpointError(
             f"{path}/config.json cannot be read ({err}); restore it from the original checkpoint"
         ) from None
-    spec_for(config)  # fail early, before loading weights, for an unsupported architecture
+    spec = spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if kind is not None:
@@ -77,10 +77,10 @@ def load(
 
         envoy = TransformersModel(str(name_or_path), processor=processor, task="image-text-to-text", **kwargs)
         return VLM(envoy._module, processor, name=label, remote=True, envoy=envoy)
-    from transformers import AutoModelForImageTextToText
+    import transformers
 
     try:
-        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).eval()
+        model = getattr(transformers, spec.loader).from_pretrained(path, **kwargs).eval()
     except OSError as err:  # e.g. a directory with a config but no weights
         raise CheckpointNotFoundError(f"could not load weights from {path}: {err}") from None
     except Exception as err:
@@ -118,19 +118,15 @@ def check_processor(vlm: VLM, path: str) -> None:
     if arch.spec.layout == "anyres" or not getattr(vlm.processor, "chat_template", None):
         return  # anyres adds crops to the base grid; without a chat template there is no prompt to try
     g = vlm.geometry
-    rows, cols = g.token_grid
-    try:
-        n = len(vlm.prepare([Image.new("RGB", (g.image_width, g.image_height))], ["how many?"]).image_pos[0])
-        wrote = f"writes {n} image tokens"
-    except InputError as err:  # the count fits no layout at all
-        n, wrote = None, f"writes image tokens that fit no {arch.spec.layout} layout ({err})"
-    if n != rows * cols:
+    try:  # `countlens.layouts` checks the count against the config's grid (and the processor's tiles)
+        vlm.prepare([Image.new("RGB", (g.image_width, g.image_height))], ["how many?"])
+    except InputError as err:
+        rows, cols = g.token_grid
         raise CheckpointError(
-            f"{path}: for one {g.image_height}×{g.image_width} image {files} {wrote}, but "
-            f"config.json gives a {rows}×{cols} token grid (patch {arch.patch_size}, merge {arch.merge_size}); "
-            "its image_seq_length / patch / merge settings disagree with the model's config: copy both "
-            "files from one original checkpoint"
-        )
+            f"{path}: {files} and config.json disagree: for one {g.image_height}×{g.image_width} image, "
+            f"{str(err).removeprefix('sample 0: ')}; config.json gives {rows}×{cols} image tokens per image or tile "
+            f"(patch {arch.patch_size}, merge {arch.merge_size}). Copy both files from one original checkpoint"
+        ) from None
 
 
 def rank_device(device_map):
@@ -246,11 +242,17 @@ def _image_only_processor(path: str, proc_cls: type):
         for k, v in settings.items()
         if k in accepted and k not in ("image_processor", "tokenizer", "video_processor", "chat_template")
     }
+    if "audio_processor" in accepted:  # Phi-4-multimodal: its (numpy) audio feature extractor, never used here
+        from transformers import AutoFeatureExtractor
+
+        extra["audio_processor"] = AutoFeatureExtractor.from_pretrained(path, local_files_only=True)
     return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **extra)
 
 
 def _load_image_processor(path: str):
     import transformers
+
+    from countlens import image_processors
 
     # Older checkpoints keep it in preprocessor_config.json, newer ones nest it in processor_config.json.
     flat, nested = Path(path) / "preprocessor_config.json", Path(path) / "processor_config.json"
@@ -263,23 +265,30 @@ def _load_image_processor(path: str):
             f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint"
         )
     name = cfg.pop("image_processor_type", "")
-    # Prefer the PIL backend: the torchvision-backed processors don't run without torchvision.
-    for candidate in (name if name.endswith("Pil") else name.removesuffix("Fast") + "Pil", name):
-        cls = getattr(transformers, candidate, None)
+    # Prefer a PIL backend, transformers' or countlens's own (`countlens.image_processors`): the
+    # torchvision-backed processors don't run without torchvision.
+    pil = name.removesuffix("Pil").removesuffix("Fast") + "Pil"
+    for cls in (getattr(transformers, pil, None), getattr(image_processors, pil, None)):
         if cls is not None:
             return cls.from_dict(cfg)
-    raise CheckpointNotFoundError(f"{path} names an unknown image processor {name!r}")
+    try:
+        return getattr(transformers, name).from_dict(cfg)
+    except (AttributeError, ImportError) as err:  # unknown, or a torchvision backend
+        raise CheckpointNotFoundError(
+            f"{path} names the image processor {name!r}, which cannot be built here ({err}); countlens needs a "
+            "PIL image processor for it (countlens/image_processors.py)"
+        ) from None
 
 
 def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int | None = None):
     """A `countlens.VLM` of the checkpoint at ``path`` built on the meta device: its config and
     processor read, no weights (what `countlens plan` reads). ``image_size`` pins a dynamic-resolution
     processor to square images of that side."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    import transformers
 
     where, label = resolve_path(path)
-    config = AutoConfig.from_pretrained(where, local_files_only=True)
-    spec_for(config)
+    config = transformers.AutoConfig.from_pretrained(where, local_files_only=True)
+    spec = spec_for(config)
     processor = load_processor(where, config)
     if image_size is not None:
         ip = processor.image_processor
@@ -293,7 +302,7 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
             )
     kind = torch_dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config, dtype=kind)
+        model = getattr(transformers, spec.loader).from_config(config, dtype=kind)
     vlm = VLM(model.eval(), processor, name=label)
     check_processor(vlm, where)
     return vlm

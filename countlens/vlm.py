@@ -24,7 +24,8 @@ from PIL import Image
 from countlens.arch import Arch, resolve
 from countlens.errors import InputError
 from countlens.geometry import Geometry
-from countlens.layouts import token_cells
+from countlens.layouts import TILED, token_cells
+from countlens.processors import tile_grid
 
 #: Image side assumed for dynamic-resolution processors (Qwen) when no size is given.
 DEFAULT_DYNAMIC_SIDE = 448
@@ -51,7 +52,8 @@ class Batch:
     answer_ids: list[list[int]] | None = None
     prompts: list[str] = field(default_factory=list)
     prompt_last: torch.Tensor | None = None
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # each input image's (height, width)
+    # Per sample, the (rows, cols) of tiles or crops the processor cut its image into (tiled layouts), else None.
+    tile_grids: list[tuple[int, int] | None] = field(default_factory=list)
 
     def __post_init__(self):
         if self.prompt_last is None:
@@ -78,6 +80,7 @@ class VLM:
         self.name = name
         self.remote = remote
         self.arch: Arch = resolve(hf_model.config)
+        _bidirectional_vision(hf_model, self.arch.spec.vision_tower)
         if envoy is None:
             from nnsight import NNsight
 
@@ -221,23 +224,24 @@ class VLM:
         if forcing:
             inputs = _append_tokens(inputs, forced, self.pad_id())
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
-        image_pos, image_cell, geoms = [], [], []
+        image_pos, image_cell, geoms, grids = [], [], [], []
         for b in range(ids.shape[0]):
             pos = torch.nonzero(ids[b] == self.arch.image_token_id).flatten()
             geom = self._sample_geometry(inputs, b, pil[b])
             image_pos.append(pos)
-            layout = token_cells(self.arch.spec.layout, geom, len(pos), (pil[b].height, pil[b].width), b)
-            image_cell.append(layout.cells)
+            tiles = self._tile_grid(pil[b])
+            image_cell.append(token_cells(self.arch.spec.layout, geom, len(pos), b, tiles).cells)
+            grids.append(tiles)
             geoms.append(geom)
         last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
         device = self.device
         if device.type != "meta":  # a remote model lives on the meta device; NDIF places the inputs
+            # Pixel values and any other float input (Phi-4's image attention mask) in the model's dtype.
             inputs = {
-                k: v.to(device, self.hf.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()
+                k: v.to(device, self.hf.dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()
             }
         prompt_last = last - torch.tensor([len(f) for f in forced]) if forcing else last
-        sizes = [(im.height, im.width) for im in pil]
-        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last, sizes)
+        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last, grids)
 
     def _chat_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):
@@ -314,6 +318,17 @@ class VLM:
             )
         return ids
 
+    def _tile_grid(self, image: Image.Image) -> tuple[int, int] | None:
+        if self.arch.spec.layout not in TILED:
+            return None
+        grid = tile_grid(self.processor.image_processor, image.height, image.width)
+        if grid is None:
+            raise InputError(
+                f"{type(self.processor.image_processor).__name__} is not an image processor countlens knows the "
+                f"tiling of, and {self.arch.name}'s image tokens follow its tiles; use the model's own image processor"
+            )
+        return grid
+
     def _sample_geometry(self, inputs: dict, b: int, image: Image.Image) -> Geometry:
         thw = inputs.get("image_grid_thw")
         if thw is not None:  # Qwen family: the processor reports the patch grid it chose
@@ -321,6 +336,17 @@ class VLM:
             p = self.arch.patch_size
             return Geometry(gh * p, gw * p, p, self.arch.merge_size)
         return self.geometry_for(image.height, image.width)
+
+
+def _bidirectional_vision(hf_model, tower: str) -> None:
+    """Make every attention module of the vision tower bidirectional, as ViTs are trained.
+
+    transformers 5.24's Phi-4-multimodal vision attention says ``is_causal = True``; under SDPA, when
+    no patch is padded, its mask is dropped and the tower runs causally (measured: a bright patch
+    then changes only the tokens after it). Towers that are already bidirectional are unchanged."""
+    for module in hf_model.get_submodule(tower).modules():
+        if getattr(module, "is_causal", False) is True:
+            module.is_causal = False
 
 
 def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[int]], pad: int) -> dict:

@@ -67,6 +67,17 @@ INTERNVL3_SPECIALS: tuple[str, ...] = (
     "<video>",
 )
 INTERNVL3_VOCAB = 151_674
+#: Ovis2-*-hf (Qwen2.5 language models): the tokens transformers' conversion adds, in its order:
+#: `<IMG_ATOM>` 151,665 (the image token), then START, GRID, COL, ROW, END (the visual indicators).
+OVIS2_SPECIALS: tuple[str, ...] = (
+    *QWEN2_5_SPECIALS,
+    "<IMG_ATOM>",
+    "<IMG_START>",
+    "<IMG_GRID>",
+    "<IMG_COL>",
+    "<IMG_ROW>",
+    "<IMG_END>",
+)
 #: LLaVA-OneVision (Qwen2 language model): `<image>` 151,646 and `<video>` 151,647 after the chat tokens.
 ONEVISION_SPECIALS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 
@@ -96,6 +107,7 @@ def qwen_tokenizer(specials: tuple[str, ...] = QWEN2_VL_SPECIALS, **named: str):
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        unk_token=None,  # as the real tokenizer_config.json: a byte-level BPE has no unknown token
         model_specific_special_tokens=dict(named),
         padding_side="left",
     )

@@ -571,6 +571,138 @@ def _internvl(text_model: str = "qwen2"):
     return _seeded(tf.InternVLForConditionalGeneration, config), processor
 
 
+# ----------------------------------------------------------------------------------------------- Ovis2
+
+OVIS2_TILE = 32
+OVIS2_PATCH = 4  # 8×8 patches per tile; hidden_stride 2 concatenates 2×2 → 4×4 tokens per tile
+OVIS2_VISUAL_VOCAB = 48  # real: a visual vocabulary of 16k-65k rows (unconfirmed); 5 are indicators
+
+
+def _ovis2():
+    """Ovis2 (Qwen2.5 language model) with the real Qwen vocabulary and the Ovis2-hf tokens at their ids."""
+    import transformers as tf
+    from real_vocab import OVIS2_SPECIALS, qwen_tokenizer
+    from transformers.models.ovis2.image_processing_pil_ovis2 import Ovis2ImageProcessorPil
+
+    # The converted checkpoints' chat template: a fixed system turn, "<image>\n" per image (plain text
+    # that the processor expands into <IMG_START> atoms… <IMG_END>).
+    template = _chat(
+        "<|im_start|>{{ message['role'] }}\n",
+        "<image>\n",
+        "<|im_end|>\n",
+        "<|im_start|>assistant\n",
+        prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
+    )
+    tok = qwen_tokenizer(OVIS2_SPECIALS, image_token="<IMG_ATOM>")
+    tok.chat_template = template
+    image, *indicators = _ids(tok, *OVIS2_SPECIALS[-6:])
+    text = _text("qwen2", tok, vocab=QWEN_VOCAB)
+    tokens_side = OVIS2_TILE // OVIS2_PATCH // 2
+    config = tf.Ovis2Config(
+        text_config=text,
+        vision_config=dict(
+            image_size=OVIS2_TILE,
+            patch_size=OVIS2_PATCH,
+            hidden_stride=2,
+            vocab_size=OVIS2_VISUAL_VOCAB,
+            num_visual_indicator_tokens=5,
+            **_SMALL_VISION,
+        ),
+        image_token_id=image,
+        visual_indicator_token_ids=indicators,
+        # The top config's sizes make lm_head and the visual embedding table: the LM's, as converted.
+        vocab_size=QWEN_VOCAB,
+        hidden_size=HIDDEN,
+        tie_word_embeddings=False,
+    )
+    image_processor = Ovis2ImageProcessorPil(
+        size={"height": OVIS2_TILE, "width": OVIS2_TILE},
+        crop_to_patches=True,
+        min_patches=1,
+        max_patches=12,
+        use_covering_area_grid=True,
+    )
+    processor = tf.Ovis2Processor(
+        image_processor=image_processor, tokenizer=tok, chat_template=template, image_seq_length=tokens_side**2
+    )
+    return _seeded(tf.Ovis2ForConditionalGeneration, config), processor
+
+
+# ------------------------------------------------------------------------------------- Phi-4-multimodal
+
+PHI4_CROP = 32
+PHI4_PATCH = 4  # 8×8 patches per crop, 2×2 average-pooled → 4×4 tokens per crop
+
+
+def _phi4_multimodal():
+    """Phi-4-multimodal: one flat config, fused qkv, countlens's PIL image processor, a tiny audio tower
+    (always built, never run here) and the HF-native prompt layout `<|user|><|image|>…<|end|><|assistant|>`."""
+    import torch
+    import transformers as tf
+
+    from countlens.image_processors import Phi4MultimodalImageProcessorPil
+
+    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|image|>", "<|audio|>"]
+    template = _chat("<|{{ message['role'] }}|>", "<|image|>", "<|end|>", "<|assistant|>")
+    tok = _tokenizer(
+        specials,
+        pad="<|endoftext|>",
+        eos="<|endoftext|>",
+        chat_template=template,
+        named={"image_token": "<|image|>", "audio_token": "<|audio|>"},
+    )
+    end_of_text, end = _ids(tok, "<|endoftext|>", "<|end|>")
+    text = _text("phi4_multimodal", tok)
+    text.pop("model_type")
+    text.update(
+        original_max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        eos_token_id=[end_of_text, end],
+    )
+    config = tf.Phi4MultimodalConfig(
+        **text,
+        vision_config=dict(
+            image_size=PHI4_CROP,
+            crop_size=PHI4_CROP,
+            patch_size=PHI4_PATCH,
+            image_token_id=tok.image_token_id,
+            feature_layer=-2,
+            **_SMALL_VISION,
+        ),
+        audio_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_blocks=1,
+            num_attention_heads=2,
+            ext_pw_out_channel=16,
+            depthwise_separable_out_channel=16,
+            nemo_conv_channels=16,
+            audio_token_id=tok.audio_token_id,
+        ),
+    )
+    image_processor = Phi4MultimodalImageProcessorPil(
+        size={"height": PHI4_CROP, "width": PHI4_CROP}, patch_size=PHI4_PATCH, dynamic_hd=36
+    )
+    processor = tf.Phi4MultimodalProcessor(
+        image_processor=image_processor,
+        audio_processor=tf.Phi4MultimodalFeatureExtractor(),
+        tokenizer=tok,
+        chat_template=template,
+    )
+    model = _seeded(tf.Phi4MultimodalForCausalLM, config)
+    # HF initialises the learned newline and separator to zeros (they always come from a checkpoint).
+    # The tower's attention output is zeroed: with random weights one bright patch reaches every token of
+    # its crop through attention, more than its own (measured), so no token would be local to its cell.
+    embed = model.model.embed_tokens_extend.image_embed
+    with torch.no_grad():
+        embed.global_img_feature_extensor.normal_(0.0, 1.0)
+        embed.sub_img_feature_extensor.normal_(0.0, 1.0)
+        for block in embed.img_processor.encoder.layers:
+            block.self_attn.out_proj.weight.zero_()
+            block.self_attn.out_proj.bias.zero_()
+    return model, processor
+
+
 # ---------------------------------------------------------------------------------------------- table
 
 TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
@@ -584,6 +716,8 @@ TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "idefics3": (2 * IDEFICS_TILE, 2 * IDEFICS_TILE),
     "internvl": (2 * INTERNVL_TILE, 2 * INTERNVL_TILE),
     "internvl3_5": (2 * INTERNVL_TILE, 2 * INTERNVL_TILE),
+    "ovis2": (2 * OVIS2_TILE, 2 * OVIS2_TILE),
+    "phi4_multimodal": (2 * PHI4_CROP, 2 * PHI4_CROP),
 }
 
 _BUILDERS = {
@@ -597,6 +731,8 @@ _BUILDERS = {
     "idefics3": _idefics3,
     "internvl": _internvl,
     "internvl3_5": lambda: _internvl("qwen3"),
+    "ovis2": _ovis2,
+    "phi4_multimodal": _phi4_multimodal,
 }
 
 TINY_NAMES: tuple[str, ...] = tuple(_BUILDERS)

@@ -73,13 +73,13 @@ def _tiled_patch_map(x: Tensor, vlm: VLM, batch: Batch) -> Tensor:
         x = x[:, 1:]
     if x.shape[1] != rows * cols:
         raise InputError(f"vision block output has {x.shape[1]} tokens per tile; expected {rows}×{cols} patches")
-    per_tile_tokens = rows * cols // vlm.arch.merge_size**2
     patches = Geometry(g.image_height, g.image_width, g.patch_size)
     out = torch.zeros(len(batch), x.shape[-1], rows, cols)
     start = 0
-    for b, pos in enumerate(batch.image_pos):
-        n_tiles = len(pos) // per_tile_tokens
-        cells = token_cells(vlm.arch.spec.layout, patches, n_tiles * rows * cols, batch.image_sizes[b], b).cells
+    for b in range(len(batch)):
+        rows_t, cols_t = batch.tile_grids[b]
+        n_tiles = rows_t * cols_t + (rows_t * cols_t > 1)  # and the thumbnail
+        cells = token_cells(vlm.arch.spec.layout, patches, n_tiles * rows * cols, b, batch.tile_grids[b]).cells
         flat = cells[:, 0] * cols + cells[:, 1]
         total = torch.zeros(rows * cols, x.shape[-1]).index_add_(
             0, flat, x[start : start + n_tiles].reshape(-1, x.shape[-1])
@@ -92,7 +92,7 @@ def _tiled_patch_map(x: Tensor, vlm: VLM, batch: Batch) -> Tensor:
 
 def _vision_grid_map(acts: Tensor, vlm: VLM, batch: Batch) -> Tensor:
     spec = vlm.arch.spec
-    if spec.layout == "tiles_thumbnail":
+    if spec.layout in ("tiles_thumbnail", "thumbnail_tiles"):
         return _tiled_patch_map(acts.float().cpu(), vlm, batch)
     if spec.layout != "grid":
         raise InputError(

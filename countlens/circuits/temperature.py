@@ -45,7 +45,7 @@ def head_temperature(vlm: VLM, betas: dict[tuple[int, int], float]) -> Iterator[
     try:
         for layer, heads in by_layer.items():
             module = vlm.hf.get_submodule(arch.q_site(layer))
-            layout = arch.spec.q_norm_layout if arch.q_norm else "bs(hd)"
+            layout = arch.spec.q_norm_layout if arch.q_norm else ("bs(qkv)" if arch.spec.fused_qkv else "bs(hd)")
             handles.append(module.register_forward_hook(_scaler(heads, arch.n_heads, arch.d_head, layout)))
         yield
     finally:
@@ -55,7 +55,8 @@ def head_temperature(vlm: VLM, betas: dict[tuple[int, int], float]) -> Iterator[
 
 def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
     """A hook scaling head h of q by β_h; ``layout``: "bs(hd)" (q_proj output, heads·d_head last),
-    "bshd" or "bhsd" (a q-norm's output, per `ArchSpec.q_norm_layout`)."""
+    "bs(qkv)" (a fused projection's output: q's heads·d_head columns first, then k and v, left as
+    they are), "bshd" or "bhsd" (a q-norm's output, per `ArchSpec.q_norm_layout`)."""
 
     def hook(module, args, output):
         # β in float32: in bf16, 1.2 would become 1.203125.
@@ -64,6 +65,9 @@ def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
             scale[h] = beta
         if layout == "bs(hd)" and output.shape[-1] == n_heads * d_head:
             return (output.float() * scale.repeat_interleave(d_head)).to(output.dtype)
+        if layout == "bs(qkv)" and output.shape[-1] > n_heads * d_head:
+            kv = torch.ones(output.shape[-1] - n_heads * d_head, device=output.device)
+            return (output.float() * torch.cat([scale.repeat_interleave(d_head), kv])).to(output.dtype)
         if layout == "bshd" and output.shape[-2:] == (n_heads, d_head):
             return (output.float() * scale[:, None]).to(output.dtype)
         if layout == "bhsd" and output.dim() == 4 and output.shape[1] == n_heads and output.shape[-1] == d_head:

@@ -43,8 +43,6 @@ from countlens.training.collate import CE_ON, digit_mask
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
 
 @dataclass(frozen=True)
 class FinetuneConfig:
@@ -122,7 +120,7 @@ def _lora_config(vlm: VLM, config: FinetuneConfig):
     # A full-match regex on module names: only the language model's attention projections.
     pattern = (
         rf"{re.escape(spec.layers)}\.({'|'.join(str(x) for x in layers)})\.{re.escape(spec.self_attn)}"
-        rf"\.({'|'.join(PROJECTIONS)})"
+        rf"\.({'|'.join(vlm.arch.projections)})"
     )
     return LoraConfig(
         r=config.lora_r,

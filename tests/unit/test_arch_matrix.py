@@ -12,9 +12,20 @@ from PIL import Image
 from tiny_models import TINY_IMAGE_SIZE
 
 from countlens.arch import SPECS
-from countlens.layouts import token_cells
+from countlens.layouts import TILED, token_cells
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "gemma3", "internvl")
+SUPPORTED = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "llava_next",
+    "llava_onevision",
+    "gemma3",
+    "internvl",
+    "ovis2",
+    "phi4_multimodal",
+)
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
 # q-norm) under "internvl". The cheap checks of this file run on them too.
 VARIANTS = {"internvl3_5": "internvl"}
@@ -70,7 +81,29 @@ def test_spec_resolves_and_paths_exist(vlm):
 
 
 # Tiny models whose vocabulary splits digits (the real Qwen one, or a trained digit BPE): tests/real_vocab.py.
-REAL_VOCAB = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "gemma3", "internvl", "internvl3_5")
+REAL_VOCAB = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "llava_onevision",
+    "gemma3",
+    "internvl",
+    "internvl3_5",
+    "ovis2",
+)
+
+
+def processor_count(vlm, image) -> int:
+    """The image tokens the processor itself says one image takes."""
+    proc = vlm.processor
+    if vlm.arch.name == "ovis2":  # image_seq_length per tile, and a thumbnail beside several tiles
+        rows, cols = proc.image_processor(images=[image])["grids"][0]
+        return proc.image_seq_length * (rows * cols + (rows * cols > 1))
+    if vlm.arch.name == "phi4_multimodal":
+        return proc.image_processor(images=[image])["num_img_tokens"][0]
+    counted = proc._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)])["num_image_tokens"][0]
+    return counted - 2 * (vlm.arch.name == "internvl")  # InternVL counts its <img> and </img> tokens too
 
 
 def test_prepare_positions_agree_with_the_processor(vlm):
@@ -79,8 +112,7 @@ def test_prepare_positions_agree_with_the_processor(vlm):
     batch = vlm.prepare(imgs, [QUESTION, "what color is the square?"], ["3", "red"])
     ids = batch.inputs["input_ids"]
     h, w = TINY_IMAGE_SIZE[name]
-    counted = vlm.processor._get_num_multimodal_tokens(image_sizes=[(h, w)])["num_image_tokens"][0]
-    counted -= 2 * (vlm.arch.name == "internvl")  # InternVL counts its <img> and </img> tokens too
+    counted = processor_count(vlm, imgs[0])
     for b in range(2):
         pos = batch.image_pos[b]
         assert len(pos) == counted
@@ -123,13 +155,13 @@ def test_each_image_token_sees_its_own_cell(vlm, scale):
     2, 3: that size ×2, ×3 on models that tile (4×4, 6×6 tiles), for the tile layouts."""
     name = vlm.tiny_name
     h, w = TINY_IMAGE_SIZE[name]
-    if scale > 1 and vlm.arch.spec.layout != "tiles_thumbnail":
+    if scale > 1 and vlm.arch.spec.layout not in TILED:
         pytest.skip("larger images change only the tile count, on tiled layouts")
     dark = vlm.prepare(images_of(name, 1, size=(h * scale, w * scale)), [QUESTION])
     geom = dark.geometry[0]
     rows, cols = geom.token_grid
     base = lm_input(vlm, dark)[0, dark.image_pos[0]]
-    layout = token_cells(vlm.arch.spec.layout, geom, len(dark.image_pos[0]), (h * scale, w * scale), 0)
+    layout = token_cells(vlm.arch.spec.layout, geom, len(dark.image_pos[0]), 0, dark.tile_grids[0])
     assert torch.equal(layout.cells, dark.image_cell[0])
     assert len(set(layout.views.tolist())) == (
         1 if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3") else 2
@@ -148,7 +180,16 @@ def test_trace_equals_plain_forward(vlm):
     with vlm.trace(batch):
         resid = vlm.module(vlm.arch.layer(0)).output.save()  # modules in execution order
         logits = vlm.nn.output.logits.save()
-    ref = vlm.forward(batch, output_hidden_states=True)
+    seen = {}
+    layer0 = vlm.hf.get_submodule(vlm.arch.layer(0))
+    # A plain hook, not output_hidden_states: on Phi-4 that flag also reaches the vision tower, whose
+    # own hidden-state selection it breaks (transformers 5.24).
+    handle = layer0.register_forward_hook(
+        lambda m, a, out: seen.setdefault("h", out[0] if isinstance(out, tuple) else out)
+    )
+    try:
+        ref = vlm.forward(batch)
+    finally:
+        handle.remove()
     assert torch.equal(logits, ref.logits)  # a trace without edits runs the model's own forward, bit for bit
-    # hidden_states[1] is layer 0's output (the last entry would carry the final norm in some models)
-    assert torch.equal(resid, ref.hidden_states[1])
+    assert torch.equal(resid[0] if isinstance(resid, tuple) else resid, seen["h"])

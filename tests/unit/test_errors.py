@@ -99,7 +99,7 @@ def test_mismatched_lengths(qwen):
 @pytest.mark.parametrize(
     ("setting", "value", "message"),
     [
-        ("image_seq_length", 64, r"writes 64 image tokens.*4×4 token grid \(patch 4, merge 2\)"),
+        ("image_seq_length", 64, r"64 image tokens but 1x1 tiles of 4x4 gives 16.*\(patch 4, merge 2\)"),
         ("size", {"height": 64, "width": 64}, r"resizes images \(tiles\) to 64×64.*vision_config.image_size is 32×32"),
     ],
 )

@@ -1,0 +1,163 @@
+"""Image processors countlens provides where transformers has only a torchvision one.
+
+transformers 5.24 ships Phi-4-multimodal's image processor only as a torchvision backend, and
+torchvision has no CPU build beside the pinned torch on these machines. `Phi4MultimodalImageProcessorPil`
+does that processor's documented steps with PIL, numpy and torch, and returns the same keys, shapes and
+dtypes. It has **not** been compared with the torchvision path (which cannot run here); the one step
+whose kernel differs is the high-resolution resize (PIL's bilinear, as Microsoft's original processor
+did, where transformers calls torchvision's antialiased bilinear: both are PIL-style triangle
+filters, measured within one grey level of each other).
+
+Steps for one H × W image, crop side S (``size``), patch p, m = S / p patches per crop side, and
+g = ⌈m / 2⌉ tokens per crop side after the model's 2 × 2 average pool:
+
+1. Crop grid: (⌈W / S⌉, ⌈H / S⌉) crops, or, where that is more than ``dynamic_hd``, the grid of at
+   most ``dynamic_hd`` crops whose aspect is closest to W / H (ties to the larger grid while the image
+   covers more than half of it).
+2. Resize keeping the aspect until one side fills the canvas (the other truncated to whole pixels),
+   then pad right and bottom with white. Patch mask: 1, except the last ⌊pad / p⌋ patch columns (rows)
+   where the padding is at least one patch.
+3. Normalise: (x / 255 − mean) / std (mean = std = 0.5: [−1, 1], padding +1).
+4. Global image: the normalised canvas resized to S × S (bicubic, no antialias).
+5. ``image_pixel_values`` [global, crops row-major], padded with zero crops to the batch's most;
+   masks likewise (all ones for the global image and padding crops).
+6. Image tokens: R rows of C tokens and a newline (the useful part of the stitched crop grid:
+   R, C = ⌈useful patch rows / 2⌉, ⌈useful patch columns / 2⌉), one separator, then g rows of g
+   tokens and a newline. transformers' processor writes 256 and 16 for g², g (right only at 448 / 14).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers.image_processing_backends import PilBackend
+from transformers.image_processing_utils import BatchFeature
+from transformers.image_utils import PILImageResampling, SizeDict
+from transformers.processing_utils import ImagesKwargs
+
+
+class Phi4ImagesKwargs(ImagesKwargs, total=False):
+    """patch_size: the vision tower's patch; dynamic_hd: the most high-resolution crops per image."""
+
+    patch_size: int
+    dynamic_hd: int
+
+
+def crop_grid(height: int, width: int, crop: int, dynamic_hd: int) -> tuple[int, int]:
+    """(columns, rows) of crops for an image of ``height`` × ``width`` pixels (step 1)."""
+    cols, rows = math.ceil(width / crop), math.ceil(height / crop)
+    if cols * rows <= dynamic_hd:
+        return cols, rows
+    grids = sorted({(i, j) for i in range(1, dynamic_hd + 1) for j in range(1, dynamic_hd + 1) if i * j <= dynamic_hd})
+    grids.sort(key=lambda g: g[0] * g[1])  # stable: ties keep (i, j) order, as the original's sort does
+    best, best_diff = (1, 1), float("inf")
+    for i, j in grids:
+        diff = abs(width / height - i / j)
+        if diff < best_diff:
+            best, best_diff = (i, j), diff
+        elif diff == best_diff and width * height > 0.5 * crop * crop * i * j:
+            best = (i, j)
+    return best
+
+
+def resized_size(height: int, width: int, canvas_height: int, canvas_width: int) -> tuple[int, int]:
+    """(height, width) of the image resized, aspect kept, until one side fills the canvas (step 2)."""
+    if canvas_width / width < canvas_height / height:
+        return int(height * canvas_width / width), canvas_width
+    return canvas_height, int(width * canvas_height / height)
+
+
+class Phi4MultimodalImageProcessorPil(PilBackend):
+    """Phi-4-multimodal's image processor without torchvision (see the module docstring)."""
+
+    resample = PILImageResampling.BICUBIC
+    size = {"height": 448, "width": 448}
+    patch_size = 14
+    dynamic_hd = 36
+    image_mean = [0.5, 0.5, 0.5]
+    image_std = [0.5, 0.5, 0.5]
+    do_rescale = True
+    do_normalize = True
+    do_convert_rgb = True
+    valid_kwargs = Phi4ImagesKwargs
+    model_input_names = ["image_pixel_values", "image_sizes", "image_attention_mask"]
+
+    def _preprocess(
+        self,
+        images: list[np.ndarray],
+        size: SizeDict,
+        image_mean,
+        image_std,
+        patch_size: int,
+        dynamic_hd: int,
+        return_tensors=None,
+        **kwargs,
+    ) -> BatchFeature:
+        if size.height != size.width:
+            raise ValueError(f"Phi-4-multimodal crops are square; got size {size.height}×{size.width}")
+        crop = size.height
+        m = crop // patch_size
+        mean = torch.tensor(image_mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(image_std, dtype=torch.float32).view(3, 1, 1)
+        pixels, masks, tokens, canvases = [], [], [], []
+        for image in images:
+            canvas, mask = self._canvas(image, crop, patch_size, dynamic_hd)
+            x = (torch.from_numpy(canvas).permute(2, 0, 1).float() / 255.0 - mean) / std
+            height, width = x.shape[-2:]
+            if (height, width) == (crop, crop):
+                glob = x
+            else:
+                glob = F.interpolate(x[None], size=(crop, crop), mode="bicubic", align_corners=False)[0]
+            rows, cols = height // crop, width // crop
+            crops = x.reshape(3, rows, crop, cols, crop).permute(1, 3, 0, 2, 4).reshape(-1, 3, crop, crop)
+            crop_masks = mask.reshape(rows, m, cols, m).permute(0, 2, 1, 3).reshape(-1, m, m)
+            pixels.append(torch.cat([glob[None], crops]))
+            masks.append(torch.cat([torch.ones(1, m, m), crop_masks]))
+            tokens.append(image_tokens(mask, m))
+            canvases.append([height, width])
+        most = max(len(p) for p in pixels)
+        pixels = [torch.cat([p, p.new_zeros(most - len(p), *p.shape[1:])]) for p in pixels]
+        masks = [torch.cat([k, k.new_ones(most - len(k), *k.shape[1:])]) for k in masks]
+        data = {
+            "image_pixel_values": torch.stack(pixels),
+            "image_sizes": torch.tensor(canvases, dtype=torch.long),
+            "image_attention_mask": torch.stack(masks),
+            "num_img_tokens": tokens,
+        }
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def _canvas(self, image: np.ndarray, crop: int, patch: int, dynamic_hd: int) -> tuple[np.ndarray, torch.Tensor]:
+        """The image (channels first, as the PIL backend hands it over) resized and padded white onto its
+        crop canvas (H × W × 3 uint8), and its patch mask."""
+        image = image.transpose(1, 2, 0)
+        image = np.clip(np.rint(image), 0, 255).astype(np.uint8) if image.dtype != np.uint8 else image
+        height, width = image.shape[:2]
+        cols, rows = crop_grid(height, width, crop, dynamic_hd)
+        new_h, new_w = resized_size(height, width, crop * rows, crop * cols)
+        if min(new_h, new_w) < 10:
+            raise ValueError(f"image {width}×{height} is too elongated: it would be resized to {new_w}×{new_h}")
+        resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.Resampling.BILINEAR))
+        canvas = np.full((crop * rows, crop * cols, 3), 255, np.uint8)
+        canvas[:new_h, :new_w] = resized
+        mask = torch.ones(rows * (crop // patch), cols * (crop // patch))
+        pad_h, pad_w = crop * rows - new_h, crop * cols - new_w
+        if pad_w >= patch:
+            mask[:, -(pad_w // patch) :] = 0
+        if pad_h >= patch:
+            mask[-(pad_h // patch) :, :] = 0
+        return canvas, mask
+
+
+def image_tokens(mask: torch.Tensor, m: int) -> int:
+    """Image tokens of one image from its stitched patch mask (step 6)."""
+    g = (m + 1) // 2
+    rows, cols = mask.shape[0] // m, mask.shape[1] // m
+    # One entry per token of the 2 × 2 pool, taken crop by crop (as the model pools each crop).
+    per_crop = mask.reshape(rows, m, cols, m)[:, 0::2, :, 0::2]
+    useful = per_crop.reshape(rows * g, cols * g)
+    r, c = int(useful[:, 0].sum()), int(useful[0].sum())
+    return r * (c + 1) + 1 + g * (g + 1)
