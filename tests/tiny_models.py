@@ -631,28 +631,28 @@ def _ovis2():
 # ------------------------------------------------------------------------------------- Phi-4-multimodal
 
 PHI4_CROP = 32
+PHI4_VOCAB = 200_064  # Phi-4-multimodal-instruct's embedding rows (o200k's 199,998 ranks, specials, unused rows)
 PHI4_PATCH = 4  # 8×8 patches per crop, 2×2 average-pooled → 4×4 tokens per crop
 
 
 def _phi4_multimodal():
     """Phi-4-multimodal: one flat config, fused qkv, countlens's PIL image processor, a tiny audio tower
-    (always built, never run here) and the HF-native prompt layout `<|user|><|image|>…<|end|><|assistant|>`."""
+    (always built, never run here), the real o200k vocabulary with Phi-4's specials at their ids, and
+    the prompt layout `<|user|><|endoftext10|>…<|end|><|assistant|>`."""
     import torch
     import transformers as tf
+    from real_vocab import PHI4MM_NAMED, o200k_tokenizer
 
     from countlens.image_processors import Phi4MultimodalImageProcessorPil
 
-    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|image|>", "<|audio|>"]
-    template = _chat("<|{{ message['role'] }}|>", "<|image|>", "<|end|>", "<|assistant|>")
-    tok = _tokenizer(
-        specials,
-        pad="<|endoftext|>",
-        eos="<|endoftext|>",
-        chat_template=template,
-        named={"image_token": "<|image|>", "audio_token": "<|audio|>"},
-    )
+    # The remote-code checkpoint's template writes '<|' + role + '|>' + content + '<|end|>', the user
+    # writing <|image_1|>, which became <|endoftext10|>; transformers' processor expands the
+    # tokenizer's image token where it stands, so the template writes that token itself.
+    template = _chat("<|{{ message['role'] }}|>", "<|endoftext10|>", "<|end|>", "<|assistant|>")
+    tok = o200k_tokenizer(**PHI4MM_NAMED)
+    tok.chat_template = template
     end_of_text, end = _ids(tok, "<|endoftext|>", "<|end|>")
-    text = _text("phi4_multimodal", tok)
+    text = _text("phi4_multimodal", tok, vocab=PHI4_VOCAB)
     text.pop("model_type")
     text.update(
         original_max_position_embeddings=512,

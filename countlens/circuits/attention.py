@@ -18,6 +18,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.arch import text_config
 from countlens.circuits.sites import group_mask
 from countlens.errors import InputError
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 @contextmanager
 def eager_attention(vlm: VLM) -> Iterator[None]:
     """Switch the language model to eager attention inside the block (the vision tower is untouched)."""
-    text = getattr(vlm.hf.config, vlm.arch.spec.text_config)
+    text = text_config(vlm.hf.config, vlm.arch.spec)
     previous = text._attn_implementation
     if previous == "eager":
         yield

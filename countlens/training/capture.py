@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from countlens.arch import text_config
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def attention_at(vlm: VLM, layers: Sequence[int]) -> Iterator[dict[int, object]]
         arch.layer(layer)
     if not layers:
         raise InputError("attention_at needs at least one layer")
-    text = getattr(vlm.hf.config, arch.spec.text_config)
+    text = text_config(vlm.hf.config, arch.spec)
     fast = text._attn_implementation
     captured: dict[int, object] = {}
     handles, swapped = [], []

@@ -17,7 +17,9 @@ def _scene_sample(size: int, objs=()) -> TaskSample:
     return TaskSample(Scene(size, size, tuple(objs)), "how many circles are there in the image?", "1", "count")
 
 
-@pytest.mark.parametrize("name", ["toy", "qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "internvl"])
+@pytest.mark.parametrize(
+    "name", ["toy", "qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "internvl", "ovis2", "phi4_multimodal"]
+)
 def test_an_object_changes_its_own_cell(name, loaded):
     vlm = loaded(name)
     size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
@@ -34,7 +36,7 @@ def test_an_object_changes_its_own_cell(name, loaded):
     trow, tcol = int((row + 0.5) * p // unit), int((col + 0.5) * p // unit)
     # The vision tower mixes patches by attention, but the object's own token changes most.
     assert divmod(int(change.argmax()), change.shape[1]) == (trow, tcol)
-    if name in ("toy", "qwen2_vl", "qwen2_5_vl", "llava", "internvl"):
+    if name in ("toy", "qwen2_vl", "qwen2_5_vl", "llava", "internvl", "ovis2"):
         vis = tap(vlm, samples, "vision", 0)
         vchange = (vis[1] - vis[0]).norm(dim=0)
         assert vis.shape[-2:] == g.patch_grid
