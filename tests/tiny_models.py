@@ -528,7 +528,7 @@ INTERNVL_TILE = 32
 INTERNVL_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 0.5 → 4×4 tokens per tile
 
 
-def _internvl(text_model: str = "qwen2"):
+def _internvl(text_model: str = "qwen2", tile: int = INTERNVL_TILE):
     """InternVL3 (Qwen2.5 language model; ``text_model="qwen3"``: InternVL3.5's Qwen3) with the real
     Qwen vocabulary and InternVL3's added tokens at their real ids (`<IMG_CONTEXT>` 151,667)."""
     import transformers as tf
@@ -550,23 +550,23 @@ def _internvl(text_model: str = "qwen2"):
     tok.chat_template = template
     extra = dict(head_dim=HEAD_DIM) if text_model == "qwen3" else {}
     config = tf.InternVLConfig(
-        vision_config=dict(image_size=[INTERNVL_TILE] * 2, patch_size=[INTERNVL_PATCH] * 2, **_SMALL_VISION),
+        vision_config=dict(image_size=[tile] * 2, patch_size=[INTERNVL_PATCH] * 2, **_SMALL_VISION),
         text_config=_text(text_model, tok, vocab=INTERNVL3_VOCAB, **extra),
         image_token_id=tok.context_image_token_id,
-        image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2,
+        image_seq_length=(tile // INTERNVL_PATCH // 2) ** 2,
         downsample_ratio=0.5,
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
         tie_word_embeddings=False,
     )
     image_processor = GotOcr2ImageProcessorPil(
-        size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, crop_to_patches=True, min_patches=1, max_patches=12
+        size={"height": tile, "width": tile}, crop_to_patches=True, min_patches=1, max_patches=12
     )
     processor = image_only(tf.InternVLProcessor)(
         image_processor=image_processor,
         tokenizer=tok,
         chat_template=template,
-        image_seq_length=(INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2,
+        image_seq_length=(tile // INTERNVL_PATCH // 2) ** 2,
     )
     return _seeded(tf.InternVLForConditionalGeneration, config), processor
 
@@ -578,7 +578,7 @@ OVIS2_PATCH = 4  # 8×8 patches per tile; hidden_stride 2 concatenates 2×2 → 
 OVIS2_VISUAL_VOCAB = 48  # real: a visual vocabulary of 16k-65k rows (unconfirmed); 5 are indicators
 
 
-def _ovis2():
+def _ovis2(tile: int = OVIS2_TILE):
     """Ovis2 (Qwen2.5 language model) with the real Qwen vocabulary and the Ovis2-hf tokens at their ids."""
     import transformers as tf
     from real_vocab import OVIS2_SPECIALS, qwen_tokenizer
@@ -597,11 +597,11 @@ def _ovis2():
     tok.chat_template = template
     image, *indicators = _ids(tok, *OVIS2_SPECIALS[-6:])
     text = _text("qwen2", tok, vocab=QWEN_VOCAB)
-    tokens_side = OVIS2_TILE // OVIS2_PATCH // 2
+    tokens_side = tile // OVIS2_PATCH // 2
     config = tf.Ovis2Config(
         text_config=text,
         vision_config=dict(
-            image_size=OVIS2_TILE,
+            image_size=tile,
             patch_size=OVIS2_PATCH,
             hidden_stride=2,
             vocab_size=OVIS2_VISUAL_VOCAB,
@@ -616,7 +616,7 @@ def _ovis2():
         tie_word_embeddings=False,
     )
     image_processor = Ovis2ImageProcessorPil(
-        size={"height": OVIS2_TILE, "width": OVIS2_TILE},
+        size={"height": tile, "width": tile},
         crop_to_patches=True,
         min_patches=1,
         max_patches=12,
@@ -635,7 +635,7 @@ PHI4_VOCAB = 200_064  # Phi-4-multimodal-instruct's embedding rows (o200k's 199,
 PHI4_PATCH = 4  # 8×8 patches per crop, 2×2 average-pooled → 4×4 tokens per crop
 
 
-def _phi4_multimodal():
+def _phi4_multimodal(tile: int = PHI4_CROP):
     """Phi-4-multimodal: one flat config, fused qkv, countlens's PIL image processor, a tiny audio tower
     (always built, never run here), the real o200k vocabulary with Phi-4's specials at their ids, and
     the prompt layout `<|user|><|endoftext10|>…<|end|><|assistant|>`."""
@@ -662,8 +662,8 @@ def _phi4_multimodal():
     config = tf.Phi4MultimodalConfig(
         **text,
         vision_config=dict(
-            image_size=PHI4_CROP,
-            crop_size=PHI4_CROP,
+            image_size=tile,
+            crop_size=tile,
             patch_size=PHI4_PATCH,
             image_token_id=tok.image_token_id,
             feature_layer=-2,
@@ -681,7 +681,7 @@ def _phi4_multimodal():
         ),
     )
     image_processor = Phi4MultimodalImageProcessorPil(
-        size={"height": PHI4_CROP, "width": PHI4_CROP}, patch_size=PHI4_PATCH, dynamic_hd=36
+        size={"height": tile, "width": tile}, patch_size=PHI4_PATCH, dynamic_hd=36
     )
     processor = tf.Phi4MultimodalProcessor(
         image_processor=image_processor,
@@ -730,7 +730,7 @@ _BUILDERS = {
     "gemma3": _gemma3,
     "idefics3": _idefics3,
     "internvl": _internvl,
-    "internvl3_5": lambda: _internvl("qwen3"),
+    "internvl3_5": lambda **kw: _internvl("qwen3", **kw),
     "ovis2": _ovis2,
     "phi4_multimodal": _phi4_multimodal,
 }
@@ -740,7 +740,8 @@ TINY_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 def build_tiny(name: str, **kw):
     """``(model, processor)`` for the tiny ``name`` (one of `TINY_NAMES`); the Qwen ones take
-    ``image_side=`` (pixels of the square image the processor pins, default `TINY_IMAGE_SIZE`)."""
+    ``image_side=`` (pixels of the square image the processor pins, default `TINY_IMAGE_SIZE`), the
+    tiled ones (InternVL, Ovis2, Phi-4) ``tile=`` (the tile / crop side in pixels, default 32)."""
     if name not in _BUILDERS:
         raise KeyError(f"no tiny model {name!r}; have {', '.join(TINY_NAMES)}")
     return _BUILDERS[name](**kw)
