@@ -20,6 +20,8 @@ Layouts (how image tokens sit on the image; `countlens.layouts` maps each token 
 - ``thumbnail_tiles``: Ovis2 — the thumbnail first, then the tiles (separated by other tokens).
 - ``hd_global``: Phi-4-multimodal — the crops stitched into one grid with a newline per row, a
   separator, then the global image with a newline per row.
+- ``cross_tiles``: Llama-3.2-Vision — no image tokens: the image states its cross-attention layers
+  read, tile slots of a class token and the tile's patches (`CrossAttentionSpec`).
 
 Not yet specified (it runs under `tests/tiny_models.py` but needs its own tile layout): Idefics3 /
 SmolVLM.
@@ -33,11 +35,26 @@ from typing import Literal
 from countlens.errors import CheckpointError, LayerError, UnsupportedArchitectureError
 
 #: How image tokens sit on the image (see the module docstring).
-Layout = Literal["grid", "anyres", "tiles_thumbnail", "thumbnail_tiles", "hd_global"]
+Layout = Literal["grid", "anyres", "tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles"]
 #: Axis order of a q-norm's output: (batch, seq, heads, d_head) or (batch, heads, seq, d_head).
 QNormLayout = Literal["bshd", "bhsd"]
 #: Order of the projector's output tokens: row-major, or Qwen2.5-VL's windows.
 ProjectorOrder = Literal["grid", "window"]
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec:
+    """Where a cross-attention VLM (Llama-3.2-Vision) reads its image: some decoder layers attend
+    from the text to the image states instead of to the text (paths relative to such a layer)."""
+
+    layers_attr: str  # dotted config path of the cross-attention layers' indices
+    states: str  # the module whose output is the image states every cross-attention layer reads
+    attn: str = "cross_attn"
+    q_norm: str = "cross_attn.q_norm"
+    q_norm_layout: QNormLayout = "bhsd"
+    o_proj: str = "cross_attn.o_proj"
+    # The keyword under which each cross-attention module receives the image states.
+    states_kwarg: str = "cross_attention_states"
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,8 @@ class ArchSpec:
     # Multimodal rotary positions (Qwen): the attribute where a prefill leaves each row's offset
     # between sequence index and 3-D position id, which tokens fed after a KV cache must add.
     rope_deltas: str | None = None
+    # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
+    cross_attention: CrossAttentionSpec | None = None
 
 
 _QWEN = dict(
@@ -158,6 +177,19 @@ SPECS: dict[str, ArchSpec] = {
             layout="hd_global",
         ),
         ArchSpec(
+            "mllama",
+            ("mllama",),
+            layers="model.language_model.layers",
+            final_norm="model.language_model.norm",
+            vision_blocks="model.vision_model.transformer.layers",  # the local encoder (then 8 gated global blocks)
+            vision_tower="model.vision_model",
+            projector="model.multi_modal_projector",
+            layout="cross_tiles",
+            cross_attention=CrossAttentionSpec(
+                layers_attr="text_config.cross_attention_layers", states="model.multi_modal_projector"
+            ),
+        ),
+        ArchSpec(
             "gemma3",
             ("gemma3",),
             q_norm="self_attn.q_norm",
@@ -184,6 +216,7 @@ class Arch:
     patch_size: int
     merge_size: int
     q_norm: str | None = None  # the spec's q-norm where this model has one
+    cross_layers: tuple[int, ...] = ()  # decoder layers that attend to the image states
 
     @property
     def name(self) -> str:
@@ -193,15 +226,34 @@ class Arch:
         self._check_layer(i)
         return f"{self.spec.layers}.{i}"
 
+    def kind(self, i: int) -> str:
+        """ "cross" for a layer whose attention reads the image states, else "self"."""
+        self._check_layer(i)
+        return "cross" if i in self.cross_layers else "self"
+
+    def attention(self, i: int) -> str:
+        """Layer ``i``'s attention module: self-attention, or cross-attention on a cross layer."""
+        cross = self.spec.cross_attention
+        return f"{self.layer(i)}.{cross.attn if self.kind(i) == 'cross' else self.spec.self_attn}"
+
     def q_site(self, i: int) -> str:
         """The module whose output is q after any q-norm (where head temperature scales q)."""
+        if self.kind(i) == "cross":
+            return f"{self.layer(i)}.{self.spec.cross_attention.q_norm}"
         return f"{self.layer(i)}.{self.q_norm or self.spec.q_proj}"
 
-    def o_proj(self, i: int) -> str:
-        return f"{self.layer(i)}.{self.spec.o_proj}"
+    def q_layout(self, i: int) -> str:
+        """Axis order of `q_site`'s output: "bs(hd)" (a projection), "bs(qkv)" (a fused one), "bshd" or "bhsd"."""
+        if self.kind(i) == "cross":
+            return self.spec.cross_attention.q_norm_layout
+        if self.q_norm:
+            return self.spec.q_norm_layout
+        return "bs(qkv)" if self.spec.fused_qkv else "bs(hd)"
 
-    def self_attn(self, i: int) -> str:
-        return f"{self.layer(i)}.{self.spec.self_attn}"
+    def o_proj(self, i: int) -> str:
+        if self.kind(i) == "cross":
+            return f"{self.layer(i)}.{self.spec.cross_attention.o_proj}"
+        return f"{self.layer(i)}.{self.spec.o_proj}"
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -271,7 +323,14 @@ def resolve(config) -> Arch:
         patch_size=int(patch),
         merge_size=int(merge),
         q_norm=spec.q_norm if _has_q_norm(spec, text) else None,
+        cross_layers=_cross_layers(config, spec),
     )
+
+
+def _cross_layers(config, spec: ArchSpec) -> tuple[int, ...]:
+    if spec.cross_attention is None:
+        return ()
+    return tuple(sorted(int(i) for i in _config_value(config, spec.cross_attention.layers_attr, "the cross layers")))
 
 
 def _has_q_norm(spec: ArchSpec, text) -> bool:

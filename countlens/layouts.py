@@ -29,6 +29,11 @@ Layouts (named by `countlens.arch.ArchSpec.layout`):
   of C tokens each ended by a newline, one separator, then the global image (the base grid) with a
   newline ending each row. Newlines and the separator get (-1, -1).
 
+- ``cross_tiles`` (Llama-3.2-Vision): not tokens but the image *states* its cross-attention layers
+  read: a fixed number of tile slots, each a class token then the tile's patch grid row-major; the
+  image's R × C tiles fill the first slots row-major, the rest are padding. Class tokens and padding
+  slots get (-1, -1).
+
 R × C (tiles or crops) is the processor's own choice (`countlens.processors.tile_grid`); Phi-4's
 useful R, C (the crops' padding dropped) are read off the token count.
 """
@@ -60,7 +65,7 @@ class TokenCells:
 
 
 #: Layouts that cut the image into a processor-chosen grid of tiles (crops).
-TILED = ("tiles_thumbnail", "thumbnail_tiles", "hd_global")
+TILED = ("tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles")
 
 
 def token_cells(
@@ -80,6 +85,8 @@ def token_cells(
         raise InputError(f"sample {sample}: the {layout} layout needs the processor's tile grid; none was given")
     if layout == "hd_global":
         return _hd_global(rows, cols, n_tokens, tiles, sample)
+    if layout == "cross_tiles":
+        return _cross_tiles(rows, cols, n_tokens, tiles, sample)
     return _tiles(rows, cols, n_tokens, tiles, sample, thumbnail_first=layout == "thumbnail_tiles")
 
 
@@ -164,3 +171,22 @@ def _hd_global(rows: int, cols: int, n_tokens: int, crops: tuple[int, int], samp
     glob_cells = glob.clone()
     glob_cells[glob[:, 1] == cols] = -1
     return _join(hd, separator, TokenCells(glob_cells, torch.full((len(glob),), BASE_VIEW)))
+
+
+def _cross_tiles(rows: int, cols: int, n_states: int, tiles: tuple[int, int], sample: int) -> TokenCells:
+    per_tile = rows * cols + 1  # a class token, then the patches
+    tile_rows, tile_cols = tiles
+    n_tiles = tile_rows * tile_cols
+    if n_states % per_tile or n_states // per_tile < n_tiles:
+        raise InputError(
+            f"sample {sample}: {n_states} image states are not whole tiles of {rows}x{cols} patches and a class "
+            f"token holding {tile_rows}x{tile_cols} tiles; the processor's settings disagree with the model's config"
+        )
+    slots = n_states // per_tile
+    cells = torch.full((slots, per_tile, 2), -1)
+    t = torch.arange(n_tiles).repeat_interleave(rows * cols)
+    local = _grid(rows, cols).repeat(n_tiles, 1)
+    fine = torch.stack([(t // tile_cols) * rows + local[:, 0], (t % tile_cols) * cols + local[:, 1]], -1)
+    cells[:n_tiles, 1:] = _coarsen(fine, (tile_rows * rows, tile_cols * cols), rows, cols).view(n_tiles, -1, 2)
+    view = BASE_VIEW if n_tiles == 1 else FINE_VIEW
+    return TokenCells(cells.view(-1, 2), torch.full((n_states,), view))

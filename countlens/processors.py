@@ -40,7 +40,8 @@ def tile_grid(image_processor, height: int, width: int) -> tuple[int, int] | Non
 
     The rules differ and are not the aspect ratio alone: InternVL (GotOcr2) takes the grid closest to
     the image's aspect, Ovis2 the fewest tiles covering 90 % of it (transformers 5.24 then cuts it as
-    columns × rows: this reads the grid the cut uses), Phi-4 whole crops covering the image."""
+    columns × rows: this reads the grid the cut uses), Phi-4 whole crops covering the image,
+    Llama-3.2-Vision the canvas of at most ``max_image_tiles`` that scales the image least."""
     ip, name = image_processor, type(image_processor).__name__
     size = dict(ip.size)
     if name.startswith("GotOcr2ImageProcessor"):
@@ -66,6 +67,12 @@ def tile_grid(image_processor, height: int, width: int) -> tuple[int, int] | Non
                 (height, width), (size["height"], size["width"]), ip.min_patches, ip.max_patches
             )
         return rows, cols
+    if name.startswith("MllamaImageProcessor"):
+        from transformers.models.mllama.image_processing_pil_mllama import get_optimal_tiled_canvas as canvas
+
+        tile = size["height"]
+        canvas_h, canvas_w = canvas(height, width, ip.max_image_tiles, tile)
+        return canvas_h // tile, canvas_w // tile
     if name.startswith("Phi4MultimodalImageProcessor"):
         from countlens.image_processors import crop_grid
 

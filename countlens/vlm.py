@@ -54,6 +54,9 @@ class Batch:
     prompt_last: torch.Tensor | None = None
     # Per sample, the (rows, cols) of tiles or crops the processor cut its image into (tiled layouts), else None.
     tile_grids: list[tuple[int, int] | None] = field(default_factory=list)
+    # Cross-attention models (no image tokens): per sample, each image state's cell, as image_cell is
+    # for image tokens (class tokens and padding tiles (-1, -1)); empty for token models.
+    state_cells: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self):
         if self.prompt_last is None:
@@ -224,13 +227,24 @@ class VLM:
         if forcing:
             inputs = _append_tokens(inputs, forced, self.pad_id())
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
-        image_pos, image_cell, geoms, grids = [], [], [], []
+        image_pos, image_cell, geoms, grids, states = [], [], [], [], []
+        cross = self.arch.spec.cross_attention is not None
         for b in range(ids.shape[0]):
-            pos = torch.nonzero(ids[b] == self.arch.image_token_id).flatten()
             geom = self._sample_geometry(inputs, b, pil[b])
-            image_pos.append(pos)
             tiles = self._tile_grid(pil[b])
-            image_cell.append(token_cells(self.arch.spec.layout, geom, len(pos), b, tiles).cells)
+            if cross:  # the <|image|> marker only says where the image's rows begin: no image tokens
+                pos = torch.zeros(0, dtype=torch.long)
+                rows, cols = geom.token_grid
+                n_states = inputs["pixel_values"][b].shape[:2].numel() * (rows * cols + 1)  # images × tile slots
+                states.append(token_cells(self.arch.spec.layout, geom, n_states, b, tiles).cells)
+            else:
+                pos = torch.nonzero(ids[b] == self.arch.image_token_id).flatten()
+            image_pos.append(pos)
+            image_cell.append(
+                torch.zeros(0, 2, dtype=torch.long)
+                if cross
+                else token_cells(self.arch.spec.layout, geom, len(pos), b, tiles).cells
+            )
             grids.append(tiles)
             geoms.append(geom)
         last = torch.tensor([int(torch.nonzero(m).max()) for m in mask])
@@ -241,7 +255,7 @@ class VLM:
                 k: v.to(device, self.hf.dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()
             }
         prompt_last = last - torch.tensor([len(f) for f in forced]) if forcing else last
-        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last, grids)
+        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last, grids, states)
 
     def _chat_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):
@@ -327,7 +341,7 @@ class VLM:
                 f"{type(self.processor.image_processor).__name__} is not an image processor countlens knows the "
                 f"tiling of, and {self.arch.name}'s image tokens follow its tiles; use the model's own image processor"
             )
-        return grid
+        return int(grid[0]), int(grid[1])
 
     def _sample_geometry(self, inputs: dict, b: int, image: Image.Image) -> Geometry:
         thw = inputs.get("image_grid_thw")
@@ -351,7 +365,9 @@ def _bidirectional_vision(hf_model, tower: str) -> None:
 
 def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[int]], pad: int) -> dict:
     """Each row's real tokens followed by its ``forced`` ids, re-padded on the left. Every per-token
-    tensor (input ids, attention mask, token-type ids) is extended: forced tokens are real text."""
+    tensor (input ids, attention mask, token-type ids) is extended: forced tokens are real text; a
+    per-token tensor with more axes (Llama-3.2-Vision's cross-attention mask: which images a token
+    sees) repeats its last row for them, as generation does."""
     ids = inputs["input_ids"]
     per_token = [k for k, v in inputs.items() if v.shape[:2] == ids.shape and not v.is_floating_point()]
     real = inputs["attention_mask"].bool()
@@ -359,13 +375,19 @@ def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[in
     for b, extra in enumerate(forced):
         extra = torch.as_tensor(list(extra), dtype=ids.dtype)
         for k in per_token:
-            tail = {"input_ids": extra, "attention_mask": torch.ones_like(extra)}.get(k, torch.zeros_like(extra))
-            rows[k].append(torch.cat([inputs[k][b][real[b]], tail.to(inputs[k].dtype)]))
+            row = inputs[k][b][real[b]]
+            if row.dim() > 1:
+                tail = row[-1:].expand(len(extra), *row.shape[1:])
+            else:
+                tail = {"input_ids": extra, "attention_mask": torch.ones_like(extra)}.get(k, torch.zeros_like(extra))
+            rows[k].append(torch.cat([row, tail.to(inputs[k].dtype)]))
     width = max(len(r) for r in rows["input_ids"])
     out = dict(inputs)
     for k in per_token:
         fill = pad if k == "input_ids" else 0
-        out[k] = torch.stack([torch.cat([torch.full((width - len(r),), fill, dtype=r.dtype), r]) for r in rows[k]])
+        out[k] = torch.stack(
+            [torch.cat([torch.full((width - len(r), *r.shape[1:]), fill, dtype=r.dtype), r]) for r in rows[k]]
+        )
     return out
 
 

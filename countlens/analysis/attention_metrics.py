@@ -246,16 +246,19 @@ def attention_metrics(
     Also ``pixel_iou`` over (layer, head, sample): the paper's Attn-IoU, each head's own map against
     the object pixels (`pixel_attention_iou`). Per sample: ``correct`` (`countlens.analysis.evaluate.score`),
     ``object_share`` (the share of cells that are object cells: VRA's value under uniform
-    attention), ``case``, ``count``, ``task``. Attention comes from
+    attention), ``case``, ``count``, ``task``. On a cross-attention model (Llama-3.2-Vision) the image
+    is its states (`countlens.circuits.attention.image_keys`): MAS is 0 at self-attention layers and 1
+    at cross-attention layers by construction, and VRA, Attn-IoU and ARS say where on the image the
+    cross-attention looks — countlens's definitions, the papers define none there. Attention comes from
     `countlens.circuits.attention.last_token_attention` (eager attention for that call only).
     """
     from countlens.analysis.evaluate import score
-    from countlens.circuits.attention import last_token_attention
+    from countlens.circuits.attention import image_keys, last_token_attention
 
     _check(samples, batch_size)
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted({int(x) for x in layers})
     for layer in layers:
-        vlm.arch.self_attn(layer)  # raises a LayerError naming the valid range
+        vlm.arch.attention(layer)  # raises a LayerError naming the valid range
     rows: dict[str, list[Tensor]] = {k: [] for k in METRICS}
     share: list[float] = []
     pixel: list[Tensor] = []
@@ -265,11 +268,12 @@ def attention_metrics(
         for b, s in enumerate(chunk):
             obj = object_cells(s.scene, batch.geometry[b], coverage)
             share.append(float(obj.float().mean()))
-            got = _sample_metrics(head_mean[:, b], batch.image_pos[b], batch.image_cell[b], obj, quantile, threshold)
+            keys, cells = image_keys(batch, b)
+            got = _sample_metrics(head_mean[:, b], keys, cells, obj, quantile, threshold)
             for k in METRICS:
                 rows[k].append(got[k])
-            per_head = attn[:, b][..., batch.image_pos[b].to(attn.device)]  # Float[Tensor, "layer head n_image"]
-            grid = grid_attention(per_head, batch.image_cell[b], batch.geometry[b].token_grid)
+            per_head = attn[:, b][..., keys.to(attn.device)]  # Float[Tensor, "layer head n_image"]
+            grid = grid_attention(per_head, cells, batch.geometry[b].token_grid)
             pixel.append(pixel_attention_iou(grid, s.scene, threshold))
     scored = score(vlm, samples, batch_size=batch_size)
     data = {k: (("layer", "sample"), torch.stack(v, -1).numpy()) for k, v in rows.items()}

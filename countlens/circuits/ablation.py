@@ -45,6 +45,17 @@ if TYPE_CHECKING:
 ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
 
 
+def _group_masks(batch: Batch) -> list[Tensor]:
+    """Bool[Tensor, "batch seq"] per `ABLATION_GROUPS` entry; a cross-attention model's image group is
+    empty (it has no image tokens: all its text is "last" or "text")."""
+    return [
+        torch.zeros_like(batch.inputs["attention_mask"], dtype=torch.bool)
+        if g == "image" and batch.state_cells
+        else group_mask(batch, g)
+        for g in ABLATION_GROUPS
+    ]
+
+
 @torch.no_grad()
 def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tensor, "layer group n_heads*d_head"]:
     """Mean z per token group (`ABLATION_GROUPS`) over a reference set."""
@@ -54,7 +65,7 @@ def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tens
     sums = torch.zeros(arch.n_layers, len(ABLATION_GROUPS), arch.n_heads * arch.d_head, dtype=torch.float64)
     counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
-        masks = [group_mask(batch, g) for g in ABLATION_GROUPS]
+        masks = _group_masks(batch)
         zs = []
         with vlm.read(batch):
             for layer in range(arch.n_layers):
@@ -72,8 +83,8 @@ def _mean_values(batch: Batch, means: Tensor, layer: int, head: int, d_head: int
     ids = batch.inputs["input_ids"]
     value = torch.zeros(*ids.shape, d_head)
     real = torch.zeros(ids.shape, dtype=torch.bool)
-    for g, name in enumerate(ABLATION_GROUPS):
-        m = group_mask(batch, name).cpu()
+    for g, m in enumerate(_group_masks(batch)):
+        m = m.cpu()
         value[m] = means[layer, g, cols]
         real |= m
     return real, value

@@ -5,6 +5,12 @@ switches the language model to eager attention for the duration of a ``with`` bl
 previous implementation afterwards; everything else in countlens keeps the fast kernel. Under
 eager attention each decoder layer's self-attention returns (output, probabilities); countlens
 keeps only the rows it asks for (the last prompt position), not the full seq × seq matrices.
+
+A cross-attention model's keys (`image_keys`) are the sequence positions, then its image states: a
+self-attention layer puts no weight on the states, a cross-attention layer none on the sequence. Its
+image share is therefore 0 at self-attention layers and 1 at cross-attention layers, by construction
+(countlens's definition; the papers define none for this architecture): where the model looks *on*
+the image (VRA, Attn-IoU over the states' cells) is the informative part there.
 """
 
 from __future__ import annotations
@@ -19,11 +25,10 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.arch import text_config
-from countlens.circuits.sites import group_mask
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
-    from jaxtyping import Float
+    from jaxtyping import Float, Int
 
     from countlens.vlm import VLM, Batch
 
@@ -46,15 +51,36 @@ def eager_attention(vlm: VLM) -> Iterator[None]:
 @torch.no_grad()
 def last_token_attention(
     vlm: VLM, batch: Batch, layers: Sequence[int] | None = None
-) -> Float[Tensor, "layer batch head seq"]:
-    """Attention from the last prompt position, per head."""
+) -> Float[Tensor, "layer batch head key"]:
+    """Attention from the last prompt position, per head, over the keys (`image_keys`)."""
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     rows = []
     with eager_attention(vlm), vlm.read(batch):
         for layer in layers:
-            probs = vlm.module(vlm.arch.self_attn(layer)).output[1]
+            probs = vlm.module(vlm.arch.attention(layer)).output[1]
             rows.append(probs[torch.arange(len(batch)), :, batch.last.to(probs.device)].float().save())
-    return torch.stack([r.cpu() for r in rows])
+    if not batch.state_cells:
+        return torch.stack([r.cpu() for r in rows])
+    seq, n_states = batch.inputs["input_ids"].shape[1], len(batch.state_cells[0])
+    b, h = len(batch), vlm.arch.n_heads
+    return torch.stack(
+        [
+            torch.cat([torch.zeros(b, h, seq), r.cpu()], -1)
+            if vlm.arch.kind(layer) == "cross"
+            else torch.cat([r.cpu(), torch.zeros(b, h, n_states)], -1)
+            for layer, r in zip(layers, rows)
+        ]
+    )
+
+
+def image_keys(batch: Batch, b: int) -> tuple[Int[Tensor, " n"], Int[Tensor, "n 2"]]:
+    """Sample ``b``'s image keys in `last_token_attention`'s key axis and their cells: its image tokens'
+    positions (`Batch.image_pos`, `Batch.image_cell`), or a cross-attention model's image states,
+    which follow the sequence (`Batch.state_cells`)."""
+    if not batch.state_cells:
+        return batch.image_pos[b], batch.image_cell[b]
+    seq = batch.inputs["input_ids"].shape[1]
+    return seq + torch.arange(len(batch.state_cells[b])), batch.state_cells[b]
 
 
 def image_attention_share(
@@ -66,8 +92,10 @@ def image_attention_share(
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     parts = []
     for _, batch in vlm.batches(samples, batch_size):
-        att = last_token_attention(vlm, batch, layers)  # layer batch head seq
-        image = group_mask(batch, "image").float()
+        att = last_token_attention(vlm, batch, layers)  # layer batch head key
+        image = torch.zeros(att.shape[1], att.shape[-1])
+        for b in range(len(batch)):
+            image[b, image_keys(batch, b)[0]] = 1.0
         parts.append(torch.einsum("lbhs,bs->lhb", att, image))
     return xr.DataArray(
         torch.cat(parts, -1).numpy(),

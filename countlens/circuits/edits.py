@@ -27,9 +27,13 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def cache_run(vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
     """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
-    ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens)."""
+    ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens). A
+    cross-attention model's image states come too, as ``states``: Float[Tensor, "batch n_states d"]."""
     out: dict = {"resid": {}, "z": {}}
+    cross = vlm.arch.spec.cross_attention
     with vlm.read(batch):
+        if cross is not None:
+            states = vlm.module(cross.states).output.save()
         if resid and -1 in layers:
             out["resid"][-1] = vlm.module(vlm.arch.layer(0)).input.save()
         for layer in sorted(x for x in layers if x >= 0):
@@ -39,6 +43,8 @@ def cache_run(vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True,
                 out["resid"][layer] = vlm.module(vlm.arch.layer(layer)).output.save()
         logits = vlm.nn.output.logits[:, -1].save()
     out["logits"] = logits.float()
+    if cross is not None:
+        out["states"] = states.reshape(len(batch), -1, states.shape[-1])
     return out
 
 
@@ -46,12 +52,14 @@ def cache_run(vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True,
 class Edit:
     """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None; layer
     −1 = the input of layer 0) or head ``head``'s z there, with ``value`` (Float[Tensor, "batch seq d"])
-    or else the cached run's."""
+    or else the cached run's. With ``states`` (cross-attention models) the site is the image states
+    (`countlens.circuits.sites`) and ``mask`` is Bool[Tensor, "batch n_states"]."""
 
     layer: int
     mask: Bool[Tensor, "batch seq"]
     head: int | None = None
     value: Float[Tensor, "batch seq d"] | None = None
+    states: bool = False
 
 
 def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
@@ -121,8 +129,12 @@ def run_edits(
                     below = repeat_output(clean[start - 1], k)
                     for layer in range(start):
                         vlm.module(vlm.arch.layer(layer)).skip(below)
-            # nnsight needs modules in execution order: layers ascending, o_proj before the layer output.
+            # nnsight needs modules in execution order: layers ascending; in a layer the image states
+            # (the projector's output, or a cross-attention layer's input), o_proj, the layer output.
             for layer in sorted({e.layer for _, e, _, _ in where}):
+                ss = [w for w in where if w[1].layer == layer and w[1].states]
+                if ss:
+                    _edit_states(vlm, layer, ss, cache, n)
                 zs = [w for w in where if w[1].layer == layer and w[1].head is not None]
                 if zs:
                     zin = vlm.module(vlm.arch.o_proj(layer)).input
@@ -130,7 +142,7 @@ def run_edits(
                         cols = slice(e.head * d_head, (e.head + 1) * d_head)
                         src = _at(e.value, b, s) if e.value is not None else cache["z"][layer][b, s, cols]
                         zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
-                rs = [w for w in where if w[1].layer == layer and w[1].head is None]
+                rs = [w for w in where if w[1].layer == layer and w[1].head is None and not w[1].states]
                 if rs:
                     site = vlm.module(vlm.arch.layer(max(layer, 0)))
                     hid = site.input if layer == -1 else site.output
@@ -142,3 +154,30 @@ def run_edits(
             rows = logits[r * n : (r + 1) * n].float()
             out[i] = (rows if reduce is None else reduce(rows)).cpu()
     return torch.stack(out)
+
+
+def _edit_states(vlm: VLM, layer: int, edits: list, cache: dict | None, n: int) -> None:
+    """Inside a trace: overwrite image states — at layer −1 the projector's output, which every
+    cross-attention layer reads; at a cross-attention layer the states that layer alone reads, a
+    patched copy passed in its place (the tensor itself is shared by every cross-attention layer)."""
+    cross = vlm.arch.spec.cross_attention
+    n_states = edits[0][1].mask.shape[1]
+    if layer == -1:
+        out = vlm.module(cross.states).output  # (rows, images, tiles, patches, d): written in place
+        rows = out.view(-1, n_states, out.shape[-1])
+    else:
+        if vlm.arch.kind(layer) != "cross":
+            raise ValueError(f"layer {layer} is not a cross-attention layer; its attention reads no image states")
+        site = vlm.module(f"{vlm.arch.layer(layer)}.{cross.attn}")
+        args, kwargs = site.inputs
+        states = kwargs[cross.states_kwarg].clone()  # (rows · images · tiles, patches, d)
+        rows = states.view(-1, n_states, states.shape[-1])
+    for r, e, b, s in edits:
+        src = (
+            _at(e.value, b, s)
+            if e.value is not None
+            else cache["states"][b.to(cache["states"].device), s.to(cache["states"].device)]
+        )
+        rows[b.to(rows.device) + r * n, s.to(rows.device)] = src.to(rows.device, rows.dtype)
+    if layer != -1:
+        site.inputs = (args, {**kwargs, cross.states_kwarg: states})

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.sites import GROUPS, group_mask, heads_view
+from countlens.circuits.sites import GROUPS, STATES, group_mask, heads_view
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
@@ -181,10 +181,15 @@ def _pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
     )
 
 
+def image_group(vlm: VLM) -> str:
+    """Where the image is patched: its tokens ("image"), or a cross-attention model's states."""
+    return STATES if vlm.arch.spec.cross_attention is not None else "image"
+
+
 def patch_layers(
     vlm: VLM,
     pairs: Sequence,
-    groups: Sequence[str] = ("image", "last", "text"),
+    groups: Sequence[str] | None = None,
     layers: Sequence[int] | None = None,
     batch_size: int = 16,
     store=None,
@@ -193,18 +198,42 @@ def patch_layers(
 ) -> xr.Dataset:
     """Visual activation patching: xr.Dataset with ``effect`` and ``overwrite`` over (layer, group)
     and per-pair ``logit_diff`` / ``to_corrupt`` over (layer, group, pair). Layers default to −1
-    (the embeddings: input of layer 0) … n_layers − 1."""
+    (the embeddings: input of layer 0) … n_layers − 1; groups to the image (`image_group`), the last
+    position and the other text.
+
+    A cross-attention model (Llama-3.2-Vision) has no image tokens; its ``image_states`` group patches
+    the image states (`countlens.circuits.sites`): at layer −1 those every cross-attention layer reads
+    (patching all of them there carries the whole effect), at a cross-attention layer those that layer
+    alone reads. Self-attention layers read no image states: NaN effect there."""
     layers = list(range(-1, vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    groups = (image_group(vlm), "last", "text") if groups is None else tuple(groups)
     for layer in layers:
         if layer != -1:
             vlm.arch.layer(layer)  # raises a LayerError naming the valid range
+    cross = vlm.arch.spec.cross_attention is not None
+    allowed = (*GROUPS, STATES) if cross else GROUPS
     for g in groups:
-        if g not in GROUPS:
-            raise InputError(f"unknown token group {g!r}; use some of {GROUPS}")
+        if g not in allowed:
+            raise InputError(f"unknown token group {g!r}; use some of {allowed}")
+        if g == "image" and cross:
+            raise InputError(
+                f"{vlm.arch.name} has no image tokens: its image reaches the text only through cross-attention; "
+                f"patch the group {STATES!r} instead"
+            )
+    reads_states = {-1, *vlm.arch.cross_layers}
 
     def edits(pb: PairBatch) -> list[Edit]:
-        masks = {g: group_mask(pb.clean, g) for g in groups}
-        return [Edit(layer, masks[g]) for layer in layers for g in groups]
+        masks = {g: group_mask(pb.clean, g) for g in groups if g != STATES}
+        if STATES in groups:
+            masks[STATES] = torch.ones(len(pb.clean), len(pb.clean.state_cells[0]), dtype=torch.bool)
+        none = torch.zeros_like(pb.clean.inputs["attention_mask"], dtype=torch.bool)
+        return [
+            Edit(layer, masks[g], states=True)
+            if g == STATES and layer in reads_states
+            else Edit(layer, none if g == STATES else masks[g])  # a self-attention layer: nothing to patch
+            for layer in layers
+            for g in groups
+        ]
 
     spec = {
         "sweep": "patch_layers",
@@ -224,6 +253,11 @@ def patch_layers(
         progress,
         shard,
     )
+    if STATES in groups:
+        unread = xr.DataArray([layer not in reads_states for layer in layers], coords={"layer": layers})
+        here = unread & (ds.group == STATES)
+        for name in ("effect", "overwrite", "logit_diff"):
+            ds[name] = ds[name].where(~here)
     ds.attrs["method"] = "patch_layers"
     return ds
 
@@ -267,6 +301,8 @@ def patch_heads(
         progress,
         shard,
     )
+    # Each layer's heads are self-attention heads, or cross-attention heads (reading the image states).
+    ds = ds.assign_coords(kind=("layer", [vlm.arch.kind(layer) for layer in layers]))
     ds.attrs.update(method="patch_heads", positions=positions)
     return ds
 

@@ -8,9 +8,15 @@
   contributions (plus any o_proj bias) sum to the o_proj output.
 - **q** — after any q-norm (Qwen3, Gemma3) or else the q_proj output; head temperature scales it.
 
+- **states** — cross-attention VLMs (Llama-3.2-Vision) only: the image states, which never enter
+  the residual stream. At "layer −1" the projector's output, which every cross-attention layer
+  reads; at a cross-attention layer ``l`` the states that layer alone reads (its k and v input).
+
 Token groups (boolean masks over the padded batch): ``image`` (image tokens), ``last`` (where the
 answer is read: the last prompt token, and any answer tokens teacher-forced after it up to the read
 position — see `countlens.answers`), ``text`` (every other real token), ``all`` (all real tokens).
+A cross-attention model has no image tokens; its image is the ``image_states`` group of
+`countlens.circuits.patching.patch_layers` (a site, not positions in the sequence).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
 
 GROUPS: tuple[str, ...] = ("image", "last", "text", "all")
+#: The image states of a cross-attention model, patched as a group of `patch_layers`.
+STATES = "image_states"
 
 
 def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:
@@ -42,6 +50,11 @@ def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:
     answer = _answer_span(batch, ids.shape[1]).to(real.device)
     if group == "last":
         return answer
+    if group == "image" and batch.state_cells:
+        raise InputError(
+            "this model has no image tokens: its image reaches the text only through cross-attention. "
+            "Patch its image states instead (patch_layers group 'image_states')"
+        )
     for b, pos in enumerate(batch.image_pos):
         mask[b, pos] = True
     if group == "image":

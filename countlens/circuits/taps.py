@@ -15,6 +15,10 @@ merge blocks for Qwen2-VL and Qwen3-VL, and for Qwen2.5-VL merge blocks put back
 order (the model's own window index, inverted); InternVL's tiles are laid on the base patch grid as
 its tokens are on the token grid (`countlens.layouts` at merge 1), each cell the mean of the patches
 that see it. LLaVA's any-resolution crops are not mapped yet (clear error).
+
+A cross-attention model (Llama-3.2-Vision) has no image tokens: its ``projector`` tap is the image
+states its cross-attention layers read, laid out by `Batch.state_cells` (class tokens and padding
+tiles dropped); ``llm`` taps do not exist there (the image never enters the residual stream).
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ if TYPE_CHECKING:
 TAPS: tuple[str, ...] = ("vision", "projector", "llm")
 
 
-def _token_grid_map(acts: Tensor, batch: Batch) -> Tensor:
-    """Float[Tensor, "batch d rows cols"] from per-position activations Float[Tensor, "batch seq d"]."""
+def _grid_map(acts: Tensor, positions: Sequence[Tensor], cells: Sequence[Tensor], batch: Batch) -> Tensor:
+    """Float[Tensor, "batch d rows cols"] from per-position activations Float[Tensor, "batch seq d"]:
+    each cell the mean of the positions mapped to it."""
     rows = max(g.token_grid[0] for g in batch.geometry)
     cols = max(g.token_grid[1] for g in batch.geometry)
     out = torch.zeros(len(batch), acts.shape[-1], rows, cols, dtype=torch.float32)
-    for b, (pos, cell) in enumerate(zip(batch.image_pos, batch.image_cell)):
+    for b, (pos, cell) in enumerate(zip(positions, cells)):
         keep = cell[:, 0] >= 0
         pos, cell = pos[keep], cell[keep]
         flat = cell[:, 0] * cols + cell[:, 1]
@@ -130,6 +135,12 @@ def tap(
     if kind in ("vision", "llm") and index is None:
         raise InputError(f"the {kind!r} tap needs an index: the vision block or decoder layer to read")
     spec = vlm.arch.spec
+    cross = spec.cross_attention
+    if cross is not None and kind != "projector":
+        raise InputError(
+            f"{vlm.arch.name} reads its image through cross-attention: no image tokens in the residual stream "
+            "and its vision blocks are not mapped yet; use the 'projector' tap (the image states)"
+        )
     out = []
     for _, batch in vlm.batches(samples, batch_size):
         with vlm.read(batch):
@@ -138,10 +149,19 @@ def tap(
                 if not 0 <= index < len(blocks):
                     raise InputError(f"vision block {index} out of range 0..{len(blocks) - 1}")
                 acts = blocks[index].output.save()
+            elif kind == "projector" and cross is not None:
+                acts = vlm.module(cross.states).output.save()
             elif kind == "projector":
                 acts = vlm.module(vlm.arch.layer(0)).input.save()
             else:
                 acts = vlm.module(vlm.arch.layer(index)).output.save()
         acts = acts[0] if isinstance(acts, tuple) else acts
-        out.append(_vision_grid_map(acts, vlm, batch) if kind == "vision" else _token_grid_map(acts, batch))
+        if kind == "vision":
+            out.append(_vision_grid_map(acts, vlm, batch))
+        elif cross is not None:  # the states as a sequence: every one of them a "position"
+            states = acts.reshape(len(batch), -1, acts.shape[-1])
+            keys = [torch.arange(states.shape[1])] * len(batch)
+            out.append(_grid_map(states, keys, batch.state_cells, batch))
+        else:
+            out.append(_grid_map(acts, batch.image_pos, batch.image_cell, batch))
     return torch.cat(out)

@@ -45,7 +45,7 @@ def head_temperature(vlm: VLM, betas: dict[tuple[int, int], float]) -> Iterator[
     try:
         for layer, heads in by_layer.items():
             module = vlm.hf.get_submodule(arch.q_site(layer))
-            layout = arch.spec.q_norm_layout if arch.q_norm else ("bs(qkv)" if arch.spec.fused_qkv else "bs(hd)")
+            layout = arch.q_layout(layer)
             handles.append(module.register_forward_hook(_scaler(heads, arch.n_heads, arch.d_head, layout)))
         yield
     finally:

@@ -85,7 +85,6 @@ def discover(
         "vap": lambda: circuits.patch_layers(
             vlm,
             pairs,
-            groups=("image", "last", "text"),
             batch_size=bs,
             store=sweeps / "vap",
             progress=True,

@@ -40,7 +40,7 @@ _TEMPLATES.filters["fmt"] = format
 
 def _transition(vap: xr.Dataset) -> tuple[int | None, int | None]:
     """(last layer where image tokens still carry half the effect, first layer where the last token does)."""
-    img = vap.effect.sel(group="image")
+    img = vap.effect.sel(group="image_states" if "image_states" in vap.group else "image")
     last = vap.effect.sel(group="last")
     img_layers = [int(layer) for layer in vap.layer.values if float(img.sel(layer=layer)) >= 0.5]
     last_layers = [int(layer) for layer in vap.layer.values if float(last.sel(layer=layer)) >= 0.5]

@@ -37,7 +37,7 @@ def attention_at(vlm: VLM, layers: Sequence[int]) -> Iterator[dict[int, object]]
     vlm.hf.set_attn_implementation({arch.spec.text_config: "eager"})
     try:
         for layer in range(arch.n_layers):
-            attn = vlm.hf.get_submodule(arch.self_attn(layer))
+            attn = vlm.hf.get_submodule(arch.attention(layer))
             if layer in layers:
                 handles.append(
                     attn.register_forward_hook(lambda m, args, out, layer=layer: captured.__setitem__(layer, out[1]))

@@ -25,6 +25,7 @@ SUPPORTED = (
     "internvl",
     "ovis2",
     "phi4_multimodal",
+    "mllama",
 )
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
 # q-norm) under "internvl". The cheap checks of this file run on them too.
@@ -59,25 +60,20 @@ def test_every_spec_is_in_the_matrix():
 def test_spec_resolves_and_paths_exist(vlm):
     arch = vlm.arch
     assert arch.name == VARIANTS.get(vlm.tiny_name, vlm.tiny_name)
-    assert (arch.n_layers, arch.n_heads, arch.d_head) == (2, 4, 16)
+    n_layers = 4 if arch.spec.cross_attention else 2  # Llama-3.2-Vision: cross-attention at layers 1 and 3
+    assert (arch.n_layers, arch.n_heads, arch.d_head) == (n_layers, 4, 16)
     assert arch.n_kv_heads in (2, 4)
+    assert arch.cross_layers == ((1, 3) if arch.spec.cross_attention else ())
     spec = arch.spec
-    for path in [
-        arch.layer(1),
-        arch.q_site(0),
-        arch.o_proj(1),
-        arch.self_attn(0),
-        spec.final_norm,
-        spec.lm_head,
-        spec.layers,
-        spec.vision_blocks,
-        spec.projector,
-        f"{arch.layer(0)}.{spec.k_proj}",
-    ]:
-        vlm.hf.get_submodule(path)  # raises AttributeError when a path is wrong
+    for layer in range(n_layers):
+        for path in (arch.layer(layer), arch.q_site(layer), arch.o_proj(layer), arch.attention(layer)):
+            vlm.hf.get_submodule(path)  # raises AttributeError when a path is wrong
+    for path in [spec.final_norm, spec.lm_head, spec.layers, spec.vision_blocks, spec.projector]:
+        vlm.hf.get_submodule(path)
+    vlm.hf.get_submodule(f"{arch.layer(0)}.{spec.k_proj}")
     assert len(vlm.hf.get_submodule(spec.layers)) == arch.n_layers
-    with pytest.raises(IndexError, match="layers 0..1"):  # a LayerError, also a CountlensError
-        arch.layer(2)
+    with pytest.raises(IndexError, match=f"layers 0..{n_layers - 1}"):  # a LayerError, also a CountlensError
+        arch.layer(n_layers)
 
 
 # Tiny models whose vocabulary splits digits (the real Qwen one, or a trained digit BPE): tests/real_vocab.py.
@@ -103,6 +99,10 @@ def processor_count(vlm, image) -> int:
         return proc.image_seq_length * (rows * cols + (rows * cols > 1))
     if vlm.arch.name == "phi4_multimodal":
         return proc.image_processor(images=[image])["num_img_tokens"][0]
+    if vlm.arch.name == "mllama":  # image states, not tokens: every tile slot, patches and a class token
+        pixels = proc.image_processor(images=[[image]])["pixel_values"]
+        patches = (pixels.shape[-1] // vlm.arch.patch_size) ** 2
+        return pixels.shape[1] * pixels.shape[2] * (patches + 1)
     counted = proc._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)])["num_image_tokens"][0]
     return counted - 2 * (vlm.arch.name == "internvl")  # InternVL counts its <img> and </img> tokens too
 
@@ -114,7 +114,15 @@ def test_prepare_positions_agree_with_the_processor(vlm):
     ids = batch.inputs["input_ids"]
     h, w = TINY_IMAGE_SIZE[name]
     counted = processor_count(vlm, imgs[0])
-    for b in range(2):
+    if vlm.arch.spec.cross_attention is not None:
+        # No image tokens: the <|image|> marker only; the image is its states, each with a cell.
+        assert all(len(p) == 0 for p in batch.image_pos)
+        assert (ids == vlm.arch.image_token_id).sum(1).tolist() == [1, 1]
+        for b in range(2):
+            cells = batch.state_cells[b]
+            rows, cols = batch.geometry[b].token_grid
+            assert cells.shape == (counted, 2) and cells.max(0).values.tolist() == [rows - 1, cols - 1]
+    for b in range(2 if vlm.arch.spec.cross_attention is None else 0):
         pos = batch.image_pos[b]
         assert len(pos) == counted
         assert (ids[b, pos] == vlm.arch.image_token_id).all()
@@ -136,6 +144,21 @@ def test_prepare_positions_agree_with_the_processor(vlm):
             vlm.answer_ids("12") == vlm.tokenizer("12", add_special_tokens=False)["input_ids"]
             and len(vlm.answer_ids("12")) == 1
         )
+
+
+def image_features(vlm, batch) -> torch.Tensor:
+    """What the language model receives of sample 0's image: its image tokens' input embeddings, or a
+    cross-attention model's image states (the projector's output), in `image_cell` / `state_cells` order."""
+    if vlm.arch.spec.cross_attention is None:
+        return lm_input(vlm, batch)[0, batch.image_pos[0]]
+    seen = {}
+    projector = vlm.hf.get_submodule(vlm.arch.spec.cross_attention.states)
+    handle = projector.register_forward_hook(lambda m, a, out: seen.setdefault("s", out.detach().clone()))
+    try:
+        vlm.forward(batch)
+    finally:
+        handle.remove()
+    return seen["s"][0].reshape(-1, seen["s"].shape[-1])
 
 
 def lm_input(vlm, batch) -> torch.Tensor:
@@ -166,15 +189,16 @@ def test_each_image_token_sees_its_own_cell(vlm, scale):
     dark = vlm.prepare(images_of(name, 1, size=(h * scale, w * scale)), [QUESTION])
     geom = dark.geometry[0]
     rows, cols = geom.token_grid
-    base = lm_input(vlm, dark)[0, dark.image_pos[0]]
-    layout = token_cells(vlm.arch.spec.layout, geom, len(dark.image_pos[0]), 0, dark.tile_grids[0])
-    assert torch.equal(layout.cells, dark.image_cell[0])
+    base = image_features(vlm, dark)
+    cells = dark.state_cells[0] if dark.state_cells else dark.image_cell[0]
+    layout = token_cells(vlm.arch.spec.layout, geom, len(cells), 0, dark.tile_grids[0])
+    assert torch.equal(layout.cells, cells)
     assert len(set(layout.views.tolist())) == (
-        1 if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3") else 2
+        1 if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "mllama") else 2
     )
     for cell in [(0, 0), (rows - 1, cols - 1), (1, cols - 2), (rows - 2, 0)]:
         lit = vlm.prepare(images_of(name, 1, cell, geom, size=(h * scale, w * scale)), [QUESTION])
-        change = (lm_input(vlm, lit)[0, lit.image_pos[0]] - base).norm(dim=-1)
+        change = (image_features(vlm, lit) - base).norm(dim=-1)
         for view in layout.views.unique():
             idx = torch.nonzero(layout.views == view).flatten()
             top = idx[int(change[idx].argmax())]

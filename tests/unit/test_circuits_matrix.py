@@ -27,29 +27,44 @@ def test_every_circuit_function_runs(name, loaded):
     n_layers, n_heads = vlm.arch.n_layers, vlm.arch.n_heads
 
     vap = circuits.patch_layers(vlm, pairs)
-    assert vap.effect.shape == (n_layers + 1, 3) and np.isfinite(vap.effect.values).all()
+    assert vap.effect.shape == (n_layers + 1, 3)
+    cross = vlm.arch.cross_layers
+    # Every cell is a site, but a cross-attention model's self-attention layers read no image states.
+    no_site = [layer for layer in range(n_layers) if cross and layer not in cross]
+    assert np.isnan(vap.effect.sel(group="image_states", layer=no_site)).all() if cross else True
+    assert np.isfinite(vap.effect.drop_sel(layer=no_site).values).all()
     # Patching every position of the last layer gives the corrupt run; so does the embedding layer
-    # except in Qwen3-VL, whose DeepStack adds image features inside its first decoder layers.
-    everything = [n_layers - 1] + ([] if name == "qwen3_vl" else [-1])
-    full = circuits.patch_layers(vlm, pairs, groups=("all",), layers=everything)
+    # except in Qwen3-VL, whose DeepStack adds image features inside its first decoder layers, and in a
+    # cross-attention model, whose image is not in the embeddings but in the states every
+    # cross-attention layer reads (patched at "layer -1").
+    everything = [n_layers - 1] + ([] if name in ("qwen3_vl", "mllama") else [-1])
+    wholes = [circuits.patch_layers(vlm, pairs, groups=("all",), layers=everything)]
+    if cross:
+        wholes.append(circuits.patch_layers(vlm, pairs, groups=("image_states",), layers=[-1]))
     pb = prepare_pairs(vlm, pairs)
     scale = logit_scale(vlm, pb)
-    assert_effect(
-        full.effect,
-        1.0,
-        clean=full.clean_logit_diff,
-        corrupt=full.corrupt_logit_diff,
-        scale=scale,
-        what=f"{name}: all-patched effect",
-    )
+    for whole in wholes:
+        assert_effect(
+            whole.effect,
+            1.0,
+            clean=whole.clean_logit_diff,
+            corrupt=whole.corrupt_logit_diff,
+            scale=scale,
+            what=f"{name}: all-patched effect",
+        )
     heads = circuits.patch_heads(vlm, pairs, positions="last")
     assert heads.effect.shape == (n_layers, n_heads)
+    assert heads.kind.values.tolist() == ["cross" if layer in cross else "self" for layer in range(n_layers)]
     atp = circuits.attribution_patch(vlm, pairs)
     assert atp.effect.shape == (n_layers, n_heads) and np.isfinite(atp.effect.values).all()
 
     clean = cache_run(vlm, pb.clean, range(n_layers))
     mask = group_mask(pb.clean, "all")
-    patched = run_edits(vlm, pb.clean, clean, [Edit(1, mask), Edit(1, mask, head=0), Edit(0, mask, head=1)])
+    replicas = [Edit(1, mask), Edit(1, mask, head=0), Edit(0, mask, head=1)]
+    if cross:  # the image states, at the projector and at a cross-attention layer's own input
+        every = torch.ones(len(pb.clean), len(pb.clean.state_cells[0]), dtype=torch.bool)
+        replicas += [Edit(-1, every, states=True), Edit(cross[0], every, states=True)]
+    patched = run_edits(vlm, pb.clean, clean, replicas)
     for logits in patched:  # replicas in one forward: another GEMM shape, so rounding only
         assert_close(logits, clean["logits"].cpu(), what=f"{name}: clean-into-clean logits")
 
@@ -66,7 +81,8 @@ def test_every_circuit_function_runs(name, loaded):
     base = vlm.forward(batch).logits
     with circuits.head_temperature(vlm, {(0, 0): 1.0}):
         assert torch.equal(vlm.forward(batch).logits, base)
-    with circuits.head_temperature(vlm, {(0, 0): 3.0}):
-        assert not torch.allclose(vlm.forward(batch).logits, base)
+    for layer in (0, *cross):  # a cross-attention head's q too (after its q-norm)
+        with circuits.head_temperature(vlm, {(layer, 0): 3.0}):
+            assert not torch.allclose(vlm.forward(batch).logits, base), layer
     proj = circuits.tap(vlm, samples, "projector")
     assert proj.shape[0] == 3 and proj.shape[1] == vlm.arch.d_model

@@ -48,7 +48,7 @@ def test_temperature_on_every_head_of_a_layer_equals_scaling_the_attention(name,
     layer, beta = 1, 1.7
     with head_temperature(vlm, {(layer, h): beta for h in range(vlm.arch.n_heads)}):
         ours = vlm.forward(batch).logits
-    attn = vlm.hf.get_submodule(vlm.arch.self_attn(layer))
+    attn = vlm.hf.get_submodule(vlm.arch.attention(layer))
     old = attn.scaling
     attn.scaling = old * beta
     try:

@@ -104,13 +104,13 @@ def test_attention_losses_flow_into_target_qk_only(organism):
             loss = mas_loss([attn[target]], tb.targets, image, tau=0.99)
         loss.backward()
         grad = lambda path: model.get_submodule(path).weight.grad  # noqa: E731
-        attn_path = arch.self_attn(target)
+        attn_path = arch.attention(target)
         assert grad(f"{attn_path}.q_proj").abs().sum() > 0 and grad(f"{attn_path}.k_proj").abs().sum() > 0, name
         # The probabilities do not depend on this layer's values or output projection, nor on later layers.
-        for path in (f"{attn_path}.v_proj", f"{attn_path}.o_proj", arch.self_attn(target + 1) + ".q_proj"):
+        for path in (f"{attn_path}.v_proj", f"{attn_path}.o_proj", arch.attention(target + 1) + ".q_proj"):
             g = grad(path)
             assert g is None or g.abs().sum() == 0, (name, path)
-        assert grad(arch.self_attn(target - 1) + ".v_proj").abs().sum() > 0  # earlier layers feed q and k
+        assert grad(arch.attention(target - 1) + ".v_proj").abs().sum() > 0  # earlier layers feed q and k
     model.zero_grad(set_to_none=True)
 
 
