@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "distributed": 3,
     "memory": 3,
     "layouts": 3,
+    "image_processors": 3,
     "vlm": 3,
     "loading": 3,
     "processors": 3,
