@@ -80,7 +80,7 @@ def load(
     import transformers
 
     try:
-        model = getattr(transformers, spec.loader).from_pretrained(path, **kwargs).eval()
+        model, info = getattr(transformers, spec.loader).from_pretrained(path, output_loading_info=True, **kwargs)
     except OSError as err:  # e.g. a directory with a config but no weights
         raise CheckpointNotFoundError(f"could not load weights from {path}: {err}") from None
     except Exception as err:
@@ -91,9 +91,23 @@ def load(
             f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
             "corrupt, copy it again from the original checkpoint"
         ) from None
-    vlm = VLM(model, processor, name=label)
+    _refuse_missing_weights(path, info)
+    vlm = VLM(model.eval(), processor, name=label)
     check_processor(vlm, path)
     return vlm
+
+
+def _refuse_missing_weights(path: str, info: dict) -> None:
+    """transformers initialises the tensors a checkpoint lacks at random and only warns; a vision tower
+    partly random would give results that look like a model's. Refuse, naming what is missing."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors"))) or "no .safetensors file"
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise CheckpointError(
+            f"{path} ({files}) lacks {len(missing)} weight tensors of the model: {shown}; the checkpoint is "
+            "partial — copy every weight file (and model.safetensors.index.json) from the original checkpoint"
+        )
 
 
 def check_processor(vlm: VLM, path: str) -> None:

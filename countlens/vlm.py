@@ -65,6 +65,13 @@ class Batch:
     def __len__(self) -> int:
         return int(self.last.shape[0])
 
+    def patches(self, merge: int) -> int:
+        """The vision tower's positions for the batch's largest image: its image tokens × ``merge``²,
+        or a cross-attention model's image states (every tile slot's patches and class token)."""
+        if self.state_cells:
+            return max(len(c) for c in self.state_cells)
+        return max(len(p) for p in self.image_pos) * merge**2
+
     @property
     def answer_token(self) -> torch.Tensor:
         """(batch,) the first token of each answer (the token a single-token score reads)."""

@@ -97,7 +97,7 @@ def run_edits(
             max_rows = memory.MAX_ROWS
         else:
             w, seq = memory.widths(vlm), int(batch.inputs["input_ids"].shape[1])
-            patches = max(len(p) for p in batch.image_pos) * w.merge**2
+            patches = batch.patches(w.merge)
             max_rows = memory.rows_per_forward(w, seq, free, keep, patches)
     per_pass = max(1, max_rows // n)
     d_head = vlm.arch.d_head

@@ -241,7 +241,7 @@ class _Planner:
         self._made: dict[str, object] = {}
         self.bs = config.batch_size
         first = self.samples("pairs")[0].clean
-        self.patches = len(vlm.prepare([first.image], [first.question]).image_pos[0]) * self.w.merge**2
+        self.patches = vlm.prepare([first.image], [first.question]).patches(self.w.merge)
         pairs = self.samples("pairs")
         self.pair_seq = int(prepare_pairs(vlm, pairs[: self.bs]).clean.inputs["input_ids"].shape[1])
 

@@ -21,12 +21,13 @@ from countlens.training.finetune import FinetuneConfig, finetune
 
 pytestmark = pytest.mark.slow
 
-NEW = ("internvl", "ovis2", "phi4_multimodal")
+NEW = ("internvl", "ovis2", "phi4_multimodal", "mllama")
 
 
 @pytest.mark.parametrize("name", NEW)
 def test_every_discover_stage_and_the_plan(name, tiny_checkpoint, tmp_path):
-    path = tiny_checkpoint(name, tile=64)  # a 16×16 patch grid per tile: every COUNTINGTRICKS case fits 3 …
+    # A 16×16 patch grid per tile (patch 4; Llama-3.2-Vision's 8): every COUNTINGTRICKS case fits 3 …
+    path = tiny_checkpoint(name, tile=128 if name == "mllama" else 64)
     vlm = countlens.load(path)
     report = discover(
         vlm, tmp_path / "run", DiscoverConfig(n_per_case=1, n_pairs=4, n_samples=4, batch_size=8), log=lambda _: None

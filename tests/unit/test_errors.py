@@ -122,3 +122,36 @@ def test_a_processor_that_disagrees_with_the_config_is_refused(tiny_checkpoint, 
     settings.write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=message):
         countlens.load(tmp_path)
+
+
+def test_a_checkpoint_with_missing_vision_weights_is_refused(tiny_checkpoint, tmp_path):
+    """transformers fills missing tensors at random with a warning; countlens refuses, naming them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from countlens.errors import CheckpointError
+
+    shutil.copytree(tiny_checkpoint("internvl"), tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if "vision_tower.encoder.layer.1." not in k}
+    save_file(kept, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors\) lacks \d+ weight tensors.*vision_tower.encoder.layer.1"
+    ):
+        countlens.load(tmp_path)
+
+
+def test_a_cross_attention_model_has_no_image_token_group(loaded):
+    from countlens import circuits
+    from countlens.circuits.sites import group_mask
+    from countlens.datasets.pairs import count_pairs
+
+    vlm = loaded("mllama")
+    pairs = count_pairs(2, 3, 5, kind="polygons", image_size=64, prompt="short", seed=1)
+    with pytest.raises(InputError, match="no image tokens.*'image_states'"):
+        circuits.patch_layers(vlm, pairs, groups=("image", "last"))
+    with pytest.raises(InputError, match="no image tokens.*image_states"):
+        group_mask(vlm.prepare([image()], ["how many circles are there?"]), "image")
+    with pytest.raises(InputError, match="unknown token group 'image_states'"):
+        circuits.patch_layers(loaded("qwen2_vl"), pairs, groups=("image_states",))
