@@ -11,6 +11,7 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_effect, logit_scale
 
 from countlens import circuits
+from countlens.analysis.evaluate import score
 from countlens.circuits.patching import Edit, cache_run, prepare_pairs, run_edits
 from countlens.circuits.sites import group_mask
 from countlens.datasets.pairs import count_pairs
@@ -68,6 +69,8 @@ def test_every_circuit_function_runs(name, loaded):
     for logits in patched:  # replicas in one forward: another GEMM shape, so rounding only
         assert_close(logits, clean["logits"].cpu(), what=f"{name}: clean-into-clean logits")
 
+    scored = score(vlm, samples, batch_size=3)
+    assert len(scored["correct"]) == 3 and scored["correct"].dtype == bool
     lens = circuits.logit_lens(vlm, samples)
     assert lens["rank"].shape == (n_layers, 3)
     hl = circuits.HeadLens.fit(vlm, samples * 2)
