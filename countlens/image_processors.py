@@ -52,8 +52,10 @@ def crop_grid(height: int, width: int, crop: int, dynamic_hd: int) -> tuple[int,
     cols, rows = math.ceil(width / crop), math.ceil(height / crop)
     if cols * rows <= dynamic_hd:
         return cols, rows
+    # By crop count; within a count, (i, j) order (the original sorts a set: its order among equal
+    # counts is the set's, which matters only for exact ties of the aspect difference).
     grids = sorted({(i, j) for i in range(1, dynamic_hd + 1) for j in range(1, dynamic_hd + 1) if i * j <= dynamic_hd})
-    grids.sort(key=lambda g: g[0] * g[1])  # stable: ties keep (i, j) order, as the original's sort does
+    grids.sort(key=lambda g: g[0] * g[1])
     best, best_diff = (1, 1), float("inf")
     for i, j in grids:
         diff = abs(width / height - i / j)
@@ -69,6 +71,31 @@ def resized_size(height: int, width: int, canvas_height: int, canvas_width: int)
     if canvas_width / width < canvas_height / height:
         return int(height * canvas_width / width), canvas_width
     return canvas_height, int(width * canvas_height / height)
+
+
+def padding_mask(height: int, width: int, crop: int, patch: int, dynamic_hd: int) -> torch.Tensor:
+    """The stitched patch mask of an image's crop canvas: 1, but 0 on the last ⌊pad / p⌋ patch columns
+    (rows) where the white padding is at least one patch wide (step 2)."""
+    cols, rows = crop_grid(height, width, crop, dynamic_hd)
+    new_h, new_w = resized_size(height, width, crop * rows, crop * cols)
+    mask = torch.ones(rows * (crop // patch), cols * (crop // patch))
+    pad_h, pad_w = crop * rows - new_h, crop * cols - new_w
+    if pad_w >= patch:
+        mask[:, -(pad_w // patch) :] = 0
+    if pad_h >= patch:
+        mask[-(pad_h // patch) :, :] = 0
+    return mask
+
+
+def useful_tokens(height: int, width: int, crop: int, patch: int, dynamic_hd: int) -> tuple[int, int]:
+    """(R, C): the high-resolution token rows and columns that show the image (step 6)."""
+    m = crop // patch
+    mask = padding_mask(height, width, crop, patch, dynamic_hd)
+    rows, cols = mask.shape[0] // m, mask.shape[1] // m
+    g = (m + 1) // 2
+    # One entry per token of the 2 × 2 pool, taken crop by crop (as the model pools each crop).
+    useful = mask.reshape(rows, m, cols, m)[:, 0::2, :, 0::2].reshape(rows * g, cols * g)
+    return int(useful[:, 0].sum()), int(useful[0].sum())
 
 
 class Phi4MultimodalImageProcessorPil(PilBackend):
@@ -90,6 +117,9 @@ class Phi4MultimodalImageProcessorPil(PilBackend):
         self,
         images: list[np.ndarray],
         size: SizeDict,
+        do_rescale: bool,
+        rescale_factor: float,
+        do_normalize: bool,
         image_mean,
         image_std,
         patch_size: int,
@@ -106,7 +136,9 @@ class Phi4MultimodalImageProcessorPil(PilBackend):
         pixels, masks, tokens, canvases = [], [], [], []
         for image in images:
             canvas, mask = self._canvas(image, crop, patch_size, dynamic_hd)
-            x = (torch.from_numpy(canvas).permute(2, 0, 1).float() / 255.0 - mean) / std
+            x = torch.from_numpy(canvas).permute(2, 0, 1).float()
+            x = x * rescale_factor if do_rescale else x
+            x = (x - mean) / std if do_normalize else x
             height, width = x.shape[-2:]
             if (height, width) == (crop, crop):
                 glob = x
@@ -117,7 +149,9 @@ class Phi4MultimodalImageProcessorPil(PilBackend):
             crop_masks = mask.reshape(rows, m, cols, m).permute(0, 2, 1, 3).reshape(-1, m, m)
             pixels.append(torch.cat([glob[None], crops]))
             masks.append(torch.cat([torch.ones(1, m, m), crop_masks]))
-            tokens.append(image_tokens(mask, m))
+            r, c = useful_tokens(*image.shape[1:], crop, patch_size, dynamic_hd)
+            g = (m + 1) // 2
+            tokens.append(r * (c + 1) + 1 + g * (g + 1))
             canvases.append([height, width])
         most = max(len(p) for p in pixels)
         pixels = [torch.cat([p, p.new_zeros(most - len(p), *p.shape[1:])]) for p in pixels]
@@ -143,21 +177,4 @@ class Phi4MultimodalImageProcessorPil(PilBackend):
         resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.Resampling.BILINEAR))
         canvas = np.full((crop * rows, crop * cols, 3), 255, np.uint8)
         canvas[:new_h, :new_w] = resized
-        mask = torch.ones(rows * (crop // patch), cols * (crop // patch))
-        pad_h, pad_w = crop * rows - new_h, crop * cols - new_w
-        if pad_w >= patch:
-            mask[:, -(pad_w // patch) :] = 0
-        if pad_h >= patch:
-            mask[-(pad_h // patch) :, :] = 0
-        return canvas, mask
-
-
-def image_tokens(mask: torch.Tensor, m: int) -> int:
-    """Image tokens of one image from its stitched patch mask (step 6)."""
-    g = (m + 1) // 2
-    rows, cols = mask.shape[0] // m, mask.shape[1] // m
-    # One entry per token of the 2 × 2 pool, taken crop by crop (as the model pools each crop).
-    per_crop = mask.reshape(rows, m, cols, m)[:, 0::2, :, 0::2]
-    useful = per_crop.reshape(rows * g, cols * g)
-    r, c = int(useful[:, 0].sum()), int(useful[0].sum())
-    return r * (c + 1) + 1 + g * (g + 1)
+        return canvas, padding_mask(height, width, crop, patch, dynamic_hd)

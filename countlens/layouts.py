@@ -35,7 +35,8 @@ Layouts (named by `countlens.arch.ArchSpec.layout`):
   slots get (-1, -1).
 
 R × C (tiles or crops) is the processor's own choice (`countlens.processors.tile_grid`); Phi-4's
-useful R, C (the crops' padding dropped) are read off the token count.
+useful rows and columns (the crops' padding dropped) come from the processor's padding rule
+(`countlens.processors.useful_grid`).
 """
 
 from __future__ import annotations
@@ -69,10 +70,16 @@ TILED = ("tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles")
 
 
 def token_cells(
-    layout: str, geom: Geometry, n_tokens: int, sample: int, tiles: tuple[int, int] | None = None
+    layout: str,
+    geom: Geometry,
+    n_tokens: int,
+    sample: int,
+    tiles: tuple[int, int] | None = None,
+    useful: tuple[int, int] | None = None,
 ) -> TokenCells:
     """The cells and views of a sample's ``n_tokens`` image tokens under ``layout`` (see the module
-    docstring); ``tiles`` is the (rows, cols) grid of tiles or crops the processor cut (TILED layouts)."""
+    docstring); ``tiles`` is the (rows, cols) grid of tiles or crops the processor cut (TILED layouts),
+    ``useful`` (``hd_global``) the high-resolution token rows and columns that show the image."""
     rows, cols = geom.token_grid
     if layout == "grid":
         _expect(n_tokens, rows * cols, f"a {rows}x{cols} token grid", sample)
@@ -84,7 +91,9 @@ def token_cells(
     if tiles is None:
         raise InputError(f"sample {sample}: the {layout} layout needs the processor's tile grid; none was given")
     if layout == "hd_global":
-        return _hd_global(rows, cols, n_tokens, tiles, sample)
+        if useful is None:
+            raise InputError(f"sample {sample}: the hd_global layout needs the image's useful token rows and columns")
+        return _hd_global(rows, cols, n_tokens, tiles, useful, sample)
     if layout == "cross_tiles":
         return _cross_tiles(rows, cols, n_tokens, tiles, sample)
     return _tiles(rows, cols, n_tokens, tiles, sample, thumbnail_first=layout == "thumbnail_tiles")
@@ -147,23 +156,20 @@ def _tiles(
     return _join(thumbnail, tiles) if thumbnail_first else _join(tiles, thumbnail)
 
 
-def _hd_global(rows: int, cols: int, n_tokens: int, crops: tuple[int, int], sample: int) -> TokenCells:
+def _hd_global(
+    rows: int, cols: int, n_tokens: int, crops: tuple[int, int], useful: tuple[int, int], sample: int
+) -> TokenCells:
     crop_rows, crop_cols = crops
-    n_hd = n_tokens - 1 - rows * (cols + 1)
-    # One side of the stitched grid is whole (the image fills it); the other may lose padded rows or
-    # columns: R·(C + 1) = n_hd with C = crop_cols·cols, else R = crop_rows·rows.
-    full_c, full_r = crop_cols * cols, crop_rows * rows
-    if n_hd > 0 and n_hd % (full_c + 1) == 0 and n_hd // (full_c + 1) <= full_r:
-        hd_rows, hd_cols = n_hd // (full_c + 1), full_c
-    elif n_hd > 0 and n_hd % full_r == 0 and n_hd // full_r - 1 <= full_c:
-        hd_rows, hd_cols = full_r, n_hd // full_r - 1
-    else:
-        raise InputError(
-            f"sample {sample}: {n_tokens} image tokens fit no {crop_rows}x{crop_cols} crop grid of {rows}x{cols} "
-            "tokens per crop with a newline per row; the processor's settings disagree with the model's config"
-        )
+    hd_rows, hd_cols = useful
+    _expect(
+        n_tokens,
+        hd_rows * (hd_cols + 1) + 1 + rows * (cols + 1),
+        f"{hd_rows}x{hd_cols} high-resolution tokens of {crop_rows}x{crop_cols} crops, rows ended by newlines, "
+        f"a separator and a {rows}x{cols} global grid",
+        sample,
+    )
     fine = _grid(hd_rows, hd_cols + 1)  # R rows of C tokens and a newline
-    cells = _coarsen(fine, (full_r, full_c), rows, cols)
+    cells = _coarsen(fine, (crop_rows * rows, crop_cols * cols), rows, cols)
     cells[fine[:, 1] == hd_cols] = -1
     hd = TokenCells(cells, torch.full((len(fine),), FINE_VIEW))
     separator = TokenCells(torch.full((1, 2), -1), torch.full((1,), BASE_VIEW))

@@ -34,48 +34,72 @@ def image_only(base: type) -> type:
     return type(f"ImageOnly{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__})
 
 
-def tile_grid(image_processor, height: int, width: int) -> tuple[int, int] | None:
-    """(rows, cols) of the tiles (crops) ``image_processor`` cuts a ``height`` × ``width`` image into,
-    by the processor's own rule and settings; None for a processor countlens does not know to tile.
+def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:
+    """(rows, cols) of the tiles (crops) ``processor`` cuts a ``height`` × ``width`` image into, by its
+    image processor's own rule and the settings a call uses; None for a processor countlens does not
+    know to tile.
 
-    The rules differ and are not the aspect ratio alone: InternVL (GotOcr2) takes the grid closest to
-    the image's aspect, Ovis2 the fewest tiles covering 90 % of it (transformers 5.24 then cuts it as
-    columns × rows: this reads the grid the cut uses), Phi-4 whole crops covering the image,
-    Llama-3.2-Vision the canvas of at most ``max_image_tiles`` that scales the image least."""
-    ip, name = image_processor, type(image_processor).__name__
+    The settings are the image processor's, overridden by the processor's class defaults (InternVL's
+    processor always asks for ``crop_to_patches``, whatever the image processor says). The rules differ
+    and are not the aspect ratio alone: InternVL (GotOcr2) takes the grid closest to the image's aspect,
+    Ovis2 the fewest tiles covering 90 % of it (transformers 5.24 then cuts it as columns × rows: this
+    reads the grid the cut uses), Phi-4 whole crops covering the image, Llama-3.2-Vision the canvas of
+    at most ``max_image_tiles`` that scales the image least."""
+    ip = processor.image_processor
+    name = type(ip).__name__
+    defaults = dict(getattr(processor, "images_kwargs", None) or {})
+
+    def setting(key: str, fallback=None):
+        return defaults.get(key, getattr(ip, key, fallback))
+
     size = dict(ip.size)
     if name.startswith("GotOcr2ImageProcessor"):
-        if not ip.crop_to_patches or ip.max_patches <= 1:
+        if not setting("crop_to_patches") or setting("max_patches") <= 1:
             return 1, 1
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
         cols, rows = get_optimal_tiled_canvas(
-            (height, width), (size["height"], size["width"]), ip.min_patches, ip.max_patches
+            (height, width), (size["height"], size["width"]), setting("min_patches"), setting("max_patches")
         )
-        return rows, cols
+        return int(rows), int(cols)
     if name.startswith("Ovis2ImageProcessor"):
-        if not ip.crop_to_patches or ip.max_patches <= 1:
+        if not setting("crop_to_patches") or setting("max_patches") <= 1:
             return 1, 1
         from transformers.models.ovis2 import image_processing_pil_ovis2 as ovis2
 
-        if getattr(ip, "use_covering_area_grid", True):
+        if setting("use_covering_area_grid", True):
             cols, rows = ovis2.get_min_tile_covering_grid(
-                (height, width), target_patch_size=size["height"], max_image_tiles=ip.max_patches
+                (height, width), target_patch_size=size["height"], max_image_tiles=setting("max_patches")
             )
         else:
             cols, rows = ovis2.get_optimal_tiled_canvas(
-                (height, width), (size["height"], size["width"]), ip.min_patches, ip.max_patches
+                (height, width), (size["height"], size["width"]), setting("min_patches"), setting("max_patches")
             )
-        return rows, cols
+        return int(rows), int(cols)
     if name.startswith("MllamaImageProcessor"):
         from transformers.models.mllama.image_processing_pil_mllama import get_optimal_tiled_canvas as canvas
 
         tile = size["height"]
-        canvas_h, canvas_w = canvas(height, width, ip.max_image_tiles, tile)
-        return canvas_h // tile, canvas_w // tile
+        canvas_h, canvas_w = canvas(height, width, setting("max_image_tiles"), tile)
+        return int(canvas_h) // tile, int(canvas_w) // tile
     if name.startswith("Phi4MultimodalImageProcessor"):
         from countlens.image_processors import crop_grid
 
-        cols, rows = crop_grid(height, width, size["height"], ip.dynamic_hd)
+        cols, rows = crop_grid(height, width, size["height"], setting("dynamic_hd"))
         return rows, cols
     return None
+
+
+def useful_grid(processor, height: int, width: int) -> tuple[int, int] | None:
+    """Phi-4-multimodal: the (rows, cols) of high-resolution tokens that show the image, its crops'
+    padding dropped (`countlens.image_processors.useful_tokens`); None for other processors."""
+    ip = processor.image_processor
+    if not type(ip).__name__.startswith("Phi4MultimodalImageProcessor"):
+        return None
+    from countlens.image_processors import useful_tokens
+
+    defaults = dict(getattr(processor, "images_kwargs", None) or {})
+    crop = dict(ip.size)["height"]
+    return useful_tokens(
+        height, width, crop, defaults.get("patch_size", ip.patch_size), defaults.get("dynamic_hd", ip.dynamic_hd)
+    )

@@ -25,7 +25,7 @@ from countlens.arch import Arch, resolve
 from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import TILED, token_cells
-from countlens.processors import tile_grid
+from countlens.processors import tile_grid, useful_grid
 
 #: Image side assumed for dynamic-resolution processors (Qwen) when no size is given.
 DEFAULT_DYNAMIC_SIDE = 448
@@ -239,6 +239,7 @@ class VLM:
         for b in range(ids.shape[0]):
             geom = self._sample_geometry(inputs, b, pil[b])
             tiles = self._tile_grid(pil[b])
+            useful = useful_grid(self.processor, pil[b].height, pil[b].width)
             if cross:  # the <|image|> marker only says where the image's rows begin: no image tokens
                 pos = torch.zeros(0, dtype=torch.long)
                 rows, cols = geom.token_grid
@@ -250,7 +251,7 @@ class VLM:
             image_cell.append(
                 torch.zeros(0, 2, dtype=torch.long)
                 if cross
-                else token_cells(self.arch.spec.layout, geom, len(pos), b, tiles).cells
+                else token_cells(self.arch.spec.layout, geom, len(pos), b, tiles, useful).cells
             )
             grids.append(tiles)
             geoms.append(geom)
@@ -342,7 +343,7 @@ class VLM:
     def _tile_grid(self, image: Image.Image) -> tuple[int, int] | None:
         if self.arch.spec.layout not in TILED:
             return None
-        grid = tile_grid(self.processor.image_processor, image.height, image.width)
+        grid = tile_grid(self.processor, image.height, image.width)
         if grid is None:
             raise InputError(
                 f"{type(self.processor.image_processor).__name__} is not an image processor countlens knows the "

@@ -13,6 +13,7 @@ from tiny_models import TINY_IMAGE_SIZE
 
 from countlens.arch import SPECS
 from countlens.layouts import TILED, token_cells
+from countlens.processors import useful_grid
 
 SUPPORTED = (
     "qwen2_vl",
@@ -176,33 +177,41 @@ def lm_input(vlm, batch) -> torch.Tensor:
     return seen["h"]
 
 
-@pytest.mark.parametrize("scale", [1, 2, 3])
+# (height, width) multiples of the matrix's image size: bigger and non-square images for tiled layouts.
+SCALES = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "wide": (1, 2), "tall": (2, 1)}
+
+
+@pytest.mark.parametrize("scale", SCALES)
 def test_each_image_token_sees_its_own_cell(vlm, scale):
     """A bright square in one base cell changes most, in every view of the image (the base grid,
-    LLaVA's high-resolution crops, InternVL's tiles and thumbnail), a token that `image_cell` maps to
-    that cell. ``scale`` 1: the matrix's image size (2×2 tiles or crops where the model tiles);
-    2, 3: that size ×2, ×3 on models that tile (4×4, 6×6 tiles), for the tile layouts."""
+    LLaVA's high-resolution crops, the tiles and thumbnail or global image of the tiled models), a
+    token that `image_cell` maps to that cell. Scale "1": the matrix's image size (2×2 tiles or crops
+    where the model tiles); "2", "3", "wide", "tall": larger and non-square images on tiled layouts,
+    whose tile grids are each processor's own (InternVL 3×3, 3×3, 1×2, 2×1; Ovis2 3×4, 3×3 and
+    transposed halves; Phi-4 4×4, 6×6, 1×2, 2×1; Llama-3.2-Vision at most 4 tiles)."""
     name = vlm.tiny_name
     h, w = TINY_IMAGE_SIZE[name]
-    if scale > 1 and vlm.arch.spec.layout not in TILED:
-        pytest.skip("larger images change only the tile count, on tiled layouts")
-    dark = vlm.prepare(images_of(name, 1, size=(h * scale, w * scale)), [QUESTION])
+    sh, sw = SCALES[scale]
+    if scale != "1" and vlm.arch.spec.layout not in TILED:
+        pytest.skip("other sizes change only the tile grid, on tiled layouts")
+    size = (h * sh, w * sw)
+    dark = vlm.prepare(images_of(name, 1, size=size), [QUESTION])
     geom = dark.geometry[0]
     rows, cols = geom.token_grid
     base = image_features(vlm, dark)
     cells = dark.state_cells[0] if dark.state_cells else dark.image_cell[0]
-    layout = token_cells(vlm.arch.spec.layout, geom, len(cells), 0, dark.tile_grids[0])
-    assert torch.equal(layout.cells, cells)
-    assert len(set(layout.views.tolist())) == (
+    useful = useful_grid(vlm.processor, *size)
+    views = token_cells(vlm.arch.spec.layout, geom, len(cells), 0, dark.tile_grids[0], useful).views
+    assert len(set(views.tolist())) == (
         1 if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "mllama") else 2
     )
     for cell in [(0, 0), (rows - 1, cols - 1), (1, cols - 2), (rows - 2, 0)]:
-        lit = vlm.prepare(images_of(name, 1, cell, geom, size=(h * scale, w * scale)), [QUESTION])
+        lit = vlm.prepare(images_of(name, 1, cell, geom, size=size), [QUESTION])
         change = (image_features(vlm, lit) - base).norm(dim=-1)
-        for view in layout.views.unique():
-            idx = torch.nonzero(layout.views == view).flatten()
+        for view in views.unique():
+            idx = torch.nonzero(views == view).flatten()
             top = idx[int(change[idx].argmax())]
-            assert tuple(layout.cells[top].tolist()) == cell, (name, cell, int(view))
+            assert tuple(cells[top].tolist()) == cell, (name, dark.tile_grids[0], cell, int(view))
 
 
 def test_trace_equals_plain_forward(vlm):

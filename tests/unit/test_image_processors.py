@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from countlens.geometry import Geometry
-from countlens.image_processors import Phi4MultimodalImageProcessorPil, crop_grid, resized_size
+from countlens.image_processors import Phi4MultimodalImageProcessorPil, crop_grid, resized_size, useful_tokens
 from countlens.layouts import token_cells
 
 CROP, PATCH = 32, 4  # 8 × 8 patches per crop, 4 × 4 tokens after the 2 × 2 pool
@@ -66,7 +66,8 @@ def test_a_padded_image_by_hand(processor):
     # per row, a separator, then 4 rows of 4 global tokens and a newline: 5·9 + 1 + 4·5 = 66.
     assert out["num_img_tokens"].tolist() == [66]
     geom = Geometry(CROP, CROP, PATCH, 2)
-    cells = token_cells("hd_global", geom, 66, 0, (2, 2))
+    cells = token_cells("hd_global", geom, 66, 0, (2, 2), useful_tokens(40, 64, CROP, PATCH, 36))
+    assert useful_tokens(40, 64, CROP, PATCH, 36) == (5, 8)
     hd_rows = cells.cells[:45].view(5, 9, 2)
     assert (hd_rows[:, 8] == -1).all()  # newlines
     assert hd_rows[4, 7].tolist() == [2, 3]  # stitched (4, 7) lies in global cell (4 // 2, 7 // 2)
@@ -88,3 +89,24 @@ def test_uint8_arrays_and_pil_images_agree(processor):
     a = processor(images=[array], return_tensors="pt")["image_pixel_values"]
     b = processor(images=[Image.fromarray(array)], return_tensors="pt")["image_pixel_values"]
     assert torch.equal(a, b)
+
+
+def test_a_width_padded_image_by_hand(processor):
+    """A 40 × 64 (w × h) image: the height fills the 64 × 64 canvas, the right 24 columns are padding:
+    all 8 HD token rows, but only 4 + 1 of the 8 columns (the right crops' pooled column 0)."""
+    assert useful_tokens(64, 40, CROP, PATCH, 36) == (8, 5)
+    out = processor(images=[Image.new("RGB", (40, 64))], return_tensors="pt")
+    assert out["num_img_tokens"].tolist() == [8 * 6 + 1 + 20]
+    cells = token_cells("hd_global", Geometry(CROP, CROP, PATCH, 2), 69, 0, (2, 2), (8, 5)).cells
+    hd = cells[:48].view(8, 6, 2)
+    assert (hd[:, 5] == -1).all() and hd[7, 4].tolist() == [3, 2]
+
+
+def test_equal_token_counts_of_different_paddings_are_told_apart():
+    """551 × 1300 (w × h) at 448 / 14: 3 × 2 crops, 48 rows of 21 useful tokens: 1,329 image tokens, as
+    many as an unpadded 2 × 2 image (32 × 32). Reading R and C off the count alone confuses the two."""
+    assert crop_grid(1300, 551, 448, 36) == (2, 3) and useful_tokens(1300, 551, 448, 14, 36) == (48, 21)
+    assert 48 * 22 + 1 + 16 * 17 == 32 * 33 + 1 + 16 * 17 == 1329
+    cells = token_cells("hd_global", Geometry(448, 448, 14, 2), 1329, 0, (3, 2), (48, 21)).cells
+    assert int((cells[:, 0] < 0).sum()) == 48 + 1 + 16  # HD newlines, the separator, global newlines
+    assert cells[: 48 * 22].view(48, 22, 2)[47, 20].tolist() == [47 * 16 // 48, 20 * 16 // 32]
