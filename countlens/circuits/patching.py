@@ -104,6 +104,20 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
                 f"pair {k}: the clean image gives a {g.token_grid} token grid and the corrupt one "
                 f"{h.token_grid}, so image token i covers different cells; give both images one size"
             )
+    # Tiles: equal token (or state) counts can come from different tile grids (1×2 and 2×1), and then
+    # token i covers different cells; a cross-attention model's states must line up the same way.
+    sides = zip(
+        clean.tile_grids,
+        corrupt.tile_grids,
+        clean.state_cells or [None] * len(pairs),
+        corrupt.state_cells or [None] * len(pairs),
+    )
+    for k, (g, h, sg, sh) in enumerate(sides):
+        if g != h or (sg is not None and not torch.equal(sg, sh)):
+            raise InputError(
+                f"pair {k}: the clean image is cut into {g} tiles and the corrupt one into {h}, so image token "
+                "(or state) i covers different cells; give both images one size"
+            )
     return PairBatch(clean, corrupt, torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split]))
 
 

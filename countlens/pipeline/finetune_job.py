@@ -32,7 +32,7 @@ import xarray as xr
 
 from countlens.progress import Bar
 from countlens.results import samples_digest, write_text
-from countlens.training.finetune import FinetuneConfig, finetune, target_layers_from, with_adapter
+from countlens.training.finetune import FinetuneConfig, check_trainable, finetune, target_layers_from, with_adapter
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -329,6 +329,7 @@ def before_after(
     recipe = preset_recipe(preset) if recipe is None else recipe
     check_recipe(recipe, local, train, overrides)  # before the model loads
     base = countlens.load(model)
+    check_trainable(base)  # before the baseline evaluation and anything written
     prompt = "short" if base.name == "toy" else "std"
     say = log if lead else (lambda _: None)
     train = training_data(recipe, base.geometry, prompt, local, n_train) if train is None else train

@@ -176,6 +176,16 @@ def _latest_checkpoint(out: Path) -> Path | None:
     return None
 
 
+def check_trainable(vlm: VLM) -> None:
+    """Refuse a model countlens's fine-tune is not defined for: a cross-attention VLM."""
+    if vlm.arch.spec.cross_attention is not None:
+        raise ConfigError(
+            f"{vlm.arch.name} reads its image through cross-attention: countlens's fine-tune (LoRA on the "
+            "self-attention projections, focus and MAS over image tokens) is not defined for it yet; "
+            "fine-tune a token model (e.g. qwen2_5_vl, internvl, ovis2)"
+        )
+
+
 def finetune(
     vlm: VLM,
     samples: Sequence,
@@ -193,6 +203,7 @@ def finetune(
         raise RunDirError(f"output {out} is a file; give a directory")
     if len(samples) == 0:
         raise InputError("no training samples")
+    check_trainable(vlm)
     attn_terms = config.focus > 0 or config.mas > 0
     if attn_terms and not config.target_layers:
         raise ConfigError(
