@@ -26,6 +26,11 @@ class InputError(CountlensError):
     function that measures them."""
 
 
+class ImageTokenCountError(InputError):
+    """A sample's image tokens (or image states) that do not fit the layout its model's config and
+    its processor's tiles give: the processor's settings disagree with the model's."""
+
+
 class ConfigError(CountlensError):
     """A configuration that cannot run: a `DiscoverConfig` / `FinetuneConfig` field, a preset, a
     recipe, a command-line option, a dtype or device name."""

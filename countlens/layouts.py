@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.errors import InputError
+from countlens.errors import ImageTokenCountError, InputError
 from countlens.geometry import Geometry
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def _join(*parts: TokenCells) -> TokenCells:
 
 def _expect(n_tokens: int, expected: int, what: str, sample: int) -> None:
     if n_tokens != expected:
-        raise InputError(
+        raise ImageTokenCountError(
             f"sample {sample}: {n_tokens} image tokens but {what} gives {expected}; "
             "one image per prompt is supported, with the processor's own settings"
         )
@@ -128,7 +128,7 @@ def _expect(n_tokens: int, expected: int, what: str, sample: int) -> None:
 def _anyres(rows: int, cols: int, n_tokens: int, sample: int) -> TokenCells:
     n_rest = n_tokens - rows * cols
     if n_rest < 0:
-        raise InputError(f"sample {sample}: {n_tokens} image tokens, fewer than the base grid {rows}x{cols}")
+        raise ImageTokenCountError(f"sample {sample}: {n_tokens} image tokens, fewer than the base grid {rows}x{cols}")
     side = int(n_rest**0.5)
     if not (side * (side + 1) == n_rest and side % rows == 0):  # not a square crop grid: unmapped
         return _join(_one_view(rows, cols), TokenCells(torch.full((n_rest, 2), -1), torch.full((n_rest,), FINE_VIEW)))
@@ -184,7 +184,7 @@ def _cross_tiles(rows: int, cols: int, n_states: int, tiles: tuple[int, int], sa
     tile_rows, tile_cols = tiles
     n_tiles = tile_rows * tile_cols
     if n_states % per_tile or n_states // per_tile < n_tiles:
-        raise InputError(
+        raise ImageTokenCountError(
             f"sample {sample}: {n_states} image states are not whole tiles of {rows}x{cols} patches and a class "
             f"token holding {tile_rows}x{tile_cols} tiles; the processor's settings disagree with the model's config"
         )

@@ -20,7 +20,7 @@ from countlens.errors import (
     CheckpointNotFoundError,
     ConfigError,
     DeviceError,
-    InputError,
+    ImageTokenCountError,
     UnsupportedArchitectureError,
 )
 from countlens.vlm import VLM, fixed_size
@@ -134,7 +134,7 @@ def check_processor(vlm: VLM, path: str) -> None:
     g = vlm.geometry
     try:  # `countlens.layouts` checks the count against the config's grid (and the processor's tiles)
         vlm.prepare([Image.new("RGB", (g.image_width, g.image_height))], ["how many?"])
-    except InputError as err:
+    except ImageTokenCountError as err:
         rows, cols = g.token_grid
         raise CheckpointError(
             f"{path}: {files} and config.json disagree: for one {g.image_height}×{g.image_width} image, "
@@ -279,6 +279,10 @@ def _load_image_processor(path: str):
             f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint"
         )
     name = cfg.pop("image_processor_type", "")
+    if not name:
+        raise CheckpointError(
+            f"{path}'s image processor config names no image_processor_type; copy it from the original checkpoint"
+        )
     # Prefer a PIL backend, transformers' or countlens's own (`countlens.image_processors`): the
     # torchvision-backed processors don't run without torchvision.
     pil = name.removesuffix("Pil").removesuffix("Fast") + "Pil"

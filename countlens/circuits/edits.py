@@ -17,6 +17,7 @@ from torch import Tensor
 
 from countlens import memory
 from countlens.circuits.sites import repeat_inputs, repeat_output
+from countlens.errors import InputError
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
@@ -162,16 +163,24 @@ def _edit_states(vlm: VLM, layer: int, edits: list, cache: dict | None, n: int) 
     patched copy passed in its place (the tensor itself is shared by every cross-attention layer)."""
     cross = vlm.arch.spec.cross_attention
     n_states = edits[0][1].mask.shape[1]
+
+    def per_row(states: Tensor) -> Tensor:
+        if states.numel() % (n_states * states.shape[-1]):
+            raise InputError(
+                f"the image states {tuple(states.shape)} are not rows of {n_states} states: the edit's mask "
+                "was made for another batch (build it from the batch that runs)"
+            )
+        return states.view(-1, n_states, states.shape[-1])
+
     if layer == -1:
-        out = vlm.module(cross.states).output  # (rows, images, tiles, patches, d): written in place
-        rows = out.view(-1, n_states, out.shape[-1])
+        rows = per_row(vlm.module(cross.states).output)  # (rows, images, tiles, patches, d): written in place
     else:
         if vlm.arch.kind(layer) != "cross":
             raise ValueError(f"layer {layer} is not a cross-attention layer; its attention reads no image states")
         site = vlm.module(f"{vlm.arch.layer(layer)}.{cross.attn}")
         args, kwargs = site.inputs
         states = kwargs[cross.states_kwarg].clone()  # (rows · images · tiles, patches, d)
-        rows = states.view(-1, n_states, states.shape[-1])
+        rows = per_row(states)
     for r, e, b, s in edits:
         src = (
             _at(e.value, b, s)

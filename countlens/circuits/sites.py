@@ -52,8 +52,8 @@ def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:
         return answer
     if group == "image" and batch.state_cells:
         raise InputError(
-            "this model has no image tokens: its image reaches the text only through cross-attention. "
-            "Patch its image states instead (patch_layers group 'image_states')"
+            "this model has no image tokens: its image reaches the text only through cross-attention, as "
+            "image states — a site (patch_layers' group 'image_states'), not positions in the sequence"
         )
     for b, pos in enumerate(batch.image_pos):
         mask[b, pos] = True

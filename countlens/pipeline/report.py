@@ -126,7 +126,7 @@ def write_report(
         conflict={**dic, "style": conflict_styles(model)[0]},
         vap={
             "n_pairs": int(vap.sizes["pair"]),
-            "image_sentence": _image_sentence(first_img),
+            "image_sentence": _image_sentence(first_img, "image_states" in vap.group),
             "first_last": first_last,
             "effect_table": vap.effect.to_pandas().round(3).to_markdown(),
             "overwrite_table": vap.overwrite.to_pandas().round(3).to_markdown(),
@@ -167,7 +167,16 @@ def _top_effects(effect: xr.DataArray, k: int) -> str:
     return ", ".join(f"L{layer}H{head} ({value:.2f})" for layer, head, value in top_sites(effect, k, absolute=True))
 
 
-def _image_sentence(layer: int | None) -> str:
+def _image_sentence(layer: int | None, states: bool = False) -> str:
+    if states:  # a cross-attention model: the image is its states, read at the cross-attention layers
+        if layer is None:
+            return "The image states never carry half the effect by themselves, not even where they enter"
+        if layer == -1:
+            return (
+                "The image states carry the count where they enter (layer −1: what every cross-attention "
+                "layer reads), but no single cross-attention layer's own read carries half of it"
+            )
+        return f"The image states read at cross-attention layer {layer} carry at least half the effect alone"
     if layer is None:
         return "Image tokens never carry half the effect by themselves, not even at the input"
     if layer == -1:
