@@ -26,6 +26,7 @@ _LAZY: dict[str, str] = {
     "results": "countlens.results",
     "training": "countlens.training",
     "load": "countlens.loading",
+    "check": "countlens.pipeline.check",
     "VLM": "countlens.vlm",
     "Batch": "countlens.vlm",
 }
@@ -35,6 +36,7 @@ __all__ = [
     "CountlensError",
     "Geometry",
     "analysis",
+    "check",
     "circuits",
     "datasets",
     "load",

@@ -102,6 +102,9 @@ class ArchSpec:
     # Multimodal rotary positions (Qwen): the attribute where a prefill leaves each row's offset
     # between sequence index and 3-D position id, which tokens fed after a KV cache must add.
     rope_deltas: str | None = None
+    # Qwen3-VL's DeepStack adds image features inside its first decoder layers: the embeddings
+    # (layer −1) do not carry all of the image.
+    deepstack: bool = False
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
 
@@ -128,7 +131,7 @@ SPECS: dict[str, ArchSpec] = {
     for s in [
         ArchSpec("qwen2_vl", ("qwen2_vl",), **_QWEN),
         ArchSpec("qwen2_5_vl", ("qwen2_5_vl",), projector_order="window", **_QWEN),
-        ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", **_QWEN),
+        ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", deepstack=True, **_QWEN),
         ArchSpec("llava", ("llava",), **_LLAVA),
         ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
         ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),

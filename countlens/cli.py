@@ -392,6 +392,37 @@ def discover_cmd(
     typer.echo(f"report: {report}")
 
 
+@app.command("check")
+def check_cmd(
+    model: Model = "toy",
+    device: Device = None,
+    dtype: Dtype = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the table as JSON here.")] = None,
+) -> None:
+    """Prove that countlens reads this checkpoint right: the spec, the image-token layout, the
+    answers, the interventions' invariants and the memory plan, one row per check (read-only).
+    Exits 1 when a check fails.
+
+    Example: countlens check --model /models/Qwen2.5-VL-7B-Instruct --device cuda --dtype bfloat16
+    """
+    import json
+
+    import countlens
+    from countlens.pipeline.check import as_json, check, failed, table
+
+    if json_out is not None and json_out.is_dir():
+        raise ConfigError(f"--json {json_out} is a directory; give a file path")
+    vlm = countlens.load(model, dtype=dtype, device_map=device)
+    rows = check(vlm)
+    typer.echo(table(rows))
+    if json_out is not None:
+        json_out.write_text(json.dumps(as_json(rows), indent=1))
+    bad = failed(rows)
+    typer.echo(f"{len(rows) - len(bad)} of {len(rows)} checks passed or skipped; {len(bad)} failed")
+    if bad:
+        raise typer.Exit(1)
+
+
 @app.command("plan")
 def plan_cmd(
     model: Annotated[
