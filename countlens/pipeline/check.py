@@ -81,7 +81,10 @@ def check(vlm: VLM, groups: tuple[str, ...] = GROUPS) -> list[CheckRow]:
         if failed([r for r in rows if r.name == checks.PATHS]):  # nothing else can run on a broken spec
             rows.append(CheckRow(group, "all", None, "not run: the spec's module paths do not resolve"))
             continue
-        rows += run[group](vlm)
+        try:
+            rows += run[group](vlm)
+        except CountlensError as err:  # the model cannot even be asked: that is this group's finding
+            rows.append(CheckRow(group, "all", False, f"could not run: {err}", "", "fix what the message names"))
     return rows
 
 
