@@ -16,6 +16,8 @@ size, which sets the unembedding's cost, is the config's 152,064). Measured, eac
 - **P1**: an nnsight trace saving one residual vs the plain forward of the same clean batch;
 - the layer **VAP** sweep (`patch_layers`, image / last / text × every layer) vs as many plain
   forwards (one per site);
+- **check**: `countlens check` on the model (`countlens.pipeline.check`), its rows recorded (run first,
+  before the timings and the peak-memory reading);
 - **P2**: the all-head sweep (`patch_heads`, batched replicas) vs a naive loop of one forward per
   head (`run_edits` with one edit, as ``bench/patching_sweeps.py`` defines it); goal ≥ 5×. The
   naive loop runs ``--naive-heads`` heads (all by default) and its time is scaled to all heads.
@@ -181,10 +183,12 @@ def run(
     from countlens.circuits.patching import Edit, cache_run, patch_heads, patch_layers, prepare_pairs, run_edits
     from countlens.circuits.sites import group_mask
     from countlens.datasets.pairs import count_pairs
+    from countlens.pipeline.check import as_json, check
 
     t0 = time.perf_counter()
     vlm, grid = build(depth, image_size, getattr(torch, dtype), device)
     built_s = time.perf_counter() - t0
+    checked = as_json(check(vlm))
     pairs = count_pairs(n_pairs, kind="dots", grid=grid, prompt="short", counts=range(2, 8), seed=0)
     pb = prepare_pairs(vlm, pairs)
     arch = vlm.arch
@@ -273,6 +277,8 @@ def run(
             "goal": ">= 5",
         },
         "peak_memory_bytes": _peak_bytes(device),
+        # `countlens check` on this model (countlens.pipeline.check): its rows, for the record.
+        "check": checked,
     }
 
 
