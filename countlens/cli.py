@@ -388,6 +388,10 @@ def discover_cmd(
     )
     check(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
+    if not remote:  # the spec and image checks of `countlens check` (read-only), before any stage
+        from countlens.pipeline.check import require
+
+        require(vlm)
     report = discover(vlm, out, config, log=typer.echo)
     typer.echo(f"report: {report}")
 

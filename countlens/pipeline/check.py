@@ -22,42 +22,24 @@ measured figure, its tolerance and, on failure, what is wrong and what to do:
 
 Tolerances are relative to the size of the values rounded (the logits), as in the tests
 (`tests/tolerance.py`): float32's 1e-5 is the tests' measured budget; bfloat16's and float16's scale
-it by their precision (2⁻⁸, 2⁻¹¹ against 2⁻²³) and are not measured here (no GPU). `discover` runs
-groups 1–2 before its first stage.
+it by their precision (2⁻⁸, 2⁻¹¹ against 2⁻²³) and are not measured here (no GPU). `countlens
+discover` runs groups 1–2 before its first stage (`require`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-import torch
-
-from countlens.errors import CountlensError
+from countlens.errors import CheckpointError, CountlensError
+from countlens.pipeline import checks
+from countlens.pipeline.checks import CheckRow
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
 GROUPS: tuple[str, ...] = ("spec", "image", "answers", "interventions", "memory")
-#: Rounding budget per dtype, relative to the logits' size (see the module docstring).
-REL: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-@dataclass(frozen=True)
-class CheckRow:
-    """One check: ``passed`` None when skipped (``figure`` says why)."""
-
-    group: str
-    name: str
-    passed: bool | None
-    figure: str
-    tolerance: str = ""
-    fix: str = ""
-
-    @property
-    def status(self) -> str:
-        return {True: "passed", False: "FAILED", None: "skipped"}[self.passed]
 
 
 def check(vlm: VLM, groups: tuple[str, ...] = GROUPS) -> list[CheckRow]:
@@ -65,8 +47,6 @@ def check(vlm: VLM, groups: tuple[str, ...] = GROUPS) -> list[CheckRow]:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise CountlensError(f"unknown check groups {sorted(unknown)}; use some of {GROUPS}")
-    from countlens.pipeline import checks
-
     run: dict[str, Callable[[VLM], list[CheckRow]]] = {
         "spec": checks.spec,
         "image": checks.image,
@@ -90,6 +70,15 @@ def check(vlm: VLM, groups: tuple[str, ...] = GROUPS) -> list[CheckRow]:
 
 def failed(rows: list[CheckRow]) -> list[CheckRow]:
     return [r for r in rows if r.passed is False]
+
+
+def require(vlm: VLM, groups: tuple[str, ...] = ("spec", "image")) -> None:
+    """Refuse a model that fails a check of ``groups`` (by default the fast ones, which `countlens
+    discover` runs before its first stage), naming each failed check and its fix."""
+    bad = failed(check(vlm, groups))
+    if bad:
+        rows = "; ".join(f"{r.name}: {r.figure} ({r.fix})" for r in bad)
+        raise CheckpointError(f"countlens does not read {vlm.name} right: {rows}. `countlens check` shows every check")
 
 
 def table(rows: list[CheckRow]) -> str:

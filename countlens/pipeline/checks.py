@@ -1,4 +1,4 @@
-"""The five groups of `countlens.pipeline.check`: each a function of a `VLM` returning its rows.
+"""The five groups of `countlens.pipeline.check`: each a function of a `VLM` returning its `CheckRow`s.
 
 Each check measures one invariant on the loaded model and says, when it fails, what is wrong and
 what to do; the module docstring of `countlens.pipeline.check` lists them.
@@ -6,6 +6,7 @@ what to do; the module docstring of `countlens.pipeline.check` lists them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,10 +14,29 @@ import torch
 from PIL import Image
 
 from countlens.errors import CountlensError
-from countlens.pipeline.check import REL, CheckRow
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
+
+#: Rounding budget per dtype, relative to the logits' size (see the module docstring).
+REL: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One check: ``passed`` None when skipped (``figure`` says why)."""
+
+    group: str
+    name: str
+    passed: bool | None
+    figure: str
+    tolerance: str = ""
+    fix: str = ""
+
+    @property
+    def status(self) -> str:
+        return {True: "passed", False: "FAILED", None: "skipped"}[self.passed]
+
 
 COUNTS = range(0, 21)
 PATHS = "module paths"

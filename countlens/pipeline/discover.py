@@ -34,7 +34,7 @@ from countlens import circuits, distributed
 from countlens.analysis.attention_metrics import attention_metrics
 from countlens.analysis.evaluate import score
 from countlens.analysis.heads import export_heads, head_table
-from countlens.errors import CheckpointError, RunDirError
+from countlens.errors import RunDirError
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig, check_config, conflict_styles, resolved_prompt
 from countlens.pipeline.report import write_report
@@ -51,17 +51,6 @@ def check(c: DiscoverConfig) -> None:
         presets.get(c.preset)
 
 
-def _check_model(vlm: VLM) -> None:
-    """The fast part of `countlens check` (spec and image layout) on the model, before any stage."""
-    from countlens.pipeline.check import check as check_model
-    from countlens.pipeline.check import failed
-
-    bad = failed(check_model(vlm, groups=("spec", "image")))
-    if bad:
-        rows = "; ".join(f"{r.name}: {r.figure} ({r.fix})" for r in bad)
-        raise CheckpointError(f"countlens does not read {vlm.name} right: {rows}. `countlens check` shows every check")
-
-
 def discover(
     vlm: VLM, out: str | Path, config: DiscoverConfig = DiscoverConfig(), log: Callable[[str], None] = print
 ) -> Path:
@@ -71,7 +60,6 @@ def discover(
         raise RunDirError(f"output {out} is a file; give a directory")
     c = config
     check(c)  # before anything is written: a refused run leaves no spec behind
-    _check_model(vlm)
     prompt = resolved_prompt(vlm, c)
     # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
     from countlens.datasets.prompts import PROMPTS

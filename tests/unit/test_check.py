@@ -40,6 +40,11 @@ def test_a_renamed_spec_path_fails_and_stops_the_rest(loaded):
     rows = check(broken)
     assert [r.name for r in failed(rows)] == ["module paths"] and "out_proj missing" in failed(rows)[0].fix
     assert all(r.passed is None for r in rows if r.group != "spec")
+    from countlens.errors import CheckpointError
+    from countlens.pipeline.check import require
+
+    with pytest.raises(CheckpointError, match="module paths.*out_proj missing.*countlens check"):
+        require(broken)  # what `countlens discover` runs before its first stage
 
 
 def test_a_wrong_image_token_id_fails(loaded):
