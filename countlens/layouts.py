@@ -113,6 +113,25 @@ def _coarsen(fine: Tensor, fine_shape: tuple[int, int], rows: int, cols: int) ->
     return torch.stack([fine[:, 0] * rows // fine_shape[0], fine[:, 1] * cols // fine_shape[1]], -1)
 
 
+def _tile_cells(rows: int, cols: int, tile_rows: int, tile_cols: int) -> Tensor:
+    """Base cells of every token of a tile_rows × tile_cols grid of tiles (each rows × cols tokens),
+    tile by tile in row-major order, each tile's tokens row-major."""
+    n_tiles = tile_rows * tile_cols
+    # Token (tile t, r, c) sits at row (t // C)·rows + r, column (t % C)·cols + c of the stitched grid.
+    t, local = torch.arange(n_tiles).repeat_interleave(rows * cols), _grid(rows, cols).repeat(n_tiles, 1)
+    fine = torch.stack([(t // tile_cols) * rows + local[:, 0], (t % tile_cols) * cols + local[:, 1]], -1)
+    return _coarsen(fine, (tile_rows * rows, tile_cols * cols), rows, cols)
+
+
+def _newline_rows(n_rows: int, n_cols: int, fine_shape: tuple[int, int], rows: int, cols: int) -> Tensor:
+    """Base cells of n_rows rows of n_cols tokens each ended by a newline, on a grid of ``fine_shape``
+    over the image; the newlines get (-1, -1)."""
+    fine = _grid(n_rows, n_cols + 1)
+    cells = _coarsen(fine, fine_shape, rows, cols)
+    cells[fine[:, 1] == n_cols] = -1
+    return cells
+
+
 def _join(*parts: TokenCells) -> TokenCells:
     return TokenCells(torch.cat([p.cells for p in parts]), torch.cat([p.views for p in parts]))
 
@@ -132,9 +151,7 @@ def _anyres(rows: int, cols: int, n_tokens: int, sample: int) -> TokenCells:
     side = int(n_rest**0.5)
     if not (side * (side + 1) == n_rest and side % rows == 0):  # not a square crop grid: unmapped
         return _join(_one_view(rows, cols), TokenCells(torch.full((n_rest, 2), -1), torch.full((n_rest,), FINE_VIEW)))
-    fine = _grid(side, side + 1)  # R rows of C tokens and a newline
-    cells = _coarsen(fine, (side, side), rows, cols)
-    cells[fine[:, 1] == side] = -1  # the row-end newlines
+    cells = _newline_rows(side, side, (side, side), rows, cols)
     return _join(_one_view(rows, cols), TokenCells(cells, torch.full((n_rest,), FINE_VIEW)))
 
 
@@ -147,11 +164,8 @@ def _tiles(
     _expect(n_tokens, per_tile * (n_tiles + (n_tiles > 1)), f"{tile_rows}x{tile_cols} tiles of {rows}x{cols}", sample)
     if n_tiles == 1:  # one tile: no thumbnail
         return _one_view(rows, cols)
-    # Token (tile t, r, c) sits at row (t // C)·rows + r, column (t % C)·cols + c of the stitched grid.
-    t, local = torch.arange(n_tiles).repeat_interleave(per_tile), _grid(rows, cols).repeat(n_tiles, 1)
-    fine = torch.stack([(t // tile_cols) * rows + local[:, 0], (t % tile_cols) * cols + local[:, 1]], -1)
-    cells = _coarsen(fine, (tile_rows * rows, tile_cols * cols), rows, cols)
-    tiles = TokenCells(cells, torch.full((len(t),), FINE_VIEW))
+    cells = _tile_cells(rows, cols, tile_rows, tile_cols)
+    tiles = TokenCells(cells, torch.full((len(cells),), FINE_VIEW))
     thumbnail = _one_view(rows, cols)
     return _join(thumbnail, tiles) if thumbnail_first else _join(tiles, thumbnail)
 
@@ -168,15 +182,13 @@ def _hd_global(
         f"a separator and a {rows}x{cols} global grid",
         sample,
     )
-    fine = _grid(hd_rows, hd_cols + 1)  # R rows of C tokens and a newline
-    cells = _coarsen(fine, (crop_rows * rows, crop_cols * cols), rows, cols)
-    cells[fine[:, 1] == hd_cols] = -1
-    hd = TokenCells(cells, torch.full((len(fine),), FINE_VIEW))
-    separator = TokenCells(torch.full((1, 2), -1), torch.full((1,), BASE_VIEW))
-    glob = _grid(rows, cols + 1)
-    glob_cells = glob.clone()
-    glob_cells[glob[:, 1] == cols] = -1
-    return _join(hd, separator, TokenCells(glob_cells, torch.full((len(glob),), BASE_VIEW)))
+    hd = _newline_rows(hd_rows, hd_cols, (crop_rows * rows, crop_cols * cols), rows, cols)
+    glob = _newline_rows(rows, cols, (rows, cols), rows, cols)
+    return _join(
+        TokenCells(hd, torch.full((len(hd),), FINE_VIEW)),
+        TokenCells(torch.full((1, 2), -1), torch.full((1,), BASE_VIEW)),  # the separator
+        TokenCells(glob, torch.full((len(glob),), BASE_VIEW)),
+    )
 
 
 def _cross_tiles(rows: int, cols: int, n_states: int, tiles: tuple[int, int], sample: int) -> TokenCells:
@@ -190,9 +202,6 @@ def _cross_tiles(rows: int, cols: int, n_states: int, tiles: tuple[int, int], sa
         )
     slots = n_states // per_tile
     cells = torch.full((slots, per_tile, 2), -1)
-    t = torch.arange(n_tiles).repeat_interleave(rows * cols)
-    local = _grid(rows, cols).repeat(n_tiles, 1)
-    fine = torch.stack([(t // tile_cols) * rows + local[:, 0], (t % tile_cols) * cols + local[:, 1]], -1)
-    cells[:n_tiles, 1:] = _coarsen(fine, (tile_rows * rows, tile_cols * cols), rows, cols).view(n_tiles, -1, 2)
+    cells[:n_tiles, 1:] = _tile_cells(rows, cols, tile_rows, tile_cols).view(n_tiles, -1, 2)
     view = BASE_VIEW if n_tiles == 1 else FINE_VIEW
     return TokenCells(cells.view(-1, 2), torch.full((n_states,), view))

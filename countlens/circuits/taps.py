@@ -41,6 +41,16 @@ if TYPE_CHECKING:
 TAPS: tuple[str, ...] = ("vision", "projector", "llm")
 
 
+def _cell_means(x: Tensor, cells: Tensor, rows: int, cols: int) -> Tensor:
+    """Float[Tensor, "d rows cols"]: each cell the mean of the rows of ``x`` (Float[Tensor, "n d"]) that
+    ``cells`` (Int[Tensor, "n 2"]) maps to it; rows at (-1, -1) are dropped, empty cells are 0."""
+    keep = cells[:, 0] >= 0
+    flat = cells[keep, 0] * cols + cells[keep, 1]
+    total = torch.zeros(rows * cols, x.shape[-1]).index_add_(0, flat, x[keep.to(x.device)].float().cpu())
+    count = torch.zeros(rows * cols, 1).index_add_(0, flat, torch.ones(len(flat), 1))
+    return (total / count.clamp(min=1)).T.reshape(-1, rows, cols)
+
+
 def _grid_map(acts: Tensor, positions: Sequence[Tensor], cells: Sequence[Tensor], batch: Batch) -> Tensor:
     """Float[Tensor, "batch d rows cols"] from per-position activations Float[Tensor, "batch seq d"]:
     each cell the mean of the positions mapped to it."""
@@ -48,14 +58,7 @@ def _grid_map(acts: Tensor, positions: Sequence[Tensor], cells: Sequence[Tensor]
     cols = max(g.token_grid[1] for g in batch.geometry)
     out = torch.zeros(len(batch), acts.shape[-1], rows, cols, dtype=torch.float32)
     for b, (pos, cell) in enumerate(zip(positions, cells)):
-        keep = cell[:, 0] >= 0
-        pos, cell = pos[keep], cell[keep]
-        flat = cell[:, 0] * cols + cell[:, 1]
-        total = torch.zeros(rows * cols, acts.shape[-1])
-        count = torch.zeros(rows * cols, 1)
-        total.index_add_(0, flat, acts[b, pos.to(acts.device)].float().cpu())
-        count.index_add_(0, flat, torch.ones(len(flat), 1))
-        out[b] = (total / count.clamp(min=1)).T.reshape(-1, rows, cols)
+        out[b] = _cell_means(acts[b, pos.to(acts.device)], cell, rows, cols)
     return out
 
 
@@ -85,12 +88,7 @@ def _tiled_patch_map(x: Tensor, vlm: VLM, batch: Batch) -> Tensor:
         rows_t, cols_t = batch.tile_grids[b]
         n_tiles = rows_t * cols_t + (rows_t * cols_t > 1)  # and the thumbnail
         cells = token_cells(vlm.arch.spec.layout, patches, n_tiles * rows * cols, b, batch.tile_grids[b]).cells
-        flat = cells[:, 0] * cols + cells[:, 1]
-        total = torch.zeros(rows * cols, x.shape[-1]).index_add_(
-            0, flat, x[start : start + n_tiles].reshape(-1, x.shape[-1])
-        )
-        count = torch.zeros(rows * cols, 1).index_add_(0, flat, torch.ones(len(flat), 1))
-        out[b] = (total / count).T.reshape(-1, rows, cols)
+        out[b] = _cell_means(x[start : start + n_tiles].reshape(-1, x.shape[-1]), cells, rows, cols)
         start += n_tiles
     return out
 
