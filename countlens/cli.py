@@ -4,7 +4,11 @@ Options are typer's ``Annotated`` parameters. An option that fills a dataclass f
 default from that dataclass (`_defaults`); one left ``None`` means "not given": the preset's value,
 else the dataclass default its help shows. Any `CountlensError` a command raises, its own checks of
 the options included, reaches one handler (`CountlensGroup`): ``error: <message>`` in red on stderr,
-exit status 2.
+exit status 2. Every command checks its options and the files it will read before it writes
+anything, so a refused run leaves its output as it found it. Anything else that escapes a command is
+a countlens bug: one line (``internal error in countlens …``, the command, the exception) and exit
+status 70, with the traceback under ``countlens --debug …`` (or ``COUNTLENS_DEBUG=1``); Ctrl-C ends
+with one line saying whether a rerun resumes, exit status 130.
 """
 
 from __future__ import annotations
@@ -18,17 +22,71 @@ from typer.core import TyperGroup
 
 from countlens.errors import ConfigError, CountlensError, RunDirError
 
+#: Exit statuses: a user's error (bad input or state), a countlens bug (sysexits' EX_SOFTWARE), Ctrl-C.
+USER_ERROR, INTERNAL_ERROR, INTERRUPTED = 2, 70, 130
+#: Commands that resume where they stopped when rerun with the same options.
+RESUMABLE = ("discover", "finetune", "countingtricks")
+
 
 class CountlensGroup(TyperGroup):
-    """A command group whose commands' `CountlensError` (bad input or state a user can fix) ends
-    the command as ``error: <message>`` in red on stderr with exit status 2, without a traceback."""
+    """A command group whose commands end in one line, never a traceback: a `CountlensError` (bad
+    input or state a user can fix) as ``error: <message>`` with exit status 2; Ctrl-C with exit
+    status 130; any other exception, a countlens bug, as ``internal error …`` with exit status 70
+    (the traceback with ``countlens --debug`` or ``COUNTLENS_DEBUG=1``)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except CountlensError as err:
             typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(code=2) from None
+            raise typer.Exit(code=USER_ERROR) from None
+        except KeyboardInterrupt:
+            name = _command(ctx).rsplit(" ", 1)[-1]
+            how = (
+                "rerun the same command to resume where it stopped"
+                if name in RESUMABLE
+                else "nothing was kept; rerun the command to start again"
+            )
+            typer.secho(f"interrupted: {how}", fg=typer.colors.YELLOW, err=True)
+            raise typer.Exit(code=INTERRUPTED) from None
+        except Exception as err:
+            # click's and typer's own (usage errors, exit 2; typer.Exit) are theirs to print.
+            if type(err).__module__.split(".")[0] in ("click", "typer") or _debug(ctx):
+                raise
+            detail = " ".join(str(err).split())  # one line, whatever the exception's text
+            typer.secho(
+                f"internal error in countlens {_version()} running `{_command(ctx)}`: {type(err).__name__}: "
+                f"{detail} — a bug in countlens: please report it with the traceback that `countlens --debug "
+                f"{_command(ctx).removeprefix('countlens ')} …` prints",
+                fg=typer.colors.RED,
+                err=True,
+            )
+            raise typer.Exit(code=INTERNAL_ERROR) from None
+
+
+def _command(ctx) -> str:
+    """The command as typed, e.g. ``countlens data countingtricks`` (its options left out: they may
+    name private paths)."""
+    names, c = [ctx.invoked_subcommand or ""], ctx
+    while c.parent is not None:
+        names.append(c.info_name or "")
+        c = c.parent
+    return " ".join(["countlens", *reversed([n for n in names if n])])
+
+
+def _debug(ctx) -> bool:
+    import os
+
+    return bool(ctx.find_root().params.get("debug")) or os.environ.get("COUNTLENS_DEBUG", "") not in ("", "0")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("countlens")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 app = typer.Typer(cls=CountlensGroup, no_args_is_help=True, help="countlens: counting as a probe of how VLMs reason.")
@@ -38,6 +96,15 @@ toy_app = typer.Typer(
 app.add_typer(toy_app, name="toy")
 data_app = typer.Typer(cls=CountlensGroup, no_args_is_help=True, help="Generate controlled counting data sets on disk.")
 app.add_typer(data_app, name="data")
+
+
+@app.callback()
+def main_options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the traceback of an internal error (also: COUNTLENS_DEBUG=1).")
+    ] = False,
+) -> None:
+    """countlens: counting as a probe of how VLMs reason."""
 
 
 def _defaults(where: str) -> dict:
@@ -98,6 +165,15 @@ def _check_out(out: Path | None, flag: str = "--out") -> None:
         raise ConfigError(f"{flag} {out}: {base} is not writable; give a directory you can write to")
 
 
+def _check_file_out(path: Path | None, flag: str) -> None:
+    """Refuse a file to write (e.g. ``--json``) that cannot be written, before any work; writes nothing."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file path")
+    _check_out(path.parent, f"{flag} {path}: its folder")
+
+
 def _check_positive(**values: int | None) -> None:
     for name, value in values.items():
         if value is not None and value < 1:
@@ -129,11 +205,10 @@ def toy_train(
     from countlens.toy.recipe import ToyConfig, TrainConfig
     from countlens.toy.train import train
 
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a directory")
+    _check_out(out)
     tc = TrainConfig(seed=seed)
     if steps is not None:
-        tc = replace(tc, steps=steps)
+        tc = replace(tc, steps=steps)  # TrainConfig checks its ranges: before anything is written
     with Progress(
         TextColumn("training"),
         BarColumn(),
@@ -277,7 +352,7 @@ def data_countingtricks(
     from rich.progress import Progress
 
     from countlens.datasets.countingtricks import CASES
-    from countlens.datasets.export import export_countingtricks
+    from countlens.datasets.export import check_export, export_countingtricks
 
     _check_out(out)
     _check_positive(n=n, workers=workers)
@@ -288,6 +363,7 @@ def data_countingtricks(
     names = list(CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
     grid = _grid(model, image_size, patch_size)
     kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt, counts=wanted)
+    check_export(out, names, n, grid, seed, workers, overwrite, **kw)  # before the progress bar
     with Progress() as bar:
         task = bar.add_task("countingtricks", total=len(names) * n)
         manifest = export_countingtricks(
@@ -370,10 +446,14 @@ def discover_cmd(
     Example: countlens discover --model toy --out runs/toy
     """
     import countlens
+    from countlens import distributed
     from countlens.datasets.prompts import PAIR_PROMPTS
     from countlens.pipeline.discover import check, discover
+    from countlens.pipeline.rundir import check_run_dir
 
     _check_out(out)
+    check_run_dir(out)
+    distributed.current()  # the launcher's RANK / WORLD_SIZE, if any, make sense
     if prompt is not None and prompt != "auto" and prompt not in PAIR_PROMPTS:
         raise ConfigError(f"--prompt {prompt!r}: use auto or one of {', '.join(PAIR_PROMPTS)}")
     _check_positive(n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size)
@@ -414,8 +494,7 @@ def check_cmd(
     import countlens
     from countlens.pipeline.check import as_json, check, failed, table
 
-    if json_out is not None and json_out.is_dir():
-        raise ConfigError(f"--json {json_out} is a directory; give a file path")
+    _check_file_out(json_out, "--json")
     vlm = countlens.load(model, dtype=dtype, device_map=device)
     rows = check(vlm)
     typer.echo(table(rows))
@@ -462,6 +541,7 @@ def plan_cmd(
     Example: countlens plan --model runs/qwen2.5-vl-7b --image-size 448 --memory 141 --device cuda --dtype bfloat16
     """
     import json
+    import math
 
     from countlens.loading import meta_vlm
     from countlens.pipeline import plan
@@ -469,8 +549,11 @@ def plan_cmd(
     _check_positive(
         image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size
     )
-    if memory is not None and not memory > 0:
-        raise ConfigError(f"--memory must be > 0 GiB, got {memory}")
+    if memory is not None and not (memory > 0 and math.isfinite(memory)):
+        raise ConfigError(f"--memory must be a finite number of GiB > 0, got {memory}")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: plan for 'cpu' or 'cuda'")
+    _check_file_out(json_out, "--json")
     config = _discover_config(
         preset, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, prompt=prompt
     )
@@ -595,8 +678,8 @@ def classify_cmd(
         difficulty_min=difficulty_min,
     )
     spec = read_spec(run)
+    thresholds = preset_thresholds(spec.get("preset", ""), **given)  # their ranges, before the results are read
     r = load_run(run)
-    thresholds = preset_thresholds(spec.get("preset", ""), **given)
     table = head_table(r["heads"], r["ablation"], r["headlens"], r["attention"], thresholds)
     export_heads(table, run)
     write_report(spec["model"], spec["arch"], run, table=table)
@@ -677,9 +760,9 @@ def finetune_cmd(
     """
     from dataclasses import replace
 
+    from countlens.analysis.heads import read_heads
     from countlens.pipeline import presets
     from countlens.pipeline.finetune_job import before_after
-    from countlens.training.finetune import read_heads
 
     try:
         recipe = presets.recipe(preset or "")

@@ -84,6 +84,26 @@ def current() -> Shard:
         ) from None
 
 
+def check_process_group() -> Shard:
+    """The current shard, refused when it is one of several processes whose launcher did not set up
+    the rendezvous a process group needs (``MASTER_ADDR``, ``MASTER_PORT``): what data-parallel
+    fine-tuning joins, unlike the sweeps, which meet on disk. Checked before anything runs, so a
+    mis-launched job fails at once instead of after its baseline evaluation."""
+    shard = current()
+    dist = sys.modules.get("torch.distributed")
+    if not shard.sharded or (dist is not None and dist.is_available() and dist.is_initialized()):
+        return shard
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={shard.world} RANK={shard.rank} are set but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: a data-parallel fine-tune is launched with "
+            "`accelerate launch --num_processes N` or `torchrun --nproc_per_node N` (which set all four); "
+            "to run one process, unset WORLD_SIZE and RANK"
+        )
+    return shard
+
+
 def resolve(shard: Shard | None, store, what: str) -> Shard:
     """``shard`` or the current one; a sharded sweep must have a store to meet in."""
     shard = current() if shard is None else shard

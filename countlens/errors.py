@@ -43,11 +43,3 @@ class RunDirError(CountlensError):
 
 class LayerError(CountlensError, IndexError):
     """A layer (or head) index outside the model."""
-
-
-def require_count(value, name: str, kind: type[CountlensError] = InputError) -> None:
-    """Refuse anything but an integer ≥ 1 (a bool, a float such as 2.5, zero, a negative) as ``name``,
-    with a ``kind`` error: `InputError` for an argument of a function, `ConfigError` for a field of a
-    configuration."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise kind(f"{name} must be an integer ≥ 1, got {value!r}")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from countlens.errors import CountlensError, require_count
+from countlens.errors import CountlensError
+from countlens.validate import require_count
 
 
 @dataclass(frozen=True)

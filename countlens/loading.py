@@ -50,19 +50,10 @@ def load(
             f"not {str(name_or_path)!r}; "
             "local checkpoints run locally: drop remote=True"
         )
-    from transformers import AutoConfig
-
     if not remote:  # NDIF places remote models itself
         device_map = rank_device(device_map)
         _check_device(device_map)
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
-        raise UnsupportedArchitectureError(f"{path}/config.json: {err}") from None
-    except OSError as err:  # not JSON, unreadable
-        raise CheckpointError(
-            f"{path}/config.json cannot be read ({err}); restore it from the original checkpoint"
-        ) from None
+    config = read_config(path)
     spec = spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -165,13 +156,48 @@ def _check_device(device_map) -> None:
         )
 
 
+def read_config(path: str):
+    """The checkpoint's config (transformers' `AutoConfig`), refused when config.json cannot be read,
+    names a model type transformers does not know, or lacks the ``vision_config`` that transformers
+    would otherwise fill with its default tower (planning, or loading, a model that is not the
+    checkpoint's)."""
+    import json
+
+    from transformers import AutoConfig
+
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as err:  # missing, unreadable, not JSON
+        raise CheckpointError(f"{file} cannot be read ({err}); restore it from the original checkpoint") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} is not a JSON object; restore it from the original checkpoint")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
+        raise UnsupportedArchitectureError(f"{file}: {err}") from None
+    except OSError as err:
+        raise CheckpointError(f"{file} cannot be read ({err}); restore it from the original checkpoint") from None
+    if "vision_config" not in raw and hasattr(config, "vision_config"):
+        raise CheckpointError(
+            f"{file} has no vision_config, so transformers would build its default vision tower instead of "
+            "the checkpoint's; copy config.json whole from the original checkpoint"
+        )
+    return config
+
+
 def torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
-    """``dtype`` as torch names it ("bfloat16" → torch.bfloat16; "auto" kept), or an error naming it."""
+    """``dtype`` as torch names it ("bfloat16" → torch.bfloat16; "auto" kept), or an error naming it.
+    Only floating dtypes: countlens runs the model's own arithmetic (int8 weights come quantised,
+    through the checkpoint's quantisation config, not through ``dtype``)."""
     if isinstance(dtype, torch.dtype) or dtype == "auto":
-        return dtype
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise ConfigError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'")
+        value = dtype
+    else:
+        value = getattr(torch, str(dtype), None)
+    if value != "auto" and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ConfigError(
+            f"dtype {dtype!r} is not a floating torch dtype; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'"
+        )
     return value
 
 
@@ -304,8 +330,9 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
     processor to square images of that side."""
     import transformers
 
+    kind = None if dtype is None else torch_dtype(dtype)  # a bad dtype fails before anything is read
     where, label = resolve_path(path)
-    config = transformers.AutoConfig.from_pretrained(where, local_files_only=True)
+    config = read_config(where)
     spec = spec_for(config)
     processor = load_processor(where, config)
     if image_size is not None:
@@ -318,7 +345,7 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
                 f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"
                 f"{fixed[1]}; leave --image-size unset"
             )
-    kind = torch_dtype(dtype if dtype is not None else (getattr(config, "dtype", None) or torch.float32))
+    kind = kind or torch_dtype(getattr(config, "dtype", None) or torch.float32)
     with torch.device("meta"):
         model = getattr(transformers, spec.loader).from_config(config, dtype=kind)
     vlm = VLM(model.eval(), processor, name=label)

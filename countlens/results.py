@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from countlens.errors import CountlensError, RunDirError
+from countlens.errors import CountlensError, InputError, RunDirError
 
 __all__ = [
     "ResultError",
@@ -83,6 +83,30 @@ def top_sites(da: xr.DataArray, k: int | None = None, absolute: bool = False) ->
     values = flat.values
     order = np.argsort(-(np.abs(values) if absolute else values), kind="stable")[:k]
     return [(int(flat.site.values[i][0]), int(flat.site.values[i][1]), float(values[i])) for i in order]
+
+
+_HEAD_LABEL = re.compile(r"L(\d+)H(\d+)")
+
+
+def head_label(head: tuple[int, int]) -> str:
+    """The label results, tables and reports give head (layer, head): ``"L3H2"``."""
+    return f"L{head[0]}H{head[1]}"
+
+
+def head_key(head) -> tuple[int, int]:
+    """A head as (layer, head) from either spelling countlens uses: a pair of integers, or the label
+    of its tables (``"L3H2"``, `head_label`). Anything else is an `InputError` naming both forms."""
+    if isinstance(head, str):
+        match = _HEAD_LABEL.fullmatch(head.strip())
+        if match:
+            return int(match[1]), int(match[2])
+    elif (
+        isinstance(head, (tuple, list))
+        and len(head) == 2
+        and all(isinstance(x, Integral) and not isinstance(x, bool) for x in head)
+    ):
+        return int(head[0]), int(head[1])
+    raise InputError(f"head {head!r}: give (layer, head) as two integers, e.g. (3, 2), or its label, e.g. 'L3H2'")
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,6 +336,15 @@ def refuse_older_spec(saved: dict, spec: dict, source: Path, fix: str) -> None:
     lacking = sorted(set(spec) - set(saved))
     if lacking:
         raise RunDirError(f"{source} lacks {lacking}: it was written by an older countlens; {fix}")
+
+
+def read_json(path: Path, fix: str):
+    """The JSON in ``path`` (a run's own state file), or a `RunDirError` naming it and ``fix`` (what
+    to delete or rerun) when it cannot be read or parsed: an edited or truncated file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise RunDirError(f"{path} cannot be read as JSON ({err}); {fix}") from None
 
 
 def write_text(path: Path, text: str) -> None:

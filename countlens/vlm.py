@@ -26,6 +26,7 @@ from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import TILED, token_cells
 from countlens.processors import tile_grid, useful_grid
+from countlens.validate import require_count
 
 #: Image side assumed for dynamic-resolution processors (Qwen) when no size is given.
 DEFAULT_DYNAMIC_SIDE = 448
@@ -177,6 +178,7 @@ class VLM:
 
     def batches(self, samples: Sequence, batch_size: int, **kw) -> Iterator[tuple[Sequence, Batch]]:
         """(chunk, its `prepare_samples` batch) for consecutive chunks of ``batch_size`` samples."""
+        require_count(batch_size, "batch_size")
         for start in range(0, len(samples), batch_size):
             chunk = samples[start : start + batch_size]
             yield chunk, self.prepare_samples(chunk, **kw)
@@ -358,6 +360,54 @@ class VLM:
             p = self.arch.patch_size
             return Geometry(gh * p, gw * p, p, self.arch.merge_size)
         return self.geometry_for(image.height, image.width)
+
+
+def check_samples(samples: Sequence, what: str) -> None:
+    """Refuse what ``what`` cannot read as samples (each with ``image``, ``question`` and
+    ``answer``): nothing, a single sample, or clean/corrupt pairs."""
+    maker = "task_samples(...) or countingtricks(...)"
+    _check_sequence(samples, what, "samples", maker)
+    if _has(samples[0], "clean") and _has(samples[0], "corrupt"):
+        raise InputError(
+            f"{what} takes samples, got clean/corrupt pairs: pass [p.clean for p in pairs] (or the corrupt "
+            "side), or call a patching function, which takes pairs"
+        )
+    _check_items(samples, what, "samples", ("image", "question", "answer"), maker)
+
+
+def check_pairs(pairs: Sequence, what: str) -> None:
+    """Refuse what ``what`` cannot read as clean/corrupt pairs (each with ``clean`` and ``corrupt``)."""
+    _check_sequence(pairs, what, "pairs", "count_pairs(...)")
+    _check_items(pairs, what, "pairs", ("clean", "corrupt"), "count_pairs(...)")
+
+
+def _has(item, name: str) -> bool:
+    """Whether ``item`` has attribute ``name``, without running a property (a sample's ``image``
+    renders its scene)."""
+    import inspect
+
+    try:
+        inspect.getattr_static(item, name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _check_sequence(items: Sequence, what: str, kind: str, maker: str) -> None:
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise InputError(f"{what} takes a list of {kind}, got {type(items).__name__}; build them with {maker}")
+    if len(items) == 0:
+        raise InputError(f"no {kind} given to {what}; build some with {maker}")
+
+
+def _check_items(items: Sequence, what: str, kind: str, attrs: tuple[str, ...], maker: str) -> None:
+    for i, item in enumerate(items):
+        lacking = [a for a in attrs if not _has(item, a)]
+        if lacking:
+            raise InputError(
+                f"{what} takes {kind} (each with {', '.join(attrs)}); item {i} is a {type(item).__name__} "
+                f"without {', '.join(lacking)}: build them with {maker}"
+            )
 
 
 def _bidirectional_vision(hf_model, tower: str) -> None:

@@ -37,6 +37,8 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.validate import require_count
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -123,9 +125,9 @@ def token_text(token: str) -> str:
 # ----------------------------------------------------------------------------- scoring and generation
 
 
-def _check_samples(samples: Sequence[Sample]) -> None:
-    if len(samples) == 0:
-        raise InputError("no samples to evaluate; give a non-empty list")
+def _check_samples(samples: Sequence[Sample], what: str, batch_size: int) -> None:
+    check_samples(samples, what)
+    require_count(batch_size, "batch_size")
 
 
 def _meta_vars(samples: Sequence[Sample]) -> dict[str, tuple[str, np.ndarray]]:
@@ -142,8 +144,6 @@ def _meta_vars(samples: Sequence[Sample]) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def _steps(n: int, batch_size: int, progress: bool, what: str):
-    if batch_size < 1:
-        raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
     steps = range(0, n, batch_size)
     if progress:
         from countlens.progress import track
@@ -176,11 +176,13 @@ def score(
       count among ``samples``, written like each sample's own answer ("7" → "0" … "12"; "circle: 7"
       → "circle: 0" …); for other samples, the distinct gold answers of their task. ``candidates=``
       gives one list for every sample. Variables: pred (the winning candidate's text), correct,
-      logp_gold, p_gold (its sequence probability), pred_count / parsed.
+      logp_gold, p_gold (its sequence probability), pred_count / parsed, p_candidates (the summed
+      probability of the sample's candidates: how much the model answers in their form at all) and
+      n_candidates.
     - ``"auto"`` (default) — ``"token"`` when every answer is a single token, else ``"candidates"``.
     All carry gold, task, count, case, shape and distractor.
     """
-    _check_samples(samples)
+    _check_samples(samples, "score", batch_size)
     if method not in SCORE_METHODS:
         raise InputError(f"unknown scoring method {method!r}; use one of {SCORE_METHODS}")
     if method == "auto":
@@ -279,7 +281,7 @@ def _score_candidates(
 
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; candidate scoring runs local models only")
-    pred, logp_gold, pred_count, correct = [], [], [], []
+    pred, logp_gold, pred_count, correct, mass = [], [], [], [], []
     for i in _steps(len(samples), batch_size, progress, "scoring candidates of"):
         chunk = list(range(i, min(i + batch_size, len(samples))))
         seqs = {j: _candidate_ids(vlm, sets[j], j) for j in chunk}
@@ -293,6 +295,7 @@ def _score_candidates(
             logp_gold.append(scores[gold])
             pred_count.append(sets[j][best] if sets[j][best] >= 0 else _parsed(best))
             correct.append(best == gold)
+            mass.append(float(np.exp(list(scores.values())).sum()))
     lp = np.array(logp_gold)
     return xr.Dataset(
         {
@@ -302,6 +305,8 @@ def _score_candidates(
             "p_gold": ("sample", np.exp(lp)),
             "pred_count": ("sample", np.array(pred_count)),
             "parsed": ("sample", np.array(pred_count) >= 0),
+            "p_candidates": ("sample", np.array(mass)),
+            "n_candidates": ("sample", np.array([len(s) for s in sets])),
             **_meta_vars(samples),
         },
         coords={"sample": np.arange(len(samples))},
@@ -440,7 +445,7 @@ def generate(
     gold, count, case, task, shape, distractor. A gold answer longer than ``max_new_tokens`` (as the
     model writes it, `countlens.answers`) is refused: the budget could never produce it.
     """
-    _check_samples(samples)
+    _check_samples(samples, "generate", batch_size)
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")
     if max_new_tokens < 1:
@@ -552,6 +557,40 @@ def summary(ds: xr.Dataset, by: str | None = None) -> pd.DataFrame:
         out = pd.DataFrame({k: _summarise(g.drop(columns=by)) for k, g in df.groupby(by, sort=True)}).T
         out.index.name = by
     return out.astype({"n": int})
+
+
+#: `unanswered`'s thresholds: the median probability of the candidate answers' form, and the
+#: share of unparsed answers, beyond which a model is taken not to answer the prompt.
+FORM_MASS_MIN = 0.1
+UNPARSED_MAX = 0.5
+
+
+def unanswered(ds: xr.Dataset) -> str | None:
+    """A sentence saying why the scores in ``ds`` (`score` or `generate`) measure nothing, or None.
+
+    A model that does not answer in the prompt's form still gets a "prediction" from scoring (the
+    least unlikely candidate), so accuracy alone cannot show it. Flagged when accuracy is at chance
+    (at most 1.5 × the mean of 1 / candidates per sample; for token scoring and generation, 1 / the
+    distinct gold answers) and the model puts little weight on the answer form: a median candidate
+    probability below `FORM_MASS_MIN`, or more than `UNPARSED_MAX` of its answers holding no count."""
+    acc = float(ds.correct.mean())
+    row = summary(ds).loc["all"]
+    if "p_candidates" in ds:
+        chance = float((1.0 / ds.n_candidates).mean())
+        mass = float(np.median(ds.p_candidates))
+        off_form = mass < FORM_MASS_MIN
+        why = f"the median probability of the candidate answers is {mass:.2g}"
+    else:
+        chance = 1.0 / max(1, len(set(ds.gold.values.tolist())))
+        unparsed = float(row["unparsed"]) if np.isfinite(row["unparsed"]) else 0.0
+        off_form = unparsed > UNPARSED_MAX
+        why = f"{unparsed:.0%} of its answers hold no count"
+    if off_form and acc <= 1.5 * chance:
+        return (
+            f"the model does not answer this prompt: accuracy {acc:.3f} is at chance ({chance:.3f}) and {why}; "
+            "the results below measure nothing about counting — use a prompt style it answers (--prompt)"
+        )
+    return None
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float:

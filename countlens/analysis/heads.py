@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from countlens.errors import RunDirError
+from countlens.errors import ConfigError, RunDirError
+from countlens.validate import require_nonnegative, require_order, require_share
 
 CLASSES: tuple[str, ...] = ("visual grounding", "cross-modal routing", "counting aggregation", "awareness", "other")
 
@@ -51,6 +52,20 @@ class HeadThresholds:
     routing_to: float | None = None  # None: late
     align_min: float = 0.0  # aggregation: top-1 token = the count on ≥ this share (0: not tested)
     difficulty_min: float | None = None  # awareness by difficulty words (None: not tested)
+
+    def __post_init__(self) -> None:
+        """Shares and depths in [0, 1], bands in order, importance ≥ 0: a threshold outside them
+        would class no head (or every head) without saying so."""
+        for name in ("early", "late", "image_high", "image_low", "vgs_min", "cter_min", "constant", "routing_from"):
+            require_share(getattr(self, name), name, ConfigError)
+        for name in ("routing_to", "align_min", "difficulty_min"):
+            if getattr(self, name) is not None:
+                require_share(getattr(self, name), name, ConfigError)
+        require_nonnegative(self.important, "important", ConfigError)
+        require_order(("early", self.early), ("late", self.late), ConfigError)
+        require_order(("image_low", self.image_low), ("image_high", self.image_high), ConfigError)
+        routing_to = ("late", self.late) if self.routing_to is None else ("routing_to", self.routing_to)
+        require_order(("routing_from", self.routing_from), routing_to, ConfigError)
 
 
 def constancy(top1: xr.DataArray) -> xr.DataArray:
@@ -137,6 +152,12 @@ def head_table(
             "by an older countlens; delete results/headlens.nc and rerun `countlens discover` "
             "with the same --out to recompute them"
         )
+    bad = int(np.isnan(heads.effect.values).sum())
+    if bad:
+        raise RunDirError(
+            f"the run's head patching result (results/heads.nc) has {bad} NaN effects: importance is undefined "
+            "there; delete results/heads.nc and rerun `countlens discover` with the same --out to recompute it"
+        )
     top1 = hl.token_id.isel(k=0)
     alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")
     table = classify_heads(
@@ -155,6 +176,41 @@ def head_table(
         "ablation_drop",
         [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])],
     )
+    return table
+
+
+HEAD_COLUMNS: tuple[str, ...] = ("layer", "head", "class", "importance")
+
+
+def read_heads(circuit: str | Path):
+    """A discover run's head table (``heads.csv``), checked for the columns fine-tuning reads."""
+    import pandas as pd
+
+    path = Path(circuit) / "heads.csv"
+    if not path.exists():
+        raise RunDirError(f"no circuit at {circuit}: {path} is missing; run `countlens discover --out {circuit}` first")
+    try:
+        table = pd.read_csv(path)
+    except (ValueError, pd.errors.ParserError) as err:
+        raise RunDirError(f"{path} is not a head table ({err}); rerun `countlens discover --out {circuit}`") from None
+    missing = [c for c in HEAD_COLUMNS if c not in table.columns]
+    if missing or table.empty:
+        raise RunDirError(
+            f"{path} is not a countlens head table: it lacks the columns {missing or list(HEAD_COLUMNS)} "
+            f"or has no rows; rerun `countlens discover --out {circuit}` or `countlens classify --run {circuit}`"
+        )
+    try:
+        table = table.astype({"layer": int, "head": int, "importance": float})
+    except (ValueError, TypeError) as err:
+        raise RunDirError(f"{path}: the layer, head and importance columns must be numbers ({err})") from None
+    unknown = sorted(set(table["class"]) - set(CLASSES), key=str)
+    nan = table.loc[~np.isfinite(table["importance"]), "head_id" if "head_id" in table else "head"].tolist()
+    if unknown or nan:
+        what = f"unknown classes {unknown} (use {list(CLASSES)})" if unknown else f"no finite importance at {nan[:5]}"
+        raise RunDirError(
+            f"{path} has {what}: it was edited or its run is incomplete; rerun `countlens classify --run {circuit}` "
+            f"(or delete {path} and rerun `countlens discover --out {circuit}`)"
+        )
     return table
 
 

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from countlens.errors import ConfigError, InputError
+from countlens.validate import require_count, require_nonnegative, require_positive, require_seed, require_share
 
 if TYPE_CHECKING:
     from jaxtyping import Float, Int
@@ -76,12 +77,21 @@ class ProbeConfig:
     threads: int | None = 1  # torch threads while training: tiny convs run fastest on one; None = leave as is
 
     def __post_init__(self) -> None:
+        require_count(self.groups, "ProbeConfig.groups", ConfigError)
         for name in ("hidden", "head_hidden"):
             width = getattr(self, name)
             if width is not None and (width < 1 or width % self.groups):
                 raise ConfigError(f"ProbeConfig.{name}={width} must be a positive multiple of groups={self.groups}")
-        if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
-            raise ConfigError("ProbeConfig needs epochs ≥ 1, batch_size ≥ 1 and lr > 0; fix the offending field")
+        for name in ("epochs", "batch_size"):
+            require_count(getattr(self, name), f"ProbeConfig.{name}", ConfigError)
+        require_positive(self.lr, "ProbeConfig.lr", ConfigError)
+        require_nonnegative(self.weight_decay, "ProbeConfig.weight_decay", ConfigError)
+        require_nonnegative(self.box_weight, "ProbeConfig.box_weight", ConfigError)
+        for name in ("prior", "score_threshold", "nms_iou"):
+            require_share(getattr(self, name), f"ProbeConfig.{name}", ConfigError)
+        require_seed(self.seed, "ProbeConfig.seed", ConfigError)
+        if self.threads is not None:
+            require_count(self.threads, "ProbeConfig.threads", ConfigError)
 
 
 class DetectionProbe(nn.Module):

@@ -31,11 +31,13 @@ from torch import Tensor
 from countlens import distributed
 from countlens.answers import answer_window, sequence_scores
 from countlens.circuits.edits import Edit, run_edits
-from countlens.circuits.sites import group_mask
+from countlens.circuits.sites import checked_heads, group_mask
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.results import SweepStore, provenance, samples_digest, top_sites
+from countlens.validate import require_count
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -115,11 +117,13 @@ def ablation_scan(
     processes, the chunks are split between them (`countlens.distributed`; rank 0 computes the
     tasks' means first, the other ranks read them from the store).
     """
-    if not tasks:
-        raise InputError("give tasks={'name': samples, ...}")
+    if not isinstance(tasks, dict) or not tasks:
+        raise InputError(f"give tasks={{'name': samples, ...}}, got {type(tasks).__name__}")
     for name, samples in tasks.items():
         if len(samples) == 0:
             raise InputError(f"task {name!r} has no samples")
+        check_samples(samples, f"ablation_scan (task {name!r})")
+    require_count(batch_size, "batch_size")
     arch = vlm.arch
     sites = [(layer, head) for layer in range(arch.n_layers) for head in range(arch.n_heads)]
     store = _scan_store(vlm, store, tasks, batch_size, means)
@@ -249,17 +253,15 @@ def _scan_store(vlm: VLM, store, tasks: dict[str, Sequence], batch_size: int, me
 def ablate(
     vlm: VLM,
     samples: Sequence,
-    heads: Sequence[tuple[int, int]],
+    heads: Sequence[tuple[int, int] | str],
     means: Float[Tensor, "layer group n_heads*d_head"] | None = None,
     batch_size: int = 16,
 ) -> xr.Dataset:
-    """Ablate ``heads`` jointly: per sample ``correct`` and ``logp`` before and after."""
-    if len(samples) == 0:
-        raise InputError("no samples to ablate on")
-    for layer, head in heads:
-        vlm.arch.layer(layer)
-        if not 0 <= head < vlm.arch.n_heads:
-            raise InputError(f"head {head} out of range: {vlm.arch.name} has heads 0..{vlm.arch.n_heads - 1}")
+    """Ablate ``heads`` jointly (each (layer, head) or a label such as "L3H2"): per sample
+    ``correct`` and ``logp`` before and after."""
+    check_samples(samples, "ablate")
+    heads = checked_heads(vlm.arch, heads)
+    require_count(batch_size, "batch_size")
     means = group_means(vlm, samples, batch_size) if means is None else means
     rows = {"correct": [], "logp": [], "base_correct": [], "base_logp": []}
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):

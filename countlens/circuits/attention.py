@@ -25,7 +25,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.arch import text_config
-from countlens.errors import InputError
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float, Int
@@ -87,8 +87,7 @@ def image_attention_share(
     vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16
 ) -> xr.DataArray:
     """Share of the last position's attention that lands on image tokens: (layer, head, sample)."""
-    if len(samples) == 0:
-        raise InputError("no samples given")
+    check_samples(samples, "image_attention_share")
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     parts = []
     for _, batch in vlm.batches(samples, batch_size):

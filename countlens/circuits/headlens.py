@@ -35,6 +35,8 @@ from torch import Tensor
 
 from countlens.circuits.sites import head_contributions
 from countlens.errors import InputError
+from countlens.validate import require_count
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -86,6 +88,8 @@ class HeadLens:
     ) -> HeadLens:
         if len(samples) == 0:
             raise InputError("HeadLens.fit needs samples")
+        check_samples(samples, "HeadLens.fit")
+        require_count(batch_size, "batch_size")
         arch = vlm.arch
         layers = list(range(arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
         chunks = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
@@ -157,6 +161,7 @@ class HeadLens:
         sample without one)."""
         if len(samples) == 0:
             raise InputError("HeadLens.decode needs samples")
+        check_samples(samples, "HeadLens.decode")
         arch = vlm.arch
         top_ids = []
         for _, batch in vlm.batches(samples, batch_size):

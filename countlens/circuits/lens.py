@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.errors import InputError
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -31,8 +31,7 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def logit_lens(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 32) -> xr.Dataset:
     """``rank`` and ``prob`` of each sample's gold token, and the ``top`` token id, over (layer, sample)."""
-    if len(samples) == 0:
-        raise InputError("no samples given to logit_lens")
+    check_samples(samples, "logit_lens")
     layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     for layer in layers:
         vlm.arch.layer(layer)

@@ -47,6 +47,8 @@ from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.results import SweepStore, provenance, samples_digest
+from countlens.validate import require_count
+from countlens.vlm import check_pairs
 
 if TYPE_CHECKING:
     from jaxtyping import Int
@@ -64,9 +66,9 @@ class PairBatch:
     corrupt_id: Int[Tensor, " pairs"]
 
 
-def _check_pairs(pairs: Sequence) -> None:
-    if len(pairs) == 0:
-        raise InputError("no pairs given; build some with countlens.datasets.count_pairs")
+def _check_pairs(pairs: Sequence, batch_size: int = 1, what: str = "patching") -> None:
+    check_pairs(pairs, what)
+    require_count(batch_size, "batch_size")
 
 
 def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
@@ -76,7 +78,7 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     (`countlens.answers.divergence`): the shared prefix (e.g. "1" of 10 and 12) is teacher-forced on
     both sides, and ``clean_id`` / ``corrupt_id`` are the two tokens read at the position after it.
     """
-    _check_pairs(pairs)
+    _check_pairs(pairs, what="prepare_pairs")
     from countlens.answers import divergence
 
     split = [
@@ -98,6 +100,13 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
             f"{vlm.arch.name} gives these images different numbers of image tokens. Patching needs the same "
             "positions on both sides: use images of one size and the same question in each pair"
         )
+    for k in range(len(pairs)):
+        if not torch.equal(a[k], b[k]):  # image tokens share one id: only the text can differ here
+            raise InputError(
+                f"pair {k}: the clean and corrupt prompts differ outside the image ({pairs[k].clean.question!r} "
+                f"vs {pairs[k].corrupt.question!r}); patching measures what the image changes, so each pair "
+                "must share its question: build both sides with one prompt (count_pairs does)"
+            )
     for k, (g, h) in enumerate(zip(clean.geometry, corrupt.geometry)):
         if g.token_grid != h.token_grid:  # equal token counts on different grids would pass the check above
             raise InputError(
@@ -142,7 +151,7 @@ def _sweep(
 ) -> xr.Dataset:
     """Run ``make_edits(pair_batch)`` over chunks of pairs; per-pair logit diffs (site…, pair).
     Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
-    _check_pairs(pairs)
+    _check_pairs(pairs, batch_size)
     shard = distributed.resolve(shard, store, "this patching sweep")
     shape = tuple(len(v) for v in coords.values())
     dims = tuple(coords)
@@ -219,6 +228,7 @@ def patch_layers(
     the image states (`countlens.circuits.sites`): at layer −1 those every cross-attention layer reads
     (patching all of them there carries the whole effect), at a cross-attention layer those that layer
     alone reads. Self-attention layers read no image states: NaN effect there."""
+    _check_pairs(pairs, batch_size, "patch_layers")
     layers = list(range(-1, vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     groups = (image_group(vlm), "last", "text") if groups is None else tuple(groups)
     for layer in layers:
@@ -288,6 +298,7 @@ def patch_heads(
 ) -> xr.Dataset:
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text")."""
+    _check_pairs(pairs, batch_size, "patch_heads")
     layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     for layer in layers:
         vlm.arch.layer(layer)
@@ -324,7 +335,7 @@ def patch_heads(
 def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
     """AtP: first-order estimates of head patching (``effect`` over (layer, head)) and of residual
     patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps."""
-    _check_pairs(pairs)
+    _check_pairs(pairs, batch_size, "attribution_patch")
     n_layers, n_heads = vlm.arch.n_layers, vlm.arch.n_heads
     head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     resid_est = torch.zeros(n_layers, dtype=torch.float64)
@@ -380,6 +391,7 @@ def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_s
 
 def compare(estimate: xr.DataArray, exact: xr.DataArray, k: int = 10) -> dict:
     """How well an estimate (AtP) ranks sites like exact patching: Spearman ρ and top-k overlap of |effect|."""
+    require_count(k, "k")
     a, b = estimate.values.ravel(), exact.transpose(*estimate.dims).values.ravel()
     k = min(k, len(a))
     top_a, top_b = set(np.argsort(-np.abs(a))[:k]), set(np.argsort(-np.abs(b))[:k])

@@ -21,21 +21,39 @@ A cross-attention model has no image tokens; its image is the ``image_states`` g
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.results import head_key
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
 
+    from countlens.arch import Arch
     from countlens.vlm import VLM, Batch
 
 GROUPS: tuple[str, ...] = ("image", "last", "text", "all")
 #: The image states of a cross-attention model, patched as a group of `patch_layers`.
 STATES = "image_states"
+
+
+def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
+    """``heads`` as (layer, head) pairs, each given as a pair or a label such as "L3H2"
+    (`countlens.results.head_key`), checked against the model's layers and heads."""
+    if isinstance(heads, str) or (isinstance(heads, tuple) and heads and not isinstance(heads[0], (str, tuple, list))):
+        heads = [heads]  # one head given alone: "L0H0" or (0, 0)
+    out = []
+    for head in heads:
+        layer, h = head_key(head)
+        arch.layer(layer)
+        if not 0 <= h < arch.n_heads:
+            raise InputError(f"head {h} out of range: {arch.name} has heads 0..{arch.n_heads - 1}")
+        out.append((layer, h))
+    return out
 
 
 def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:

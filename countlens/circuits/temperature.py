@@ -14,31 +14,40 @@ left alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.sites import checked_heads
 from countlens.errors import InputError
-from countlens.results import top_sites
+from countlens.results import head_label, top_sites
+from countlens.validate import require_count, require_positive
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
 
 @contextmanager
-def head_temperature(vlm: VLM, betas: dict[tuple[int, int], float]) -> Iterator[None]:
-    """``with head_temperature(vlm, {(layer, head): β, ...}): ...`` scales those heads' attention logits."""
+def head_temperature(vlm: VLM, betas: Mapping[tuple[int, int] | str, float]) -> Iterator[None]:
+    """``with head_temperature(vlm, {(layer, head): β, ...}): ...`` scales those heads' attention logits;
+    a head may also be named by its label, ``{"L3H2": 1.2}``; β is a finite number > 0."""
     arch = vlm.arch
+    if not isinstance(betas, Mapping):
+        raise InputError(
+            f"betas must map heads to β, e.g. {{(3, 2): 1.2}} or {{'L3H2': 1.2}}; got {type(betas).__name__}"
+        )
     by_layer: dict[int, dict[int, float]] = {}
-    for (layer, head), beta in betas.items():
-        arch.layer(layer)
-        if not 0 <= head < arch.n_heads:
-            raise InputError(f"head {head} out of range: {arch.name} has heads 0..{arch.n_heads - 1}")
-        if not beta > 0:
-            raise InputError(f"β for head ({layer}, {head}) must be > 0, got {beta}")
+    seen: set[tuple[int, int]] = set()
+    for key, beta in betas.items():
+        [(layer, head)] = checked_heads(arch, [key])
+        require_positive(beta, f"β of head {head_label((layer, head))}")
+        if (layer, head) in seen:
+            raise InputError(f"head {head_label((layer, head))} is given twice in betas; give it once")
+        seen.add((layer, head))
         if beta != 1.0:
             by_layer.setdefault(layer, {})[head] = float(beta)
     handles = []
@@ -86,6 +95,16 @@ def beta_from_importance(
     """β_h = α·γ_h for the ``top_k`` heads by |importance| (an xr.DataArray over layer × head)."""
     if set(importance.dims) != {"layer", "head"}:
         raise InputError(f"importance must have dims (layer, head), got {importance.dims}")
+    require_positive(alpha, "alpha")
+    require_count(top_k, "top_k")
+    grid = importance.transpose("layer", "head")
+    rows, cols = np.nonzero(np.isnan(grid.values.astype(float)))
+    if len(rows):
+        heads = [head_label((grid["layer"].values[r], grid["head"].values[c])) for r, c in zip(rows, cols)]
+        raise InputError(
+            f"importance is NaN at heads {heads[:5]}{' …' if len(heads) > 5 else ''}: the result it comes from "
+            "is incomplete (a failed or unfinished patching run); recompute it before choosing heads"
+        )
     top = top_sites(importance, top_k, absolute=True)
     peak = max((abs(v) for _, _, v in top), default=0.0)
     if peak <= 0:

@@ -45,8 +45,9 @@ from countlens.datasets.contact import boundary_gap, contact_length, facing_rota
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene
 from countlens.datasets.tasks import TaskSample, sample_rng
-from countlens.errors import CountlensError, InputError, require_count
+from countlens.errors import CountlensError, InputError
 from countlens.geometry import Geometry
+from countlens.validate import require_count, require_distinct, require_seed
 
 DEFAULT_COUNTS: tuple[int, ...] = tuple(range(3, 13))
 APART = 0.5  # minimum distance between enclosing discs of non-adjacent objects, in patches
@@ -482,5 +483,7 @@ def countingtricks(
     if isinstance(cases, str):  # one case named alone: "1A"
         cases = [cases]
     names = list(CASES) if cases is None else [case(n).name for n in cases]
+    require_distinct(names, "cases")
     require_count(n_per_case, "n_per_case")
+    require_seed(seed)
     return [trick_sample(name, seed, i, grid, **kw) for name in names for i in range(n_per_case)]

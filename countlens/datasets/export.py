@@ -2,10 +2,14 @@
 
 Samples are pure functions of (seed, case, index), so workers can generate them in any order; the
 pool returns them in (case, index) order and PNG encoding is deterministic, so the files and the
-manifest are byte-identical for any number of workers. The manifest is written last, to a temporary
-name renamed into place: a directory with ``manifest.jsonl`` is complete. An export goes into an
-empty (or new) directory; ``overwrite=True`` first removes a previous export's own files there
-(its images and manifest, nothing else), so a folder never mixes two exports.
+manifest are byte-identical for any number of workers. ``export.json`` (what the export holds: its
+cases, n, grid, seed and options) is written first; the manifest grows under a temporary name,
+one line per finished image, and is renamed into place at the end: a directory with
+``manifest.jsonl`` is complete. An interrupted export resumes: the same call (or command) again
+keeps the images its partial manifest lists and writes the rest; a finished one is left as it is.
+An export goes into an empty (or new) directory, or one holding the same export; ``overwrite=True``
+first removes a previous export's own files there (its images, manifest and ``export.json``,
+nothing else), so a folder never mixes two exports.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from countlens.datasets.countingtricks import CASES, case, resolve_counts, trick_sample
@@ -24,6 +28,7 @@ from countlens.datasets.scene import PALETTE, Obj
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
 from countlens.geometry import Geometry
+from countlens.validate import require_count, require_distinct, require_seed
 
 _OBJ_FIELDS = tuple(f.name for f in fields(Obj))  # the manifest's object keys (asdict deep-copies: slow)
 
@@ -65,28 +70,57 @@ def _job(args: tuple) -> tuple[dict, bytes | None]:
 _OWN_IMAGE = re.compile(r"images/[0-9]+[A-Z]/[0-9]+[A-Z]_[0-9]{5}\.png")
 
 
-def _make_room(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty ``out``; with ``overwrite``, remove a previous export's own files first."""
-    if not out.exists() or not any(out.iterdir()):
+SPEC = "export.json"
+PARTIAL = "manifest.jsonl.partial"
+
+
+def _remove_own(out: Path) -> None:
+    """Remove a previous export's own files from ``out`` (its images, manifests and spec), nothing else."""
+    if not out.is_dir():
         return
-    if not overwrite:
-        raise InputError(
-            f"output {out} is not empty; give a new or empty directory, or overwrite=True "
-            "(--overwrite) to replace the COUNTINGTRICKS export there"
-        )
     own = [p for p in out.rglob("*.png") if _OWN_IMAGE.fullmatch(p.relative_to(out).as_posix())]
-    for p in own + [out / "manifest.jsonl", out / "manifest.jsonl.partial"]:
+    for p in own + [out / "manifest.jsonl", out / PARTIAL, out / SPEC]:
         p.unlink(missing_ok=True)
     for d in sorted((p for p in (out / "images").glob("*") if p.is_dir()), reverse=True):
         if not any(d.iterdir()):
             d.rmdir()
 
 
+def _saved_spec(out: Path) -> dict | None:
+    """The ``export.json`` of an export in ``out``, or None when there is none (or it is unreadable:
+    then the folder is treated as foreign, and only ``overwrite`` replaces it)."""
+    try:
+        return json.loads((out / SPEC).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _finished_lines(partial: Path) -> int:
+    """How many records an interrupted export's partial manifest holds whole; the file is cut
+    after them (a line cut short by the interruption is dropped and rewritten)."""
+    if not partial.exists():
+        return 0
+    data = partial.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]
+    lines = keep.count(b"\n")
+    if len(keep) != len(data):
+        partial.write_bytes(keep)
+    return lines
+
+
 def generate(
-    cases: list[str], n: int, grid: Geometry, seed: int, workers: int = 1, write_png: bool = True, **kw
+    cases: list[str],
+    n: int,
+    grid: Geometry,
+    seed: int,
+    workers: int = 1,
+    write_png: bool = True,
+    start: int = 0,
+    **kw,
 ) -> Iterator[tuple[dict, bytes | None]]:
-    """(record, png bytes) for every (case, index), in order, from ``workers`` processes."""
-    jobs = [(name, seed, i, grid, kw, write_png) for name in cases for i in range(n)]
+    """(record, png bytes) for every (case, index), in order, from ``workers`` processes; from the
+    ``start``-th (case-major order) on."""
+    jobs = [(name, seed, i, grid, kw, write_png) for name in cases for i in range(n)][start:]
     if workers <= 1:
         yield from map(_job, jobs)
         return
@@ -96,9 +130,53 @@ def generate(
         yield from pool.map(_job, jobs, chunksize=max(1, min(64, len(jobs) // (4 * workers))))
 
 
+def check_export(
+    out: str | Path,
+    cases: list[str] | str | None,
+    n: int,
+    grid: Geometry | None,
+    seed: int,
+    workers: int | None = None,
+    overwrite: bool = False,
+    **kw,
+) -> tuple[list[str], dict]:
+    """Refuse an export that cannot be written, before anything is: every argument, every case's
+    counts, the sample options, and what ``out`` holds. Returns the case names and the export's spec
+    (what ``export.json`` records)."""
+    out = Path(out)
+    if isinstance(cases, str):
+        cases = [cases]
+    names = list(CASES) if cases is None else [case(c).name for c in cases]
+    require_distinct(names, "cases")
+    if grid is None:
+        raise InputError("give grid= (e.g. vlm.geometry or Geometry.square(192, 16))")
+    require_count(n, "n")
+    require_seed(seed)
+    if workers is not None:
+        require_count(workers, "workers")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {out} is a file; give a directory")
+    for name in names:
+        resolve_counts(name, grid, kw.get("counts"))
+    trick_sample(names[0], seed, 0, grid, **kw)
+    spec = json.loads(json.dumps({"cases": names, "n": n, "grid": asdict(grid), "seed": seed, **kw}, default=str))
+    saved = _saved_spec(out) if out.is_dir() else None
+    if saved is not None and saved != spec and not overwrite:
+        raise InputError(
+            f"output {out} holds a COUNTINGTRICKS export with other settings ({out / SPEC}); give a new "
+            "directory, the same settings (to resume or keep it), or overwrite=True (--overwrite) to replace it"
+        )
+    if saved is None and out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise InputError(
+            f"output {out} is not empty; give a new or empty directory, or overwrite=True "
+            "(--overwrite) to replace the COUNTINGTRICKS export there"
+        )
+    return names, spec
+
+
 def export_countingtricks(
     out: str | Path,
-    cases: list[str] | None = None,
+    cases: list[str] | str | None = None,
     n: int = 1000,
     grid: Geometry | None = None,
     seed: int = 0,
@@ -107,30 +185,33 @@ def export_countingtricks(
     overwrite: bool = False,
     **kw,
 ) -> Path:
-    """Write ``n`` samples of each case under ``out``; returns the manifest's path."""
+    """Write ``n`` samples of each case under ``out`` (resuming an interrupted export of the same
+    settings there); returns the manifest's path."""
     out = Path(out)
-    names = list(CASES) if cases is None else [case(c).name for c in cases]
-    if grid is None:
-        raise InputError("give grid= (e.g. vlm.geometry or Geometry.square(192, 16))")
-    if n < 1:
-        raise InputError(f"n must be ≥ 1, got {n}")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output {out} is a file; give a directory")
-    # Check every case's counts and the sample options before writing anything.
-    for name in names:
-        resolve_counts(name, grid, kw.get("counts"))
-    trick_sample(names[0], seed, 0, grid, **kw)
-    _make_room(out, overwrite)
+    names, spec = check_export(out, cases, n, grid, seed, workers, overwrite, **kw)
+    manifest, partial = out / "manifest.jsonl", out / PARTIAL
+    saved = _saved_spec(out) if out.is_dir() else None
+    if saved == spec and manifest.exists():
+        if progress is not None:
+            progress(len(names) * n)
+        return manifest  # the same export, finished before
+    if saved != spec:
+        if overwrite:
+            _remove_own(out)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f"{SPEC}.tmp"
+        tmp.write_text(json.dumps(spec, indent=1) + "\n")
+        os.replace(tmp, out / SPEC)
+    done = _finished_lines(partial)
     workers = workers or os.cpu_count() or 1
     for name in names:
         (out / "images" / name).mkdir(parents=True, exist_ok=True)
-    tmp = out / "manifest.jsonl.partial"
-    with tmp.open("w") as f:
-        for k, (rec, png) in enumerate(generate(names, n, grid, seed, workers, **kw)):
+    with partial.open("a") as f:
+        # A record is written after its image: a listed image is whole.
+        for k, (rec, png) in enumerate(generate(names, n, grid, seed, workers, start=done, **kw), start=done):
             (out / rec["file"]).write_bytes(png)
             f.write(json.dumps(rec) + "\n")
             if progress is not None:
                 progress(k + 1)
-    manifest = out / "manifest.jsonl"
-    os.replace(tmp, manifest)
+    os.replace(partial, manifest)
     return manifest

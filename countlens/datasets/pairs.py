@@ -26,8 +26,9 @@ from itertools import permutations
 from countlens.datasets.prompts import PAIR_PROMPTS, answer_text, make_question
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TaskSample, sample_rng
-from countlens.errors import InputError, require_count
+from countlens.errors import InputError
 from countlens.geometry import Geometry
+from countlens.validate import require_count, require_seed
 
 KINDS: tuple[str, ...] = ("dots", "shapes", "polygons", "rendered")
 DEFAULT_COUNTS: tuple[int, ...] = tuple(range(1, 10))
@@ -158,6 +159,7 @@ def count_scene(
 def count_scenes(n: int, kind: str = "dots", grid: Geometry | None = None, seed: int = 0, **kw) -> list[TaskSample]:
     """``n`` scenes (see `count_scene`); e.g. ``count_scenes(8000, "dots+polygons", vlm.geometry)``."""
     require_count(n, "count_scenes: n (the number of scenes)")
+    require_seed(seed)
     return [count_scene(seed, i, kind, grid, **kw) for i in range(n)]
 
 
@@ -172,4 +174,5 @@ def count_pairs(
 ) -> list[CountPair]:
     """``n`` pairs (see `count_pair`); e.g. ``count_pairs(64, 3, 5, grid=vlm.geometry)``."""
     require_count(n, "count_pairs: n (the number of pairs)")
+    require_seed(seed)
     return [count_pair(seed, i, kind, clean, corrupt, grid, **kw) for i in range(n)]

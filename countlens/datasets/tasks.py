@@ -17,6 +17,7 @@ Tasks (answers are single words: single tokens of the organism's tokenizer; real
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,7 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
-from countlens.errors import CountlensError, require_count
+from countlens.errors import CountlensError, InputError
+from countlens.validate import require_count, require_seed
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -33,6 +35,7 @@ TASKS: tuple[str, ...] = ("count", "color", "shape")
 TRAIN_SEED_BASE = 1000
 MAX_COUNT = 12
 SIZE_RANGE = (12.0, 22.0)  # object sizes in px at 192 px (one 16-px patch ± a few px); scaled with the image
+MIN_OBJECT_SIZE = 2.0  # px: smaller shapes may cover no pixel centre at some rotations
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,17 @@ def task_sample(
     """The ``index``-th sample of ``task`` under ``seed``."""
     if task not in TASKS:
         raise CountlensError(f"unknown task {task!r}; use one of {TASKS}")
-    rng = sample_rng(seed, task, index)
+    require_count(image_size, "image_size")
+    require_seed(seed)
     if size_range is None:
         size_range = object_sizes(image_size)
+    if not MIN_OBJECT_SIZE <= size_range[0] <= size_range[1]:
+        raise InputError(
+            f"objects of {size_range[0]:.2g}–{size_range[1]:.2g} px: give sizes from {MIN_OBJECT_SIZE} px up, smallest "
+            f"first (every shape then covers a pixel; at image_size {image_size} the default sizes scale from "
+            f"{SIZE_RANGE[0]:g} px at 192 px, so image_size ≥ {math.ceil(MIN_OBJECT_SIZE * 192 / SIZE_RANGE[0])})"
+        )
+    rng = sample_rng(seed, task, index)
     make = {"count": _count, "color": _color, "shape": _shape}[task]
     return make(rng, image_size, size_range, max_count)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from countlens.errors import ConfigError, require_count
+from countlens.errors import ConfigError
+from countlens.validate import require_count, require_positive, require_seed
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -46,24 +47,28 @@ class DiscoverConfig:
     jaccard_k: int = 5  # top heads per task compared across tasks (Jaccard)
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
+    def __post_init__(self) -> None:
+        check_config(self)
+
 
 def check_config(c: DiscoverConfig) -> None:
     """Refuse settings no stage can run with, naming the setting (the preset's name is checked
-    where the presets are known: `countlens.pipeline.presets.get`)."""
+    where the presets are known: `countlens.pipeline.presets.get`). Every `DiscoverConfig` is
+    checked when it is made."""
     from countlens.datasets.pairs import check_kind
     from countlens.datasets.prompts import PAIR_PROMPTS
     from countlens.errors import InputError
 
     for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k", "jaccard_k"):
         require_count(getattr(c, name), name, ConfigError)
+    require_seed(c.seed, "seed", ConfigError)
     if c.prompt != "auto" and c.prompt not in PAIR_PROMPTS:
         raise ConfigError(f"prompt {c.prompt!r}: use 'auto' or one of {PAIR_PROMPTS}")
     try:
         check_kind(c.pair_kind)
     except InputError as err:
         raise ConfigError(f"pair_kind: {err}") from None
-    if not c.alpha > 0:
-        raise ConfigError(f"alpha (head temperature) must be > 0, got {c.alpha}")
+    require_positive(c.alpha, "alpha (head temperature)", ConfigError)
 
 
 def resolved_prompt(vlm: VLM, c: DiscoverConfig) -> str:

@@ -32,13 +32,12 @@ import xarray as xr
 
 from countlens import circuits, distributed
 from countlens.analysis.attention_metrics import attention_metrics
-from countlens.analysis.evaluate import score
+from countlens.analysis.evaluate import score, unanswered
 from countlens.analysis.heads import export_heads, head_table
-from countlens.errors import RunDirError
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig, check_config, conflict_styles, resolved_prompt
 from countlens.pipeline.report import write_report
-from countlens.pipeline.rundir import Stages
+from countlens.pipeline.rundir import Stages, check_run_dir
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -56,8 +55,7 @@ def discover(
 ) -> Path:
     """Run every stage on ``vlm`` into ``out``; returns the path of ``report.md``."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise RunDirError(f"output {out} is a file; give a directory")
+    check_run_dir(out)
     c = config
     check(c)  # before anything is written: a refused run leaves no spec behind
     prompt = resolved_prompt(vlm, c)
@@ -74,13 +72,12 @@ def discover(
         "prompt_template": PROMPTS[prompt].template,
         "answer_form": PROMPTS[prompt].answer,
     }
-    stages = Stages(out, spec, log)
+    shard = distributed.current()  # the launcher's variables checked before anything is written
     bs = c.batch_size
-
     inputs = stage_inputs(vlm, c, prompt)
     pairs, data = inputs["pairs"](), inputs["tasks"]()
+    stages = Stages(out, spec, log)
     sweeps = out / "results" / "sweeps"
-    shard = distributed.current()
     sweep_stages = {
         "vap": lambda: circuits.patch_layers(
             vlm,
@@ -106,7 +103,10 @@ def discover(
             log(f"rank {shard.rank} of {shard.world}: its share of the sweeps is done; rank 0 writes the report")
             return out / "report.md"
     # 1. COUNTINGTRICKS
-    stages.run("cases", lambda: score(vlm, inputs["cases"](), batch_size=bs, progress=True))
+    cases = stages.run("cases", lambda: score(vlm, inputs["cases"](), batch_size=bs, progress=True))
+    warning = unanswered(cases)
+    if warning:  # the report repeats it at its top
+        log(f"warning: on COUNTINGTRICKS, {warning}")
     # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
     for stage in ("conflict_std", "conflict"):
         stages.run(stage, lambda stage=stage: score(vlm, inputs[stage](), batch_size=bs))

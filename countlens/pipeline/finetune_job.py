@@ -31,7 +31,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.progress import Bar
-from countlens.results import samples_digest, write_text
+from countlens.results import read_json, samples_digest, write_text
 from countlens.training.finetune import FinetuneConfig, check_trainable, finetune, target_layers_from, with_adapter
 
 if TYPE_CHECKING:
@@ -98,12 +98,16 @@ EVALUATION: tuple[str, ...] = (
 )
 
 
-def check_recipe(recipe, local: dict | None = None, train=None, overrides: dict | None = None) -> None:
-    """Refuse a recipe no run can finish, naming the field, before any model loads."""
+def check_recipe(
+    recipe, local: dict | None = None, train=None, overrides: dict | None = None, n_train: int | None = None
+) -> None:
+    """Refuse a recipe no run can finish, naming the field, before any model loads: its fields, the
+    local copies and, for a recipe that trains on FSC-147, its train split (every image there)."""
     from countlens.analysis.heads import CLASSES
     from countlens.errors import ConfigError
 
     _check_fields({**recipe.config, **(overrides or {})}, "Recipe.config / overrides")
+    FinetuneConfig(**{**recipe.config, **(overrides or {})})  # every field's range (FinetuneConfig.__post_init__)
     bad_classes = [c for c in recipe.temperature_classes if c not in CLASSES]
     if bad_classes:
         raise ConfigError(f"Recipe.temperature_classes {bad_classes}: use some of {list(CLASSES)}")
@@ -129,6 +133,10 @@ def check_recipe(recipe, local: dict | None = None, train=None, overrides: dict 
         raise ConfigError(f"Recipe.layers={recipe.layers!r}: use 'circuit' or 'all'")
     if train is None:
         _check_training_source(recipe, local)
+        if recipe.training == "fsc147":
+            from countlens.datasets.loaders import load_fsc147
+
+            load_fsc147(local["fsc147"], split="train", limit=recipe.n_train if n_train is None else n_train)
 
 
 #: The column a local copy adds to a recipe that has none of its columns.
@@ -241,7 +249,8 @@ class _Rows:
 
     def __init__(self, path: Path, spec: dict):
         self.path, self.spec = path, spec
-        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved = read_json(path, f"delete {path} to evaluate every row again") if path.exists() else {}
+        saved = saved if isinstance(saved, dict) else {}
         self.rows = saved.get("rows", {}) if saved.get("spec") == spec else {}
 
     def __contains__(self, name: str) -> bool:
@@ -258,7 +267,7 @@ class _Rows:
 def importance_from(circuit, classes: Sequence[str] = ()) -> xr.DataArray:
     """The circuit's per-head importance (layer, head) from its ``heads.csv``; with ``classes``, zero
     outside the heads of those classes (all heads when none has one of them)."""
-    from countlens.training.finetune import read_heads
+    from countlens.analysis.heads import read_heads
 
     table = read_heads(circuit)
     chosen = table["class"].isin(classes)
@@ -324,10 +333,13 @@ def before_after(
 
     # Data parallel (accelerate launch / torchrun): every rank trains each variant with the others;
     # rank 0 alone evaluates and writes, and the other ranks return None.
-    lead = distributed.current().rank == 0
+    lead = distributed.check_process_group().rank == 0
     out = Path(out)
     recipe = preset_recipe(preset) if recipe is None else recipe
-    check_recipe(recipe, local, train, overrides)  # before the model loads
+    check_recipe(recipe, local, train, overrides, n_train)  # before the model loads
+    for state in [out / "accuracies.json", *out.glob("*/finetune.json")]:  # a resumed run's own files
+        if state.exists():
+            read_json(state, f"delete {state.parent if state.name == 'finetune.json' else state} to redo it")
     base = countlens.load(model)
     check_trainable(base)  # before the baseline evaluation and anything written
     prompt = "short" if base.name == "toy" else "std"

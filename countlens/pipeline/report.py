@@ -18,7 +18,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.attention_metrics import aggregate
-from countlens.analysis.evaluate import accuracy, digit_in_conflict, number_avoidance, summary
+from countlens.analysis.evaluate import accuracy, digit_in_conflict, number_avoidance, summary, unanswered
+from countlens.analysis.heads import read_heads
 from countlens.datasets.countingtricks import CASES
 from countlens.errors import RunDirError
 from countlens.pipeline import presets
@@ -52,6 +53,7 @@ def write_report(
 ) -> Path:
     """Figures and ``report.md`` from the results in ``out`` (``table``: the head table, else heads.csv)."""
     out = Path(out)
+    table = read_heads(out) if table is None else table  # checked before anything is drawn or written
     r = load_run(out)
     cases, std, conflict, vap, heads, atp, lens, hl, att, am, abl, temp = (r[s] for s in STAGES)
     avoid = number_avoidance(cases.where(cases["count"] >= 0, drop=True))
@@ -67,7 +69,6 @@ def write_report(
         )
     by_head = am.pixel_iou.mean("sample", skipna=True).fillna(0.0)
     pixel_iou = {"top_head": _argmax_head(by_head), "mean": float(by_head.mean())}
-    table = pd.read_csv(out / "heads.csv") if table is None else table
     spec = read_spec(out)
     prompt = prompt or spec["prompt"]
     k, jk = int(spec["top_k"]), int(spec["jaccard_k"])
@@ -117,6 +118,7 @@ def write_report(
         model=model,
         arch=arch,
         prompt=prompt,
+        warning=unanswered(cases),
         preset=preset,
         family={f: fam_acc.get(f, float("nan")) for f in ("position", "dilation", "adjacency")},
         n_cases=int(cases.sizes["sample"]),

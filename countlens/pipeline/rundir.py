@@ -45,6 +45,32 @@ def load_run(out: str | Path) -> dict[str, xr.Dataset]:
     return found
 
 
+def check_run_dir(out: str | Path) -> None:
+    """Refuse, before a model loads, an ``--out`` no run can go into: a file, a folder that is not a
+    countlens run (`_refuse_foreign`), or a run whose spec.json cannot be read."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"output {out} is a file; give a directory")
+    if (out / "spec.json").exists():
+        read_spec(out)
+    else:
+        _refuse_foreign(out)
+
+
+def _refuse_foreign(out: Path) -> None:
+    """Refuse to start a run in a folder that holds anything but a run's spec being written by
+    another rank: countlens never writes into, or reads results from, a folder it did not make."""
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name != "spec.json" and not p.name.startswith(".spec.json."))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" …" if len(foreign) > 5 else "")
+        raise RunDirError(
+            f"{out} holds {shown} but no spec.json: it is not a countlens discover run; give a new or empty "
+            "--out directory"
+        )
+
+
 class Stages:
     """Runs named stages once: a finished stage's result is loaded from disk instead of recomputed."""
 
@@ -56,13 +82,17 @@ class Stages:
             old = read_spec(out)
             results.refuse_older_spec(old, spec, spec_file, "rerun into a new --out directory")
             if old != spec:
+                changed = sorted(k for k in {*old, *spec} if old.get(k) != spec.get(k))
                 raise RunDirError(
-                    f"{out} holds a run with a different spec ({old}); use a new --out directory "
-                    f"or the same settings ({spec})"
+                    f"{out} holds a run with a different spec (it differs in {changed}: {spec_file}); "
+                    f"rerun with that run's settings to resume it, or give a new --out directory "
+                    f"(or delete {out} to start it over)"
                 )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if not spec_file.exists():
+        else:
+            _refuse_foreign(out)
+            out.mkdir(parents=True, exist_ok=True)
             results.write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic: ranks may race
+        self.dir.mkdir(parents=True, exist_ok=True)
 
     def run(self, name: str, compute: Callable[[], xr.Dataset | xr.DataArray], save: bool = True):
         """The stage's stored result, else ``compute()`` (stored unless ``save=False``: the ranks

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES
-from countlens.errors import CountlensError
+from countlens.datasets.tasks import TASKS
+from countlens.errors import ConfigError
+from countlens.validate import require_choice, require_count, require_nonnegative, require_positive, require_seed
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -143,9 +145,19 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.pretrain_reads not in ("centre", "tokens", "patches"):
-            raise CountlensError(
-                f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'centre', 'tokens' or 'patches'"
-            )
+            raise ConfigError(f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'centre', 'tokens' or 'patches'")
+        require_seed(self.seed, "seed", ConfigError)
+        for name in ("batch_size", "crop_size", "crop_batch", "threads"):
+            require_count(getattr(self, name), name, ConfigError)
+        for name in ("steps", "warmup", "vision_pretrain", "vision_warmup"):  # steps 0: the tower's pretraining only
+            require_seed(getattr(self, name), name, ConfigError)
+        require_positive(self.lr, "lr", ConfigError)
+        require_nonnegative(self.weight_decay, "weight_decay", ConfigError)
+        for task, weight in self.task_mix.items():
+            require_choice(task, "task_mix's task", TASKS, ConfigError)
+            require_nonnegative(weight, f"task_mix[{task!r}]", ConfigError)
+        if not sum(self.task_mix.values()) > 0:
+            raise ConfigError(f"task_mix {self.task_mix}: give some task a weight > 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

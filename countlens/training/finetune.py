@@ -36,9 +36,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from countlens.analysis.heads import read_heads
 from countlens.errors import ConfigError, InputError, RunDirError
-from countlens.results import refuse_older_spec, write_text
+from countlens.results import read_json, refuse_older_spec, write_text
 from countlens.training.collate import CE_ON, digit_mask
+from countlens.training.losses import MAS_REDUCE
+from countlens.validate import (
+    require_choice,
+    require_count,
+    require_distinct,
+    require_nonnegative,
+    require_positive,
+    require_seed,
+    require_share,
+)
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -67,6 +78,26 @@ class FinetuneConfig:
     save_every: int = 50
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Every field in its range, so a bad value is refused before a model loads or a file is
+        written (a learning rate of 0 would save an identity adapter as a result)."""
+        for name in ("steps", "batch_size", "grad_accum", "lora_r", "save_every"):
+            require_count(getattr(self, name), name, ConfigError)
+        require_positive(self.lr, "lr", ConfigError)
+        require_positive(self.lora_alpha, "lora_alpha", ConfigError)
+        require_positive(self.sigma, "sigma", ConfigError)
+        for name in ("weight_decay", "focus", "mas"):
+            require_nonnegative(getattr(self, name), name, ConfigError)
+        require_share(self.warmup, "warmup", ConfigError, below_one=True)
+        require_share(self.lora_dropout, "lora_dropout", ConfigError, below_one=True)
+        require_share(self.tau, "tau", ConfigError)
+        require_seed(self.seed, "seed", ConfigError)
+        require_choice(self.mas_reduce, "mas_reduce", MAS_REDUCE, ConfigError)
+        require_choice(self.ce_on, "ce_on", CE_ON, ConfigError)
+        for layer in self.target_layers:
+            require_seed(layer, "a target layer", ConfigError)
+        require_distinct(self.target_layers, "target_layers", ConfigError)
+
 
 def target_layers_from(
     circuit, classes: Sequence[str] = ("visual grounding", "cross-modal routing"), fallback_k: int = 3
@@ -81,33 +112,6 @@ def target_layers_from(
     if chosen.empty:
         chosen = circuit.sort_values("importance", ascending=False).head(fallback_k)
     return tuple(sorted({int(x) for x in chosen["layer"]}))
-
-
-HEAD_COLUMNS: tuple[str, ...] = ("layer", "head", "class", "importance")
-
-
-def read_heads(circuit: str | Path):
-    """A discover run's head table (``heads.csv``), checked for the columns fine-tuning reads."""
-    import pandas as pd
-
-    path = Path(circuit) / "heads.csv"
-    if not path.exists():
-        raise RunDirError(f"no circuit at {circuit}: {path} is missing; run `countlens discover --out {circuit}` first")
-    try:
-        table = pd.read_csv(path)
-    except (ValueError, pd.errors.ParserError) as err:
-        raise RunDirError(f"{path} is not a head table ({err}); rerun `countlens discover --out {circuit}`") from None
-    missing = [c for c in HEAD_COLUMNS if c not in table.columns]
-    if missing or table.empty:
-        raise RunDirError(
-            f"{path} is not a countlens head table: it lacks the columns {missing or list(HEAD_COLUMNS)} "
-            f"or has no rows; rerun `countlens discover --out {circuit}` or `countlens classify --run {circuit}`"
-        )
-    try:
-        table = table.astype({"layer": int, "head": int, "importance": float})
-    except (ValueError, TypeError) as err:
-        raise RunDirError(f"{path}: the layer, head and importance columns must be numbers ({err})") from None
-    return table
 
 
 def _lora_config(vlm: VLM, config: FinetuneConfig):
@@ -212,8 +216,6 @@ def finetune(
         )
     for layer in config.target_layers:
         vlm.arch.layer(layer)
-    if config.ce_on not in CE_ON:
-        raise ConfigError(f"ce_on={config.ce_on!r}: use one of {CE_ON}")
     if config.ce_on == "digits":
         _check_digit_answers(vlm, samples)
     from countlens.results import samples_digest
@@ -228,11 +230,15 @@ def finetune(
     spec = json.loads(json.dumps(spec))
     # A saved spec is compared whole: a field it lacks (a digest included) leaves unknown what that
     # fine-tune trained with, so it resumes nothing.
-    saved = json.loads(spec_file.read_text()) if spec_file.exists() else None
+    fix = f"delete {out} to train this fine-tune from scratch, or fine-tune into a new directory"
+    saved = read_json(spec_file, fix) if spec_file.exists() else None
     if saved is not None:
         refuse_older_spec(saved, spec, spec_file, "fine-tune into a new directory")
         if saved != spec:
-            raise RunDirError(f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory")
+            raise RunDirError(
+                f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory, the same "
+                f"settings to resume it, or delete {out} to train it again"
+            )
     out.mkdir(parents=True, exist_ok=True)
     write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
 
@@ -296,7 +302,7 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
         set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step, log = state["step"], json.loads((ckpt / "log.json").read_text())
+        step, log = state["step"], read_json(ckpt / "log.json", f"delete {ckpt} to resume from the previous checkpoint")
     # The scheduler stays outside `prepare`: accelerate would step it once per process per step.
     model, optimizer = accelerator.prepare(peft_model, optimizer)
     rank, world, lead = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from countlens.errors import InputError
 from countlens.training.collate import IGNORE
 
 if TYPE_CHECKING:
@@ -88,6 +89,10 @@ def modality_share(attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor) 
     return torch.stack([(a.mean(1) * image_mask[:, None, :].to(a.device, a.dtype)).sum(-1) for a in attn])
 
 
+#: How `mas_loss` averages its hinge: over target tokens, or per sample first.
+MAS_REDUCE: tuple[str, ...] = ("token", "sample")
+
+
 def mas_loss(
     attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor, tau: float = 0.4, reduce: str = "token"
 ) -> Tensor:
@@ -100,4 +105,4 @@ def mas_loss(
     if reduce == "sample":
         per_sample = (hinge * t).sum(-1) / t.sum(-1).clamp(min=1)
         return per_sample.mean()
-    raise ValueError(f"reduce must be 'token' or 'sample', got {reduce!r}")
+    raise InputError(f"reduce must be one of {MAS_REDUCE}, got {reduce!r}")

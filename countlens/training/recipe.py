@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from countlens.errors import ConfigError
+from countlens.validate import require_count, require_positive
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -35,6 +38,12 @@ class Recipe:
     layers: str = "circuit"  # attention-loss layers: "circuit" (its VG and routing heads' layers) or "all"
     temperature_classes: tuple[str, ...] = ()  # heads the temperature row sharpens; (): top-k by importance
     sources: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None:
+            require_positive(self.epochs, "Recipe.epochs", ConfigError)
+        if self.n_train is not None:
+            require_count(self.n_train, "Recipe.n_train", ConfigError)
 
 
 #: countlens's own protocol (no paper's): the before/after table of `countlens finetune` without --preset.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,8 +23,10 @@ from typer.testing import CliRunner
 import countlens
 from countlens import circuits, results
 from countlens.analysis.evaluate import generate, parse_count, score
+from countlens.analysis.heads import HeadThresholds, read_heads
 from countlens.cli import app
 from countlens.datasets import count_pairs, countingtricks, task_samples
+from countlens.datasets.pairs import CountPair
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,10 +35,14 @@ from countlens.errors import (
     DeviceError,
     InputError,
     LayerError,
+    RunDirError,
 )
 from countlens.geometry import Geometry
-from countlens.loading import TOY_DIR
+from countlens.loading import TOY_DIR, meta_vlm
+from countlens.pipeline.config import DiscoverConfig
 from countlens.results import ResultError, ResultNotFoundError
+from countlens.toy.recipe import TrainConfig
+from countlens.training.finetune import FinetuneConfig
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +60,16 @@ def ctx(tmp_path_factory, loaded):
     weights.write_bytes(weights.read_bytes()[:4096])
     pairs = count_pairs(2, 3, 5, kind="shapes", grid=toy.geometry, prompt="short", seed=1)
     samples = task_samples("count", 3, 1, image_size=toy.geometry.image_height)
+    no_vision = tmp / "no_vision"
+    shutil.copytree(TOY_DIR, no_vision, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((no_vision / "config.json").read_text())
+    del config["vision_config"]
+    (no_vision / "config.json").write_text(json.dumps(config))
+    p = pairs[0]  # the corrupt side asked another question of the same length
+    asked_apart = [
+        CountPair(p.clean, replace(p.corrupt, question=p.corrupt.question.replace("many", "mony")), p.kind, 0)
+    ]
+    nan_heads, odd_class = _head_table(tmp, "nan_heads", importance="nan"), _head_table(tmp, "odd", cls="chef")
     return SimpleNamespace(
         toy=toy,
         qwen=qwen,
@@ -62,7 +79,21 @@ def ctx(tmp_path_factory, loaded):
         bad_config=bad_config,
         truncated=truncated,
         image=Image.new("RGB", (192, 192)),
+        effect=xr.DataArray(
+            np.arange(6.0).reshape(2, 3), dims=("layer", "head"), coords={"layer": [0, 1], "head": [0, 1, 2]}
+        ),
+        no_vision=no_vision,
+        asked_apart=asked_apart,
+        nan_heads=nan_heads,
+        odd_class=odd_class,
     )
+
+
+def _head_table(tmp: Path, name: str, importance: str = "0.5", cls: str = "other") -> Path:
+    run = tmp / name
+    run.mkdir()
+    (run / "heads.csv").write_text(f"head_id,layer,head,class,importance\nL0H0,0,0,{cls},{importance}\n")
+    return run
 
 
 API_CASES = [
@@ -159,7 +190,70 @@ API_CASES = [
     ("lens no samples", lambda c: circuits.logit_lens(c.toy, []), InputError, "no samples"),
     ("headlens no samples", lambda c: circuits.HeadLens.fit(c.toy, []), InputError, "needs samples"),
     ("ablation no tasks", lambda c: circuits.ablation_scan(c.toy, {}), InputError, "tasks="),
+    # issue 34: ranges declared once, on the configurations and the generators
+    ("task image too small", lambda c: task_samples("count", 2, 1, image_size=10), InputError, "image_size ≥ 32"),
+    ("task seed negative", lambda c: task_samples("count", 2, -1), InputError, "seed must be an integer ≥ 0"),
+    (
+        "tricks case twice",
+        lambda c: countingtricks(["1A", "4A", "1A"], 2, image_size=192, patch_size=16),
+        InputError,
+        "1A more than once",
+    ),
+    (
+        "tricks seed negative",
+        lambda c: countingtricks("1A", 2, image_size=192, patch_size=16, seed=-1),
+        InputError,
+        "-1",
+    ),
+    ("pairs seed negative", lambda c: count_pairs(2, seed=-1), InputError, "seed must be"),
+    ("score batch 2.5", lambda c: score(c.toy, c.samples, batch_size=2.5), InputError, "batch_size"),
+    ("compare k 0", lambda c: circuits.compare(c.effect, c.effect, k=0), InputError, "k must be"),
+    ("temperature β inf", lambda c: _enter(circuits.head_temperature(c.toy, {(0, 0): np.inf})), InputError, "L0H0"),
+    ("temperature β NaN", lambda c: _enter(circuits.head_temperature(c.toy, {"L0H1": np.nan})), InputError, "L0H1"),
+    (
+        "temperature head twice",
+        lambda c: _enter(circuits.head_temperature(c.toy, {(0, 0): 1.2, "L0H0": 1.5})),
+        InputError,
+        "twice",
+    ),
+    ("a head spelled wrong", lambda c: circuits.ablate(c.toy, c.samples, ["head 0"]), InputError, "'L3H2'"),
+    (
+        "β from NaN importance",
+        lambda c: circuits.beta_from_importance(c.effect.where(c.effect > 1e9)),
+        InputError,
+        "NaN",
+    ),
+    ("patch_layers on samples", lambda c: circuits.patch_layers(c.toy, c.samples), InputError, "takes pairs"),
+    ("ablate on pairs", lambda c: circuits.ablate(c.toy, c.pairs, ["L0H0"]), InputError, "got clean/corrupt pairs"),
+    (
+        "pairs whose questions differ",
+        lambda c: circuits.patch_heads(c.toy, c.asked_apart),
+        InputError,
+        "share its question",
+    ),
+    ("FinetuneConfig lr 0", lambda c: FinetuneConfig(lr=0.0), ConfigError, "lr must be a finite number > 0"),
+    ("FinetuneConfig lr negative", lambda c: FinetuneConfig(lr=-1e-3), ConfigError, "-0.001"),
+    (
+        "thresholds inverted",
+        lambda c: HeadThresholds(early=0.9, late=0.1),
+        ConfigError,
+        "early (0.9) must not exceed late",
+    ),
+    ("threshold above 1", lambda c: HeadThresholds(cter_min=50), ConfigError, "cter_min must be a number in [0, 1]"),
+    ("importance threshold negative", lambda c: HeadThresholds(important=-1), ConfigError, "important"),
+    ("toy steps negative", lambda c: TrainConfig(steps=-5), ConfigError, "steps must be an integer ≥ 0"),
+    ("discover seed negative", lambda c: DiscoverConfig(seed=-1), ConfigError, "seed"),
+    ("config without vision_config", lambda c: meta_vlm(str(c.no_vision)), CheckpointError, "vision_config"),
+    ("plan int8", lambda c: meta_vlm("toy", dtype="int8"), ConfigError, "int8"),
+    ("load int8", lambda c: countlens.load("toy", dtype="int8"), ConfigError, "floating"),
+    ("heads.csv with NaN importance", lambda c: read_heads(c.nan_heads), RunDirError, "no finite importance"),
+    ("heads.csv with an unknown class", lambda c: read_heads(c.odd_class), RunDirError, "unknown classes"),
 ]
+
+
+def _enter(context):
+    with context:
+        pass
 
 
 @pytest.mark.parametrize("case", API_CASES, ids=[c[0] for c in API_CASES])
@@ -181,11 +275,11 @@ def test_a_case_named_alone_is_one_case():
 runner = CliRunner()
 
 
-def _run_dir(tmp: Path, spec: dict | None) -> Path:
+def _run_dir(tmp: Path, spec: dict | str | None) -> Path:
     run = tmp / f"run_{len(list(tmp.iterdir()))}"
     run.mkdir()
     if spec is not None:
-        (run / "spec.json").write_text(json.dumps(spec))
+        (run / "spec.json").write_text(spec if isinstance(spec, str) else json.dumps(spec))
     return run
 
 
@@ -231,7 +325,90 @@ CLI_CASES = [
     ("report empty spec", lambda t: ["report", "--run", str(_run_dir(t, {}))], "lacks ['model', 'arch']"),
     ("report not a run", lambda t: ["report", "--run", str(_run_dir(t, None))], "no spec.json"),
     ("classify empty spec", lambda t: ["classify", "--run", str(_run_dir(t, {}))], "lacks ['model', 'arch']"),
+    # issue 34
+    ("discover seed negative", lambda t: ["discover", "--out", str(t / "out"), "--seed", "-1"], "seed must be"),
+    ("discover spec not JSON", lambda t: ["discover", "--out", str(_run_dir(t, "{oops"))], "is not JSON"),
+    ("data seed negative", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--seed", "-1"], "seed"),
+    (
+        "data case twice",
+        lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--cases", "1A,4A,1A"],
+        "1A more than once",
+    ),
+    ("plan int8", lambda t: ["plan", "--dtype", "int8"], "int8"),
+    ("plan config not JSON", lambda t: ["plan", "--model", str(_checkpoint(t, "{not json"))], "config.json"),
+    ("plan no vision_config", lambda t: ["plan", "--model", str(_checkpoint(t, None))], "vision_config"),
+    ("plan --json onto a directory", lambda t: ["plan", "--json", str(t)], "is a directory"),
+    ("plan memory NaN", lambda t: ["plan", "--memory", "nan"], "--memory"),
+    (
+        "classify inverted bands",
+        lambda t: ["classify", "--run", str(_run_dir(t, SPEC)), "--early", "0.9", "--late", "0.1"],
+        "early (0.9) must not exceed late (0.1)",
+    ),
+    ("classify cter 50", lambda t: ["classify", "--run", str(_run_dir(t, SPEC)), "--cter-min", "50"], "cter_min"),
+    (
+        "classify important negative",
+        lambda t: ["classify", "--run", str(_run_dir(t, SPEC)), "--important", "-1"],
+        "important must be",
+    ),
+    (
+        "report heads.csv without class",
+        lambda t: ["report", "--run", str(_heads_csv(_run_dir(t, SPEC), "layer,head,importance\n0,0,0.5\n"))],
+        "lacks the columns ['class']",
+    ),
+    ("toy train steps negative", lambda t: ["toy", "train", "--out", str(t / "out"), "--steps", "-5"], "steps must be"),
+    (
+        "finetune lr negative",
+        lambda t: ["finetune", "--circuit", str(_circuit(t)), "--lr", "-1e-3", "--out", str(t / "out")],
+        "lr must be a finite number > 0",
+    ),
+    (
+        "finetune FSC-147 without its images",
+        lambda t: [
+            "finetune",
+            "--circuit",
+            str(_circuit(t)),
+            "--preset",
+            "counting-to-four",
+            "--fsc147",
+            str(_fsc147_without_images(t)),
+            "--out",
+            str(t / "out"),
+        ],
+        "2 of the 2 images of split 'train' are missing",
+    ),
 ]
+
+SPEC = {"model": "toy", "arch": "qwen2_vl"}
+
+
+def _checkpoint(tmp: Path, config: str | None) -> Path:
+    """The organism's config and processor files (no weights) with ``config`` as config.json (None:
+    the organism's without its vision_config)."""
+    where = tmp / "checkpoint"
+    shutil.copytree(TOY_DIR, where, ignore=shutil.ignore_patterns("*.safetensors"))
+    if config is None:
+        config = json.loads((where / "config.json").read_text())
+        del config["vision_config"]
+        config = json.dumps(config)
+    (where / "config.json").write_text(config)
+    return where
+
+
+def _heads_csv(run: Path, text: str) -> Path:
+    (run / "heads.csv").write_text(text)
+    return run
+
+
+def _circuit(tmp: Path) -> Path:
+    return _heads_csv(_run_dir(tmp, SPEC), "head_id,layer,head,class,importance\nL0H0,0,0,other,0.5\n")
+
+
+def _fsc147_without_images(tmp: Path) -> Path:
+    root = tmp / "fsc147"
+    root.mkdir()
+    (root / "annotation_FSC147_384.json").write_text(json.dumps({f"{i}.jpg": {"points": [[1, 1]]} for i in (1, 2)}))
+    (root / "Train_Test_Val_FSC_147.json").write_text(json.dumps({"train": ["1.jpg", "2.jpg"], "val": [], "test": []}))
+    return root
 
 
 def _garbage_circuit(tmp: Path) -> Path:
@@ -244,10 +421,39 @@ def _garbage_circuit(tmp: Path) -> Path:
 def test_cli_bad_input(case, tmp_path):
     _, argv, text = case
     (tmp_path / "a_file").write_text("x")
-    result = runner.invoke(app, argv(tmp_path))
+    args = argv(tmp_path)
+    before = _listing(tmp_path)
+    result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and text in result.output, result.output
-    assert not (tmp_path / "out").exists()  # validated before anything was written
+    assert result.output.strip().count("\n") == 0, result.output  # one line
+    assert _listing(tmp_path) == before  # validated before anything was written
+
+
+def _listing(root: Path) -> dict[str, int]:
+    """Every file under ``root`` with its modification time: what a refused command must leave alone."""
+    return {p.relative_to(root).as_posix(): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))}
+
+
+def test_a_mislaunched_data_parallel_finetune_is_refused_before_anything(tmp_path):
+    """WORLD_SIZE=2 without the launcher's rendezvous: refused at once, not after the baseline."""
+    circuit = _circuit(tmp_path)
+    before = _listing(tmp_path)
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    result = runner.invoke(app, ["finetune", "--circuit", str(circuit)], env=env)
+    assert result.exit_code == 2 and "MASTER_ADDR and MASTER_PORT are not" in result.output, result.output
+    assert _listing(tmp_path) == before
+
+
+def test_discover_refuses_a_folder_it_did_not_make(tmp_path):
+    """--out on a user's folder that holds a results/cases.nc of its own: refused, nothing added."""
+    mine = tmp_path / "mine"
+    (mine / "results").mkdir(parents=True)
+    (mine / "results" / "cases.nc").write_bytes(b"not countlens's")
+    before = _listing(tmp_path)
+    result = runner.invoke(app, ["discover", "--out", str(mine)])
+    assert result.exit_code == 2 and "no spec.json: it is not a countlens discover run" in result.output, result.output
+    assert _listing(tmp_path) == before
 
 
 def test_discover_refused_then_corrected_in_the_same_directory(tmp_path, loaded):

@@ -157,14 +157,42 @@ def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_only_its_ow
     grid = GRIDS[0]
     export_countingtricks(tmp_path, ["1A", "9A"], 5, grid, seed=0, workers=1)
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(InputError, match="not empty"):
+    with pytest.raises(InputError, match="export with other settings"):
         export_countingtricks(tmp_path, ["1A"], 2, grid, seed=0, workers=1)
     assert len(list(tmp_path.rglob("*.png"))) == 10  # the refused call changed nothing
+    with pytest.raises(InputError, match="not empty"):  # a folder with no export of countlens's in it
+        export_countingtricks(tmp_path / "images", ["1A"], 2, grid, seed=0, workers=1)
     manifest = export_countingtricks(tmp_path, ["1A"], 2, grid, seed=0, workers=1, overwrite=True)
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
     assert files == ["images/1A/1A_00000.png", "images/1A/1A_00001.png"]
     assert len(manifest.read_text().splitlines()) == 2 and (tmp_path / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "images" / "9A").exists()
+
+
+def test_an_interrupted_export_resumes_to_the_files_of_an_uninterrupted_one(tmp_path):
+    """Ctrl-C (here: at the 4th image) leaves a partial manifest; the same call again writes the
+    rest, byte for byte the export an uninterrupted call makes, and a finished export is kept."""
+    grid, args = GRIDS[0], (["1A", "9A"], 3)
+
+    def stop_at_4(k: int) -> None:
+        if k == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        export_countingtricks(tmp_path / "a", *args, grid, seed=1, workers=1, progress=stop_at_4)
+    assert not (tmp_path / "a" / "manifest.jsonl").exists()
+    with open(tmp_path / "a" / "manifest.jsonl.partial", "a") as f:
+        f.write('{"file": "images/9A/9A_0')  # a line cut short by the interruption
+    export_countingtricks(tmp_path / "a", *args, grid, seed=1, workers=1)
+    export_countingtricks(tmp_path / "b", *args, grid, seed=1, workers=2)
+
+    def files(root):
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert files(tmp_path / "a") == files(tmp_path / "b") and len(files(tmp_path / "a")) == 8  # 6 PNGs, manifest, spec
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").rglob("*")}
+    export_countingtricks(tmp_path / "a", *args, grid, seed=1, workers=1)  # finished: left as it is
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a").rglob("*")} == before
 
 
 def test_exported_palette_pngs_load_as_the_exact_rgb_pixels(tmp_path):

@@ -32,7 +32,7 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_checkpoint):
 
 
 def test_bad_dtype_and_config_only_directory(tiny_checkpoint, tmp_path):
-    with pytest.raises(ConfigError, match="not a torch dtype"):
+    with pytest.raises(ConfigError, match="not a floating torch dtype"):
         countlens.load(tiny_checkpoint("qwen2_vl"), dtype="bf16")
     import shutil
 

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "countlens"
 #: Layer of each top-level part, lowest first; an import may point to its own layer or below.
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "validate": 0,
     "geometry": 1,
     "progress": 1,
     "arch": 2,
@@ -38,7 +39,7 @@ LAYERS: dict[str, int] = {
     "": 9,
 }
 #: Parts that may import only these (besides themselves): data generation needs no model.
-ONLY: dict[str, set[str]] = {"datasets": {"datasets", "geometry", "errors", "progress"}}
+ONLY: dict[str, set[str]] = {"datasets": {"datasets", "geometry", "errors", "validate", "progress"}}
 
 
 def modules() -> dict[str, Path]:

@@ -90,6 +90,7 @@ def fsc_root(tmp_path: Path, classes: bool = True) -> Path:
         (root / "ImageClasses_FSC147.txt").write_text("1.jpg\tsea shells\n2.jpg\tapples\n3.jpg\tbirds\n")
     png(root / "images_384_VarV2" / "1.jpg", (12, 8))
     png(root / "images_384_VarV2" / "2.jpg", (10, 6))
+    png(root / "images_384_VarV2" / "3.jpg", (10, 6))
     return root
 
 
@@ -138,10 +139,14 @@ def test_fsc147_rejections(tmp_path):
         load_fsc147(root)
 
 
-def test_fsc147_missing_image_raises_when_opened(tmp_path):
+def test_fsc147_missing_images_are_refused_at_load_and_when_opened(tmp_path):
     root = fsc_root(tmp_path)
-    (sample,) = load_fsc147(root, split="train")  # 3.jpg has no image file: loading succeeds
-    with pytest.raises(LoaderError, match=r"3\.jpg \(image of fsc147 sample '3\.jpg'\): file not found"):
+    (root / "images_384_VarV2" / "3.jpg").unlink()
+    with pytest.raises(LoaderError, match=r"images_384_VarV2: 1 of the 1 images of split 'train' are missing \(3\.jpg\)"):
+        load_fsc147(root, split="train")
+    (sample,) = load_fsc147(root, split="test", limit=1)
+    sample.image_path.unlink()  # gone after loading: opening it names the file
+    with pytest.raises(LoaderError, match=r"1\.jpg \(image of fsc147 sample '1\.jpg'\): file not found"):
         sample.image
 
 

@@ -264,8 +264,11 @@ def test_the_full_rows_temperature_sharpens_the_classes_the_recipe_names(tmp_pat
     assert importance_from(tmp_path, ("awareness",)).sel(layer=0, head=0) == 0.9
 
 
-def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads():
+def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads(tmp_path):
+    import json
     from dataclasses import replace
+
+    from PIL import Image
 
     from countlens.geometry import Geometry
     from countlens.pipeline.finetune_job import EVALUATION, LOCAL_SETS, check_recipe, evaluation_sets
@@ -287,8 +290,13 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads():
         check_recipe(base, local={"pixmo": "/nowhere"})
     with pytest.raises(ConfigError, match="not FinetuneConfig fields"):
         check_recipe(base, overrides={"step": 3})
+    # A recipe that trains on FSC-147 reads its train split first (a copy of one image here).
+    (tmp_path / "images_384_VarV2").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "images_384_VarV2" / "1.jpg")
+    (tmp_path / "annotation_FSC147_384.json").write_text(json.dumps({"1.jpg": {"points": [[1, 1]]}}))
+    (tmp_path / "Train_Test_Val_FSC_147.json").write_text(json.dumps({"train": ["1.jpg"], "val": [], "test": []}))
     for p in presets.PRESETS.values():
-        check_recipe(p.finetune, local={"fsc147": "."})
+        check_recipe(p.finetune, local={"fsc147": tmp_path})
     # Every name check_recipe accepts builds (the local ones are left out without a copy).
     lines = []
     sets = evaluation_sets(Geometry(192, 192, 16, 2), n=8, prompt="short", names=EVALUATION, log=lines.append)

@@ -45,7 +45,8 @@ def load_fsc147(
     image_dir: str = IMAGES,
     limit: int | None = None,
 ) -> list[CountSample]:
-    """The images of one FSC-147 split as `CountSample`, in the split file's order.
+    """The images of one FSC-147 split as `CountSample`, in the split file's order; each image file
+    must be there (a missing one is a `LoaderError` naming it).
 
     ``question`` is formatted with ``name``, the image's class (plural, as FSC-147 spells it).
     """
@@ -102,6 +103,14 @@ def load_fsc147(
                 split=split,
                 meta=meta,
             )
+        )
+    # Every image is read later (scoring, training): a missing one is refused now, before a run starts.
+    missing = [s.id for s in out if not s.image_path.is_file()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise LoaderError(
+            f"{root / image_dir}: {len(missing)} of the {len(out)} images of split {split!r} are missing ({shown}); "
+            f"copy the whole {image_dir} folder of FSC-147 there"
         )
     return out
 

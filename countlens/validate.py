@@ -1,0 +1,86 @@
+"""Ranges declared once: the checks every configuration dataclass and public function applies to
+its numbers, shared by the Python API and the command line.
+
+Each check takes the value, the name the user knows it by (a field such as ``lr``, an argument
+such as ``batch_size``, an option such as ``--seed``) and the error class to raise (`InputError`
+for an argument of a function, `ConfigError` for a field of a configuration), and returns the
+value. A bool is never a number here (``True`` as a batch size is a mistake), and NaN or ±inf is
+never in range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from numbers import Integral, Real
+
+from countlens.errors import CountlensError, InputError
+
+
+def _integer(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def require_count(value, name: str, kind: type[CountlensError] = InputError) -> int:
+    """An integer ≥ 1 (a sample count, a batch size, steps): refuses a bool, 2.5, zero, a negative."""
+    if not _integer(value) or value < 1:
+        raise kind(f"{name} must be an integer ≥ 1, got {value!r}")
+    return int(value)
+
+
+def require_seed(value, name: str = "seed", kind: type[CountlensError] = InputError) -> int:
+    """A non-negative integer: numpy's generators take no negative seed."""
+    if not _integer(value) or value < 0:
+        raise kind(f"{name} must be an integer ≥ 0, got {value!r}")
+    return int(value)
+
+
+def require_positive(value, name: str, kind: type[CountlensError] = InputError) -> float:
+    """A finite number > 0 (a learning rate, a temperature β, a width σ)."""
+    if not _real(value) or value <= 0:
+        raise kind(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def require_nonnegative(value, name: str, kind: type[CountlensError] = InputError) -> float:
+    """A finite number ≥ 0 (a loss weight, a weight decay, an importance threshold)."""
+    if not _real(value) or value < 0:
+        raise kind(f"{name} must be a finite number ≥ 0, got {value!r}")
+    return value
+
+
+def require_share(value, name: str, kind: type[CountlensError] = InputError, below_one: bool = False) -> float:
+    """A finite number in [0, 1] (a depth, an attention share, a rate); with ``below_one``, [0, 1)."""
+    if not _real(value) or not 0 <= value <= 1 or (below_one and value == 1):
+        raise kind(f"{name} must be a number in [0, 1{')' if below_one else ']'}, got {value!r}")
+    return value
+
+
+def require_order(low: tuple[str, float], high: tuple[str, float], kind: type[CountlensError] = InputError) -> None:
+    """``low`` ≤ ``high``, each a (name, value): refuses inverted bounds such as early 0.9, late 0.1."""
+    (low_name, low_value), (high_name, high_value) = low, high
+    if low_value > high_value:
+        raise kind(f"{low_name} ({low_value}) must not exceed {high_name} ({high_value}); swap or change them")
+
+
+def require_distinct(values: Iterable, name: str, kind: type[CountlensError] = InputError) -> None:
+    """No value twice (cases of an export, target layers): a repeat would be counted or trained twice."""
+    seen, twice = set(), []
+    for v in values:
+        if v in seen and v not in twice:
+            twice.append(v)
+        seen.add(v)
+    if twice:
+        raise kind(f"{name} lists {', '.join(map(str, twice))} more than once; give each once")
+
+
+def require_choice(value, name: str, choices: Iterable, kind: type[CountlensError] = InputError):
+    """One of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise kind(f"{name}={value!r}: use one of {', '.join(map(repr, choices))}")
+    return value
