@@ -27,10 +27,16 @@ def read_spec(run: str | Path) -> dict:
     try:
         spec = json.loads(path.read_text())
     except ValueError as err:
-        raise RunDirError(f"{path} is not JSON ({err}); rerun `countlens discover --out {run}`") from None
+        raise RunDirError(
+            f"{path} is not JSON ({err}): restore it from a copy, or delete {run} and run `countlens discover "
+            f"--out {run}` again from the start"
+        ) from None
     missing = [k for k in ("model", "arch") if not isinstance(spec, dict) or k not in spec]
     if missing:
-        raise RunDirError(f"{path} lacks {missing}: not written by `countlens discover`; rerun it with --out {run}")
+        raise RunDirError(
+            f"{path} lacks {missing}: not written by `countlens discover`; give `countlens discover` another "
+            f"--out, or delete {path} if {run} holds nothing else of yours"
+        )
     return spec
 
 

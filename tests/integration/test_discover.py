@@ -20,9 +20,12 @@ SMALL = ["--n-per-case", "1", "--n-pairs", "4", "--n-samples", "4", "--batch-siz
 
 def test_discover_writes_a_report_and_resumes(tmp_path):
     out = tmp_path / "run"
+    refused = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL, "--seed", "-1"])
+    assert refused.exit_code == 2 and not out.exists(), refused.output  # nothing left to block the rerun
     result = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
     assert result.exit_code == 0, result.output
     report = (out / "report.md").read_text()
+    assert "Warning" not in report  # the organism answers its own prompt
     for section in ("COUNTINGTRICKS", "visual activation patching", "Logit lens", "Head classes", "Head temperature"):
         assert section in report
     assert len(list((out / "figures").glob("*.png"))) >= 6
@@ -85,6 +88,8 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     out = tmp_path / "run"
     assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL]).exit_code == 0
     _fsc147_fixture(tmp_path / "fsc")
+    refused = runner.invoke(app, ["finetune", "--circuit", str(out), "--lr", "-1e-3", "--steps", "2"])
+    assert refused.exit_code == 2 and not (out / "finetune").exists(), refused.output  # the rerun below is not blocked
     result = runner.invoke(
         app,
         [
@@ -154,6 +159,8 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
         found = runner.invoke(app, ["discover", "--model", "toy", "--preset", preset, "--out", str(out), *SMALL])
         assert found.exit_code == 0, found.output
         assert f"Preset `{preset}`" in (out / "report.md").read_text()
+    # The organism cannot write Pstd's "circle: 7" answers: the report says its numbers measure nothing.
+    assert "the model does not answer this prompt" in (run / "report.md").read_text().split("## 1.")[0]
     _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
     _pixmo_fixture(tmp_path / "pixmo.jsonl")
     tiny = ["--n-train", "4", "--n-eval", "4"]

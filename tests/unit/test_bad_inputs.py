@@ -478,3 +478,31 @@ def test_pairs_of_equal_token_counts_on_different_grids_are_refused(ctx):
     with pytest.raises(InputError, match=r"\(6, 6\).*\(3, 12\)"):
         circuits.patch_layers(ctx.toy, [CountPair(p.clean, wide, p.kind, 0)])
     assert np.isfinite(circuits.patch_layers(ctx.toy, ctx.pairs, layers=[-1]).effect.values).all()
+
+
+def test_heads_are_accepted_as_pairs_or_as_the_labels_results_use(ctx):
+    """"L0H1" (heads.csv, temperature.nc, the report) and (0, 1) name the same head everywhere."""
+    samples = ctx.samples[:2]
+    by_label = circuits.ablate(ctx.toy, samples, ["L0H1", "L1H0"])
+    by_pair = circuits.ablate(ctx.toy, samples, [(0, 1), (1, 0)])
+    assert np.array_equal(by_label.logp.values, by_pair.logp.values) and by_label.attrs["heads"] == "L0H1,L1H0"
+    assert not np.array_equal(by_label.logp.values, by_label.base_logp.values)  # the ablation did something
+    base = score(ctx.toy, samples).p_gold.values
+    with circuits.head_temperature(ctx.toy, {"L1H0": 3.0}):
+        labelled = score(ctx.toy, samples).p_gold.values
+    with circuits.head_temperature(ctx.toy, {(1, 0): 3.0}):
+        paired = score(ctx.toy, samples).p_gold.values
+    assert np.array_equal(labelled, paired) and not np.array_equal(labelled, base)
+
+
+def test_a_prompt_the_model_does_not_answer_is_flagged(ctx):
+    """The organism answers its short prompt; Pstd's "circle: 7" it cannot write, and scoring still
+    picks a "prediction": `unanswered` says so (the report puts it at its top)."""
+    from countlens.analysis.evaluate import unanswered
+
+    grid = ctx.toy.geometry
+    short = score(ctx.toy, countingtricks(["1A", "4A"], 4, grid, prompt="short"))
+    std = score(ctx.toy, countingtricks(["1A", "4A"], 4, grid, prompt="std"))
+    assert unanswered(short) is None
+    message = unanswered(std)
+    assert message and "does not answer this prompt" in message and "candidate answers" in message

@@ -154,3 +154,48 @@ def test_one_handler_turns_any_countlens_error_into_exit_2(tmp_path, monkeypatch
     result = runner.invoke(app, ["report", "--run", str(tmp_path)])
     assert result.exit_code == 2 and result.output == f"error: {tmp_path} says what went wrong\n", result.output
     assert not (tmp_path / "report.md").exists()
+
+
+def test_any_other_exception_is_one_internal_error_line_and_debug_shows_the_traceback(tmp_path, monkeypatch):
+    from countlens.pipeline import rundir
+
+    def broken(run):
+        raise KeyError("a bug\nover two lines")
+
+    monkeypatch.setattr(rundir, "read_spec", broken)
+    result = runner.invoke(app, ["report", "--run", str(tmp_path)])
+    assert result.exit_code == 70 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("internal error in countlens") and "`countlens report`" in result.output
+    assert "KeyError" in result.output and "countlens --debug report" in result.output
+    debug = runner.invoke(app, ["--debug", "report", "--run", str(tmp_path)])
+    assert isinstance(debug.exception, KeyError)  # the traceback, unhandled
+    monkeypatch.setenv("COUNTLENS_DEBUG", "1")
+    assert isinstance(runner.invoke(app, ["report", "--run", str(tmp_path)]).exception, KeyError)
+
+
+def test_an_interrupted_data_export_resumes_when_the_command_is_rerun(tmp_path, monkeypatch):
+    """Ctrl-C: one line saying a rerun resumes; the rerun writes the rest, as an uninterrupted run."""
+    from countlens.datasets import export
+
+    real = export.generate
+
+    def interrupted(*args, **kwargs):
+        for k, item in enumerate(real(*args, **kwargs)):
+            if k == 3:
+                raise KeyboardInterrupt
+            yield item
+
+    argv = ["data", "countingtricks", "--cases", "1A,4A", "--n", "3", "--workers", "1", "--image-size", "96"]
+    argv += ["--patch-size", "16", "--out"]
+    monkeypatch.setattr(export, "generate", interrupted)
+    stopped = runner.invoke(app, [*argv, str(tmp_path / "a")])
+    assert stopped.exit_code == 130 and "interrupted: rerun the same command to resume" in stopped.output
+    assert (tmp_path / "a" / "manifest.jsonl.partial").exists() and not (tmp_path / "a" / "manifest.jsonl").exists()
+    monkeypatch.setattr(export, "generate", real)
+    assert runner.invoke(app, [*argv, str(tmp_path / "a")]).exit_code == 0
+    assert runner.invoke(app, [*argv, str(tmp_path / "b")]).exit_code == 0
+
+    def files(root):
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert files(tmp_path / "a") == files(tmp_path / "b")
