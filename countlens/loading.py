@@ -161,7 +161,6 @@ def read_config(path: str):
     names a model type transformers does not know, or lacks the ``vision_config`` that transformers
     would otherwise fill with its default tower (planning, or loading, a model that is not the
     checkpoint's)."""
-    import json
 
     from transformers import AutoConfig
 
@@ -274,7 +273,7 @@ def _image_only_processor(path: str, proc_cls: type):
     template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
     # The processor's own settings (e.g. LLaVA's num_image_tokens, vision_feature_select_strategy).
     settings_file = Path(path) / "processor_config.json"
-    settings = json.loads(settings_file.read_text()) if settings_file.exists() else {}
+    settings = _checkpoint_json(settings_file) if settings_file.exists() else {}
     cls = image_only(proc_cls)
     accepted = inspect.signature(proc_cls.__init__).parameters
     extra = {
@@ -289,6 +288,17 @@ def _image_only_processor(path: str, proc_cls: type):
     return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **extra)
 
 
+def _checkpoint_json(file: Path) -> dict:
+    """A checkpoint's JSON settings file, refused (naming it) when it is not a JSON object."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} cannot be read ({err}); restore it from the original checkpoint") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} is not a JSON object; restore it from the original checkpoint")
+    return value
+
+
 def _load_image_processor(path: str):
     import transformers
 
@@ -297,9 +307,9 @@ def _load_image_processor(path: str):
     # Older checkpoints keep it in preprocessor_config.json, newer ones nest it in processor_config.json.
     flat, nested = Path(path) / "preprocessor_config.json", Path(path) / "processor_config.json"
     if flat.exists():
-        cfg = json.loads(flat.read_text())
-    elif nested.exists() and "image_processor" in json.loads(nested.read_text()):
-        cfg = json.loads(nested.read_text())["image_processor"]
+        cfg = _checkpoint_json(flat)
+    elif nested.exists() and "image_processor" in _checkpoint_json(nested):
+        cfg = _checkpoint_json(nested)["image_processor"]
     else:
         raise CheckpointNotFoundError(
             f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint"

@@ -490,7 +490,7 @@ class SweepStore:
         if not self._spec_file.exists():
             write_text(self._spec_file, json.dumps(self.spec, sort_keys=True, indent=2) + "\n")
             return
-        stored = json.loads(self._spec_file.read_text())
+        stored = read_json(self._spec_file, f"delete {self.path} to compute this sweep again")
         if stored != self.spec:
             raise SpecMismatchError(
                 f"sweep directory {self.path} was started with spec {json.dumps(stored, sort_keys=True)}, "

@@ -361,6 +361,14 @@ def before_after(
     generated = frozenset(name for name in sets if name in LOCAL_SETS) | frozenset(extra_sets or {})
     betas = beta_from_importance(importance_from(circuit, recipe.temperature_classes), alpha=alpha, top_k=top_k)
     rows = ["baseline", *recipe.rows]
+    if TEMPERATURE_ROW in rows and not betas:  # it would repeat +SFT+focus under another name
+        from countlens.errors import RunDirError
+
+        raise RunDirError(
+            f"{circuit}/heads.csv gives every head importance 0, so the {TEMPERATURE_ROW!r} row would sharpen no "
+            f"head; rerun `countlens discover --out {circuit}` (its head patching), or fine-tune with a preset whose "
+            "rows have no temperature"
+        )
     # Each row's metrics are kept in out/accuracies.json, so a resumed run evaluates only what is new.
     done = _Rows(
         out / "accuracies.json",

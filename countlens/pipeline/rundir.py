@@ -69,7 +69,7 @@ def _refuse_foreign(out: Path) -> None:
     if not out.is_dir():
         return
     foreign = sorted(p.name for p in out.iterdir() if p.name != "spec.json" and not p.name.startswith(".spec.json."))
-    if foreign:
+    if foreign and not (out / "spec.json").exists():  # a rank that started first may have written it
         shown = ", ".join(foreign[:5]) + (" …" if len(foreign) > 5 else "")
         raise RunDirError(
             f"{out} holds {shown} but no spec.json: it is not a countlens discover run; give a new or empty "
@@ -84,20 +84,20 @@ class Stages:
         self.out, self.log = out, log
         self.dir = out / "results"
         spec_file = out / "spec.json"
-        if spec_file.exists():
-            old = read_spec(out)
-            results.refuse_older_spec(old, spec, spec_file, "rerun into a new --out directory")
-            if old != spec:
-                changed = sorted(k for k in {*old, *spec} if old.get(k) != spec.get(k))
-                raise RunDirError(
-                    f"{out} holds a run with a different spec (it differs in {changed}: {spec_file}); "
-                    f"rerun with that run's settings to resume it, or give a new --out directory "
-                    f"(or delete {out} to start it over)"
-                )
-        else:
+        if not spec_file.exists():
             _refuse_foreign(out)
             out.mkdir(parents=True, exist_ok=True)
-            results.write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic: ranks may race
+            if not spec_file.exists():  # another rank may have written it meanwhile: then it is compared
+                results.write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic
+        old = read_spec(out)
+        results.refuse_older_spec(old, spec, spec_file, "rerun into a new --out directory")
+        if old != spec:
+            changed = sorted(k for k in {*old, *spec} if old.get(k) != spec.get(k))
+            raise RunDirError(
+                f"{out} holds a run with a different spec (it differs in {changed}: {spec_file}); "
+                f"rerun with that run's settings to resume it, or give a new --out directory "
+                f"(or delete {out} to start it over)"
+            )
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def run(self, name: str, compute: Callable[[], xr.Dataset | xr.DataArray], save: bool = True):

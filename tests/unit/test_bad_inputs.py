@@ -481,7 +481,7 @@ def test_pairs_of_equal_token_counts_on_different_grids_are_refused(ctx):
 
 
 def test_heads_are_accepted_as_pairs_or_as_the_labels_results_use(ctx):
-    """"L0H1" (heads.csv, temperature.nc, the report) and (0, 1) name the same head everywhere."""
+    """The label results use ("L0H1": heads.csv, temperature.nc, the report) and (0, 1) are one head."""
     samples = ctx.samples[:2]
     by_label = circuits.ablate(ctx.toy, samples, ["L0H1", "L1H0"])
     by_pair = circuits.ablate(ctx.toy, samples, [(0, 1), (1, 0)])

@@ -142,7 +142,8 @@ def test_fsc147_rejections(tmp_path):
 def test_fsc147_missing_images_are_refused_at_load_and_when_opened(tmp_path):
     root = fsc_root(tmp_path)
     (root / "images_384_VarV2" / "3.jpg").unlink()
-    with pytest.raises(LoaderError, match=r"images_384_VarV2: 1 of the 1 images of split 'train' are missing \(3\.jpg\)"):
+    missing = r"images_384_VarV2: 1 of the 1 images of split 'train' are missing \(3\.jpg\)"
+    with pytest.raises(LoaderError, match=missing):
         load_fsc147(root, split="train")
     (sample,) = load_fsc147(root, split="test", limit=1)
     sample.image_path.unlink()  # gone after loading: opening it names the file
