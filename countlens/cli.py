@@ -21,6 +21,7 @@ import typer
 from typer.core import TyperGroup
 
 from countlens.errors import ConfigError, CountlensError, RunDirError
+from countlens.validate import require_image_side
 
 #: Exit statuses: a user's error (bad input or state), a countlens bug (sysexits' EX_SOFTWARE), Ctrl-C.
 USER_ERROR, INTERNAL_ERROR, INTERRUPTED = 2, 70, 130
@@ -293,6 +294,7 @@ def _grid(model: str, image_size: int | None, patch_size: int | None):
     if image_size is not None:
         if image_size < 1 or patch_size < 1:
             raise ConfigError(f"--image-size {image_size} and --patch-size {patch_size} must be positive pixel sizes")
+        require_image_side(image_size, "--image-size", ConfigError)
         if image_size < patch_size:
             raise ConfigError(f"--image-size {image_size} is smaller than --patch-size {patch_size}")
         return Geometry.data_grid(image_size, patch_size)
@@ -549,6 +551,8 @@ def plan_cmd(
     _check_positive(
         image_size=image_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, batch_size=batch_size
     )
+    if image_size is not None:
+        require_image_side(image_size, "--image-size", ConfigError)
     if memory is not None and not (memory > 0 and math.isfinite(memory)):
         raise ConfigError(f"--memory must be a finite number of GiB > 0, got {memory}")
     if device not in ("cpu", "cuda"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from countlens.errors import CountlensError
-from countlens.validate import require_count
+from countlens.validate import require_count, require_image_side
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class Geometry:
     def __post_init__(self) -> None:
         for name in ("image_height", "image_width", "patch_size", "merge_size"):
             require_count(getattr(self, name), name)
+        for name in ("image_height", "image_width"):
+            require_image_side(getattr(self, name), name)
         if self.partial:
             if self.merge_size != 1:
                 raise CountlensError(

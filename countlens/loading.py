@@ -23,6 +23,7 @@ from countlens.errors import (
     ImageTokenCountError,
     UnsupportedArchitectureError,
 )
+from countlens.validate import require_image_side
 from countlens.vlm import VLM, fixed_size
 
 TOY_DIR = Path(__file__).parent / "toy" / "weights"
@@ -341,6 +342,8 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
     import transformers
 
     kind = None if dtype is None else torch_dtype(dtype)  # a bad dtype fails before anything is read
+    if image_size is not None:
+        require_image_side(image_size, "image_size", ConfigError)
     where, label = resolve_path(path)
     config = read_config(where)
     spec = spec_for(config)

@@ -32,6 +32,19 @@ def require_count(value, name: str, kind: type[CountlensError] = InputError) -> 
     return int(value)
 
 
+#: The largest image side (px) countlens draws or plans for: above any VLM processor's (Qwen2.5-VL's
+#: default budget is 3584² pixels), and a side that would need gigabytes for one scene.
+MAX_IMAGE_SIDE = 16384
+
+
+def require_image_side(value, name: str, kind: type[CountlensError] = InputError) -> int:
+    """An image side in pixels: an integer from 1 to `MAX_IMAGE_SIDE`."""
+    require_count(value, name, kind)
+    if value > MAX_IMAGE_SIDE:
+        raise kind(f"{name} {value} px is above {MAX_IMAGE_SIDE} px, larger than any VLM takes; give a smaller size")
+    return int(value)
+
+
 def require_seed(value, name: str = "seed", kind: type[CountlensError] = InputError) -> int:
     """A non-negative integer: numpy's generators take no negative seed."""
     if not _integer(value) or value < 0:

@@ -121,6 +121,7 @@ def generate(
     """(record, png bytes) for every (case, index), in order, from ``workers`` processes; from the
     ``start``-th (case-major order) on."""
     jobs = [(name, seed, i, grid, kw, write_png) for name in cases for i in range(n)][start:]
+    workers = min(workers, len(jobs))  # never more processes than images left
     if workers <= 1:
         yield from map(_job, jobs)
         return
@@ -147,6 +148,8 @@ def check_export(
     if isinstance(cases, str):
         cases = [cases]
     names = list(CASES) if cases is None else [case(c).name for c in cases]
+    if not names:
+        raise InputError("no cases given; name some (e.g. ['1A', '9B']) or give None for all 32")
     require_distinct(names, "cases")
     if grid is None:
         raise InputError("give grid= (e.g. vlm.geometry or Geometry.square(192, 16))")

@@ -26,7 +26,7 @@ import numpy as np
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.errors import CountlensError, InputError
-from countlens.validate import require_count, require_seed
+from countlens.validate import require_count, require_image_side, require_seed
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -74,7 +74,7 @@ def task_sample(
     """The ``index``-th sample of ``task`` under ``seed``."""
     if task not in TASKS:
         raise CountlensError(f"unknown task {task!r}; use one of {TASKS}")
-    require_count(image_size, "image_size")
+    require_image_side(image_size, "image_size")
     require_seed(seed)
     if size_range is None:
         size_range = object_sizes(image_size)

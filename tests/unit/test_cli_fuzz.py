@@ -11,6 +11,7 @@ bounded. Either way nothing is written: every check runs before the first file.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -113,7 +114,18 @@ def stubs(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Derandomized, as the property tests: CI runs the same examples every time. To explore, set
+# COUNTLENS_FUZZ_EXAMPLES (e.g. 5000): that many random examples, a new draw each run.
+EXPLORE = os.environ.get("COUNTLENS_FUZZ_EXAMPLES")
+
+
+@settings(
+    max_examples=int(EXPLORE or 250),
+    derandomize=EXPLORE is None,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(case=st.sampled_from(CASES), value=VALUES)
 def test_every_option_is_refused_in_one_line_or_accepted_and_nothing_is_written(stubs, case, value):
     path, opt = case
