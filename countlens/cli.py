@@ -46,14 +46,21 @@ class CountlensGroup(TyperGroup):
             how = (
                 "rerun the same command to resume where it stopped"
                 if name in RESUMABLE
-                else "nothing was kept; rerun the command to start again"
+                else "no progress is saved; rerun the command to start again"
             )
             typer.secho(f"interrupted: {how}", fg=typer.colors.YELLOW, err=True)
             raise typer.Exit(code=INTERRUPTED) from None
         except Exception as err:
-            # click's and typer's own (usage errors, exit 2; typer.Exit) are theirs to print.
-            if type(err).__module__.split(".")[0] in ("click", "typer") or _debug(ctx):
+            # click's and typer's own (usage errors, exit 2; typer.Exit) are theirs to print, as is a
+            # closed pipe (`countlens plan | head`).
+            if type(err).__module__.split(".")[0] in ("click", "typer") or isinstance(err, BrokenPipeError):
                 raise
+            if _debug(ctx):
+                raise
+            known = _known(err)
+            if known:
+                typer.secho(f"error: {known}", fg=typer.colors.RED, err=True)
+                raise typer.Exit(code=USER_ERROR) from None
             detail = " ".join(str(err).split())  # one line, whatever the exception's text
             typer.secho(
                 f"internal error in countlens {_version()} running `{_command(ctx)}`: {type(err).__name__}: "
@@ -63,6 +70,18 @@ class CountlensGroup(TyperGroup):
                 err=True,
             )
             raise typer.Exit(code=INTERNAL_ERROR) from None
+
+
+def _known(err: Exception) -> str | None:
+    """The one-line message of a failure of the machine rather than of countlens: memory, disk,
+    permissions (None for anything else, a bug)."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":  # host, or torch's device
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
+        return f"out of memory ({first}); lower --batch-size, or see what fits with `countlens plan` first"
+    if isinstance(err, OSError) and err.errno is not None:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror or err}{where}; free space or fix the permissions there, then rerun the command"
+    return None
 
 
 def _command(ctx) -> str:
@@ -344,7 +363,8 @@ def data_countingtricks(
         ),
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option(help="Replace a previous export in --out (only its images and manifest).")
+        bool,
+        typer.Option(help="Replace a previous export in --out (only its images, manifest and export.json)."),
     ] = False,
 ) -> None:
     """Write COUNTINGTRICKS images and a manifest with every object's geometry.
@@ -377,9 +397,10 @@ def data_countingtricks(
             workers,
             overwrite=overwrite,
             progress=lambda k: bar.update(task, completed=k),
+            log=typer.echo,
             **kw,
         )
-    typer.echo(f"wrote {len(names) * n} images and {manifest}")
+    typer.echo(f"{manifest}: {len(names) * n} images")
 
 
 def _given(**values) -> dict:

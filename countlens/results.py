@@ -93,6 +93,16 @@ def head_label(head: tuple[int, int]) -> str:
     return f"L{head[0]}H{head[1]}"
 
 
+def is_head_pair(head) -> bool:
+    """Whether ``head`` is (layer, head) as two integers: a tuple, a list or a numpy row."""
+    return (
+        not isinstance(head, (str, bytes))
+        and np.ndim(head) == 1
+        and len(head) == 2
+        and all(isinstance(x, Integral) and not isinstance(x, (bool, np.bool_)) for x in head)
+    )
+
+
 def head_key(head) -> tuple[int, int]:
     """A head as (layer, head) from either spelling countlens uses: a pair of integers, or the label
     of its tables (``"L3H2"``, `head_label`). Anything else is an `InputError` naming both forms."""
@@ -100,11 +110,7 @@ def head_key(head) -> tuple[int, int]:
         match = _HEAD_LABEL.fullmatch(head.strip())
         if match:
             return int(match[1]), int(match[2])
-    elif (
-        isinstance(head, (tuple, list))
-        and len(head) == 2
-        and all(isinstance(x, Integral) and not isinstance(x, bool) for x in head)
-    ):
+    elif is_head_pair(head):
         return int(head[0]), int(head[1])
     raise InputError(f"head {head!r}: give (layer, head) as two integers, e.g. (3, 2), or its label, e.g. 'L3H2'")
 

@@ -66,10 +66,14 @@ def require_nonnegative(value, name: str, kind: type[CountlensError] = InputErro
     return value
 
 
-def require_share(value, name: str, kind: type[CountlensError] = InputError, below_one: bool = False) -> float:
-    """A finite number in [0, 1] (a depth, an attention share, a rate); with ``below_one``, [0, 1)."""
-    if not _real(value) or not 0 <= value <= 1 or (below_one and value == 1):
-        raise kind(f"{name} must be a number in [0, 1{')' if below_one else ']'}, got {value!r}")
+def require_share(
+    value, name: str, kind: type[CountlensError] = InputError, below_one: bool = False, above_zero: bool = False
+) -> float:
+    """A finite number in [0, 1] (a depth, an attention share, a rate); with ``below_one`` 1 is out,
+    with ``above_zero`` 0 is (a probability whose log-odds are taken)."""
+    if not _real(value) or not 0 <= value <= 1 or (below_one and value == 1) or (above_zero and value == 0):
+        bounds = f"{'(' if above_zero else '['}0, 1{')' if below_one else ']'}"
+        raise kind(f"{name} must be a number in {bounds}, got {value!r}")
     return value
 
 

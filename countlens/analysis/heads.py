@@ -33,6 +33,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.errors import ConfigError, RunDirError
+from countlens.results import head_label
 from countlens.validate import require_nonnegative, require_order, require_share
 
 CLASSES: tuple[str, ...] = ("visual grounding", "cross-modal routing", "counting aggregation", "awareness", "other")
@@ -129,9 +130,24 @@ def classify_heads(
         return CLASSES[4]
 
     df["class"] = df.apply(rule, axis=1)
-    df.insert(0, "head_id", [f"L{la}H{h}" for la, h in zip(df["layer"], df["head"])])
+    df.insert(0, "head_id", [head_label(h) for h in zip(df["layer"], df["head"])])
     df.attrs["thresholds"] = asdict(t)
     return df.sort_values("importance", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def check_effects(effect: xr.DataArray, where: str = "results/heads.nc") -> None:
+    """Refuse head patching effects that are not finite (the heads' importance, γ_h), naming the file.
+
+    Patching divides by the clean − corrupt logit difference summed over the pairs: it is 0 (NaN or
+    ±inf effects) when the model does not tell the pairs' counts apart, so recomputing on the same
+    pairs gives the same; other pairs (more of them, another kind, a prompt the model answers) do."""
+    bad = ~np.isfinite(effect.values.astype(float))
+    if bad.any():
+        raise RunDirError(
+            f"{where} has {int(bad.sum())} effects that are not finite: the model gives the clean and corrupt "
+            "sides of its pairs the same logit difference, so no head's share of it is defined; use pairs it "
+            f"tells apart (more pairs, another pair kind or prompt) and delete {where} to recompute it"
+        )
 
 
 def head_table(
@@ -152,12 +168,7 @@ def head_table(
             "by an older countlens; delete results/headlens.nc and rerun `countlens discover` "
             "with the same --out to recompute them"
         )
-    bad = int(np.isnan(heads.effect.values).sum())
-    if bad:
-        raise RunDirError(
-            f"the run's head patching result (results/heads.nc) has {bad} NaN effects: importance is undefined "
-            "there; delete results/heads.nc and rerun `countlens discover` with the same --out to recompute it"
-        )
+    check_effects(heads.effect)
     top1 = hl.token_id.isel(k=0)
     alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")
     table = classify_heads(

@@ -87,7 +87,8 @@ class ProbeConfig:
         require_positive(self.lr, "ProbeConfig.lr", ConfigError)
         require_nonnegative(self.weight_decay, "ProbeConfig.weight_decay", ConfigError)
         require_nonnegative(self.box_weight, "ProbeConfig.box_weight", ConfigError)
-        for name in ("prior", "score_threshold", "nms_iou"):
+        require_share(self.prior, "ProbeConfig.prior", ConfigError, below_one=True, above_zero=True)  # log-odds
+        for name in ("score_threshold", "nms_iou"):
             require_share(getattr(self, name), f"ProbeConfig.{name}", ConfigError)
         require_seed(self.seed, "ProbeConfig.seed", ConfigError)
         if self.threads is not None:

@@ -35,7 +35,7 @@ from countlens.circuits.sites import checked_heads, group_mask
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.results import SweepStore, provenance, samples_digest, top_sites
+from countlens.results import SweepStore, head_label, provenance, samples_digest, top_sites
 from countlens.validate import require_count
 from countlens.vlm import check_samples
 
@@ -120,8 +120,6 @@ def ablation_scan(
     if not isinstance(tasks, dict) or not tasks:
         raise InputError(f"give tasks={{'name': samples, ...}}, got {type(tasks).__name__}")
     for name, samples in tasks.items():
-        if len(samples) == 0:
-            raise InputError(f"task {name!r} has no samples")
         check_samples(samples, f"ablation_scan (task {name!r})")
     require_count(batch_size, "batch_size")
     arch = vlm.arch
@@ -278,7 +276,7 @@ def ablate(
     return xr.Dataset(
         data,
         coords={"sample": np.arange(len(samples))},
-        attrs={"heads": ",".join(f"L{la}H{h}" for la, h in heads), "method": "ablate"},
+        attrs={"heads": ",".join(map(head_label, heads)), "method": "ablate"},
     )
 
 

@@ -86,8 +86,6 @@ class HeadLens:
     def fit(
         cls, vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, ridge: float = 1e-2, batch_size: int = 16
     ) -> HeadLens:
-        if len(samples) == 0:
-            raise InputError("HeadLens.fit needs samples")
         check_samples(samples, "HeadLens.fit")
         require_count(batch_size, "batch_size")
         arch = vlm.arch
@@ -159,8 +157,6 @@ class HeadLens:
         ``vgs`` / ``cter`` / ``difficulty`` (shares of visual-attribute, number and difficulty tokens,
         averaged over samples); per sample ``count_token``, the first token of its count (−1 for a
         sample without one)."""
-        if len(samples) == 0:
-            raise InputError("HeadLens.decode needs samples")
         check_samples(samples, "HeadLens.decode")
         arch = vlm.arch
         top_ids = []

@@ -100,13 +100,6 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
             f"{vlm.arch.name} gives these images different numbers of image tokens. Patching needs the same "
             "positions on both sides: use images of one size and the same question in each pair"
         )
-    for k in range(len(pairs)):
-        if not torch.equal(a[k], b[k]):  # image tokens share one id: only the text can differ here
-            raise InputError(
-                f"pair {k}: the clean and corrupt prompts differ outside the image ({pairs[k].clean.question!r} "
-                f"vs {pairs[k].corrupt.question!r}); patching measures what the image changes, so each pair "
-                "must share its question: build both sides with one prompt (count_pairs does)"
-            )
     for k, (g, h) in enumerate(zip(clean.geometry, corrupt.geometry)):
         if g.token_grid != h.token_grid:  # equal token counts on different grids would pass the check above
             raise InputError(
@@ -126,6 +119,14 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
             raise InputError(
                 f"pair {k}: the clean image is cut into {g} tiles and the corrupt one into {h}, so image token "
                 "(or state) i covers different cells; give both images one size"
+            )
+    for k, p in enumerate(pairs):
+        # With the image layouts equal, image tokens (and any layout tokens) match: only the text can differ.
+        if p.clean.question != p.corrupt.question or not torch.equal(a[k], b[k]):
+            raise InputError(
+                f"pair {k}: the clean and corrupt prompts differ outside the image ({p.clean.question!r} "
+                f"vs {p.corrupt.question!r}); patching measures what the image changes, so each pair "
+                "must share its question: build both sides with one prompt (count_pairs does)"
             )
     return PairBatch(clean, corrupt, torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split]))
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from countlens.errors import InputError
-from countlens.results import head_key
+from countlens.results import head_key, is_head_pair
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
@@ -44,8 +44,8 @@ STATES = "image_states"
 def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
     """``heads`` as (layer, head) pairs, each given as a pair or a label such as "L3H2"
     (`countlens.results.head_key`), checked against the model's layers and heads."""
-    if isinstance(heads, str) or (isinstance(heads, tuple) and heads and not isinstance(heads[0], (str, tuple, list))):
-        heads = [heads]  # one head given alone: "L0H0" or (0, 0)
+    if isinstance(heads, str) or is_head_pair(heads):
+        heads = [heads]  # one head given alone: "L0H0", (0, 0) or [0, 0]
     out = []
     for head in heads:
         layer, h = head_key(head)

@@ -98,12 +98,12 @@ def beta_from_importance(
     require_positive(alpha, "alpha")
     require_count(top_k, "top_k")
     grid = importance.transpose("layer", "head")
-    rows, cols = np.nonzero(np.isnan(grid.values.astype(float)))
+    rows, cols = np.nonzero(~np.isfinite(grid.values.astype(float)))
     if len(rows):
         heads = [head_label((grid["layer"].values[r], grid["head"].values[c])) for r, c in zip(rows, cols)]
         raise InputError(
-            f"importance is NaN at heads {heads[:5]}{' …' if len(heads) > 5 else ''}: the result it comes from "
-            "is incomplete (a failed or unfinished patching run); recompute it before choosing heads"
+            f"importance is not finite (NaN or ±inf) at heads {heads[:5]}{' …' if len(heads) > 5 else ''}; "
+            "choose heads from a result that defines every head's importance"
         )
     top = top_sites(importance, top_k, absolute=True)
     peak = max((abs(v) for _, _, v in top), default=0.0)

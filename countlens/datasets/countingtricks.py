@@ -400,7 +400,7 @@ def resolve_counts(name: str, grid: Geometry, counts=None) -> tuple[int, ...]:
             raise CountlensError(
                 f"case {name} fits only {cap} objects on a {grid.patch_grid} patch grid, fewer than "
                 f"{DEFAULT_COUNTS[0]}; use a larger image or give counts= explicitly "
-                "(--counts on the command line)"
+                "(`countlens data countingtricks --counts`)"
             )
         return out
     out = tuple(int(n) for n in counts)

@@ -86,6 +86,25 @@ def _remove_own(out: Path) -> None:
             d.rmdir()
 
 
+def _export_spec(names: list[str], n: int, grid: Geometry, seed: int, kw: dict) -> dict:
+    """What ``export.json`` records: the cases, n, grid and seed, and every option of `trick_sample`
+    with its default filled in and a single shape or colour written as a one-item list, so that the
+    same export asked for in other words (from the API or the command line) is the same spec."""
+    import inspect
+
+    options = {
+        p.name: p.default
+        for p in inspect.signature(trick_sample).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
+    }
+    options.update(kw)
+    for key in ("shapes", "color"):
+        if isinstance(options.get(key), str):
+            options[key] = (options[key],)
+    spec = {"cases": names, "n": n, "grid": asdict(grid), "seed": seed, **options}
+    return json.loads(json.dumps(spec, default=str))
+
+
 def _saved_spec(out: Path) -> dict | None:
     """The ``export.json`` of an export in ``out``, or None when there is none (or it is unreadable:
     then the folder is treated as foreign, and only ``overwrite`` replaces it)."""
@@ -161,8 +180,11 @@ def check_export(
         raise InputError(f"output {out} is a file; give a directory")
     for name in names:
         resolve_counts(name, grid, kw.get("counts"))
-    trick_sample(names[0], seed, 0, grid, **kw)
-    spec = json.loads(json.dumps({"cases": names, "n": n, "grid": asdict(grid), "seed": seed, **kw}, default=str))
+    try:
+        trick_sample(names[0], seed, 0, grid, **kw)
+    except TypeError as err:  # an option trick_sample does not take
+        raise InputError(f"export options {sorted(kw)}: {err}") from None
+    spec = _export_spec(names, n, grid, seed, kw)
     saved = _saved_spec(out) if out.is_dir() else None
     if saved is not None and saved != spec and not overwrite:
         raise InputError(
@@ -186,18 +208,22 @@ def export_countingtricks(
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
     **kw,
 ) -> Path:
     """Write ``n`` samples of each case under ``out`` (resuming an interrupted export of the same
-    settings there); returns the manifest's path."""
+    settings there); returns the manifest's path. ``log`` hears whether a finished export was kept
+    or an interrupted one resumed."""
     out = Path(out)
     names, spec = check_export(out, cases, n, grid, seed, workers, overwrite, **kw)
     manifest, partial = out / "manifest.jsonl", out / PARTIAL
     saved = _saved_spec(out) if out.is_dir() else None
+    say = log or (lambda _: None)
     if saved == spec and manifest.exists():
+        say(f"{out} holds this export, finished: kept as it is")
         if progress is not None:
             progress(len(names) * n)
-        return manifest  # the same export, finished before
+        return manifest
     if saved != spec:
         if overwrite:
             _remove_own(out)
@@ -206,6 +232,10 @@ def export_countingtricks(
         tmp.write_text(json.dumps(spec, indent=1) + "\n")
         os.replace(tmp, out / SPEC)
     done = _finished_lines(partial)
+    if done:
+        say(f"{out}: resuming an interrupted export at image {done + 1} of {len(names) * n}")
+    if progress is not None:
+        progress(done)
     workers = workers or os.cpu_count() or 1
     for name in names:
         (out / "images" / name).mkdir(parents=True, exist_ok=True)

@@ -76,13 +76,19 @@ def task_sample(
         raise CountlensError(f"unknown task {task!r}; use one of {TASKS}")
     require_image_side(image_size, "image_size")
     require_seed(seed)
-    if size_range is None:
+    scaled = size_range is None
+    if scaled:
         size_range = object_sizes(image_size)
     if not MIN_OBJECT_SIZE <= size_range[0] <= size_range[1]:
+        why = (
+            f"the default sizes scale from {SIZE_RANGE[0]:g} px at 192 px, so give image_size ≥ "
+            f"{math.ceil(MIN_OBJECT_SIZE * 192 / SIZE_RANGE[0])}"
+            if scaled
+            else f"give size_range from {MIN_OBJECT_SIZE:g} px up, smallest first"
+        )
         raise InputError(
-            f"objects of {size_range[0]:.2g}–{size_range[1]:.2g} px: give sizes from {MIN_OBJECT_SIZE} px up, smallest "
-            f"first (every shape then covers a pixel; at image_size {image_size} the default sizes scale from "
-            f"{SIZE_RANGE[0]:g} px at 192 px, so image_size ≥ {math.ceil(MIN_OBJECT_SIZE * 192 / SIZE_RANGE[0])})"
+            f"objects of {size_range[0]:.2g}–{size_range[1]:.2g} px at image_size {image_size}: {why} "
+            "(smaller shapes may cover no pixel)"
         )
     rng = sample_rng(seed, task, index)
     make = {"count": _count, "color": _color, "shape": _shape}[task]

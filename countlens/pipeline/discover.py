@@ -33,11 +33,12 @@ import xarray as xr
 from countlens import circuits, distributed
 from countlens.analysis.attention_metrics import attention_metrics
 from countlens.analysis.evaluate import score, unanswered
-from countlens.analysis.heads import export_heads, head_table
+from countlens.analysis.heads import check_effects, export_heads, head_table
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig, check_config, conflict_styles, resolved_prompt
 from countlens.pipeline.report import write_report
 from countlens.pipeline.rundir import Stages, check_run_dir
+from countlens.results import head_label
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -74,6 +75,7 @@ def discover(
     }
     shard = distributed.current()  # the launcher's variables checked before anything is written
     bs = c.batch_size
+    check_inputs(vlm, c, prompt)
     inputs = stage_inputs(vlm, c, prompt)
     pairs, data = inputs["pairs"](), inputs["tasks"]()
     stages = Stages(out, spec, log)
@@ -113,6 +115,7 @@ def discover(
     # 2–3. patching
     stages.run("vap", sweep_stages["vap"])
     heads = stages.run("heads", sweep_stages["heads"])
+    check_effects(heads.effect)  # the importance every later stage reads
     stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
     # 4–5. lenses and attention
     stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
@@ -140,13 +143,23 @@ def discover(
             sharp = score(vlm, held, batch_size=bs)
         return xr.Dataset(
             {"base": base.correct, "sharpened": sharp.correct},
-            attrs={"betas": json.dumps({f"L{la}H{h}": b for (la, h), b in betas.items()})},
+            attrs={"betas": json.dumps({head_label(h): b for h, b in betas.items()})},
         )
 
     stages.run("temperature", temperature)
     table = head_table(heads, abl, hl, att, presets.thresholds(c.preset))
     export_heads(table, out)
     return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
+
+
+def check_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> None:
+    """Build one of each stage's inputs (every COUNTINGTRICKS case on this model's grid, each task),
+    so that a grid no stage can draw on is refused before spec.json is written, not hours later."""
+    from dataclasses import replace
+
+    small = replace(c, n_per_case=1, n_pairs=1, n_samples=1)
+    for make in stage_inputs(vlm, small, prompt).values():
+        make()
 
 
 def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable[[], list]]:

@@ -31,8 +31,15 @@ import pandas as pd
 import xarray as xr
 
 from countlens.progress import Bar
-from countlens.results import read_json, samples_digest, write_text
-from countlens.training.finetune import FinetuneConfig, check_trainable, finetune, target_layers_from, with_adapter
+from countlens.results import head_label, read_json, samples_digest, write_text
+from countlens.training.finetune import (
+    FinetuneConfig,
+    check_digit_answers,
+    check_trainable,
+    finetune,
+    target_layers_from,
+    with_adapter,
+)
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -340,6 +347,10 @@ def before_after(
     for state in [out / "accuracies.json", *out.glob("*/finetune.json")]:  # a resumed run's own files
         if state.exists():
             read_json(state, f"delete {state.parent if state.name == 'finetune.json' else state} to redo it")
+    rows = ["baseline", *recipe.rows]
+    betas = beta_from_importance(importance_from(circuit, recipe.temperature_classes), alpha=alpha, top_k=top_k)
+    if TEMPERATURE_ROW in rows and not betas:  # it would repeat +SFT+focus under another name
+        _no_betas(circuit, recipe, alpha)
     base = countlens.load(model)
     check_trainable(base)  # before the baseline evaluation and anything written
     prompt = "short" if base.name == "toy" else "std"
@@ -350,6 +361,10 @@ def before_after(
         tuple(range(base.arch.n_layers)) if recipe.layers == "all" else target_layers_from(circuit)
     )
     config = replace(config, target_layers=tuple(layers))
+    for layer in config.target_layers:  # a circuit of a deeper model, or --layers beyond this one
+        base.arch.layer(layer)
+    if config.ce_on == "digits":
+        check_digit_answers(base, train)
     sets = (
         evaluation_sets(
             base.geometry, n_eval, prompt=prompt, names=evaluation_names(recipe, local), local=local, log=say
@@ -359,16 +374,6 @@ def before_after(
     )
     sets = {**sets, **(extra_sets or {})}
     generated = frozenset(name for name in sets if name in LOCAL_SETS) | frozenset(extra_sets or {})
-    betas = beta_from_importance(importance_from(circuit, recipe.temperature_classes), alpha=alpha, top_k=top_k)
-    rows = ["baseline", *recipe.rows]
-    if TEMPERATURE_ROW in rows and not betas:  # it would repeat +SFT+focus under another name
-        from countlens.errors import RunDirError
-
-        raise RunDirError(
-            f"{circuit}/heads.csv gives every head importance 0, so the {TEMPERATURE_ROW!r} row would sharpen no "
-            f"head; rerun `countlens discover --out {circuit}` (its head patching), or fine-tune with a preset whose "
-            "rows have no temperature"
-        )
     # Each row's metrics are kept in out/accuracies.json, so a resumed run evaluates only what is new.
     done = _Rows(
         out / "accuracies.json",
@@ -381,7 +386,7 @@ def before_after(
             "digest": samples_digest([*train, *(x for v in sets.values() for x in v)]),
             "config": json.loads(json.dumps(asdict(config), default=str)),
             "n_train": len(train),
-            "betas": {f"L{a}H{b}": v for (a, b), v in betas.items()},
+            "betas": {head_label(h): v for h, v in betas.items()},
         },
     )
     if lead:
@@ -416,7 +421,7 @@ def before_after(
     table = pd.DataFrame(done.rows).T.loc[rows]
     table.attrs.update(
         target_layers=list(layers),
-        betas={f"L{a}H{b}": v for (a, b), v in betas.items()},
+        betas={head_label(h): v for h, v in betas.items()},
         n_train=len(train),
         n_eval={k: len(v) for k, v in sets.items()},
         preset=preset,
@@ -426,6 +431,20 @@ def before_after(
     table.to_csv(out / "before_after.csv")
     (out / "before_after.md").write_text(_markdown(table, config, recipe))
     return table
+
+
+def _no_betas(circuit, recipe, alpha: float) -> None:
+    """Refuse a temperature row that would sharpen no head, saying why: it would be the +SFT+focus row
+    again, reported as a result."""
+    from countlens.errors import ConfigError, RunDirError
+
+    if alpha < 1:
+        raise ConfigError(f"alpha {alpha} < 1: head temperature sharpens (β ≥ 1) and β = α·γ ≤ α; give alpha ≥ 1")
+    chosen = f"the heads of classes {list(recipe.temperature_classes)}" if recipe.temperature_classes else "every head"
+    raise RunDirError(
+        f"{circuit}/heads.csv gives {chosen} importance 0, so the {TEMPERATURE_ROW!r} row would sharpen no head; "
+        f"rerun `countlens discover --out {circuit}` (its head patching), or fine-tune with rows without it"
+    )
 
 
 def _markdown(table: pd.DataFrame, config: FinetuneConfig, recipe) -> str:

@@ -25,7 +25,7 @@ from countlens.errors import RunDirError
 from countlens.pipeline import presets
 from countlens.pipeline.config import STAGES, conflict_styles
 from countlens.pipeline.rundir import load_run, read_spec
-from countlens.results import top_sites
+from countlens.results import head_label, top_sites
 
 FINETUNE_SECTION = "## 9. Circuit-guided fine-tune"
 
@@ -104,7 +104,7 @@ def write_report(
     decoded_layer = next((int(la) for la in lens.layer.values if float(lens["rank"].sel(layer=la).median()) == 0), None)
     sharp = float(temp.sharpened.mean()), float(temp.base.mean())
     classes = table["class"].value_counts().to_dict()
-    tops = {t: ", ".join(f"L{la}H{h}" for la, h in v) for t, v in circuits.top_heads(abl, k=jk).items()}
+    tops = {t: ", ".join(map(head_label, v)) for t, v in circuits.top_heads(abl, k=jk).items()}
     preset = None
     if spec.get("preset"):
         chosen = presets.get(spec["preset"])
@@ -166,7 +166,9 @@ def write_report(
 
 
 def _top_effects(effect: xr.DataArray, k: int) -> str:
-    return ", ".join(f"L{layer}H{head} ({value:.2f})" for layer, head, value in top_sites(effect, k, absolute=True))
+    return ", ".join(
+        f"{head_label((layer, head))} ({value:.2f})" for layer, head, value in top_sites(effect, k, absolute=True)
+    )
 
 
 def _image_sentence(layer: int | None, states: bool = False) -> str:
@@ -191,4 +193,4 @@ def _image_sentence(layer: int | None, states: bool = False) -> str:
 
 def _argmax_head(da: xr.DataArray) -> str:
     [(layer, head, value)] = top_sites(da, 1)
-    return f"L{layer}H{head} ({value:.2f})"
+    return f"{head_label((layer, head))} ({value:.2f})"

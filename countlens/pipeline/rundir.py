@@ -24,13 +24,9 @@ def read_spec(run: str | Path) -> dict:
     path = Path(run) / "spec.json"
     if not path.exists():
         raise RunDirError(f"{run} is not a countlens discover run (no spec.json); run `countlens discover --out {run}`")
-    try:
-        spec = json.loads(path.read_text())
-    except ValueError as err:
-        raise RunDirError(
-            f"{path} is not JSON ({err}): restore it from a copy, or delete {run} and run `countlens discover "
-            f"--out {run}` again from the start"
-        ) from None
+    spec = results.read_json(
+        path, f"restore it from a copy, or delete {run} and run `countlens discover --out {run}` again from the start"
+    )
     missing = [k for k in ("model", "arch") if not isinstance(spec, dict) or k not in spec]
     if missing:
         raise RunDirError(
@@ -68,7 +64,7 @@ def _refuse_foreign(out: Path) -> None:
     another rank: countlens never writes into, or reads results from, a folder it did not make."""
     if not out.is_dir():
         return
-    foreign = sorted(p.name for p in out.iterdir() if p.name != "spec.json" and not p.name.startswith(".spec.json."))
+    foreign = sorted(p.name for p in out.iterdir() if p.name != "spec.json" and not p.name.startswith("."))
     if foreign and not (out / "spec.json").exists():  # a rank that started first may have written it
         shown = ", ".join(foreign[:5]) + (" …" if len(foreign) > 5 else "")
         raise RunDirError(

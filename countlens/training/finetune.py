@@ -217,7 +217,7 @@ def finetune(
     for layer in config.target_layers:
         vlm.arch.layer(layer)
     if config.ce_on == "digits":
-        _check_digit_answers(vlm, samples)
+        check_digit_answers(vlm, samples)
     from countlens.results import samples_digest
 
     spec_file = out / "finetune.json"
@@ -266,7 +266,7 @@ def finetune(
             p.requires_grad_(frozen.get(n, p.requires_grad))
 
 
-def _check_digit_answers(vlm: VLM, samples: Sequence) -> None:
+def check_digit_answers(vlm: VLM, samples: Sequence) -> None:
     """ce_on='digits' trains on the answers' digit tokens: refuse, before training, an answer without one."""
     for answer in sorted({s.answer for s in samples}):
         if not any(digit_mask(vlm, vlm.answer_ids(answer))):
@@ -292,17 +292,24 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
     step, log = 0, []
     ckpt = _latest_checkpoint(out)
     if ckpt is not None:
-        state = torch.load(ckpt / "state.pt", weights_only=False)
+        fix = f"delete {ckpt} (and {out}/checkpoint.old, if any) to train this fine-tune again from the start"
+        try:
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as err:  # truncated or corrupt: torch raises several kinds
+            raise RunDirError(f"{ckpt / 'state.pt'} cannot be read ({type(err).__name__}: {err}); {fix}") from None
         if accelerator.distributed_type == "FSDP" and state["step"] < config.steps:
             raise RunDirError(
                 f"{out} holds a checkpoint at step {state['step']} of {config.steps}, and resuming "
                 "under FSDP is not supported: its optimiser state is rank 0's shard only. Train "
                 "into a new directory, or resume without FSDP (DDP)"
             )
-        set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, log = state["step"], read_json(ckpt / "log.json", f"delete {ckpt} to resume from the previous checkpoint")
+        try:
+            set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+        except Exception as err:  # a checkpoint cut short, or one of other settings
+            raise RunDirError(f"{ckpt} cannot be resumed ({type(err).__name__}: {err}); {fix}") from None
+        step, log = state["step"], read_json(ckpt / "log.json", fix)
     # The scheduler stays outside `prepare`: accelerate would step it once per process per step.
     model, optimizer = accelerator.prepare(peft_model, optimizer)
     rank, world, lead = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process

@@ -24,6 +24,7 @@ import countlens
 from countlens import circuits, results
 from countlens.analysis.evaluate import generate, parse_count, score
 from countlens.analysis.heads import HeadThresholds, read_heads
+from countlens.analysis.probes import ProbeConfig
 from countlens.cli import app
 from countlens.datasets import count_pairs, countingtricks, task_samples
 from countlens.datasets.pairs import CountPair
@@ -188,7 +189,7 @@ API_CASES = [
     ("no pairs", lambda c: circuits.patch_heads(c.toy, []), InputError, "no pairs"),
     ("head out of range", lambda c: circuits.ablate(c.toy, c.samples, heads=[(0, 99)]), InputError, "head 99"),
     ("lens no samples", lambda c: circuits.logit_lens(c.toy, []), InputError, "no samples"),
-    ("headlens no samples", lambda c: circuits.HeadLens.fit(c.toy, []), InputError, "needs samples"),
+    ("headlens no samples", lambda c: circuits.HeadLens.fit(c.toy, []), InputError, "no samples given to HeadLens.fit"),
     ("ablation no tasks", lambda c: circuits.ablation_scan(c.toy, {}), InputError, "tasks="),
     # issue 34: ranges declared once, on the configurations and the generators
     ("task image too small", lambda c: task_samples("count", 2, 1, image_size=10), InputError, "image_size ≥ 32"),
@@ -241,6 +242,7 @@ API_CASES = [
     ),
     ("threshold above 1", lambda c: HeadThresholds(cter_min=50), ConfigError, "cter_min must be a number in [0, 1]"),
     ("importance threshold negative", lambda c: HeadThresholds(important=-1), ConfigError, "important"),
+    ("probe prior 0", lambda c: ProbeConfig(prior=0.0), ConfigError, "prior must be a number in (0, 1)"),
     ("toy steps negative", lambda c: TrainConfig(steps=-5), ConfigError, "steps must be an integer ≥ 0"),
     ("discover seed negative", lambda c: DiscoverConfig(seed=-1), ConfigError, "seed"),
     ("config without vision_config", lambda c: meta_vlm(str(c.no_vision)), CheckpointError, "vision_config"),
@@ -327,7 +329,7 @@ CLI_CASES = [
     ("classify empty spec", lambda t: ["classify", "--run", str(_run_dir(t, {}))], "lacks ['model', 'arch']"),
     # issue 34
     ("discover seed negative", lambda t: ["discover", "--out", str(t / "out"), "--seed", "-1"], "seed must be"),
-    ("discover spec not JSON", lambda t: ["discover", "--out", str(_run_dir(t, "{oops"))], "is not JSON"),
+    ("discover spec not JSON", lambda t: ["discover", "--out", str(_run_dir(t, "{oops"))], "cannot be read as JSON"),
     ("data seed negative", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--seed", "-1"], "seed"),
     (
         "data case twice",
@@ -506,3 +508,21 @@ def test_a_prompt_the_model_does_not_answer_is_flagged(ctx):
     assert unanswered(short) is None
     message = unanswered(std)
     assert message and "does not answer this prompt" in message and "candidate answers" in message
+
+
+def test_discover_builds_every_stage_input_before_it_writes_its_spec(tmp_path, loaded):
+    """On a 4×4 patch grid COUNTINGTRICKS' larger cases cannot be drawn: refused before spec.json,
+    not when the cases stage comes (after the sweeps, on a sharded run)."""
+    from countlens.pipeline.discover import discover
+
+    with pytest.raises(CountlensError, match="fits only"):
+        discover(loaded("llava"), tmp_path / "run", DiscoverConfig(n_per_case=1, n_pairs=2, n_samples=2))
+    assert not (tmp_path / "run").exists()
+
+
+def test_heads_given_as_a_numpy_table_or_one_list(ctx):
+    rows = np.array([[0, 1], [1, 0]])
+    assert circuits.sites.checked_heads(ctx.toy.arch, rows) == [(0, 1), (1, 0)]
+    assert circuits.sites.checked_heads(ctx.toy.arch, [1, 0]) == [(1, 0)]  # one head, as a list
+    with pytest.raises(InputError, match="'L3H2'"):
+        circuits.sites.checked_heads(ctx.toy.arch, [np.array([True, False])])
