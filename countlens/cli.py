@@ -440,6 +440,19 @@ Prompt = Annotated[
     ),
 ]
 BatchSize = Annotated[int, typer.Option()]
+Tasks = Annotated[
+    str | None,
+    typer.Option(
+        help="Comma-separated tasks mean-ablated and compared by Jaccard, count first: count, color, shape, "
+        "math, spatial (the counting-circuits preset: count,math,spatial,color).",
+        show_default=",".join(DISCOVER["tasks"]),
+    ),
+]
+
+
+def _tasks(tasks: str | None) -> tuple[str, ...] | None:
+    """``--tasks`` as DiscoverConfig's tuple (None: not given); the names are checked there."""
+    return None if tasks is None else tuple(t.strip() for t in tasks.split(",") if t.strip())
 
 
 @app.command("discover")
@@ -458,6 +471,7 @@ def discover_cmd(
     n_samples: NSamples = None,
     seed: Annotated[int, typer.Option()] = DISCOVER["seed"],
     prompt: Prompt = None,
+    tasks: Tasks = None,
     batch_size: BatchSize = DISCOVER["batch_size"],
     device: Device = None,
     dtype: Dtype = None,
@@ -488,6 +502,7 @@ def discover_cmd(
         n_pairs=n_pairs,
         n_samples=n_samples,
         prompt=prompt,
+        tasks=_tasks(tasks),
     )
     check(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
@@ -555,6 +570,7 @@ def plan_cmd(
     n_pairs: NPairs = None,
     n_samples: NSamples = None,
     prompt: Prompt = None,
+    tasks: Tasks = None,
     batch_size: BatchSize = DISCOVER["batch_size"],
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON here.")] = None,
 ) -> None:
@@ -580,7 +596,13 @@ def plan_cmd(
         raise ConfigError(f"--device {device!r}: plan for 'cpu' or 'cuda'")
     _check_file_out(json_out, "--json")
     config = _discover_config(
-        preset, batch_size=batch_size, n_per_case=n_per_case, n_pairs=n_pairs, n_samples=n_samples, prompt=prompt
+        preset,
+        batch_size=batch_size,
+        n_per_case=n_per_case,
+        n_pairs=n_pairs,
+        n_samples=n_samples,
+        prompt=prompt,
+        tasks=_tasks(tasks),
     )
     vlm = meta_vlm(model, dtype=dtype, image_size=image_size)
     p = plan.plan(vlm, config, memory=None if memory is None else int(memory * 2**30), device=device)

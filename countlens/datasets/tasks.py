@@ -31,7 +31,9 @@ from countlens.validate import require_count, require_image_side, require_seed
 if TYPE_CHECKING:
     from PIL import Image
 
-TASKS: tuple[str, ...] = ("count", "color", "shape")
+TASKS: tuple[str, ...] = ("count", "color", "shape")  # the organism's trained tasks
+#: Reasoning tasks for the head overlap with counting (`countlens.datasets.reasoning`): not trained.
+REASONING_TASKS: tuple[str, ...] = ("math", "spatial")
 TRAIN_SEED_BASE = 1000
 MAX_COUNT = 12
 SIZE_RANGE = (12.0, 22.0)  # object sizes in px at 192 px (one 16-px patch ± a few px); scaled with the image
@@ -72,8 +74,8 @@ def task_sample(
     max_count: int = MAX_COUNT,
 ) -> TaskSample:
     """The ``index``-th sample of ``task`` under ``seed``."""
-    if task not in TASKS:
-        raise CountlensError(f"unknown task {task!r}; use one of {TASKS}")
+    if task not in TASKS + REASONING_TASKS:
+        raise CountlensError(f"unknown task {task!r}; use one of {TASKS + REASONING_TASKS}")
     require_image_side(image_size, "image_size")
     require_seed(seed)
     scaled = size_range is None
@@ -91,6 +93,12 @@ def task_sample(
             "(smaller shapes may cover no pixel)"
         )
     rng = sample_rng(seed, task, index)
+    if task in REASONING_TASKS:
+        from countlens.datasets import reasoning
+
+        make = reasoning.math_sample if task == "math" else reasoning.spatial_sample
+        scene, question, answer, meta = make(rng, image_size, size_range)
+        return TaskSample(scene, question, answer, task, meta)
     make = {"count": _count, "color": _color, "shape": _shape}[task]
     return make(rng, image_size, size_range, max_count)
 

@@ -45,6 +45,7 @@ class DiscoverConfig:
     top_k: int = 5  # heads sharpened; AtP's top-k overlap with exact patching
     batch_size: int = 16
     jaccard_k: int = 5  # top heads per task compared across tasks (Jaccard)
+    tasks: tuple[str, ...] = ("count", "color", "shape")  # mean-ablated tasks (`datasets.tasks`), "count" first
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
@@ -69,6 +70,14 @@ def check_config(c: DiscoverConfig) -> None:
     except InputError as err:
         raise ConfigError(f"pair_kind: {err}") from None
     require_positive(c.alpha, "alpha (head temperature)", ConfigError)
+    from countlens.datasets.tasks import REASONING_TASKS, TASKS
+    from countlens.validate import require_choice, require_distinct
+
+    if not isinstance(c.tasks, tuple) or not c.tasks or c.tasks[0] != "count":
+        raise ConfigError(f"tasks {c.tasks!r}: give a tuple of task names that starts with 'count'")
+    for task in c.tasks:
+        require_choice(task, "a task", TASKS + REASONING_TASKS, ConfigError)
+    require_distinct(c.tasks, "tasks", ConfigError)
 
 
 def resolved_prompt(vlm: VLM, c: DiscoverConfig) -> str:

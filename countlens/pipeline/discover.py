@@ -73,6 +73,7 @@ def discover(
         "prompt_template": PROMPTS[prompt].template,
         "answer_form": PROMPTS[prompt].answer,
     }
+    spec = json.loads(json.dumps(spec))  # as spec.json reads back (a tuple of tasks is a list there)
     shard = distributed.current()  # the launcher's variables checked before anything is written
     bs = c.batch_size
     check_inputs(vlm, c, prompt)
@@ -175,10 +176,8 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
     size = grid.image_height
     colors = ("red", "green", "blue")
 
-    def tasks(seed_offset: int = 0) -> dict:
-        return {
-            t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in ("count", "color", "shape")
-        }
+    def tasks(seed_offset: int = 0, names: tuple[str, ...] = c.tasks) -> dict:
+        return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in names}
 
     position = [n for n, case in CASES.items() if case.family == "position"]
     base, distractor = conflict_styles(vlm.name)
@@ -194,7 +193,10 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
         "cases": lambda: countingtricks(None, c.n_per_case, grid, seed=c.seed, prompt=prompt, color=colors),
         "conflict_std": lambda: conflict(base),
         "conflict": lambda: conflict(distractor),
-        "headlens_fit": lambda: [s for samples in tasks(seed_offset=500).values() for s in samples],
+        # HeadLens learns its maps on the organism's three trained tasks, whatever the ablation compares.
+        "headlens_fit": lambda: [
+            s for samples in tasks(seed_offset=500, names=("count", "color", "shape")).values() for s in samples
+        ],
         "attention_metrics": lambda: countingtricks(
             None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt, color=colors
         ),

@@ -53,7 +53,12 @@ PRESETS: dict[str, Preset] = {
     "counting-circuits": Preset(
         "counting-circuits",
         "Counting Circuits (paper 002)",
-        discover={"pair_kind": "dots+polygons", "prompt": "std", "jaccard_k": 20},
+        discover={
+            "pair_kind": "dots+polygons",
+            "prompt": "std",
+            "jaccard_k": 20,
+            "tasks": ("count", "math", "spatial", "color"),
+        },
         thresholds={
             "early": 0.1,
             "routing_from": 0.6,
@@ -101,6 +106,9 @@ PRESETS: dict[str, Preset] = {
             "the SynDot and SynPoly data, alternating)",
             "prompt": "the Pstd prompt of the evaluation",
             "jaccard_k": "Key findings: top-20 critical heads per task, Jaccard between tasks",
+            "tasks": "Key findings: counting against math reasoning (Jaccard 0.38), CLEVR spatial reasoning "
+            "(0.33) and colour (0.18) (countlens: math and spatial are procedural stand-ins, "
+            "countlens.datasets.reasoning, not the paper's benchmarks)",
             "early": "Key design 2: visual-grounding heads concentrated in layer 1",
             "routing_from": "Key design 2: routing heads in layers 18-24 (depth 0.63-0.89 of 28 layers)",
             "routing_to": "Key design 2: routing heads in layers 18-24",

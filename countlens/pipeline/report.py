@@ -149,6 +149,7 @@ def write_report(
             "k": jac.attrs["k"],
             "top_heads": "; ".join(f"{t}: {v}" for t, v in tops.items()),
             "jaccard_table": jac.to_pandas().round(2).to_markdown(),
+            "reasoning": bool({"math", "spatial"} & set(map(str, abl.task.values))),
         },
         temperature={
             "betas": temp.attrs["betas"],

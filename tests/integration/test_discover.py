@@ -161,6 +161,13 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
         assert f"Preset `{preset}`" in (out / "report.md").read_text()
     # The organism cannot write Pstd's "circle: 7" answers: the report says its numbers measure nothing.
     assert "the model does not answer this prompt" in (run / "report.md").read_text().split("## 1.")[0]
+    # Counting Circuits' overlap: count against math, spatial and colour, a 4 × 4 Jaccard matrix.
+    from countlens import results
+
+    ablation = results.load(run / "results" / "ablation.nc")
+    assert list(ablation.task.values) == ["count", "math", "spatial", "color"]
+    section = (run / "report.md").read_text().split("## 7.")[1].split("## 8.")[0]
+    assert all(f"| {t} " in section for t in ablation.task.values) and "procedural stand-ins" in section
     _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
     _pixmo_fixture(tmp_path / "pixmo.jsonl")
     tiny = ["--n-train", "4", "--n-eval", "4"]

@@ -1,0 +1,98 @@
+"""The math and spatial tasks: every answer recomputed from the scene's objects alone (not from the
+generator's own bookkeeping), spatial answers clear of the margin, and samples pure functions of
+their seed on any image size."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from countlens.datasets.reasoning import margin
+from countlens.datasets.tasks import task_sample, task_samples
+
+SIZES = (32, 64, 192, 384)
+
+
+def _count(scene, shape: str) -> int:
+    return sum(o.shape == shape for o in scene.objects)
+
+
+def _math_answer(question: str, scene) -> int:
+    """The answer from the question's words and the objects drawn."""
+    patterns = {
+        r"how many (\w+)s and (\w+)s are there in total\?": lambda a, b: a + b,
+        r"how many more (\w+)s than (\w+)s are there\?": lambda a, b: a - b,
+        r"what is the number of (\w+)s times the number of (\w+)s\?": lambda a, b: a * b,
+    }
+    for pattern, op in patterns.items():
+        m = re.fullmatch(pattern, question)
+        if m:
+            return op(_count(scene, m[1]), _count(scene, m[2]))
+    m = re.fullmatch(r"how many (\w+)s would there be if (\d+) more were added\?", question)
+    assert m, question
+    return _count(scene, m[1]) + int(m[2])
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_math_answers_are_the_arithmetic_of_the_drawn_groups(size):
+    samples = task_samples("math", 60, 4, image_size=size)
+    assert {s.meta["op"] for s in samples} == {"sum", "difference", "product", "add"}
+    for s in samples:
+        assert s.task == "math" and s.answer == str(_math_answer(s.question, s.scene)), s.question
+        assert int(s.answer) >= 1
+        assert len({o.shape for o in s.scene.objects}) == 2  # exactly the two groups asked about
+    assert any(len(s.answer) == 2 for s in samples)  # multi-digit answers (products, additions)
+
+
+def _find(scene, name: str):
+    """The one object called ``name`` ("red circle") or, for a bare shape, the one of that shape."""
+    words = name.split()
+    found = [o for o in scene.objects if [o.color, o.shape][-len(words) :] == words]
+    assert len(found) == 1, (name, scene.objects)
+    return found[0]
+
+
+def _spatial_answer(question: str, scene, m: float) -> str:
+    """The answer from the objects' centres; asserts that every object read is clear of the margin."""
+    side = re.fullmatch(r"is the (\w+ \w+) (left|right) of the (\w+ \w+)\?", question)
+    if side:
+        x, ref = _find(scene, side[1]), _find(scene, side[3])
+        dx = x.cx - ref.cx
+        assert abs(dx) >= m
+        return "yes" if (dx < 0) == (side[2] == "left") else "no"
+    count = re.fullmatch(r"how many objects are (left|right) of the (\w+ \w+)\?", question)
+    colour = re.fullmatch(r"what color is the object (left|right) of the (\w+)\?", question)
+    match = count or colour
+    assert match, question
+    ref = _find(scene, match[2])
+    dxs = [o.cx - ref.cx for o in scene.objects if o is not ref]
+    assert all(abs(dx) >= m for dx in dxs)  # nobody sits on the fence
+    on_side = [o for o in scene.objects if o is not ref and ((o.cx < ref.cx) == (match[1] == "left"))]
+    if count:
+        return str(len(on_side))
+    assert len(on_side) == 1
+    return on_side[0].color
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_spatial_answers_follow_from_the_centres_with_a_margin(size):
+    samples = task_samples("spatial", 60, 5, image_size=size)
+    kinds = {s.question.split()[0] + " " + s.question.split()[1] for s in samples}
+    assert kinds == {"is the", "how many", "what color"}
+    for s in samples:
+        names = [(o.color, o.shape) for o in s.scene.objects]
+        assert len(set(names)) == len(names) and 3 <= len(names) <= 5  # every object nameable
+        assert s.answer == _spatial_answer(s.question, s.scene, margin(size)), s.question
+    assert {"yes", "no"} <= {s.answer for s in samples}
+
+
+@pytest.mark.parametrize("task", ["math", "spatial"])
+def test_samples_are_pure_functions_of_seed_and_index_and_render(task):
+    a = task_samples(task, 6, 9, image_size=64)
+    b = [task_sample(task, 9, i, image_size=64) for i in reversed(range(6))][::-1]
+    assert [(s.question, s.answer, s.scene) for s in a] == [(s.question, s.answer, s.scene) for s in b]
+    assert [s.question for s in task_samples(task, 6, 10, image_size=64)] != [s.question for s in a]
+    image = np.asarray(a[0].image)
+    assert image.shape == (64, 64, 3) and (image != 255).any()
