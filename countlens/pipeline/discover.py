@@ -73,7 +73,6 @@ def discover(
         "prompt_template": PROMPTS[prompt].template,
         "answer_form": PROMPTS[prompt].answer,
     }
-    spec = json.loads(json.dumps(spec))  # as spec.json reads back (a tuple of tasks is a list there)
     shard = distributed.current()  # the launcher's variables checked before anything is written
     bs = c.batch_size
     check_inputs(vlm, c, prompt)

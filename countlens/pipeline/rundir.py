@@ -79,6 +79,7 @@ class Stages:
     def __init__(self, out: Path, spec: dict, log: Callable[[str], None] = print):
         self.out, self.log = out, log
         self.dir = out / "results"
+        spec = json.loads(json.dumps(spec))  # as spec.json reads back (a tuple is a list there)
         spec_file = out / "spec.json"
         if not spec_file.exists():
             _refuse_foreign(out)
