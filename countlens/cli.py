@@ -472,6 +472,10 @@ def discover_cmd(
     seed: Annotated[int, typer.Option()] = DISCOVER["seed"],
     prompt: Prompt = None,
     tasks: Tasks = None,
+    math: Annotated[
+        Path | None, typer.Option(help="A local MathVista copy (testmini parquet / JSON) for the math task.")
+    ] = None,
+    spatial: Annotated[Path | None, typer.Option(help="A local CLEVR root for the spatial task.")] = None,
     batch_size: BatchSize = DISCOVER["batch_size"],
     device: Device = None,
     dtype: Dtype = None,
@@ -503,6 +507,8 @@ def discover_cmd(
         n_samples=n_samples,
         prompt=prompt,
         tasks=_tasks(tasks),
+        math=None if math is None else str(math),
+        spatial=None if spatial is None else str(spatial),
     )
     check(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)

@@ -8,6 +8,7 @@ never the other way round.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from countlens.errors import ConfigError
@@ -46,6 +47,8 @@ class DiscoverConfig:
     batch_size: int = 16
     jaccard_k: int = 5  # top heads per task compared across tasks (Jaccard)
     tasks: tuple[str, ...] = ("count", "color", "shape")  # mean-ablated tasks (`datasets.tasks`), "count" first
+    math: str = ""  # a local MathVista copy for the math task ("": the procedural one, `datasets.reasoning`)
+    spatial: str = ""  # a local CLEVR root for the spatial task ("": the procedural one)
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
@@ -78,6 +81,14 @@ def check_config(c: DiscoverConfig) -> None:
     for task in c.tasks:
         require_choice(task, "a task", TASKS + REASONING_TASKS, ConfigError)
     require_distinct(c.tasks, "tasks", ConfigError)
+    for name in ("math", "spatial"):
+        path = getattr(c, name)
+        if path and name not in c.tasks:
+            raise ConfigError(
+                f"{name}={path!r} gives a local copy for a task the run leaves out; add {name!r} to tasks"
+            )
+        if path and not Path(path).exists():
+            raise ConfigError(f"{name}={path!r}: no such file or directory; give the path of a local copy")
 
 
 def resolved_prompt(vlm: VLM, c: DiscoverConfig) -> str:

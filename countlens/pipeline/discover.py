@@ -175,8 +175,21 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
     size = grid.image_height
     colors = ("red", "green", "blue")
 
+    def task(name: str, seed_offset: int) -> list:
+        """A task's samples: from a local copy where the config names one (math: MathVista, spatial:
+        CLEVR; its first n_samples), else procedural."""
+        if name == "math" and c.math:
+            from countlens.datasets.loaders import load_mathvista
+
+            return load_mathvista(c.math, limit=c.n_samples)
+        if name == "spatial" and c.spatial:
+            from countlens.datasets.loaders import load_clevr
+
+            return load_clevr(c.spatial, limit=c.n_samples)
+        return task_samples(name, c.n_samples, c.seed + seed_offset, image_size=size)
+
     def tasks(seed_offset: int = 0, names: tuple[str, ...] = c.tasks) -> dict:
-        return {t: task_samples(t, c.n_samples, c.seed + seed_offset, image_size=size) for t in names}
+        return {t: task(t, seed_offset) for t in names}
 
     position = [n for n, case in CASES.items() if case.family == "position"]
     base, distractor = conflict_styles(vlm.name)

@@ -149,7 +149,7 @@ def write_report(
             "k": jac.attrs["k"],
             "top_heads": "; ".join(f"{t}: {v}" for t, v in tops.items()),
             "jaccard_table": jac.to_pandas().round(2).to_markdown(),
-            "reasoning": bool({"math", "spatial"} & set(map(str, abl.task.values))),
+            "reasoning": _reasoning_sources(spec, [str(t) for t in abl.task.values]),
         },
         temperature={
             "betas": temp.attrs["betas"],
@@ -190,6 +190,11 @@ def _image_sentence(layer: int | None, states: bool = False) -> str:
             "layer 0 already moves it onto text positions"
         )
     return f"Image tokens carry at least half the effect up to layer {layer}"
+
+
+def _reasoning_sources(spec: dict, tasks: list[str]) -> dict[str, str]:
+    """Where each reasoning task of the ablation came from: a local copy's path, or "" (procedural)."""
+    return {t: spec.get(t, "") for t in ("math", "spatial") if t in tasks}
 
 
 def _argmax_head(da: xr.DataArray) -> str:

@@ -167,7 +167,7 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     ablation = results.load(run / "results" / "ablation.nc")
     assert list(ablation.task.values) == ["count", "math", "spatial", "color"]
     section = (run / "report.md").read_text().split("## 7.")[1].split("## 8.")[0]
-    assert all(f"| {t} " in section for t in ablation.task.values) and "procedural stand-ins" in section
+    assert all(f"| {t} " in section for t in ablation.task.values) and "procedural stand-in" in section
     _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
     _pixmo_fixture(tmp_path / "pixmo.jsonl")
     tiny = ["--n-train", "4", "--n-eval", "4"]

@@ -15,8 +15,10 @@ from PIL import Image
 from countlens.datasets.loaders import (
     CountSample,
     LoaderError,
+    load_clevr,
     load_countbench,
     load_fsc147,
+    load_mathvista,
     load_pixmo_count,
     load_tallyqa,
 )
@@ -313,3 +315,144 @@ def test_tallyqa_rejections(tmp_path):
         load_tallyqa(tmp_path / "obj.json", tmp_path / "images")
     with pytest.raises(LoaderError, match=r"nowhere: TallyQA image root not found"):
         load_tallyqa(tmp_path / "train.json", tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLEVR and MathVista: the reasoning tasks' local copies
+
+
+def clevr_root(tmp_path: Path, scenes: bool = True) -> Path:
+    """CLEVR v1.0's layout: questions/, images/<split>/ and scenes/, two images and three questions."""
+    root = tmp_path / "CLEVR_v1.0"
+    questions = [
+        {
+            "question": "Is the red cube left of the sphere?",
+            "answer": "yes",
+            "image_index": 0,
+            "question_family_index": 7,
+        },
+        {"question": "How many cylinders are there?", "answer": "2", "image_index": 1, "question_family_index": 3},
+        {"question": "What color is the big sphere?", "answer": "gray", "image_index": 1, "question_family_index": 9},
+    ]
+    for q in questions:
+        q.update(split="val", image_filename=f"CLEVR_val_{q['image_index']:06d}.png", program=[])
+    (root / "questions").mkdir(parents=True)
+    (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps({"info": {}, "questions": questions}))
+    for i in (0, 1):
+        png(root / "images" / "val" / f"CLEVR_val_{i:06d}.png", (16, 12))
+    if scenes:
+        (root / "scenes").mkdir()
+        listed = [{"image_index": i, "objects": [{"shape": "cube", "color": "red"}]} for i in (0, 1)]
+        (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": listed}))
+    return root
+
+
+def test_clevr_round_trip(tmp_path):
+    samples = load_clevr(clevr_root(tmp_path))
+    assert [(s.answer, s.task, s.source) for s in samples] == [
+        ("yes", "spatial", "clevr"),
+        ("2", "spatial", "clevr"),
+        ("gray", "spatial", "clevr"),
+    ]
+    assert samples[1].question == "How many cylinders are there?" and samples[1].image.size == (16, 12)
+    assert samples[2].meta["image_index"] == 1 and len(load_clevr(clevr_root(tmp_path / "b"), limit=1)) == 1
+
+
+def test_clevr_rejections(tmp_path):
+    root = clevr_root(tmp_path)
+    file = root / "questions" / "CLEVR_val_questions.json"
+    data = json.loads(file.read_text())
+    del data["questions"][1]["answer"]  # as in the test split
+    file.write_text(json.dumps(data))
+    with pytest.raises(LoaderError, match=r"question 1: field 'answer' is missing; split 'val' has no answers"):
+        load_clevr(root)
+    root = clevr_root(tmp_path / "scene")
+    (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": [{"image_index": 0, "objects": []}]}))
+    with pytest.raises(LoaderError, match=r"question 1: image_index 1 has no scene in scenes/CLEVR_val_scenes\.json"):
+        load_clevr(root)
+    root = clevr_root(tmp_path / "image", scenes=False)
+    (root / "images" / "val" / "CLEVR_val_000001.png").unlink()
+    with pytest.raises(LoaderError, match=r"2 of the 3 images of split 'val' are missing \(val_1, val_2\)"):
+        load_clevr(root)
+    with pytest.raises(LoaderError, match=r"CLEVR_test_questions\.json: not found"):
+        load_clevr(clevr_root(tmp_path / "test"), split="test")
+
+
+def mathvista_rows() -> list[dict]:
+    base = {"unit": None, "precision": None, "choices": None, "question_type": "free_form"}
+    return [
+        {
+            **base,
+            "pid": "1",
+            "question": "What is the sum of the two numbers?",
+            "answer": "12",
+            "answer_type": "integer",
+        },
+        {
+            **base,
+            "pid": "2",
+            "question": "Which bar is tallest?",
+            "answer": "B",
+            "answer_type": "text",
+            "question_type": "multi_choice",
+            "choices": ["A", "B", "C"],
+        },
+        {
+            **base,
+            "pid": "3",
+            "question": "What is the slope?",
+            "answer": "0.5",
+            "answer_type": "float",
+            "precision": 1.0,
+        },
+    ]
+
+
+def test_mathvista_parquet_and_json_layouts(tmp_path):
+    raw = png_bytes((10, 6))
+    rows = [
+        {**r, "image": f"images/{r['pid']}.jpg", "decoded_image": {"bytes": raw, "path": None}}
+        for r in mathvista_rows()
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "testmini-00000-of-00001.parquet")
+    samples = load_mathvista(tmp_path)  # the folder: its testmini parquet
+    assert [(s.id, s.answer, s.task, s.choices) for s in samples] == [
+        ("1", "12", "math", None),
+        ("2", "B", "math", ("A", "B", "C")),
+        ("3", "0.5", "math", None),
+    ]
+    assert samples[2].meta["precision"] == 1.0 and samples[0].image.size == (10, 6)
+    # The original release: testmini.json, an object from pid to record, images beside it.
+    folder = tmp_path / "release"
+    (folder / "images").mkdir(parents=True)
+    for r in mathvista_rows():
+        png(folder / "images" / f"{r['pid']}.jpg", (8, 8))
+    as_json = {
+        r["pid"]: {k: v for k, v in r.items() if k != "pid"} | {"image": f"images/{r['pid']}.jpg"}
+        for r in mathvista_rows()
+    }
+    (folder / "testmini.json").write_text(json.dumps(as_json))
+    again = load_mathvista(folder / "testmini.json")
+    assert [(s.id, s.answer) for s in again] == [(s.id, s.answer) for s in samples] and again[1].image.size == (8, 8)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"answer": "D"}, r"pid '2': the answer 'D' is not among the choices \['A', 'B', 'C'\]"),
+        ({"question_type": None}, r"pid '2': field 'question_type' is missing"),
+        ({"answer_type": "complex"}, r"pid '2': answer_type 'complex' is not one of"),
+        ({"image": "images/nowhere.jpg"}, r"1 of the 3 images are missing \(2\)"),
+    ],
+)
+def test_mathvista_rejections(tmp_path, change, message):
+    folder = tmp_path / "release"
+    (folder / "images").mkdir(parents=True)
+    records = {}
+    for r in mathvista_rows():
+        png(folder / "images" / f"{r['pid']}.jpg", (8, 8))
+        records[r["pid"]] = {k: v for k, v in r.items() if k != "pid"} | {"image": f"images/{r['pid']}.jpg"}
+    records["2"].update(change)
+    (folder / "testmini.json").write_text(json.dumps(records))
+    with pytest.raises(LoaderError, match=message):
+        load_mathvista(folder / "testmini.json")

@@ -96,3 +96,33 @@ def test_samples_are_pure_functions_of_seed_and_index_and_render(task):
     assert [s.question for s in task_samples(task, 6, 10, image_size=64)] != [s.question for s in a]
     image = np.asarray(a[0].image)
     assert image.shape == (64, 64, 3) and (image != 255).any()
+
+
+def test_a_local_copy_stands_in_for_the_procedural_task(tmp_path, loaded):
+    """--spatial ROOT: the ablation's spatial samples are CLEVR's questions (its first n_samples)."""
+    import json
+
+    from PIL import Image
+
+    from countlens.errors import ConfigError
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.pipeline.discover import stage_inputs
+
+    root = tmp_path / "CLEVR_v1.0"
+    (root / "questions").mkdir(parents=True)
+    (root / "images" / "val").mkdir(parents=True)
+    questions = [
+        {"question": f"Are there {i} cubes?", "answer": "yes", "image_index": i, "image_filename": f"{i}.png"}
+        for i in range(3)
+    ]
+    (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps({"questions": questions}))
+    for i in range(3):
+        Image.new("RGB", (20, 20)).save(root / "images" / "val" / f"{i}.png")
+    config = DiscoverConfig(n_samples=2, tasks=("count", "spatial"), spatial=str(root))
+    data = stage_inputs(loaded("toy"), config, "short")["tasks"]()
+    assert [s.question for s in data["spatial"]] == ["Are there 0 cubes?", "Are there 1 cubes?"]
+    assert len(data["count"]) == 2 and data["count"][0].task == "count"
+    with pytest.raises(ConfigError, match="add 'math' to tasks"):
+        DiscoverConfig(math=str(root))
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        DiscoverConfig(tasks=("count", "spatial"), spatial=str(tmp_path / "nowhere"))

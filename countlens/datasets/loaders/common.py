@@ -76,24 +76,7 @@ class CountSample:
     @property
     def image(self) -> Image.Image:
         """The image as PIL RGB, read from ``image_path`` or decoded from ``image_bytes`` on each access."""
-        if self.image_path is not None:
-            what = f"{self.image_path} (image of {self.source} sample {self.id!r})"
-            try:
-                with Image.open(self.image_path) as im:
-                    return im.convert("RGB")
-            except FileNotFoundError:
-                raise LoaderError(
-                    f"{what}: file not found; check that the images are extracted and that the image root "
-                    "given to the loader is their directory"
-                ) from None
-            except (OSError, Image.DecompressionBombError) as e:
-                raise LoaderError(f"{what}: not a readable image ({e}); re-download or remove this file") from None
-        where = f"{self.meta.get('file', self.source)}: {self.source} sample {self.id!r}"
-        try:
-            with Image.open(io.BytesIO(self.image_bytes)) as im:
-                return im.convert("RGB")
-        except (OSError, Image.DecompressionBombError) as e:
-            raise LoaderError(f"{where}: the image bytes are not a readable image ({e})") from None
+        return open_image(self)
 
     @property
     def answer(self) -> str:
@@ -102,6 +85,68 @@ class CountSample:
     @property
     def task(self) -> str:
         return "count"
+
+
+@dataclass(frozen=True)
+class QuestionSample:
+    """One question about one image from a real reasoning benchmark (CLEVR, MathVista), with its
+    answer as the benchmark writes it and, for a multiple-choice question, its ``choices``.
+
+    ``task`` names what the question exercises ("spatial", "math"), so the samples of a local copy
+    can stand in for countlens's procedural tasks of that name."""
+
+    image_path: Path | None
+    image_bytes: bytes | None = field(repr=False)
+    question: str
+    answer: str
+    task: str
+    source: str
+    id: str
+    choices: tuple[str, ...] | None = None
+    split: str | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.image_path is None) == (self.image_bytes is None):
+            raise LoaderError(f"{self.source} sample {self.id!r}: give exactly one of image_path and image_bytes")
+        if self.image_path is not None:
+            object.__setattr__(self, "image_path", Path(self.image_path))
+
+    @property
+    def image(self) -> Image.Image:
+        """The image as PIL RGB, read from ``image_path`` or decoded from ``image_bytes`` on each access."""
+        return open_image(self)
+
+
+def open_image(sample: CountSample | QuestionSample) -> Image.Image:
+    """A loaded sample's image as PIL RGB, or a LoaderError naming the file (or record) and the fix."""
+    if sample.image_path is not None:
+        what = f"{sample.image_path} (image of {sample.source} sample {sample.id!r})"
+        try:
+            with Image.open(sample.image_path) as im:
+                return im.convert("RGB")
+        except FileNotFoundError:
+            raise LoaderError(
+                f"{what}: file not found; check that the images are extracted and that the image root "
+                "given to the loader is their directory"
+            ) from None
+        except (OSError, Image.DecompressionBombError) as e:
+            raise LoaderError(f"{what}: not a readable image ({e}); re-download or remove this file") from None
+    where = f"{sample.meta.get('file', sample.source)}: {sample.source} sample {sample.id!r}"
+    try:
+        with Image.open(io.BytesIO(sample.image_bytes)) as im:
+            return im.convert("RGB")
+    except (OSError, Image.DecompressionBombError) as e:
+        raise LoaderError(f"{where}: the image bytes are not a readable image ({e})") from None
+
+
+def require_images(samples: list, folder: Path, what: str, fix: str) -> None:
+    """Refuse, at load time, samples whose image file is missing (every image is read later, by scoring
+    or training): how many of the ``what`` (e.g. "images of split 'train'") and the first few."""
+    missing = [s.id for s in samples if s.image_path is not None and not s.image_path.is_file()]
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (" …" if len(missing) > 5 else "")
+        raise LoaderError(f"{folder}: {len(missing)} of the {len(samples)} {what} are missing ({shown}); {fix}")
 
 
 # ---------------------------------------------------------------------------------------------

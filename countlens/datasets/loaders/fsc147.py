@@ -27,6 +27,7 @@ from countlens.datasets.loaders.common import (
     read_json,
     record_field,
     require_file,
+    require_images,
 )
 
 ANNOTATIONS = "annotation_FSC147_384.json"
@@ -104,14 +105,7 @@ def load_fsc147(
                 meta=meta,
             )
         )
-    # Every image is read later (scoring, training): a missing one is refused now, before a run starts.
-    missing = [s.id for s in out if not s.image_path.is_file()]
-    if missing:
-        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
-        raise LoaderError(
-            f"{root / image_dir}: {len(missing)} of the {len(out)} images of split {split!r} are missing ({shown}); "
-            f"copy the whole {image_dir} folder of FSC-147 there"
-        )
+    require_images(out, root / image_dir, f"images of split {split!r}", f"copy the whole {image_dir} folder there")
     return out
 
 

@@ -1,0 +1,91 @@
+"""CLEVR (Johnson et al., CVPR 2017): questions about rendered 3-D scenes of shapes, answered from
+their attributes and spatial relations — Counting Circuits' spatial-reasoning task.
+
+Expected layout of ``root`` (as the dataset is distributed): ``questions/CLEVR_<split>_questions.json``,
+a JSON object whose ``questions`` list holds records with ``question``, ``answer``,
+``image_filename``, ``image_index`` and ``question_family_index`` (the test split has no answers, so
+it cannot be scored); the images in ``images/<split>/<image_filename>``; and optionally
+``scenes/CLEVR_<split>_scenes.json`` (``scenes``: one record per image with its ``objects``), which,
+when present, must describe every image a question is asked about. Answers are CLEVR's words
+(``yes``, ``no``, ``0`` … ``10``, colours, shapes, materials, sizes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from countlens.datasets.loaders.common import (
+    LoaderError,
+    PathLike,
+    QuestionSample,
+    check_limit,
+    read_json,
+    record_field,
+    require_images,
+)
+
+_FIX = "download CLEVR v1.0 and pass the directory that holds questions/ and images/ as root"
+
+
+def load_clevr(root: PathLike, split: str = "val", *, limit: int | None = None) -> list[QuestionSample]:
+    """The questions of one CLEVR split as `QuestionSample` (task "spatial"), in file order."""
+    check_limit(limit)
+    root = Path(root)
+    if not root.is_dir():
+        raise LoaderError(f"{root}: CLEVR root directory not found; {_FIX}")
+    file = root / "questions" / f"CLEVR_{split}_questions.json"
+    data = read_json(file, _FIX)
+    if not isinstance(data, dict) or not isinstance(data.get("questions"), list):
+        raise LoaderError(f"{file}: expected a JSON object with a 'questions' list")
+    records = data["questions"][:limit] if limit is not None else data["questions"]
+    scenes = _scene_indices(root / "scenes" / f"CLEVR_{split}_scenes.json")
+    images = root / "images" / split
+    out = []
+    for i, record in enumerate(records):
+        rid = f"question {i}"
+        if not isinstance(record, dict):
+            raise LoaderError(f"{file}: {rid}: a question must be a JSON object")
+        question = record_field(record, "question", str, file, rid)
+        answer = record_field(
+            record, "answer", (str, int), file, rid, fix=f"split {split!r} has no answers; load 'val' or 'train'"
+        )
+        image = record_field(record, "image_filename", str, file, rid)
+        index = record_field(record, "image_index", int, file, rid)
+        if scenes is not None and index not in scenes:
+            raise LoaderError(
+                f"{file}: {rid}: image_index {index} has no scene in scenes/CLEVR_{split}_scenes.json; the "
+                "questions and scenes files come from different copies: take both from one download"
+            )
+        family = record_field(record, "question_family_index", int, file, rid, default=None)
+        out.append(
+            QuestionSample(
+                image_path=images / image,
+                image_bytes=None,
+                question=question,
+                answer=str(answer),
+                task="spatial",
+                source="clevr",
+                id=f"{split}_{i}",
+                split=split,
+                meta={"file": str(file), "image_index": index, "question_family_index": family},
+            )
+        )
+    require_images(out, images, f"images of split {split!r}", f"extract CLEVR's images/{split} folder there")
+    return out
+
+
+def _scene_indices(path: Path) -> set[int] | None:
+    """The image indices the scenes file describes (None when there is no scenes file)."""
+    if not path.exists():
+        return None
+    data = read_json(path, _FIX)
+    scenes = data.get("scenes") if isinstance(data, dict) else None
+    if not isinstance(scenes, list):
+        raise LoaderError(f"{path}: expected a JSON object with a 'scenes' list")
+    out = set()
+    for i, scene in enumerate(scenes):
+        index = record_field(scene, "image_index", int, path, f"scene {i}") if isinstance(scene, dict) else None
+        if index is None or not isinstance(scene.get("objects"), list):
+            raise LoaderError(f"{path}: scene {i}: expected an object with 'image_index' and an 'objects' list")
+        out.add(index)
+    return out
