@@ -476,6 +476,15 @@ def discover_cmd(
         Path | None, typer.Option(help="A local MathVista copy (testmini parquet / JSON) for the math task.")
     ] = None,
     spatial: Annotated[Path | None, typer.Option(help="A local CLEVR root for the spatial task.")] = None,
+    evaluate: Annotated[
+        str | None,
+        typer.Option(
+            help="How COUNTINGTRICKS and Digit-in-Conflict answers are read: score (candidate answers' "
+            "log-probability) or generate (greedy answers parsed as the papers do; the report gives the "
+            "unparsed share).",
+            show_default=DISCOVER["evaluate"],
+        ),
+    ] = None,
     batch_size: BatchSize = DISCOVER["batch_size"],
     device: Device = None,
     dtype: Dtype = None,
@@ -509,6 +518,7 @@ def discover_cmd(
         tasks=_tasks(tasks),
         math=None if math is None else str(math),
         spatial=None if spatial is None else str(spatial),
+        evaluate=evaluate,
     )
     check(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)

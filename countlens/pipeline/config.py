@@ -17,6 +17,10 @@ from countlens.validate import require_count, require_positive, require_seed
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
+#: How a run reads the model's answers on COUNTINGTRICKS and Digit-in-Conflict: scoring candidate
+#: answers (`countlens.analysis.evaluate.score`) or greedy generation parsed as the papers do (`generate`).
+EVALUATIONS: tuple[str, ...] = ("score", "generate")
+
 #: The stages of a run, in the order they run and the report reads them (`results/<stage>.nc`).
 STAGES: tuple[str, ...] = (
     "cases",
@@ -49,6 +53,8 @@ class DiscoverConfig:
     tasks: tuple[str, ...] = ("count", "color", "shape")  # mean-ablated tasks (`datasets.tasks`), "count" first
     math: str = ""  # a local MathVista copy for the math task ("": the procedural one, `datasets.reasoning`)
     spatial: str = ""  # a local CLEVR root for the spatial task ("": the procedural one)
+    evaluate: str = "score"  # COUNTINGTRICKS and Digit-in-Conflict: "score" (candidates) or "generate" (parse)
+    max_new_tokens: int = 8  # the generation budget of evaluate="generate"
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
@@ -81,6 +87,8 @@ def check_config(c: DiscoverConfig) -> None:
     for task in c.tasks:
         require_choice(task, "a task", TASKS + REASONING_TASKS, ConfigError)
     require_distinct(c.tasks, "tasks", ConfigError)
+    require_choice(c.evaluate, "evaluate", EVALUATIONS, ConfigError)
+    require_count(c.max_new_tokens, "max_new_tokens", ConfigError)
     for name in ("math", "spatial"):
         path = getattr(c, name)
         if path and name not in c.tasks:

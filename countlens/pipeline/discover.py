@@ -32,7 +32,7 @@ import xarray as xr
 
 from countlens import circuits, distributed
 from countlens.analysis.attention_metrics import attention_metrics
-from countlens.analysis.evaluate import score, unanswered
+from countlens.analysis.evaluate import generate, score, unanswered
 from countlens.analysis.heads import check_effects, export_heads, head_table
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig, check_config, conflict_styles, resolved_prompt
@@ -104,14 +104,20 @@ def discover(
         if shard.rank != 0:
             log(f"rank {shard.rank} of {shard.world}: its share of the sweeps is done; rank 0 writes the report")
             return out / "report.md"
+
     # 1. COUNTINGTRICKS
-    cases = stages.run("cases", lambda: score(vlm, inputs["cases"](), batch_size=bs, progress=True))
+    def answers(samples: list, progress: bool = False) -> xr.Dataset:
+        if c.evaluate == "generate":
+            return generate(vlm, samples, max_new_tokens=c.max_new_tokens, batch_size=bs, progress=progress)
+        return score(vlm, samples, batch_size=bs, progress=progress)
+
+    cases = stages.run("cases", lambda: answers(inputs["cases"](), progress=True))
     warning = unanswered(cases)
     if warning:  # the report repeats it at its top
         log(f"warning: on COUNTINGTRICKS, {warning}")
     # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
     for stage in ("conflict_std", "conflict"):
-        stages.run(stage, lambda stage=stage: score(vlm, inputs[stage](), batch_size=bs))
+        stages.run(stage, lambda stage=stage: answers(inputs[stage]()))
     # 2–3. patching
     stages.run("vap", sweep_stages["vap"])
     heads = stages.run("heads", sweep_stages["heads"])

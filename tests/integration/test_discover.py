@@ -155,15 +155,21 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     import json
 
     run, run4 = tmp_path / "run", tmp_path / "run4"  # each paper's discover on the organism, at toy sizes
-    for preset, out in (("counting-circuits", run), ("counting-to-four", run4)):
-        found = runner.invoke(app, ["discover", "--model", "toy", "--preset", preset, "--out", str(out), *SMALL])
+    # counting-to-four's run reads its answers by generation, as the papers do (--evaluate generate).
+    for preset, out, extra in (("counting-circuits", run, []), ("counting-to-four", run4, ["--evaluate", "generate"])):
+        found = runner.invoke(
+            app, ["discover", "--model", "toy", "--preset", preset, "--out", str(out), *SMALL, *extra]
+        )
         assert found.exit_code == 0, found.output
         assert f"Preset `{preset}`" in (out / "report.md").read_text()
+    from countlens import results
+
+    generated = results.load(run4 / "results" / "cases.nc")
+    assert "text" in generated and generated.parsed.dtype == bool  # generate's result, not score's
+    assert "of them hold no count" in (run4 / "report.md").read_text()
     # The organism cannot write Pstd's "circle: 7" answers: the report says its numbers measure nothing.
     assert "the model does not answer this prompt" in (run / "report.md").read_text().split("## 1.")[0]
     # Counting Circuits' overlap: count against math, spatial and colour, a 4 × 4 Jaccard matrix.
-    from countlens import results
-
     ablation = results.load(run / "results" / "ablation.nc")
     assert list(ablation.task.values) == ["count", "math", "spatial", "color"]
     section = (run / "report.md").read_text().split("## 7.")[1].split("## 8.")[0]
