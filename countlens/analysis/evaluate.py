@@ -232,7 +232,9 @@ def _score_tokens(vlm: VLM, samples: Sequence[Sample], batch_size: int, progress
 
 
 def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) -> list[dict[str, int]]:
-    """Per sample, its candidate answers → their count (−1 for non-counting answers)."""
+    """Per sample, its candidate answers → their count (−1 for non-counting answers): ``candidates``
+    for every sample; else a multiple-choice question's own ``choices``; else the counts 0 … the
+    largest asked (counting), or the distinct gold answers of the sample's task."""
     if candidates is not None:
         cands = [str(c) for c in candidates]
         if len(set(cands)) < 2:
@@ -256,6 +258,12 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
                 by_task[s.task].append(str(s.answer))
     out = []
     for i, (s, n) in enumerate(zip(samples, counts)):
+        choices = getattr(s, "choices", None)  # a multiple-choice question's own options
+        if choices:
+            if str(s.answer) not in choices:
+                raise InputError(f"sample {i}'s answer {s.answer!r} is not among its choices {list(choices)}")
+            out.append({str(c): _parsed(str(c)) for c in choices})
+            continue
         if n < 0:
             if len(by_task[s.task]) < 2:
                 raise InputError(

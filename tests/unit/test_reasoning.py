@@ -126,3 +126,26 @@ def test_a_local_copy_stands_in_for_the_procedural_task(tmp_path, loaded):
         DiscoverConfig(math=str(root))
     with pytest.raises(ConfigError, match="no such file or directory"):
         DiscoverConfig(tasks=("count", "spatial"), spatial=str(tmp_path / "nowhere"))
+
+
+def test_a_multiple_choice_question_is_scored_over_its_own_choices(loaded):
+    """MathVista-style questions: candidate scoring reads each question's options, not the task's
+    pooled answers (real Qwen vocabulary: multi-token options)."""
+    import io
+
+    from PIL import Image
+
+    from countlens.analysis.evaluate import score
+    from countlens.datasets.loaders import QuestionSample
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format="PNG")
+    samples = [
+        QuestionSample(
+            None, buf.getvalue(), "Which value is shown?", "12.5", "math", "fixture", "0", ("3", "12.5", "40")
+        ),
+        QuestionSample(None, buf.getvalue(), "What is the colour?", "red", "math", "fixture", "1", ("red", "blue")),
+    ]
+    ds = score(loaded("qwen2_5_vl"), samples)
+    assert ds.attrs["method"] == "candidate scoring" and list(ds.n_candidates.values) == [3, 2]
+    assert ds.pred.values[0] in ("3", "12.5", "40") and ds.pred.values[1] in ("red", "blue")
