@@ -516,8 +516,8 @@ def discover_cmd(
         n_samples=n_samples,
         prompt=prompt,
         tasks=_tasks(tasks),
-        math=None if math is None else str(math),
-        spatial=None if spatial is None else str(spatial),
+        math=None if math is None else str(math.resolve()),  # absolute: a resume from elsewhere reads it
+        spatial=None if spatial is None else str(spatial.resolve()),
         evaluate=evaluate,
     )
     check(config)  # before the model loads

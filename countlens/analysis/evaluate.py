@@ -186,7 +186,12 @@ def score(
     if method not in SCORE_METHODS:
         raise InputError(f"unknown scoring method {method!r}; use one of {SCORE_METHODS}")
     if method == "auto":
-        single = candidates is None and all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples)
+        # A multiple-choice question is scored over its options, whatever their length.
+        single = (
+            candidates is None
+            and not any(getattr(s, "choices", None) for s in samples)
+            and all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples)
+        )
         method = "token" if single else "candidates"
     if method == "token":
         if candidates is not None:
@@ -252,7 +257,7 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
     top = max(counts + [int((s.meta or {}).get("distractor", -1)) for s in samples])
     by_task: dict[str, list[str]] = {}
     for s, n in zip(samples, counts):
-        if n < 0:
+        if n < 0 and not getattr(s, "choices", None):  # a question with options keeps them to itself
             by_task.setdefault(s.task, [])
             if str(s.answer) not in by_task[s.task]:
                 by_task[s.task].append(str(s.answer))
@@ -262,7 +267,7 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
         if choices:
             if str(s.answer) not in choices:
                 raise InputError(f"sample {i}'s answer {s.answer!r} is not among its choices {list(choices)}")
-            out.append({str(c): _parsed(str(c)) for c in choices})
+            out.append({str(c): (_parsed(str(c)) if n >= 0 else -1) for c in choices})
             continue
         if n < 0:
             if len(by_task[s.task]) < 2:

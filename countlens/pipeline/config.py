@@ -91,6 +91,8 @@ def check_config(c: DiscoverConfig) -> None:
     require_count(c.max_new_tokens, "max_new_tokens", ConfigError)
     for name in ("math", "spatial"):
         path = getattr(c, name)
+        if not isinstance(path, str):  # spec.json holds it as text
+            raise ConfigError(f'{name}={path!r}: give the local copy\'s path as a str ("": the procedural task)')
         if path and name not in c.tasks:
             raise ConfigError(
                 f"{name}={path!r} gives a local copy for a task the run leaves out; add {name!r} to tasks"

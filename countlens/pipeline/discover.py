@@ -10,7 +10,8 @@ resumes where it stopped; the long sweeps also stream their chunks to ``results/
 4. ``lens`` — logit lens of the gold answer at the last prompt token;
 5. ``headlens`` — HeadLens maps, decoded tokens, VGS / CTER; ``attention`` — image-attention share;
    ``attention_metrics`` — MAS, VRA, Attention-IoU, ARS per layer on COUNTINGTRICKS scenes;
-6. ``ablation`` — mean ablation of every head on the counting, colour and shape tasks; Jaccard;
+6. ``ablation`` — mean ablation of every head on the config's tasks (counting, colour and shape by
+   default; the counting-circuits preset: counting, math, spatial, colour); Jaccard;
 7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);
 then the head table (``heads.csv`` / ``.md`` / ``.tex``), plots and ``report.md``.
 

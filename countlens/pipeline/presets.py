@@ -108,7 +108,7 @@ PRESETS: dict[str, Preset] = {
             "jaccard_k": "Key findings: top-20 critical heads per task, Jaccard between tasks",
             "tasks": "Key findings: counting against math reasoning (Jaccard 0.38), CLEVR spatial reasoning "
             "(0.33) and colour (0.18) (countlens: math and spatial are procedural stand-ins, "
-            "countlens.datasets.reasoning, not the paper's benchmarks)",
+            "countlens.datasets.reasoning, unless --math / --spatial give local MathVista / CLEVR copies)",
             "early": "Key design 2: visual-grounding heads concentrated in layer 1",
             "routing_from": "Key design 2: routing heads in layers 18-24 (depth 0.63-0.89 of 28 layers)",
             "routing_to": "Key design 2: routing heads in layers 18-24",

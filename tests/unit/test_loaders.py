@@ -334,8 +334,10 @@ def clevr_root(tmp_path: Path, scenes: bool = True) -> Path:
         {"question": "How many cylinders are there?", "answer": "2", "image_index": 1, "question_family_index": 3},
         {"question": "What color is the big sphere?", "answer": "gray", "image_index": 1, "question_family_index": 9},
     ]
-    for q in questions:
-        q.update(split="val", image_filename=f"CLEVR_val_{q['image_index']:06d}.png", program=[])
+    relate = [{"function": "scene"}, {"function": "relate", "value_inputs": ["left"]}, {"function": "exist"}]
+    count = [{"function": "scene"}, {"function": "filter_shape", "value_inputs": ["cylinder"]}, {"function": "count"}]
+    for q, program in zip(questions, (relate, count, relate)):
+        q.update(split="val", image_filename=f"CLEVR_val_{q['image_index']:06d}.png", program=program)
     (root / "questions").mkdir(parents=True)
     (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps({"info": {}, "questions": questions}))
     for i in (0, 1):
@@ -348,38 +350,45 @@ def clevr_root(tmp_path: Path, scenes: bool = True) -> Path:
 
 
 def test_clevr_round_trip(tmp_path):
+    """Only the questions whose program relates objects in space, unless relations_only=False."""
     samples = load_clevr(clevr_root(tmp_path))
-    assert [(s.answer, s.task, s.source) for s in samples] == [
-        ("yes", "spatial", "clevr"),
-        ("2", "spatial", "clevr"),
-        ("gray", "spatial", "clevr"),
+    assert [(s.id, s.answer, s.task, s.source) for s in samples] == [
+        ("val_0", "yes", "spatial", "clevr"),
+        ("val_2", "gray", "spatial", "clevr"),
     ]
-    assert samples[1].question == "How many cylinders are there?" and samples[1].image.size == (16, 12)
-    assert samples[2].meta["image_index"] == 1 and len(load_clevr(clevr_root(tmp_path / "b"), limit=1)) == 1
+    every = load_clevr(clevr_root(tmp_path / "all"), relations_only=False)
+    assert every[1].question == "How many cylinders are there?" and every[1].image.size == (16, 12)
+    assert samples[1].meta["image_index"] == 1 and len(load_clevr(clevr_root(tmp_path / "b"), limit=1)) == 1
 
 
 def test_clevr_rejections(tmp_path):
     root = clevr_root(tmp_path)
     file = root / "questions" / "CLEVR_val_questions.json"
     data = json.loads(file.read_text())
-    del data["questions"][1]["answer"]  # as in the test split
+    del data["questions"][2]["answer"]  # as in the test split
     file.write_text(json.dumps(data))
-    with pytest.raises(LoaderError, match=r"question 1: field 'answer' is missing; split 'val' has no answers"):
+    with pytest.raises(LoaderError, match=r"question 2: field 'answer' is missing; split 'val' has no answers"):
         load_clevr(root)
     root = clevr_root(tmp_path / "scene")
     (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": [{"image_index": 0, "objects": []}]}))
-    with pytest.raises(LoaderError, match=r"question 1: image_index 1 has no scene in scenes/CLEVR_val_scenes\.json"):
+    with pytest.raises(LoaderError, match=r"question 2: image_index 1 has no scene in scenes/CLEVR_val_scenes\.json"):
         load_clevr(root)
     root = clevr_root(tmp_path / "image", scenes=False)
     (root / "images" / "val" / "CLEVR_val_000001.png").unlink()
-    with pytest.raises(LoaderError, match=r"2 of the 3 images of split 'val' are missing \(val_1, val_2\)"):
+    with pytest.raises(LoaderError, match=r"1 of the 2 images of split 'val' are missing \(val_2\)"):
         load_clevr(root)
     with pytest.raises(LoaderError, match=r"CLEVR_test_questions\.json: not found"):
         load_clevr(clevr_root(tmp_path / "test"), split="test")
+    root = clevr_root(tmp_path / "program")
+    data = json.loads((root / "questions" / "CLEVR_val_questions.json").read_text())
+    del data["questions"][0]["program"]
+    (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps(data))
+    with pytest.raises(LoaderError, match=r"question 0: field 'program' is missing; relations_only=True reads it"):
+        load_clevr(root)
 
 
 def mathvista_rows() -> list[dict]:
-    base = {"unit": None, "precision": None, "choices": None, "question_type": "free_form"}
+    base = {"unit": None, "precision": None, "choices": None, "question_type": "free_form", "query": None}
     return [
         {
             **base,
@@ -392,6 +401,7 @@ def mathvista_rows() -> list[dict]:
             **base,
             "pid": "2",
             "question": "Which bar is tallest?",
+            "query": "Which bar is tallest?\nChoices:\n(A) A\n(B) B\n(C) C",
             "answer": "B",
             "answer_type": "text",
             "question_type": "multi_choice",
@@ -422,6 +432,7 @@ def test_mathvista_parquet_and_json_layouts(tmp_path):
         ("3", "0.5", "math", None),
     ]
     assert samples[2].meta["precision"] == 1.0 and samples[0].image.size == (10, 6)
+    assert samples[1].question.endswith("(C) C") and samples[0].question == "What is the sum of the two numbers?"
     # The original release: testmini.json, an object from pid to record, images beside it.
     folder = tmp_path / "release"
     (folder / "images").mkdir(parents=True)

@@ -112,7 +112,13 @@ def test_a_local_copy_stands_in_for_the_procedural_task(tmp_path, loaded):
     (root / "questions").mkdir(parents=True)
     (root / "images" / "val").mkdir(parents=True)
     questions = [
-        {"question": f"Are there {i} cubes?", "answer": "yes", "image_index": i, "image_filename": f"{i}.png"}
+        {
+            "question": f"Is the cube left of {i} spheres?",
+            "answer": "yes",
+            "image_index": i,
+            "image_filename": f"{i}.png",
+            "program": [{"function": "relate", "value_inputs": ["left"]}],
+        }
         for i in range(3)
     ]
     (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps({"questions": questions}))
@@ -120,7 +126,7 @@ def test_a_local_copy_stands_in_for_the_procedural_task(tmp_path, loaded):
         Image.new("RGB", (20, 20)).save(root / "images" / "val" / f"{i}.png")
     config = DiscoverConfig(n_samples=2, tasks=("count", "spatial"), spatial=str(root))
     data = stage_inputs(loaded("toy"), config, "short")["tasks"]()
-    assert [s.question for s in data["spatial"]] == ["Are there 0 cubes?", "Are there 1 cubes?"]
+    assert [s.question for s in data["spatial"]] == ["Is the cube left of 0 spheres?", "Is the cube left of 1 spheres?"]
     assert len(data["count"]) == 2 and data["count"][0].task == "count"
     with pytest.raises(ConfigError, match="add 'math' to tasks"):
         DiscoverConfig(math=str(root))
@@ -149,3 +155,29 @@ def test_a_multiple_choice_question_is_scored_over_its_own_choices(loaded):
     ds = score(loaded("qwen2_5_vl"), samples)
     assert ds.attrs["method"] == "candidate scoring" and list(ds.n_candidates.values) == [3, 2]
     assert ds.pred.values[0] in ("3", "12.5", "40") and ds.pred.values[1] in ("red", "blue")
+
+
+def test_options_stay_with_their_question(loaded, tmp_path):
+    """Single-token options are still scored as options (not over the whole vocabulary); a free-form
+    question's candidates never include another question's options; bad options are refused."""
+    import io
+
+    from PIL import Image
+
+    from countlens.analysis.evaluate import candidate_sets, score
+    from countlens.datasets.loaders import LoaderError, QuestionSample
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(buf, format="PNG")
+    image = buf.getvalue()
+    picked = QuestionSample(None, image, "how many circles are there?", "3", "math", "f", "0", ("2", "3"))
+    free = [QuestionSample(None, image, "how many?", a, "math", "f", str(i)) for i, a in enumerate(("4", "5"))]
+    ds = score(loaded("toy"), [picked])
+    assert ds.attrs["method"] == "candidate scoring" and ds.pred.values[0] in ("2", "3")
+    sets = candidate_sets([picked, *free], None)
+    assert sets[0] == {"2": -1, "3": -1} and set(sets[1]) == set(sets[2]) == {"4", "5"}
+    for choices, match in ((("3",), "at least two"), ("23", "tuple of strings"), (("2", "4"), "holding the answer")):
+        with pytest.raises(LoaderError, match=match):
+            QuestionSample(None, image, "q?", "3", "math", "f", "x", choices)
+    with pytest.raises(LoaderError, match="answer '' must be a non-empty string"):
+        QuestionSample(None, image, "q?", "", "math", "f", "x")

@@ -27,8 +27,13 @@ from countlens.datasets.loaders.common import (
 _FIX = "download CLEVR v1.0 and pass the directory that holds questions/ and images/ as root"
 
 
-def load_clevr(root: PathLike, split: str = "val", *, limit: int | None = None) -> list[QuestionSample]:
-    """The questions of one CLEVR split as `QuestionSample` (task "spatial"), in file order."""
+def load_clevr(
+    root: PathLike, split: str = "val", *, limit: int | None = None, relations_only: bool = True
+) -> list[QuestionSample]:
+    """The questions of one CLEVR split as `QuestionSample` (task "spatial"), in file order; with
+    ``relations_only`` (default) only those whose functional program relates objects in space (a
+    ``relate`` step: "left of", "behind" …), since CLEVR also asks plain counting and attribute
+    questions, which would make a "spatial" task count. ``limit`` applies after that filter."""
     check_limit(limit)
     root = Path(root)
     if not root.is_dir():
@@ -37,14 +42,15 @@ def load_clevr(root: PathLike, split: str = "val", *, limit: int | None = None) 
     data = read_json(file, _FIX)
     if not isinstance(data, dict) or not isinstance(data.get("questions"), list):
         raise LoaderError(f"{file}: expected a JSON object with a 'questions' list")
-    records = data["questions"][:limit] if limit is not None else data["questions"]
+    records = [(i, r) for i, r in enumerate(data["questions"])]
+    if relations_only:
+        records = [(i, r) for i, r in records if _relates(r, file, f"question {i}")]
+    records = records[:limit] if limit is not None else records
     scenes = _scene_indices(root / "scenes" / f"CLEVR_{split}_scenes.json")
     images = root / "images" / split
     out = []
-    for i, record in enumerate(records):
+    for i, record in records:
         rid = f"question {i}"
-        if not isinstance(record, dict):
-            raise LoaderError(f"{file}: {rid}: a question must be a JSON object")
         question = record_field(record, "question", str, file, rid)
         answer = record_field(
             record, "answer", (str, int), file, rid, fix=f"split {split!r} has no answers; load 'val' or 'train'"
@@ -72,6 +78,21 @@ def load_clevr(root: PathLike, split: str = "val", *, limit: int | None = None) 
         )
     require_images(out, images, f"images of split {split!r}", f"extract CLEVR's images/{split} folder there")
     return out
+
+
+def _relates(record, file: Path, rid: str) -> bool:
+    """Whether a question's program has a spatial ``relate`` step (its nodes name their step by
+    ``function``, or ``type`` in older copies)."""
+    if not isinstance(record, dict):
+        raise LoaderError(f"{file}: {rid}: a question must be a JSON object")
+    program = record.get("program")
+    if not isinstance(program, list):
+        raise LoaderError(
+            f"{file}: {rid}: field 'program' is missing; relations_only=True reads it (or pass relations_only=False)"
+        )
+    return any(
+        isinstance(node, dict) and "relate" in str(node.get("function") or node.get("type") or "") for node in program
+    )
 
 
 def _scene_indices(path: Path) -> set[int] | None:

@@ -107,10 +107,25 @@ class QuestionSample:
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        where = f"{self.source} sample {self.id!r}"
         if (self.image_path is None) == (self.image_bytes is None):
-            raise LoaderError(f"{self.source} sample {self.id!r}: give exactly one of image_path and image_bytes")
+            raise LoaderError(f"{where}: give exactly one of image_path and image_bytes")
         if self.image_path is not None:
             object.__setattr__(self, "image_path", Path(self.image_path))
+        for name in ("question", "answer"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise LoaderError(f"{where}: {name} {getattr(self, name)!r} must be a non-empty string")
+        if self.choices is not None:
+            choices = self.choices
+            if isinstance(choices, str) or not all(isinstance(c, str) for c in choices):
+                raise LoaderError(f"{where}: choices {choices!r} must be a tuple of strings")
+            choices = tuple(choices)
+            if len(set(choices)) != len(choices) or len(choices) < 2 or self.answer not in choices:
+                raise LoaderError(
+                    f"{where}: choices {list(choices)} must be at least two distinct options holding the answer "
+                    f"{self.answer!r}"
+                )
+            object.__setattr__(self, "choices", choices)
 
     @property
     def image(self) -> Image.Image:

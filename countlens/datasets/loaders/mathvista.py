@@ -41,9 +41,13 @@ def load_mathvista(
     file = _find(Path(path))
     records = _records(file)
     root = Path(image_root) if image_root is not None else file.parent
-    out = []
+    out, seen = [], set()
     for i, (rid, record) in enumerate(records[:limit] if limit is not None else records):
-        question = record_field(record, "question", str, file, rid)
+        # `query` is the benchmark's prompt: the question with its hint and, for multiple choice, its
+        # options; the bare `question` lacks the options, so it is used only where there is no query.
+        question = record_field(record, "query", str, file, rid, default=None) or record_field(
+            record, "question", str, file, rid
+        )
         answer = str(record_field(record, "answer", (str, int, float), file, rid))
         qtype = record_field(record, "question_type", str, file, rid)
         atype = record_field(record, "answer_type", str, file, rid)
@@ -58,6 +62,9 @@ def load_mathvista(
                 raise LoaderError(f"{file}: {rid}: the answer {answer!r} is not among the choices {choices}")
         image_path, image_bytes = image_field(record, ("decoded_image", "image"), root, file, rid)
         pid = str(record_field(record, "pid", (str, int), file, rid, default=i))
+        if pid in seen:
+            raise LoaderError(f"{file}: {rid}: pid {pid!r} appears twice; each question once")
+        seen.add(pid)
         meta = {
             "file": str(file),
             "question_type": qtype,
@@ -87,7 +94,10 @@ def _find(path: Path) -> Path:
     if path.is_dir():
         found = sorted(path.glob("testmini*.parquet")) or sorted(path.glob("testmini.json"))
         if len(found) != 1:
-            raise LoaderError(f"{path}: {len(found)} testmini*.parquet / testmini.json files here; {_FIX}")
+            raise LoaderError(
+                f"{path}: {len(found)} testmini*.parquet / testmini.json files here (the Hugging Face copy keeps "
+                f"them in data/); {_FIX}"
+            )
         return found[0]
     return path
 
@@ -101,6 +111,6 @@ def _records(file: Path) -> list[tuple[str, dict]]:
             for pid, record in data.items():
                 if not isinstance(record, dict):
                     raise LoaderError(f"{file}: pid {pid!r}: a record must be a JSON object")
-                out.append((f"pid {pid!r}", {"pid": pid, **record}))
+                out.append((f"pid {pid!r}", {**record, "pid": record.get("pid") or pid}))
             return out
     return read_records(file, _FIX)
