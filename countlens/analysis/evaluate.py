@@ -587,7 +587,6 @@ def unanswered(ds: xr.Dataset) -> str | None:
     distinct gold answers) and the model puts little weight on the answer form: a median candidate
     probability below `FORM_MASS_MIN`, or more than `UNPARSED_MAX` of its answers holding no count."""
     acc = float(ds.correct.mean())
-    row = summary(ds).loc["all"]
     if "p_candidates" in ds:
         chance = float((1.0 / ds.n_candidates).mean())
         mass = float(np.median(ds.p_candidates))
@@ -595,7 +594,8 @@ def unanswered(ds: xr.Dataset) -> str | None:
         why = f"the median probability of the candidate answers is {mass:.2g}"
     else:
         chance = 1.0 / max(1, len(set(ds.gold.values.tolist())))
-        unparsed = float(row["unparsed"]) if np.isfinite(row["unparsed"]) else 0.0
+        unparsed = float(summary(ds).loc["all", "unparsed"])
+        unparsed = unparsed if np.isfinite(unparsed) else 0.0
         off_form = unparsed > UNPARSED_MAX
         why = f"{unparsed:.0%} of its answers hold no count"
     if off_form and acc <= 1.5 * chance:

@@ -36,7 +36,7 @@ from countlens.analysis.attention_metrics import attention_metrics
 from countlens.analysis.evaluate import generate, score, unanswered
 from countlens.analysis.heads import check_effects, export_heads, head_table
 from countlens.pipeline import presets
-from countlens.pipeline.config import DiscoverConfig, check_config, conflict_styles, resolved_prompt
+from countlens.pipeline.config import DiscoverConfig, conflict_styles, resolved_prompt
 from countlens.pipeline.report import write_report
 from countlens.pipeline.rundir import Stages, check_run_dir
 from countlens.results import head_label
@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 
 def check(c: DiscoverConfig) -> None:
-    """`check_config`, and the preset named (`presets.get`): before anything is written."""
-    check_config(c)
+    """The preset named (`presets.get`), before anything is written; the fields themselves were checked
+    when ``c`` was made (`DiscoverConfig.__post_init__` runs `check_config`)."""
     if c.preset:
         presets.get(c.preset)
 

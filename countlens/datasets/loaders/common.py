@@ -52,11 +52,7 @@ class CountSample:
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        where = f"{self.source} sample {self.id!r}"
-        if (self.image_path is None) == (self.image_bytes is None):
-            raise LoaderError(f"{where}: give exactly one of image_path and image_bytes")
-        if self.image_path is not None:
-            object.__setattr__(self, "image_path", Path(self.image_path))
+        where = _check_image_source(self)
         if isinstance(self.count, bool) or not isinstance(self.count, (int, np.integer)) or self.count < 0:
             raise LoaderError(f"{where}: count is {self.count!r}; a count must be a non-negative integer")
         object.__setattr__(self, "count", int(self.count))
@@ -107,11 +103,7 @@ class QuestionSample:
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        where = f"{self.source} sample {self.id!r}"
-        if (self.image_path is None) == (self.image_bytes is None):
-            raise LoaderError(f"{where}: give exactly one of image_path and image_bytes")
-        if self.image_path is not None:
-            object.__setattr__(self, "image_path", Path(self.image_path))
+        where = _check_image_source(self)
         for name in ("question", "answer"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise LoaderError(f"{where}: {name} {getattr(self, name)!r} must be a non-empty string")
@@ -131,6 +123,17 @@ class QuestionSample:
     def image(self) -> Image.Image:
         """The image as PIL RGB, read from ``image_path`` or decoded from ``image_bytes`` on each access."""
         return open_image(self)
+
+
+def _check_image_source(sample: CountSample | QuestionSample) -> str:
+    """Refuse a loaded sample without exactly one image source; make its path a Path. Returns the
+    sample's name for messages ("fsc147 sample '2.jpg'")."""
+    where = f"{sample.source} sample {sample.id!r}"
+    if (sample.image_path is None) == (sample.image_bytes is None):
+        raise LoaderError(f"{where}: give exactly one of image_path and image_bytes")
+    if sample.image_path is not None:
+        object.__setattr__(sample, "image_path", Path(sample.image_path))
+    return where
 
 
 def open_image(sample: CountSample | QuestionSample) -> Image.Image:
