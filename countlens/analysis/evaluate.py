@@ -7,7 +7,8 @@ answers of several tokens, as real tokenizers write "12" ("1", "2") — teacher-
 answer and takes the most probable (`countlens.answers` says how sequences end and are scored).
 **Generation** (`generate`, the papers' way) lets the model answer freely (greedy, a few tokens) and
 parses its text: the Pstd format "circle: 7" with `parse_shape_count`, else the first count with
-`parse_count` ("I think there are 3 circles" → 3, "none" → 0, "I don't know" → unparsed).
+`parse_count` ("I think there are 3 circles" → 3, "none" → 0, "I don't know" → unparsed); a question
+of MMMU, MathVista or RealWorldQA is read by that benchmark's own rule (`countlens.analysis.benchmark_answers`).
 Both return an `xr.Dataset` over ``sample`` with ``correct``, ``count`` (gold N, −1 for non-counting
 samples), ``pred_count`` (−1 when unparseable) and ``parsed``, so the metrics below read either:
 
@@ -36,6 +37,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.analysis.benchmark_answers import read_answer, writes_a_letter
 from countlens.errors import InputError
 from countlens.validate import require_count
 from countlens.vlm import check_samples
@@ -455,15 +457,19 @@ def generate(
     reads the Pstd format ("circle: 7") and otherwise the first count. Variables: text (the decoded
     new tokens, special tokens dropped), pred_count (−1 when unparseable), parsed, correct (see
     `_is_correct`; an unparsed counting answer is wrong and counted in `summary`'s ``unparsed``),
-    gold, count, case, task, shape, distractor. A gold answer longer than ``max_new_tokens`` (as the
-    model writes it, `countlens.answers`) is refused: the budget could never produce it.
+    gold, count, case, task, shape, distractor; for benchmark questions read by their own rule
+    (`countlens.analysis.benchmark_answers.read_answer`: parsed and correct are that rule's), also
+    extracted (what the rule read). A gold answer longer than ``max_new_tokens`` (as the model writes
+    it, `countlens.answers`) is refused: the budget could never produce it — except a multiple-choice
+    benchmark question's, which the model answers with its option letter.
     """
     _check_samples(samples, "generate", batch_size)
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    need, longest = max((len(vlm.answer_ids(str(s.answer))), str(s.answer)) for s in samples)
+    written = [s for s in samples if not writes_a_letter(s)] or [None]  # an option letter is one token
+    need, longest = max((len(vlm.answer_ids(str(s.answer))), str(s.answer)) if s else (1, "A") for s in written)
     if need > max_new_tokens:
         raise InputError(
             f"gold answer {longest!r} takes {need} tokens as {vlm.name or 'the model'} writes it, "
@@ -480,11 +486,23 @@ def generate(
         texts += [t.strip() for t in vlm.tokenizer.batch_decode(new, skip_special_tokens=True)]
     counts = [parse_shape_count(t, str((s.meta or {}).get("shape", ""))) for t, s in zip(texts, samples)]
     correct = [_is_correct(t, c, s) for t, c, s in zip(texts, counts, samples)]
+    parsed = [c is not None for c in counts]
+    # A general-reasoning benchmark's question is read by that benchmark's own rule.
+    readings = [read_answer(t, s) for t, s in zip(texts, samples)]
+    for i, r in enumerate(readings):
+        if r is not None:
+            counts[i], parsed[i], correct[i] = None, r.parsed, r.correct
+    extracted = (
+        {"extracted": ("sample", np.array(["" if r is None else r.answer for r in readings], dtype=object))}
+        if any(r is not None for r in readings)
+        else {}
+    )
     return xr.Dataset(
         {
             "text": ("sample", np.array(texts, dtype=object)),
+            **extracted,
             "pred_count": ("sample", np.array([-1 if c is None else c for c in counts])),
-            "parsed": ("sample", np.array([c is not None for c in counts])),
+            "parsed": ("sample", np.array(parsed)),
             "correct": ("sample", np.array(correct, dtype=bool)),
             **_meta_vars(samples),
         },

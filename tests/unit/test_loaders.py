@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from benchmark_files import mathvista_rows, mmmu_copy, mmmu_rows, realworldqa_copy, realworldqa_rows
 from PIL import Image
 
 from countlens.datasets.loaders import (
@@ -19,7 +20,9 @@ from countlens.datasets.loaders import (
     load_countbench,
     load_fsc147,
     load_mathvista,
+    load_mmmu,
     load_pixmo_count,
+    load_realworldqa,
     load_tallyqa,
 )
 from countlens.errors import InputError
@@ -387,37 +390,6 @@ def test_clevr_rejections(tmp_path):
         load_clevr(root)
 
 
-def mathvista_rows() -> list[dict]:
-    base = {"unit": None, "precision": None, "choices": None, "question_type": "free_form", "query": None}
-    return [
-        {
-            **base,
-            "pid": "1",
-            "question": "What is the sum of the two numbers?",
-            "answer": "12",
-            "answer_type": "integer",
-        },
-        {
-            **base,
-            "pid": "2",
-            "question": "Which bar is tallest?",
-            "query": "Which bar is tallest?\nChoices:\n(A) A\n(B) B\n(C) C",
-            "answer": "B",
-            "answer_type": "text",
-            "question_type": "multi_choice",
-            "choices": ["A", "B", "C"],
-        },
-        {
-            **base,
-            "pid": "3",
-            "question": "What is the slope?",
-            "answer": "0.5",
-            "answer_type": "float",
-            "precision": 1.0,
-        },
-    ]
-
-
 def test_mathvista_parquet_and_json_layouts(tmp_path):
     raw = png_bytes((10, 6))
     rows = [
@@ -467,3 +439,83 @@ def test_mathvista_rejections(tmp_path, change, message):
     (folder / "testmini.json").write_text(json.dumps(records))
     with pytest.raises(LoaderError, match=message):
         load_mathvista(folder / "testmini.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# MMMU and RealWorldQA: general-reasoning columns of the fine-tune's table
+
+
+def test_mmmu_layout_prompts_and_multi_image_questions(tmp_path):
+    """Hugging Face's layout (a parquet per subject); the question becomes MMMU's own prompt, letters are
+    the choices, a list literal gives several accepted answers, and a two-image question is left out."""
+    root = mmmu_copy(tmp_path, {"Math": mmmu_rows("Math"), "Art": mmmu_rows("Art")[:1]})
+    said = []
+    samples = load_mmmu(root, log=said.append)
+    assert [s.id for s in samples] == [
+        "validation_Art_1",
+        "validation_Math_1",
+        "validation_Math_2",
+        "validation_Math_3",
+    ]  # subjects in name order, the two-image question left out and said
+    assert said == ["MMMU: 1 questions with several images left out (a sample holds one image)"]
+    choice, area, pair = samples[1:]
+    assert (choice.answer, choice.choices, choice.meta["options"]) == ("B", ("A", "B", "C", "D"), ["3", "4", "5", "6"])
+    assert choice.question == (
+        "<image 1> How many sides does the shape have?\n\n(A) 3\n(B) 4\n(C) 5\n(D) 6\n\n"
+        "Answer with the option's letter from the given choices directly."
+    )
+    assert area.choices is None and area.question.endswith("Answer the question using a single word or phrase.")
+    assert (pair.answer, pair.meta["answers"]) == ("2", ["2", "3"])
+    assert (choice.task, choice.source, choice.image.size) == ("reasoning", "mmmu", (24, 24))
+    one_file = root / "Math" / "validation-00000-of-00001.parquet"
+    assert [s.id for s in load_mmmu(one_file, limit=2)] == ["validation_Math_1", "validation_Math_2"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"answer": "E"}, r"row 0: the answer 'E' is not the letter of one of its 4 options \(A, B, C, D\)"),
+        ({"answer": "?"}, r"row 0: the answer is hidden \('\?'\), as in MMMU's test split"),
+        ({"image_1": None}, r"row 0: the question shows <image 1> but its row has no image_1"),
+        ({"question_type": "essay"}, r"row 0: question_type 'essay' is not one of"),
+        ({"options": "['3', '4'"}, r"row 0: field 'options' .* is not a list literal"),
+        ({"question": None}, r"row 0: field 'question' is missing"),
+    ],
+)
+def test_mmmu_rejections(tmp_path, change, message):
+    rows = mmmu_rows()
+    rows[0].update(change)
+    root = mmmu_copy(tmp_path, {"Math": rows})
+    with pytest.raises(LoaderError, match=r"validation-00000-of-00001\.parquet: " + message):
+        load_mmmu(root)
+    with pytest.raises(LoaderError, match=r"no validation_x-\*\.parquet files"):
+        load_mmmu(tmp_path / "MMMU" / "Math", split="validation_x")
+
+
+def test_realworldqa_layout_and_options(tmp_path):
+    """Options written inside the question ("A. Left") become letter choices; other questions stay open."""
+    samples = load_realworldqa(realworldqa_copy(tmp_path))
+    turn, car, lanes = samples
+    assert (turn.choices, turn.meta["options"], turn.answer) == (("A", "B", "C"), ["Left", "Right", "Straight"], "B")
+    assert (car.choices, car.answer, lanes.answer) == (None, "Yes", "2")
+    assert (turn.id, turn.source, turn.task, turn.image.size) == ("row 0", "realworldqa", "reasoning", (24, 24))
+    assert len(load_realworldqa(tmp_path / "RealWorldQA" / "data" / "test-00000-of-00001.parquet", limit=1)) == 1
+
+
+def test_realworldqa_rejections(tmp_path):
+    rows = realworldqa_rows()
+    rows[0]["answer"] = "D"
+    with pytest.raises(
+        LoaderError, match=r"row 0: the answer 'D' is not the letter of one of the options .*\(A, B, C\)"
+    ):
+        load_realworldqa(realworldqa_copy(tmp_path / "a", rows))
+    # The JSON form, images as paths beside the file: one of them missing.
+    folder = tmp_path / "json"
+    rows = [{**r, "image": f"photos/{i}.png"} for i, r in enumerate(realworldqa_rows())]
+    for i in (0, 2):
+        png(folder / "photos" / f"{i}.png")
+    (folder / "realworldqa.json").write_text(json.dumps(rows))
+    with pytest.raises(LoaderError, match=r"1 of the 3 images are missing \(record 1\)"):
+        load_realworldqa(folder / "realworldqa.json")
+    with pytest.raises(LoaderError, match=r"nowhere: not found"):
+        load_realworldqa(tmp_path / "nowhere")

@@ -1,5 +1,5 @@
-"""Loaders for local copies of real benchmarks: counting (FSC-147, PixMo-Count, CountBench, TallyQA)
-and reasoning (CLEVR, MathVista).
+"""Loaders for local copies of real benchmarks: counting (FSC-147, PixMo-Count, CountBench, TallyQA),
+reasoning (CLEVR, MathVista) and general reasoning (MMMU, RealWorldQA, MathVista).
 
 Each loader reads annotation files from disk (nothing is downloaded), validates every record when
 it is called, and returns a list of `CountSample` (counting) or `QuestionSample` (reasoning), whose
@@ -11,7 +11,9 @@ from countlens.datasets.loaders.common import CountSample, LoaderError, Question
 from countlens.datasets.loaders.countbench import load_countbench
 from countlens.datasets.loaders.fsc147 import load_fsc147
 from countlens.datasets.loaders.mathvista import load_mathvista
+from countlens.datasets.loaders.mmmu import load_mmmu
 from countlens.datasets.loaders.pixmo import load_pixmo_count
+from countlens.datasets.loaders.realworldqa import load_realworldqa
 from countlens.datasets.loaders.tallyqa import load_tallyqa
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "load_countbench",
     "load_fsc147",
     "load_mathvista",
+    "load_mmmu",
     "load_pixmo_count",
+    "load_realworldqa",
     "load_tallyqa",
 ]

@@ -85,11 +85,13 @@ class CountSample:
 
 @dataclass(frozen=True)
 class QuestionSample:
-    """One question about one image from a real reasoning benchmark (CLEVR, MathVista), with its
-    answer as the benchmark writes it and, for a multiple-choice question, its ``choices``.
+    """One question about one image from a real reasoning benchmark (CLEVR, MathVista, MMMU,
+    RealWorldQA), with its answer as the benchmark writes it and, for a multiple-choice question, its
+    ``choices`` (what the model is to answer: MathVista's option texts, MMMU's and RealWorldQA's
+    letters, whose texts are in ``meta["options"]``).
 
-    ``task`` names what the question exercises ("spatial", "math"), so the samples of a local copy
-    can stand in for countlens's procedural tasks of that name."""
+    ``task`` names what the question exercises ("spatial", "math", "reasoning"), so the samples of a
+    local copy can stand in for countlens's procedural tasks of that name."""
 
     image_path: Path | None
     image_bytes: bytes | None = field(repr=False)
