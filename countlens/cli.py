@@ -815,6 +815,18 @@ def finetune_cmd(
         ),
     ] = None,
     pixmo: Annotated[Path | None, typer.Option(help="A local PixMo-Count file (JSONL or parquet): its column.")] = None,
+    mmmu: Annotated[
+        Path | None,
+        typer.Option(help="A local MMMU copy (its parquet files, or a folder of them): MMMU columns, both ways."),
+    ] = None,
+    realworldqa: Annotated[
+        Path | None,
+        typer.Option(help="A local RealWorldQA copy (parquet, or a folder of them): its columns, both ways."),
+    ] = None,
+    mathvista: Annotated[
+        Path | None,
+        typer.Option(help="A local MathVista testmini (parquet / JSON, or its folder): its columns, both ways."),
+    ] = None,
 ) -> None:
     """Circuit-guided LoRA fine-tunes (SFT, +focus, +MAS, +temperature) and the before/after table
     (accuracy, MAE), appended to CIRCUIT/report.md. Resumable.
@@ -846,7 +858,7 @@ def finetune_cmd(
     except ValueError:
         raise ConfigError(f"--layers {layers!r}: give comma-separated integers, e.g. 0,1") from None
     _check_positive(steps=steps, n_train=n_train, n_eval=n_eval, batch_size=batch_size, lora_r=lora_r)
-    local = _given(fsc147=fsc147, pixmo=pixmo)
+    local = _given(fsc147=fsc147, pixmo=pixmo, mmmu=mmmu, realworldqa=realworldqa, mathvista=mathvista)
     given = _given(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target or None)
     if lora_r is not None:
         given["lora_alpha"] = 2 * lora_r
@@ -884,6 +896,9 @@ def finetune_cmd(
                 n_eval=n_eval,
                 fsc147=fsc147,
                 pixmo=pixmo,
+                mmmu=mmmu,
+                realworldqa=realworldqa,
+                mathvista=mathvista,
             ).items()
         )
         report.write_text(

@@ -118,12 +118,12 @@ def mathvista_rows() -> list[dict]:
         {
             **base,
             "pid": "2",
-            "question": "Which bar is tallest?",
-            "query": "Which bar is tallest?\nChoices:\n(A) A\n(B) B\n(C) C",
-            "answer": "B",
+            "question": "How many bars are there?",
+            "query": "How many bars are there?\nChoices:\n(A) 3\n(B) 4\n(C) 5",
+            "answer": "4",
             "answer_type": "text",
             "question_type": "multi_choice",
-            "choices": ["A", "B", "C"],
+            "choices": ["3", "4", "5"],
         },
         {
             **base,

@@ -246,6 +246,11 @@ def read_answer(text: str, sample) -> Reading | None:
     return None if reader is None else reader(text, sample)
 
 
+def has_rule(sample) -> bool:
+    """Whether ``sample`` comes from a benchmark with a reading rule here."""
+    return getattr(sample, "source", None) in READERS
+
+
 def writes_a_letter(sample) -> bool:
     """Whether the model is asked to answer ``sample`` with an option letter (not its gold text)."""
-    return getattr(sample, "source", None) in READERS and bool(getattr(sample, "choices", None))
+    return has_rule(sample) and bool(getattr(sample, "choices", None))

@@ -37,7 +37,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.analysis.benchmark_answers import read_answer, writes_a_letter
+from countlens.analysis.benchmark_answers import has_rule, read_answer
 from countlens.errors import InputError
 from countlens.validate import require_count
 from countlens.vlm import check_samples
@@ -460,16 +460,17 @@ def generate(
     gold, count, case, task, shape, distractor; for benchmark questions read by their own rule
     (`countlens.analysis.benchmark_answers.read_answer`: parsed and correct are that rule's), also
     extracted (what the rule read). A gold answer longer than ``max_new_tokens`` (as the model writes
-    it, `countlens.answers`) is refused: the budget could never produce it — except a multiple-choice
-    benchmark question's, which the model answers with its option letter.
+    it, `countlens.answers`) is refused: the budget could never produce it — except a benchmark
+    question's, which its rule reads from whatever is written (the caller sizes the budget).
     """
     _check_samples(samples, "generate", batch_size)
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    written = [s for s in samples if not writes_a_letter(s)] or [None]  # an option letter is one token
-    need, longest = max((len(vlm.answer_ids(str(s.answer))), str(s.answer)) if s else (1, "A") for s in written)
+    # A benchmark's answer is read by its rule, not matched whole: its length is the caller's budget.
+    written = [s for s in samples if not has_rule(s)]
+    need, longest = max((len(vlm.answer_ids(str(s.answer))), str(s.answer)) for s in written) if written else (0, "")
     if need > max_new_tokens:
         raise InputError(
             f"gold answer {longest!r} takes {need} tokens as {vlm.name or 'the model'} writes it, "

@@ -54,7 +54,20 @@ VARIANTS: dict[str, dict] = {
 TEMPERATURE_ROW = "+SFT+focus+temperature"
 TRAINING: tuple[str, ...] = ("countingtricks", "syn", "fsc147")
 #: Evaluation columns read from a local benchmark copy (``local``'s key), scored by generation + parsing.
-LOCAL_SETS: dict[str, str] = {"FSC-Val": "fsc147", "FSC-Test": "fsc147", "PixMo-Count": "pixmo"}
+LOCAL_SETS: dict[str, str] = {
+    "FSC-Val": "fsc147",
+    "FSC-Test": "fsc147",
+    "PixMo-Count": "pixmo",
+    "MMMU": "mmmu",
+    "RealWorldQA": "realworldqa",
+    "MathVista": "mathvista",
+}
+#: The general-reasoning columns: generation read by each benchmark's rule (`benchmark_answers`), plus
+#: "<name> options" (candidate log-probability over the options, multiple-choice questions only) and
+#: "<name> unparsed" (the share of generated answers the rule could not read).
+REASONING_SETS: tuple[str, ...] = ("MMMU", "RealWorldQA", "MathVista")
+#: Tokens a general-reasoning question may generate (more where a gold answer is longer).
+REASONING_NEW_TOKENS = 16
 TRAIN_SEED = 1000  # training scenes come from seeds ≥ 1000; evaluation scenes from 7
 
 
@@ -102,14 +115,21 @@ EVALUATION: tuple[str, ...] = (
     "FSC-Val",
     "FSC-Test",
     "PixMo-Count",
+    *REASONING_SETS,
 )
 
 
 def check_recipe(
-    recipe, local: dict | None = None, train=None, overrides: dict | None = None, n_train: int | None = None
+    recipe,
+    local: dict | None = None,
+    train=None,
+    overrides: dict | None = None,
+    n_train: int | None = None,
+    n_eval: int | None = None,
 ) -> None:
     """Refuse a recipe no run can finish, naming the field, before any model loads: its fields, the
-    local copies and, for a recipe that trains on FSC-147, its train split (every image there)."""
+    local copies (a general-reasoning copy's first ``n_eval`` records) and, for a recipe that trains on
+    FSC-147, its train split (every image there)."""
     from countlens.analysis.heads import CLASSES
     from countlens.errors import ConfigError
 
@@ -119,10 +139,14 @@ def check_recipe(
     if bad_classes:
         raise ConfigError(f"Recipe.temperature_classes {bad_classes}: use some of {list(CLASSES)}")
     for key, path in (local or {}).items():
-        if key not in ("fsc147", "pixmo"):
-            raise ConfigError(f"local copy {key!r}: give 'fsc147' (a root directory) or 'pixmo' (a file)")
+        if key not in LOCAL_DEFAULT_SET:
+            raise ConfigError(
+                f"local copy {key!r}: give some of {list(LOCAL_DEFAULT_SET)} (a root directory, a file or a folder)"
+            )
         if not Path(path).exists():
             raise ConfigError(f"--{key} {path}: no such file or directory; give the path of a local copy")
+        if key in _REASONING_LOADERS:  # every record read now, before a model loads or a file is written
+            _REASONING_LOADERS[key](path, limit=n_eval)
     if recipe.training == "fsc147" and train is None and any(VARIANTS.get(r, {}).get("focus") for r in recipe.rows):
         raise ConfigError(
             "the focus loss needs object centres of synthetic scenes; a recipe that trains on "
@@ -147,7 +171,34 @@ def check_recipe(
 
 
 #: The column a local copy adds to a recipe that has none of its columns.
-LOCAL_DEFAULT_SET: dict[str, str] = {"fsc147": "FSC-Test", "pixmo": "PixMo-Count"}
+LOCAL_DEFAULT_SET: dict[str, str] = {
+    "fsc147": "FSC-Test",
+    "pixmo": "PixMo-Count",
+    "mmmu": "MMMU",
+    "realworldqa": "RealWorldQA",
+    "mathvista": "MathVista",
+}
+
+
+def _load_mmmu(path, limit=None, log=None):
+    from countlens.datasets.loaders import load_mmmu
+
+    return load_mmmu(path, limit=limit, log=log)
+
+
+def _load_realworldqa(path, limit=None, log=None):
+    from countlens.datasets.loaders import load_realworldqa
+
+    return load_realworldqa(path, limit=limit)
+
+
+def _load_mathvista(path, limit=None, log=None):
+    from countlens.datasets.loaders import load_mathvista
+
+    return load_mathvista(path, limit=limit)
+
+
+_REASONING_LOADERS = {"mmmu": _load_mmmu, "realworldqa": _load_realworldqa, "mathvista": _load_mathvista}
 
 
 def evaluation_names(recipe, local: dict | None = None) -> tuple[str, ...]:
@@ -219,6 +270,10 @@ def evaluation_sets(
         "FSC-Val": fsc("val"),
         "FSC-Test": fsc("test"),
         "PixMo-Count": pixmo,
+        **{
+            name: (lambda key=LOCAL_SETS[name]: _REASONING_LOADERS[key](local[key], limit=n, log=log))
+            for name in REASONING_SETS
+        },
     }
     unknown = [x for x in names if x not in makers]
     if unknown:
@@ -238,17 +293,52 @@ def evaluation_sets(
 
 def _metrics(vlm: VLM, sets: dict[str, list], batch_size: int, generated: frozenset = frozenset()) -> dict[str, float]:
     """Accuracy per set, and MAE (|predicted − true count| over parsed answers) per counting set:
-    scoring (`score`) or, for the sets in ``generated`` (real benchmarks), greedy generation + parsing."""
+    scoring (`score`) or, for the sets in ``generated`` (real benchmarks), greedy generation + parsing;
+    a general-reasoning set (`REASONING_SETS`) both ways (`_reasoning_metrics`)."""
     from countlens.analysis.evaluate import generate, score, summary
 
     out = {}
     for name, samples in sets.items():
+        if name in REASONING_SETS:
+            out.update(_reasoning_metrics(vlm, name, samples, batch_size))
+            continue
         ds = (generate if name in generated else score)(vlm, samples, batch_size=batch_size)
         row = summary(ds).loc["all"]
         out[name] = float(row["accuracy"])
         if all(s.task == "count" for s in samples):
             out[f"{name} MAE"] = float(row["mae"])
     return out
+
+
+def _reasoning_metrics(vlm: VLM, name: str, samples: list, batch_size: int) -> dict[str, float]:
+    """A general-reasoning benchmark's three columns: ``name`` (greedy generation read by the benchmark's
+    rule, every question), ``name options`` (the most probable option, teacher-forced, over the
+    multiple-choice questions; NaN when there are none or the model's vocabulary cannot write every
+    option, as the organism's cannot write letters) and ``name unparsed`` (generated answers the rule
+    could not read)."""
+    from countlens.analysis.benchmark_answers import writes_a_letter
+    from countlens.analysis.evaluate import generate, score
+
+    lengths = [_written_length(vlm, s.answer) for s in samples if not writes_a_letter(s)]
+    ds = generate(vlm, samples, max_new_tokens=max([REASONING_NEW_TOKENS, *lengths]), batch_size=batch_size)
+    options = [s for s in samples if getattr(s, "choices", None)]
+    writable = all(_written_length(vlm, c) for s in options for c in s.choices)
+    scored = score(vlm, options, batch_size=batch_size, method="candidates") if options and writable else None
+    return {
+        name: float(ds.correct.mean()),
+        f"{name} options": float(scored.correct.mean()) if scored is not None else float("nan"),
+        f"{name} unparsed": float(1 - ds.parsed.mean()),
+    }
+
+
+def _written_length(vlm: VLM, text: str) -> int:
+    """The tokens ``text`` takes as the model writes it; 0 when its vocabulary cannot write it."""
+    from countlens.errors import InputError
+
+    try:
+        return len(vlm.answer_ids(str(text)))
+    except InputError:
+        return 0
 
 
 class _Rows:
@@ -343,7 +433,7 @@ def before_after(
     lead = distributed.check_process_group().rank == 0
     out = Path(out)
     recipe = preset_recipe(preset) if recipe is None else recipe
-    check_recipe(recipe, local, train, overrides, n_train)  # before the model loads
+    check_recipe(recipe, local, train, overrides, n_train, n_eval)  # before the model loads
     for state in [out / "accuracies.json", *out.glob("*/finetune.json")]:  # a resumed run's own files
         if state.exists():
             read_json(state, f"delete {state.parent if state.name == 'finetune.json' else state} to redo it")
@@ -424,6 +514,9 @@ def before_after(
         betas={head_label(h): v for h, v in betas.items()},
         n_train=len(train),
         n_eval={k: len(v) for k, v in sets.items()},
+        n_options={
+            k: sum(bool(getattr(x, "choices", None)) for x in v) for k, v in sets.items() if k in REASONING_SETS
+        },
         preset=preset,
         alpha=alpha,
     )
@@ -462,8 +555,29 @@ def _markdown(table: pd.DataFrame, config: FinetuneConfig, recipe) -> str:
     temperature = (
         f" Temperature row: β = α·γ_h, α = {a['alpha']}, on {a['betas']}." if TEMPERATURE_ROW in table.index else ""
     )
+    # A cell with no value (no option scored, no count parsed) shows "—", not "nan".
+    cells = (shown.astype(object).where(shown.notna(), None) if shown.isna().any().any() else shown).to_markdown(
+        missingval="—"
+    )
+    reasoning = [c for c in REASONING_SETS if c in table.columns]
+    read = (
+        f" {', '.join(reasoning)}: accuracy of greedy answers read by each benchmark's rule (MMMU's own; "
+        "MathVista's normalisation after countlens's extraction, where MathVista's uses GPT-4; countlens's own "
+        'for RealWorldQA: `countlens.analysis.benchmark_answers`); "options": the most probable option, '
+        f'teacher-forced, over the multiple-choice questions ({a["n_options"]}); "unparsed": the share of '
+        "answers the rule could not read."
+        + (
+            " An options cell \"—\": the model's vocabulary cannot write every option (the organism's has no "
+            "letters), so they are not scored."
+            if table[[f"{c} options" for c in reasoning]].isna().any().any()
+            else ""
+        )
+        + (f" {recipe.quoted}" if recipe.quoted else "")
+        if reasoning
+        else ""
+    )
     return (
-        f"{shown.to_markdown()}\n\nAccuracy in %, MAE in counts (parsed answers of counting sets). {source}: "
+        f"{cells}\n\nAccuracy in %, MAE in counts (parsed answers of counting sets).{read} {source}: "
         f"LoRA r={config.lora_r} (α {config.lora_alpha}) on the language model's attention projections, "
         f"{config.steps} steps × batch {config.batch_size}, lr {config.lr}, warm-up {config.warmup:.0%}; "
         f"target layers {a['target_layers']}; {lambdas} (σ = {config.sigma} cell, τ = {config.tau}).{temperature} "

@@ -25,8 +25,9 @@ class Recipe:
     rows: tuple[str, ...] = ("+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS")
     training: str = "countingtricks"  # `finetune_job.TRAINING`: countingtricks, syn or fsc147
     n_train: int | None = 2048  # None: the whole training split
-    # Columns (`finetune_job.EVALUATION`); a local copy given (--fsc147, --pixmo) that none of them reads adds
-    # its own (FSC-Test, PixMo-Count), and a local column listed here is left out when no copy is given.
+    # Columns (`finetune_job.EVALUATION`); a local copy given (--fsc147, --pixmo, --mmmu, --realworldqa,
+    # --mathvista) that none of them reads adds its own, and a local column listed here is left out when no
+    # copy is given.
     evaluation: tuple[str, ...] = (
         "count (in-dist.)",
         "tricks position",
@@ -38,6 +39,8 @@ class Recipe:
     layers: str = "circuit"  # attention-loss layers: "circuit" (its VG and routing heads' layers) or "all"
     temperature_classes: tuple[str, ...] = ()  # heads the temperature row sharpens; (): top-k by importance
     sources: dict = field(default_factory=dict)
+    # The paper's own figures for the general-reasoning columns, quoted under the table as not comparable.
+    quoted: str = ""
 
     def __post_init__(self) -> None:
         if self.epochs is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from benchmark_files import mathvista_copy, mmmu_copy, mmmu_rows, realworldqa_copy
 from tolerance import assert_effect, logit_scale
 from typer.testing import CliRunner
 
@@ -177,6 +178,36 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
     _pixmo_fixture(tmp_path / "pixmo.jsonl")
     tiny = ["--n-train", "4", "--n-eval", "4"]
+    # The general-reasoning columns from local copies in the benchmarks' layouts; a broken row is refused
+    # before anything is written.
+    benchmarks = [
+        "--mmmu",
+        str(mmmu_copy(tmp_path)),
+        "--realworldqa",
+        str(realworldqa_copy(tmp_path)),
+        "--mathvista",
+        str(mathvista_copy(tmp_path)),
+    ]
+    rows = mmmu_rows("Math")
+    rows[1]["image_1"] = None
+    broken = mmmu_copy(tmp_path / "broken", {"Math": rows})
+    refused = runner.invoke(
+        app,
+        [
+            "finetune",
+            "--circuit",
+            str(run),
+            "--preset",
+            "counting-circuits",
+            "--out",
+            str(tmp_path / "b"),
+            "--mmmu",
+            str(broken),
+            *tiny,
+        ],
+    )
+    assert refused.exit_code == 2 and "row 1: the question shows <image 1>" in refused.output, refused.output
+    assert not (tmp_path / "b").exists()
     cc = runner.invoke(
         app,
         [
@@ -189,13 +220,26 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
             str(tmp_path / "cc"),
             "--pixmo",
             str(tmp_path / "pixmo.jsonl"),
+            *benchmarks,
             *tiny,
         ],
     )
     assert cc.exit_code == 0, cc.output
     table = pd.read_csv(tmp_path / "cc" / "before_after.csv", index_col=0)
     assert list(table.index) == ["baseline", "+SFT", "+SFT+focus", "+SFT+focus+temperature"]
-    assert {"SynReal", "SynReal MAE", "PixMo-Count", "PixMo-Count MAE", "color", "shape"} == set(table.columns)
+    reasoning = {f"{b}{part}" for b in ("MMMU", "RealWorldQA", "MathVista") for part in ("", " options", " unparsed")}
+    assert {"SynReal", "SynReal MAE", "PixMo-Count", "PixMo-Count MAE", "color", "shape"} | reasoning == set(
+        table.columns
+    )
+    # The organism cannot write MMMU's and RealWorldQA's option letters: those options cells are blank, and
+    # the note says why; MathVista's options (numbers) are scored.
+    blank = ["MMMU options", "RealWorldQA options"]
+    filled = table[sorted(reasoning - set(blank))]
+    assert ((filled >= 0) & (filled <= 1)).all().all() and table[blank].isna().all().all()
+    note = (tmp_path / "cc" / "before_after.md").read_text()
+    assert "MMMU 54.89 → 56.33" in note and "{'MMMU': 1, 'RealWorldQA': 1, 'MathVista': 1}" in note
+    assert 'An options cell "—"' in note and "| — " in note and "nan" not in note
+    assert "MMMU: 1 questions with several images left out" in cc.output
     spec = json.loads((tmp_path / "cc" / "sft_focus" / "finetune.json").read_text())
     # The paper's recipe; 2 epochs of 4 scenes at batch 2 = 4 steps.
     assert {k: spec[k] for k in ("lora_r", "lr", "batch_size", "warmup", "focus", "ce_on", "steps", "samples")} == {

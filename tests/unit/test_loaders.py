@@ -400,11 +400,11 @@ def test_mathvista_parquet_and_json_layouts(tmp_path):
     samples = load_mathvista(tmp_path)  # the folder: its testmini parquet
     assert [(s.id, s.answer, s.task, s.choices) for s in samples] == [
         ("1", "12", "math", None),
-        ("2", "B", "math", ("A", "B", "C")),
+        ("2", "4", "math", ("3", "4", "5")),
         ("3", "0.5", "math", None),
     ]
     assert samples[2].meta["precision"] == 1.0 and samples[0].image.size == (10, 6)
-    assert samples[1].question.endswith("(C) C") and samples[0].question == "What is the sum of the two numbers?"
+    assert samples[1].question.endswith("(C) 5") and samples[0].question == "What is the sum of the two numbers?"
     # The original release: testmini.json, an object from pid to record, images beside it.
     folder = tmp_path / "release"
     (folder / "images").mkdir(parents=True)
@@ -422,7 +422,7 @@ def test_mathvista_parquet_and_json_layouts(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"answer": "D"}, r"pid '2': the answer 'D' is not among the choices \['A', 'B', 'C'\]"),
+        ({"answer": "D"}, r"pid '2': the answer 'D' is not among the choices \['3', '4', '5'\]"),
         ({"question_type": None}, r"pid '2': field 'question_type' is missing"),
         ({"answer_type": "complex"}, r"pid '2': answer_type 'complex' is not one of"),
         ({"image": "images/nowhere.jpg"}, r"1 of the 3 images are missing \(2\)"),

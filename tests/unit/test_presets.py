@@ -277,7 +277,7 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads(tmp_path):
     for change, message in (
         ({"rows": ("+SFT", "+LoRA")}, "Recipe.rows"),
         ({"rows": ("+SFT+focus+temperature",)}, "list '\\+SFT\\+focus' too"),
-        ({"evaluation": ("MMMU",)}, "Recipe.evaluation"),
+        ({"evaluation": ("MMLU",)}, "Recipe.evaluation"),
         ({"layers": "some"}, "Recipe.layers"),
         ({"training": "web"}, "Recipe.training"),
         ({"config": {"lora_rank": 8}}, "not FinetuneConfig fields"),
