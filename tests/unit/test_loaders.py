@@ -325,29 +325,72 @@ def test_tallyqa_rejections(tmp_path):
 
 
 def clevr_root(tmp_path: Path, scenes: bool = True) -> Path:
-    """CLEVR v1.0's layout: questions/, images/<split>/ and scenes/, two images and three questions."""
+    """CLEVR v1.0's layout: questions/, images/<split>/ and scenes/ (objects and relationships), two
+    images and three questions whose programs answer them on their scenes."""
     root = tmp_path / "CLEVR_v1.0"
-    questions = [
-        {
-            "question": "Is the red cube left of the sphere?",
-            "answer": "yes",
-            "image_index": 0,
-            "question_family_index": 7,
-        },
-        {"question": "How many cylinders are there?", "answer": "2", "image_index": 1, "question_family_index": 3},
-        {"question": "What color is the big sphere?", "answer": "gray", "image_index": 1, "question_family_index": 9},
+
+    def node(function, *inputs, value=None):
+        return {"function": function, "inputs": list(inputs), "value_inputs": [value] if value else []}
+
+    right_of_cube = [  # image 0: a red cube (x 1) left of a blue sphere (x 3)
+        node("scene"),
+        node("filter_color", 0, value="red"),
+        node("filter_shape", 1, value="cube"),
+        node("unique", 2),
+        node("relate", 3, value="right"),
+        node("filter_shape", 4, value="sphere"),
+        node("exist", 5),
     ]
-    relate = [{"function": "scene"}, {"function": "relate", "value_inputs": ["left"]}, {"function": "exist"}]
-    count = [{"function": "scene"}, {"function": "filter_shape", "value_inputs": ["cylinder"]}, {"function": "count"}]
-    for q, program in zip(questions, (relate, count, relate)):
-        q.update(split="val", image_filename=f"CLEVR_val_{q['image_index']:06d}.png", program=program)
+    cylinders = [node("scene"), node("filter_shape", 0, value="cylinder"), node("count", 1)]
+    left_of_brown = [  # image 1: a green cylinder (x 0), a gray sphere (x 2), a brown cylinder (x 5)
+        node("scene"),
+        node("filter_color", 0, value="brown"),
+        node("filter_shape", 1, value="cylinder"),
+        node("unique", 2),
+        node("relate", 3, value="left"),
+        node("filter_shape", 4, value="sphere"),
+        node("unique", 5),
+        node("query_color", 6),
+    ]
+    questions = [
+        ("Is there a sphere right of the red cube?", "yes", 0, right_of_cube),
+        ("How many cylinders are there?", "2", 1, cylinders),
+        ("What color is the sphere left of the brown cylinder?", "gray", 1, left_of_brown),
+    ]
+    records = [
+        {
+            "question": q,
+            "answer": a,
+            "image_index": i,
+            "question_family_index": f,
+            "split": "val",
+            "image_filename": f"CLEVR_val_{i:06d}.png",
+            "program": program,
+        }
+        for f, (q, a, i, program) in enumerate(questions)
+    ]
     (root / "questions").mkdir(parents=True)
-    (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps({"info": {}, "questions": questions}))
+    (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps({"info": {}, "questions": records}))
     for i in (0, 1):
         png(root / "images" / "val" / f"CLEVR_val_{i:06d}.png", (16, 12))
     if scenes:
+
+        def thing(color, shape, size="large"):
+            return {"color": color, "shape": shape, "size": size, "material": "rubber"}
+
+        listed = [
+            {
+                "image_index": 0,
+                "objects": [thing("red", "cube"), thing("blue", "sphere", "small")],
+                "relationships": {"left": [[], [0]], "right": [[1], []], "front": [[], []], "behind": [[], []]},
+            },
+            {
+                "image_index": 1,
+                "objects": [thing("brown", "cylinder"), thing("green", "cylinder"), thing("gray", "sphere")],
+                "relationships": {"left": [[1, 2], [], [1]], "right": [[], [0, 2], [0]]},
+            },
+        ]
         (root / "scenes").mkdir()
-        listed = [{"image_index": i, "objects": [{"shape": "cube", "color": "red"}]} for i in (0, 1)]
         (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": listed}))
     return root
 
@@ -373,7 +416,8 @@ def test_clevr_rejections(tmp_path):
     with pytest.raises(LoaderError, match=r"question 2: field 'answer' is missing; split 'val' has no answers"):
         load_clevr(root)
     root = clevr_root(tmp_path / "scene")
-    (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": [{"image_index": 0, "objects": []}]}))
+    scenes = json.loads((root / "scenes" / "CLEVR_val_scenes.json").read_text())
+    (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": scenes["scenes"][:1]}))
     with pytest.raises(LoaderError, match=r"question 2: image_index 1 has no scene in scenes/CLEVR_val_scenes\.json"):
         load_clevr(root)
     root = clevr_root(tmp_path / "image", scenes=False)
@@ -387,6 +431,29 @@ def test_clevr_rejections(tmp_path):
     del data["questions"][0]["program"]
     (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps(data))
     with pytest.raises(LoaderError, match=r"question 0: field 'program' is missing; relations_only=True reads it"):
+        load_clevr(root)
+
+
+@pytest.mark.parametrize(
+    "question, step, change, message",
+    [
+        (2, 1, {"value_inputs": ["purple"]}, r"program step 3 \(unique\) finds 0 objects, not one: the program names"),
+        (2, 2, {"value_inputs": ["sphere"]}, r"program step 3 \(unique\) finds 0 objects"),
+        (0, 4, {"value_inputs": ["above"]}, r"step 4 \(relate\[above\]\): the scene has no 'above' relationships"),
+        (0, 6, {"function": "count"}, r"its program gives '1' on the scene of image 0, the file's answer is 'yes'"),
+        (0, 6, {"function": "levitate"}, r"program step 6 \(levitate\): not one of CLEVR's functions"),
+        (2, 4, {"inputs": [9]}, r"on the scene of image 1 .* a malformed step \(IndexError"),
+    ],
+)
+def test_clevr_programs_run_on_their_scenes(tmp_path, question, step, change, message):
+    """A question whose program names an object its scene lacks, or answers otherwise, is refused; the
+    fixture's own programs give its answers (the round trip above)."""
+    root = clevr_root(tmp_path)
+    file = root / "questions" / "CLEVR_val_questions.json"
+    data = json.loads(file.read_text())
+    data["questions"][question]["program"][step].update(change)
+    file.write_text(json.dumps(data))
+    with pytest.raises(LoaderError, match=r"CLEVR_val_questions\.json: question " + str(question) + ".*" + message):
         load_clevr(root)
 
 

@@ -5,8 +5,10 @@ Expected layout of ``root`` (as the dataset is distributed): ``questions/CLEVR_<
 a JSON object whose ``questions`` list holds records with ``question``, ``answer``,
 ``image_filename``, ``image_index`` and ``question_family_index`` (the test split has no answers, so
 it cannot be scored); the images in ``images/<split>/<image_filename>``; and optionally
-``scenes/CLEVR_<split>_scenes.json`` (``scenes``: one record per image with its ``objects``), which,
-when present, must describe every image a question is asked about. Answers are CLEVR's words
+``scenes/CLEVR_<split>_scenes.json`` (``scenes``: one record per image with its ``objects`` and
+``relationships``), which, when present, must describe every image a question is asked about: each
+loaded question's program is then run on its scene (`countlens.datasets.loaders.clevr_program`) and
+must find the objects it names and give the file's answer. Answers are CLEVR's words
 (``yes``, ``no``, ``0`` … ``10``, colours, shapes, materials, sizes).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from countlens.datasets.loaders.clevr_program import ProgramError, run_program
 from countlens.datasets.loaders.common import (
     LoaderError,
     PathLike,
@@ -46,7 +49,8 @@ def load_clevr(
     if relations_only:
         records = [(i, r) for i, r in records if _relates(r, file, f"question {i}")]
     records = records[:limit] if limit is not None else records
-    scenes = _scene_indices(root / "scenes" / f"CLEVR_{split}_scenes.json")
+    scenes_file = root / "scenes" / f"CLEVR_{split}_scenes.json"
+    scenes = _scenes(scenes_file)
     images = root / "images" / split
     out = []
     for i, record in records:
@@ -62,6 +66,22 @@ def load_clevr(
                 f"{file}: {rid}: image_index {index} has no scene in scenes/CLEVR_{split}_scenes.json; the "
                 "questions and scenes files come from different copies: take both from one download"
             )
+        if scenes is not None and isinstance(record.get("program"), list):
+            try:
+                computed = run_program(record["program"], scenes[index])
+            except (ProgramError, KeyError, IndexError, TypeError) as err:
+                detail = (
+                    str(err) if isinstance(err, ProgramError) else f"a malformed step ({type(err).__name__}: {err})"
+                )
+                raise LoaderError(
+                    f"{file}: {rid}: on the scene of image {index} ({scenes_file.name}), {detail}; the question and "
+                    "its scene disagree: take both files from one CLEVR download"
+                ) from None
+            if computed != str(answer):
+                raise LoaderError(
+                    f"{file}: {rid}: its program gives {computed!r} on the scene of image {index}, the file's "
+                    f"answer is {str(answer)!r}; take the questions and scenes files from one CLEVR download"
+                )
         family = record_field(record, "question_family_index", int, file, rid, default=None)
         out.append(
             QuestionSample(
@@ -95,18 +115,18 @@ def _relates(record, file: Path, rid: str) -> bool:
     )
 
 
-def _scene_indices(path: Path) -> set[int] | None:
-    """The image indices the scenes file describes (None when there is no scenes file)."""
+def _scenes(path: Path) -> dict[int, dict] | None:
+    """The scenes file's scenes by image index (None when there is no scenes file)."""
     if not path.exists():
         return None
     data = read_json(path, _FIX)
     scenes = data.get("scenes") if isinstance(data, dict) else None
     if not isinstance(scenes, list):
         raise LoaderError(f"{path}: expected a JSON object with a 'scenes' list")
-    out = set()
+    out = {}
     for i, scene in enumerate(scenes):
         index = record_field(scene, "image_index", int, path, f"scene {i}") if isinstance(scene, dict) else None
         if index is None or not isinstance(scene.get("objects"), list):
             raise LoaderError(f"{path}: scene {i}: expected an object with 'image_index' and an 'objects' list")
-        out.add(index)
+        out[index] = scene
     return out
