@@ -1,14 +1,22 @@
-"""Small copies of the general-reasoning benchmarks in their real layouts (MMMU, RealWorldQA,
-MathVista as Hugging Face stores them), for the loader, answer-rule and fine-tune tests."""
+"""Small copies of the reasoning benchmarks in their real layouts (CLEVR v1.0 as distributed; MMMU,
+RealWorldQA, MathVista as Hugging Face stores them), for the loader, answer-rule, discover and
+fine-tune tests."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
+
+
+def png(path: Path, size=(12, 8), color=(200, 10, 10)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+    return path
 
 
 def png_bytes(size=(24, 24), color=(200, 30, 30)) -> bytes:
@@ -143,3 +151,74 @@ def mathvista_copy(root: Path) -> Path:
     rows = [{**r, "image": f"images/{r['pid']}.jpg", "decoded_image": _image()} for r in mathvista_rows()]
     pq.write_table(pa.Table.from_pylist(rows), folder / "testmini-00000-of-00001.parquet")
     return folder / "testmini-00000-of-00001.parquet"
+
+
+def clevr_root(tmp_path: Path, scenes: bool = True) -> Path:
+    """CLEVR v1.0's layout: questions/, images/<split>/ and scenes/ (objects and relationships), two
+    images and three questions whose programs answer them on their scenes."""
+    root = tmp_path / "CLEVR_v1.0"
+
+    def node(function, *inputs, value=None):
+        return {"function": function, "inputs": list(inputs), "value_inputs": [value] if value else []}
+
+    right_of_cube = [  # image 0: a red cube (x 1) left of a blue sphere (x 3)
+        node("scene"),
+        node("filter_color", 0, value="red"),
+        node("filter_shape", 1, value="cube"),
+        node("unique", 2),
+        node("relate", 3, value="right"),
+        node("filter_shape", 4, value="sphere"),
+        node("exist", 5),
+    ]
+    cylinders = [node("scene"), node("filter_shape", 0, value="cylinder"), node("count", 1)]
+    left_of_brown = [  # image 1: a green cylinder (x 0), a gray sphere (x 2), a brown cylinder (x 5)
+        node("scene"),
+        node("filter_color", 0, value="brown"),
+        node("filter_shape", 1, value="cylinder"),
+        node("unique", 2),
+        node("relate", 3, value="left"),
+        node("filter_shape", 4, value="sphere"),
+        node("unique", 5),
+        node("query_color", 6),
+    ]
+    questions = [
+        ("Is there a sphere right of the red cube?", "yes", 0, right_of_cube),
+        ("How many cylinders are there?", "2", 1, cylinders),
+        ("What color is the sphere left of the brown cylinder?", "gray", 1, left_of_brown),
+    ]
+    records = [
+        {
+            "question": q,
+            "answer": a,
+            "image_index": i,
+            "question_family_index": f,
+            "split": "val",
+            "image_filename": f"CLEVR_val_{i:06d}.png",
+            "program": program,
+        }
+        for f, (q, a, i, program) in enumerate(questions)
+    ]
+    (root / "questions").mkdir(parents=True)
+    (root / "questions" / "CLEVR_val_questions.json").write_text(json.dumps({"info": {}, "questions": records}))
+    for i in (0, 1):
+        png(root / "images" / "val" / f"CLEVR_val_{i:06d}.png", (16, 12))
+    if scenes:
+
+        def thing(color, shape, size="large"):
+            return {"color": color, "shape": shape, "size": size, "material": "rubber"}
+
+        listed = [
+            {
+                "image_index": 0,
+                "objects": [thing("red", "cube"), thing("blue", "sphere", "small")],
+                "relationships": {"left": [[], [0]], "right": [[1], []], "front": [[], []], "behind": [[], []]},
+            },
+            {
+                "image_index": 1,
+                "objects": [thing("brown", "cylinder"), thing("green", "cylinder"), thing("gray", "sphere")],
+                "relationships": {"left": [[1, 2], [], [1]], "right": [[], [0, 2], [0]]},
+            },
+        ]
+        (root / "scenes").mkdir()
+        (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": listed}))
+    return root

@@ -160,13 +160,17 @@ def discover(
 
 
 def check_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> None:
-    """Build one of each stage's inputs (every COUNTINGTRICKS case on this model's grid, each task),
-    so that a grid no stage can draw on is refused before spec.json is written, not hours later."""
+    """Build one of each stage's inputs (every COUNTINGTRICKS case on this model's grid, each task) and
+    read every record the run will take from a local MathVista / CLEVR copy, so that a grid no stage can
+    draw on, or a broken record, is refused before spec.json is written, not hours later."""
     from dataclasses import replace
 
     small = replace(c, n_per_case=1, n_pairs=1, n_samples=1)
     for make in stage_inputs(vlm, small, prompt).values():
         make()
+    local = tuple(t for t in c.tasks if (t == "math" and c.math) or (t == "spatial" and c.spatial))
+    if local:  # every row of a local copy the run reads (a few JSON records each), checked now
+        stage_inputs(vlm, c, prompt)["tasks"](names=local)
 
 
 def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable[[], list]]:

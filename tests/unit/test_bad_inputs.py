@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import xarray as xr
+from benchmark_files import clevr_root, mathvista_rows, mmmu_copy, mmmu_rows, png
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -378,6 +379,24 @@ CLI_CASES = [
         ],
         "2 of the 2 images of split 'train' are missing",
     ),
+    (
+        "finetune MMMU answer not an option",
+        lambda t: [
+            "finetune",
+            "--circuit",
+            str(_circuit(t)),
+            "--mmmu",
+            str(_mmmu_answer_e(t)),
+            "--out",
+            str(t / "out"),
+        ],
+        "row 0: the answer 'E' is not the letter of one of its 4 options",
+    ),
+    (
+        "finetune MathVista without a column",
+        lambda t: ["finetune", "--circuit", str(_circuit(t)), "--mathvista", str(_mathvista_no_type(t))],
+        "pid '2': field 'answer_type' is missing",
+    ),
 ]
 
 SPEC = {"model": "toy", "arch": "qwen2_vl"}
@@ -411,6 +430,37 @@ def _fsc147_without_images(tmp: Path) -> Path:
     (root / "annotation_FSC147_384.json").write_text(json.dumps({f"{i}.jpg": {"points": [[1, 1]]} for i in (1, 2)}))
     (root / "Train_Test_Val_FSC_147.json").write_text(json.dumps({"train": ["1.jpg", "2.jpg"], "val": [], "test": []}))
     return root
+
+
+def _mmmu_answer_e(tmp: Path) -> Path:
+    rows = mmmu_rows()
+    rows[0]["answer"] = "E"
+    return mmmu_copy(tmp, {"Math": rows})
+
+
+def _mathvista_no_type(tmp: Path) -> Path:
+    records = {r["pid"]: {**r, "image": "1.png"} for r in mathvista_rows()}
+    del records["2"]["answer_type"]
+    png(tmp / "mathvista" / "1.png")
+    (tmp / "mathvista" / "testmini.json").write_text(json.dumps(records))
+    return tmp / "mathvista" / "testmini.json"
+
+
+def test_discover_reads_every_record_of_a_local_copy_before_its_spec(tmp_path, loaded):
+    """A CLEVR question (the run's second) whose program names an object its scene lacks: refused
+    before spec.json, naming the file, the question and the step."""
+    from countlens.datasets.loaders import LoaderError
+    from countlens.pipeline.discover import discover
+
+    root = clevr_root(tmp_path)
+    file = root / "questions" / "CLEVR_val_questions.json"
+    data = json.loads(file.read_text())
+    data["questions"][2]["program"][1]["value_inputs"] = ["purple"]  # no purple object in image 1
+    file.write_text(json.dumps(data))
+    config = DiscoverConfig(n_per_case=1, n_pairs=2, n_samples=2, tasks=("count", "spatial"), spatial=str(root))
+    with pytest.raises(LoaderError, match=r"CLEVR_val_questions\.json: question 2: .*step 3 \(unique\) finds 0"):
+        discover(loaded("toy"), tmp_path / "run", config)
+    assert not (tmp_path / "run").exists()
 
 
 def _garbage_circuit(tmp: Path) -> Path:
