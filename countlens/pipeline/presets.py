@@ -128,7 +128,16 @@ PRESETS: dict[str, Preset] = {
         "Counting to Four is still a Chore for VLMs (paper 000)",
         discover={"n_per_case": 1000, "prompt": "std"},
         finetune=Recipe(
-            config={"tau": 0.4},
+            config={
+                "tau": 0.4,
+                "mas_reduce": "paper",
+                "weight_decay": 0.1,
+                "batch_size": 2,
+                "grad_accum": 32,
+                "warmup": 0.03,
+                "schedule": "cosine",
+                "max_grad_norm": 1.0,
+            },
             epochs=10,
             rows=("+SFT", "+SFT+MAS"),
             training="fsc147",
@@ -136,7 +145,17 @@ PRESETS: dict[str, Preset] = {
             evaluation=("Circles (Syn)", "FSC-Val", "FSC-Test"),
             layers="all",
             sources={
-                "tau": "Method steps (4): tau = 0.4",
+                "tau": "Method steps (4): tau = 0.4 (the code's scripts/train_fsc147_with_mas_loss.sh: --mas_tau 0.4)",
+                "mas_reduce": "the code's MAS_w_Ovis/ovis/model/mas_loss.py: share averaged over heads, answer "
+                "positions and layers before the hinge, wrong answers only (countlens reads them shifted)",
+                "weight_decay": "the code's training script: --weight_decay 0.1",
+                "batch_size": "the code's training script: --per_device_train_batch_size 2",
+                "grad_accum": "the code's training script: --gradient_accumulation_steps 32",
+                "warmup": "the code's training script: --warmup_ratio 0.03",
+                "schedule": "the code's training script: --lr_scheduler_type cosine",
+                "max_grad_norm": "the code's trainer default (transformers Trainer: max_grad_norm 1.0)",
+                "lr": "countlens's own (LoRA): the code fine-tunes the whole language model at lr 1e-5, which "
+                "countlens's fine-tune (LoRA only) does not do yet",
                 "mas": "Method steps (4): lambda_mas = 0.1",
                 "epochs": "Method steps (4): 10 epochs",
                 "training": "Method steps (4): FSC-147 SFT data",

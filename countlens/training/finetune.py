@@ -54,6 +54,9 @@ from countlens.validate import (
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
+#: The learning-rate schedules after the warm-up (`FinetuneConfig.schedule`).
+SCHEDULES: tuple[str, ...] = ("linear", "cosine")
+
 
 @dataclass(frozen=True)
 class FinetuneConfig:
@@ -63,6 +66,8 @@ class FinetuneConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: float = 0.03
+    schedule: str = "linear"  # after the warm-up: "linear" decay to 0, or "cosine" (the MAS paper's script)
+    max_grad_norm: float = 0.0  # clip the gradient's global norm to this (0: no clipping)
     lora_r: int = 32
     lora_alpha: int = 64
     lora_dropout: float = 0.0
@@ -86,13 +91,14 @@ class FinetuneConfig:
         require_positive(self.lr, "lr", ConfigError)
         require_positive(self.lora_alpha, "lora_alpha", ConfigError)
         require_positive(self.sigma, "sigma", ConfigError)
-        for name in ("weight_decay", "focus", "mas"):
+        for name in ("weight_decay", "focus", "mas", "max_grad_norm"):
             require_nonnegative(getattr(self, name), name, ConfigError)
         require_share(self.warmup, "warmup", ConfigError, below_one=True)
         require_share(self.lora_dropout, "lora_dropout", ConfigError, below_one=True)
         require_share(self.tau, "tau", ConfigError)
         require_seed(self.seed, "seed", ConfigError)
         require_choice(self.mas_reduce, "mas_reduce", MAS_REDUCE, ConfigError)
+        require_choice(self.schedule, "schedule", SCHEDULES, ConfigError)
         require_choice(self.ce_on, "ce_on", CE_ON, ConfigError)
         for layer in self.target_layers:
             require_seed(layer, "a target layer", ConfigError)
@@ -136,12 +142,16 @@ def _lora_config(vlm: VLM, config: FinetuneConfig):
 
 
 def _lr_lambda(config: FinetuneConfig) -> Callable[[int], float]:
+    """The learning rate's multiplier at a step: a linear warm-up, then linear or cosine decay to 0."""
     warm = max(1, math.ceil(config.warmup * config.steps))
 
     def f(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
-        return max(0.0, (config.steps - step) / max(1, config.steps - warm))
+        done = (step - warm) / max(1, config.steps - warm)
+        if config.schedule == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
+        return max(0.0, 1.0 - done)
 
     return f
 
@@ -282,8 +292,8 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
 
     from countlens.circuits.sites import group_mask
     from countlens.training.capture import attention_at
-    from countlens.training.collate import training_batch
-    from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior
+    from countlens.training.collate import IGNORE, training_batch
+    from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior, wrong_answers
 
     attn_terms = config.focus > 0 or config.mas > 0
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
@@ -334,9 +344,16 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
                 if config.mas > 0:
                     image = torch.zeros_like(tb.targets)
                     image[:, : tb.prompt.inputs["input_ids"].shape[1]] = group_mask(tb.prompt, "image").cpu()
-                    terms["mas"] = mas_loss(maps, tb.targets, image, config.tau, config.mas_reduce)
+                    if config.mas_reduce == "paper":  # the answer tokens' own rows, wrong answers only
+                        own = (tb.labels != IGNORE).to(tb.targets.device)
+                        wrong = wrong_answers(logits, tb.labels, vlm.tokenizer)
+                        terms["mas"] = mas_loss(maps, own, image, config.tau, "paper", wrong)
+                    else:
+                        terms["mas"] = mas_loss(maps, tb.targets, image, config.tau, config.mas_reduce)
                 loss = ce + config.focus * terms.get("focus", 0.0) + config.mas * terms.get("mas", 0.0)
                 accelerator.backward(loss)
+                if config.max_grad_norm > 0 and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 optimizer.step()
                 scheduler.step() if accelerator.sync_gradients else None
                 optimizer.zero_grad()

@@ -8,7 +8,10 @@
 - `mas_loss` (Counting to Four): the modality attention share MAS = Σ attention on image tokens
   (head-mean) per target position and layer; the loss is the hinge max(0, τ − MAS), τ = 0.4, mean
   over target tokens (``reduce="token"``) or first over each sample's answer tokens then over samples
-  (``reduce="sample"``, the length-normalised variant: long answers weigh as much as short ones).
+  (``reduce="sample"``, the length-normalised variant: long answers weigh as much as short ones) —
+  both countlens's own — or as the paper's code computes it (``reduce="paper"``: the share averaged
+  per sample over heads, answer positions and layers before the hinge, on wrong answers only,
+  `wrong_answers`).
 
 Attention tensors are Float[Tensor, "batch heads seq seq"] per target layer (a list), as captured
 by `countlens.training.capture.attention_at`.
@@ -16,6 +19,7 @@ by `countlens.training.capture.attention_at`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -89,20 +93,79 @@ def modality_share(attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor) 
     return torch.stack([(a.mean(1) * image_mask[:, None, :].to(a.device, a.dtype)).sum(-1) for a in attn])
 
 
-#: How `mas_loss` averages its hinge: over target tokens, or per sample first.
-MAS_REDUCE: tuple[str, ...] = ("token", "sample")
+#: How `mas_loss` averages its hinge: over target tokens, per sample first, or as the paper's code does.
+MAS_REDUCE: tuple[str, ...] = ("token", "sample", "paper")
 
 
 def mas_loss(
-    attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor, tau: float = 0.4, reduce: str = "token"
+    attn: Sequence[Tensor],
+    targets: Tensor,
+    image_mask: Tensor,
+    tau: float = 0.4,
+    reduce: str = "token",
+    wrong: Tensor | None = None,
 ) -> Tensor:
-    """Hinge max(0, τ − MAS) at the target positions of each target layer."""
+    """The MAS hinge max(0, τ − MAS) over the target positions of the target layers.
+
+    ``reduce="token"`` / ``"sample"`` (**countlens's own**): the hinge at every (layer, target
+    position), averaged over them (``token``) or per sample first (``sample``), on every sample.
+    ``reduce="paper"``: as the paper's code computes it (`MAS_w_Ovis/ovis/model/mas_loss.py`,
+    ``MASLoss``): per sample, each head's attention on image tokens ÷ its total, averaged over heads,
+    target positions and layers, *then* the hinge; times ``wrong`` (Bool[Tensor, "batch"], the samples
+    whose answer is wrong — see `wrong_answers`; None: every sample), and the batch mean with the right
+    samples' zeros kept. The code's targets are the answer tokens' own positions (``labels != -100``);
+    `countlens.training.finetune` passes those under this reduction. (The code takes the union of the
+    batch's answer positions for every sample, an artefact of its padding; here each sample has its own.)
+    """
+    if reduce not in MAS_REDUCE:
+        raise InputError(f"reduce must be one of {MAS_REDUCE}, got {reduce!r}")
+    if reduce == "paper":
+        return _paper_mas_loss(attn, targets, image_mask, tau, wrong)
+    if wrong is not None:
+        raise InputError(
+            "wrong= masks samples under reduce='paper' (the paper's code); 'token' and 'sample' hinge every one"
+        )
     mas = modality_share(attn, targets, image_mask)
     hinge = (tau - mas).clamp(min=0)
     t = targets.to(hinge.device)
     if reduce == "token":
         return hinge[:, t].mean()
-    if reduce == "sample":
-        per_sample = (hinge * t).sum(-1) / t.sum(-1).clamp(min=1)
-        return per_sample.mean()
-    raise InputError(f"reduce must be one of {MAS_REDUCE}, got {reduce!r}")
+    per_sample = (hinge * t).sum(-1) / t.sum(-1).clamp(min=1)
+    return per_sample.mean()
+
+
+def _paper_mas_loss(
+    attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor, tau: float, wrong: Tensor | None
+) -> Tensor:
+    per_layer = []
+    for a in attn:  # Float[Tensor, "batch heads seq seq"]
+        t = targets.to(a.device, a.dtype)
+        image = image_mask[:, None, None, :].to(a.device, a.dtype)
+        share = (a * image).sum(-1) / (a.sum(-1) + 1e-8)  # batch heads seq: per head and query row
+        on_targets = (share * t[:, None, :]).sum(-1) / t.sum(-1).clamp(min=1)[:, None]  # batch heads
+        per_layer.append(on_targets.mean(1))
+    mas = torch.stack(per_layer).mean(0)  # Float[Tensor, "batch"]
+    hinge = (tau - mas).clamp(min=0)
+    if wrong is not None:
+        hinge = hinge * wrong.to(hinge.device, hinge.dtype)
+    return hinge.mean()
+
+
+def wrong_answers(logits: Tensor, labels: Tensor, tokenizer) -> Tensor:
+    """Bool[Tensor, "batch"]: the samples whose teacher-forced answer is wrong, as the paper's code
+    tests it (``_validate_counting_batch``): the last number in the decoded arg-max answer against the
+    last number of the gold answer; no number on either side is wrong.
+
+    Read at the positions that *predict* the answer tokens (logits p for label p + 1). The code reads
+    the arg-max at the answer tokens' own positions, one token late (its first answer token is never
+    read); countlens reads the intended, shifted one. The code's text-quality checks (length > 10, no
+    repeated words …), which a short answer passes at its 70 % threshold, are left out."""
+    pred = logits[:, :-1].detach().argmax(-1).cpu()
+    gold = labels[:, 1:].cpu()
+    out = []
+    for p, g in zip(pred, gold):
+        keep = g != IGNORE
+        said = re.findall(r"\d+", tokenizer.decode(p[keep].tolist(), skip_special_tokens=True))
+        meant = re.findall(r"\d+", tokenizer.decode(g[keep].tolist(), skip_special_tokens=True))
+        out.append(not (said and meant and int(said[-1]) == int(meant[-1])))
+    return torch.tensor(out, dtype=torch.bool)

@@ -12,7 +12,6 @@ from countlens.errors import ConfigError, RunDirError
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.discover import check
-from countlens.training.finetune import FinetuneConfig
 
 
 def test_preset_values_are_the_papers():
@@ -49,7 +48,16 @@ def test_finetune_recipes_are_the_papers():
     c4 = presets.recipe("counting-to-four")  # paper 000, Method steps (4) and Table 4
     config = recipe_config(c4, 3659)  # FSC-147's train split
     assert (config.tau, c4.epochs, c4.training, c4.n_train) == (0.4, 10, "fsc147", None)
-    assert config.steps == -(-10 * 3659 // FinetuneConfig.batch_size)
+    # The code's script: batch 2 × accumulation 32, AdamW weight decay 0.1, 3 % warm-up, cosine, clip 1.0,
+    # and its MAS reduction (mean before the hinge, wrong answers only).
+    assert config.steps == -(-10 * 3659 // (2 * 32)) == 572
+    assert (config.weight_decay, config.warmup, config.schedule, config.max_grad_norm, config.mas_reduce) == (
+        0.1,
+        0.03,
+        "cosine",
+        1.0,
+        "paper",
+    )
     assert c4.rows == ("+SFT", "+SFT+MAS") and VARIANTS["+SFT+MAS"] == {"focus": 0.0, "mas": 0.1}
     assert c4.evaluation == ("Circles (Syn)", "FSC-Val", "FSC-Test")
     assert presets.recipe("") == presets.DEFAULT_RECIPE and recipe_config(presets.DEFAULT_RECIPE, 10).steps == 300

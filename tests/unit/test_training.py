@@ -67,6 +67,66 @@ def test_mas_hinge_is_exactly_zero_above_tau():
     assert math.isclose(mas_loss([attn], targets, image, tau=0.7, reduce="sample").item(), 0.2, abs_tol=1e-6)
 
 
+def _code_mas_loss(attn, targets, image, tau, wrong):
+    """The paper's code's formula written out with loops (MAS_w_Ovis/ovis/model/mas_loss.py): per
+    sample and layer, each head's vision share at each target row, averaged over heads and rows; the
+    layers' mean; the hinge; wrong samples only; the batch mean."""
+    losses = []
+    for b in range(targets.shape[0]):
+        rows = targets[b].nonzero().flatten().tolist()
+        layer_means = []
+        for a in attn:
+            shares = [
+                float(a[b, h, r][image[b]].sum()) / (float(a[b, h, r].sum()) + 1e-8)
+                for h in range(a.shape[1])
+                for r in rows
+            ]
+            layer_means.append(sum(shares) / len(shares))
+        mas = sum(layer_means) / len(layer_means)
+        losses.append(max(0.0, tau - mas) * (1.0 if wrong is None or wrong[b] else 0.0))
+    return sum(losses) / len(losses)
+
+
+def test_the_papers_mas_loss_matches_its_code_and_differs_from_countlens_own():
+    gen = torch.Generator().manual_seed(3)
+    attn = [torch.rand(3, 4, 7, 7, generator=gen).softmax(-1) for _ in range(2)]  # 3 samples, 4 heads, 2 layers
+    image = torch.zeros(3, 7, dtype=torch.bool)
+    image[:, 1:4] = True
+    targets = torch.zeros(3, 7, dtype=torch.bool)
+    targets[0, 5:7], targets[1, 6], targets[2, 4:7] = True, True, True  # answers of 2, 1 and 3 tokens
+    wrong = torch.tensor([True, False, True])
+    for tau in (0.3, 0.45, 0.9):
+        for w in (None, wrong):
+            got = mas_loss(attn, targets, image, tau, reduce="paper", wrong=w).item()
+            assert math.isclose(got, _code_mas_loss(attn, targets, image, tau, w), rel_tol=1e-5, abs_tol=1e-7)
+    # Shares straddling τ: the paper's code averages before its hinge (0), countlens's hinges each row (> 0).
+    straddle = torch.zeros(1, 1, 3, 3)
+    straddle[0, 0, 1] = torch.tensor([0.2, 0.0, 0.8])  # row 1: share 0.2 on the image token
+    straddle[0, 0, 2] = torch.tensor([0.8, 0.0, 0.2])  # row 2: share 0.8
+    one_image, rows = torch.tensor([[True, False, False]]), torch.tensor([[False, True, True]])
+    assert mas_loss([straddle], rows, one_image, 0.4, reduce="paper").item() == 0.0
+    assert math.isclose(mas_loss([straddle], rows, one_image, 0.4, reduce="token").item(), 0.1, abs_tol=1e-6)
+    with pytest.raises(InputError, match="wrong= masks samples under reduce='paper'"):
+        mas_loss(attn, targets, image, 0.4, reduce="token", wrong=wrong)
+
+
+def test_wrong_answers_read_the_shifted_argmax_and_compare_last_numbers(organism):
+    """A right teacher-forced count is right only when read at the positions that predict it (the code's
+    unshifted reading would read it one token late)."""
+    from countlens.training.losses import wrong_answers
+
+    tok = organism.tokenizer
+    vocab = len(tok)
+    twelve, seven = tok.convert_tokens_to_ids("12"), tok.convert_tokens_to_ids("7")
+    labels = torch.full((2, 4), IGNORE)
+    labels[:, 2] = twelve  # both answers: "12" at position 2
+    logits = torch.zeros(2, 4, vocab)
+    logits[0, 1, twelve] = 9.0  # sample 0: position 1 predicts "12" (right)
+    logits[1, 1, seven] = 9.0  # sample 1: predicts "7" (wrong) ...
+    logits[1, 2, twelve] = 9.0  # ... though "12" is the arg-max at the answer's own position
+    assert wrong_answers(logits, labels, tok).tolist() == [False, True]
+
+
 def test_focus_loss_is_smallest_at_the_prior():
     prior = gaussian_prior([(1.5, 2.5)], (4, 4), sigma=1.0).flatten()
     pos = torch.arange(16)
@@ -112,6 +172,20 @@ def test_attention_losses_flow_into_target_qk_only(organism):
             assert g is None or g.abs().sum() == 0, (name, path)
         assert grad(arch.attention(target - 1) + ".v_proj").abs().sum() > 0  # earlier layers feed q and k
     model.zero_grad(set_to_none=True)
+
+
+def test_learning_rate_schedules():
+    """A linear warm-up, then linear or cosine decay (the MAS paper's script) to 0."""
+    from countlens.training.finetune import _lr_lambda
+
+    linear = _lr_lambda(FinetuneConfig(steps=10, warmup=0.1))  # one warm-up step, then 9 of decay
+    cosine = _lr_lambda(FinetuneConfig(steps=10, warmup=0.1, schedule="cosine"))
+    assert [linear(0), linear(1), linear(5.5), linear(10)] == [1.0, 1.0, 0.5, 0.0]
+    assert [cosine(0), cosine(1), cosine(10)] == [1.0, 1.0, 0.0]
+    assert math.isclose(cosine(5.5), 0.5) and math.isclose(cosine(3.25), 0.5 * (1 + math.cos(math.pi / 4)))
+    assert _lr_lambda(FinetuneConfig(steps=10, warmup=0.2))(0) == 0.5  # two warm-up steps
+    with pytest.raises(ConfigError, match="schedule"):
+        FinetuneConfig(schedule="step")
 
 
 def test_batches_are_a_pure_function_of_step():
