@@ -472,18 +472,43 @@ def trick_sample(
     )
 
 
+#: The generators `countingtricks` can follow: countlens's reconstruction from the paper's text (32
+#: cases), or the rules of the paper's public generator (`countlens.datasets.paper_code_tricks`, 18 cases).
+DESIGNS: tuple[str, ...] = ("countlens", "paper-code")
+
+
 def countingtricks(
     cases: list[str] | tuple[str, ...] | None = None,
     n_per_case: int = 1000,
     grid: Geometry | None = None,
     seed: int = 0,
+    design: str = "countlens",
     **kw,
 ) -> list[TaskSample]:
-    """``n_per_case`` samples of each case (default: all 32), case by case; see `trick_sample`."""
+    """``n_per_case`` samples of each case, case by case. ``design="countlens"`` (default): the 32 cases
+    of this module (`trick_sample`; default all). ``design="paper-code"``: the 18 circle cases as the MAS
+    paper's generator draws them (`countlens.datasets.paper_code_tricks.code_sample`: shared layouts per
+    index, counts 1–10, the code's drop rule), on ``grid`` or the code's 384 px / 27 px; it takes
+    ``prompt``, ``color`` and ``background``."""
+    if design not in DESIGNS:
+        raise InputError(f"unknown design {design!r}; use one of {DESIGNS}")
     if isinstance(cases, str):  # one case named alone: "1A"
         cases = [cases]
-    names = list(CASES) if cases is None else [case(n).name for n in cases]
-    require_distinct(names, "cases")
     require_count(n_per_case, "n_per_case")
     require_seed(seed)
+    if design == "paper-code":
+        from countlens.datasets.paper_code_tricks import CODE_CASES, code_grid, code_sample
+
+        names = list(CODE_CASES) if cases is None else [str(n).upper() for n in cases]
+        require_distinct(names, "cases")
+        allowed = {"prompt", "color", "background"}
+        if set(kw) - allowed:
+            raise InputError(
+                f"design='paper-code' draws red circles at the code's counts; {sorted(set(kw) - allowed)} "
+                f"cannot be set (it takes {sorted(allowed)})"
+            )
+        g = code_grid(grid)
+        return [code_sample(name, seed, i, g, **kw) for name in names for i in range(n_per_case)]
+    names = list(CASES) if cases is None else [case(n).name for n in cases]
+    require_distinct(names, "cases")
     return [trick_sample(name, seed, i, grid, **kw) for name in names for i in range(n_per_case)]
