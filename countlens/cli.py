@@ -366,6 +366,13 @@ def data_countingtricks(
         bool,
         typer.Option(help="Replace a previous export in --out (only its images, manifest and export.json)."),
     ] = False,
+    design: Annotated[
+        str,
+        typer.Option(
+            help="countlens (its 32 cases) or paper-code (the MAS paper generator's 18 red-circle cases, "
+            "counts 1-10, layouts shared across cases; its grid: --image-size 384 --patch-size 27)."
+        ),
+    ] = "countlens",
 ) -> None:
     """Write COUNTINGTRICKS images and a manifest with every object's geometry.
 
@@ -382,9 +389,22 @@ def data_countingtricks(
         wanted = None if counts is None else tuple(int(x) for x in counts.split(",") if x.strip())
     except ValueError:
         raise ConfigError(f"--counts {counts!r}: give comma-separated integers, e.g. 3,4,5") from None
-    names = list(CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
     grid = _grid(model, image_size, patch_size)
-    kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt, counts=wanted)
+    if design == "paper-code":
+        from countlens.datasets.paper_code_tricks import CODE_CASES
+
+        if wanted is not None or shapes not in ("circle", "circle,square,triangle") or "," in color:
+            raise ConfigError(
+                "--design paper-code draws one colour of circles at the code's counts (1-10); "
+                "leave --counts and --shapes out and give one --color"
+            )
+        names = list(CODE_CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
+        kw = dict(color=color, prompt=prompt, design=design)
+    elif design == "countlens":
+        names = list(CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
+        kw = dict(shapes=tuple(shapes.split(",")), color=tuple(color.split(",")), prompt=prompt, counts=wanted)
+    else:
+        raise ConfigError(f"--design {design!r}: use countlens or paper-code")
     check_export(out, names, n, grid, seed, workers, overwrite, **kw)  # before the progress bar
     with Progress() as bar:
         task = bar.add_task("countingtricks", total=len(names) * n)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from countlens.datasets.countingtricks import CASES, case, resolve_counts, trick_sample
+from countlens.datasets.countingtricks import CASES, DESIGNS, case, resolve_counts, trick_sample
 from countlens.datasets.png import indexed_png
 from countlens.datasets.scene import PALETTE, Obj
 from countlens.datasets.tasks import TaskSample
@@ -44,9 +44,27 @@ def sample_record(s: TaskSample, file: str | None = None) -> dict:
         **s.meta,
         "objects": objects,
         "image_size": [s.scene.height, s.scene.width],
-        "case_params": CASES[s.meta["case"]].params,
+        "case_params": _case_params(s.meta),
     }
     return rec
+
+
+def _case_params(meta: dict) -> dict:
+    if meta.get("design") == "paper-code":
+        from countlens.datasets.paper_code_tricks import case_params
+
+        return case_params(meta["case"])
+    return CASES[meta["case"]].params
+
+
+def _sample(name: str, seed: int, index: int, grid: Geometry, kw: dict) -> TaskSample:
+    """One sample of the export's design: countlens's (`trick_sample`) or the paper code's (`code_sample`)."""
+    options = dict(kw)
+    if options.pop("design", "countlens") == "paper-code":
+        from countlens.datasets.paper_code_tricks import code_sample
+
+        return code_sample(name, seed, index, grid, **options)
+    return trick_sample(name, seed, index, grid, **options)
 
 
 def _png(s: TaskSample) -> bytes:
@@ -62,7 +80,7 @@ def _png(s: TaskSample) -> bytes:
 
 def _job(args: tuple) -> tuple[dict, bytes | None]:
     name, seed, index, grid, kw, write_png = args
-    s = trick_sample(name, seed, index, grid, **kw)
+    s = _sample(name, seed, index, grid, kw)
     file = f"images/{name}/{name}_{index:05d}.png"
     return sample_record(s, file), (_png(s) if write_png else None)
 
@@ -92,9 +110,12 @@ def _export_spec(names: list[str], n: int, grid: Geometry, seed: int, kw: dict) 
     same export asked for in other words (from the API or the command line) is the same spec."""
     import inspect
 
+    maker = trick_sample
+    if kw.get("design") == "paper-code":
+        from countlens.datasets.paper_code_tricks import code_sample as maker
     options = {
         p.name: p.default
-        for p in inspect.signature(trick_sample).parameters.values()
+        for p in inspect.signature(maker).parameters.values()
         if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
     }
     options.update(kw)
@@ -166,7 +187,18 @@ def check_export(
     out = Path(out)
     if isinstance(cases, str):
         cases = [cases]
-    names = list(CASES) if cases is None else [case(c).name for c in cases]
+    design = kw.get("design", "countlens")
+    if design not in DESIGNS:
+        raise InputError(f"unknown design {design!r}; use one of {DESIGNS}")
+    if design == "paper-code":
+        from countlens.datasets.paper_code_tricks import CODE_CASES
+
+        names = list(CODE_CASES) if cases is None else [str(c).upper() for c in cases]
+        bad = [c for c in names if c not in CODE_CASES]
+        if bad:
+            raise InputError(f"cases {bad} are not among the paper code's 18 cases {list(CODE_CASES)}")
+    else:
+        names = list(CASES) if cases is None else [case(c).name for c in cases]
     if not names:
         raise InputError("no cases given; name some (e.g. ['1A', '9B']) or give None for all 32")
     require_distinct(names, "cases")
@@ -178,11 +210,11 @@ def check_export(
         require_count(workers, "workers")
     if out.exists() and not out.is_dir():
         raise InputError(f"output {out} is a file; give a directory")
-    for name in names:
+    for name in names if design == "countlens" else ():
         resolve_counts(name, grid, kw.get("counts"))
     try:
-        trick_sample(names[0], seed, 0, grid, **kw)
-    except TypeError as err:  # an option trick_sample does not take
+        _sample(names[0], seed, 0, grid, kw)
+    except TypeError as err:  # an option the design's sample function does not take
         raise InputError(f"export options {sorted(kw)}: {err}") from None
     spec = _export_spec(names, n, grid, seed, kw)
     saved = _saved_spec(out) if out.is_dir() else None

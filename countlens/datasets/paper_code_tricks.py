@@ -152,6 +152,22 @@ def code_sample(
     return TaskSample(scene, question, answer_text(prompt, "circle", n), "count", meta)
 
 
+def case_params(name: str) -> dict:
+    """The rules of case ``name`` as data (what an export's manifest records of it)."""
+    if name not in CODE_CASES:
+        raise InputError(f"case {name!r} is not one of the paper code's 18 cases {list(CODE_CASES)}")
+    if name in DILATION:
+        return {"design": "paper-code", "diameter": DILATION[name], "spacing": SPACING.get(name, DEFAULT_SPACING)}
+    position, letter = int(name[0]), name[1]
+    return {
+        "design": "paper-code",
+        "moved": {1: "", 2: "x", 3: "y", 4: "xy"}[position],
+        "radius": "R·U(0.3, 1.2)" if letter in "BD" else "R",
+        "shift": "U(-R/2, R/2) ± R/4" if letter in "CD" else "",
+        "spacing": DEFAULT_SPACING,
+    }
+
+
 def code_grid(grid: Geometry | None = None) -> Geometry:
     """The paper code's grid, 384 px / 27 px (a data-set grid with a 6 px partial cell), unless given."""
     return Geometry.data_grid(384, 27) if grid is None else grid

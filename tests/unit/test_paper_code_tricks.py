@@ -102,3 +102,36 @@ def test_pure_function_of_seed_case_and_index_on_any_grid():
         countingtricks(["12A"], 1, design="paper-code")
     with pytest.raises(InputError, match="unknown design"):
         countingtricks(["1A"], 1, design="paper")
+
+
+def test_export_and_command_write_the_paper_codes_design(tmp_path):
+    """`countlens data countingtricks --design paper-code`: the code's cases, one manifest line per image
+    with the drawn and the requested count; its own export.json (another design is another export)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from countlens.cli import app
+    from countlens.datasets.export import export_countingtricks
+
+    runner = CliRunner()
+    out = tmp_path / "code"
+    args = ["data", "countingtricks", "--out", str(out), "--design", "paper-code", "--n", "2", "--cases", "2C,8A"]
+    done = runner.invoke(app, [*args, "--image-size", "384", "--patch-size", "27"])
+    assert done.exit_code == 0, done.output
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [(r["case"], r["design"]) for r in records] == [("2C", "paper-code")] * 2 + [("8A", "paper-code")] * 2
+    want = code_sample("8A", 0, 1, GRID)
+    assert (records[3]["count"], records[3]["requested"]) == (want.meta["count"], want.meta["requested"])
+    assert records[0]["case_params"]["moved"] == "x" and (out / "images" / "8A" / "8A_00001.png").exists()
+    again = export_countingtricks(out, ["2C", "8A"], 2, GRID, design="paper-code", prompt="std", color="red")
+    assert again == out / "manifest.jsonl"  # the same export, kept
+    refused = runner.invoke(
+        app, ["data", "countingtricks", "--out", str(tmp_path / "x"), "--design", "paper-code", "--counts", "3"]
+    )
+    assert refused.exit_code == 2 and "leave --counts and --shapes out" in refused.output
+    wrong = runner.invoke(
+        app, ["data", "countingtricks", "--out", str(tmp_path / "y"), "--design", "paper-code", "--cases", "9A"]
+    )
+    assert wrong.exit_code == 2 and "not among the paper code's 18 cases" in wrong.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
