@@ -18,6 +18,7 @@ from countlens.datasets.loaders import (
     LoaderError,
     load_clevr,
     load_countbench,
+    load_countingtricks_release,
     load_fsc147,
     load_mathvista,
     load_mmmu,
@@ -509,3 +510,33 @@ def test_realworldqa_rejections(tmp_path):
         load_realworldqa(folder / "realworldqa.json")
     with pytest.raises(LoaderError, match=r"nowhere: not found"):
         load_realworldqa(tmp_path / "nowhere")
+
+
+def test_the_mas_papers_released_countingtricks_in_both_label_layouts(tmp_path):
+    """images/<case>/*.png with run.py's per-image labels, or the generator's per-case label list
+    (whose circle centres become points); images in run.py's name order; a missing label refused."""
+    root = tmp_path / "mock-counting"
+    for k in (0, 1, 10):
+        png(root / "images" / "1A" / f"img_{k}.png", (16, 16))
+        (root / "labels" / "1A").mkdir(parents=True, exist_ok=True)
+        (root / "labels" / "1A" / f"img_{k}.json").write_text(json.dumps({"count": k + 1}))
+    png(root / "images" / "8A" / "img_0.png", (16, 16))
+    circles = [{"x": 67, "y": 94, "radius": 54, "patch_ids": [1]}]
+    (root / "labels" / "8A_labels.json").write_text(
+        json.dumps([{"image_id": "img_0.png", "count": 1, "circles": circles}])
+    )
+    samples = load_countingtricks_release(root)
+    assert [(s.id, s.count) for s in samples] == [
+        ("1A/img_0.png", 1),
+        ("1A/img_1.png", 2),
+        ("1A/img_10.png", 11),
+        ("8A/img_0.png", 1),
+    ]
+    assert samples[3].points.tolist() == [[67.0, 94.0]] and samples[0].points is None
+    assert samples[0].question == "How many red circle dots in the image?" and samples[0].meta["case"] == "1A"
+    assert [s.id for s in load_countingtricks_release(root, ["8A"])] == ["8A/img_0.png"]
+    png(root / "images" / "8A" / "img_1.png", (16, 16))
+    with pytest.raises(LoaderError, match=r"img_1\.png: no label .*8A_labels\.json"):
+        load_countingtricks_release(root)
+    with pytest.raises(LoaderError, match=r"no folder for cases \['9A'\]"):
+        load_countingtricks_release(root, ["9A"])

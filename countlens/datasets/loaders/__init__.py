@@ -1,5 +1,6 @@
-"""Loaders for local copies of real benchmarks: counting (FSC-147, PixMo-Count, CountBench, TallyQA),
-reasoning (CLEVR, MathVista) and general reasoning (MMMU, RealWorldQA, MathVista).
+"""Loaders for local copies of real benchmarks: counting (FSC-147, PixMo-Count, CountBench, TallyQA,
+the MAS paper's released COUNTINGTRICKS), reasoning (CLEVR, MathVista) and general reasoning (MMMU,
+RealWorldQA, MathVista).
 
 Each loader reads annotation files from disk (nothing is downloaded), validates every record when
 it is called, and returns a list of `CountSample` (counting) or `QuestionSample` (reasoning), whose
@@ -9,6 +10,7 @@ image is opened only when it is read.
 from countlens.datasets.loaders.clevr import load_clevr
 from countlens.datasets.loaders.common import CountSample, LoaderError, QuestionSample
 from countlens.datasets.loaders.countbench import load_countbench
+from countlens.datasets.loaders.countingtricks_release import load_countingtricks_release
 from countlens.datasets.loaders.fsc147 import load_fsc147
 from countlens.datasets.loaders.mathvista import load_mathvista
 from countlens.datasets.loaders.mmmu import load_mmmu
@@ -22,6 +24,7 @@ __all__ = [
     "QuestionSample",
     "load_clevr",
     "load_countbench",
+    "load_countingtricks_release",
     "load_fsc147",
     "load_mathvista",
     "load_mmmu",
