@@ -119,6 +119,29 @@ def parse_shape_count(text: str, shape: str = "") -> int | None:
     return parse_count(text)
 
 
+#: The MAS paper's evaluation scripts' number words (`vlm-count-eval/eval_accu_count/run*.py`), in their order.
+CODE_NUMBER_WORDS: dict[str, int] = {"zero": 0, "no": 0} | {w: i for i, w in enumerate(_UNITS[1:16], start=1)}
+_CODE_COUNT_RE = re.compile(rf"(\d+|{'|'.join(CODE_NUMBER_WORDS)})")
+#: How `generate` reads a count: countlens's parser (`parse_shape_count`: the Pstd format, whole words,
+#: up to "nineteen" and the tens) or the MAS paper's code's (`parse_count_as_code`).
+PARSERS: tuple[str, ...] = ("countlens", "paper-code")
+
+
+def parse_count_as_code(text: str) -> int | None:
+    """The count the MAS paper's evaluation scripts read: the first match of a digit string or of
+    "zero", "no", "one" … "fifteen" anywhere in the lower-cased text — no word boundaries, the words
+    tried in that order, so "cannot" → 0 ("no"), "someone" → 1, "fourteen" → 4, "often" → 10. Kept
+    as an option (``generate(..., parser="paper-code")``) to reproduce the paper's numbers; countlens's
+    `parse_count` reads whole words."""
+    if not isinstance(text, str):
+        raise InputError(f"parse_count_as_code got a {type(text).__name__}; give the answer text as a string")
+    m = _CODE_COUNT_RE.search(text.lower())
+    if m is None:
+        return None
+    word = m.group(1)
+    return int(word) if word.isdigit() else CODE_NUMBER_WORDS[word]
+
+
 def token_text(token: str) -> str:
     """A vocabulary token as text: sub-word markers ("Ġ12", "▁twelve") turned back into spaces."""
     return str(token).translate(_TOKEN_MARKERS)
@@ -449,12 +472,18 @@ def _is_correct(text: str, count: int | None, sample: Sample) -> bool:
 
 @torch.no_grad()
 def generate(
-    vlm: VLM, samples: Sequence[Sample], max_new_tokens: int = 8, batch_size: int = 16, progress: bool = False
+    vlm: VLM,
+    samples: Sequence[Sample],
+    max_new_tokens: int = 8,
+    batch_size: int = 16,
+    progress: bool = False,
+    parser: str = "countlens",
 ) -> xr.Dataset:
     """Greedy free-form answers, parsed (the papers' protocol): an xr.Dataset over ``sample``.
 
     Each answer is parsed with `parse_shape_count` for the sample's shape (its meta ``shape``), which
-    reads the Pstd format ("circle: 7") and otherwise the first count. Variables: text (the decoded
+    reads the Pstd format ("circle: 7") and otherwise the first count — or, with
+    ``parser="paper-code"``, as the MAS paper's scripts read it (`parse_count_as_code`). Variables: text (the decoded
     new tokens, special tokens dropped), pred_count (−1 when unparseable), parsed, correct (see
     `_is_correct`; an unparsed counting answer is wrong and counted in `summary`'s ``unparsed``),
     gold, count, case, task, shape, distractor; for benchmark questions read by their own rule
@@ -468,6 +497,8 @@ def generate(
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    if parser not in PARSERS:
+        raise InputError(f"unknown parser {parser!r}; use one of {PARSERS}")
     # A benchmark's answer is read by its rule, not matched whole: its length is the caller's budget.
     written = [s for s in samples if not has_rule(s)]
     need, longest = max((len(vlm.answer_ids(str(s.answer))), str(s.answer)) for s in written) if written else (0, "")
@@ -485,7 +516,10 @@ def generate(
         out = vlm.hf.generate(**batch.inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         new = out[:, batch.inputs["input_ids"].shape[1] :]  # Int[Tensor, "batch new"]: left padding aligns prompts
         texts += [t.strip() for t in vlm.tokenizer.batch_decode(new, skip_special_tokens=True)]
-    counts = [parse_shape_count(t, str((s.meta or {}).get("shape", ""))) for t, s in zip(texts, samples)]
+    if parser == "paper-code":
+        counts = [parse_count_as_code(t) for t in texts]
+    else:
+        counts = [parse_shape_count(t, str((s.meta or {}).get("shape", ""))) for t, s in zip(texts, samples)]
     correct = [_is_correct(t, c, s) for t, c, s in zip(texts, counts, samples)]
     parsed = [c is not None for c in counts]
     # A general-reasoning benchmark's question is read by that benchmark's own rule.
@@ -513,6 +547,7 @@ def generate(
             "arch": vlm.arch.name,
             "method": "greedy generation",
             "max_new_tokens": max_new_tokens,
+            "parser": parser,
         },
     )
 

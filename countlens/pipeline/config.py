@@ -55,6 +55,7 @@ class DiscoverConfig:
     spatial: str = ""  # a local CLEVR root for the spatial task ("": the procedural one)
     evaluate: str = "score"  # COUNTINGTRICKS and Digit-in-Conflict: "score" (candidates) or "generate" (parse)
     max_new_tokens: int = 8  # the generation budget of evaluate="generate"
+    parser: str = "countlens"  # how evaluate="generate" reads a count: countlens's or "paper-code" (the MAS code's)
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
@@ -89,6 +90,9 @@ def check_config(c: DiscoverConfig) -> None:
     require_distinct(c.tasks, "tasks", ConfigError)
     require_choice(c.evaluate, "evaluate", EVALUATIONS, ConfigError)
     require_count(c.max_new_tokens, "max_new_tokens", ConfigError)
+    from countlens.analysis.evaluate import PARSERS
+
+    require_choice(c.parser, "parser", PARSERS, ConfigError)
     for name in ("math", "spatial"):
         path = getattr(c, name)
         if not isinstance(path, str):  # spec.json holds it as text

@@ -109,7 +109,9 @@ def discover(
     # 1. COUNTINGTRICKS
     def answers(samples: list, progress: bool = False) -> xr.Dataset:
         if c.evaluate == "generate":
-            return generate(vlm, samples, max_new_tokens=c.max_new_tokens, batch_size=bs, progress=progress)
+            return generate(
+                vlm, samples, max_new_tokens=c.max_new_tokens, batch_size=bs, progress=progress, parser=c.parser
+            )
         return score(vlm, samples, batch_size=bs, progress=progress)
 
     cases = stages.run("cases", lambda: answers(inputs["cases"](), progress=True))

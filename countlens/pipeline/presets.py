@@ -126,7 +126,7 @@ PRESETS: dict[str, Preset] = {
     "counting-to-four": Preset(
         "counting-to-four",
         "Counting to Four is still a Chore for VLMs (paper 000)",
-        discover={"n_per_case": 1000, "prompt": "std"},
+        discover={"n_per_case": 1000, "prompt": "std", "max_new_tokens": 100, "parser": "paper-code"},
         finetune=Recipe(
             config={
                 "tau": 0.4,
@@ -171,6 +171,10 @@ PRESETS: dict[str, Preset] = {
             "2048-channel taps (countlens: 512 channels, 1.71 M / 2.23 M)",
             "head_hidden": "Table 3: a shared YOLO head (countlens: 256 channels, about 1.18 M parameters)",
             "n_per_case": "Method steps: 32 cases x 1,000 samples",
+            "max_new_tokens": "the code's vlm-count-eval/eval_accu_count/run_ovis.py (and its siblings): 100 greedy "
+            "new tokens (run.py leaves the pipeline's default); used with --evaluate generate",
+            "parser": "the code's run*.py: the first digit string or number word zero-fifteen, no word boundaries "
+            "(evaluate.parse_count_as_code)",
             "prompt": "Method steps: the Pstd prompt",
         },
     ),

@@ -72,6 +72,38 @@ def test_generate_end_to_end_agrees_with_scoring(vlm):
     assert float(accuracy(sc, "task")["accuracy"].iloc[0]) == pytest.approx(float(sc.correct.mean()))
 
 
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("There are 7 circles", 7),
+        ("I see 12 dots, not 13", 12),
+        ("cannot tell", 0),  # "no" inside "cannot": the code's regex has no word boundaries
+        ("someone", 1),
+        ("fourteen", 4),  # "four" is tried before "fourteen"
+        ("often", 10),
+        ("none", 0),
+        ("Seventeen", 7),  # no "seventeen" in its words: "seven"
+        ("x", None),
+        ("", None),
+    ],
+)
+def test_the_mas_papers_parser_as_its_code_reads(text, want):
+    from countlens.analysis.evaluate import parse_count_as_code
+
+    assert parse_count_as_code(text) == want
+
+
+def test_generate_reads_counts_with_the_papers_parser_when_asked(vlm):
+    from countlens.analysis.evaluate import parse_count_as_code
+
+    samples = task_samples("count", 4, seed=2, image_size=vlm.geometry.image_height)
+    ds = generate(vlm, samples, max_new_tokens=3, batch_size=4, parser="paper-code")
+    assert ds.attrs["parser"] == "paper-code"
+    assert [(-1 if (c := parse_count_as_code(t)) is None else c) for t in ds.text.values] == list(ds.pred_count.values)
+    with pytest.raises(InputError, match="unknown parser"):
+        generate(vlm, samples, parser="regex")
+
+
 def _ds(**vars_) -> xr.Dataset:
     n = len(next(iter(vars_.values())))
     return xr.Dataset({k: ("sample", np.asarray(v)) for k, v in vars_.items()}, coords={"sample": np.arange(n)})
