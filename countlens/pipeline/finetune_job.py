@@ -576,10 +576,14 @@ def _markdown(table: pd.DataFrame, config: FinetuneConfig, recipe) -> str:
         if reasoning
         else ""
     )
+    trained = (
+        f"LoRA r={config.lora_r} (α {config.lora_alpha}) on the language model's attention projections, "
+        if config.method == "lora"
+        else "every language-model weight trained (vision tower and projector frozen), "
+    )
     return (
         f"{cells}\n\nAccuracy in %, MAE in counts (parsed answers of counting sets).{read} {source}: "
-        f"LoRA r={config.lora_r} (α {config.lora_alpha}) on the language model's attention projections, "
-        f"{config.steps} steps × batch {config.batch_size}, lr {config.lr}, warm-up {config.warmup:.0%}; "
+        f"{trained}{config.steps} steps × batch {config.batch_size}, lr {config.lr}, warm-up {config.warmup:.0%}; "
         f"target layers {a['target_layers']}; {lambdas} (σ = {config.sigma} cell, τ = {config.tau}).{temperature} "
         f"{a['n_train']} training scenes ({recipe.training}); evaluation sizes {a['n_eval']}.\n"
     )

@@ -130,6 +130,8 @@ PRESETS: dict[str, Preset] = {
         finetune=Recipe(
             config={
                 "tau": 0.4,
+                "method": "full",
+                "lr": 1e-5,
                 "mas_reduce": "paper",
                 "weight_decay": 0.1,
                 "batch_size": 2,
@@ -154,8 +156,9 @@ PRESETS: dict[str, Preset] = {
                 "warmup": "the code's training script: --warmup_ratio 0.03",
                 "schedule": "the code's training script: --lr_scheduler_type cosine",
                 "max_grad_norm": "the code's trainer default (transformers Trainer: max_grad_norm 1.0)",
-                "lr": "countlens's own (LoRA): the code fine-tunes the whole language model at lr 1e-5, which "
-                "countlens's fine-tune (LoRA only) does not do yet",
+                "method": "the code's training script: --train_modules llm (the whole language model, its "
+                "embeddings included; the vision tower frozen)",
+                "lr": "the code's training script: --learning_rate 1e-5",
                 "mas": "Method steps (4): lambda_mas = 0.1",
                 "epochs": "Method steps (4): 10 epochs",
                 "training": "Method steps (4): FSC-147 SFT data",

@@ -1,10 +1,13 @@
-"""Circuit-guided LoRA fine-tuning: answer cross-entropy plus attention losses at the circuit's layers.
+"""Circuit-guided fine-tuning (LoRA, or the whole language model): answer cross-entropy plus attention
+losses at the circuit's layers.
 
 The loss is CE(answer) + λ_focus·L_focus + λ_mas·L_mas (`countlens.training.losses`), the two
 attention terms at ``target_layers`` — taken from a circuit (the layers of its visual-grounding and
 cross-modal-routing heads, `target_layers_from`) or given. LoRA adapters (peft) sit on the language
-model's attention projections, optionally only at the target layers; AdamW with 3 % linear warmup
-then linear decay; gradient accumulation; bf16 autocast on GPU, fp32 on CPU, through `accelerate`.
+model's attention projections, optionally only at the target layers — or, with ``method="full"`` (the
+MAS paper's script), every language-model weight trains (the vision tower and projector frozen; the
+caller's weights are copied to CPU and given back afterwards); AdamW with 3 % linear warmup then linear
+or cosine decay; gradient accumulation; bf16 autocast on GPU, fp32 on CPU, through `accelerate`.
 A large model spreads over several GPUs with ``device_map`` in one process; or the run is data
 parallel under ``accelerate launch --num_processes N`` / ``torchrun --nproc_per_node N`` (DDP, or
 FSDP with ``configs/accelerate/fsdp.yaml``): each step's global batch of ``batch_size`` samples
@@ -56,6 +59,10 @@ if TYPE_CHECKING:
 
 #: The learning-rate schedules after the warm-up (`FinetuneConfig.schedule`).
 SCHEDULES: tuple[str, ...] = ("linear", "cosine")
+#: What a fine-tune trains (`FinetuneConfig.method`): LoRA adapters, or every language-model weight.
+METHODS: tuple[str, ...] = ("lora", "full")
+FULL_WEIGHTS = "model.safetensors"  # a full fine-tune's trained weights, in a checkpoint and in out/adapter
+FULL_MARKER = "full_finetune.json"  # marks out/adapter as a full fine-tune's weights (not a LoRA adapter)
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ class FinetuneConfig:
     warmup: float = 0.03
     schedule: str = "linear"  # after the warm-up: "linear" decay to 0, or "cosine" (the MAS paper's script)
     max_grad_norm: float = 0.0  # clip the gradient's global norm to this (0: no clipping)
+    method: str = "lora"  # "lora" (adapters on the LM's attention) or "full" (every LM weight; the MAS code's)
     lora_r: int = 32
     lora_alpha: int = 64
     lora_dropout: float = 0.0
@@ -99,6 +107,7 @@ class FinetuneConfig:
         require_seed(self.seed, "seed", ConfigError)
         require_choice(self.mas_reduce, "mas_reduce", MAS_REDUCE, ConfigError)
         require_choice(self.schedule, "schedule", SCHEDULES, ConfigError)
+        require_choice(self.method, "method", METHODS, ConfigError)
         require_choice(self.ce_on, "ce_on", CE_ON, ConfigError)
         for layer in self.target_layers:
             require_seed(layer, "a target layer", ConfigError)
@@ -167,10 +176,33 @@ def _batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
     return np.array(out)
 
 
-def _save_checkpoint(model, state_dict: dict, optimizer, scheduler, step: int, log: list, out: Path) -> None:
+def full_trainable(vlm: VLM) -> set[str]:
+    """The parameters a full fine-tune trains: every one outside the vision tower and the projector
+    (the language model, its embeddings and head, as the MAS paper's script trains Ovis2.5's LLM)."""
+    frozen = (f"{vlm.arch.spec.vision_tower}.", f"{vlm.arch.spec.projector}.")
+    return {n for n, _ in vlm.hf.named_parameters() if not n.startswith(frozen)}
+
+
+def _save_weights(model, state_dict: dict, where: Path, trained: set[str] | None) -> None:
+    """A LoRA adapter (peft's files), or with ``trained`` (a full fine-tune) those weights alone."""
+    if trained is None:
+        model.save_pretrained(where, state_dict=state_dict)
+        return
+    from safetensors.torch import save_file
+
+    where.mkdir(parents=True, exist_ok=True)
+    # Cloned: tied weights (embeddings and head) would otherwise share storage, which safetensors refuses.
+    weights = {n: w.detach().to("cpu").clone().contiguous() for n, w in state_dict.items() if n in trained}
+    save_file(weights, where / FULL_WEIGHTS)
+    (where / FULL_MARKER).write_text(json.dumps({"method": "full", "tensors": len(weights)}) + "\n")
+
+
+def _save_checkpoint(
+    model, state_dict: dict, optimizer, scheduler, step: int, log: list, out: Path, trained: set[str] | None = None
+) -> None:
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
+    _save_weights(model, state_dict, tmp, trained)
     torch.save(
         {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}, tmp / "state.pt"
     )
@@ -266,12 +298,26 @@ def finetune(
             f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}"
         )
     frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
-    peft_model = get_peft_model(vlm.hf, _lora_config(vlm, config))
+    if config.method == "full":
+        # The caller's model is trained in place: its weights are copied to CPU and put back afterwards.
+        trained = full_trainable(vlm)
+        original = {n: p.detach().to("cpu", copy=True) for n, p in vlm.hf.named_parameters() if n in trained}
+        for n, p in vlm.hf.named_parameters():
+            p.requires_grad_(n in trained)
+        model = vlm.hf
+    else:
+        trained, original = None, {}
+        model = get_peft_model(vlm.hf, _lora_config(vlm, config))
     try:
-        return _train(vlm, peft_model, accelerator, samples, out, config, progress)
+        return _train(vlm, model, accelerator, samples, out, config, progress, trained)
     finally:
-        peft_model.eval()
-        peft_model.unload()  # the caller's model without LoRA layers again, whatever happened
+        model.eval()
+        if trained is None:
+            model.unload()  # the caller's model without LoRA layers again, whatever happened
+        with torch.no_grad():
+            for n, p in vlm.hf.named_parameters():
+                if n in original:
+                    p.copy_(original[n])
         for n, p in vlm.hf.named_parameters():
             p.requires_grad_(frozen.get(n, p.requires_grad))
 
@@ -286,7 +332,9 @@ def check_digit_answers(vlm: VLM, samples: Sequence) -> None:
             )
 
 
-def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: FinetuneConfig, progress) -> Path:
+def _train(
+    vlm: VLM, peft_model, accelerator, samples, out: Path, config: FinetuneConfig, progress, trained: set[str] | None
+) -> Path:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -314,7 +362,10 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
                 "into a new directory, or resume without FSDP (DDP)"
             )
         try:
-            set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
+            if trained is None:
+                set_peft_model_state_dict(peft_model, load_file(ckpt / "adapter_model.safetensors"))
+            else:
+                peft_model.load_state_dict(load_file(ckpt / FULL_WEIGHTS), strict=False)
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
         except Exception as err:  # a checkpoint cut short, or one of other settings
@@ -373,26 +424,41 @@ def _train(vlm: VLM, peft_model, accelerator, samples, out: Path, config: Finetu
         if step % config.save_every == 0 or step == config.steps:
             weights = accelerator.get_state_dict(model)  # every rank: FSDP gathers the shards here
             if lead:
-                _save_checkpoint(accelerator.unwrap_model(model), weights, optimizer, scheduler, step, log, out)
+                _save_checkpoint(
+                    accelerator.unwrap_model(model), weights, optimizer, scheduler, step, log, out, trained
+                )
             accelerator.wait_for_everyone()
     adapter = out / "adapter"
     weights = accelerator.get_state_dict(model)
     if lead:
         shutil.rmtree(adapter, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(adapter, state_dict=weights)
+        _save_weights(accelerator.unwrap_model(model), weights, adapter, trained)
         (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     accelerator.wait_for_everyone()
     return adapter
 
 
 def with_adapter(name_or_path: str, adapter: str | Path, **load_kw) -> VLM:
-    """A fresh `VLM` of ``name_or_path`` with the LoRA ``adapter`` merged into its weights."""
+    """A fresh `VLM` of ``name_or_path`` with the LoRA ``adapter`` merged into its weights, or with a
+    full fine-tune's weights (``method="full"``) loaded over them."""
     from peft import PeftModel
 
     import countlens
     from countlens.vlm import VLM
 
     adapter = Path(adapter)
+    if (adapter / FULL_MARKER).exists():  # a full fine-tune's weights, loaded over a fresh model
+        from safetensors.torch import load_file
+
+        base = countlens.load(name_or_path, **load_kw)
+        weights = load_file(adapter / FULL_WEIGHTS)
+        unknown = base.hf.load_state_dict(weights, strict=False).unexpected_keys
+        if unknown:
+            raise RunDirError(
+                f"{adapter / FULL_WEIGHTS} holds weights {unknown[:3]} this model lacks; is it another model's?"
+            )
+        base.hf.eval()
+        return VLM(base.hf, base.processor, name=f"{base.name}+{adapter.parent.name}")
     if not (adapter / "adapter_config.json").exists():
         raise RunDirError(f"no LoRA adapter at {adapter} (adapter_config.json missing); train one with finetune()")
     base = countlens.load(name_or_path, **load_kw)

@@ -289,6 +289,9 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
         4,
         list(range(6)),
     )
+    # The code's recipe: the whole language model at lr 1e-5, its MAS reduction (wrong answers only).
+    assert (spec["method"], spec["lr"], spec["mas_reduce"], spec["grad_accum"]) == ("full", 1e-5, "paper", 32)
+    assert (tmp_path / "c4" / "sft_mas" / "adapter" / "full_finetune.json").exists()
     missing = runner.invoke(
         app, ["finetune", "--circuit", str(run), "--preset", "counting-to-four", "--out", str(tmp_path / "none")]
     )

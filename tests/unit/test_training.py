@@ -188,6 +188,47 @@ def test_learning_rate_schedules():
         FinetuneConfig(schedule="step")
 
 
+def test_full_finetune_trains_the_language_model_resumes_and_restores_the_callers_model(organism, tmp_path):
+    """method='full' (the MAS paper's script): every language-model weight trains, the vision tower and
+    projector do not; a run killed after its first checkpoint resumes to the uninterrupted weights; the
+    caller's model is given back unchanged; `with_adapter` loads the weights over a fresh model."""
+    from countlens.training.finetune import FULL_WEIGHTS, full_trainable
+
+    samples = task_samples("count", 8, 1000)
+    config = FinetuneConfig(
+        steps=2,
+        batch_size=2,
+        save_every=1,
+        target_layers=(1,),
+        focus=0.0,
+        mas=0.1,
+        lr=1e-3,
+        method="full",
+        mas_reduce="paper",
+    )
+    before = {n: p.detach().clone() for n, p in organism.hf.named_parameters()}
+    done = finetune(organism, samples, tmp_path / "whole", config)
+    assert all(torch.equal(p, before[n]) for n, p in organism.hf.named_parameters())  # given back unchanged
+    weights = load_file(done / FULL_WEIGHTS)
+    trained = full_trainable(organism)
+    spec = organism.arch.spec
+    assert set(weights) == trained and not any(n.startswith((spec.vision_tower, spec.projector)) for n in weights)
+    assert any(not torch.equal(weights[n], before[n]) for n in weights)  # it learnt something
+
+    def die_after_the_first_step(row):
+        if row["step"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        finetune(organism, samples, tmp_path / "killed", config, progress=die_after_the_first_step)
+    resumed = load_file(finetune(organism, samples, tmp_path / "killed", config) / FULL_WEIGHTS)
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+    tuned = with_adapter("toy", done)
+    got = dict(tuned.hf.named_parameters())
+    assert all(torch.equal(got[n], weights[n]) for n in weights)
+    assert all(torch.equal(got[n], before[n]) for n in before if n not in trained)
+
+
 def test_batches_are_a_pure_function_of_step():
     a = [_batch_indices(10, s, 4, 0).tolist() for s in range(6)]
     assert a == [_batch_indices(10, s, 4, 0).tolist() for s in range(6)]
