@@ -56,6 +56,9 @@ class DiscoverConfig:
     evaluate: str = "score"  # COUNTINGTRICKS and Digit-in-Conflict: "score" (candidates) or "generate" (parse)
     max_new_tokens: int = 8  # the generation budget of evaluate="generate"
     parser: str = "countlens"  # how evaluate="generate" reads a count: countlens's or "paper-code" (the MAS code's)
+    design: str = (
+        "countlens"  # the cases stage's COUNTINGTRICKS: countlens's 32 cases or "paper-code" (the MAS code's 18)
+    )
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
@@ -93,6 +96,9 @@ def check_config(c: DiscoverConfig) -> None:
     from countlens.analysis.evaluate import PARSERS
 
     require_choice(c.parser, "parser", PARSERS, ConfigError)
+    from countlens.datasets.countingtricks import DESIGNS
+
+    require_choice(c.design, "design", DESIGNS, ConfigError)
     for name in ("math", "spatial"):
         path = getattr(c, name)
         if not isinstance(path, str):  # spec.json holds it as text

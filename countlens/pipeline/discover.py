@@ -215,7 +215,11 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
             c.n_pairs, kind=c.pair_kind, grid=grid, seed=c.seed, prompt=prompt, counts=range(1, 10)
         ),
         "tasks": tasks,
-        "cases": lambda: countingtricks(None, c.n_per_case, grid, seed=c.seed, prompt=prompt, color=colors),
+        "cases": lambda: (
+            countingtricks(None, c.n_per_case, grid, seed=c.seed, prompt=prompt, design="paper-code")
+            if c.design == "paper-code"
+            else countingtricks(None, c.n_per_case, grid, seed=c.seed, prompt=prompt, color=colors)
+        ),
         "conflict_std": lambda: conflict(base),
         "conflict": lambda: conflict(distractor),
         # HeadLens learns its maps on the organism's three trained tasks, whatever the ablation compares.

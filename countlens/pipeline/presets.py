@@ -126,7 +126,13 @@ PRESETS: dict[str, Preset] = {
     "counting-to-four": Preset(
         "counting-to-four",
         "Counting to Four is still a Chore for VLMs (paper 000)",
-        discover={"n_per_case": 1000, "prompt": "std", "max_new_tokens": 100, "parser": "paper-code"},
+        discover={
+            "n_per_case": 200,
+            "prompt": "std",
+            "max_new_tokens": 100,
+            "parser": "paper-code",
+            "design": "paper-code",
+        },
         finetune=Recipe(
             config={
                 "tau": 0.4,
@@ -173,7 +179,9 @@ PRESETS: dict[str, Preset] = {
             "hidden": "Table 3: 1x1 bottleneck; 1.7-2.2 M parameters, 0.5 M apart between 1024- and "
             "2048-channel taps (countlens: 512 channels, 1.71 M / 2.23 M)",
             "head_hidden": "Table 3: a shared YOLO head (countlens: 256 channels, about 1.18 M parameters)",
-            "n_per_case": "Method steps: 32 cases x 1,000 samples",
+            "n_per_case": "the code's config.yml: 200 images per case (the text: 32 cases x 1,000 samples)",
+            "design": "the code's synthetic_data/generate.py: 18 red-circle cases, counts 1-10, layouts shared "
+            "across cases, drawn on the model's grid (the code draws 384 px at the model's patch, 27 or 14 px)",
             "max_new_tokens": "the code's vlm-count-eval/eval_accu_count/run_ovis.py (and its siblings): 100 greedy "
             "new tokens (run.py leaves the pipeline's default); used with --evaluate generate",
             "parser": "the code's run*.py: the first digit string or number word zero-fifteen, no word boundaries "

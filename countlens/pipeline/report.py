@@ -76,8 +76,14 @@ def write_report(
     jac = circuits.jaccard(abl, k=jk)
 
     figs = out / "figures"
-    by_case = accuracy(cases, "case")["accuracy"].reindex(list(CASES))
-    family = pd.Series({n: c.family for n, c in CASES.items()})
+    design = spec.get("design", "countlens")
+    if design == "paper-code":  # the MAS paper's generator: 18 circle cases, no adjacency family
+        from countlens.datasets.paper_code_tricks import CODE_CASES, DILATION
+
+        family = pd.Series({n: "dilation" if n in DILATION else "position" for n in CODE_CASES})
+    else:
+        family = pd.Series({n: c.family for n, c in CASES.items()})
+    by_case = accuracy(cases, "case")["accuracy"].reindex(list(family.index))
     fam_acc = by_case.groupby(family).mean()
     plots.plot_bars(by_case, figs / "cases.png", "COUNTINGTRICKS accuracy per case")
     plots.plot_layers(vap, figs / "vap.png")
@@ -121,6 +127,7 @@ def write_report(
         warning=unanswered(cases),
         preset=preset,
         family={f: fam_acc.get(f, float("nan")) for f in ("position", "dilation", "adjacency")},
+        design=design,
         n_cases=int(cases.sizes["sample"]),
         overall={"accuracy": overall["accuracy"], "mae": overall["mae"], "unparsed": overall["unparsed"]},
         evaluation=spec.get("evaluate", "score"),

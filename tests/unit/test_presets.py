@@ -19,7 +19,13 @@ def test_preset_values_are_the_papers():
     assert (cc.pair_kind, cc.prompt, cc.jaccard_k, cc.preset) == ("dots+polygons", "std", 20, "counting-circuits")
     c4 = presets.discover_config("counting-to-four")
     # The code's evaluation scripts: 100 greedy new tokens, read by their own parser (with --evaluate generate).
-    assert (c4.n_per_case, c4.prompt, c4.max_new_tokens, c4.parser) == (1000, "std", 100, "paper-code")
+    assert (c4.n_per_case, c4.prompt, c4.max_new_tokens, c4.parser, c4.design) == (
+        200,
+        "std",
+        100,
+        "paper-code",
+        "paper-code",
+    )
     t = presets.thresholds("counting-circuits")
     assert (t.early, t.routing_from, t.routing_to, t.late, t.align_min, t.difficulty_min) == (
         0.1,
