@@ -240,8 +240,17 @@ def attention_metrics(
     coverage: float = COVERAGE,
     threshold: float = THRESHOLD,
     quantile: float = QUANTILE,
+    at: str = "prompt",
+    max_new_tokens: int = 50,
 ) -> xr.Dataset:
     """MAS, VRA, Attn-IoU and ARS of the last prompt position: an xr.Dataset over (layer, sample).
+
+    ``at="generation"``: read instead at the last generation step after greedy decoding (at most
+    ``max_new_tokens``), as the MAS paper's code does, and add the code's own diagnostics
+    (`countlens.analysis.code_attention`): ``sets`` (layer, set, sample: the attention summed over the
+    special, system, image and text positions; `code_attention.modality_shares` reduces them to the
+    4-way share), ``vra_code`` and ``ars_code`` (sample); ``correct`` then reads the generated answer
+    (`countlens.analysis.evaluate.parse_shape_count`) and ``text`` holds it.
 
     Also ``pixel_iou`` over (layer, head, sample): the paper's Attn-IoU, each head's own map against
     the object pixels (`pixel_attention_iou`). Per sample: ``correct`` (`countlens.analysis.evaluate.score`),
@@ -252,23 +261,43 @@ def attention_metrics(
     cross-attention looks — countlens's definitions, the papers define none there. Attention comes from
     `countlens.circuits.attention.last_token_attention` (eager attention for that call only).
     """
-    from countlens.analysis.evaluate import score
+    from countlens.analysis import code_attention
+    from countlens.analysis.evaluate import parse_shape_count, score
     from countlens.circuits.attention import image_keys, last_token_attention
 
     _check(samples, batch_size)
+    if at not in ("prompt", "generation"):
+        raise InputError(f"at={at!r}: read attention at the 'prompt' (its last token) or at the last 'generation' step")
+    if at == "generation" and vlm.arch.spec.cross_attention is not None:
+        raise InputError(
+            "at='generation' reads the MAS code's diagnostics of image tokens; a cross-attention model has none"
+        )
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted({int(x) for x in layers})
     for layer in layers:
         vlm.arch.attention(layer)  # raises a LayerError naming the valid range
     rows: dict[str, list[Tensor]] = {k: [] for k in METRICS}
     share: list[float] = []
     pixel: list[Tensor] = []
-    for chunk, batch in vlm.batches(samples, batch_size):
+    code: dict[str, list] = {"sets": [], "vra_code": [], "ars_code": [], "text": []}
+    reads = (
+        code_attention.generation_batches(vlm, samples, batch_size, max_new_tokens)
+        if at == "generation"
+        else ((chunk, batch, None) for chunk, batch in vlm.batches(samples, batch_size))
+    )
+    for chunk, batch, generated in reads:
         attn = last_token_attention(vlm, batch, layers)  # Float[Tensor, "layer batch head seq"]
         head_mean = attn.mean(2)
         for b, s in enumerate(chunk):
             obj = object_cells(s.scene, batch.geometry[b], coverage)
             share.append(float(obj.float().mean()))
             keys, cells = image_keys(batch, b)
+            if generated is not None:
+                sets = code_attention.chatml_sets(vlm, batch, b)
+                code["sets"].append(code_attention.set_sums(head_mean[:, b], sets))
+                image, ground = head_mean[:, b][:, keys], code_attention.ground_tokens(cells, obj)
+                code["vra_code"].append(code_attention.vra_as_code(image, ground, quantile))
+                code["ars_code"].append(code_attention.ars_as_code(image, ground, quantile))
+                code["text"].append(vlm.tokenizer.decode(generated[b], skip_special_tokens=True).strip())
             got = _sample_metrics(head_mean[:, b], keys, cells, obj, quantile, threshold)
             for k in METRICS:
                 rows[k].append(got[k])
@@ -280,13 +309,23 @@ def attention_metrics(
     data["pixel_iou"] = (("layer", "head", "sample"), torch.stack(pixel, -1).numpy())
     data |= {"object_share": ("sample", np.array(share)), "correct": ("sample", scored["correct"].values)}
     data |= {k: ("sample", scored[k].values) for k in ("case", "count", "task")}
+    coords = {"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))}
+    if at == "generation":
+        read = [parse_shape_count(t, str(s.meta.get("shape", ""))) for t, s in zip(code["text"], samples)]
+        data["correct"] = ("sample", np.array([r == int(s.meta.get("count", -1)) for r, s in zip(read, samples)]))
+        data["sets"] = (("layer", "set", "sample"), torch.stack(code["sets"], -1).numpy())
+        data |= {
+            k: ("sample", np.array(code[k], dtype=object if k == "text" else float))
+            for k in ("vra_code", "ars_code", "text")
+        }
+        coords["set"] = list(code_attention.SETS)
     return xr.Dataset(
         data,
-        coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
+        coords=coords,
         attrs={
             "model": vlm.name,
             "arch": vlm.arch.name,
-            "position": "last prompt token",
+            "position": "last generation step" if at == "generation" else "last prompt token",
             "coverage": coverage,
             "threshold": threshold,
             "quantile": quantile,
