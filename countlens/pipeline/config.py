@@ -56,9 +56,8 @@ class DiscoverConfig:
     evaluate: str = "score"  # COUNTINGTRICKS and Digit-in-Conflict: "score" (candidates) or "generate" (parse)
     max_new_tokens: int = 8  # the generation budget of evaluate="generate"
     parser: str = "countlens"  # how evaluate="generate" reads a count: countlens's or "paper-code" (the MAS code's)
-    design: str = (
-        "countlens"  # the cases stage's COUNTINGTRICKS: countlens's 32 cases or "paper-code" (the MAS code's 18)
-    )
+    design: str = "countlens"  # the cases stage's COUNTINGTRICKS: countlens's 32 cases or the MAS code's 18
+    attention_at: str = "prompt"  # attention diagnostics at the last "prompt" token or last "generation" step
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
@@ -99,6 +98,7 @@ def check_config(c: DiscoverConfig) -> None:
     from countlens.datasets.countingtricks import DESIGNS
 
     require_choice(c.design, "design", DESIGNS, ConfigError)
+    require_choice(c.attention_at, "attention_at", ("prompt", "generation"), ConfigError)
     for name in ("math", "spatial"):
         path = getattr(c, name)
         if not isinstance(path, str):  # spec.json holds it as text

@@ -139,7 +139,12 @@ def discover(
         "attention",
         lambda: circuits.image_attention_share(vlm, data["count"], batch_size=bs).to_dataset(name="image_attention"),
     )
-    stages.run("attention_metrics", lambda: attention_metrics(vlm, inputs["attention_metrics"](), batch_size=bs))
+    stages.run(
+        "attention_metrics",
+        lambda: attention_metrics(
+            vlm, inputs["attention_metrics"](), batch_size=bs, at=c.attention_at, max_new_tokens=c.max_new_tokens
+        ),
+    )
     # 6. ablation across tasks
     abl = stages.run("ablation", sweep_stages["ablation"])
     # 7. temperature from head-patching importance (the head table's `importance`)

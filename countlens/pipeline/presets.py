@@ -132,6 +132,7 @@ PRESETS: dict[str, Preset] = {
             "max_new_tokens": 100,
             "parser": "paper-code",
             "design": "paper-code",
+            "attention_at": "generation",
         },
         finetune=Recipe(
             config={
@@ -180,6 +181,8 @@ PRESETS: dict[str, Preset] = {
             "2048-channel taps (countlens: 512 channels, 1.71 M / 2.23 M)",
             "head_hidden": "Table 3: a shared YOLO head (countlens: 256 channels, about 1.18 M parameters)",
             "n_per_case": "the code's config.yml: 200 images per case (the text: 32 cases x 1,000 samples)",
+            "attention_at": "the code's modality_balance/attn_dist.ipynb and pixel_grounding_eval/eval.ipynb: "
+            "attention at the last generation step (with the code's 4-way share, VRA and ARS beside countlens's)",
             "design": "the code's synthetic_data/generate.py: 18 red-circle cases, counts 1-10, layouts shared "
             "across cases, drawn on the model's grid (the code draws 384 px at the model's patch, 27 or 14 px)",
             "max_new_tokens": "the code's vlm-count-eval/eval_accu_count/run_ovis.py (and its siblings): 100 greedy "

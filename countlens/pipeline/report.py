@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import xarray as xr
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
@@ -151,7 +152,13 @@ def write_report(
             "top_vgs": _argmax_head(hl.vgs),
             "top_cter": _argmax_head(hl.cter),
         },
-        attention={"n_scenes": int(am.sizes["sample"]), "mas_iou_table": mas_iou.to_markdown(), "pixel_iou": pixel_iou},
+        attention={
+            "n_scenes": int(am.sizes["sample"]),
+            "mas_iou_table": mas_iou.to_markdown(),
+            "pixel_iou": pixel_iou,
+            "position": am.attrs.get("position", "last prompt token"),
+            "code": _code_attention(am),
+        },
         classes_table=pd.Series(classes).to_frame("heads").to_markdown(),
         heads_table=table.head(10).round(3).to_markdown(index=False),
         ablation={
@@ -199,6 +206,31 @@ def _image_sentence(layer: int | None, states: bool = False) -> str:
             "layer 0 already moves it onto text positions"
         )
     return f"Image tokens carry at least half the effect up to layer {layer}"
+
+
+def _code_attention(am) -> dict | None:
+    """The MAS code's diagnostics of an ``at="generation"`` attention_metrics result, for the report."""
+    if "sets" not in am:
+        return None
+    import torch
+
+    from countlens.analysis.code_attention import modality_shares
+
+    shares = modality_shares(torch.tensor(am.sets.transpose("sample", "layer", "set").values))
+    right = am.correct.values.astype(bool)
+
+    def by_outcome(name: str) -> str:
+        values = am[name].values.astype(float)
+        parts = [
+            f"{label} {np.nanmean(values[m]):.3f}" for label, m in (("correct", right), ("wrong", ~right)) if m.any()
+        ]
+        return ", ".join(parts) or "none"
+
+    return {
+        "shares": ", ".join(f"{k} {v:.1%}" for k, v in shares.items()),
+        "vra": by_outcome("vra_code"),
+        "ars": by_outcome("ars_code"),
+    }
 
 
 def _reasoning_sources(spec: dict, tasks: list[str]) -> dict[str, str]:

@@ -168,6 +168,11 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     generated = results.load(run4 / "results" / "cases.nc")
     assert "text" in generated and generated.parsed.dtype == bool  # generate's result, not score's
     assert "of them hold no count" in (run4 / "report.md").read_text()
+    # counting-to-four follows the paper's code: its 18 cases, attention at the last generation step with
+    # the code's 4-way share, VRA and ARS beside countlens's.
+    report4 = (run4 / "report.md").read_text()
+    assert "18 red-circle cases" in report4 and "As the MAS paper's code reads them" in report4
+    assert "last generation step" in report4 and "As the MAS paper's code" not in (run / "report.md").read_text()
     # The organism cannot write Pstd's "circle: 7" answers: the report says its numbers measure nothing.
     assert "the model does not answer this prompt" in (run / "report.md").read_text().split("## 1.")[0]
     # Counting Circuits' overlap: count against math, spatial and colour, a 4 × 4 Jaccard matrix.
