@@ -222,3 +222,28 @@ def clevr_root(tmp_path: Path, scenes: bool = True) -> Path:
         (root / "scenes").mkdir()
         (root / "scenes" / "CLEVR_val_scenes.json").write_text(json.dumps({"scenes": listed}))
     return root
+
+
+def voc_root(root: Path, ids=("000001", "000002", "000003", "000004", "000005", "000006")) -> Path:
+    """VOC2007's layout: ImageSets/Main/{trainval,test}.txt, Annotations/<id>.xml, JPEGImages/<id>.jpg;
+    each image 40 × 20 px with one or two boxes (a difficult one kept)."""
+    voc = root / "VOC2007"
+    (voc / "ImageSets" / "Main").mkdir(parents=True, exist_ok=True)
+    (voc / "Annotations").mkdir(exist_ok=True)
+    (voc / "JPEGImages").mkdir(exist_ok=True)
+    for k, image_id in enumerate(ids):
+        Image.new("RGB", (40, 20), (20 * k, 100, 50)).save(voc / "JPEGImages" / f"{image_id}.jpg")
+        objects = [("dog", 0, (2 + k, 2, 12 + k, 12)), ("person", 1, (20, 4, 36, 18))][: 1 + k % 2]
+        body = "".join(
+            f"<object><name>{name}</name><difficult>{hard}</difficult><bndbox><xmin>{x0}</xmin><ymin>{y0}</ymin>"
+            f"<xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
+            for name, hard, (x0, y0, x1, y1) in objects
+        )
+        (voc / "Annotations" / f"{image_id}.xml").write_text(
+            f"<annotation><filename>{image_id}.jpg</filename><size><width>40</width><height>20</height>"
+            f"<depth>3</depth></size>{body}</annotation>"
+        )
+    half = len(ids) // 2
+    (voc / "ImageSets" / "Main" / "trainval.txt").write_text("\n".join(ids[:half]) + "\n")
+    (voc / "ImageSets" / "Main" / "test.txt").write_text("\n".join(f"{i} -1" for i in ids[half:]) + "\n")
+    return voc

@@ -279,13 +279,24 @@ def code_ap50(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray], iou: 
     )
 
 
-def scene_targets(samples: Sequence) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Boxes (image fractions) and class indices (the shape's index in `SHAPES`) of scene samples."""
+def sample_targets(samples: Sequence) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+    """Boxes (image fractions), class indices and the number of classes of the samples: a VOC
+    `DetectionSample`'s own (20 classes), or a scene's objects with their shapes as classes (`SHAPES`)."""
     from countlens.datasets.scene import SHAPES
 
-    boxes, labels = [], []
+    boxes, labels, classes = [], [], set()
     for s in samples:
-        scale = np.array([s.scene.width, s.scene.height] * 2, dtype=float)
-        boxes.append(s.scene.boxes().reshape(-1, 4) / scale)
-        labels.append(np.array([SHAPES.index(o.shape) for o in s.scene.objects], dtype=int))
-    return boxes, labels
+        if hasattr(s, "labels"):  # a DetectionSample: boxes in its letterboxed pixels
+            boxes.append(np.asarray(s.boxes, dtype=float).reshape(-1, 4) / s.side)
+            labels.append(np.asarray(s.labels, dtype=int))
+            classes.add(len(s.classes))
+        elif getattr(s, "scene", None) is not None:
+            scale = np.array([s.scene.width, s.scene.height] * 2, dtype=float)
+            boxes.append(s.scene.boxes().reshape(-1, 4) / scale)
+            labels.append(np.array([SHAPES.index(o.shape) for o in s.scene.objects], dtype=int))
+            classes.add(len(SHAPES))
+        else:
+            raise InputError("probe samples need boxes: scene samples (COUNTINGTRICKS) or VOC DetectionSamples")
+    if len(classes) != 1:
+        raise InputError("probe samples mix VOC images and scenes; train and test on one kind")
+    return boxes, labels, classes.pop()

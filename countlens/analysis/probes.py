@@ -457,6 +457,43 @@ def _probe_one(
     return row
 
 
+def code_taps(vlm: VLM) -> tuple[Tap, ...]:
+    """The MAS paper's code's three taps (``models_probing/adapters/qwen25vl.py``): the vision encoder's
+    second-to-last block, the projector's output and the decoder's second-to-last layer (which the
+    code reads after the final norm; countlens reads the residual stream)."""
+    blocks = len(vlm.hf.get_submodule(vlm.arch.spec.vision_blocks))
+    return (("vision", blocks - 2), ("projector", None), ("llm", vlm.arch.n_layers - 2))
+
+
+def _code_probe_one(vlm: VLM, train_samples: Sequence, test_samples: Sequence, tap: Tap, seed: int, batch_size: int):
+    """One tap under the code's recipe (`countlens.analysis.code_probe`): a results row."""
+    from countlens.analysis import code_probe
+    from countlens.circuits.taps import tap as read_tap
+
+    start = time.perf_counter()
+    feats = read_tap(vlm, list(train_samples) + list(test_samples), tap[0], tap[1], batch_size=batch_size)
+    tap_seconds = time.perf_counter() - start
+    train, test = feats[: len(train_samples)], feats[len(train_samples) :]
+    boxes, labels, n_classes = code_probe.sample_targets(train_samples)
+    test_boxes, _, _ = code_probe.sample_targets(test_samples)
+    config = code_probe.CodeProbeConfig(seed=seed)
+    probe = code_probe.fit_code_probe(train, boxes, labels, n_classes, config)
+    return {
+        "ap50": code_probe.code_ap50(code_probe.predict_code(probe, test, config), test_boxes),
+        "ap50_case": {},
+        "n_params": probe.n_params,
+        "train_loss": probe.train_loss,
+        "tap_seconds": tap_seconds,
+        "channels": feats.shape[1],
+        "grid": feats.shape[2],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+#: How `probe_taps` trains and scores a probe: countlens's recipe, or the MAS paper's code's.
+RECIPES: tuple[str, ...] = ("countlens", "counting-to-four")
+
+
 def probe_taps(
     vlm: VLM,
     train_samples: Sequence,
@@ -464,6 +501,7 @@ def probe_taps(
     taps: Sequence[Tap] = DEFAULT_TAPS,
     config: ProbeConfig = ProbeConfig(),
     batch_size: int = 16,
+    recipe: str = "countlens",
 ) -> xr.Dataset:
     """Train one probe per tap on ``train_samples`` and score AP@50 on ``test_samples``.
 
@@ -472,15 +510,26 @@ def probe_taps(
     extraction + training + evaluation), ``tap_seconds``, and coords ``kind``, ``index`` (−1 for
     none), ``channels`` (the tap's width d) and ``grid`` (its rows); when every test sample has a
     ``meta["case"]`` (COUNTINGTRICKS), also ``ap50_case`` over (tap, case).
+
+    ``recipe="counting-to-four"``: each probe as the MAS paper's code trains and scores it
+    (`countlens.analysis.code_probe`; ``config`` gives only the seed), on scenes (shapes as classes) or
+    VOC2007 images (`countlens.datasets.loaders.load_voc2007`); `code_taps` are the code's taps.
     """
+    if recipe not in RECIPES:
+        raise InputError(f"unknown probe recipe {recipe!r}; use one of {RECIPES}")
     from countlens.results import provenance
 
     if len(train_samples) == 0 or len(test_samples) == 0:
         raise InputError("probe_taps needs train_samples and test_samples, both non-empty")
     if not taps:
         raise InputError("no taps given; pass e.g. taps=[('projector', None), ('llm', 2)]")
-    by_case = all("case" in getattr(s, "meta", {}) for s in test_samples)
-    rows = [_probe_one(vlm, train_samples, test_samples, t, config, batch_size, by_case) for t in taps]
+    by_case = recipe == "countlens" and all("case" in getattr(s, "meta", {}) for s in test_samples)
+    rows = [
+        _probe_one(vlm, train_samples, test_samples, t, config, batch_size, by_case)
+        if recipe == "countlens"
+        else _code_probe_one(vlm, train_samples, test_samples, t, config.seed, batch_size)
+        for t in taps
+    ]
     data = {v: ("tap", [r[v] for r in rows]) for v in ("ap50", "n_params", "train_loss", "seconds", "tap_seconds")}
     coords = {
         "tap": [tap_name(k, i) for k, i in taps],
@@ -494,6 +543,12 @@ def probe_taps(
         data["ap50_case"] = (("tap", "case"), [[r["ap50_case"][c] for c in coords["case"]] for r in rows])
     dataset = {"train": len(train_samples), "test": len(test_samples)}
     attrs = provenance(
-        vlm.name, vlm.arch.name, dataset=dataset, seed=config.seed, method="probe_taps", config=asdict(config)
+        vlm.name,
+        vlm.arch.name,
+        dataset=dataset,
+        seed=config.seed,
+        method="probe_taps",
+        config=asdict(config),
+        recipe=recipe,
     )
     return xr.Dataset(data, coords=coords, attrs=attrs)

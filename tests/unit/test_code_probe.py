@@ -90,3 +90,51 @@ def test_the_code_probe_trains_with_a_frozen_bottleneck_and_is_seeded():
     assert len(preds) == 12 and all(p.shape[1] == 5 and (p[:, 4] > 0.25).all() for p in preds)
     with pytest.raises(Exception, match="fewer than one batch"):
         fit_code_probe(feats[:2], boxes[:2], labels[:2], 2, config)
+
+
+def test_voc2007_in_its_layout_letterboxed_as_the_code():
+    import tempfile
+    from pathlib import Path
+
+    from benchmark_files import voc_root
+
+    from countlens.datasets.loaders import LoaderError, load_voc2007
+
+    with tempfile.TemporaryDirectory() as tmp:
+        voc = voc_root(Path(tmp))
+        test = load_voc2007(voc, "test", side=64)
+        assert [s.id for s in test] == ["000004", "000005", "000006"] and test[0].labels.tolist() == [11, 14]
+        # 40 × 20 → scale 1.6, 64 × 32 pasted at y 16: box (5, 2, 15, 12) → (8, 19.2, 24, 35.2)
+        assert np.allclose(test[0].boxes[0], [(2 + 3) * 1.6, 2 * 1.6 + 16, (12 + 3) * 1.6, 12 * 1.6 + 16])
+        image = np.asarray(test[0].image)
+        assert image.shape == (64, 64, 3) and (image[0, 0] == 114).all() and not (image[32, 32] == 114).all()
+        assert len(load_voc2007(voc, "trainval", limit=2)) == 2
+        (voc / "Annotations" / "000005.xml").write_text("<annotation><size><width>40</width></size></annotation>")
+        with pytest.raises(LoaderError, match=r"000005\.xml: no <size> with integer <width> and <height>"):
+            load_voc2007(voc, "test")
+        with pytest.raises(LoaderError, match=r"ImageSets/Main/val\.txt: not found"):
+            load_voc2007(voc, "val")
+
+
+def test_probe_taps_under_the_codes_recipe_on_scenes(loaded):
+    """The organism's three code taps (second-to-last vision block, projector, second-to-last layer)."""
+    from countlens.analysis.probes import code_taps, probe_taps
+    from countlens.datasets.countingtricks import countingtricks
+
+    vlm = loaded("toy")
+    taps = code_taps(vlm)
+    assert taps == (
+        ("vision", len(vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)) - 2),
+        ("projector", None),
+        ("llm", vlm.arch.n_layers - 2),
+    )
+    train = countingtricks(["1A", "5A"], 4, vlm.geometry, seed=1, prompt="short")
+    test = countingtricks(["1A", "5A"], 2, vlm.geometry, seed=2, prompt="short")
+    ds = probe_taps(vlm, train, test, taps=taps[1:], recipe="counting-to-four")
+    assert ds.attrs["recipe"] == "counting-to-four" and list(ds.tap.values) == [
+        "projector",
+        f"llm.{vlm.arch.n_layers - 2}",
+    ]
+    assert ((ds.ap50 >= 0) & (ds.ap50 <= 1)).all() and "ap50_case" not in ds
+    with pytest.raises(Exception, match="unknown probe recipe"):
+        probe_taps(vlm, train, test, taps=taps[1:2], recipe="yolo")

@@ -1,10 +1,10 @@
 """Loaders for local copies of real benchmarks: counting (FSC-147, PixMo-Count, CountBench, TallyQA,
-the MAS paper's released COUNTINGTRICKS), reasoning (CLEVR, MathVista) and general reasoning (MMMU,
-RealWorldQA, MathVista).
+the MAS paper's released COUNTINGTRICKS), reasoning (CLEVR, MathVista), general reasoning (MMMU,
+RealWorldQA, MathVista) and detection (VOC2007, the MAS paper's probing data).
 
 Each loader reads annotation files from disk (nothing is downloaded), validates every record when
-it is called, and returns a list of `CountSample` (counting) or `QuestionSample` (reasoning), whose
-image is opened only when it is read.
+it is called, and returns a list of `CountSample` (counting), `QuestionSample` (reasoning) or
+`DetectionSample` (detection), whose image is opened only when it is read.
 """
 
 from countlens.datasets.loaders.clevr import load_clevr
@@ -17,9 +17,11 @@ from countlens.datasets.loaders.mmmu import load_mmmu
 from countlens.datasets.loaders.pixmo import load_pixmo_count
 from countlens.datasets.loaders.realworldqa import load_realworldqa
 from countlens.datasets.loaders.tallyqa import load_tallyqa
+from countlens.datasets.loaders.voc import DetectionSample, load_voc2007
 
 __all__ = [
     "CountSample",
+    "DetectionSample",
     "LoaderError",
     "QuestionSample",
     "load_clevr",
@@ -31,4 +33,5 @@ __all__ = [
     "load_pixmo_count",
     "load_realworldqa",
     "load_tallyqa",
+    "load_voc2007",
 ]
