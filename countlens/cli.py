@@ -505,6 +505,13 @@ def discover_cmd(
             show_default=DISCOVER["evaluate"],
         ),
     ] = None,
+    voc: Annotated[
+        Path | None,
+        typer.Option(
+            help="A local VOC2007 folder: adds the MAS paper's detection probes (its recipe, its three taps), "
+            "trained on trainval and scored on test (counting-to-four runs them on scenes without it)."
+        ),
+    ] = None,
     batch_size: BatchSize = DISCOVER["batch_size"],
     device: Device = None,
     dtype: Dtype = None,
@@ -539,6 +546,8 @@ def discover_cmd(
         math=None if math is None else str(math.resolve()),  # absolute: a resume from elsewhere reads it
         spatial=None if spatial is None else str(spatial.resolve()),
         evaluate=evaluate,
+        voc=None if voc is None else str(voc.resolve()),
+        probes=True if voc is not None else None,
     )
     check(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)

@@ -58,6 +58,8 @@ class DiscoverConfig:
     parser: str = "countlens"  # how evaluate="generate" reads a count: countlens's or "paper-code" (the MAS code's)
     design: str = "countlens"  # the cases stage's COUNTINGTRICKS: countlens's 32 cases or the MAS code's 18
     attention_at: str = "prompt"  # attention diagnostics at the last "prompt" token or last "generation" step
+    probes: bool = False  # a `probes` stage: the MAS code's detection probes on its three taps
+    voc: str = ""  # a local VOC2007 folder for the probes ("": COUNTINGTRICKS scenes, shapes as classes)
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
@@ -99,6 +101,14 @@ def check_config(c: DiscoverConfig) -> None:
 
     require_choice(c.design, "design", DESIGNS, ConfigError)
     require_choice(c.attention_at, "attention_at", ("prompt", "generation"), ConfigError)
+    if not isinstance(c.probes, bool):
+        raise ConfigError(f"probes={c.probes!r}: give True or False")
+    if not isinstance(c.voc, str):
+        raise ConfigError(f'voc={c.voc!r}: give the VOC2007 folder\'s path as a str ("": scenes)')
+    if c.voc and not c.probes:
+        raise ConfigError(f"voc={c.voc!r} gives data for the probes stage, which this run leaves out; set probes=True")
+    if c.voc and not Path(c.voc).exists():
+        raise ConfigError(f"voc={c.voc!r}: no such directory; give a VOC2007 folder (ImageSets/, Annotations/ …)")
     for name in ("math", "spatial"):
         path = getattr(c, name)
         if not isinstance(path, str):  # spec.json holds it as text

@@ -161,6 +161,16 @@ def discover(
         )
 
     stages.run("temperature", temperature)
+    if c.probes:  # the MAS paper's detection probes, as its code trains them, on its three taps
+        from countlens.analysis.probes import ProbeConfig, code_taps, probe_taps
+
+        train, test = inputs["probes"]()
+        stages.run(
+            "probes",
+            lambda: probe_taps(
+                vlm, train, test, code_taps(vlm), ProbeConfig(seed=c.seed), batch_size=bs, recipe="counting-to-four"
+            ),
+        )
     table = head_table(heads, abl, hl, att, presets.thresholds(c.preset))
     export_heads(table, out)
     return write_report(vlm.name, vlm.arch.name, out, table=table, prompt=prompt)
@@ -173,8 +183,9 @@ def check_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> None:
     from dataclasses import replace
 
     small = replace(c, n_per_case=1, n_pairs=1, n_samples=1)
-    for make in stage_inputs(vlm, small, prompt).values():
-        make()
+    for name, make in stage_inputs(vlm, small, prompt).items():
+        if name != "probes" or c.probes:
+            make()
     local = tuple(t for t in c.tasks if (t == "math" and c.math) or (t == "spatial" and c.spatial))
     if local:  # every row of a local copy the run reads (a few JSON records each), checked now
         stage_inputs(vlm, c, prompt)["tasks"](names=local)
@@ -209,6 +220,20 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
     def tasks(seed_offset: int = 0, names: tuple[str, ...] = c.tasks) -> dict:
         return {t: task(t, seed_offset) for t in names}
 
+    def probe_data() -> tuple[list, list]:
+        """The probes' (train, test): VOC2007's trainval and test lists (first n_samples each) when a
+        copy is given, else COUNTINGTRICKS scenes of the run's design (its own seeds)."""
+        if c.voc:
+            from countlens.datasets.loaders import load_voc2007
+
+            return load_voc2007(c.voc, "trainval", limit=c.n_samples), load_voc2007(c.voc, "test", limit=c.n_samples)
+        per_case = max(1, c.n_samples // 16)
+        design = {"design": "paper-code"} if c.design == "paper-code" else {"color": colors}
+        return (
+            countingtricks(None, 2 * per_case, grid, seed=c.seed + 700, prompt=prompt, **design),
+            countingtricks(None, per_case, grid, seed=c.seed + 800, prompt=prompt, **design),
+        )
+
     position = [n for n, case in CASES.items() if case.family == "position"]
     base, distractor = conflict_styles(vlm.name)
 
@@ -235,4 +260,5 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
             None, max(1, c.n_per_case // 12), grid, seed=c.seed, prompt=prompt, color=colors
         ),
         "temperature": lambda: task_samples("count", 2 * c.n_samples, c.seed + 900, image_size=size),
+        "probes": probe_data,
     }

@@ -133,6 +133,7 @@ PRESETS: dict[str, Preset] = {
             "parser": "paper-code",
             "design": "paper-code",
             "attention_at": "generation",
+            "probes": True,
         },
         finetune=Recipe(
             config={
@@ -181,6 +182,9 @@ PRESETS: dict[str, Preset] = {
             "2048-channel taps (countlens: 512 channels, 1.71 M / 2.23 M)",
             "head_hidden": "Table 3: a shared YOLO head (countlens: 256 channels, about 1.18 M parameters)",
             "n_per_case": "the code's config.yml: 200 images per case (the text: 32 cases x 1,000 samples)",
+            "probes": "the code's models_probing/train_compare.py --head yolo: a detection probe per tap (the "
+            "vision encoder's second-to-last block, the projector, the second-to-last layer), AP@50 (VOC2007 with "
+            "--voc, else COUNTINGTRICKS scenes)",
             "attention_at": "the code's modality_balance/attn_dist.ipynb and pixel_grounding_eval/eval.ipynb: "
             "attention at the last generation step (with the code's 4-way share, VRA and ARS beside countlens's)",
             "design": "the code's synthetic_data/generate.py: 18 red-circle cases, counts 1-10, layouts shared "

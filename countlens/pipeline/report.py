@@ -158,6 +158,7 @@ def write_report(
             "pixel_iou": pixel_iou,
             "position": am.attrs.get("position", "last prompt token"),
             "code": _code_attention(am),
+            "probes": _probes(r.get("probes")),
         },
         classes_table=pd.Series(classes).to_frame("heads").to_markdown(),
         heads_table=table.head(10).round(3).to_markdown(index=False),
@@ -206,6 +207,13 @@ def _image_sentence(layer: int | None, states: bool = False) -> str:
             "layer 0 already moves it onto text positions"
         )
     return f"Image tokens carry at least half the effect up to layer {layer}"
+
+
+def _probes(ds) -> str | None:
+    """AP@50 per tap of a `probes` stage, for the report."""
+    if ds is None:
+        return None
+    return ", ".join(f"{t} {float(v):.3f}" for t, v in zip(ds.tap.values, ds.ap50.values))
 
 
 def _code_attention(am) -> dict | None:

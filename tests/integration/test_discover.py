@@ -173,6 +173,9 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     report4 = (run4 / "report.md").read_text()
     assert "18 red-circle cases" in report4 and "As the MAS paper's code reads them" in report4
     assert "last generation step" in report4 and "As the MAS paper's code" not in (run / "report.md").read_text()
+    probes = results.load(run4 / "results" / "probes.nc")  # the code's probes on its three taps
+    assert probes.attrs["recipe"] == "counting-to-four" and probes.sizes["tap"] == 3
+    assert "Detection probes as the MAS paper's code trains them" in report4
     # The organism cannot write Pstd's "circle: 7" answers: the report says its numbers measure nothing.
     assert "the model does not answer this prompt" in (run / "report.md").read_text().split("## 1.")[0]
     # Counting Circuits' overlap: count against math, spatial and colour, a 4 × 4 Jaccard matrix.

@@ -138,3 +138,22 @@ def test_probe_taps_under_the_codes_recipe_on_scenes(loaded):
     assert ((ds.ap50 >= 0) & (ds.ap50 <= 1)).all() and "ap50_case" not in ds
     with pytest.raises(Exception, match="unknown probe recipe"):
         probe_taps(vlm, train, test, taps=taps[1:2], recipe="yolo")
+
+
+def test_discover_takes_voc_for_its_probes(loaded, tmp_path):
+    from benchmark_files import voc_root
+
+    from countlens.errors import ConfigError
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.pipeline.discover import stage_inputs
+
+    voc = voc_root(tmp_path)
+    config = DiscoverConfig(n_samples=2, probes=True, voc=str(voc))
+    train, test = stage_inputs(loaded("toy"), config, "short")["probes"]()
+    assert [s.id for s in train] == ["000001", "000002"] and [s.id for s in test] == ["000004", "000005"]
+    with pytest.raises(ConfigError, match="set probes=True"):
+        DiscoverConfig(voc=str(voc))
+    scenes_train, scenes_test = stage_inputs(loaded("toy"), DiscoverConfig(n_samples=16, probes=True), "short")[
+        "probes"
+    ]()
+    assert len(scenes_train) == 2 * len(scenes_test) == 64  # 2 and 1 per case of the 32
