@@ -825,6 +825,14 @@ def finetune_cmd(
     lora_r: Annotated[
         int | None, typer.Option(help="LoRA rank (alpha = 2 × rank).", show_default=_shown(FINETUNE["lora_r"]))
     ] = None,
+    method: Annotated[
+        str | None,
+        typer.Option(
+            help="lora (adapters on the language model's attention) or full (every language-model weight; "
+            "the MAS paper's script).",
+            show_default="lora; a preset: its own",
+        ),
+    ] = None,
     layers: Annotated[
         str | None, typer.Option(help="Comma-separated target layers (default: from the circuit's head classes).")
     ] = None,
@@ -888,7 +896,9 @@ def finetune_cmd(
         raise ConfigError(f"--layers {layers!r}: give comma-separated integers, e.g. 0,1") from None
     _check_positive(steps=steps, n_train=n_train, n_eval=n_eval, batch_size=batch_size, lora_r=lora_r)
     local = _given(fsc147=fsc147, pixmo=pixmo, mmmu=mmmu, realworldqa=realworldqa, mathvista=mathvista)
-    given = _given(steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target or None)
+    given = _given(
+        steps=steps, batch_size=batch_size, lr=lr, lora_r=lora_r, target_layers=target or None, method=method
+    )
     if lora_r is not None:
         given["lora_alpha"] = 2 * lora_r
     table = before_after(
@@ -920,6 +930,7 @@ def finetune_cmd(
                 batch_size=batch_size,
                 lr=lr,
                 lora_r=lora_r,
+                method=method,
                 layers=layers,
                 n_train=n_train,
                 n_eval=n_eval,
