@@ -82,6 +82,9 @@ class ArchSpec:
     q_norm_layout: QNormLayout = "bshd"
     o_proj: str = "self_attn.o_proj"
     lm_head: str = "lm_head"
+    # Modules under the decoder's parent that are not the language model (a full fine-tune leaves them
+    # frozen): Phi-4's image and audio embedders sit in ``model`` beside its layers.
+    not_language: tuple[str, ...] = ()
     # The transformers Auto class that loads the checkpoint.
     loader: str = "AutoModelForImageTextToText"
     # Config attributes: "" for the top config itself (Phi-4 keeps its text settings there).
@@ -166,6 +169,7 @@ SPECS: dict[str, ArchSpec] = {
             ("phi4_multimodal",),
             layers="model.layers",
             final_norm="model.norm",
+            not_language=("model.embed_tokens_extend",),
             vision_blocks="model.embed_tokens_extend.image_embed.img_processor.encoder.layers",
             vision_tower="model.embed_tokens_extend.image_embed.img_processor",
             # img_projection_up → GELU → img_projection_down, siblings of the tower; the last is named.

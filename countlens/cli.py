@@ -332,7 +332,13 @@ def data_countingtricks(
     cases: Annotated[str | None, typer.Option(help="Comma-separated cases, e.g. 1A,4A,9B (default: all 32).")] = None,
     n: Annotated[int, typer.Option(help="Samples per case.")] = 1000,
     seed: Annotated[int, typer.Option()] = 0,
-    model: Annotated[str, typer.Option(help="Model whose patch grid places the objects.")] = "toy",
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Model whose patch grid places the objects.",
+            show_default="toy; --design paper-code: the code's 384 px / 27 px",
+        ),
+    ] = None,
     image_size: Annotated[
         int | None, typer.Option(help="Plain grid instead of a model's: image side in pixels.")
     ] = None,
@@ -389,7 +395,12 @@ def data_countingtricks(
         wanted = None if counts is None else tuple(int(x) for x in counts.split(",") if x.strip())
     except ValueError:
         raise ConfigError(f"--counts {counts!r}: give comma-separated integers, e.g. 3,4,5") from None
-    grid = _grid(model, image_size, patch_size)
+    if design == "paper-code" and model is None and image_size is None and patch_size is None:
+        from countlens.datasets.paper_code_tricks import code_grid
+
+        grid = code_grid()  # the code's own grid
+    else:
+        grid = _grid(model or "toy", image_size, patch_size)
     if design == "paper-code":
         from countlens.datasets.paper_code_tricks import CODE_CASES
 

@@ -10,7 +10,8 @@ last after the prompt (`countlens.vlm.VLM.prepare`'s ``forced``).
   over four sets of prompt positions — *special* (tokens written ``<|…|>``, the image token excepted),
   *image* (image tokens), *system* (inside the system turn, its role word included) and *text* (inside
   the user turn) — the first rule that matches a position wins; generated tokens and the assistant
-  header belong to none. `modality_shares` reduces them as the notebook does: the raw sums averaged
+  header (countlens's prompts have one; the notebook's, built without the generation prompt, had none)
+  belong to none. `modality_shares` reduces them as the notebook does: the raw sums averaged
   over samples, renormalised over the four sets per layer, then averaged over layers. The sets are
   ChatML's (``<|im_start|>`` … ``<|im_end|>`` turns, as Qwen's template writes them); a model whose
   template has no such turns is refused.
@@ -65,7 +66,9 @@ def chatml_sets(vlm: VLM, batch: Batch, b: int) -> dict[str, list[int]]:
             turns[role] = range(s + 1, e)
     pad = vlm.pad_id()
     out: dict[str, list[int]] = {k: [] for k in SETS}
-    for i in range(last + 1):
+    # The notebook's prompt ends with the user turn (no assistant header): what follows it is in no set.
+    user_end = turns["user"].stop if "user" in turns else last
+    for i in range(min(last, user_end) + 1):
         if ids[i] == pad and i < starts[0]:  # left padding
             continue
         if i in image:

@@ -25,7 +25,8 @@ holds — answered with the paper's recipe instead of countlens's, written from 
   else a false positive (no second choice) — then all images pooled by score.
 
 Departures, countlens's: the bottleneck's initialisation and the batch order are seeded; a tap's
-tokens are laid out on its grid in raster order (`countlens.circuits.taps`), where the code reshapes
+tokens are laid out on its grid in raster order (`countlens.circuits.taps`) and not z-scored (the
+code standardises its vision tap over the whole tensor of each image), where the code reshapes
 Qwen2.5-VL's window-ordered tokens as they come (scrambled within bands of 4 token rows) and pads
 its LLM tap with zeros; the last epoch's AP is reported, as the code's ``final_ap``.
 """

@@ -9,7 +9,9 @@ code, from their description, on any patch grid (p = patch size, S = image side;
 - **18 circle cases**: 1A–4A, 1B–4B, 2C–4C, 2D–4D, 5A–8A (no adjacency cases). Base radius
   R = p // 2 (13 px). Cells (i, j) with 1 ≤ i, j ≤ S // p − 2 (the outer ring excluded); a cell's
   "centre" is (p·i + R, p·j + R). Position 1 keeps the centre, 2 moves x onto the grid line p·i,
-  3 moves y onto p·j, 4 moves both (a grid corner). **A**: radius R; **B**: radius R·U(0.3, 1.2);
+  3 moves y onto p·j, 4 moves both (a grid corner: the code's round((p·i + R) / p)·p, which on an even
+  patch such as 14 px rounds half to even, so odd i's corner is the next line's). **A**: radius R;
+  **B**: radius R·U(0.3, 1.2);
   **C**: radius R and the moved coordinate(s) shifted by U(−R/2, R/2) ± R/4 (sign at random), then
   clamped to [p + R, S − p − R] and truncated to an integer pixel; **D**: C's shift and B's radius.
   **5A–8A**: at the centre, radius 2.5, 3, 3.5, 4 × p/2.
@@ -102,15 +104,21 @@ def circles(name: str, seed: int, index: int, grid: Geometry) -> tuple[list[tupl
         return float(int(min(max(line + t, low), high)))
 
     out = []
+
+    def line(k: int) -> int:
+        """The grid line a position moves onto: p·k, but for the corner cases the code's round((p·k + R) / p)·p,
+        Python's half-to-even, which on an even patch puts odd k's corner on the next line."""
+        return round((p * k + base) / p) * p if position == 4 else p * k
+
     for i, j in cells:
         x, y = p * i + base, p * j + base
         if name in DILATION:
             r = DILATION[name] * p / 2
         else:
             if position in (2, 4):
-                x = shifted(p * i) if letter in "CD" else p * i
+                x = shifted(line(i)) if letter in "CD" else line(i)
             if position in (3, 4):
-                y = shifted(p * j) if letter in "CD" else p * j
+                y = shifted(line(j)) if letter in "CD" else line(j)
             r = base * rng.uniform(0.3, 1.2) if letter in "BD" else base
         if x - r >= base and y - r >= base and x + r <= side - base and y + r <= side - base:
             out.append((float(x), float(y), float(r)))

@@ -142,7 +142,10 @@ def discover(
     stages.run(
         "attention_metrics",
         lambda: attention_metrics(
-            vlm, inputs["attention_metrics"](), batch_size=bs, at=c.attention_at, max_new_tokens=c.max_new_tokens
+            vlm,
+            inputs["attention_metrics"](),
+            batch_size=bs,
+            at=c.attention_at,  # the notebook's 50 new tokens
         ),
     )
     # 6. ablation across tasks
@@ -189,6 +192,22 @@ def check_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> None:
     local = tuple(t for t in c.tasks if (t == "math" and c.math) or (t == "spatial" and c.spatial))
     if local:  # every row of a local copy the run reads (a few JSON records each), checked now
         stage_inputs(vlm, c, prompt)["tasks"](names=local)
+    if c.probes and c.voc:  # every VOC image and annotation the probes will read
+        stage_inputs(vlm, c, prompt)["probes"]()
+    if c.attention_at == "generation":  # the MAS code's 4-way share reads ChatML turns: refuse other prompts now
+        from countlens.analysis.code_attention import chatml_sets
+        from countlens.errors import ConfigError, CountlensError
+
+        if vlm.arch.spec.cross_attention is not None:
+            raise ConfigError(
+                f"attention_at='generation' reads the MAS code's diagnostics of image tokens; {vlm.arch.name} has "
+                "none (cross-attention): give attention_at='prompt'"
+            )
+        sample = stage_inputs(vlm, small, prompt)["attention_metrics"]()[:1]
+        try:
+            chatml_sets(vlm, vlm.prepare_samples(sample), 0)
+        except CountlensError as err:
+            raise ConfigError(f"{err}; give attention_at='prompt' for this model") from None
 
 
 def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable[[], list]]:

@@ -129,6 +129,7 @@ PRESETS: dict[str, Preset] = {
         discover={
             "n_per_case": 200,
             "prompt": "std",
+            "evaluate": "generate",
             "max_new_tokens": 100,
             "parser": "paper-code",
             "design": "paper-code",
@@ -189,8 +190,9 @@ PRESETS: dict[str, Preset] = {
             "attention at the last generation step (with the code's 4-way share, VRA and ARS beside countlens's)",
             "design": "the code's synthetic_data/generate.py: 18 red-circle cases, counts 1-10, layouts shared "
             "across cases, drawn on the model's grid (the code draws 384 px at the model's patch, 27 or 14 px)",
+            "evaluate": "the code's eval_accu_count/run*.py: greedy generation, parsed",
             "max_new_tokens": "the code's vlm-count-eval/eval_accu_count/run_ovis.py (and its siblings): 100 greedy "
-            "new tokens (run.py leaves the pipeline's default); used with --evaluate generate",
+            "new tokens (run.py leaves the pipeline's default)",
             "parser": "the code's run*.py: the first digit string or number word zero-fifteen, no word boundaries "
             "(evaluate.parse_count_as_code)",
             "prompt": "Method steps: the Pstd prompt",

@@ -177,10 +177,14 @@ def _batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
 
 
 def full_trainable(vlm: VLM) -> set[str]:
-    """The parameters a full fine-tune trains: every one outside the vision tower and the projector
-    (the language model, its embeddings and head, as the MAS paper's script trains Ovis2.5's LLM)."""
-    frozen = (f"{vlm.arch.spec.vision_tower}.", f"{vlm.arch.spec.projector}.")
-    return {n for n, _ in vlm.hf.named_parameters() if not n.startswith(frozen)}
+    """The parameters a full fine-tune trains: the language model's — those under its decoder's parent
+    module (embeddings, layers, final norm) and its head — without the vision tower, the projector or a
+    spec's other non-language modules (Phi-4's image and audio embedders), as the MAS paper's script
+    trains Ovis2.5's LLM."""
+    spec = vlm.arch.spec
+    language = (f"{spec.layers.rsplit('.', 1)[0]}.", f"{spec.lm_head}.")
+    frozen = (f"{spec.vision_tower}.", f"{spec.projector}.", *(f"{m}." for m in spec.not_language))
+    return {n for n, _ in vlm.hf.named_parameters() if n.startswith(language) and not n.startswith(frozen)}
 
 
 def _save_weights(model, state_dict: dict, where: Path, trained: set[str] | None) -> None:
@@ -314,10 +318,14 @@ def finetune(
         model.eval()
         if trained is None:
             model.unload()  # the caller's model without LoRA layers again, whatever happened
+        else:  # accelerate's autocast wrapper sits on the caller's model itself: take it off
+            vlm.hf.__dict__.pop("forward", None)
+            vlm.hf.__dict__.pop("_original_forward", None)
         with torch.no_grad():
             for n, p in vlm.hf.named_parameters():
                 if n in original:
                     p.copy_(original[n])
+                    p.grad = None  # a step cut short leaves no gradient on the caller's weights
         for n, p in vlm.hf.named_parameters():
             p.requires_grad_(frozen.get(n, p.requires_grad))
 

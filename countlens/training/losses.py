@@ -143,7 +143,7 @@ def _paper_mas_loss(
         image = image_mask[:, None, None, :].to(a.device, a.dtype)
         share = (a * image).sum(-1) / (a.sum(-1) + 1e-8)  # batch heads seq: per head and query row
         on_targets = (share * t[:, None, :]).sum(-1) / t.sum(-1).clamp(min=1)[:, None]  # batch heads
-        per_layer.append(on_targets.mean(1))
+        per_layer.append(on_targets.mean(1).to(attn[0].device))  # layers may sit on several devices
     mas = torch.stack(per_layer).mean(0)  # Float[Tensor, "batch"]
     hinge = (tau - mas).clamp(min=0)
     if wrong is not None:

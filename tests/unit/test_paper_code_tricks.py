@@ -88,6 +88,15 @@ def test_drop_rule_and_case_geometry(name):
         assert code_sample("8A", 11, index, GRID).meta["count"] == len(kept)
 
 
+def test_corner_cases_round_half_to_even_on_an_even_patch():
+    """The code places 4A–4D corners at round((p·i + R) / p)·p: on a 14 px patch, (14 i + 7) / 14 = i + ½
+    rounds to the even neighbour, so an odd i's corner moves to the next grid line."""
+    even = Geometry.square(224, 14)
+    for index in range(6):
+        for x, y, _ in circles("4A", 4, index, even)[0]:
+            assert x % 14 == 0 and y % 14 == 0 and (x // 14) % 2 == 0 and (y // 14) % 2 == 0
+
+
 def test_pure_function_of_seed_case_and_index_on_any_grid():
     a = countingtricks(["2D", "5A"], 4, seed=9, design="paper-code")
     b = countingtricks(["2D", "5A"], 4, seed=9, design="paper-code")

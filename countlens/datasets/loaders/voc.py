@@ -122,6 +122,8 @@ def _objects(xml: Path) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
         width, height = int(size.findtext("width")), int(size.findtext("height"))
     except (AttributeError, TypeError, ValueError):
         raise LoaderError(f"{xml}: no <size> with integer <width> and <height>") from None
+    if width < 1 or height < 1:
+        raise LoaderError(f"{xml}: <size> is {width} × {height}; an image has at least one pixel a side")
     boxes, labels = [], []
     for k, obj in enumerate(tree.findall("object")):
         name = (obj.findtext("name") or "").strip()
