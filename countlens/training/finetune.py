@@ -157,10 +157,10 @@ def _lr_lambda(config: FinetuneConfig) -> Callable[[int], float]:
     def f(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
-        done = (step - warm) / max(1, config.steps - warm)
         if config.schedule == "cosine":
+            done = (step - warm) / max(1, config.steps - warm)
             return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
-        return max(0.0, 1.0 - done)
+        return max(0.0, (config.steps - step) / max(1, config.steps - warm))  # linear, as before the cosine
 
     return f
 
