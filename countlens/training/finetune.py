@@ -302,6 +302,7 @@ def finetune(
             f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}"
         )
     frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
+    own = {k: vlm.hf.__dict__.get(k) for k in ("forward", "_original_forward")}  # instance attributes before
     if config.method == "full":
         # The caller's model is trained in place: its weights are copied to CPU and put back afterwards.
         trained = full_trainable(vlm)
@@ -318,9 +319,12 @@ def finetune(
         model.eval()
         if trained is None:
             model.unload()  # the caller's model without LoRA layers again, whatever happened
-        else:  # accelerate's autocast wrapper sits on the caller's model itself: take it off
-            vlm.hf.__dict__.pop("forward", None)
-            vlm.hf.__dict__.pop("_original_forward", None)
+        else:  # accelerate's autocast wrapper sits on the caller's model itself: put its own forward back
+            for name, value in own.items():
+                if value is None:
+                    vlm.hf.__dict__.pop(name, None)
+                else:  # e.g. a device_map dispatch hook's forward, which must stay
+                    vlm.hf.__dict__[name] = value
         with torch.no_grad():
             for n, p in vlm.hf.named_parameters():
                 if n in original:
