@@ -145,8 +145,8 @@ def check_recipe(
             )
         if not Path(path).exists():
             raise ConfigError(f"--{key} {path}: no such file or directory; give the path of a local copy")
-        if key in _REASONING_LOADERS:  # every record read now, before a model loads or a file is written
-            _REASONING_LOADERS[key](path, limit=n_eval)
+        if key in REASONING_COPIES:  # every record read now, before a model loads or a file is written
+            _load_reasoning(key, path, limit=n_eval)
     if recipe.training == "fsc147" and train is None and any(VARIANTS.get(r, {}).get("focus") for r in recipe.rows):
         raise ConfigError(
             "the focus loss needs object centres of synthetic scenes; a recipe that trains on "
@@ -180,25 +180,16 @@ LOCAL_DEFAULT_SET: dict[str, str] = {
 }
 
 
-def _load_mmmu(path, limit=None, log=None):
-    from countlens.datasets.loaders import load_mmmu
+def _load_reasoning(key: str, path, limit=None, log=None) -> list:
+    """The questions of a general-reasoning copy (``local``'s key: mmmu, realworldqa or mathvista)."""
+    from countlens.datasets import loaders
 
-    return load_mmmu(path, limit=limit, log=log)
-
-
-def _load_realworldqa(path, limit=None, log=None):
-    from countlens.datasets.loaders import load_realworldqa
-
-    return load_realworldqa(path, limit=limit)
+    if key == "mmmu":
+        return loaders.load_mmmu(path, limit=limit, log=log)
+    return (loaders.load_realworldqa if key == "realworldqa" else loaders.load_mathvista)(path, limit=limit)
 
 
-def _load_mathvista(path, limit=None, log=None):
-    from countlens.datasets.loaders import load_mathvista
-
-    return load_mathvista(path, limit=limit)
-
-
-_REASONING_LOADERS = {"mmmu": _load_mmmu, "realworldqa": _load_realworldqa, "mathvista": _load_mathvista}
+REASONING_COPIES: tuple[str, ...] = ("mmmu", "realworldqa", "mathvista")
 
 
 def evaluation_names(recipe, local: dict | None = None) -> tuple[str, ...]:
@@ -271,7 +262,7 @@ def evaluation_sets(
         "FSC-Test": fsc("test"),
         "PixMo-Count": pixmo,
         **{
-            name: (lambda key=LOCAL_SETS[name]: _REASONING_LOADERS[key](local[key], limit=n, log=log))
+            name: (lambda key=LOCAL_SETS[name]: _load_reasoning(key, local[key], limit=n, log=log))
             for name in REASONING_SETS
         },
     }

@@ -160,6 +160,26 @@ def open_image(sample: CountSample | QuestionSample) -> Image.Image:
         raise LoaderError(f"{where}: the image bytes are not a readable image ({e})") from None
 
 
+def annotation_files(path: PathLike, pattern: str, fix: str) -> list[Path]:
+    """The annotation files of a copy given as one file, or as a folder searched for ``pattern`` at any
+    depth (Hugging Face keeps a data set's parquet files in data/ or one folder per subset), in name order."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob(pattern))
+        if not files:
+            raise LoaderError(f"{path}: no {pattern} files at any depth; {fix}")
+        return files
+    if not path.exists():
+        raise LoaderError(f"{path}: not found; {fix}")
+    return [path]
+
+
+def require_images_per_file(samples: list, files: list[Path], fix: str) -> None:
+    """`require_images` for samples read from several annotation files: each file's images beside it."""
+    for file in files:
+        require_images([s for s in samples if s.meta["file"] == str(file)], file.parent, "images", fix)
+
+
 def require_images(samples: list, folder: Path, what: str, fix: str) -> None:
     """Refuse, at load time, samples whose image file is missing (every image is read later, by scoring
     or training): how many of the ``what`` (e.g. "images of split 'train'") and the first few."""

@@ -30,11 +30,12 @@ from countlens.datasets.loaders.common import (
     LoaderError,
     PathLike,
     QuestionSample,
+    annotation_files,
     check_limit,
     image_field,
     read_records,
     record_field,
-    require_images,
+    require_images_per_file,
 )
 
 QUESTION_TYPES: tuple[str, ...] = ("multiple-choice", "open")
@@ -50,7 +51,7 @@ def load_mmmu(
     """The single-image questions of a local MMMU copy as `QuestionSample` (task "reasoning"), files in
     name order; ``limit`` applies after multi-image questions are left out (``log`` says how many)."""
     check_limit(limit)
-    files = _files(Path(path), split)
+    files = annotation_files(path, f"{split}-*.parquet", _FIX)
     out, seen, multi = [], set(), 0
     for file in files:
         if limit is not None and len(out) >= limit:
@@ -66,22 +67,10 @@ def load_mmmu(
                 raise LoaderError(f"{file}: {rid}: id {sample.id!r} appears twice; each question once")
             seen.add(sample.id)
             out.append(sample)
-    for file in files:
-        require_images([s for s in out if s.meta["file"] == str(file)], file.parent, "images", _FIX)
+    require_images_per_file(out, files, _FIX)
     if multi and log is not None:
         log(f"MMMU: {multi} questions with several images left out (a sample holds one image)")
     return out
-
-
-def _files(path: Path, split: str) -> list[Path]:
-    if path.is_dir():
-        files = sorted(path.rglob(f"{split}-*.parquet"))
-        if not files:
-            raise LoaderError(f"{path}: no {split}-*.parquet files at any depth; {_FIX}")
-        return files
-    if not path.exists():
-        raise LoaderError(f"{path}: not found; {_FIX}")
-    return [path]
 
 
 def _sample(record: dict, file: Path, rid: str, split: str) -> QuestionSample | None:

@@ -21,11 +21,12 @@ from countlens.datasets.loaders.common import (
     LoaderError,
     PathLike,
     QuestionSample,
+    annotation_files,
     check_limit,
     image_field,
     read_records,
     record_field,
-    require_images,
+    require_images_per_file,
 )
 
 _FIX = "pass RealWorldQA's parquet files (a file, or the folder holding data/test-*.parquet) or a JSON/JSONL file"
@@ -35,15 +36,7 @@ _OPTION = re.compile(r"^\s*([A-Z])\.\s+(.+?)\s*$", re.MULTILINE)
 def load_realworldqa(path: PathLike, *, limit: int | None = None) -> list[QuestionSample]:
     """The questions of a local RealWorldQA copy as `QuestionSample` (task "reasoning"), files in name order."""
     check_limit(limit)
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.rglob("*.parquet"))
-        if not files:
-            raise LoaderError(f"{path}: no *.parquet files at any depth; {_FIX}")
-    elif not path.exists():
-        raise LoaderError(f"{path}: not found; {_FIX}")
-    else:
-        files = [path]
+    files = annotation_files(path, "*.parquet", _FIX)
     out = []
     for file in files:
         if limit is not None and len(out) >= limit:
@@ -51,8 +44,7 @@ def load_realworldqa(path: PathLike, *, limit: int | None = None) -> list[Questi
         records = read_records(file, _FIX)
         for rid, record in records[: None if limit is None else limit - len(out)]:
             out.append(_sample(record, file, rid, name=file.name if len(files) > 1 else ""))
-    for file in files:
-        require_images([s for s in out if s.meta["file"] == str(file)], file.parent, "images", _FIX)
+    require_images_per_file(out, files, _FIX)
     return out
 
 
