@@ -34,6 +34,21 @@ from typing import Literal
 
 from countlens.errors import CheckpointError, LayerError, UnsupportedArchitectureError
 
+#: What a decoder layer's attention is: softmax over the whole prefix ("full"), over a sliding window
+#: ("sliding"), within fixed chunks of the sequence ("chunked", Llama 4), a linear recurrence without
+#: softmax ("linear", Qwen3.5's Gated DeltaNet), or softmax over the image states ("cross",
+#: Llama-3.2-Vision).
+LayerKind = Literal["full", "sliding", "chunked", "linear", "cross"]
+#: Layer kinds whose heads have attention probabilities (head temperature and attention metrics).
+SOFTMAX_KINDS: tuple[str, ...] = ("full", "sliding", "chunked", "cross")
+#: The text config's ``layer_types`` values, as layer kinds.
+_LAYER_TYPES = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "linear",
+}
+
 #: How image tokens sit on the image (see the module docstring).
 Layout = Literal["grid", "anyres", "tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles"]
 #: Axis order of a q-norm's output: (batch, seq, heads, d_head) or (batch, heads, seq, d_head).
@@ -55,6 +70,19 @@ class CrossAttentionSpec:
     o_proj: str = "cross_attn.o_proj"
     # The keyword under which each cross-attention module receives the image states.
     states_kwarg: str = "cross_attention_states"
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Linear-attention layers (Qwen3.5's Gated DeltaNet): no softmax, so no attention probabilities
+    and no q to scale; each value head's output, after its gated norm, enters ``o_proj`` side by side,
+    so a head's z is its slice of ``o_proj``'s input, as for softmax heads (paths relative to such a
+    layer; head count and size on the text config)."""
+
+    attn: str = "linear_attn"
+    o_proj: str = "linear_attn.out_proj"
+    heads_attr: str = "linear_num_value_heads"
+    head_dim_attr: str = "linear_value_head_dim"
 
 
 @dataclass(frozen=True)
@@ -110,6 +138,11 @@ class ArchSpec:
     deepstack: bool = False
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
+    # Hybrid language models: the layers whose ``layer_types`` entry is "linear_attention".
+    linear_attention: LinearAttentionSpec | None = None
+    # Where a layer kind has its own head size (Gemma 4's full-attention layers: ``global_head_dim``),
+    # (kind, text config attribute) pairs; other layers take ``head_dim``.
+    head_dim_by_kind: tuple[tuple[str, str], ...] = ()
 
 
 _QWEN = dict(
@@ -224,6 +257,19 @@ class Arch:
     merge_size: int
     q_norm: str | None = None  # the spec's q-norm where this model has one
     cross_layers: tuple[int, ...] = ()  # decoder layers that attend to the image states
+    # Per decoder layer: its kind (`LayerKind`), heads and head size. ``n_heads`` is the widest layer's
+    # heads (the head axis of every per-head result; NaN beyond a layer's own heads), ``d_head`` the
+    # softmax heads' size where every layer has the same.
+    kinds: tuple[str, ...] = ()
+    head_counts: tuple[int, ...] = ()
+    head_dims: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        n = self.n_layers
+        kinds = self.kinds or tuple("cross" if i in self.cross_layers else "full" for i in range(n))
+        object.__setattr__(self, "kinds", kinds)
+        object.__setattr__(self, "head_counts", self.head_counts or (self.n_heads,) * n)
+        object.__setattr__(self, "head_dims", self.head_dims or (self.d_head,) * n)
 
     @property
     def name(self) -> str:
@@ -234,17 +280,54 @@ class Arch:
         return f"{self.spec.layers}.{i}"
 
     def kind(self, i: int) -> str:
-        """ "cross" for a layer whose attention reads the image states, else "self"."""
+        """Layer ``i``'s `LayerKind`: "full", "sliding", "linear" or "cross"."""
         self._check_layer(i)
-        return "cross" if i in self.cross_layers else "self"
+        return self.kinds[i]
+
+    def heads(self, i: int) -> int:
+        """Layer ``i``'s heads (a linear-attention layer's value heads)."""
+        self._check_layer(i)
+        return self.head_counts[i]
+
+    def head_dim(self, i: int) -> int:
+        """The size of each of layer ``i``'s heads: its z is ``heads(i)`` × ``head_dim(i)`` wide."""
+        self._check_layer(i)
+        return self.head_dims[i]
+
+    def softmax(self, i: int) -> bool:
+        """Whether layer ``i``'s heads have attention probabilities (not a linear-attention layer)."""
+        return self.kind(i) in SOFTMAX_KINDS
+
+    def require_softmax(self, i: int, what: str) -> None:
+        """Refuse ``what`` (head temperature, attention probabilities) on a linear-attention layer."""
+        if not self.softmax(i):
+            raise LayerError(
+                f"{what} needs attention probabilities, but layer {i} of {self.name} is a {self.kind(i)}-attention "
+                f"layer (no softmax); use one of its softmax layers: {self.softmax_layers}"
+            )
+
+    @property
+    def softmax_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.kinds[i] in SOFTMAX_KINDS]
+
+    @property
+    def uniform_heads(self) -> bool:
+        """Every layer has ``n_heads`` heads of ``d_head``."""
+        return set(self.head_counts) == {self.n_heads} and set(self.head_dims) == {self.d_head}
 
     def attention(self, i: int) -> str:
-        """Layer ``i``'s attention module: self-attention, or cross-attention on a cross layer."""
-        cross = self.spec.cross_attention
-        return f"{self.layer(i)}.{cross.attn if self.kind(i) == 'cross' else self.spec.self_attn}"
+        """Layer ``i``'s attention module: self-attention, cross-attention on a cross layer, or the
+        linear attention of a linear layer."""
+        kind = self.kind(i)
+        if kind == "cross":
+            return f"{self.layer(i)}.{self.spec.cross_attention.attn}"
+        if kind == "linear":
+            return f"{self.layer(i)}.{self.spec.linear_attention.attn}"
+        return f"{self.layer(i)}.{self.spec.self_attn}"
 
     def q_site(self, i: int) -> str:
         """The module whose output is q after any q-norm (where head temperature scales q)."""
+        self.require_softmax(i, "q (head temperature)")
         if self.kind(i) == "cross":
             return f"{self.layer(i)}.{self.spec.cross_attention.q_norm}"
         return f"{self.layer(i)}.{self.q_norm or self.spec.q_proj}"
@@ -258,8 +341,12 @@ class Arch:
         return "bs(qkv)" if self.spec.fused_qkv else "bs(hd)"
 
     def o_proj(self, i: int) -> str:
-        if self.kind(i) == "cross":
+        """Layer ``i``'s output projection, whose input is every head's z side by side."""
+        kind = self.kind(i)
+        if kind == "cross":
             return f"{self.layer(i)}.{self.spec.cross_attention.o_proj}"
+        if kind == "linear":
+            return f"{self.layer(i)}.{self.spec.linear_attention.o_proj}"
         return f"{self.layer(i)}.{self.spec.o_proj}"
 
     @property
@@ -274,8 +361,10 @@ class Arch:
             raise LayerError(f"layer {i} out of range: {self.name} has layers 0..{self.n_layers - 1}")
 
     def __repr__(self) -> str:
+        kinds = {k: self.kinds.count(k) for k in dict.fromkeys(self.kinds)}
+        mixed = "" if list(kinds) == ["full"] else " (" + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
         return (
-            f"Arch({self.name}: {self.n_layers} layers × {self.n_heads} heads (kv {self.n_kv_heads}), "
+            f"Arch({self.name}: {self.n_layers} layers{mixed} × {self.n_heads} heads (kv {self.n_kv_heads}), "
             f"d_head {self.d_head}, d_model {self.d_model}, patch {self.patch_size}, merge {self.merge_size}, "
             f"image token {self.image_token_id})"
         )
@@ -319,10 +408,11 @@ def resolve(config) -> Arch:
         merge = side // per_side
     else:
         merge = 1
+    kinds, head_counts, head_dims = _layers(config, spec, text, n_heads, d_head)
     return Arch(
         spec=spec,
         n_layers=text.num_hidden_layers,
-        n_heads=n_heads,
+        n_heads=max(head_counts),
         n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
         d_head=d_head,
         d_model=text.hidden_size,
@@ -331,7 +421,42 @@ def resolve(config) -> Arch:
         merge_size=int(merge),
         q_norm=spec.q_norm if _has_q_norm(spec, text) else None,
         cross_layers=_cross_layers(config, spec),
+        kinds=kinds,
+        head_counts=head_counts,
+        head_dims=head_dims,
     )
+
+
+def _layers(config, spec: ArchSpec, text, n_heads: int, d_head: int) -> tuple[tuple, tuple, tuple]:
+    """Per decoder layer: its kind, heads and head size."""
+    n = text.num_hidden_layers
+    cross = set(_cross_layers(config, spec))
+    types = getattr(text, "layer_types", None) or ["full_attention"] * n
+    if len(types) != n:
+        raise CheckpointError(f"{type(text).__name__}.layer_types has {len(types)} entries for {n} layers")
+    kinds = []
+    for i, t in enumerate(types):
+        kind = "cross" if i in cross else _LAYER_TYPES.get(t)
+        if kind is None:
+            raise CheckpointError(
+                f"layer {i} is of type {t!r}, which countlens does not know; known: {sorted(_LAYER_TYPES)}"
+            )
+        if kind == "linear" and spec.linear_attention is None:
+            raise CheckpointError(
+                f"layer {i} is a linear-attention layer, but the {spec.name} spec names no linear attention"
+            )
+        kinds.append(kind)
+    by_kind = dict(spec.head_dim_by_kind)
+    counts, dims = [], []
+    for kind in kinds:
+        if kind == "linear":
+            lin = spec.linear_attention
+            counts.append(int(getattr(text, lin.heads_attr)))
+            dims.append(int(getattr(text, lin.head_dim_attr)))
+        else:
+            counts.append(n_heads)
+            dims.append(int(getattr(text, by_kind[kind], None) or d_head) if kind in by_kind else d_head)
+    return tuple(kinds), tuple(counts), tuple(dims)
 
 
 def _cross_layers(config, spec: ArchSpec) -> tuple[int, ...]:

@@ -78,10 +78,12 @@ class SpecMismatchError(ResultError):
 
 def top_sites(da: xr.DataArray, k: int | None = None, absolute: bool = False) -> list[tuple[int, int, float]]:
     """The ``k`` largest (layer, head) cells of ``da`` (all with None; by |value| with ``absolute``),
-    largest first and ties in (layer, head) order: (layer, head, value), the value's sign kept."""
+    largest first and ties in (layer, head) order: (layer, head, value), the value's sign kept; NaN
+    cells (no head there) left out."""
     flat = da.stack(site=("layer", "head"))
     values = flat.values
-    order = np.argsort(-(np.abs(values) if absolute else values), kind="stable")[:k]
+    order = np.argsort(-(np.abs(values) if absolute else values), kind="stable")
+    order = order[~np.isnan(values[order])][:k]  # NaN: a slot beyond a layer's own heads, no site
     return [(int(flat.site.values[i][0]), int(flat.site.values[i][1]), float(values[i])) for i in order]
 
 

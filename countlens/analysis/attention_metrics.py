@@ -286,7 +286,7 @@ def attention_metrics(
     )
     for chunk, batch, generated in reads:
         attn = last_token_attention(vlm, batch, layers)  # Float[Tensor, "layer batch head seq"]
-        head_mean = attn.mean(2)
+        head_mean = attn.nanmean(2)  # NaN: heads beyond a layer's own, or a linear-attention layer
         for b, s in enumerate(chunk):
             obj = object_cells(s.scene, batch.geometry[b], coverage)
             share.append(float(obj.float().mean()))

@@ -64,7 +64,9 @@ def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tens
     if len(samples) == 0:
         raise InputError("no reference samples for the means")
     arch = vlm.arch
-    sums = torch.zeros(arch.n_layers, len(ABLATION_GROUPS), arch.n_heads * arch.d_head, dtype=torch.float64)
+    # One width for every layer: the widest z (layers of fewer or smaller heads fill the first columns).
+    width = max(arch.heads(layer) * arch.head_dim(layer) for layer in range(arch.n_layers))
+    sums = torch.zeros(arch.n_layers, len(ABLATION_GROUPS), width, dtype=torch.float64)
     counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
         masks = _group_masks(batch)
@@ -74,7 +76,7 @@ def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tens
                 zs.append(vlm.module(arch.o_proj(layer)).input.save())
         for layer, z in enumerate(zs):
             for g, m in enumerate(masks):
-                sums[layer, g] += z[m.to(z.device)].double().sum(0).cpu()
+                sums[layer, g, : z.shape[-1]] += z[m.to(z.device)].double().sum(0).cpu()
         counts += torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64)
     return (sums / counts.clamp(min=1)[None, :, None]).float()
 
@@ -123,11 +125,11 @@ def ablation_scan(
         check_samples(samples, f"ablation_scan (task {name!r})")
     require_count(batch_size, "batch_size")
     arch = vlm.arch
-    sites = [(layer, head) for layer in range(arch.n_layers) for head in range(arch.n_heads)]
+    sites = [(layer, head) for layer in range(arch.n_layers) for head in range(arch.heads(layer))]
     store = _scan_store(vlm, store, tasks, batch_size, means)
     shard = distributed.resolve(shard, store, "ablation_scan")
-    acc_drop = np.zeros((len(tasks), arch.n_layers, arch.n_heads))
-    logp_drop = np.zeros_like(acc_drop)
+    acc_drop = np.full((len(tasks), arch.n_layers, arch.n_heads), np.nan)
+    logp_drop = np.full_like(acc_drop, np.nan)
     base_acc = np.zeros(len(tasks))
     chunks = {
         f"{name}_{start:06d}": (name, start)
@@ -158,8 +160,9 @@ def ablation_scan(
         ds = xr.concat(parts[name], dim="sample")
         base = ds.base_correct.values.astype(bool)
         base_acc[t] = base.mean()
-        acc_drop[t] = (base.mean() - ds.correct.values.mean(1)).reshape(arch.n_layers, arch.n_heads)
-        logp_drop[t] = ds.logp_drop.values.mean(1).reshape(arch.n_layers, arch.n_heads)
+        rows, cols = zip(*sites)  # every layer's own heads; NaN beyond them
+        acc_drop[t, rows, cols] = base.mean() - ds.correct.values.mean(1)
+        logp_drop[t, rows, cols] = ds.logp_drop.values.mean(1)
     names = list(tasks)
     return xr.Dataset(
         {
@@ -167,7 +170,12 @@ def ablation_scan(
             "logp_drop": (("task", "layer", "head"), logp_drop),
             "base_acc": ("task", base_acc),
         },
-        coords={"task": names, "layer": np.arange(arch.n_layers), "head": np.arange(arch.n_heads)},
+        coords={
+            "task": names,
+            "layer": np.arange(arch.n_layers),
+            "head": np.arange(arch.n_heads),
+            "kind": ("layer", list(arch.kinds)),
+        },
         attrs={
             **provenance(vlm.name, vlm.arch.name, dataset={k: len(v) for k, v in tasks.items()}),
             "method": "mean_ablation",
@@ -204,7 +212,7 @@ def _scan_chunk(vlm: VLM, chunk: Sequence, mu: Tensor, sites: list[tuple[int, in
     gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
     replicas = []
     for layer, head in sites:
-        real, value = _mean_values(batch, mu, layer, head, vlm.arch.d_head)
+        real, value = _mean_values(batch, mu, layer, head, vlm.arch.head_dim(layer))
         replicas.append(Edit(layer, real, head, value))
     base = run_edits(vlm, batch, None, [[]], keep=keep)[0]
     b_ok, b_logp = _gold_scores(base, gold)
@@ -265,7 +273,7 @@ def ablate(
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
         edits = []
         for layer, head in heads:
-            real, value = _mean_values(batch, means, layer, head, vlm.arch.d_head)
+            real, value = _mean_values(batch, means, layer, head, vlm.arch.head_dim(layer))
             edits.append(Edit(layer, real, head, value))
         logits = run_edits(vlm, batch, None, [[], edits], keep=answer_window(batch.answer_ids))
         for key, lg in (("base_", logits[0]), ("", logits[1])):

@@ -52,25 +52,35 @@ def eager_attention(vlm: VLM) -> Iterator[None]:
 def last_token_attention(
     vlm: VLM, batch: Batch, layers: Sequence[int] | None = None
 ) -> Float[Tensor, "layer batch head key"]:
-    """Attention from the last prompt position, per head, over the keys (`image_keys`)."""
-    layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
-    rows = []
+    """Attention from the last prompt position, per head, over the keys (`image_keys`). Asked for
+    explicitly, a linear-attention layer (no probabilities) is an error; by default (``layers`` None)
+    such layers, and heads beyond a layer's own, are NaN."""
+    arch = vlm.arch
+    if layers is None:
+        layers = list(range(arch.n_layers))
+    else:
+        layers = sorted(int(x) for x in layers)
+        for layer in layers:
+            arch.require_softmax(layer, "attention probabilities")
+    rows = {}
     with eager_attention(vlm), vlm.read(batch):
         for layer in layers:
-            probs = vlm.module(vlm.arch.attention(layer)).output[1]
-            rows.append(probs[torch.arange(len(batch)), :, batch.last.to(probs.device)].float().save())
-    if not batch.state_cells:
-        return torch.stack([r.cpu() for r in rows])
-    seq, n_states = batch.inputs["input_ids"].shape[1], len(batch.state_cells[0])
-    b, h = len(batch), vlm.arch.n_heads
-    return torch.stack(
-        [
-            torch.cat([torch.zeros(b, h, seq), r.cpu()], -1)
-            if vlm.arch.kind(layer) == "cross"
-            else torch.cat([r.cpu(), torch.zeros(b, h, n_states)], -1)
-            for layer, r in zip(layers, rows)
-        ]
-    )
+            if arch.softmax(layer):
+                probs = vlm.module(arch.attention(layer)).output[1]
+                rows[layer] = probs[torch.arange(len(batch)), :, batch.last.to(probs.device)].float().save()
+    seq = batch.inputs["input_ids"].shape[1]
+    n_states = len(batch.state_cells[0]) if batch.state_cells else 0
+    out = torch.full((len(layers), len(batch), arch.n_heads, seq + n_states), float("nan"))
+    for i, layer in enumerate(layers):
+        if layer not in rows:
+            continue
+        r = rows[layer].cpu()
+        out[i, :, : r.shape[1]] = 0.0
+        if arch.kind(layer) == "cross":  # its keys are the states, which follow the sequence
+            out[i, :, : r.shape[1], seq:] = r
+        else:
+            out[i, :, : r.shape[1], : r.shape[-1]] = r
+    return out
 
 
 def image_keys(batch: Batch, b: int) -> tuple[Int[Tensor, " n"], Int[Tensor, "n 2"]]:

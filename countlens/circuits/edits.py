@@ -101,7 +101,6 @@ def run_edits(
             patches = batch.patches(w.merge)
             max_rows = memory.rows_per_forward(w, seq, free, keep, patches)
     per_pass = max(1, max_rows // n)
-    d_head = vlm.arch.d_head
     n_layers = vlm.arch.n_layers
     replicas = [[r] if isinstance(r, Edit) else list(r) for r in replicas]
     # Stacked forwards share their skipped prefix: order replicas by their lowest edited layer.
@@ -140,6 +139,7 @@ def run_edits(
                 if zs:
                     zin = vlm.module(vlm.arch.o_proj(layer)).input
                     for r, e, b, s in zs:
+                        d_head = vlm.arch.head_dim(layer)
                         cols = slice(e.head * d_head, (e.head + 1) * d_head)
                         src = _at(e.value, b, s) if e.value is not None else cache["z"][layer][b, s, cols]
                         zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)

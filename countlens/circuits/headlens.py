@@ -165,16 +165,23 @@ class HeadLens:
             with vlm.read(batch):
                 for layer in self.layers:
                     zs[layer] = vlm.module(arch.o_proj(layer)).input[:, -1].save()
-            per_layer = [
-                self.head_logits(vlm, layer, zs[layer], bias).topk(top_k, -1).indices.cpu() for layer in self.layers
-            ]  # each: batch heads k
-            top_ids.append(torch.stack(per_layer))  # layer batch heads k
+            # Each layer's own heads; beyond them (a layer with fewer heads than the widest) id −1.
+            per_layer = torch.full((len(self.layers), len(batch), arch.n_heads, top_k), -1)
+            for i, layer in enumerate(self.layers):
+                top = self.head_logits(vlm, layer, zs[layer], bias).topk(top_k, -1).indices.cpu()
+                per_layer[i, :, : top.shape[1]] = top
+            top_ids.append(per_layer)  # layer batch heads k
         ids = torch.cat(top_ids, 1).permute(0, 2, 1, 3).numpy()  # layer head sample k
         vocab = vlm.token_strings(range(int(ids.max()) + 1))
-        tokens = np.vectorize(lambda i: vocab[i], otypes=[object])(ids)
+        tokens = np.vectorize(lambda i: vocab[i] if i >= 0 else "", otypes=[object])(ids)
         visual = np.vectorize(lambda t: _clean(t) in visual_words, otypes=[bool])(tokens)
         number = np.vectorize(is_number, otypes=[bool])(tokens)
         hard = np.vectorize(lambda t: _clean(t) in DIFFICULTY_WORDS, otypes=[bool])(tokens)
+        head = np.array([[h < arch.heads(layer) for h in range(arch.n_heads)] for layer in self.layers])
+
+        def share(flags: np.ndarray) -> np.ndarray:
+            return np.where(head, flags.mean((2, 3)), np.nan)  # NaN: no head there
+
         counts = [int((s.meta or {}).get("count", -1)) for s in samples]
         count_token = [_first_word_token(vlm, str(n)) if n >= 0 else -1 for n in counts]
         from countlens.results import provenance
@@ -183,9 +190,9 @@ class HeadLens:
             {
                 "token_id": (("layer", "head", "sample", "k"), ids),
                 "token": (("layer", "head", "sample", "k"), tokens.astype(str)),
-                "vgs": (("layer", "head"), visual.mean((2, 3))),
-                "cter": (("layer", "head"), number.mean((2, 3))),
-                "difficulty": (("layer", "head"), hard.mean((2, 3))),
+                "vgs": (("layer", "head"), share(visual)),
+                "cter": (("layer", "head"), share(number)),
+                "difficulty": (("layer", "head"), share(hard)),
                 "count_token": ("sample", np.array(count_token)),
                 "r2": ("layer", self.r2.numpy()),
             },
@@ -194,6 +201,7 @@ class HeadLens:
                 "head": np.arange(arch.n_heads),
                 "sample": np.arange(len(samples)),
                 "k": np.arange(top_k),
+                "kind": ("layer", [arch.kind(layer) for layer in self.layers]),
             },
             attrs={
                 **provenance(vlm.name, arch.name, dataset={"samples": len(samples)}),

@@ -150,7 +150,8 @@ def _provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
 def _sweep(
     vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool, shard: Shard | None = None
 ) -> xr.Dataset:
-    """Run ``make_edits(pair_batch)`` over chunks of pairs; per-pair logit diffs (site…, pair).
+    """Run ``make_edits(pair_batch)`` (one edit per site of the ``coords`` grid, in order; None for a
+    slot that is no site: NaN there) over chunks of pairs; per-pair logit diffs (site…, pair).
     Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
     _check_pairs(pairs, batch_size)
     shard = distributed.resolve(shard, store, "this patching sweep")
@@ -173,8 +174,12 @@ def _sweep(
             to_corrupt = (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()
             return torch.stack([_logit_diff(rows, pb.clean_id, pb.corrupt_id), to_corrupt])
 
-        out = run_edits(vlm, pb.clean, cache, make_edits(pb), reduce=read)
-        ld, pred = out[:, 0].contiguous(), out[:, 1].bool()
+        edits = make_edits(pb)
+        live = [i for i, e in enumerate(edits) if e is not None]  # None: a slot with no site (NaN)
+        ran = run_edits(vlm, pb.clean, cache, [edits[i] for i in live], reduce=read)
+        out = torch.full((len(edits), *ran.shape[1:]), float("nan"))
+        out[live] = ran
+        ld, pred = out[:, 0].contiguous(), out[:, 1] == 1
         pair = np.arange(start, start + len(chunk))
         return xr.Dataset(
             {
@@ -193,6 +198,7 @@ def _sweep(
         torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")
     )
     effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
+    overwrite = overwrite.masked_fill(effect.isnan(), float("nan"))  # no site: no overwrite either
     ds["effect"] = (dims, effect.numpy())
     ds["overwrite"] = (dims, overwrite.numpy())
     ds.attrs.update(_provenance(vlm, pairs))
@@ -298,16 +304,19 @@ def patch_heads(
     shard: Shard | None = None,
 ) -> xr.Dataset:
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
-    ``positions``: the token group whose z is patched ("all", "image", "last" or "text")."""
+    ``positions``: the token group whose z is patched ("all", "image", "last" or "text"). Every layer
+    kind's heads (`countlens.arch.LayerKind`: the ``kind`` coordinate); NaN beyond a layer's own heads."""
     _check_pairs(pairs, batch_size, "patch_heads")
     layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     for layer in layers:
         vlm.arch.layer(layer)
     heads = list(range(vlm.arch.n_heads))
+    arch = vlm.arch
 
-    def edits(pb: PairBatch) -> list[Edit]:
+    def edits(pb: PairBatch) -> list[Edit | None]:
         mask = group_mask(pb.clean, positions)
-        return [Edit(layer, mask, head) for layer in layers for head in heads]
+        # A layer with fewer heads than the widest (Qwen3.5: value heads vs attention heads): NaN beyond.
+        return [Edit(layer, mask, head) if head < arch.heads(layer) else None for layer in layers for head in heads]
 
     spec = {
         "sweep": "patch_heads",
@@ -327,7 +336,7 @@ def patch_heads(
         progress,
         shard,
     )
-    # Each layer's heads are self-attention heads, or cross-attention heads (reading the image states).
+    # Each layer's kind: full, sliding or chunked self-attention, linear attention, or cross-attention.
     ds = ds.assign_coords(kind=("layer", [vlm.arch.kind(layer) for layer in layers]))
     ds.attrs.update(method="patch_heads", positions=positions)
     return ds
@@ -373,18 +382,25 @@ def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_s
         m = mask.to(torch.float64)
         for layer in range(n_layers):
             dz = (corrupt["z"][layer].double() - zs[layer].detach().double()) * gz[layer].double()
-            head_est[layer] += (heads_view(dz, n_heads).sum(-1) * m[..., None].to(dz.device)).sum((0, 1)).cpu()
+            per_head = heads_view(dz, vlm.arch.heads(layer)).sum(-1) * m[..., None].to(dz.device)
+            head_est[layer, : vlm.arch.heads(layer)] += per_head.sum((0, 1)).cpu()
             dh = (corrupt["resid"][layer].double() - hs[layer].detach().double()) * gh[layer].double()
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
         clean_sum += float(clean_ld.sum())
         corrupt_sum += float(_logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
     denom = corrupt_sum - clean_sum
+    for layer in range(n_layers):  # beyond a layer's own heads: no site
+        head_est[layer, vlm.arch.heads(layer) :] = float("nan")
     ds = xr.Dataset(
         {
             "effect": (("layer", "head"), (head_est / denom).numpy()),
             "resid_effect": ("layer", (resid_est / denom).numpy()),
         },
-        coords={"layer": np.arange(n_layers), "head": np.arange(n_heads)},
+        coords={
+            "layer": np.arange(n_layers),
+            "head": np.arange(n_heads),
+            "kind": ("layer", [vlm.arch.kind(layer) for layer in range(n_layers)]),
+        },
         attrs={**_provenance(vlm, pairs), "method": "attribution_patch", "positions": positions},
     )
     return ds
@@ -394,6 +410,8 @@ def compare(estimate: xr.DataArray, exact: xr.DataArray, k: int = 10) -> dict:
     """How well an estimate (AtP) ranks sites like exact patching: Spearman ρ and top-k overlap of |effect|."""
     require_count(k, "k")
     a, b = estimate.values.ravel(), exact.transpose(*estimate.dims).values.ravel()
+    sites = ~(np.isnan(a) | np.isnan(b))  # slots beyond a layer's own heads are no sites
+    a, b = a[sites], b[sites]
     k = min(k, len(a))
     top_a, top_b = set(np.argsort(-np.abs(a))[:k]), set(np.argsort(-np.abs(b))[:k])
     return {"spearman": spearman(a, b), "top_k": k, "top_k_overlap": len(top_a & top_b) / k}

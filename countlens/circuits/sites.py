@@ -2,7 +2,9 @@
 
 - **resid** — the residual stream after decoder layer ``l`` (the layer's output tensor).
 - **z** — each head's output before o_proj: the input of o_proj, (batch, seq, n_heads·d_head),
-  viewed as (batch, seq, n_heads, d_head). Per-head quantities live here: slicing o_proj's *output*
+  viewed as (batch, seq, n_heads, d_head), with the layer's own heads and head size (`Arch.heads`,
+  `Arch.head_dim`: Gemma 4's full and sliding layers differ; a linear-attention layer's heads are
+  its value heads, whose gated outputs enter its ``out_proj`` side by side). Per-head quantities live here: slicing o_proj's *output*
   mixes every head, since o_proj is a dense map from all heads together.
 - **head contribution** — ĥ_i·W_O: head i's z times its columns of o_proj's weight; the heads'
   contributions (plus any o_proj bias) sum to the o_proj output.
@@ -50,8 +52,10 @@ def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
     for head in heads:
         layer, h = head_key(head)
         arch.layer(layer)
-        if not 0 <= h < arch.n_heads:
-            raise InputError(f"head {h} out of range: {arch.name} has heads 0..{arch.n_heads - 1}")
+        if not 0 <= h < arch.heads(layer):
+            raise InputError(
+                f"head {h} out of range: layer {layer} of {arch.name} has heads 0..{arch.heads(layer) - 1}"
+            )
         out.append((layer, h))
     return out
 
@@ -122,6 +126,6 @@ def head_contributions(
 ) -> Float[Tensor, "... n_heads d_model"]:
     """ĥ_i·W_O per head, from z."""
     w = o_proj_weight(vlm, layer)
-    h = vlm.arch.n_heads
+    h = vlm.arch.heads(layer)
     w_heads = w.view(w.shape[0], h, -1).to(z.device, z.dtype)  # d_model × heads × d_head (z may sit on the CPU)
     return torch.einsum("...hd,mhd->...hm", heads_view(z, h), w_heads)

@@ -44,6 +44,7 @@ def head_temperature(vlm: VLM, betas: Mapping[tuple[int, int] | str, float]) -> 
     seen: set[tuple[int, int]] = set()
     for key, beta in betas.items():
         [(layer, head)] = checked_heads(arch, [key])
+        arch.require_softmax(layer, f"head temperature of {head_label((layer, head))}")
         require_positive(beta, f"β of head {head_label((layer, head))}")
         if (layer, head) in seen:
             raise InputError(f"head {head_label((layer, head))} is given twice in betas; give it once")
@@ -55,7 +56,9 @@ def head_temperature(vlm: VLM, betas: Mapping[tuple[int, int] | str, float]) -> 
         for layer, heads in by_layer.items():
             module = vlm.hf.get_submodule(arch.q_site(layer))
             layout = arch.q_layout(layer)
-            handles.append(module.register_forward_hook(_scaler(heads, arch.n_heads, arch.d_head, layout)))
+            handles.append(
+                module.register_forward_hook(_scaler(heads, arch.heads(layer), arch.head_dim(layer), layout))
+            )
         yield
     finally:
         for h in handles:

@@ -85,8 +85,9 @@ def spec(vlm: VLM) -> list[CheckRow]:
     if not missing:
         for layer in range(arch.n_layers):
             o = vlm.hf.get_submodule(arch.o_proj(layer))
-            if getattr(o, "in_features", arch.n_heads * arch.d_head) != arch.n_heads * arch.d_head:
-                shapes.append(f"layer {layer} o_proj takes {o.in_features}, not {arch.n_heads}×{arch.d_head}")
+            h, d = arch.heads(layer), arch.head_dim(layer)
+            if getattr(o, "in_features", h * d) != h * d:
+                shapes.append(f"layer {layer} ({arch.kind(layer)}) o_proj takes {o.in_features}, not {h}×{d}")
         head_rows = vlm.hf.get_submodule(arch.spec.lm_head).weight.shape[0]
         try:
             top = max(i for n in COUNTS for i in vlm.answer_ids(str(n)))
@@ -99,7 +100,7 @@ def spec(vlm: VLM) -> list[CheckRow]:
             "spec",
             "head and vocabulary shapes",
             None if missing else not shapes,
-            "; ".join(shapes) or f"{arch.n_heads} heads × {arch.d_head}, answer ids < lm_head rows",
+            "; ".join(shapes) or f"{_head_shapes(arch)}, answer ids < lm_head rows",
             "exact",
             f"{SPEC_FIX} (head counts come from the text config)" if shapes else "",
         )
@@ -386,13 +387,21 @@ def interventions(vlm: VLM) -> list[CheckRow]:
     return rows
 
 
+def _head_shapes(arch) -> str:
+    """ "4 heads × 16", or per layer kind where layers differ ("full 4 × 32, sliding 4 × 16")."""
+    if arch.uniform_heads:
+        return f"{arch.n_heads} heads × {arch.d_head}"
+    shapes = {arch.kinds[i]: (arch.head_counts[i], arch.head_dims[i]) for i in range(arch.n_layers)}
+    return "heads " + ", ".join(f"{kind} {h} × {d}" for kind, (h, d) in shapes.items())
+
+
 def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
     """Each head's z times its columns of o_proj, plus the bias, is o_proj's output."""
     o = vlm.hf.get_submodule(vlm.arch.o_proj(layer))
     with torch.no_grad(), vlm.read(batch):
         z = vlm.module(vlm.arch.o_proj(layer)).input.save()
         y = vlm.module(vlm.arch.o_proj(layer)).output.save()
-    h, d = vlm.arch.n_heads, vlm.arch.d_head
+    h, d = vlm.arch.heads(layer), vlm.arch.head_dim(layer)
     weight = o.weight.detach().float().view(-1, h, d)
     zh = z.float().view(*z.shape[:-1], h, d)
     parts = torch.einsum("bshd,ohd->bsho", zh, weight)

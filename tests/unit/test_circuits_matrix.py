@@ -55,7 +55,10 @@ def test_every_circuit_function_runs(name, loaded):
         )
     heads = circuits.patch_heads(vlm, pairs, positions="last")
     assert heads.effect.shape == (n_layers, n_heads)
-    assert heads.kind.values.tolist() == ["cross" if layer in cross else "self" for layer in range(n_layers)]
+    kinds = ["cross" if layer in cross else "full" for layer in range(n_layers)]
+    if name == "gemma3":  # its text config's layer_types: a sliding-window layer, then a global one
+        kinds = ["sliding", "full"]
+    assert heads.kind.values.tolist() == kinds
     atp = circuits.attribution_patch(vlm, pairs)
     assert atp.effect.shape == (n_layers, n_heads) and np.isfinite(atp.effect.values).all()
 
