@@ -4,8 +4,8 @@
 - **z** — each head's output before o_proj: the input of o_proj, (batch, seq, n_heads·d_head),
   viewed as (batch, seq, n_heads, d_head), with the layer's own heads and head size (`Arch.heads`,
   `Arch.head_dim`: Gemma 4's full and sliding layers differ; a linear-attention layer's heads are
-  its value heads, whose gated outputs enter its ``out_proj`` side by side). Per-head quantities live here: slicing o_proj's *output*
-  mixes every head, since o_proj is a dense map from all heads together.
+  its value heads, whose gated outputs enter its ``out_proj`` side by side). Per-head quantities
+  live here: slicing o_proj's *output* mixes every head, since o_proj is a dense map from all heads.
 - **head contribution** — ĥ_i·W_O: head i's z times its columns of o_proj's weight; the heads'
   contributions (plus any o_proj bias) sum to the o_proj output.
 - **q** — after any q-norm (Qwen3, Gemma3) or else the q_proj output; head temperature scales it.
