@@ -168,6 +168,10 @@ SPECS: dict[str, ArchSpec] = {
         ArchSpec("qwen2_vl", ("qwen2_vl",), **_QWEN),
         ArchSpec("qwen2_5_vl", ("qwen2_5_vl",), projector_order="window", **_QWEN),
         ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", deepstack=True, **_QWEN),
+        ArchSpec("qwen3_vl_moe", ("qwen3_vl_moe",), q_norm="self_attn.q_norm", deepstack=True, **_QWEN),
+        # Hybrid: Gated DeltaNet linear attention on most layers (`LinearAttentionSpec`), softmax on every
+        # fourth; its softmax layers' q_proj writes each head's query then its output gate.
+        ArchSpec("qwen3_5", ("qwen3_5",), q_norm="self_attn.q_norm", linear_attention=LinearAttentionSpec(), **_QWEN),
         ArchSpec("llava", ("llava",), **_LLAVA),
         ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
         ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),
@@ -299,11 +303,11 @@ class Arch:
         return self.kind(i) in SOFTMAX_KINDS
 
     def require_softmax(self, i: int, what: str) -> None:
-        """Refuse ``what`` (head temperature, attention probabilities) on a linear-attention layer."""
+        """Refuse ``what`` (head temperature, reading attention) on a linear-attention layer."""
         if not self.softmax(i):
             raise LayerError(
-                f"{what} needs attention probabilities, but layer {i} of {self.name} is a {self.kind(i)}-attention "
-                f"layer (no softmax); use one of its softmax layers: {self.softmax_layers}"
+                f"{what} needs softmax attention, but layer {i} of {self.name} is a {self.kind(i)}-attention "
+                f"layer (no softmax, no attention probabilities); use one of its softmax layers: {self.softmax_layers}"
             )
 
     @property

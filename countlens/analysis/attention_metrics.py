@@ -272,6 +272,7 @@ def attention_metrics(
         raise InputError(
             "at='generation' reads the MAS code's diagnostics of image tokens; a cross-attention model has none"
         )
+    asked = layers  # None: every layer, NaN where there are no probabilities (linear attention)
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted({int(x) for x in layers})
     for layer in layers:
         vlm.arch.attention(layer)  # raises a LayerError naming the valid range
@@ -285,7 +286,7 @@ def attention_metrics(
         else ((chunk, batch, None) for chunk, batch in vlm.batches(samples, batch_size))
     )
     for chunk, batch, generated in reads:
-        attn = last_token_attention(vlm, batch, layers)  # Float[Tensor, "layer batch head seq"]
+        attn = last_token_attention(vlm, batch, asked and layers)  # Float[Tensor, "layer batch head seq"]
         head_mean = attn.nanmean(2)  # NaN: heads beyond a layer's own, or a linear-attention layer
         for b, s in enumerate(chunk):
             obj = object_cells(s.scene, batch.geometry[b], coverage)

@@ -416,7 +416,9 @@ def _cached_rows(vlm: VLM, chunk: Sequence[Sample], js: list[int], prefixes: lis
         ids[r, : len(p)] = torch.tensor(p)
         tail[r, : len(p)] = 1
     cache = out.past_key_values
-    cache.batch_repeat_interleave(per)
+    # Each sample's cache once per row: an index per row, which also repeats a linear-attention layer's
+    # conv and recurrent states (Qwen3.5), whose cache layers have no batch_repeat_interleave.
+    cache.reorder_cache(torch.arange(len(js)).repeat_interleave(per))
     kwargs = {}
     if vlm.arch.spec.rope_deltas is not None:  # Qwen: 3-D positions continue from the prefill's offsets
         owner, _, attr = vlm.arch.spec.rope_deltas.rpartition(".")

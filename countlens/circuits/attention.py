@@ -61,7 +61,7 @@ def last_token_attention(
     else:
         layers = sorted(int(x) for x in layers)
         for layer in layers:
-            arch.require_softmax(layer, "attention probabilities")
+            arch.require_softmax(layer, "reading attention")
     rows = {}
     with eager_attention(vlm), vlm.read(batch):
         for layer in layers:
@@ -98,10 +98,11 @@ def image_attention_share(
 ) -> xr.DataArray:
     """Share of the last position's attention that lands on image tokens: (layer, head, sample)."""
     check_samples(samples, "image_attention_share")
+    asked = layers  # None: every layer, NaN where there are no probabilities
     layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
     parts = []
     for _, batch in vlm.batches(samples, batch_size):
-        att = last_token_attention(vlm, batch, layers)  # layer batch head key
+        att = last_token_attention(vlm, batch, asked)  # layer batch head key
         image = torch.zeros(att.shape[1], att.shape[-1])
         for b in range(len(batch)):
             image[b, image_keys(batch, b)[0]] = 1.0

@@ -19,6 +19,8 @@ SUPPORTED = (
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
     "llava",
     "llava_next",
     "llava_onevision",
@@ -61,17 +63,25 @@ def test_every_spec_is_in_the_matrix():
 def test_spec_resolves_and_paths_exist(vlm):
     arch = vlm.arch
     assert arch.name == VARIANTS.get(vlm.tiny_name, vlm.tiny_name)
-    n_layers = 4 if arch.spec.cross_attention else 2  # Llama-3.2-Vision: cross-attention at layers 1 and 3
-    assert (arch.n_layers, arch.n_heads, arch.d_head) == (n_layers, 4, 16)
+    # Llama-3.2-Vision: cross-attention at layers 1 and 3; Qwen3.5: linear attention at 0 and 2.
+    n_layers = 4 if arch.spec.cross_attention or arch.spec.linear_attention else 2
+    assert (arch.n_layers, arch.d_head) == (n_layers, 16)
+    if arch.spec.linear_attention:  # 8 value heads of 8 on linear layers, 4 attention heads of 16 on softmax ones
+        assert arch.kinds == ("linear", "full", "linear", "full") and arch.n_heads == 8
+        assert arch.head_counts == (8, 4, 8, 4) and arch.head_dims == (8, 16, 8, 16)
+    else:
+        assert arch.n_heads == 4 and arch.uniform_heads
     assert arch.n_kv_heads in (2, 4)
     assert arch.cross_layers == ((1, 3) if arch.spec.cross_attention else ())
     spec = arch.spec
     for layer in range(n_layers):
-        for path in (arch.layer(layer), arch.q_site(layer), arch.o_proj(layer), arch.attention(layer)):
+        softmax = (arch.q_site(layer),) if arch.softmax(layer) else ()
+        for path in (arch.layer(layer), *softmax, arch.o_proj(layer), arch.attention(layer)):
             vlm.hf.get_submodule(path)  # raises AttributeError when a path is wrong
+        assert vlm.hf.get_submodule(arch.o_proj(layer)).in_features == arch.heads(layer) * arch.head_dim(layer)
     for path in [spec.final_norm, spec.lm_head, spec.layers, spec.vision_blocks, spec.projector]:
         vlm.hf.get_submodule(path)
-    vlm.hf.get_submodule(f"{arch.layer(0)}.{spec.k_proj}")
+    vlm.hf.get_submodule(f"{arch.layer(arch.softmax_layers[0])}.{spec.k_proj}")
     assert len(vlm.hf.get_submodule(spec.layers)) == arch.n_layers
     with pytest.raises(IndexError, match=f"layers 0..{n_layers - 1}"):  # a LayerError, also a CountlensError
         arch.layer(n_layers)
@@ -83,6 +93,8 @@ SPLITS_DIGITS = (
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
     "llava",
     "llava_onevision",
     "gemma3",
@@ -203,7 +215,9 @@ def test_each_image_token_sees_its_own_cell(vlm, scale):
     useful = useful_grid(vlm.processor, *size)
     views = token_cells(vlm.arch.spec.layout, geom, len(cells), 0, dark.tile_grids[0], useful).views
     assert len(set(views.tolist())) == (
-        1 if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "mllama") else 2
+        1
+        if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava", "gemma3", "mllama")
+        else 2
     )
     for cell in [(0, 0), (rows - 1, cols - 1), (1, cols - 2), (rows - 2, 0)]:
         lit = vlm.prepare(images_of(name, 1, cell, geom, size=size), [QUESTION])

@@ -38,7 +38,7 @@ def test_every_circuit_function_runs(name, loaded):
     # except in Qwen3-VL, whose DeepStack adds image features inside its first decoder layers, and in a
     # cross-attention model, whose image is not in the embeddings but in the states every
     # cross-attention layer reads (patched at "layer -1").
-    everything = [n_layers - 1] + ([] if name in ("qwen3_vl", "mllama") else [-1])
+    everything = [n_layers - 1] + ([] if name in ("qwen3_vl", "qwen3_vl_moe", "mllama") else [-1])
     wholes = [circuits.patch_layers(vlm, pairs, groups=("all",), layers=everything)]
     if cross:
         wholes.append(circuits.patch_layers(vlm, pairs, groups=("image_states",), layers=[-1]))
@@ -58,9 +58,15 @@ def test_every_circuit_function_runs(name, loaded):
     kinds = ["cross" if layer in cross else "full" for layer in range(n_layers)]
     if name == "gemma3":  # its text config's layer_types: a sliding-window layer, then a global one
         kinds = ["sliding", "full"]
+    if name == "qwen3_5":  # Gated DeltaNet layers, then softmax ones
+        kinds = ["linear", "full"] * 2
     assert heads.kind.values.tolist() == kinds
+    # Every layer's own heads are sites (finite); beyond them (Qwen3.5's softmax layers: 4 of 8) NaN.
+    own = np.array([[h < vlm.arch.heads(layer) for h in range(n_heads)] for layer in range(n_layers)])
+    assert np.isfinite(heads.effect.values[own]).all() and np.isnan(heads.effect.values[~own]).all()
     atp = circuits.attribution_patch(vlm, pairs)
-    assert atp.effect.shape == (n_layers, n_heads) and np.isfinite(atp.effect.values).all()
+    assert atp.effect.shape == (n_layers, n_heads) and np.isfinite(atp.effect.values[own]).all()
+    assert np.isnan(atp.effect.values[~own]).all()
 
     clean = cache_run(vlm, pb.clean, range(n_layers))
     mask = group_mask(pb.clean, "all")
@@ -77,18 +83,27 @@ def test_every_circuit_function_runs(name, loaded):
     lens = circuits.logit_lens(vlm, samples)
     assert lens["rank"].shape == (n_layers, 3)
     hl = circuits.HeadLens.fit(vlm, samples * 2)
-    assert hl.decode(vlm, samples, top_k=3).token.shape == (n_layers, n_heads, 3, 3)
+    decoded = hl.decode(vlm, samples, top_k=3)
+    assert decoded.token.shape == (n_layers, n_heads, 3, 3)
+    assert np.isfinite(decoded.cter.values[own]).all() and np.isnan(decoded.cter.values[~own]).all()
     share = circuits.image_attention_share(vlm, samples)
-    assert ((share >= 0) & (share <= 1 + 1e-5)).all()
+    # Probabilities on softmax layers' own heads; none (NaN) on linear-attention layers or beyond the heads.
+    softmax_heads = own & np.array([vlm.arch.softmax(layer) for layer in range(n_layers)])[:, None]
+    assert ((share.values[softmax_heads] >= 0) & (share.values[softmax_heads] <= 1 + 1e-5)).all()
+    assert np.isnan(share.values[~softmax_heads]).all()
     scan = circuits.ablation_scan(vlm, {"count": samples}, batch_size=3)
     assert scan.logp_drop.shape == (1, n_layers, n_heads)
+    assert np.isfinite(scan.logp_drop.values[0][own]).all() and np.isnan(scan.logp_drop.values[0][~own]).all()
 
     batch = vlm.prepare([s.image for s in samples], [s.question for s in samples])
     base = vlm.forward(batch).logits
-    with circuits.head_temperature(vlm, {(0, 0): 1.0}):
+    with circuits.head_temperature(vlm, {(vlm.arch.softmax_layers[0], 0): 1.0}):
         assert torch.equal(vlm.forward(batch).logits, base)
-    for layer in (0, *cross):  # a cross-attention head's q too (after its q-norm)
+    for layer in (vlm.arch.softmax_layers[0], *cross):  # a cross-attention head's q too (after its q-norm)
         with circuits.head_temperature(vlm, {(layer, 0): 3.0}):
             assert not torch.allclose(vlm.forward(batch).logits, base), layer
+    for layer in set(range(n_layers)) - set(vlm.arch.softmax_layers):  # no softmax, no temperature
+        with pytest.raises(IndexError, match="no softmax"), circuits.head_temperature(vlm, {(layer, 0): 3.0}):
+            pass
     proj = circuits.tap(vlm, samples, "projector")
     assert proj.shape[0] == 3 and proj.shape[1] == vlm.arch.d_model
