@@ -67,7 +67,6 @@ def _hook_logit_diffs(vlm, pairs, sites):
     for h in handles:
         h.remove()
     out, scale = [], 0.0
-    d = arch.d_head
     for layer, head, group in sites:
         mask = group_mask(pb.clean, group)
         if head is None and layer == -1:
@@ -91,6 +90,7 @@ def _hook_logit_diffs(vlm, pairs, sites):
 
             def pre(m, args, layer=layer, head=head, mask=mask):
                 z = args[0].clone()
+                d = arch.head_dim(layer)  # the layer's own head size (Qwen3.5: 8 on linear layers, 16 on softmax)
                 cols = slice(head * d, (head + 1) * d)
                 z[..., cols][mask] = z_c[layer][..., cols][mask]
                 return (z, *args[1:])
@@ -119,20 +119,22 @@ def test_layer_and_head_patching_agree_with_plain_hooks_on_the_organism(organism
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "llava_onevision", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "llava_onevision", "gemma3", "qwen3_5"])
 def test_patching_agrees_with_plain_hooks_on_tiny_architectures(name, loaded):
+    """Qwen3.5: layer 0's heads are a Gated DeltaNet layer's 8 value heads of 8, layer 1's 4 softmax
+    heads of 16 (the head axis is 8 wide: its heads 4-7 are NaN, no sites)."""
     vlm = loaded(name)
     pairs = _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
-    heads = patch_heads(vlm, pairs, positions="image")
+    heads = patch_heads(vlm, pairs, positions="image", layers=[0, 1])
     vap = patch_layers(vlm, pairs, groups=("image", "last"))
-    sites = [(1, h, "image") for h in range(vlm.arch.n_heads)] + [
-        (-1, None, "image"),
-        (0, None, "image"),
-        (1, None, "last"),
-    ]
+    own = [(layer, h) for layer in (0, 1) for h in range(vlm.arch.heads(layer))]
+    sites = [(layer, h, "image") for layer, h in own] + [(-1, None, "image"), (0, None, "image"), (1, None, "last")]
     ref, scale = _hook_logit_diffs(vlm, pairs, sites)
-    got = [heads.logit_diff.sel(layer=1, head=h).values for h in range(vlm.arch.n_heads)]
+    got = [heads.logit_diff.sel(layer=layer, head=h).values for layer, h in own]
     got += [vap.logit_diff.sel(layer=layer, group=g).values for layer, _, g in sites[-3:]]
+    beyond = [(layer, h) for layer in (0, 1) for h in range(vlm.arch.heads(layer), vlm.arch.n_heads)]
+    assert all(np.isnan(heads.logit_diff.sel(layer=layer, head=h).values).all() for layer, h in beyond)
+    assert bool(beyond) == (name == "qwen3_5")
     assert_close(np.stack(got), ref, scale=scale, what=f"{name}: nnsight vs hook LDs")
 
 
