@@ -86,6 +86,20 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP (paths relative to a decoder layer; counts on the text config): its
+    experts module is called as ``experts(x, top_k_index, top_k_weights)`` on the flattened tokens and
+    returns Σ_j w_j · E_{i_j}(x), each expert E_e(x) = down[e] · act(gate[e] x) ⊙ (up[e] x) with the
+    gate and up rows stacked in ``gate_up_proj[e]`` (Qwen3-VL-MoE). A layer is a MoE layer where its
+    experts module exists (`countlens.vlm.VLM` finds them)."""
+
+    experts: str = "mlp.experts"
+    router: str = "mlp.gate"
+    n_experts_attr: str = "num_experts"
+    top_k_attr: str = "num_experts_per_tok"
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     name: str
     model_types: tuple[str, ...]
@@ -138,6 +152,8 @@ class ArchSpec:
     deepstack: bool = False
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
+    # Mixture-of-experts language models: where the experts are (`MoESpec`).
+    moe: MoESpec | None = None
     # Hybrid language models: the layers whose ``layer_types`` entry is "linear_attention".
     linear_attention: LinearAttentionSpec | None = None
     # Where a layer kind has its own head size (Gemma 4's full-attention layers: ``global_head_dim``),
@@ -168,7 +184,7 @@ SPECS: dict[str, ArchSpec] = {
         ArchSpec("qwen2_vl", ("qwen2_vl",), **_QWEN),
         ArchSpec("qwen2_5_vl", ("qwen2_5_vl",), projector_order="window", **_QWEN),
         ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", deepstack=True, **_QWEN),
-        ArchSpec("qwen3_vl_moe", ("qwen3_vl_moe",), q_norm="self_attn.q_norm", deepstack=True, **_QWEN),
+        ArchSpec("qwen3_vl_moe", ("qwen3_vl_moe",), q_norm="self_attn.q_norm", deepstack=True, moe=MoESpec(), **_QWEN),
         # Hybrid: Gated DeltaNet linear attention on most layers (`LinearAttentionSpec`), softmax on every
         # fourth; its softmax layers' q_proj writes each head's query then its output gate.
         ArchSpec("qwen3_5", ("qwen3_5",), q_norm="self_attn.q_norm", linear_attention=LinearAttentionSpec(), **_QWEN),
@@ -267,6 +283,11 @@ class Arch:
     kinds: tuple[str, ...] = ()
     head_counts: tuple[int, ...] = ()
     head_dims: tuple[int, ...] = ()
+    # Mixture-of-experts models: experts per MoE layer, experts chosen per token, and the MoE layers
+    # (found on the model by `countlens.vlm.VLM`: a spec cannot say which layers stay dense).
+    n_experts: int = 0
+    experts_top_k: int = 0
+    expert_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         n = self.n_layers
@@ -353,6 +374,19 @@ class Arch:
             return f"{self.layer(i)}.{self.spec.linear_attention.o_proj}"
         return f"{self.layer(i)}.{self.spec.o_proj}"
 
+    def experts(self, i: int) -> str:
+        """Layer ``i``'s experts module (a MoE layer's)."""
+        self._check_layer(i)
+        if i not in self.expert_layers:
+            raise LayerError(
+                f"layer {i} of {self.name} has no experts; its mixture-of-experts layers are {list(self.expert_layers)}"
+            )
+        return f"{self.layer(i)}.{self.spec.moe.experts}"
+
+    def router(self, i: int) -> str:
+        """Layer ``i``'s router (a MoE layer's)."""
+        return self.experts(i).removesuffix(self.spec.moe.experts) + self.spec.moe.router
+
     @property
     def projections(self) -> tuple[str, ...]:
         """The attention projections' module names (LoRA's targets): q, k, v, o, or fused qkv and o."""
@@ -428,6 +462,8 @@ def resolve(config) -> Arch:
         kinds=kinds,
         head_counts=head_counts,
         head_dims=head_dims,
+        n_experts=int(getattr(text, spec.moe.n_experts_attr, 0) or 0) if spec.moe else 0,
+        experts_top_k=int(getattr(text, spec.moe.top_k_attr, 0) or 0) if spec.moe else 0,
     )
 
 

@@ -12,6 +12,7 @@ same code runs locally and, with ``remote=True``, on NDIF.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -90,7 +91,7 @@ class VLM:
         self.tokenizer = processor.tokenizer
         self.name = name
         self.remote = remote
-        self.arch: Arch = resolve(hf_model.config)
+        self.arch: Arch = _with_expert_layers(resolve(hf_model.config), hf_model)
         _bidirectional_vision(hf_model, self.arch.spec.vision_tower)
         if envoy is None:
             from nnsight import NNsight
@@ -408,6 +409,25 @@ def _check_items(items: Sequence, what: str, kind: str, attrs: tuple[str, ...], 
                 f"{what} takes {kind} (each with {', '.join(attrs)}); item {i} is a {type(item).__name__} "
                 f"without {', '.join(lacking)}: build them with {maker}"
             )
+
+
+def _with_expert_layers(arch: Arch, hf_model) -> Arch:
+    """``arch`` with its mixture-of-experts layers: those whose experts module exists (Qwen3-VL-MoE keeps
+    the layers its config's ``mlp_only_layers`` names dense)."""
+    moe = arch.spec.moe
+    if moe is None or arch.n_experts == 0:
+        return arch
+    layers = hf_model.get_submodule(arch.spec.layers)
+    found = tuple(i for i, layer in enumerate(layers) if _has_module(layer, moe.experts))
+    return dataclasses.replace(arch, expert_layers=found)
+
+
+def _has_module(root, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _bidirectional_vision(hf_model, tower: str) -> None:

@@ -1,4 +1,5 @@
-"""The intervention layer over nnsight: sites, patching, lenses, HeadLens, ablation, head temperature.
+"""The intervention layer over nnsight: sites, patching, lenses, HeadLens, ablation, head temperature,
+and the experts of mixture-of-experts models.
 
 Every function takes a `countlens.VLM` and prepared data (pairs or samples) and returns labelled
 xarray results; module paths come from `countlens.arch` only.
@@ -6,6 +7,14 @@ xarray results; module paths come from `countlens.arch` only.
 
 from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
 from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
+from countlens.circuits.experts import (
+    ablate_experts,
+    expert_ablation_scan,
+    expert_means,
+    expert_usage,
+    patch_experts,
+    routing,
+)
 from countlens.circuits.headlens import HeadLens
 from countlens.circuits.lens import logit_lens
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
@@ -15,19 +24,25 @@ from countlens.circuits.temperature import beta_from_importance, head_temperatur
 __all__ = [
     "HeadLens",
     "ablate",
+    "ablate_experts",
     "ablation_scan",
     "attribution_patch",
     "beta_from_importance",
     "compare",
     "eager_attention",
+    "expert_ablation_scan",
+    "expert_means",
+    "expert_usage",
     "group_means",
     "head_temperature",
     "image_attention_share",
     "jaccard",
     "last_token_attention",
     "logit_lens",
+    "patch_experts",
     "patch_heads",
     "patch_layers",
+    "routing",
     "tap",
     "top_heads",
 ]

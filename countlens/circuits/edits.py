@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.sites import repeat_inputs, repeat_output
+from countlens.circuits.sites import expert_contribution, repeat_inputs, repeat_output
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -26,11 +26,16 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def cache_run(vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True, z: bool = True) -> dict:
+def cache_run(
+    vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True, z: bool = True, experts: bool = False
+) -> dict:
     """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
     ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens). A
-    cross-attention model's image states come too, as ``states``: Float[Tensor, "batch n_states d"]."""
-    out: dict = {"resid": {}, "z": {}}
+    cross-attention model's image states come too, as ``states``: Float[Tensor, "batch n_states d"].
+    With ``experts``, ``experts[l]`` for every MoE layer asked: the experts module's input and the
+    router's choice, (x, top-k index, top-k weights), each reshaped to (batch, seq, …)."""
+    out: dict = {"resid": {}, "z": {}, "experts": {}}
+    moe = set(vlm.arch.expert_layers) if experts else set()
     cross = vlm.arch.spec.cross_attention
     with vlm.read(batch):
         if cross is not None:
@@ -40,10 +45,15 @@ def cache_run(vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True,
         for layer in sorted(x for x in layers if x >= 0):
             if z:
                 out["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
+            if layer in moe:
+                args = vlm.module(vlm.arch.experts(layer)).inputs[0]
+                out["experts"][layer] = tuple(t.save() for t in args[:3])
             if resid:
                 out["resid"][layer] = vlm.module(vlm.arch.layer(layer)).output.save()
         logits = vlm.nn.output.logits[:, -1].save()
     out["logits"] = logits.float()
+    rows, seq = batch.inputs["input_ids"].shape
+    out["experts"] = {layer: tuple(t.view(rows, seq, -1) for t in got) for layer, got in out["experts"].items()}
     if cross is not None:
         out["states"] = states.reshape(len(batch), -1, states.shape[-1])
     return out
@@ -52,8 +62,9 @@ def cache_run(vlm: VLM, batch: Batch, layers: Sequence[int], resid: bool = True,
 @dataclass(frozen=True)
 class Edit:
     """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None; layer
-    −1 = the input of layer 0) or head ``head``'s z there, with ``value`` (Float[Tensor, "batch seq d"])
-    or else the cached run's. With ``states`` (cross-attention models) the site is the image states
+    −1 = the input of layer 0), head ``head``'s z there, or expert ``expert``'s contribution, with
+    ``value`` (Float[Tensor, "batch seq d"]) or else the cached run's. With ``states`` (cross-attention
+    models) the site is the image states
     (`countlens.circuits.sites`) and ``mask`` is Bool[Tensor, "batch n_states"]."""
 
     layer: int
@@ -61,6 +72,9 @@ class Edit:
     head: int | None = None
     value: Float[Tensor, "batch seq d"] | None = None
     states: bool = False
+    # A MoE layer's expert: its contribution (`countlens.circuits.sites.expert_contribution`) replaced by
+    # ``value``'s or the cached run's (the cache recorded with experts=True).
+    expert: int | None = None
 
 
 def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
@@ -143,7 +157,14 @@ def run_edits(
                         cols = slice(e.head * d_head, (e.head + 1) * d_head)
                         src = _at(e.value, b, s) if e.value is not None else cache["z"][layer][b, s, cols]
                         zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
-                rs = [w for w in where if w[1].layer == layer and w[1].head is None and not w[1].states]
+                xs = [w for w in where if w[1].layer == layer and w[1].expert is not None]
+                if xs:
+                    _edit_experts(vlm, layer, xs, cache, n, int(inputs["input_ids"].shape[1]))
+                rs = [
+                    w
+                    for w in where
+                    if w[1].layer == layer and w[1].head is None and not w[1].states and w[1].expert is None
+                ]
                 if rs:
                     site = vlm.module(vlm.arch.layer(max(layer, 0)))
                     hid = site.input if layer == -1 else site.output
@@ -155,6 +176,25 @@ def run_edits(
             rows = logits[r * n : (r + 1) * n].float()
             out[i] = (rows if reduce is None else reduce(rows)).cpu()
     return torch.stack(out)
+
+
+def _edit_experts(vlm: VLM, layer: int, edits: list, cache: dict | None, n: int, seq: int) -> None:
+    """Inside a trace: replace experts' contributions at a MoE layer's output (flattened tokens: row ·
+    seq + position) by the edit's value or the cached run's contribution of the same expert."""
+    path = vlm.arch.experts(layer)
+    module = vlm.hf.get_submodule(path)
+    site = vlm.module(path)
+    x, index, weights = site.inputs[0][:3]
+    out = site.output
+    for r, e, b, s in edits:
+        rows = ((b + r * n) * seq + s).to(out.device)
+        mine = expert_contribution(module, x[rows], index[rows], weights[rows], e.expert)
+        if e.value is not None:
+            src = _at(e.value, b, s)
+        else:
+            cx, ci, cw = (t[b.to(t.device), s.to(t.device)] for t in cache["experts"][layer])
+            src = expert_contribution(module, cx.to(out.device), ci.to(out.device), cw.to(out.device), e.expert)
+        out[rows] = out[rows] - mine + src.to(out.device, out.dtype)
 
 
 def _edit_states(vlm: VLM, layer: int, edits: list, cache: dict | None, n: int) -> None:

@@ -148,10 +148,19 @@ def _provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
 
 
 def _sweep(
-    vlm: VLM, pairs, make_edits, coords: dict, batch_size: int, store, progress: bool, shard: Shard | None = None
+    vlm: VLM,
+    pairs,
+    make_edits,
+    coords: dict,
+    batch_size: int,
+    store,
+    progress: bool,
+    shard: Shard | None = None,
+    experts: bool = False,
 ) -> xr.Dataset:
     """Run ``make_edits(pair_batch)`` (one edit per site of the ``coords`` grid, in order; None for a
     slot that is no site: NaN there) over chunks of pairs; per-pair logit diffs (site…, pair).
+    ``experts``: the corrupt cache records the MoE layers' experts inputs (expert edits copy from them).
     Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
     _check_pairs(pairs, batch_size)
     shard = distributed.resolve(shard, store, "this patching sweep")
@@ -165,7 +174,7 @@ def _sweep(
     def chunk_result(start: int) -> xr.Dataset:
         chunk = pairs[start : start + batch_size]
         pb = prepare_pairs(vlm, chunk)
-        cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers))
+        cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers), experts=experts)
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
 
         # Per replica only (LD, arg-max is the corrupt answer): the full logits of an L×H sweep would be

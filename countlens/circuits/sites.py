@@ -10,6 +10,9 @@
   contributions (plus any o_proj bias) sum to the o_proj output.
 - **q** — after any q-norm (Qwen3, Gemma3) or else the q_proj output; head temperature scales it.
 
+- **expert contribution** — mixture-of-experts layers: expert e's share of the experts module's
+  output at token t, w_e(t)·E_e(x_t) (zero where the router did not choose e); a token's chosen
+  experts' contributions sum to that output (`expert_contribution`).
 - **states** — cross-attention VLMs (Llama-3.2-Vision) only: the image states, which never enter
   the residual stream. At "layer −1" the projector's output, which every cross-attention layer
   reads; at a cross-attention layer ``l`` the states that layer alone reads (its k and v input).
@@ -129,3 +132,15 @@ def head_contributions(
     h = vlm.arch.heads(layer)
     w_heads = w.view(w.shape[0], h, -1).to(z.device, z.dtype)  # d_model × heads × d_head (z may sit on the CPU)
     return torch.einsum("...hd,mhd->...hm", heads_view(z, h), w_heads)
+
+
+def expert_contribution(
+    experts, x: Float[Tensor, "tokens d_model"], index: Tensor, weights: Tensor, expert: int
+) -> Float[Tensor, "tokens d_model"]:
+    """Expert ``expert``'s contribution to each token: its routing weight there (``weights`` where
+    ``index`` chose it, Int and Float[Tensor, "tokens top_k"]; 0 elsewhere) times its output on x,
+    computed from the experts module's own stacked weights (`countlens.arch.MoESpec`)."""
+    weight = (weights * (index == expert)).sum(-1, keepdim=True)
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+    out = torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+    return (out * weight.to(out.dtype)).to(x.dtype)

@@ -1,0 +1,276 @@
+"""Experts as sites: where a mixture-of-experts model routes each token, and which experts carry the count.
+
+A mixture-of-experts (MoE) MLP sends each token to its router's top-k experts and adds their
+outputs, each times its routing weight: out(x_t) = Σ_j w_j(t) · E_{i_j(t)}(x_t). Expert e's
+**contribution** to token t is w_e(t) · E_e(x_t), zero where the router did not choose e; a token's
+contributions sum to the experts' output (`countlens.circuits.sites.expert_contribution`). So an
+expert is a site as a head is:
+
+- `routing` reads the router's choice per token (top-k experts and their weights), and
+  `expert_usage` the share of a token group's tokens routed to each expert;
+- `patch_experts` copies, expert by expert, the corrupt run's contribution into the clean run at a
+  token group (zero where the corrupt run did not choose that expert; the clean run's own routing is
+  left as it is elsewhere): ``effect`` / ``overwrite`` over (layer, expert), normalised like
+  `countlens.circuits.patching.patch_heads`;
+- `expert_means` and `ablate_experts` mean-ablate experts: each contribution replaced by its mean
+  over a reference set per token group (image, last, other text), as heads are
+  (`countlens.circuits.ablation`); `expert_ablation_scan` ablates each expert alone.
+
+Routing is read, not changed: a patched or ablated expert changes the tokens' later layers, which
+route again by their own (now changed) inputs. countlens defines these sites; the papers, which
+study dense models, define none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.answers import answer_window
+from countlens.circuits.ablation import ABLATION_GROUPS, _gold_scores, _group_masks
+from countlens.circuits.edits import Edit, run_edits
+from countlens.circuits.patching import PairBatch, _check_pairs, _pairs_store, _sweep
+from countlens.circuits.sites import expert_contribution, group_mask
+from countlens.distributed import Shard
+from countlens.errors import InputError
+from countlens.results import provenance
+from countlens.validate import require_count
+from countlens.vlm import check_samples
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.vlm import VLM, Batch
+
+
+def require_experts(vlm: VLM, what: str) -> list[int]:
+    """The model's MoE layers, or an error naming ``what`` for a dense model."""
+    if not vlm.arch.expert_layers:
+        raise InputError(
+            f"{what} needs a mixture-of-experts model; {vlm.arch.name} has no experts (its MLPs are dense)"
+        )
+    return list(vlm.arch.expert_layers)
+
+
+def _layers(vlm: VLM, layers: Sequence[int] | None, what: str) -> list[int]:
+    moe = require_experts(vlm, what)
+    if layers is None:
+        return moe
+    for layer in layers:
+        vlm.arch.experts(int(layer))  # a LayerError naming the MoE layers
+    return sorted(int(x) for x in layers)
+
+
+@torch.no_grad()
+def routing(vlm: VLM, batch: Batch, layers: Sequence[int] | None = None) -> dict[int, tuple[Tensor, Tensor]]:
+    """Per MoE layer, the router's choice for every token of a prepared batch: (top-k expert indices,
+    their weights), Int and Float[Tensor, "batch seq top_k"] (padding positions included)."""
+    layers = _layers(vlm, layers, "routing")
+    rows, seq = batch.inputs["input_ids"].shape
+    got = {}
+    with vlm.read(batch):
+        for layer in layers:
+            args = vlm.module(vlm.arch.experts(layer)).inputs[0]
+            got[layer] = (args[1].save(), args[2].save())
+    return {layer: tuple(t.view(rows, seq, -1).cpu() for t in pair) for layer, pair in got.items()}
+
+
+def expert_usage(
+    vlm: VLM, samples: Sequence, positions: str = "last", layers: Sequence[int] | None = None, batch_size: int = 16
+) -> xr.DataArray:
+    """The share of ``positions``' tokens (a token group: "last", "image", "text", "all") whose top-k
+    includes each expert: (layer, expert); each layer's shares sum to top-k."""
+    check_samples(samples, "expert_usage")
+    layers = _layers(vlm, layers, "expert_usage")
+    counts = torch.zeros(len(layers), vlm.arch.n_experts, dtype=torch.float64)
+    tokens = 0
+    for _, batch in vlm.batches(samples, batch_size):
+        mask = group_mask(batch, positions)
+        chosen = routing(vlm, batch, layers)
+        for i, layer in enumerate(layers):
+            index = chosen[layer][0][mask]  # tokens × top_k
+            counts[i] += torch.bincount(index.flatten(), minlength=vlm.arch.n_experts).double()
+        tokens += int(mask.sum())
+    return xr.DataArray(
+        (counts / max(tokens, 1)).numpy(),
+        dims=("layer", "expert"),
+        coords={"layer": layers, "expert": np.arange(vlm.arch.n_experts)},
+        name="expert_usage",
+        attrs={"positions": positions, "tokens": tokens},
+    )
+
+
+def patch_experts(
+    vlm: VLM,
+    pairs: Sequence,
+    layers: Sequence[int] | None = None,
+    positions: str = "all",
+    batch_size: int = 16,
+    store=None,
+    progress: bool = False,
+    shard: Shard | None = None,
+) -> xr.Dataset:
+    """Expert patching: each expert's contribution at ``positions`` copied from the corrupt run into
+    the clean run, one (layer, expert) at a time; ``effect`` / ``overwrite`` over (layer, expert), per
+    pair ``logit_diff`` over (layer, expert, pair), as `countlens.circuits.patching.patch_heads`."""
+    _check_pairs(pairs, batch_size, "patch_experts")
+    layers = _layers(vlm, layers, "patch_experts")
+    experts = list(range(vlm.arch.n_experts))
+
+    def edits(pb: PairBatch) -> list[Edit]:
+        mask = group_mask(pb.clean, positions)
+        return [Edit(layer, mask, expert=e) for layer in layers for e in experts]
+
+    spec = {
+        "sweep": "patch_experts",
+        "model": vlm.name,
+        "layers": layers,
+        "positions": positions,
+        "pairs": len(pairs),
+        "batch_size": batch_size,
+    }
+    ds = _sweep(
+        vlm,
+        pairs,
+        edits,
+        {"layer": layers, "expert": experts},
+        batch_size,
+        _pairs_store(store, spec, pairs),
+        progress,
+        shard,
+        experts=True,
+    )
+    ds.attrs.update(method="patch_experts", positions=positions)
+    return ds
+
+
+@torch.no_grad()
+def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Tensor, "moe_layer group expert d_model"]:
+    """Each expert's mean contribution per token group (`countlens.circuits.ablation.ABLATION_GROUPS`)
+    over a reference set, MoE layers in order; zero counts where the expert was not chosen."""
+    check_samples(samples, "expert_means")
+    layers = require_experts(vlm, "expert_means")
+    arch = vlm.arch
+    sums = torch.zeros(len(layers), len(ABLATION_GROUPS), arch.n_experts, arch.d_model, dtype=torch.float64)
+    counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
+    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
+        masks = _group_masks(batch)
+        inputs = {}
+        with vlm.read(batch):
+            for layer in layers:
+                args = vlm.module(arch.experts(layer)).inputs[0]
+                inputs[layer] = tuple(t.save() for t in args[:3])
+        rows, seq = batch.inputs["input_ids"].shape
+        for i, layer in enumerate(layers):
+            module = vlm.hf.get_submodule(arch.experts(layer))
+            x, index, weights = (t.view(rows, seq, -1) for t in inputs[layer])
+            for g, m in enumerate(masks):
+                m = m.to(x.device)
+                for e in index[m].unique().tolist():  # experts never chosen in the group add nothing
+                    c = expert_contribution(module, x[m], index[m], weights[m], e)
+                    sums[i, g, e] += c.double().sum(0).cpu()
+        counts += torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64)
+    return (sums / counts.clamp(min=1)[None, :, None, None]).float()
+
+
+def _mean_edit(vlm: VLM, batch: Batch, means: Tensor, layer: int, expert: int) -> Edit:
+    """Expert ``expert`` at ``layer`` set to its group mean at every real token."""
+    i = vlm.arch.expert_layers.index(layer)
+    ids = batch.inputs["input_ids"]
+    value = torch.zeros(*ids.shape, vlm.arch.d_model)
+    real = torch.zeros(ids.shape, dtype=torch.bool)
+    for g, m in enumerate(_group_masks(batch)):
+        m = m.cpu()
+        value[m] = means[i, g, expert]
+        real |= m
+    return Edit(layer, real, value=value, expert=expert)
+
+
+def _check_means(vlm: VLM, means: Tensor) -> None:
+    arch = vlm.arch
+    want = (len(arch.expert_layers), len(ABLATION_GROUPS), arch.n_experts, arch.d_model)
+    if tuple(means.shape) != want:
+        raise InputError(
+            f"expert means of shape {tuple(means.shape)}, but {arch.name} needs {want} "
+            "(MoE layers, token groups, experts, d_model): compute them with expert_means(vlm, samples)"
+        )
+
+
+def ablate_experts(
+    vlm: VLM,
+    samples: Sequence,
+    experts: Sequence[tuple[int, int]],
+    means: Tensor | None = None,
+    batch_size: int = 16,
+) -> xr.Dataset:
+    """Mean-ablate ``experts`` ((layer, expert) pairs) jointly: per sample ``correct`` and ``logp``
+    before and after (``base_correct``, ``base_logp``), as `countlens.circuits.ablation.ablate`."""
+    check_samples(samples, "ablate_experts")
+    require_count(batch_size, "batch_size")
+    sites = [(int(layer), int(e)) for layer, e in experts]
+    for layer, e in sites:
+        vlm.arch.experts(layer)
+        if not 0 <= e < vlm.arch.n_experts:
+            raise InputError(f"expert {e} out of range: {vlm.arch.name} has experts 0..{vlm.arch.n_experts - 1}")
+    means = expert_means(vlm, samples, batch_size) if means is None else means
+    _check_means(vlm, means)
+    rows = {"correct": [], "logp": [], "base_correct": [], "base_logp": []}
+    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
+        edits = [_mean_edit(vlm, batch, means, layer, e) for layer, e in sites]
+        logits = run_edits(vlm, batch, None, [[], edits], keep=answer_window(batch.answer_ids))
+        for key, lg in (("base_", logits[0]), ("", logits[1])):
+            ok, logp = _gold_scores(lg, batch.answer_ids)
+            rows[key + "correct"].append(ok.numpy())
+            rows[key + "logp"].append(logp.numpy())
+    data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}
+    return xr.Dataset(
+        data,
+        coords={"sample": np.arange(len(samples))},
+        attrs={"experts": ",".join(f"L{layer}E{e}" for layer, e in sites), "method": "ablate_experts"},
+    )
+
+
+def expert_ablation_scan(vlm: VLM, samples: Sequence, means: Tensor | None = None, batch_size: int = 16) -> xr.Dataset:
+    """Mean-ablate each expert alone: ``acc_drop`` and ``logp_drop`` over (layer, expert), MoE layers
+    only (replicas stacked in one forward, as `countlens.circuits.ablation.ablation_scan`)."""
+    check_samples(samples, "expert_ablation_scan")
+    require_count(batch_size, "batch_size")
+    layers = require_experts(vlm, "expert_ablation_scan")
+    means = expert_means(vlm, samples, batch_size) if means is None else means
+    _check_means(vlm, means)
+    sites = [(layer, e) for layer in layers for e in range(vlm.arch.n_experts)]
+    ok_rows, drop_rows, base_ok = [], [], []
+    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
+        gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
+        b_ok, b_logp = _gold_scores(run_edits(vlm, batch, None, [[]], keep=keep)[0], gold)
+        scores = run_edits(
+            vlm,
+            batch,
+            None,
+            [_mean_edit(vlm, batch, means, layer, e) for layer, e in sites],
+            keep=keep,
+            reduce=lambda rows, gold=gold: torch.stack(_gold_scores(rows, gold)).float(),
+        )
+        ok_rows.append(scores[:, 0].bool().numpy())
+        drop_rows.append((b_logp[None] - scores[:, 1]).numpy())
+        base_ok.append(b_ok.numpy())
+    ok, drop, base = np.concatenate(ok_rows, 1), np.concatenate(drop_rows, 1), np.concatenate(base_ok)
+    shape = (len(layers), vlm.arch.n_experts)
+    return xr.Dataset(
+        {
+            "acc_drop": (("layer", "expert"), (base.mean() - ok.mean(1)).reshape(shape)),
+            "logp_drop": (("layer", "expert"), drop.mean(1).reshape(shape)),
+            "base_acc": base.mean(),
+        },
+        coords={"layer": layers, "expert": np.arange(vlm.arch.n_experts)},
+        attrs={
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}),
+            "method": "expert_mean_ablation",
+            "groups": ",".join(ABLATION_GROUPS),
+        },
+    )

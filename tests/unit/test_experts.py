@@ -1,0 +1,107 @@
+"""Experts as sites on a mixture-of-experts model (tiny Qwen3-VL-MoE: layer 0 dense, layer 1 four
+experts, two per token): contributions sum to the experts' output, patching every expert equals a
+plain hook that swaps in the corrupt run's experts output, and the sweeps' invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tolerance import assert_close, scale_of
+
+from countlens import circuits
+from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.sites import expert_contribution, group_mask
+from countlens.datasets.pairs import count_pairs
+from countlens.datasets.tasks import task_samples
+from countlens.errors import InputError, LayerError
+
+
+@pytest.fixture(scope="module")
+def moe(loaded):
+    return loaded("qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return count_pairs(2, 3, 5, kind="polygons", image_size=64, prompt="short", seed=1)
+
+
+def test_the_spec_finds_the_experts(moe, loaded, pairs):
+    assert moe.arch.expert_layers == (1,) and (moe.arch.n_experts, moe.arch.experts_top_k) == (4, 2)
+    with pytest.raises(LayerError, match="mixture-of-experts layers are \\[1\\]"):
+        moe.arch.experts(0)
+    with pytest.raises(InputError, match="has no experts"):
+        circuits.patch_experts(loaded("qwen3_vl"), pairs)
+
+
+def test_contributions_sum_to_the_experts_output(moe, pairs):
+    """The experts module's own forward (grouped kernels) against Σ_e contribution_e, token by token."""
+    pb = prepare_pairs(moe, pairs)
+    seen = {}
+    module = moe.hf.get_submodule(moe.arch.experts(1))
+    handle = module.register_forward_hook(lambda m, args, out: seen.update(args=args, out=out))
+    try:
+        moe.forward(pb.clean)
+    finally:
+        handle.remove()
+    x, index, weights = seen["args"]
+    total = sum(expert_contribution(module, x, index, weights, e) for e in range(moe.arch.n_experts))
+    assert_close(total, seen["out"], scale=scale_of(seen["out"]), what="Σ expert contributions")
+    # Each token's chosen experts, and only they, contribute.
+    unchosen = [e for e in range(4) if not (index == e).any()]
+    for e in unchosen:
+        assert expert_contribution(module, x, index, weights, e).abs().max() == 0
+
+
+def test_patching_every_expert_equals_swapping_the_experts_output(moe, pairs):
+    """An independent plain hook: the clean run with layer 1's experts output replaced, at every real
+    token, by the corrupt run's; patch all four experts' contributions must give the same logits."""
+    pb = prepare_pairs(moe, pairs)
+    module = moe.hf.get_submodule(moe.arch.experts(1))
+    corrupt = {}
+    handle = module.register_forward_hook(lambda m, a, out: corrupt.setdefault("out", out.detach().clone()))
+    try:
+        moe.forward(pb.corrupt)
+    finally:
+        handle.remove()
+    real = pb.clean.inputs["attention_mask"].bool().flatten()
+
+    def swap(m, a, out):
+        out = out.clone()
+        out[real] = corrupt["out"][real]
+        return out
+
+    handle = module.register_forward_hook(swap)
+    try:
+        ref = moe.forward(pb.clean).logits[:, -1].float()
+    finally:
+        handle.remove()
+    cache = cache_run(moe, pb.corrupt, [1], resid=False, z=False, experts=True)
+    mask = group_mask(pb.clean, "all")
+    got = run_edits(moe, pb.clean, cache, [[Edit(1, mask, expert=e) for e in range(4)]])[0]
+    assert_close(got, ref, scale=scale_of(ref), what="all experts patched vs swapped output")
+    assert not torch.allclose(ref, cache_run(moe, pb.clean, [])["logits"])  # the swap changes something
+
+
+@pytest.mark.numeric
+def test_expert_sweeps_and_their_invariants(moe, pairs):
+    ds = circuits.patch_experts(moe, pairs, positions="all")
+    assert ds.effect.dims == ("layer", "expert") and ds.effect.shape == (1, 4)
+    assert np.isfinite(ds.effect.values).all() and ds.logit_diff.shape == (1, 4, 2)
+    samples = task_samples("count", 3, 1, image_size=64)
+    usage = circuits.expert_usage(moe, samples, positions="all")
+    assert usage.shape == (1, 4) and usage.sum("expert").item() == pytest.approx(2.0)  # top-2 per token
+    means = circuits.expert_means(moe, samples)
+    assert means.shape == (1, 3, 4, moe.arch.d_model)
+    scan = circuits.expert_ablation_scan(moe, samples, means=means)
+    assert scan.logp_drop.shape == (1, 4) and np.isfinite(scan.logp_drop.values).all()
+    joint = circuits.ablate_experts(moe, samples, [(1, 0), (1, 1)], means=means)
+    assert joint.logp.shape == (3,) and np.isfinite(joint.logp.values).all()
+    # One expert alone in the joint ablation equals the scan's figure for it.
+    alone = circuits.ablate_experts(moe, samples, [(1, 2)], means=means)
+    drop = float((alone.base_logp - alone.logp).mean())
+    assert drop == pytest.approx(float(scan.logp_drop.sel(layer=1, expert=2)), abs=1e-4)
+    with pytest.raises(InputError, match="expert_means"):
+        circuits.ablate_experts(moe, samples, [(1, 0)], means=means[:, :2])
