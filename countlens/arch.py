@@ -152,6 +152,12 @@ class ArchSpec:
     deepstack: bool = False
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
+    # Models whose processor has no chat template (PaliGemma): the prompt written around a question,
+    # with ``{image}`` for the processor's image token and ``{question}``.
+    plain_prompt: str | None = None
+    # A per-token input that marks the tokens after the prompt (an answer) with 1: teacher-forced and
+    # continued tokens get 1 there (PaliGemma's ``token_type_ids``: 0 is the bidirectional prefix).
+    answer_token_type: str | None = None
     # Mixture-of-experts language models: where the experts are (`MoESpec`).
     moe: MoESpec | None = None
     # Hybrid language models: the layers whose ``layer_types`` entry is "linear_attention".
@@ -248,6 +254,19 @@ SPECS: dict[str, ArchSpec] = {
             cross_attention=CrossAttentionSpec(
                 layers_attr="text_config.cross_attention_layers", states="model.multi_modal_projector"
             ),
+        ),
+        ArchSpec(
+            "paligemma",
+            ("paligemma",),
+            layers="model.language_model.layers",
+            final_norm="model.language_model.norm",
+            vision_blocks="model.vision_tower.encoder.layers",
+            vision_tower="model.vision_tower",
+            projector="model.multi_modal_projector",
+            # The mix checkpoints' question-answering task prefix; the processor adds <bos> after the
+            # image tokens and "\n" at the end (PaliGemmaProcessor).
+            plain_prompt="{image}answer en {question}",
+            answer_token_type="token_type_ids",
         ),
         ArchSpec(
             "gemma3",

@@ -24,7 +24,8 @@ from countlens.errors import (
     UnsupportedArchitectureError,
 )
 from countlens.validate import require_image_side
-from countlens.vlm import VLM, fixed_size
+from countlens.sizing import fixed_size, pin_square
+from countlens.vlm import VLM
 
 TOY_DIR = Path(__file__).parent / "toy" / "weights"
 
@@ -121,7 +122,8 @@ def check_processor(vlm: VLM, path: str) -> None:
                 f"vision_config.image_size is {side[0]}×{side[1]}; make the two agree (copy both files from "
                 "one original checkpoint)"
             )
-    if arch.spec.layout == "anyres" or not getattr(vlm.processor, "chat_template", None):
+    no_prompt = not getattr(vlm.processor, "chat_template", None) and arch.spec.plain_prompt is None
+    if arch.spec.layout == "anyres" or no_prompt:
         return  # anyres adds crops to the base grid; without a chat template there is no prompt to try
     g = vlm.geometry
     try:  # `countlens.layouts` checks the count against the config's grid (and the processor's tiles)
@@ -352,7 +354,11 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
         ip = processor.image_processor
         fixed = fixed_size(ip)
         if fixed is None:
-            ip.size = {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size}
+            if not pin_square(ip, image_size):
+                raise ConfigError(
+                    f"--image-size {image_size}: {label}'s processor sizes each image by its own token budget; "
+                    "leave --image-size unset"
+                )
         elif fixed != (image_size, image_size):
             raise ConfigError(
                 f"--image-size {image_size}: {label}'s processor resizes every image to {fixed[0]}×"

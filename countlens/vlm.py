@@ -27,10 +27,9 @@ from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import TILED, token_cells
 from countlens.processors import tile_grid, useful_grid
+from countlens.sizing import default_size, processed_size
 from countlens.validate import require_count
 
-#: Image side assumed for dynamic-resolution processors (Qwen) when no size is given.
-DEFAULT_DYNAMIC_SIDE = 448
 IMAGE_SLOT = "<image>"
 
 
@@ -140,25 +139,15 @@ class VLM:
 
     @property
     def geometry(self) -> Geometry:
-        """The patch grid for this model's native (or default) square image size."""
-        ip = self.processor.image_processor
-        size = fixed_size(ip)
-        if size is None:  # dynamic: a square image of the pinned area, else of the default side
-            lo, hi = ip.size["shortest_edge"], ip.size["longest_edge"]
-            side = round(lo**0.5) if lo == hi else DEFAULT_DYNAMIC_SIDE
-            return self.geometry_for(side, side)
-        return Geometry(size[0], size[1], self.arch.patch_size, self.arch.merge_size)
+        """The patch grid for this model's native (or default) square image size (`countlens.sizing`)."""
+        h, w = default_size(self.processor.image_processor, self.arch.patch_size * self.arch.merge_size)
+        return Geometry(h, w, self.arch.patch_size, self.arch.merge_size)
 
     def geometry_for(self, height: int, width: int) -> Geometry:
-        """The geometry the processor will use for an input image of ``height`` × ``width`` pixels."""
-        ip = self.processor.image_processor
-        size = fixed_size(ip)
-        if size is not None:
-            return Geometry(size[0], size[1], self.arch.patch_size, self.arch.merge_size)
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        factor = self.arch.patch_size * self.arch.merge_size
-        h, w = smart_resize(height, width, factor, ip.size["shortest_edge"], ip.size["longest_edge"])
+        """The geometry the processor will use for an input image of ``height`` × ``width`` pixels (one
+        tile's, for tiling processors)."""
+        unit = self.arch.patch_size * self.arch.merge_size
+        h, w = processed_size(self.processor.image_processor, height, width, unit)
         return Geometry(h, w, self.arch.patch_size, self.arch.merge_size)
 
     # -- inputs --------------------------------------------------------------
@@ -232,10 +221,11 @@ class VLM:
             )
         except (ValueError, TypeError) as err:
             raise InputError(f"the {type(self.processor).__name__} rejected the batch: {err}") from err
-        inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
+        # Labels (PaliGemma's processor always writes them) would only add a loss, NaN without an answer.
+        inputs = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor) and k != "labels"}
         forcing = forced is not None and any(len(f) for f in forced)
         if forcing:
-            inputs = _append_tokens(inputs, forced, self.pad_id())
+            inputs = _append_tokens(inputs, forced, self.pad_id(), self.arch.spec.answer_token_type)
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         image_pos, image_cell, geoms, grids, states = [], [], [], [], []
         cross = self.arch.spec.cross_attention is not None
@@ -271,6 +261,14 @@ class VLM:
     def _chat_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):
             raise InputError(f"prompt {i} is a {type(prompt).__name__}; give a string")
+        plain = self.arch.spec.plain_prompt
+        if plain is not None and not getattr(self.processor, "chat_template", None):
+            if IMAGE_SLOT in prompt or not prompt.strip():
+                raise InputError(
+                    f"prompt {i}: {self.arch.name} writes its prompt as {plain!r} (the image first); give the "
+                    "question alone, without an <image> slot"
+                )
+            return plain.format(image=self.processor.image_token, question=prompt.strip())
         if not prompt.replace(IMAGE_SLOT, "").strip():
             raise InputError(f"prompt {i} is empty; give the question to ask about the image")
         if prompt.count(IMAGE_SLOT) > 1:
@@ -441,11 +439,14 @@ def _bidirectional_vision(hf_model, tower: str) -> None:
             module.is_causal = False
 
 
-def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[int]], pad: int) -> dict:
+def _append_tokens(
+    inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[int]], pad: int, answer_type: str | None = None
+) -> dict:
     """Each row's real tokens followed by its ``forced`` ids, re-padded on the left. Every per-token
-    tensor (input ids, attention mask, token-type ids) is extended: forced tokens are real text; a
-    per-token tensor with more axes (Llama-3.2-Vision's cross-attention mask: which images a token
-    sees) repeats its last row for them, as generation does."""
+    tensor (input ids, attention mask, token-type ids) is extended: forced tokens are real text (type
+    0, or 1 in ``answer_type``, the input that marks an answer: PaliGemma's); a per-token tensor with
+    more axes (Llama-3.2-Vision's cross-attention mask: which images a token sees) repeats its last
+    row for them, as generation does."""
     ids = inputs["input_ids"]
     per_token = [k for k, v in inputs.items() if v.shape[:2] == ids.shape and not v.is_floating_point()]
     real = inputs["attention_mask"].bool()
@@ -457,7 +458,8 @@ def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[in
             if row.dim() > 1:
                 tail = row[-1:].expand(len(extra), *row.shape[1:])
             else:
-                tail = {"input_ids": extra, "attention_mask": torch.ones_like(extra)}.get(k, torch.zeros_like(extra))
+                ones = torch.ones_like(extra)
+                tail = {"input_ids": extra, "attention_mask": ones, answer_type: ones}.get(k, torch.zeros_like(extra))
             rows[k].append(torch.cat([row, tail.to(inputs[k].dtype)]))
     width = max(len(r) for r in rows["input_ids"])
     out = dict(inputs)
@@ -467,21 +469,6 @@ def _append_tokens(inputs: dict[str, torch.Tensor], forced: Sequence[Sequence[in
             [torch.cat([torch.full((width - len(r), *r.shape[1:]), fill, dtype=r.dtype), r]) for r in rows[k]]
         )
     return out
-
-
-def fixed_size(ip) -> tuple[int, int] | None:
-    """(height, width) every image is resized to, or None for dynamic resolution."""
-    size = {k: v for k, v in dict(getattr(ip, "size", None) or {}).items() if v is not None}
-    if "shortest_edge" in size and "longest_edge" in size:  # Qwen: bounds on the pixel count,
-        return None  # the shape follows the input's aspect ratio
-    crop = dict(getattr(ip, "crop_size", None) or {})
-    if getattr(ip, "do_center_crop", False) and "height" in crop:
-        return crop["height"], crop["width"]
-    if "height" in size:
-        return size["height"], size["width"]
-    if "shortest_edge" in size:
-        return size["shortest_edge"], size["shortest_edge"]
-    return None
 
 
 def _as_rgb(image: Any, i: int) -> Image.Image:

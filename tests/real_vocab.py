@@ -197,8 +197,10 @@ def digit_bpe(
     named: dict | None = None,
     chat_template: str,
     vocab_size: int = 600,
+    extra_chars: str = "",
 ):
-    """A small trained BPE in the SentencePiece style of LLaMA / Gemma, digits split, ``specials`` first."""
+    """A small trained BPE in the SentencePiece style of LLaMA / Gemma, digits split, ``specials`` first;
+    ``extra_chars`` join the alphabet (PaliGemma's prompt ends with a newline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -211,7 +213,7 @@ def digit_bpe(
         ]
     )
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    alphabet = sorted(set("".join(_corpus())) | set("▁0123456789"))
+    alphabet = sorted(set("".join(_corpus())) | set("▁0123456789") | set(extra_chars))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet, show_progress=False
     )

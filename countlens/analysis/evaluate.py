@@ -427,6 +427,9 @@ def _cached_rows(vlm: VLM, chunk: Sequence[Sample], js: list[int], prefixes: lis
         kwargs["position_ids"] = pos[None].expand(3, -1, -1)
     # transformers ≥ 5.40 names the argument `cache` (and warns on `past_key_values`).
     kwargs["cache" if "cache" in inspect.signature(vlm.hf.forward).parameters else "past_key_values"] = cache
+    answer_type = vlm.arch.spec.answer_token_type
+    if answer_type is not None:  # continued tokens are an answer (PaliGemma: causal, after the prefix)
+        kwargs[answer_type] = torch.ones_like(ids).to(device)
     full_mask = torch.cat([mask.repeat_interleave(per, 0), tail.to(device)], 1)
     logits = vlm.hf(input_ids=ids.to(device), attention_mask=full_mask, use_cache=False, **kwargs).logits.float().cpu()
     found = {}

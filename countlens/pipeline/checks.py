@@ -135,6 +135,11 @@ def _end_of_answer(vlm: VLM) -> CheckRow:
         return CheckRow("spec", name, False, str(err), "exact", "set tokenizer.eos_token or a chat template")
     if end is None:
         return CheckRow("spec", name, True, "numbers are whole tokens: bare answers", "exact")
+    if vlm.arch.spec.plain_prompt is not None and not getattr(vlm.processor, "chat_template", None):
+        token = vlm.tokenizer.convert_ids_to_tokens([end])[0]
+        ok = end == vlm.tokenizer.eos_token_id
+        figure = f"no chat template ({vlm.arch.name}'s own prompt): answers end with eos {token!r} ({end})"
+        return CheckRow("spec", name, ok, figure, "exact", "" if ok else "set tokenizer.eos_token")
     mark = "ANSWERMARK"
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]},

@@ -56,7 +56,7 @@ def test_every_circuit_function_runs(name, loaded):
     heads = circuits.patch_heads(vlm, pairs, positions="last")
     assert heads.effect.shape == (n_layers, n_heads)
     kinds = ["cross" if layer in cross else "full" for layer in range(n_layers)]
-    if name == "gemma3":  # its text config's layer_types: a sliding-window layer, then a global one
+    if name in ("gemma3", "paligemma"):  # layer_types: a sliding-window layer, then a global one
         kinds = ["sliding", "full"]
     if name == "qwen3_5":  # Gated DeltaNet layers, then softmax ones
         kinds = ["linear", "full"] * 2
