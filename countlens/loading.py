@@ -23,8 +23,8 @@ from countlens.errors import (
     ImageTokenCountError,
     UnsupportedArchitectureError,
 )
-from countlens.validate import require_image_side
 from countlens.sizing import fixed_size, pin_square
+from countlens.validate import require_image_side
 from countlens.vlm import VLM
 
 TOY_DIR = Path(__file__).parent / "toy" / "weights"
