@@ -14,17 +14,15 @@ Layouts (how image tokens sit on the image; `countlens.layouts` maps each token 
 - ``grid``: the image's tokens are the token grid (patch grid ÷ merge) in row-major order.
 - ``anyres``: LLaVA-NeXT / OneVision — the base image's grid in row-major order first, then the
   high-resolution image as one finer grid in row-major order with a newline token ending each row.
-- ``tiles_thumbnail``: InternVL — the image resized to a grid of tiles, each tile's token grid in
-  row-major order, tiles in row-major order, then (when there is more than one tile) a thumbnail:
-  the whole image at one tile's size.
+- ``tiles_thumbnail``: InternVL, Idefics3 / SmolVLM — the image resized to a grid of tiles, each
+  tile's token grid in row-major order, tiles in row-major order, then (when there is more than one
+  tile) a thumbnail: the whole image at one tile's size (Idefics3's "global image"; its tags and
+  newlines between tiles are other tokens than the image token).
 - ``thumbnail_tiles``: Ovis2 — the thumbnail first, then the tiles (separated by other tokens).
 - ``hd_global``: Phi-4-multimodal — the crops stitched into one grid with a newline per row, a
   separator, then the global image with a newline per row.
 - ``cross_tiles``: Llama-3.2-Vision — no image tokens: the image states its cross-attention layers
   read, tile slots of a class token and the tile's patches (`CrossAttentionSpec`).
-
-Not yet specified (it runs under `tests/tiny_models.py` but needs its own tile layout): Idefics3 /
-SmolVLM.
 """
 
 from __future__ import annotations
@@ -254,6 +252,19 @@ SPECS: dict[str, ArchSpec] = {
             cross_attention=CrossAttentionSpec(
                 layers_attr="text_config.cross_attention_layers", states="model.multi_modal_projector"
             ),
+        ),
+        # Idefics3 and SmolVLM: Llama / SmolLM text; the image resized to whole tiles, each tile's tokens
+        # (pixel-shuffled by scale_factor, row-major) after a row-and-column tag, then the whole image.
+        ArchSpec(
+            "idefics3",
+            ("idefics3", "smolvlm"),
+            layers="model.text_model.layers",
+            final_norm="model.text_model.norm",
+            vision_blocks="model.vision_model.encoder.layers",
+            vision_tower="model.vision_model",
+            projector="model.connector",
+            merge="scale_factor",
+            layout="tiles_thumbnail",
         ),
         ArchSpec(
             "paligemma",

@@ -31,7 +31,17 @@ def image_only(base: type) -> type:
     # names (e.g. LLaVA-OneVision's num_image_tokens).
     sig = inspect.signature(base.__init__)
     __init__.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "video_processor"])
-    return type(f"ImageOnly{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__})
+    body = {"__init__": __init__, "__module__": __name__}
+    if base.__name__ in _VIDEO_TEMPLATE_DEFAULTS:
+        from transformers import ProcessorMixin
+
+        # Its own apply_chat_template only adds the video processor's frame settings: the mixin's.
+        body["apply_chat_template"] = ProcessorMixin.apply_chat_template
+    return type(f"ImageOnly{base.__name__}", (base,), body)
+
+
+#: Processors whose apply_chat_template reads the video processor's settings (and nothing else of its own).
+_VIDEO_TEMPLATE_DEFAULTS = frozenset({"SmolVLMProcessor"})
 
 
 def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:
@@ -44,7 +54,8 @@ def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:
     and are not the aspect ratio alone: InternVL (GotOcr2) takes the grid closest to the image's aspect,
     Ovis2 the fewest tiles covering 90 % of it (transformers 5.24 then cuts it as columns × rows: this
     reads the grid the cut uses), Phi-4 whole crops covering the image, Llama-3.2-Vision the canvas of
-    at most ``max_image_tiles`` that scales the image least."""
+    at most ``max_image_tiles`` that scales the image least, Idefics3 / SmolVLM whole tiles of the image
+    resized to a fixed longest edge."""
     ip = processor.image_processor
     name = type(ip).__name__
     defaults = dict(getattr(processor, "images_kwargs", None) or {})
@@ -82,12 +93,42 @@ def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:
         tile = size["height"]
         canvas_h, canvas_w = canvas(height, width, setting("max_image_tiles"), tile)
         return int(canvas_h) // tile, int(canvas_w) // tile
+    if name.startswith(("Idefics3ImageProcessor", "SmolVLMImageProcessor")):
+        return _idefics3_grid(ip, height, width, setting("do_image_splitting", True))
     if name.startswith("Phi4MultimodalImageProcessor"):
         from countlens.image_processors import crop_grid
 
         cols, rows = crop_grid(height, width, size["height"], setting("dynamic_hd"))
         return rows, cols
     return None
+
+
+def _idefics3_grid(ip, height: int, width: int, split: bool) -> tuple[int, int]:
+    """Idefics3 / SmolVLM: the longest edge resized to ``size["longest_edge"]`` (up or down, the other
+    edge made even), then each side stretched up to whole tiles of ``max_image_size["longest_edge"]``
+    (the short side from the long side's aspect); an image larger than one tile is cut into those
+    tiles, else shown once (1 × 1). The steps of ``Idefics3ImageProcessorPil._preprocess``."""
+    import math
+
+    from transformers.models.idefics3 import image_processing_pil_idefics3 as idefics3
+
+    tile = dict(ip.max_image_size)["longest_edge"]
+    if not split:
+        return 1, 1
+    height, width = idefics3._resize_output_size_rescale_to_max_len(
+        height, width, max_len=dict(ip.size)["longest_edge"]
+    )
+    height, width = idefics3._resize_output_size_scale_below_upper_bound(height, width, max_len=idefics3.MAX_IMAGE_SIZE)
+    aspect = width / height
+    if width >= height:  # resize_for_vision_encoder
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    if height <= tile and width <= tile:
+        return 1, 1
+    return (height - tile) // tile + 1, (width - tile) // tile + 1
 
 
 def useful_grid(processor, height: int, width: int) -> tuple[int, int] | None:

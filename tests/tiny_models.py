@@ -577,47 +577,68 @@ IDEFICS_TILE = 32
 IDEFICS_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 2 → 4×4 tokens per tile
 
 
-def _idefics3():
+def _idefics3(family: str = "idefics3"):
+    """Idefics3 (Llama-3 text: the real Llama-3 vocabulary; the processor adds <fake_token_around_image>,
+    <image>, <end_of_utterance> at 128,256 … 128,258, as in Idefics3-8B, whose config's image token is
+    128,257) or SmolVLM (SmolLM2 text: a small digit-splitting BPE with its tokens as specials). The
+    image: resized to a longest edge of two tiles, cut into 32 px tiles of 8 × 8 patches pixel-shuffled
+    by 2 (4 × 4 tokens each), then the whole image as one more tile."""
     import transformers as tf
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    rows_cols = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
-    specials = [
-        "<|end_of_text|>",
-        "<|begin_of_text|>",
-        "<fake_token_around_image>",
-        "<image>",
-        "<end_of_utterance>",
-        "<global-img>",
-        *rows_cols,
-    ]
-    template = _chat(
-        "{{ message['role'] | capitalize }}:",
-        "<image>",
-        "<end_of_utterance>\n",
-        "Assistant:",
-        prefix="<|begin_of_text|>",
+    from countlens.processors import image_only
+
+    if family == "idefics3":
+        from real_vocab import LLAMA32_SPECIALS, llama3_tokenizer
+        from transformers.models.idefics3.image_processing_pil_idefics3 import (
+            Idefics3ImageProcessorPil as ImageProcessor,
+        )
+
+        # The real template: the tokenizer writes <|begin_of_text|> itself (add_bos_token).
+        template = _chat("{{ message['role'] | capitalize }}:", "<image>", "<end_of_utterance>\n", "Assistant:")
+        tok = llama3_tokenizer(LLAMA32_SPECIALS)
+        tok.chat_template = template
+        proc_cls, model_cls, config_cls = tf.Idefics3Processor, tf.Idefics3ForConditionalGeneration, tf.Idefics3Config
+    else:
+        from real_vocab import digit_bpe
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as ImageProcessor
+
+        template = _chat(
+            "<|im_start|>{{ message['role'] | capitalize }}:",
+            "<image>",
+            "<end_of_utterance>\n",
+            "Assistant:",
+        )
+        named = {
+            "image_token": "<image>",
+            "fake_image_token": "<fake_token_around_image>",
+            "global_image_token": "<global-img>",
+            "end_of_utterance_token": "<end_of_utterance>",
+        }
+        rows_cols = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *named.values(), *rows_cols]
+        tok = digit_bpe(specials, pad="<|im_end|>", eos="<end_of_utterance>", named=named, chat_template=template)
+        proc_cls, model_cls, config_cls = (
+            image_only(tf.SmolVLMProcessor),
+            tf.SmolVLMForConditionalGeneration,
+            tf.SmolVLMConfig,
+        )
+    image_processor = ImageProcessor(
+        size={"longest_edge": 2 * IDEFICS_TILE}, max_image_size={"longest_edge": IDEFICS_TILE}
     )
-    tok = _tokenizer(
-        specials, pad="<|end_of_text|>", eos="<end_of_utterance>", bos="<|begin_of_text|>", chat_template=template
+    processor = proc_cls(
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=template,
+        image_seq_len=(IDEFICS_TILE // IDEFICS_PATCH // 2) ** 2,
     )
-    config = tf.Idefics3Config(
+    config = config_cls(
         vision_config=dict(image_size=IDEFICS_TILE, patch_size=IDEFICS_PATCH, **_SMALL_VISION),
         text_config=_text("llama", tok),
         scale_factor=2,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
     )
-    image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 2 * IDEFICS_TILE}, max_image_size={"longest_edge": IDEFICS_TILE}
-    )
-    processor = tf.Idefics3Processor(
-        image_processor=image_processor,
-        tokenizer=tok,
-        chat_template=template,
-        image_seq_len=(IDEFICS_TILE // IDEFICS_PATCH // 2) ** 2,
-    )
-    return _seeded(tf.Idefics3ForConditionalGeneration, config), processor
+    return _seeded(model_cls, config), processor
 
 
 # -------------------------------------------------------------------------------------------- InternVL
@@ -892,6 +913,7 @@ TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "gemma3": (GEMMA_IMAGE, GEMMA_IMAGE),
     "paligemma": (PALIGEMMA_IMAGE, PALIGEMMA_IMAGE),
     "idefics3": (2 * IDEFICS_TILE, 2 * IDEFICS_TILE),
+    "smolvlm": (2 * IDEFICS_TILE, 2 * IDEFICS_TILE),
     "internvl": (2 * INTERNVL_TILE, 2 * INTERNVL_TILE),
     "internvl3_5": (2 * INTERNVL_TILE, 2 * INTERNVL_TILE),
     "ovis2": (2 * OVIS2_TILE, 2 * OVIS2_TILE),
@@ -911,6 +933,7 @@ _BUILDERS = {
     "gemma3": _gemma3,
     "paligemma": _paligemma,
     "idefics3": _idefics3,
+    "smolvlm": lambda **kw: _idefics3("smolvlm", **kw),
     "internvl": _internvl,
     "internvl3_5": lambda **kw: _internvl("qwen3", **kw),
     "ovis2": _ovis2,

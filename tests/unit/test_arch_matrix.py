@@ -26,14 +26,15 @@ SUPPORTED = (
     "llava_onevision",
     "gemma3",
     "paligemma",
+    "idefics3",
     "internvl",
     "ovis2",
     "phi4_multimodal",
     "mllama",
 )
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
-# q-norm) under "internvl". The cheap checks of this file run on them too.
-VARIANTS = {"internvl3_5": "internvl"}
+# q-norm) under "internvl", SmolVLM (SmolLM2 text, its own processor) under "idefics3". The cheap checks of this file run on them too.
+VARIANTS = {"internvl3_5": "internvl", "smolvlm": "idefics3"}
 QUESTION = "how many circles are there?"
 
 
@@ -100,6 +101,7 @@ SPLITS_DIGITS = (
     "llava_onevision",
     "gemma3",
     "paligemma",
+    "smolvlm",
     "internvl",
     "internvl3_5",
     "ovis2",
@@ -114,6 +116,9 @@ def processor_count(vlm, image) -> int:
         return proc.image_seq_length * (rows * cols + (rows * cols > 1))
     if vlm.arch.name == "phi4_multimodal":
         return proc.image_processor(images=[image])["num_img_tokens"][0]
+    if vlm.arch.name == "idefics3":  # image_seq_len per frame: the tiles and the whole image, or one frame
+        frames, _, _ = proc.image_processor.get_number_of_image_patches(image.height, image.width)
+        return proc.image_seq_len * max(frames, 1)
     if vlm.arch.name == "mllama":  # image states, not tokens: every tile slot, patches and a class token
         pixels = proc.image_processor(images=[[image]])["pixel_values"]
         patches = (pixels.shape[-1] // vlm.arch.patch_size) ** 2
