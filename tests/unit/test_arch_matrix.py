@@ -33,7 +33,8 @@ SUPPORTED = (
     "mllama",
 )
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
-# q-norm) under "internvl", SmolVLM (SmolLM2 text, its own processor) under "idefics3". The cheap checks of this file run on them too.
+# q-norm) under "internvl", SmolVLM (SmolLM2 text, its own processor) under "idefics3". The cheap
+# checks of this file run on them too.
 VARIANTS = {"internvl3_5": "internvl", "smolvlm": "idefics3"}
 QUESTION = "how many circles are there?"
 
