@@ -192,6 +192,9 @@ SPECS: dict[str, ArchSpec] = {
         # Hybrid: Gated DeltaNet linear attention on most layers (`LinearAttentionSpec`), softmax on every
         # fourth; its softmax layers' q_proj writes each head's query then its output gate.
         ArchSpec("qwen3_5", ("qwen3_5",), q_norm="self_attn.q_norm", linear_attention=LinearAttentionSpec(), **_QWEN),
+        # GLM-4.1V: Qwen2-VL's layout (3-D rotary, a 2 × 2 merge); its image processor's pixel budget
+        # counts an image's two temporal frames (`countlens.sizing`).
+        ArchSpec("glm4v", ("glm4v",), **_QWEN),
         ArchSpec("llava", ("llava",), **_LLAVA),
         ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
         ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),

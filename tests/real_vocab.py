@@ -198,19 +198,23 @@ def digit_bpe(
     chat_template: str,
     vocab_size: int = 600,
     extra_chars: str = "",
+    digit_groups: bool = False,
 ):
     """A small trained BPE in the SentencePiece style of LLaMA / Gemma, digits split, ``specials`` first;
-    ``extra_chars`` join the alphabet (PaliGemma's prompt ends with a newline)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    ``extra_chars`` join the alphabet (PaliGemma's prompt ends with a newline). ``digit_groups``: GLM-4's
+    rule instead, numbers cut into groups of up to three digits (its pattern's ``\p{N}{1,3}``), each
+    group of the corpus's numbers (0 … 100) one token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in specials else None, byte_fallback=False))
+    digits = (
+        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated")
+        if digit_groups
+        else pre_tokenizers.Digits(individual_digits=True)
+    )
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"),
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.Punctuation(),
-        ]
+        [pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"), digits, pre_tokenizers.Punctuation()]
     )
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     alphabet = sorted(set("".join(_corpus())) | set("▁0123456789") | set(extra_chars))
@@ -233,7 +237,13 @@ def digit_bpe(
     )
     fast.add_tokens([t for t in named.values() if t not in fast.get_added_vocab()], special_tokens=True)
     fast.chat_template = chat_template
-    if len(fast.tokenize("12")) < 2:
+    if digit_groups:
+        # A number alone is "▁" (the SentencePiece word mark), then its digits.
+        split = [n for n in range(101) if len([t for t in fast.tokenize(str(n)) if t != "▁"]) > 1]
+        pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("1234")]
+        if pieces[-2:] != ["123", "4"] or split:
+            raise AssertionError(f"the GLM-style BPE should keep groups of 3 digits whole; split: {split}")
+    elif len(fast.tokenize("12")) < 2:
         raise AssertionError(f"the digit BPE should split digits, got {fast.tokenize('12')}")
     return fast
 

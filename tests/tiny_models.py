@@ -274,6 +274,100 @@ def _qwen(name: str, image_side: int | None = None):
     return _seeded(model_cls, config), processor
 
 
+# -------------------------------------------------------------------------------------------- GLM-4.1V
+
+GLM_SPECIALS = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+]
+
+
+def _glm4v(image_side: int | None = None):
+    """GLM-4.1V: Qwen2-VL's vision layout (patch 8, 2 × 2 merge, 3-D rotary) with GLM-4 text (fused
+    gate-up MLP, sandwich norms); GLM-4's chat layout and specials in its order (real ids 151,329 …:
+    `<|image|>` 151,343), on a small BPE with GLM-4's digit rule (groups of up to three digits: counts
+    are whole tokens). Its pixel budget counts two frames: 2 · side² pins a square image."""
+    import transformers as tf
+    from real_vocab import digit_bpe
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    from countlens.processors import image_only
+
+    template = _chat(
+        "<|{{ message['role'] }}|>\n",
+        "<|begin_of_image|><|image|><|end_of_image|>",
+        "",
+        "<|assistant|>\n",
+        prefix="[gMASK]<sop>",
+    )
+    tok = digit_bpe(
+        GLM_SPECIALS,
+        pad="<|endoftext|>",
+        eos="<|endoftext|>",
+        named={"image_token": "<|image|>", "video_token": "<|video|>"},
+        chat_template=template,
+        extra_chars="\n",
+        digit_groups=True,
+    )
+    ids = dict(zip(GLM_SPECIALS, _ids(tok, *GLM_SPECIALS)))
+    side = image_side or TINY_IMAGE_SIZE["glm4v"][0]
+    text = _text(
+        "glm4v_text",
+        tok,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [1, 1, 2],  # sums to head_dim · 0.5 / 2 = 4 (real: [8, 12, 12] of 128)
+        },
+    )
+    text.pop("model_type")
+    config = tf.Glm4vConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=V_LAYERS,
+            hidden_size=V_HIDDEN,
+            num_heads=V_HEADS,
+            intermediate_size=V_INTERMEDIATE,
+            out_hidden_size=HIDDEN,
+            patch_size=QWEN_PATCH,
+            spatial_merge_size=QWEN_MERGE,
+            temporal_patch_size=2,
+            image_size=32,
+        ),
+        image_token_id=ids["<|image|>"],
+        video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"],
+        image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"],
+        video_end_token_id=ids["<|end_of_video|>"],
+        tie_word_embeddings=False,
+    )
+    pixels = 2 * side * side
+    image_processor = Glm4vImageProcessorPil(
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+        size={"shortest_edge": pixels, "longest_edge": pixels},
+    )
+    processor = image_only(tf.Glm4vProcessor)(image_processor=image_processor, tokenizer=tok, chat_template=template)
+    return _seeded(tf.Glm4vForConditionalGeneration, config), processor
+
+
 # ---------------------------------------------------------------------------------------------- LLaVA
 
 _SMALL_VISION = dict(
@@ -907,6 +1001,7 @@ TINY_IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "qwen3_vl": (64, 64),
     "qwen3_vl_moe": (64, 64),
     "qwen3_5": (64, 64),
+    "glm4v": (64, 64),
     "llava": (LLAVA_TILE, LLAVA_TILE),
     "llava_next": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
     "llava_onevision": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
@@ -927,6 +1022,7 @@ _BUILDERS = {
     "qwen3_vl": lambda **kw: _qwen("qwen3_vl", **kw),
     "qwen3_vl_moe": lambda **kw: _qwen("qwen3_vl_moe", **kw),
     "qwen3_5": lambda **kw: _qwen("qwen3_5", **kw),
+    "glm4v": _glm4v,
     "llava": _llava,
     "llava_next": _llava_next,
     "llava_onevision": _llava_onevision,

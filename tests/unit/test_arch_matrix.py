@@ -21,6 +21,7 @@ SUPPORTED = (
     "qwen3_vl",
     "qwen3_vl_moe",
     "qwen3_5",
+    "glm4v",
     "llava",
     "llava_next",
     "llava_onevision",
@@ -198,7 +199,10 @@ def lm_input(vlm, batch) -> torch.Tensor:
 
 
 # Tiny models that show the image once (the others add tiles, crops or a thumbnail: a second view).
-ONE_VIEW = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava", "gemma3", "paligemma", "mllama")
+ONE_VIEW = (
+    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v"),
+    *("llava", "gemma3", "paligemma", "mllama"),
+)
 # (height, width) multiples of the matrix's image size: bigger and non-square images for tiled layouts.
 SCALES = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "wide": (1, 2), "tall": (2, 1)}
 
