@@ -150,6 +150,9 @@ class ArchSpec:
     deepstack: bool = False
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
+    # The vision tower packs every image of a batch into one sequence, (1, patches of all images, d)
+    # (Pixtral's): its output repeats along axis 1, not 0, for batch-expanded sweeps.
+    packed_tower: bool = False
     # Models whose processor has no chat template (PaliGemma): the prompt written around a question,
     # with ``{image}`` for the processor's image token and ``{question}``.
     plain_prompt: str | None = None
@@ -281,6 +284,20 @@ SPECS: dict[str, ArchSpec] = {
             # image tokens and "\n" at the end (PaliGemmaProcessor).
             plain_prompt="{image}answer en {question}",
             answer_token_type="token_type_ids",
+        ),
+        # Mistral 3 (Mistral-Small-3.1 …): Pixtral's tower over the image at its own size (longest edge,
+        # whole tokens), a 2 × 2 patch merger; [IMG] tokens row by row, each row ended by [IMG_BREAK]
+        # (the last by [IMG_END]), which are other tokens than the image token.
+        ArchSpec(
+            "mistral3",
+            ("mistral3",),
+            layers="model.language_model.layers",
+            final_norm="model.language_model.norm",
+            vision_blocks="model.vision_tower.transformer.layers",
+            vision_tower="model.vision_tower",
+            projector="model.multi_modal_projector",
+            merge="spatial_merge_size",
+            packed_tower=True,
         ),
         ArchSpec(
             "gemma3",

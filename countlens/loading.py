@@ -245,8 +245,14 @@ def load_processor(path: str, config):
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     from transformers.utils import is_torchvision_available
 
-    proc_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(config.model_type, ""), None)
+    from countlens.processors import processor_class
+
+    name = PROCESSOR_MAPPING_NAMES.get(config.model_type, "")
+    placeholder = not is_torchvision_available() and type(getattr(transformers, name, None)).__name__ == "DummyObject"
+    proc_cls = processor_class(name)
     needs_video = proc_cls is not None and "video_processor" in proc_cls.get_attributes()
+    if proc_cls is not None and placeholder:  # AutoProcessor would build the torchvision placeholder
+        return _image_only_processor(path, proc_cls)
     if proc_cls is None or not needs_video or is_torchvision_available():
         try:
             processor = AutoProcessor.from_pretrained(path, local_files_only=True)

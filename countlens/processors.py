@@ -7,6 +7,9 @@ and chat handling.
 
 `tile_grid`: the grid of tiles a tiling processor (InternVL, Ovis2, Phi-4) cuts an image into, by
 that processor's own rule, so that `countlens.layouts` can place every image token.
+
+`processor_class`: a processor class by name, where transformers hides a working one behind a
+torchvision requirement (Mistral 3's PixtralProcessor).
 """
 
 from __future__ import annotations
@@ -42,6 +45,37 @@ def image_only(base: type) -> type:
 
 #: Processors whose apply_chat_template reads the video processor's settings (and nothing else of its own).
 _VIDEO_TEMPLATE_DEFAULTS = frozenset({"SmolVLMProcessor"})
+
+
+def processor_class(name: str) -> type | None:
+    """transformers' processor class ``name``, or None. PixtralProcessor (Mistral 3) is declared as
+    needing torchvision only because its module imports one sizing helper from the torchvision image
+    processor; without torchvision the class is a placeholder, so here the module is imported with
+    that helper taken from the PIL image processor, which defines the same function."""
+    import sys
+
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if name != "PixtralProcessor" or not _is_placeholder(cls):
+        return None if _is_placeholder(cls) else cls
+    import types
+
+    from transformers.models.pixtral import image_processing_pil_pixtral as pil
+
+    module = "transformers.models.pixtral.image_processing_pixtral"
+    if module not in sys.modules:  # the torchvision module cannot be imported: stand in its one helper
+        stand_in = types.ModuleType(module)
+        stand_in.get_resize_output_image_size = pil.get_resize_output_image_size
+        sys.modules[module] = stand_in
+    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+    return PixtralProcessor
+
+
+def _is_placeholder(cls) -> bool:
+    """A transformers dummy class standing for one whose backend (torchvision) is missing."""
+    return cls is not None and type(cls).__name__ == "DummyObject"
 
 
 def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:

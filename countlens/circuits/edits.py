@@ -137,7 +137,7 @@ def run_edits(
         where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, i in enumerate(chunk) for e in replicas[i]]
         with vlm.trace(inputs, use_cache=False, logits_to_keep=keep):
             if clean:
-                vlm.module(tower).skip(repeat_output(clean["vision"], k))
+                vlm.module(tower).skip(repeat_output(clean["vision"], k, int(vlm.arch.spec.packed_tower)))
                 if start >= 1:
                     # Layers below the first edit: only the last one's output is ever read.
                     below = repeat_output(clean[start - 1], k)

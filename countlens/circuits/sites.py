@@ -102,15 +102,16 @@ def repeat_inputs(inputs: dict[str, Tensor], k: int) -> dict[str, Tensor]:
     return {name: torch.cat([t] * k, dim=0) if isinstance(t, Tensor) else t for name, t in inputs.items()}
 
 
-def repeat_output(out, k: int):
-    """A module output (tensor, tuple, HF ModelOutput) with every tensor stacked k times along dim 0,
-    matching what the module computes on `repeat_inputs`."""
+def repeat_output(out, k: int, dim: int = 0):
+    """A module output (tensor, tuple, HF ModelOutput) with every tensor stacked k times along ``dim``,
+    matching what the module computes on `repeat_inputs` (dim 1 for a vision tower that packs the
+    batch's images into one sequence: `countlens.arch.ArchSpec.packed_tower`)."""
     if isinstance(out, Tensor):
-        return torch.cat([out] * k, dim=0)
+        return torch.cat([out] * k, dim=dim)
     if isinstance(out, dict):  # HF ModelOutput is an ordered dict of its non-None fields
-        return type(out)(**{name: repeat_output(v, k) for name, v in out.items()})
+        return type(out)(**{name: repeat_output(v, k, dim) for name, v in out.items()})
     if isinstance(out, (tuple, list)):
-        return type(out)(repeat_output(v, k) for v in out)
+        return type(out)(repeat_output(v, k, dim) for v in out)
     return out
 
 

@@ -27,6 +27,7 @@ SUPPORTED = (
     "llava_onevision",
     "gemma3",
     "paligemma",
+    "mistral3",
     "idefics3",
     "internvl",
     "ovis2",
@@ -103,6 +104,7 @@ SPLITS_DIGITS = (
     "llava_onevision",
     "gemma3",
     "paligemma",
+    "mistral3",
     "smolvlm",
     "internvl",
     "internvl3_5",
@@ -118,6 +120,10 @@ def processor_count(vlm, image) -> int:
         return proc.image_seq_length * (rows * cols + (rows * cols > 1))
     if vlm.arch.name == "phi4_multimodal":
         return proc.image_processor(images=[image])["num_img_tokens"][0]
+    if vlm.arch.name == "mistral3":  # [IMG] tokens only: the processor also counts a break ending each row
+        h, w = (int(x) for x in proc.image_processor(images=[image])["image_sizes"][0])
+        unit = vlm.arch.patch_size * vlm.arch.merge_size
+        return (h // unit) * (w // unit)
     if vlm.arch.name == "idefics3":  # image_seq_len per frame: the tiles and the whole image, or one frame
         frames, _, _ = proc.image_processor.get_number_of_image_patches(image.height, image.width)
         return proc.image_seq_len * max(frames, 1)
@@ -201,7 +207,7 @@ def lm_input(vlm, batch) -> torch.Tensor:
 # Tiny models that show the image once (the others add tiles, crops or a thumbnail: a second view).
 ONE_VIEW = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v"),
-    *("llava", "gemma3", "paligemma", "mllama"),
+    *("llava", "gemma3", "paligemma", "mistral3", "mllama"),
 )
 # (height, width) multiples of the matrix's image size: bigger and non-square images for tiled layouts.
 SCALES = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "wide": (1, 2), "tall": (2, 1)}
