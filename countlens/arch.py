@@ -148,6 +148,10 @@ class ArchSpec:
     # Qwen3-VL's DeepStack adds image features inside its first decoder layers: the embeddings
     # (layer −1) do not carry all of the image.
     deepstack: bool = False
+    # A text config attribute that, when > 0, gives every decoder layer its own input computed from the
+    # embeddings (Gemma 4's per-layer inputs, E2B / E4B): the image then reaches each layer beside the
+    # residual stream, so layer −1 does not carry all of it (as with DeepStack).
+    per_layer_inputs_attr: str | None = None
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
     # The vision tower packs every image of a batch into one sequence, (1, patches of all images, d)
@@ -163,9 +167,6 @@ class ArchSpec:
     moe: MoESpec | None = None
     # Hybrid language models: the layers whose ``layer_types`` entry is "linear_attention".
     linear_attention: LinearAttentionSpec | None = None
-    # Where a layer kind has its own head size (Gemma 4's full-attention layers: ``global_head_dim``),
-    # (kind, text config attribute) pairs; other layers take ``head_dim``.
-    head_dim_by_kind: tuple[tuple[str, str], ...] = ()
 
 
 _QWEN = dict(
@@ -299,6 +300,21 @@ SPECS: dict[str, ArchSpec] = {
             merge="spatial_merge_size",
             packed_tower=True,
         ),
+        # Gemma 4: its full-attention layers have their own head size (a heterogeneous text config:
+        # `_layer_configs`); the image at the most pooled tokens its aspect allows (`countlens.sizing`),
+        # row-major over the pooled grid; the projector's output is flat (tokens of all images, d).
+        ArchSpec(
+            "gemma4",
+            ("gemma4",),
+            layers="model.language_model.layers",
+            final_norm="model.language_model.norm",
+            vision_blocks="model.vision_tower.encoder.layers",
+            vision_tower="model.vision_tower",
+            projector="model.embed_vision",
+            q_norm="self_attn.q_norm",
+            merge="vision_config.pooling_kernel_size",
+            per_layer_inputs_attr="hidden_size_per_layer_input",
+        ),
         ArchSpec(
             "gemma3",
             ("gemma3",),
@@ -338,6 +354,9 @@ class Arch:
     n_experts: int = 0
     experts_top_k: int = 0
     expert_layers: tuple[int, ...] = ()
+    # Whether the input of layer 0 ("layer −1") carries all of the image: not with DeepStack (Qwen3-VL)
+    # or per-layer inputs (Gemma 4 E2B / E4B), which add image features inside the decoder.
+    image_in_embeddings: bool = True
 
     def __post_init__(self):
         n = self.n_layers
@@ -479,7 +498,10 @@ def resolve(config) -> Arch:
     text = text_config(config, spec)
     vision = getattr(config, spec.vision_config)
     n_heads = text.num_attention_heads
-    d_head = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    per_layer = _layer_configs(text)
+    kinds, head_counts, head_dims = _layers(config, spec, text, per_layer)
+    softmax_dims = [d for k, d in zip(kinds, head_dims) if k in SOFTMAX_KINDS] or head_dims
+    d_head = max(softmax_dims)
     image_token_id = _config_value(config, spec.image_token_attr, "the image token id", None)
     if image_token_id is None:
         image_token_id = config.image_token_index
@@ -496,12 +518,11 @@ def resolve(config) -> Arch:
         merge = side // per_side
     else:
         merge = 1
-    kinds, head_counts, head_dims = _layers(config, spec, text, n_heads, d_head)
     return Arch(
         spec=spec,
         n_layers=text.num_hidden_layers,
         n_heads=max(head_counts),
-        n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
+        n_kv_heads=max(getattr(c, "num_key_value_heads", None) or n_heads for c in per_layer),
         d_head=d_head,
         d_model=text.hidden_size,
         image_token_id=int(image_token_id),
@@ -512,12 +533,25 @@ def resolve(config) -> Arch:
         kinds=kinds,
         head_counts=head_counts,
         head_dims=head_dims,
+        image_in_embeddings=not spec.deepstack
+        and not (spec.per_layer_inputs_attr and getattr(text, spec.per_layer_inputs_attr, 0)),
         n_experts=int(getattr(text, spec.moe.n_experts_attr, 0) or 0) if spec.moe else 0,
         experts_top_k=int(getattr(text, spec.moe.top_k_attr, 0) or 0) if spec.moe else 0,
     )
 
 
-def _layers(config, spec: ArchSpec, text, n_heads: int, d_head: int) -> tuple[tuple, tuple, tuple]:
+def _layer_configs(text) -> list:
+    """Each decoder layer's config: the text config, or where its settings vary by layer (transformers'
+    heterogeneous configs: Gemma 4's full-attention layers have their own head size) the layer's view."""
+    n = text.num_hidden_layers
+    try:
+        per_layer = text.per_layer_config
+    except AttributeError:
+        per_layer = None
+    return [text] * n if per_layer is None else [per_layer[i] for i in range(n)]
+
+
+def _layers(config, spec: ArchSpec, text, per_layer: list) -> tuple[tuple, tuple, tuple]:
     """Per decoder layer: its kind, heads and head size."""
     n = text.num_hidden_layers
     cross = set(_cross_layers(config, spec))
@@ -536,16 +570,16 @@ def _layers(config, spec: ArchSpec, text, n_heads: int, d_head: int) -> tuple[tu
                 f"layer {i} is a linear-attention layer, but the {spec.name} spec names no linear attention"
             )
         kinds.append(kind)
-    by_kind = dict(spec.head_dim_by_kind)
     counts, dims = [], []
-    for kind in kinds:
+    for kind, layer in zip(kinds, per_layer):
         if kind == "linear":
             lin = spec.linear_attention
             counts.append(int(getattr(text, lin.heads_attr)))
             dims.append(int(getattr(text, lin.head_dim_attr)))
         else:
-            counts.append(n_heads)
-            dims.append(int(getattr(text, by_kind[kind], None) or d_head) if kind in by_kind else d_head)
+            heads = int(layer.num_attention_heads)
+            counts.append(heads)
+            dims.append(int(getattr(layer, "head_dim", None) or layer.hidden_size // heads))
     return tuple(kinds), tuple(counts), tuple(dims)
 
 

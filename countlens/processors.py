@@ -1,9 +1,9 @@
 """What countlens needs of HF processors: image-only builds, and the tile grid a processor cuts.
 
 `image_only`: video processors need torchvision, which has no working CPU build beside the pinned
-torch on these machines; an image-only subclass (same tokens, same image processing, no video
-attribute) is all that counting experiments need. The subclass keeps the base class's `__call__`
-and chat handling.
+torch on these machines; an image-only subclass (same tokens, same image processing, no video or
+audio-feature attribute) is all that counting experiments need. The subclass keeps the base class's
+`__call__` and chat handling.
 
 `tile_grid`: the grid of tiles a tiling processor (InternVL, Ovis2, Phi-4) cuts an image into, by
 that processor's own rule, so that `countlens.layouts` can place every image token.
@@ -18,29 +18,51 @@ import inspect
 from functools import cache
 
 
+#: Sub-processors an image-only build leaves out: video, and audio features (Gemma 4's). Phi-4's
+#: ``audio_processor`` stays: its processor needs it to build (countlens passes the checkpoint's).
+DROPPED = ("video_processor", "feature_extractor")
+
+
 @cache
 def image_only(base: type) -> type:
-    """``base`` without its ``video_processor`` argument; ``base`` unchanged when it has none."""
+    """``base`` without its video processor (and audio feature extractor); ``base`` unchanged when it
+    has neither."""
     params = inspect.signature(base.__init__).parameters
-    if "video_processor" not in params:
+    dropped = tuple(n for n in DROPPED if n in params)
+    if not dropped:
         return base
 
-    def __init__(self, image_processor=None, tokenizer=None, **kwargs):
-        # ProcessorMixin reads the sub-processor names off this signature, so the None passed
-        # for video_processor is dropped there rather than type-checked.
-        base.__init__(self, image_processor, tokenizer, None, **kwargs)
+    from transformers import ProcessorMixin
 
-    # The base's signature minus video_processor: ProcessorMixin saves and reloads the settings it
-    # names (e.g. LLaVA-OneVision's num_image_tokens).
+    def __init__(self, image_processor=None, tokenizer=None, **kwargs):
+        # By keyword: Gemma 4's processor takes its feature extractor first.
+        base.__init__(self, image_processor=image_processor, tokenizer=tokenizer, **dict.fromkeys(dropped), **kwargs)
+
+    # ProcessorMixin reads the sub-processors off the signature below, without the dropped ones. The
+    # base passes its None for them on, positionally (dropped there by position) or by keyword (Gemma
+    # 4's): `_WithoutDropped`, next after the base in the subclass's method order, leaves those out.
     sig = inspect.signature(base.__init__)
-    __init__.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "video_processor"])
+    __init__.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in dropped])
     body = {"__init__": __init__, "__module__": __name__}
     if base.__name__ in _VIDEO_TEMPLATE_DEFAULTS:
-        from transformers import ProcessorMixin
-
         # Its own apply_chat_template only adds the video processor's frame settings: the mixin's.
         body["apply_chat_template"] = ProcessorMixin.apply_chat_template
-    return type(f"ImageOnly{base.__name__}", (base,), body)
+    return type(f"ImageOnly{base.__name__}", (base, _without_dropped_class()), body)
+
+
+def _without_dropped_init(self, *args, **kwargs):
+    from transformers import ProcessorMixin
+
+    kwargs = {k: v for k, v in kwargs.items() if not (k in DROPPED and v is None)}
+    ProcessorMixin.__init__(self, *args, **kwargs)
+
+
+@cache
+def _without_dropped_class() -> type:
+    """`_WithoutDropped`: ProcessorMixin, minus the dropped sub-processors a base passes on as None."""
+    from transformers import ProcessorMixin
+
+    return type("_WithoutDropped", (ProcessorMixin,), {"__init__": _without_dropped_init, "__module__": __name__})
 
 
 #: Processors whose apply_chat_template reads the video processor's settings (and nothing else of its own).

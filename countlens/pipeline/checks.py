@@ -314,7 +314,7 @@ def interventions(vlm: VLM) -> list[CheckRow]:
             1.0, float(vlm.forward(pb.clean).logits.abs().max()), float(vlm.forward(pb.corrupt).logits.abs().max())
         )
     rows = []
-    wholes = [("image", image_group(vlm), -1)] if not vlm.arch.spec.deepstack else []
+    wholes = [("image", image_group(vlm), -1)] if vlm.arch.image_in_embeddings else []
     wholes.append(("every position at the last layer", "all", vlm.arch.n_layers - 1))
     for what, group, layer in wholes:
         ds = circuits.patch_layers(vlm, pairs, groups=(group,), layers=[layer])

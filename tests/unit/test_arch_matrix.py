@@ -26,6 +26,7 @@ SUPPORTED = (
     "llava_next",
     "llava_onevision",
     "gemma3",
+    "gemma4",
     "paligemma",
     "mistral3",
     "idefics3",
@@ -70,12 +71,16 @@ def test_spec_resolves_and_paths_exist(vlm):
     assert arch.name == VARIANTS.get(vlm.tiny_name, vlm.tiny_name)
     # Llama-3.2-Vision: cross-attention at layers 1 and 3; Qwen3.5: linear attention at 0 and 2.
     n_layers = 4 if arch.spec.cross_attention or arch.spec.linear_attention else 2
-    assert (arch.n_layers, arch.d_head) == (n_layers, 16)
+    assert arch.n_layers == n_layers
+    if arch.name == "gemma4":  # a sliding layer's heads of 16, a global layer's of 32 (real 256 / 512)
+        assert arch.kinds == ("sliding", "full") and arch.head_dims == (16, 32) and arch.d_head == 32
+    else:
+        assert arch.d_head == 16
     if arch.spec.linear_attention:  # 8 value heads of 8 on linear layers, 4 attention heads of 16 on softmax ones
         assert arch.kinds == ("linear", "full", "linear", "full") and arch.n_heads == 8
         assert arch.head_counts == (8, 4, 8, 4) and arch.head_dims == (8, 16, 8, 16)
     else:
-        assert arch.n_heads == 4 and arch.uniform_heads
+        assert arch.n_heads == 4 and arch.uniform_heads == (arch.name != "gemma4")
     assert arch.n_kv_heads in (2, 4)
     assert arch.cross_layers == ((1, 3) if arch.spec.cross_attention else ())
     spec = arch.spec
@@ -103,6 +108,7 @@ SPLITS_DIGITS = (
     "llava",
     "llava_onevision",
     "gemma3",
+    "gemma4",
     "paligemma",
     "mistral3",
     "smolvlm",
@@ -207,7 +213,7 @@ def lm_input(vlm, batch) -> torch.Tensor:
 # Tiny models that show the image once (the others add tiles, crops or a thumbnail: a second view).
 ONE_VIEW = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v"),
-    *("llava", "gemma3", "paligemma", "mistral3", "mllama"),
+    *("llava", "gemma3", "gemma4", "paligemma", "mistral3", "mllama"),
 )
 # (height, width) multiples of the matrix's image size: bigger and non-square images for tiled layouts.
 SCALES = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "wide": (1, 2), "tall": (2, 1)}

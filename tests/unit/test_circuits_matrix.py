@@ -35,10 +35,12 @@ def test_every_circuit_function_runs(name, loaded):
     assert np.isnan(vap.effect.sel(group="image_states", layer=no_site)).all() if cross else True
     assert np.isfinite(vap.effect.drop_sel(layer=no_site).values).all()
     # Patching every position of the last layer gives the corrupt run; so does the embedding layer
-    # except in Qwen3-VL, whose DeepStack adds image features inside its first decoder layers, and in a
+    # except in Qwen3-VL, whose DeepStack adds image features inside its first decoder layers, in Gemma 4
+    # with per-layer inputs (computed from the embeddings, image features included), and in a
     # cross-attention model, whose image is not in the embeddings but in the states every
     # cross-attention layer reads (patched at "layer -1").
-    everything = [n_layers - 1] + ([] if name in ("qwen3_vl", "qwen3_vl_moe", "mllama") else [-1])
+    everything = [n_layers - 1] + ([-1] if vlm.arch.image_in_embeddings and not cross else [])
+    assert vlm.arch.image_in_embeddings == (name not in ("qwen3_vl", "qwen3_vl_moe", "gemma4"))
     wholes = [circuits.patch_layers(vlm, pairs, groups=("all",), layers=everything)]
     if cross:
         wholes.append(circuits.patch_layers(vlm, pairs, groups=("image_states",), layers=[-1]))
@@ -56,7 +58,7 @@ def test_every_circuit_function_runs(name, loaded):
     heads = circuits.patch_heads(vlm, pairs, positions="last")
     assert heads.effect.shape == (n_layers, n_heads)
     kinds = ["cross" if layer in cross else "full" for layer in range(n_layers)]
-    if name in ("gemma3", "paligemma"):  # layer_types: a sliding-window layer, then a global one
+    if name in ("gemma3", "gemma4", "paligemma"):  # layer_types: a sliding-window layer, then a global one
         kinds = ["sliding", "full"]
     if name == "qwen3_5":  # Gated DeltaNet layers, then softmax ones
         kinds = ["linear", "full"] * 2
