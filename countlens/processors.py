@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 from functools import cache
 
-
 #: Sub-processors an image-only build leaves out: video, and audio features (Gemma 4's). Phi-4's
 #: ``audio_processor`` stays: its processor needs it to build (countlens passes the checkpoint's).
 DROPPED = ("video_processor", "feature_extractor")

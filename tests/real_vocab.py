@@ -200,7 +200,7 @@ def digit_bpe(
     extra_chars: str = "",
     digit_groups: bool = False,
 ):
-    """A small trained BPE in the SentencePiece style of LLaMA / Gemma, digits split, ``specials`` first;
+    r"""A small trained BPE in the SentencePiece style of LLaMA / Gemma, digits split, ``specials`` first;
     ``extra_chars`` join the alphabet (PaliGemma's prompt ends with a newline). ``digit_groups``: GLM-4's
     rule instead, numbers cut into groups of up to three digits (its pattern's ``\p{N}{1,3}``), each
     group of the corpus's numbers (0 … 100) one token."""
