@@ -66,7 +66,8 @@ def spec(vlm: VLM) -> list[CheckRow]:
     paths = [arch.spec.final_norm, arch.spec.lm_head, arch.spec.vision_blocks, arch.spec.vision_tower]
     paths += [arch.spec.projector]
     for layer in range(arch.n_layers):
-        paths += [arch.layer(layer), arch.attention(layer), arch.o_proj(layer), arch.q_site(layer)]
+        paths += [arch.layer(layer), arch.attention(layer), arch.o_proj(layer)]
+        paths += [arch.q_site(layer)] if arch.softmax(layer) else []  # a linear-attention layer has no q
     for path in paths:
         try:
             vlm.hf.get_submodule(path)
@@ -364,9 +365,15 @@ def interventions(vlm: VLM) -> list[CheckRow]:
             "" if err <= limit else "edits write somewhere else than they read: report it",
         )
     )
-    rows.append(_heads_sum(vlm, pb.clean, mid))
+    # One layer of each kind (the nearest the middle): full, sliding, linear attention, cross-attention.
+    by_kind: dict[str, int] = {}
+    for layer in sorted(range(vlm.arch.n_layers), key=lambda la: abs(la - mid)):
+        by_kind.setdefault(vlm.arch.kind(layer), layer)
+    for layer in sorted(by_kind.values()):
+        rows.append(_heads_sum(vlm, pb.clean, layer))
     base = vlm.forward(pb.clean).logits
-    with circuits.head_temperature(vlm, {(mid, 0): 1.0}):
+    softmax = min(vlm.arch.softmax_layers, key=lambda la: abs(la - mid))
+    with circuits.head_temperature(vlm, {(softmax, 0): 1.0}):
         same = torch.equal(vlm.forward(pb.clean).logits, base)
     rows.append(
         CheckRow(
@@ -416,7 +423,7 @@ def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
     limit = _rel(vlm) * max(1.0, magnitude)
     return CheckRow(
         "interventions",
-        f"the heads' contributions sum to layer {layer}'s attention output",
+        f"the heads' contributions sum to layer {layer}'s attention output ({vlm.arch.kind(layer)})",
         err <= limit,
         f"max |Δ| = {err:.2e}",
         f"{limit:.1e} = " + _tol(vlm, f"summed size {magnitude:.1f}"),

@@ -126,10 +126,9 @@ def processor_count(vlm, image) -> int:
         return proc.image_seq_length * (rows * cols + (rows * cols > 1))
     if vlm.arch.name == "phi4_multimodal":
         return proc.image_processor(images=[image])["num_img_tokens"][0]
-    if vlm.arch.name == "mistral3":  # [IMG] tokens only: the processor also counts a break ending each row
-        h, w = (int(x) for x in proc.image_processor(images=[image])["image_sizes"][0])
-        unit = vlm.arch.patch_size * vlm.arch.merge_size
-        return (h // unit) * (w // unit)
+    if vlm.arch.name == "mistral3":  # [IMG] tokens only (its own count adds a break ending each row): run it
+        ids = proc(text=[proc.image_token], images=[image], return_tensors="pt")["input_ids"]
+        return int((ids == vlm.arch.image_token_id).sum())
     if vlm.arch.name == "idefics3":  # image_seq_len per frame: the tiles and the whole image, or one frame
         frames, _, _ = proc.image_processor.get_number_of_image_patches(image.height, image.width)
         return proc.image_seq_len * max(frames, 1)
