@@ -553,7 +553,7 @@ MISTRAL3_SPECIALS = [
 MISTRAL3_LONGEST = 64  # px: the longest edge an image keeps (real 1540), patch 8, merge 2 → at most 4 × 4 tokens
 
 
-def _mistral3():
+def _mistral3(tile: int = MISTRAL3_LONGEST):
     """Mistral 3: a Pixtral tower over the image at its own size (longest edge at most 64 px, sides
     rounded up to whole tokens), a 2 × 2 patch merger, Mistral text; [IMG] per token with
     [IMG_BREAK] after each row ([IMG_END] after the last); a small digit-splitting BPE (Tekken splits
@@ -584,7 +584,7 @@ def _mistral3():
             num_hidden_layers=V_LAYERS,
             num_attention_heads=V_HEADS,
             head_dim=V_HIDDEN // V_HEADS,
-            image_size=MISTRAL3_LONGEST,
+            image_size=tile,
             patch_size=QWEN_PATCH,
         ),
         text_config=_text("mistral", tok, head_dim=HEAD_DIM, sliding_window=None),
@@ -594,7 +594,7 @@ def _mistral3():
         tie_word_embeddings=False,
     )
     image_processor = PixtralImageProcessorPil(
-        size={"longest_edge": MISTRAL3_LONGEST}, patch_size={"height": QWEN_PATCH, "width": QWEN_PATCH}
+        size={"longest_edge": tile}, patch_size={"height": QWEN_PATCH, "width": QWEN_PATCH}
     )
     processor = processor_class("PixtralProcessor")(
         image_processor=image_processor,
@@ -792,7 +792,7 @@ PALIGEMMA_IMAGE = 32
 PALIGEMMA_PATCH = 8  # 4×4 patches, no pooling → 16 image tokens (real: 224 / 14 → 256)
 
 
-def _paligemma():
+def _paligemma(tile: int = PALIGEMMA_IMAGE):
     """PaliGemma 2: SigLIP (no head), one linear projector, Gemma-2 text with sliding and global layers;
     no chat template (the processor writes image tokens, <bos>, the prompt and a newline); the
     prefix is bidirectional (token_type_ids 0), an answer causal (1). A digit-splitting BPE with the
@@ -812,8 +812,8 @@ def _paligemma():
         extra_chars="\n",
     )
     tok.chat_template = None
-    tokens = (PALIGEMMA_IMAGE // PALIGEMMA_PATCH) ** 2
-    image_processor = SiglipImageProcessorPil(size={"height": PALIGEMMA_IMAGE, "width": PALIGEMMA_IMAGE})
+    tokens = (tile // PALIGEMMA_PATCH) ** 2
+    image_processor = SiglipImageProcessorPil(size={"height": tile, "width": tile})
     image_processor.image_seq_length = tokens  # as the real preprocessor_config.json carries it
     processor = tf.PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok)  # adds <loc…>, <seg…>
     text = _text(
@@ -831,7 +831,7 @@ def _paligemma():
     config = tf.PaliGemmaConfig(
         vision_config=dict(
             model_type="siglip_vision_model",
-            image_size=PALIGEMMA_IMAGE,
+            image_size=tile,
             patch_size=PALIGEMMA_PATCH,
             vision_use_head=False,
             **_SMALL_VISION,
@@ -851,7 +851,7 @@ IDEFICS_TILE = 32
 IDEFICS_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 2 → 4×4 tokens per tile
 
 
-def _idefics3(family: str = "idefics3"):
+def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
     """Idefics3 (Llama-3 text: the real Llama-3 vocabulary; the processor adds <fake_token_around_image>,
     <image>, <end_of_utterance> at 128,256 … 128,258, as in Idefics3-8B, whose config's image token is
     128,257) or SmolVLM (SmolLM2 text: a small digit-splitting BPE with its tokens as specials). The
@@ -896,17 +896,15 @@ def _idefics3(family: str = "idefics3"):
             tf.SmolVLMForConditionalGeneration,
             tf.SmolVLMConfig,
         )
-    image_processor = ImageProcessor(
-        size={"longest_edge": 2 * IDEFICS_TILE}, max_image_size={"longest_edge": IDEFICS_TILE}
-    )
+    image_processor = ImageProcessor(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile})
     processor = proc_cls(
         image_processor=image_processor,
         tokenizer=tok,
         chat_template=template,
-        image_seq_len=(IDEFICS_TILE // IDEFICS_PATCH // 2) ** 2,
+        image_seq_len=(tile // IDEFICS_PATCH // 2) ** 2,
     )
     config = config_cls(
-        vision_config=dict(image_size=IDEFICS_TILE, patch_size=IDEFICS_PATCH, **_SMALL_VISION),
+        vision_config=dict(image_size=tile, patch_size=IDEFICS_PATCH, **_SMALL_VISION),
         text_config=_text("llama", tok),
         scale_factor=2,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
@@ -1225,9 +1223,10 @@ TINY_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
 def build_tiny(name: str, **kw):
-    """``(model, processor)`` for the tiny ``name`` (one of `TINY_NAMES`); the Qwen ones take
-    ``image_side=`` (pixels of the square image the processor pins, default `TINY_IMAGE_SIZE`), the
-    tiled ones (InternVL, Ovis2, Phi-4) ``tile=`` (the tile / crop side in pixels, default 32)."""
+    """``(model, processor)`` for the tiny ``name`` (one of `TINY_NAMES`); the Qwen ones and GLM-4.1V
+    take ``image_side=`` (pixels of the square image the processor pins, default `TINY_IMAGE_SIZE`), the
+    tiled ones (InternVL, Ovis2, Phi-4, Idefics3, SmolVLM) ``tile=`` (the tile / crop side in pixels,
+    default 32), PaliGemma ``tile=`` (its image side) and Mistral 3 ``tile=`` (its longest edge)."""
     if name not in _BUILDERS:
         raise KeyError(f"no tiny model {name!r}; have {', '.join(TINY_NAMES)}")
     return _BUILDERS[name](**kw)

@@ -1,6 +1,7 @@
-"""The papers' other backbones end to end at toy sizes: every discover stage and `countlens plan` on the
-tiny InternVL, Ovis2 and Phi-4-multimodal, and the MAS paper's fine-tune (focus + MAS) on InternVL and
-Ovis2, its backbones, with tiled training images."""
+"""The papers' other backbones and the families released since, end to end at toy sizes: every
+discover stage and `countlens plan` on the tiny InternVL, Ovis2, Phi-4-multimodal, Llama-3.2-Vision,
+Qwen3.5, Qwen3-VL-MoE, GLM-4.1V, Gemma 4, PaliGemma, Mistral 3, Idefics3 and SmolVLM, and the MAS
+paper's fine-tune (focus + MAS) on InternVL and Ovis2, its backbones, with tiled training images."""
 
 from __future__ import annotations
 
@@ -21,13 +22,26 @@ from countlens.training.finetune import FinetuneConfig, finetune
 
 pytestmark = pytest.mark.slow
 
-NEW = ("internvl", "ovis2", "phi4_multimodal", "mllama")
+# Each with a 16×16 patch grid per image or tile, so every COUNTINGTRICKS case fits 3 … 9+ objects.
+NEW = {
+    "internvl": {"tile": 64},
+    "ovis2": {"tile": 64},
+    "phi4_multimodal": {"tile": 64},
+    "mllama": {"tile": 128},
+    "qwen3_5": {"image_side": 128},
+    "qwen3_vl_moe": {"image_side": 128},
+    "glm4v": {"image_side": 128},
+    "gemma4": {},  # 70 pooled tokens: a square image at 128 px
+    "paligemma": {"tile": 128},
+    "mistral3": {"tile": 128},
+    "idefics3": {"tile": 64},
+    "smolvlm": {"tile": 64},
+}
 
 
 @pytest.mark.parametrize("name", NEW)
 def test_every_discover_stage_and_the_plan(name, tiny_checkpoint, tmp_path):
-    # A 16×16 patch grid per tile (patch 4; Llama-3.2-Vision's 8): every COUNTINGTRICKS case fits 3 …
-    path = tiny_checkpoint(name, tile=128 if name == "mllama" else 64)
+    path = tiny_checkpoint(name, **NEW[name])
     vlm = countlens.load(path)
     report = discover(
         vlm, tmp_path / "run", DiscoverConfig(n_per_case=1, n_pairs=4, n_samples=4, batch_size=8), log=lambda _: None
@@ -36,7 +50,8 @@ def test_every_discover_stage_and_the_plan(name, tiny_checkpoint, tmp_path):
     for section in ("COUNTINGTRICKS", "visual activation patching", "Logit lens", "Head classes", "Head temperature"):
         assert section in text, (name, section)
     heads = pd.read_csv(tmp_path / "run" / "heads.csv")
-    assert len(heads) == vlm.arch.n_layers * vlm.arch.n_heads and heads["importance"].notna().all()
+    # Every layer's own heads (Qwen3.5's softmax layers have fewer than its linear ones).
+    assert len(heads) == sum(vlm.arch.head_counts) and heads["importance"].notna().all()
 
     out = tmp_path / "plan.json"
     small = ["--n-per-case", "1", "--n-pairs", "4", "--n-samples", "4", "--memory", "8", "--json", str(out)]

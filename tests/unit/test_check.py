@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from test_arch_matrix import SUPPORTED
+from test_arch_matrix import SUPPORTED, VARIANTS
 from typer.testing import CliRunner
 
 from countlens.cli import app
@@ -15,7 +15,7 @@ from countlens.pipeline.check import check, failed, table
 from countlens.vlm import VLM
 
 
-@pytest.mark.parametrize("name", ("toy", *SUPPORTED))
+@pytest.mark.parametrize("name", ("toy", *SUPPORTED, *VARIANTS))
 def test_every_check_passes_on_every_architecture(name, loaded):
     rows = check(loaded(name))
     assert not failed(rows), table(failed(rows))
