@@ -81,6 +81,8 @@ class LinearAttentionSpec:
     o_proj: str = "linear_attn.out_proj"
     heads_attr: str = "linear_num_value_heads"
     head_dim_attr: str = "linear_value_head_dim"
+    # Its projections LoRA adapts (relative to ``attn``): q, k and v together, the output gate, the output.
+    projections: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,9 @@ class ArchSpec:
     # embeddings (Gemma 4's per-layer inputs, E2B / E4B): the image then reaches each layer beside the
     # residual stream, so layer −1 does not carry all of it (as with DeepStack).
     per_layer_inputs_attr: str | None = None
+    # A text config attribute: how many last layers reuse the keys and values an earlier layer stored
+    # during the same forward (Gemma 4 E2B / E4B's KV sharing): no layer below them may be skipped.
+    kv_shared_attr: str | None = None
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
     # The vision tower packs every image of a batch into one sequence, (1, patches of all images, d)
@@ -314,6 +319,7 @@ SPECS: dict[str, ArchSpec] = {
             q_norm="self_attn.q_norm",
             merge="vision_config.pooling_kernel_size",
             per_layer_inputs_attr="hidden_size_per_layer_input",
+            kv_shared_attr="num_kv_shared_layers",
         ),
         ArchSpec(
             "gemma3",
@@ -357,6 +363,8 @@ class Arch:
     # Whether the input of layer 0 ("layer −1") carries all of the image: not with DeepStack (Qwen3-VL)
     # or per-layer inputs (Gemma 4 E2B / E4B), which add image features inside the decoder.
     image_in_embeddings: bool = True
+    # Last layers that reuse an earlier layer's keys and values (Gemma 4 E2B / E4B); 0 for most models.
+    kv_shared_layers: int = 0
 
     def __post_init__(self):
         n = self.n_layers
@@ -535,6 +543,7 @@ def resolve(config) -> Arch:
         head_dims=head_dims,
         image_in_embeddings=not spec.deepstack
         and not (spec.per_layer_inputs_attr and getattr(text, spec.per_layer_inputs_attr, 0)),
+        kv_shared_layers=int(getattr(text, spec.kv_shared_attr, 0) or 0) if spec.kv_shared_attr else 0,
         n_experts=int(getattr(text, spec.moe.n_experts_attr, 0) or 0) if spec.moe else 0,
         experts_top_k=int(getattr(text, spec.moe.top_k_attr, 0) or 0) if spec.moe else 0,
     )

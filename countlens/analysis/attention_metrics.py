@@ -153,7 +153,8 @@ def attention_iou(
     attended = (peak > 0) & (m >= threshold * peak)
     inter = (attended & obj).sum(-1).float()
     union = (attended | obj).sum(-1).float()
-    return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
+    iou = torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
+    return iou.masked_fill(peak.squeeze(-1).isnan(), float("nan"))  # no attention map (no head, no softmax)
 
 
 def pixel_attention_iou(
@@ -177,7 +178,8 @@ def pixel_attention_iou(
     attended = ((peak > 0) & (m >= threshold * peak)).float()
     inter = (attended * on).sum((-2, -1))
     union = (attended * area).sum((-2, -1)) + float(obj.sum()) - inter
-    return torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
+    iou = torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
+    return iou.masked_fill(peak[..., 0, 0].isnan(), float("nan"))  # no attention map (no head, no softmax)
 
 
 def attention_reward(

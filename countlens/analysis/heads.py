@@ -106,6 +106,7 @@ def classify_heads(
         if value is not None:
             frame[name] = plain(value)
     df = frame.to_dataframe().reset_index()
+    df = df[df["importance"].notna()].copy()  # slots beyond a layer's own heads are no heads
     df["depth"] = df["layer"] / max(1, n_layers - 1)
     for name in ("constancy", "alignment", "difficulty"):
         if name not in df:
@@ -135,13 +136,24 @@ def classify_heads(
     return df.sort_values("importance", ascending=False, kind="stable").reset_index(drop=True)
 
 
-def check_effects(effect: xr.DataArray, where: str = "results/heads.nc") -> None:
-    """Refuse head patching effects that are not finite (the heads' importance, γ_h), naming the file.
+def head_sites(heads: xr.Dataset) -> xr.DataArray:
+    """(layer, head): True where the slot is a head — patched, so its per-pair logit diffs are numbers;
+    False beyond a layer's own heads (Qwen3.5's softmax layers have fewer than its linear ones)."""
+    if "logit_diff" not in heads:
+        return xr.ones_like(heads.effect, dtype=bool)
+    return heads.logit_diff.notnull().any("pair")
+
+
+def check_effects(effect: xr.DataArray, where: str = "results/heads.nc", sites: xr.DataArray | None = None) -> None:
+    """Refuse head patching effects that are not finite (the heads' importance, γ_h), naming the file;
+    ``sites`` (`head_sites`): only those slots are heads.
 
     Patching divides by the clean − corrupt logit difference summed over the pairs: it is 0 (NaN or
     ±inf effects) when the model does not tell the pairs' counts apart, so recomputing on the same
     pairs gives the same; other pairs (more of them, another kind, a prompt the model answers) do."""
     bad = ~np.isfinite(effect.values.astype(float))
+    if sites is not None:
+        bad &= sites.transpose(*effect.dims).values
     if bad.any():
         raise RunDirError(
             f"{where} has {int(bad.sum())} effects that are not finite: the model gives the clean and corrupt "
@@ -168,7 +180,7 @@ def head_table(
             "by an older countlens; delete results/headlens.nc and rerun `countlens discover` "
             "with the same --out to recompute them"
         )
-    check_effects(heads.effect)
+    check_effects(heads.effect, sites=head_sites(heads))
     top1 = hl.token_id.isel(k=0)
     alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")
     table = classify_heads(
@@ -187,6 +199,9 @@ def head_table(
         "ablation_drop",
         [float(drop.sel(layer=la, head=h)) for la, h in zip(table["layer"], table["head"])],
     )
+    if "kind" in heads.coords:  # each head's layer kind: full, sliding, chunked, linear or cross attention
+        kinds = dict(zip(heads.layer.values.tolist(), heads.kind.values.tolist()))
+        table.insert(table.columns.get_loc("class") + 1, "kind", [kinds[la] for la in table["layer"]])
     return table
 
 
@@ -234,6 +249,7 @@ def export_heads(df: pd.DataFrame, out: str | Path, stem: str = "heads") -> list
         "layer",
         "head",
         "class",
+        "kind",
         "importance",
         "ablation_drop",
         "image_attention",

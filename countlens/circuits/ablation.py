@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
 
 
-def _group_masks(batch: Batch) -> list[Tensor]:
+def group_masks(batch: Batch) -> list[Tensor]:
     """Bool[Tensor, "batch seq"] per `ABLATION_GROUPS` entry; a cross-attention model's image group is
     empty (it has no image tokens: all its text is "last" or "text")."""
     return [
@@ -69,7 +69,7 @@ def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tens
     sums = torch.zeros(arch.n_layers, len(ABLATION_GROUPS), width, dtype=torch.float64)
     counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
-        masks = _group_masks(batch)
+        masks = group_masks(batch)
         zs = []
         with vlm.read(batch):
             for layer in range(arch.n_layers):
@@ -87,14 +87,14 @@ def _mean_values(batch: Batch, means: Tensor, layer: int, head: int, d_head: int
     ids = batch.inputs["input_ids"]
     value = torch.zeros(*ids.shape, d_head)
     real = torch.zeros(ids.shape, dtype=torch.bool)
-    for g, m in enumerate(_group_masks(batch)):
+    for g, m in enumerate(group_masks(batch)):
         m = m.cpu()
         value[m] = means[layer, g, cols]
         real |= m
     return real, value
 
 
-def _gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tensor]:
+def gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tensor]:
     """(correct, log p(gold)) from one replica's `run_edits` logits: Float[Tensor, "batch vocab"] at the
     read position (single-token answers), or Float[Tensor, "batch keep vocab"] over the answer window."""
     return sequence_scores(logits.unsqueeze(-2) if answer_window(answers) == 1 else logits, answers)
@@ -215,10 +215,10 @@ def _scan_chunk(vlm: VLM, chunk: Sequence, mu: Tensor, sites: list[tuple[int, in
         real, value = _mean_values(batch, mu, layer, head, vlm.arch.head_dim(layer))
         replicas.append(Edit(layer, real, head, value))
     base = run_edits(vlm, batch, None, [[]], keep=keep)[0]
-    b_ok, b_logp = _gold_scores(base, gold)
+    b_ok, b_logp = gold_scores(base, gold)
     # Reduce each replica to (correct, log p(gold)) as it comes: no full-vocabulary logits kept.
     scores = run_edits(
-        vlm, batch, None, replicas, keep=keep, reduce=lambda rows: torch.stack(_gold_scores(rows, gold)).float()
+        vlm, batch, None, replicas, keep=keep, reduce=lambda rows: torch.stack(gold_scores(rows, gold)).float()
     )
     ok, logp = scores[:, 0].bool(), scores[:, 1]
     return xr.Dataset(
@@ -277,7 +277,7 @@ def ablate(
             edits.append(Edit(layer, real, head, value))
         logits = run_edits(vlm, batch, None, [[], edits], keep=answer_window(batch.answer_ids))
         for key, lg in (("base_", logits[0]), ("", logits[1])):
-            ok, logp = _gold_scores(lg, batch.answer_ids)
+            ok, logp = gold_scores(lg, batch.answer_ids)
             rows[key + "correct"].append(ok.numpy())
             rows[key + "logp"].append(logp.numpy())
     data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}

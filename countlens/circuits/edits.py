@@ -122,6 +122,8 @@ def run_edits(
     order = sorted(range(len(replicas)), key=lambda i: first[i])
     chunks = [order[i : i + per_pass] for i in range(0, len(order), per_pass)]
     starts = [min(first[i] for i in chunk) for chunk in chunks]
+    if vlm.arch.kv_shared_layers:  # later layers read keys and values the earlier ones store as they run
+        starts = [0] * len(chunks)
     tower = vlm.arch.spec.vision_tower
     clean: dict = {}
     if len(replicas) > 1:

@@ -32,9 +32,9 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.answers import answer_window
-from countlens.circuits.ablation import ABLATION_GROUPS, _gold_scores, _group_masks
+from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks
 from countlens.circuits.edits import Edit, run_edits
-from countlens.circuits.patching import PairBatch, _check_pairs, _pairs_store, _sweep
+from countlens.circuits.patching import PairBatch, check_pair_sweep, pairs_store, sweep_pairs
 from countlens.circuits.sites import expert_contribution, group_mask
 from countlens.distributed import Shard
 from countlens.errors import InputError
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from jaxtyping import Float
 
     from countlens.vlm import VLM, Batch
+
+
+#: Expert ablations built and run together (each edit holds a full-width value per token).
+SITES_PER_PASS = 8
 
 
 def require_experts(vlm: VLM, what: str) -> list[int]:
@@ -118,7 +122,7 @@ def patch_experts(
     """Expert patching: each expert's contribution at ``positions`` copied from the corrupt run into
     the clean run, one (layer, expert) at a time; ``effect`` / ``overwrite`` over (layer, expert), per
     pair ``logit_diff`` over (layer, expert, pair), as `countlens.circuits.patching.patch_heads`."""
-    _check_pairs(pairs, batch_size, "patch_experts")
+    check_pair_sweep(pairs, batch_size, "patch_experts")
     layers = _layers(vlm, layers, "patch_experts")
     experts = list(range(vlm.arch.n_experts))
 
@@ -134,13 +138,13 @@ def patch_experts(
         "pairs": len(pairs),
         "batch_size": batch_size,
     }
-    ds = _sweep(
+    ds = sweep_pairs(
         vlm,
         pairs,
         edits,
         {"layer": layers, "expert": experts},
         batch_size,
-        _pairs_store(store, spec, pairs),
+        pairs_store(store, spec, pairs),
         progress,
         shard,
         experts=True,
@@ -159,7 +163,7 @@ def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Ten
     sums = torch.zeros(len(layers), len(ABLATION_GROUPS), arch.n_experts, arch.d_model, dtype=torch.float64)
     counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
-        masks = _group_masks(batch)
+        masks = group_masks(batch)
         inputs = {}
         with vlm.read(batch):
             for layer in layers:
@@ -184,7 +188,7 @@ def _mean_edit(vlm: VLM, batch: Batch, means: Tensor, layer: int, expert: int) -
     ids = batch.inputs["input_ids"]
     value = torch.zeros(*ids.shape, vlm.arch.d_model)
     real = torch.zeros(ids.shape, dtype=torch.bool)
-    for g, m in enumerate(_group_masks(batch)):
+    for g, m in enumerate(group_masks(batch)):
         m = m.cpu()
         value[m] = means[i, g, expert]
         real |= m
@@ -224,7 +228,7 @@ def ablate_experts(
         edits = [_mean_edit(vlm, batch, means, layer, e) for layer, e in sites]
         logits = run_edits(vlm, batch, None, [[], edits], keep=answer_window(batch.answer_ids))
         for key, lg in (("base_", logits[0]), ("", logits[1])):
-            ok, logp = _gold_scores(lg, batch.answer_ids)
+            ok, logp = gold_scores(lg, batch.answer_ids)
             rows[key + "correct"].append(ok.numpy())
             rows[key + "logp"].append(logp.numpy())
     data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}
@@ -247,14 +251,21 @@ def expert_ablation_scan(vlm: VLM, samples: Sequence, means: Tensor | None = Non
     ok_rows, drop_rows, base_ok = [], [], []
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
         gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
-        b_ok, b_logp = _gold_scores(run_edits(vlm, batch, None, [[]], keep=keep)[0], gold)
-        scores = run_edits(
-            vlm,
-            batch,
-            None,
-            [_mean_edit(vlm, batch, means, layer, e) for layer, e in sites],
-            keep=keep,
-            reduce=lambda rows, gold=gold: torch.stack(_gold_scores(rows, gold)).float(),
+        b_ok, b_logp = gold_scores(run_edits(vlm, batch, None, [[]], keep=keep)[0], gold)
+        # A few sites at a time: each edit holds a (batch, seq, d_model) value, and a large MoE model has
+        # thousands of (layer, expert) sites (Qwen3-VL-30B-A3B: 48 × 128).
+        scores = torch.cat(
+            [
+                run_edits(
+                    vlm,
+                    batch,
+                    None,
+                    [_mean_edit(vlm, batch, means, layer, e) for layer, e in sites[i : i + SITES_PER_PASS]],
+                    keep=keep,
+                    reduce=lambda rows, gold=gold: torch.stack(gold_scores(rows, gold)).float(),
+                )
+                for i in range(0, len(sites), SITES_PER_PASS)
+            ]
         )
         ok_rows.append(scores[:, 0].bool().numpy())
         drop_rows.append((b_logp[None] - scores[:, 1]).numpy())

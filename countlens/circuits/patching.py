@@ -66,7 +66,7 @@ class PairBatch:
     corrupt_id: Int[Tensor, " pairs"]
 
 
-def _check_pairs(pairs: Sequence, batch_size: int = 1, what: str = "patching") -> None:
+def check_pair_sweep(pairs: Sequence, batch_size: int = 1, what: str = "patching") -> None:
     check_pairs(pairs, what)
     require_count(batch_size, "batch_size")
 
@@ -78,7 +78,7 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     (`countlens.answers.divergence`): the shared prefix (e.g. "1" of 10 and 12) is teacher-forced on
     both sides, and ``clean_id`` / ``corrupt_id`` are the two tokens read at the position after it.
     """
-    _check_pairs(pairs, what="prepare_pairs")
+    check_pair_sweep(pairs, what="prepare_pairs")
     from countlens.answers import divergence
 
     split = [
@@ -147,7 +147,7 @@ def _provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
     return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
 
 
-def _sweep(
+def sweep_pairs(
     vlm: VLM,
     pairs,
     make_edits,
@@ -162,7 +162,7 @@ def _sweep(
     slot that is no site: NaN there) over chunks of pairs; per-pair logit diffs (site…, pair).
     ``experts``: the corrupt cache records the MoE layers' experts inputs (expert edits copy from them).
     Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
-    _check_pairs(pairs, batch_size)
+    check_pair_sweep(pairs, batch_size)
     shard = distributed.resolve(shard, store, "this patching sweep")
     shape = tuple(len(v) for v in coords.values())
     dims = tuple(coords)
@@ -214,7 +214,7 @@ def _sweep(
     return ds
 
 
-def _pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
+def pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
     return open_store(
         store, lambda: {**spec, "pairs_digest": samples_digest(side for p in pairs for side in (p.clean, p.corrupt))}
     )
@@ -244,7 +244,7 @@ def patch_layers(
     the image states (`countlens.circuits.sites`): at layer −1 those every cross-attention layer reads
     (patching all of them there carries the whole effect), at a cross-attention layer those that layer
     alone reads. Self-attention layers read no image states: NaN effect there."""
-    _check_pairs(pairs, batch_size, "patch_layers")
+    check_pair_sweep(pairs, batch_size, "patch_layers")
     layers = list(range(-1, vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     groups = (image_group(vlm), "last", "text") if groups is None else tuple(groups)
     for layer in layers:
@@ -283,13 +283,13 @@ def patch_layers(
         "pairs": len(pairs),
         "batch_size": batch_size,
     }
-    ds = _sweep(
+    ds = sweep_pairs(
         vlm,
         pairs,
         edits,
         {"layer": layers, "group": list(groups)},
         batch_size,
-        _pairs_store(store, spec, pairs),
+        pairs_store(store, spec, pairs),
         progress,
         shard,
     )
@@ -315,7 +315,7 @@ def patch_heads(
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text"). Every layer
     kind's heads (`countlens.arch.LayerKind`: the ``kind`` coordinate); NaN beyond a layer's own heads."""
-    _check_pairs(pairs, batch_size, "patch_heads")
+    check_pair_sweep(pairs, batch_size, "patch_heads")
     layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     for layer in layers:
         vlm.arch.layer(layer)
@@ -335,13 +335,13 @@ def patch_heads(
         "pairs": len(pairs),
         "batch_size": batch_size,
     }
-    ds = _sweep(
+    ds = sweep_pairs(
         vlm,
         pairs,
         edits,
         {"layer": layers, "head": heads},
         batch_size,
-        _pairs_store(store, spec, pairs),
+        pairs_store(store, spec, pairs),
         progress,
         shard,
     )
@@ -354,7 +354,7 @@ def patch_heads(
 def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
     """AtP: first-order estimates of head patching (``effect`` over (layer, head)) and of residual
     patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps."""
-    _check_pairs(pairs, batch_size, "attribution_patch")
+    check_pair_sweep(pairs, batch_size, "attribution_patch")
     n_layers, n_heads = vlm.arch.n_layers, vlm.arch.n_heads
     head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     resid_est = torch.zeros(n_layers, dtype=torch.float64)

@@ -95,13 +95,16 @@ def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
 def beta_from_importance(
     importance: xr.DataArray, alpha: float = 1.2, top_k: int = 10, floor: float = 1.0
 ) -> dict[tuple[int, int], float]:
-    """β_h = α·γ_h for the ``top_k`` heads by |importance| (an xr.DataArray over layer × head)."""
+    """β_h = α·γ_h for the ``top_k`` heads by |importance| (an xr.DataArray over layer × head). NaN
+    slots are no candidates (no head there, or a layer without softmax masked out); ±inf, or no finite
+    value at all (a degenerate patching denominator), is refused."""
     if set(importance.dims) != {"layer", "head"}:
         raise InputError(f"importance must have dims (layer, head), got {importance.dims}")
     require_positive(alpha, "alpha")
     require_count(top_k, "top_k")
     grid = importance.transpose("layer", "head")
-    rows, cols = np.nonzero(~np.isfinite(grid.values.astype(float)))
+    values = grid.values.astype(float)
+    rows, cols = np.nonzero(np.isinf(values) | (np.isnan(values) & ~np.isfinite(values).any()))
     if len(rows):
         heads = [head_label((grid["layer"].values[r], grid["head"].values[c])) for r, c in zip(rows, cols)]
         raise InputError(

@@ -34,7 +34,7 @@ import xarray as xr
 from countlens import circuits, distributed
 from countlens.analysis.attention_metrics import attention_metrics
 from countlens.analysis.evaluate import generate, score, unanswered
-from countlens.analysis.heads import check_effects, export_heads, head_table
+from countlens.analysis.heads import check_effects, export_heads, head_sites, head_table
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig, conflict_styles, resolved_prompt
 from countlens.pipeline.report import write_report
@@ -124,7 +124,7 @@ def discover(
     # 2–3. patching
     stages.run("vap", sweep_stages["vap"])
     heads = stages.run("heads", sweep_stages["heads"])
-    check_effects(heads.effect)  # the importance every later stage reads
+    check_effects(heads.effect, sites=head_sites(heads))  # the importance every later stage reads
     stages.run("atp", lambda: circuits.attribution_patch(vlm, pairs, batch_size=bs))
     # 4–5. lenses and attention
     stages.run("lens", lambda: circuits.logit_lens(vlm, data["count"], batch_size=bs))
@@ -151,7 +151,9 @@ def discover(
     # 6. ablation across tasks
     abl = stages.run("ablation", sweep_stages["ablation"])
     # 7. temperature from head-patching importance (the head table's `importance`)
-    betas = circuits.beta_from_importance(heads.effect, alpha=c.alpha, top_k=c.top_k)
+    # Only heads with softmax attention have a temperature (Qwen3.5's linear layers: none).
+    softmax = xr.DataArray([vlm.arch.softmax(int(la)) for la in heads.layer.values], coords={"layer": heads.layer})
+    betas = circuits.beta_from_importance(heads.effect.where(softmax), alpha=c.alpha, top_k=c.top_k)
 
     def temperature() -> xr.Dataset:
         held = inputs["temperature"]()

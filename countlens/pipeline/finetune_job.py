@@ -354,10 +354,14 @@ class _Rows:
 
 def importance_from(circuit, classes: Sequence[str] = ()) -> xr.DataArray:
     """The circuit's per-head importance (layer, head) from its ``heads.csv``; with ``classes``, zero
-    outside the heads of those classes (all heads when none has one of them)."""
+    outside the heads of those classes (all heads when none has one of them). Heads of layers without
+    softmax (a ``kind`` column saying "linear": Qwen3.5) have no temperature: NaN, no candidates."""
     from countlens.analysis.heads import read_heads
+    from countlens.arch import SOFTMAX_KINDS
 
     table = read_heads(circuit)
+    if "kind" in table:
+        table = table.assign(importance=table["importance"].where(table["kind"].isin(SOFTMAX_KINDS)))
     chosen = table["class"].isin(classes)
     if len(classes) and chosen.any():
         table = table.assign(importance=table["importance"].where(chosen, 0.0))

@@ -68,8 +68,9 @@ def write_report(
             f"{out}/results/attention_metrics.nc lacks 'pixel_iou': it was written by an older "
             f"countlens; delete it and rerun `countlens discover --out {out}` to recompute it"
         )
-    by_head = am.pixel_iou.mean("sample", skipna=True).fillna(0.0)
-    pixel_iou = {"top_head": _argmax_head(by_head), "mean": float(by_head.mean())}
+    # Over the heads that have attention maps (not slots beyond a layer's heads, nor linear layers).
+    by_head = am.pixel_iou.mean("sample", skipna=True)
+    pixel_iou = {"top_head": _argmax_head(by_head.fillna(0.0)), "mean": float(by_head.mean(skipna=True))}
     spec = read_spec(out)
     prompt = prompt or spec["prompt"]
     k, jk = int(spec["top_k"]), int(spec["jaccard_k"])

@@ -27,7 +27,7 @@ def attention_at(vlm: VLM, layers: Sequence[int]) -> Iterator[dict[int, object]]
     """``with attention_at(vlm, [3, 4]) as attn: model(...)`` → ``attn[l]``: Float[Tensor, "batch heads seq seq"]."""
     arch = vlm.arch
     for layer in layers:
-        arch.layer(layer)
+        arch.require_softmax(layer, "an attention loss")
     if not layers:
         raise InputError("attention_at needs at least one layer")
     text = text_config(vlm.hf.config, arch.spec)
@@ -36,7 +36,7 @@ def attention_at(vlm: VLM, layers: Sequence[int]) -> Iterator[dict[int, object]]
     handles, swapped = [], []
     vlm.hf.set_attn_implementation({arch.spec.text_config: "eager"})
     try:
-        for layer in range(arch.n_layers):
+        for layer in arch.softmax_layers:  # a linear-attention layer (Qwen3.5) has no probabilities to keep
             attn = vlm.hf.get_submodule(arch.attention(layer))
             if layer in layers:
                 handles.append(

@@ -56,12 +56,15 @@ def training_batch(vlm: VLM, samples: Sequence, ce_on: str = "answer") -> TrainB
     inputs = dict(prompt.inputs)
     for name, t in prompt.inputs.items():
         # Per-token tensors (ids, attention mask, token-type ids) grow by the answer columns.
+        # Answer tokens are type 0, or 1 in the input that marks an answer (PaliGemma's token_type_ids,
+        # where 0 is the bidirectional prefix: a 0 there would let the prompt see the answer).
         if isinstance(t, Tensor) and t.shape[:2] == (n, length) and t.dim() == 2:
+            marks_answer = name in ("attention_mask", vlm.arch.spec.answer_token_type)
             extra = (
                 tail
                 if name == "input_ids"
-                else tail_mask
-                if name == "attention_mask"
+                else tail_mask.to(t.dtype)
+                if marks_answer
                 else torch.zeros_like(tail, dtype=t.dtype)
             )
             inputs[name] = torch.cat([t, extra], dim=1)

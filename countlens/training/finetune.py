@@ -118,11 +118,16 @@ def target_layers_from(
     circuit, classes: Sequence[str] = ("visual grounding", "cross-modal routing"), fallback_k: int = 3
 ) -> tuple[int, ...]:
     """Layers of the circuit's heads in ``classes``; else of its ``fallback_k`` most important heads.
+    Only layers with softmax attention (a table's ``kind`` column: Qwen3.5's linear layers have no
+    attention for the focus and MAS losses to shape).
 
     ``circuit``: a `countlens discover` run directory (its ``heads.csv``) or a head table DataFrame."""
+    from countlens.arch import SOFTMAX_KINDS
 
     if isinstance(circuit, (str, Path)):
         circuit = read_heads(circuit)
+    if "kind" in circuit:
+        circuit = circuit[circuit["kind"].isin(SOFTMAX_KINDS)]
     chosen = circuit[circuit["class"].isin(classes)]
     if chosen.empty:
         chosen = circuit.sort_values("importance", ascending=False).head(fallback_k)
@@ -136,11 +141,13 @@ def _lora_config(vlm: VLM, config: FinetuneConfig):
     layers = (
         config.target_layers if config.lora_target_layers_only and config.target_layers else range(vlm.arch.n_layers)
     )
-    # A full-match regex on module names: only the language model's attention projections.
-    pattern = (
-        rf"{re.escape(spec.layers)}\.({'|'.join(str(x) for x in layers)})\.{re.escape(spec.self_attn)}"
-        rf"\.({'|'.join(vlm.arch.projections)})"
-    )
+    # A full-match regex on module names: only the language model's attention projections (and a
+    # hybrid model's linear-attention projections, on its linear layers).
+    sites = rf"{re.escape(spec.self_attn)}\.({'|'.join(vlm.arch.projections)})"
+    if spec.linear_attention is not None:
+        lin = spec.linear_attention
+        sites = rf"({sites}|{re.escape(lin.attn)}\.({'|'.join(lin.projections)}))"
+    pattern = rf"{re.escape(spec.layers)}\.({'|'.join(str(x) for x in layers)})\.{sites}"
     return LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
@@ -261,7 +268,10 @@ def finetune(
             "or set focus=0 and mas=0 for plain SFT"
         )
     for layer in config.target_layers:
-        vlm.arch.layer(layer)
+        if attn_terms:  # the focus and MAS losses read attention probabilities
+            vlm.arch.require_softmax(layer, "the focus / MAS losses at target layer")
+        else:
+            vlm.arch.layer(layer)
     if config.ce_on == "digits":
         check_digit_answers(vlm, samples)
     from countlens.results import samples_digest

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "vlm": 3,
     "loading": 3,
     "processors": 3,
+    "sizing": 3,
     "toy": 3,
     "circuits": 4,
     "analysis": 5,
