@@ -48,7 +48,7 @@ _LAYER_TYPES = {
 }
 
 #: How image tokens sit on the image (see the module docstring).
-Layout = Literal["grid", "anyres", "tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles"]
+Layout = Literal["grid", "anyres", "tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles", "padded_tiles"]
 #: Axis order of a q-norm's output: (batch, seq, heads, d_head) or (batch, heads, seq, d_head).
 QNormLayout = Literal["bshd", "bhsd"]
 #: Order of the projector's output tokens: row-major, or Qwen2.5-VL's windows.
@@ -122,6 +122,9 @@ class ArchSpec:
     # Axis order of the q-norm's output: Qwen3 normalises (batch, seq, heads, d_head), Gemma 3
     # normalises after the transpose, (batch, heads, seq, d_head).
     q_norm_layout: QNormLayout = "bshd"
+    # One q-norm module normalises q, then k, in each forward (Llama 4's parameter-free L2 norm, on its
+    # RoPE layers only): temperature scales its first output of each attention call.
+    q_norm_shared_with_k: bool = False
     o_proj: str = "self_attn.o_proj"
     lm_head: str = "lm_head"
     # Modules under the decoder's parent that are not the language model (a full fine-tune leaves them
@@ -159,6 +162,9 @@ class ArchSpec:
     kv_shared_attr: str | None = None
     # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
     cross_attention: CrossAttentionSpec | None = None
+    # (module path, field): an output field a model's own forward reads but transformers 5.24 does not
+    # write (Llama 4's reads ``image_outputs`` off its language model's output): set to None.
+    missing_output_fields: tuple[tuple[str, str], ...] = ()
     # The vision tower packs every image of a batch into one sequence, (1, patches of all images, d)
     # (Pixtral's): its output repeats along axis 1, not 0, for batch-expanded sweeps.
     packed_tower: bool = False
@@ -321,6 +327,26 @@ SPECS: dict[str, ArchSpec] = {
             per_layer_inputs_attr="hidden_size_per_layer_input",
             kv_shared_attr="num_kv_shared_layers",
         ),
+        # Llama 4 (Scout, Maverick): no ``model.`` prefix; chunked attention on its RoPE layers, global
+        # attention without RoPE on every fourth; mixture-of-experts MLPs (not yet sites: their experts
+        # run on every token, the routing weight scaling the input); images padded onto a canvas of
+        # tiles, then a stretched global tile; only <|patch|> tokens (the config's image token) carry it.
+        ArchSpec(
+            "llama4",
+            ("llama4",),
+            layers="language_model.model.layers",
+            final_norm="language_model.model.norm",
+            lm_head="language_model.lm_head",
+            vision_blocks="vision_model.model.layers",
+            vision_tower="vision_model",
+            projector="multi_modal_projector",
+            q_norm="self_attn.qk_norm",
+            q_norm_shared_with_k=True,
+            merge="vision_config.pixel_shuffle_ratio",
+            merge_is_ratio=True,
+            layout="padded_tiles",
+            missing_output_fields=(("language_model", "image_outputs"),),
+        ),
         ArchSpec(
             "gemma3",
             ("gemma3",),
@@ -360,6 +386,9 @@ class Arch:
     n_experts: int = 0
     experts_top_k: int = 0
     expert_layers: tuple[int, ...] = ()
+    # The layers whose q-norm module exists, where only some have one (Llama 4: its RoPE layers; found
+    # on the model by `countlens.vlm.VLM`); None: every layer of a model with a q-norm.
+    q_norm_layers: tuple[int, ...] | None = None
     # Whether the input of layer 0 ("layer −1") carries all of the image: not with DeepStack (Qwen3-VL)
     # or per-layer inputs (Gemma 4 E2B / E4B), which add image features inside the decoder.
     image_in_embeddings: bool = True
@@ -432,13 +461,16 @@ class Arch:
         self.require_softmax(i, "q (head temperature)")
         if self.kind(i) == "cross":
             return f"{self.layer(i)}.{self.spec.cross_attention.q_norm}"
-        return f"{self.layer(i)}.{self.q_norm or self.spec.q_proj}"
+        return f"{self.layer(i)}.{self.spec.q_proj if self._no_q_norm(i) else self.q_norm}"
+
+    def _no_q_norm(self, i: int) -> bool:
+        return self.q_norm is None or (self.q_norm_layers is not None and i not in self.q_norm_layers)
 
     def q_layout(self, i: int) -> str:
         """Axis order of `q_site`'s output: "bs(hd)" (a projection), "bs(qkv)" (a fused one), "bshd" or "bhsd"."""
         if self.kind(i) == "cross":
             return self.spec.cross_attention.q_norm_layout
-        if self.q_norm:
+        if not self._no_q_norm(i):
             return self.spec.q_norm_layout
         return "bs(qkv)" if self.spec.fused_qkv else "bs(hd)"
 

@@ -1,6 +1,7 @@
 """Image processors countlens provides where transformers has only a torchvision one.
 
-transformers 5.24 ships Phi-4-multimodal's image processor only as a torchvision backend, and
+transformers 5.24 ships Phi-4-multimodal's and Llama 4's image processors only as torchvision
+backends (Llama 4's: below, beside its class), and
 torchvision has no CPU build beside the pinned torch on these machines. `Phi4MultimodalImageProcessorPil`
 does that processor's documented steps with PIL, numpy and torch, and returns the same keys, shapes and
 dtypes. It has **not** been compared with the torchvision path (which cannot run here); the one step
@@ -178,3 +179,115 @@ class Phi4MultimodalImageProcessorPil(PilBackend):
         canvas = np.full((crop * rows, crop * cols, 3), 255, np.uint8)
         canvas[:new_h, :new_w] = resized
         return canvas, padding_mask(height, width, crop, patch, dynamic_hd)
+
+
+# ---------------------------------------------------------------------------------------------- Llama 4
+#
+# Llama 4's image processor, whose transformers version needs torchvision, by its documented steps for
+# one H × W image, tile side S (``size``), at most ``max_patches`` tiles:
+#
+# 1. Canvas: of the (a·S, b·S) canvases with a·b ≤ max_patches, the one whose limiting scale
+#    min(aS / H, bS / W) is the smallest ≥ 1 (the largest with ``resize_to_max_canvas``), else the
+#    largest < 1; ties to the smaller canvas (`llama4_canvas`).
+# 2. Resize keeping the aspect into the canvas, enlarging no side past max(side, S) unless
+#    ``resize_to_max_canvas`` (`llama4_resized`); pad right and bottom with 0 (−1 once normalised).
+# 3. Rescale, normalise ((x / 255 − 0.5) / 0.5), cut the canvas into tiles row-major; beside several
+#    tiles, a global tile: the whole image resized to S × S (stretched).
+# transformers normalises in bfloat16 and resizes with torchvision's antialiased bilinear; this uses
+# float32 and PIL's bilinear. Not compared with the torchvision path (it cannot run here).
+
+
+class Llama4ImagesKwargs(ImagesKwargs, total=False):
+    """max_patches: the most tiles per image; resize_to_max_canvas: enlarge to the largest canvas."""
+
+    max_patches: int
+    resize_to_max_canvas: bool
+
+
+def llama4_canvas(height: int, width: int, tile: int, max_patches: int, to_max: bool = False) -> tuple[int, int]:
+    """(height, width) in pixels of the tile canvas an image is fitted into (step 1)."""
+    by_aspect: dict[float, list[tuple[int, int]]] = {}
+    for n in range(max_patches, 0, -1):  # transformers' order, which breaks ties of scale and area
+        for a in sorted(f for f in range(1, n + 1) if n % f == 0):
+            by_aspect.setdefault(a / (n // a), []).append((a * tile, n // a * tile))
+    canvases = [c for group in by_aspect.values() for c in group]
+    scales = [min(h / height, w / width) for h, w in canvases]
+    up = [s for s in scales if s >= 1]
+    chosen = (max(up) if to_max else min(up)) if up else max(scales)
+    best = [c for c, s in zip(canvases, scales) if s == chosen]
+    return min(best, key=lambda c: c[0] * c[1])
+
+
+def llama4_resized(height: int, width: int, tile: int, max_patches: int, to_max: bool = False) -> tuple[int, int]:
+    """(height, width) of the image resized into its canvas, aspect kept (step 2)."""
+    canvas_h, canvas_w = llama4_canvas(height, width, tile, max_patches, to_max)
+    if not to_max:  # enlarge no side past max(side, S)
+        canvas_h, canvas_w = min(max(height, tile), canvas_h), min(max(width, tile), canvas_w)
+    scale_h, scale_w = canvas_h / height, canvas_w / width
+    if scale_w < scale_h:
+        new_h, new_w = min(math.floor(height * scale_w), canvas_h), canvas_w
+    else:
+        new_h, new_w = canvas_h, min(math.floor(width * scale_h), canvas_w)
+    return max(new_h, 1), max(new_w, 1)
+
+
+class Llama4ImageProcessorPil(PilBackend):
+    """Llama 4's image processor without torchvision (the steps above)."""
+
+    resample = PILImageResampling.BILINEAR
+    size = {"height": 336, "width": 336}
+    max_patches = 16
+    resize_to_max_canvas = False
+    image_mean = [0.5, 0.5, 0.5]
+    image_std = [0.5, 0.5, 0.5]
+    do_rescale = True
+    do_normalize = True
+    do_convert_rgb = True
+    valid_kwargs = Llama4ImagesKwargs
+    model_input_names = ["pixel_values"]
+
+    def _preprocess(
+        self,
+        images: list[np.ndarray],
+        size: SizeDict,
+        do_rescale: bool,
+        rescale_factor: float,
+        do_normalize: bool,
+        image_mean,
+        image_std,
+        max_patches: int,
+        resize_to_max_canvas: bool,
+        return_tensors=None,
+        **kwargs,
+    ) -> BatchFeature:
+        if size.height != size.width:
+            raise ValueError(f"Llama 4 tiles are square; got size {size.height}×{size.width}")
+        tile = size.height
+        mean = torch.tensor(image_mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(image_std, dtype=torch.float32).view(3, 1, 1)
+
+        def normalised(pixels: np.ndarray) -> torch.Tensor:
+            x = torch.from_numpy(np.array(pixels)).permute(2, 0, 1).float()  # a writable copy of PIL's view
+            x = x * rescale_factor if do_rescale else x
+            return (x - mean) / std if do_normalize else x
+
+        tiles, ratios = [], []
+        for image in images:
+            image = image.transpose(1, 2, 0)  # channels first, as the PIL backend hands it over
+            image = np.clip(np.rint(image), 0, 255).astype(np.uint8) if image.dtype != np.uint8 else image
+            height, width = image.shape[:2]
+            canvas_h, canvas_w = llama4_canvas(height, width, tile, max_patches, resize_to_max_canvas)
+            new_h, new_w = llama4_resized(height, width, tile, max_patches, resize_to_max_canvas)
+            canvas = np.zeros((canvas_h, canvas_w, 3), np.uint8)
+            pil = Image.fromarray(image)
+            canvas[:new_h, :new_w] = np.asarray(pil.resize((new_w, new_h), Image.Resampling.BILINEAR))
+            x = normalised(canvas)
+            rows, cols = canvas_h // tile, canvas_w // tile
+            cut = x.reshape(3, rows, tile, cols, tile).permute(1, 3, 0, 2, 4).reshape(-1, 3, tile, tile)
+            if rows * cols > 1:  # the whole image, stretched to one tile
+                whole = np.asarray(pil.resize((tile, tile), Image.Resampling.BILINEAR))
+                cut = torch.cat([cut, normalised(whole)[None]])
+            tiles.append(cut)
+            ratios.append([rows, cols])
+        data = {"pixel_values": torch.cat(tiles), "aspect_ratios": torch.tensor(ratios, dtype=torch.long)}
+        return BatchFeature(data=data, tensor_type=return_tensors)

@@ -29,6 +29,9 @@ Layouts (named by `countlens.arch.ArchSpec.layout`):
   of C tokens each ended by a newline, one separator, then the global image (the base grid) with a
   newline ending each row. Newlines and the separator get (-1, -1).
 
+- ``padded_tiles`` (Llama 4): the image resized, aspect kept, into the top-left of a canvas of tiles
+  and padded; the canvas's tiles one after another (each row-major), then — beside several tiles —
+  the whole image stretched to one tile. Tile tokens whose centre is padding get (-1, -1).
 - ``cross_tiles`` (Llama-3.2-Vision): not tokens but the image *states* its cross-attention layers
   read: a fixed number of tile slots, each a class token then the tile's patch grid row-major; the
   image's R × C tiles fill the first slots row-major, the rest are padding. Class tokens and padding
@@ -66,7 +69,7 @@ class TokenCells:
 
 
 #: Layouts that cut the image into a processor-chosen grid of tiles (crops).
-TILED = ("tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles")
+TILED = ("tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles", "padded_tiles")
 
 
 def token_cells(
@@ -96,6 +99,10 @@ def token_cells(
         return _hd_global(rows, cols, n_tokens, tiles, useful, sample)
     if layout == "cross_tiles":
         return _cross_tiles(rows, cols, n_tokens, tiles, sample)
+    if layout == "padded_tiles":
+        if useful is None:
+            raise InputError(f"sample {sample}: the padded_tiles layout needs the resized image's size in pixels")
+        return _padded_tiles(geom, n_tokens, tiles, useful, sample)
     return _tiles(rows, cols, n_tokens, tiles, sample, thumbnail_first=layout == "thumbnail_tiles")
 
 
@@ -189,6 +196,35 @@ def _hd_global(
         TokenCells(torch.full((1, 2), -1), torch.full((1,), BASE_VIEW)),  # the separator
         TokenCells(glob, torch.full((len(glob),), BASE_VIEW)),
     )
+
+
+def _padded_tiles(
+    geom: Geometry, n_tokens: int, tiles: tuple[int, int], resized: tuple[int, int], sample: int
+) -> TokenCells:
+    """Llama 4: the image resized into the top-left of a canvas of R × C tiles (``resized``: its height
+    and width in pixels), the canvas padded, cut into tiles whose tokens come tile by tile, each
+    row-major; then, beside several tiles, the whole image stretched to one tile. A tile token maps to
+    the base cell its centre falls in on the image, or to (-1, -1) where its centre is padding."""
+    rows, cols = geom.token_grid
+    side = geom.image_height  # the tile side in pixels
+    tile_rows, tile_cols = tiles
+    n_tiles = tile_rows * tile_cols
+    per_tile = rows * cols
+    _expect(n_tokens, per_tile * (n_tiles + (n_tiles > 1)), f"{tile_rows}x{tile_cols} tiles of {rows}x{cols}", sample)
+    if n_tiles == 1 and resized == (geom.image_height, geom.image_width):
+        return _one_view(rows, cols)
+    t, local = torch.arange(n_tiles).repeat_interleave(per_tile), _grid(rows, cols).repeat(n_tiles, 1)
+    fine_y = (t // tile_cols) * rows + local[:, 0]  # the token's row and column on the canvas
+    fine_x = (t % tile_cols) * cols + local[:, 1]
+    # Twice the centre in pixels, (2f + 1) · side / (2 · rows), against the resized image's extent.
+    inside = ((2 * fine_y + 1) * side < 2 * resized[0] * rows) & ((2 * fine_x + 1) * side < 2 * resized[1] * cols)
+    cells = torch.stack(
+        [((2 * fine_y + 1) * side) // (2 * resized[0]), ((2 * fine_x + 1) * side) // (2 * resized[1])], -1
+    )
+    cells[~inside] = -1
+    view = FINE_VIEW if n_tiles > 1 else BASE_VIEW
+    tiled = TokenCells(cells, torch.full((len(cells),), view))
+    return tiled if n_tiles == 1 else _join(tiled, _one_view(rows, cols))
 
 
 def _cross_tiles(rows: int, cols: int, n_states: int, tiles: tuple[int, int], sample: int) -> TokenCells:

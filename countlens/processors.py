@@ -150,6 +150,14 @@ def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:
         return int(canvas_h) // tile, int(canvas_w) // tile
     if name.startswith(("Idefics3ImageProcessor", "SmolVLMImageProcessor")):
         return _idefics3_grid(ip, height, width, setting("do_image_splitting", True))
+    if name.startswith("Llama4ImageProcessor"):
+        from countlens.image_processors import llama4_canvas
+
+        tile = size["height"]
+        canvas_h, canvas_w = llama4_canvas(
+            height, width, tile, setting("max_patches", 16), setting("resize_to_max_canvas", False)
+        )
+        return canvas_h // tile, canvas_w // tile
     if name.startswith("Phi4MultimodalImageProcessor"):
         from countlens.image_processors import crop_grid
 
@@ -188,8 +196,20 @@ def _idefics3_grid(ip, height: int, width: int, split: bool) -> tuple[int, int]:
 
 def useful_grid(processor, height: int, width: int) -> tuple[int, int] | None:
     """Phi-4-multimodal: the (rows, cols) of high-resolution tokens that show the image, its crops'
-    padding dropped (`countlens.image_processors.useful_tokens`); None for other processors."""
+    padding dropped (`countlens.image_processors.useful_tokens`); Llama 4: the (height, width) in
+    pixels of the image resized into its tile canvas; None for other processors."""
     ip = processor.image_processor
+    if type(ip).__name__.startswith("Llama4ImageProcessor"):
+        from countlens.image_processors import llama4_resized
+
+        defaults = dict(getattr(processor, "images_kwargs", None) or {})
+        return llama4_resized(
+            height,
+            width,
+            dict(ip.size)["height"],
+            defaults.get("max_patches", getattr(ip, "max_patches", 16)),
+            defaults.get("resize_to_max_canvas", getattr(ip, "resize_to_max_canvas", False)),
+        )
     if not type(ip).__name__.startswith("Phi4MultimodalImageProcessor"):
         return None
     from countlens.image_processors import useful_tokens

@@ -90,8 +90,9 @@ class VLM:
         self.tokenizer = processor.tokenizer
         self.name = name
         self.remote = remote
-        self.arch: Arch = _with_expert_layers(resolve(hf_model.config), hf_model)
+        self.arch: Arch = _with_q_norm_layers(_with_expert_layers(resolve(hf_model.config), hf_model), hf_model)
         _bidirectional_vision(hf_model, self.arch.spec.vision_tower)
+        _add_missing_output_fields(hf_model, self.arch.spec.missing_output_fields)
         if envoy is None:
             from nnsight import NNsight
 
@@ -418,6 +419,32 @@ def _with_expert_layers(arch: Arch, hf_model) -> Arch:
     layers = hf_model.get_submodule(arch.spec.layers)
     found = tuple(i for i, layer in enumerate(layers) if _has_module(layer, moe.experts))
     return dataclasses.replace(arch, expert_layers=found)
+
+
+def _with_q_norm_layers(arch: Arch, hf_model) -> Arch:
+    """``arch`` with the layers that have its q-norm, where some lack it (Llama 4's NoPE layers)."""
+    if arch.q_norm is None:
+        return arch
+    layers = hf_model.get_submodule(arch.spec.layers)
+    found = tuple(i for i, layer in enumerate(layers) if _has_module(layer, arch.q_norm))
+    return arch if len(found) == arch.n_layers else dataclasses.replace(arch, q_norm_layers=found)
+
+
+def _add_missing_output_fields(hf_model, fields: tuple[tuple[str, str], ...]) -> None:
+    """Give modules' outputs the fields their parent's forward reads but transformers does not write
+    (`countlens.arch.ArchSpec.missing_output_fields`), None, by a forward hook installed once."""
+    for path, name in fields:
+        module = hf_model.get_submodule(path)
+        if getattr(module, "_countlens_fields", None):
+            continue
+
+        def add(mod, args, output, name=name):
+            if not hasattr(output, name):
+                object.__setattr__(output, name, None)
+            return output
+
+        module.register_forward_hook(add)
+        module._countlens_fields = True
 
 
 def _has_module(root, path: str) -> bool:

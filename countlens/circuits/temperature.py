@@ -56,13 +56,28 @@ def head_temperature(vlm: VLM, betas: Mapping[tuple[int, int] | str, float]) -> 
         for layer, heads in by_layer.items():
             module = vlm.hf.get_submodule(arch.q_site(layer))
             layout = arch.q_layout(layer)
-            handles.append(
-                module.register_forward_hook(_scaler(heads, arch.heads(layer), arch.head_dim(layer), layout))
-            )
+            hook = _scaler(heads, arch.heads(layer), arch.head_dim(layer), layout)
+            if arch.spec.q_norm_shared_with_k and arch.q_site(layer).endswith(arch.spec.q_norm):
+                # Llama 4: one norm module normalises q, then k, in each attention call: scale its first.
+                calls = {"n": 0}
+                attention = vlm.hf.get_submodule(arch.attention(layer))
+                handles.append(attention.register_forward_pre_hook(lambda m, a, calls=calls: calls.update(n=0)))
+                hook = _first_call_only(hook, calls)
+            handles.append(module.register_forward_hook(hook))
         yield
     finally:
         for h in handles:
             h.remove()
+
+
+def _first_call_only(hook, calls: dict):
+    """``hook`` on a module's first call since ``calls`` was reset (q before k through a shared norm)."""
+
+    def first(module, args, output):
+        calls["n"] += 1
+        return hook(module, args, output) if calls["n"] == 1 else output
+
+    return first
 
 
 def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):

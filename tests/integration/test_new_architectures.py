@@ -1,6 +1,6 @@
 """The papers' other backbones and the families released since, end to end at toy sizes: every
 discover stage and `countlens plan` on the tiny InternVL, Ovis2, Phi-4-multimodal, Llama-3.2-Vision,
-Qwen3.5, Qwen3-VL-MoE, GLM-4.1V, Gemma 4, PaliGemma, Mistral 3, Idefics3 and SmolVLM, and the MAS
+Qwen3.5, Qwen3-VL-MoE, GLM-4.1V, Gemma 4, PaliGemma, Mistral 3, Idefics3, SmolVLM and Llama 4, and the MAS
 paper's fine-tune (focus + MAS) on InternVL and Ovis2, its backbones, with tiled training images."""
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ NEW = {
     "mistral3": {"tile": 128},
     "idefics3": {"tile": 64},
     "smolvlm": {"tile": 64},
+    "llama4": {"tile": 64},
 }
 
 

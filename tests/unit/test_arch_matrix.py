@@ -34,6 +34,7 @@ SUPPORTED = (
     "ovis2",
     "phi4_multimodal",
     "mllama",
+    "llama4",
 )
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
 # q-norm) under "internvl", SmolVLM (SmolLM2 text, its own processor) under "idefics3". The cheap
@@ -126,7 +127,7 @@ def processor_count(vlm, image) -> int:
         return proc.image_seq_length * (rows * cols + (rows * cols > 1))
     if vlm.arch.name == "phi4_multimodal":
         return proc.image_processor(images=[image])["num_img_tokens"][0]
-    if vlm.arch.name == "mistral3":  # [IMG] tokens only (its own count adds a break ending each row): run it
+    if vlm.arch.name in ("mistral3", "llama4"):  # the image token only (their counts add separators): run it
         ids = proc(text=[proc.image_token], images=[image], return_tensors="pt")["input_ids"]
         return int((ids == vlm.arch.image_token_id).sum())
     if vlm.arch.name == "idefics3":  # image_seq_len per frame: the tiles and the whole image, or one frame

@@ -62,6 +62,8 @@ def test_every_circuit_function_runs(name, loaded):
         kinds = ["sliding", "full"]
     if name == "qwen3_5":  # Gated DeltaNet layers, then softmax ones
         kinds = ["linear", "full"] * 2
+    if name == "llama4":  # chunked attention with RoPE, then global attention without
+        kinds = ["chunked", "full"]
     assert heads.kind.values.tolist() == kinds
     # Every layer's own heads are sites (finite); beyond them (Qwen3.5's softmax layers: 4 of 8) NaN.
     own = np.array([[h < vlm.arch.heads(layer) for h in range(n_heads)] for layer in range(n_layers)])

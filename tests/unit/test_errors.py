@@ -29,12 +29,9 @@ def image(mode="RGB"):
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     import transformers
 
-    # Llama 4 (docs/architectures.md says what it needs): refused from its config, before any weights.
-    transformers.Llama4Config(
-        text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
-    ).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedArchitectureError, match=r"llama4.*Supported:.*qwen2_vl.*ArchSpec"):
+    # GLM-4.5V (a mixture-of-experts GLM-4.1V): refused from its config, before any weights are read.
+    transformers.Glm4vMoeConfig().save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match=r"glm4v_moe.*Supported:.*qwen2_vl.*ArchSpec"):
         countlens.load(tmp_path)
 
 

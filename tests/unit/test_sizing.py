@@ -27,6 +27,8 @@ RULES = {
     "tiles of a fixed longest edge (Idefics3)": ("idefics3", {}),
     "tiles of a fixed longest edge (SmolVLM)": ("smolvlm", {}),
     "closest-aspect tiles (InternVL)": ("internvl", {}),
+    "a padded canvas of tiles (Llama 4)": ("llama4", {}),
+    "a padded canvas of up to 9 tiles (Llama 4)": ("llama4", {"max_patches": 9}),
     "fixed size (Gemma 3)": ("gemma3", {}),
     "fixed size (PaliGemma)": ("paligemma", {}),
 }
