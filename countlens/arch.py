@@ -85,18 +85,30 @@ class LinearAttentionSpec:
     projections: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "out_proj")
 
 
+#: How a mixture-of-experts layer's experts module combines its experts (`MoESpec.rule`).
+ExpertRule = Literal["weighted_outputs", "scaled_inputs"]
+
+
 @dataclass(frozen=True)
 class MoESpec:
-    """A mixture-of-experts MLP (paths relative to a decoder layer; counts on the text config): its
-    experts module is called as ``experts(x, top_k_index, top_k_weights)`` on the flattened tokens and
-    returns Σ_j w_j · E_{i_j}(x), each expert E_e(x) = down[e] · act(gate[e] x) ⊙ (up[e] x) with the
-    gate and up rows stacked in ``gate_up_proj[e]`` (Qwen3-VL-MoE). A layer is a MoE layer where its
-    experts module exists (`countlens.vlm.VLM` finds them)."""
+    """A mixture-of-experts MLP (paths relative to a decoder layer; counts on the text config). Rules:
+
+    - ``weighted_outputs`` (Qwen3-VL-MoE): the experts module is called as ``experts(x, top_k_index,
+      top_k_weights)`` on the flattened tokens and returns Σ_j w_j · E_{i_j}(x), each expert
+      E_e(x) = down[e] · act(gate[e] x) ⊙ (up[e] x), gate and up rows stacked in ``gate_up_proj[e]``;
+      the router returns (logits, top-k weights, top-k indices).
+    - ``scaled_inputs`` (Llama 4): the experts module runs every expert on every token, its input
+      scaled by the routing weight (0 off the top-k), and returns (experts · tokens, d): expert e's
+      contribution to token t is row e·T + t; the router returns (weights over all experts, logits);
+      a shared expert beside them is not an expert here.
+
+    A layer is a MoE layer where its experts module exists (`countlens.vlm.VLM` finds them)."""
 
     experts: str = "mlp.experts"
     router: str = "mlp.gate"
     n_experts_attr: str = "num_experts"
     top_k_attr: str = "num_experts_per_tok"
+    rule: ExpertRule = "weighted_outputs"
 
 
 @dataclass(frozen=True)
@@ -328,9 +340,9 @@ SPECS: dict[str, ArchSpec] = {
             kv_shared_attr="num_kv_shared_layers",
         ),
         # Llama 4 (Scout, Maverick): no ``model.`` prefix; chunked attention on its RoPE layers, global
-        # attention without RoPE on every fourth; mixture-of-experts MLPs (not yet sites: their experts
-        # run on every token, the routing weight scaling the input); images padded onto a canvas of
-        # tiles, then a stretched global tile; only <|patch|> tokens (the config's image token) carry it.
+        # attention without RoPE on every fourth; mixture-of-experts MLPs whose experts run on every
+        # token, the routing weight scaling the input; images padded onto a canvas of tiles, then a
+        # stretched global tile; only <|patch|> tokens (the config's image token) carry it.
         ArchSpec(
             "llama4",
             ("llama4",),
@@ -346,6 +358,12 @@ SPECS: dict[str, ArchSpec] = {
             merge_is_ratio=True,
             layout="padded_tiles",
             missing_output_fields=(("language_model", "image_outputs"),),
+            moe=MoESpec(
+                experts="feed_forward.experts",
+                router="feed_forward.router",
+                n_experts_attr="num_local_experts",
+                rule="scaled_inputs",
+            ),
         ),
         ArchSpec(
             "gemma3",

@@ -46,17 +46,28 @@ def cache_run(
             if z:
                 out["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
             if layer in moe:
-                args = vlm.module(vlm.arch.experts(layer)).inputs[0]
-                out["experts"][layer] = tuple(t.save() for t in args[:3])
+                site = vlm.module(vlm.arch.experts(layer))
+                if vlm.arch.spec.moe.rule == "scaled_inputs":  # every expert's contribution, (E·T, d)
+                    out["experts"][layer] = (site.output.save(),)
+                else:  # what the contributions are computed from: (x, top-k index, top-k weights)
+                    out["experts"][layer] = tuple(t.save() for t in site.inputs[0][:3])
             if resid:
                 out["resid"][layer] = vlm.module(vlm.arch.layer(layer)).output.save()
         logits = vlm.nn.output.logits[:, -1].save()
     out["logits"] = logits.float()
     rows, seq = batch.inputs["input_ids"].shape
-    out["experts"] = {layer: tuple(t.view(rows, seq, -1) for t in got) for layer, got in out["experts"].items()}
+    out["experts"] = {layer: _per_token(vlm, got, rows, seq) for layer, got in out["experts"].items()}
     if cross is not None:
         out["states"] = states.reshape(len(batch), -1, states.shape[-1])
     return out
+
+
+def _per_token(vlm: VLM, saved: tuple, rows: int, seq: int) -> tuple:
+    """A MoE layer's recorded experts tensors reshaped per token: (x, index, weights) each (rows, seq, …),
+    or, under the scaled-inputs rule, every expert's contribution (experts, rows, seq, d)."""
+    if vlm.arch.spec.moe.rule == "scaled_inputs":
+        return (saved[0].view(vlm.arch.n_experts, rows, seq, -1),)
+    return tuple(t.view(rows, seq, -1) for t in saved)
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,17 @@ def _edit_experts(vlm: VLM, layer: int, edits: list, cache: dict | None, n: int,
     path = vlm.arch.experts(layer)
     module = vlm.hf.get_submodule(path)
     site = vlm.module(path)
+    if vlm.arch.spec.moe.rule == "scaled_inputs":  # each expert's contribution is its own rows: overwrite them
+        out = site.output.view(vlm.arch.n_experts, -1, site.output.shape[-1])
+        for r, e, b, s in edits:
+            rows = ((b + r * n) * seq + s).to(out.device)
+            if e.value is not None:
+                src = _at(e.value, b, s)
+            else:
+                cached = cache["experts"][layer][0][e.expert]
+                src = cached[b.to(cached.device), s.to(cached.device)]
+            out[e.expert, rows] = src.to(out.device, out.dtype)
+        return
     x, index, weights = site.inputs[0][:3]
     out = site.output
     for r, e, b, s in edits:

@@ -3,8 +3,10 @@
 A mixture-of-experts (MoE) MLP sends each token to its router's top-k experts and adds their
 outputs, each times its routing weight: out(x_t) = Σ_j w_j(t) · E_{i_j(t)}(x_t). Expert e's
 **contribution** to token t is w_e(t) · E_e(x_t), zero where the router did not choose e; a token's
-contributions sum to the experts' output (`countlens.circuits.sites.expert_contribution`). So an
-expert is a site as a head is:
+contributions sum to the experts' output (`countlens.circuits.sites.expert_contribution`). Llama 4
+scales the expert's input instead, E_e(w_e(t) · x_t), running every expert on every token: its
+contribution is the experts module's own row for (e, t) (`countlens.arch.MoESpec.rule`); its shared
+expert, which every token passes through, is not one of them. So an expert is a site as a head is:
 
 - `routing` reads the router's choice per token (top-k experts and their weights), and
   `expert_usage` the share of a token group's tokens routed to each expert;
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from countlens.answers import answer_window
 from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks
-from countlens.circuits.edits import Edit, run_edits
+from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.patching import PairBatch, check_pair_sweep, pairs_store, sweep_pairs
 from countlens.circuits.sites import expert_contribution, group_mask
 from countlens.distributed import Shard
@@ -76,11 +78,22 @@ def routing(vlm: VLM, batch: Batch, layers: Sequence[int] | None = None) -> dict
     their weights), Int and Float[Tensor, "batch seq top_k"] (padding positions included)."""
     layers = _layers(vlm, layers, "routing")
     rows, seq = batch.inputs["input_ids"].shape
+    scaled = vlm.arch.spec.moe.rule == "scaled_inputs"
     got = {}
     with vlm.read(batch):
         for layer in layers:
-            args = vlm.module(vlm.arch.experts(layer)).inputs[0]
-            got[layer] = (args[1].save(), args[2].save())
+            if scaled:  # the router's (weights over every expert, logits)
+                out = vlm.module(vlm.arch.router(layer)).output
+                got[layer] = (out[0].save(), out[1].save())
+            else:  # the experts module's (x, top-k index, top-k weights)
+                args = vlm.module(vlm.arch.experts(layer)).inputs[0]
+                got[layer] = (args[1].save(), args[2].save())
+    if scaled:  # Llama 4: the top-k by logit, and their (sigmoid) weights
+        k = vlm.arch.experts_top_k
+        got = {
+            layer: (index := logits.topk(k, -1).indices, weights.gather(-1, index))
+            for layer, (weights, logits) in got.items()
+        }
     return {layer: tuple(t.view(rows, seq, -1).cpu() for t in pair) for layer, pair in got.items()}
 
 
@@ -164,15 +177,15 @@ def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Ten
     counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
         masks = group_masks(batch)
-        inputs = {}
-        with vlm.read(batch):
-            for layer in layers:
-                args = vlm.module(arch.experts(layer)).inputs[0]
-                inputs[layer] = tuple(t.save() for t in args[:3])
-        rows, seq = batch.inputs["input_ids"].shape
+        recorded = cache_run(vlm, batch, layers, resid=False, z=False, experts=True)["experts"]
         for i, layer in enumerate(layers):
+            if arch.spec.moe.rule == "scaled_inputs":  # every expert's contribution: (experts, rows, seq, d)
+                (every,) = recorded[layer]
+                for g, m in enumerate(masks):
+                    sums[i, g] += every[:, m.to(every.device)].double().sum(1).cpu()
+                continue
             module = vlm.hf.get_submodule(arch.experts(layer))
-            x, index, weights = (t.view(rows, seq, -1) for t in inputs[layer])
+            x, index, weights = recorded[layer]
             for g, m in enumerate(masks):
                 m = m.to(x.device)
                 for e in index[m].unique().tolist():  # experts never chosen in the group add nothing

@@ -1,5 +1,6 @@
-"""Experts as sites on a mixture-of-experts model (tiny Qwen3-VL-MoE: layer 0 dense, layer 1 four
-experts, two per token): contributions sum to the experts' output, patching every expert equals a
+"""Experts as sites on mixture-of-experts models — tiny Qwen3-VL-MoE (layer 0 dense, layer 1 four
+experts, two per token, weighted outputs) and tiny Llama 4 (layer 1 four experts, one per token, scaled
+inputs, a shared expert): contributions sum to the experts' output, patching every expert equals a
 plain hook that swaps in the corrupt run's experts output, and the sweeps' invariants."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from countlens.circuits.sites import expert_contribution, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError, LayerError
+
+MOE = ("qwen3_vl_moe", "llama4")
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +58,11 @@ def test_contributions_sum_to_the_experts_output(moe, pairs):
         assert expert_contribution(module, x, index, weights, e).abs().max() == 0
 
 
-def test_patching_every_expert_equals_swapping_the_experts_output(moe, pairs):
+@pytest.mark.parametrize("name", MOE)
+def test_patching_every_expert_equals_swapping_the_experts_output(name, loaded, pairs):
     """An independent plain hook: the clean run with layer 1's experts output replaced, at every real
     token, by the corrupt run's; patch all four experts' contributions must give the same logits."""
+    moe = loaded(name)
     pb = prepare_pairs(moe, pairs)
     module = moe.hf.get_submodule(moe.arch.experts(1))
     corrupt = {}
@@ -67,11 +72,12 @@ def test_patching_every_expert_equals_swapping_the_experts_output(moe, pairs):
     finally:
         handle.remove()
     real = pb.clean.inputs["attention_mask"].bool().flatten()
+    experts = 4 if name == "llama4" else 1  # Llama 4's output: every expert's rows, expert by expert
 
     def swap(m, a, out):
-        out = out.clone()
-        out[real] = corrupt["out"][real]
-        return out
+        out = out.clone().view(experts, len(real), -1)
+        out[:, real] = corrupt["out"].view(experts, len(real), -1)[:, real]
+        return out.view(experts * len(real), -1)
 
     handle = module.register_forward_hook(swap)
     try:
@@ -86,13 +92,20 @@ def test_patching_every_expert_equals_swapping_the_experts_output(moe, pairs):
 
 
 @pytest.mark.numeric
-def test_expert_sweeps_and_their_invariants(moe, pairs):
+@pytest.mark.parametrize("name", MOE)
+def test_expert_sweeps_and_their_invariants(name, loaded, pairs):
+    moe = loaded(name)
+    top_k = moe.arch.experts_top_k
+    assert (moe.arch.expert_layers, top_k) == ((1,), 2 if name == "qwen3_vl_moe" else 1)
     ds = circuits.patch_experts(moe, pairs, positions="all")
     assert ds.effect.dims == ("layer", "expert") and ds.effect.shape == (1, 4)
     assert np.isfinite(ds.effect.values).all() and ds.logit_diff.shape == (1, 4, 2)
     samples = task_samples("count", 3, 1, image_size=64)
     usage = circuits.expert_usage(moe, samples, positions="all")
-    assert usage.shape == (1, 4) and usage.sum("expert").item() == pytest.approx(2.0)  # top-2 per token
+    assert usage.shape == (1, 4) and usage.sum("expert").item() == pytest.approx(top_k)  # top-k per token
+    batch = moe.prepare_samples(samples)
+    index, weights = circuits.routing(moe, batch)[1]
+    assert index.shape == weights.shape == (3, batch.inputs["input_ids"].shape[1], top_k) and (weights > 0).all()
     means = circuits.expert_means(moe, samples)
     assert means.shape == (1, 3, 4, moe.arch.d_model)
     scan = circuits.expert_ablation_scan(moe, samples, means=means)
