@@ -81,17 +81,35 @@ def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tens
     return (sums / counts.clamp(min=1)[None, :, None]).float()
 
 
-def _mean_values(batch: Batch, means: Tensor, layer: int, head: int, d_head: int) -> tuple[Tensor, Tensor]:
-    """(mask of real tokens, Float[Tensor, "batch seq d_head"] holding each position's group mean)."""
-    cols = slice(head * d_head, (head + 1) * d_head)
+def group_values(batch: Batch, per_group: Float[Tensor, "group d"]) -> tuple[Tensor, Tensor]:
+    """(mask of real tokens, Float[Tensor, "batch seq d"] holding each position's group's row of
+    ``per_group``, in `ABLATION_GROUPS` order): a site's mean-ablation value."""
     ids = batch.inputs["input_ids"]
-    value = torch.zeros(*ids.shape, d_head)
+    value = torch.zeros(*ids.shape, per_group.shape[-1])
     real = torch.zeros(ids.shape, dtype=torch.bool)
     for g, m in enumerate(group_masks(batch)):
         m = m.cpu()
-        value[m] = means[layer, g, cols]
+        value[m] = per_group[g]
         real |= m
     return real, value
+
+
+def _mean_values(batch: Batch, means: Tensor, layer: int, head: int, d_head: int) -> tuple[Tensor, Tensor]:
+    """(mask of real tokens, Float[Tensor, "batch seq d_head"] holding each position's group mean)."""
+    return group_values(batch, means[layer, :, head * d_head : (head + 1) * d_head])
+
+
+def joint_ablation(vlm: VLM, samples: Sequence, batch_size: int, make_edits) -> dict[str, tuple]:
+    """Per sample, ``correct`` and ``logp`` with the edits ``make_edits(batch)`` applied together, and
+    ``base_correct``, ``base_logp`` without them, as xarray data over ``sample``."""
+    rows = {"correct": [], "logp": [], "base_correct": [], "base_logp": []}
+    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
+        logits = run_edits(vlm, batch, None, [[], make_edits(batch)], keep=answer_window(batch.answer_ids))
+        for key, lg in (("base_", logits[0]), ("", logits[1])):
+            ok, logp = gold_scores(lg, batch.answer_ids)
+            rows[key + "correct"].append(ok.numpy())
+            rows[key + "logp"].append(logp.numpy())
+    return {k: ("sample", np.concatenate(v)) for k, v in rows.items()}
 
 
 def gold_scores(logits: Tensor, answers: list[list[int]]) -> tuple[Tensor, Tensor]:
@@ -269,18 +287,15 @@ def ablate(
     heads = checked_heads(vlm.arch, heads)
     require_count(batch_size, "batch_size")
     means = group_means(vlm, samples, batch_size) if means is None else means
-    rows = {"correct": [], "logp": [], "base_correct": [], "base_logp": []}
-    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
-        edits = []
+
+    def edits(batch: Batch) -> list[Edit]:
+        out = []
         for layer, head in heads:
             real, value = _mean_values(batch, means, layer, head, vlm.arch.head_dim(layer))
-            edits.append(Edit(layer, real, head, value))
-        logits = run_edits(vlm, batch, None, [[], edits], keep=answer_window(batch.answer_ids))
-        for key, lg in (("base_", logits[0]), ("", logits[1])):
-            ok, logp = gold_scores(lg, batch.answer_ids)
-            rows[key + "correct"].append(ok.numpy())
-            rows[key + "logp"].append(logp.numpy())
-    data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}
+            out.append(Edit(layer, real, head, value))
+        return out
+
+    data = joint_ablation(vlm, samples, batch_size, edits)
     return xr.Dataset(
         data,
         coords={"sample": np.arange(len(samples))},

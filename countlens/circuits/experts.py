@@ -34,7 +34,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.answers import answer_window
-from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks
+from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.patching import PairBatch, check_pair_sweep, pairs_store, sweep_pairs
 from countlens.circuits.sites import expert_contribution, group_mask
@@ -197,14 +197,7 @@ def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Ten
 
 def _mean_edit(vlm: VLM, batch: Batch, means: Tensor, layer: int, expert: int) -> Edit:
     """Expert ``expert`` at ``layer`` set to its group mean at every real token."""
-    i = vlm.arch.expert_layers.index(layer)
-    ids = batch.inputs["input_ids"]
-    value = torch.zeros(*ids.shape, vlm.arch.d_model)
-    real = torch.zeros(ids.shape, dtype=torch.bool)
-    for g, m in enumerate(group_masks(batch)):
-        m = m.cpu()
-        value[m] = means[i, g, expert]
-        real |= m
+    real, value = group_values(batch, means[vlm.arch.expert_layers.index(layer), :, expert])
     return Edit(layer, real, value=value, expert=expert)
 
 
@@ -236,15 +229,9 @@ def ablate_experts(
             raise InputError(f"expert {e} out of range: {vlm.arch.name} has experts 0..{vlm.arch.n_experts - 1}")
     means = expert_means(vlm, samples, batch_size) if means is None else means
     _check_means(vlm, means)
-    rows = {"correct": [], "logp": [], "base_correct": [], "base_logp": []}
-    for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
-        edits = [_mean_edit(vlm, batch, means, layer, e) for layer, e in sites]
-        logits = run_edits(vlm, batch, None, [[], edits], keep=answer_window(batch.answer_ids))
-        for key, lg in (("base_", logits[0]), ("", logits[1])):
-            ok, logp = gold_scores(lg, batch.answer_ids)
-            rows[key + "correct"].append(ok.numpy())
-            rows[key + "logp"].append(logp.numpy())
-    data = {k: ("sample", np.concatenate(v)) for k, v in rows.items()}
+    data = joint_ablation(
+        vlm, samples, batch_size, lambda batch: [_mean_edit(vlm, batch, means, layer, e) for layer, e in sites]
+    )
     return xr.Dataset(
         data,
         coords={"sample": np.arange(len(samples))},
