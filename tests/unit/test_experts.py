@@ -118,3 +118,36 @@ def test_expert_sweeps_and_their_invariants(name, loaded, pairs):
     assert drop == pytest.approx(float(scan.logp_drop.sel(layer=1, expert=2)), abs=1e-4)
     with pytest.raises(InputError, match="expert_means"):
         circuits.ablate_experts(moe, samples, [(1, 0)], means=means[:, :2])
+
+
+def test_patching_one_llama4_expert_overwrites_only_its_rows(loaded, pairs):
+    """The scaled-inputs rule: patching one expert equals a plain hook that copies the corrupt run's rows
+    of that expert (and no other expert's) into the clean run's experts output. The expert is the one
+    the clean run routes the read position to: layer 1 is the last, so only that token reaches the
+    logits read there."""
+    moe = loaded("llama4")
+    pb = prepare_pairs(moe, pairs)
+    chosen = int(circuits.routing(moe, pb.clean)[1][0][0, -1, 0])
+    module = moe.hf.get_submodule(moe.arch.experts(1))
+    corrupt = {}
+    handle = module.register_forward_hook(lambda m, a, out: corrupt.setdefault("out", out.detach().clone()))
+    try:
+        moe.forward(pb.corrupt)
+    finally:
+        handle.remove()
+    real = pb.clean.inputs["attention_mask"].bool().flatten()
+
+    def swap_one(m, a, out):
+        out = out.clone().view(4, len(real), -1)
+        out[chosen, real] = corrupt["out"].view(4, len(real), -1)[chosen, real]
+        return out.view(4 * len(real), -1)
+
+    handle = module.register_forward_hook(swap_one)
+    try:
+        ref = moe.forward(pb.clean).logits[:, -1].float()
+    finally:
+        handle.remove()
+    cache = cache_run(moe, pb.corrupt, [1], resid=False, z=False, experts=True)
+    got = run_edits(moe, pb.clean, cache, [[Edit(1, group_mask(pb.clean, "all"), expert=chosen)]])[0]
+    assert_close(got, ref, scale=scale_of(ref), what="one expert patched vs its rows swapped")
+    assert not torch.allclose(ref, cache_run(moe, pb.clean, [])["logits"])  # the patch changes something
