@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(subst =,-,$(subst <,lt,$(subst >,gt,$(subst $(space),,$(TORCH_SPEC)))))
 space := $(subst ,, )
 
-.PHONY: demo test test-kernels docs lint setup clean
+.PHONY: demo test test-fast test-kernels coverage docs lint setup clean
 
 setup: $(STAMP)
 
@@ -24,18 +24,33 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/countlens discover --model toy --out runs/demo
 	HF_HUB_OFFLINE=1 $(BIN)/countlens finetune --model toy --circuit runs/demo
 
-test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+# One pytest-xdist worker per core, one torch thread each (tests/conftest.py); worksteal keeps both busy
+# to the end. Tiny checkpoints and converted vocabularies are built once into .pytest_cache/countlens/
+# (tests/disk_cache.py) and read from there by every later worker and run.
+WORKERS ?= 2
+PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal
 
-# The numeric tests (-m numeric) again under other CPU kernels: ATen's portable ones, AVX2 as on an
-# AMD Zen 3 (ATen and MKL), and MKL's conservative path. A tolerance tuned to one CPU fails here.
-# tests/kernels.py prints which kernels each run got and a digest of their float32 bits.
+test: $(STAMP)
+	$(PYTEST)
+
+# The inner loop: everything but the end-to-end runs (the `slow` marker: subprocesses, the CLI, discover).
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow"
+
+# Line coverage of countlens/ over the whole suite (coverage.py through pytest-cov) into htmlcov/.
+coverage: $(STAMP)
+	$(PYTEST) --cov=countlens --cov-report=term:skip-covered --cov-report=html
+
+# The numeric tests again under other CPU kernels: ATen's portable ones, AVX2 as on an AMD Zen 3 (ATen
+# and MKL), and MKL's conservative path. A tolerance tuned to one CPU fails here. --kernel-subset:
+# each numeric test once (its first case) and every family's circuit-matrix row; `make test` runs
+# every case natively. tests/kernels.py prints which kernels each run got and a digest of their bits.
 KERNELS := ATEN_CPU_CAPABILITY=default "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2" MKL_CBWR=COMPATIBLE
 
 test-kernels: $(STAMP)
 	@for k in $(KERNELS); do \
 	  env $$k $(BIN)/python tests/kernels.py && \
-	  env $$k HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m numeric -p no:cacheprovider || exit 1; \
+	  env $$k $(PYTEST) -m numeric --kernel-subset -p no:cacheprovider || exit 1; \
 	done
 
 # ruff's lint and its formatter (settings in pyproject.toml; the version pinned in the dev extra).
@@ -50,4 +65,4 @@ docs: $(STAMP)
 	echo "docs: site/ built, no warnings"
 
 clean:
-	rm -rf $(VENV) runs site .pytest_cache .hypothesis
+	rm -rf $(VENV) runs site .pytest_cache .hypothesis htmlcov .coverage

@@ -12,27 +12,57 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`make test` runs one worker per core) each worker takes one core: tiny models spend
+# their time in Python, and two threads per worker would only contend.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ holds shared builders (tiny_models)
 
+from disk_cache import cached_dir, entry_key  # noqa: E402
 from tiny_models import build_tiny  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--kernel-subset",
+        action="store_true",
+        help="of each parametrized numeric test, its first case only, but every case of one marked "
+        "numeric(every_case=True): what `make test-kernels` reruns under other CPU kernels",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--kernel-subset``: every kind of numeric comparison once, every family's matrix row; the native
+    run (`make test`) has already run every case under this machine's own kernels."""
+    if not config.getoption("--kernel-subset"):
+        return
+    seen, keep, drop = set(), [], []
+    for item in items:
+        marker = item.get_closest_marker("numeric")
+        function = (item.path, item.originalname)
+        if marker is None or (function in seen and not marker.kwargs.get("every_case")):
+            drop.append(item)
+        else:
+            seen.add(function)
+            keep.append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
+def _save_tiny(name: str, kw: dict, path: Path) -> None:
+    model, processor = build_tiny(name, **kw)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+
+
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """``make(name, **kw)``: the tiny ``name`` model and processor (`build_tiny` keywords) saved to a
-    directory, once per session."""
-    made: dict[tuple, Path] = {}
+def tiny_checkpoint():
+    """``make(name, **kw)``: the directory of the tiny ``name`` model and processor (`build_tiny`
+    keywords), built once and kept in the tests' disk cache (`disk_cache`) for later sessions and
+    other workers. Read it; a test that changes a checkpoint's files copies them first."""
 
     def make(name: str, **kw) -> Path:
-        key = (name, *sorted(kw.items()))
-        if key not in made:
-            path = tmp_path_factory.mktemp(name)
-            model, processor = build_tiny(name, **kw)
-            model.save_pretrained(path)
-            processor.save_pretrained(path)
-            made[key] = path
-        return made[key]
+        args = (name, *sorted(kw.items()))
+        return cached_dir(entry_key("tiny", *args), lambda path: _save_tiny(name, kw, path))
 
     return make
 

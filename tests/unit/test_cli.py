@@ -25,10 +25,9 @@ def test_eval_writes_tables(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.slow  # the eval command end to end
-def test_eval_splits_counting_by_scene_kind(tiny_checkpoint, tmp_path):
+def test_eval_splits_counting_by_scene_kind(tiny_checkpoint, loaded, tmp_path):
     import pandas as pd
 
-    import countlens
     from countlens.datasets.tasks import task_samples
 
     out, model = tmp_path / "eval", tiny_checkpoint("qwen2_vl")
@@ -41,7 +40,7 @@ def test_eval_splits_counting_by_scene_kind(tiny_checkpoint, tmp_path):
         else "named shape among other shapes"
         if s.meta["mixed"]
         else "one shape only"
-        for s in task_samples("count", 40, 1, image_size=countlens.load(model).geometry.image_height)
+        for s in task_samples("count", 40, 1, image_size=loaded("qwen2_vl").geometry.image_height)
     ]
     assert df["scene"].tolist() == want and len(set(want)) == 3
     table = (out / "accuracy.md").read_text().split("per scene kind")[1].split("## ")[0]

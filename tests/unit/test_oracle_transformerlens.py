@@ -29,7 +29,6 @@ tl = pytest.importorskip("transformer_lens")
 from tiny_models import TINY_IMAGE_SIZE  # noqa: E402
 from tolerance import F32_REL, assert_close, scale_of  # noqa: E402
 
-import countlens  # noqa: E402
 from countlens.circuits.patching import patch_heads, prepare_pairs  # noqa: E402
 from countlens.circuits.sites import group_mask  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
@@ -79,9 +78,9 @@ def _ld(logits, pb):
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
 @torch.no_grad()
-def test_head_patching_agrees_with_transformerlens_hook_z(tiny_checkpoint, monkeypatch, name):
+def test_head_patching_agrees_with_transformerlens_hook_z(tiny_checkpoint, loaded, monkeypatch, name):
     path = tiny_checkpoint(name)
-    vlm = countlens.load(path)
+    vlm = loaded(name)
     pairs = count_pairs(2, 3, 5, kind="polygons", image_size=TINY_IMAGE_SIZE[name][0], prompt="short", seed=4)
     ds = patch_heads(vlm, pairs, positions="image")
     pb = prepare_pairs(vlm, pairs)

@@ -42,8 +42,8 @@ def test_remote_load_builds_a_meta_model_and_sends_traces_remote(qwen_dir, tmp_p
     assert seen["remote"] is True and "input_ids" in seen
 
 
-def test_dynamic_resolution_geometry_follows_the_processor(qwen_dir):
-    vlm = countlens.load(qwen_dir)
+def test_dynamic_resolution_geometry_follows_the_processor(loaded):
+    vlm = loaded("qwen2_vl")
     g = vlm.geometry_for(32, 96)  # the tiny processor pins the area to 64² pixels
     batch = vlm.prepare([Image.new("RGB", (96, 32))], ["how many circles are there?"])
     assert batch.geometry[0] == g
@@ -51,8 +51,8 @@ def test_dynamic_resolution_geometry_follows_the_processor(qwen_dir):
     assert batch.image_cell[0][-1].tolist() == [g.token_grid[0] - 1, g.token_grid[1] - 1]
 
 
-def test_image_slot_inside_the_prompt(qwen_dir):
-    vlm = countlens.load(qwen_dir)
+def test_image_slot_inside_the_prompt(loaded):
+    vlm = loaded("qwen2_vl")
     batch = vlm.prepare([Image.new("RGB", (64, 64))] * 2, ["please: <image> how many circles?", "how many circles?"])
     ids = batch.inputs["input_ids"]
     tok = vlm.tokenizer

