@@ -4,7 +4,7 @@ encodings, and generation vs export on the organism's grid.
     # writes bench/countingtricks_throughput.json
     .venv/bin/python bench/countingtricks_throughput.py [--reference DIR]
 
-**paper_grid** (issue 21). The reference generator's own work: its 18 circle cases (1A–4A, 1B–4B,
+**paper_grid**. The reference generator's own work: its 18 circle cases (1A–4A, 1B–4B,
 2C–4C, 2D–4D, 5A–8A) × 100 images at its grid, 384 px / 27 px (14 whole cells and a 6 px partial
 one), counts 1–10, PNGs and labels written. Both run as whole processes pinned to one core
 (``images_per_s_per_core``), one thread each for the numeric libraries, interleaved (countlens,

@@ -192,7 +192,7 @@ API_CASES = [
     ("lens no samples", lambda c: circuits.logit_lens(c.toy, []), InputError, "no samples"),
     ("headlens no samples", lambda c: circuits.HeadLens.fit(c.toy, []), InputError, "no samples given to HeadLens.fit"),
     ("ablation no tasks", lambda c: circuits.ablation_scan(c.toy, {}), InputError, "tasks="),
-    # issue 34: ranges declared once, on the configurations and the generators
+    # ranges declared once, on the configurations and the generators
     ("task image too small", lambda c: task_samples("count", 2, 1, image_size=10), InputError, "image_size ≥ 32"),
     ("task seed negative", lambda c: task_samples("count", 2, -1), InputError, "seed must be an integer ≥ 0"),
     (
@@ -328,7 +328,7 @@ CLI_CASES = [
     ("report empty spec", lambda t: ["report", "--run", str(_run_dir(t, {}))], "lacks ['model', 'arch']"),
     ("report not a run", lambda t: ["report", "--run", str(_run_dir(t, None))], "no spec.json"),
     ("classify empty spec", lambda t: ["classify", "--run", str(_run_dir(t, {}))], "lacks ['model', 'arch']"),
-    # issue 34
+    # ranges checked on the configuration, before anything is written
     ("discover seed negative", lambda t: ["discover", "--out", str(t / "out"), "--seed", "-1"], "seed must be"),
     ("discover spec not JSON", lambda t: ["discover", "--out", str(_run_dir(t, "{oops"))], "cannot be read as JSON"),
     ("data seed negative", lambda t: ["data", "countingtricks", "--out", str(t / "out"), "--seed", "-1"], "seed"),
