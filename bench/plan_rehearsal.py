@@ -52,7 +52,7 @@ def _alone(vlm, c, name: str, log) -> None:
     """Run only discover's stage ``name`` on its own samples (`--remeasure`): HeadLens's fit + decode."""
     from countlens import circuits
     from countlens.pipeline.config import resolved_prompt
-    from countlens.pipeline.discover import stage_inputs
+    from countlens.pipeline.inputs import stage_inputs
 
     if name != "headlens":
         sys.exit(f"--remeasure takes headlens only, not {name}; run the whole rehearsal instead")

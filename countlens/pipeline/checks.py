@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from countlens.errors import CountlensError
+from countlens.pipeline.config import default_prompt
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -52,7 +53,7 @@ def _tol(vlm: VLM, what: str) -> str:
 
 
 def _prompt(vlm: VLM) -> str:
-    return "short" if vlm.name == "toy" else "std"
+    return default_prompt(vlm.name)
 
 
 # ----------------------------------------------------------------------------------------------- spec

@@ -1,4 +1,5 @@
-"""What one `countlens discover` run computes: `DiscoverConfig`, its checks, and the stage names.
+"""What one `countlens discover` run computes: `DiscoverConfig` and its checks (the stages themselves:
+`countlens.pipeline.stages`).
 
 A configuration is pure data; `check_config` refuses values no stage can run with before anything
 is written. Paper presets (`countlens.pipeline.presets`) fill these fields; they import this module,
@@ -20,22 +21,6 @@ if TYPE_CHECKING:
 #: How a run reads the model's answers on COUNTINGTRICKS and Digit-in-Conflict: scoring candidate
 #: answers (`countlens.analysis.evaluate.score`) or greedy generation parsed as the papers do (`generate`).
 EVALUATIONS: tuple[str, ...] = ("score", "generate")
-
-#: The stages of a run, in the order they run and the report reads them (`results/<stage>.nc`).
-STAGES: tuple[str, ...] = (
-    "cases",
-    "conflict_std",
-    "conflict",
-    "vap",
-    "heads",
-    "atp",
-    "lens",
-    "headlens",
-    "attention",
-    "attention_metrics",
-    "ablation",
-    "temperature",
-)
 
 
 @dataclass(frozen=True)
@@ -121,10 +106,15 @@ def check_config(c: DiscoverConfig) -> None:
             raise ConfigError(f"{name}={path!r}: no such file or directory; give the path of a local copy")
 
 
+def default_prompt(model: str) -> str:
+    """The prompt style a model is asked in unless told otherwise: the organism's short form on the
+    organism (its vocabulary cannot write Pstd's answers), Pstd elsewhere."""
+    return "short" if model == "toy" else "std"
+
+
 def resolved_prompt(vlm: VLM, c: DiscoverConfig) -> str:
-    """The prompt style a run uses: ``c.prompt``, or for "auto" the organism's short form on the
-    organism (its vocabulary cannot write Pstd's answers) and Pstd elsewhere."""
-    return ("short" if vlm.name == "toy" else "std") if c.prompt == "auto" else c.prompt
+    """The prompt style a run uses: ``c.prompt``, or for "auto" the model's `default_prompt`."""
+    return default_prompt(vlm.name) if c.prompt == "auto" else c.prompt
 
 
 def conflict_styles(model: str) -> tuple[str, str]:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import xarray as xr
 
+from countlens.pipeline.config import default_prompt
 from countlens.progress import Bar
 from countlens.results import head_label, read_json, samples_digest, write_text
 from countlens.training.finetune import (
@@ -438,7 +439,7 @@ def before_after(
         _no_betas(circuit, recipe, alpha)
     base = countlens.load(model)
     check_trainable(base)  # before the baseline evaluation and anything written
-    prompt = "short" if base.name == "toy" else "std"
+    prompt = default_prompt(base.name)
     say = log if lead else (lambda _: None)
     train = training_data(recipe, base.geometry, prompt, local, n_train) if train is None else train
     config = recipe_config(recipe, len(train), **(overrides or {})) if config is None else config

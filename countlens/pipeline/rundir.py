@@ -16,7 +16,7 @@ import xarray as xr
 
 from countlens import results
 from countlens.errors import RunDirError
-from countlens.pipeline.config import STAGES
+from countlens.pipeline.stages import REQUIRED
 
 
 def read_spec(run: str | Path) -> dict:
@@ -37,11 +37,12 @@ def read_spec(run: str | Path) -> dict:
 
 
 def load_run(out: str | Path) -> dict[str, xr.Dataset]:
-    """Every stage result of a finished run directory, by stage name."""
+    """Every stage result of a finished run directory, by stage name (every required stage of the
+    registry, and the optional ones the run had)."""
     out = Path(out)
     read_spec(out)
     found = {p.stem: results.load(p) for p in sorted((out / "results").glob("*.nc"))}
-    missing = [s for s in STAGES if s not in found]
+    missing = [s for s in REQUIRED if s not in found]
     if missing:
         raise RunDirError(f"{out} misses stages {missing}; rerun `countlens discover --out {out}` to finish it")
     return found

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 import countlens
 from countlens.cli import app
 from countlens.datasets.tasks import task_samples
-from countlens.pipeline.config import STAGES, DiscoverConfig
+from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.discover import discover
+from countlens.pipeline.stages import REQUIRED
 from countlens.training.finetune import FinetuneConfig, finetune
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,7 @@ def test_every_discover_stage_and_the_plan(name, tiny_checkpoint, tmp_path):
     result = CliRunner().invoke(app, ["plan", "--model", str(path), *small])
     assert result.exit_code == 0, result.output
     planned = json.loads(out.read_text())
-    assert list(planned["stages"]) == list(STAGES) and planned["patches"] > 0
+    assert list(planned["stages"]) == list(REQUIRED) and planned["patches"] > 0
 
 
 @pytest.mark.parametrize("name", ["internvl", "ovis2"])

@@ -145,7 +145,7 @@ def test_discover_takes_voc_for_its_probes(loaded, tmp_path):
 
     from countlens.errors import ConfigError
     from countlens.pipeline.config import DiscoverConfig
-    from countlens.pipeline.discover import stage_inputs
+    from countlens.pipeline.inputs import stage_inputs
 
     voc = voc_root(tmp_path)
     config = DiscoverConfig(n_samples=2, probes=True, voc=str(voc))

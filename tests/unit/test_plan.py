@@ -19,8 +19,9 @@ from countlens.datasets.tasks import task_samples
 from countlens.errors import ConfigError
 from countlens.loading import meta_vlm
 from countlens.memory import MAX_ROWS
-from countlens.pipeline import plan
-from countlens.pipeline.config import STAGES, DiscoverConfig
+from countlens.pipeline import costs, plan
+from countlens.pipeline.config import DiscoverConfig
+from countlens.pipeline.stages import REQUIRED
 
 SMALL = DiscoverConfig(n_per_case=2, n_pairs=4, n_samples=4, batch_size=4)
 
@@ -41,7 +42,7 @@ def test_forward_flops_equal_torch_flop_counter(name, loaded):
     for keep in (1, 3):
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             vlm.hf(**batch.inputs, logits_to_keep=keep, use_cache=False)
-        planned = plan.forward_flops(w, plan.Forward(3, seq, keep=keep), len(batch.image_pos[0]) * w.merge**2)
+        planned = costs.forward_flops(w, costs.Forward(3, seq, keep=keep), len(batch.image_pos[0]) * w.merge**2)
         if name == "toy":
             assert planned == counter.get_total_flops()
         else:  # CLIP's class token, one vision position more than the patches, is not planned
@@ -98,7 +99,7 @@ def test_a_sweep_on_little_memory_stacks_fewer_rows_and_gives_the_same_effects(o
 
 def test_plan_covers_every_stage_and_sizes_sweeps_like_run_edits(organism):
     p = plan.plan(organism, SMALL)
-    assert [s.name for s in p.stages] == list(STAGES)
+    assert [s.name for s in p.stages] == list(REQUIRED)
     by = {s.name: s for s in p.stages}
     assert by["heads"].rows == MAX_ROWS  # the organism's rows are tiny: the cap holds
     assert all(p.flops(s) > 0 for s in p.stages)
@@ -148,7 +149,7 @@ def test_cli_plan_writes_json_and_refuses_bad_memory(tmp_path):
     )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert list(data["stages"]) == list(STAGES)
+    assert list(data["stages"]) == list(REQUIRED)
     assert data["image_size"] == 224 and data["patches"] == (224 // 16) ** 2
     assert data["memory_bytes"] == 8 * 2**30
     assert "| heads" in result.output

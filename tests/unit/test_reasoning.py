@@ -106,7 +106,7 @@ def test_a_local_copy_stands_in_for_the_procedural_task(tmp_path, loaded):
 
     from countlens.errors import ConfigError
     from countlens.pipeline.config import DiscoverConfig
-    from countlens.pipeline.discover import stage_inputs
+    from countlens.pipeline.inputs import stage_inputs
 
     root = tmp_path / "CLEVR_v1.0"
     (root / "questions").mkdir(parents=True)

@@ -1,0 +1,223 @@
+"""The cost model under `countlens plan`: a stage's forwards, their FLOPs and peak memory.
+
+Nothing runs on the model: a `Planner` reads the model's widths, prepares one batch of a stage's own
+samples to learn its sequence length, and each stage counts its forwards with it.
+
+**FLOPs** of a forward: 2 × every ``Linear`` weight × the tokens it sees (decoder layers: every
+token; vision blocks: every patch; projector: every image token; ``lm_head``: the positions whose
+logits are kept; patch embedding: every patch) plus attention, 4·S²·(heads·d_head) per decoder layer
+and row and 4·P²·width per vision block and image (full attention: an upper bound for windowed
+blocks; a class token's position is not counted). Exact against torch's FLOP counter on eager
+attention for Qwen2-VL (``tests/unit/test_plan.py``).
+
+**Memory** of a stage: weights + the runtime's base + what the stage keeps across its forwards
+(corrupt caches, saved activations, edit values) + the largest transient of one of its forwards.
+A decoder forward of R rows × S tokens holds about R·S·(3·d_ff + 4·d_model) activations at once
+(the MLP's three d_ff-wide tensors beside the residual stream); eager attention adds
+R·heads·S² scores (in the model's dtype and as float32); the kept logits R·keep·vocab twice (dtype
+and float32); a KV cache 2·layers·R·S·kv_heads·d_head; a backward pass the activations each
+layer saves for it, about R·S·(4·d_ff + 6·d_model) per layer; a batch-expanded forward, per row,
+the stacked input of its first layer and (its vision tower skipped) the row's pixel values and a
+copy of the tower's output. The vision tower's transient is the same count as a decoder layer's at
+its own widths over the batch's patches. These are countlens's own estimates; the
+7B-width rehearsal (``bench/plan_rehearsal.py``) measures them against peak RSS.
+
+Row sizing of the sweeps (`rows_per_forward`, `Widths`) lives in `countlens.memory`; each stage's
+own plan lives beside its computation (`countlens.pipeline.stages`), and `countlens.pipeline.plan`
+puts them together for one model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from countlens.analysis.evaluate import candidate_sets
+from countlens.answers import read_rows
+from countlens.circuits.patching import prepare_pairs
+from countlens.memory import MAX_ROWS, Widths, replica_copy_bytes, rows_per_forward, widths
+from countlens.pipeline.config import resolved_prompt
+from countlens.pipeline.inputs import stage_inputs
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One kind of forward a stage runs ``count`` times: ``rows`` × ``seq`` tokens through ``layers``
+    decoder layers (None: all), logits kept at ``keep`` positions, ``images`` images through the
+    vision tower (None: one per row; 0 when a sweep feeds the tower's output back in)."""
+
+    rows: int
+    seq: int
+    count: int = 1
+    keep: int = 1
+    layers: int | None = None
+    images: int | None = None
+    eager: bool = False
+    cache: bool = False  # builds a KV cache
+    context: int = 0  # earlier positions attended through a KV cache (continuations)
+    grad: bool = False  # activations kept for a backward pass
+    extra: int = 0  # further transient bytes (e.g. logits post-processing)
+
+
+def forward_flops(w: Widths, f: Forward, patches: int) -> float:
+    """FLOPs of one forward (``patches``: vision patches per image)."""
+    layers = w.n_layers if f.layers is None else f.layers
+    images = f.rows if f.images is None else f.images
+    tokens = f.rows * f.seq
+    text = 2 * w.layer_linear * layers / w.n_layers * tokens
+    text += 4 * f.rows * f.seq * (f.seq + f.context) * w.n_heads * w.d_head * layers
+    head = 2 * w.lm_head * f.rows * f.keep
+    merged = patches // (w.merge * w.merge)
+    vision = images * (
+        2 * (w.vision_linear + w.patch_embed) * patches
+        + 2 * w.projector_linear * merged
+        + 4 * patches**2 * w.vision_width * w.vision_blocks
+    )
+    if f.grad:  # backward through activations only: about twice the forward's matmuls
+        text, head = 3 * text, 3 * head
+    return float(text + head + vision)
+
+
+def forward_bytes(w: Widths, f: Forward, patches: int) -> int:
+    """Peak transient bytes of one forward: the largest of its layers' live sets, plus logits,
+    cache and what a backward pass keeps."""
+    b, tokens = w.act_bytes, f.rows * f.seq
+    layer = tokens * (3 * w.d_ff + 4 * w.d_model) * b
+    if f.eager:
+        scores = f.rows * w.n_heads * f.seq * (f.seq + f.context) * (2 * b + 4)
+        layer = max(layer, tokens * 4 * w.d_model * b + scores)
+    images = f.rows if f.images is None else f.images
+    vision = images * patches * (3 * w.vision_ff + 4 * w.vision_width) * b
+    logits = f.rows * f.keep * w.vocab * (b + 4)
+    cache = 2 * w.n_layers * f.rows * (f.seq + f.context) * w.n_kv_heads * w.d_head * b if f.cache or f.context else 0
+    saved = (w.n_layers if f.layers is None else f.layers) * tokens * (4 * w.d_ff + 6 * w.d_model) * b if f.grad else 0
+    return int(max(layer, vision) + logits + cache + saved + f.extra)
+
+
+@dataclass
+class StagePlan:
+    """A stage's forwards and what it keeps across them, on the device and on the host."""
+
+    name: str
+    forwards: list[Forward]
+    kept: int = 0  # bytes held across the stage's forwards, on the model's device
+    host: int = 0  # bytes held in host memory (on a CPU model: the same memory)
+    rows: int = 0  # rows per stacked forward (the sweeps)
+    batch: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def chunk_sizes(n: int, size: int) -> dict[int, int]:
+    """{chunk length: how many chunks} of ``n`` items in chunks of ``size``."""
+    sizes = {size: n // size} if n >= size else {}
+    if n % size:
+        sizes[n % size] = 1
+    return sizes
+
+
+def stacked(
+    w: Widths,
+    firsts: list[int],
+    n: int,
+    seq: int,
+    rows: int,
+    keep: int,
+    count: int,
+    patches: int,
+    extra_per_row: int = 0,
+) -> list[Forward]:
+    """The stacked forwards of `run_edits` over replicas whose lowest edited layers are ``firsts``:
+    sorted, ``rows // n`` replicas a pass, layers below a pass's first edit skipped."""
+    per_pass = max(1, rows // n)
+    order = sorted(firsts)
+    out = []
+    for i in range(0, len(order), per_pass):
+        k = len(order[i : i + per_pass])
+        out.append(
+            Forward(
+                k * n,
+                seq,
+                count=count,
+                keep=keep,
+                layers=w.n_layers - max(0, order[i]),
+                images=0,
+                extra=k * n * (extra_per_row + replica_copy_bytes(w, seq, patches)),
+            )
+        )
+    return out
+
+
+def sweep_rows(w: Widths, seq: int, free: int, kept: int, keep: int, patches: int) -> int:
+    return rows_per_forward(w, seq, max(0, free - kept), keep, patches)
+
+
+class Planner:
+    """What every stage's cost reads: the model's widths, the memory left for rows, the batch size, the
+    stage's own samples (made once: several stages share them) and their sequence lengths. Each stage
+    builds its `StagePlan` from these (`countlens.pipeline.stages`)."""
+
+    def __init__(self, vlm: VLM, config, free: int):
+        self.vlm, self.c, self.free = vlm, config, free
+        self.w = widths(vlm)
+        self._make = stage_inputs(vlm, config, resolved_prompt(vlm, config))
+        self._made: dict[str, object] = {}
+        self.bs = config.batch_size
+        first = self.samples("pairs")[0].clean
+        self.patches = vlm.prepare([first.image], [first.question]).patches(self.w.merge)
+        pairs = self.samples("pairs")
+        self.pair_seq = int(prepare_pairs(vlm, pairs[: self.bs]).clean.inputs["input_ids"].shape[1])
+
+    def samples(self, name: str):
+        """A stage's samples (`countlens.pipeline.discover.stage_inputs`), made once: several stages share them."""
+        if name not in self._made:
+            self._made[name] = self._make[name]()
+        return self._made[name]
+
+    def seq(self, samples, forced: bool = False) -> int:
+        chunk = samples[: self.bs]
+        batch = self.vlm.prepare_samples(chunk, teacher_force=forced)
+        return int(batch.inputs["input_ids"].shape[1])
+
+    def score(self, name: str, samples, times: int = 1) -> StagePlan:
+        vlm, w, seq = self.vlm, self.w, self.seq(samples)
+        if all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples):
+            fw = [Forward(n, seq, count=k * times) for n, k in chunk_sizes(len(samples), self.bs).items()]
+            return StagePlan(name, fw, batch=self.bs, notes=["single-token scoring"])
+        sets = {tuple(sorted(c)) for c in candidate_sets(samples, None)}
+        prefixes = [read_rows([vlm.answer_ids(t) for t in cands]) for cands in sets]
+        per = max(len(p) for p in prefixes)
+        width = max(len(x) for p in prefixes for x in p)
+        step = max(1, min(self.bs, MAX_ROWS // per))
+        fw = []
+        for n, k in chunk_sizes(len(samples), step).items():
+            fw.append(Forward(n, seq, count=k * times, cache=True))
+            if width:
+                fw.append(
+                    Forward(
+                        n * per,
+                        width,
+                        count=k * times,
+                        keep=width,
+                        images=0,
+                        context=seq,
+                        extra=n * per * width * w.vocab * 8,
+                    )
+                )
+        return StagePlan(name, fw, batch=step, notes=[f"candidate scoring: {per} rows a sample, {width} forced tokens"])
+
+    def patching(self, name: str, firsts: list[int]) -> StagePlan:
+        w, b, seq = self.w, self.w.act_bytes, self.pair_seq
+        pairs = self.samples("pairs")
+        n0 = min(self.bs, len(pairs))
+        dz = w.n_heads * w.d_head
+        starts = len({f for f in firsts if f >= 1})
+        kept = lambda n: n * seq * ((w.n_layers + 1) * w.d_model + w.n_layers * dz + starts * w.d_model) * b  # noqa: E731
+        rows = sweep_rows(w, seq, self.free, kept(n0), 1, self.patches)
+        fw = []
+        for n, k in chunk_sizes(len(pairs), self.bs).items():
+            fw += [Forward(n, seq, count=3 * k)]  # corrupt cache, clean logits, the clean pre-pass
+            fw += stacked(w, firsts, n, seq, rows, 1, k, self.patches)
+        return StagePlan(name, fw, kept=kept(n0), rows=rows, batch=self.bs)

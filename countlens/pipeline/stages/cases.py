@@ -1,0 +1,89 @@
+"""COUNTINGTRICKS accuracy per case, and Digit-in-Conflict on the position cases.
+
+``cases`` answers the run's COUNTINGTRICKS design (countlens's 32 cases, or the MAS paper's code's 18
+with ``design="paper-code"``); ``conflict_std`` and ``conflict`` ask about the same position-case
+images without and with a distractor digit in the prompt. The report's section gives accuracy per
+case family, number avoidance (Pearson r between the count and its accuracy) and how often the
+distractor is answered.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from countlens.analysis import plots
+from countlens.analysis.evaluate import accuracy, digit_in_conflict, number_avoidance, summary, unanswered
+from countlens.pipeline.config import conflict_styles
+from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
+
+
+def _warn_unanswered(run: RunContext, cases) -> None:
+    warning = unanswered(cases)
+    if warning:  # the report repeats it at its top
+        run.log(f"warning: on COUNTINGTRICKS, {warning}")
+
+
+CASES = Stage(
+    "cases",
+    inputs=("cases",),
+    compute=lambda run: run.answers(run.inputs["cases"](), progress=True),
+    plan=lambda p: p.score("cases", p.samples("cases")),
+    check=_warn_unanswered,
+)
+# Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
+CONFLICT_STD = Stage(
+    "conflict_std",
+    inputs=("conflict_std",),
+    compute=lambda run: run.answers(run.inputs["conflict_std"]()),
+    plan=lambda p: p.score("conflict_std", p.samples("conflict_std")),
+)
+CONFLICT = Stage(
+    "conflict",
+    inputs=("conflict",),
+    compute=lambda run: run.answers(run.inputs["conflict"]()),
+    plan=lambda p: p.score("conflict", p.samples("conflict")),
+)
+
+
+def _families(ctx: ReportContext) -> pd.Series:
+    """Each case of the run's design by its family (position, dilation, adjacency)."""
+    if ctx.spec.get("design", "countlens") == "paper-code":  # the MAS code's 18 circle cases, no adjacency
+        from countlens.datasets.paper_code_tricks import CODE_CASES, DILATION
+
+        return pd.Series({n: "dilation" if n in DILATION else "position" for n in CODE_CASES})
+    from countlens.datasets.countingtricks import CASES as DESIGN
+
+    return pd.Series({n: c.family for n, c in DESIGN.items()})
+
+
+def _by_case(ctx: ReportContext) -> pd.Series:
+    family = _families(ctx)
+    return accuracy(ctx.results["cases"], "case")["accuracy"].reindex(list(family.index))
+
+
+def _values(ctx: ReportContext) -> dict:
+    r, spec = ctx.results, ctx.spec
+    cases = r["cases"]
+    avoid = number_avoidance(cases.where(cases["count"] >= 0, drop=True))
+    overall = summary(cases).loc["all"]
+    dic = digit_in_conflict(r["conflict_std"], r["conflict"])
+    by_case = _by_case(ctx)
+    fam_acc = by_case.groupby(_families(ctx)).mean()
+    return {
+        "family": {f: fam_acc.get(f, float("nan")) for f in ("position", "dilation", "adjacency")},
+        "design": spec.get("design", "countlens"),
+        "n_cases": int(cases.sizes["sample"]),
+        "overall": {"accuracy": overall["accuracy"], "mae": overall["mae"], "unparsed": overall["unparsed"]},
+        "evaluation": spec.get("evaluate", "score"),
+        "max_new_tokens": spec.get("max_new_tokens"),
+        "case_table": by_case.to_frame().T.round(2).to_markdown(index=False),
+        "avoidance": {"r": avoid["r"], "per_count": ", ".join(f"{k}: {v:.2f}" for k, v in avoid["per_count"].items())},
+        "conflict": {**dic, "style": conflict_styles(ctx.model)[0]},
+    }
+
+
+def _draw(ctx: ReportContext) -> None:
+    plots.plot_bars(_by_case(ctx), ctx.figures / "cases.png", "COUNTINGTRICKS accuracy per case")
+
+
+SECTION = Section("cases.md.j2", _values, _draw)

@@ -1,0 +1,147 @@
+"""Where the count travels and which heads carry it: activation patching and attribution patching.
+
+``vap`` patches each layer's residual stream over one token group (image, last, text) from the
+corrupt run into the clean one; ``heads`` patches each head's z; ``atp`` estimates the head effects
+from three passes (attribution patching) and is scored against ``heads``. ``vap`` and ``heads`` are
+sweeps: a sharded run splits them between its ranks, and each streams its chunks so a killed run
+resumes mid-sweep. The head effects are checked before any later stage reads them.
+"""
+
+from __future__ import annotations
+
+import xarray as xr
+
+from countlens import circuits
+from countlens.analysis import plots
+from countlens.analysis.heads import check_effects, head_sites
+from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
+from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
+from countlens.results import head_label, top_sites
+
+
+def _vap(run: RunContext) -> xr.Dataset:
+    return circuits.patch_layers(
+        run.vlm, run.pairs, batch_size=run.batch_size, store=run.store("vap"), progress=True, shard=run.shard
+    )
+
+
+def _heads(run: RunContext) -> xr.Dataset:
+    return circuits.patch_heads(
+        run.vlm, run.pairs, batch_size=run.batch_size, store=run.store("heads"), progress=True, shard=run.shard
+    )
+
+
+def _check_heads(run: RunContext, heads: xr.Dataset) -> None:
+    check_effects(heads.effect, sites=head_sites(heads))  # the importance every later stage reads
+
+
+def _plan_atp(p: Planner) -> StagePlan:
+    w, b, seq = p.w, p.w.act_bytes, p.pair_seq
+    pairs = p.samples("pairs")
+    n0 = min(p.bs, len(pairs))
+    per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
+    fw = []
+    for n, k in chunk_sizes(len(pairs), p.bs).items():
+        fw += [Forward(n, seq, count=k), Forward(n, seq, count=k, grad=True, extra=2 * w.n_layers * per_layer)]
+    return StagePlan("atp", fw, kept=w.n_layers * per_layer, batch=p.bs)
+
+
+VAP = Stage(
+    "vap",
+    inputs=("pairs",),
+    compute=_vap,
+    plan=lambda p: p.patching("vap", [la for la in range(-1, p.w.n_layers) for _ in range(3)]),
+    sweep=True,
+)
+HEADS = Stage(
+    "heads",
+    inputs=("pairs",),
+    compute=_heads,
+    plan=lambda p: p.patching("heads", [la for la in range(p.w.n_layers) for _ in range(p.w.n_heads)]),
+    check=_check_heads,
+    sweep=True,
+)
+ATP = Stage(
+    "atp",
+    inputs=("pairs",),
+    compute=lambda run: circuits.attribution_patch(run.vlm, run.pairs, batch_size=run.batch_size),
+    plan=_plan_atp,
+)
+
+
+def transition(vap: xr.Dataset) -> tuple[int | None, int | None]:
+    """(last layer where image tokens still carry half the effect, first layer where the last token does)."""
+    img = vap.effect.sel(group="image_states" if "image_states" in vap.group else "image")
+    last = vap.effect.sel(group="last")
+    img_layers = [int(layer) for layer in vap.layer.values if float(img.sel(layer=layer)) >= 0.5]
+    last_layers = [int(layer) for layer in vap.layer.values if float(last.sel(layer=layer)) >= 0.5]
+    return (max(img_layers) if img_layers else None), (min(last_layers) if last_layers else None)
+
+
+def _image_sentence(layer: int | None, states: bool = False) -> str:
+    if states:  # a cross-attention model: the image is its states, read at the cross-attention layers
+        if layer is None:
+            return "The image states never carry half the effect by themselves, not even where they enter"
+        if layer == -1:
+            return (
+                "The image states carry the count where they enter (layer −1: what every cross-attention "
+                "layer reads), but no single cross-attention layer's own read carries half of it"
+            )
+        return f"The image states read at cross-attention layer {layer} carry at least half the effect alone"
+    if layer is None:
+        return "Image tokens never carry half the effect by themselves, not even at the input"
+    if layer == -1:
+        return (
+            "Image tokens carry the count at the input (layer −1, the embeddings) but not after layer 0: "
+            "layer 0 already moves it onto text positions"
+        )
+    return f"Image tokens carry at least half the effect up to layer {layer}"
+
+
+def _vap_values(ctx: ReportContext) -> dict:
+    vap = ctx.results["vap"]
+    first_img, first_last = transition(vap)
+    return {
+        "vap": {
+            "n_pairs": int(vap.sizes["pair"]),
+            "image_sentence": _image_sentence(first_img, "image_states" in vap.group),
+            "first_last": first_last,
+            "effect_table": vap.effect.to_pandas().round(3).to_markdown(),
+            "overwrite_table": vap.overwrite.to_pandas().round(3).to_markdown(),
+        }
+    }
+
+
+def _top_effects(effect: xr.DataArray, k: int) -> str:
+    return ", ".join(
+        f"{head_label((layer, head))} ({value:.2f})" for layer, head, value in top_sites(effect, k, absolute=True)
+    )
+
+
+def _atp_score(ctx: ReportContext) -> dict:
+    return circuits.compare(ctx.results["atp"].effect, ctx.results["heads"].effect, k=int(ctx.spec["top_k"]))
+
+
+def _heads_values(ctx: ReportContext) -> dict:
+    return {"top_effects": _top_effects(ctx.results["heads"].effect, 5), "atp": _atp_score(ctx)}
+
+
+def _draw_vap(ctx: ReportContext) -> None:
+    plots.plot_layers(ctx.results["vap"], ctx.figures / "vap.png")
+
+
+def _draw_heads(ctx: ReportContext) -> None:
+    heads, atp = ctx.results["heads"], ctx.results["atp"]
+    plots.plot_heatmap(heads.effect, ctx.figures / "heads.png", "Head patching effect (z, all positions)", center=True)
+    plots.plot_scatter(
+        heads.effect,
+        atp.effect,
+        ctx.figures / "atp.png",
+        "exact patching effect",
+        "AtP estimate",
+        f"AtP vs exact (Spearman {_atp_score(ctx)['spearman']:.2f})",
+    )
+
+
+VAP_SECTION = Section("vap.md.j2", _vap_values, _draw_vap)
+HEADS_SECTION = Section("heads.md.j2", _heads_values, _draw_heads)
