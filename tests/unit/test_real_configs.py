@@ -1,0 +1,190 @@
+"""Real published checkpoint configs (tests/data/checkpoints, sources in its README.md), read by countlens.
+
+No weights and no tokenizer: each config.json is read as countlens reads a checkpoint (`read_config`),
+resolved (`spec_for`, `resolve`), and its model built on the meta device to check that every spec path
+exists at every layer (as tests/unit/test_arch_matrix.py does on tiny models). The image tokens per
+image are computed here from the preprocessor config's own numbers and compared with countlens's
+sizing of an image processor built from that file (`_load_image_processor`).
+
+The expected figures below are the models' published ones (layers, heads, hidden size), as the
+README's table gives them with their sources; they are checked against the config's own fields too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from countlens.arch import resolve, spec_for
+from countlens.errors import UnsupportedArchitectureError
+from countlens.geometry import Geometry
+from countlens.loading import _load_image_processor, read_config
+from countlens.sizing import default_size, fixed_size, is_dynamic, processed_size
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
+
+# Published figures: decoder layers, attention heads, kv heads, hidden size, image token id, ViT patch,
+# patches merged per side (README.md names each figure's source).
+PUBLISHED = {
+    "Qwen__Qwen2.5-VL-3B-Instruct": dict(
+        arch="qwen2_5_vl", layers=36, heads=16, kv=2, d_model=2048, image_token=151655, patch=14, merge=2
+    ),
+    "Qwen__Qwen2.5-VL-7B-Instruct": dict(
+        arch="qwen2_5_vl", layers=28, heads=28, kv=4, d_model=3584, image_token=151655, patch=14, merge=2
+    ),
+    "Qwen__Qwen3-VL-8B-Instruct": dict(
+        arch="qwen3_vl", layers=36, heads=32, kv=8, d_model=4096, image_token=151655, patch=16, merge=2
+    ),
+    "llava-hf__llava-1.5-7b-hf": dict(
+        arch="llava", layers=32, heads=32, kv=32, d_model=4096, image_token=32000, patch=14, merge=1
+    ),
+}
+# Remote-code checkpoints (``trust_remote_code``) whose transformers conversion countlens supports.
+REMOTE_CODE = {"OpenGVLab__InternVL3-8B": "OpenGVLab/InternVL3-8B-hf"}
+
+
+def _dir(name: str) -> str:
+    return str(CHECKPOINTS / name)
+
+
+def _raw(name: str, file: str = "config.json") -> dict:
+    return json.loads((CHECKPOINTS / name / file).read_text())
+
+
+def test_every_config_directory_is_tested():
+    dirs = {p.name for p in CHECKPOINTS.iterdir() if p.is_dir()}
+    assert dirs == set(PUBLISHED) | set(REMOTE_CODE)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_resolve_matches_the_config_and_the_published_figures(name):
+    want = PUBLISHED[name]
+    config = read_config(_dir(name))
+    spec, arch = spec_for(config), resolve(config)
+    assert spec.name == arch.name == want["arch"]
+    # The config's own fields (LLaVA's text_config leaves the Llama defaults implicit: transformers' value).
+    raw = _raw(name)
+    text = raw.get("text_config", raw)
+    own = {
+        "layers": text.get("num_hidden_layers", config.text_config.num_hidden_layers),
+        "heads": text.get("num_attention_heads", config.text_config.num_attention_heads),
+        "kv": text.get("num_key_value_heads", config.text_config.num_key_value_heads),
+        "d_model": text.get("hidden_size", config.text_config.hidden_size),
+    }
+    got = {"layers": arch.n_layers, "heads": arch.n_heads, "kv": arch.n_kv_heads, "d_model": arch.d_model}
+    assert got == own
+    assert got == {k: want[k] for k in got}
+    assert arch.kinds == ("full",) * arch.n_layers and arch.uniform_heads
+    assert arch.d_head == text.get("head_dim", own["d_model"] // own["heads"])
+    image_token = raw.get("image_token_id", raw.get("image_token_index"))
+    assert arch.image_token_id == image_token == want["image_token"]
+    vision = raw["vision_config"]
+    assert arch.patch_size == vision["patch_size"] == want["patch"]
+    assert arch.merge_size == vision.get("spatial_merge_size", 1) == want["merge"]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_every_spec_path_exists_at_every_layer_of_the_meta_model(name):
+    config = read_config(_dir(name))
+    spec, arch = spec_for(config), resolve(config)
+    with torch.device("meta"):
+        model = getattr(transformers, spec.loader).from_config(config)
+    for layer in range(arch.n_layers):
+        softmax = (arch.q_site(layer),) if arch.softmax(layer) else ()
+        for path in (arch.layer(layer), *softmax, arch.o_proj(layer), arch.attention(layer)):
+            model.get_submodule(path)  # raises AttributeError when a path is wrong
+        assert model.get_submodule(arch.o_proj(layer)).in_features == arch.heads(layer) * arch.head_dim(layer)
+        model.get_submodule(f"{arch.layer(layer)}.{spec.k_proj}")
+    for path in (spec.final_norm, spec.lm_head, spec.vision_blocks, spec.projector, spec.vision_tower):
+        model.get_submodule(path)
+    assert len(model.get_submodule(spec.layers)) == arch.n_layers
+    blocks = _raw(name)["vision_config"]
+    assert len(model.get_submodule(spec.vision_blocks)) == blocks.get("depth", blocks.get("num_hidden_layers"))
+
+
+def _budget_resize(h: int, w: int, unit: int, lo: int, hi: int) -> tuple[int, int]:
+    """Qwen's pixel-budget rule, written out from its description: each side rounded to the unit, then
+    scaled (keeping the aspect) into [lo, hi] pixels, rounding down when shrinking, up when enlarging."""
+    hb, wb = max(unit, round(h / unit) * unit), max(unit, round(w / unit) * unit)
+    if hb * wb > hi:
+        beta = math.sqrt(h * w / hi)
+        hb, wb = max(unit, math.floor(h / beta / unit) * unit), max(unit, math.floor(w / beta / unit) * unit)
+    elif hb * wb < lo:
+        beta = math.sqrt(lo / (h * w))
+        hb, wb = math.ceil(h * beta / unit) * unit, math.ceil(w * beta / unit) * unit
+    return hb, wb
+
+
+def test_llava_1_5_image_tokens_from_its_preprocessor_config():
+    name = "llava-hf__llava-1.5-7b-hf"
+    pre, proc = _raw(name, "preprocessor_config.json"), _raw(name, "processor_config.json")
+    side = pre["crop_size"]["height"]  # resized to shortest_edge 336, then centre-cropped to 336 × 336
+    assert pre["size"]["shortest_edge"] == side == pre["crop_size"]["width"]
+    expected = (side // proc["patch_size"]) ** 2  # 336 / 14 = 24 per side
+    assert expected == 576
+    # The processor counts the CLS token too and drops it for the "default" feature strategy.
+    assert proc["vision_feature_select_strategy"] == "default" and proc["num_additional_image_tokens"] == 1
+    arch = resolve(read_config(_dir(name)))
+    ip = _load_image_processor(_dir(name))
+    assert not is_dynamic(ip)
+    assert fixed_size(ip) == default_size(ip, arch.patch_size * arch.merge_size) == (side, side)
+    rows, cols = Geometry.square(side, arch.patch_size, arch.merge_size).token_grid
+    assert rows * cols == expected
+
+
+@pytest.mark.parametrize("name", ["Qwen__Qwen2.5-VL-7B-Instruct", "Qwen__Qwen3-VL-8B-Instruct"])
+@pytest.mark.parametrize("size", [(448, 448), (336, 336), (1000, 700), (40, 40), (4000, 3000)])
+def test_qwen_image_tokens_from_its_preprocessor_config(name, size):
+    pre = _raw(name, "preprocessor_config.json")
+    # Qwen2.5-VL names its budget min_pixels / max_pixels, Qwen3-VL size.shortest_edge / longest_edge.
+    lo = pre.get("min_pixels", pre.get("size", {}).get("shortest_edge"))
+    hi = pre.get("max_pixels", pre.get("size", {}).get("longest_edge"))
+    unit = pre["patch_size"] * pre["merge_size"]
+    h, w = _budget_resize(*size, unit, lo, hi)
+    expected = (h // unit) * (w // unit)
+    arch = resolve(read_config(_dir(name)))
+    assert arch.patch_size * arch.merge_size == unit
+    ip = _load_image_processor(_dir(name))
+    assert is_dynamic(ip)
+    assert processed_size(ip, *size, unit) == (h, w)
+    rows, cols = Geometry(h, w, arch.patch_size, arch.merge_size).token_grid
+    assert rows * cols == expected
+
+
+@pytest.mark.parametrize(
+    "name, side, tokens",
+    [("Qwen__Qwen2.5-VL-7B-Instruct", 448, 256), ("Qwen__Qwen3-VL-8B-Instruct", 448, 196)],
+)
+def test_qwen_default_square_image(name, side, tokens):
+    """countlens's assumed image for a dynamic processor (448 px): 448 / 28 = 16 per side for Qwen2.5-VL,
+    448 / 32 = 14 for Qwen3-VL (patch 16)."""
+    arch = resolve(read_config(_dir(name)))
+    unit = arch.patch_size * arch.merge_size
+    ip = _load_image_processor(_dir(name))
+    assert default_size(ip, unit) == (side, side)
+    rows, cols = Geometry.square(side, arch.patch_size, arch.merge_size).token_grid
+    assert rows * cols == tokens
+
+
+@pytest.mark.parametrize("name", sorted(REMOTE_CODE))
+def test_remote_code_checkpoint_is_refused(name):
+    assert _raw(name)["model_type"] == "internvl_chat"
+    with pytest.raises(UnsupportedArchitectureError):
+        read_config(_dir(name))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding: read_config refuses a remote-code config (model_type internvl_chat) with transformers' "
+    "trust_remote_code message, which does not name the transformers conversion (OpenGVLab/InternVL3-8B-hf) "
+    "that countlens supports",
+)
+@pytest.mark.parametrize("name", sorted(REMOTE_CODE))
+def test_remote_code_refusal_names_the_converted_checkpoint(name):
+    with pytest.raises(UnsupportedArchitectureError, match=REMOTE_CODE[name]):
+        read_config(_dir(name))
