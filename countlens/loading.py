@@ -174,8 +174,10 @@ def read_config(path: str):
         raise CheckpointError(f"{file} cannot be read ({err}); restore it from the original checkpoint") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file} is not a JSON object; restore it from the original checkpoint")
+    _refuse_remote_code(file, raw)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        # Never the checkpoint's own code: transformers would otherwise ask on a terminal whether to run it.
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
         raise UnsupportedArchitectureError(f"{file}: {err}") from None
     except OSError as err:
@@ -186,6 +188,35 @@ def read_config(path: str):
             "the checkpoint's; copy config.json whole from the original checkpoint"
         )
     return config
+
+
+#: Remote-code formats of checkpoints whose transformers conversion countlens supports: model_type →
+#: (the conversion's model_type, an example of a converted checkpoint as its authors publish it).
+REMOTE_CODE_CONVERSIONS = {
+    "internvl_chat": ("internvl", "OpenGVLab/InternVL3-8B-hf for OpenGVLab/InternVL3-8B"),
+    "ovis": ("ovis2", "an Ovis2 checkpoint saved by transformers (model_type 'ovis2')"),
+}
+
+
+def _refuse_remote_code(file: Path, raw: dict) -> None:
+    """A checkpoint in its authors' remote-code format (``auto_map`` naming its own modules): countlens
+    never runs a checkpoint's code, so it names the transformers conversion of the same weights."""
+    kind = raw.get("model_type")
+    if kind in REMOTE_CODE_CONVERSIONS:
+        native, example = REMOTE_CODE_CONVERSIONS[kind]
+        raise UnsupportedArchitectureError(
+            f"{file}: model_type {kind!r} is the authors' remote-code format, whose code countlens never "
+            f"runs; load the transformers conversion of the same model (model_type {native!r}), e.g. {example}"
+        )
+    if "auto_map" in raw and kind is not None:
+        from transformers import CONFIG_MAPPING
+
+        if kind not in CONFIG_MAPPING:
+            raise UnsupportedArchitectureError(
+                f"{file}: model_type {kind!r} needs the checkpoint's own code (auto_map), which countlens never "
+                "runs; use a checkpoint saved in a format transformers ships (a '-hf' conversion, if its authors "
+                "publish one)"
+            )
 
 
 def torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:

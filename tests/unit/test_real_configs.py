@@ -178,12 +178,6 @@ def test_remote_code_checkpoint_is_refused(name):
         read_config(_dir(name))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding: read_config refuses a remote-code config (model_type internvl_chat) with transformers' "
-    "trust_remote_code message, which does not name the transformers conversion (OpenGVLab/InternVL3-8B-hf) "
-    "that countlens supports",
-)
 @pytest.mark.parametrize("name", sorted(REMOTE_CODE))
 def test_remote_code_refusal_names_the_converted_checkpoint(name):
     with pytest.raises(UnsupportedArchitectureError, match=REMOTE_CODE[name]):
