@@ -1,0 +1,223 @@
+"""Faithfulness curves: an independent plain-torch-hook computation of f(C), the empty and full
+circuits as the corrupt and clean runs, MIB's sizes and areas worked by hand, and refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import TINY_IMAGE_SIZE
+from tolerance import assert_close, scale_of
+
+from countlens.circuits.faithfulness import (
+    _ablated_logits,
+    _record,
+    areas,
+    circuit_sizes,
+    faithfulness,
+    faithfulness_curves,
+    graph_nodes,
+    image_positions,
+    node_scores,
+    smallest_faithful,
+)
+from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.sites import group_mask
+from countlens.datasets.pairs import count_pairs
+from countlens.errors import InputError
+
+
+def _pairs(vlm, n=3, image_size=None):
+    if image_size is None:
+        return count_pairs(n, kind="shapes", grid=vlm.geometry, prompt="short", counts=range(2, 7), seed=4)
+    return count_pairs(n, 3, 5, kind="polygons", image_size=image_size, prompt="short", seed=4)
+
+
+def _mlp_module(model, arch, layer):
+    layer_module = model.get_submodule(arch.layer(layer))
+    return getattr(layer_module, "mlp", None) or layer_module.feed_forward
+
+
+def _hook_metric(vlm, pairs, ablate):
+    """Plain torch hooks, no nnsight: Σ LD over ``pairs`` of the clean run with every node of
+    ``ablate`` (labels) overwritten by the corrupt run's output of that node, and the logits' scale."""
+    pb = prepare_pairs(vlm, pairs)
+    model, arch = vlm.hf, vlm.arch
+    z_c, mlp_c, embed_c, handles = {}, {}, {}, []
+
+    def first(args, kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+    handles.append(
+        model.get_submodule(arch.layer(0)).register_forward_pre_hook(
+            lambda m, args, kwargs: embed_c.__setitem__(0, first(args, kwargs).detach().clone()), with_kwargs=True
+        )
+    )
+    for layer in range(arch.n_layers):
+        handles.append(
+            model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(
+                lambda m, args, layer=layer: z_c.__setitem__(layer, args[0].detach().clone())
+            )
+        )
+        handles.append(
+            _mlp_module(model, arch, layer).register_forward_hook(
+                lambda m, args, out, layer=layer: mlp_c.__setitem__(
+                    layer, (out[0] if isinstance(out, tuple) else out).detach().clone()
+                )
+            )
+        )
+    with torch.no_grad():
+        model(**pb.corrupt.inputs)
+    for h in handles:
+        h.remove()
+    image = group_mask(pb.clean, "image")
+    handles = []
+    where = torch.zeros_like(image)
+    if "IN.image" in ablate:
+        where |= image
+    if "IN.text" in ablate:
+        where |= ~image
+
+    def embed(m, args, kwargs):
+        hid = first(args, kwargs).clone()
+        hid[where] = embed_c[0][where]
+        return ((hid, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hid})
+
+    handles.append(model.get_submodule(arch.layer(0)).register_forward_pre_hook(embed, with_kwargs=True))
+    for layer in range(arch.n_layers):
+        heads = [h for h in range(arch.heads(layer)) if f"L{layer}H{h}" in ablate]
+
+        def z_hook(m, args, layer=layer, heads=heads):
+            z = args[0].clone()
+            d = arch.head_dim(layer)
+            for h in heads:
+                z[..., h * d : (h + 1) * d] = z_c[layer][..., h * d : (h + 1) * d]
+            return (z, *args[1:])
+
+        handles.append(model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(z_hook))
+        if f"MLP{layer}" in ablate:
+            handles.append(
+                _mlp_module(model, arch, layer).register_forward_hook(
+                    lambda m, args, out, layer=layer: (
+                        (mlp_c[layer], *out[1:]) if isinstance(out, tuple) else mlp_c[layer]
+                    )
+                )
+            )
+    with torch.no_grad():
+        logits = model(**pb.clean.inputs).logits[:, -1].float()
+    for h in handles:
+        h.remove()
+    rows = torch.arange(len(logits))
+    return float((logits[rows, pb.clean_id] - logits[rows, pb.corrupt_id]).sum()), scale_of(logits)
+
+
+@pytest.mark.numeric
+def test_faithfulness_agrees_with_plain_hooks_on_the_organism(loaded):
+    vlm = loaded("toy")
+    pairs = _pairs(vlm)
+    nodes = graph_nodes(vlm)  # inputs, heads, MLPs: 32 nodes on the organism
+    ranking = {n.label: float((7 * i) % len(nodes)) for i, n in enumerate(nodes)}  # an arbitrary order
+    ds = faithfulness(vlm, pairs, ranking, sizes=(0.0, 0.25, 0.5, 1.0))
+    order = sorted(nodes, key=lambda n: (-abs(ranking[n.label]), nodes.index(n)))
+    full, scale = _hook_metric(vlm, pairs, set())
+    empty, _ = _hook_metric(vlm, pairs, {n.label for n in nodes})
+    for size, k in zip((0.25, 0.5), (8, 16)):
+        kept = {n.label for n in order[:k]}
+        m, s = _hook_metric(vlm, pairs, {n.label for n in nodes} - kept)
+        got = ds.sel(size=size)
+        assert int(got.kept) == k
+        n_pairs = len(pairs)
+        assert_close(float(got.metric), m, scale=max(scale, s) * n_pairs, what=f"m(C) at {size}")
+        expected = (m - empty) / (full - empty)
+        assert_close(float(got.faithfulness), expected, scale=max(scale, s) * n_pairs / abs(full - empty))
+    assert ds.faithfulness.sel(size=0.0) == 0 and ds.faithfulness.sel(size=1.0) == 1
+    assert_close(ds.attrs["metric_full"], full, scale=scale * len(pairs))
+    assert_close(ds.attrs["metric_empty"], empty, scale=scale * len(pairs))
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("name", ["toy", "qwen2_5_vl", "qwen3_5", "qwen3_vl_moe", "mllama", "llama4"])
+def test_no_node_ablated_is_the_clean_run_and_every_node_the_corrupt_run(name, loaded):
+    """Counterfactual patching of every node (inputs, every head's z, every MLP or MoE block) rebuilds
+    the corrupt run: the residual stream is their sum. A hybrid (Qwen3.5's linear layers), a MoE
+    (Qwen3-VL-MoE; Llama 4's experts run on every token) and a cross-attention model (Llama-3.2-Vision:
+    the image node is its image states)."""
+    vlm = loaded(name)
+    pairs = _pairs(vlm) if name == "toy" else _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
+    pb = prepare_pairs(vlm, pairs)
+    nodes = graph_nodes(vlm)
+    values = _record(vlm, pb.corrupt, nodes)
+    got = _ablated_logits(vlm, pb.clean, [frozenset(), frozenset(nodes)], values, image_positions(vlm, pb.clean))
+    with torch.no_grad():
+        clean = vlm.hf(**pb.clean.inputs).logits[:, -1].float()
+        corrupt = vlm.hf(**pb.corrupt.inputs).logits[:, -1].float()
+    assert_close(got[0], clean, what=f"{name}: nothing ablated vs the clean run")
+    assert_close(got[1], corrupt, what=f"{name}: everything ablated vs the corrupt run")
+    assert not torch.allclose(clean, corrupt)  # the pairs do differ
+
+
+def test_curves_of_several_rankings_share_one_node_set_and_random_draws_are_seeded(loaded):
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, n=2)
+    heads = {n.label: float(n.layer * 10 + int(n.index)) for n in graph_nodes(vlm, ("head",))}
+    a = faithfulness_curves(vlm, pairs, {"by_depth": heads}, sizes=(0.0, 0.5, 1.0), random_draws=3, seed=1)
+    b = faithfulness_curves(vlm, pairs, {"by_depth": heads}, sizes=(0.0, 0.5, 1.0), random_draws=3, seed=1)
+    assert list(a.ranking.values) == ["by_depth", "random0", "random1", "random2", "random"]
+    np.testing.assert_array_equal(a.faithfulness.values, b.faithfulness.values)
+    assert a.attrs["nodes"] == "head" and a.attrs["n_nodes"] == 24
+    mean = a.faithfulness.sel(ranking=["random0", "random1", "random2"]).mean("ranking")
+    np.testing.assert_allclose(a.faithfulness.sel(ranking="random").values, mean.values)
+    assert float(a.cpr_std.sel(ranking="random")) >= 0 and np.isnan(float(a.cpr_std.sel(ranking="by_depth")))
+    # The same ranking restricted to heads, evaluated alone, gives the same curve.
+    single = faithfulness(vlm, pairs, heads, sizes=(0.0, 0.5, 1.0))
+    np.testing.assert_array_equal(single.faithfulness.values, a.faithfulness.sel(ranking="by_depth").values)
+
+
+def test_a_head_ranking_from_patching_is_a_ranking(loaded):
+    vlm = loaded("toy")
+    import xarray as xr
+
+    effect = xr.DataArray(np.arange(24.0).reshape(6, 4), coords={"layer": range(6), "head": range(4)})
+    scores = node_scores(vlm, effect)
+    assert len(scores) == 24 and {n.kind for n in scores} == {"head"}
+    assert scores[next(n for n in scores if n.label == "L5H3")] == 23.0
+
+
+def test_mib_sizes_round_down_and_areas_by_hand():
+    assert circuit_sizes(32) == [0, 0, 0, 0, 0, 1, 3, 6, 16, 32]
+    assert circuit_sizes(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    # f rising linearly 0 → 1 over [0, 1]: CPR ½, CMD ½; f ≡ 1: CPR 1, CMD 0; a dip below 0 counts in CMD.
+    assert areas([0, 1], [0, 1]) == (0.5, 0.5)
+    assert areas([0, 0.5, 1], [1, 1, 1]) == (1.0, 0.0)
+    cpr, cmd = areas([0, 0.5, 1], [0, -1, 1])
+    assert cpr == pytest.approx(0.5 * (-0.5) + 0.5 * 0) and cmd == pytest.approx(0.5 * 1.5 + 0.5 * 1.0)
+
+
+def test_smallest_faithful_circuit():
+    import xarray as xr
+
+    ds = xr.Dataset(
+        {
+            "faithfulness": (("ranking", "size"), [[0.0, 0.5, 0.9, 1.0], [0.0, 0.1, 0.2, 1.0], [0, 0, 0, 0.5]]),
+            "kept_fraction": ("size", [0.0, 0.25, 0.5, 1.0]),
+        },
+        coords={"ranking": ["a", "b", "c"], "size": [0.0, 0.25, 0.5, 1.0]},
+    )
+    got = smallest_faithful(ds, 0.8)
+    assert got.sel(ranking="a") == 0.5 and got.sel(ranking="b") == 1.0 and np.isnan(got.sel(ranking="c"))
+
+
+def test_bad_rankings_are_refused_by_name(loaded):
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, n=1)
+    heads = {n.label: 1.0 for n in graph_nodes(vlm, ("head",))}
+    with pytest.raises(InputError, match="L9H0"):
+        faithfulness(vlm, pairs, {**heads, "L9H0": 1.0})
+    with pytest.raises(InputError, match="scores no"):
+        faithfulness(vlm, pairs, heads, nodes=("head", "mlp"))
+    with pytest.raises(InputError, match="ablation"):
+        faithfulness(vlm, pairs, heads, ablation="zero")
+    with pytest.raises(InputError, match="size"):
+        faithfulness(vlm, pairs, heads, sizes=(0.5, 2))
+    with pytest.raises(InputError, match="another node set"):
+        faithfulness_curves(vlm, pairs, {"a": heads, "b": {n.label: 1.0 for n in graph_nodes(vlm)}})
