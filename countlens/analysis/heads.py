@@ -6,7 +6,7 @@ attention on image tokens), ``importance`` (one scale: |effect| of patching the 
 passes its head-patching effect, the papers' γ_h), ``constancy`` (how often the head's top-1
 decoded token is the same across samples) and, optionally, ``alignment`` (how often its top-1
 token is the sample's count) and ``difficulty`` (share of difficulty words in its top-k). Depth is
-layer / (n_layers − 1). Rules, first match wins (thresholds are `HeadThresholds` fields):
+layer / (n_layers − 1). Rules, first match wins (thresholds are `countlens.settings.HeadThresholds` fields):
 
 1. **visual grounding** — early (depth ≤ early), reads the image (image_attention ≥ image_high) and
    decodes visual attributes (vgs ≥ vgs_min);
@@ -25,48 +25,18 @@ a paper's layer ranges as the paper does.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import xarray as xr
 
-from countlens.errors import ConfigError, RunDirError
+from countlens.errors import RunDirError
 from countlens.results import head_label
-from countlens.validate import require_nonnegative, require_order, require_share
+from countlens.settings import HeadThresholds
 
 CLASSES: tuple[str, ...] = ("visual grounding", "cross-modal routing", "counting aggregation", "awareness", "other")
-
-
-@dataclass(frozen=True)
-class HeadThresholds:
-    early: float = 0.34  # depth at or below which a head is "early"
-    late: float = 0.5  # depth at or above which a head is "late"
-    image_high: float = 0.3
-    image_low: float = 0.2
-    vgs_min: float = 0.2
-    cter_min: float = 0.5
-    important: float = 0.05  # importance: |patching effect| (share of the logit difference)
-    constant: float = 0.9
-    routing_from: float = 0.0  # depth band of routing heads: routing_from ≤ depth < routing_to
-    routing_to: float | None = None  # None: late
-    align_min: float = 0.0  # aggregation: top-1 token = the count on ≥ this share (0: not tested)
-    difficulty_min: float | None = None  # awareness by difficulty words (None: not tested)
-
-    def __post_init__(self) -> None:
-        """Shares and depths in [0, 1], bands in order, importance ≥ 0: a threshold outside them
-        would class no head (or every head) without saying so."""
-        for name in ("early", "late", "image_high", "image_low", "vgs_min", "cter_min", "constant", "routing_from"):
-            require_share(getattr(self, name), name, ConfigError)
-        for name in ("routing_to", "align_min", "difficulty_min"):
-            if getattr(self, name) is not None:
-                require_share(getattr(self, name), name, ConfigError)
-        require_nonnegative(self.important, "important", ConfigError)
-        require_order(("early", self.early), ("late", self.late), ConfigError)
-        require_order(("image_low", self.image_low), ("image_high", self.image_high), ConfigError)
-        routing_to = ("late", self.late) if self.routing_to is None else ("routing_to", self.routing_to)
-        require_order(("routing_from", self.routing_from), routing_to, ConfigError)
 
 
 def constancy(top1: xr.DataArray) -> xr.DataArray:

@@ -1,6 +1,6 @@
 """Before/after report of the circuit-guided fine-tune, in the papers' ablation layout.
 
-A `countlens.training.recipe.Recipe` says what trains and what is measured: countlens's own
+A `countlens.settings.Recipe` says what trains and what is measured: countlens's own
 (`DEFAULT_RECIPE`), or a paper's (``preset="counting-circuits"``: Baseline / +SFT / +SFT+focus /
 Full with β on SynDot + SynPoly scenes, SynReal and PixMo-Count columns; ``"counting-to-four"``:
 SFT against SFT+MAS on FSC-147, Circles (Syn) / FSC-Val / FSC-Test columns). Rows, from
@@ -231,7 +231,7 @@ def evaluation_sets(
     from countlens.datasets.pairs import count_scenes
     from countlens.datasets.tasks import task_samples
     from countlens.errors import ConfigError
-    from countlens.training.recipe import DEFAULT_RECIPE
+    from countlens.settings import DEFAULT_RECIPE
 
     names = DEFAULT_RECIPE.evaluation if names is None else names
     size, local, colors = grid.image_height, local or {}, ("red", "green", "blue")
@@ -414,7 +414,7 @@ def before_after(
 ) -> pd.DataFrame | None:
     """Train the recipe's variants and evaluate them; returns the table (rows: variants) and writes it.
 
-    ``recipe``: a `countlens.training.recipe.Recipe` (default: the ``preset``'s, else countlens's own). Without
+    ``recipe``: a `countlens.settings.Recipe` (default: the ``preset``'s, else countlens's own). Without
     ``config``, the run's config is the recipe's with ``overrides`` (FinetuneConfig fields) over it.
     ``local``: local benchmark copies, ``{"fsc147": ROOT, "pixmo": FILE}``, for the recipe's columns
     and FSC-147 training data.

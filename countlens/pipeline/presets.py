@@ -31,11 +31,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from countlens.analysis.heads import HeadThresholds
 from countlens.analysis.probes import ProbeConfig
 from countlens.errors import ConfigError
 from countlens.pipeline.config import DiscoverConfig
-from countlens.training.recipe import DEFAULT_RECIPE, Recipe
+from countlens.settings import DEFAULT_RECIPE, HeadThresholds, Recipe
 
 
 @dataclass(frozen=True)

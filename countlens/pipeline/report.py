@@ -5,7 +5,8 @@ section of the registry (`countlens.pipeline.stages.SECTIONS`) measures what it 
 the patching transition, AtP's rank agreement, the Jaccard overlaps) and draws its figures; the text
 is rendered from ``templates/header.md.j2`` and ``templates/sections/`` (Jinja2: the prose is there,
 the values are computed in the stage modules). ``countlens report RUN`` re-renders it.
-The section `countlens finetune` appends (`FINETUNE_SECTION`) is kept when the report is rebuilt.
+`countlens finetune` puts its before/after table into the report (`add_finetune_section`); that section
+(`FINETUNE_SECTION`) is kept when the report is rebuilt. `splice_finetune_section` does both splices.
 """
 
 from __future__ import annotations
@@ -58,8 +59,28 @@ def write_report(
     ]
     text = "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
     path = out / "report.md"
-    if path.exists() and FINETUNE_SECTION in path.read_text():
-        # Keep the section `countlens finetune` appended: it is not rebuilt from results/.
-        text = text.rstrip("\n") + "\n\n" + FINETUNE_SECTION + path.read_text().split(FINETUNE_SECTION, 1)[1]
+    kept = path.read_text() if path.exists() else ""
+    if FINETUNE_SECTION in kept:  # the section `countlens finetune` wrote is not rebuilt from results/
+        text = splice_finetune_section(text, kept[kept.index(FINETUNE_SECTION) :])
     path.write_text(text)
+    return path
+
+
+def splice_finetune_section(report: str, section: str) -> str:
+    """``report`` with ``section`` (the text from `FINETUNE_SECTION` on) as its fine-tune section: in
+    place of the one it has, else after its end."""
+    return report.split(FINETUNE_SECTION, 1)[0].rstrip("\n") + "\n\n" + section
+
+
+def add_finetune_section(run: str | Path, finetune_out: str | Path, command: str) -> Path | None:
+    """Put the before/after table of a fine-tune (``finetune_out/before_after.md``, written by
+    `countlens.pipeline.finetune_job.before_after`) into ``run``'s report.md, under `FINETUNE_SECTION`
+    with the ``command`` that made it; an earlier fine-tune's section is replaced. Returns the report's
+    path, or None (nothing written) when the run has no report."""
+    path = Path(run) / "report.md"
+    if not path.exists():
+        return None
+    table = (Path(finetune_out) / "before_after.md").read_text()
+    section = f"{FINETUNE_SECTION}\n\nCommand: `{command}`.\n\n{table}"
+    path.write_text(splice_finetune_section(path.read_text(), section))
     return path

@@ -3,17 +3,17 @@
 Everything here is built offline from code: the tokenizer from a fixed vocabulary (`VOCAB`), the
 processor from `Qwen2VLImageProcessorPil` (pinned to one image size) and the model from a config.
 The same functions build the shipped organism and the test fixtures, so the two cannot drift.
+The training schedule, `TrainConfig`, is `countlens.toy.schedule`'s (imported here, where the recipe
+is saved with it).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES
-from countlens.datasets.tasks import TASKS
-from countlens.errors import ConfigError
-from countlens.validate import require_choice, require_count, require_nonnegative, require_positive, require_seed
+from countlens.toy.schedule import TrainConfig
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -113,51 +113,6 @@ class ToyConfig:
         from countlens.geometry import Geometry
 
         return Geometry.square(self.image_size, self.patch_size, self.merge_size)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The training schedule (see `countlens.toy.train`)."""
-
-    seed: int = 0
-    steps: int = 5000
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup: int = 100
-    vision_pretrain: int = (
-        0  # steps of shape pretraining of the vision tower on small crops (off in the shipped recipe)
-    )
-    crop_size: int = 64  # side (px) of those one-object crops; objects keep their in-scene sizes
-    crop_batch: int = 64
-    pretrain_reads: str = (
-        "tokens"  # what vision_pretrain's head reads: the "centre" token, pooled "tokens", pooled "patches"
-    )
-    vision_warmup: int = 300  # steps of dense pretraining of the vision tower (see train.vision_warmup)
-    freeze_vision: bool = (
-        False  # freeze patch embedding and blocks after crop pretraining (else after the dense warmup)
-    )
-    weight_decay: float = 0.01
-    task_mix: dict = field(default_factory=lambda: {"count": 0.7, "color": 0.15, "shape": 0.15})
-    threads: int = 2
-
-    def __post_init__(self) -> None:
-        if self.pretrain_reads not in ("centre", "tokens", "patches"):
-            raise ConfigError(f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'centre', 'tokens' or 'patches'")
-        require_seed(self.seed, "seed", ConfigError)
-        for name in ("batch_size", "crop_size", "crop_batch", "threads"):
-            require_count(getattr(self, name), name, ConfigError)
-        for name in ("steps", "warmup", "vision_pretrain", "vision_warmup"):  # steps 0: the tower's pretraining only
-            require_seed(getattr(self, name), name, ConfigError)
-        require_positive(self.lr, "lr", ConfigError)
-        require_nonnegative(self.weight_decay, "weight_decay", ConfigError)
-        for task, weight in self.task_mix.items():
-            require_choice(task, "task_mix's task", TASKS, ConfigError)
-            require_nonnegative(weight, f"task_mix[{task!r}]", ConfigError)
-        if not sum(self.task_mix.values()) > 0:
-            raise ConfigError(f"task_mix {self.task_mix}: give some task a weight > 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,6 +1,7 @@
 """Circuit-guided fine-tuning: answer-only SFT plus focus / MAS attention losses at the circuit's
-layers (LoRA via peft, accelerate), and what a fine-tune is (`countlens.training.recipe`). The
-before/after table that runs recipes is a main job: `countlens.pipeline.finetune_job`."""
+layers (LoRA via peft, accelerate). What a fine-tune is, as data, is torch-free beside it:
+`countlens.settings` (`FinetuneConfig`, `Recipe`). The before/after table that runs recipes is a
+main job: `countlens.pipeline.finetune_job`."""
 
 from countlens.training.finetune import FinetuneConfig, finetune, target_layers_from, with_adapter
 from countlens.training.losses import answer_ce, focus_loss, gaussian_prior, mas_loss

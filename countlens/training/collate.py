@@ -18,12 +18,12 @@ import torch
 from torch import Tensor
 
 from countlens.errors import ConfigError, InputError
+from countlens.settings import CE_ON
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
 
 IGNORE = -100
-CE_ON: tuple[str, ...] = ("answer", "digits")
 
 
 @dataclass

@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,76 +42,14 @@ import torch
 from countlens.analysis.heads import read_heads
 from countlens.errors import ConfigError, InputError, RunDirError
 from countlens.results import read_json, refuse_older_spec, write_text
-from countlens.training.collate import CE_ON, digit_mask
-from countlens.training.losses import MAS_REDUCE
-from countlens.validate import (
-    require_choice,
-    require_count,
-    require_distinct,
-    require_nonnegative,
-    require_positive,
-    require_seed,
-    require_share,
-)
+from countlens.settings import FinetuneConfig
+from countlens.training.collate import digit_mask
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
-#: The learning-rate schedules after the warm-up (`FinetuneConfig.schedule`).
-SCHEDULES: tuple[str, ...] = ("linear", "cosine")
-#: What a fine-tune trains (`FinetuneConfig.method`): LoRA adapters, or every language-model weight.
-METHODS: tuple[str, ...] = ("lora", "full")
 FULL_WEIGHTS = "model.safetensors"  # a full fine-tune's trained weights, in a checkpoint and in out/adapter
 FULL_MARKER = "full_finetune.json"  # marks out/adapter as a full fine-tune's weights (not a LoRA adapter)
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    steps: int = 300
-    batch_size: int = 16
-    grad_accum: int = 1
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup: float = 0.03
-    schedule: str = "linear"  # after the warm-up: "linear" decay to 0, or "cosine" (the MAS paper's script)
-    max_grad_norm: float = 0.0  # clip the gradient's global norm to this (0: no clipping)
-    method: str = "lora"  # "lora" (adapters on the LM's attention) or "full" (every LM weight; the MAS code's)
-    lora_r: int = 32
-    lora_alpha: int = 64
-    lora_dropout: float = 0.0
-    lora_target_layers_only: bool = False
-    target_layers: tuple[int, ...] = ()
-    focus: float = 1.0  # λ_focus (0 switches the term off)
-    mas: float = 0.0  # λ_mas (the papers' default when used: 0.1)
-    tau: float = 0.4
-    sigma: float = 1.0
-    mas_reduce: str = "token"
-    ce_on: str = "answer"  # "digits": the CE on the count's digit tokens only (Counting Circuits' L_SFT)
-    seed: int = 0
-    save_every: int = 50
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        """Every field in its range, so a bad value is refused before a model loads or a file is
-        written (a learning rate of 0 would save an identity adapter as a result)."""
-        for name in ("steps", "batch_size", "grad_accum", "lora_r", "save_every"):
-            require_count(getattr(self, name), name, ConfigError)
-        require_positive(self.lr, "lr", ConfigError)
-        require_positive(self.lora_alpha, "lora_alpha", ConfigError)
-        require_positive(self.sigma, "sigma", ConfigError)
-        for name in ("weight_decay", "focus", "mas", "max_grad_norm"):
-            require_nonnegative(getattr(self, name), name, ConfigError)
-        require_share(self.warmup, "warmup", ConfigError, below_one=True)
-        require_share(self.lora_dropout, "lora_dropout", ConfigError, below_one=True)
-        require_share(self.tau, "tau", ConfigError)
-        require_seed(self.seed, "seed", ConfigError)
-        require_choice(self.mas_reduce, "mas_reduce", MAS_REDUCE, ConfigError)
-        require_choice(self.schedule, "schedule", SCHEDULES, ConfigError)
-        require_choice(self.method, "method", METHODS, ConfigError)
-        require_choice(self.ce_on, "ce_on", CE_ON, ConfigError)
-        for layer in self.target_layers:
-            require_seed(layer, "a target layer", ConfigError)
-        require_distinct(self.target_layers, "target_layers", ConfigError)
 
 
 def target_layers_from(

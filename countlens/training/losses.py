@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.settings import MAS_REDUCE
 from countlens.training.collate import IGNORE
 
 if TYPE_CHECKING:
@@ -91,10 +92,6 @@ def focus_loss(
 def modality_share(attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor) -> Tensor:
     """Float[Tensor, "layer batch seq"]: MAS at every position (meaningful at the targets)."""
     return torch.stack([(a.mean(1) * image_mask[:, None, :].to(a.device, a.dtype)).sum(-1) for a in attn])
-
-
-#: How `mas_loss` averages its hinge: over target tokens, per sample first, or as the paper's code does.
-MAS_REDUCE: tuple[str, ...] = ("token", "sample", "paper")
 
 
 def mas_loss(

@@ -122,24 +122,24 @@ def test_option_defaults_are_the_dataclasses():
     """The defaults the options use and their help states are read from the dataclasses they fill."""
     from dataclasses import MISSING, fields
 
-    from countlens import cli
     from countlens.analysis.heads import HeadThresholds
+    from countlens.cli import options
     from countlens.pipeline.config import DiscoverConfig
+    from countlens.settings import DEFAULT_RECIPE, Recipe
     from countlens.toy.recipe import TrainConfig
     from countlens.training.finetune import FinetuneConfig
-    from countlens.training.recipe import DEFAULT_RECIPE, Recipe
 
-    for where, cls in (
-        ("countlens.pipeline.config:DiscoverConfig", DiscoverConfig),
-        ("countlens.analysis.heads:HeadThresholds", HeadThresholds),
-        ("countlens.training.finetune:FinetuneConfig", FinetuneConfig),
-        ("countlens.training.recipe:Recipe", Recipe),
-        ("countlens.toy.recipe:TrainConfig", TrainConfig),
+    for read, cls in (
+        (options.DISCOVER, DiscoverConfig),
+        (options.THRESHOLDS, HeadThresholds),
+        (options.FINETUNE, FinetuneConfig),
+        (options.RECIPE, Recipe),
+        (options.TOY_TRAIN, TrainConfig),
     ):
-        assert cli._defaults(where) == {f.name: f.default for f in fields(cls) if f.default is not MISSING}, where
+        assert read == {f.name: f.default for f in fields(cls) if f.default is not MISSING}, cls
     # Without --preset, finetune runs countlens's own recipe: the FinetuneConfig defaults its help states.
     for name in ("steps", "batch_size", "lr", "lora_r"):
-        assert DEFAULT_RECIPE.config.get(name, cli.FINETUNE[name]) == cli.FINETUNE[name], name
+        assert DEFAULT_RECIPE.config.get(name, options.FINETUNE[name]) == options.FINETUNE[name], name
 
 
 def test_one_handler_turns_any_countlens_error_into_exit_2(tmp_path, monkeypatch):

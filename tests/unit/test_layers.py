@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "validate": 0,
     "geometry": 1,
     "progress": 1,
+    "settings": 1,
     "arch": 2,
     "datasets": 2,
     "answers": 3,
