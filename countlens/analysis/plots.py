@@ -89,3 +89,28 @@ def plot_bars(series: pd.Series, path: str | Path, title: str, ylabel: str = "ac
     ax.set_xticks(range(len(series)), [str(i) for i in series.index], rotation=90, fontsize=7)
     ax.set(ylabel=ylabel, title=title, ylim=(0, 1))
     return _save(plt, fig, path)
+
+
+def plot_faithfulness(
+    ds: xr.Dataset, path: str | Path, title: str = "Faithfulness of each ranking's top nodes"
+) -> Path:
+    """f(C) over the fraction of the node set kept, one line per ranking; random rankings as their
+    mean with a band of ± one standard deviation over the draws."""
+    plt, fig, ax = _figure()
+    x = ds.kept_fraction.values
+    draws = [str(r) for r in ds.ranking.values if str(r).startswith("random") and str(r) != "random"]
+    for r in ds.ranking.values:
+        name = str(r)
+        if name in draws:
+            continue
+        y = ds.faithfulness.sel(ranking=name).values
+        if name == "random" and draws:
+            spread = ds.faithfulness.sel(ranking=draws).std("ranking").values
+            ax.fill_between(x, y - spread, y + spread, color="grey", alpha=0.25)
+            ax.plot(x, y, color="grey", ls="--", label=f"random (mean of {len(draws)})")
+        else:
+            ax.plot(x, y, marker="o", label=name)
+    ax.axhline(0.8, color="black", lw=0.6, ls=":")
+    ax.set(xlabel="fraction of the nodes kept", ylabel="faithfulness f(C)", title=title)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)

@@ -109,10 +109,12 @@ def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[No
             raise InputError(
                 f"scores over {scores.dims}: give a DataArray over (layer, head), or {{node label: score}}"
             )
+        # NaN: no head there (beyond a layer's own heads, e.g. Qwen3.5's linear layers have more).
         values = {
             head_label((int(la), int(h))): float(scores.sel(layer=la, head=h))
             for la in scores["layer"].values
             for h in scores["head"].values
+            if not math.isnan(float(scores.sel(layer=la, head=h)))
         }
     elif isinstance(scores, Mapping):
         values = {str(k): float(v) for k, v in scores.items()}

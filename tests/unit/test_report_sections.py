@@ -3,12 +3,12 @@ when the report is rebuilt (`countlens report`), byte for byte."""
 
 from countlens.pipeline.report import FINETUNE_SECTION, add_finetune_section, splice_finetune_section
 
-REPORT = "# Report\n\n## 8. Head temperature\n\nsharper\n\n"
+REPORT = "# Report\n\n## 9. Is it a circuit?\n\nsharper\n\n"
 
 
 def test_a_section_goes_after_the_report_and_replaces_an_earlier_one():
     first = splice_finetune_section(REPORT, f"{FINETUNE_SECTION}\n\nfirst table\n")
-    assert first == f"# Report\n\n## 8. Head temperature\n\nsharper\n\n{FINETUNE_SECTION}\n\nfirst table\n"
+    assert first == f"# Report\n\n## 9. Is it a circuit?\n\nsharper\n\n{FINETUNE_SECTION}\n\nfirst table\n"
     second = splice_finetune_section(first, f"{FINETUNE_SECTION}\n\nsecond table\n")
     assert second == first.replace("first table", "second table")
 

@@ -9,7 +9,17 @@ section's template in ``templates/sections/``) and its line in each tuple below.
 
 from __future__ import annotations
 
-from countlens.pipeline.stages import ablation, attention, cases, classes, lens, patching, probes, temperature
+from countlens.pipeline.stages import (
+    ablation,
+    attention,
+    cases,
+    classes,
+    faithfulness,
+    lens,
+    patching,
+    probes,
+    temperature,
+)
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 
 STAGES: tuple[Stage, ...] = (
@@ -25,6 +35,7 @@ STAGES: tuple[Stage, ...] = (
     attention.ATTENTION_METRICS,
     ablation.ABLATION,
     temperature.TEMPERATURE,
+    faithfulness.FAITHFULNESS,
     probes.PROBES,
 )
 
@@ -37,6 +48,7 @@ SECTIONS: tuple[Section, ...] = (
     classes.SECTION,
     ablation.SECTION,
     temperature.SECTION,
+    faithfulness.SECTION,
 )
 
 #: The stages every finished run has (`results/<name>.nc`); an optional one (the probes) may be absent.

@@ -1,0 +1,124 @@
+"""Is it a circuit? The faithfulness of the top heads of each ranking the run computed.
+
+For each ranking of the heads — exact head patching (``heads``), attribution patching (``atp``), the
+drop in log p(gold) when a head is mean-ablated on counting (``ablation``) and random rankings — the
+circuit at each of MIB's sizes keeps the top heads and patches every other head's z from the corrupt
+run; f(C) says how much of the clean run's logit difference it keeps (`countlens.circuits.faithfulness`:
+the definition, the node set, CPR and CMD). The report's section draws the curves and tabulates CPR,
+CMD and the smallest circuit reaching 80 % faithfulness. These are countlens's own measurements on the
+run's pairs: no paper's figure is comparable with them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import xarray as xr
+
+from countlens.analysis import plots
+from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves, smallest_faithful
+from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, sweep_rows
+from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
+
+#: Random rankings drawn as the baseline (their mean and spread are reported).
+RANDOM_DRAWS = 5
+#: The run's own head rankings (`_rankings`): exact patching, AtP, the mean-ablation drop.
+RANKINGS = 3
+#: The faithfulness a circuit must reach to count as carrying the behaviour in the report's table.
+LEVEL = 0.8
+
+
+def _rankings(results: dict) -> dict[str, xr.DataArray]:
+    """The head rankings a run has computed, each a DataArray over (layer, head)."""
+    return {
+        "exact patching": results["heads"].effect,
+        "AtP": results["atp"].effect,
+        "mean-ablation drop": results["ablation"].logp_drop.sel(task="count", drop=True),
+    }
+
+
+def _faithfulness(run: RunContext) -> xr.Dataset:
+    return faithfulness_curves(
+        run.vlm,
+        run.pairs,
+        _rankings(run.results),
+        nodes=("head",),
+        batch_size=run.batch_size,
+        random_draws=RANDOM_DRAWS,
+        seed=run.config.seed,
+    )
+
+
+def _plan(p: Planner) -> StagePlan:
+    """Per chunk of pairs: the corrupt run recorded, then every distinct circuit (at most rankings ×
+    sizes, and the empty and full ones) as stacked copies of the clean batch."""
+    w, b, seq = p.w, p.w.act_bytes, p.pair_seq
+    pairs = p.samples("pairs")
+    n0 = min(p.bs, len(pairs))
+    circuits = (RANKINGS + RANDOM_DRAWS) * len(set(circuit_sizes(w.n_layers * w.n_heads, SIZES))) + 2
+    kept = n0 * seq * w.n_layers * w.n_heads * w.d_head * b  # every layer's corrupt z
+    rows = sweep_rows(w, seq, p.free, kept, 1, p.patches)
+    fw = []
+    for n, k in chunk_sizes(len(pairs), p.bs).items():
+        per = max(1, rows // n)
+        fw += [Forward(n, seq, count=k)]  # the corrupt run, recorded
+        full, rest = divmod(circuits, per)
+        fw += [Forward(per * n, seq, count=k * full)] if full else []
+        fw += [Forward(rest * n, seq, count=k)] if rest else []
+    return StagePlan("faithfulness", fw, kept=kept, rows=rows, batch=p.bs)
+
+
+FAITHFULNESS = Stage("faithfulness", inputs=("pairs",), compute=_faithfulness, plan=_plan)
+
+
+def _table(ds: xr.Dataset) -> pd.DataFrame:
+    smallest = smallest_faithful(ds, LEVEL)
+    rows = []
+    for r in ds.ranking.values:
+        name = str(r)
+        if name.startswith("random") and name != "random":
+            continue
+        fraction = float(smallest.sel(ranking=name))
+        cpr, cmd = float(ds.cpr.sel(ranking=name)), float(ds.cmd.sel(ranking=name))
+        if name == "random":
+            cpr_s = f"{cpr:.3f} ± {float(ds.cpr_std.sel(ranking=name)):.3f}"
+            cmd_s = f"{cmd:.3f} ± {float(ds.cmd_std.sel(ranking=name)):.3f}"
+            name = f"random (mean of {RANDOM_DRAWS})"
+        else:
+            cpr_s, cmd_s = f"{cpr:.3f}", f"{cmd:.3f}"
+        reach = "—" if math.isnan(fraction) else f"{fraction:.1%} ({round(fraction * ds.attrs['n_nodes'])} heads)"
+        rows.append({"ranking": name, "CPR": cpr_s, "CMD": cmd_s, f"smallest circuit with f ≥ {LEVEL}": reach})
+    return pd.DataFrame(rows)
+
+
+def _curve(ds: xr.Dataset) -> pd.DataFrame:
+    """f(C) per ranking (random: the draws' mean) by the fraction kept, one row per distinct size."""
+    shown = [str(r) for r in ds.ranking.values if not str(r)[-1].isdigit()]
+    table = pd.DataFrame(
+        ds.faithfulness.sel(ranking=shown).values.T,
+        index=pd.Index([f"{x:.1%}" for x in ds.kept_fraction.values], name="kept"),
+        columns=shown,
+    )
+    return table[~table.index.duplicated()].round(3)
+
+
+def _values(ctx: ReportContext) -> dict:
+    ds = ctx.results["faithfulness"]
+    return {
+        "faithfulness": {
+            "n_pairs": int(json.loads(ds.attrs["dataset"])["pairs"]),
+            "n_nodes": int(ds.attrs["n_nodes"]),
+            "table": _table(ds).to_markdown(index=False),
+            "curve": _curve(ds).to_markdown(),
+            "level": LEVEL,
+        }
+    }
+
+
+def _draw(ctx: ReportContext) -> None:
+    plots.plot_faithfulness(ctx.results["faithfulness"], ctx.figures / "faithfulness.png")
+
+
+SECTION = Section("faithfulness.md.j2", _values, _draw)
