@@ -42,7 +42,7 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.sites import GROUPS, STATES, group_mask, heads_view
+from countlens.circuits.sites import GROUPS, STATES, HeadZ, ImageStates, Residual, group_mask, heads_view
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
@@ -268,9 +268,9 @@ def patch_layers(
             masks[STATES] = torch.ones(len(pb.clean), len(pb.clean.state_cells[0]), dtype=torch.bool)
         none = torch.zeros_like(pb.clean.inputs["attention_mask"], dtype=torch.bool)
         return [
-            Edit(layer, masks[g], states=True)
+            Edit(ImageStates(layer), masks[g])
             if g == STATES and layer in reads_states
-            else Edit(layer, none if g == STATES else masks[g])  # a self-attention layer: nothing to patch
+            else Edit(Residual(layer), none if g == STATES else masks[g])  # a self-attention layer: nothing to patch
             for layer in layers
             for g in groups
         ]
@@ -325,7 +325,9 @@ def patch_heads(
     def edits(pb: PairBatch) -> list[Edit | None]:
         mask = group_mask(pb.clean, positions)
         # A layer with fewer heads than the widest (Qwen3.5: value heads vs attention heads): NaN beyond.
-        return [Edit(layer, mask, head) if head < arch.heads(layer) else None for layer in layers for head in heads]
+        return [
+            Edit(HeadZ(layer, head), mask) if head < arch.heads(layer) else None for layer in layers for head in heads
+        ]
 
     spec = {
         "sweep": "patch_heads",

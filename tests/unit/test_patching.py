@@ -8,17 +8,15 @@ import torch
 from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_effect, logit_scale, scale_of
 
+from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.patching import (
-    Edit,
     attribution_patch,
-    cache_run,
     compare,
     patch_heads,
     patch_layers,
     prepare_pairs,
-    run_edits,
 )
-from countlens.circuits.sites import group_mask
+from countlens.circuits.sites import HeadZ, Residual, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError, LayerError
 
@@ -143,7 +141,7 @@ def test_patching_clean_into_clean_changes_nothing(organism):
     pb = prepare_pairs(organism, _pairs(organism))
     clean = cache_run(organism, pb.clean, range(organism.arch.n_layers))
     mask = group_mask(pb.clean, "all")
-    edits = [Edit(2, mask), Edit(4, mask, head=1), Edit(0, group_mask(pb.clean, "image"))]
+    edits = [Edit(Residual(2), mask), Edit(HeadZ(4, 1), mask), Edit(Residual(0), group_mask(pb.clean, "image"))]
     patched = run_edits(organism, pb.clean, clean, edits)
     for logits in patched:  # replicas of the batch in one forward: another GEMM shape, so rounding only
         assert_close(logits, clean["logits"].cpu(), what="clean-into-clean logits")
