@@ -39,8 +39,9 @@ from countlens.answers import answer_window
 from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.patching import PairBatch, check_pair_sweep, pairs_store, sweep_pairs
+from countlens.circuits.pair_batch import PairBatch
 from countlens.circuits.sites import Expert, group_mask
+from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.results import provenance

@@ -303,7 +303,8 @@ def answers(vlm: VLM) -> list[CheckRow]:
 def interventions(vlm: VLM) -> list[CheckRow]:
     from countlens import circuits
     from countlens.circuits.edits import Edit, cache_run, run_edits
-    from countlens.circuits.patching import image_group, prepare_pairs
+    from countlens.circuits.pair_batch import prepare_pairs
+    from countlens.circuits.patching import image_group
     from countlens.circuits.sites import HeadZ, Residual, group_mask
     from countlens.datasets.pairs import count_pairs
 
@@ -437,7 +438,7 @@ def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
 def memory(vlm: VLM) -> list[CheckRow]:
     from countlens import memory as mem
     from countlens.circuits.edits import Edit, cache_run, run_edits
-    from countlens.circuits.patching import prepare_pairs
+    from countlens.circuits.pair_batch import prepare_pairs
     from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
     from countlens.pipeline.plan import Forward, forward_bytes

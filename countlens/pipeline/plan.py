@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from countlens.analysis.evaluate import candidate_sets
 from countlens.answers import answer_window, read_rows
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.pair_batch import prepare_pairs
 from countlens.errors import ConfigError
 from countlens.memory import MAX_ROWS, Widths, free_bytes, replica_copy_bytes, resident_bytes, rows_per_forward, widths
 from countlens.pipeline.config import DiscoverConfig, resolved_prompt

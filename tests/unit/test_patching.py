@@ -183,25 +183,25 @@ def test_a_killed_sweep_resumes_from_its_store(organism, tmp_path):
         calls.append(1)
         return real(*args, **kw)
 
-    import countlens.circuits.patching as patching
+    import countlens.circuits.sweep as sweep
 
-    patching.run_edits = crash_after_one
+    sweep.run_edits = crash_after_one
     try:
         with pytest.raises(KeyboardInterrupt):
             patch_layers(organism, pairs, groups=("last",), batch_size=2, store=store_dir)
     finally:
-        patching.run_edits = real
+        sweep.run_edits = real
     resumed_calls = []
 
     def count(*args, **kw):
         resumed_calls.append(1)
         return real(*args, **kw)
 
-    patching.run_edits = count
+    sweep.run_edits = count
     try:
         resumed = patch_layers(organism, pairs, groups=("last",), batch_size=2, store=store_dir)
     finally:
-        patching.run_edits = real
+        sweep.run_edits = real
     assert len(resumed_calls) == 1  # only the unfinished chunk is recomputed
     # The same chunks in the same process: the resumed sweep is the uninterrupted one, bit for bit.
     np.testing.assert_array_equal(resumed.logit_diff.values, full.logit_diff.values)
