@@ -37,8 +37,9 @@ def cache_run(
     """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
     ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens). A
     cross-attention model's image states come too, as ``states``: Float[Tensor, "batch n_states d"].
-    With ``experts``, ``experts[l]`` for every MoE layer asked: the experts module's input and the
-    router's choice, (x, top-k index, top-k weights), each reshaped to (batch, seq, …)."""
+    With ``experts``, ``experts[l]`` for every MoE layer asked: what the layer's rule reads expert
+    contributions from, per token (`countlens.circuits.expert_rules`: the experts module's input and
+    the router's choice, or every expert's contribution)."""
     out: dict = {"resid": {}, "z": {}, "experts": {}}
     moe = set(vlm.arch.expert_layers) if experts else set()
     rule = expert_rule(vlm.arch) if moe else None
