@@ -180,8 +180,9 @@ def run(
     naive_heads: int | None,
     warmup: bool = True,
 ) -> dict:
-    from countlens.circuits.patching import Edit, cache_run, patch_heads, patch_layers, prepare_pairs, run_edits
-    from countlens.circuits.sites import group_mask
+    from countlens.circuits.edits import Edit, cache_run, run_edits
+    from countlens.circuits.patching import patch_heads, patch_layers, prepare_pairs
+    from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
     from countlens.pipeline.check import as_json, check
 
@@ -222,7 +223,7 @@ def run(
         b = prepare_pairs(vlm, pairs)
         cache = cache_run(vlm, b.corrupt, range(arch.n_layers))
         for la, h in chosen:
-            run_edits(vlm, b.clean, cache, [Edit(la, mask, h)], max_rows=n_pairs)
+            run_edits(vlm, b.clean, cache, [Edit(HeadZ(la, h), mask)], max_rows=n_pairs)
 
     p2 = _interleaved(
         {"patch_heads": lambda: patch_heads(vlm, pairs, batch_size=n_pairs), "naive": naive}, repeats, device, warmup

@@ -89,7 +89,7 @@ from countlens.circuits.patching import (  # noqa: E402
     patch_layers,
     prepare_pairs,
 )
-from countlens.circuits.sites import group_mask, repeat_inputs  # noqa: E402
+from countlens.circuits.sites import HeadZ, Residual, group_mask, repeat_inputs  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
 
 THREADS = 2
@@ -142,7 +142,7 @@ def bench_layers(vlm, pairs, repeats: int) -> dict:
     edits = []
     for pb in pbs:
         masks = {g: group_mask(pb.clean, g) for g in groups}
-        edits.append([Edit(layer, masks[g]) for layer in sweep_layers for g in groups])
+        edits.append([Edit(Residual(layer), masks[g]) for layer in sweep_layers for g in groups])
     shapes = [
         [
             len(e[k : k + max(1, MAX_ROWS // len(pb.clean.inputs["input_ids"]))])
@@ -203,7 +203,7 @@ def bench_heads(vlm, pairs, repeats: int) -> dict:
     pb = prepare_pairs(vlm, pairs)
     cache = cache_run(vlm, pb.corrupt, range(vlm.arch.n_layers))
     mask = group_mask(pb.clean, "all")
-    edits = [Edit(layer, mask, head) for layer in range(vlm.arch.n_layers) for head in range(vlm.arch.n_heads)]
+    edits = [Edit(HeadZ(layer, head), mask) for layer in range(vlm.arch.n_layers) for head in range(vlm.arch.n_heads)]
     ref = run_edits(vlm, pb, cache, edits, max_rows=n)  # one edit per forward
 
     def one_per_forward_sweep():  # the whole sweep as patch_heads does it, but one head per forward

@@ -31,7 +31,7 @@ from torch import Tensor
 from countlens import distributed
 from countlens.answers import answer_window, sequence_scores
 from countlens.circuits.edits import Edit, run_edits
-from countlens.circuits.sites import checked_heads, group_mask
+from countlens.circuits.sites import HeadZ, checked_heads, group_mask
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
@@ -94,9 +94,11 @@ def group_values(batch: Batch, per_group: Float[Tensor, "group d"]) -> tuple[Ten
     return real, value
 
 
-def _mean_values(batch: Batch, means: Tensor, layer: int, head: int, d_head: int) -> tuple[Tensor, Tensor]:
-    """(mask of real tokens, Float[Tensor, "batch seq d_head"] holding each position's group mean)."""
-    return group_values(batch, means[layer, :, head * d_head : (head + 1) * d_head])
+def _mean_edit(vlm: VLM, batch: Batch, means: Tensor, layer: int, head: int) -> Edit:
+    """Head ``head`` at ``layer`` set to its group mean z at every real token."""
+    site = HeadZ(layer, head)
+    real, value = group_values(batch, means[layer, :, site.columns(vlm.arch)])
+    return Edit(site, real, value)
 
 
 def joint_ablation(vlm: VLM, samples: Sequence, batch_size: int, make_edits) -> dict[str, tuple]:
@@ -228,10 +230,7 @@ def _scan_chunk(vlm: VLM, chunk: Sequence, mu: Tensor, sites: list[tuple[int, in
     """One chunk of samples: per site and sample, correct and the drop in log p(gold); the baseline."""
     batch = vlm.prepare_samples(chunk, teacher_force=True)
     gold, keep = batch.answer_ids, answer_window(batch.answer_ids)
-    replicas = []
-    for layer, head in sites:
-        real, value = _mean_values(batch, mu, layer, head, vlm.arch.head_dim(layer))
-        replicas.append(Edit(layer, real, head, value))
+    replicas = [_mean_edit(vlm, batch, mu, layer, head) for layer, head in sites]
     base = run_edits(vlm, batch, None, [[]], keep=keep)[0]
     b_ok, b_logp = gold_scores(base, gold)
     # Reduce each replica to (correct, log p(gold)) as it comes: no full-vocabulary logits kept.
@@ -288,14 +287,9 @@ def ablate(
     require_count(batch_size, "batch_size")
     means = group_means(vlm, samples, batch_size) if means is None else means
 
-    def edits(batch: Batch) -> list[Edit]:
-        out = []
-        for layer, head in heads:
-            real, value = _mean_values(batch, means, layer, head, vlm.arch.head_dim(layer))
-            out.append(Edit(layer, real, head, value))
-        return out
-
-    data = joint_ablation(vlm, samples, batch_size, edits)
+    data = joint_ablation(
+        vlm, samples, batch_size, lambda batch: [_mean_edit(vlm, batch, means, layer, head) for layer, head in heads]
+    )
     return xr.Dataset(
         data,
         coords={"sample": np.arange(len(samples))},

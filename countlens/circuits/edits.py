@@ -1,9 +1,13 @@
-"""Edits of a forward pass: overwrite sites (a layer's residual, a head's z) and read the logits.
+"""Edits of a forward pass: overwrite sites at masked positions and read the logits.
+
+An `Edit` is a site (`countlens.circuits.sites`: a layer's residual, a head's z, an expert's
+contribution, the image states), a mask of the positions it overwrites, and the value written there
+— or, without one, the value a cached run had there. `cache_run` records those cached values.
 
 `run_edits` is the engine under patching and ablation. Many edited copies ("replicas") of one
-clean batch run stacked in one forward, replica r receiving its own edits; every replica shows the
-same images, so the vision tower runs once, and nothing changes below a replica's lowest edited
-layer, so those layers run once too. `cache_run` records the activations a patch copies from.
+clean batch run stacked in one forward, replica r receiving its own edits, which each site kind
+writes itself; every replica shows the same images, so the vision tower runs once, and nothing
+changes below a replica's lowest edited layer, so those layers run once too.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import torch
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.sites import expert_contribution, repeat_inputs, repeat_output
+from countlens.circuits.expert_rules import expert_rule
+from countlens.circuits.sites import Placed, Site, repeat_inputs, repeat_output
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -32,10 +37,12 @@ def cache_run(
     """One traced forward: ``resid[l]`` and ``z[l]`` for every layer asked, and last-position logits.
     ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens). A
     cross-attention model's image states come too, as ``states``: Float[Tensor, "batch n_states d"].
-    With ``experts``, ``experts[l]`` for every MoE layer asked: the experts module's input and the
-    router's choice, (x, top-k index, top-k weights), each reshaped to (batch, seq, …)."""
+    With ``experts``, ``experts[l]`` for every MoE layer asked: what the layer's rule reads expert
+    contributions from, per token (`countlens.circuits.expert_rules`: the experts module's input and
+    the router's choice, or every expert's contribution)."""
     out: dict = {"resid": {}, "z": {}, "experts": {}}
     moe = set(vlm.arch.expert_layers) if experts else set()
+    rule = expert_rule(vlm.arch) if moe else None
     cross = vlm.arch.spec.cross_attention
     with vlm.read(batch):
         if cross is not None:
@@ -46,51 +53,33 @@ def cache_run(
             if z:
                 out["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
             if layer in moe:
-                site = vlm.module(vlm.arch.experts(layer))
-                if vlm.arch.spec.moe.rule == "scaled_inputs":  # every expert's contribution, (E·T, d)
-                    out["experts"][layer] = (site.output.save(),)
-                else:  # what the contributions are computed from: (x, top-k index, top-k weights)
-                    out["experts"][layer] = tuple(t.save() for t in site.inputs[0][:3])
+                out["experts"][layer] = rule.record(vlm.module(vlm.arch.experts(layer)))
             if resid:
                 out["resid"][layer] = vlm.module(vlm.arch.layer(layer)).output.save()
         logits = vlm.nn.output.logits[:, -1].save()
     out["logits"] = logits.float()
     rows, seq = batch.inputs["input_ids"].shape
-    out["experts"] = {layer: _per_token(vlm, got, rows, seq) for layer, got in out["experts"].items()}
+    out["experts"] = {
+        layer: rule.per_token(got, rows, seq, vlm.arch.n_experts) for layer, got in out["experts"].items()
+    }
     if cross is not None:
         out["states"] = states.reshape(len(batch), -1, states.shape[-1])
     return out
 
 
-def _per_token(vlm: VLM, saved: tuple, rows: int, seq: int) -> tuple:
-    """A MoE layer's recorded experts tensors reshaped per token: (x, index, weights) each (rows, seq, …),
-    or, under the scaled-inputs rule, every expert's contribution (experts, rows, seq, d)."""
-    if vlm.arch.spec.moe.rule == "scaled_inputs":
-        return (saved[0].view(vlm.arch.n_experts, rows, seq, -1),)
-    return tuple(t.view(rows, seq, -1) for t in saved)
-
-
 @dataclass(frozen=True)
 class Edit:
-    """Overwrite one site at the masked positions: the residual after ``layer`` (``head`` None; layer
-    −1 = the input of layer 0), head ``head``'s z there, or expert ``expert``'s contribution, with
-    ``value`` (Float[Tensor, "batch seq d"]) or else the cached run's. With ``states`` (cross-attention
-    models) the site is the image states
-    (`countlens.circuits.sites`) and ``mask`` is Bool[Tensor, "batch n_states"]."""
+    """Overwrite ``site`` at the masked positions with ``value`` (Float[Tensor, "batch seq d"], d the
+    site's width), or else with the cached run's value there. An `countlens.circuits.sites.ImageStates`
+    site's positions are the states: its mask is Bool[Tensor, "batch n_states"]."""
 
-    layer: int
+    site: Site
     mask: Bool[Tensor, "batch seq"]
-    head: int | None = None
     value: Float[Tensor, "batch seq d"] | None = None
-    states: bool = False
-    # A MoE layer's expert: its contribution (`countlens.circuits.sites.expert_contribution`) replaced by
-    # ``value``'s or the cached run's (the cache recorded with experts=True).
-    expert: int | None = None
 
-
-def _at(value: Tensor, b: Tensor, s: Tensor) -> Tensor:
-    """value[b, s], wherever value and the indices live (edit values may sit on the CPU)."""
-    return value[b.to(value.device), s.to(value.device)]
+    def placed(self, replica: int) -> Placed:
+        """This edit in replica ``replica`` of a stacked forward, its mask's entries listed."""
+        return Placed(replica, self.site, self.mask, self.value, *self.mask.nonzero(as_tuple=True))
 
 
 @torch.no_grad()
@@ -128,8 +117,11 @@ def run_edits(
     per_pass = max(1, max_rows // n)
     n_layers = vlm.arch.n_layers
     replicas = [[r] if isinstance(r, Edit) else list(r) for r in replicas]
+    for e in [e for edits in replicas for e in edits if e.value is not None]:
+        if e.value.shape[-1] != (width := e.site.width(vlm.arch)):
+            raise InputError(f"an edit of {e.site} writes values {e.value.shape[-1]} wide; the site is {width} wide")
     # Stacked forwards share their skipped prefix: order replicas by their lowest edited layer.
-    first = [min((e.layer for e in edits), default=n_layers) for edits in replicas]
+    first = [min((e.site.layer for e in edits), default=n_layers) for edits in replicas]
     order = sorted(range(len(replicas)), key=lambda i: first[i])
     chunks = [order[i : i + per_pass] for i in range(0, len(order), per_pass)]
     starts = [min(first[i] for i in chunk) for chunk in chunks]
@@ -147,7 +139,11 @@ def run_edits(
     for chunk, start in zip(chunks, starts):
         k = len(chunk)
         inputs = repeat_inputs(batch.inputs, k)
-        where = [(r, e, *e.mask.nonzero(as_tuple=True)) for r, i in enumerate(chunk) for e in replicas[i]]
+        seq = int(inputs["input_ids"].shape[1])
+        writes: dict[tuple[int, int], list[Placed]] = {}
+        for r, i in enumerate(chunk):
+            for e in replicas[i]:
+                writes.setdefault((e.site.layer, e.site.stage), []).append(e.placed(r))
         with vlm.trace(inputs, use_cache=False, logits_to_keep=keep):
             if clean:
                 vlm.module(tower).skip(repeat_output(clean["vision"], k, int(vlm.arch.spec.packed_tower)))
@@ -156,101 +152,13 @@ def run_edits(
                     below = repeat_output(clean[start - 1], k)
                     for layer in range(start):
                         vlm.module(vlm.arch.layer(layer)).skip(below)
-            # nnsight needs modules in execution order: layers ascending; in a layer the image states
-            # (the projector's output, or a cross-attention layer's input), o_proj, the layer output.
-            for layer in sorted({e.layer for _, e, _, _ in where}):
-                ss = [w for w in where if w[1].layer == layer and w[1].states]
-                if ss:
-                    _edit_states(vlm, layer, ss, cache, n)
-                zs = [w for w in where if w[1].layer == layer and w[1].head is not None]
-                if zs:
-                    zin = vlm.module(vlm.arch.o_proj(layer)).input
-                    for r, e, b, s in zs:
-                        d_head = vlm.arch.head_dim(layer)
-                        cols = slice(e.head * d_head, (e.head + 1) * d_head)
-                        src = _at(e.value, b, s) if e.value is not None else cache["z"][layer][b, s, cols]
-                        zin[b.to(zin.device) + r * n, s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
-                xs = [w for w in where if w[1].layer == layer and w[1].expert is not None]
-                if xs:
-                    _edit_experts(vlm, layer, xs, cache, n, int(inputs["input_ids"].shape[1]))
-                rs = [
-                    w
-                    for w in where
-                    if w[1].layer == layer and w[1].head is None and not w[1].states and w[1].expert is None
-                ]
-                if rs:
-                    site = vlm.module(vlm.arch.layer(max(layer, 0)))
-                    hid = site.input if layer == -1 else site.output
-                    for r, e, b, s in rs:
-                        src = _at(e.value, b, s) if e.value is not None else cache["resid"][layer][b, s]
-                        hid[b.to(hid.device) + r * n, s.to(hid.device)] = src.to(hid.device, hid.dtype)
+            # nnsight needs modules in execution order: layers ascending, and in a layer the site
+            # kinds by stage; each kind writes its edits at a layer together.
+            for key in sorted(writes):
+                group = writes[key]
+                type(group[0].site).write(vlm, group, cache, n, seq)
             logits = (vlm.nn.output.logits[:, -1] if keep == 1 else vlm.nn.output.logits[:, -keep:]).save()
         for r, i in enumerate(chunk):
             rows = logits[r * n : (r + 1) * n].float()
             out[i] = (rows if reduce is None else reduce(rows)).cpu()
     return torch.stack(out)
-
-
-def _edit_experts(vlm: VLM, layer: int, edits: list, cache: dict | None, n: int, seq: int) -> None:
-    """Inside a trace: replace experts' contributions at a MoE layer's output (flattened tokens: row ·
-    seq + position) by the edit's value or the cached run's contribution of the same expert."""
-    path = vlm.arch.experts(layer)
-    module = vlm.hf.get_submodule(path)
-    site = vlm.module(path)
-    if vlm.arch.spec.moe.rule == "scaled_inputs":  # each expert's contribution is its own rows: overwrite them
-        out = site.output.view(vlm.arch.n_experts, -1, site.output.shape[-1])
-        for r, e, b, s in edits:
-            rows = ((b + r * n) * seq + s).to(out.device)
-            if e.value is not None:
-                src = _at(e.value, b, s)
-            else:
-                cached = cache["experts"][layer][0][e.expert]
-                src = cached[b.to(cached.device), s.to(cached.device)]
-            out[e.expert, rows] = src.to(out.device, out.dtype)
-        return
-    x, index, weights = site.inputs[0][:3]
-    out = site.output
-    for r, e, b, s in edits:
-        rows = ((b + r * n) * seq + s).to(out.device)
-        mine = expert_contribution(module, x[rows], index[rows], weights[rows], e.expert)
-        if e.value is not None:
-            src = _at(e.value, b, s)
-        else:
-            cx, ci, cw = (t[b.to(t.device), s.to(t.device)] for t in cache["experts"][layer])
-            src = expert_contribution(module, cx.to(out.device), ci.to(out.device), cw.to(out.device), e.expert)
-        out[rows] = out[rows] - mine + src.to(out.device, out.dtype)
-
-
-def _edit_states(vlm: VLM, layer: int, edits: list, cache: dict | None, n: int) -> None:
-    """Inside a trace: overwrite image states — at layer −1 the projector's output, which every
-    cross-attention layer reads; at a cross-attention layer the states that layer alone reads, a
-    patched copy passed in its place (the tensor itself is shared by every cross-attention layer)."""
-    cross = vlm.arch.spec.cross_attention
-    n_states = edits[0][1].mask.shape[1]
-
-    def per_row(states: Tensor) -> Tensor:
-        if states.numel() % (n_states * states.shape[-1]):
-            raise InputError(
-                f"the image states {tuple(states.shape)} are not rows of {n_states} states: the edit's mask "
-                "was made for another batch (build it from the batch that runs)"
-            )
-        return states.view(-1, n_states, states.shape[-1])
-
-    if layer == -1:
-        rows = per_row(vlm.module(cross.states).output)  # (rows, images, tiles, patches, d): written in place
-    else:
-        if vlm.arch.kind(layer) != "cross":
-            raise ValueError(f"layer {layer} is not a cross-attention layer; its attention reads no image states")
-        site = vlm.module(f"{vlm.arch.layer(layer)}.{cross.attn}")
-        args, kwargs = site.inputs
-        states = kwargs[cross.states_kwarg].clone()  # (rows · images · tiles, patches, d)
-        rows = per_row(states)
-    for r, e, b, s in edits:
-        src = (
-            _at(e.value, b, s)
-            if e.value is not None
-            else cache["states"][b.to(cache["states"].device), s.to(cache["states"].device)]
-        )
-        rows[b.to(rows.device) + r * n, s.to(rows.device)] = src.to(rows.device, rows.dtype)
-    if layer != -1:
-        site.inputs = (args, {**kwargs, cross.states_kwarg: states})

@@ -3,10 +3,12 @@
 A mixture-of-experts (MoE) MLP sends each token to its router's top-k experts and adds their
 outputs, each times its routing weight: out(x_t) = Σ_j w_j(t) · E_{i_j(t)}(x_t). Expert e's
 **contribution** to token t is w_e(t) · E_e(x_t), zero where the router did not choose e; a token's
-contributions sum to the experts' output (`countlens.circuits.sites.expert_contribution`). Llama 4
-scales the expert's input instead, E_e(w_e(t) · x_t), running every expert on every token: its
-contribution is the experts module's own row for (e, t) (`countlens.arch.MoESpec.rule`); its shared
-expert, which every token passes through, is not one of them. So an expert is a site as a head is:
+contributions sum to the experts' output (`countlens.circuits.expert_rules.expert_contribution`).
+Llama 4 scales the expert's input instead, E_e(w_e(t) · x_t), running every expert on every token:
+its contribution is the experts module's own row for (e, t); its shared expert, which every token
+passes through, is not one of them. How each rule is recorded, read and written lives in
+`countlens.circuits.expert_rules`. So an expert is a site (`countlens.circuits.sites.Expert`) as a
+head is:
 
 - `routing` reads the router's choice per token (top-k experts and their weights), and
   `expert_usage` the share of a token group's tokens routed to each expert;
@@ -36,8 +38,10 @@ from torch import Tensor
 from countlens.answers import answer_window
 from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.patching import PairBatch, check_pair_sweep, pairs_store, sweep_pairs
-from countlens.circuits.sites import expert_contribution, group_mask
+from countlens.circuits.expert_rules import expert_rule
+from countlens.circuits.pair_batch import PairBatch
+from countlens.circuits.sites import Expert, group_mask
+from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.results import provenance
@@ -78,23 +82,12 @@ def routing(vlm: VLM, batch: Batch, layers: Sequence[int] | None = None) -> dict
     their weights), Int and Float[Tensor, "batch seq top_k"] (padding positions included)."""
     layers = _layers(vlm, layers, "routing")
     rows, seq = batch.inputs["input_ids"].shape
-    scaled = vlm.arch.spec.moe.rule == "scaled_inputs"
+    rule, top_k = expert_rule(vlm.arch), vlm.arch.experts_top_k
     got = {}
     with vlm.read(batch):
         for layer in layers:
-            if scaled:  # the router's (weights over every expert, logits)
-                out = vlm.module(vlm.arch.router(layer)).output
-                got[layer] = (out[0].save(), out[1].save())
-            else:  # the experts module's (x, top-k index, top-k weights)
-                args = vlm.module(vlm.arch.experts(layer)).inputs[0]
-                got[layer] = (args[1].save(), args[2].save())
-    if scaled:  # Llama 4: the top-k by logit, and their (sigmoid) weights
-        k = vlm.arch.experts_top_k
-        got = {
-            layer: (index := logits.topk(k, -1).indices, weights.gather(-1, index))
-            for layer, (weights, logits) in got.items()
-        }
-    return {layer: tuple(t.view(rows, seq, -1).cpu() for t in pair) for layer, pair in got.items()}
+            got[layer] = rule.record_routing(vlm, layer)
+    return {layer: tuple(t.view(rows, seq, -1).cpu() for t in rule.chosen(g, top_k)) for layer, g in got.items()}
 
 
 def expert_usage(
@@ -141,7 +134,7 @@ def patch_experts(
 
     def edits(pb: PairBatch) -> list[Edit]:
         mask = group_mask(pb.clean, positions)
-        return [Edit(layer, mask, expert=e) for layer in layers for e in experts]
+        return [Edit(Expert(layer, e), mask) for layer in layers for e in experts]
 
     spec = {
         "sweep": "patch_experts",
@@ -175,22 +168,14 @@ def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Ten
     arch = vlm.arch
     sums = torch.zeros(len(layers), len(ABLATION_GROUPS), arch.n_experts, arch.d_model, dtype=torch.float64)
     counts = torch.zeros(len(ABLATION_GROUPS), dtype=torch.float64)
+    rule = expert_rule(arch)
     for _, batch in vlm.batches(samples, batch_size, teacher_force=True):
         masks = group_masks(batch)
         recorded = cache_run(vlm, batch, layers, resid=False, z=False, experts=True)["experts"]
         for i, layer in enumerate(layers):
-            if arch.spec.moe.rule == "scaled_inputs":  # every expert's contribution: (experts, rows, seq, d)
-                (every,) = recorded[layer]
-                for g, m in enumerate(masks):
-                    sums[i, g] += every[:, m.to(every.device)].double().sum(1).cpu()
-                continue
             module = vlm.hf.get_submodule(arch.experts(layer))
-            x, index, weights = recorded[layer]
             for g, m in enumerate(masks):
-                m = m.to(x.device)
-                for e in index[m].unique().tolist():  # experts never chosen in the group add nothing
-                    c = expert_contribution(module, x[m], index[m], weights[m], e)
-                    sums[i, g, e] += c.double().sum(0).cpu()
+                rule.add_group_sum(module, recorded[layer], m, sums[i, g])
         counts += torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64)
     return (sums / counts.clamp(min=1)[None, :, None, None]).float()
 
@@ -198,7 +183,7 @@ def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Ten
 def _mean_edit(vlm: VLM, batch: Batch, means: Tensor, layer: int, expert: int) -> Edit:
     """Expert ``expert`` at ``layer`` set to its group mean at every real token."""
     real, value = group_values(batch, means[vlm.arch.expert_layers.index(layer), :, expert])
-    return Edit(layer, real, value=value, expert=expert)
+    return Edit(Expert(layer, expert), real, value)
 
 
 def _check_means(vlm: VLM, means: Tensor) -> None:

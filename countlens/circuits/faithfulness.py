@@ -49,8 +49,9 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.patching import check_pair_sweep, prepare_pairs
+from countlens.circuits.pair_batch import logit_diff, prepare_pairs
 from countlens.circuits.sites import group_mask, repeat_inputs
+from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.results import head_label, provenance
 from countlens.validate import require_choice
@@ -316,11 +317,6 @@ def _ablated_logits(
     return torch.cat(out)
 
 
-def _logit_diff(logits: Tensor, clean_id: Tensor, corrupt_id: Tensor) -> Tensor:
-    rows = torch.arange(len(logits))
-    return (logits[rows, clean_id.to(logits.device)] - logits[rows, corrupt_id.to(logits.device)]).cpu()
-
-
 def faithfulness(
     vlm: VLM,
     pairs: Sequence,
@@ -388,7 +384,7 @@ def faithfulness_curves(
         # Every distinct circuit (and the full and empty ones) in stacked forwards: the ablated nodes' sets.
         sets = [frozenset(), frozenset(order), *(frozenset(order) - c for c in distinct)]
         logits = _ablated_logits(vlm, pb.clean, sets, values, image)
-        ld = [_logit_diff(rows, pb.clean_id, pb.corrupt_id) for rows in logits]
+        ld = [logit_diff(rows, pb.clean_id, pb.corrupt_id).cpu() for rows in logits]
         full_ld.append(ld[0])
         empty_ld.append(ld[1])
         for c, got in zip(distinct, ld[2:]):

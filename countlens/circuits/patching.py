@@ -14,8 +14,9 @@ end-of-answer token against "0"; two single-token answers share no prefix, so th
 last prompt token.
 
 - `patch_layers` (visual activation patching): the residual stream after layer l, over a token
-  group (image tokens, the last prompt token, other text, all).
-- `patch_heads`: one head's z (before o_proj) at layer l, over all or a group of positions.
+  group (image tokens, the last prompt token, other text, all); `countlens.circuits.sites.Residual`.
+- `patch_heads`: one head's z (before o_proj) at layer l, over all or a group of positions;
+  `countlens.circuits.sites.HeadZ`.
 - `attribution_patch` (AtP): the first-order estimate (z_corrupt − z_clean)·∂LD/∂z for every head
   and layer at once, from three passes (corrupt forward, clean forward and backward).
 
@@ -25,199 +26,30 @@ the image's information — the image also enters below the patched site.
 
 Speed: many sites are patched in one forward by *batch expansion* — the clean batch is stacked k
 times and replica r receives site r's patch — so an L×H sweep costs about L·H/k forwards.
-Long sweeps stream each chunk of pairs to a `countlens.results.SweepStore` and resume from it;
-launched as several processes they split the chunks between them (`countlens.distributed`).
+The two exact sweeps are a grid of edits handed to `countlens.circuits.sweep.sweep_pairs`, which
+streams each chunk of pairs to a `countlens.results.SweepStore` and resumes from it; launched as
+several processes they split the chunks between them (`countlens.distributed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import xarray as xr
-from torch import Tensor
 
-from countlens import distributed
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.sites import GROUPS, STATES, group_mask, heads_view
-from countlens.circuits.sweep import open_store, run_chunks
+from countlens.circuits.edits import Edit, cache_run
+from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.sites import GROUPS, STATES, HeadZ, ImageStates, Residual, group_mask, heads_view
+from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.results import SweepStore, provenance, samples_digest
 from countlens.validate import require_count
-from countlens.vlm import check_pairs
 
 if TYPE_CHECKING:
-    from jaxtyping import Int
-
-    from countlens.vlm import VLM, Batch
-
-
-@dataclass
-class PairBatch:
-    """A chunk of pairs prepared for patching: the two batches and each pair's two answer tokens."""
-
-    clean: Batch
-    corrupt: Batch
-    clean_id: Int[Tensor, " pairs"]  # a leading space: one named dim (jaxtyping's spelling that linters accept)
-    corrupt_id: Int[Tensor, " pairs"]
-
-
-def check_pair_sweep(pairs: Sequence, batch_size: int = 1, what: str = "patching") -> None:
-    check_pairs(pairs, what)
-    require_count(batch_size, "batch_size")
-
-
-def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
-    """Prepare clean and corrupt batches and check that their token positions line up.
-
-    Each pair's answers are compared where their token sequences first differ
-    (`countlens.answers.divergence`): the shared prefix (e.g. "1" of 10 and 12) is teacher-forced on
-    both sides, and ``clean_id`` / ``corrupt_id`` are the two tokens read at the position after it.
-    """
-    check_pair_sweep(pairs, what="prepare_pairs")
-    from countlens.answers import divergence
-
-    split = [
-        divergence(vlm.answer_ids(p.clean.answer), vlm.answer_ids(p.corrupt.answer), (p.clean.answer, p.corrupt.answer))
-        for p in pairs
-    ]
-    forced = [prefix for prefix, _, _ in split]
-
-    def prep(side: Sequence) -> Batch:
-        return vlm.prepare([s.image for s in side], [s.question for s in side], [s.answer for s in side], forced=forced)
-
-    clean = prep([p.clean for p in pairs])
-    corrupt = prep([p.corrupt for p in pairs])
-    a, b = clean.inputs["input_ids"], corrupt.inputs["input_ids"]
-    aligned = a.shape == b.shape and all(torch.equal(x, y) for x, y in zip(clean.image_pos, corrupt.image_pos))
-    if not aligned or not torch.equal(clean.last, corrupt.last):
-        raise InputError(
-            f"clean and corrupt inputs do not line up (token shapes {tuple(a.shape)} vs {tuple(b.shape)}): "
-            f"{vlm.arch.name} gives these images different numbers of image tokens. Patching needs the same "
-            "positions on both sides: use images of one size and the same question in each pair"
-        )
-    for k, (g, h) in enumerate(zip(clean.geometry, corrupt.geometry)):
-        if g.token_grid != h.token_grid:  # equal token counts on different grids would pass the check above
-            raise InputError(
-                f"pair {k}: the clean image gives a {g.token_grid} token grid and the corrupt one "
-                f"{h.token_grid}, so image token i covers different cells; give both images one size"
-            )
-    # Tiles: equal token (or state) counts can come from different tile grids (1×2 and 2×1), and then
-    # token i covers different cells; a cross-attention model's states must line up the same way.
-    sides = zip(
-        clean.tile_grids,
-        corrupt.tile_grids,
-        clean.state_cells or [None] * len(pairs),
-        corrupt.state_cells or [None] * len(pairs),
-    )
-    for k, (g, h, sg, sh) in enumerate(sides):
-        if g != h or (sg is not None and not torch.equal(sg, sh)):
-            raise InputError(
-                f"pair {k}: the clean image is cut into {g} tiles and the corrupt one into {h}, so image token "
-                "(or state) i covers different cells; give both images one size"
-            )
-    for k, p in enumerate(pairs):
-        # With the image layouts equal, image tokens (and any layout tokens) match: only the text can differ.
-        if p.clean.question != p.corrupt.question or not torch.equal(a[k], b[k]):
-            raise InputError(
-                f"pair {k}: the clean and corrupt prompts differ outside the image ({p.clean.question!r} "
-                f"vs {p.corrupt.question!r}); patching measures what the image changes, so each pair "
-                "must share its question: build both sides with one prompt (count_pairs does)"
-            )
-    return PairBatch(clean, corrupt, torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split]))
-
-
-def _logit_diff(logits: Tensor, clean_id: Tensor, corrupt_id: Tensor) -> Tensor:
-    rows = torch.arange(len(logits))
-    return logits[rows, clean_id.to(logits.device)] - logits[rows, corrupt_id.to(logits.device)]
-
-
-def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corrupt_ld: Tensor) -> tuple:
-    denom = float(corrupt_ld.sum() - clean_ld.sum())
-    effect = (patched_ld.sum(-1) - clean_ld.sum()) / denom
-    return effect, pred_corrupt.float().mean(-1)
-
-
-def _provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
-    kinds = sorted({getattr(p, "kind", "?") for p in pairs})
-    return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
-
-
-def sweep_pairs(
-    vlm: VLM,
-    pairs,
-    make_edits,
-    coords: dict,
-    batch_size: int,
-    store,
-    progress: bool,
-    shard: Shard | None = None,
-    experts: bool = False,
-) -> xr.Dataset:
-    """Run ``make_edits(pair_batch)`` (one edit per site of the ``coords`` grid, in order; None for a
-    slot that is no site: NaN there) over chunks of pairs; per-pair logit diffs (site…, pair).
-    ``experts``: the corrupt cache records the MoE layers' experts inputs (expert edits copy from them).
-    Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
-    check_pair_sweep(pairs, batch_size)
-    shard = distributed.resolve(shard, store, "this patching sweep")
-    shape = tuple(len(v) for v in coords.values())
-    dims = tuple(coords)
-    starts = {
-        f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}": start
-        for start in range(0, len(pairs), batch_size)
-    }
-
-    def chunk_result(start: int) -> xr.Dataset:
-        chunk = pairs[start : start + batch_size]
-        pb = prepare_pairs(vlm, chunk)
-        cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers), experts=experts)
-        clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
-
-        # Per replica only (LD, arg-max is the corrupt answer): the full logits of an L×H sweep would be
-        # L·H·pairs·vocab floats (28·28·16·152k ≈ 7.6 GB at 7B).
-        def read(rows: Tensor) -> Tensor:
-            to_corrupt = (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()
-            return torch.stack([_logit_diff(rows, pb.clean_id, pb.corrupt_id), to_corrupt])
-
-        edits = make_edits(pb)
-        live = [i for i, e in enumerate(edits) if e is not None]  # None: a slot with no site (NaN)
-        ran = run_edits(vlm, pb.clean, cache, [edits[i] for i in live], reduce=read)
-        out = torch.full((len(edits), *ran.shape[1:]), float("nan"))
-        out[live] = ran
-        ld, pred = out[:, 0].contiguous(), out[:, 1] == 1
-        pair = np.arange(start, start + len(chunk))
-        return xr.Dataset(
-            {
-                "logit_diff": (dims + ("pair",), ld.view(*shape, len(chunk)).numpy()),
-                "to_corrupt": (dims + ("pair",), pred.view(*shape, len(chunk)).numpy()),
-                "clean_logit_diff": ("pair", _logit_diff(clean.cpu(), pb.clean_id, pb.corrupt_id).numpy()),
-                "corrupt_logit_diff": ("pair", _logit_diff(cache["logits"].cpu(), pb.clean_id, pb.corrupt_id).numpy()),
-                "clean_correct": ("pair", (clean.argmax(-1).cpu() == pb.clean_id).numpy()),
-            },
-            coords={**coords, "pair": pair},
-        )
-
-    parts = run_chunks(starts, chunk_result, store, shard, f"patching {len(pairs)} pairs" if progress else None)
-    ds = xr.concat(parts, dim="pair", data_vars="minimal")
-    ld, clean_ld, corrupt_ld = (
-        torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")
-    )
-    effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
-    overwrite = overwrite.masked_fill(effect.isnan(), float("nan"))  # no site: no overwrite either
-    ds["effect"] = (dims, effect.numpy())
-    ds["overwrite"] = (dims, overwrite.numpy())
-    ds.attrs.update(_provenance(vlm, pairs))
-    return ds
-
-
-def pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
-    return open_store(
-        store, lambda: {**spec, "pairs_digest": samples_digest(side for p in pairs for side in (p.clean, p.corrupt))}
-    )
+    from countlens.vlm import VLM
 
 
 def image_group(vlm: VLM) -> str:
@@ -268,9 +100,9 @@ def patch_layers(
             masks[STATES] = torch.ones(len(pb.clean), len(pb.clean.state_cells[0]), dtype=torch.bool)
         none = torch.zeros_like(pb.clean.inputs["attention_mask"], dtype=torch.bool)
         return [
-            Edit(layer, masks[g], states=True)
+            Edit(ImageStates(layer), masks[g])
             if g == STATES and layer in reads_states
-            else Edit(layer, none if g == STATES else masks[g])  # a self-attention layer: nothing to patch
+            else Edit(Residual(layer), none if g == STATES else masks[g])  # a self-attention layer: nothing to patch
             for layer in layers
             for g in groups
         ]
@@ -325,7 +157,9 @@ def patch_heads(
     def edits(pb: PairBatch) -> list[Edit | None]:
         mask = group_mask(pb.clean, positions)
         # A layer with fewer heads than the widest (Qwen3.5: value heads vs attention heads): NaN beyond.
-        return [Edit(layer, mask, head) if head < arch.heads(layer) else None for layer in layers for head in heads]
+        return [
+            Edit(HeadZ(layer, head), mask) if head < arch.heads(layer) else None for layer in layers for head in heads
+        ]
 
     spec = {
         "sweep": "patch_heads",
@@ -378,7 +212,7 @@ def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_s
                     h.requires_grad_(True)
                     hs.append(h.save())
                 logits = vlm.nn.output.logits[:, -1].float()
-                ld = _logit_diff(logits, pb.clean_id, pb.corrupt_id)
+                ld = logit_diff(logits, pb.clean_id, pb.corrupt_id)
                 clean_ld = ld.detach().save()
                 with ld.sum().backward():
                     for layer in reversed(range(n_layers)):
@@ -396,7 +230,7 @@ def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_s
             dh = (corrupt["resid"][layer].double() - hs[layer].detach().double()) * gh[layer].double()
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
         clean_sum += float(clean_ld.sum())
-        corrupt_sum += float(_logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
+        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
     denom = corrupt_sum - clean_sum
     for layer in range(n_layers):  # beyond a layer's own heads: no site
         head_est[layer, vlm.arch.heads(layer) :] = float("nan")
@@ -410,7 +244,7 @@ def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_s
             "head": np.arange(n_heads),
             "kind": ("layer", [vlm.arch.kind(layer) for layer in range(n_layers)]),
         },
-        attrs={**_provenance(vlm, pairs), "method": "attribution_patch", "positions": positions},
+        attrs={**pairs_provenance(vlm, pairs), "method": "attribution_patch", "positions": positions},
     )
     return ds
 

@@ -1,21 +1,35 @@
-"""Sites: where circuits read and write, as nnsight envoys plus the token groups they act on.
+"""Sites: where circuits read and write, each a small frozen type, and the token groups they act on.
 
-- **resid** — the residual stream after decoder layer ``l`` (the layer's output tensor).
-- **z** — each head's output before o_proj: the input of o_proj, (batch, seq, n_heads·d_head),
-  viewed as (batch, seq, n_heads, d_head), with the layer's own heads and head size (`Arch.heads`,
-  `Arch.head_dim`: Gemma 4's full and sliding layers differ; a linear-attention layer's heads are
-  its value heads, whose gated outputs enter its ``out_proj`` side by side). Per-head quantities
-  live here: slicing o_proj's *output* mixes every head, since o_proj is a dense map from all heads.
-- **head contribution** — ĥ_i·W_O: head i's z times its columns of o_proj's weight; the heads'
-  contributions (plus any o_proj bias) sum to the o_proj output.
-- **q** — after any q-norm (Qwen3, Gemma3) or else the q_proj output; head temperature scales it.
+A site says three things: how it is **read** from a `countlens.circuits.edits.cache_run` result (the
+value a patch copies), how it is **written** inside a traced forward (at an edit's masked positions,
+in one replica of a stacked batch: `countlens.circuits.edits.run_edits`), and its **width** (the last
+axis of a value written there).
 
-- **expert contribution** — mixture-of-experts layers: expert e's share of the experts module's
-  output at token t, w_e(t)·E_e(x_t) (zero where the router did not choose e); a token's chosen
-  experts' contributions sum to that output (`expert_contribution`).
-- **states** — cross-attention VLMs (Llama-3.2-Vision) only: the image states, which never enter
+- `Residual` — the residual stream after decoder layer ``l`` (the layer's output tensor); layer −1 is
+  the input of layer 0 (the token embeddings with the projected image tokens).
+- `HeadZ` — one head's output before o_proj: its columns of o_proj's input, (batch, seq,
+  n_heads·d_head) viewed as (batch, seq, n_heads, d_head), with the layer's own heads and head size
+  (`Arch.heads`, `Arch.head_dim`: Gemma 4's full and sliding layers differ; a linear-attention
+  layer's heads are its value heads, whose gated outputs enter its ``out_proj`` side by side).
+  Per-head quantities live here: slicing o_proj's *output* mixes every head, since o_proj is a
+  dense map from all heads.
+- `Expert` — mixture-of-experts layers: expert e's share of the experts module's output at token t,
+  w_e(t)·E_e(x_t) (zero where the router did not choose e); a token's chosen experts' contributions
+  sum to that output. Where that share can be seen depends on the layer's rule
+  (`countlens.circuits.expert_rules`).
+- `ImageStates` — cross-attention VLMs (Llama-3.2-Vision) only: the image states, which never enter
   the residual stream. At "layer −1" the projector's output, which every cross-attention layer
-  reads; at a cross-attention layer ``l`` the states that layer alone reads (its k and v input).
+  reads; at a cross-attention layer ``l`` the states that layer alone reads (its k and v input). An
+  edit's mask there is Bool[Tensor, "batch n_states"]: the states are its positions.
+
+Sites of one kind at one layer are written together (each kind's ``write`` takes them all), and the
+kinds in the order the forward reaches them (``stage``: image states, z, experts, the layer's
+output), because nnsight enters each module once, in execution order.
+
+Two more quantities read at these sites: the **head contribution** ĥ_i·W_O, head i's z times its
+columns of o_proj's weight (the heads' contributions, plus any o_proj bias, sum to the o_proj
+output), and **q**, after any q-norm (Qwen3, Gemma3) or else the q_proj output: head temperature
+scales it.
 
 Token groups (boolean masks over the padded batch): ``image`` (image tokens), ``last`` (where the
 answer is read: the last prompt token, and any answer tokens teacher-forced after it up to the read
@@ -26,20 +40,173 @@ A cross-attention model has no image tokens; its image is the ``image_states`` g
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
+from countlens.circuits.expert_rules import expert_rule
 from countlens.errors import InputError
 from countlens.results import head_key, is_head_pair
 
 if TYPE_CHECKING:
-    from jaxtyping import Bool, Float
+    from jaxtyping import Bool, Float, Int
 
     from countlens.arch import Arch
     from countlens.vlm import VLM, Batch
+
+
+class Placed(NamedTuple):
+    """An edit placed in a stacked forward: replica ``replica`` (rows replica·n … of the stacked
+    batch) gets ``value``, or else the cached run's, at the mask's entries — rows b, positions s."""
+
+    replica: int
+    site: Site
+    mask: Bool[Tensor, "batch positions"]
+    value: Float[Tensor, "batch positions d"] | None
+    b: Int[Tensor, " k"]
+    s: Int[Tensor, " k"]
+
+
+def source(vlm: VLM, placed: Placed, cache: dict | None, device: torch.device) -> Float[Tensor, "k d"]:
+    """What a placed edit writes at its entries: its value there, or the cached run's (on ``device``)."""
+    if placed.value is None:
+        return placed.site.read(vlm, cache, placed.b, placed.s, device)
+    value, b, s = placed.value, placed.b, placed.s
+    return value[b.to(value.device), s.to(value.device)]  # edit values may sit on the CPU
+
+
+@dataclass(frozen=True)
+class Residual:
+    """The residual stream after decoder layer ``layer``; −1: the input of layer 0."""
+
+    layer: int
+    stage: ClassVar[int] = 3  # a layer's output: the last thing of the layer the forward reaches
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
+        return cache["resid"][self.layer][b, s].to(device)
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: the residual at one layer, every replica's entries."""
+        layer = placed[0].site.layer
+        module = vlm.module(vlm.arch.layer(max(layer, 0)))
+        hid = module.input if layer == -1 else module.output
+        for p in placed:
+            src = source(vlm, p, cache, hid.device)
+            hid[p.b.to(hid.device) + p.replica * n, p.s.to(hid.device)] = src.to(hid.device, hid.dtype)
+
+
+@dataclass(frozen=True)
+class HeadZ:
+    """Head ``head``'s z at decoder layer ``layer``: its columns of o_proj's input."""
+
+    layer: int
+    head: int
+    stage: ClassVar[int] = 1
+
+    def width(self, arch: Arch) -> int:
+        return arch.head_dim(self.layer)
+
+    def columns(self, arch: Arch) -> slice:
+        """The head's columns of the layer's z (n_heads·d_head wide)."""
+        d_head = arch.head_dim(self.layer)
+        return slice(self.head * d_head, (self.head + 1) * d_head)
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_head"]:
+        return cache["z"][self.layer][b, s, self.columns(vlm.arch)].to(device)
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: heads' z at one layer, every replica's entries."""
+        zin = vlm.module(vlm.arch.o_proj(placed[0].site.layer)).input
+        for p in placed:
+            cols = p.site.columns(vlm.arch)
+            src = source(vlm, p, cache, zin.device)
+            zin[p.b.to(zin.device) + p.replica * n, p.s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
+
+
+@dataclass(frozen=True)
+class Expert:
+    """Expert ``expert``'s contribution at MoE layer ``layer`` (a cache recorded with experts=True)."""
+
+    layer: int
+    expert: int
+    stage: ClassVar[int] = 2
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
+        module = vlm.hf.get_submodule(vlm.arch.experts(self.layer))
+        return expert_rule(vlm.arch).cached(module, cache["experts"][self.layer], self.expert, b, s, device)
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: experts' contributions at one MoE layer, every replica's entries (the
+        experts module sees the tokens flattened: row · seq + position)."""
+        path = vlm.arch.experts(placed[0].site.layer)
+        writes = [
+            ((p.b + p.replica * n) * seq + p.s, p.site.expert, lambda device, p=p: source(vlm, p, cache, device))
+            for p in placed
+        ]
+        expert_rule(vlm.arch).write(vlm.hf.get_submodule(path), vlm.module(path), vlm.arch.n_experts, writes)
+
+
+@dataclass(frozen=True)
+class ImageStates:
+    """A cross-attention model's image states: at layer −1 the projector's output, which every
+    cross-attention layer reads; at a cross-attention layer the states that layer alone reads."""
+
+    layer: int
+    stage: ClassVar[int] = 0  # the projector's output, or a cross-attention layer's input
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
+        states = cache["states"]
+        return states[b.to(states.device), s.to(states.device)].to(device)
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: image states at one layer, every replica's entries — the projector's output
+        written in place, or a patched copy passed to the cross-attention layer in place of the
+        states every cross-attention layer shares."""
+        layer, cross = placed[0].site.layer, vlm.arch.spec.cross_attention
+        n_states = placed[0].mask.shape[1]
+
+        def per_row(states: Tensor) -> Tensor:
+            if states.numel() % (n_states * states.shape[-1]):
+                raise InputError(
+                    f"the image states {tuple(states.shape)} are not rows of {n_states} states: the edit's "
+                    "mask was made for another batch (build it from the batch that runs)"
+                )
+            return states.view(-1, n_states, states.shape[-1])
+
+        if layer == -1:
+            rows = per_row(vlm.module(cross.states).output)  # (rows, images, tiles, patches, d): in place
+        else:
+            if vlm.arch.kind(layer) != "cross":
+                raise ValueError(f"layer {layer} is not a cross-attention layer; its attention reads no image states")
+            attn = vlm.module(f"{vlm.arch.layer(layer)}.{cross.attn}")
+            args, kwargs = attn.inputs
+            states = kwargs[cross.states_kwarg].clone()  # (rows · images · tiles, patches, d)
+            rows = per_row(states)
+        for p in placed:
+            src = source(vlm, p, cache, rows.device)
+            rows[p.b.to(rows.device) + p.replica * n, p.s.to(rows.device)] = src.to(rows.device, rows.dtype)
+        if layer != -1:
+            attn.inputs = (args, {**kwargs, cross.states_kwarg: states})
+
+
+Site = Residual | HeadZ | Expert | ImageStates
+
 
 GROUPS: tuple[str, ...] = ("image", "last", "text", "all")
 #: The image states of a cross-attention model, patched as a group of `patch_layers`.
@@ -133,15 +300,3 @@ def head_contributions(
     h = vlm.arch.heads(layer)
     w_heads = w.view(w.shape[0], h, -1).to(z.device, z.dtype)  # d_model × heads × d_head (z may sit on the CPU)
     return torch.einsum("...hd,mhd->...hm", heads_view(z, h), w_heads)
-
-
-def expert_contribution(
-    experts, x: Float[Tensor, "tokens d_model"], index: Tensor, weights: Tensor, expert: int
-) -> Float[Tensor, "tokens d_model"]:
-    """Expert ``expert``'s contribution to each token: its routing weight there (``weights`` where
-    ``index`` chose it, Int and Float[Tensor, "tokens top_k"]; 0 elsewhere) times its output on x,
-    computed from the experts module's own stacked weights (`countlens.arch.MoESpec`)."""
-    weight = (weights * (index == expert)).sum(-1, keepdim=True)
-    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
-    out = torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
-    return (out * weight.to(out.dtype)).to(x.dtype)

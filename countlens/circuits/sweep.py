@@ -6,18 +6,34 @@ to a `countlens.results.SweepStore` as soon as it is done, and reads the chunks 
 already finished instead of recomputing them, so a killed sweep resumes where it stopped. Launched
 as several processes, every rank waits until all chunks are in the store and returns all of them:
 every rank then holds the whole sweep, as one process would.
+
+`sweep_pairs` is the patching sweep on this driver: per chunk of pairs it records the corrupt run
+(`countlens.circuits.edits.cache_run`), runs one edit per site of a grid on the clean batch
+(`countlens.circuits.edits.run_edits`), and keeps each site's per-pair logit difference; the chunks
+together give each site's normalised ``effect`` and ``overwrite`` rate
+(`countlens.circuits.patching`). Head, layer and expert patching differ only in their edits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
+import torch
 import xarray as xr
+from torch import Tensor
 
 from countlens import distributed
+from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
 from countlens.distributed import Shard
-from countlens.results import SweepStore
+from countlens.results import SweepStore, samples_digest
+from countlens.validate import require_count
+from countlens.vlm import check_pairs
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
 
 Chunk = TypeVar("Chunk")
 
@@ -62,3 +78,90 @@ def run_chunks(
         distributed.wait_for(store, keys, shard)
         parts = [store.read(key) for key in keys]
     return parts
+
+
+def check_pair_sweep(pairs: Sequence, batch_size: int = 1, what: str = "patching") -> None:
+    """Refuse what a sweep of ``what`` cannot read as pairs, or a batch size that is no count."""
+    check_pairs(pairs, what)
+    require_count(batch_size, "batch_size")
+
+
+def sweep_pairs(
+    vlm: VLM,
+    pairs: Sequence,
+    make_edits: Callable[[PairBatch], Sequence[Edit | None]],
+    coords: dict,
+    batch_size: int,
+    store,
+    progress: bool,
+    shard: Shard | None = None,
+    experts: bool = False,
+) -> xr.Dataset:
+    """Run ``make_edits(pair_batch)`` (one edit per site of the ``coords`` grid, in order; None for a
+    slot that is no site: NaN there) over chunks of pairs; per-pair logit diffs (site…, pair).
+    ``experts``: the corrupt cache records the MoE layers' experts inputs (expert edits copy from them).
+    Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
+    check_pair_sweep(pairs, batch_size)
+    shard = distributed.resolve(shard, store, "this patching sweep")
+    shape = tuple(len(v) for v in coords.values())
+    dims = tuple(coords)
+    starts = {
+        f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}": start
+        for start in range(0, len(pairs), batch_size)
+    }
+
+    def chunk_result(start: int) -> xr.Dataset:
+        chunk = pairs[start : start + batch_size]
+        pb = prepare_pairs(vlm, chunk)
+        cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers), experts=experts)
+        clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
+
+        # Per replica only (LD, arg-max is the corrupt answer): the full logits of an L×H sweep would be
+        # L·H·pairs·vocab floats (28·28·16·152k ≈ 7.6 GB at 7B).
+        def read(rows: Tensor) -> Tensor:
+            to_corrupt = (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()
+            return torch.stack([logit_diff(rows, pb.clean_id, pb.corrupt_id), to_corrupt])
+
+        edits = make_edits(pb)
+        live = [i for i, e in enumerate(edits) if e is not None]  # None: a slot with no site (NaN)
+        ran = run_edits(vlm, pb.clean, cache, [edits[i] for i in live], reduce=read)
+        out = torch.full((len(edits), *ran.shape[1:]), float("nan"))
+        out[live] = ran
+        ld, pred = out[:, 0].contiguous(), out[:, 1] == 1
+        pair = np.arange(start, start + len(chunk))
+        return xr.Dataset(
+            {
+                "logit_diff": (dims + ("pair",), ld.view(*shape, len(chunk)).numpy()),
+                "to_corrupt": (dims + ("pair",), pred.view(*shape, len(chunk)).numpy()),
+                "clean_logit_diff": ("pair", logit_diff(clean.cpu(), pb.clean_id, pb.corrupt_id).numpy()),
+                "corrupt_logit_diff": ("pair", logit_diff(cache["logits"].cpu(), pb.clean_id, pb.corrupt_id).numpy()),
+                "clean_correct": ("pair", (clean.argmax(-1).cpu() == pb.clean_id).numpy()),
+            },
+            coords={**coords, "pair": pair},
+        )
+
+    parts = run_chunks(starts, chunk_result, store, shard, f"patching {len(pairs)} pairs" if progress else None)
+    ds = xr.concat(parts, dim="pair", data_vars="minimal")
+    ld, clean_ld, corrupt_ld = (
+        torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")
+    )
+    effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
+    overwrite = overwrite.masked_fill(effect.isnan(), float("nan"))  # no site: no overwrite either
+    ds["effect"] = (dims, effect.numpy())
+    ds["overwrite"] = (dims, overwrite.numpy())
+    ds.attrs.update(pairs_provenance(vlm, pairs))
+    return ds
+
+
+def pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
+    """`open_store` for a sweep over ``pairs``: ``spec`` and a digest of every pair's two samples."""
+    return open_store(
+        store, lambda: {**spec, "pairs_digest": samples_digest(side for p in pairs for side in (p.clean, p.corrupt))}
+    )
+
+
+def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corrupt_ld: Tensor) -> tuple:
+    """Per site (effect, overwrite rate) from per-pair (site…, pair) logit diffs and corrupt predictions."""
+    denom = float(corrupt_ld.sum() - clean_ld.sum())
+    effect = (patched_ld.sum(-1) - clean_ld.sum()) / denom
+    return effect, pred_corrupt.float().mean(-1)

@@ -304,8 +304,9 @@ def answers(vlm: VLM) -> list[CheckRow]:
 def interventions(vlm: VLM) -> list[CheckRow]:
     from countlens import circuits
     from countlens.circuits.edits import Edit, cache_run, run_edits
-    from countlens.circuits.patching import image_group, prepare_pairs
-    from countlens.circuits.sites import group_mask
+    from countlens.circuits.pair_batch import prepare_pairs
+    from countlens.circuits.patching import image_group
+    from countlens.circuits.sites import HeadZ, Residual, group_mask
     from countlens.datasets.pairs import count_pairs
 
     side = vlm.geometry.image_height
@@ -353,7 +354,7 @@ def interventions(vlm: VLM) -> list[CheckRow]:
     clean = cache_run(vlm, pb.clean, range(vlm.arch.n_layers))
     every = group_mask(pb.clean, "all")
     mid = vlm.arch.n_layers // 2
-    out = run_edits(vlm, pb.clean, clean, [Edit(mid, every), Edit(mid, every, head=0)])
+    out = run_edits(vlm, pb.clean, clean, [Edit(Residual(mid), every), Edit(HeadZ(mid, 0), every)])
     err = float((out - clean["logits"].cpu()).abs().max())
     limit = _rel(vlm) * scale
     rows.append(
@@ -438,8 +439,8 @@ def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
 def memory(vlm: VLM) -> list[CheckRow]:
     from countlens import memory as mem
     from countlens.circuits.edits import Edit, cache_run, run_edits
-    from countlens.circuits.patching import prepare_pairs
-    from countlens.circuits.sites import group_mask
+    from countlens.circuits.pair_batch import prepare_pairs
+    from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
     from countlens.pipeline.plan import Forward, forward_bytes
 
@@ -450,7 +451,7 @@ def memory(vlm: VLM) -> list[CheckRow]:
     pb = prepare_pairs(vlm, pairs)
     w = mem.widths(vlm)
     cache = cache_run(vlm, pb.clean, range(vlm.arch.n_layers))
-    replicas = [Edit(layer, group_mask(pb.clean, "all"), head=0) for layer in range(min(4, vlm.arch.n_layers))]
+    replicas = [Edit(HeadZ(layer, 0), group_mask(pb.clean, "all")) for layer in range(min(4, vlm.arch.n_layers))]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from countlens.analysis.evaluate import candidate_sets
 from countlens.answers import read_rows
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.pair_batch import prepare_pairs
 from countlens.memory import MAX_ROWS, Widths, replica_copy_bytes, rows_per_forward, widths
 from countlens.pipeline.config import resolved_prompt
 from countlens.pipeline.inputs import stage_inputs

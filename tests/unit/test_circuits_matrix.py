@@ -12,8 +12,9 @@ from tolerance import assert_close, assert_effect, logit_scale
 
 from countlens import circuits
 from countlens.analysis.evaluate import score
-from countlens.circuits.patching import Edit, cache_run, prepare_pairs, run_edits
-from countlens.circuits.sites import group_mask
+from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.sites import HeadZ, ImageStates, Residual, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
 
@@ -74,10 +75,10 @@ def test_every_circuit_function_runs(name, loaded):
 
     clean = cache_run(vlm, pb.clean, range(n_layers))
     mask = group_mask(pb.clean, "all")
-    replicas = [Edit(1, mask), Edit(1, mask, head=0), Edit(0, mask, head=1)]
+    replicas = [Edit(Residual(1), mask), Edit(HeadZ(1, 0), mask), Edit(HeadZ(0, 1), mask)]
     if cross:  # the image states, at the projector and at a cross-attention layer's own input
         every = torch.ones(len(pb.clean), len(pb.clean.state_cells[0]), dtype=torch.bool)
-        replicas += [Edit(-1, every, states=True), Edit(cross[0], every, states=True)]
+        replicas += [Edit(ImageStates(-1), every), Edit(ImageStates(cross[0]), every)]
     patched = run_edits(vlm, pb.clean, clean, replicas)
     for logits in patched:  # replicas in one forward: another GEMM shape, so rounding only
         assert_close(logits, clean["logits"].cpu(), what=f"{name}: clean-into-clean logits")

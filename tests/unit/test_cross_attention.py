@@ -10,7 +10,9 @@ import pytest
 import torch
 from tolerance import assert_close
 
-from countlens.circuits.patching import Edit, cache_run, prepare_pairs, run_edits
+from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.sites import ImageStates
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.scene import Scene
 from countlens.errors import ConfigError, InputError
@@ -53,10 +55,10 @@ def test_state_edits_match_hooks_and_stay_in_their_replica(mllama, pb):
     every = torch.ones(len(pb.clean), len(pb.clean.state_cells[0]), dtype=torch.bool)
     none = torch.zeros_like(every)
     replicas = [
-        [Edit(cross[0], none, states=True)],  # edits nothing
-        [Edit(layer, every, states=True) for layer in cross],  # every cross layer reads the corrupt states
-        [Edit(-1, every, states=True)],  # the projector's output: the same, at the source
-        [Edit(cross[0], every, states=True)],  # one layer only
+        [Edit(ImageStates(cross[0]), none)],  # edits nothing
+        [Edit(ImageStates(layer), every) for layer in cross],  # every cross layer reads the corrupt states
+        [Edit(ImageStates(-1), every)],  # the projector's output: the same, at the source
+        [Edit(ImageStates(cross[0]), every)],  # one layer only
     ]
     out = run_edits(mllama, pb.clean, corrupt, replicas)
     scale = float(clean["logits"].abs().max())

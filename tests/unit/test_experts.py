@@ -12,8 +12,9 @@ from tolerance import assert_close, scale_of
 
 from countlens import circuits
 from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.expert_rules import expert_contribution
 from countlens.circuits.patching import prepare_pairs
-from countlens.circuits.sites import expert_contribution, group_mask
+from countlens.circuits.sites import Expert, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError, LayerError
@@ -86,7 +87,7 @@ def test_patching_every_expert_equals_swapping_the_experts_output(name, loaded, 
         handle.remove()
     cache = cache_run(moe, pb.corrupt, [1], resid=False, z=False, experts=True)
     mask = group_mask(pb.clean, "all")
-    got = run_edits(moe, pb.clean, cache, [[Edit(1, mask, expert=e) for e in range(4)]])[0]
+    got = run_edits(moe, pb.clean, cache, [[Edit(Expert(1, e), mask) for e in range(4)]])[0]
     assert_close(got, ref, scale=scale_of(ref), what="all experts patched vs swapped output")
     assert not torch.allclose(ref, cache_run(moe, pb.clean, [])["logits"])  # the swap changes something
 
@@ -148,6 +149,6 @@ def test_patching_one_llama4_expert_overwrites_only_its_rows(loaded, pairs):
     finally:
         handle.remove()
     cache = cache_run(moe, pb.corrupt, [1], resid=False, z=False, experts=True)
-    got = run_edits(moe, pb.clean, cache, [[Edit(1, group_mask(pb.clean, "all"), expert=chosen)]])[0]
+    got = run_edits(moe, pb.clean, cache, [[Edit(Expert(1, chosen), group_mask(pb.clean, "all"))]])[0]
     assert_close(got, ref, scale=scale_of(ref), what="one expert patched vs its rows swapped")
     assert not torch.allclose(ref, cache_run(moe, pb.clean, [])["logits"])  # the patch changes something

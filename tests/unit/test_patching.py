@@ -8,17 +8,15 @@ import torch
 from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_effect, logit_scale, scale_of
 
+from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.patching import (
-    Edit,
     attribution_patch,
-    cache_run,
     compare,
     patch_heads,
     patch_layers,
     prepare_pairs,
-    run_edits,
 )
-from countlens.circuits.sites import group_mask
+from countlens.circuits.sites import HeadZ, Residual, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError, LayerError
 
@@ -143,7 +141,7 @@ def test_patching_clean_into_clean_changes_nothing(organism):
     pb = prepare_pairs(organism, _pairs(organism))
     clean = cache_run(organism, pb.clean, range(organism.arch.n_layers))
     mask = group_mask(pb.clean, "all")
-    edits = [Edit(2, mask), Edit(4, mask, head=1), Edit(0, group_mask(pb.clean, "image"))]
+    edits = [Edit(Residual(2), mask), Edit(HeadZ(4, 1), mask), Edit(Residual(0), group_mask(pb.clean, "image"))]
     patched = run_edits(organism, pb.clean, clean, edits)
     for logits in patched:  # replicas of the batch in one forward: another GEMM shape, so rounding only
         assert_close(logits, clean["logits"].cpu(), what="clean-into-clean logits")
@@ -185,25 +183,25 @@ def test_a_killed_sweep_resumes_from_its_store(organism, tmp_path):
         calls.append(1)
         return real(*args, **kw)
 
-    import countlens.circuits.patching as patching
+    import countlens.circuits.sweep as sweep
 
-    patching.run_edits = crash_after_one
+    sweep.run_edits = crash_after_one
     try:
         with pytest.raises(KeyboardInterrupt):
             patch_layers(organism, pairs, groups=("last",), batch_size=2, store=store_dir)
     finally:
-        patching.run_edits = real
+        sweep.run_edits = real
     resumed_calls = []
 
     def count(*args, **kw):
         resumed_calls.append(1)
         return real(*args, **kw)
 
-    patching.run_edits = count
+    sweep.run_edits = count
     try:
         resumed = patch_layers(organism, pairs, groups=("last",), batch_size=2, store=store_dir)
     finally:
-        patching.run_edits = real
+        sweep.run_edits = real
     assert len(resumed_calls) == 1  # only the unfinished chunk is recomputed
     # The same chunks in the same process: the resumed sweep is the uninterrupted one, bit for bit.
     np.testing.assert_array_equal(resumed.logit_diff.values, full.logit_diff.values)

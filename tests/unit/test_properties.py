@@ -14,8 +14,9 @@ from scipy import ndimage
 from tolerance import assert_close, assert_effect, logit_scale
 
 from countlens import circuits
-from countlens.circuits.patching import Edit, cache_run, prepare_pairs, run_edits
-from countlens.circuits.sites import GROUPS, group_mask, head_contributions
+from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.sites import GROUPS, HeadZ, Residual, group_mask, head_contributions
 from countlens.datasets.contact import boundary_gap
 from countlens.datasets.countingtricks import CASES, trick_sample
 from countlens.datasets.pairs import count_pairs
@@ -87,7 +88,8 @@ def test_self_patching_changes_nothing(toy, layer, head, group, seed):
     pairs = count_pairs(2, kind="shapes", grid=toy.geometry, prompt="short", seed=seed)
     pb = prepare_pairs(toy, pairs)
     clean = cache_run(toy, pb.clean, range(-1, toy.arch.n_layers))
-    patched = run_edits(toy, pb.clean, clean, [Edit(layer, group_mask(pb.clean, group), head)])[0]
+    site = Residual(layer) if head is None else HeadZ(layer, head)
+    patched = run_edits(toy, pb.clean, clean, [Edit(site, group_mask(pb.clean, group))])[0]
     assert_close(patched, clean["logits"].cpu(), what="self-patched logits")  # another batch shape: rounding only
 
 
