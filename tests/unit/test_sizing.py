@@ -35,8 +35,10 @@ RULES = {
 
 
 def _with_settings(vlm: VLM, settings: dict) -> VLM:
-    """The model with a copy of its processor set otherwise (the shared processor stays as it is)."""
-    processor = copy.deepcopy(vlm.processor)
+    """The model with a copy of its processor set otherwise (the shared processor stays as it is); only
+    the image processor is copied deeply, the tokenizer is shared (copying it takes seconds)."""
+    processor = copy.copy(vlm.processor)
+    processor.image_processor = copy.deepcopy(vlm.processor.image_processor)
     for key, value in settings.items():
         setattr(processor.image_processor, key, value)
     return VLM(vlm.hf, processor, name=vlm.name, envoy=vlm.nn)
