@@ -164,7 +164,7 @@ def smallest_faithful(ds: xr.Dataset, level: float = 0.8) -> xr.DataArray:
     return kept.min("size", skipna=True)
 
 
-def _mlp(vlm: VLM, layer: int) -> str:
+def mlp_path(vlm: VLM, layer: int) -> str:
     """A decoder layer's MLP module (``mlp``, or Llama 4's ``feed_forward``)."""
     path = vlm.arch.layer(layer)
     for name in ("mlp", "feed_forward"):
@@ -178,28 +178,28 @@ def _mlp(vlm: VLM, layer: int) -> str:
 
 def image_positions(vlm: VLM, batch: Batch) -> Bool[Tensor, "batch seq"]:
     """Where the image tokens sit (none on a cross-attention model: its image is its states)."""
-    if _image_states(vlm) is not None:
+    if image_states_path(vlm) is not None:
         return torch.zeros_like(batch.inputs["attention_mask"], dtype=torch.bool)
     return group_mask(batch, "image")
 
 
-def _first(output):
+def first_output(output):
     """A module's output tensor: Llama 4's MoE block returns (output, router logits)."""
     return output[0] if isinstance(output, tuple) else output
 
 
-def _image_states(vlm: VLM) -> str | None:
+def image_states_path(vlm: VLM) -> str | None:
     cross = vlm.arch.spec.cross_attention
     return None if cross is None else cross.states
 
 
 @torch.no_grad()
-def _record(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
+def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
     """The outputs of ``nodes``' sites in one forward of ``batch``: ``z[layer]``, ``mlp[layer]``,
     ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states)."""
     layers = sorted({n.layer for n in nodes if n.kind in ("head", "mlp")})
     inputs = any(n.kind == "input" for n in nodes)
-    states_path = _image_states(vlm)
+    states_path = image_states_path(vlm)
     got: dict = {"z": {}, "mlp": {}}
     with vlm.read(batch):
         if inputs and states_path is not None:
@@ -210,7 +210,7 @@ def _record(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
             if any(n.kind == "head" and n.layer == layer for n in nodes):
                 got["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
             if any(n.kind == "mlp" and n.layer == layer for n in nodes):
-                got["mlp"][layer] = _first(vlm.module(_mlp(vlm, layer)).output).save()
+                got["mlp"][layer] = first_output(vlm.module(mlp_path(vlm, layer)).output).save()
     return got
 
 
@@ -236,7 +236,7 @@ def _replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) -
     width of the layer's z), ``mlp[layer]`` (k·n, 1, 1), ``embed`` (k·n, seq, 1) and ``states`` (k) for
     the image states; a site no replica ablates is left out."""
     arch = vlm.arch
-    cross = _image_states(vlm) is not None
+    cross = image_states_path(vlm) is not None
     k = len(sets)
     z: dict[int, Tensor] = {}
     mlp: dict[int, Tensor] = {}
@@ -266,7 +266,7 @@ def _replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) -
 
 
 @torch.no_grad()
-def _ablated_logits(
+def ablated_logits(
     vlm: VLM, batch: Batch, sets: Sequence[frozenset], values: dict, image: Tensor, max_rows: int | None = None
 ) -> Float[Tensor, "circuits batch vocab"]:
     """Last-position logits of ``batch`` once per set of ``sets``, that set's nodes overwritten by
@@ -283,7 +283,7 @@ def _ablated_logits(
                 w, int(batch.inputs["input_ids"].shape[1]), free, 1, batch.patches(w.merge)
             )
     per_pass = max(1, max_rows // n)
-    states_path = _image_states(vlm)
+    states_path = image_states_path(vlm)
     out = []
     for i in range(0, len(sets), per_pass):
         chunk = sets[i : i + per_pass]
@@ -306,7 +306,7 @@ def _ablated_logits(
                     fill = torch.cat([values["z"][layer]] * k).to(zin.device, zin.dtype)
                     zin[:] = torch.where(masks["z"][layer].to(zin.device), fill, zin)
                 if layer in masks["mlp"]:
-                    mo = _first(vlm.module(_mlp(vlm, layer)).output)
+                    mo = first_output(vlm.module(mlp_path(vlm, layer)).output)
                     fill = torch.cat([values["mlp"][layer]] * k).to(mo.device, mo.dtype)
                     where = masks["mlp"][layer]
                     if mo.ndim == 2:  # flattened tokens, rows · seq of them (Llama 4's MoE block)
@@ -377,13 +377,13 @@ def faithfulness_curves(
     full_ld, empty_ld = [], []
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
-        values = _record(vlm, pb.corrupt, order)
+        values = record_nodes(vlm, pb.corrupt, order)
         if ablation == "mean":
-            values = _mean(_record(vlm, pb.clean, order), values)
+            values = _mean(record_nodes(vlm, pb.clean, order), values)
         image = image_positions(vlm, pb.clean)
         # Every distinct circuit (and the full and empty ones) in stacked forwards: the ablated nodes' sets.
         sets = [frozenset(), frozenset(order), *(frozenset(order) - c for c in distinct)]
-        logits = _ablated_logits(vlm, pb.clean, sets, values, image)
+        logits = ablated_logits(vlm, pb.clean, sets, values, image)
         ld = [logit_diff(rows, pb.clean_id, pb.corrupt_id).cpu() for rows in logits]
         full_ld.append(ld[0])
         empty_ld.append(ld[1])

@@ -442,7 +442,7 @@ def memory(vlm: VLM) -> list[CheckRow]:
     from countlens.circuits.pair_batch import prepare_pairs
     from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
-    from countlens.pipeline.plan import Forward, forward_bytes
+    from countlens.pipeline.costs import Forward, forward_bytes
 
     name = "one stacked sweep forward fits the plan"
     if vlm.device.type != "cuda":

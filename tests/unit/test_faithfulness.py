@@ -10,8 +10,7 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, scale_of
 
 from countlens.circuits.faithfulness import (
-    _ablated_logits,
-    _record,
+    ablated_logits,
     areas,
     circuit_sizes,
     faithfulness,
@@ -19,6 +18,7 @@ from countlens.circuits.faithfulness import (
     graph_nodes,
     image_positions,
     node_scores,
+    record_nodes,
     smallest_faithful,
 )
 from countlens.circuits.patching import prepare_pairs
@@ -146,8 +146,8 @@ def test_no_node_ablated_is_the_clean_run_and_every_node_the_corrupt_run(name, l
     pairs = _pairs(vlm) if name == "toy" else _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
     pb = prepare_pairs(vlm, pairs)
     nodes = graph_nodes(vlm)
-    values = _record(vlm, pb.corrupt, nodes)
-    got = _ablated_logits(vlm, pb.clean, [frozenset(), frozenset(nodes)], values, image_positions(vlm, pb.clean))
+    values = record_nodes(vlm, pb.corrupt, nodes)
+    got = ablated_logits(vlm, pb.clean, [frozenset(), frozenset(nodes)], values, image_positions(vlm, pb.clean))
     with torch.no_grad():
         clean = vlm.hf(**pb.clean.inputs).logits[:, -1].float()
         corrupt = vlm.hf(**pb.corrupt.inputs).logits[:, -1].float()

@@ -29,6 +29,7 @@ STAGES: tuple[Stage, ...] = (
     patching.VAP,
     patching.HEADS,
     patching.ATP,
+    patching.EAP_IG,
     lens.LENS,
     attention.HEADLENS,
     attention.ATTENTION,

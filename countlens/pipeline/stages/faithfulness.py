@@ -1,12 +1,12 @@
 """Is it a circuit? The faithfulness of the top heads of each ranking the run computed.
 
-For each ranking of the heads — exact head patching (``heads``), attribution patching (``atp``), the
-drop in log p(gold) when a head is mean-ablated on counting (``ablation``) and random rankings — the
-circuit at each of MIB's sizes keeps the top heads and patches every other head's z from the corrupt
-run; f(C) says how much of the clean run's logit difference it keeps (`countlens.circuits.faithfulness`:
-the definition, the node set, CPR and CMD). The report's section draws the curves and tabulates CPR,
-CMD and the smallest circuit reaching 80 % faithfulness. These are countlens's own measurements on the
-run's pairs: no paper's figure is comparable with them.
+For each ranking of the heads — exact head patching (``heads``), attribution patching (``atp``),
+EAP-IG (``eap_ig``), the drop in log p(gold) when a head is mean-ablated on counting (``ablation``)
+and random rankings — the circuit at each of MIB's sizes keeps the top heads and patches every other
+head's z from the corrupt run; f(C) says how much of the clean run's logit difference it keeps
+(`countlens.circuits.faithfulness`: the definition, the node set, CPR and CMD). The report's section
+draws the curves and tabulates CPR, CMD and the smallest circuit reaching 80 % faithfulness. These are
+countlens's own measurements on the run's pairs: no paper's figure is comparable with them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from countlens.pipeline.stages.base import ReportContext, RunContext, Section, S
 
 #: Random rankings drawn as the baseline (their mean and spread are reported).
 RANDOM_DRAWS = 5
-#: The run's own head rankings (`_rankings`): exact patching, AtP, the mean-ablation drop.
-RANKINGS = 3
+#: The run's own head rankings (`_rankings`): exact patching, AtP, EAP-IG, the mean-ablation drop.
+RANKINGS = 4
 #: The faithfulness a circuit must reach to count as carrying the behaviour in the report's table.
 LEVEL = 0.8
 
@@ -35,6 +35,7 @@ def _rankings(results: dict) -> dict[str, xr.DataArray]:
     return {
         "exact patching": results["heads"].effect,
         "AtP": results["atp"].effect,
+        "EAP-IG": results["eap_ig"].effect,
         "mean-ablation drop": results["ablation"].logp_drop.sel(task="count", drop=True),
     }
 

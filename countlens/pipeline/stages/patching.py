@@ -2,7 +2,8 @@
 
 ``vap`` patches each layer's residual stream over one token group (image, last, text) from the
 corrupt run into the clean one; ``heads`` patches each head's z; ``atp`` estimates the head effects
-from three passes (attribution patching) and is scored against ``heads``. ``vap`` and ``heads`` are
+from three passes (attribution patching) and ``eap_ig`` with the gradient integrated from the corrupt
+input to the clean (`countlens.circuits.integrated`), both scored against ``heads``. ``vap`` and ``heads`` are
 sweeps: a sharded run splits them between its ranks, and each streams its chunks so a killed run
 resumes mid-sweep. The head effects are checked before any later stage reads them.
 """
@@ -14,6 +15,7 @@ import xarray as xr
 from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.heads import check_effects, head_sites
+from countlens.circuits.integrated import node_attribution
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 from countlens.results import head_label, top_sites
@@ -66,6 +68,31 @@ ATP = Stage(
     inputs=("pairs",),
     compute=lambda run: circuits.attribution_patch(run.vlm, run.pairs, batch_size=run.batch_size),
     plan=_plan_atp,
+)
+#: EAP-IG's interpolation steps: MIB's authors' default for EAP-IG-inputs.
+EAP_IG_STEPS = 5
+
+
+def _plan_eap_ig(p: Planner) -> StagePlan:
+    """Two recording forwards, then a forward and backward per step, per chunk of pairs."""
+    w, b, seq = p.w, p.w.act_bytes, p.pair_seq
+    pairs = p.samples("pairs")
+    n0 = min(p.bs, len(pairs))
+    per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
+    fw = []
+    for n, k in chunk_sizes(len(pairs), p.bs).items():
+        fw += [
+            Forward(n, seq, count=2 * k),
+            Forward(n, seq, count=EAP_IG_STEPS * k, grad=True, extra=2 * w.n_layers * per_layer),
+        ]
+    return StagePlan("eap_ig", fw, kept=4 * w.n_layers * per_layer, batch=p.bs)
+
+
+EAP_IG = Stage(
+    "eap_ig",
+    inputs=("pairs",),
+    compute=lambda run: node_attribution(run.vlm, run.pairs, steps=EAP_IG_STEPS, batch_size=run.batch_size),
+    plan=_plan_eap_ig,
 )
 
 
@@ -122,8 +149,16 @@ def _atp_score(ctx: ReportContext) -> dict:
     return circuits.compare(ctx.results["atp"].effect, ctx.results["heads"].effect, k=int(ctx.spec["top_k"]))
 
 
+def _eap_ig_score(ctx: ReportContext) -> dict:
+    return circuits.compare(ctx.results["eap_ig"].effect, ctx.results["heads"].effect, k=int(ctx.spec["top_k"]))
+
+
 def _heads_values(ctx: ReportContext) -> dict:
-    return {"top_effects": _top_effects(ctx.results["heads"].effect, 5), "atp": _atp_score(ctx)}
+    return {
+        "top_effects": _top_effects(ctx.results["heads"].effect, 5),
+        "atp": _atp_score(ctx),
+        "eap_ig": {**_eap_ig_score(ctx), "steps": int(ctx.results["eap_ig"].attrs["steps"])},
+    }
 
 
 def _draw_vap(ctx: ReportContext) -> None:

@@ -1,0 +1,182 @@
+"""EAP-IG on nodes: attribution patching with the gradient integrated from the corrupt input to the clean.
+
+Attribution patching (AtP, `attribution_patch`) estimates the effect of patching a node's corrupt
+activation into the clean run as (a_corrupt − a_clean) · ∂LD/∂a, the gradient taken at the clean run.
+Where the metric is not linear in a between the two runs (a saturated softmax, a gate), one gradient
+misjudges the change. EAP-IG (Hanna et al. 2024, "Have faith in faithfulness"; the MIB benchmark's
+recommended default) averages the gradient over m points of the straight path between the two inputs,
+as integrated gradients do:
+
+    score(a) = (a_corrupt − a_clean) · (1/m) Σ_{k=1..m} ∂LD/∂a |_{x_k},   x_k = x_corrupt + (k/m)(x_clean − x_corrupt)
+
+— "EAP-IG-inputs": the interpolation is of the model's inputs, here the input of decoder layer 0 (the
+token embeddings with the projected image tokens in place) and, on a cross-attention model, the image
+states. With m = 1 the one point is the clean input, and the score is AtP's. Nodes are those of
+`countlens.circuits.faithfulness` (heads' z, MLP blocks, the image and text inputs); a node's score
+sums over every position, as MIB sums them, and is normalised like the exact sweeps: divided by
+Σ LD_corrupt − Σ LD_clean, so 1 means "as much as patching everything". Where the image also enters
+inside the decoder (Qwen3-VL's DeepStack, Gemma 4's per-layer inputs) those additions are not
+interpolated: they stay the clean input's.
+
+Cost: two recording forwards and m forward-and-backward passes per chunk of pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xarray as xr
+
+from countlens.circuits.faithfulness import (
+    INPUTS,
+    Node,
+    first_output,
+    image_positions,
+    image_states_path,
+    mlp_path,
+    record_nodes,
+)
+from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.sites import heads_view
+from countlens.circuits.sweep import check_pair_sweep
+from countlens.validate import require_count
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM, Batch
+
+
+def _every_node(vlm: VLM) -> list[Node]:
+    arch = vlm.arch
+    nodes = [Node("input", -1, g) for g in INPUTS]
+    for layer in range(arch.n_layers):
+        nodes += [Node("head", layer, h) for h in range(arch.heads(layer))]
+        nodes.append(Node("mlp", layer))
+    return nodes
+
+
+def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor | None, pb) -> dict:
+    """One forward and backward of ``batch`` with layer 0's input (and a cross-attention model's image
+    states) replaced by the given tensors: the gradient of Σ LD with respect to every node's output."""
+    arch = vlm.arch
+    embed = embed.detach().clone().requires_grad_(True)
+    if states is not None:
+        states = states.detach().clone().requires_grad_(True)
+    zs, mlps, gz, gm = [], [], [], []
+    params = [p for p in vlm.hf.parameters() if p.requires_grad]
+    for p in params:  # gradients only for activations: no parameter .grad buffers
+        p.requires_grad_(False)
+    try:
+        with torch.enable_grad(), vlm.read(batch):
+            if states is not None:
+                vlm.module(image_states_path(vlm)).output = states
+            vlm.module(arch.layer(0)).input = embed
+            for layer in range(arch.n_layers):
+                z = vlm.module(arch.o_proj(layer)).input
+                z.requires_grad_(True)
+                zs.append(z.save())
+                out = first_output(vlm.module(mlp_path(vlm, layer)).output)
+                out.requires_grad_(True)
+                mlps.append(out.save())
+            logits = vlm.nn.output.logits[:, -1].float()
+            ld = logit_diff(logits, pb.clean_id, pb.corrupt_id)
+            with ld.sum().backward():
+                for layer in reversed(range(arch.n_layers)):
+                    gm.append(mlps[layer].grad.save())
+                    gz.append(zs[layer].grad.save())
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    return {
+        "z": dict(enumerate(g.detach() for g in gz[::-1])),
+        "mlp": dict(enumerate(g.detach() for g in gm[::-1])),
+        "embed": embed.grad.detach(),
+        "states": None if states is None else states.grad.detach(),
+    }
+
+
+def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int = 16) -> xr.Dataset:
+    """EAP-IG scores of every node (see the module docstring): ``effect`` over (layer, head) for the
+    heads (NaN beyond a layer's own heads), ``mlp_effect`` over layer, ``input_effect`` over the input
+    groups (image, text), each normalised like the exact sweeps. ``steps`` = 1 is AtP."""
+    check_pair_sweep(pairs, batch_size, "node_attribution")
+    require_count(steps, "steps")
+    arch = vlm.arch
+    nodes = _every_node(vlm)
+    cross = image_states_path(vlm) is not None
+    heads = torch.zeros(arch.n_layers, arch.n_heads, dtype=torch.float64)
+    mlp = torch.zeros(arch.n_layers, dtype=torch.float64)
+    inputs = torch.zeros(len(INPUTS), dtype=torch.float64)
+    clean_sum = corrupt_sum = 0.0
+    for start in range(0, len(pairs), batch_size):
+        pb = prepare_pairs(vlm, pairs[start : start + batch_size])
+        corrupt, clean = record_nodes(vlm, pb.corrupt, nodes), record_nodes(vlm, pb.clean, nodes)
+        grads: dict = {}
+        for k in range(1, steps + 1):
+            alpha = k / steps
+            embed = corrupt["embed"] + alpha * (clean["embed"] - corrupt["embed"])
+            states = corrupt["states"] + alpha * (clean["states"] - corrupt["states"]) if cross else None
+            got = _gradients(vlm, pb.clean, embed, states, pb)
+            for key in ("z", "mlp"):
+                for layer, g in got[key].items():
+                    grads.setdefault(key, {})[layer] = grads.get(key, {}).get(layer, 0) + g.double() / steps
+            for key in ("embed", "states"):
+                if got[key] is not None:
+                    grads[key] = grads.get(key, 0) + got[key].double() / steps
+        for layer in range(arch.n_layers):
+            dz = (corrupt["z"][layer].double() - clean["z"][layer].double()) * grads["z"][layer]
+            heads[layer, : arch.heads(layer)] += heads_view(dz, arch.heads(layer)).sum((0, 1, 3)).cpu()
+            dm = (corrupt["mlp"][layer].double() - clean["mlp"][layer].double()) * grads["mlp"][layer]
+            mlp[layer] += float(dm.sum())
+        de = ((corrupt["embed"].double() - clean["embed"].double()) * grads["embed"]).sum(-1).cpu()
+        image = image_positions(vlm, pb.clean)
+        if cross:  # the image is its states; every token is text
+            ds_ = (corrupt["states"].double() - clean["states"].double()) * grads["states"]
+            inputs[0] += float(ds_.sum())
+            inputs[1] += float(de.sum())
+        else:
+            inputs[0] += float(de[image].sum())
+            inputs[1] += float(de[~image].sum())
+        with torch.no_grad():
+            clean_sum += float(logit_diff(_logits(vlm, pb.clean), pb.clean_id, pb.corrupt_id).sum())
+            corrupt_sum += float(logit_diff(_logits(vlm, pb.corrupt), pb.clean_id, pb.corrupt_id).sum())
+    denom = corrupt_sum - clean_sum
+    for layer in range(arch.n_layers):  # beyond a layer's own heads: no node
+        heads[layer, arch.heads(layer) :] = float("nan")
+    return xr.Dataset(
+        {
+            "effect": (("layer", "head"), (heads / denom).numpy()),
+            "mlp_effect": ("layer", (mlp / denom).numpy()),
+            "input_effect": ("input", (inputs / denom).numpy()),
+        },
+        coords={
+            "layer": np.arange(arch.n_layers),
+            "head": np.arange(arch.n_heads),
+            "input": list(INPUTS),
+            "kind": ("layer", [arch.kind(layer) for layer in range(arch.n_layers)]),
+        },
+        attrs={**pairs_provenance(vlm, pairs), "method": "eap-ig" if steps > 1 else "atp", "steps": steps},
+    )
+
+
+@torch.no_grad()
+def _logits(vlm: VLM, batch: Batch) -> torch.Tensor:
+    with vlm.read(batch):
+        out = vlm.nn.output.logits[:, -1].save()
+    return out.float()
+
+
+def node_scores_of(ds: xr.Dataset) -> dict[str, float]:
+    """A `node_attribution` result as {node label: score}, every node, for `faithfulness`."""
+    from countlens.results import head_label
+
+    scores = {f"IN.{g}": float(v) for g, v in zip(ds["input"].values, ds.input_effect.values)}
+    for layer in ds["layer"].values:
+        for head in ds["head"].values:
+            value = float(ds.effect.sel(layer=layer, head=head))
+            if not np.isnan(value):
+                scores[head_label((int(layer), int(head)))] = value
+        scores[f"MLP{int(layer)}"] = float(ds.mlp_effect.sel(layer=layer))
+    return scores
