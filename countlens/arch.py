@@ -1,28 +1,14 @@
-"""Architecture specs: where each supported VLM keeps its layers, heads, image tokens and patch grid.
+"""Resolving a model: its family's `ArchSpec` (`countlens.models`) plus the numbers read off its config.
 
-One `ArchSpec` per architecture, as pure data (module paths relative to the Hugging Face
-``…ForConditionalGeneration`` model, config attribute names, and the name of the image-token
-layout). This is the only place in countlens that knows module paths. `resolve(config)` turns the
-spec into an `Arch`: the spec plus the numbers read off one model's config (layers, heads, d_head,
-image token id, patch and merge size).
+`spec_for(config)` finds the spec of a config's ``model_type`` in the registry of families
+(`countlens.models`); `resolve(config)` turns it into an `Arch`: the spec plus the numbers read off
+one model's config (layers and their kinds, heads, d_head, image token id, patch and merge size).
+`Arch` turns a layer index into module paths (`Arch.q_site`, `Arch.o_proj`, `Arch.experts` …), so
+that the rest of countlens never writes a module path. This module names no family: what differs
+between families is data in their specs.
 
-Adding an architecture means adding one `ArchSpec` to `SPECS`, keyed by the HF config's
-``model_type``; print ``[n for n, _ in model.named_modules()]`` on a tiny config to find the paths,
-and add the architecture to the test matrix (``tests/tiny_models.py``).
-
-Layouts (how image tokens sit on the image; `countlens.layouts` maps each token to its cell):
-- ``grid``: the image's tokens are the token grid (patch grid ÷ merge) in row-major order.
-- ``anyres``: LLaVA-NeXT / OneVision — the base image's grid in row-major order first, then the
-  high-resolution image as one finer grid in row-major order with a newline token ending each row.
-- ``tiles_thumbnail``: InternVL, Idefics3 / SmolVLM — the image resized to a grid of tiles, each
-  tile's token grid in row-major order, tiles in row-major order, then (when there is more than one
-  tile) a thumbnail: the whole image at one tile's size (Idefics3's "global image"; its tags and
-  newlines between tiles are other tokens than the image token).
-- ``thumbnail_tiles``: Ovis2 — the thumbnail first, then the tiles (separated by other tokens).
-- ``hd_global``: Phi-4-multimodal — the crops stitched into one grid with a newline per row, a
-  separator, then the global image with a newline per row.
-- ``cross_tiles``: Llama-3.2-Vision — no image tokens: the image states its cross-attention layers
-  read, tile slots of a class token and the tile's patches (`CrossAttentionSpec`).
+The spec types (`ArchSpec`, `CrossAttentionSpec`, `LinearAttentionSpec`, `MoESpec`) live in
+`countlens.models.spec` and are importable from here too; `SPECS` is every spec by name.
 """
 
 from __future__ import annotations
@@ -31,6 +17,35 @@ from dataclasses import dataclass
 from typing import Literal
 
 from countlens.errors import CheckpointError, LayerError, UnsupportedArchitectureError
+from countlens.models import BY_MODEL_TYPE, SPECS
+from countlens.models.spec import (
+    ArchSpec,
+    CrossAttentionSpec,
+    ExpertRule,
+    Layout,
+    LinearAttentionSpec,
+    MoESpec,
+    ProjectorOrder,
+    QNormLayout,
+)
+
+__all__ = [
+    "SOFTMAX_KINDS",
+    "SPECS",
+    "Arch",
+    "ArchSpec",
+    "CrossAttentionSpec",
+    "ExpertRule",
+    "LayerKind",
+    "Layout",
+    "LinearAttentionSpec",
+    "MoESpec",
+    "ProjectorOrder",
+    "QNormLayout",
+    "resolve",
+    "spec_for",
+    "text_config",
+]
 
 #: What a decoder layer's attention is: softmax over the whole prefix ("full"), over a sliding window
 #: ("sliding"), within fixed chunks of the sequence ("chunked", Llama 4), a linear recurrence without
@@ -46,336 +61,6 @@ _LAYER_TYPES = {
     "chunked_attention": "chunked",
     "linear_attention": "linear",
 }
-
-#: How image tokens sit on the image (see the module docstring).
-Layout = Literal["grid", "anyres", "tiles_thumbnail", "thumbnail_tiles", "hd_global", "cross_tiles", "padded_tiles"]
-#: Axis order of a q-norm's output: (batch, seq, heads, d_head) or (batch, heads, seq, d_head).
-QNormLayout = Literal["bshd", "bhsd"]
-#: Order of the projector's output tokens: row-major, or Qwen2.5-VL's windows.
-ProjectorOrder = Literal["grid", "window"]
-
-
-@dataclass(frozen=True)
-class CrossAttentionSpec:
-    """Where a cross-attention VLM (Llama-3.2-Vision) reads its image: some decoder layers attend
-    from the text to the image states instead of to the text (paths relative to such a layer)."""
-
-    layers_attr: str  # dotted config path of the cross-attention layers' indices
-    states: str  # the module whose output is the image states every cross-attention layer reads
-    attn: str = "cross_attn"
-    q_norm: str = "cross_attn.q_norm"
-    q_norm_layout: QNormLayout = "bhsd"
-    o_proj: str = "cross_attn.o_proj"
-    # The keyword under which each cross-attention module receives the image states.
-    states_kwarg: str = "cross_attention_states"
-
-
-@dataclass(frozen=True)
-class LinearAttentionSpec:
-    """Linear-attention layers (Qwen3.5's Gated DeltaNet): no softmax, so no attention probabilities
-    and no q to scale; each value head's output, after its gated norm, enters ``o_proj`` side by side,
-    so a head's z is its slice of ``o_proj``'s input, as for softmax heads (paths relative to such a
-    layer; head count and size on the text config)."""
-
-    attn: str = "linear_attn"
-    o_proj: str = "linear_attn.out_proj"
-    heads_attr: str = "linear_num_value_heads"
-    head_dim_attr: str = "linear_value_head_dim"
-    # Its projections LoRA adapts (relative to ``attn``): q, k and v together, the output gate, the output.
-    projections: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "out_proj")
-
-
-#: How a mixture-of-experts layer's experts module combines its experts (`MoESpec.rule`).
-ExpertRule = Literal["weighted_outputs", "scaled_inputs"]
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """A mixture-of-experts MLP (paths relative to a decoder layer; counts on the text config). Rules:
-
-    - ``weighted_outputs`` (Qwen3-VL-MoE): the experts module is called as ``experts(x, top_k_index,
-      top_k_weights)`` on the flattened tokens and returns Σ_j w_j · E_{i_j}(x), each expert
-      E_e(x) = down[e] · act(gate[e] x) ⊙ (up[e] x), gate and up rows stacked in ``gate_up_proj[e]``;
-      the router returns (logits, top-k weights, top-k indices).
-    - ``scaled_inputs`` (Llama 4): the experts module runs every expert on every token, its input
-      scaled by the routing weight (0 off the top-k), and returns (experts · tokens, d): expert e's
-      contribution to token t is row e·T + t; the router returns (weights over all experts, logits);
-      a shared expert beside them is not an expert here.
-
-    A layer is a MoE layer where its experts module exists (`countlens.vlm.VLM` finds them)."""
-
-    experts: str = "mlp.experts"
-    router: str = "mlp.gate"
-    n_experts_attr: str = "num_experts"
-    top_k_attr: str = "num_experts_per_tok"
-    rule: ExpertRule = "weighted_outputs"
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    name: str
-    model_types: tuple[str, ...]
-    layers: str  # the decoder layers' ModuleList
-    final_norm: str
-    vision_blocks: str  # the vision encoder blocks' ModuleList
-    vision_tower: str  # the whole vision encoder (run once and reused by batch-expanded sweeps)
-    projector: str  # the module whose output is the image tokens' embeddings
-    # Paths relative to one decoder layer:
-    self_attn: str = "self_attn"
-    q_proj: str = "self_attn.q_proj"
-    k_proj: str = "self_attn.k_proj"
-    # One projection computes q, k and v (Phi-4's ``qkv_proj``): its output is q (heads × d_head),
-    # then k, then v; head temperature scales the q columns only.
-    fused_qkv: bool = False
-    q_norm: str | None = None
-    # Where one spec covers several language models (InternVL: Qwen2.5 or Qwen3), the text
-    # model_types that have the q-norm; None: every model of the spec has it.
-    q_norm_text_types: tuple[str, ...] | None = None
-    # Axis order of the q-norm's output: Qwen3 normalises (batch, seq, heads, d_head), Gemma 3
-    # normalises after the transpose, (batch, heads, seq, d_head).
-    q_norm_layout: QNormLayout = "bshd"
-    # One q-norm module normalises q, then k, in each forward (Llama 4's parameter-free L2 norm, on its
-    # RoPE layers only): temperature scales its first output of each attention call.
-    q_norm_shared_with_k: bool = False
-    o_proj: str = "self_attn.o_proj"
-    lm_head: str = "lm_head"
-    # Modules under the decoder's parent that are not the language model (a full fine-tune leaves them
-    # frozen): Phi-4's image and audio embedders sit in ``model`` beside its layers.
-    not_language: tuple[str, ...] = ()
-    # The transformers Auto class that loads the checkpoint.
-    loader: str = "AutoModelForImageTextToText"
-    # Config attributes: "" for the top config itself (Phi-4 keeps its text settings there).
-    text_config: str = "text_config"
-    vision_config: str = "vision_config"
-    image_token_attr: str = "image_token_id"  # a dotted path from the top config
-    # Patches per side merged into one image token: a dotted config path from the top config
-    # (``vision_config.spatial_merge_size``), or a number where the model's code fixes it (Phi-4's
-    # 2 × 2 average pool); with ``merge_is_ratio`` the path holds the inverse, a downsampling ratio
-    # (InternVL's ``downsample_ratio`` 0.5 → 2 × 2). None → 1 (or `pooled_tokens_attr`).
-    merge: str | int | None = None
-    merge_is_ratio: bool = False
-    pooled_tokens_attr: str | None = None  # on the top config: tokens per image after pooling (Gemma3)
-    layout: Layout = "grid"
-    # Order of the projector's output tokens: "grid" (row-major, as in the LM input) or "window"
-    # (Qwen2.5-VL's windowed vision blocks; the LM input is reordered to row-major afterwards).
-    projector_order: ProjectorOrder = "grid"
-    # Multimodal rotary positions (Qwen): the attribute where a prefill leaves each row's offset
-    # between sequence index and 3-D position id, which tokens fed after a KV cache must add.
-    rope_deltas: str | None = None
-    # Qwen3-VL's DeepStack adds image features inside its first decoder layers: the embeddings
-    # (layer −1) do not carry all of the image.
-    deepstack: bool = False
-    # A text config attribute that, when > 0, gives every decoder layer its own input computed from the
-    # embeddings (Gemma 4's per-layer inputs, E2B / E4B): the image then reaches each layer beside the
-    # residual stream, so layer −1 does not carry all of it (as with DeepStack).
-    per_layer_inputs_attr: str | None = None
-    # A text config attribute: how many last layers reuse the keys and values an earlier layer stored
-    # during the same forward (Gemma 4 E2B / E4B's KV sharing): no layer below them may be skipped.
-    kv_shared_attr: str | None = None
-    # Cross-attention VLMs: the image never enters the residual stream (no image tokens).
-    cross_attention: CrossAttentionSpec | None = None
-    # (module path, field): an output field a model's own forward reads but transformers 5.24 does not
-    # write (Llama 4's reads ``image_outputs`` off its language model's output): set to None.
-    missing_output_fields: tuple[tuple[str, str], ...] = ()
-    # The vision tower packs every image of a batch into one sequence, (1, patches of all images, d)
-    # (Pixtral's): its output repeats along axis 1, not 0, for batch-expanded sweeps.
-    packed_tower: bool = False
-    # Models whose processor has no chat template (PaliGemma): the prompt written around a question,
-    # with ``{image}`` for the processor's image token and ``{question}``.
-    plain_prompt: str | None = None
-    # A per-token input that marks the tokens after the prompt (an answer) with 1: teacher-forced and
-    # continued tokens get 1 there (PaliGemma's ``token_type_ids``: 0 is the bidirectional prefix).
-    answer_token_type: str | None = None
-    # Mixture-of-experts language models: where the experts are (`MoESpec`).
-    moe: MoESpec | None = None
-    # Hybrid language models: the layers whose ``layer_types`` entry is "linear_attention".
-    linear_attention: LinearAttentionSpec | None = None
-
-
-_QWEN = dict(
-    layers="model.language_model.layers",
-    final_norm="model.language_model.norm",
-    vision_blocks="model.visual.blocks",
-    vision_tower="model.visual",
-    projector="model.visual.merger",
-    merge="vision_config.spatial_merge_size",
-    rope_deltas="model.rope_deltas",
-)
-_LLAVA = dict(
-    layers="model.language_model.layers",
-    final_norm="model.language_model.norm",
-    vision_blocks="model.vision_tower.encoder.layers",
-    vision_tower="model.vision_tower",
-    projector="model.multi_modal_projector",
-)
-
-SPECS: dict[str, ArchSpec] = {
-    s.name: s
-    for s in [
-        ArchSpec("qwen2_vl", ("qwen2_vl",), **_QWEN),
-        ArchSpec("qwen2_5_vl", ("qwen2_5_vl",), projector_order="window", **_QWEN),
-        ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", deepstack=True, **_QWEN),
-        ArchSpec("qwen3_vl_moe", ("qwen3_vl_moe",), q_norm="self_attn.q_norm", deepstack=True, moe=MoESpec(), **_QWEN),
-        # Hybrid: Gated DeltaNet linear attention on most layers (`LinearAttentionSpec`), softmax on every
-        # fourth; its softmax layers' q_proj writes each head's query then its output gate.
-        ArchSpec("qwen3_5", ("qwen3_5",), q_norm="self_attn.q_norm", linear_attention=LinearAttentionSpec(), **_QWEN),
-        # GLM-4.1V: Qwen2-VL's layout (3-D rotary, a 2 × 2 merge); its image processor's pixel budget
-        # counts an image's two temporal frames (`countlens.sizing`).
-        ArchSpec("glm4v", ("glm4v",), **_QWEN),
-        ArchSpec("llava", ("llava",), **_LLAVA),
-        ArchSpec("llava_next", ("llava_next",), layout="anyres", **_LLAVA),
-        ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_LLAVA),
-        ArchSpec(
-            "internvl",
-            ("internvl",),
-            layers="model.language_model.layers",
-            final_norm="model.language_model.norm",
-            vision_blocks="model.vision_tower.encoder.layer",
-            vision_tower="model.vision_tower",
-            projector="model.multi_modal_projector",
-            q_norm="self_attn.q_norm",  # InternVL3.5's Qwen3 language models; InternVL3's Qwen2.5 have none
-            q_norm_text_types=("qwen3", "qwen3_moe"),
-            merge="downsample_ratio",
-            merge_is_ratio=True,
-            layout="tiles_thumbnail",
-        ),
-        ArchSpec(
-            "ovis2",
-            ("ovis2",),
-            layers="model.language_model.layers",
-            final_norm="model.language_model.norm",
-            vision_blocks="model.vision_tower.transformer.encoder.layers",
-            vision_tower="model.vision_tower",
-            # Probabilities over the visual vocabulary times this table are the image tokens.
-            projector="model.visual_embeddings_table",
-            merge="vision_config.hidden_stride",
-            layout="thumbnail_tiles",
-        ),
-        ArchSpec(
-            "phi4_multimodal",
-            ("phi4_multimodal",),
-            layers="model.layers",
-            final_norm="model.norm",
-            not_language=("model.embed_tokens_extend",),
-            vision_blocks="model.embed_tokens_extend.image_embed.img_processor.encoder.layers",
-            vision_tower="model.embed_tokens_extend.image_embed.img_processor",
-            # img_projection_up → GELU → img_projection_down, siblings of the tower; the last is named.
-            projector="model.embed_tokens_extend.image_embed.img_projection_down",
-            q_proj="self_attn.qkv_proj",
-            k_proj="self_attn.qkv_proj",
-            fused_qkv=True,
-            loader="AutoModelForCausalLM",
-            text_config="",
-            image_token_attr="vision_config.image_token_id",
-            merge=2,  # a fixed 2 × 2 average pool in the model's code
-            layout="hd_global",
-        ),
-        ArchSpec(
-            "mllama",
-            ("mllama",),
-            layers="model.language_model.layers",
-            final_norm="model.language_model.norm",
-            vision_blocks="model.vision_model.transformer.layers",  # the local encoder (then 8 gated global blocks)
-            vision_tower="model.vision_model",
-            projector="model.multi_modal_projector",
-            layout="cross_tiles",
-            cross_attention=CrossAttentionSpec(
-                layers_attr="text_config.cross_attention_layers", states="model.multi_modal_projector"
-            ),
-        ),
-        # Idefics3 and SmolVLM: Llama / SmolLM text; the image resized to whole tiles, each tile's tokens
-        # (pixel-shuffled by scale_factor, row-major) after a row-and-column tag, then the whole image.
-        ArchSpec(
-            "idefics3",
-            ("idefics3", "smolvlm"),
-            layers="model.text_model.layers",
-            final_norm="model.text_model.norm",
-            vision_blocks="model.vision_model.encoder.layers",
-            vision_tower="model.vision_model",
-            projector="model.connector",
-            merge="scale_factor",
-            layout="tiles_thumbnail",
-        ),
-        ArchSpec(
-            "paligemma",
-            ("paligemma",),
-            layers="model.language_model.layers",
-            final_norm="model.language_model.norm",
-            vision_blocks="model.vision_tower.encoder.layers",
-            vision_tower="model.vision_tower",
-            projector="model.multi_modal_projector",
-            # The mix checkpoints' question-answering task prefix; the processor adds <bos> after the
-            # image tokens and "\n" at the end (PaliGemmaProcessor).
-            plain_prompt="{image}answer en {question}",
-            answer_token_type="token_type_ids",
-        ),
-        # Mistral 3 (Mistral-Small-3.1 …): Pixtral's tower over the image at its own size (longest edge,
-        # whole tokens), a 2 × 2 patch merger; [IMG] tokens row by row, each row ended by [IMG_BREAK]
-        # (the last by [IMG_END]), which are other tokens than the image token.
-        ArchSpec(
-            "mistral3",
-            ("mistral3",),
-            layers="model.language_model.layers",
-            final_norm="model.language_model.norm",
-            vision_blocks="model.vision_tower.transformer.layers",
-            vision_tower="model.vision_tower",
-            projector="model.multi_modal_projector",
-            merge="spatial_merge_size",
-            packed_tower=True,
-        ),
-        # Gemma 4: its full-attention layers have their own head size (a heterogeneous text config:
-        # `_layer_configs`); the image at the most pooled tokens its aspect allows (`countlens.sizing`),
-        # row-major over the pooled grid; the projector's output is flat (tokens of all images, d).
-        ArchSpec(
-            "gemma4",
-            ("gemma4",),
-            layers="model.language_model.layers",
-            final_norm="model.language_model.norm",
-            vision_blocks="model.vision_tower.encoder.layers",
-            vision_tower="model.vision_tower",
-            projector="model.embed_vision",
-            q_norm="self_attn.q_norm",
-            merge="vision_config.pooling_kernel_size",
-            per_layer_inputs_attr="hidden_size_per_layer_input",
-            kv_shared_attr="num_kv_shared_layers",
-        ),
-        # Llama 4 (Scout, Maverick): no ``model.`` prefix; chunked attention on its RoPE layers, global
-        # attention without RoPE on every fourth; mixture-of-experts MLPs whose experts run on every
-        # token, the routing weight scaling the input; images padded onto a canvas of tiles, then a
-        # stretched global tile; only <|patch|> tokens (the config's image token) carry it.
-        ArchSpec(
-            "llama4",
-            ("llama4",),
-            layers="language_model.model.layers",
-            final_norm="language_model.model.norm",
-            lm_head="language_model.lm_head",
-            vision_blocks="vision_model.model.layers",
-            vision_tower="vision_model",
-            projector="multi_modal_projector",
-            q_norm="self_attn.qk_norm",
-            q_norm_shared_with_k=True,
-            merge="vision_config.pixel_shuffle_ratio",
-            merge_is_ratio=True,
-            layout="padded_tiles",
-            missing_output_fields=(("language_model", "image_outputs"),),
-            moe=MoESpec(
-                experts="feed_forward.experts",
-                router="feed_forward.router",
-                n_experts_attr="num_local_experts",
-                rule="scaled_inputs",
-            ),
-        ),
-        ArchSpec(
-            "gemma3",
-            ("gemma3",),
-            q_norm="self_attn.q_norm",
-            q_norm_layout="bhsd",
-            pooled_tokens_attr="mm_tokens_per_image",
-            **_LLAVA,
-        ),
-    ]
-}
-_BY_MODEL_TYPE = {t: s for s in SPECS.values() for t in s.model_types}
 
 
 @dataclass(frozen=True)
@@ -537,13 +222,13 @@ class Arch:
 
 def spec_for(config) -> ArchSpec:
     model_type = getattr(config, "model_type", None)
-    if model_type not in _BY_MODEL_TYPE:
+    if model_type not in BY_MODEL_TYPE:
         raise UnsupportedArchitectureError(
             f"architecture {model_type!r} ({type(config).__name__}) has no countlens spec. Supported: "
-            f"{', '.join(sorted(_BY_MODEL_TYPE))}. To add one, write an ArchSpec in countlens/arch.py "
-            "(module paths and config names; see its docstring) and add a tiny config to tests/tiny_models.py."
+            f"{', '.join(sorted(BY_MODEL_TYPE))}. To add one, write a family module in countlens/models/ "
+            "(its ArchSpec and Family; see docs/architectures.md) and add a tiny config to tests/tiny_models.py."
         )
-    return _BY_MODEL_TYPE[model_type]
+    return BY_MODEL_TYPE[model_type]
 
 
 def text_config(config, spec: ArchSpec):

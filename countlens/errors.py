@@ -6,7 +6,7 @@ class CountlensError(Exception):
 
 
 class UnsupportedArchitectureError(CountlensError):
-    """A model whose Hugging Face config class has no spec in `countlens.arch`."""
+    """A model whose Hugging Face config class has no spec in the registry of families (`countlens.models`)."""
 
 
 class CheckpointNotFoundError(CountlensError):

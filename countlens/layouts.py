@@ -15,7 +15,7 @@ Tokens that cover no cell (LLaVA's row-end newlines) get cell (-1, -1). A lit sq
 cell therefore changes, in every view, the tokens mapped to that cell most (`tests/unit/
 test_arch_matrix.py`).
 
-Layouts (named by `countlens.arch.ArchSpec.layout`):
+Layouts (named by `countlens.models.spec.ArchSpec.layout`):
 
 - ``grid``: the token grid in row-major order, one view.
 - ``anyres``: the base grid row-major, then the high-resolution grid row-major with a newline token

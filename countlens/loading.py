@@ -23,6 +23,7 @@ from countlens.errors import (
     ImageTokenCountError,
     UnsupportedArchitectureError,
 )
+from countlens.models import REMOTE_CODE, pil_image_processor
 from countlens.sizing import fixed_size, pin_square
 from countlens.validate import require_image_side
 from countlens.vlm import VLM
@@ -190,20 +191,13 @@ def read_config(path: str):
     return config
 
 
-#: Remote-code formats of checkpoints whose transformers conversion countlens supports: model_type →
-#: (the conversion's model_type, an example of a converted checkpoint as its authors publish it).
-REMOTE_CODE_CONVERSIONS = {
-    "internvl_chat": ("internvl", "OpenGVLab/InternVL3-8B-hf for OpenGVLab/InternVL3-8B"),
-    "ovis": ("ovis2", "an Ovis2 checkpoint saved by transformers (model_type 'ovis2')"),
-}
-
-
 def _refuse_remote_code(file: Path, raw: dict) -> None:
     """A checkpoint in its authors' remote-code format (``auto_map`` naming its own modules): countlens
-    never runs a checkpoint's code, so it names the transformers conversion of the same weights."""
+    never runs a checkpoint's code, so it names the transformers conversion of the same weights (the
+    families' ``remote_code``, `countlens.models.REMOTE_CODE`)."""
     kind = raw.get("model_type")
-    if kind in REMOTE_CODE_CONVERSIONS:
-        native, example = REMOTE_CODE_CONVERSIONS[kind]
+    if kind in REMOTE_CODE:
+        native, example = REMOTE_CODE[kind]
         raise UnsupportedArchitectureError(
             f"{file}: model_type {kind!r} is the authors' remote-code format, whose code countlens never "
             f"runs; load the transformers conversion of the same model (model_type {native!r}), e.g. {example}"
@@ -342,8 +336,6 @@ def _checkpoint_json(file: Path) -> dict:
 def _load_image_processor(path: str):
     import transformers
 
-    from countlens import image_processors
-
     # Older checkpoints keep it in preprocessor_config.json, newer ones nest it in processor_config.json.
     flat, nested = Path(path) / "preprocessor_config.json", Path(path) / "processor_config.json"
     if flat.exists():
@@ -359,18 +351,20 @@ def _load_image_processor(path: str):
         raise CheckpointError(
             f"{path}'s image processor config names no image_processor_type; copy it from the original checkpoint"
         )
-    # Prefer a PIL backend, transformers' or countlens's own (`countlens.image_processors`): the
+    # Prefer a PIL backend, transformers' or a family's own (`countlens.models`): the
     # torchvision-backed processors don't run without torchvision.
     pil = name.removesuffix("Pil").removesuffix("Fast") + "Pil"
-    for cls in (getattr(transformers, pil, None), getattr(image_processors, pil, None)):
-        if cls is not None:
-            return cls.from_dict(cfg)
+    cls = getattr(transformers, pil, None)
+    if cls is None:
+        cls = pil_image_processor(pil)
+    if cls is not None:
+        return cls.from_dict(cfg)
     try:
         return getattr(transformers, name).from_dict(cfg)
     except (AttributeError, ImportError) as err:  # unknown, or a torchvision backend
         raise CheckpointNotFoundError(
             f"{path} names the image processor {name!r}, which cannot be built here ({err}); countlens needs a "
-            "PIL image processor for it (countlens/image_processors.py)"
+            "PIL image processor for it (in its family's module under countlens/models/)"
         ) from None
 
 

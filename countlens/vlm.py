@@ -432,7 +432,7 @@ def _with_q_norm_layers(arch: Arch, hf_model) -> Arch:
 
 def _add_missing_output_fields(hf_model, fields: tuple[tuple[str, str], ...]) -> None:
     """Give modules' outputs the fields their parent's forward reads but transformers does not write
-    (`countlens.arch.ArchSpec.missing_output_fields`), None, by a forward hook installed once."""
+    (`countlens.models.spec.ArchSpec.missing_output_fields`), None, by a forward hook installed once."""
     for path, name in fields:
         module = hf_model.get_submodule(path)
         if getattr(module, "_countlens_fields", None):

@@ -31,7 +31,7 @@ SOURCES = (
     TESTS / "tiny_models.py",
     TESTS / "real_vocab.py",
     ROOT / "countlens" / "processors.py",
-    ROOT / "countlens" / "image_processors.py",
+    *sorted((ROOT / "countlens" / "models").glob("*.py")),
     ROOT / "countlens" / "toy" / "recipe.py",
     ROOT / "countlens" / "datasets" / "prompts.py",
     ROOT / "countlens" / "datasets" / "scene.py",

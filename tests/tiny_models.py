@@ -1034,7 +1034,7 @@ def _phi4_multimodal(tile: int = PHI4_CROP):
     import transformers as tf
     from real_vocab import PHI4MM_NAMED, o200k_tokenizer
 
-    from countlens.image_processors import Phi4MultimodalImageProcessorPil
+    from countlens.models.phi4_multimodal import Phi4MultimodalImageProcessorPil
 
     # The remote-code checkpoint's template writes '<|' + role + '|>' + content + '<|end|>', the user
     # writing <|image_1|>, which became <|endoftext10|>; transformers' processor expands the
@@ -1201,7 +1201,7 @@ def _llama4(tile: int = LLAMA4_TILE):
     import transformers as tf
     from real_vocab import digit_bpe
 
-    from countlens.image_processors import Llama4ImageProcessorPil
+    from countlens.models.llama4 import Llama4ImageProcessorPil
 
     template = _chat(
         "<|header_start|>{{ message['role'] }}<|header_end|>\n\n",

@@ -32,6 +32,7 @@ from torch import Tensor
 from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import token_cells
+from countlens.models import family_of
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -63,13 +64,9 @@ def _grid_map(acts: Tensor, positions: Sequence[Tensor], cells: Sequence[Tensor]
 
 
 def _window_index(vlm: VLM, grid_thw: Tensor) -> Tensor:
-    """Qwen2.5-VL's order of merge units inside its vision blocks, from the model's own code."""
+    """The order of merge units inside a windowed tower's blocks, by its family's own rule."""
     visual = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks.rsplit(".", 1)[0])
-    if hasattr(visual, "get_window_index"):  # transformers 4.x keeps it on the tower
-        return visual.get_window_index(grid_thw)[0]
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import get_vision_window_index
-
-    return get_vision_window_index(grid_thw, visual.spatial_merge_size, visual.window_size, visual.patch_size)[0]
+    return family_of(vlm.arch.spec).window_index(visual, grid_thw)
 
 
 def _tiled_patch_map(x: Tensor, vlm: VLM, batch: Batch) -> Tensor:

@@ -9,33 +9,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_models import TINY_IMAGE_SIZE
+from tiny_models import TINY_IMAGE_SIZE, TINY_NAMES
 
 from countlens.arch import SPECS
 from countlens.layouts import TILED, token_cells
 from countlens.processors import useful_grid
 
-SUPPORTED = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "glm4v",
-    "llava",
-    "llava_next",
-    "llava_onevision",
-    "gemma3",
-    "gemma4",
-    "paligemma",
-    "mistral3",
-    "idefics3",
-    "internvl",
-    "ovis2",
-    "phi4_multimodal",
-    "mllama",
-    "llama4",
-)
+#: Every spec of the registry (`countlens.models`), each the name of a tiny model (`tests/tiny_models.py`).
+SUPPORTED = tuple(SPECS)
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
 # q-norm) under "internvl", SmolVLM (SmolLM2 text, its own processor) under "idefics3". The cheap
 # checks of this file run on them too.
@@ -65,6 +46,8 @@ def images_of(name: str, n: int = 2, cell=None, geometry=None, size=None):
 
 def test_every_spec_is_in_the_matrix():
     assert set(SPECS) == set(SUPPORTED)
+    missing = sorted(set(SUPPORTED) - set(TINY_NAMES))
+    assert not missing, f"specs without a tiny model in tests/tiny_models.py (_BUILDERS): {missing}"
 
 
 def test_spec_resolves_and_paths_exist(vlm):

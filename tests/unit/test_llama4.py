@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from countlens import circuits
-from countlens.image_processors import llama4_canvas, llama4_resized
+from countlens.models.llama4 import llama4_canvas, llama4_resized
 from countlens.processors import useful_grid
 
 

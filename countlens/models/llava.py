@@ -1,0 +1,27 @@
+"""LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision: a CLIP / SigLIP tower, a projector, and a language model
+under ``model.language_model``.
+
+LLaVA-1.5's image tokens are its patch grid row-major (the CLS token dropped). NeXT and OneVision
+("anyres") show the image twice: the base image's grid row-major, then the high-resolution crops
+stitched into one finer grid, row-major with a newline token ending each row.
+"""
+
+from __future__ import annotations
+
+from countlens.models.spec import ArchSpec, Family
+
+_PATHS = dict(
+    layers="model.language_model.layers",
+    final_norm="model.language_model.norm",
+    vision_blocks="model.vision_tower.encoder.layers",
+    vision_tower="model.vision_tower",
+    projector="model.multi_modal_projector",
+)
+
+SPECS = (
+    ArchSpec("llava", ("llava",), **_PATHS),
+    ArchSpec("llava_next", ("llava_next",), layout="anyres", **_PATHS),
+    ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_PATHS),
+)
+
+FAMILY = Family("llava", SPECS, names=("Llava",))
