@@ -1,5 +1,5 @@
-"""The intervention layer over nnsight: sites, patching, lenses, HeadLens, ablation, head temperature,
-and the experts of mixture-of-experts models.
+"""The intervention layer over nnsight: sites, patching, attribution (AtP, EAP-IG), faithfulness of a
+circuit, lenses, HeadLens, ablation, head temperature, and the experts of mixture-of-experts models.
 
 Every function takes a `countlens.VLM` and prepared data (pairs or samples) and returns labelled
 xarray results; module paths come from `countlens.arch` only.
@@ -15,7 +15,9 @@ from countlens.circuits.experts import (
     patch_experts,
     routing,
 )
+from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
 from countlens.circuits.headlens import HeadLens
+from countlens.circuits.integrated import node_attribution
 from countlens.circuits.lens import logit_lens
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
 from countlens.circuits.taps import tap
@@ -33,12 +35,15 @@ __all__ = [
     "expert_ablation_scan",
     "expert_means",
     "expert_usage",
+    "faithfulness",
+    "faithfulness_curves",
     "group_means",
     "head_temperature",
     "image_attention_share",
     "jaccard",
     "last_token_attention",
     "logit_lens",
+    "node_attribution",
     "patch_experts",
     "patch_heads",
     "patch_layers",
