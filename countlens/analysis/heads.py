@@ -210,27 +210,36 @@ def read_heads(circuit: str | Path):
     return table
 
 
+#: The head table's columns in the order every export and the report show them.
+TABLE_COLUMNS: tuple[str, ...] = (
+    "head_id",
+    "layer",
+    "head",
+    "class",
+    "kind",
+    "importance",
+    "ablation_drop",
+    "image_attention",
+    "vgs",
+    "cter",
+    "constancy",
+    "alignment",
+    "difficulty",
+    "depth",
+)
+
+
+def shown_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """The head table as it is shown: `TABLE_COLUMNS` in order, those it has (alignment and difficulty
+    left out where no head has one), so a table read back from heads.csv shows as the one computed."""
+    return df[[c for c in TABLE_COLUMNS if c in df and not (c in ("alignment", "difficulty") and df[c].isna().all())]]
+
+
 def export_heads(df: pd.DataFrame, out: str | Path, stem: str = "heads") -> list[Path]:
     """Write the table as CSV, Markdown and LaTeX; returns the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cols = [
-        "head_id",
-        "layer",
-        "head",
-        "class",
-        "kind",
-        "importance",
-        "ablation_drop",
-        "image_attention",
-        "vgs",
-        "cter",
-        "constancy",
-        "alignment",
-        "difficulty",
-        "depth",
-    ]
-    table = df[[c for c in cols if c in df and not (c in ("alignment", "difficulty") and df[c].isna().all())]]
+    table = shown_columns(df)
     paths = [out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.tex"]
     table.to_csv(paths[0], index=False)
     paths[1].write_text(table.to_markdown(index=False, floatfmt=".3f") + "\n")

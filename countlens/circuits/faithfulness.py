@@ -381,14 +381,16 @@ def faithfulness_curves(
         if ablation == "mean":
             values = _mean(record_nodes(vlm, pb.clean, order), values)
         image = image_positions(vlm, pb.clean)
-        # Every distinct circuit (and the full and empty ones) in stacked forwards: the ablated nodes' sets.
-        sets = [frozenset(), frozenset(order), *(frozenset(order) - c for c in distinct)]
+        # The full and empty circuits, then every other distinct circuit, in stacked forwards (the sets
+        # of nodes each ablates); a circuit of every node or of none is the full or empty run itself.
+        middle = [c for c in distinct if 0 < len(c) < n]
+        sets = [frozenset(), frozenset(order), *(frozenset(order) - c for c in middle)]
         logits = ablated_logits(vlm, pb.clean, sets, values, image)
         ld = [logit_diff(rows, pb.clean_id, pb.corrupt_id).cpu() for rows in logits]
         full_ld.append(ld[0])
         empty_ld.append(ld[1])
-        for c, got in zip(distinct, ld[2:]):
-            lds[c].append(got)
+        for c in distinct:
+            lds[c].append(ld[0] if len(c) == n else ld[1] if not c else ld[2 + middle.index(c)])
     m_full, m_empty = float(torch.cat(full_ld).sum()), float(torch.cat(empty_ld).sum())
     if m_full == m_empty:
         raise InputError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import xarray as xr
 from benchmark_files import mathvista_copy, mmmu_copy, mmmu_rows, realworldqa_copy
 from tolerance import assert_effect, logit_scale
 from typer.testing import CliRunner
@@ -27,9 +28,20 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     assert result.exit_code == 0, result.output
     report = (out / "report.md").read_text()
     assert "Warning" not in report  # the organism answers its own prompt
-    for section in ("COUNTINGTRICKS", "visual activation patching", "Logit lens", "Head classes", "Head temperature"):
+    for section in (
+        "COUNTINGTRICKS",
+        "visual activation patching",
+        "Logit lens",
+        "Head classes",
+        "Head temperature",
+        "Is it a circuit?",
+        "EAP-IG",
+    ):
         assert section in report
-    assert len(list((out / "figures").glob("*.png"))) >= 6
+    assert len(list((out / "figures").glob("*.png"))) >= 7 and (out / "figures" / "faithfulness.png").exists()
+    faith = xr.open_dataset(out / "results" / "faithfulness.nc")
+    assert {"exact patching", "AtP", "EAP-IG", "mean-ablation drop", "random"} <= set(faith.ranking.values)
+    assert (faith.faithfulness.sel(size=1.0) == 1).all() and (faith.faithfulness.sel(size=0.001) == 0).all()
     heads = pd.read_csv(out / "heads.csv")
     assert len(heads) == 24 and set(heads["class"]) <= {
         "visual grounding",
@@ -44,6 +56,7 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     assert json.loads((out / "spec.json").read_text())["prompt"] == "short"
     assert runner.invoke(app, ["report", "--run", str(out)]).exit_code == 0
     assert "Prompt style: `short`" in (out / "report.md").read_text()
+    assert (out / "report.md").read_text() == report  # re-rendered from results/ and heads.csv, byte for byte
     # A second run loads every stage instead of recomputing it.
     (out / "results" / "lens.nc").unlink()
     again = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])

@@ -1,5 +1,7 @@
 """The head classes section of the report: how many heads fall in each class and the head table's top
-rows (the table itself: ``heads.csv`` / ``.md`` / ``.tex``; the rules: `countlens.analysis.heads`).
+rows, in the columns and order of ``heads.csv`` whether the table was just computed or read back by
+``countlens report`` (the table itself: ``heads.csv`` / ``.md`` / ``.tex``; the rules:
+`countlens.analysis.heads`).
 It reads the head table, built from several stages' results, and is no stage of its own.
 """
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from countlens.analysis.heads import shown_columns
 from countlens.pipeline.stages.base import ReportContext, Section
 
 
@@ -29,7 +32,7 @@ def _values(ctx: ReportContext) -> dict:
     classes = ctx.table["class"].value_counts().to_dict()
     return {
         "classes_table": pd.Series(classes).to_frame("heads").to_markdown(),
-        "heads_table": ctx.table.head(10).round(3).to_markdown(index=False),
+        "heads_table": shown_columns(ctx.table).head(10).round(3).to_markdown(index=False),
         "preset": preset_summary(ctx.spec),
     }
 
