@@ -48,7 +48,7 @@ from countlens.training.finetune import FinetuneConfig
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory, loaded):
+def ctx(tmp_path_factory, loaded, tiny_checkpoint):
     toy = loaded("toy")
     qwen = loaded("qwen2_5_vl")
     tmp = tmp_path_factory.mktemp("bad")
@@ -72,6 +72,7 @@ def ctx(tmp_path_factory, loaded):
         CountPair(p.clean, replace(p.corrupt, question=p.corrupt.question.replace("many", "mony")), p.kind, 0)
     ]
     nan_heads, odd_class = _head_table(tmp, "nan_heads", importance="nan"), _head_table(tmp, "odd", cls="chef")
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
     return SimpleNamespace(
         toy=toy,
         qwen=qwen,
@@ -88,7 +89,41 @@ def ctx(tmp_path_factory, loaded):
         asked_apart=asked_apart,
         nan_heads=nan_heads,
         odd_class=odd_class,
+        short_layer_types=_edited(
+            tiny_checkpoint("qwen3_5"), checkpoints / "short_layer_types", _drop_a_layer_type, weights=False
+        ),
+        too_many_experts=_edited(
+            tiny_checkpoint("qwen3_vl_moe"), checkpoints / "experts", _more_experts_per_token, weights=False
+        ),
+        wider_mlp=_edited(TOY_DIR, checkpoints / "wider_mlp", _wider_mlp, weights=True),
+        bitsandbytes=_edited(TOY_DIR, checkpoints / "bnb", _bitsandbytes, weights=False),
     )
+
+
+def _edited(source: Path, where: Path, edit, weights: bool) -> Path:
+    """A copy of the checkpoint at ``source`` (its weight files only with ``weights``) whose
+    config.json ``edit`` changed in place."""
+    shutil.copytree(source, where, ignore=None if weights else shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((where / "config.json").read_text())
+    edit(config)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def _drop_a_layer_type(config: dict) -> None:  # 3 layer types for 4 layers
+    config["text_config"]["layer_types"] = config["text_config"]["layer_types"][:-1]
+
+
+def _more_experts_per_token(config: dict) -> None:  # 6 experts per token of 4
+    config["text_config"]["num_experts_per_tok"] = config["text_config"]["num_local_experts"] + 2
+
+
+def _wider_mlp(config: dict) -> None:  # the MLP weights stay 384 wide
+    config["text_config"]["intermediate_size"] += 8
+
+
+def _bitsandbytes(config: dict) -> None:
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
 
 
 def _head_table(tmp: Path, name: str, importance: str = "0.5", cls: str = "other") -> Path:
@@ -249,6 +284,33 @@ API_CASES = [
     ("config without vision_config", lambda c: meta_vlm(str(c.no_vision)), CheckpointError, "vision_config"),
     ("plan int8", lambda c: meta_vlm("toy", dtype="int8"), ConfigError, "int8"),
     ("load int8", lambda c: countlens.load("toy", dtype="int8"), ConfigError, "floating"),
+    # libraries' errors translated where countlens calls them
+    (
+        "layer_types of the wrong length",
+        lambda c: countlens.load(c.short_layer_types),
+        CheckpointError,
+        "`num_hidden_layers` (4) must be equal to the number of `layer_types` (3)",
+    ),
+    (
+        "more experts per token than experts",
+        lambda c: countlens.load(c.too_many_experts),
+        CheckpointError,
+        "text_config.num_experts_per_tok = 6 experts per token, but text_config.num_local_experts = 4",
+    ),
+    (
+        "plan more experts per token than experts",
+        lambda c: meta_vlm(str(c.too_many_experts)),
+        CheckpointError,
+        "num_experts_per_tok = 6",
+    ),
+    (
+        "weights the config does not shape",
+        lambda c: countlens.load(c.wider_mlp),
+        CheckpointError,
+        "has shape [128, 384] in the checkpoint's weight files but config.json makes it [128, 392]",
+    ),
+    ("a bitsandbytes checkpoint", lambda c: countlens.load(c.bitsandbytes), CheckpointError, "'bitsandbytes'"),
+    ("plan a bitsandbytes checkpoint", lambda c: meta_vlm(str(c.bitsandbytes)), CheckpointError, "unquantised"),
     ("heads.csv with NaN importance", lambda c: read_heads(c.nan_heads), RunDirError, "no finite importance"),
     ("heads.csv with an unknown class", lambda c: read_heads(c.odd_class), RunDirError, "unknown classes"),
 ]
@@ -340,6 +402,16 @@ CLI_CASES = [
     ("plan int8", lambda t: ["plan", "--dtype", "int8"], "int8"),
     ("plan config not JSON", lambda t: ["plan", "--model", str(_checkpoint(t, "{not json"))], "config.json"),
     ("plan no vision_config", lambda t: ["plan", "--model", str(_checkpoint(t, None))], "vision_config"),
+    (
+        "plan a bitsandbytes checkpoint",
+        lambda t: ["plan", "--model", str(_checkpoint(t, _quantised()))],
+        "quant_method 'bitsandbytes'",
+    ),
+    (
+        "check a bitsandbytes checkpoint",
+        lambda t: ["check", "--model", str(_checkpoint(t, _quantised()))],
+        "quant_method 'bitsandbytes'",
+    ),
     ("plan --json onto a directory", lambda t: ["plan", "--json", str(t)], "is a directory"),
     ("plan memory NaN", lambda t: ["plan", "--memory", "nan"], "--memory"),
     (
@@ -413,6 +485,13 @@ def _checkpoint(tmp: Path, config: str | None) -> Path:
         config = json.dumps(config)
     (where / "config.json").write_text(config)
     return where
+
+
+def _quantised() -> str:
+    """The organism's config.json with a bitsandbytes quantization_config."""
+    config = json.loads((TOY_DIR / "config.json").read_text())
+    _bitsandbytes(config)
+    return json.dumps(config)
 
 
 def _heads_csv(run: Path, text: str) -> Path:
