@@ -73,7 +73,13 @@ def ctx(tmp_path_factory, loaded, tiny_checkpoint):
     ]
     nan_heads, odd_class = _head_table(tmp, "nan_heads", importance="nan"), _head_table(tmp, "odd", cls="chef")
     checkpoints = tmp_path_factory.mktemp("checkpoints")
+    moe = loaded("qwen3_vl_moe")
     return SimpleNamespace(
+        moe=moe,
+        moe_samples=task_samples("count", 2, 1, image_size=64),
+        moe_pairs=count_pairs(2, 3, 5, kind="polygons", image_size=64, prompt="short", seed=1),
+        scan=_scan(),
+        edited_name=_result_with_name_attr(tmp, "{effect"),
         toy=toy,
         qwen=qwen,
         tmp=tmp,
@@ -98,6 +104,25 @@ def ctx(tmp_path_factory, loaded, tiny_checkpoint):
         wider_mlp=_edited(TOY_DIR, checkpoints / "wider_mlp", _wider_mlp, weights=True),
         bitsandbytes=_edited(TOY_DIR, checkpoints / "bnb", _bitsandbytes, weights=False),
     )
+
+
+def _scan() -> xr.Dataset:
+    """An ablation scan's shape (`circuits.ablation_scan`): two tasks over 2 layers × 3 heads."""
+    drop = np.arange(12.0).reshape(2, 2, 3)
+    drop[1] = drop[1, :, ::-1]  # the second task ranks the heads of each layer the other way round
+    return xr.Dataset(
+        {"logp_drop": (("task", "layer", "head"), drop)},
+        coords={"task": ["count", "color"], "layer": [0, 1], "head": [0, 1, 2]},
+    )
+
+
+def _result_with_name_attr(tmp: Path, name: str) -> Path:
+    """A DataArray result as `results.save` writes it, its name attribute edited to ``name``."""
+    path = tmp / "edited_name.nc"
+    data = xr.DataArray([1.0], dims="x").to_dataset(name=results.DATAARRAY_VAR)
+    data.attrs = {results.KIND_ATTR: "DataArray", results.NAME_ATTR: name}
+    data.to_netcdf(path, engine=results.ENGINE)
+    return path
 
 
 def _edited(source: Path, where: Path, edit, weights: bool) -> Path:
@@ -180,6 +205,12 @@ API_CASES = [
         "a_file",
     ),
     ("load a missing result", lambda c: results.load(c.tmp / "missing.nc"), ResultNotFoundError, "missing.nc"),
+    (
+        "load a result whose name attr was edited",
+        lambda c: results.load(c.edited_name),
+        ResultError,
+        "edited_name.nc: its attr 'countlens_name' is '{effect'",
+    ),
     # loading
     ("missing checkpoint", lambda c: countlens.load(c.tmp / "nowhere"), CheckpointNotFoundError, "nowhere"),
     ("invalid config.json", lambda c: countlens.load(c.bad_config), CheckpointError, "config.json"),
@@ -245,6 +276,39 @@ API_CASES = [
     ("pairs seed negative", lambda c: count_pairs(2, seed=-1), InputError, "seed must be"),
     ("score batch 2.5", lambda c: score(c.toy, c.samples, batch_size=2.5), InputError, "batch_size"),
     ("compare k 0", lambda c: circuits.compare(c.effect, c.effect, k=0), InputError, "k must be"),
+    ("jaccard k 0", lambda c: circuits.jaccard(c.scan, k=0), InputError, "k must be an integer ≥ 1, got 0"),
+    ("top heads k 0", lambda c: circuits.top_heads(c.scan, k=0), InputError, "k must be an integer ≥ 1, got 0"),
+    # experts: the labels results write, integers only, groups checked before a store is written
+    (
+        "an expert id that is no integer",
+        lambda c: circuits.ablate_experts(c.moe, c.moe_samples, [(1, 1.7)]),
+        InputError,
+        "expert (1, 1.7): give (layer, expert) as two integers",
+    ),
+    (
+        "an expert label spelled wrong",
+        lambda c: circuits.ablate_experts(c.moe, c.moe_samples, ["L1X0"]),
+        InputError,
+        "'L1E0'",
+    ),
+    (
+        "an expert label out of range",
+        lambda c: circuits.ablate_experts(c.moe, c.moe_samples, ["L1E9"]),
+        InputError,
+        "expert 9 out of range",
+    ),
+    (
+        "patch_experts misspelt group into a store",
+        lambda c: circuits.patch_experts(c.moe, c.moe_pairs, positions="imgae", store=c.tmp / "experts_store"),
+        InputError,
+        "unknown token group 'imgae'",
+    ),
+    (
+        "patch_heads misspelt group into a store",
+        lambda c: circuits.patch_heads(c.toy, c.pairs, positions="lst", store=c.tmp / "heads_store"),
+        InputError,
+        "unknown token group 'lst'",
+    ),
     ("temperature β inf", lambda c: _enter(circuits.head_temperature(c.toy, {(0, 0): np.inf})), InputError, "L0H0"),
     ("temperature β NaN", lambda c: _enter(circuits.head_temperature(c.toy, {"L0H1": np.nan})), InputError, "L0H1"),
     (
@@ -655,3 +719,28 @@ def test_heads_given_as_a_numpy_table_or_one_list(ctx):
     assert circuits.sites.checked_heads(ctx.toy.arch, [1, 0]) == [(1, 0)]  # one head, as a list
     with pytest.raises(InputError, match="'L3H2'"):
         circuits.sites.checked_heads(ctx.toy.arch, [np.array([True, False])])
+
+
+def test_jaccard_clips_k_to_the_heads_and_says_so(ctx):
+    """k above the model's 6 heads: every task's top k is every head, so each overlap is 1 — the
+    result says which k it used, and a warning says why the overlaps mean nothing."""
+    within = circuits.jaccard(ctx.scan, k=2)
+    assert (within.attrs["k"], within.attrs["k_requested"]) == (2, 2)
+    assert within.sel(task="count", task_other="color").item() == pytest.approx(1 / 3)  # {L1H2, L1H1} vs {L1H0, L1H1}
+    with pytest.warns(UserWarning, match="k=100 is more than the model's 6 heads"):
+        clipped = circuits.jaccard(ctx.scan, k=100)
+    assert (clipped.attrs["k"], clipped.attrs["k_requested"]) == (6, 100)
+    assert np.allclose(clipped.values, 1.0)
+
+
+def test_experts_are_accepted_as_pairs_or_as_the_labels_results_write(ctx):
+    """ablate_experts' own attr ("L1E0,L1E2") given back as the experts is the ablation it records."""
+    samples = ctx.moe_samples
+    means = circuits.expert_means(ctx.moe, samples)
+    by_pair = circuits.ablate_experts(ctx.moe, samples, [(1, 0), (1, 2)], means=means)
+    by_label = circuits.ablate_experts(ctx.moe, samples, by_pair.attrs["experts"].split(","), means=means)
+    assert by_label.attrs["experts"] == "L1E0,L1E2"
+    assert np.array_equal(by_label.logp.values, by_pair.logp.values)
+    assert not np.array_equal(by_label.logp.values, by_label.base_logp.values)  # the ablation did something
+    alone = circuits.ablate_experts(ctx.moe, samples, "L1E2", means=means)  # one expert given alone
+    assert alone.attrs["experts"] == "L1E2"
