@@ -490,6 +490,11 @@ CLI_CASES = [
         "important must be",
     ),
     (
+        "classify heads.nc with renamed dims",
+        lambda t: ["classify", "--run", str(_run_with_renamed_heads(t))],
+        "results/heads.nc: 'effect' is over the dims ['lyr', 'head'], not ['layer', 'head']",
+    ),
+    (
         "report heads.csv without class",
         lambda t: ["report", "--run", str(_heads_csv(_run_dir(t, SPEC), "layer,head,importance\n0,0,0.5\n"))],
         "lacks the columns ['class']",
@@ -549,6 +554,37 @@ def _checkpoint(tmp: Path, config: str | None) -> Path:
         config = json.dumps(config)
     (where / "config.json").write_text(config)
     return where
+
+
+def _run_with_renamed_heads(tmp: Path) -> Path:
+    """A finished run's results as `countlens classify` reads them (2 layers × 2 heads, 3 samples; the
+    stages it does not read empty), its heads.nc's ``layer`` dim renamed ``lyr``."""
+    from countlens.pipeline.stages import REQUIRED
+
+    run = _run_dir(tmp, SPEC)
+    lh, lhs = ("layer", "head"), ("layer", "head", "sample")
+    coords = {"layer": [0, 1], "head": [0, 1]}
+    made = {
+        "heads": xr.Dataset(
+            {"effect": (lh, np.full((2, 2), 0.5)), "logit_diff": ((*lh, "pair"), np.ones((2, 2, 2)))}, coords=coords
+        ).rename({"layer": "lyr"}),
+        "ablation": xr.Dataset(
+            {"logp_drop": (("task", *lh), np.zeros((1, 2, 2)))}, coords={**coords, "task": ["count"]}
+        ),
+        "headlens": xr.Dataset(
+            {
+                **{name: (lh, np.full((2, 2), 0.5)) for name in ("vgs", "cter", "difficulty")},
+                "token_id": ((*lhs, "k"), np.ones((2, 2, 3, 2), dtype=int)),
+                "token": ((*lhs, "k"), np.full((2, 2, 3, 2), "3")),
+                "count_token": ("sample", np.ones(3, dtype=int)),
+            },
+            coords=coords,
+        ),
+        "attention": xr.Dataset({"image_attention": (lhs, np.full((2, 2, 3), 0.5))}, coords=coords),
+    }
+    for stage in REQUIRED:
+        results.save(made.get(stage, xr.Dataset()), run / "results" / f"{stage}.nc")
+    return run
 
 
 def _quantised() -> str:
