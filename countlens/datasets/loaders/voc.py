@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from countlens.datasets.loaders.common import LoaderError, PathLike, check_limit
+from countlens.datasets.loaders.common import LoaderError, PathLike, check_limit, decode_image
 
 VOC_CLASSES: tuple[str, ...] = (
     "aeroplane",
@@ -70,7 +70,7 @@ class DetectionSample:
         """The image letterboxed to ``side`` × ``side`` (as the code's ``_letterbox``)."""
         try:
             with Image.open(self.image_path) as im:
-                image = im.convert("RGB")
+                image = decode_image(im, self.source)
         except (OSError, Image.DecompressionBombError) as err:
             raise LoaderError(f"{self.image_path}: not a readable image ({err})") from None
         scale, (pw, ph) = _letterbox(image.width, image.height, self.side)
