@@ -780,3 +780,19 @@ def test_experts_are_accepted_as_pairs_or_as_the_labels_results_write(ctx):
     assert not np.array_equal(by_label.logp.values, by_label.base_logp.values)  # the ablation did something
     alone = circuits.ablate_experts(ctx.moe, samples, "L1E2", means=means)  # one expert given alone
     assert alone.attrs["experts"] == "L1E2"
+
+
+def test_discover_reads_the_voc_lists_before_its_spec(tmp_path, loaded):
+    """An empty VOC2007 trainval.txt: refused before spec.json, naming VOC2007 and the list — not at
+    the probes stage, the run's last, where the rerun would meet the resume guard."""
+    from benchmark_files import voc_root
+
+    from countlens.datasets.loaders import LoaderError
+    from countlens.pipeline.discover import discover
+
+    voc = voc_root(tmp_path)
+    (voc / "ImageSets" / "Main" / "trainval.txt").write_text("")
+    config = DiscoverConfig(n_per_case=1, n_pairs=2, n_samples=2, probes=True, voc=str(voc))
+    with pytest.raises(LoaderError, match=r"trainval\.txt: VOC2007's 'trainval' list names no images"):
+        discover(loaded("toy"), tmp_path / "run", config)
+    assert not (tmp_path / "run").exists()

@@ -96,6 +96,11 @@ def load_voc2007(
     if not listing.is_file():
         raise LoaderError(f"{listing}: not found; {_FIX} (split is one of its lists: train, val, trainval, test)")
     ids = [line.split()[0] for line in listing.read_text().splitlines() if line.strip()]
+    if not ids:  # a list cut short in the copy: no probe can be fitted or scored on no images
+        raise LoaderError(
+            f"{listing}: VOC2007's {split!r} list names no images; the copy is incomplete — {_FIX}, with its "
+            f"ImageSets/Main/{split}.txt as the original lists it"
+        )
     out = []
     for image_id in ids[:limit] if limit is not None else ids:
         xml = root / "Annotations" / f"{image_id}.xml"
