@@ -14,6 +14,14 @@ from typing import Any
 
 import torch
 
+try:  # huggingface_hub's checks of transformers' config classes (raised by AutoConfig)
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub: its configs are not validated
+
+    class StrictDataclassError(Exception):
+        """Never raised: this huggingface_hub does not validate configs."""
+
+
 from countlens.arch import spec_for
 from countlens.errors import (
     CheckpointError,
@@ -58,6 +66,7 @@ def load(
         _check_device(device_map)
     config = read_config(path)
     spec = spec_for(config)  # fail early, before loading weights, for an unsupported architecture
+    check_experts(config, spec, path)
     processor = load_processor(path, config)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if kind is not None:
@@ -74,7 +83,12 @@ def load(
     import transformers
 
     try:
-        model, info = getattr(transformers, spec.loader).from_pretrained(path, output_loading_info=True, **kwargs)
+        # ignore_mismatched_sizes: transformers then reports the tensors whose shapes disagree with
+        # config.json (in ``info``) instead of raising a RuntimeError that names none of them;
+        # `_refuse_mismatched_weights` refuses them by name.
+        model, info = getattr(transformers, spec.loader).from_pretrained(
+            path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
     except OSError as err:  # e.g. a directory with a config but no weights
         raise CheckpointNotFoundError(f"could not load weights from {path}: {err}") from None
     except Exception as err:
@@ -85,6 +99,7 @@ def load(
             f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
             "corrupt, copy it again from the original checkpoint"
         ) from None
+    _refuse_mismatched_weights(path, info)
     _refuse_missing_weights(path, info)
     vlm = VLM(model.eval(), processor, name=label)
     check_processor(vlm, path)
@@ -101,6 +116,42 @@ def _refuse_missing_weights(path: str, info: dict) -> None:
         raise CheckpointError(
             f"{path} ({files}) lacks {len(missing)} weight tensors of the model: {shown}; the checkpoint is "
             "partial — copy every weight file (and model.safetensors.index.json) from the original checkpoint"
+        )
+
+
+def _refuse_mismatched_weights(path: str, info: dict) -> None:
+    """A weight tensor whose shape is not the one config.json gives its module: the config was edited,
+    or comes from another size of the model. transformers (asked to ignore mismatched sizes) left
+    such a tensor at random; refuse, naming it and both shapes."""
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda row: row[0])
+    if mismatched:
+        name, saved, wanted = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more tensors)" if len(mismatched) > 1 else ""
+        raise CheckpointError(
+            f"{path}: the weight {name} has shape {list(saved)} in the checkpoint's weight files but config.json "
+            f"makes it {list(wanted)}{more}; config.json and the weights come from different models — copy "
+            "config.json from the checkpoint the weights were saved with"
+        )
+
+
+def check_experts(config, spec, path: str) -> None:
+    """Refuse a mixture-of-experts config whose router would choose more experts per token than the
+    layer has: transformers builds such a model, and it fails only in its first forward."""
+    if spec.moe is None:
+        return
+    from countlens.arch import text_config
+
+    text = text_config(config, spec)
+    n, k = getattr(text, spec.moe.n_experts_attr, None), getattr(text, spec.moe.top_k_attr, None)
+    if isinstance(n, int) and isinstance(k, int) and not 0 < k <= n:
+        # The fields as config.json spells them (a config class may alias num_experts to num_local_experts).
+        saved = getattr(text, "attribute_map", {})
+        where = f"{spec.text_config}." if spec.text_config else ""
+        top_k, experts = (where + saved.get(a, a) for a in (spec.moe.top_k_attr, spec.moe.n_experts_attr))
+        raise CheckpointError(
+            f"{Path(path) / 'config.json'}: {top_k} = {k} experts per token, but {experts} = {n} experts per "
+            f"layer; a router chooses between 1 and {n} experts: restore both fields from the original "
+            "checkpoint's config.json"
         )
 
 
@@ -176,9 +227,12 @@ def read_config(path: str):
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file} is not a JSON object; restore it from the original checkpoint")
     _refuse_remote_code(file, raw)
+    _refuse_quantised(file, raw)
     try:
         # Never the checkpoint's own code: transformers would otherwise ask on a terminal whether to run it.
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except StrictDataclassError as err:  # fields that disagree (layer_types for another number of layers)
+        raise CheckpointError(_strict_config_message(file, err)) from None
     except (ValueError, KeyError) as err:  # a model_type transformers itself does not know
         raise UnsupportedArchitectureError(f"{file}: {err}") from None
     except OSError as err:
@@ -189,6 +243,33 @@ def read_config(path: str):
             "the checkpoint's; copy config.json whole from the original checkpoint"
         )
     return config
+
+
+def _strict_config_message(file: Path, err: Exception) -> str:
+    """huggingface_hub's validation error of a config class, as one line naming config.json and the
+    fields: its first line names transformers' validator, the last its message (which names the fields)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    detail = lines[-1].removeprefix("ValueError: ").removeprefix("TypeError: ") if lines else type(err).__name__
+    return (
+        f"{file} does not hold together: {detail}; correct those fields of config.json, or copy it whole from "
+        "the original checkpoint"
+    )
+
+
+def _refuse_quantised(file: Path, raw: dict) -> None:
+    """Refuse a quantised checkpoint (a ``quantization_config`` in config.json: bitsandbytes, GPTQ,
+    AWQ, FP8 …). countlens patches, ablates and fine-tunes the model's own floating-point weights, and
+    `countlens plan` sizes them; quantised layers would change both. Refused alike by `load`,
+    `meta_vlm` (`countlens plan`) and `countlens check`, which all read config.json here."""
+    quant = [c for c in (raw, raw.get("text_config")) if isinstance(c, dict) and c.get("quantization_config")]
+    if quant:
+        q = quant[0]["quantization_config"]
+        method = q.get("quant_method", "unnamed") if isinstance(q, dict) else "unnamed"
+        raise CheckpointError(
+            f"{file} has a quantization_config (quant_method {method!r}): countlens runs a model's unquantised "
+            "floating-point weights and does not support quantised checkpoints; load the original, unquantised "
+            "checkpoint instead (with dtype='bfloat16' — countlens --dtype bfloat16 — to halve its memory)"
+        )
 
 
 def _refuse_remote_code(file: Path, raw: dict) -> None:
@@ -380,6 +461,7 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
     where, label = resolve_path(path)
     config = read_config(where)
     spec = spec_for(config)
+    check_experts(config, spec, where)
     processor = load_processor(where, config)
     if image_size is not None:
         ip = processor.image_processor

@@ -117,6 +117,27 @@ def head_key(head) -> tuple[int, int]:
     raise InputError(f"head {head!r}: give (layer, head) as two integers, e.g. (3, 2), or its label, e.g. 'L3H2'")
 
 
+_EXPERT_LABEL = re.compile(r"L(\d+)E(\d+)")
+
+
+def expert_label(expert: tuple[int, int]) -> str:
+    """The label results give expert (layer, expert): ``"L1E0"`` (`ablate_experts`' ``experts`` attr)."""
+    return f"L{expert[0]}E{expert[1]}"
+
+
+def expert_key(expert) -> tuple[int, int]:
+    """An expert as (layer, expert) from either spelling countlens uses: a pair of integers, or its
+    label (``"L1E0"``, `expert_label`). Anything else — ``(1, 1.7)``, ``"expert 0"`` — is an
+    `InputError` naming both forms: a float is never rounded to an expert it may not mean."""
+    if isinstance(expert, str):
+        match = _EXPERT_LABEL.fullmatch(expert.strip())
+        if match:
+            return int(match[1]), int(match[2])
+    elif is_head_pair(expert):  # two integers, the same test as a head's
+        return int(expert[0]), int(expert[1])
+    raise InputError(f"expert {expert!r}: give (layer, expert) as two integers, e.g. (1, 0), or its label, e.g. 'L1E0'")
+
+
 # --------------------------------------------------------------------------------------------
 # provenance
 
@@ -243,12 +264,24 @@ def _from_dataset(dataset: xr.Dataset, path: Path) -> xr.DataArray | xr.Dataset:
         return dataset
     if kind == "DataArray" and DATAARRAY_VAR in dataset.data_vars:
         array = dataset[DATAARRAY_VAR]
-        array.name = json.loads(attrs.get(NAME_ATTR, "null"))
+        array.name = _decode_name(attrs.get(NAME_ATTR, "null"), path)
         return array
     raise ResultError(
         f"{path} is a netCDF file but not a countlens result (no {KIND_ATTR!r} attr); "
         f"open it with xarray.open_dataset, or write results with countlens.results.save"
     )
+
+
+def _decode_name(value: Any, path: Path) -> Any:
+    """The DataArray's name from the JSON `save` wrote in its attr, or a `ResultError` naming the file
+    and the attr when that was edited into something else."""
+    try:
+        return json.loads(value)
+    except (TypeError, ValueError) as err:
+        raise ResultError(
+            f"{path}: its attr {NAME_ATTR!r} is {value!r}, not the JSON `save` writes there ({err}); it was "
+            f"edited: set it to a JSON string such as '\"effect\"' (or 'null'), or save the result again"
+        ) from None
 
 
 def _encode_name(name: Any) -> str:

@@ -132,6 +132,47 @@ def check_effects(effect: xr.DataArray, where: str = "results/heads.nc", sites: 
         )
 
 
+#: What `head_table` reads of each stage's result: its file, and the dims of each variable it reads.
+#: The variables are aligned by dim name, so a result whose dims were renamed would broadcast into a
+#: table of every head against every other — refused by `check_dims` instead.
+RESULT_DIMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "heads": ("results/heads.nc", {"effect": ("layer", "head"), "logit_diff": ("layer", "head", "pair")}),
+    "ablation": ("results/ablation.nc", {"logp_drop": ("task", "layer", "head")}),
+    "headlens": (
+        "results/headlens.nc",
+        {
+            "vgs": ("layer", "head"),
+            "cter": ("layer", "head"),
+            "difficulty": ("layer", "head"),
+            "token_id": ("layer", "head", "sample", "k"),
+            "token": ("layer", "head", "sample", "k"),
+            "count_token": ("sample",),
+        },
+    ),
+    "attention": ("results/attention.nc", {"image_attention": ("layer", "head", "sample")}),
+}
+
+
+def check_dims(stage: str, result: xr.Dataset, optional: tuple[str, ...] = ("logit_diff",)) -> None:
+    """Refuse a stage's result (`RESULT_DIMS`) that lacks a variable `head_table` reads or holds it over
+    other dims (an edited or foreign file), naming the file, the variable and both dims; ``optional``
+    variables may be absent."""
+    file, wanted = RESULT_DIMS[stage]
+    for name, dims in wanted.items():
+        if name not in result:
+            if name in optional:
+                continue
+            raise RunDirError(
+                f"{file} lacks the variable {name!r}: it was edited, or not written by `countlens discover`; "
+                f"delete {file} and rerun `countlens discover` with the same --out to recompute it"
+            )
+        if set(result[name].dims) != set(dims):
+            raise RunDirError(
+                f"{file}: {name!r} is over the dims {list(result[name].dims)}, not {list(dims)}: the file was "
+                f"edited; delete {file} and rerun `countlens discover` with the same --out to recompute it"
+            )
+
+
 def head_table(
     heads: xr.Dataset, abl: xr.Dataset, hl: xr.Dataset, att: xr.Dataset, thresholds: HeadThresholds = HeadThresholds()
 ) -> pd.DataFrame:
@@ -143,6 +184,7 @@ def head_table(
     the first token of their count; ``difficulty``: HeadLens's difficulty-word share. Both come from
     the HeadLens results (`countlens.circuits.headlens.HeadLens.decode` writes ``count_token`` and
     ``difficulty``)."""
+    check_dims("heads", heads)
     missing = [name for name in ("count_token", "difficulty") if name not in hl]
     if missing:
         raise RunDirError(
@@ -150,6 +192,8 @@ def head_table(
             "by an older countlens; delete results/headlens.nc and rerun `countlens discover` "
             "with the same --out to recompute them"
         )
+    for stage, result in (("ablation", abl), ("headlens", hl), ("attention", att)):
+        check_dims(stage, result)
     check_effects(heads.effect, sites=head_sites(heads))
     top1 = hl.token_id.isel(k=0)
     alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")

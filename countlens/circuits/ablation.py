@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -298,7 +299,8 @@ def ablate(
 
 
 def top_heads(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> dict[str, list[tuple[int, int]]]:
-    """Per task, the ``k`` heads whose ablation hurts most by ``by``."""
+    """Per task, the ``k`` heads whose ablation hurts most by ``by`` (all the heads where ``k`` is more)."""
+    require_count(k, "k")
     out = {}
     for task in scan.task.values:
         out[str(task)] = [(layer, head) for layer, head, _ in top_sites(scan[by].sel(task=task), k)]
@@ -306,7 +308,22 @@ def top_heads(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> dict[str,
 
 
 def jaccard(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> xr.DataArray:
-    """Jaccard overlap of tasks' top-k critical heads: (task, task)."""
+    """Jaccard overlap of tasks' top-k critical heads: (task, task).
+
+    ``k`` larger than the model's heads is clipped to them, with a warning: every task's "top k" is
+    then every head and every overlap 1, which says nothing about the tasks. ``attrs["k"]`` is the
+    k used, ``attrs["k_requested"]`` the one asked for."""
+    requested = require_count(k, "k")
+    heads = int(scan[by].isel(task=0).notnull().sum()) if scan.sizes.get("task") else 0
+    if not heads:
+        raise InputError(f"jaccard: the scan has no task with a head whose {by} is a number; scan some tasks first")
+    k = min(requested, heads)
+    if k < requested:
+        warnings.warn(
+            f"jaccard: k={requested} is more than the model's {heads} heads; compared each task's top {k} "
+            "(all its heads, so every overlap is 1): give k below the number of heads",
+            stacklevel=2,
+        )
     tops = {t: set(v) for t, v in top_heads(scan, k, by).items()}
     names = list(tops)
     mat = np.array([[len(tops[a] & tops[b]) / len(tops[a] | tops[b]) for b in names] for a in names])
@@ -315,5 +332,5 @@ def jaccard(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> xr.DataArra
         dims=("task", "task_other"),
         coords={"task": names, "task_other": names},
         name="jaccard",
-        attrs={"k": k, "by": by},
+        attrs={"k": k, "k_requested": requested, "by": by},
     )

@@ -40,11 +40,11 @@ from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_mask
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.pair_batch import PairBatch
-from countlens.circuits.sites import Expert, group_mask
+from countlens.circuits.sites import Expert, check_group, group_mask
 from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.results import provenance
+from countlens.results import expert_key, expert_label, is_head_pair, provenance
 from countlens.validate import require_count
 from countlens.vlm import check_samples
 
@@ -96,6 +96,7 @@ def expert_usage(
     """The share of ``positions``' tokens (a token group: "last", "image", "text", "all") whose top-k
     includes each expert: (layer, expert); each layer's shares sum to top-k."""
     check_samples(samples, "expert_usage")
+    check_group(positions)
     layers = _layers(vlm, layers, "expert_usage")
     counts = torch.zeros(len(layers), vlm.arch.n_experts, dtype=torch.float64)
     tokens = 0
@@ -129,6 +130,7 @@ def patch_experts(
     the clean run, one (layer, expert) at a time; ``effect`` / ``overwrite`` over (layer, expert), per
     pair ``logit_diff`` over (layer, expert, pair), as `countlens.circuits.patching.patch_heads`."""
     check_pair_sweep(pairs, batch_size, "patch_experts")
+    check_group(positions)
     layers = _layers(vlm, layers, "patch_experts")
     experts = list(range(vlm.arch.n_experts))
 
@@ -196,22 +198,34 @@ def _check_means(vlm: VLM, means: Tensor) -> None:
         )
 
 
+def checked_experts(vlm: VLM, experts) -> list[tuple[int, int]]:
+    """``experts`` as (layer, expert) pairs, each given as a pair of integers or a label such as "L1E0"
+    (`countlens.results.expert_key`; one expert may be given alone), checked against the model's MoE
+    layers and experts."""
+    require_experts(vlm, "ablate_experts")
+    if isinstance(experts, str) or is_head_pair(experts):
+        experts = [experts]
+    sites = [expert_key(x) for x in experts]
+    for layer, e in sites:
+        vlm.arch.experts(layer)  # a LayerError naming the MoE layers
+        if not 0 <= e < vlm.arch.n_experts:
+            raise InputError(f"expert {e} out of range: {vlm.arch.name} has experts 0..{vlm.arch.n_experts - 1}")
+    return sites
+
+
 def ablate_experts(
     vlm: VLM,
     samples: Sequence,
-    experts: Sequence[tuple[int, int]],
+    experts: Sequence[tuple[int, int] | str],
     means: Tensor | None = None,
     batch_size: int = 16,
 ) -> xr.Dataset:
-    """Mean-ablate ``experts`` ((layer, expert) pairs) jointly: per sample ``correct`` and ``logp``
-    before and after (``base_correct``, ``base_logp``), as `countlens.circuits.ablation.ablate`."""
+    """Mean-ablate ``experts`` jointly — each (layer, expert) or the label results give it, such as
+    "L1E0" — : per sample ``correct`` and ``logp`` before and after (``base_correct``,
+    ``base_logp``), as `countlens.circuits.ablation.ablate`."""
     check_samples(samples, "ablate_experts")
     require_count(batch_size, "batch_size")
-    sites = [(int(layer), int(e)) for layer, e in experts]
-    for layer, e in sites:
-        vlm.arch.experts(layer)
-        if not 0 <= e < vlm.arch.n_experts:
-            raise InputError(f"expert {e} out of range: {vlm.arch.name} has experts 0..{vlm.arch.n_experts - 1}")
+    sites = checked_experts(vlm, experts)
     means = expert_means(vlm, samples, batch_size) if means is None else means
     _check_means(vlm, means)
     data = joint_ablation(
@@ -220,7 +234,7 @@ def ablate_experts(
     return xr.Dataset(
         data,
         coords={"sample": np.arange(len(samples))},
-        attrs={"experts": ",".join(f"L{layer}E{e}" for layer, e in sites), "method": "ablate_experts"},
+        attrs={"experts": ",".join(map(expert_label, sites)), "method": "ablate_experts"},
     )
 
 

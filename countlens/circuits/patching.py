@@ -42,7 +42,16 @@ import xarray as xr
 
 from countlens.circuits.edits import Edit, cache_run
 from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
-from countlens.circuits.sites import GROUPS, STATES, HeadZ, ImageStates, Residual, group_mask, heads_view
+from countlens.circuits.sites import (
+    GROUPS,
+    STATES,
+    HeadZ,
+    ImageStates,
+    Residual,
+    check_group,
+    group_mask,
+    heads_view,
+)
 from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.distributed import Shard
 from countlens.errors import InputError
@@ -148,6 +157,7 @@ def patch_heads(
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text"). Every layer
     kind's heads (`countlens.arch.LayerKind`: the ``kind`` coordinate); NaN beyond a layer's own heads."""
     check_pair_sweep(pairs, batch_size, "patch_heads")
+    check_group(positions)  # before the store's spec.json is written
     layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
     for layer in layers:
         vlm.arch.layer(layer)

@@ -230,10 +230,17 @@ def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
     return out
 
 
-def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:
-    """The positions of ``group`` in each row of a prepared `Batch`."""
+def check_group(group: str) -> str:
+    """``group`` if it names a token group (`GROUPS`), else an `InputError` listing them. Sweeps call
+    it before they open their store, so a misspelt group leaves no spec.json to block the rerun."""
     if group not in GROUPS:
         raise InputError(f"unknown token group {group!r}; use one of {GROUPS}")
+    return group
+
+
+def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:
+    """The positions of ``group`` in each row of a prepared `Batch`."""
+    check_group(group)
     ids = batch.inputs["input_ids"]
     real = batch.inputs["attention_mask"].bool()
     mask = torch.zeros_like(real)

@@ -48,7 +48,7 @@ from countlens.training.finetune import FinetuneConfig
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory, loaded):
+def ctx(tmp_path_factory, loaded, tiny_checkpoint):
     toy = loaded("toy")
     qwen = loaded("qwen2_5_vl")
     tmp = tmp_path_factory.mktemp("bad")
@@ -72,7 +72,14 @@ def ctx(tmp_path_factory, loaded):
         CountPair(p.clean, replace(p.corrupt, question=p.corrupt.question.replace("many", "mony")), p.kind, 0)
     ]
     nan_heads, odd_class = _head_table(tmp, "nan_heads", importance="nan"), _head_table(tmp, "odd", cls="chef")
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    moe = loaded("qwen3_vl_moe")
     return SimpleNamespace(
+        moe=moe,
+        moe_samples=task_samples("count", 2, 1, image_size=64),
+        moe_pairs=count_pairs(2, 3, 5, kind="polygons", image_size=64, prompt="short", seed=1),
+        scan=_scan(),
+        edited_name=_result_with_name_attr(tmp, "{effect"),
         toy=toy,
         qwen=qwen,
         tmp=tmp,
@@ -88,7 +95,60 @@ def ctx(tmp_path_factory, loaded):
         asked_apart=asked_apart,
         nan_heads=nan_heads,
         odd_class=odd_class,
+        short_layer_types=_edited(
+            tiny_checkpoint("qwen3_5"), checkpoints / "short_layer_types", _drop_a_layer_type, weights=False
+        ),
+        too_many_experts=_edited(
+            tiny_checkpoint("qwen3_vl_moe"), checkpoints / "experts", _more_experts_per_token, weights=False
+        ),
+        wider_mlp=_edited(TOY_DIR, checkpoints / "wider_mlp", _wider_mlp, weights=True),
+        bitsandbytes=_edited(TOY_DIR, checkpoints / "bnb", _bitsandbytes, weights=False),
     )
+
+
+def _scan() -> xr.Dataset:
+    """An ablation scan's shape (`circuits.ablation_scan`): two tasks over 2 layers × 3 heads."""
+    drop = np.arange(12.0).reshape(2, 2, 3)
+    drop[1] = drop[1, :, ::-1]  # the second task ranks the heads of each layer the other way round
+    return xr.Dataset(
+        {"logp_drop": (("task", "layer", "head"), drop)},
+        coords={"task": ["count", "color"], "layer": [0, 1], "head": [0, 1, 2]},
+    )
+
+
+def _result_with_name_attr(tmp: Path, name: str) -> Path:
+    """A DataArray result as `results.save` writes it, its name attribute edited to ``name``."""
+    path = tmp / "edited_name.nc"
+    data = xr.DataArray([1.0], dims="x").to_dataset(name=results.DATAARRAY_VAR)
+    data.attrs = {results.KIND_ATTR: "DataArray", results.NAME_ATTR: name}
+    data.to_netcdf(path, engine=results.ENGINE)
+    return path
+
+
+def _edited(source: Path, where: Path, edit, weights: bool) -> Path:
+    """A copy of the checkpoint at ``source`` (its weight files only with ``weights``) whose
+    config.json ``edit`` changed in place."""
+    shutil.copytree(source, where, ignore=None if weights else shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((where / "config.json").read_text())
+    edit(config)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def _drop_a_layer_type(config: dict) -> None:  # 3 layer types for 4 layers
+    config["text_config"]["layer_types"] = config["text_config"]["layer_types"][:-1]
+
+
+def _more_experts_per_token(config: dict) -> None:  # 6 experts per token of 4
+    config["text_config"]["num_experts_per_tok"] = config["text_config"]["num_local_experts"] + 2
+
+
+def _wider_mlp(config: dict) -> None:  # the MLP weights stay 384 wide
+    config["text_config"]["intermediate_size"] += 8
+
+
+def _bitsandbytes(config: dict) -> None:
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
 
 
 def _head_table(tmp: Path, name: str, importance: str = "0.5", cls: str = "other") -> Path:
@@ -145,6 +205,12 @@ API_CASES = [
         "a_file",
     ),
     ("load a missing result", lambda c: results.load(c.tmp / "missing.nc"), ResultNotFoundError, "missing.nc"),
+    (
+        "load a result whose name attr was edited",
+        lambda c: results.load(c.edited_name),
+        ResultError,
+        "edited_name.nc: its attr 'countlens_name' is '{effect'",
+    ),
     # loading
     ("missing checkpoint", lambda c: countlens.load(c.tmp / "nowhere"), CheckpointNotFoundError, "nowhere"),
     ("invalid config.json", lambda c: countlens.load(c.bad_config), CheckpointError, "config.json"),
@@ -210,6 +276,39 @@ API_CASES = [
     ("pairs seed negative", lambda c: count_pairs(2, seed=-1), InputError, "seed must be"),
     ("score batch 2.5", lambda c: score(c.toy, c.samples, batch_size=2.5), InputError, "batch_size"),
     ("compare k 0", lambda c: circuits.compare(c.effect, c.effect, k=0), InputError, "k must be"),
+    ("jaccard k 0", lambda c: circuits.jaccard(c.scan, k=0), InputError, "k must be an integer ≥ 1, got 0"),
+    ("top heads k 0", lambda c: circuits.top_heads(c.scan, k=0), InputError, "k must be an integer ≥ 1, got 0"),
+    # experts: the labels results write, integers only, groups checked before a store is written
+    (
+        "an expert id that is no integer",
+        lambda c: circuits.ablate_experts(c.moe, c.moe_samples, [(1, 1.7)]),
+        InputError,
+        "expert (1, 1.7): give (layer, expert) as two integers",
+    ),
+    (
+        "an expert label spelled wrong",
+        lambda c: circuits.ablate_experts(c.moe, c.moe_samples, ["L1X0"]),
+        InputError,
+        "'L1E0'",
+    ),
+    (
+        "an expert label out of range",
+        lambda c: circuits.ablate_experts(c.moe, c.moe_samples, ["L1E9"]),
+        InputError,
+        "expert 9 out of range",
+    ),
+    (
+        "patch_experts misspelt group into a store",
+        lambda c: circuits.patch_experts(c.moe, c.moe_pairs, positions="imgae", store=c.tmp / "experts_store"),
+        InputError,
+        "unknown token group 'imgae'",
+    ),
+    (
+        "patch_heads misspelt group into a store",
+        lambda c: circuits.patch_heads(c.toy, c.pairs, positions="lst", store=c.tmp / "heads_store"),
+        InputError,
+        "unknown token group 'lst'",
+    ),
     ("temperature β inf", lambda c: _enter(circuits.head_temperature(c.toy, {(0, 0): np.inf})), InputError, "L0H0"),
     ("temperature β NaN", lambda c: _enter(circuits.head_temperature(c.toy, {"L0H1": np.nan})), InputError, "L0H1"),
     (
@@ -249,6 +348,33 @@ API_CASES = [
     ("config without vision_config", lambda c: meta_vlm(str(c.no_vision)), CheckpointError, "vision_config"),
     ("plan int8", lambda c: meta_vlm("toy", dtype="int8"), ConfigError, "int8"),
     ("load int8", lambda c: countlens.load("toy", dtype="int8"), ConfigError, "floating"),
+    # libraries' errors translated where countlens calls them
+    (
+        "layer_types of the wrong length",
+        lambda c: countlens.load(c.short_layer_types),
+        CheckpointError,
+        "`num_hidden_layers` (4) must be equal to the number of `layer_types` (3)",
+    ),
+    (
+        "more experts per token than experts",
+        lambda c: countlens.load(c.too_many_experts),
+        CheckpointError,
+        "text_config.num_experts_per_tok = 6 experts per token, but text_config.num_local_experts = 4",
+    ),
+    (
+        "plan more experts per token than experts",
+        lambda c: meta_vlm(str(c.too_many_experts)),
+        CheckpointError,
+        "num_experts_per_tok = 6",
+    ),
+    (
+        "weights the config does not shape",
+        lambda c: countlens.load(c.wider_mlp),
+        CheckpointError,
+        "has shape [128, 384] in the checkpoint's weight files but config.json makes it [128, 392]",
+    ),
+    ("a bitsandbytes checkpoint", lambda c: countlens.load(c.bitsandbytes), CheckpointError, "'bitsandbytes'"),
+    ("plan a bitsandbytes checkpoint", lambda c: meta_vlm(str(c.bitsandbytes)), CheckpointError, "unquantised"),
     ("heads.csv with NaN importance", lambda c: read_heads(c.nan_heads), RunDirError, "no finite importance"),
     ("heads.csv with an unknown class", lambda c: read_heads(c.odd_class), RunDirError, "unknown classes"),
 ]
@@ -340,6 +466,16 @@ CLI_CASES = [
     ("plan int8", lambda t: ["plan", "--dtype", "int8"], "int8"),
     ("plan config not JSON", lambda t: ["plan", "--model", str(_checkpoint(t, "{not json"))], "config.json"),
     ("plan no vision_config", lambda t: ["plan", "--model", str(_checkpoint(t, None))], "vision_config"),
+    (
+        "plan a bitsandbytes checkpoint",
+        lambda t: ["plan", "--model", str(_checkpoint(t, _quantised()))],
+        "quant_method 'bitsandbytes'",
+    ),
+    (
+        "check a bitsandbytes checkpoint",
+        lambda t: ["check", "--model", str(_checkpoint(t, _quantised()))],
+        "quant_method 'bitsandbytes'",
+    ),
     ("plan --json onto a directory", lambda t: ["plan", "--json", str(t)], "is a directory"),
     ("plan memory NaN", lambda t: ["plan", "--memory", "nan"], "--memory"),
     (
@@ -352,6 +488,11 @@ CLI_CASES = [
         "classify important negative",
         lambda t: ["classify", "--run", str(_run_dir(t, SPEC)), "--important", "-1"],
         "important must be",
+    ),
+    (
+        "classify heads.nc with renamed dims",
+        lambda t: ["classify", "--run", str(_run_with_renamed_heads(t))],
+        "results/heads.nc: 'effect' is over the dims ['lyr', 'head'], not ['layer', 'head']",
     ),
     (
         "report heads.csv without class",
@@ -413,6 +554,44 @@ def _checkpoint(tmp: Path, config: str | None) -> Path:
         config = json.dumps(config)
     (where / "config.json").write_text(config)
     return where
+
+
+def _run_with_renamed_heads(tmp: Path) -> Path:
+    """A finished run's results as `countlens classify` reads them (2 layers × 2 heads, 3 samples; the
+    stages it does not read empty), its heads.nc's ``layer`` dim renamed ``lyr``."""
+    from countlens.pipeline.stages import REQUIRED
+
+    run = _run_dir(tmp, SPEC)
+    lh, lhs = ("layer", "head"), ("layer", "head", "sample")
+    coords = {"layer": [0, 1], "head": [0, 1]}
+    made = {
+        "heads": xr.Dataset(
+            {"effect": (lh, np.full((2, 2), 0.5)), "logit_diff": ((*lh, "pair"), np.ones((2, 2, 2)))}, coords=coords
+        ).rename({"layer": "lyr"}),
+        "ablation": xr.Dataset(
+            {"logp_drop": (("task", *lh), np.zeros((1, 2, 2)))}, coords={**coords, "task": ["count"]}
+        ),
+        "headlens": xr.Dataset(
+            {
+                **{name: (lh, np.full((2, 2), 0.5)) for name in ("vgs", "cter", "difficulty")},
+                "token_id": ((*lhs, "k"), np.ones((2, 2, 3, 2), dtype=int)),
+                "token": ((*lhs, "k"), np.full((2, 2, 3, 2), "3")),
+                "count_token": ("sample", np.ones(3, dtype=int)),
+            },
+            coords=coords,
+        ),
+        "attention": xr.Dataset({"image_attention": (lhs, np.full((2, 2, 3), 0.5))}, coords=coords),
+    }
+    for stage in REQUIRED:
+        results.save(made.get(stage, xr.Dataset()), run / "results" / f"{stage}.nc")
+    return run
+
+
+def _quantised() -> str:
+    """The organism's config.json with a bitsandbytes quantization_config."""
+    config = json.loads((TOY_DIR / "config.json").read_text())
+    _bitsandbytes(config)
+    return json.dumps(config)
 
 
 def _heads_csv(run: Path, text: str) -> Path:
@@ -576,3 +755,44 @@ def test_heads_given_as_a_numpy_table_or_one_list(ctx):
     assert circuits.sites.checked_heads(ctx.toy.arch, [1, 0]) == [(1, 0)]  # one head, as a list
     with pytest.raises(InputError, match="'L3H2'"):
         circuits.sites.checked_heads(ctx.toy.arch, [np.array([True, False])])
+
+
+def test_jaccard_clips_k_to_the_heads_and_says_so(ctx):
+    """k above the model's 6 heads: every task's top k is every head, so each overlap is 1 — the
+    result says which k it used, and a warning says why the overlaps mean nothing."""
+    within = circuits.jaccard(ctx.scan, k=2)
+    assert (within.attrs["k"], within.attrs["k_requested"]) == (2, 2)
+    assert within.sel(task="count", task_other="color").item() == pytest.approx(1 / 3)  # {L1H2, L1H1} vs {L1H0, L1H1}
+    with pytest.warns(UserWarning, match="k=100 is more than the model's 6 heads"):
+        clipped = circuits.jaccard(ctx.scan, k=100)
+    assert (clipped.attrs["k"], clipped.attrs["k_requested"]) == (6, 100)
+    assert np.allclose(clipped.values, 1.0)
+
+
+def test_experts_are_accepted_as_pairs_or_as_the_labels_results_write(ctx):
+    """ablate_experts' own attr ("L1E0,L1E2") given back as the experts is the ablation it records."""
+    samples = ctx.moe_samples
+    means = circuits.expert_means(ctx.moe, samples)
+    by_pair = circuits.ablate_experts(ctx.moe, samples, [(1, 0), (1, 2)], means=means)
+    by_label = circuits.ablate_experts(ctx.moe, samples, by_pair.attrs["experts"].split(","), means=means)
+    assert by_label.attrs["experts"] == "L1E0,L1E2"
+    assert np.array_equal(by_label.logp.values, by_pair.logp.values)
+    assert not np.array_equal(by_label.logp.values, by_label.base_logp.values)  # the ablation did something
+    alone = circuits.ablate_experts(ctx.moe, samples, "L1E2", means=means)  # one expert given alone
+    assert alone.attrs["experts"] == "L1E2"
+
+
+def test_discover_reads_the_voc_lists_before_its_spec(tmp_path, loaded):
+    """An empty VOC2007 trainval.txt: refused before spec.json, naming VOC2007 and the list — not at
+    the probes stage, the run's last, where the rerun would meet the resume guard."""
+    from benchmark_files import voc_root
+
+    from countlens.datasets.loaders import LoaderError
+    from countlens.pipeline.discover import discover
+
+    voc = voc_root(tmp_path)
+    (voc / "ImageSets" / "Main" / "trainval.txt").write_text("")
+    config = DiscoverConfig(n_per_case=1, n_pairs=2, n_samples=2, probes=True, voc=str(voc))
+    with pytest.raises(LoaderError, match=r"trainval\.txt: VOC2007's 'trainval' list names no images"):
+        discover(loaded("toy"), tmp_path / "run", config)
+    assert not (tmp_path / "run").exists()

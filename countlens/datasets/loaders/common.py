@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,13 +139,59 @@ def _check_image_source(sample: CountSample | QuestionSample) -> str:
     return where
 
 
+#: Modes whose values hold more than 8 bits per channel (16-bit PNGs open as "I;16" or "I").
+_WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+
+
+def decode_image(image: Image.Image, source: str) -> Image.Image:
+    """``image`` as the RGB picture a person (and the model's processor) sees; every loader's images
+    pass through here. ``source``: the benchmark, named in the warnings.
+
+    - EXIF orientation applied (`PIL.ImageOps.exif_transpose`), as Hugging Face ``datasets`` decodes
+      photos: a phone JPEG stored sideways with orientation 6 comes out upright, so "left of" keeps
+      its meaning;
+    - transparency (an alpha channel, or a palette's or a colour key's transparent entry) composited
+      on white, as transformers' own ``convert_to_rgb`` does: a bare ``convert("RGB")`` drops the alpha
+      and shows what the transparent pixels store, black for most diagrams;
+    - 16-bit and float greyscale scaled to 8 bits (``convert`` would clip every value above 255 to
+      white), with a warning: the low bits are lost;
+    - CMYK converted without its colour profile, with a warning: its colours may shift;
+    - palette, greyscale, bilevel and other modes converted to RGB as they are.
+    """
+    from PIL import ImageOps
+
+    image = ImageOps.exif_transpose(image)  # a copy, upright; without an orientation tag, the same pixels
+    if image.mode in _WIDE_MODES:
+        values = np.asarray(image, dtype=np.float64)
+        if values.size and np.nanmax(values) > 255:  # 16-bit data: 65535 is white
+            warnings.warn(
+                f"{source}: an image of mode {image.mode!r} (16 bits per pixel) is reduced to 8 bits, as the "
+                "model's processor sees it; the low bits are lost",
+                stacklevel=3,
+            )
+            values = values / 257
+        image = Image.fromarray(np.clip(np.nan_to_num(values), 0, 255).round().astype(np.uint8), "L")
+    if image.mode == "CMYK":
+        warnings.warn(
+            f"{source}: a CMYK image is converted to RGB without its colour profile; its colours may shift",
+            stacklevel=3,
+        )
+    transparent = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+    if not transparent:
+        return image if image.mode == "RGB" else image.convert("RGB")
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
 def open_image(sample: CountSample | QuestionSample) -> Image.Image:
-    """A loaded sample's image as PIL RGB, or a LoaderError naming the file (or record) and the fix."""
+    """A loaded sample's image as PIL RGB (`decode_image`), or a LoaderError naming the file (or
+    record) and the fix."""
     if sample.image_path is not None:
         what = f"{sample.image_path} (image of {sample.source} sample {sample.id!r})"
         try:
             with Image.open(sample.image_path) as im:
-                return im.convert("RGB")
+                return decode_image(im, sample.source)
         except FileNotFoundError:
             raise LoaderError(
                 f"{what}: file not found; check that the images are extracted and that the image root "
@@ -155,7 +202,7 @@ def open_image(sample: CountSample | QuestionSample) -> Image.Image:
     where = f"{sample.meta.get('file', sample.source)}: {sample.source} sample {sample.id!r}"
     try:
         with Image.open(io.BytesIO(sample.image_bytes)) as im:
-            return im.convert("RGB")
+            return decode_image(im, sample.source)
     except (OSError, Image.DecompressionBombError) as e:
         raise LoaderError(f"{where}: the image bytes are not a readable image ({e})") from None
 

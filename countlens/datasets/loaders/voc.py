@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from countlens.datasets.loaders.common import LoaderError, PathLike, check_limit
+from countlens.datasets.loaders.common import LoaderError, PathLike, check_limit, decode_image
 
 VOC_CLASSES: tuple[str, ...] = (
     "aeroplane",
@@ -70,7 +70,7 @@ class DetectionSample:
         """The image letterboxed to ``side`` × ``side`` (as the code's ``_letterbox``)."""
         try:
             with Image.open(self.image_path) as im:
-                image = im.convert("RGB")
+                image = decode_image(im, self.source)
         except (OSError, Image.DecompressionBombError) as err:
             raise LoaderError(f"{self.image_path}: not a readable image ({err})") from None
         scale, (pw, ph) = _letterbox(image.width, image.height, self.side)
@@ -96,6 +96,11 @@ def load_voc2007(
     if not listing.is_file():
         raise LoaderError(f"{listing}: not found; {_FIX} (split is one of its lists: train, val, trainval, test)")
     ids = [line.split()[0] for line in listing.read_text().splitlines() if line.strip()]
+    if not ids:  # a list cut short in the copy: no probe can be fitted or scored on no images
+        raise LoaderError(
+            f"{listing}: VOC2007's {split!r} list names no images; the copy is incomplete — {_FIX}, with its "
+            f"ImageSets/Main/{split}.txt as the original lists it"
+        )
     out = []
     for image_id in ids[:limit] if limit is not None else ids:
         xml = root / "Annotations" / f"{image_id}.xml"
