@@ -383,7 +383,9 @@ def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
         4,
     )
     report = (out / "report.md").read_text()
-    assert "Preset `counting-circuits`" in report and "routing_from = 0.6" in report and "Top-20 heads" in report
+    assert "Preset `counting-circuits`" in report and "routing_from = 0.6" in report
+    # The preset's top-20 sets on a model of 8 heads: every head, and the report says so.
+    assert "Top-8 heads by drop in log p(gold) (the run asks for the top 20, but the model has 8 heads" in report
     assert "Overwrite rate" in report
     heads = pd.read_csv(out / "heads.csv")
     assert {"alignment", "difficulty", "ablation_drop"} <= set(heads.columns)

@@ -58,6 +58,7 @@ def _values(ctx: ReportContext) -> dict:
     return {
         "ablation": {
             "k": jac.attrs["k"],
+            "k_requested": jac.attrs.get("k_requested", jac.attrs["k"]),
             "top_heads": "; ".join(f"{t}: {v}" for t, v in tops.items()),
             "jaccard_table": jac.to_pandas().round(2).to_markdown(),
             "reasoning": _reasoning_sources(ctx.spec, [str(t) for t in abl.task.values]),
