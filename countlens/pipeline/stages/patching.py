@@ -37,15 +37,26 @@ def _check_heads(run: RunContext, heads: xr.Dataset) -> None:
     check_effects(heads.effect, sites=head_sites(heads))  # the importance every later stage reads
 
 
-def _plan_atp(p: Planner) -> StagePlan:
+def _plan_gradients(p: Planner, name: str, recordings: int, passes: int, kept_sets: int) -> StagePlan:
+    """Per chunk of pairs: ``recordings`` plain forwards, then ``passes`` forwards with a backward pass,
+    each keeping a layer's residual and z (and their gradients) per layer; ``kept_sets`` such sets of
+    every layer held across the chunk."""
     w, b, seq = p.w, p.w.act_bytes, p.pair_seq
     pairs = p.samples("pairs")
     n0 = min(p.bs, len(pairs))
     per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
     fw = []
     for n, k in chunk_sizes(len(pairs), p.bs).items():
-        fw += [Forward(n, seq, count=k), Forward(n, seq, count=k, grad=True, extra=2 * w.n_layers * per_layer)]
-    return StagePlan("atp", fw, kept=w.n_layers * per_layer, batch=p.bs)
+        fw += [
+            Forward(n, seq, count=recordings * k),
+            Forward(n, seq, count=passes * k, grad=True, extra=2 * w.n_layers * per_layer),
+        ]
+    return StagePlan(name, fw, kept=kept_sets * w.n_layers * per_layer, batch=p.bs)
+
+
+def _plan_atp(p: Planner) -> StagePlan:
+    """The corrupt run recorded, then the clean one forward and backward."""
+    return _plan_gradients(p, "atp", recordings=1, passes=1, kept_sets=1)
 
 
 VAP = Stage(
@@ -75,17 +86,7 @@ EAP_IG_STEPS = 5
 
 def _plan_eap_ig(p: Planner) -> StagePlan:
     """Two recording forwards, then a forward and backward per step, per chunk of pairs."""
-    w, b, seq = p.w, p.w.act_bytes, p.pair_seq
-    pairs = p.samples("pairs")
-    n0 = min(p.bs, len(pairs))
-    per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
-    fw = []
-    for n, k in chunk_sizes(len(pairs), p.bs).items():
-        fw += [
-            Forward(n, seq, count=2 * k),
-            Forward(n, seq, count=EAP_IG_STEPS * k, grad=True, extra=2 * w.n_layers * per_layer),
-        ]
-    return StagePlan("eap_ig", fw, kept=4 * w.n_layers * per_layer, batch=p.bs)
+    return _plan_gradients(p, "eap_ig", recordings=2, passes=EAP_IG_STEPS, kept_sets=4)
 
 
 EAP_IG = Stage(
