@@ -116,7 +116,10 @@ def test_faithfulness_agrees_with_plain_hooks_on_the_organism(loaded):
     vlm = loaded("toy")
     pairs = _pairs(vlm)
     nodes = graph_nodes(vlm)  # inputs, heads, MLPs: 32 nodes on the organism
-    ranking = {n.label: float((7 * i) % len(nodes)) for i, n in enumerate(nodes)}  # an arbitrary order
+    ranking = {n.label: float((7 * i) % len(nodes)) for i, n in enumerate(nodes)}  # an arbitrary order,
+    # but the image input kept first: with it ablated every node downstream would recompute the corrupt
+    # run whatever was kept, and no ablation of a head or an MLP could show.
+    ranking["IN.image"] = float(len(nodes))
     ds = faithfulness(vlm, pairs, ranking, sizes=(0.0, 0.25, 0.5, 1.0))
     order = sorted(nodes, key=lambda n: (-abs(ranking[n.label]), nodes.index(n)))
     full, scale = _hook_metric(vlm, pairs, set())
