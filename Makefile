@@ -12,12 +12,12 @@ space := $(subst ,, )
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-*
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -44,12 +44,12 @@ coverage: $(STAMP)
 # The numeric tests again under other CPU kernels: ATen's portable ones, AVX2 as on an AMD Zen 3 (ATen
 # and MKL), and MKL's conservative path. A tolerance tuned to one CPU fails here. --kernel-subset:
 # each numeric test once (its first case) and every family's circuit-matrix row; `make test` runs
-# every case natively. tests/kernels.py prints which kernels each run got and a digest of their bits.
+# every case natively. tests/cpu_kernels.py prints which kernels each run got and a digest of their bits.
 KERNELS := ATEN_CPU_CAPABILITY=default "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2" MKL_CBWR=COMPATIBLE
 
 test-kernels: $(STAMP)
 	@for k in $(KERNELS); do \
-	  env $$k $(BIN)/python tests/kernels.py && \
+	  env $$k $(BIN)/python tests/cpu_kernels.py && \
 	  env $$k $(PYTEST) -m numeric --kernel-subset -p no:cacheprovider || exit 1; \
 	done
 

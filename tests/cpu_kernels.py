@@ -1,11 +1,11 @@
 """Which CPU kernels this process runs, and whether they round differently from another choice.
 
-``python tests/kernels.py`` prints torch's vectorised-kernel capability (``ATEN_CPU_CAPABILITY``
+``python tests/cpu_kernels.py`` prints torch's vectorised-kernel capability (``ATEN_CPU_CAPABILITY``
 chooses it), the BLAS torch calls for matmul, and a digest of the float32 bits of a matmul, a
 softmax, a reduction and an attention, so two environments can be compared::
 
-    ATEN_CPU_CAPABILITY=default python tests/kernels.py
-    MKL_ENABLE_INSTRUCTIONS=AVX2 python tests/kernels.py
+    ATEN_CPU_CAPABILITY=default python tests/cpu_kernels.py
+    MKL_ENABLE_INSTRUCTIONS=AVX2 python tests/cpu_kernels.py
 
 Two runs whose digests differ round differently: the numeric tests must pass under both
 (``make test-kernels``).
