@@ -1,0 +1,15 @@
+"""The report's figures, one module per kind of picture; `countlens.analysis.plots` names them all.
+
+- `canvas`: what every figure shares: a matplotlib ``Figure`` made without pyplot (no global state,
+  no display), a title that is wrapped until it fits inside the image, thinned tick labels, and text
+  that stays readable on any cell colour.
+- `grids`: layer × head maps (a measurement with a colour bar, or the head classes in categorical
+  colours) and small labelled matrices (the tasks' Jaccard overlaps).
+- `curves`: quantities along the layers or along a circuit's size (VAP, the logit lens, the layer at
+  which the answer becomes rank 1, faithfulness) and the AtP-vs-exact scatter.
+- `counting`: COUNTINGTRICKS accuracy (per case as bars and in the paper's Table 5 layout, by the
+  true count), the attention share by modality for right and wrong answers, and the probes' AP@50.
+
+Each picture has a builder that returns the drawn ``Figure`` (tests read its texts, images and title
+back) and a ``plot_*`` function that saves it as a PNG and returns the path.
+"""
