@@ -7,6 +7,8 @@ resumes mid-sweep). The report's section names each task's top heads and their J
 
 from __future__ import annotations
 
+import warnings
+
 import xarray as xr
 
 from countlens import circuits
@@ -73,6 +75,10 @@ def _draw(ctx: ReportContext) -> None:
         "Mean ablation: drop in log p(gold), counting",
         center=True,
     )
+    with warnings.catch_warnings():  # a k beyond the model's heads: _values has warned already
+        warnings.simplefilter("ignore")
+        jac = circuits.jaccard(ctx.results["ablation"], k=int(ctx.spec["jaccard_k"]))
+    plots.plot_matrix(jac, ctx.figures / "jaccard.png", f"Jaccard overlap of the tasks' top-{jac.attrs['k']} heads")
 
 
 SECTION = Section("ablation.md.j2", _values, _draw)

@@ -11,6 +11,7 @@ section also carries the probes' AP@50 when the run has a ``probes`` stage.
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import xarray as xr
 
 from countlens import circuits
@@ -118,6 +119,33 @@ def _code_attention(am: xr.Dataset) -> dict | None:
     }
 
 
+def modality_shares(am: xr.Dataset) -> pd.DataFrame:
+    """The attention of the answer position by token set, one row per outcome (correct, wrong) that has
+    samples, labelled with its n; shares sum to 1. With the MAS code's sets (``at="generation"``):
+    special, system, image, text (`code_attention.modality_shares` per outcome); else MAS, the image
+    tokens' share, against the rest (text and special tokens), each a mean over layers and samples
+    (`aggregate`, as the section's MAS table)."""
+    right = am.correct.values.astype(bool)
+    rows = {}
+    if "sets" in am:
+        import torch
+
+        from countlens.analysis.code_attention import modality_shares as code_shares
+
+        sums = torch.tensor(am.sets.transpose("sample", "layer", "set").values)
+        for label, mask in (("correct", right), ("wrong", ~right)):
+            if mask.any():
+                rows[f"{label} (n={int(mask.sum())})"] = code_shares(sums[torch.from_numpy(mask)])
+        return pd.DataFrame(rows).T
+    mas = aggregate(am, by=None)
+    for label, outcome in (("correct", "correct"), ("wrong", "incorrect")):
+        n = int(mas.loc[outcome, "n"])
+        if n:
+            share = float(mas.loc[outcome, "mas"])
+            rows[f"{label} (n={n})"] = {"image": share, "other (text, special)": 1.0 - share}
+    return pd.DataFrame(rows).T
+
+
 def _values(ctx: ReportContext) -> dict:
     r = ctx.results
     hl, att, am = r["headlens"], r["attention"], r["attention_metrics"]
@@ -155,6 +183,12 @@ def _draw(ctx: ReportContext) -> None:
         ctx.figures / "image_attention.png",
         "Attention of the last token on image tokens",
     )
+    am = ctx.results["attention_metrics"]
+    plots.plot_modality_share(
+        modality_shares(am), am.attrs.get("position", "last prompt token"), ctx.figures / "modality_share.png"
+    )
+    if ctx.results.get("probes") is not None:
+        plots.plot_probe_ap(ctx.results["probes"], ctx.figures / "probes.png")
 
 
 SECTION = Section("attention.md.j2", _values, _draw)

@@ -61,10 +61,16 @@ def _by_case(ctx: ReportContext) -> pd.Series:
     return accuracy(ctx.results["cases"], "case")["accuracy"].reindex(list(family.index))
 
 
+def _avoidance(ctx: ReportContext) -> dict:
+    """Number avoidance over the cases' counting samples (`number_avoidance`): r, per count, n."""
+    cases = ctx.results["cases"]
+    return number_avoidance(cases.where(cases["count"] >= 0, drop=True))
+
+
 def _values(ctx: ReportContext) -> dict:
     r, spec = ctx.results, ctx.spec
     cases = r["cases"]
-    avoid = number_avoidance(cases.where(cases["count"] >= 0, drop=True))
+    avoid = _avoidance(ctx)
     overall = summary(cases).loc["all"]
     dic = digit_in_conflict(r["conflict_std"], r["conflict"])
     by_case = _by_case(ctx)
@@ -83,7 +89,11 @@ def _values(ctx: ReportContext) -> dict:
 
 
 def _draw(ctx: ReportContext) -> None:
-    plots.plot_bars(_by_case(ctx), ctx.figures / "cases.png", "COUNTINGTRICKS accuracy per case")
+    by_case = _by_case(ctx)
+    plots.plot_bars(by_case, ctx.figures / "cases.png", "COUNTINGTRICKS accuracy per case")
+    plots.plot_case_grid(by_case, ctx.figures / "case_grid.png")
+    avoid = _avoidance(ctx)
+    plots.plot_accuracy_by_count(avoid["per_count"], avoid["n"], avoid["r"], ctx.figures / "accuracy_by_count.png")
 
 
 SECTION = Section("cases.md.j2", _values, _draw)

@@ -35,6 +35,7 @@ def _values(ctx: ReportContext) -> dict:
 
 def _draw(ctx: ReportContext) -> None:
     plots.plot_lens(ctx.results["lens"], ctx.figures / "lens.png")
+    plots.plot_rank_emergence(ctx.results["lens"], ctx.figures / "lens_rank1.png")
 
 
 SECTION = Section("lens.md.j2", _values, _draw)
