@@ -172,3 +172,17 @@ def test_key_head_tokens_are_each_classes_top_head_and_its_most_shared_tokens():
     assert got.to_dict("records") == [
         {"head": "L2H1", "class": "awareness", "HeadLens tokens": "`'b'` 1.00, `'a'` 0.67"}
     ]
+
+
+def test_modality_shares_use_the_code_sets_when_the_run_read_the_generation_step():
+    sets = np.random.default_rng(5).random((2, 4, 3))  # layer × set (special, system, image, text) × sample
+    am = xr.Dataset(
+        {"sets": (("layer", "set", "sample"), sets), "correct": ("sample", [False, True, True])},
+        coords={"set": ["special", "system", "image", "text"]},
+    )
+    shares = modality_shares(am)
+    right = sets[:, :, 1:].mean(-1)  # the correct samples' mean sums, then per layer renormalised
+    expected = (right / right.sum(1, keepdims=True)).mean(0)
+    assert list(shares.columns) == ["special", "system", "image", "text"]
+    assert shares.loc["correct (n=2)"].tolist() == pytest.approx(expected.tolist())
+    assert shares.loc["wrong (n=1)", "image"] == pytest.approx((sets[:, 2, 0] / sets[:, :, 0].sum(1)).mean())
