@@ -52,7 +52,9 @@ def key_head_tokens(table: pd.DataFrame, headlens: xr.Dataset, shown: int = 5) -
             continue
         top = heads.iloc[0]
         tokens = headlens.token.sel(layer=int(top["layer"]), head=int(top["head"])).transpose("sample", "k").values
-        seen = Counter(str(t) for sample in tokens for t in set(sample))  # once per sample: a share of samples
+        # Once per sample (a share of samples); dict.fromkeys, not set: ties keep the decoded order,
+        # the same on every run (a set's order follows the per-process string hash).
+        seen = Counter(str(t) for sample in tokens for t in dict.fromkeys(sample))
         words = ", ".join(f"{_code(t)} {n / len(tokens):.2f}" for t, n in seen.most_common(shown))
         rows.append({"head": f"L{int(top['layer'])}H{int(top['head'])}", "class": name, "HeadLens tokens": words})
     return pd.DataFrame(rows, columns=["head", "class", "HeadLens tokens"])
