@@ -79,7 +79,7 @@ def check_config(c: DiscoverConfig) -> None:
     require_distinct(c.tasks, "tasks", ConfigError)
     require_choice(c.evaluate, "evaluate", EVALUATIONS, ConfigError)
     require_count(c.max_new_tokens, "max_new_tokens", ConfigError)
-    from countlens.analysis.evaluate import PARSERS
+    from countlens.analysis.parse import PARSERS
 
     require_choice(c.parser, "parser", PARSERS, ConfigError)
     from countlens.datasets.countingtricks import DESIGNS

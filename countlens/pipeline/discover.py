@@ -120,8 +120,8 @@ def check_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> None:
     if c.probes and c.voc:  # every VOC image and annotation the probes will read
         stage_inputs(vlm, c, prompt)["probes"]()
     if c.attention_at == "generation":  # the MAS code's 4-way share reads ChatML turns: refuse other prompts now
-        from countlens.analysis.code_attention import chatml_sets
         from countlens.errors import ConfigError, CountlensError
+        from countlens.reference.counting_to_four.attention import chatml_sets
 
         if vlm.arch.spec.cross_attention is not None:
             raise ConfigError(

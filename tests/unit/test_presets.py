@@ -74,7 +74,7 @@ def test_finetune_recipes_are_the_papers():
 
 
 def test_a_local_copy_given_adds_its_column_where_the_recipe_has_none():
-    from countlens.pipeline.finetune_job import evaluation_names
+    from countlens.pipeline.finetune_sets import evaluation_names
 
     c4, cc = presets.recipe("counting-to-four"), presets.recipe("counting-circuits")
     assert evaluation_names(c4, {"pixmo": "p", "fsc147": "f"}) == (*c4.evaluation, "PixMo-Count")
@@ -95,7 +95,7 @@ def test_the_paper_probe_has_the_papers_capacity():
 
 def test_syn_training_data_is_half_dots_half_polygons_with_counts_to_ten():
     from countlens.geometry import Geometry
-    from countlens.pipeline.finetune_job import training_data
+    from countlens.pipeline.finetune_sets import training_data
 
     scenes = training_data(presets.recipe("counting-circuits"), Geometry(192, 192, 16), "std", n=40)
     kinds = [s.meta["kind"] for s in scenes]
@@ -286,7 +286,8 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads(tmp_path):
     from PIL import Image
 
     from countlens.geometry import Geometry
-    from countlens.pipeline.finetune_job import EVALUATION, LOCAL_SETS, check_recipe, evaluation_sets
+    from countlens.pipeline.finetune_job import check_recipe
+    from countlens.pipeline.finetune_sets import EVALUATION, LOCAL_SETS, evaluation_sets
 
     base = presets.DEFAULT_RECIPE
     for change, message in (
