@@ -11,7 +11,7 @@ from countlens.analysis.heads import HeadThresholds, classify_heads
 from countlens.errors import ConfigError, RunDirError
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig
-from countlens.pipeline.discover import check
+from countlens.pipeline.discover import check_preset
 
 
 def test_preset_values_are_the_papers():
@@ -114,7 +114,7 @@ def test_overrides_win_and_bad_names_are_refused():
     with pytest.raises(ConfigError, match="not DiscoverConfig fields"):
         presets.discover_config("counting-circuits", n_pair=3)
     with pytest.raises(ConfigError, match="unknown preset"):
-        check(DiscoverConfig(preset="nope"))
+        check_preset(DiscoverConfig(preset="nope"))
 
 
 def _paper_heads():
