@@ -16,7 +16,7 @@ size, which sets the unembedding's cost, is the config's 152,064). Measured, eac
 - **P1**: an nnsight trace saving one residual vs the plain forward of the same clean batch;
 - the layer **VAP** sweep (`patch_layers`, image / last / text × every layer) vs as many plain
   forwards (one per site);
-- **check**: `countlens check` on the model (`countlens.pipeline.check`), its rows recorded (run first,
+- **check**: `countlens check` on the model (`countlens.pipeline.selfcheck`), its rows recorded (run first,
   before the timings and the peak-memory reading);
 - **P2**: the all-head sweep (`patch_heads`, batched replicas) vs a naive loop of one forward per
   head (`run_edits` with one edit, as ``bench/patching_sweeps.py`` defines it); goal ≥ 5×. The
@@ -184,7 +184,7 @@ def run(
     from countlens.circuits.patching import patch_heads, patch_layers, prepare_pairs
     from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
-    from countlens.pipeline.check import as_json, check
+    from countlens.pipeline.selfcheck import as_json, check
 
     t0 = time.perf_counter()
     vlm, grid = build(depth, image_size, getattr(torch, dtype), device)
@@ -278,7 +278,7 @@ def run(
             "goal": ">= 5",
         },
         "peak_memory_bytes": _peak_bytes(device),
-        # `countlens check` on this model (countlens.pipeline.check): its rows, for the record.
+        # `countlens check` on this model (countlens.pipeline.selfcheck): its rows, for the record.
         "check": checked,
     }
 

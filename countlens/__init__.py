@@ -26,7 +26,7 @@ _LAZY: dict[str, str] = {
     "results": "countlens.results",
     "training": "countlens.training",
     "load": "countlens.loading",
-    "check": "countlens.pipeline.check",
+    "check": "countlens.pipeline.selfcheck",
     "VLM": "countlens.vlm",
     "Batch": "countlens.vlm",
 }

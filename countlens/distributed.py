@@ -4,7 +4,7 @@ A sweep (`patch_layers`, `patch_heads`, `ablation_scan`, `countlens discover`) i
 independent chunks, each a fixed slice of the pairs or samples. Launched as several processes —
 ``torchrun --nproc_per_node N``, ``accelerate launch --num_processes N``, or anything else that sets
 ``RANK`` and ``WORLD_SIZE`` (or an initialised ``torch.distributed`` process group) — rank r
-computes chunks r, r + N, r + 2N, … and writes each to the sweep's `countlens.results.SweepStore`,
+computes chunks r, r + N, r + 2N, … and writes each to the sweep's `countlens.sweep_store.SweepStore`,
 a directory every rank can see. Then every rank waits until all the sweep's chunks are on disk and
 assembles them in chunk order. No tensors cross between processes and no process group is needed:
 the store is the meeting place, so a killed rank costs only its unfinished chunks, and relaunching

@@ -132,9 +132,9 @@ class Recipe:
     config: dict = field(default_factory=dict)  # FinetuneConfig fields
     epochs: float | None = None  # steps = ceil(epochs · training scenes / batch_size); None: config's steps
     rows: tuple[str, ...] = ("+SFT", "+SFT+focus", "+SFT+focus+temperature", "+SFT+focus+MAS")
-    training: str = "countingtricks"  # `finetune_job.TRAINING`: countingtricks, syn or fsc147
+    training: str = "countingtricks"  # `finetune_sets.TRAINING`: countingtricks, syn or fsc147
     n_train: int | None = 2048  # None: the whole training split
-    # Columns (`finetune_job.EVALUATION`); a local copy given (--fsc147, --pixmo, --mmmu, --realworldqa,
+    # Columns (`finetune_sets.EVALUATION`); a local copy given (--fsc147, --pixmo, --mmmu, --realworldqa,
     # --mathvista) that none of them reads adds its own, and a local column listed here is left out when no
     # copy is given.
     evaluation: tuple[str, ...] = (

@@ -12,7 +12,6 @@ same code runs locally and, with ``remote=True``, on NDIF.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from countlens.adapt import add_missing_output_fields, bidirectional_vision, with_expert_layers, with_q_norm_layers
 from countlens.arch import Arch, resolve
 from countlens.errors import InputError
 from countlens.geometry import Geometry
@@ -90,9 +90,9 @@ class VLM:
         self.tokenizer = processor.tokenizer
         self.name = name
         self.remote = remote
-        self.arch: Arch = _with_q_norm_layers(_with_expert_layers(resolve(hf_model.config), hf_model), hf_model)
-        _bidirectional_vision(hf_model, self.arch.spec.vision_tower)
-        _add_missing_output_fields(hf_model, self.arch.spec.missing_output_fields)
+        self.arch: Arch = with_q_norm_layers(with_expert_layers(resolve(hf_model.config), hf_model), hf_model)
+        bidirectional_vision(hf_model, self.arch.spec.vision_tower)
+        add_missing_output_fields(hf_model, self.arch.spec.missing_output_fields)
         if envoy is None:
             from nnsight import NNsight
 
@@ -408,62 +408,6 @@ def _check_items(items: Sequence, what: str, kind: str, attrs: tuple[str, ...], 
                 f"{what} takes {kind} (each with {', '.join(attrs)}); item {i} is a {type(item).__name__} "
                 f"without {', '.join(lacking)}: build them with {maker}"
             )
-
-
-def _with_expert_layers(arch: Arch, hf_model) -> Arch:
-    """``arch`` with its mixture-of-experts layers: those whose experts module exists (Qwen3-VL-MoE keeps
-    the layers its config's ``mlp_only_layers`` names dense)."""
-    moe = arch.spec.moe
-    if moe is None or arch.n_experts == 0:
-        return arch
-    layers = hf_model.get_submodule(arch.spec.layers)
-    found = tuple(i for i, layer in enumerate(layers) if _has_module(layer, moe.experts))
-    return dataclasses.replace(arch, expert_layers=found)
-
-
-def _with_q_norm_layers(arch: Arch, hf_model) -> Arch:
-    """``arch`` with the layers that have its q-norm, where some lack it (Llama 4's NoPE layers)."""
-    if arch.q_norm is None:
-        return arch
-    layers = hf_model.get_submodule(arch.spec.layers)
-    found = tuple(i for i, layer in enumerate(layers) if _has_module(layer, arch.q_norm))
-    return arch if len(found) == arch.n_layers else dataclasses.replace(arch, q_norm_layers=found)
-
-
-def _add_missing_output_fields(hf_model, fields: tuple[tuple[str, str], ...]) -> None:
-    """Give modules' outputs the fields their parent's forward reads but transformers does not write
-    (`countlens.models.spec.ArchSpec.missing_output_fields`), None, by a forward hook installed once."""
-    for path, name in fields:
-        module = hf_model.get_submodule(path)
-        if getattr(module, "_countlens_fields", None):
-            continue
-
-        def add(mod, args, output, name=name):
-            if not hasattr(output, name):
-                object.__setattr__(output, name, None)
-            return output
-
-        module.register_forward_hook(add)
-        module._countlens_fields = True
-
-
-def _has_module(root, path: str) -> bool:
-    try:
-        root.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
-def _bidirectional_vision(hf_model, tower: str) -> None:
-    """Make every attention module of the vision tower bidirectional, as ViTs are trained.
-
-    transformers 5.24's Phi-4-multimodal vision attention says ``is_causal = True``; under SDPA, when
-    no patch is padded, its mask is dropped and the tower runs causally (measured: a bright patch
-    then changes only the tokens after it). Towers that are already bidirectional are unchanged."""
-    for module in hf_model.get_submodule(tower).modules():
-        if getattr(module, "is_causal", False) is True:
-            module.is_causal = False
 
 
 def _append_tokens(

@@ -3,17 +3,10 @@ case tables, attention diagnostics (MAS, VRA, Attention-IoU, ARS), detection pro
 last-token representations, head classification and plots (`countlens.analysis.plots`)."""
 
 from countlens.analysis.attention_metrics import attention_metrics
-from countlens.analysis.evaluate import (
-    accuracy,
-    digit_in_conflict,
-    generate,
-    number_avoidance,
-    parse_count,
-    parse_shape_count,
-    score,
-    summary,
-)
+from countlens.analysis.evaluate import generate, score
 from countlens.analysis.heads import HeadThresholds, classify_heads, export_heads
+from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
+from countlens.analysis.parse import parse_count, parse_shape_count
 from countlens.analysis.probes import probe_taps
 from countlens.analysis.representations import representation_view
 from countlens.analysis.tables import case_table

@@ -248,11 +248,12 @@ def attention_metrics(
     """MAS, VRA, Attn-IoU and ARS of the last prompt position: an xr.Dataset over (layer, sample).
 
     ``at="generation"``: read instead at the last generation step after greedy decoding (at most
-    ``max_new_tokens``), as the MAS paper's code does, and add the code's own diagnostics
-    (`countlens.analysis.code_attention`): ``sets`` (layer, set, sample: the attention summed over the
-    special, system, image and text positions; `code_attention.modality_shares` reduces them to the
-    4-way share), ``vra_code`` and ``ars_code`` (sample); ``correct`` then reads the generated answer
-    (`countlens.analysis.evaluate.parse_shape_count`) and ``text`` holds it.
+    ``max_new_tokens``), as the MAS paper's released code does, and add that code's own diagnostics
+    (`countlens.reference.counting_to_four.attention`): ``sets`` (layer, set, sample: the attention summed
+    over the special, system, image and text positions; its `modality_shares` reduces them to the 4-way
+    share), ``vra_code`` and ``ars_code`` (sample: VRA and ARS by the code's formulas — the names runs
+    have stored); ``correct`` then reads the generated answer (`countlens.analysis.parse.parse_shape_count`)
+    and ``text`` holds it.
 
     Also ``pixel_iou`` over (layer, head, sample): the paper's Attn-IoU, each head's own map against
     the object pixels (`pixel_attention_iou`). Per sample: ``correct`` (`countlens.analysis.evaluate.score`),
@@ -263,9 +264,10 @@ def attention_metrics(
     cross-attention looks — countlens's definitions, the papers define none there. Attention comes from
     `countlens.circuits.attention.last_token_attention` (eager attention for that call only).
     """
-    from countlens.analysis import code_attention
-    from countlens.analysis.evaluate import parse_shape_count, score
+    from countlens.analysis.evaluate import score
+    from countlens.analysis.parse import parse_shape_count
     from countlens.circuits.attention import image_keys, last_token_attention
+    from countlens.reference.counting_to_four import attention as reference_attention
 
     _check(samples, batch_size)
     if at not in ("prompt", "generation"):
@@ -281,9 +283,9 @@ def attention_metrics(
     rows: dict[str, list[Tensor]] = {k: [] for k in METRICS}
     share: list[float] = []
     pixel: list[Tensor] = []
-    code: dict[str, list] = {"sets": [], "vra_code": [], "ars_code": [], "text": []}
+    reference: dict[str, list] = {"sets": [], "vra_code": [], "ars_code": [], "text": []}
     reads = (
-        code_attention.generation_batches(vlm, samples, batch_size, max_new_tokens)
+        reference_attention.generation_batches(vlm, samples, batch_size, max_new_tokens)
         if at == "generation"
         else ((chunk, batch, None) for chunk, batch in vlm.batches(samples, batch_size))
     )
@@ -295,12 +297,12 @@ def attention_metrics(
             share.append(float(obj.float().mean()))
             keys, cells = image_keys(batch, b)
             if generated is not None:
-                sets = code_attention.chatml_sets(vlm, batch, b)
-                code["sets"].append(code_attention.set_sums(head_mean[:, b], sets))
-                image, ground = head_mean[:, b][:, keys], code_attention.ground_tokens(cells, obj)
-                code["vra_code"].append(code_attention.vra_as_code(image, ground, quantile))
-                code["ars_code"].append(code_attention.ars_as_code(image, ground, quantile))
-                code["text"].append(vlm.tokenizer.decode(generated[b], skip_special_tokens=True).strip())
+                sets = reference_attention.chatml_sets(vlm, batch, b)
+                reference["sets"].append(reference_attention.set_sums(head_mean[:, b], sets))
+                image, ground = head_mean[:, b][:, keys], reference_attention.ground_tokens(cells, obj)
+                reference["vra_code"].append(reference_attention.vra_as_reference(image, ground, quantile))
+                reference["ars_code"].append(reference_attention.ars_as_reference(image, ground, quantile))
+                reference["text"].append(vlm.tokenizer.decode(generated[b], skip_special_tokens=True).strip())
             got = _sample_metrics(head_mean[:, b], keys, cells, obj, quantile, threshold)
             for k in METRICS:
                 rows[k].append(got[k])
@@ -314,14 +316,14 @@ def attention_metrics(
     data |= {k: ("sample", scored[k].values) for k in ("case", "count", "task")}
     coords = {"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))}
     if at == "generation":
-        read = [parse_shape_count(t, str(s.meta.get("shape", ""))) for t, s in zip(code["text"], samples)]
+        read = [parse_shape_count(t, str(s.meta.get("shape", ""))) for t, s in zip(reference["text"], samples)]
         data["correct"] = ("sample", np.array([r == int(s.meta.get("count", -1)) for r, s in zip(read, samples)]))
-        data["sets"] = (("layer", "set", "sample"), torch.stack(code["sets"], -1).numpy())
+        data["sets"] = (("layer", "set", "sample"), torch.stack(reference["sets"], -1).numpy())
         data |= {
-            k: ("sample", np.array(code[k], dtype=object if k == "text" else float))
+            k: ("sample", np.array(reference[k], dtype=object if k == "text" else float))
             for k in ("vra_code", "ars_code", "text")
         }
-        coords["set"] = list(code_attention.SETS)
+        coords["set"] = list(reference_attention.SETS)
     return xr.Dataset(
         data,
         coords=coords,

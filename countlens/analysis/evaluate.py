@@ -1,4 +1,4 @@
-"""Counting evaluation: scoring (single-token and candidate), greedy generation, answer parsing and metrics.
+"""Counting evaluation: asking a VLM for a count by scoring (single-token and candidate) or by greedy generation.
 
 Two ways to ask a VLM for a count. **Scoring** (`score`) reads the model's probabilities without
 letting it write: single-token scoring takes the arg-max over the whole vocabulary at the last
@@ -6,18 +6,13 @@ prompt position (one forward; a wrong-format answer counts as wrong), and candid
 answers of several tokens, as real tokenizers write "12" ("1", "2") — teacher-forces every candidate
 answer and takes the most probable (`countlens.answers` says how sequences end and are scored).
 **Generation** (`generate`, the papers' way) lets the model answer freely (greedy, a few tokens) and
-parses its text: the Pstd format "circle: 7" with `parse_shape_count`, else the first count with
-`parse_count` ("I think there are 3 circles" → 3, "none" → 0, "I don't know" → unparsed); a question
-of MMMU, MathVista or RealWorldQA is read by that benchmark's own rule (`countlens.analysis.benchmark_answers`).
-Both return an `xr.Dataset` over ``sample`` with ``correct``, ``count`` (gold N, −1 for non-counting
-samples), ``pred_count`` (−1 when unparseable) and ``parsed``, so the metrics below read either:
-
-- `summary`: accuracy, MAE |pred − N| over *parsed* counting answers, the ``unparsed`` share of
-  counting answers, and n — overall or per case / count / shape.
-- `number_avoidance`: per-count accuracy and its Pearson r with N (the "Counting to Four" paper
-  reports r ≈ −0.78: larger numbers are avoided, a language prior rather than visual difficulty).
-- `digit_in_conflict`: the accuracy drop when the prompt carries a wrong hint (N±1, N±2) and the share
-  of answers that repeat the hinted digit.
+parses its text (`countlens.analysis.parse`): the Pstd format "circle: 7" with `parse_shape_count`,
+else the first count with `parse_count` ("I think there are 3 circles" → 3, "none" → 0, "I don't
+know" → unparsed); a question of MMMU, MathVista or RealWorldQA is read by that benchmark's own rule
+(`countlens.analysis.benchmark_answers`). Both return an `xr.Dataset` over ``sample`` with
+``correct``, ``count`` (gold N, −1 for non-counting samples), ``pred_count`` (−1 when unparseable)
+and ``parsed``, so the metrics (`countlens.analysis.metrics`: `summary`, `number_avoidance`,
+`digit_in_conflict`) read either.
 
 A sample is anything with ``image`` (PIL), ``question``, ``answer`` (its text: "7", "circle: 7",
 "red"), ``task`` and ``meta`` (``count`` for counting samples; ``case``, ``shape``, ``distractor``
@@ -32,38 +27,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import pandas as pd
 import torch
 import xarray as xr
 from torch import Tensor
 
 from countlens.analysis.benchmark_answers import has_rule, read_answer
+from countlens.analysis.parse import PARSERS, parse_count, parse_shape_count
 from countlens.errors import InputError
+from countlens.reference.counting_to_four.parse import parse_count_as_reference
 from countlens.validate import require_count
 from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
-
-_UNITS = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-    "sixteen seventeen eighteen nineteen"
-).split()
-_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
-#: Number words → value ("zero" … "nineteen", the tens; "twenty-one"-style compounds are parsed too).
-NUMBER_WORDS: dict[str, int] = {w: i for i, w in enumerate(_UNITS)} | _TENS
-#: Whole words that mean a count of zero.
-ZERO_WORDS: tuple[str, ...] = ("no", "none")
-
-_COUNT_RE = re.compile(
-    r"\b(?:(?P<digits>[0-9]+)"
-    rf"|(?P<tens>{'|'.join(_TENS)})(?:[-\s](?P<unit>{'|'.join(_UNITS[1:10])}))?"
-    rf"|(?P<word>{'|'.join(sorted(_UNITS, key=len, reverse=True))})"
-    rf"|(?P<zero>{'|'.join(ZERO_WORDS)}))\b",
-    re.IGNORECASE,
-)
-# Sub-word markers of byte-level BPE ("Ġ") and SentencePiece ("▁") tokenizers.
-_TOKEN_MARKERS = str.maketrans({"Ġ": " ", "▁": " ", "Ċ": "\n"})
 
 
 class Sample(Protocol):
@@ -74,77 +50,6 @@ class Sample(Protocol):
 
     @property
     def image(self): ...
-
-
-# ----------------------------------------------------------------------------- parsing
-
-
-def parse_count(text: str) -> int | None:
-    """The first count in ``text``, or None when there is none.
-
-    Matches whole words only (word boundaries): digit strings ("12." → 12), number words "zero" …
-    "nineteen" and the tens ("twenty", "thirty-two" → 32), and "no" / "none" → 0. The first
-    count-bearing word wins ("4 or 5" → 4; "no, 3" → 0). "nothing", "nonexistent", "know" or
-    "someone" hold no count; "I don't know" → None.
-    """
-    if not isinstance(text, str):
-        raise InputError(f"parse_count got a {type(text).__name__}; give the answer text as a string")
-    m = _COUNT_RE.search(text)
-    if m is None:
-        return None
-    if m["digits"]:
-        return int(m["digits"])
-    if m["tens"]:
-        return _TENS[m["tens"].lower()] + (NUMBER_WORDS[m["unit"].lower()] if m["unit"] else 0)
-    if m["word"]:
-        return NUMBER_WORDS[m["word"].lower()]
-    return 0
-
-
-def parse_shape_count(text: str, shape: str = "") -> int | None:
-    """The count of a Pstd-format answer ("circle: 7", "Circles: seven"), or else the first count.
-
-    The format is the papers' Pstd answer, ``{shape}: {number}`` (`countlens.datasets.prompts`); a
-    model that ignores it and answers "There are 7" is still read (→ 7), as the papers' parser does.
-    ``shape`` is the asked shape, singular or plural ("circle", "circles", "objects"); empty: any word.
-    """
-    if not isinstance(text, str):
-        raise InputError(f"parse_shape_count got a {type(text).__name__}; give the answer text as a string")
-    stem = re.escape(shape[:-1] if shape.endswith("s") else shape) if shape else r"[a-z]+"
-    m = re.search(rf"\b{stem}s?\s*:\s*", text, re.IGNORECASE)
-    if m is not None:
-        found = parse_count(text[m.end() :])
-        if found is not None:
-            return found
-    return parse_count(text)
-
-
-#: The MAS paper's evaluation scripts' number words (`vlm-count-eval/eval_accu_count/run*.py`), in their order.
-CODE_NUMBER_WORDS: dict[str, int] = {"zero": 0, "no": 0} | {w: i for i, w in enumerate(_UNITS[1:16], start=1)}
-_CODE_COUNT_RE = re.compile(rf"(\d+|{'|'.join(CODE_NUMBER_WORDS)})")
-#: How `generate` reads a count: countlens's parser (`parse_shape_count`: the Pstd format, whole words,
-#: up to "nineteen" and the tens) or the MAS paper's code's (`parse_count_as_code`).
-PARSERS: tuple[str, ...] = ("countlens", "paper-code")
-
-
-def parse_count_as_code(text: str) -> int | None:
-    """The count the MAS paper's evaluation scripts read: the first match of a digit string or of
-    "zero", "no", "one" … "fifteen" anywhere in the lower-cased text — no word boundaries, the words
-    tried in that order, so "cannot" → 0 ("no"), "someone" → 1, "fourteen" → 4, "often" → 10. Kept
-    as an option (``generate(..., parser="paper-code")``) to reproduce the paper's numbers; countlens's
-    `parse_count` reads whole words."""
-    if not isinstance(text, str):
-        raise InputError(f"parse_count_as_code got a {type(text).__name__}; give the answer text as a string")
-    m = _CODE_COUNT_RE.search(text.lower())
-    if m is None:
-        return None
-    word = m.group(1)
-    return int(word) if word.isdigit() else CODE_NUMBER_WORDS[word]
-
-
-def token_text(token: str) -> str:
-    """A vocabulary token as text: sub-word markers ("Ġ12", "▁twelve") turned back into spaces."""
-    return str(token).translate(_TOKEN_MARKERS)
 
 
 # ----------------------------------------------------------------------------- scoring and generation
@@ -488,9 +393,10 @@ def generate(
 
     Each answer is parsed with `parse_shape_count` for the sample's shape (its meta ``shape``), which
     reads the Pstd format ("circle: 7") and otherwise the first count — or, with
-    ``parser="paper-code"``, as the MAS paper's scripts read it (`parse_count_as_code`). Variables: text (the decoded
-    new tokens, special tokens dropped), pred_count (−1 when unparseable), parsed, correct (see
-    `_is_correct`; an unparsed counting answer is wrong and counted in `summary`'s ``unparsed``),
+    ``parser="paper-code"``, as the MAS paper's scripts read it
+    (`countlens.reference.counting_to_four.parse`). Variables: text (the decoded new tokens, special
+    tokens dropped), pred_count (−1 when unparseable), parsed, correct (see `_is_correct`; an unparsed
+    counting answer is wrong and counted in `countlens.analysis.metrics.summary`'s ``unparsed``),
     gold, count, case, task, shape, distractor; for benchmark questions read by their own rule
     (`countlens.analysis.benchmark_answers.read_answer`: parsed and correct are that rule's), also
     extracted (what the rule read). A gold answer longer than ``max_new_tokens`` (as the model writes
@@ -522,7 +428,7 @@ def generate(
         new = out[:, batch.inputs["input_ids"].shape[1] :]  # Int[Tensor, "batch new"]: left padding aligns prompts
         texts += [t.strip() for t in vlm.tokenizer.batch_decode(new, skip_special_tokens=True)]
     if parser == "paper-code":
-        counts = [parse_count_as_code(t) for t in texts]
+        counts = [parse_count_as_reference(t) for t in texts]
     else:
         counts = [parse_shape_count(t, str((s.meta or {}).get("shape", ""))) for t, s in zip(texts, samples)]
     correct = [_is_correct(t, c, s) for t, c, s in zip(texts, counts, samples)]
@@ -555,173 +461,3 @@ def generate(
             "parser": parser,
         },
     )
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def accuracy(ds: xr.Dataset, by: str) -> pd.DataFrame:
-    """Accuracy and sample count grouped by one variable of a `score` result (e.g. "task", "count")."""
-    _require(ds, "correct", by)
-    df = ds[["correct", by]].to_dataframe()
-    out = df.groupby(by)["correct"].agg(["mean", "size"]).rename(columns={"mean": "accuracy", "size": "n"})
-    return out
-
-
-def _require(ds: xr.Dataset, *names: str) -> None:
-    missing = [n for n in names if n not in ds.variables]
-    if missing:
-        raise InputError(
-            f"the result has no variable {', '.join(map(repr, missing))}; it has {sorted(map(str, ds.data_vars))}. "
-            "Use a result of score() or generate(), or group by one of its variables"
-        )
-
-
-def predicted_counts(ds: xr.Dataset) -> tuple[np.ndarray, np.ndarray]:
-    """(pred_count, parsed) of a result: its own variables, or parsed from a `score` result's ``pred`` tokens."""
-    if "pred_count" in ds and "parsed" in ds:
-        return ds["pred_count"].values.astype(int), ds["parsed"].values.astype(bool)
-    _require(ds, "pred")
-    counts = [parse_count(token_text(t)) for t in ds["pred"].values]
-    return np.array([-1 if c is None else c for c in counts]), np.array([c is not None for c in counts])
-
-
-def _frame(ds: xr.Dataset) -> pd.DataFrame:
-    _require(ds, "correct", "count")
-    pred, parsed = predicted_counts(ds)
-    count = ds["count"].values.astype(int)
-    is_count = count >= 0
-    return pd.DataFrame(
-        {
-            "correct": ds["correct"].values.astype(bool),
-            "count_sample": is_count,
-            "abs_err": np.where(is_count & parsed, np.abs(pred - count), np.nan),
-            "unparsed": np.where(is_count, ~parsed, np.nan),
-        }
-    )
-
-
-def _summarise(df: pd.DataFrame) -> pd.Series:
-    return pd.Series(
-        {
-            "accuracy": df["correct"].mean(),
-            "mae": df["abs_err"].mean(),  # NaN-skipping: parsed counting answers only
-            "unparsed": df["unparsed"].mean(),  # NaN-skipping: counting samples only
-            "n": len(df),
-        }
-    )
-
-
-def summary(ds: xr.Dataset, by: str | None = None) -> pd.DataFrame:
-    """Accuracy, MAE, unparsed share and n — one row ("all"), or one per value of ``by``.
-
-    ``accuracy`` and ``n`` cover every sample of the group; ``mae`` (mean |pred_count − count|) covers
-    the counting samples (count ≥ 0) whose answer parsed, and ``unparsed`` is the share of counting
-    samples whose answer held no count (NaN where a group has no counting samples). Works on
-    `score` results (their ``pred`` tokens are parsed) and `generate` results.
-    """
-    df = _frame(ds)
-    if by is None:
-        out = _summarise(df).to_frame("all").T
-    else:
-        _require(ds, by)
-        df[by] = ds[by].values
-        out = pd.DataFrame({k: _summarise(g.drop(columns=by)) for k, g in df.groupby(by, sort=True)}).T
-        out.index.name = by
-    return out.astype({"n": int})
-
-
-#: `unanswered`'s thresholds: the median probability of the candidate answers' form, and the
-#: share of unparsed answers, beyond which a model is taken not to answer the prompt.
-FORM_MASS_MIN = 0.1
-UNPARSED_MAX = 0.5
-
-
-def unanswered(ds: xr.Dataset) -> str | None:
-    """A sentence saying why the scores in ``ds`` (`score` or `generate`) measure nothing, or None.
-
-    A model that does not answer in the prompt's form still gets a "prediction" from scoring (the
-    least unlikely candidate), so accuracy alone cannot show it. Flagged when accuracy is at chance
-    (at most 1.5 × the mean of 1 / candidates per sample; for token scoring and generation, 1 / the
-    distinct gold answers) and the model puts little weight on the answer form: a median candidate
-    probability below `FORM_MASS_MIN`, or more than `UNPARSED_MAX` of its answers holding no count."""
-    acc = float(ds.correct.mean())
-    if "p_candidates" in ds:
-        chance = float((1.0 / ds.n_candidates).mean())
-        mass = float(np.median(ds.p_candidates))
-        off_form = mass < FORM_MASS_MIN
-        why = f"the median probability of the candidate answers is {mass:.2g}"
-    else:
-        chance = 1.0 / max(1, len(set(ds.gold.values.tolist())))
-        unparsed = float(summary(ds).loc["all", "unparsed"])
-        unparsed = unparsed if np.isfinite(unparsed) else 0.0
-        off_form = unparsed > UNPARSED_MAX
-        why = f"{unparsed:.0%} of its answers hold no count"
-    if off_form and acc <= 1.5 * chance:
-        return (
-            f"the model does not answer this prompt: accuracy {acc:.3f} is at chance ({chance:.3f}) and {why}; "
-            "the results below measure nothing about counting — use a prompt style it answers (--prompt)"
-        )
-    return None
-
-
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    if len(x) < 2 or np.std(x) == 0 or np.std(y) == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
-
-
-def number_avoidance(ds: xr.Dataset) -> dict:
-    """Per-count accuracy of the counting samples and its Pearson r with the count.
-
-    Returns ``{"r", "per_count": {N: accuracy}, "n": {N: samples}}``. r is computed across the
-    distinct counts (each count one point, as in the paper's accuracy-vs-N plot), NaN when fewer than
-    two counts or a constant accuracy make it undefined.
-    """
-    _require(ds, "correct", "count")
-    count = ds["count"].values.astype(int)
-    keep = count >= 0
-    if not keep.any():
-        raise InputError("number_avoidance needs counting samples (count ≥ 0); the result has none")
-    df = pd.DataFrame({"count": count[keep], "correct": ds["correct"].values[keep].astype(float)})
-    per = df.groupby("count")["correct"].agg(["mean", "size"])
-    return {
-        "r": _pearson(per.index.to_numpy(float), per["mean"].to_numpy()),
-        "per_count": {int(k): float(v) for k, v in per["mean"].items()},
-        "n": {int(k): int(v) for k, v in per["size"].items()},
-    }
-
-
-def digit_in_conflict(std_ds: xr.Dataset, conflict_ds: xr.Dataset, distractors: Sequence[int] | None = None) -> dict:
-    """How much a wrong hinted digit hurts: accuracies, their drop, and how often the hint is repeated.
-
-    ``distractors`` are the hinted digits, one per sample of ``conflict_ds`` (default: its
-    ``distractor`` variable, from the samples' meta). Returns ``accuracy_std``, ``accuracy_conflict``,
-    ``drop`` (std − conflict, in accuracy units), ``distractor_share`` (share of all conflict answers
-    whose count equals the hint; unparsed answers never do), ``distractor_share_of_errors`` (the same
-    among wrong answers; NaN when none are wrong) and the two sample counts.
-    """
-    _require(std_ds, "correct")
-    _require(conflict_ds, "correct")
-    if distractors is None:
-        _require(conflict_ds, "distractor")
-        distractors = conflict_ds["distractor"].values
-    hint = np.asarray(distractors, dtype=int)
-    if hint.shape != (conflict_ds.sizes["sample"],):
-        raise InputError(
-            f"got {hint.size} distractors for {conflict_ds.sizes['sample']} conflict samples; "
-            "give one distractor digit per sample of conflict_ds, in order"
-        )
-    pred, parsed = predicted_counts(conflict_ds)
-    repeated = parsed & (pred == hint)
-    wrong = ~conflict_ds["correct"].values.astype(bool)
-    acc_std, acc_conf = float(std_ds["correct"].mean()), float(conflict_ds["correct"].mean())
-    return {
-        "accuracy_std": acc_std,
-        "accuracy_conflict": acc_conf,
-        "drop": acc_std - acc_conf,
-        "distractor_share": float(repeated.mean()),
-        "distractor_share_of_errors": float(repeated[wrong].mean()) if wrong.any() else float("nan"),
-        "n_std": int(std_ds.sizes["sample"]),
-        "n_conflict": int(conflict_ds.sizes["sample"]),
-    }

@@ -33,7 +33,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.errors import RunDirError
-from countlens.results import head_label
+from countlens.labels import head_label
 from countlens.settings import HeadThresholds
 
 CLASSES: tuple[str, ...] = ("visual grounding", "cross-modal routing", "counting aggregation", "awareness", "other")

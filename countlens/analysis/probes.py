@@ -19,7 +19,7 @@ cells plus (1 − GIoU) over the target cells, with AdamW. Inputs are standardis
 the training set's mean and standard deviation (stored in the probe), so residual-stream taps with
 large outlier channels train like the others. Detections are decoded, filtered by score and
 de-duplicated with greedy NMS, and scored by class-agnostic AP@50 with COCO's 101-point
-interpolation (`average_precision`). Because the probe's capacity is the same everywhere and tiny
+interpolation (`countlens.analysis.detection`). Because the probe's capacity is the same everywhere and tiny
 next to the model, a difference in AP between taps measures how much *localised* object evidence the
 representation still holds — the paper finds it high at the projector and lower in the LLM.
 
@@ -43,11 +43,12 @@ import xarray as xr
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from countlens.analysis.detection import average_precision, giou, nms
 from countlens.errors import ConfigError, InputError
 from countlens.validate import require_count, require_nonnegative, require_positive, require_seed, require_share
 
 if TYPE_CHECKING:
-    from jaxtyping import Float, Int
+    from jaxtyping import Float
 
     from countlens.vlm import VLM
 
@@ -118,48 +119,6 @@ class DetectionProbe(nn.Module):
     def n_params(self) -> int:
         """Trainable parameters (the standardisation buffers are not counted)."""
         return sum(p.numel() for p in self.parameters())
-
-
-# ----------------------------------------------------------------------------- boxes
-
-
-def box_iou(a: Float[Tensor, "n 4"], b: Float[Tensor, "m 4"]) -> Float[Tensor, "n m"]:
-    """IoU of every xyxy box in ``a`` with every one in ``b``."""
-    lt = torch.maximum(a[:, None, :2], b[None, :, :2])
-    rb = torch.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = (rb - lt).clamp(min=0).prod(-1)
-    area = lambda x: (x[:, 2:] - x[:, :2]).clamp(min=0).prod(-1)  # noqa: E731
-    return inter / (area(a)[:, None] + area(b)[None, :] - inter).clamp(min=1e-12)
-
-
-def giou(a: Float[Tensor, "n 4"], b: Float[Tensor, "n 4"]) -> Float[Tensor, " n"]:
-    """Generalised IoU of paired xyxy boxes ``a[i]``, ``b[i]`` (in [−1, 1])."""
-    lt, rb = torch.maximum(a[:, :2], b[:, :2]), torch.minimum(a[:, 2:], b[:, 2:])
-    inter = (rb - lt).clamp(min=0).prod(-1)
-    area_a, area_b = (a[:, 2:] - a[:, :2]).prod(-1), (b[:, 2:] - b[:, :2]).prod(-1)
-    union = area_a + area_b - inter
-    hull = (torch.maximum(a[:, 2:], b[:, 2:]) - torch.minimum(a[:, :2], b[:, :2])).prod(-1)
-    return inter / union.clamp(min=1e-12) - (hull - union) / hull.clamp(min=1e-12)
-
-
-def nms(boxes: Float[Tensor, "n 4"], scores: Float[Tensor, " n"], iou: float = 0.5) -> Int[Tensor, " kept"]:
-    """Greedy non-maximum suppression: indices (int64) of kept boxes by falling score.
-
-    Boxes are taken in order of score (ties: the earlier index first); a box is dropped when its IoU
-    with an already kept box exceeds ``iou``.
-    """
-    if boxes.ndim != 2 or boxes.shape[-1] != 4 or scores.shape != boxes.shape[:1]:
-        raise InputError(f"nms needs boxes (n, 4) and scores (n,); got {tuple(boxes.shape)} and {tuple(scores.shape)}")
-    order = torch.from_numpy(np.argsort(-scores.detach().cpu().numpy(), kind="stable"))
-    overlap = box_iou(boxes, boxes)
-    suppressed = torch.zeros(len(boxes), dtype=torch.bool)
-    keep = []
-    for i in order.tolist():
-        if suppressed[i]:
-            continue
-        keep.append(i)
-        suppressed |= overlap[i] > iou
-    return torch.tensor(keep, dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------- targets
@@ -336,63 +295,6 @@ def predict(
     return out
 
 
-# ----------------------------------------------------------------------------- AP
-
-
-def _match(pred: np.ndarray, gt: np.ndarray, iou: float) -> np.ndarray:
-    """Bool (n_pred,): true positives of one image's detections, taken by falling score.
-
-    Each detection claims the unclaimed ground-truth box it overlaps most, if that IoU ≥ ``iou``;
-    a detection of an already claimed object (a duplicate) is a false positive.
-    """
-    tp = np.zeros(len(pred), dtype=bool)
-    if len(pred) == 0 or len(gt) == 0:
-        return tp
-    overlap = box_iou(
-        torch.as_tensor(pred[:, :4], dtype=torch.float64), torch.as_tensor(gt, dtype=torch.float64)
-    ).numpy()
-    claimed = np.zeros(len(gt), dtype=bool)
-    for i in np.argsort(-pred[:, 4], kind="stable"):
-        cand = np.where(claimed, -1.0, overlap[i])
-        j = int(cand.argmax())
-        if cand[j] >= iou:
-            claimed[j] = tp[i] = True
-    return tp
-
-
-def average_precision(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray], iou: float = 0.5) -> float:
-    """Class-agnostic AP at IoU ``iou`` (AP@50 by default), COCO-style with 101-point interpolation.
-
-    ``preds[i]`` is image i's (n, 5) detections (x0, y0, x1, y1, score), ``gt_boxes[i]`` its (m, 4)
-    boxes. Detections of all images are pooled and ranked by score (ties keep input order); within an
-    image each is matched greedily (`_match`). Precision is made monotone (each value replaced by the
-    best precision at any higher recall) and read at recalls 0, 0.01, …, 1: at each, the precision of
-    the first rank reaching that recall, or 0 if none does. AP is the mean of these 101 values.
-    """
-    if len(preds) != len(gt_boxes):
-        raise InputError(
-            f"got predictions for {len(preds)} images but ground truth for {len(gt_boxes)}; pass one of each per image"
-        )
-    n_gt = sum(len(g) for g in gt_boxes)
-    if n_gt == 0:
-        raise InputError("gt_boxes holds no objects, so AP is undefined; evaluate on images with objects")
-    scores, hits = [], []
-    for p, g in zip(preds, gt_boxes):
-        p = np.asarray(p, dtype=float).reshape(-1, 5)
-        scores.append(p[:, 4])
-        hits.append(_match(p, np.asarray(g, dtype=float).reshape(-1, 4), iou))
-    scores, hits = np.concatenate(scores), np.concatenate(hits)
-    if len(scores) == 0:
-        return 0.0
-    order = np.argsort(-scores, kind="stable")
-    tp = np.cumsum(hits[order])
-    recall = tp / n_gt
-    precision = tp / np.arange(1, len(tp) + 1)
-    precision = np.maximum.accumulate(precision[::-1])[::-1]
-    at = np.searchsorted(recall, np.linspace(0, 1, 101), side="left")
-    return float(np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0).mean())
-
-
 def evaluate_probe(
     probe: DetectionProbe,
     features: Float[Tensor, "sample d rows cols"],
@@ -457,29 +359,23 @@ def _probe_one(
     return row
 
 
-def code_taps(vlm: VLM) -> tuple[Tap, ...]:
-    """The MAS paper's code's three taps (``models_probing/adapters/qwen25vl.py``): the vision encoder's
-    second-to-last block, the projector's output and the decoder's second-to-last layer (which the
-    code reads after the final norm; countlens reads the residual stream)."""
-    blocks = len(vlm.hf.get_submodule(vlm.arch.spec.vision_blocks))
-    return (("vision", blocks - 2), ("projector", None), ("llm", vlm.arch.n_layers - 2))
-
-
-def _code_probe_one(vlm: VLM, train_samples: Sequence, test_samples: Sequence, tap: Tap, seed: int, batch_size: int):
-    """One tap under the code's recipe (`countlens.analysis.code_probe`): a results row."""
-    from countlens.analysis import code_probe
+def _reference_probe_one(
+    vlm: VLM, train_samples: Sequence, test_samples: Sequence, tap: Tap, seed: int, batch_size: int
+):
+    """One tap under the code's recipe (`countlens.reference.counting_to_four.probe`): a results row."""
     from countlens.circuits.taps import tap as read_tap
+    from countlens.reference.counting_to_four import probe as reference_probe
 
     start = time.perf_counter()
     feats = read_tap(vlm, list(train_samples) + list(test_samples), tap[0], tap[1], batch_size=batch_size)
     tap_seconds = time.perf_counter() - start
     train, test = feats[: len(train_samples)], feats[len(train_samples) :]
-    boxes, labels, n_classes = code_probe.sample_targets(train_samples)
-    test_boxes, _, _ = code_probe.sample_targets(test_samples)
-    config = code_probe.CodeProbeConfig(seed=seed)
-    probe = code_probe.fit_code_probe(train, boxes, labels, n_classes, config)
+    boxes, labels, n_classes = reference_probe.sample_targets(train_samples)
+    test_boxes, _, _ = reference_probe.sample_targets(test_samples)
+    config = reference_probe.ReferenceProbeConfig(seed=seed)
+    probe = reference_probe.fit_reference_probe(train, boxes, labels, n_classes, config)
     return {
-        "ap50": code_probe.code_ap50(code_probe.predict_code(probe, test, config), test_boxes),
+        "ap50": reference_probe.reference_ap50(reference_probe.predict_reference(probe, test, config), test_boxes),
         "ap50_case": {},
         "n_params": probe.n_params,
         "train_loss": probe.train_loss,
@@ -512,8 +408,8 @@ def probe_taps(
     ``meta["case"]`` (COUNTINGTRICKS), also ``ap50_case`` over (tap, case).
 
     ``recipe="counting-to-four"``: each probe as the MAS paper's code trains and scores it
-    (`countlens.analysis.code_probe`; ``config`` gives only the seed), on scenes (shapes as classes) or
-    VOC2007 images (`countlens.datasets.loaders.load_voc2007`); `code_taps` are the code's taps.
+    (`countlens.reference.counting_to_four.probe`; ``config`` gives only the seed), on scenes (shapes as classes) or
+    VOC2007 images (`countlens.datasets.loaders.load_voc2007`); `reference_taps` are the code's taps.
     """
     if recipe not in RECIPES:
         raise InputError(f"unknown probe recipe {recipe!r}; use one of {RECIPES}")
@@ -527,7 +423,7 @@ def probe_taps(
     rows = [
         _probe_one(vlm, train_samples, test_samples, t, config, batch_size, by_case)
         if recipe == "countlens"
-        else _code_probe_one(vlm, train_samples, test_samples, t, config.seed, batch_size)
+        else _reference_probe_one(vlm, train_samples, test_samples, t, config.seed, batch_size)
         for t in taps
     ]
     data = {v: ("tap", [r[v] for r in rows]) for v in ("ap50", "n_params", "train_loss", "seconds", "tap_seconds")}

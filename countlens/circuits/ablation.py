@@ -36,7 +36,9 @@ from countlens.circuits.sites import HeadZ, checked_heads, group_mask
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.results import SweepStore, head_label, provenance, samples_digest, top_sites
+from countlens.labels import head_label, top_sites
+from countlens.results import provenance
+from countlens.sweep_store import SweepStore, samples_digest
 from countlens.validate import require_count
 from countlens.vlm import check_samples
 
@@ -135,7 +137,7 @@ def ablation_scan(
     """Ablate each head alone on each task: ``acc_drop`` and ``logp_drop`` over (task, layer, head).
 
     ``means``: per-task reference means (default: each task's own samples), or one tensor for all.
-    ``store``: a directory (or `countlens.results.SweepStore`) that receives each finished chunk of
+    ``store``: a directory (or `countlens.sweep_store.SweepStore`) that receives each finished chunk of
     samples, and each task's means, so a killed scan resumes where it stopped. Launched as several
     processes, the chunks are split between them (`countlens.distributed`; rank 0 computes the
     tasks' means first, the other ranks read them from the store).

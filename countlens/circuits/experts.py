@@ -44,7 +44,8 @@ from countlens.circuits.sites import Expert, check_group, group_mask
 from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.results import expert_key, expert_label, is_head_pair, provenance
+from countlens.labels import expert_key, expert_label, is_head_pair
+from countlens.results import provenance
 from countlens.validate import require_count
 from countlens.vlm import check_samples
 
@@ -200,7 +201,7 @@ def _check_means(vlm: VLM, means: Tensor) -> None:
 
 def checked_experts(vlm: VLM, experts) -> list[tuple[int, int]]:
     """``experts`` as (layer, expert) pairs, each given as a pair of integers or a label such as "L1E0"
-    (`countlens.results.expert_key`; one expert may be given alone), checked against the model's MoE
+    (`countlens.labels.expert_key`; one expert may be given alone), checked against the model's MoE
     layers and experts."""
     require_experts(vlm, "ablate_experts")
     if isinstance(experts, str) or is_head_pair(experts):

@@ -53,7 +53,8 @@ from countlens.circuits.pair_batch import logit_diff, prepare_pairs
 from countlens.circuits.sites import group_mask, repeat_inputs
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
-from countlens.results import head_label, provenance
+from countlens.labels import head_label
+from countlens.results import provenance
 from countlens.validate import require_choice
 
 if TYPE_CHECKING:

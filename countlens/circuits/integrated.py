@@ -170,7 +170,7 @@ def _logits(vlm: VLM, batch: Batch) -> torch.Tensor:
 
 def node_scores_of(ds: xr.Dataset) -> dict[str, float]:
     """A `node_attribution` result as {node label: score}, every node, for `faithfulness`."""
-    from countlens.results import head_label
+    from countlens.labels import head_label
 
     scores = {f"IN.{g}": float(v) for g, v in zip(ds["input"].values, ds.input_effect.values)}
     for layer in ds["layer"].values:

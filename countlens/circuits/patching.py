@@ -27,7 +27,7 @@ the image's information — the image also enters below the patched site.
 Speed: many sites are patched in one forward by *batch expansion* — the clean batch is stacked k
 times and replica r receives site r's patch — so an L×H sweep costs about L·H/k forwards.
 The two exact sweeps are a grid of edits handed to `countlens.circuits.sweep.sweep_pairs`, which
-streams each chunk of pairs to a `countlens.results.SweepStore` and resumes from it; launched as
+streams each chunk of pairs to a `countlens.sweep_store.SweepStore` and resumes from it; launched as
 several processes they split the chunks between them (`countlens.distributed`).
 """
 

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from countlens.circuits.expert_rules import expert_rule
 from countlens.errors import InputError
-from countlens.results import head_key, is_head_pair
+from countlens.labels import head_key, is_head_pair
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
@@ -215,7 +215,7 @@ STATES = "image_states"
 
 def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
     """``heads`` as (layer, head) pairs, each given as a pair or a label such as "L3H2"
-    (`countlens.results.head_key`), checked against the model's layers and heads."""
+    (`countlens.labels.head_key`), checked against the model's layers and heads."""
     if isinstance(heads, str) or is_head_pair(heads):
         heads = [heads]  # one head given alone: "L0H0", (0, 0) or [0, 0]
     out = []

@@ -2,7 +2,7 @@
 
 A sweep (head patching, mean ablation) is a list of named chunks whose results are independent.
 `run_chunks` computes each chunk this process owns (`countlens.distributed.Shard.mine`), writes it
-to a `countlens.results.SweepStore` as soon as it is done, and reads the chunks an earlier run
+to a `countlens.sweep_store.SweepStore` as soon as it is done, and reads the chunks an earlier run
 already finished instead of recomputing them, so a killed sweep resumes where it stopped. Launched
 as several processes, every rank waits until all chunks are in the store and returns all of them:
 every rank then holds the whole sweep, as one process would.
@@ -28,7 +28,7 @@ from countlens import distributed
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
 from countlens.distributed import Shard
-from countlens.results import SweepStore, samples_digest
+from countlens.sweep_store import SweepStore, samples_digest
 from countlens.validate import require_count
 from countlens.vlm import check_pairs
 

@@ -24,7 +24,7 @@ import xarray as xr
 
 from countlens.circuits.sites import checked_heads
 from countlens.errors import InputError
-from countlens.results import head_label, top_sites
+from countlens.labels import head_label, top_sites
 from countlens.validate import require_count, require_positive
 
 if TYPE_CHECKING:

@@ -106,20 +106,20 @@ def data_countingtricks(
     except ValueError:
         raise ConfigError(f"--counts {counts!r}: give comma-separated integers, e.g. 3,4,5") from None
     if design == "paper-code" and model is None and image_size is None and patch_size is None:
-        from countlens.datasets.paper_code_tricks import code_grid
+        from countlens.reference.counting_to_four.scenes import reference_grid
 
-        grid = code_grid()  # the code's own grid
+        grid = reference_grid()  # the code's own grid
     else:
         grid = grid_of(model or "toy", image_size, patch_size)
     if design == "paper-code":
-        from countlens.datasets.paper_code_tricks import CODE_CASES
+        from countlens.reference.counting_to_four.scenes import REFERENCE_CASES
 
         if wanted is not None or shapes not in ("circle", "circle,square,triangle") or "," in color:
             raise ConfigError(
                 "--design paper-code draws one colour of circles at the code's counts (1-10); "
                 "leave --counts and --shapes out and give one --color"
             )
-        names = list(CODE_CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
+        names = list(REFERENCE_CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
         kw = dict(color=color, prompt=prompt, design=design)
     elif design == "countlens":
         names = list(CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]

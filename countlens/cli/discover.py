@@ -111,7 +111,7 @@ def discover_cmd(
     import countlens
     from countlens import distributed
     from countlens.datasets.prompts import PAIR_PROMPTS
-    from countlens.pipeline.discover import check, discover
+    from countlens.pipeline.discover import check_preset, discover
     from countlens.pipeline.rundir import check_run_dir
 
     check_out(out)
@@ -135,10 +135,10 @@ def discover_cmd(
         voc=None if voc is None else str(voc.resolve()),
         probes=True if voc is not None else None,
     )
-    check(config)  # before the model loads
+    check_preset(config)  # before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device, remote=remote)
     if not remote:  # the spec and image checks of `countlens check` (read-only), before any stage
-        from countlens.pipeline.check import require
+        from countlens.pipeline.selfcheck import require
 
         require(vlm)
     report = discover(vlm, out, config, log=typer.echo)

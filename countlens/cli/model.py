@@ -1,6 +1,6 @@
 """The commands that read a model as it is: ``countlens eval`` scores it on held-out scenes
 (`countlens.pipeline.held_out`), ``countlens check`` proves countlens reads it right
-(`countlens.pipeline.check`)."""
+(`countlens.pipeline.selfcheck`)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def check_cmd(
     import json
 
     import countlens
-    from countlens.pipeline.check import as_json, check, failed, table
+    from countlens.pipeline.selfcheck import as_json, check, failed, table
 
     check_file_out(json_out, "--json")
     vlm = countlens.load(model, dtype=dtype, device_map=device)

@@ -34,14 +34,13 @@ Every sample is a pure function of (seed, case, index).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import asdict, dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
 
-from countlens.datasets.contact import boundary_gap, contact_length, facing_rotation, ring_radius, touching_distance
+from countlens.datasets.arrangements import chain, cluster, ring, split_count, tiling
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene
 from countlens.datasets.tasks import TaskSample, sample_rng
@@ -243,109 +242,21 @@ def _lattice(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...], 
 # ----------------------------------------------------------------------------- adjacency cases (9–15)
 
 
-def _split(n: int, most: int) -> list[int]:
-    """n into as few parts of ≤ most as possible, as equal as possible."""
-    k = math.ceil(n / most)
-    return [n // k + (1 if i < n % k else 0) for i in range(k)]
-
-
-# A line's polygons keep their edges on the line's axes: squares upright, triangles pointing up,
-# down (60°), right (30°) or left (90°), so every shared edge is across the line.
-_LINE_ROTATIONS = {"circle": (0.0,), "square": (0.0,), "triangle": (0.0, 30.0, 60.0, 90.0)}
-
-
-@lru_cache(maxsize=1024)
-def _line_rotations(shapes: tuple[str, ...], size: float, angle: float) -> tuple[float, ...]:
-    """Rotations for objects in a line along ``angle``, each touching the next, such that the
-    shortest edge shared by neighbours is as long as it can be, then their sum (ties: the first
-    in order). A row of triangles alternates up and down; a triangle beside a square turns a flat
-    side to it. Exhaustive: lines hold at most 4 objects and a triangle 4 rotations."""
-    best, best_key = (0.0,) * len(shapes), (-1.0, -1.0)
-    for rots in itertools.product(*(_LINE_ROTATIONS[s] for s in shapes)):
-        shared = [contact_length(a, ra, b, rb, size, angle) for a, ra, b, rb in zip(shapes, rots, shapes[1:], rots[1:])]
-        key = (min(shared, default=0.0), sum(shared))
-        if key[0] > best_key[0] + 1e-9 or (abs(key[0] - best_key[0]) <= 1e-9 and key[1] > best_key[1] + 1e-9):
-            best, best_key = rots, key
-    return best
-
-
-def _chain(shapes: list[str], size: float, angle: float, gap: float) -> list[tuple[str, float, float, float]]:
-    """Objects (shape, rotation, x, y) in a line along ``angle``, each ``gap`` from the previous one,
-    turned to meet their neighbours along edges where the shapes can (`_line_rotations`)."""
-    rots = _line_rotations(tuple(shapes), size, angle)
-    out = [(shapes[0], rots[0], 0.0, 0.0)]
-    u = (math.cos(math.radians(angle)), math.sin(math.radians(angle)))
-    for s, rot in zip(shapes[1:], rots[1:]):
-        prev, prev_rot, x, y = out[-1]
-        t = touching_distance(prev, prev_rot, s, rot, size, angle, gap)
-        out.append((s, rot, x + t * u[0], y + t * u[1]))
-    return out
-
-
-def _ring(shape: str, n: int, size: float, gap: float) -> list[tuple[str, float, float, float]]:
-    rho = ring_radius(shape, size, n, gap)
-    th = [2 * math.pi * i / n for i in range(n)]
-    return [(shape, -math.degrees(t), rho * math.cos(t), rho * math.sin(t)) for t in th]
-
-
-def _cluster(shape: str, n: int, size: float, gap: float, rng) -> list[tuple[str, float, float, float]]:
-    """Grow a cluster: each new object touches a random placed one along a multiple of 15°; polygons
-    turn to meet it along an edge, and a direction where they could only meet at a point is redrawn."""
-    placed = [(shape, 0.0, 0.0, 0.0)]
-    while len(placed) < n:
-        for _ in range(500):
-            _, anchor_rot, x, y = placed[rng.integers(len(placed))]
-            angle = 15.0 * int(rng.integers(24))
-            rot, shared = facing_rotation(shape, anchor_rot, shape, size, angle)
-            if shape != "circle" and shared < 1.0:
-                continue
-            t = touching_distance(shape, anchor_rot, shape, rot, size, angle, gap)
-            cand = (x + t * math.cos(math.radians(angle)), y + t * math.sin(math.radians(angle)))
-            new = Obj(shape, "red", cand[0], cand[1], size, rot)
-            if all(boundary_gap(new, Obj(s, "red", px, py, size, r)) >= gap - 1e-6 for s, r, px, py in placed):
-                placed.append((shape, rot, *cand))
-                break
-        else:
-            raise CountlensError(f"could not grow a cluster of {n} {shape}s; use fewer objects")
-    return placed
-
-
-def _tiling(shape: str, n: int, size: float, gap: float) -> list[tuple[str, float, float, float]]:
-    cols = math.ceil(math.sqrt(n))
-    out = []
-    for i in range(n):
-        r, k = divmod(i, cols)
-        if shape == "square":
-            out.append((shape, 0.0, k * (size + gap), r * (size + gap)))
-        elif shape == "circle":
-            step = size + gap
-            out.append((shape, 0.0, k * step + (step / 2 if r % 2 else 0.0), r * step * math.sqrt(3) / 2))
-        else:
-            # Alternating up/down triangles share edges. In every strip an up triangle's centre is R
-            # below the strip's top and a down triangle's R/2; the strip below is the mirror image.
-            big_r = size / 2
-            up = (k + r) % 2 == 0
-            x = k * (big_r * math.sqrt(3) / 2 + 2 * gap / math.sqrt(3))
-            y = r * (1.5 * big_r + gap) + (big_r if up else big_r / 2)
-            out.append((shape, 0.0 if up else 180.0, x, y))
-    return out
-
-
 def _groups(c: Case, n: int, shape: str, size: float, rng) -> list[list[tuple[str, float, float, float]]]:
     gap = c.gap_px
     if c.layout == "pairs":
         parts = [2] * (n // 2 - 1) + ([3] if n % 2 else [2]) if n >= 2 else [1]
-        return [_chain([shape] * k, size, 0.0, gap) for k in parts]
+        return [chain([shape] * k, size, 0.0, gap) for k in parts]
     if c.layout in ("rows", "columns"):
         angle = 0.0 if c.layout == "rows" else 90.0
-        return [_chain([shape] * k, size, angle, gap) for k in _split(n, 4)]
+        return [chain([shape] * k, size, angle, gap) for k in split_count(n, 4)]
     if c.layout == "mixed":
-        return [_chain([SHAPES[rng.integers(len(SHAPES))] for _ in range(k)], size, 0.0, gap) for k in _split(n, 4)]
+        return [chain([SHAPES[rng.integers(len(SHAPES))] for _ in range(k)], size, 0.0, gap) for k in split_count(n, 4)]
     if c.layout == "ring":
-        return [_ring(shape, n, size, gap)]
+        return [ring(shape, n, size, gap)]
     if c.layout == "cluster":
-        return [_cluster(shape, n, size, gap, rng)]
-    return [_tiling(shape, n, size, gap)]
+        return [cluster(shape, n, size, gap, rng)]
+    return [tiling(shape, n, size, gap)]
 
 
 def _adjacent(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...], rng) -> tuple[Obj, ...]:
@@ -473,7 +384,7 @@ def trick_sample(
 
 
 #: The generators `countingtricks` can follow: countlens's reconstruction from the paper's text (32
-#: cases), or the rules of the paper's public generator (`countlens.datasets.paper_code_tricks`, 18 cases).
+#: cases), or the rules of the paper's public generator (`countlens.reference.counting_to_four.scenes`, 18 cases).
 DESIGNS: tuple[str, ...] = ("countlens", "paper-code")
 
 
@@ -487,7 +398,7 @@ def countingtricks(
 ) -> list[TaskSample]:
     """``n_per_case`` samples of each case, case by case. ``design="countlens"`` (default): the 32 cases
     of this module (`trick_sample`; default all). ``design="paper-code"``: the 18 circle cases as the MAS
-    paper's generator draws them (`countlens.datasets.paper_code_tricks.code_sample`: shared layouts per
+    paper's generator draws them (`countlens.reference.counting_to_four.scenes.reference_sample`: shared layouts per
     index, counts 1–10, the code's drop rule), on ``grid`` or the code's 384 px / 27 px; it takes
     ``prompt``, ``color`` and ``background``."""
     if design not in DESIGNS:
@@ -497,9 +408,9 @@ def countingtricks(
     require_count(n_per_case, "n_per_case")
     require_seed(seed)
     if design == "paper-code":
-        from countlens.datasets.paper_code_tricks import CODE_CASES, code_grid, code_sample
+        from countlens.reference.counting_to_four.scenes import REFERENCE_CASES, reference_grid, reference_sample
 
-        names = list(CODE_CASES) if cases is None else [str(n).upper() for n in cases]
+        names = list(REFERENCE_CASES) if cases is None else [str(n).upper() for n in cases]
         require_distinct(names, "cases")
         allowed = {"prompt", "color", "background"}
         if set(kw) - allowed:
@@ -507,8 +418,8 @@ def countingtricks(
                 f"design='paper-code' draws red circles at the code's counts; {sorted(set(kw) - allowed)} "
                 f"cannot be set (it takes {sorted(allowed)})"
             )
-        g = code_grid(grid)
-        return [code_sample(name, seed, i, g, **kw) for name in names for i in range(n_per_case)]
+        g = reference_grid(grid)
+        return [reference_sample(name, seed, i, g, **kw) for name in names for i in range(n_per_case)]
     names = list(CASES) if cases is None else [case(n).name for n in cases]
     require_distinct(names, "cases")
     return [trick_sample(name, seed, i, grid, **kw) for name in names for i in range(n_per_case)]

@@ -51,19 +51,19 @@ def sample_record(s: TaskSample, file: str | None = None) -> dict:
 
 def _case_params(meta: dict) -> dict:
     if meta.get("design") == "paper-code":
-        from countlens.datasets.paper_code_tricks import case_params
+        from countlens.reference.counting_to_four.scenes import case_params
 
         return case_params(meta["case"])
     return CASES[meta["case"]].params
 
 
 def _sample(name: str, seed: int, index: int, grid: Geometry, kw: dict) -> TaskSample:
-    """One sample of the export's design: countlens's (`trick_sample`) or the paper code's (`code_sample`)."""
+    """One sample of the export's design: countlens's (`trick_sample`) or the paper code's (`reference_sample`)."""
     options = dict(kw)
     if options.pop("design", "countlens") == "paper-code":
-        from countlens.datasets.paper_code_tricks import code_sample
+        from countlens.reference.counting_to_four.scenes import reference_sample
 
-        return code_sample(name, seed, index, grid, **options)
+        return reference_sample(name, seed, index, grid, **options)
     return trick_sample(name, seed, index, grid, **options)
 
 
@@ -112,7 +112,7 @@ def _export_spec(names: list[str], n: int, grid: Geometry, seed: int, kw: dict) 
 
     maker = trick_sample
     if kw.get("design") == "paper-code":
-        from countlens.datasets.paper_code_tricks import code_sample as maker
+        from countlens.reference.counting_to_four.scenes import reference_sample as maker
     options = {
         p.name: p.default
         for p in inspect.signature(maker).parameters.values()
@@ -191,12 +191,12 @@ def check_export(
     if design not in DESIGNS:
         raise InputError(f"unknown design {design!r}; use one of {DESIGNS}")
     if design == "paper-code":
-        from countlens.datasets.paper_code_tricks import CODE_CASES
+        from countlens.reference.counting_to_four.scenes import REFERENCE_CASES
 
-        names = list(CODE_CASES) if cases is None else [str(c).upper() for c in cases]
-        bad = [c for c in names if c not in CODE_CASES]
+        names = list(REFERENCE_CASES) if cases is None else [str(c).upper() for c in cases]
+        bad = [c for c in names if c not in REFERENCE_CASES]
         if bad:
-            raise InputError(f"cases {bad} are not among the paper code's 18 cases {list(CODE_CASES)}")
+            raise InputError(f"cases {bad} are not among the paper code's 18 cases {list(REFERENCE_CASES)}")
     else:
         names = list(CASES) if cases is None else [case(c).name for c in cases]
     if not names:

@@ -5,7 +5,7 @@ form, a shape-agnostic variant, the organism's short form, and Digit-in-Conflict
 image? Respond concisely with shape counts using the following format: {shape}: {number}". The
 shape's plural fills ``{shapes}``, its singular fills ``{shape}``, and ``{number}`` stays in the
 prompt as the slot the model fills, so its answer reads "circle: 7" (`answer_text`; parse it with
-`countlens.analysis.evaluate.parse_shape_count`). The **number-only** form ("… Respond concisely with
+`countlens.analysis.parse.parse_shape_count`). The **number-only** form ("… Respond concisely with
 the number only.", answer "7") is countlens's own, kept under the name ``number``; ``short`` is the
 organism's training question.
 

@@ -1,7 +1,7 @@
 """What one `countlens discover` run computes: `DiscoverConfig` and its checks (the stages themselves:
 `countlens.pipeline.stages`).
 
-A configuration is pure data; `check_config` refuses values no stage can run with before anything
+A configuration is pure data; `validate_config` refuses values no stage can run with before anything
 is written. Paper presets (`countlens.pipeline.presets`) fill these fields; they import this module,
 never the other way round.
 """
@@ -48,10 +48,10 @@ class DiscoverConfig:
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
 
     def __post_init__(self) -> None:
-        check_config(self)
+        validate_config(self)
 
 
-def check_config(c: DiscoverConfig) -> None:
+def validate_config(c: DiscoverConfig) -> None:
     """Refuse settings no stage can run with, naming the setting (the preset's name is checked
     where the presets are known: `countlens.pipeline.presets.get`). Every `DiscoverConfig` is
     checked when it is made."""
@@ -79,7 +79,7 @@ def check_config(c: DiscoverConfig) -> None:
     require_distinct(c.tasks, "tasks", ConfigError)
     require_choice(c.evaluate, "evaluate", EVALUATIONS, ConfigError)
     require_count(c.max_new_tokens, "max_new_tokens", ConfigError)
-    from countlens.analysis.evaluate import PARSERS
+    from countlens.analysis.parse import PARSERS
 
     require_choice(c.parser, "parser", PARSERS, ConfigError)
     from countlens.datasets.countingtricks import DESIGNS

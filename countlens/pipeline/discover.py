@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from countlens.vlm import VLM
 
 
-def check(c: DiscoverConfig) -> None:
+def check_preset(c: DiscoverConfig) -> None:
     """The preset named (`presets.get`), before anything is written; the fields themselves were checked
-    when ``c`` was made (`DiscoverConfig.__post_init__` runs `check_config`)."""
+    when ``c`` was made (`DiscoverConfig.__post_init__` runs `validate_config`)."""
     if c.preset:
         presets.get(c.preset)
 
@@ -59,7 +59,7 @@ def discover(
     out = Path(out)
     check_run_dir(out)
     c = config
-    check(c)  # before anything is written: a refused run leaves no spec behind
+    check_preset(c)  # before anything is written: a refused run leaves no spec behind
     prompt = resolved_prompt(vlm, c)
     # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
     from countlens.datasets.prompts import PROMPTS
@@ -120,8 +120,8 @@ def check_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> None:
     if c.probes and c.voc:  # every VOC image and annotation the probes will read
         stage_inputs(vlm, c, prompt)["probes"]()
     if c.attention_at == "generation":  # the MAS code's 4-way share reads ChatML turns: refuse other prompts now
-        from countlens.analysis.code_attention import chatml_sets
         from countlens.errors import ConfigError, CountlensError
+        from countlens.reference.counting_to_four.attention import chatml_sets
 
         if vlm.arch.spec.cross_attention is not None:
             raise ConfigError(

@@ -15,7 +15,7 @@ from countlens.errors import ConfigError
 from countlens.memory import Widths, free_bytes, resident_bytes, widths
 from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.costs import Planner, StagePlan, forward_bytes, forward_flops
-from countlens.pipeline.discover import check
+from countlens.pipeline.discover import check_preset
 from countlens.pipeline.stages import STAGES
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def plan(vlm: VLM, config=None, memory: int | None = None, device: str | None = 
     loaded weights; on a GPU 0, the CUDA context being outside the allocator's count).
     """
     c = config or DiscoverConfig()
-    check(c)
+    check_preset(c)
     w = widths(vlm)
     loaded = vlm.device.type != "meta"
     where = device or ("cpu" if vlm.device.type in ("cpu", "meta") else vlm.device.type)

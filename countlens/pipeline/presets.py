@@ -193,7 +193,7 @@ PRESETS: dict[str, Preset] = {
             "max_new_tokens": "the code's vlm-count-eval/eval_accu_count/run_ovis.py (and its siblings): 100 greedy "
             "new tokens (run.py leaves the pipeline's default)",
             "parser": "the code's run*.py: the first digit string or number word zero-fifteen, no word boundaries "
-            "(evaluate.parse_count_as_code)",
+            "(countlens.reference.counting_to_four.parse)",
             "prompt": "Method steps: the Pstd prompt",
         },
     ),

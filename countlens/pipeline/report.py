@@ -16,8 +16,8 @@ from pathlib import Path
 import pandas as pd
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from countlens.analysis.evaluate import unanswered
 from countlens.analysis.heads import read_heads
+from countlens.analysis.metrics import unanswered
 from countlens.pipeline.rundir import load_run, read_spec
 from countlens.pipeline.stages import SECTIONS, ReportContext
 from countlens.pipeline.stages.classes import preset_summary

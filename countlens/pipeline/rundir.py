@@ -14,7 +14,7 @@ from pathlib import Path
 
 import xarray as xr
 
-from countlens import results
+from countlens import files, results
 from countlens.errors import RunDirError
 from countlens.pipeline.stages import REQUIRED
 
@@ -24,7 +24,7 @@ def read_spec(run: str | Path) -> dict:
     path = Path(run) / "spec.json"
     if not path.exists():
         raise RunDirError(f"{run} is not a countlens discover run (no spec.json); run `countlens discover --out {run}`")
-    spec = results.read_json(
+    spec = files.read_json(
         path, f"restore it from a copy, or delete {run} and run `countlens discover --out {run}` again from the start"
     )
     missing = [k for k in ("model", "arch") if not isinstance(spec, dict) or k not in spec]
@@ -86,9 +86,9 @@ class Stages:
             _refuse_foreign(out)
             out.mkdir(parents=True, exist_ok=True)
             if not spec_file.exists():  # another rank may have written it meanwhile: then it is compared
-                results.write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic
+                files.write_text(spec_file, json.dumps(spec, indent=1, sort_keys=True))  # atomic
         old = read_spec(out)
-        results.refuse_older_spec(old, spec, spec_file, "rerun into a new --out directory")
+        files.refuse_older_spec(old, spec, spec_file, "rerun into a new --out directory")
         if old != spec:
             changed = sorted(k for k in {*old, *spec} if old.get(k) != spec.get(k))
             raise RunDirError(

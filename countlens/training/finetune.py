@@ -41,7 +41,7 @@ import torch
 
 from countlens.analysis.heads import read_heads
 from countlens.errors import ConfigError, InputError, RunDirError
-from countlens.results import read_json, refuse_older_spec, write_text
+from countlens.files import read_json, refuse_older_spec, write_text
 from countlens.settings import FinetuneConfig
 from countlens.training.collate import digit_mask
 
@@ -212,7 +212,7 @@ def finetune(
             vlm.arch.layer(layer)
     if config.ce_on == "digits":
         check_digit_answers(vlm, samples)
-    from countlens.results import samples_digest
+    from countlens.sweep_store import samples_digest
 
     spec_file = out / "finetune.json"
     spec = {

@@ -135,8 +135,8 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     from countlens.pipeline import finetune_job as before_after_module
 
     calls = []
-    real = before_after_module._metrics
-    monkeypatch.setattr(before_after_module, "_metrics", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = before_after_module.evaluation_metrics
+    monkeypatch.setattr(before_after_module, "evaluation_metrics", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = runner.invoke(
         app,
         [

@@ -14,7 +14,9 @@ from tiny_models import QWEN_VOCAB, TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_effect, bound, logit_scale, scale_of
 
 from countlens import circuits
-from countlens.analysis.evaluate import generate, parse_shape_count, score, summary
+from countlens.analysis.evaluate import generate, score
+from countlens.analysis.metrics import summary
+from countlens.analysis.parse import parse_shape_count
 from countlens.answers import divergence, read_rows, shared_prefix, splits_numbers
 from countlens.circuits.patching import prepare_pairs
 from countlens.datasets.pairs import count_pairs

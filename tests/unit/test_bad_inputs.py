@@ -23,8 +23,9 @@ from typer.testing import CliRunner
 
 import countlens
 from countlens import circuits, results
-from countlens.analysis.evaluate import generate, parse_count, score
+from countlens.analysis.evaluate import generate, score
 from countlens.analysis.heads import HeadThresholds, read_heads
+from countlens.analysis.parse import parse_count
 from countlens.analysis.probes import ProbeConfig
 from countlens.cli import app
 from countlens.datasets import count_pairs, countingtricks, task_samples
@@ -729,7 +730,7 @@ def test_heads_are_accepted_as_pairs_or_as_the_labels_results_use(ctx):
 def test_a_prompt_the_model_does_not_answer_is_flagged(ctx):
     """The organism answers its short prompt; Pstd's "circle: 7" it cannot write, and scoring still
     picks a "prediction": `unanswered` says so (the report puts it at its top)."""
-    from countlens.analysis.evaluate import unanswered
+    from countlens.analysis.metrics import unanswered
 
     grid = ctx.toy.geometry
     short = score(ctx.toy, countingtricks(["1A", "4A"], 4, grid, prompt="short"))

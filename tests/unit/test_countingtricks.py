@@ -142,10 +142,10 @@ def test_export_rejects_a_file_and_writes_nothing_for_bad_counts(tmp_path):
 
 
 def test_ring_neighbours_touch_for_every_shape():
-    from countlens.datasets.countingtricks import _ring
+    from countlens.datasets.arrangements import ring
 
     for shape in ("circle", "square", "triangle"):
-        members = _ring(shape, 7, 16.0, 0.0)
+        members = ring(shape, 7, 16.0, 0.0)
         from countlens.datasets.scene import Obj
 
         objs = [Obj(s, "red", x + 100, y + 100, 16.0, r) for s, r, x, y in members]

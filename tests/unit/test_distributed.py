@@ -11,7 +11,9 @@ import pytest
 from countlens import distributed
 from countlens.distributed import Shard, ShardError
 from countlens.errors import ConfigError
-from countlens.results import ResultError, SweepStore, _writer_alive, _writer_id
+from countlens.files import writer_id
+from countlens.results import ResultError
+from countlens.sweep_store import SweepStore, writer_alive
 
 
 def test_keys_are_dealt_round_robin():
@@ -48,18 +50,18 @@ def test_a_sharded_sweep_needs_a_store_and_gives_up_naming_what_is_missing(tmp_p
 
 def test_opening_a_store_spares_live_writers_temps(tmp_path):
     store = SweepStore(tmp_path, {"sweep": "t"})
-    live = store.chunks / f".a.nc.{_writer_id()}-0123abcd.tmp"
+    live = store.chunks / f".a.nc.{writer_id()}-0123abcd.tmp"
     dead_pid = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     ).stdout.strip()
-    host = _writer_id().split("~")[0]
+    host = writer_id().split("~")[0]
     dead = store.chunks / f".b.nc.{host}~{dead_pid}-0123abcd.tmp"
     other_host = store.chunks / f".c.nc.elsewhere~{os.getpid()}-0123abcd.tmp"
     for p in (live, dead, other_host):
         p.write_text("partial")
     SweepStore(tmp_path, {"sweep": "t"})
     assert live.exists() and other_host.exists() and not dead.exists()
-    assert _writer_alive(live.name) and not _writer_alive(dead.name)
+    assert writer_alive(live.name) and not writer_alive(dead.name)
 
 
 def test_a_temp_that_does_not_name_its_writer_is_refused_naming_it(tmp_path):

@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from countlens.analysis.evaluate import (
-    accuracy,
-    digit_in_conflict,
-    generate,
-    number_avoidance,
-    parse_count,
-    score,
-    summary,
-)
+from countlens.analysis.evaluate import generate, score
+from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
+from countlens.analysis.parse import parse_count
 from countlens.analysis.tables import case_table, to_latex, to_markdown, write_table
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError
@@ -88,18 +82,20 @@ def test_generate_end_to_end_agrees_with_scoring(vlm):
     ],
 )
 def test_the_mas_papers_parser_as_its_code_reads(text, want):
-    from countlens.analysis.evaluate import parse_count_as_code
+    from countlens.reference.counting_to_four.parse import parse_count_as_reference
 
-    assert parse_count_as_code(text) == want
+    assert parse_count_as_reference(text) == want
 
 
 def test_generate_reads_counts_with_the_papers_parser_when_asked(vlm):
-    from countlens.analysis.evaluate import parse_count_as_code
+    from countlens.reference.counting_to_four.parse import parse_count_as_reference
 
     samples = task_samples("count", 4, seed=2, image_size=vlm.geometry.image_height)
     ds = generate(vlm, samples, max_new_tokens=3, batch_size=4, parser="paper-code")
     assert ds.attrs["parser"] == "paper-code"
-    assert [(-1 if (c := parse_count_as_code(t)) is None else c) for t in ds.text.values] == list(ds.pred_count.values)
+    assert [(-1 if (c := parse_count_as_reference(t)) is None else c) for t in ds.text.values] == list(
+        ds.pred_count.values
+    )
     with pytest.raises(InputError, match="unknown parser"):
         generate(vlm, samples, parser="regex")
 

@@ -11,7 +11,7 @@ from countlens.analysis.heads import HeadThresholds, classify_heads
 from countlens.errors import ConfigError, RunDirError
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig
-from countlens.pipeline.discover import check
+from countlens.pipeline.discover import check_preset
 
 
 def test_preset_values_are_the_papers():
@@ -74,7 +74,7 @@ def test_finetune_recipes_are_the_papers():
 
 
 def test_a_local_copy_given_adds_its_column_where_the_recipe_has_none():
-    from countlens.pipeline.finetune_job import evaluation_names
+    from countlens.pipeline.finetune_sets import evaluation_names
 
     c4, cc = presets.recipe("counting-to-four"), presets.recipe("counting-circuits")
     assert evaluation_names(c4, {"pixmo": "p", "fsc147": "f"}) == (*c4.evaluation, "PixMo-Count")
@@ -95,7 +95,7 @@ def test_the_paper_probe_has_the_papers_capacity():
 
 def test_syn_training_data_is_half_dots_half_polygons_with_counts_to_ten():
     from countlens.geometry import Geometry
-    from countlens.pipeline.finetune_job import training_data
+    from countlens.pipeline.finetune_sets import training_data
 
     scenes = training_data(presets.recipe("counting-circuits"), Geometry(192, 192, 16), "std", n=40)
     kinds = [s.meta["kind"] for s in scenes]
@@ -114,7 +114,7 @@ def test_overrides_win_and_bad_names_are_refused():
     with pytest.raises(ConfigError, match="not DiscoverConfig fields"):
         presets.discover_config("counting-circuits", n_pair=3)
     with pytest.raises(ConfigError, match="unknown preset"):
-        check(DiscoverConfig(preset="nope"))
+        check_preset(DiscoverConfig(preset="nope"))
 
 
 def _paper_heads():
@@ -286,7 +286,8 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads(tmp_path):
     from PIL import Image
 
     from countlens.geometry import Geometry
-    from countlens.pipeline.finetune_job import EVALUATION, LOCAL_SETS, check_recipe, evaluation_sets
+    from countlens.pipeline.finetune_job import check_recipe
+    from countlens.pipeline.finetune_sets import EVALUATION, LOCAL_SETS, evaluation_sets
 
     base = presets.DEFAULT_RECIPE
     for change, message in (

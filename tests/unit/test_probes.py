@@ -6,15 +6,14 @@ import numpy as np
 import pytest
 import torch
 
+from countlens.analysis.detection import average_precision, nms
 from countlens.analysis.probes import (
     DetectionProbe,
     ProbeConfig,
     _assign,
-    average_precision,
     build_targets,
     evaluate_probe,
     fit_probe,
-    nms,
     predict,
     probe_taps,
 )

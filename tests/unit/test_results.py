@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from countlens import results
+from countlens import files, results
 from countlens.errors import CountlensError
-from countlens.results import ResultError, ResultNotFoundError, SpecMismatchError, SweepStore
+from countlens.results import ResultError, ResultNotFoundError, SpecMismatchError
+from countlens.sweep_store import SweepStore
 
 KEYS = [f"layer={i}" for i in range(6)]
 SPEC = {"model": "toy", "tap": "resid", "keys": KEYS}
@@ -226,7 +227,7 @@ def test_reopen_cleans_crash_debris(tmp_path):
     dead_pid = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     ).stdout.strip()
-    host = results._writer_id().split("~")[0]
+    host = files.writer_id().split("~")[0]
     (store.chunks / f".layer=1.nc.{host}~{dead_pid}-deadbeef.tmp").write_bytes(b"CDF\x01half")
     results.save(chunk("layer=2"), store.chunks / "layer=2.nc")
     with open(tmp_path / "s" / "order.txt", "a") as f:

@@ -14,9 +14,9 @@ import xarray as xr
 from countlens import circuits
 from countlens.analysis import plots
 from countlens.answers import answer_window
+from countlens.labels import head_label
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, stacked, sweep_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
-from countlens.results import head_label
 
 
 def _ablation(run: RunContext) -> xr.Dataset:

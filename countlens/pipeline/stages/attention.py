@@ -18,10 +18,10 @@ from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.attention_metrics import aggregate, attention_metrics
 from countlens.errors import RunDirError
+from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 from countlens.pipeline.stages.probes import summary as probes_summary
-from countlens.results import head_label, top_sites
 
 
 def _headlens(run: RunContext) -> xr.Dataset:
@@ -100,7 +100,7 @@ def _code_attention(am: xr.Dataset) -> dict | None:
         return None
     import torch
 
-    from countlens.analysis.code_attention import modality_shares
+    from countlens.reference.counting_to_four.attention import modality_shares
 
     shares = modality_shares(torch.tensor(am.sets.transpose("sample", "layer", "set").values))
     right = am.correct.values.astype(bool)

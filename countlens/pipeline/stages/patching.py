@@ -16,9 +16,9 @@ from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.heads import check_effects, head_sites
 from countlens.circuits.integrated import node_attribution
+from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
-from countlens.results import head_label, top_sites
 
 
 def _vap(run: RunContext) -> xr.Dataset:

@@ -12,12 +12,13 @@ from countlens.pipeline.stages.base import RunContext, Stage
 
 
 def _probes(run: RunContext) -> xr.Dataset:
-    from countlens.analysis.probes import ProbeConfig, code_taps, probe_taps
+    from countlens.analysis.probes import ProbeConfig, probe_taps
+    from countlens.reference.counting_to_four.probe import reference_taps
 
     train, test = run.inputs["probes"]()
     config = ProbeConfig(seed=run.config.seed)
     return probe_taps(
-        run.vlm, train, test, code_taps(run.vlm), config, batch_size=run.batch_size, recipe="counting-to-four"
+        run.vlm, train, test, reference_taps(run.vlm), config, batch_size=run.batch_size, recipe="counting-to-four"
     )
 
 

@@ -14,8 +14,8 @@ import xarray as xr
 
 from countlens import circuits
 from countlens.analysis.evaluate import score
+from countlens.labels import head_label
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
-from countlens.results import head_label
 
 
 def _temperature(run: RunContext) -> xr.Dataset:

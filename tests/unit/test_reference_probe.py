@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from countlens.analysis.code_probe import (
-    CodeProbe,
-    CodeProbeConfig,
+from countlens.analysis.detection import average_precision
+from countlens.reference.counting_to_four.probe import (
+    ReferenceProbe,
+    ReferenceProbeConfig,
     ciou_loss,
     class_aware_nms,
-    code_ap50,
     decode,
-    fit_code_probe,
-    predict_code,
+    fit_reference_probe,
+    predict_reference,
+    reference_ap50,
     targets,
 )
-from countlens.analysis.probes import average_precision
 
 
 def test_decode_places_boxes_from_sigmoids():
@@ -64,8 +64,8 @@ def test_code_ap50_has_no_second_choice():
     preds = [np.array([[0.0, 0.0, 10.0, 10.0, 0.9], [1.0, 0.0, 11.0, 10.0, 0.8], [4.0, 0.0, 14.0, 10.0, 0.7]])]
     # hits: yes (gt0), no (best is gt0, taken), yes (gt1): recall .5 .5 1, precision 1 .5 2/3
     want = (51 * 1.0 + 50 * (2 / 3)) / 101
-    assert abs(code_ap50(preds, gt) - want) < 1e-12
-    assert average_precision(preds, gt) > code_ap50(preds, gt)  # countlens's matching re-assigns the second
+    assert abs(reference_ap50(preds, gt) - want) < 1e-12
+    assert average_precision(preds, gt) > reference_ap50(preds, gt)  # countlens's matching re-assigns the second
 
 
 def test_the_code_probe_trains_with_a_frozen_bottleneck_and_is_seeded():
@@ -77,19 +77,19 @@ def test_the_code_probe_trains_with_a_frozen_bottleneck_and_is_seeded():
         feats[i, :, r, c] += 4.0  # the object's evidence at its cell
         boxes.append(np.array([[c / 6, r / 6, (c + 1) / 6, (r + 1) / 6]]))
         labels.append(np.array([i % 2]))
-    config = CodeProbeConfig(width=4, hidden=8, epochs=3)  # a tap wider than the bottleneck: 8 > 4
-    a = fit_code_probe(feats, boxes, labels, 2, config)
-    b = fit_code_probe(feats, boxes, labels, 2, config)
+    config = ReferenceProbeConfig(width=4, hidden=8, epochs=3)  # a tap wider than the bottleneck: 8 > 4
+    a = fit_reference_probe(feats, boxes, labels, 2, config)
+    b = fit_reference_probe(feats, boxes, labels, 2, config)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        fresh = CodeProbe(8, 2, config)
+        fresh = ReferenceProbe(8, 2, config)
     assert torch.equal(a.bottleneck[0].weight, fresh.bottleneck[0].weight)  # never trained
     assert a.n_params == sum(p.numel() for p in a.head.parameters()) and math.isfinite(a.train_loss)
-    preds = predict_code(a, feats, config)
+    preds = predict_reference(a, feats, config)
     assert len(preds) == 12 and all(p.shape[1] == 5 and (p[:, 4] > 0.25).all() for p in preds)
     with pytest.raises(Exception, match="fewer than one batch"):
-        fit_code_probe(feats[:2], boxes[:2], labels[:2], 2, config)
+        fit_reference_probe(feats[:2], boxes[:2], labels[:2], 2, config)
 
 
 def test_voc2007_in_its_layout_letterboxed_as_the_code():
@@ -118,11 +118,12 @@ def test_voc2007_in_its_layout_letterboxed_as_the_code():
 
 def test_probe_taps_under_the_codes_recipe_on_scenes(loaded):
     """The organism's three code taps (second-to-last vision block, projector, second-to-last layer)."""
-    from countlens.analysis.probes import code_taps, probe_taps
+    from countlens.analysis.probes import probe_taps
     from countlens.datasets.countingtricks import countingtricks
+    from countlens.reference.counting_to_four.probe import reference_taps
 
     vlm = loaded("toy")
-    taps = code_taps(vlm)
+    taps = reference_taps(vlm)
     assert taps == (
         ("vision", len(vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)) - 2),
         ("projector", None),

@@ -95,7 +95,7 @@ def modality_shares(sums: Float[Tensor, "sample layer set"]) -> dict[str, float]
     return {k: float(v) for k, v in zip(SETS, shares)}
 
 
-def vra_as_code(image: Float[Tensor, "layer n"], ground: Bool[Tensor, " n"], quantile: float = QUANTILE) -> float:
+def vra_as_reference(image: Float[Tensor, "layer n"], ground: Bool[Tensor, " n"], quantile: float = QUANTILE) -> float:
     """VRA as the code computes it: per-layer clip at the ``quantile`` over the image tokens, sums over
     layers, the ground-truth tokens' share. NaN when no attention reaches the image."""
     clip = torch.quantile(image.double(), quantile, dim=-1, keepdim=True)
@@ -104,7 +104,7 @@ def vra_as_code(image: Float[Tensor, "layer n"], ground: Bool[Tensor, " n"], qua
     return float(c[:, ground].sum()) / total if total > 0 else float("nan")
 
 
-def ars_as_code(image: Float[Tensor, "layer n"], ground: Bool[Tensor, " n"], quantile: float = QUANTILE) -> float:
+def ars_as_reference(image: Float[Tensor, "layer n"], ground: Bool[Tensor, " n"], quantile: float = QUANTILE) -> float:
     """ARS as the code computes it: the maximum over layers per image token, clipped at its ``quantile``
     over the tokens; the ground-truth tokens' sum minus the others' sum."""
     m = image.double().max(0).values

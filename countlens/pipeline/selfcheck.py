@@ -1,4 +1,4 @@
-"""`countlens check`: a first-contact proof that countlens reads *this* checkpoint right.
+"""The self-check, `countlens check`: a first-contact proof that countlens reads *this* checkpoint right.
 
 Everything the test matrix proves on tiny random-init models holds whatever the weights: the spec's
 module paths and shapes, the image-token count and cell map, answers that round-trip through the
@@ -33,8 +33,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from countlens.errors import CheckpointError, CountlensError
-from countlens.pipeline import checks
-from countlens.pipeline.checks import CheckRow
+from countlens.pipeline import selfcheck_groups
+from countlens.pipeline.selfcheck_groups import CheckRow
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -48,17 +48,17 @@ def check(vlm: VLM, groups: tuple[str, ...] = GROUPS) -> list[CheckRow]:
     if unknown:
         raise CountlensError(f"unknown check groups {sorted(unknown)}; use some of {GROUPS}")
     run: dict[str, Callable[[VLM], list[CheckRow]]] = {
-        "spec": checks.spec,
-        "image": checks.image,
-        "answers": checks.answers,
-        "interventions": checks.interventions,
-        "memory": checks.memory,
+        "spec": selfcheck_groups.spec,
+        "image": selfcheck_groups.image,
+        "answers": selfcheck_groups.answers,
+        "interventions": selfcheck_groups.interventions,
+        "memory": selfcheck_groups.memory,
     }
     rows: list[CheckRow] = []
     for group in GROUPS:
         if group not in groups:
             continue
-        if failed([r for r in rows if r.name == checks.PATHS]):  # nothing else can run on a broken spec
+        if failed([r for r in rows if r.name == selfcheck_groups.PATHS]):  # nothing else can run on a broken spec
             rows.append(CheckRow(group, "all", None, "not run: the spec's module paths do not resolve"))
             continue
         try:

@@ -1,7 +1,7 @@
-"""The five groups of `countlens.pipeline.check`: each a function of a `VLM` returning its `CheckRow`s.
+"""The self-check's five groups (`countlens.pipeline.selfcheck`): each a function of a `VLM` returning rows.
 
 Each check measures one invariant on the loaded model and says, when it fails, what is wrong and
-what to do; the module docstring of `countlens.pipeline.check` lists them.
+what to do; the module docstring of `countlens.pipeline.selfcheck` lists them.
 """
 
 from __future__ import annotations

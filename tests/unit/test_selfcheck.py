@@ -11,7 +11,7 @@ from test_arch_matrix import SUPPORTED, VARIANTS
 from typer.testing import CliRunner
 
 from countlens.cli import app
-from countlens.pipeline.check import check, failed, table
+from countlens.pipeline.selfcheck import check, failed, table
 from countlens.vlm import VLM
 
 
@@ -41,7 +41,7 @@ def test_a_renamed_spec_path_fails_and_stops_the_rest(loaded):
     assert [r.name for r in failed(rows)] == ["module paths"] and "out_proj missing" in failed(rows)[0].fix
     assert all(r.passed is None for r in rows if r.group != "spec")
     from countlens.errors import CheckpointError
-    from countlens.pipeline.check import require
+    from countlens.pipeline.selfcheck import require
 
     with pytest.raises(CheckpointError, match="module paths.*out_proj missing.*countlens check"):
         require(broken)  # what `countlens discover` runs before its first stage

@@ -42,14 +42,14 @@ from countlens.errors import InputError
 from countlens.geometry import Geometry
 
 #: The code's 18 cases, in its config's order: (position 1–4, radius letter) or dilation.
-CODE_CASES: tuple[str, ...] = (
+REFERENCE_CASES: tuple[str, ...] = (
     *(f"{k}A" for k in range(1, 5)),
     *(f"{k}B" for k in range(1, 5)),
     *(f"{k}C" for k in range(2, 5)),
     *(f"{k}D" for k in range(2, 5)),
     *(f"{k}A" for k in range(5, 9)),
 )
-CODE_COUNTS: tuple[int, ...] = tuple(range(1, 11))
+REFERENCE_COUNTS: tuple[int, ...] = tuple(range(1, 11))
 #: Chebyshev cell distance every two kept cells keep: the code's min_gap + 1 (3 + 1; 6A: 4 + 1; 8A: 5 + 1).
 SPACING: dict[str, int] = {"6A": 5, "8A": 6}
 DEFAULT_SPACING = 4
@@ -58,8 +58,8 @@ MAX_DRAWS = 5000
 
 
 def _check(name: str, g: Geometry) -> None:
-    if name not in CODE_CASES:
-        raise InputError(f"case {name!r} is not one of the paper code's 18 cases {list(CODE_CASES)}")
+    if name not in REFERENCE_CASES:
+        raise InputError(f"case {name!r} is not one of the paper code's 18 cases {list(REFERENCE_CASES)}")
     if g.image_height != g.image_width:
         raise InputError(f"design='paper-code' draws square images; the grid is {g.image_height}x{g.image_width}")
     if g.image_width // g.patch_size < 3:
@@ -68,8 +68,8 @@ def _check(name: str, g: Geometry) -> None:
 
 def requested_count(seed: int, index: int) -> int:
     """The count asked of image ``index``: each of 1–10 once in every block of 10 indices."""
-    block = sample_rng(seed, "paper-code/counts", index // len(CODE_COUNTS)).permutation(len(CODE_COUNTS))
-    return CODE_COUNTS[int(block[index % len(CODE_COUNTS)])]
+    block = sample_rng(seed, "paper-code/counts", index // len(REFERENCE_COUNTS)).permutation(len(REFERENCE_COUNTS))
+    return REFERENCE_COUNTS[int(block[index % len(REFERENCE_COUNTS)])]
 
 
 def layout(seed: int, index: int, n: int, grid: Geometry, spacing: int = DEFAULT_SPACING) -> list[tuple[int, int]]:
@@ -125,7 +125,7 @@ def circles(name: str, seed: int, index: int, grid: Geometry) -> tuple[list[tupl
     return out, n
 
 
-def code_sample(
+def reference_sample(
     name: str,
     seed: int,
     index: int,
@@ -162,8 +162,8 @@ def code_sample(
 
 def case_params(name: str) -> dict:
     """The rules of case ``name`` as data (what an export's manifest records of it)."""
-    if name not in CODE_CASES:
-        raise InputError(f"case {name!r} is not one of the paper code's 18 cases {list(CODE_CASES)}")
+    if name not in REFERENCE_CASES:
+        raise InputError(f"case {name!r} is not one of the paper code's 18 cases {list(REFERENCE_CASES)}")
     if name in DILATION:
         return {"design": "paper-code", "diameter": DILATION[name], "spacing": SPACING.get(name, DEFAULT_SPACING)}
     position, letter = int(name[0]), name[1]
@@ -176,6 +176,6 @@ def case_params(name: str) -> dict:
     }
 
 
-def code_grid(grid: Geometry | None = None) -> Geometry:
+def reference_grid(grid: Geometry | None = None) -> Geometry:
     """The paper code's grid, 384 px / 27 px (a data-set grid with a 6 px partial cell), unless given."""
     return Geometry.data_grid(384, 27) if grid is None else grid

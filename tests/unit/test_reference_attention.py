@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from countlens.analysis.attention_metrics import attention_metrics
-from countlens.analysis.code_attention import (
+from countlens.datasets.countingtricks import countingtricks
+from countlens.datasets.tasks import task_samples
+from countlens.reference.counting_to_four.attention import (
     SETS,
-    ars_as_code,
+    ars_as_reference,
     chatml_sets,
     generation_batches,
     modality_shares,
     set_sums,
-    vra_as_code,
+    vra_as_reference,
 )
-from countlens.datasets.countingtricks import countingtricks
-from countlens.datasets.tasks import task_samples
 
 # The notebook's one printed sample (attn_dist.ipynb, Qwen2.5-VL-7B, 28 layers): per layer the raw
 # sums [special, system, image, text] of the last generation step's head-mean attention.
@@ -79,8 +79,8 @@ def test_vra_and_ars_as_the_code_clips_and_sums():
     c = np.minimum(m, np.percentile(m, 99))
     ars = c[ground].sum() - c[~ground].sum()
     t, g = torch.tensor(att), torch.tensor(ground)
-    assert abs(vra_as_code(t, g) - vra) < 1e-12 and abs(ars_as_code(t, g) - ars) < 1e-12
-    assert np.isnan(vra_as_code(torch.zeros(2, 5), torch.ones(5, dtype=torch.bool)))
+    assert abs(vra_as_reference(t, g) - vra) < 1e-12 and abs(ars_as_reference(t, g) - ars) < 1e-12
+    assert np.isnan(vra_as_reference(torch.zeros(2, 5), torch.ones(5, dtype=torch.bool)))
 
 
 def test_sets_on_the_real_qwen_template(loaded):

@@ -20,7 +20,7 @@ holds — answered with the paper's recipe instead of countlens's, written from 
   decay 1e-3, created anew each epoch, with a cosine from lr to 0.1·lr over that epoch's steps,
   gradients clipped to norm 0.5.
 - **Evaluation**: score σ(objectness)·max σ(class) > 0.25, class-aware NMS at IoU 0.5, then a
-  class-agnostic AP@50 with 101-point interpolation (`code_ap50`): within an image each detection
+  class-agnostic AP@50 with 101-point interpolation (`reference_ap50`): within an image each detection
   takes the ground-truth box it overlaps most — a hit if IoU ≥ 0.5 and that box is not yet taken,
   else a false positive (no second choice) — then all images pooled by score.
 
@@ -48,9 +48,11 @@ from countlens.errors import InputError
 if TYPE_CHECKING:
     from jaxtyping import Float
 
+    from countlens.vlm import VLM
+
 
 @dataclass(frozen=True)
-class CodeProbeConfig:
+class ReferenceProbeConfig:
     """The code's values (``train_compare.py``); ``seed`` is countlens's."""
 
     width: int = 512  # bottleneck channels, for taps wider than this
@@ -67,10 +69,10 @@ class CodeProbeConfig:
     seed: int = 0
 
 
-class CodeProbe(nn.Module):
+class ReferenceProbe(nn.Module):
     """The code's frozen bottleneck (taps wider than ``width``) and its BatchNorm YOLO head."""
 
-    def __init__(self, in_channels: int, n_classes: int, config: CodeProbeConfig = CodeProbeConfig()):
+    def __init__(self, in_channels: int, n_classes: int, config: ReferenceProbeConfig = ReferenceProbeConfig()):
         super().__init__()
         self.n_classes = n_classes
         if in_channels > config.width:
@@ -159,7 +161,7 @@ def ciou_loss(p: Float[Tensor, "n 4"], t: Float[Tensor, "n 4"], eps: float = 1e-
     return 1 - (iou - rho2 / (cw**2 + ch**2 + eps) - alpha * v)
 
 
-def code_loss(out: Tensor, pos: Tensor, box: Tensor, onehot: Tensor, pos_weight: float = 3.0) -> Tensor:
+def reference_loss(out: Tensor, pos: Tensor, box: Tensor, onehot: Tensor, pos_weight: float = 3.0) -> Tensor:
     """The code's loss: CIoU (positives) + IoU-aware objectness BCE (every cell) + class BCE (positives)."""
     pred, obj, cls = decode(out)
     target = torch.zeros_like(obj)
@@ -174,14 +176,14 @@ def code_loss(out: Tensor, pos: Tensor, box: Tensor, onehot: Tensor, pos_weight:
     return l_box + l_obj + l_cls
 
 
-def fit_code_probe(
+def fit_reference_probe(
     features: Float[Tensor, "sample d rows cols"],
     boxes: Sequence[np.ndarray],
     labels: Sequence[np.ndarray],
     n_classes: int,
-    config: CodeProbeConfig = CodeProbeConfig(),
-) -> CodeProbe:
-    """Train a `CodeProbe` as the code does; deterministic for ``config.seed``."""
+    config: ReferenceProbeConfig = ReferenceProbeConfig(),
+) -> ReferenceProbe:
+    """Train a `ReferenceProbe` as the code does; deterministic for ``config.seed``."""
     if len(features) != len(boxes) or len(boxes) != len(labels):
         raise InputError(f"got {len(features)} feature maps, {len(boxes)} box sets and {len(labels)} label sets")
     if len(features) < config.batch_size:
@@ -190,7 +192,7 @@ def fit_code_probe(
     pos, box, onehot = targets(boxes, labels, x.shape[2], x.shape[3], n_classes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        probe = CodeProbe(x.shape[1], n_classes, config)
+        probe = ReferenceProbe(x.shape[1], n_classes, config)
     gen = torch.Generator().manual_seed(config.seed)
     trained = [p for p in probe.parameters() if p.requires_grad]
     steps = len(x) // config.batch_size  # the last short batch dropped
@@ -200,7 +202,7 @@ def fit_code_probe(
         probe.train()
         order = torch.randperm(len(x), generator=gen)[: steps * config.batch_size]
         for idx in order.split(config.batch_size):
-            loss = code_loss(probe(x[idx]), pos[idx], box[idx], onehot[idx], config.obj_pos_weight)
+            loss = reference_loss(probe(x[idx]), pos[idx], box[idx], onehot[idx], config.obj_pos_weight)
             opt.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(trained, config.clip)
@@ -230,7 +232,9 @@ def class_aware_nms(boxes: Tensor, scores: Tensor, classes: Tensor, iou: float) 
 
 
 @torch.no_grad()
-def predict_code(probe: CodeProbe, features: Tensor, config: CodeProbeConfig = CodeProbeConfig()) -> list[np.ndarray]:
+def predict_reference(
+    probe: ReferenceProbe, features: Tensor, config: ReferenceProbeConfig = ReferenceProbeConfig()
+) -> list[np.ndarray]:
     """Per image, (n, 5) detections (x0, y0, x1, y1 in image fractions, score): the code's threshold and
     class-aware NMS."""
     probe.eval()
@@ -247,7 +251,7 @@ def predict_code(probe: CodeProbe, features: Tensor, config: CodeProbeConfig = C
     return out
 
 
-def code_ap50(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray], iou: float = 0.5) -> float:
+def reference_ap50(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray], iou: float = 0.5) -> float:
     """The code's class-agnostic AP@50: per image, detections by falling score each take the ground-truth
     box they overlap most (a hit when IoU ≥ ``iou`` and it is not yet taken; else a false positive, with
     no second choice); all images pooled by score; AP = the mean over recalls 0, 0.01 … 1 of the best
@@ -301,3 +305,12 @@ def sample_targets(samples: Sequence) -> tuple[list[np.ndarray], list[np.ndarray
     if len(classes) != 1:
         raise InputError("probe samples mix VOC images and scenes; train and test on one kind")
     return boxes, labels, classes.pop()
+
+
+def reference_taps(vlm: VLM) -> tuple[tuple[str, int | None], ...]:
+    """The MAS paper's code's three taps (``models_probing/adapters/qwen25vl.py``), as (kind, index) for
+    `countlens.circuits.taps.tap`: the vision encoder's second-to-last block, the projector's output
+    and the decoder's second-to-last layer (which the code reads after the final norm; countlens reads
+    the residual stream)."""
+    blocks = len(vlm.hf.get_submodule(vlm.arch.spec.vision_blocks))
+    return (("vision", blocks - 2), ("projector", None), ("llm", vlm.arch.n_layers - 2))

@@ -8,16 +8,22 @@ from collections import Counter
 import pytest
 
 from countlens.datasets.countingtricks import countingtricks
-from countlens.datasets.paper_code_tricks import CODE_CASES, circles, code_sample, layout, requested_count
 from countlens.errors import InputError
 from countlens.geometry import Geometry
+from countlens.reference.counting_to_four.scenes import (
+    REFERENCE_CASES,
+    circles,
+    layout,
+    reference_sample,
+    requested_count,
+)
 
 GRID = Geometry.data_grid(384, 27)  # the code's grid: 14 whole cells and a 6 px strip
 P, R = 27, 13
 
 
 def test_the_codes_eighteen_cases_and_even_counts():
-    assert CODE_CASES == (
+    assert REFERENCE_CASES == (
         *("1A", "2A", "3A", "4A", "1B", "2B", "3B", "4B"),
         *("2C", "3C", "4C", "2D", "3D", "4D", "5A", "6A", "7A", "8A"),
     )
@@ -39,7 +45,9 @@ def _cell(name: str, x: float, y: float) -> tuple[int, int]:
 def test_one_layout_per_image_shared_by_every_case(index):
     """1A–4A never drop a circle on the code's grid, so each draws its layout's cells exactly, the
     same cells: case differences are paired."""
-    cells = {name: sorted(_cell(name, x, y) for x, y, _ in circles(name, 3, index, GRID)[0]) for name in CODE_CASES[:4]}
+    cells = {
+        name: sorted(_cell(name, x, y) for x, y, _ in circles(name, 3, index, GRID)[0]) for name in REFERENCE_CASES[:4]
+    }
     assert len({tuple(c) for c in cells.values()}) == 1
     drawn = cells["1A"]
     assert len(drawn) == min(requested_count(3, index), len(layout(3, index, 10, GRID)))
@@ -55,14 +63,14 @@ def test_cells_keep_the_codes_chebyshev_gap(name, spacing):
     assert max(len(layout(5, i, 10, GRID)) for i in range(40)) <= 9
 
 
-@pytest.mark.parametrize("name", CODE_CASES)
+@pytest.mark.parametrize("name", REFERENCE_CASES)
 def test_drop_rule_and_case_geometry(name):
     """Every drawn circle lies at least R inside the frame; a cell whose circle would not is dropped
     and the label counts what is drawn; C/D shifts stay within R/2 + R/4 of the grid line (then
     truncated to a pixel, or clamped to [p + R, S − p − R])."""
     for index in range(30):
         drawn, asked = circles(name, 11, index, GRID)
-        sample = code_sample(name, 11, index, GRID)
+        sample = reference_sample(name, 11, index, GRID)
         assert sample.meta["count"] == len(drawn) == len(sample.scene.objects) and sample.meta["requested"] == asked
         for x, y, r in drawn:
             assert x - r >= R and y - r >= R and x + r <= 384 - R and y + r <= 384 - R
@@ -85,7 +93,7 @@ def test_drop_rule_and_case_geometry(name):
     for index in range(30):
         cells = layout(11, index, requested_count(11, index), GRID, 6)
         kept = [c for c in cells if all(2 <= v <= 11 for v in c)]
-        assert code_sample("8A", 11, index, GRID).meta["count"] == len(kept)
+        assert reference_sample("8A", 11, index, GRID).meta["count"] == len(kept)
 
 
 def test_corner_cases_round_half_to_even_on_an_even_patch():
@@ -130,7 +138,7 @@ def test_export_and_command_write_the_paper_codes_design(tmp_path):
     assert done.exit_code == 0, done.output
     records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert [(r["case"], r["design"]) for r in records] == [("2C", "paper-code")] * 2 + [("8A", "paper-code")] * 2
-    want = code_sample("8A", 0, 1, GRID)
+    want = reference_sample("8A", 0, 1, GRID)
     assert (records[3]["count"], records[3]["requested"]) == (want.meta["count"], want.meta["requested"])
     assert records[0]["case_params"]["moved"] == "x" and (out / "images" / "8A" / "8A_00001.png").exists()
     again = export_countingtricks(out, ["2C", "8A"], 2, GRID, design="paper-code", prompt="std", color="red")

@@ -1,0 +1,97 @@
+"""Files a crash never leaves half-written: atomic replacement through a writer-tagged temp file, and
+the JSON and text state files of runs, fine-tunes and sweep stores.
+
+`atomic_path` yields a temp path beside the target and renames it over the target only when the
+write finished (`os.replace` in the same directory is atomic), so a reader sees the old file or the
+new one. The temp's name records its writer (`writer_id`: host and process), so a sweep store
+opened by one rank removes only the temps of writers that died
+(`countlens.sweep_store.writer_alive`). `read_json` and `refuse_older_spec` read a run's own state
+back and say what to delete or rerun when it cannot be used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from countlens.errors import RunDirError
+
+#: The suffix of every temp file `atomic_path` writes (its name also starts with a dot).
+TMP_SUFFIX = ".tmp"
+
+
+def writer_id() -> str:
+    """Which process on which host writes a temp file (in its name), so that a store opened by one
+    rank of a sharded sweep removes only the temps of writers that died."""
+    host = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:24] or "host"
+    return f"{host}~{os.getpid()}"
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a fresh temp path beside ``path``; on success it replaces ``path``, on failure it goes.
+
+    The temp file lives in the same directory so `os.replace` is a same-filesystem rename, which
+    is atomic: readers see the old file or the new one, never a mix. Its name starts with a dot
+    and ends in ``.tmp`` so stale ones (from a SIGKILL) are recognisable and never mistaken for
+    results. The writer creates the file itself, so it gets the usual umask permissions.
+    """
+    tmp = path.with_name(f".{path.name}.{writer_id()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # includes KeyboardInterrupt: never leave the temp behind
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    # Without it a power loss after the rename can leave an empty file under the final name.
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not possible on every platform, and not needed for safety
+    # against a killed process (only against power loss), so failures are ignored.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def refuse_older_spec(saved: dict, spec: dict, source: Path, fix: str) -> None:
+    """Refuse a saved spec (a run's or a fine-tune's) that lacks fields of today's ``spec``: an older
+    countlens wrote it, and what it ran with in those fields is unknown. ``fix``: what to do instead."""
+    lacking = sorted(set(spec) - set(saved))
+    if lacking:
+        raise RunDirError(f"{source} lacks {lacking}: it was written by an older countlens; {fix}")
+
+
+def read_json(path: Path, fix: str):
+    """The JSON in ``path`` (a run's own state file), or a `RunDirError` naming it and ``fix`` (what
+    to delete or rerun) when it cannot be read or parsed: an edited or truncated file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise RunDirError(f"{path} cannot be read as JSON ({err}); {fix}") from None
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
