@@ -8,14 +8,14 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from countlens.analysis.evaluate import number_avoidance
 from countlens.analysis.figures import canvas, counting, curves, grids
+from countlens.analysis.metrics import number_avoidance
 from countlens.datasets.countingtricks import CASES
-from countlens.datasets.paper_code_tricks import CODE_CASES
 from countlens.pipeline.stages import cases as cases_stage
 from countlens.pipeline.stages.attention import modality_shares
 from countlens.pipeline.stages.base import ReportContext
 from countlens.pipeline.stages.classes import key_head_tokens
+from countlens.reference.counting_to_four.scenes import REFERENCE_CASES
 
 
 def _grid(n_layers: int, n_heads: int, seed: int = 0) -> xr.DataArray:
@@ -43,7 +43,7 @@ def _title_inside(fig) -> bool:
     return box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
 
 
-@pytest.mark.parametrize("design, names", [("countlens", list(CASES)), ("paper-code", list(CODE_CASES))])
+@pytest.mark.parametrize("design, names", [("countlens", list(CASES)), ("paper-code", list(REFERENCE_CASES))])
 def test_the_case_grid_shows_each_cases_mean_of_cases_nc(tmp_path, design, names):
     ds = _cases_nc(tmp_path, names)
     means = {n: float(ds.correct.values[ds.case.values == n].mean()) for n in names}

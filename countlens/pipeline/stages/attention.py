@@ -94,7 +94,7 @@ def _argmax_head(da: xr.DataArray) -> str:
     return f"{head_label((layer, head))} ({value:.2f})"
 
 
-def _code_attention(am: xr.Dataset) -> dict | None:
+def _reference_attention(am: xr.Dataset) -> dict | None:
     """The MAS code's diagnostics of an ``at="generation"`` attention_metrics result, for the report."""
     if "sets" not in am:
         return None
@@ -122,20 +122,20 @@ def _code_attention(am: xr.Dataset) -> dict | None:
 def modality_shares(am: xr.Dataset) -> pd.DataFrame:
     """The attention of the answer position by token set, one row per outcome (correct, wrong) that has
     samples, labelled with its n; shares sum to 1. With the MAS code's sets (``at="generation"``):
-    special, system, image, text (`code_attention.modality_shares` per outcome); else MAS, the image
-    tokens' share, against the rest (text and special tokens), each a mean over layers and samples
-    (`aggregate`, as the section's MAS table)."""
+    special, system, image, text (`countlens.reference.counting_to_four.attention.modality_shares` per
+    outcome); else MAS, the image tokens' share, against the rest (text and special tokens), each a mean
+    over layers and samples (`aggregate`, as the section's MAS table)."""
     right = am.correct.values.astype(bool)
     rows = {}
     if "sets" in am:
         import torch
 
-        from countlens.analysis.code_attention import modality_shares as code_shares
+        from countlens.reference.counting_to_four.attention import modality_shares as reference_shares
 
         sums = torch.tensor(am.sets.transpose("sample", "layer", "set").values)
         for label, mask in (("correct", right), ("wrong", ~right)):
             if mask.any():
-                rows[f"{label} (n={int(mask.sum())})"] = code_shares(sums[torch.from_numpy(mask)])
+                rows[f"{label} (n={int(mask.sum())})"] = reference_shares(sums[torch.from_numpy(mask)])
         return pd.DataFrame(rows).T
     mas = aggregate(am, by=None)
     for label, outcome in (("correct", "correct"), ("wrong", "incorrect")):
@@ -171,7 +171,7 @@ def _values(ctx: ReportContext) -> dict:
             "mas_iou_table": mas_iou.to_markdown(),
             "pixel_iou": {"top_head": _argmax_head(by_head.fillna(0.0)), "mean": float(by_head.mean(skipna=True))},
             "position": am.attrs.get("position", "last prompt token"),
-            "code": _code_attention(am),
+            "code": _reference_attention(am),
             "probes": probes_summary(r.get("probes")),
         },
     }
