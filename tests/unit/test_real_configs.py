@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from countlens.arch import resolve, spec_for
 from countlens.cli import app
-from countlens.errors import ConfigError, UnsupportedArchitectureError
+from countlens.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
 from countlens.geometry import Geometry
 from countlens.loading import _load_image_processor, meta_vlm, read_config
 from countlens.pipeline import plan
@@ -273,3 +273,23 @@ def test_plan_command_on_a_real_config(plannable):
     for stage in (s.name for s in STAGES if s.plan is not None and s.enabled(SMALL)):
         assert f"| {stage} " in result.output
     assert "over 80.0 GiB" not in result.output
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZER_FROM))
+def test_plan_of_a_config_only_directory_names_the_missing_tokenizer(name):
+    """A published config without its tokenizer (as stored here) was an 'internal error in countlens'
+    (a ValueError from transformers: no chat template, or no tokenizer to instantiate)."""
+    with pytest.raises(CheckpointError, match="no tokenizer files .*copy the checkpoint's tokenizer files"):
+        meta_vlm(_dir(name), dtype="bfloat16")
+
+
+def test_plan_of_a_directory_without_chat_template_names_it(plannable, tmp_path):
+    name = "Qwen__Qwen2.5-VL-7B-Instruct"
+    for f in plannable(name).iterdir():
+        if f.name != "chat_template.jinja":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no chat template"):
+        meta_vlm(str(tmp_path), dtype="bfloat16")
