@@ -449,6 +449,20 @@ def _load_image_processor(path: str):
         ) from None
 
 
+#: Files one of which a checkpoint's tokenizer is read from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _require_prompt_files(where: str, label: str) -> None:
+    """Refuse a checkpoint directory with no tokenizer file (a config-only copy), before transformers
+    fails on it with an error that names no file."""
+    if Path(where).is_dir() and not any((Path(where) / f).exists() for f in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{label}: no tokenizer files ({' / '.join(TOKENIZER_FILES)}): the plan prepares each stage's "
+            "prompts; copy the checkpoint's tokenizer files and chat template beside its config"
+        )
+
+
 def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int | None = None):
     """A `countlens.VLM` of the checkpoint at ``path`` built on the meta device: its config and
     processor read, no weights (what `countlens plan` reads). ``image_size`` pins a dynamic-resolution
@@ -462,7 +476,14 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
     config = read_config(where)
     spec = spec_for(config)
     check_experts(config, spec, where)
+    _require_prompt_files(where, label)
     processor = load_processor(where, config)
+    if not getattr(processor, "chat_template", None) and spec.plain_prompt is None:
+        raise CheckpointError(
+            f"{label}: no chat template (chat_template.jinja / chat_template.json, or tokenizer_config.json's "
+            "chat_template): the plan prepares each stage's prompts; copy the checkpoint's chat template beside its "
+            "config"
+        )
     if image_size is not None:
         ip = processor.image_processor
         fixed = fixed_size(ip)

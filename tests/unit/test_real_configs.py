@@ -19,11 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from real_checkpoints import TOKENIZER_FROM, planning_dir
+from typer.testing import CliRunner
 
 from countlens.arch import resolve, spec_for
-from countlens.errors import UnsupportedArchitectureError
+from countlens.cli import app
+from countlens.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
 from countlens.geometry import Geometry
-from countlens.loading import _load_image_processor, read_config
+from countlens.loading import _load_image_processor, meta_vlm, read_config
+from countlens.pipeline import plan
+from countlens.pipeline.config import DiscoverConfig
+from countlens.pipeline.stages import STAGES
 from countlens.sizing import default_size, fixed_size, is_dynamic, processed_size
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
@@ -182,3 +188,108 @@ def test_remote_code_checkpoint_is_refused(name):
 def test_remote_code_refusal_names_the_converted_checkpoint(name):
     with pytest.raises(UnsupportedArchitectureError, match=REMOTE_CODE[name]):
         read_config(_dir(name))
+
+
+# `countlens plan` on the real configs: every stage sized in bf16 on an 80 GiB and a 141 GiB device, at the
+# processor's own image size and at 448 px. A small discover run (2 scenes per case, 4 pairs, 4 samples)
+# keeps the test fast: each stage still prepares its batch and sizes its forwards; batch 16 as by default.
+SMALL = DiscoverConfig(n_per_case=2, n_pairs=4, n_samples=4, batch_size=16)
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def plannable(tiny_checkpoint, tmp_path_factory):
+    """``plannable(name)``: checkpoint ``name``'s published files with a stand-in tokenizer
+    (`real_checkpoints.planning_dir`), made once per module."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = planning_dir(name, tiny_checkpoint(TOKENIZER_FROM[name]), tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def planned_vlm(plannable):
+    """``planned_vlm(name, side)``: the meta model and processor of ``name`` pinned to ``side`` px,
+    built once per module (a dynamic processor's own size is 448 px: the same model as ``side=448``)."""
+    made: dict[tuple, object] = {}
+
+    def get(name: str, side: int | None):
+        key = (name, side or _native_side(name)[0])
+        if key not in made:
+            made[key] = meta_vlm(str(plannable(name)), dtype="bfloat16", image_size=side)
+        return made[key]
+
+    return get
+
+
+def _native_side(name: str) -> tuple[int, bool]:
+    """The processor's own square side and whether it is fixed, read from the preprocessor config:
+    a fixed processor's crop (LLaVA-1.5: 336), else countlens's assumed 448 px for a pixel budget."""
+    pre = _raw(name, "preprocessor_config.json")
+    crop = pre.get("crop_size")
+    if pre.get("do_center_crop") and crop:
+        return (crop["height"] if isinstance(crop, dict) else crop), True
+    return 448, False
+
+
+@pytest.mark.parametrize("side", [None, 448])
+@pytest.mark.parametrize("name", sorted(TOKENIZER_FROM))
+def test_plan_sizes_every_stage_in_bf16_on_80_and_141_gib(name, side, plannable, planned_vlm):
+    native, fixed = _native_side(name)
+    if side is not None and fixed and side != native:  # LLaVA-1.5's processor takes 336 px only
+        with pytest.raises(ConfigError, match=f"resizes every image to {native}×{native}; leave --image-size unset"):
+            meta_vlm(str(plannable(name)), dtype="bfloat16", image_size=side)
+        return
+    vlm = planned_vlm(name, side)
+    want_side = side or native
+    patch = _raw(name)["vision_config"]["patch_size"]
+    params = sum(t.numel() for t in vlm.hf.parameters())
+    stages = [s.name for s in STAGES if s.plan is not None and s.enabled(SMALL)]
+    rows = {}
+    for gib in (80, 141):
+        p = plan.plan(vlm, SMALL, memory=gib * GIB, device="cuda")
+        assert (p.image_size, p.patches) == (want_side, (want_side // patch) ** 2)
+        assert 2 * params <= p.widths.weight_bytes < 2.001 * params  # bf16 parameters (and a few buffers)
+        assert [s.name for s in p.stages] == stages
+        for s in p.stages:
+            assert p.widths.weight_bytes < p.peak(s) <= p.memory, s.name  # every stage fits (7-8B in bf16)
+            assert p.flops(s) > 0, s.name
+        assert p.over() == []
+        rows[gib] = {s.name: max(f.rows for f in s.forwards) for s in p.stages}
+    assert all(rows[80][k] <= rows[141][k] for k in stages)  # less memory never stacks more rows
+
+
+def test_plan_command_on_a_real_config(plannable):
+    name = "Qwen__Qwen2.5-VL-7B-Instruct"
+    args = ["plan", "--model", str(plannable(name)), "--image-size", "448", "--memory", "80", "--device", "cuda"]
+    args += ["--dtype", "bfloat16", "--n-per-case", "2", "--n-pairs", "4", "--n-samples", "4"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "with 80.0 GiB" in result.output and "448 px images (1024 patches each)" in result.output
+    for stage in (s.name for s in STAGES if s.plan is not None and s.enabled(SMALL)):
+        assert f"| {stage} " in result.output
+    assert "over 80.0 GiB" not in result.output
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZER_FROM))
+def test_plan_of_a_config_only_directory_names_the_missing_tokenizer(name):
+    """A published config without its tokenizer (as stored here) was an 'internal error in countlens'
+    (a ValueError from transformers: no chat template, or no tokenizer to instantiate)."""
+    with pytest.raises(CheckpointError, match="no tokenizer files .*copy the checkpoint's tokenizer files"):
+        meta_vlm(_dir(name), dtype="bfloat16")
+
+
+def test_plan_of_a_directory_without_chat_template_names_it(plannable, tmp_path):
+    name = "Qwen__Qwen2.5-VL-7B-Instruct"
+    for f in plannable(name).iterdir():
+        if f.name != "chat_template.jinja":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no chat template"):
+        meta_vlm(str(tmp_path), dtype="bfloat16")
