@@ -109,26 +109,43 @@ def blend(
     return ((1 - alpha) * base + alpha * colour).round().astype(np.uint8)
 
 
-def outline(ax, objects: np.ndarray, color: str = OUTLINE, width: float = 0.9) -> None:
-    """Each object's outline on ``ax`` from a label image (0 background, i > 0 the i-th object), in the
-    image's pixel coordinates."""
+def outline_lines(objects: np.ndarray) -> list[np.ndarray]:
+    """Each object's outline as (x, y) polylines in the image's pixel coordinates, from a label image
+    (0 background, i > 0 the i-th object): the 0.5 contour of its mask, traced inside its bounding box
+    (once per image, however many panels draw it)."""
+    from contourpy import contour_generator
+
+    lines = []
     for label in np.unique(objects):
-        if label:
-            ax.contour(objects == label, levels=[0.5], colors=color, linewidths=width)
+        if not label:
+            continue
+        ys, xs = np.nonzero(objects == label)
+        y0, x0 = max(0, ys.min() - 1), max(0, xs.min() - 1)  # a margin, so that a closed outline closes
+        crop = (objects[y0 : ys.max() + 2, x0 : xs.max() + 2] == label).astype(float)
+        lines += [line + (x0, y0) for line in contour_generator(z=crop).lines(0.5)]
+    return lines
+
+
+def outline(ax, objects, color: str = OUTLINE, width: float = 0.9) -> None:
+    """The objects' outlines on ``ax``: a label image (see `outline_lines`) or its `outline_lines`."""
+    from matplotlib.collections import LineCollection
+
+    lines = outline_lines(objects) if isinstance(objects, np.ndarray) else objects
+    ax.add_collection(LineCollection(lines, colors=color, linewidths=width))
 
 
 def overlay(
     image: np.ndarray,
     grid_map: np.ndarray,
-    outlines: np.ndarray | None = None,
+    outlines: np.ndarray | list[np.ndarray] | None = None,
     ax=None,
     vmax: float | None = None,
     title: str | None = None,
     colorbar: bool = True,
 ):
     """Draw ``grid_map`` (rows, cols) over ``image`` (uint8 RGB) on ``ax`` (a new figure's when None),
-    with the objects of ``outlines`` (a label image of the image's size) and a colour scale from 0 to
-    ``vmax`` (default: the map's peak). Returns the axes."""
+    with the objects of ``outlines`` (a label image of the image's size, or its `outline_lines`) and a
+    colour scale from 0 to ``vmax`` (default: the map's peak). Returns the axes."""
     plt = _pyplot()
     if ax is None:
         _, ax = plt.subplots(figsize=(4.0, 3.4), dpi=110)
@@ -249,9 +266,10 @@ def plot_attention_on_image(
     )
     for r, i in enumerate(order):
         image, objects = _picture(ds, i)
+        lines = outline_lines(objects)
         for c, (layer, head) in enumerate(columns):
             grid_map = sample_map(ds, i, layer, head, view)
-            overlay(image, grid_map, objects, ax=axes[r, c], colorbar=False)
+            overlay(image, grid_map, lines, ax=axes[r, c], colorbar=False)
             axes[r, c].set_title(f"{_what(layer, head)}\npeak {_peak(grid_map):.2g}", fontsize=6)
         label = _describe(ds, i).replace(", ", "\n")
         axes[r, 0].text(-0.08, 0.5, label, transform=axes[r, 0].transAxes, ha="right", va="center", fontsize=6)
