@@ -241,3 +241,29 @@ def test_the_report_section_draws_the_key_heads_from_stored_results(run_dir):
     assert text.startswith("## 6. Attention on the image") and "figures/attention_on_image.png" in text
     assert "| L1H2 " in text and "| L5 mean " in text
     assert f"{values['n_right']} scenes answered right" in text and values["n_right"] + values["n_wrong"] == n
+
+
+@pytest.mark.parametrize("name", ["internvl", "llava_next"])
+def test_a_tiled_models_tokens_are_stored_with_their_views(loaded, name):
+    """A tiny tiled model (InternVL's tiles and thumbnail, LLaVA-NeXT's base image and crops): every
+    image token is stored with the cell `VLM.prepare` gives it and its view, and each view's map holds
+    that view's share of the head's attention."""
+    from tiny_models import TINY_IMAGE_SIZE
+
+    from countlens.circuits.attention import image_keys, last_token_attention
+    from countlens.datasets import task_samples
+
+    vlm = loaded(name)
+    samples = task_samples("count", 1, seed=3, image_size=TINY_IMAGE_SIZE[name][0])
+    ds = attention_maps(vlm, samples)
+    batch = vlm.prepare_samples(samples)
+    keys, cells = image_keys(batch, 0)
+    assert int(ds.n_tokens[0]) == len(keys) and set(np.unique(ds.view.values)) == {0, 1}
+    assert (ds.cell_row.values[0] == cells[:, 0].numpy()).all() and (ds.cell_col.values[0] == cells[:, 1].numpy()).all()
+    attn = last_token_attention(vlm, batch)[:, 0][..., keys]  # Float[Tensor, "layer head n_image"]
+    placed = torch.from_numpy((ds.cell_row.values[0] >= 0) & (ds.cell_col.values[0] >= 0))
+    for view in (0, 1):
+        on_view = torch.from_numpy(ds.view.values[0] == view) & placed
+        grid = overlays.sample_map(ds, 0, 0, 0, view=view)
+        assert grid.shape == (int(ds.grid_rows[0]), int(ds.grid_cols[0]))
+        assert_close(grid.sum(), attn[0, 0][on_view].sum(), scale=1.0, what=f"view {view}'s share")
