@@ -135,7 +135,10 @@ def attention_maps(
             grids.append(batch.geometry[b].token_grid)
     sites = _kept_sites(rows, ranking, max_values)
     n = max(a.shape[-1] for a in rows)
-    pad = lambda a, fill: np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n - a.shape[-1])], constant_values=fill)  # noqa: E731
+
+    def pad(a: np.ndarray, fill) -> np.ndarray:  # samples may have different token counts (tiles)
+        return np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n - a.shape[-1])], constant_values=fill)
+
     full = np.stack([pad(a, np.nan) for a in rows], 2).astype(np.float32)  # (layer, head, sample, token)
     with np.errstate(all="ignore"):  # a layer without probabilities is NaN, its mean too
         layer_mean = torch.from_numpy(full).nanmean(1).numpy()
