@@ -12,6 +12,8 @@ stream their chunks to ``results/sweeps/``:
 4. ``lens`` — logit lens of the gold answer at the last prompt token;
 5. ``headlens`` — HeadLens maps, decoded tokens, VGS / CTER; ``attention`` — image-attention share;
    ``attention_metrics`` — MAS, VRA, Attention-IoU, ARS per layer on COUNTINGTRICKS scenes;
+   ``attention_maps`` — the last token's attention on the image tokens of a few right and wrong
+   answers, with their images, for the report's attention-on-image figure;
 6. ``ablation`` — mean ablation of every head on the config's tasks (counting, colour and shape by
    default; the counting-circuits preset: counting, math, spatial, colour); Jaccard;
 7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);

@@ -194,7 +194,7 @@ def test_finetune_presets_run_each_papers_recipe(tmp_path):
     # Counting Circuits' overlap: count against math, spatial and colour, a 4 × 4 Jaccard matrix.
     ablation = results.load(run / "results" / "ablation.nc")
     assert list(ablation.task.values) == ["count", "math", "spatial", "color"]
-    section = (run / "report.md").read_text().split("## 7.")[1].split("## 8.")[0]
+    section = (run / "report.md").read_text().split("## 8.")[1].split("## 9.")[0]
     assert all(f"| {t} " in section for t in ablation.task.values) and "procedural stand-in" in section
     _fsc147_fixture(tmp_path / "fsc", splits=(("train", 4), ("val", 2), ("test", 2)))
     _pixmo_fixture(tmp_path / "pixmo.jsonl")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from countlens.pipeline.stages import (
     ablation,
     attention,
+    attention_maps,
     cases,
     classes,
     faithfulness,
@@ -34,6 +35,7 @@ STAGES: tuple[Stage, ...] = (
     attention.HEADLENS,
     attention.ATTENTION,
     attention.ATTENTION_METRICS,
+    attention_maps.ATTENTION_MAPS,
     ablation.ABLATION,
     temperature.TEMPERATURE,
     faithfulness.FAITHFULNESS,
@@ -46,6 +48,7 @@ SECTIONS: tuple[Section, ...] = (
     patching.HEADS_SECTION,
     lens.SECTION,
     attention.SECTION,
+    attention_maps.SECTION,
     classes.SECTION,
     ablation.SECTION,
     temperature.SECTION,

@@ -1,0 +1,287 @@
+"""Attention drawn on the image: where a head, or a layer's heads on average, look.
+
+Three steps, each its own function:
+
+1. `token_map`: per-token weights (the last position's attention on each image token) onto the base
+   token grid through each token's cell (`countlens.layouts`). A token of a finer view (LLaVA's crops,
+   InternVL's tiles) already carries the base cell its centre falls in, so it adds into that cell;
+   ``view=`` keeps one view's tokens (0 the base grid or thumbnail, 1 the finer one), None all of them.
+   The mapping is `countlens.analysis.attention_metrics.grid_attention`, the one the attention
+   metrics measure with.
+2. `upsample` / `blend`: each pixel takes its cell's value (nearest: a token's cell is what the model
+   resolves, so the map is drawn blocky rather than smoothed into detail it does not have), coloured
+   by a colour map scaled to the map's peak, over the image.
+3. `overlay` draws that on matplotlib axes with the objects' outlines and a colour scale;
+   `head_overlays_png` renders one PNG per stored sample for one head (or a layer's mean), axes-free
+   so that its pixels are the image's (× ``scale``); `plot_attention_on_image` draws the report's
+   grid of samples × heads.
+
+They read an `countlens.analysis.attention_maps.attention_maps` result (``results/attention_maps.nc``
+of a discover run), never a model::
+
+    from countlens import results
+    from countlens.analysis import overlays
+
+    ds = results.load("runs/demo/results/attention_maps.nc")
+    for caption, png in overlays.head_overlays_png(ds, layer=0, head=0):   # head=None: the layer's mean
+        ...
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import xarray as xr
+
+from countlens.analysis.attention_metrics import grid_attention
+from countlens.errors import InputError
+from countlens.layouts import TokenCells
+
+ALPHA = 0.55  # the colour map's weight over the image: objects stay visible under the strongest cell
+CMAP = "inferno"
+OUTLINE = "cyan"  # far from every colour of the inferno map, and from the scenes' red, green and blue
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def token_map(weights, cells, grid_shape: tuple[int, int], view: int | None = None, views=None) -> np.ndarray:
+    """Float[ndarray, "rows cols"]: ``weights`` (one per image token) summed into the base grid of
+    ``grid_shape`` at each token's cell. ``cells``: a `countlens.layouts.TokenCells` (cells and views)
+    or an (n, 2) array of (row, col), then with ``views`` (n,) when ``view`` is given. Tokens at
+    (-1, -1) (no cell: newlines, padding) are dropped."""
+    if isinstance(cells, TokenCells):
+        cells, views = cells.cells, cells.views
+    w = torch.as_tensor(np.asarray(weights, np.float64))
+    c = torch.as_tensor(np.asarray(cells, np.int64)).reshape(-1, 2)
+    if len(w) != len(c):
+        raise InputError(f"{len(w)} weights for {len(c)} token cells; give one weight per image token")
+    rows, cols = int(grid_shape[0]), int(grid_shape[1])
+    if len(c) and ((c[:, 0] >= rows).any() or (c[:, 1] >= cols).any()):
+        raise InputError(f"token cells reach beyond the {rows}x{cols} grid; give the sample's own base grid")
+    keep = torch.ones(len(c), dtype=torch.bool)
+    if view is not None:
+        if views is None:
+            raise InputError(f"view={view} needs each token's view: pass TokenCells or views=")
+        keep = torch.as_tensor(np.asarray(views)) == view
+        if not keep.any():
+            raise InputError(f"no token is in view {view}; the views present are {sorted(set(np.asarray(views)))}")
+    return grid_attention(w[keep], c[keep], (rows, cols)).numpy()
+
+
+def upsample(grid_map: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Float[ndarray, "height width"]: each pixel of an image of ``size`` (height, width) takes the
+    value of the grid cell it lies in (cells split the image evenly)."""
+    rows, cols = grid_map.shape
+    h, w = size
+    return grid_map[(np.arange(h) * rows) // h][:, (np.arange(w) * cols) // w]
+
+
+def _peak(grid_map: np.ndarray) -> float:
+    finite = grid_map[np.isfinite(grid_map)]
+    return float(finite.max()) if finite.size else float("nan")
+
+
+def blend(
+    image: np.ndarray, grid_map: np.ndarray, vmax: float | None = None, alpha: float = ALPHA, cmap: str = CMAP
+) -> np.ndarray:
+    """Uint8[ndarray, "height width 3"]: ``grid_map`` upsampled to ``image`` (uint8 RGB), coloured by
+    ``cmap`` from 0 to ``vmax`` (default: the map's peak) and laid over the image with weight
+    ``alpha``. A map without values (NaN: no probabilities there) leaves the image greyed."""
+    from matplotlib import colormaps
+
+    base = np.asarray(image, np.float64)[..., :3]
+    peak = _peak(grid_map) if vmax is None else vmax
+    if not np.isfinite(peak):
+        return (0.5 * base + 0.5 * base.mean(-1, keepdims=True)).round().astype(np.uint8)
+    scaled = np.clip(upsample(np.nan_to_num(grid_map), base.shape[:2]) / (peak or 1.0), 0.0, 1.0)
+    colour = colormaps[cmap](scaled)[..., :3] * 255.0
+    return ((1 - alpha) * base + alpha * colour).round().astype(np.uint8)
+
+
+def outline_lines(objects: np.ndarray) -> list[np.ndarray]:
+    """Each object's outline as (x, y) polylines in the image's pixel coordinates, from a label image
+    (0 background, i > 0 the i-th object): the 0.5 contour of its mask, traced inside its bounding box
+    (once per image, however many panels draw it)."""
+    from contourpy import contour_generator
+
+    lines = []
+    for label in np.unique(objects):
+        if not label:
+            continue
+        ys, xs = np.nonzero(objects == label)
+        y0, x0 = max(0, ys.min() - 1), max(0, xs.min() - 1)  # a margin, so that a closed outline closes
+        crop = (objects[y0 : ys.max() + 2, x0 : xs.max() + 2] == label).astype(float)
+        lines += [line + (x0, y0) for line in contour_generator(z=crop).lines(0.5)]
+    return lines
+
+
+def outline(ax, objects, color: str = OUTLINE, width: float = 0.9) -> None:
+    """The objects' outlines on ``ax``: a label image (see `outline_lines`) or its `outline_lines`."""
+    from matplotlib.collections import LineCollection
+
+    lines = outline_lines(objects) if isinstance(objects, np.ndarray) else objects
+    ax.add_collection(LineCollection(lines, colors=color, linewidths=width))
+
+
+def overlay(
+    image: np.ndarray,
+    grid_map: np.ndarray,
+    outlines: np.ndarray | list[np.ndarray] | None = None,
+    ax=None,
+    vmax: float | None = None,
+    title: str | None = None,
+    colorbar: bool = True,
+):
+    """Draw ``grid_map`` (rows, cols) over ``image`` (uint8 RGB) on ``ax`` (a new figure's when None),
+    with the objects of ``outlines`` (a label image of the image's size, or its `outline_lines`) and a
+    colour scale from 0 to ``vmax`` (default: the map's peak). Returns the axes."""
+    plt = _pyplot()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.0, 3.4), dpi=110)
+    ax.imshow(blend(image, grid_map, vmax), interpolation="nearest")
+    if outlines is not None:
+        outline(ax, outlines)
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title, fontsize=7)
+    peak = _peak(grid_map) if vmax is None else vmax
+    if colorbar and np.isfinite(peak):
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+
+        bar = ax.figure.colorbar(ScalarMappable(Normalize(0, peak or 1.0), CMAP), ax=ax, fraction=0.046, pad=0.03)
+        bar.ax.tick_params(labelsize=6)
+        bar.set_label("attention", fontsize=7)
+    return ax
+
+
+# ----------------------------------------------------------------------------- stored results
+
+
+def sample_map(ds: xr.Dataset, sample: int, layer: int, head: int | None = None, view: int | None = None) -> np.ndarray:
+    """The base-grid map of stored sample ``sample`` (its position in ``ds``) for head (layer, head), or
+    the layer's head mean with ``head=None``."""
+    s = ds.isel(sample=sample)
+    if head is None:
+        if layer not in ds.layer.values:
+            raise InputError(f"layer {layer} is not stored; the layers are 0 … {int(ds.layer.max())}")
+        weights = s.layer_mean.sel(layer=layer).values
+    else:
+        hit = np.flatnonzero((ds.site_layer.values == layer) & (ds.site_head.values == head))
+        if not len(hit):
+            stored = [f"L{la}H{h}" for la, h in zip(ds.site_layer.values[:8], ds.site_head.values[:8])]
+            raise InputError(
+                f"head L{layer}H{head} is not stored ({ds.attrs.get('heads', '')}; e.g. {', '.join(stored)}); "
+                "draw a stored head, or the layer's mean with head=None"
+            )
+        weights = s.attention.isel(site=int(hit[0])).values
+    n = int(s.n_tokens)
+    cells = np.stack([s.cell_row.values[:n], s.cell_col.values[:n]], -1)
+    return token_map(weights[:n], cells, (int(s.grid_rows), int(s.grid_cols)), view, s.view.values[:n])
+
+
+def _picture(ds: xr.Dataset, sample: int) -> tuple[np.ndarray, np.ndarray]:
+    s = ds.isel(sample=sample)
+    h, w = int(s.image_height), int(s.image_width)
+    return s.image.values[:h, :w], s.objects.values[:h, :w]
+
+
+def _describe(ds: xr.Dataset, sample: int) -> str:
+    """What is known of a stored sample: its case, count, answer and whether it was right."""
+    s = ds.isel(sample=sample)
+    parts = [f"sample {int(s['index']) if 'index' in ds else sample}"]
+    if "case" in ds:
+        parts.append(f"case {s['case'].item()}")
+    if "gold" in ds:
+        parts.append(f"gold {s['gold'].item()}")
+    if "pred" in ds:
+        parts.append(f"answered {s['pred'].item()}")
+    if "correct" in ds:
+        parts.append("right" if bool(s["correct"]) else "wrong")
+    return ", ".join(parts)
+
+
+def _what(layer: int, head: int | None) -> str:
+    return f"L{layer} mean of heads" if head is None else f"L{layer}H{head}"
+
+
+def head_overlays_png(
+    ds: xr.Dataset, layer: int, head: int | None = None, view: int | None = None, scale: int = 2
+) -> list[tuple[str, bytes]]:
+    """(caption, PNG bytes) per stored sample: head (layer, head)'s attention (``head=None``: the
+    layer's mean over heads) over the sample's image with its objects' outlines, ``scale`` × the
+    stored image's pixels, no axes (the caption carries the peak, the share on the whole image and
+    the sample's answer)."""
+    plt = _pyplot()
+    out = []
+    for i in range(ds.sizes["sample"]):
+        grid_map = sample_map(ds, i, layer, head, view)
+        image, objects = _picture(ds, i)
+        h, w = image.shape[:2]
+        fig = plt.figure(figsize=(w * scale / 100, h * scale / 100), dpi=100)
+        ax = fig.add_axes((0, 0, 1, 1))
+        ax.imshow(blend(image, grid_map), interpolation="nearest")
+        outline(ax, objects, width=0.6 * scale)
+        ax.set_axis_off()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+        plt.close(fig)
+        caption = (
+            f"{_what(layer, head)}{'' if view is None else f', view {view}'} on {_describe(ds, i)}: "
+            f"peak {_peak(grid_map):.3f} on one cell, {np.nansum(grid_map):.3f} on the image"
+        )
+        out.append((caption, buffer.getvalue()))
+    return out
+
+
+def plot_attention_on_image(
+    ds: xr.Dataset,
+    heads: Sequence[tuple[int, int]],
+    path: str | Path,
+    layers: Sequence[int] = (),
+    view: int | None = None,
+) -> Path:
+    """A grid: one row per stored sample (right answers first), one column per head of ``heads`` and
+    per layer mean of ``layers``; each panel scaled to its own peak (written in its title)."""
+    columns = [(int(la), int(h)) for la, h in heads] + [(int(la), None) for la in layers]
+    if not columns:
+        raise InputError("nothing to draw: give at least one head or one layer")
+    order = list(range(ds.sizes["sample"]))
+    if "correct" in ds:
+        order.sort(key=lambda i: not bool(ds.correct.values[i]))
+    plt = _pyplot()
+    fig, axes = plt.subplots(
+        len(order), len(columns), figsize=(1.45 * len(columns) + 0.9, 1.5 * len(order) + 0.4), dpi=100, squeeze=False
+    )
+    for r, i in enumerate(order):
+        image, objects = _picture(ds, i)
+        lines = outline_lines(objects)
+        for c, (layer, head) in enumerate(columns):
+            grid_map = sample_map(ds, i, layer, head, view)
+            overlay(image, grid_map, lines, ax=axes[r, c], colorbar=False)
+            axes[r, c].set_title(f"{_what(layer, head)}\npeak {_peak(grid_map):.2g}", fontsize=6)
+        label = _describe(ds, i).replace(", ", "\n")
+        axes[r, 0].text(-0.08, 0.5, label, transform=axes[r, 0].transAxes, ha="right", va="center", fontsize=6)
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    fig.subplots_adjust(left=0.13, right=0.9, top=0.95, bottom=0.02, wspace=0.08, hspace=0.45)
+    bar = fig.colorbar(ScalarMappable(Normalize(0, 1), CMAP), cax=fig.add_axes((0.925, 0.35, 0.015, 0.3)))
+    bar.set_label("attention / the panel's peak", fontsize=7)
+    bar.ax.tick_params(labelsize=6)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
