@@ -212,6 +212,10 @@ def check_export(
         raise InputError(f"output {out} is a file; give a directory")
     for name in names if design == "countlens" else ():
         resolve_counts(name, grid, kw.get("counts"))
+    if design == "paper-code":  # cases the grid cannot hold refused, those it holds short of 10 said
+        from countlens.datasets.paper_code_tricks import check_capacity
+
+        check_capacity(names, grid)
     try:
         _sample(names[0], seed, 0, grid, kw)
     except TypeError as err:  # an option the design's sample function does not take

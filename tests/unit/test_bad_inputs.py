@@ -29,6 +29,7 @@ from countlens.analysis.probes import ProbeConfig
 from countlens.cli import app
 from countlens.datasets import count_pairs, countingtricks, task_samples
 from countlens.datasets.pairs import CountPair
+from countlens.datasets.scene import Obj, Scene
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -210,6 +211,24 @@ API_CASES = [
         lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, prompt="polite"),
         InputError,
         "polite",
+    ),
+    (
+        "paper-code cases no circle fits on the grid",
+        lambda c: countingtricks(["1A", "8A"], 2, Geometry.square(48, 16), design="paper-code"),
+        InputError,
+        "cases ['8A'] can draw no circle",
+    ),
+    (
+        "white objects on white",
+        lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, color=("red", "white")),
+        InputError,
+        "objects coloured 'white' on a 'white' background cannot be seen",
+    ),
+    (
+        "a scene of black on black",
+        lambda c: Scene(64, 64, (Obj("circle", "black", 32, 32, 10),), "black"),
+        InputError,
+        "on a 'black' background",
     ),
     ("pairs n float", lambda c: count_pairs(2.5, 3, 5, image_size=192), InputError, "2.5"),
     ("pairs n 0", lambda c: count_pairs(0), InputError, "got 0"),
