@@ -67,9 +67,15 @@ def check_experts(config, spec, path: str) -> None:
 def check_processor(vlm: VLM, path: str) -> None:
     """Refuse a checkpoint whose processor, tokenizer and config.json disagree (the module docstring
     lists the kinds, in the order they are checked), before any real input."""
-    _check_patch(vlm, path)
-    _check_image_size(vlm, path)
+    check_processor_settings(vlm.processor, vlm.hf.config, vlm.arch, path)
     _check_tokens_per_image(vlm, path)
+
+
+def check_processor_settings(processor, config, arch, path: str) -> None:
+    """The checks that need no model (patch and merge size, image size): `countlens.load` runs them
+    before it reads the weights."""
+    _check_patch(processor.image_processor, arch, path)
+    _check_image_size(processor.image_processor, config, arch, path)
 
 
 def _check_image_token(vlm: VLM, path: str) -> None:
@@ -119,11 +125,10 @@ def _embedded_rows(vlm: VLM) -> int | None:
         return None
 
 
-def _check_patch(vlm: VLM, path: str) -> None:
+def _check_patch(ip, arch, path: str) -> None:
     """The image processor's patch and merge sizes must be the vision tower's: a Qwen-style processor
     reports the patch grid it cut, and a grid cut with patch 8 for a tower of patch 16 reads as an
     image twice the size — the counts of tokens agree, the model fails in its first forward."""
-    ip, arch = vlm.processor.image_processor, vlm.arch
     for field, theirs, config_field in (
         ("patch_size", arch.patch_size, f"{arch.spec.vision_config}.patch_size"),
         ("merge_size", arch.merge_size, str(arch.spec.merge)),
@@ -146,10 +151,9 @@ def _side(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _check_image_size(vlm: VLM, path: str) -> None:
-    ip, arch = vlm.processor.image_processor, vlm.arch
+def _check_image_size(ip, config, arch, path: str) -> None:
     size = fixed_size(ip)
-    side = getattr(getattr(vlm.hf.config, arch.spec.vision_config), "image_size", None)
+    side = getattr(getattr(config, arch.spec.vision_config), "image_size", None)
     if size is not None and side is not None and arch.spec.pooled_tokens_attr is None:
         side = tuple(side) if isinstance(side, (list, tuple)) else (side, side)
         if tuple(size) != side:

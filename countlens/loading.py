@@ -21,8 +21,8 @@ except ImportError:  # an older huggingface_hub: its configs are not validated
         """Never raised: this huggingface_hub does not validate configs."""
 
 
-from countlens.arch import spec_for
-from countlens.consistency import check_experts, check_processor
+from countlens.arch import resolve, spec_for
+from countlens.consistency import check_experts, check_processor, check_processor_settings
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -68,6 +68,7 @@ def load(
     spec = spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     check_experts(config, spec, path)
     processor = load_processor(path, config)
+    check_processor_settings(processor, config, resolve(config), path)  # before the weights are read
     kwargs: dict[str, Any] = {"local_files_only": True}
     if kind is not None:
         kwargs["dtype"] = kind

@@ -554,6 +554,11 @@ CLI_CASES = [
         lambda t: ["check", "--model", str(_checkpoint(t, _quantised()))],
         "quant_method 'bitsandbytes'",
     ),
+    (
+        "check a processor of patch 8 on a tower of patch 16",
+        lambda t: ["check", "--model", str(_patch_8_copy(t))],
+        "has patch_size 8, but config.json's vision_config.patch_size is 16",
+    ),
     ("plan --json onto a directory", lambda t: ["plan", "--json", str(t)], "is a directory"),
     ("plan memory NaN", lambda t: ["plan", "--memory", "nan"], "--memory"),
     (
@@ -632,6 +637,11 @@ def _checkpoint(tmp: Path, config: str | None) -> Path:
         config = json.dumps(config)
     (where / "config.json").write_text(config)
     return where
+
+
+def _patch_8_copy(tmp: Path) -> Path:
+    """The organism, weights and all, its processor cutting 8 px patches for a tower of 16 px ones."""
+    return _edited(TOY_DIR, tmp / "patch_8", _patch_8, weights=True, file="preprocessor_config.json")
 
 
 def _run_with_renamed_heads(tmp: Path) -> Path:
