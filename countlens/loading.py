@@ -6,7 +6,6 @@ countlens never downloads. A hub id must already be in the local Hugging Face ca
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from pathlib import Path
@@ -22,16 +21,17 @@ except ImportError:  # an older huggingface_hub: its configs are not validated
         """Never raised: this huggingface_hub does not validate configs."""
 
 
-from countlens.arch import spec_for
+from countlens.arch import resolve, spec_for
+from countlens.consistency import check_experts, check_processor, check_processor_settings
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     DeviceError,
-    ImageTokenCountError,
     UnsupportedArchitectureError,
 )
-from countlens.models import REMOTE_CODE, pil_image_processor
+from countlens.models import REMOTE_CODE
+from countlens.processor_files import load_processor
 from countlens.sizing import fixed_size, pin_square
 from countlens.validate import require_image_side
 from countlens.vlm import VLM
@@ -68,6 +68,7 @@ def load(
     spec = spec_for(config)  # fail early, before loading weights, for an unsupported architecture
     check_experts(config, spec, path)
     processor = load_processor(path, config)
+    check_processor_settings(processor, config, resolve(config), path)  # before the weights are read
     kwargs: dict[str, Any] = {"local_files_only": True}
     if kind is not None:
         kwargs["dtype"] = kind
@@ -91,9 +92,11 @@ def load(
         )
     except OSError as err:  # e.g. a directory with a config but no weights
         raise CheckpointNotFoundError(f"could not load weights from {path}: {err}") from None
+    except torch.OutOfMemoryError:
+        raise
     except Exception as err:
-        if type(err).__name__ != "SafetensorError":  # truncated or corrupt weight files
-            raise
+        if type(err).__name__ != "SafetensorError":  # the model cannot be built from config.json's fields
+            raise CheckpointError(_unbuildable(path, spec.loader, err)) from None
         files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors"))) or "its .safetensors files"
         raise CheckpointError(
             f"the weights in {path} ({files}) cannot be read: {err}; the file is truncated or "
@@ -104,6 +107,18 @@ def load(
     vlm = VLM(model.eval(), processor, name=label)
     check_processor(vlm, path)
     return vlm
+
+
+def _unbuildable(path: str, loader: str, err: Exception) -> str:
+    """transformers' failure to build a model from a config it accepted (a field of the wrong type or
+    sign: `rope_type` a list, a negative size), as the checkpoint's error: the model's code is
+    transformers', its fields config.json's."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return (
+        f"{Path(path) / 'config.json'}: transformers cannot build a {loader} from its fields "
+        f"({type(err).__name__}: {first}); correct the field it names, or copy config.json whole from the "
+        "original checkpoint"
+    )
 
 
 def _refuse_missing_weights(path: str, info: dict) -> None:
@@ -132,61 +147,6 @@ def _refuse_mismatched_weights(path: str, info: dict) -> None:
             f"makes it {list(wanted)}{more}; config.json and the weights come from different models — copy "
             "config.json from the checkpoint the weights were saved with"
         )
-
-
-def check_experts(config, spec, path: str) -> None:
-    """Refuse a mixture-of-experts config whose router would choose more experts per token than the
-    layer has: transformers builds such a model, and it fails only in its first forward."""
-    if spec.moe is None:
-        return
-    from countlens.arch import text_config
-
-    text = text_config(config, spec)
-    n, k = getattr(text, spec.moe.n_experts_attr, None), getattr(text, spec.moe.top_k_attr, None)
-    if isinstance(n, int) and isinstance(k, int) and not 0 < k <= n:
-        # The fields as config.json spells them (a config class may alias num_experts to num_local_experts).
-        saved = getattr(text, "attribute_map", {})
-        where = f"{spec.text_config}." if spec.text_config else ""
-        top_k, experts = (where + saved.get(a, a) for a in (spec.moe.top_k_attr, spec.moe.n_experts_attr))
-        raise CheckpointError(
-            f"{Path(path) / 'config.json'}: {top_k} = {k} experts per token, but {experts} = {n} experts per "
-            f"layer; a router chooses between 1 and {n} experts: restore both fields from the original "
-            "checkpoint's config.json"
-        )
-
-
-def check_processor(vlm: VLM, path: str) -> None:
-    """Refuse a checkpoint whose processor disagrees with its model config, before any real input:
-    an image size the vision tower does not take, or a number of image tokens per image (one tile)
-    other than the config's patch and merge give. Either would fail later, deep in a forward, or —
-    worse — run with image tokens mapped to the wrong cells."""
-    from PIL import Image
-
-    ip, arch = vlm.processor.image_processor, vlm.arch
-    files = "the image processor (preprocessor_config.json / processor_config.json)"
-    size = fixed_size(ip)
-    side = getattr(getattr(vlm.hf.config, arch.spec.vision_config), "image_size", None)
-    if size is not None and side is not None and arch.spec.pooled_tokens_attr is None:
-        side = tuple(side) if isinstance(side, (list, tuple)) else (side, side)
-        if tuple(size) != side:
-            raise CheckpointError(
-                f"{path}: {files} resizes images (tiles) to {size[0]}×{size[1]} px but config.json's "
-                f"vision_config.image_size is {side[0]}×{side[1]}; make the two agree (copy both files from "
-                "one original checkpoint)"
-            )
-    no_prompt = not getattr(vlm.processor, "chat_template", None) and arch.spec.plain_prompt is None
-    if arch.spec.layout == "anyres" or no_prompt:
-        return  # anyres adds crops to the base grid; without a chat template there is no prompt to try
-    g = vlm.geometry
-    try:  # `countlens.layouts` checks the count against the config's grid (and the processor's tiles)
-        vlm.prepare([Image.new("RGB", (g.image_width, g.image_height))], ["how many?"])
-    except ImageTokenCountError as err:
-        rows, cols = g.token_grid
-        raise CheckpointError(
-            f"{path}: {files} and config.json disagree: for one {g.image_height}×{g.image_width} image, "
-            f"{str(err).removeprefix('sample 0: ')}; config.json gives {rows}×{cols} image tokens per image or tile "
-            f"(patch {arch.patch_size}, merge {arch.merge_size}). Copy both files from one original checkpoint"
-        ) from None
 
 
 def rank_device(device_map):
@@ -339,116 +299,6 @@ def resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
         ) from None
 
 
-def load_processor(path: str, config):
-    """The model's processor, offline, with one parse of its tokenizer.
-
-    The stock processor (`AutoProcessor`) is used where it can be built. Where it cannot — its video
-    sub-processor needs torchvision, absent here — the image-only build is made directly: trying
-    `AutoProcessor` first would parse the tokenizer (seconds for a 151k-entry vocabulary) before
-    failing on the video processor, and the fallback would parse it again."""
-    import transformers
-    from transformers import AutoProcessor
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-    from transformers.utils import is_torchvision_available
-
-    from countlens.processors import processor_class
-
-    name = PROCESSOR_MAPPING_NAMES.get(config.model_type, "")
-    placeholder = not is_torchvision_available() and type(getattr(transformers, name, None)).__name__ == "DummyObject"
-    proc_cls = processor_class(name)
-    needs_video = proc_cls is not None and "video_processor" in proc_cls.get_attributes()
-    if proc_cls is not None and placeholder:  # AutoProcessor would build the torchvision placeholder
-        return _image_only_processor(path, proc_cls)
-    if proc_cls is None or not needs_video or is_torchvision_available():
-        try:
-            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-            # Without a loadable processor class AutoProcessor quietly returns the bare tokenizer.
-            if getattr(processor, "image_processor", None) is not None:
-                return processor
-        except Exception:  # noqa: BLE001 — the image-only build below reports its own, clearer error
-            pass
-    if proc_cls is None:
-        raise UnsupportedArchitectureError(
-            f"{path}: transformers has no processor class for model_type "
-            f"{config.model_type!r}; save the checkpoint's processor with it"
-        )
-    return _image_only_processor(path, proc_cls)
-
-
-def _image_only_processor(path: str, proc_cls: type):
-    """``proc_cls`` built from the checkpoint's tokenizer, image processor, chat template and
-    settings, without a video sub-processor (`countlens.processors.image_only`)."""
-    from transformers import AutoTokenizer
-
-    from countlens.processors import image_only
-
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    image_processor = _load_image_processor(path)
-    template_file = Path(path) / "chat_template.jinja"
-    template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
-    # The processor's own settings (e.g. LLaVA's num_image_tokens, vision_feature_select_strategy).
-    settings_file = Path(path) / "processor_config.json"
-    settings = _checkpoint_json(settings_file) if settings_file.exists() else {}
-    cls = image_only(proc_cls)
-    accepted = inspect.signature(proc_cls.__init__).parameters
-    extra = {
-        k: v
-        for k, v in settings.items()
-        if k in accepted and k not in ("image_processor", "tokenizer", "video_processor", "chat_template")
-    }
-    if "audio_processor" in accepted:  # Phi-4-multimodal: its (numpy) audio feature extractor, never used here
-        from transformers import AutoFeatureExtractor
-
-        extra["audio_processor"] = AutoFeatureExtractor.from_pretrained(path, local_files_only=True)
-    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **extra)
-
-
-def _checkpoint_json(file: Path) -> dict:
-    """A checkpoint's JSON settings file, refused (naming it) when it is not a JSON object."""
-    try:
-        value = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file} cannot be read ({err}); restore it from the original checkpoint") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{file} is not a JSON object; restore it from the original checkpoint")
-    return value
-
-
-def _load_image_processor(path: str):
-    import transformers
-
-    # Older checkpoints keep it in preprocessor_config.json, newer ones nest it in processor_config.json.
-    flat, nested = Path(path) / "preprocessor_config.json", Path(path) / "processor_config.json"
-    if flat.exists():
-        cfg = _checkpoint_json(flat)
-    elif nested.exists() and "image_processor" in _checkpoint_json(nested):
-        cfg = _checkpoint_json(nested)["image_processor"]
-    else:
-        raise CheckpointNotFoundError(
-            f"{path} has no image processor config (preprocessor_config.json); copy it from the original checkpoint"
-        )
-    name = cfg.pop("image_processor_type", "")
-    if not name:
-        raise CheckpointError(
-            f"{path}'s image processor config names no image_processor_type; copy it from the original checkpoint"
-        )
-    # Prefer a PIL backend, transformers' or a family's own (`countlens.models`): the
-    # torchvision-backed processors don't run without torchvision.
-    pil = name.removesuffix("Pil").removesuffix("Fast") + "Pil"
-    cls = getattr(transformers, pil, None)
-    if cls is None:
-        cls = pil_image_processor(pil)
-    if cls is not None:
-        return cls.from_dict(cfg)
-    try:
-        return getattr(transformers, name).from_dict(cfg)
-    except (AttributeError, ImportError) as err:  # unknown, or a torchvision backend
-        raise CheckpointNotFoundError(
-            f"{path} names the image processor {name!r}, which cannot be built here ({err}); countlens needs a "
-            "PIL image processor for it (in its family's module under countlens/models/)"
-        ) from None
-
-
 #: Files one of which a checkpoint's tokenizer is read from.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -499,8 +349,11 @@ def meta_vlm(path: str, dtype: str | torch.dtype | None = None, image_size: int 
                 f"{fixed[1]}; leave --image-size unset"
             )
     kind = kind or torch_dtype(getattr(config, "dtype", None) or torch.float32)
-    with torch.device("meta"):
-        model = getattr(transformers, spec.loader).from_config(config, dtype=kind)
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, spec.loader).from_config(config, dtype=kind)
+    except Exception as err:  # noqa: BLE001 — as in `load`: config.json's fields cannot build the model
+        raise CheckpointError(_unbuildable(where, spec.loader, err)) from None
     vlm = VLM(model.eval(), processor, name=label)
     check_processor(vlm, where)
     return vlm

@@ -42,7 +42,7 @@ import numpy as np
 
 from countlens.datasets.arrangements import chain, cluster, ring, split_count, tiling
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
-from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene
+from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, check_visible
 from countlens.datasets.tasks import TaskSample, sample_rng
 from countlens.errors import CountlensError, InputError
 from countlens.geometry import Geometry
@@ -358,6 +358,7 @@ def trick_sample(
     c = case(name)
     g = as_geometry(grid, image_size, patch_size)
     shapes, colors = _check_style(shapes, color, prompt)
+    check_visible(colors, background)  # every colour the case may draw, not only the first sample's
     counts = resolve_counts(name, g, counts)
     n = counts[index % len(counts)]
     shape = shapes[(index // len(counts)) % len(shapes)]
@@ -408,7 +409,12 @@ def countingtricks(
     require_count(n_per_case, "n_per_case")
     require_seed(seed)
     if design == "paper-code":
-        from countlens.reference.counting_to_four.scenes import REFERENCE_CASES, reference_grid, reference_sample
+        from countlens.reference.counting_to_four.scenes import (
+            REFERENCE_CASES,
+            check_capacity,
+            reference_grid,
+            reference_sample,
+        )
 
         names = list(REFERENCE_CASES) if cases is None else [str(n).upper() for n in cases]
         require_distinct(names, "cases")
@@ -419,6 +425,7 @@ def countingtricks(
                 f"cannot be set (it takes {sorted(allowed)})"
             )
         g = reference_grid(grid)
+        check_capacity(names, g)
         return [reference_sample(name, seed, i, g, **kw) for name in names for i in range(n_per_case)]
     names = list(CASES) if cases is None else [case(n).name for n in cases]
     require_distinct(names, "cases")

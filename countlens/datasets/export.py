@@ -10,6 +10,11 @@ keeps the images its partial manifest lists and writes the rest; a finished one 
 An export goes into an empty (or new) directory, or one holding the same export; ``overwrite=True``
 first removes a previous export's own files there (its images, manifest and ``export.json``,
 nothing else), so a folder never mixes two exports.
+
+One process owns an export while it writes (`owned`: a lock on ``out/.export.lock``): a second
+export into the same folder is refused rather than appending to the same manifest, the pool's
+workers end with their parent (a SIGTERM would otherwise leave them running), and a manifest that
+does not list each image once, on disk, is refused instead of kept as finished.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -167,8 +173,35 @@ def generate(
         return
     from concurrent.futures import ProcessPoolExecutor  # here: multiprocessing costs a one-worker run 20 ms
 
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
         yield from pool.map(_job, jobs, chunksize=max(1, min(64, len(jobs) // (4 * workers))))
+
+
+def _die_with_parent(parent: int) -> None:
+    """A pool worker's first act: end when the export's process ends. A SIGTERM (or SIGKILL) ends the
+    parent without shutting its pool down, and the workers, waiting on the pool's queue, would live
+    on. Linux's PR_SET_PDEATHSIG sends them SIGTERM at once; elsewhere a daemon thread watches the
+    parent's pid."""
+    import ctypes
+    import signal
+    import sys
+    import threading
+    import time
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="countlens-parent-watch").start()
 
 
 def check_export(
@@ -212,6 +245,10 @@ def check_export(
         raise InputError(f"output {out} is a file; give a directory")
     for name in names if design == "countlens" else ():
         resolve_counts(name, grid, kw.get("counts"))
+    if design == "paper-code":  # cases the grid cannot hold refused, those it holds short of 10 said
+        from countlens.reference.counting_to_four.scenes import check_capacity
+
+        check_capacity(names, grid)
     try:
         _sample(names[0], seed, 0, grid, kw)
     except TypeError as err:  # an option the design's sample function does not take
@@ -223,7 +260,7 @@ def check_export(
             f"output {out} holds a COUNTINGTRICKS export with other settings ({out / SPEC}); give a new "
             "directory, the same settings (to resume or keep it), or overwrite=True (--overwrite) to replace it"
         )
-    if saved is None and out.is_dir() and any(out.iterdir()) and not overwrite:
+    if saved is None and out.is_dir() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         raise InputError(
             f"output {out} is not empty; give a new or empty directory, or overwrite=True "
             "(--overwrite) to replace the COUNTINGTRICKS export there"
@@ -248,14 +285,29 @@ def export_countingtricks(
     or an interrupted one resumed."""
     out = Path(out)
     names, spec = check_export(out, cases, n, grid, seed, workers, overwrite, **kw)
-    manifest, partial = out / "manifest.jsonl", out / PARTIAL
-    saved = _saved_spec(out) if out.is_dir() else None
     say = log or (lambda _: None)
+    out.mkdir(parents=True, exist_ok=True)
+    with owned(out):  # what the directory holds is read under the lock: another export may have just finished
+        return _write(out, names, n, grid, seed, workers, progress, overwrite, say, spec, kw)
+
+
+def _write(out, names, n, grid, seed, workers, progress, overwrite, say, spec, kw) -> Path:
+    """`export_countingtricks`'s writing, by the process that holds ``out``'s lock."""
+    manifest, partial = out / "manifest.jsonl", out / PARTIAL
+    saved = _saved_spec(out)
     if saved == spec and manifest.exists():
-        say(f"{out} holds this export, finished: kept as it is")
-        if progress is not None:
-            progress(len(names) * n)
-        return manifest
+        try:
+            _check_manifest(out, manifest, len(names) * n)
+        except InputError:
+            if not overwrite:
+                raise
+            _remove_own(out)  # a damaged export of these settings, written afresh
+            saved = None
+        else:
+            say(f"{out} holds this export, finished: kept as it is")
+            if progress is not None:
+                progress(len(names) * n)
+            return manifest
     if saved != spec:
         if overwrite:
             _remove_own(out)
@@ -278,5 +330,60 @@ def export_countingtricks(
             f.write(json.dumps(rec) + "\n")
             if progress is not None:
                 progress(k + 1)
+    _check_manifest(out, partial, len(names) * n)
     os.replace(partial, manifest)
     return manifest
+
+
+LOCK = ".export.lock"
+
+
+@contextmanager
+def owned(out: Path) -> Iterator[None]:
+    """Hold ``out``'s export lock (``out/.export.lock``, an exclusive `fcntl.flock`) while writing: a
+    second export into ``out`` is refused, naming the lock and the process holding it, instead of
+    both appending to one manifest. The operating system releases the lock when its process dies
+    (killed, crashed), so a stale lock file blocks nothing; the file is removed on release."""
+    import fcntl
+
+    lock = out / LOCK
+    while True:
+        f = lock.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise InputError(
+                f"{out} is being written by another export (process {holder}, lock {lock}); wait for it to "
+                f"finish, or export into another directory. If no such process runs, the lock is stale (a "
+                f"filesystem without flock): delete {lock} and run again"
+            ) from None
+        if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(f.fileno()).st_ino:
+            break  # not a file another process removed between our open and our flock
+        f.close()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        f.close()
+
+
+def _check_manifest(out: Path, manifest: Path, expected: int) -> None:
+    """Refuse a manifest that does not list each of the export's images once, each on disk: what two
+    writers into one directory (or a hand edit) leave; the next run must not call it finished."""
+    files = [json.loads(line)["file"] for line in manifest.read_text().splitlines() if line.strip()]
+    missing = [f for f in files if not (out / f).is_file()]
+    if len(files) != expected or len(set(files)) != len(files) or missing:
+        why = f"{len(files)} records ({len(set(files))} distinct images) for the export's {expected} images" + (
+            f", {len(missing)} of them not on disk (e.g. {missing[0]})" if missing else ""
+        )
+        raise InputError(
+            f"{manifest} lists {why}: the export is damaged (two exports wrote into one directory?); run it again "
+            "with overwrite=True (--overwrite) to write it afresh"
+        )

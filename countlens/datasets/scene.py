@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from countlens.errors import CountlensError
+from countlens.errors import CountlensError, InputError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -43,6 +43,16 @@ PALETTE: dict[str, tuple[int, int, int]] = {
     "gray": (128, 128, 128),
 }
 OBJECT_COLORS: tuple[str, ...] = ("red", "green", "blue", "yellow", "purple", "orange")
+
+
+def check_visible(colors, background: str) -> None:
+    """Refuse objects of the background's own colour: invisible, yet counted in the label."""
+    same = sorted({c for c in colors if c == background})
+    if same:
+        raise InputError(
+            f"objects coloured {same[0]!r} on a {background!r} background cannot be seen, yet they would be "
+            "counted in the answer; choose another object colour or background"
+        )
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Scene:
     def __post_init__(self) -> None:
         if self.background not in PALETTE:
             raise CountlensError(f"unknown background {self.background!r}; use one of {tuple(PALETTE)}")
+        check_visible([o.color for o in self.objects], self.background)
         for o in self.objects:
             x0, y0, x1, y1 = o.extent()
             if not (-1e-9 <= x0 and x1 <= self.width + 1e-9 and -1e-9 <= y0 and y1 <= self.height + 1e-9):

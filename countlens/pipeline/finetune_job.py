@@ -50,8 +50,8 @@ from countlens.progress import Bar
 from countlens.sweep_store import samples_digest
 from countlens.training.finetune import (
     FinetuneConfig,
-    check_digit_answers,
     check_trainable,
+    check_variant,
     finetune,
     target_layers_from,
     with_adapter,
@@ -235,10 +235,11 @@ def before_after(
         tuple(range(base.arch.n_layers)) if recipe.layers == "all" else target_layers_from(circuit)
     )
     config = replace(config, target_layers=tuple(layers))
-    for layer in config.target_layers:  # a circuit of a deeper model, or --layers beyond this one
-        base.arch.layer(layer)
-    if config.ce_on == "digits":
-        check_digit_answers(base, train)
+    # Every variant's needs (softmax at each target layer for focus / MAS), before the baseline is
+    # written: a variant late in the table must not be refused after the earlier ones have trained.
+    variants = [replace(config, **VARIANTS[r]) for r in recipe.rows if r in VARIANTS]
+    for variant in variants or [replace(config, focus=0.0, mas=0.0)]:
+        check_variant(base, train, variant)
     sets = (
         evaluation_sets(
             base.geometry, n_eval, prompt=prompt, names=evaluation_names(recipe, local), local=local, log=say

@@ -8,7 +8,8 @@ trusted. `check` runs them in five groups and returns one row each — passed, f
 measured figure, its tolerance and, on failure, what is wrong and what to do:
 
 1. **spec** — paths resolve with the expected shapes; the processor agrees with the vision config;
-   answers end as the chat template ends them;
+   answers end as the chat template ends them; one forward's logits are finite (`finite`: NaN
+   weights fail this one row, naming them, and the groups below are skipped);
 2. **image** — the image-token count of the model's own image size, and a darkened quadrant of a
    white image changing, in every view of the image, the tokens countlens maps inside it more than
    those outside (a quadrant, not one cell: a trained tower spreads one cell's change over the image);
@@ -34,6 +35,8 @@ from typing import TYPE_CHECKING
 
 from countlens.errors import CheckpointError, CountlensError
 from countlens.pipeline import selfcheck_groups
+from countlens.pipeline.finite import NAME as FINITE
+from countlens.pipeline.finite import NEEDS_FINITE, finite_outputs
 from countlens.pipeline.selfcheck_groups import CheckRow
 
 if TYPE_CHECKING:
@@ -60,6 +63,11 @@ def check(vlm: VLM, groups: tuple[str, ...] = GROUPS) -> list[CheckRow]:
             continue
         if failed([r for r in rows if r.name == selfcheck_groups.PATHS]):  # nothing else can run on a broken spec
             rows.append(CheckRow(group, "all", None, "not run: the spec's module paths do not resolve"))
+            continue
+        if group in NEEDS_FINITE and not any(r.name == FINITE for r in rows):
+            rows.append(finite_outputs(vlm))  # once, before the first group that compares outputs
+        if group in NEEDS_FINITE and failed([r for r in rows if r.name == FINITE]):
+            rows.append(CheckRow(group, "all", None, f"not run: the model's outputs are not finite ({FINITE})"))
             continue
         try:
             rows += run[group](vlm)

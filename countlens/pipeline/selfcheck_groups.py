@@ -60,7 +60,7 @@ def _prompt(vlm: VLM) -> str:
 
 
 def spec(vlm: VLM) -> list[CheckRow]:
-    from countlens.loading import check_processor
+    from countlens.consistency import check_processor
 
     arch, rows = vlm.arch, []
     missing, shapes = [], []

@@ -181,21 +181,12 @@ def check_trainable(vlm: VLM) -> None:
         )
 
 
-def finetune(
-    vlm: VLM,
-    samples: Sequence,
-    out: str | Path,
-    config: FinetuneConfig = FinetuneConfig(),
-    progress: Callable[[dict], None] | None = None,
-) -> Path:
-    """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
-    adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
-    from accelerate import Accelerator, InitProcessGroupKwargs
-    from peft import get_peft_model
-
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise RunDirError(f"output {out} is a file; give a directory")
+def check_variant(vlm: VLM, samples: Sequence, config: FinetuneConfig) -> None:
+    """What a fine-tune with ``config`` needs of the model and samples, checked before anything is
+    written: samples, trainable weights, target layers inside the model and — for the focus and MAS
+    losses, which read attention probabilities — softmax attention at each. `finetune` runs it, and
+    `countlens finetune` runs it for every variant before its baseline, so that a variant late in
+    the table cannot be refused after the earlier ones have trained."""
     if len(samples) == 0:
         raise InputError("no training samples")
     check_trainable(vlm)
@@ -212,6 +203,24 @@ def finetune(
             vlm.arch.layer(layer)
     if config.ce_on == "digits":
         check_digit_answers(vlm, samples)
+
+
+def finetune(
+    vlm: VLM,
+    samples: Sequence,
+    out: str | Path,
+    config: FinetuneConfig = FinetuneConfig(),
+    progress: Callable[[dict], None] | None = None,
+) -> Path:
+    """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
+    adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
+    from accelerate import Accelerator, InitProcessGroupKwargs
+    from peft import get_peft_model
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"output {out} is a file; give a directory")
+    check_variant(vlm, samples, config)
     from countlens.sweep_store import samples_digest
 
     spec_file = out / "finetune.json"

@@ -30,6 +30,7 @@ from countlens.analysis.probes import ProbeConfig
 from countlens.cli import app
 from countlens.datasets import count_pairs, countingtricks, task_samples
 from countlens.datasets.pairs import CountPair
+from countlens.datasets.scene import Obj, Scene
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -104,6 +105,11 @@ def ctx(tmp_path_factory, loaded, tiny_checkpoint):
         ),
         wider_mlp=_edited(TOY_DIR, checkpoints / "wider_mlp", _wider_mlp, weights=True),
         bitsandbytes=_edited(TOY_DIR, checkpoints / "bnb", _bitsandbytes, weights=False),
+        paligemma_no_tokenizer=_without(tiny_checkpoint("paligemma"), checkpoints / "pali", "tokenizer*"),
+        patch_8=_edited(TOY_DIR, checkpoints / "patch_8", _patch_8, weights=True, file="preprocessor_config.json"),
+        image_token_7=_edited(TOY_DIR, checkpoints / "token_7", _image_token_7, weights=True),
+        clip_processor=_swapped(tiny_checkpoint("llava"), checkpoints / "clip", "*processor_config.json"),
+        llava_tokenizer=_swapped(tiny_checkpoint("llava"), checkpoints / "llava_tok", "tokenizer*"),
     )
 
 
@@ -126,14 +132,37 @@ def _result_with_name_attr(tmp: Path, name: str) -> Path:
     return path
 
 
-def _edited(source: Path, where: Path, edit, weights: bool) -> Path:
+def _edited(source: Path, where: Path, edit, weights: bool, file: str = "config.json") -> Path:
     """A copy of the checkpoint at ``source`` (its weight files only with ``weights``) whose
-    config.json ``edit`` changed in place."""
+    ``file`` (config.json) ``edit`` changed in place."""
     shutil.copytree(source, where, ignore=None if weights else shutil.ignore_patterns("*.safetensors"))
-    config = json.loads((where / "config.json").read_text())
+    config = json.loads((where / file).read_text())
     edit(config)
-    (where / "config.json").write_text(json.dumps(config))
+    (where / file).write_text(json.dumps(config))
     return where
+
+
+def _without(source: Path, where: Path, pattern: str) -> Path:
+    """A copy of the checkpoint at ``source`` without its weights and without the files ``pattern`` matches."""
+    shutil.copytree(source, where, ignore=shutil.ignore_patterns("*.safetensors", pattern))
+    return where
+
+
+def _swapped(other: Path, where: Path, pattern: str) -> Path:
+    """The organism with the files ``pattern`` matches taken from the checkpoint ``other`` instead
+    (its own removed first): another family's processor, another model's tokenizer."""
+    shutil.copytree(TOY_DIR, where, ignore=shutil.ignore_patterns(pattern))
+    for file in other.glob(pattern):
+        shutil.copy(file, where / file.name)
+    return where
+
+
+def _patch_8(processor: dict) -> None:  # the vision tower's patch is 16
+    processor["patch_size"] = 8
+
+
+def _image_token_7(config: dict) -> None:  # the tokenizer's <|image_pad|> is id 5
+    config["image_token_id"] = 7
 
 
 def _drop_a_layer_type(config: dict) -> None:  # 3 layer types for 4 layers
@@ -183,6 +212,24 @@ API_CASES = [
         lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, prompt="polite"),
         InputError,
         "polite",
+    ),
+    (
+        "paper-code cases no circle fits on the grid",
+        lambda c: countingtricks(["1A", "8A"], 2, Geometry.square(48, 16), design="paper-code"),
+        InputError,
+        "cases ['8A'] can draw no circle",
+    ),
+    (
+        "white objects on white",
+        lambda c: countingtricks(["1A"], 2, image_size=192, patch_size=16, color=("red", "white")),
+        InputError,
+        "objects coloured 'white' on a 'white' background cannot be seen",
+    ),
+    (
+        "a scene of black on black",
+        lambda c: Scene(64, 64, (Obj("circle", "black", 32, 32, 10),), "black"),
+        InputError,
+        "on a 'black' background",
     ),
     ("pairs n float", lambda c: count_pairs(2.5, 3, 5, image_size=192), InputError, "2.5"),
     ("pairs n 0", lambda c: count_pairs(0), InputError, "got 0"),
@@ -376,6 +423,37 @@ API_CASES = [
     ),
     ("a bitsandbytes checkpoint", lambda c: countlens.load(c.bitsandbytes), CheckpointError, "'bitsandbytes'"),
     ("plan a bitsandbytes checkpoint", lambda c: meta_vlm(str(c.bitsandbytes)), CheckpointError, "unquantised"),
+    # a checkpoint whose files disagree, refused at load with one message per kind
+    (
+        "a PaliGemma copy without tokenizer files",
+        lambda c: countlens.load(c.paligemma_no_tokenizer),
+        CheckpointError,
+        "has no tokenizer vocabulary (none of tokenizer.json",
+    ),
+    (
+        "processor patch 8 on a tower of patch 16",
+        lambda c: countlens.load(c.patch_8),
+        CheckpointError,
+        "has patch_size 8, but config.json's vision_config.patch_size is 16",
+    ),
+    (
+        "an image-token id the tokenizer does not write",
+        lambda c: countlens.load(c.image_token_7),
+        CheckpointError,
+        "config.json's image_token_id is 7, but the tokenizer writes the image token '<|image_pad|>' as id 5",
+    ),
+    (
+        "another family's image processor",
+        lambda c: countlens.load(c.clip_processor),
+        CheckpointError,
+        "builds a CLIPImageProcessor, another model family's image processor",
+    ),
+    (
+        "another model's tokenizer",
+        lambda c: countlens.load(c.llava_tokenizer),
+        CheckpointError,
+        "it is another model's tokenizer",
+    ),
     ("heads.csv with NaN importance", lambda c: read_heads(c.nan_heads), RunDirError, "no finite importance"),
     ("heads.csv with an unknown class", lambda c: read_heads(c.odd_class), RunDirError, "unknown classes"),
 ]
@@ -477,6 +555,11 @@ CLI_CASES = [
         lambda t: ["check", "--model", str(_checkpoint(t, _quantised()))],
         "quant_method 'bitsandbytes'",
     ),
+    (
+        "check a processor of patch 8 on a tower of patch 16",
+        lambda t: ["check", "--model", str(_patch_8_copy(t))],
+        "has patch_size 8, but config.json's vision_config.patch_size is 16",
+    ),
     ("plan --json onto a directory", lambda t: ["plan", "--json", str(t)], "is a directory"),
     ("plan memory NaN", lambda t: ["plan", "--memory", "nan"], "--memory"),
     (
@@ -555,6 +638,11 @@ def _checkpoint(tmp: Path, config: str | None) -> Path:
         config = json.dumps(config)
     (where / "config.json").write_text(config)
     return where
+
+
+def _patch_8_copy(tmp: Path) -> Path:
+    """The organism, weights and all, its processor cutting 8 px patches for a tower of 16 px ones."""
+    return _edited(TOY_DIR, tmp / "patch_8", _patch_8, weights=True, file="preprocessor_config.json")
 
 
 def _run_with_renamed_heads(tmp: Path) -> Path:
@@ -797,3 +885,19 @@ def test_discover_reads_the_voc_lists_before_its_spec(tmp_path, loaded):
     with pytest.raises(LoaderError, match=r"trainval\.txt: VOC2007's 'trainval' list names no images"):
         discover(loaded("toy"), tmp_path / "run", config)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_phi4_copy_without_audio_settings_loads(tmp_path, tiny_checkpoint):
+    """Phi-4-multimodal's processor needs an audio feature extractor to build, which countlens never
+    runs: a copy whose processor_config.json lacks the audio settings loads (the family's defaults),
+    and its images are prepared as the full copy's are."""
+    full = tiny_checkpoint("phi4_multimodal")
+    copy = tmp_path / "phi4"
+    shutil.copytree(full, copy)
+    settings = json.loads((copy / "processor_config.json").read_text())
+    del settings["audio_processor"]
+    (copy / "processor_config.json").write_text(json.dumps(settings))
+    vlm, whole = countlens.load(copy), countlens.load(full)
+    image = Image.new("RGB", (64, 64), "white")
+    a, b = (v.prepare([image], ["how many?"]) for v in (vlm, whole))
+    assert a.inputs["input_ids"].tolist() == b.inputs["input_ids"].tolist()

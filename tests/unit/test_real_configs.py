@@ -4,7 +4,7 @@ No weights and no tokenizer: each config.json is read as countlens reads a check
 resolved (`spec_for`, `resolve`), and its model built on the meta device to check that every spec path
 exists at every layer (as tests/unit/test_arch_matrix.py does on tiny models). The image tokens per
 image are computed here from the preprocessor config's own numbers and compared with countlens's
-sizing of an image processor built from that file (`_load_image_processor`).
+sizing of an image processor built from that file (`countlens.processor_files._load_image_processor`).
 
 The expected figures below are the models' published ones (layers, heads, hidden size), as the
 README's table gives them with their sources; they are checked against the config's own fields too.
@@ -26,10 +26,11 @@ from countlens.arch import resolve, spec_for
 from countlens.cli import app
 from countlens.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
 from countlens.geometry import Geometry
-from countlens.loading import _load_image_processor, meta_vlm, read_config
+from countlens.loading import meta_vlm, read_config
 from countlens.pipeline import plan
 from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.stages import STAGES
+from countlens.processor_files import _load_image_processor
 from countlens.sizing import default_size, fixed_size, is_dynamic, processed_size
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"

@@ -152,3 +152,19 @@ def test_export_and_command_write_the_paper_codes_design(tmp_path):
     )
     assert wrong.exit_code == 2 and "not among the paper code's 18 cases" in wrong.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_grid_that_holds_fewer_circles_than_the_papers_is_said_per_case():
+    """On a 3-patch grid each position case holds one circle: a warning names every case and what it
+    holds (the labels stay the number drawn); on the paper's own grid nothing is said."""
+    import warnings
+
+    from countlens.datasets import countingtricks
+    from countlens.geometry import Geometry
+
+    with pytest.warns(UserWarning, match=r"48 px / 16 px grid .*1A at most 1, 2B at most 1 \(of counts 1–10"):
+        small = countingtricks(["1A", "2B"], 10, Geometry.square(48, 16), design="paper-code")
+    assert max(s.meta["count"] for s in small) == 1 and max(s.meta["requested"] for s in small) == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        countingtricks(["1A", "8A"], 2, design="paper-code")  # the paper's grid: its shortfall is the code's

@@ -11,6 +11,7 @@ from test_arch_matrix import SUPPORTED, VARIANTS
 from typer.testing import CliRunner
 
 from countlens.cli import app
+from countlens.errors import CheckpointError
 from countlens.pipeline.selfcheck import check, failed, table
 from countlens.vlm import VLM
 
@@ -102,5 +103,26 @@ def test_the_command_writes_the_table_and_exits_by_its_result(tmp_path):
     result = CliRunner().invoke(app, ["check", "--model", "toy", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
-    assert "| spec | module paths | passed |" in result.output and len(rows) == 15
+    assert "| spec | module paths | passed |" in result.output and len(rows) == 16  # with "outputs are finite"
     assert {r["status"] for r in rows} == {"passed", "skipped"}
+
+
+def test_nan_weights_fail_one_row_that_names_them():
+    """A checkpoint whose weights hold NaN: one failed row says the outputs are NaN and which weights
+    are, instead of every comparison failing with a fix that blames countlens's spec."""
+    import torch
+
+    import countlens
+    from countlens.pipeline.selfcheck import require
+
+    vlm = countlens.load("toy")  # a private copy: the test writes NaN into it
+    name = f"{vlm.arch.o_proj(0)}.weight"
+    with torch.no_grad():
+        vlm.hf.get_parameter(name)[0, 0] = float("nan")
+    rows = check(vlm)
+    bad = failed(rows)
+    assert [r.name for r in bad] == ["outputs are finite"], table(bad)
+    assert "are NaN" in bad[0].figure and name in bad[0].figure and "copy the weight files" in bad[0].fix
+    assert all(r.passed is None for r in rows if r.group in ("image", "answers", "interventions"))
+    with pytest.raises(CheckpointError, match=f"outputs are finite: .*{name}"):
+        require(vlm)  # what `countlens discover` runs before its first stage

@@ -67,6 +67,25 @@ def _avoidance(ctx: ReportContext) -> dict:
     return number_avoidance(cases.where(cases["count"] >= 0, drop=True))
 
 
+#: The fewest samples behind an accuracy the report presents as a rate (per case, per count): with
+#: fewer, an accuracy is a handful of single answers, and r over the counts is noise or undefined.
+MIN_PER_COUNT = 5
+
+
+def _unmeasured(avoid: dict) -> str:
+    """Why number avoidance's r is not a finding ("" when it is): too few counts, too few samples at
+    some count, or the same accuracy at every count (r undefined)."""
+    n = avoid["n"]
+    if len(n) < 2 or min(n.values()) < MIN_PER_COUNT:
+        return (
+            f"not measured: {sum(n.values())} counting samples over {len(n)} counts, {min(n.values())} at the "
+            f"fewest; r needs at least 2 counts with {MIN_PER_COUNT} samples each (run with a larger --n-per-case)"
+        )
+    if avoid["r"] != avoid["r"]:  # NaN with enough samples: accuracy does not vary with the count
+        return "undefined: the accuracy is the same at every count"
+    return ""
+
+
 def _values(ctx: ReportContext) -> dict:
     r, spec = ctx.results, ctx.spec
     cases = r["cases"]
@@ -83,7 +102,13 @@ def _values(ctx: ReportContext) -> dict:
         "evaluation": spec.get("evaluate", "score"),
         "max_new_tokens": spec.get("max_new_tokens"),
         "case_table": by_case.to_frame().T.round(2).to_markdown(index=False),
-        "avoidance": {"r": avoid["r"], "per_count": ", ".join(f"{k}: {v:.2f}" for k, v in avoid["per_count"].items())},
+        "avoidance": {
+            "r": avoid["r"],
+            "per_count": ", ".join(f"{k}: {v:.2f}" for k, v in avoid["per_count"].items()),
+            "unmeasured": _unmeasured(avoid),
+        },
+        "per_case": int(spec.get("n_per_case", MIN_PER_COUNT)),
+        "min_per_count": MIN_PER_COUNT,
         "conflict": {**dic, "style": conflict_styles(ctx.model)[0]},
     }
 

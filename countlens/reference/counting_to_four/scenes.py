@@ -66,6 +66,51 @@ def _check(name: str, g: Geometry) -> None:
         raise InputError(f"design='paper-code' needs at least 3 patches a side; {g.image_width} px / {g.patch_size} px")
 
 
+def capacity(name: str, grid: Geometry) -> int:
+    """The most circles case ``name`` can draw on ``grid``: the cells along one side whose circle stays
+    R inside the frame (at the case's base radius: a B / D radius varies), kept ``spacing`` apart,
+    squared. On the paper's grid a spacing-4 case holds 9 (its count of 10 gets fewer, as in the code)."""
+    p, side = grid.patch_size, grid.image_width
+    base = p // 2
+    r = DILATION[name] * p / 2 if name in DILATION else base
+    last = side // p - 2
+    fits = [i for i in range(1, last + 1) if p * i + base - r >= base and p * i + base + r <= side - base]
+    if not fits:
+        return 0
+    per_side = (fits[-1] - fits[0]) // SPACING.get(name, DEFAULT_SPACING) + 1
+    return per_side**2
+
+
+def check_capacity(names: list[str], grid: Geometry) -> None:
+    """Refuse a case that can draw no circle on ``grid`` (its images would all be blank, labelled 0), and
+    warn, naming each case and what it holds, where a case holds fewer circles than it does on the
+    paper's grid: images asked for more get fewer (their label is the number drawn), so the counts the
+    benchmark spreads evenly over 1–10 pile up at the case's capacity."""
+    import warnings
+
+    for name in names:
+        _check(name, grid)
+    where = f"{grid.image_width} px / {grid.patch_size} px"
+    empty = [n for n in names if capacity(n, grid) == 0]
+    if empty:
+        raise InputError(
+            f"design='paper-code' on a {where} grid: cases {empty} can draw no circle (each leaves the frame), "
+            "so every image would be blank; give a larger grid (the paper's is 384 px / 27 px) or leave them out"
+        )
+    paper = reference_grid()
+    short = {n: capacity(n, grid) for n in names if capacity(n, grid) < min(max(REFERENCE_COUNTS), capacity(n, paper))}
+    if short:
+        held = ", ".join(f"{n} at most {k}" for n, k in short.items())
+        warnings.warn(
+            f"design='paper-code' on a {where} grid holds fewer circles than the paper's grid: {held} (of "
+            f"counts {REFERENCE_COUNTS[0]}–{REFERENCE_COUNTS[-1]} asked); an image asked for more gets fewer and "
+            "is labelled with the number drawn, so its counts pile up there: use a grid of more patches for the "
+            "full range",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def requested_count(seed: int, index: int) -> int:
     """The count asked of image ``index``: each of 1–10 once in every block of 10 indices."""
     block = sample_rng(seed, "paper-code/counts", index // len(REFERENCE_COUNTS)).permutation(len(REFERENCE_COUNTS))
