@@ -42,6 +42,8 @@ LAYERS: dict[str, int] = {
     "vlm": 3,
     "adapt": 3,
     "loading": 3,
+    "consistency": 3,
+    "processor_files": 3,
     "processors": 3,
     "sizing": 3,
     "toy": 3,
