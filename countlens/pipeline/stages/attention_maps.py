@@ -21,9 +21,9 @@ import xarray as xr
 from countlens.analysis import overlays
 from countlens.analysis.attention_maps import attention_maps
 from countlens.errors import RunDirError
+from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
-from countlens.results import head_label, top_sites
 
 #: Samples drawn per outcome (answered right, answered wrong).
 PER_OUTCOME = 4
