@@ -1,8 +1,10 @@
 """Measurements on a VLM: counting evaluation (scoring, generation, parsing, the papers' metrics),
 case tables, attention diagnostics (MAS, VRA, Attention-IoU, ARS), detection probes on taps,
-last-token representations, head classification and plots (`countlens.analysis.plots`)."""
+last-token representations, head classification and plots (`countlens.analysis.plots`), and finished
+runs compared side by side on relative depth (`compare_runs`)."""
 
 from countlens.analysis.attention_metrics import attention_metrics
+from countlens.analysis.compare import compare_runs
 from countlens.analysis.evaluate import generate, score
 from countlens.analysis.heads import HeadThresholds, classify_heads, export_heads
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
@@ -17,6 +19,7 @@ __all__ = [
     "attention_metrics",
     "case_table",
     "classify_heads",
+    "compare_runs",
     "digit_in_conflict",
     "export_heads",
     "generate",

@@ -23,13 +23,16 @@ from countlens.analysis.figures.curves import (
     plot_rank_emergence,
     plot_scatter,
 )
+from countlens.analysis.figures.depth import plot_depth_classes, plot_handoff
 from countlens.analysis.figures.grids import plot_head_classes, plot_heatmap, plot_matrix
 
 __all__ = [
     "plot_accuracy_by_count",
     "plot_bars",
     "plot_case_grid",
+    "plot_depth_classes",
     "plot_faithfulness",
+    "plot_handoff",
     "plot_head_classes",
     "plot_heatmap",
     "plot_layers",

@@ -4,8 +4,9 @@
 canonical order of `countlens.datasets.countingtricks.CASES` (1A … 4D position, 5A–8A dilation,
 9A … 15A adjacency), one column per model, accuracy in percent; then one mean row per case family
 and an overall mean. Means are *macro* averages over cases (each case weighs the same, whatever its
-sample count), as in the paper, taken over the cases a model was evaluated on. `write_table`
-writes a frame as sibling ``.md``, ``.csv`` and ``.tex`` (booktabs) files.
+sample count), as in the paper, taken over the cases a model was evaluated on. `case_families` gives
+each case's family in either COUNTINGTRICKS design. `write_table` writes a frame as sibling ``.md``,
+``.csv`` and ``.tex`` (booktabs) files.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from countlens.errors import InputError
 
 FAMILIES: tuple[str, ...] = ("position", "dilation", "adjacency")
 OVERALL = "mean (all)"
+
+
+def case_families(design: str = "countlens") -> pd.Series:
+    """Each case of a COUNTINGTRICKS design by its family (position, dilation, adjacency), in the
+    design's order: countlens's 32 cases, or the MAS paper's code's 18 circle cases (``design="paper-code"``,
+    no adjacency)."""
+    if design == "paper-code":
+        from countlens.reference.counting_to_four.scenes import DILATION, REFERENCE_CASES
+
+        return pd.Series({n: "dilation" if n in DILATION else "position" for n in REFERENCE_CASES}, dtype=object)
+    return pd.Series({n: c.family for n, c in CASES.items()}, dtype=object)
 
 
 def family_row(family: str) -> str:

@@ -6,7 +6,7 @@
 `app` holds the command tree and the one error handler every command ends in (`countlens.cli.app`);
 `options` fills the options from the settings dataclasses and holds the ones several commands share;
 `paths` checks what a command will write before it starts. One module per command group: `model`
-(eval, check), `discover` (discover, plan), `report` (classify, report), `finetune`, `data`, `toy`.
+(eval, check), `discover` (discover, plan), `report` (classify, report), `compare`, `finetune`, `data`, `toy`.
 Importing this package imports no torch, so ``--help`` answers at once: commands import the
 packages that do their work when they run.
 """

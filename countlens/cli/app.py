@@ -9,8 +9,8 @@ countlens …``, the command, the exception) and exit status 70, with the traceb
 --debug …`` (or ``COUNTLENS_DEBUG=1``); Ctrl-C ends with one line saying whether a rerun resumes,
 exit status 130.
 
-The commands live one group to a module (`countlens.cli.model`, `discover`, `report`, `finetune`,
-`data`, `toy`); this module only names them, in the order ``countlens --help`` lists them.
+The commands live one group to a module (`countlens.cli.model`, `discover`, `report`, `compare`,
+`finetune`, `data`, `toy`); this module only names them, in the order ``countlens --help`` lists them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
+from countlens.cli.compare import compare_cmd
 from countlens.cli.data import data_countingtricks
 from countlens.cli.discover import discover_cmd, plan_cmd
 from countlens.cli.finetune import finetune_cmd
@@ -125,6 +126,7 @@ app.command("check")(check_cmd)
 app.command("plan")(plan_cmd)
 app.command("classify")(classify_cmd)
 app.command("report")(report_cmd)
+app.command("compare")(compare_cmd)
 app.command("finetune")(finetune_cmd)
 app.add_typer(toy_app, name="toy")
 toy_app.command("train")(toy_train)

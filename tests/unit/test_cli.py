@@ -9,7 +9,8 @@ runner = CliRunner()
 
 
 def test_help_of_every_command():
-    commands = ("eval", "toy", "toy train", "data countingtricks", "discover", "plan", "classify", "report", "finetune")
+    commands = ("eval", "toy", "toy train", "data countingtricks", "discover", "plan", "classify", "report", "compare")
+    commands += ("finetune",)
     for args in (["--help"], *([*c.split(), "--help"] for c in commands)):
         result = runner.invoke(app, args)
         assert result.exit_code == 0 and "Usage" in result.output, args

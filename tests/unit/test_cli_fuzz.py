@@ -156,6 +156,7 @@ def test_the_fuzz_covers_every_command_and_option():
         "plan",
         "classify",
         "report",
+        "compare",
         "finetune",
         "toy train",
         "data countingtricks",

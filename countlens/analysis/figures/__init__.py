@@ -7,6 +7,8 @@
   colours) and small labelled matrices (the tasks' Jaccard overlaps).
 - `curves`: quantities along the layers or along a circuit's size (VAP, the logit lens, the layer at
   which the answer becomes rank 1, faithfulness) and the AtP-vs-exact scatter.
+- `depth`: several models on one relative-depth axis (`countlens compare`): the VAP hand-off curves
+  and the head classes per depth bin.
 - `counting`: COUNTINGTRICKS accuracy (per case as bars and in the paper's Table 5 layout, by the
   true count), the attention share by modality for right and wrong answers, and the probes' AP@50.
 

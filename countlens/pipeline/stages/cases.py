@@ -13,6 +13,7 @@ import pandas as pd
 
 from countlens.analysis import plots
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary, unanswered
+from countlens.analysis.tables import case_families
 from countlens.pipeline.config import conflict_styles
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 
@@ -47,13 +48,7 @@ CONFLICT = Stage(
 
 def _families(ctx: ReportContext) -> pd.Series:
     """Each case of the run's design by its family (position, dilation, adjacency)."""
-    if ctx.spec.get("design", "countlens") == "paper-code":  # the MAS code's 18 circle cases, no adjacency
-        from countlens.reference.counting_to_four.scenes import DILATION, REFERENCE_CASES
-
-        return pd.Series({n: "dilation" if n in DILATION else "position" for n in REFERENCE_CASES})
-    from countlens.datasets.countingtricks import CASES as DESIGN
-
-    return pd.Series({n: c.family for n, c in DESIGN.items()})
+    return case_families(ctx.spec.get("design", "countlens"))
 
 
 def _by_case(ctx: ReportContext) -> pd.Series:
