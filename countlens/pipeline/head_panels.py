@@ -185,6 +185,6 @@ def head_data(ctx: ReportContext) -> dict:
         "n_heads": n_heads,
         "metrics": metrics,
         "heads": heads,
-        "preset": ctx.spec.get("preset") or "countlens's defaults",
+        "preset": f"preset {ctx.spec['preset']}" if ctx.spec.get("preset") else "countlens's defaults",
         "attention_maps": (ctx.out / ATTENTION_MAPS).exists(),
     }

@@ -127,7 +127,7 @@
     rows($("panel-numbers"), head.numbers, true);
     rows($("panel-patching"), head.patching, true);
     rows($("panel-tokens"), head.tokens.map(([t, share]) => [JSON.stringify(t), share]), false);
-    $("panel-preset").textContent = `preset ${data.preset}`;
+    $("panel-preset").textContent = data.preset;
     const rules = $("panel-rules");
     rules.replaceChildren();
     if (head.rules_class !== head.class) {
@@ -139,9 +139,11 @@
       box.append(el("strong", `${rule.class}: ${rule.matched ? "met" : "not met"}`));
       rule.any_of.forEach((conds, i) => {
         const line = el("div", i > 0 ? "or: " : "");
-        for (const c of conds) {
-          line.append(el("span", `${c.column} ${fmt(c.value)} ${c.op} ${c.name} ${fmt(c.threshold)} `, c.met ? "met" : "unmet"));
-        }
+        conds.forEach((c, j) => {
+          const op = { ">=": "≥", "<=": "≤", "<": "<" }[c.op];
+          const text = `${c.met ? "✓" : "✗"} ${c.column} ${fmt(c.value)} ${op} ${c.name} ${fmt(c.threshold)}`;
+          line.append(el("span", text + (j < conds.length - 1 ? ", " : ""), c.met ? "met" : "unmet"));
+        });
         box.append(line);
       });
       rules.append(box);
