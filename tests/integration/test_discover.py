@@ -131,6 +131,7 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     assert "color MAE" not in table.columns and (table["count (in-dist.) MAE"] >= 0).all()
     assert "PixMo-Count" not in table.columns and "PixMo-Count" not in result.output  # no copy, no column
     assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
+    assert "Circuit-guided fine-tune" in (out / "report.html").read_text()  # the page shows it too
     # A rerun (a resume after a kill) neither retrains nor re-evaluates a finished row.
     from countlens.pipeline import finetune_job as before_after_module
 
