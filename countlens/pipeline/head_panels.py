@@ -13,6 +13,7 @@ embeds it in the page, and ``templates/report.js`` draws it.
 
 from __future__ import annotations
 
+import io
 import math
 from collections import Counter
 from pathlib import Path
@@ -120,7 +121,9 @@ def _top_tokens(hl: xr.Dataset) -> dict[tuple[int, int], list[tuple[str, float]]
     for (la, h), _ in np.ndenumerate(tokens[:, :, 0, 0]):
         counts = Counter()
         for sample in tokens[la, h]:
-            counts.update(set(str(t) for t in sample))  # a sample counts a token once
+            # A sample counts a token once; ties keep the order the tokens were decoded in (a set's
+            # order would change with the string hash seed, and the page with it).
+            counts.update(list(dict.fromkeys(str(t) for t in sample)))
         out[(int(hl["layer"].values[la]), int(hl["head"].values[h]))] = [
             (tok, n / n_samples) for tok, n in counts.most_common(TOP_TOKENS)
         ]
@@ -135,7 +138,9 @@ def head_data(ctx: ReportContext) -> dict:
     """The grid's colour layers and every head's panel, from the run's head table and stored results.
     The panels' images are left to the page builder, which asks `head_images` for as many heads as
     the page holds."""
-    table = shown_columns(ctx.table)
+    # The table as heads.csv holds it (`export_heads` writes this CSV): a float32 measurement computed
+    # by discover reads back from heads.csv as the shorter float64 its CSV text spells.
+    table = pd.read_csv(io.StringIO(shown_columns(ctx.table).to_csv(index=False)))
     spec_thresholds = presets.thresholds(ctx.spec.get("preset", ""))
     rules = class_rules(spec_thresholds)
     n_layers, n_heads = int(table["layer"].max()) + 1, int(table["head"].max()) + 1

@@ -49,8 +49,9 @@ def _run(tmp_path, preset: str = "") -> ReportContext:
     rng = np.random.default_rng(1)
     coords = {"layer": np.arange(LAYERS), "head": np.arange(HEADS)}
 
-    def grid(low=0.0, high=1.0):
-        return xr.DataArray(rng.uniform(low, high, (LAYERS, HEADS)), dims=("layer", "head"), coords=coords)
+    def grid(low=0.0, high=1.0):  # float32, as discover's results are: heads.csv spells them shorter
+        values = rng.uniform(low, high, (LAYERS, HEADS)).astype(np.float32)
+        return xr.DataArray(values, dims=("layer", "head"), coords=coords)
 
     effect = grid(-0.3, 0.6)
     table = classify_heads(
@@ -131,6 +132,20 @@ def test_the_panel_rules_give_each_head_its_class(tmp_path, preset):
     assert len({shown for _, shown in classes}) >= 3  # several rules decided, not "other" throughout
     columns = {c["column"] for rule in data["heads"]["L0H0"]["rules"] for conj in rule["any_of"] for c in conj}
     assert ({"alignment", "difficulty"} <= columns) == (preset == "counting-circuits")
+
+
+def test_tied_tokens_keep_their_decoded_order(tmp_path):
+    """Tokens as frequent as each other are listed in the order HeadLens decoded them, not in a set's
+    order, which changes with the string hash seed: the page is the same on every render."""
+    ctx = _run(tmp_path)
+    order = ["7", "circle", "red", "3", "square", "blue"]
+    tokens = np.broadcast_to(np.array(order[:K]), (LAYERS, HEADS, SAMPLES, K)).copy()
+    tokens[:, :, 1:, :] = np.array(order[K : 2 * K])  # every token in its own share of the samples
+    tokens[:, :, 0, :] = np.array(order[:K])
+    ctx.results["headlens"] = xr.Dataset({"token": (("layer", "head", "sample", "k"), tokens)})
+    panel = _page_data(html_report.render_html(ctx, REPORT))["heads"]["L2H1"]
+    assert [tok for tok, _ in panel["tokens"]] == order[K : 2 * K] + order[:K]
+    assert [share for _, share in panel["tokens"]] == [(SAMPLES - 1) / SAMPLES] * K + [1 / SAMPLES] * K
 
 
 def test_the_page_stays_bounded_however_many_figures(tmp_path):
