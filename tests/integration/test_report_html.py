@@ -3,7 +3,7 @@ organism made once per session: the page runs without a console error, a click o
 panel with heads.csv's numbers, the grid recolours by the chosen result, and it draws something.
 
 Without chromium the tests fail where CI is set (CI always runs them) and are skipped elsewhere,
-naming the packages to install. The builder alone: tests/unit/test_report_html.py.
+naming the packages to install. The builder alone: tests/unit/test_html_report.py.
 """
 
 from __future__ import annotations
