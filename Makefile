@@ -8,9 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(subst =,-,$(subst <,lt,$(subst >,gt,$(subst $(space),,$(TORCH_SPEC)))))
 space := $(subst ,, )
 
-.PHONY: demo test test-fast test-kernels coverage docs lint setup clean
+.PHONY: demo test test-fast test-kernels coverage docs lint setup browser clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 
 $(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-*
@@ -18,7 +18,20 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	@$(MAKE) --no-print-directory browser
 	touch $(STAMP)
+
+# The browser test of report.html (tests/integration/test_report_html.py) drives Debian's chromium
+# through chromedriver: installed here where we can (apt-get, as root); elsewhere this says what is
+# missing and how to install it (the test then fails under CI, where CI is set, and is skipped elsewhere).
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -q && apt-get install -y chromium chromium-driver; \
+	else \
+	  echo "setup: /usr/bin/chromium or /usr/bin/chromedriver is missing (packages chromium, chromium-driver);"; \
+	  echo "       install them as root: apt-get install -y chromium chromium-driver"; \
+	fi
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/countlens discover --model toy --out runs/demo

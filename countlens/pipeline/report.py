@@ -5,8 +5,10 @@ section of the registry (`countlens.pipeline.stages.SECTIONS`) measures what it 
 the patching transition, AtP's rank agreement, the Jaccard overlaps) and draws its figures; the text
 is rendered from ``templates/header.md.j2`` and ``templates/sections/`` (Jinja2: the prose is there,
 the values are computed in the stage modules). ``countlens report RUN`` re-renders it.
-`countlens finetune` puts its before/after table into the report (`add_finetune_section`); that section
-(`FINETUNE_SECTION`) is kept when the report is rebuilt. `splice_finetune_section` does both splices.
+``report.html`` beside it is the same report as one self-contained page with an interactive head grid
+(`countlens.pipeline.html_report`). `countlens finetune` puts its before/after table into the report
+(`add_finetune_section`, both files); that section (`FINETUNE_SECTION`) is kept when the report is
+rebuilt. `splice_finetune_section` does both splices.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from countlens.analysis.heads import read_heads
 from countlens.analysis.metrics import unanswered
+from countlens.pipeline.html_report import write_html
 from countlens.pipeline.rundir import load_run, read_spec
 from countlens.pipeline.stages import SECTIONS, ReportContext
 from countlens.pipeline.stages.classes import preset_summary
@@ -63,6 +66,7 @@ def write_report(
     if FINETUNE_SECTION in kept:  # the section `countlens finetune` wrote is not rebuilt from results/
         text = splice_finetune_section(text, kept[kept.index(FINETUNE_SECTION) :])
     path.write_text(text)
+    write_html(ctx, text)
     return path
 
 
@@ -82,5 +86,10 @@ def add_finetune_section(run: str | Path, finetune_out: str | Path, command: str
         return None
     table = (Path(finetune_out) / "before_after.md").read_text()
     section = f"{FINETUNE_SECTION}\n\nCommand: `{command}`.\n\n{table}"
-    path.write_text(splice_finetune_section(path.read_text(), section))
+    text = splice_finetune_section(path.read_text(), section)
+    path.write_text(text)
+    if (path.parent / "report.html").exists():  # the page shows the report as it now reads
+        spec = read_spec(run)
+        ctx = ReportContext(spec["model"], spec["arch"], Path(run), spec, load_run(run), read_heads(run))
+        write_html(ctx, text)
     return path

@@ -26,7 +26,7 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     assert refused.exit_code == 2 and not out.exists(), refused.output  # nothing left to block the rerun
     result = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
     assert result.exit_code == 0, result.output
-    report = (out / "report.md").read_text()
+    report, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "Warning" not in report  # the organism answers its own prompt
     for section in (
         "COUNTINGTRICKS",
@@ -57,6 +57,7 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     assert runner.invoke(app, ["report", "--run", str(out)]).exit_code == 0
     assert "Prompt style: `short`" in (out / "report.md").read_text()
     assert (out / "report.md").read_text() == report  # re-rendered from results/ and heads.csv, byte for byte
+    assert (out / "report.html").read_text() == page  # the page too: heads.csv's numbers, not discover's float32
     # A second run loads every stage instead of recomputing it.
     (out / "results" / "lens.nc").unlink()
     again = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
@@ -131,6 +132,7 @@ def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
     assert "color MAE" not in table.columns and (table["count (in-dist.) MAE"] >= 0).all()
     assert "PixMo-Count" not in table.columns and "PixMo-Count" not in result.output  # no copy, no column
     assert "Circuit-guided fine-tune" in (out / "report.md").read_text()
+    assert "Circuit-guided fine-tune" in (out / "report.html").read_text()  # the page shows it too
     # A rerun (a resume after a kill) neither retrains nor re-evaluates a finished row.
     from countlens.pipeline import finetune_job as before_after_module
 
