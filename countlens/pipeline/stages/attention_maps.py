@@ -55,12 +55,14 @@ def _compute(run: RunContext) -> xr.Dataset:
             f"{len(samples)} samples: it was written by another countlens; delete it and rerun discover"
         )
     chosen = choose(cases["correct"].values)
+    # Scored candidates keep the chosen answer as ``pred``; greedy generations keep their ``text``.
+    answers = cases["pred"] if "pred" in cases else cases["text"]
     labels = {
         "index": chosen,
         "correct": cases["correct"].values[chosen].astype(bool),
         "case": np.array([str(cases["case"].values[i]) for i in chosen], dtype=object),
         "gold": np.array([str(samples[i].answer) for i in chosen], dtype=object),
-        "pred": np.array([str(cases["pred"].values[i]) for i in chosen], dtype=object),
+        "pred": np.array([str(answers.values[i]) for i in chosen], dtype=object),
     }
     ranking = [(la, h) for la, h, _ in top_sites(run.results["heads"].effect, absolute=True)]
     return attention_maps(run.vlm, [samples[i] for i in chosen], labels, ranking, batch_size=run.batch_size)
