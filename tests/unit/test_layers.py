@@ -228,15 +228,17 @@ def family_names_outside() -> dict[tuple[str, str], list[str]]:
     and the registry that contains one of the family's names (case-insensitive)."""
     from countlens.models import FAMILIES
 
+    # Each file tokenised once, not once per family (the families × files tokenisations took seconds).
+    tokens = {path: [(t, t.string.lower()) for t in code_tokens(path)] for path in sorted(PACKAGE.rglob("*.py"))}
     found: dict[tuple[str, str], list[str]] = {}
     for family in FAMILIES:
         words = {w.lower() for w in (*family.model_types, *family.names, *family.remote_code)}
         own = {PACKAGE / "models" / f"{family.name}.py", PACKAGE / "models" / "__init__.py"}
-        for path in sorted(PACKAGE.rglob("*.py")):
+        for path, path_tokens in tokens.items():
             if path in own:
                 continue
-            for token in code_tokens(path):
-                if any(w in token.string.lower() for w in words):
+            for token, text in path_tokens:
+                if any(w in text for w in words):
                     key = (path.relative_to(PACKAGE.parent).as_posix(), family.name)
                     found.setdefault(key, []).append(f"{token.start[0]}: {token.string[:80]}")
     return found
