@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import math
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -37,25 +36,20 @@ PATCHING: tuple[tuple[str, str], ...] = (
 _NOT_MEASURES = ("head_id", "layer", "head", "class", "kind", "depth")
 #: The decoded tokens a panel lists: the most frequent among every sample's HeadLens top-k.
 TOP_TOKENS = 8
-#: Where a head's attention on sample images comes from: the attention-maps stage's result.
-ATTENTION_MAPS = "results/attention_maps.nc"
 
 
-def head_images(run_dir: str | Path, layer: int, head: int) -> list[tuple[str, bytes]]:
+def head_images(maps: xr.Dataset | None, layer: int, head: int) -> list[tuple[str, bytes]]:
     """The head's attention on sample images, as (caption, PNG bytes), for its panel: none unless the
-    run has ``results/attention_maps.nc`` (the attention-maps stage) with this head's maps in it."""
-    path = Path(run_dir) / ATTENTION_MAPS
-    if not path.exists():
+    run's ``attention_maps`` result (the attention-maps stage, ``maps``) holds this head's maps."""
+    if maps is None:
+        return []
+    stored = (maps.site_layer.values == layer) & (maps.site_head.values == head)
+    if not stored.any():  # a large model's run keeps only its top heads' maps (the stage's size rule)
         return []
     # The one place the attention-maps stage is wired in: its overlays of this head's maps on the samples.
     from countlens.analysis.overlays import head_overlays_png
-    from countlens.results import load
 
-    ds = load(path)
-    stored = (ds.site_layer.values == layer) & (ds.site_head.values == head)
-    if not stored.any():  # a large model's run keeps only its top heads' maps (the stage's size rule)
-        return []
-    return head_overlays_png(ds, layer, head)
+    return head_overlays_png(maps, layer, head)
 
 
 def _finite(x) -> float | None:
@@ -195,5 +189,5 @@ def head_data(ctx: ReportContext) -> dict:
         "metrics": metrics,
         "heads": heads,
         "preset": f"preset {ctx.spec['preset']}" if ctx.spec.get("preset") else "countlens's defaults",
-        "attention_maps": (ctx.out / ATTENTION_MAPS).exists(),
+        "attention_maps": "attention_maps" in ctx.results,
     }

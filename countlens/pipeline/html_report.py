@@ -107,12 +107,13 @@ def _json(value) -> Markup:
 def _embed_head_images(ctx: ReportContext, heads: dict, images: Images) -> None:
     """Each panel's attention images (`head_panels.head_images`) as (caption, data URI), asked for the
     `MAX_IMAGE_HEADS` most important heads only; ``images_left_out``: the head had more than it shows."""
+    maps = ctx.results.get("attention_maps")  # loaded with the run's results: read once, not per head
     order = sorted(heads.values(), key=lambda h: -(dict(h["numbers"]).get("importance") or 0.0))
     for rank, head in enumerate(order):
         head["images"], head["images_left_out"] = [], False
         if rank >= MAX_IMAGE_HEADS:
             continue
-        raw = head_panels.head_images(ctx.out, head["layer"], head["head"])
+        raw = head_panels.head_images(maps, head["layer"], head["head"])
         for caption, data in raw[:MAX_IMAGES_PER_HEAD]:
             uri = images.uri(data, f"{head['id']}: {caption}")
             if uri:

@@ -160,12 +160,12 @@ def test_the_page_stays_bounded_however_many_figures(tmp_path):
 
 def test_head_images_fill_the_most_important_panels_only(tmp_path, monkeypatch):
     ctx = _run(tmp_path)
-    assert head_panels.head_images(tmp_path, 0, 0) == []  # the run has no results/attention_maps.nc
+    assert "attention_maps" not in ctx.results and head_panels.head_images(None, 0, 0) == []  # no maps stored
     monkeypatch.setattr(html_report, "MAX_IMAGE_HEADS", 2)
     sample = _png(64, 64)
     asked = []
 
-    def images(run, la, h):
+    def images(maps, la, h):
         asked.append((la, h))
         return [(f"scene of L{la}H{h}", sample)] * 6
 

@@ -143,6 +143,16 @@ def test_a_heads_png_is_the_image_with_the_attended_cell_brightest(layout, tiles
         overlays.head_overlays_png(ds, 0, 0)
 
 
+def test_a_heads_panel_shows_its_stored_maps_and_nothing_for_a_head_not_stored():
+    """report.html's panels (`head_panels.head_images`) on the stored result: the stored head's
+    overlays, and none (not an error) for a head a large model's run did not keep."""
+    from countlens.pipeline import head_panels
+
+    ds = _stored(*CONSTRUCTED[0][:3])
+    assert head_panels.head_images(ds, 2, 1) == overlays.head_overlays_png(ds, 2, 1)
+    assert head_panels.head_images(ds, 0, 0) == [] and head_panels.head_images(None, 2, 1) == []
+
+
 @pytest.fixture(scope="module")
 def vlm(loaded):
     return loaded("toy")
