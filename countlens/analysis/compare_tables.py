@@ -30,7 +30,7 @@ import math
 import pandas as pd
 
 from countlens.analysis import depth
-from countlens.analysis.metrics import digit_in_conflict, number_avoidance, summary
+from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
 from countlens.analysis.runs import StoredRun
 from countlens.analysis.tables import FAMILIES, OVERALL, case_families, family_row
 
@@ -61,8 +61,7 @@ def accuracy_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
             notes.append(missing(run, "cases", "COUNTINGTRICKS accuracy"))
             rows[run.label] = {}
             continue
-        frame = pd.DataFrame({"case": cases["case"].values.astype(str), "correct": cases["correct"].values})
-        by_case = frame.groupby("case")["correct"].mean().astype(float)
+        by_case = accuracy(cases, "case")["accuracy"].astype(float)  # as the run's own report (cases section)
         own = case_families(run.spec.get("design", "countlens"))
         by_case = by_case.reindex([c for c in own.index if c in by_case.index])
         row = by_case.to_dict()
