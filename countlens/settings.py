@@ -124,6 +124,18 @@ class FinetuneConfig:
         require_distinct(self.target_layers, "target_layers", ConfigError)
 
 
+#: The before/after columns every fine-tune can make from generated scenes alone (no local copy): a
+#: recipe's default, and the first columns of `countlens.pipeline.finetune_sets.EVALUATION`.
+SYNTHETIC_EVALUATION: tuple[str, ...] = (
+    "count (in-dist.)",
+    "tricks position",
+    "tricks dilation",
+    "tricks adjacency",
+    "color",
+    "shape",
+)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A fine-tune protocol for `countlens.pipeline.finetune_job.before_after`: what trains, on what, and
@@ -137,14 +149,7 @@ class Recipe:
     # Columns (`finetune_sets.EVALUATION`); a local copy given (--fsc147, --pixmo, --mmmu, --realworldqa,
     # --mathvista) that none of them reads adds its own, and a local column listed here is left out when no
     # copy is given.
-    evaluation: tuple[str, ...] = (
-        "count (in-dist.)",
-        "tricks position",
-        "tricks dilation",
-        "tricks adjacency",
-        "color",
-        "shape",
-    )
+    evaluation: tuple[str, ...] = SYNTHETIC_EVALUATION
     layers: str = "circuit"  # attention-loss layers: "circuit" (its VG and routing heads' layers) or "all"
     temperature_classes: tuple[str, ...] = ()  # heads the temperature row sharpens; (): top-k by importance
     sources: dict = field(default_factory=dict)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from countlens.settings import SYNTHETIC_EVALUATION
+
 if TYPE_CHECKING:
     from countlens.vlm import VLM
 
@@ -70,12 +72,7 @@ def training_data(recipe, grid, prompt: str, local: dict | None = None, n: int |
 
 
 EVALUATION: tuple[str, ...] = (
-    "count (in-dist.)",
-    "tricks position",
-    "tricks dilation",
-    "tricks adjacency",
-    "color",
-    "shape",
+    *SYNTHETIC_EVALUATION,
     "SynReal",
     "Circles (Syn)",
     "FSC-Val",
