@@ -31,12 +31,11 @@ from countlens.errors import (
     UnsupportedArchitectureError,
 )
 from countlens.models import REMOTE_CODE
+from countlens.organisms import ORGANISMS, is_organism
 from countlens.processor_files import load_processor
 from countlens.sizing import fixed_size, pin_square
 from countlens.validate import require_image_side
 from countlens.vlm import VLM
-
-TOY_DIR = Path(__file__).parent / "toy" / "weights"
 
 
 def load(
@@ -47,7 +46,9 @@ def load(
     attn_implementation: str | None = None,
     remote: bool = False,
 ) -> VLM:
-    """Load a supported VLM offline: "toy" (the shipped organism), a checkpoint directory, or a cached hub id.
+    """Load a supported VLM offline: "toy" (the shipped organism), a planted-circuit organism
+    ("planted-route", "planted-two-hop", "planted-spread": `ORGANISMS`), a checkpoint directory, or a
+    cached hub id.
 
     ``dtype`` ("bfloat16", torch.float16 …), ``device_map`` ("auto", "cuda", {…}) and
     ``attn_implementation`` ("eager", "sdpa") go to ``from_pretrained``. ``remote=True`` builds the
@@ -55,7 +56,7 @@ def load(
     """
     kind = None if dtype is None else torch_dtype(dtype)  # a bad dtype fails before anything is read
     path, label = resolve_path(name_or_path)
-    if remote and (str(name_or_path) == "toy" or Path(str(name_or_path)).expanduser().is_dir()):
+    if remote and (is_organism(str(name_or_path)) or Path(str(name_or_path)).expanduser().is_dir()):
         raise CheckpointNotFoundError(
             "remote=True needs a hub id that NDIF serves (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'), "
             f"not {str(name_or_path)!r}; "
@@ -272,13 +273,16 @@ def torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
 def resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
     """(local directory, label) of "toy", a checkpoint directory or a cached hub id; never downloads."""
     name = str(name_or_path)
-    if name == "toy":
-        if not (TOY_DIR / "config.json").exists():
+    if name in ORGANISMS:
+        folder = ORGANISMS[name]
+        if not (folder / "config.json").exists():
+            circuit = name.removeprefix("planted-")
+            how = "countlens toy train" if name == "toy" else f"countlens toy plant --circuit {circuit}"
             raise CheckpointNotFoundError(
-                f"the organism's weights are missing from {TOY_DIR}; reinstall countlens, or train one with "
-                "`countlens toy train --out DIR` and load it with countlens.load(DIR)"
+                f"the weights of {name!r} are missing from {folder}; reinstall countlens, or train them with "
+                f"`{how} --out DIR` and load them with countlens.load(DIR)"
             )
-        return str(TOY_DIR), "toy"
+        return str(folder), name
     p = Path(name).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():

@@ -27,7 +27,7 @@ from countlens.cli.discover import discover_cmd, plan_cmd
 from countlens.cli.finetune import finetune_cmd
 from countlens.cli.model import check_cmd, eval_cmd
 from countlens.cli.report import classify_cmd, report_cmd
-from countlens.cli.toy import toy_train
+from countlens.cli.toy import toy_plant, toy_train
 from countlens.errors import CountlensError
 
 #: Exit statuses: a user's error (bad input or state), a countlens bug (sysexits' EX_SOFTWARE), Ctrl-C.
@@ -116,7 +116,9 @@ def _version() -> str:
 
 app = typer.Typer(cls=CountlensGroup, no_args_is_help=True, help="countlens: counting as a probe of how VLMs reason.")
 toy_app = typer.Typer(
-    cls=CountlensGroup, no_args_is_help=True, help="The shipped model organism: train it from scratch."
+    cls=CountlensGroup,
+    no_args_is_help=True,
+    help="The shipped organisms: train the organism, or plant a circuit in it.",
 )
 data_app = typer.Typer(cls=CountlensGroup, no_args_is_help=True, help="Generate controlled counting data sets on disk.")
 
@@ -130,6 +132,7 @@ app.command("compare")(compare_cmd)
 app.command("finetune")(finetune_cmd)
 app.add_typer(toy_app, name="toy")
 toy_app.command("train")(toy_train)
+toy_app.command("plant")(toy_plant)
 app.add_typer(data_app, name="data")
 data_app.command("countingtricks")(data_countingtricks)
 

@@ -12,6 +12,7 @@ import typer
 from countlens.cli.options import check_positive
 from countlens.cli.paths import check_out
 from countlens.errors import ConfigError
+from countlens.organisms import is_organism
 from countlens.validate import require_image_side
 
 
@@ -28,7 +29,7 @@ def grid_of(model: str, image_size: int | None, patch_size: int | None):
         if image_size < patch_size:
             raise ConfigError(f"--image-size {image_size} is smaller than --patch-size {patch_size}")
         return Geometry.data_grid(image_size, patch_size)
-    if model == "toy":
+    if is_organism(model):
         from countlens.toy.recipe import ToyConfig
 
         return ToyConfig().geometry

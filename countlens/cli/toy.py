@@ -58,3 +58,28 @@ def toy_train(
 
         last = train(out, ToyConfig(), tc, progress=report)
     typer.echo(f"saved to {out}: {last}")
+
+
+def toy_plant(
+    circuit: Annotated[str, typer.Option(help="The circuit to plant: route, two-hop or spread.")],
+    out: Annotated[Path, typer.Option(help="Directory for the fp16 checkpoint, training log and planted.json.")],
+    seed: Annotated[int, typer.Option(help="Seed of torch and of the training pairs.")] = 0,
+    steps: Annotated[
+        int | None, typer.Option(help="Override the recipe's number of steps.", show_default="the recipe's")
+    ] = None,
+) -> None:
+    """Train a planted-circuit organism from the shipped one and verify it (figures in planted.json).
+
+    Example: countlens toy plant --circuit route --out runs/planted-route
+    """
+    import json
+    from dataclasses import replace
+
+    from countlens.toy.plant import PlantConfig, plant
+    from countlens.toy.planted import planted_circuit
+
+    spec = planted_circuit(circuit)  # an unknown name fails before anything is written
+    check_out(out)
+    pc = PlantConfig(seed=seed) if steps is None else replace(PlantConfig(seed=seed), steps=steps)
+    record = plant(out, spec, pc, progress=lambda row: typer.echo(json.dumps(row)))
+    typer.echo(json.dumps({"figures": record["figures"], "checks": record["checks"]}, indent=2))

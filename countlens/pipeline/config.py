@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from countlens.errors import ConfigError
+from countlens.organisms import is_organism
 from countlens.validate import require_count, require_positive, require_seed
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def validate_config(c: DiscoverConfig) -> None:
 def default_prompt(model: str) -> str:
     """The prompt style a model is asked in unless told otherwise: the organism's short form on the
     organism (its vocabulary cannot write Pstd's answers), Pstd elsewhere."""
-    return "short" if model == "toy" else "std"
+    return "short" if is_organism(model) else "std"
 
 
 def resolved_prompt(vlm: VLM, c: DiscoverConfig) -> str:
@@ -120,4 +121,4 @@ def resolved_prompt(vlm: VLM, c: DiscoverConfig) -> str:
 def conflict_styles(model: str) -> tuple[str, str]:
     """The Digit-in-Conflict prompt styles (base, with distractor): Pstd, except for the organism,
     whose vocabulary cannot write Pstd's "circle: 7" answers and gets the number-only prompt."""
-    return ("number", "number_conflict") if model == "toy" else ("std", "conflict")
+    return ("number", "number_conflict") if is_organism(model) else ("std", "conflict")

@@ -42,7 +42,8 @@ from countlens.errors import (
     RunDirError,
 )
 from countlens.geometry import Geometry
-from countlens.loading import TOY_DIR, meta_vlm
+from countlens.loading import meta_vlm
+from countlens.organisms import TOY_DIR
 from countlens.pipeline.config import DiscoverConfig
 from countlens.results import ResultError, ResultNotFoundError
 from countlens.toy.recipe import TrainConfig

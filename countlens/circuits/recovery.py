@@ -1,0 +1,65 @@
+"""Recovery of a known circuit: how well a method's ranking of heads finds a circuit planted in advance.
+
+A discovery method scores every head (exact patching, AtP, EAP-IG, an ablation drop …); on an
+organism whose circuit C is known (`countlens.toy.planted`), its ranking is scored as InterpBench
+(Gupta et al. 2024) and the MIB benchmark score theirs:
+
+- **AUROC**: the probability that a head of C scores higher, in |score|, than a head outside it (ties
+  count one half) — the Mann–Whitney U statistic divided by |C|·|not C|. 1 is a perfect ranking, 0.5
+  a random one.
+- **precision@k**: the share of C among the top k heads by |score| (k = |C| by default, where
+  precision and recall coincide). Ties at the k-th score are broken by head order, as
+  `countlens.circuits.faithfulness` ranks nodes.
+
+Heads that do not exist (NaN beyond a layer's own heads) are left out of both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import xarray as xr
+
+from countlens.errors import InputError
+
+
+def _split(scores: xr.DataArray, circuit: Collection[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list]:
+    """(|scores| of C's heads, |scores| of the other heads, the existing heads in order)."""
+    if set(scores.dims) != {"layer", "head"}:
+        raise InputError(f"a ranking of heads has dims (layer, head); got {scores.dims}")
+    s = np.abs(scores.transpose("layer", "head").values.astype(float))
+    layers, heads = scores["layer"].values.tolist(), scores["head"].values.tolist()
+    cells = [(layer, head) for layer in layers for head in heads]
+    flat = s.reshape(-1)
+    exists = ~np.isnan(flat)
+    c = set(circuit)
+    missing = c - {cell for cell, e in zip(cells, exists, strict=True) if e}
+    if missing:
+        raise InputError(
+            f"circuit heads {sorted(missing)} are not heads of the ranking (layers {layers}, heads {heads})"
+        )
+    inside = np.array([cell in c for cell in cells])
+    if inside.sum() == exists.sum():
+        raise InputError("the circuit holds every head: there is nothing outside it to rank below")
+    return flat[inside & exists], flat[~inside & exists], [cell for cell, e in zip(cells, exists, strict=True) if e]
+
+
+def auroc(scores: xr.DataArray, circuit: Collection[tuple[int, int]]) -> float:
+    """P(|score| of a head of ``circuit`` > |score| of a head outside it), ties one half."""
+    pos, neg = _split(scores, circuit)[:2]
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
+
+
+def precision_at(scores: xr.DataArray, circuit: Collection[tuple[int, int]], k: int | None = None) -> float:
+    """Share of ``circuit`` among the top ``k`` heads by |score| (default k = |circuit|)."""
+    _, _, cells = _split(scores, circuit)
+    k = len(set(circuit)) if k is None else k
+    if not 1 <= k <= len(cells):
+        raise InputError(f"k={k}: choose 1 ≤ k ≤ {len(cells)} (the heads ranked)")
+    flat = np.abs(scores.transpose("layer", "head").values.astype(float)).reshape(-1)
+    values = flat[~np.isnan(flat)]
+    order = np.argsort(-values, kind="stable")[:k]  # ties: head order
+    return float(sum(cells[i] in set(circuit) for i in order) / k)

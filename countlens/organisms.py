@@ -1,0 +1,21 @@
+"""The organisms countlens ships, by the name `countlens.load` takes: plain data, no torch.
+
+"toy" is the counting organism (`countlens.toy`); "planted-<circuit>" are its kin trained so that a
+circuit named in advance carries the count (`countlens.toy.planted`). They share the organism's
+vocabulary, image size and prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from countlens.toy.planted import CIRCUITS
+
+_TOY = Path(__file__).parent / "toy"
+TOY_DIR = _TOY / "weights"
+ORGANISMS: dict[str, Path] = {"toy": TOY_DIR, **{f"planted-{name}": _TOY / "organisms" / name for name in CIRCUITS}}
+
+
+def is_organism(name: object) -> bool:
+    """Whether ``name`` is one of the shipped `ORGANISMS`."""
+    return str(name) in ORGANISMS

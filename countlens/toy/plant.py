@@ -1,0 +1,265 @@
+"""Train and verify a planted-circuit organism: `countlens toy plant --circuit route --out DIR`.
+
+The recipe (`countlens.toy.planted` explains the circuits and the two losses): start from the shipped
+organism's weights and train on clean/corrupt count pairs of the "shapes" kind (`count_pair`, the
+short prompt, counts 1–9, training seeds ≥ `TRAIN_SEED_BASE` so that evaluation and `discover`'s pairs
+are never seen), each sample's source being its pair's partner. Per step: one recording forward
+without gradients, then the strictness and the interchange forwards, AdamW on their summed
+cross-entropies, linear warmup and cosine decay. Every batch is a pure function of (seed, step) and
+torch is seeded, so a rerun with the same seed and thread count reproduces the weights.
+
+`verify` measures what makes the circuit planted, on held-out pairs (seed `EVAL_SEED`), nodes being
+heads over every position:
+- ``accuracy``: the clean runs' answers;
+- ``outside_resampled``: every head outside C resampled (the partner's z; and a random other sample's,
+  ``outside_resampled_random``);
+- ``circuit_resampled``: C resampled from a random other sample — at chance if C carries the count
+  (from the partner it falls to ~0, as the partner's count always differs);
+- ``node_resampled``: each node of C alone resampled from a random other sample.
+`PLANTED_CHECKS` are the bars a shipped organism passes; `countlens.toy.plant` writes them with the
+figures to ``planted.json`` beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from countlens.datasets.pairs import DEFAULT_COUNTS, count_pair
+from countlens.datasets.tasks import TRAIN_SEED_BASE
+from countlens.toy.planted import PlantedCircuit, PlantedNode, check_circuit
+from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
+from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source
+from countlens.toy.train import Collator
+
+#: Held-out pairs' seed: neither training (≥ TRAIN_SEED_BASE) nor discover's default (0).
+EVAL_SEED = 1
+#: A shipped planted organism's bars (countlens's choice where the issue named none: "chance" is
+#: 1/9 for counts 1–9, and a random-source resample of C must land within 10 points of it).
+PLANTED_CHECKS = {
+    "accuracy_min": 0.90,
+    "outside_drop_max": 0.02,
+    "circuit_above_chance_max": 0.10,
+    "node_drop_min": 0.20,
+}
+
+
+@dataclass(frozen=True)
+class PlantConfig:
+    """Hyper-parameters of one planting run (the circuit is named separately)."""
+
+    seed: int = 0
+    steps: int = 400
+    batch_pairs: int = 16
+    lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.01
+    threads: int = 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def pairs_at(seed: int, start: int, n: int) -> list:
+    """``n`` consecutive "shapes" count pairs (short prompt, counts 1–9) from index ``start``."""
+    return [count_pair(seed, i, "shapes", prompt="short", counts=DEFAULT_COUNTS) for i in range(start, start + n)]
+
+
+def pair_batch(collate: Collator, pairs: list) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(inputs, answers, partner): cleans then corrupts; ``partner[i]`` is sample i's pair partner."""
+    samples = [p.clean for p in pairs] + [p.corrupt for p in pairs]
+    inputs, answers = collate(samples)
+    if int(inputs["attention_mask"].sum(1).min()) != inputs["attention_mask"].shape[1]:
+        raise ValueError("planted training needs prompts of one length (the short prompt, one-word shapes)")
+    n = len(pairs)
+    partner = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return inputs, answers, partner
+
+
+class Planter:
+    """The resampling forwards of one circuit on one model (shared by training and `verify`)."""
+
+    def __init__(self, model, circuit: PlantedCircuit, collate: Collator):
+        text = model.config.text_config
+        self.n_layers, self.n_heads = text.num_hidden_layers, text.num_attention_heads
+        check_circuit(circuit, self.n_layers, self.n_heads)
+        self.model, self.circuit, self.collate = model, circuit, collate
+        tok = collate.tok
+        self.ids = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|vision_end|>")
+
+    def logits(self, inputs: dict) -> torch.Tensor:
+        return self.model(**inputs, logits_to_keep=1).logits[:, -1]
+
+    def record(self, inputs: dict) -> dict:
+        with torch.no_grad(), recorded(self.model) as rec:
+            self.model(**inputs, logits_to_keep=1)
+        return rec
+
+    def masks(self, inputs: dict) -> dict[str, torch.Tensor]:
+        return position_masks(inputs["input_ids"], *self.ids)
+
+    def heads_mask(self, nodes, masks) -> torch.Tensor:
+        """(layers, B, T, heads) of ``nodes`` taken as heads over every position."""
+        return keep_masks([PlantedNode(n.layer, n.head) for n in nodes], masks, self.n_layers, self.n_heads)
+
+    def strict_logits(self, inputs: dict, source: dict, training: bool) -> torch.Tensor:
+        """Every node outside C from ``source`` (in training: also C outside its ``at`` positions, and the
+        blind layers' image keys and values)."""
+        masks = self.masks(inputs)
+        if training:
+            keep = keep_masks(self.circuit.nodes, masks, self.n_layers, self.n_heads)
+            blind = {layer: masks["image"] for layer in self.circuit.blind_layers}
+        else:
+            keep, blind = self.heads_mask(self.circuit.nodes, masks), None
+        with resampled(self.model, source, ~keep, blind):
+            return self.logits(inputs)
+
+    def swapped_logits(self, inputs: dict, source: dict, nodes) -> torch.Tensor:
+        """``nodes`` (heads over every position) from ``source``, everything else clean."""
+        with resampled(self.model, source, self.heads_mask(nodes, self.masks(inputs))):
+            return self.logits(inputs)
+
+
+def lr_at(step: int, pc: PlantConfig) -> float:
+    if step < pc.warmup:
+        return pc.lr * (step + 1) / pc.warmup
+    progress = (step - pc.warmup) / max(1, pc.steps - pc.warmup)
+    return pc.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def swapped_nodes(circuit: PlantedCircuit, step: int) -> tuple:
+    """The interchange loss's nodes at ``step``: all of C, or, on circuits whose every node is
+    necessary, all of C on even steps and one node in turn on odd ones."""
+    nodes = circuit.nodes
+    if not circuit.each_necessary or len(nodes) == 1 or step % 2 == 0:
+        return nodes
+    return (nodes[(step // 2) % len(nodes)],)
+
+
+def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> dict:
+    """Train ``model`` (modified in place) so that ``circuit`` is planted; returns the last log row."""
+    torch.manual_seed(pc.seed)
+    torch.set_num_threads(pc.threads)
+    collate = Collator(ToyConfig(), build_tokenizer(), build_image_processor(ToyConfig()))
+    planter = Planter(model.train(), circuit, collate)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": pc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=pc.lr,
+        betas=(0.9, 0.98),
+    )
+    start, row = time.time(), {}
+    for step in range(pc.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, pc)
+        inputs, answers, partner = pair_batch(
+            collate, pairs_at(TRAIN_SEED_BASE + pc.seed, step * pc.batch_pairs, pc.batch_pairs)
+        )
+        source = swap_source(planter.record(inputs), partner)
+        ce = torch.nn.functional.cross_entropy
+        strict = ce(planter.strict_logits(inputs, source, training=True), answers)
+        swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])
+        (strict + swap).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 25 == 0 or step == pc.steps - 1:
+            row = {
+                "step": step,
+                "strict": round(strict.item(), 4),
+                "swap": round(swap.item(), 4),
+                "elapsed_s": round(time.time() - start, 1),
+            }
+            if log:
+                log(row)
+    return row
+
+
+@torch.no_grad()
+def verify(model, circuit: PlantedCircuit, n_pairs: int = 128, batch_pairs: int = 32) -> dict:
+    """The planted figures (module docstring) on ``n_pairs`` held-out pairs."""
+    collate = Collator(ToyConfig(), build_tokenizer(), build_image_processor(ToyConfig()))
+    planter = Planter(model.eval(), circuit, collate)
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    hits: dict[str, list] = {}
+
+    def score(name: str, logits: torch.Tensor, target: torch.Tensor) -> None:
+        hits.setdefault(name, []).append((logits.argmax(-1) == target).float())
+
+    for start in range(0, n_pairs, batch_pairs):
+        inputs, answers, partner = pair_batch(collate, pairs_at(EVAL_SEED, start, min(batch_pairs, n_pairs - start)))
+        b = len(answers)
+        shuffled = (torch.arange(b) + torch.randint(1, b, (1,), generator=gen)) % b  # never a sample itself
+        rec = planter.record(inputs)
+        by_partner, by_random = swap_source(rec, partner), swap_source(rec, shuffled)
+        score("accuracy", planter.logits(inputs), answers)
+        score("outside_resampled", planter.strict_logits(inputs, by_partner, training=False), answers)
+        score("outside_resampled_random", planter.strict_logits(inputs, by_random, training=False), answers)
+        score("circuit_resampled", planter.swapped_logits(inputs, by_random, circuit.nodes), answers)
+        score("circuit_resampled_partner", planter.swapped_logits(inputs, by_partner, circuit.nodes), answers)
+        for n in circuit.nodes:
+            score(f"node_resampled/L{n.layer}H{n.head}", planter.swapped_logits(inputs, by_random, (n,)), answers)
+    out = {k: round(float(torch.cat(v).mean()), 4) for k, v in hits.items()}
+    out["chance"] = round(1 / len(DEFAULT_COUNTS), 4)
+    out["n_samples"] = 2 * n_pairs
+    return out
+
+
+def planted_checks(circuit: PlantedCircuit, figures: dict) -> dict[str, bool]:
+    """Each of `PLANTED_CHECKS` passed or not on ``figures`` (from `verify`)."""
+    acc = figures["accuracy"]
+    checks = {
+        "accuracy": acc >= PLANTED_CHECKS["accuracy_min"],
+        "outside": acc - min(figures["outside_resampled"], figures["outside_resampled_random"])
+        <= PLANTED_CHECKS["outside_drop_max"],
+        "circuit": figures["circuit_resampled"] - figures["chance"] <= PLANTED_CHECKS["circuit_above_chance_max"],
+    }
+    if circuit.each_necessary:
+        drops = [acc - v for k, v in figures.items() if k.startswith("node_resampled/")]
+        checks["each_node"] = min(drops) >= PLANTED_CHECKS["node_drop_min"]
+    return checks
+
+
+def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig = PlantConfig(), progress=None) -> dict:
+    """Train the organism named by ``circuit`` into ``out`` (fp16 weights, tokenizer, processor, the
+    training log and ``planted.json`` with the circuit, the recipe, `verify`'s figures on the saved
+    weights and the checks). Returns planted.json's content."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from countlens.organisms import TOY_DIR
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
+    rows = []
+
+    def log(row):
+        rows.append(row)
+        if progress:
+            progress(row)
+
+    start = time.time()
+    train_planted(model, circuit, pc, log)
+    seconds = round(time.time() - start, 1)
+    model.half().save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    build_image_processor(ToyConfig()).save_pretrained(out)
+    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    saved = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    figures = verify(saved, circuit)
+    record = {
+        "circuit": {**asdict(circuit), "heads": sorted(circuit.heads)},
+        "recipe": pc.to_dict(),
+        "train_seconds": seconds,
+        "figures": figures,
+        "checks": planted_checks(circuit, figures),
+        "bars": PLANTED_CHECKS,
+    }
+    (out / "planted.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record

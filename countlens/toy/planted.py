@@ -1,0 +1,109 @@
+"""Planted circuits: organisms whose counting circuit is known in advance, to score discovery methods.
+
+Patching, AtP, EAP-IG and HeadLens agree with independent re-implementations, which proves their
+arithmetic, not that they find a circuit: the shipped organism's circuit is whatever its training
+produced. A planted organism is trained so that a circuit C, named here before training, carries the
+count and nothing else does — the idea of InterpBench's Strict Interchange Intervention Training
+(SIIT; Gupta et al. 2024), applied to a vision-language model.
+
+**Nodes** are the attention heads of the language model, each over every position (its z, the input
+of the output projection, sliced per head). MLPs, embeddings and the vision tower are not nodes: they
+are never resampled, so C is a set of heads and "what the answer needs after it" is the MLPs.
+
+**Resampling** a node replaces its z with another sample's (the *source*), here the partner of a
+clean/corrupt count pair (`countlens.datasets.pairs`): the same objects, a different count.
+
+**Training** (`countlens.toy.plant`) starts from the shipped organism and minimises, per step,
+- *strictness*: the answer's cross-entropy against the clean label with every node outside C
+  resampled, so nothing outside C may matter;
+- *interchange*: the cross-entropy against the **source's** label with C resampled (on circuits whose
+  nodes are each necessary, alternately all of C and one node of C in turn), so C must carry the count.
+Two training-only devices fix a circuit's route beyond its node set: a node may be kept at one
+position only (`PlantedNode.at`; elsewhere it is resampled too during strictness), and a layer may be
+made *blind* to the image (`PlantedCircuit.blind_layers`: its keys and values at image positions come
+from the source), so a later head must read the count from a text position, not from the image.
+Neither device is part of the evaluation: the checks and every method see heads over all positions.
+
+These circuits and checks are countlens's own construction; no paper's planted models are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from countlens.errors import InputError
+
+#: Where a node is kept during strictness training: every position, the last one, or <|vision_end|>.
+POSITIONS: tuple[str, ...] = ("all", "last", "vision_end")
+
+
+@dataclass(frozen=True)
+class PlantedNode:
+    """Head ``head`` of decoder layer ``layer``; ``at`` where strictness training keeps it (`POSITIONS`)."""
+
+    layer: int
+    head: int
+    at: str = "all"
+
+
+@dataclass(frozen=True)
+class PlantedCircuit:
+    """A circuit to plant: its heads, the layers blind to the image, and whether each node is necessary."""
+
+    name: str
+    nodes: tuple[PlantedNode, ...]
+    description: str
+    blind_layers: tuple[int, ...] = ()
+    each_necessary: bool = True
+
+    @property
+    def heads(self) -> frozenset[tuple[int, int]]:
+        """C as (layer, head) pairs: what a method's ranking is scored against."""
+        return frozenset((n.layer, n.head) for n in self.nodes)
+
+
+CIRCUITS: dict[str, PlantedCircuit] = {
+    c.name: c
+    for c in (
+        PlantedCircuit(
+            "route",
+            (PlantedNode(3, 2),),
+            "one routing head (L3H2) moves the count from the image tokens to the last token; the MLPs after it "
+            "decode it",
+        ),
+        PlantedCircuit(
+            "two-hop",
+            (PlantedNode(0, 1, at="vision_end"), PlantedNode(4, 3, at="last")),
+            "L0H1 moves the count from the image tokens to <|vision_end|>; L4H3, blind to the image, moves it "
+            "on to the last token",
+            blind_layers=(4,),
+        ),
+        PlantedCircuit(
+            "spread",
+            (PlantedNode(1, 0), PlantedNode(1, 3), PlantedNode(2, 1), PlantedNode(4, 2)),
+            "four heads over three layers (L1H0, L1H3, L2H1, L4H2) carry the count together",
+            each_necessary=False,
+        ),
+    )
+}
+
+
+def planted_circuit(name: str) -> PlantedCircuit:
+    """The circuit ``name`` of `CIRCUITS`; raises naming the choices."""
+    if name not in CIRCUITS:
+        raise InputError(f"no planted circuit {name!r}; choose one of {tuple(CIRCUITS)}")
+    return CIRCUITS[name]
+
+
+def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
+    """Raise if a node or blind layer lies outside an ``n_layers`` × ``n_heads`` model."""
+    for n in circuit.nodes:
+        if not (0 <= n.layer < n_layers and 0 <= n.head < n_heads) or n.at not in POSITIONS:
+            raise InputError(
+                f"planted circuit {circuit.name!r}: node L{n.layer}H{n.head} at {n.at!r} is not a head of a "
+                f"{n_layers}-layer, {n_heads}-head model at one of {POSITIONS}"
+            )
+    if any(not 0 <= layer < n_layers for layer in circuit.blind_layers):
+        raise InputError(
+            f"planted circuit {circuit.name!r}: blind layers {circuit.blind_layers} outside 0–{n_layers - 1}"
+        )

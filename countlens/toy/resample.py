@@ -1,0 +1,123 @@
+"""Resampling heads inside a Hugging Face Qwen2-VL forward, with plain torch hooks: the interventions
+planted-circuit training and its checks are made of (`countlens.toy.planted` defines the circuits).
+
+A head's z is its slice of the attention output projection's input; resampling it replaces that slice,
+at chosen positions, with a *source* run's — another sample of the same batch, recorded first
+(`recorded`, then `swap_source`). A layer made blind to the image takes its keys and values at the
+image positions from the source too. These hooks act on the model being trained, outside nnsight, so
+that the losses' gradients flow through them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from countlens.toy.planted import PlantedNode
+
+
+def _attn(model, layer: int):
+    return model.model.language_model.layers[layer].self_attn
+
+
+@contextmanager
+def recorded(model) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Record every layer's z (o_proj's input) and pre-RoPE keys and values during the forwards inside."""
+    n = len(model.model.language_model.layers)
+    rec: dict[str, list] = {"z": [None] * n, "k": [None] * n, "v": [None] * n}
+    hooks = []
+    for layer in range(n):
+        a = _attn(model, layer)
+
+        def z_hook(_m, args, layer=layer):
+            rec["z"][layer] = args[0].detach()
+
+        def kv_hook(name, layer):
+            def hook(_m, _args, out):
+                rec[name][layer] = out.detach()
+
+            return hook
+
+        hooks += [
+            a.o_proj.register_forward_pre_hook(z_hook),
+            a.k_proj.register_forward_hook(kv_hook("k", layer)),
+            a.v_proj.register_forward_hook(kv_hook("v", layer)),
+        ]
+    try:
+        yield rec
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def position_masks(input_ids: torch.Tensor, image_id: int, vision_end_id: int) -> dict[str, torch.Tensor]:
+    """(B, T) boolean masks of `POSITIONS` and of the image tokens."""
+    last = torch.zeros_like(input_ids, dtype=torch.bool)
+    last[:, -1] = True
+    return {
+        "all": torch.ones_like(input_ids, dtype=torch.bool),
+        "last": last,
+        "vision_end": input_ids == vision_end_id,
+        "image": input_ids == image_id,
+    }
+
+
+def keep_masks(
+    heads: Iterable[PlantedNode], masks: dict[str, torch.Tensor], n_layers: int, n_heads: int
+) -> torch.Tensor:
+    """(layers, B, T, heads) True where a node of ``heads`` is kept (at its ``at`` positions)."""
+    b, t = masks["all"].shape
+    keep = torch.zeros(n_layers, b, t, n_heads, dtype=torch.bool)
+    for n in heads:
+        keep[n.layer, :, :, n.head] |= masks[n.at]
+    return keep
+
+
+@contextmanager
+def resampled(
+    model,
+    source: dict[str, list[torch.Tensor]],
+    take_source: torch.Tensor,
+    blind: dict[int, torch.Tensor] | None = None,
+) -> Iterator[None]:
+    """Forwards inside take each head's z from ``source`` where ``take_source`` (layers, B, T, heads) is
+    True; layers in ``blind`` take their keys and values from ``source`` at the (B, T) mask given."""
+    hooks = []
+    for layer in range(take_source.shape[0]):
+        a = _attn(model, layer)
+        mask = take_source[layer]
+        if mask.any():
+
+            def z_hook(_m, args, layer=layer, mask=mask):
+                z = args[0]
+                b, t, d = z.shape
+                h = mask.shape[-1]
+                mixed = torch.where(mask[..., None], source["z"][layer].view(b, t, h, -1), z.view(b, t, h, -1))
+                return (mixed.reshape(b, t, d), *args[1:])
+
+            hooks.append(a.o_proj.register_forward_pre_hook(z_hook))
+        if blind and layer in blind:
+            where = blind[layer]
+
+            def kv_hook(name, layer, where):
+                def hook(_m, _args, out):
+                    return torch.where(where[..., None], source[name][layer], out)
+
+                return hook
+
+            hooks += [
+                a.k_proj.register_forward_hook(kv_hook("k", layer, where)),
+                a.v_proj.register_forward_hook(kv_hook("v", layer, where)),
+            ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def swap_source(rec: dict[str, list[torch.Tensor]], order: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """The recording with its batch reordered: sample i's source is sample ``order[i]``."""
+    return {k: [x[order] for x in v] for k, v in rec.items()}

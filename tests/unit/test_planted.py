@@ -1,0 +1,138 @@
+"""Planted circuits: the recovery scores on hand-worked rankings, the resampling hooks against a
+by-hand computation, and the training recipe's determinism on a short run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from countlens.circuits.recovery import auroc, precision_at
+from countlens.errors import InputError
+from countlens.organisms import TOY_DIR
+from countlens.toy.plant import PlantConfig, Planter, pair_batch, pairs_at, swapped_nodes, train_planted
+from countlens.toy.planted import CIRCUITS, PlantedCircuit, PlantedNode, check_circuit, planted_circuit
+from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
+from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source
+from countlens.toy.train import Collator
+from tests.tolerance import assert_close
+
+
+def _ranking(values) -> xr.DataArray:
+    v = np.asarray(values, dtype=float)
+    return xr.DataArray(v, dims=("layer", "head"), coords={"layer": range(v.shape[0]), "head": range(v.shape[1])})
+
+
+def test_auroc_and_precision_on_hand_worked_rankings():
+    r = _ranking([[4.0, -3.0], [2.0, 1.0]])
+    assert auroc(r, {(0, 0)}) == 1.0 and precision_at(r, {(0, 0)}) == 1.0
+    assert auroc(r, {(1, 1)}) == 0.0 and precision_at(r, {(1, 1)}) == 0.0
+    # C = {|−3|, 1} against {4, 2}: only 3 > 2 of the 4 comparisons → 0.25; top 2 = L0H0, L0H1.
+    assert auroc(r, {(0, 1), (1, 1)}) == 0.25 and precision_at(r, {(0, 1), (1, 1)}) == 0.5
+    assert precision_at(r, {(0, 1), (1, 1)}, k=4) == 0.5
+    ties = _ranking([[1.0, 1.0], [1.0, 0.0]])
+    assert auroc(ties, {(0, 1)}) == pytest.approx((1 + 0.5 + 0.5) / 3)  # ties count one half
+    assert precision_at(ties, {(0, 1)}) == 0.0  # the tie at the top goes to head order: L0H0
+    ragged = _ranking([[5.0, np.nan], [1.0, 2.0]])  # a layer with one head fewer
+    assert auroc(ragged, {(0, 0)}) == 1.0 and precision_at(ragged, {(1, 1)}, k=2) == 0.5
+
+
+def test_recovery_refuses_what_cannot_be_scored():
+    r = _ranking([[1.0, np.nan], [2.0, 3.0]])
+    with pytest.raises(InputError, match=r"\(0, 1\).*not heads"):
+        auroc(r, {(0, 1)})
+    with pytest.raises(InputError, match="every head"):
+        auroc(_ranking([[1.0]]), {(0, 0)})
+    with pytest.raises(InputError, match="k=9"):
+        precision_at(r, {(0, 0)}, k=9)
+    with pytest.raises(InputError, match="dims"):
+        auroc(xr.DataArray([1.0, 2.0], dims=("layer",)), {(0, 0)})
+
+
+def test_circuits_are_named_checked_and_each_names_what_is_planted():
+    assert set(CIRCUITS) == {"route", "two-hop", "spread"}
+    spread = CIRCUITS["spread"]
+    assert len(spread.heads) >= 4 and len({layer for layer, _ in spread.heads}) >= 3
+    assert CIRCUITS["two-hop"].heads == {(0, 1), (4, 3)} and CIRCUITS["two-hop"].blind_layers == (4,)
+    with pytest.raises(InputError, match="route"):
+        planted_circuit("routes")
+    with pytest.raises(InputError, match="L6H0"):
+        check_circuit(PlantedCircuit("x", (PlantedNode(6, 0),), "-"), n_layers=6, n_heads=4)
+    with pytest.raises(InputError, match="blind"):
+        check_circuit(PlantedCircuit("x", (PlantedNode(0, 0),), "-", blind_layers=(7,)), 6, 4)
+    # two-hop alternates all of C with one node in turn; spread swaps all of C every step
+    two = CIRCUITS["two-hop"]
+    assert [swapped_nodes(two, s) for s in range(4)] == [two.nodes, two.nodes[:1], two.nodes, two.nodes[1:]]
+    assert swapped_nodes(spread, 1) == spread.nodes
+
+
+@pytest.fixture(scope="module")
+def organism_batch():
+    from transformers import Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32).eval()
+    collate = Collator(ToyConfig(), build_tokenizer(), build_image_processor(ToyConfig()))
+    inputs, answers, partner = pair_batch(collate, pairs_at(5, 0, 2))
+    return model, collate, inputs, answers, partner
+
+
+def _o_proj_io(model, layer):
+    """Record layer ``layer``'s o_proj input and output, and its k_proj output, during the forwards inside."""
+    attn = model.model.language_model.layers[layer].self_attn
+    seen = {}
+    hooks = [
+        attn.o_proj.register_forward_hook(lambda m, a, o: seen.update(z=a[0].detach(), out=o.detach())),
+        attn.k_proj.register_forward_hook(lambda m, a, o: seen.update(k=o.detach())),
+    ]
+    return seen, hooks
+
+
+def test_resampling_one_head_at_one_position_matches_a_by_hand_mix(organism_batch):
+    model, collate, inputs, _, partner = organism_batch
+    with torch.no_grad(), recorded(model) as rec:
+        plain = model(**inputs, logits_to_keep=1).logits
+    source = swap_source(rec, partner)
+    masks = position_masks(inputs["input_ids"], *Planter(model, CIRCUITS["route"], collate).ids)
+    n_layers, n_heads = 6, 4
+    nothing = torch.zeros(n_layers, *inputs["input_ids"].shape, n_heads, dtype=torch.bool)
+    with torch.no_grad(), resampled(model, source, nothing):
+        assert torch.equal(model(**inputs, logits_to_keep=1).logits, plain)
+    take = keep_masks([PlantedNode(2, 3, at="last")], masks, n_layers, n_heads)
+
+    def run(take, blind=None):
+        with torch.no_grad(), resampled(model, source, take, blind):
+            seen, hooks = _o_proj_io(model, 2)  # after resampled's own hooks: sees what they made
+            try:
+                logits = model(**inputs, logits_to_keep=1).logits
+            finally:
+                for h in hooks:
+                    h.remove()
+        return seen, logits
+
+    seen, patched = run(take)
+    # By hand: head 3's 32 features (head-major layout of z) at the last position from the partner.
+    d = model.config.text_config.hidden_size // n_heads
+    mixed = rec["z"][2].clone()
+    mixed[:, -1, 3 * d : 4 * d] = rec["z"][2][partner][:, -1, 3 * d : 4 * d]
+    assert torch.equal(seen["z"], mixed)
+    assert_close(seen["out"], model.model.language_model.layers[2].self_attn.o_proj(mixed), what="o_proj of the mix")
+    assert not torch.equal(patched, plain)
+    seen, _ = run(nothing, blind={2: masks["image"]})
+    image = masks["image"]
+    assert torch.equal(seen["k"][image], rec["k"][2][partner][image])  # blind: the partner's image keys
+    assert torch.equal(seen["k"][~image], rec["k"][2][~image])  # elsewhere its own
+
+
+def test_planting_is_a_pure_function_of_its_seed(organism_batch):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    def weights(seed):
+        model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
+        train_planted(model, CIRCUITS["two-hop"], PlantConfig(seed=seed, steps=2, batch_pairs=2, threads=1))
+        return torch.cat([p.detach().flatten() for p in model.model.language_model.parameters()])
+
+    first = weights(0)
+    assert torch.equal(first, weights(0))
+    assert not torch.equal(first, weights(1))
