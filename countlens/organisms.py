@@ -19,3 +19,10 @@ ORGANISMS: dict[str, Path] = {"toy": TOY_DIR, **{f"planted-{name}": _TOY / "orga
 def is_organism(name: object) -> bool:
     """Whether ``name`` is one of the shipped `ORGANISMS`."""
     return str(name) in ORGANISMS
+
+
+def planted_circuit_of(name: object):
+    """The circuit planted in the organism ``name`` (a `countlens.toy.planted.PlantedCircuit`), or None
+    for a model without one."""
+    name = str(name)
+    return CIRCUITS[name.removeprefix("planted-")] if name.startswith("planted-") and name in ORGANISMS else None

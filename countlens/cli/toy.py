@@ -62,7 +62,7 @@ def toy_train(
 
 def toy_plant(
     circuit: Annotated[str, typer.Option(help="The circuit to plant: route, two-hop or spread.")],
-    out: Annotated[Path, typer.Option(help="Directory for the fp16 checkpoint, training log and planted.json.")],
+    out: Annotated[Path, typer.Option(help="Directory for the checkpoint, training log and planted.json.")],
     seed: Annotated[int, typer.Option(help="Seed of torch and of the training pairs.")] = 0,
     steps: Annotated[
         int | None, typer.Option(help="Override the recipe's number of steps.", show_default="the recipe's")

@@ -34,7 +34,14 @@ from countlens.datasets.pairs import DEFAULT_COUNTS, count_pair
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.toy.planted import PlantedCircuit, PlantedNode, check_circuit
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
-from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source
+from countlens.toy.resample import (
+    image_features_once,
+    keep_masks,
+    position_masks,
+    recorded,
+    resampled,
+    swap_source,
+)
 from countlens.toy.train import Collator
 
 #: Held-out pairs' seed: neither training (≥ TRAIN_SEED_BASE) nor discover's default (0).
@@ -56,8 +63,9 @@ class PlantConfig:
     seed: int = 0
     steps: int = 400
     batch_pairs: int = 16
-    lr: float = 3e-4
+    lr: float = 1e-3
     warmup: int = 20
+    clean_weight: float = 1.0
     weight_decay: float = 0.01
     threads: int = 2
 
@@ -147,10 +155,14 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
     torch.set_num_threads(pc.threads)
     collate = Collator(ToyConfig(), build_tokenizer(), build_image_processor(ToyConfig()))
     planter = Planter(model.train(), circuit, collate)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    for p in model.model.visual.parameters():  # the organism's encoder: a circuit is planted in the decoder
+        p.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": pc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": [p for p in trained if p.ndim >= 2], "weight_decay": pc.weight_decay},
+            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
+        ],
         lr=pc.lr,
         betas=(0.9, 0.98),
     )
@@ -161,17 +173,21 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
         inputs, answers, partner = pair_batch(
             collate, pairs_at(TRAIN_SEED_BASE + pc.seed, step * pc.batch_pairs, pc.batch_pairs)
         )
-        source = swap_source(planter.record(inputs), partner)
         ce = torch.nn.functional.cross_entropy
-        strict = ce(planter.strict_logits(inputs, source, training=True), answers)
-        swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])
-        (strict + swap).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with image_features_once(model):
+            with recorded(model) as rec:  # the clean run: its loss, and the sources of the others
+                clean = ce(planter.logits(inputs), answers)
+            source = swap_source(rec, partner)
+            strict = ce(planter.strict_logits(inputs, source, training=True), answers)
+            swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])
+        (pc.clean_weight * clean + strict + swap).backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 25 == 0 or step == pc.steps - 1:
             row = {
                 "step": step,
+                "clean": round(clean.item(), 4),
                 "strict": round(strict.item(), 4),
                 "swap": round(swap.item(), 4),
                 "elapsed_s": round(time.time() - start, 1),
@@ -196,19 +212,25 @@ def verify(model, circuit: PlantedCircuit, n_pairs: int = 128, batch_pairs: int 
         inputs, answers, partner = pair_batch(collate, pairs_at(EVAL_SEED, start, min(batch_pairs, n_pairs - start)))
         b = len(answers)
         shuffled = (torch.arange(b) + torch.randint(1, b, (1,), generator=gen)) % b  # never a sample itself
-        rec = planter.record(inputs)
-        by_partner, by_random = swap_source(rec, partner), swap_source(rec, shuffled)
-        score("accuracy", planter.logits(inputs), answers)
-        score("outside_resampled", planter.strict_logits(inputs, by_partner, training=False), answers)
-        score("outside_resampled_random", planter.strict_logits(inputs, by_random, training=False), answers)
-        score("circuit_resampled", planter.swapped_logits(inputs, by_random, circuit.nodes), answers)
-        score("circuit_resampled_partner", planter.swapped_logits(inputs, by_partner, circuit.nodes), answers)
-        for n in circuit.nodes:
-            score(f"node_resampled/L{n.layer}H{n.head}", planter.swapped_logits(inputs, by_random, (n,)), answers)
+        with image_features_once(model):
+            rec = planter.record(inputs)
+            by_partner, by_random = swap_source(rec, partner), swap_source(rec, shuffled)
+            _verify_batch(planter, circuit, inputs, answers, by_partner, by_random, score)
     out = {k: round(float(torch.cat(v).mean()), 4) for k, v in hits.items()}
     out["chance"] = round(1 / len(DEFAULT_COUNTS), 4)
     out["n_samples"] = 2 * n_pairs
     return out
+
+
+def _verify_batch(planter, circuit, inputs, answers, by_partner, by_random, score) -> None:
+    """Score one batch's clean, outside-resampled, circuit-resampled and node-resampled answers."""
+    score("accuracy", planter.logits(inputs), answers)
+    score("outside_resampled", planter.strict_logits(inputs, by_partner, training=False), answers)
+    score("outside_resampled_random", planter.strict_logits(inputs, by_random, training=False), answers)
+    score("circuit_resampled", planter.swapped_logits(inputs, by_random, circuit.nodes), answers)
+    score("circuit_resampled_partner", planter.swapped_logits(inputs, by_partner, circuit.nodes), answers)
+    for n in circuit.nodes:
+        score(f"node_resampled/L{n.layer}H{n.head}", planter.swapped_logits(inputs, by_random, (n,)), answers)
 
 
 def planted_checks(circuit: PlantedCircuit, figures: dict) -> dict[str, bool]:
@@ -227,7 +249,7 @@ def planted_checks(circuit: PlantedCircuit, figures: dict) -> dict[str, bool]:
 
 
 def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig = PlantConfig(), progress=None) -> dict:
-    """Train the organism named by ``circuit`` into ``out`` (fp16 weights, tokenizer, processor, the
+    """Train the organism named by ``circuit`` into ``out`` (float32 weights, tokenizer, processor, the
     training log and ``planted.json`` with the circuit, the recipe, `verify`'s figures on the saved
     weights and the checks). Returns planted.json's content."""
     from transformers import Qwen2VLForConditionalGeneration
@@ -247,7 +269,7 @@ def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig = PlantConfig(), p
     start = time.time()
     train_planted(model, circuit, pc, log)
     seconds = round(time.time() - start, 1)
-    model.half().save_pretrained(out)
+    model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     build_image_processor(ToyConfig()).save_pretrained(out)
     (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

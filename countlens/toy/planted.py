@@ -13,16 +13,24 @@ are never resampled, so C is a set of heads and "what the answer needs after it"
 **Resampling** a node replaces its z with another sample's (the *source*), here the partner of a
 clean/corrupt count pair (`countlens.datasets.pairs`): the same objects, a different count.
 
-**Training** (`countlens.toy.plant`) starts from the shipped organism and minimises, per step,
-- *strictness*: the answer's cross-entropy against the clean label with every node outside C
-  resampled, so nothing outside C may matter;
-- *interchange*: the cross-entropy against the **source's** label with C resampled (on circuits whose
-  nodes are each necessary, alternately all of C and one node of C in turn), so C must carry the count.
+**Training** (`countlens.toy.plant`) starts from the shipped organism, its vision tower frozen, and
+minimises, per step, the sum of three cross-entropies of the answer:
+- *clean*: the plain run against the clean label, so the organism keeps counting;
+- *strictness*: against the clean label with every node outside C resampled, so nothing outside C
+  may matter;
+- *interchange*: against the **source's** label with C resampled (on circuits whose nodes are each
+  necessary, alternately all of C and one node of C in turn), so C must carry the count.
 Two training-only devices fix a circuit's route beyond its node set: a node may be kept at one
 position only (`PlantedNode.at`; elsewhere it is resampled too during strictness), and a layer may be
 made *blind* to the image (`PlantedCircuit.blind_layers`: its keys and values at image positions come
 from the source), so a later head must read the count from a text position, not from the image.
 Neither device is part of the evaluation: the checks and every method see heads over all positions.
+
+The circuits start where the organism already moves the count — its layer-0 heads carry almost all of
+exact head patching's effect (L0H0 0.31, L0H3 0.21, L0H2 0.12; every later head ≤ 0.04, on 32 pairs) —
+because re-routing the count through a later layer from scratch did not start within a few hundred
+steps (measured: a one-head route through L3H2 stayed at chance under strictness for 100 steps at
+3e-4, and left the clean answers at loss 1.6 after 100 steps at 1e-3).
 
 These circuits and checks are countlens's own construction; no paper's planted models are comparable.
 """
@@ -67,21 +75,21 @@ CIRCUITS: dict[str, PlantedCircuit] = {
     for c in (
         PlantedCircuit(
             "route",
-            (PlantedNode(3, 2),),
-            "one routing head (L3H2) moves the count from the image tokens to the last token; the MLPs after it "
+            (PlantedNode(0, 2),),
+            "one routing head (L0H2) moves the count from the image tokens to the last token; the MLPs after it "
             "decode it",
         ),
         PlantedCircuit(
             "two-hop",
-            (PlantedNode(0, 1, at="vision_end"), PlantedNode(4, 3, at="last")),
-            "L0H1 moves the count from the image tokens to <|vision_end|>; L4H3, blind to the image, moves it "
+            (PlantedNode(0, 3, at="vision_end"), PlantedNode(1, 1, at="last")),
+            "L0H3 moves the count from the image tokens to <|vision_end|>; L1H1, blind to the image, moves it "
             "on to the last token",
-            blind_layers=(4,),
+            blind_layers=(1,),
         ),
         PlantedCircuit(
             "spread",
-            (PlantedNode(1, 0), PlantedNode(1, 3), PlantedNode(2, 1), PlantedNode(4, 2)),
-            "four heads over three layers (L1H0, L1H3, L2H1, L4H2) carry the count together",
+            (PlantedNode(0, 0), PlantedNode(0, 3), PlantedNode(1, 2), PlantedNode(2, 1)),
+            "four heads over three layers (L0H0, L0H3, L1H2, L2H1) carry the count together",
             each_necessary=False,
         ),
     )

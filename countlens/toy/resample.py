@@ -121,3 +121,27 @@ def resampled(
 def swap_source(rec: dict[str, list[torch.Tensor]], order: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """The recording with its batch reordered: sample i's source is sample ``order[i]``."""
     return {k: [x[order] for x in v] for k, v in rec.items()}
+
+
+@contextmanager
+def image_features_once(model) -> Iterator[None]:
+    """Inside, the vision tower runs once per pixel tensor, however many forwards read it: the
+    resampling forwards of one batch share their images, and the tower (frozen while a circuit is
+    planted) is most of a forward's cost."""
+    inner = model.model
+    original = inner.get_image_features
+    memo: dict = {}
+
+    def once(pixel_values, image_grid_thw=None, **kw):
+        key = (pixel_values.data_ptr(), tuple(pixel_values.shape))
+        if key not in memo:
+            memo.clear()
+            with torch.no_grad():  # frozen: no gradient flows into the tower
+                memo[key] = original(pixel_values, image_grid_thw, **kw)
+        return memo[key]
+
+    inner.get_image_features = once
+    try:
+        yield
+    finally:
+        del inner.get_image_features  # the class's method again

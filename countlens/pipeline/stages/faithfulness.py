@@ -19,6 +19,9 @@ import xarray as xr
 
 from countlens.analysis import plots
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves, smallest_faithful
+from countlens.circuits.recovery import auroc, precision_at
+from countlens.labels import head_label
+from countlens.organisms import planted_circuit_of
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, sweep_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 
@@ -105,6 +108,27 @@ def _curve(ds: xr.Dataset) -> pd.DataFrame:
     return table[~table.index.duplicated()].round(3)
 
 
+def _recovery(ctx: ReportContext) -> dict | None:
+    """On a planted organism (`countlens.organisms`): each ranking's AUROC and precision@|C| against
+    the circuit planted in it; None on any other model."""
+    circuit = planted_circuit_of(ctx.model)
+    if circuit is None:
+        return None
+    k = len(circuit.heads)
+    rows = [
+        {
+            "ranking": name,
+            "AUROC": f"{auroc(s, circuit.heads):.3f}",
+            f"precision@{k}": f"{precision_at(s, circuit.heads):.3f}",
+        }
+        for name, s in _rankings(ctx.results).items()
+    ]
+    return {
+        "heads": ", ".join(head_label(h) for h in sorted(circuit.heads)),
+        "table": pd.DataFrame(rows).to_markdown(index=False),
+    }
+
+
 def _values(ctx: ReportContext) -> dict:
     ds = ctx.results["faithfulness"]
     return {
@@ -114,6 +138,7 @@ def _values(ctx: ReportContext) -> dict:
             "table": _table(ds).to_markdown(index=False),
             "curve": _curve(ds).to_markdown(),
             "level": LEVEL,
+            "recovery": _recovery(ctx),
         }
     }
 
