@@ -47,7 +47,7 @@ def load(
     remote: bool = False,
 ) -> VLM:
     """Load a supported VLM offline: "toy" (the shipped organism), a planted-circuit organism
-    ("planted-route", "planted-two-hop", "planted-spread": `ORGANISMS`), a checkpoint directory, or a
+    ("planted-route", "planted-spread": `countlens.organisms.ORGANISMS`), a checkpoint directory, or a
     cached hub id.
 
     ``dtype`` ("bfloat16", torch.float16 …), ``device_map`` ("auto", "cuda", {…}) and

@@ -65,7 +65,7 @@ def toy_plant(
     out: Annotated[Path, typer.Option(help="Directory for the checkpoint, training log and planted.json.")],
     seed: Annotated[int, typer.Option(help="Seed of torch and of the training pairs.")] = 0,
     steps: Annotated[
-        int | None, typer.Option(help="Override the recipe's number of steps.", show_default="the recipe's")
+        int | None, typer.Option(help="Override the circuit's number of steps.", show_default="the circuit's")
     ] = None,
 ) -> None:
     """Train a planted-circuit organism from the shipped one and verify it (figures in planted.json).
@@ -80,6 +80,6 @@ def toy_plant(
 
     spec = planted_circuit(circuit)  # an unknown name fails before anything is written
     check_out(out)
-    pc = PlantConfig(seed=seed) if steps is None else replace(PlantConfig(seed=seed), steps=steps)
+    pc = replace(PlantConfig(seed=seed), steps=spec.steps if steps is None else steps)
     record = plant(out, spec, pc, progress=lambda row: typer.echo(json.dumps(row)))
     typer.echo(json.dumps({"figures": record["figures"], "checks": record["checks"]}, indent=2))

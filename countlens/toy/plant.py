@@ -67,7 +67,7 @@ class PlantConfig:
     warmup: int = 20
     clean_weight: float = 1.0
     weight_decay: float = 0.01
-    threads: int = 2
+    threads: int = 1  # the shipped organisms' (a rerun reproduces them with the same thread count)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -248,14 +248,16 @@ def planted_checks(circuit: PlantedCircuit, figures: dict) -> dict[str, bool]:
     return checks
 
 
-def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig = PlantConfig(), progress=None) -> dict:
+def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig | None = None, progress=None) -> dict:
     """Train the organism named by ``circuit`` into ``out`` (float32 weights, tokenizer, processor, the
     training log and ``planted.json`` with the circuit, the recipe, `verify`'s figures on the saved
-    weights and the checks). Returns planted.json's content."""
+    weights and the checks); ``pc`` defaults to the recipe with the circuit's own steps. Returns
+    planted.json's content."""
     from transformers import Qwen2VLForConditionalGeneration
 
     from countlens.organisms import TOY_DIR
 
+    pc = PlantConfig(steps=circuit.steps) if pc is None else pc
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)

@@ -63,6 +63,7 @@ class PlantedCircuit:
     description: str
     blind_layers: tuple[int, ...] = ()
     each_necessary: bool = True
+    steps: int = 400  # the recipe's training steps for this circuit
 
     @property
     def heads(self) -> frozenset[tuple[int, int]]:
@@ -81,16 +82,18 @@ CIRCUITS: dict[str, PlantedCircuit] = {
         ),
         PlantedCircuit(
             "two-hop",
-            (PlantedNode(0, 3, at="vision_end"), PlantedNode(1, 1, at="last")),
-            "L0H3 moves the count from the image tokens to <|vision_end|>; L1H1, blind to the image, moves it "
+            (PlantedNode(0, 0, at="vision_end"), PlantedNode(1, 1, at="last")),
+            "L0H0 moves the count from the image tokens to <|vision_end|>; L1H1, blind to the image, moves it "
             "on to the last token",
             blind_layers=(1,),
+            steps=600,
         ),
         PlantedCircuit(
             "spread",
             (PlantedNode(0, 0), PlantedNode(0, 3), PlantedNode(1, 2), PlantedNode(2, 1)),
             "four heads over three layers (L0H0, L0H3, L1H2, L2H1) carry the count together",
             each_necessary=False,
+            steps=300,
         ),
     )
 }

@@ -54,7 +54,7 @@ def test_circuits_are_named_checked_and_each_names_what_is_planted():
     assert set(CIRCUITS) == {"route", "two-hop", "spread"}
     spread = CIRCUITS["spread"]
     assert len(spread.heads) >= 4 and len({layer for layer, _ in spread.heads}) >= 3
-    assert CIRCUITS["two-hop"].heads == {(0, 3), (1, 1)} and CIRCUITS["two-hop"].blind_layers == (1,)
+    assert CIRCUITS["two-hop"].heads == {(0, 0), (1, 1)} and CIRCUITS["two-hop"].blind_layers == (1,)
     with pytest.raises(InputError, match="route"):
         planted_circuit("routes")
     with pytest.raises(InputError, match="L6H0"):
