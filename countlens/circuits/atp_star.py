@@ -316,7 +316,7 @@ def _part_shifts(clean: dict, corrupt: dict, z: Tensor) -> dict[str, Tensor]:
     rows = allowed.any(-1, keepdim=True)  # a padded query row may see no key
     attn = torch.where(rows, torch.softmax(scores, -1), 0.0)
     z_clean = attn @ v  # batch head seq d_head
-    _check_reproduces(z_clean, z, v, rows)
+    _check_reproduces(z_clean, z, v, rows, float(scores[scores.isfinite()].abs().max()))
     q_scores = (corrupt["q"].double() @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     dq = torch.where(rows, torch.softmax(q_scores, -1), 0.0) @ v - z_clean
     key_scores = q @ k_new.transpose(-1, -2) * scale  # row s, column t: q_s · k'_t
@@ -372,13 +372,15 @@ def _allowed(mask: Tensor | None, batch: int, n_q: int, n_k: int, device) -> Ten
     return mask > torch.finfo(mask.dtype).min / 2  # additive float masks: 0 where seen, the dtype's min elsewhere
 
 
-def _check_reproduces(z_attn: Tensor, z: Tensor, v: Tensor, rows: Tensor) -> None:
-    """The recomputed softmax(q·kᵀ·scale + mask)·v must be the layer's z (to the model's rounding)."""
+def _check_reproduces(z_attn: Tensor, z: Tensor, v: Tensor, rows: Tensor, logits: float) -> None:
+    """The recomputed softmax(q·kᵀ·scale + mask)·v must be the layer's z to the model's rounding: its
+    attention weights round relative to the logits' size (``logits``, the largest |logit|), and z
+    carries that times the values' size."""
     got = _flat(torch.where(rows, z_attn, 0.0))
     seen = rows.any(1).squeeze(-1)[..., None].to(z.device)  # batch seq
     want = z.detach().double()
     err = float(((got.to(want.device) - want).abs() * seen).max())
-    tol = 64 * torch.finfo(z.dtype).eps * max(1.0, float(v.abs().max()))
+    tol = 64 * torch.finfo(z.dtype).eps * max(1.0, float(v.abs().max())) * max(1.0, logits)
     if not err <= tol:
         raise InputError(
             f"AtP*'s recomputed attention, softmax(q·kᵀ·scale + mask)·v, is off the model's z by {err:.3g} "
