@@ -70,7 +70,8 @@ from countlens.errors import InputError
 if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
 
-#: Families whose attention AtP*'s recomputation reproduces (checked on every run, tested on the organism).
+#: Families whose attention AtP*'s recomputation reproduces (checked on every run; tested on the organism
+#: and a tiny Qwen2.5-VL in tests/unit/test_atp_star.py).
 SUPPORTED: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 #: The name under which countlens's recording attention function is registered with transformers.
 _RECORDER = "countlens_atp_star"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close
 
 import countlens
@@ -162,6 +163,20 @@ def test_qk_fix_matches_a_plain_torch_recomputation(organism, reference, one_thr
     # Without GradDrop the head's z keeps AtP's estimate, through the same gradient.
     assert_close(got.effect, (ref["z"][0].sum(0) / denom).numpy(), what="z effect")
     assert_close(got.effect, attribution_patch(organism, pairs, batch_size=2).effect, what="AtP's effect")
+
+
+@pytest.mark.numeric
+def test_qk_fix_matches_a_plain_torch_recomputation_on_qwen2_5_vl(loaded, one_thread):
+    """The other supported family: Qwen2.5-VL's text attention (tiny: 2 layers, 4 heads on 2 kv heads)."""
+    vlm = loaded("qwen2_5_vl")
+    side = TINY_IMAGE_SIZE["qwen2_5_vl"][0]
+    pairs = count_pairs(2, 3, 5, kind="polygons", image_size=side, prompt="short", seed=4)
+    ref, denom = _reference(vlm, pairs)
+    got = atp_star(vlm, pairs, batch_size=2, graddrop=False)
+    for name in ("q", "k", "v"):
+        want = float(ref[name][0].sum()) / denom
+        assert_close(got[f"{name}_effect"].sel(layer=LAYER, head=HEAD), want, what=f"qwen2_5_vl {name} effect")
+    assert_close(got.effect, (ref["z"][0].sum(0) / denom).numpy(), what="qwen2_5_vl z effect")
 
 
 @pytest.mark.numeric
