@@ -91,6 +91,8 @@ def atp_star(
     check_group(positions)
     require_supported(vlm)
     arch = vlm.arch
+    if graddrop and arch.n_layers < 2:
+        raise InputError(f"GradDrop averages over the other L − 1 layers, and {vlm.name} has one; use graddrop=False")
     n_layers, n_heads = arch.n_layers, arch.n_heads
     drops = list(range(n_layers)) if graddrop else []
     # Per dropped layer (None: no layer dropped), per node kind: the sum over pairs (signed, or |·|).
@@ -109,18 +111,18 @@ def atp_star(
             ld = logit_diff(clean["logits"], pb.clean_id, pb.corrupt_id)
             clean_sum += float(ld.detach().sum())
             corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
-            grads = _gradients(clean, ld.sum(), drops)
+            shifts = _shifts(clean, corrupt)  # per layer: the QK fix's Δz of q, k and v (float32 or wider)
             mask = group_mask(pb.clean, positions).to(torch.float64)
-            for layer in range(n_layers):
-                h = arch.heads(layer)
-                shifts = {"z": corrupt["z"][layer].double() - clean["z"][layer].detach().double()}
-                if layer in clean["attn"]:
-                    shifts.update(_part_shifts(clean["attn"][layer], corrupt["attn"][layer], clean["z"][layer]))
-                for i, g in enumerate(grads):
-                    g = heads_view(g[layer].double(), h) * mask[..., None, None].to(g[layer].device)
-                    for kind, dz in shifts.items():
-                        per_pair = (g * heads_view(dz, h).to(g.device)).sum((1, 3)).cpu()  # pair head
+            # One gradient set at a time: L + 1 sets of every layer's z gradient would not fit a large model.
+            for i, grads in enumerate(_gradients(clean, ld.sum(), drops)):
+                for layer, by_kind in shifts.items():
+                    h = arch.heads(layer)
+                    g = heads_view(grads[layer].double(), h) * mask[..., None, None].to(grads[layer].device)
+                    dz_head = corrupt["z"][layer].double() - clean["z"][layer].detach().double()
+                    for kind, dz in {"z": dz_head, **by_kind}.items():
+                        per_pair = (g * heads_view(dz.double(), h).to(g.device)).sum((1, 3)).cpu()  # pair head
                         sums[kind][i, layer, :h] += per_pair.abs().sum(0) if graddrop else per_pair.sum(0)
+            del clean, corrupt, shifts
     finally:
         for p in params:
             p.requires_grad_(True)
@@ -289,15 +291,28 @@ def _run(vlm: VLM, batch: Batch, grad: bool) -> dict:
     return {"logits": out.logits[:, -1].float(), "z": got["z"], "attn": got["attn"], "drop": drop}
 
 
-def _gradients(clean: dict, total: Tensor, drops: Sequence[int]) -> list[dict[int, Tensor]]:
-    """∂ total / ∂z at every layer: first with nothing dropped, then with each of ``drops`` dropped."""
+def _gradients(clean: dict, total: Tensor, drops: Sequence[int]) -> Iterator[dict[int, Tensor]]:
+    """∂ total / ∂z at every layer, one backward pass through the retained graph each: first with
+    nothing dropped, then with each of ``drops`` dropped (the graph is let go after the last)."""
     layers = sorted(clean["z"])
     zs = [clean["z"][layer] for layer in layers]
-    out = []
     for i, dropped in enumerate([None, *drops]):
         clean["drop"]["layer"] = dropped
         got = torch.autograd.grad(total, zs, retain_graph=i < len(drops), allow_unused=True)
-        out.append({layer: torch.zeros_like(z) if g is None else g for layer, z, g in zip(layers, zs, got)})
+        yield {layer: torch.zeros_like(z) if g is None else g for layer, z, g in zip(layers, zs, got)}
+
+
+def _shifts(clean: dict, corrupt: dict) -> dict[int, dict[str, Tensor]]:
+    """Per layer, the QK fix's Δz (batch, seq, heads·d_head) of q, k and v on softmax layers (none
+    elsewhere): computed in float64 (`_part_shifts`), kept in float32 or z's dtype if wider; the
+    recorded attention inputs are let go layer by layer."""
+    out = {}
+    for layer, z in clean["z"].items():
+        out[layer] = {}
+        if layer in clean["attn"]:
+            parts = _part_shifts(clean["attn"].pop(layer), corrupt["attn"].pop(layer), z)
+            keep = torch.promote_types(z.dtype, torch.float32)
+            out[layer] = {kind: d.to(keep) for kind, d in parts.items()}
     return out
 
 

@@ -163,6 +163,9 @@ def test_qk_fix_matches_a_plain_torch_recomputation(organism, reference, one_thr
     # Without GradDrop the head's z keeps AtP's estimate, through the same gradient.
     assert_close(got.effect, (ref["z"][0].sum(0) / denom).numpy(), what="z effect")
     assert_close(got.effect, attribution_patch(organism, pairs, batch_size=2).effect, what="AtP's effect")
+    last = atp_star(organism, pairs, batch_size=2, positions="last", graddrop=False)
+    assert_close(last.effect, attribution_patch(organism, pairs, positions="last").effect, what="AtP at 'last'")
+    assert not np.allclose(last.q_effect.values, got.q_effect.values)  # the queries patched are the last rows only
 
 
 @pytest.mark.numeric
