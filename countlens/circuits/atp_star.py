@@ -34,7 +34,8 @@ with exact head patching, bench/attribution.py's pairs), so countlens does not r
 the gradient, so AtP sees ≈ 0. For each layer ℓ the gradient is taken again with layer ℓ's
 contribution to the residual stream cut from the backward pass: the forward is unchanged, but the
 gradient at layer ℓ's output goes straight to its input (the skip connection) and none flows through
-its attention and MLP. With Î_ℓ(n) the estimate under that gradient, AtP* scores
+its attention and MLP (countlens's layer is a decoder layer, attention and MLP cut together). With
+Î_ℓ(n) the estimate under that gradient, AtP* scores
 c(n) = E[(1/(L−1)) Σ_ℓ |Î_ℓ(n)|] (the paper's eq. for AtP+GradDrop): magnitudes, so that the L
 estimates cannot cancel each other; a node's own layer ℓ gives 0 (nothing flows to n), hence L − 1.
 countlens takes |·| per pair, after summing the node's positions, and divides the sum over pairs by
