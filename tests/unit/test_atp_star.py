@@ -200,6 +200,7 @@ def test_graddrop_matches_a_plain_torch_recomputation(organism, reference, one_t
     assert np.all(got.effect.values >= 0)
 
 
+@pytest.mark.numeric
 def test_key_shift_stays_exact_where_attention_saturates():
     """The fast K fix against one softmax per patched key, on rows whose top weight is 1 − 10⁻²⁰ and
     patched keys that beat or lose to it by hundreds of logits."""
