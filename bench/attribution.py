@@ -6,12 +6,15 @@ On the organism with the demo's 128 pairs (`countlens discover`'s defaults: ``co
 kind="shapes", seed=0, prompt="short", counts=1–9)``), in one process: exact head patching
 (`patch_heads`, every head's z over all positions), AtP (`attribution_patch`), and EAP-IG on nodes
 (`countlens.circuits.integrated.node_attribution`) at 1, 5 and 16 steps (1 step is AtP's formula
-through another code path). For each: wall seconds (one run each, after one warm-up of a small
-chunk; the machine's other load recorded), that cost in "forward-equivalents" (the method's seconds
-over one plain forward of the 128 clean inputs in the same batches), and Spearman ρ and top-5 overlap of
-|effect| against exact patching (`countlens.circuits.compare`).
+through another code path), and AtP* (`attribution_patch(method="atp*")`, Kramár et al. 2024:
+GradDrop on the heads' z; `countlens.circuits.atp_star`). For each: wall seconds (one run each, after
+one warm-up of a small chunk; the machine's other load recorded), that cost in "forward-equivalents"
+(the method's seconds over one plain forward of the 128 clean inputs in the same batches), and
+Spearman ρ and top-5 overlap of |effect| against exact patching (`countlens.circuits.compare`).
 
-AtP* (Kramár et al. 2024: the QK fix and GradDrop) is not implemented in countlens yet, so it has no row.
+One more row is no countlens ranking: the QK fix's query, key and value estimates of each head
+(`atp_star(..., graddrop=False)`) summed, what a head's estimate would be if it were scored through
+its parts: the figure `countlens.circuits.atp_star`'s docstring cites for not doing so.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from _timing import Load  # noqa: E402
 
 import countlens  # noqa: E402
 from countlens.circuits import attribution_patch, compare, patch_heads  # noqa: E402
+from countlens.circuits.atp_star import atp_star  # noqa: E402
 from countlens.circuits.integrated import node_attribution  # noqa: E402
 from countlens.datasets import count_pairs  # noqa: E402
 
@@ -56,6 +60,10 @@ def main() -> None:
         "EAP-IG, 1 step": lambda: node_attribution(vlm, pairs, steps=1, batch_size=BATCH),
         "EAP-IG, 5 steps": lambda: node_attribution(vlm, pairs, steps=5, batch_size=BATCH),
         "EAP-IG, 16 steps": lambda: node_attribution(vlm, pairs, steps=16, batch_size=BATCH),
+        "AtP*": lambda: attribution_patch(vlm, pairs, batch_size=BATCH, method="atp*"),
+        "QK fix, q + k + v summed per head": lambda: _parts_summed(
+            atp_star(vlm, pairs, batch_size=BATCH, graddrop=False)
+        ),
     }
     results, rows = {}, {}
     for name, fn in methods.items():
@@ -68,13 +76,17 @@ def main() -> None:
     unit = rows["plain forward (clean inputs)"]["seconds"]
     for name, row in rows.items():
         row["forward_equivalents"] = round(row["seconds"] / unit, 1)
-        if name.startswith(("AtP", "EAP")):
+        if name.startswith(("AtP", "EAP", "QK")):
             score = compare(results[name].effect, exact, k=5)
             row.update(spearman=round(score["spearman"], 3), top5_overlap=score["top_k_overlap"])
     record = {"machine": platform.processor() or platform.machine(), "pairs": len(pairs), "methods": rows}
     OUT.write_text(json.dumps(record, indent=1) + "\n")
     for name, row in rows.items():
         print(f"{name:32s} {row}")
+
+
+def _parts_summed(ds):
+    return ds.assign(effect=ds.q_effect + ds.k_effect + ds.v_effect)
 
 
 if __name__ == "__main__":

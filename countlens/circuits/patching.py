@@ -18,7 +18,8 @@ last prompt token.
 - `patch_heads`: one head's z (before o_proj) at layer l, over all or a group of positions;
   `countlens.circuits.sites.HeadZ`.
 - `attribution_patch` (AtP): the first-order estimate (z_corrupt − z_clean)·∂LD/∂z for every head
-  and layer at once, from three passes (corrupt forward, clean forward and backward).
+  and layer at once, from three passes (corrupt forward, clean forward and backward); with
+  ``method="atp*"``, AtP* (`countlens.circuits.atp_star`: the QK fix and GradDrop).
 
 Architecture note: Qwen3-VL's DeepStack adds image features to the residual stream inside its first
 decoder layers, so there patching the embeddings (layer −1) or an early layer does not carry all
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.atp_star import atp_star
 from countlens.circuits.edits import Edit, cache_run
 from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import (
@@ -55,7 +57,7 @@ from countlens.circuits.sites import (
 from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.validate import require_count
+from countlens.validate import require_choice, require_count
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -195,9 +197,20 @@ def patch_heads(
     return ds
 
 
-def attribution_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
+#: `attribution_patch`'s methods: AtP, and AtP* (`countlens.circuits.atp_star`).
+ATTRIBUTION_METHODS: tuple[str, ...] = ("atp", "atp*")
+
+
+def attribution_patch(
+    vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16, method: str = "atp"
+) -> xr.Dataset:
     """AtP: first-order estimates of head patching (``effect`` over (layer, head)) and of residual
-    patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps."""
+    patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps.
+    ``method="atp*"``: AtP* (`countlens.circuits.atp_star.atp_star`: GradDrop on the heads' z, and the
+    QK fix's per-head query, key and value estimates; magnitudes, no residual estimates)."""
+    require_choice(method, "method", ATTRIBUTION_METHODS)
+    if method == "atp*":
+        return atp_star(vlm, pairs, positions=positions, batch_size=batch_size)
     check_pair_sweep(pairs, batch_size, "attribution_patch")
     n_layers, n_heads = vlm.arch.n_layers, vlm.arch.n_heads
     head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
