@@ -3,9 +3,9 @@
     HF_HUB_OFFLINE=1 .venv/bin/python bench/planted_recovery.py            # the shipped planted organisms
     HF_HUB_OFFLINE=1 .venv/bin/python bench/planted_recovery.py --pairs 32 # quicker, noisier
 
-For each planted organism (`countlens.toy.planted`; loaded by name), on discover's own pairs ("shapes"
-pairs under seed 0, the short prompt, counts 1–9), each method ranks the 24 heads:
-- exact head patching of z (`patch_heads`), AtP (`attribution_patch`), AtP* where countlens has it,
+For each shipped planted organism (`countlens.organisms.SHIPPED_PLANTED`, loaded by name), on discover's
+own pairs ("shapes" pairs under seed 0, the short prompt, counts 1–9), each method ranks the 24 heads:
+- exact head patching of z (`patch_heads`), AtP and AtP* (`attribution_patch`),
   EAP-IG on nodes (`node_attribution`, 5 steps);
 - the drop in log p(gold) when a head is mean-ablated on counting scenes (`ablation_scan`);
 - the share of the last position's attention on image tokens (`image_attention_share`, mean over
@@ -33,6 +33,7 @@ from countlens.circuits import ablation_scan, attribution_patch, image_attention
 from countlens.circuits.faithfulness import faithfulness
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.datasets.pairs import count_pair, count_scene
+from countlens.organisms import SHIPPED_PLANTED
 from countlens.toy.planted import CIRCUITS
 
 OUT = Path(__file__).with_suffix(".json")
@@ -46,18 +47,15 @@ def rankings(vlm, pairs, scenes) -> dict[str, xr.DataArray]:
         "EAP-IG (nodes)": node_attribution(vlm, pairs).effect,
         "mean-ablation drop": ablation_scan(vlm, {"count": scenes}).logp_drop.sel(task="count", drop=True),
         "image-attention share": image_attention_share(vlm, [p.clean for p in pairs]).mean("sample"),
+        "AtP*": attribution_patch(vlm, pairs, method="atp*").effect,
     }
-    try:
-        out["AtP*"] = attribution_patch(vlm, pairs, method="atp*").effect
-    except TypeError:  # a countlens without AtP*
-        pass
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=64)
-    ap.add_argument("--organisms", nargs="*", default=[f"planted-{c}" for c in CIRCUITS])
+    ap.add_argument("--organisms", nargs="*", default=[f"planted-{c}" for c in SHIPPED_PLANTED])
     args = ap.parse_args()
     result: dict = {"pairs": args.pairs, "random_draws": RANDOM_DRAWS, "organisms": {}}
     for name in args.organisms:

@@ -23,7 +23,6 @@ figures to ``planted.json`` beside the weights.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from countlens.datasets.pairs import DEFAULT_COUNTS, count_pair
 from countlens.datasets.tasks import TRAIN_SEED_BASE
+from countlens.errors import ConfigError
 from countlens.toy.planted import PlantedCircuit, PlantedNode, check_circuit
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
@@ -42,7 +42,8 @@ from countlens.toy.resample import (
     resampled,
     swap_source,
 )
-from countlens.toy.train import Collator
+from countlens.toy.train import Collator, lr_at  # lr_at: the organism's warmup and cosine schedule
+from countlens.validate import require_count, require_nonnegative, require_positive, require_seed
 
 #: Held-out pairs' seed: neither training (≥ TRAIN_SEED_BASE) nor discover's default (0).
 EVAL_SEED = 1
@@ -68,6 +69,15 @@ class PlantConfig:
     clean_weight: float = 1.0
     weight_decay: float = 0.01
     threads: int = 1  # the shipped organisms' (a rerun reproduces them with the same thread count)
+
+    def __post_init__(self) -> None:
+        require_seed(self.seed, "seed", ConfigError)
+        for name in ("steps", "batch_pairs", "threads"):
+            require_count(getattr(self, name), name, ConfigError)
+        require_seed(self.warmup, "warmup", ConfigError)
+        require_positive(self.lr, "lr", ConfigError)
+        for name in ("weight_decay", "clean_weight"):
+            require_nonnegative(getattr(self, name), name, ConfigError)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,13 +141,6 @@ class Planter:
         """``nodes`` (heads over every position) from ``source``, everything else clean."""
         with resampled(self.model, source, self.heads_mask(nodes, self.masks(inputs))):
             return self.logits(inputs)
-
-
-def lr_at(step: int, pc: PlantConfig) -> float:
-    if step < pc.warmup:
-        return pc.lr * (step + 1) / pc.warmup
-    progress = (step - pc.warmup) / max(1, pc.steps - pc.warmup)
-    return pc.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def swapped_nodes(circuit: PlantedCircuit, step: int) -> tuple:

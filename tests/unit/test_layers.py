@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "processors": 3,
     "sizing": 3,
     "toy": 3,
+    "organisms": 3,
     "circuits": 4,
     "analysis": 5,
     "training": 6,
@@ -201,6 +202,14 @@ FAMILY_NAMES_ELSEWHERE: dict[tuple[str, str], str] = {
     ("countlens/toy/recipe.py", "qwen"): (
         "the shipped organism is a Qwen2-VL by design: its recipe builds that architecture's config, "
         "processor and model from transformers' classes (a user of the family, not knowledge of it)"
+    ),
+    ("countlens/toy/plant.py", "qwen"): (
+        "the planted organisms are the Qwen2-VL organism trained further: it loads and saves that HF class "
+        "(a user of the family, like countlens/toy/recipe.py)"
+    ),
+    ("countlens/circuits/atp_star.py", "qwen"): (
+        "the model types AtP*'s attention recomputation was verified on (it also checks itself against the "
+        "model's own z on every run); moves into ArchSpec as data when a second family is verified"
     ),
     ("countlens/pipeline/presets.py", "ovis2"): (
         "citations of the MAS paper's code (file paths in its repositories, MAS_w_Ovis/ovis/..., run_ovis.py), "
