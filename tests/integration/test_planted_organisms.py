@@ -47,4 +47,7 @@ def test_discover_runs_on_a_planted_organism(tmp_path):
     result = CliRunner().invoke(app, ["discover", "--model", "planted-route", "--out", str(out), *small])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "spec.json").read_text())["prompt"] == "short"  # the organism's own prompt
-    assert "Is it a circuit?" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "Is it a circuit?" in report
+    # The report scores each ranking against the planted circuit.
+    assert "This model is a planted organism: the heads L0H2" in report and "AUROC" in report

@@ -125,7 +125,7 @@ def _recovery(ctx: ReportContext) -> dict | None:
     ]
     return {
         "heads": ", ".join(head_label(h) for h in sorted(circuit.heads)),
-        "table": pd.DataFrame(rows).to_markdown(index=False),
+        "table": pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True),  # 1.000 stays 1.000
     }
 
 
