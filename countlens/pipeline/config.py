@@ -30,7 +30,7 @@ class DiscoverConfig:
     n_pairs: int = 128  # clean/corrupt pairs for patching
     n_samples: int = 128  # task samples for lens, HeadLens, attention, ablation (per task)
     seed: int = 0
-    prompt: str = "auto"  # "auto": the organism's short form for "toy", else Pstd
+    prompt: str = "auto"  # "auto": the organisms' short form for "toy" and its kin, else Pstd
     pair_kind: str = "shapes"
     alpha: float = 1.2  # head temperature: β_h = α·γ_h
     top_k: int = 5  # heads sharpened; AtP's top-k overlap with exact patching
