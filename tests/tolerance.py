@@ -77,9 +77,25 @@ def assert_effect(
     bound, so the effect's bound is 2n × that over the denominator, which a random-init model's
     pairs can make small; twice that when ``want`` is another computed effect (``want_rounded``)."""
     clean, corrupt = _np(clean).astype(np.float64), _np(corrupt).astype(np.float64)
-    denominator = abs(float(corrupt.sum() - clean.sum()))
+    assert_normalised(
+        effect,
+        want,
+        denominator=float(corrupt.sum() - clean.sum()),
+        n=clean.size,
+        scale=scale,
+        what=what,
+        want_rounded=want_rounded,
+    )
+
+
+def assert_normalised(
+    effect, want, *, denominator: float, n: int, scale: float, what: str = "effect", want_rounded: bool = False
+) -> None:
+    """`assert_effect`'s rule for an effect normalised by a known ``denominator``
+    (Σ LD_corrupt − Σ LD_clean over ``n`` pairs), e.g. an attribution estimate."""
+    denominator = abs(denominator)
     err = np.abs(_np(effect).astype(np.float64) - _np(want))
-    limit = (4 if want_rounded else 2) * clean.size * bound(scale) / denominator
+    limit = (4 if want_rounded else 2) * n * bound(scale) / denominator
     worst = float(err.max() / limit)
     _log(worst, what)
     if not worst <= 1.0:
