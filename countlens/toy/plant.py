@@ -156,7 +156,7 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
     """Train ``model`` (modified in place) so that ``circuit`` is planted; returns the last log row."""
     torch.manual_seed(pc.seed)
     torch.set_num_threads(pc.threads)
-    collate = Collator(ToyConfig(), build_tokenizer(), build_image_processor(ToyConfig()))
+    collate = Collator(ToyConfig())  # its own tokenizer and image processor
     planter = Planter(model.train(), circuit, collate)
     for p in model.model.visual.parameters():  # the organism's encoder: a circuit is planted in the decoder
         p.requires_grad_(False)
@@ -203,7 +203,7 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
 @torch.no_grad()
 def verify(model, circuit: PlantedCircuit, n_pairs: int = 128, batch_pairs: int = 32) -> dict:
     """The planted figures (module docstring) on ``n_pairs`` held-out pairs."""
-    collate = Collator(ToyConfig(), build_tokenizer(), build_image_processor(ToyConfig()))
+    collate = Collator(ToyConfig())  # its own tokenizer and image processor
     planter = Planter(model.eval(), circuit, collate)
     gen = torch.Generator().manual_seed(EVAL_SEED)
     hits: dict[str, list] = {}
