@@ -28,6 +28,7 @@ TESTS = ROOT / "tests"
 #: The source files that decide what a tiny checkpoint or a converted vocabulary holds.
 SOURCES = (
     TESTS / "disk_cache.py",
+    TESTS / "conftest.py",  # _save_tiny
     TESTS / "tiny_models.py",
     TESTS / "real_vocab.py",
     ROOT / "countlens" / "processors.py",
@@ -60,6 +61,23 @@ def cache_dir() -> Path:
     if where.lower() == "off":
         return Path(tempfile.mkdtemp(prefix="countlens-test-cache-"))
     return Path(where) if where else ROOT / ".pytest_cache" / "countlens"
+
+
+@cache
+def _package_digest() -> str:
+    """Every file of the package (code, shipped weights) and the libraries: what a whole run depends on."""
+    h = hashlib.sha256(_code_digest().encode())
+    for path in sorted((ROOT / "countlens").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def run_key(kind: str, *args) -> str:
+    """A file name for the output of a whole countlens run (``kind``, ``args``) by today's package: any
+    edit to countlens/ runs it anew."""
+    arg_digest = hashlib.sha256(repr(args).encode()).hexdigest()[:12]
+    return f"{kind}-{_package_digest()}-{arg_digest}"
 
 
 def entry_key(kind: str, *args) -> str:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from countlens import results
 from countlens.cli import app
 
-pytestmark = pytest.mark.slow  # a discover run of the organism
+pytestmark = pytest.mark.slow  # reads the shared discover run of the organism
 runner = CliRunner()
 
 
@@ -31,11 +31,8 @@ def _shallower(run, out, keep: int):
     return out
 
 
-def test_compare_an_organism_run_with_a_shallower_one(tmp_path):
-    small = ["--n-per-case", "1", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "8"]
-    run = tmp_path / "toy"
-    made = runner.invoke(app, ["discover", "--model", "toy", "--out", str(run), *small])
-    assert made.exit_code == 0, made.output
+def test_compare_an_organism_run_with_a_shallower_one(toy_run, tmp_path):
+    run = toy_run  # the shared organism run (conftest.py)
     shallow = _shallower(run, tmp_path / "shallow", keep=4)
     out = tmp_path / "cmp"
     result = runner.invoke(app, ["compare", str(run), str(shallow), "--out", str(out)])

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 from benchmark_files import mathvista_copy, mmmu_copy, mmmu_rows, realworldqa_copy
+from shared_run import TOY_RUN
 from tolerance import assert_effect, logit_scale
 from typer.testing import CliRunner
 
@@ -20,12 +21,10 @@ runner = CliRunner()
 SMALL = ["--n-per-case", "1", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "8"]
 
 
-def test_discover_writes_a_report_and_resumes(tmp_path):
-    out = tmp_path / "run"
-    refused = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL, "--seed", "-1"])
-    assert refused.exit_code == 2 and not out.exists(), refused.output  # nothing left to block the rerun
-    result = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
-    assert result.exit_code == 0, result.output
+def test_discover_writes_a_report_and_resumes(tmp_path, toy_run_copy):
+    refused = runner.invoke(app, ["discover", *TOY_RUN, "--out", str(tmp_path / "new"), "--seed", "-1"])
+    assert refused.exit_code == 2 and not (tmp_path / "new").exists(), refused.output  # nothing to block a rerun
+    out = toy_run_copy  # the shared run (conftest.py), made by the same command
     report, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "Warning" not in report  # the organism answers its own prompt
     for section in (
@@ -60,8 +59,8 @@ def test_discover_writes_a_report_and_resumes(tmp_path):
     assert (out / "report.html").read_text() == page  # the page too: heads.csv's numbers, not discover's float32
     # A second run loads every stage instead of recomputing it.
     (out / "results" / "lens.nc").unlink()
-    again = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
-    assert again.exit_code == 0
+    again = runner.invoke(app, ["discover", *TOY_RUN, "--out", str(out)])
+    assert again.exit_code == 0, again.output
     assert "[lens] running" in again.output and "[vap] done before" in again.output
     # Other settings in the same directory are refused.
     other = runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), "--n-pairs", "5", "--n-per-case", "1"])
@@ -99,9 +98,8 @@ def _pixmo_fixture(path):
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_finetune_adds_the_before_after_table(tmp_path, monkeypatch):
-    out = tmp_path / "run"
-    assert runner.invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL]).exit_code == 0
+def test_finetune_adds_the_before_after_table(tmp_path, toy_run_copy, monkeypatch):
+    out = toy_run_copy
     _fsc147_fixture(tmp_path / "fsc")
     refused = runner.invoke(app, ["finetune", "--circuit", str(out), "--lr", "-1e-3", "--steps", "2"])
     assert refused.exit_code == 2 and not (out / "finetune").exists(), refused.output  # the rerun below is not blocked

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -21,8 +23,6 @@ from typer.testing import CliRunner
 from countlens.cli import app
 
 pytestmark = pytest.mark.slow  # a discover run and a browser
-
-SMALL = ["--n-per-case", "1", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "8"]
 
 
 @pytest.fixture(scope="session")
@@ -38,12 +38,10 @@ def browser():
 
 
 @pytest.fixture(scope="session")
-def run(browser, tmp_path_factory):
-    """A demo-sized discover run (every head, every section; few samples); report.html rewritten by
-    `countlens report`, the command that re-renders a run."""
-    out = tmp_path_factory.mktemp("report_html") / "run"
-    done = CliRunner().invoke(app, ["discover", "--model", "toy", "--out", str(out), *SMALL])
-    assert done.exit_code == 0, done.output
+def run(browser, toy_run, tmp_path_factory):
+    """The shared small discover run (every head, every section; few samples, conftest.py), copied, its
+    report.html rewritten by `countlens report`, the command that re-renders a run."""
+    out = Path(shutil.copytree(toy_run, tmp_path_factory.mktemp("report_html") / "run"))
     (out / "report.html").unlink()
     assert CliRunner().invoke(app, ["report", "--run", str(out)]).exit_code == 0
     assert (out / "report.html").stat().st_size < 5_000_000

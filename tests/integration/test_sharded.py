@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import sharded_sweep
 from launch import CLI, TWO_RANKS, one_thread_here, run
-from typer.testing import CliRunner
+from shared_run import TOY_RUN
 
-from countlens.cli import app
 from countlens.results import load
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m 'not slow'` leaves it out of the inner loop
@@ -66,27 +65,12 @@ def test_a_rank_that_dies_costs_only_its_chunks(single, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def discovered(tmp_path_factory) -> dict[str, Path]:
-    """`countlens discover` on the organism at small sizes: one process, and two torchrun ranks."""
+def discovered(toy_run, tmp_path_factory) -> dict[str, Path]:
+    """`countlens discover` on the organism at small sizes: one process (the shared run, made with one
+    thread as each rank has), and two torchrun ranks."""
     root = tmp_path_factory.mktemp("discover")
-    args = [
-        "discover",
-        "--model",
-        "toy",
-        "--n-per-case",
-        "1",
-        "--n-pairs",
-        "8",
-        "--n-samples",
-        "8",
-        "--batch-size",
-        "4",
-    ]
-    with one_thread_here():
-        done = CliRunner().invoke(app, [*args, "--out", str(root / "one")])
-    assert done.exit_code == 0, done.output
-    ranks = run([*TWO_RANKS, "--no-python", str(CLI), *args, "--out", str(root / "two")])
-    return {"one": root / "one", "two": root / "two", "stdout": ranks.stdout}
+    ranks = run([*TWO_RANKS, "--no-python", str(CLI), "discover", *TOY_RUN, "--out", str(root / "two")])
+    return {"one": toy_run, "two": root / "two", "stdout": ranks.stdout}
 
 
 def test_sharded_discover_matches_one_process(discovered):
