@@ -70,11 +70,11 @@ def _tokenizer(real_vocab: bool):
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from real_vocab import qwen_tokenizer
-    from tiny_models import _QWEN2_TEMPLATE
+    from tiny_models.qwen import QWEN2_TEMPLATE
 
     tok = qwen_tokenizer()
-    tok.chat_template = _QWEN2_TEMPLATE
-    return tok, _QWEN2_TEMPLATE
+    tok.chat_template = QWEN2_TEMPLATE
+    return tok, QWEN2_TEMPLATE
 
 
 #: A matrix with more entries than this is drawn by `_tiled_normal_` in the dry run.
@@ -335,7 +335,7 @@ def main() -> dict:
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     args = ap.parse_args()
     if args.dry_run:
-        result = run(1, 112, 2, "float32", "cpu", 1, naive_heads=4, warmup=False, tiled_init=True)
+        result = run(1, 112, 2, "float32", "cpu", 1, naive_heads=1, warmup=False, tiled_init=True)
         args.dry_run.write_text(json.dumps(result, indent=2) + "\n")
         return result
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -12,9 +12,9 @@ Three steps, each its own function:
    resolves, so the map is drawn blocky rather than smoothed into detail it does not have), coloured
    by a colour map scaled to the map's peak, over the image.
 3. `overlay` draws that on matplotlib axes with the objects' outlines and a colour scale;
-   `head_overlays_png` renders one PNG per stored sample for one head (or a layer's mean), axes-free
-   so that its pixels are the image's (× ``scale``); `plot_attention_on_image` draws the report's
-   grid of samples × heads.
+   `head_overlays_png` renders one PNG per stored sample for one head (or a layer's mean) as pixels
+   (the image's, × ``scale``, outlines from `outline_pixels`); `plot_attention_on_image` draws the
+   report's grid of samples × heads.
 
 They read an `countlens.analysis.attention_maps.attention_maps` result (``results/attention_maps.nc``
 of a discover run), never a model::
@@ -216,32 +216,49 @@ def _what(layer: int, head: int | None) -> str:
     return f"L{layer} mean of heads" if head is None else f"L{layer}H{head}"
 
 
+def outline_pixels(objects: np.ndarray, scale: int = 1) -> np.ndarray:
+    """Bool[ndarray, "height*scale width*scale"]: the objects' outlines as pixels of the image scaled
+    ``scale`` × (nearest): each pixel of an object with a 4-neighbour outside it (another label, the
+    background or the image's edge) — a one-pixel line just inside the object, so that it hides none
+    of the attention around it."""
+    up = np.repeat(np.repeat(np.asarray(objects), scale, 0), scale, 1)
+    padded = np.pad(up, 1)  # the image's edge counts as outside
+    inner = padded[1:-1, 1:-1]
+    neighbours = (padded[:-2, 1:-1], padded[2:, 1:-1], padded[1:-1, :-2], padded[1:-1, 2:])
+    return (inner > 0) & np.logical_or.reduce([n != inner for n in neighbours])
+
+
+def _png(rgb: np.ndarray) -> bytes:
+    """PNG bytes of a uint8 RGB array, with no metadata (the same bytes on every render)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def head_overlays_png(
     ds: xr.Dataset, layer: int, head: int | None = None, view: int | None = None, scale: int = 2
 ) -> list[tuple[str, bytes]]:
     """(caption, PNG bytes) per stored sample: head (layer, head)'s attention (``head=None``: the
-    layer's mean over heads) over the sample's image with its objects' outlines, ``scale`` × the
-    stored image's pixels, no axes (the caption carries the peak, the share on the whole image and
-    the sample's answer)."""
-    plt = _pyplot()
+    layer's mean over heads) over the sample's image with its objects' outlines (`outline_pixels`),
+    ``scale`` × the stored image's pixels, no axes (the caption carries the peak, the share on the
+    whole image and the sample's answer). Drawn as pixels, not through matplotlib: report.html holds
+    one per head and sample, and each cell is a block of pixels anyway (`upsample`)."""
+    from matplotlib.colors import to_rgb
+
+    line = (np.array(to_rgb(OUTLINE)) * 255).round().astype(np.uint8)
     out = []
     for i in range(ds.sizes["sample"]):
         grid_map = sample_map(ds, i, layer, head, view)
         image, objects = _picture(ds, i)
-        h, w = image.shape[:2]
-        fig = plt.figure(figsize=(w * scale / 100, h * scale / 100), dpi=100)
-        ax = fig.add_axes((0, 0, 1, 1))
-        ax.imshow(blend(image, grid_map), interpolation="nearest")
-        outline(ax, objects, width=0.6 * scale)
-        ax.set_axis_off()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100)
-        plt.close(fig)
+        rgb = np.repeat(np.repeat(blend(image, grid_map), scale, 0), scale, 1)
+        rgb[outline_pixels(objects, scale)] = line
         caption = (
             f"{_what(layer, head)}{'' if view is None else f', view {view}'} on {_describe(ds, i)}: "
             f"peak {_peak(grid_map):.3f} on one cell, {np.nansum(grid_map):.3f} on the image"
         )
-        out.append((caption, buffer.getvalue()))
+        out.append((caption, _png(rgb)))
     return out
 
 
