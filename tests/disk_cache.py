@@ -29,7 +29,7 @@ TESTS = ROOT / "tests"
 SOURCES = (
     TESTS / "disk_cache.py",
     TESTS / "conftest.py",  # _save_tiny
-    TESTS / "tiny_models.py",
+    *sorted((TESTS / "tiny_models").glob("*.py")),
     TESTS / "real_vocab.py",
     ROOT / "countlens" / "processors.py",
     *sorted((ROOT / "countlens" / "models").glob("*.py")),
@@ -45,7 +45,7 @@ LIBRARIES = ("torch", "transformers", "tokenizers", "huggingface_hub", "qwen-tok
 def _code_digest() -> str:
     h = hashlib.sha256()
     for path in SOURCES:
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     for lib in LIBRARIES:
         try:
             version = importlib.metadata.version(lib)
