@@ -6,12 +6,15 @@ model is loaded) and writes, into ``out``:
 
 - ``compare.md``: the runs, the protocol they share (or, with ``allow_mixed``, how they differ),
   notes on the results some run lacks, and the tables and figures below;
+- ``compare.html``: compare.md as one self-contained page, its figures embedded
+  (`countlens.html_page`: it loads nothing, and opens anywhere);
 - one CSV per table (full precision; `countlens.analysis.compare_tables` defines each), and LaTeX
   (booktabs) for the two accuracy tables: ``accuracy`` (Table 5's layout, a row per model, a column
   per case, the family means), ``counting`` (accuracy, number-avoidance r, Digit-in-Conflict),
   ``handoff`` and ``vap_curves`` (the VAP hand-off on relative depth, `countlens.analysis.depth`),
-  ``head_classes`` and ``top_heads`` (heads on relative depth), ``faithfulness``, ``mas`` and
-  ``protocol`` (every run's protocol values);
+  ``head_classes`` and ``top_heads`` (heads on relative depth), ``faithfulness``, ``mas`` (with the
+  MAS code's 4-way share where run), ``probes`` (AP@50 per tap, where run) and ``protocol`` (every
+  run's protocol values);
 - ``figures/handoff.png`` (every model's image-token and last-token curves over depth ∈ [0, 1]) and
   ``figures/head_classes.png`` (classes per depth bin, a panel per model).
 
@@ -32,6 +35,7 @@ from countlens.analysis.figures.depth import plot_depth_classes, plot_handoff
 from countlens.analysis.runs import PROTOCOL, StoredRun, check_protocol, describe_differences, read_runs
 from countlens.analysis.tables import to_latex, to_markdown
 from countlens.errors import ConfigError
+from countlens.html_page import standalone_page
 
 
 def compare_runs(
@@ -58,6 +62,7 @@ def compare_runs(
         "top_heads": ct.top_heads_table(stored, k, n_bins),
         "faithfulness": ct.faithfulness_table(stored),
         "mas": ct.mas_table(stored),
+        "probes": ct.probes_table(stored),
     }.items():
         tables[name] = table
         notes += [n for n in table_notes if n not in notes]
@@ -75,8 +80,11 @@ def compare_runs(
         drawn["handoff"] = plot_handoff(tables["vap_curves"], figures / "handoff.png")
     if not tables["head_classes"].empty:
         drawn["head_classes"] = plot_depth_classes(tables["head_classes"], figures / "head_classes.png")
+    text = _markdown(stored, tables, notes, differences, drawn, out, k, n_bins)
     path = out / "compare.md"
-    path.write_text(_markdown(stored, tables, notes, differences, drawn, out, k, n_bins))
+    path.write_text(text)
+    title = f"countlens compare: {', '.join(r.label for r in stored)}"
+    (out / "compare.html").write_text(standalone_page(title, text, out, "compare.html"), encoding="utf-8")
     return path
 
 
@@ -163,6 +171,10 @@ def _markdown(stored, tables, notes, differences, drawn, out: Path, k: int, n_bi
         "\n## 7. Modality attention share (MAS)\n",
         "The answer position's attention share on image tokens, mean over layers and samples.\n",
         _table_md(_whole(tables["mas"], ["n (correct)", "n (wrong)"]), 3),
+        "\n## 8. Detection probes\n",
+        "AP@50 of the MAS paper's code's detection probes on each tap (the optional `probes` stage: "
+        "`--preset counting-to-four`, or `--voc DIR`).\n",
+        _table_md(tables["probes"], 3),
     ]
     return "\n".join(parts)
 

@@ -16,7 +16,9 @@ rather than refused, since a run may predate a stage or leave an optional one ou
 - `handoff_table`: the VAP hand-off on relative depth (`countlens.analysis.depth.handoff`).
 - `mas_table`: MAS (the answer position's attention share on image tokens, `attention_metrics.aggregate`,
   mean over layers and samples) for all, right and wrong answers; with the MAS code's token sets
-  (``attention_at="generation"``), its 4-way image share too.
+  (``attention_at="generation"``), its 4-way share (special, system, image and text tokens) too.
+- `probes_table`: the detection probes' AP@50 per tap (the optional ``probes`` stage: the MAS
+  paper's code's probes on its three taps), "Counting to Four"'s Figure 4 as a table.
 - `faithfulness_table`: per ranking of the heads, CPR, CMD and the smallest circuit reaching
   `FAITHFUL` (as a fraction of the heads and in heads), the report's faithfulness table.
 - `class_table` and `top_heads_table`: head classes per relative-depth bin and each bin's top heads
@@ -132,13 +134,15 @@ def vap_curves(runs: list[StoredRun]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
 
 
-MAS_COLUMNS = ["MAS (all)", "MAS (correct)", "MAS (wrong)", "n (correct)", "n (wrong)", "image share (MAS code)"]
+MAS_COLUMNS = ["MAS (all)", "MAS (correct)", "MAS (wrong)", "n (correct)", "n (wrong)"]
 
 
 def mas_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     """MAS per model for all, right and wrong answers, and the MAS code's image share where stored."""
     from countlens.analysis.attention_metrics import aggregate
+    from countlens.reference.counting_to_four.attention import SETS, modality_shares
 
+    columns = MAS_COLUMNS + [f"{name} share (MAS code)" for name in SETS]  # the code's sets, in its order
     rows, notes = {}, []
     for run in runs:
         am = run.get("attention_metrics")
@@ -157,12 +161,26 @@ def mas_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
         if "sets" in am:
             import torch
 
-            from countlens.reference.counting_to_four.attention import modality_shares
-
-            sums = torch.tensor(am.sets.transpose("sample", "layer", "set").values)
-            row["image share (MAS code)"] = modality_shares(sums)["image"]
+            shares = modality_shares(torch.tensor(am.sets.transpose("sample", "layer", "set").values))
+            row |= {f"{name} share (MAS code)": shares[name] for name in SETS}
         rows[run.label] = {k: float(v) for k, v in row.items()}
-    return _frame(rows, MAS_COLUMNS), notes
+    return _frame(rows, columns), notes
+
+
+def probes_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
+    """AP@50 of the detection probes per tap (columns, in the first run's order of taps) per model;
+    a run without the optional ``probes`` stage leaves its row empty, with a note."""
+    rows, notes, taps = {}, [], []
+    for run in runs:
+        ds = run.get("probes")
+        if ds is None:
+            notes.append(missing(run, "probes", "probe AP"))
+            rows[run.label] = {}
+            continue
+        row = {str(t): float(v) for t, v in zip(ds.tap.values, ds.ap50.values)}
+        taps += [t for t in row if t not in taps]
+        rows[run.label] = row
+    return _frame(rows, taps), notes
 
 
 FAITHFULNESS_COLUMNS = ["model", "ranking", "CPR", "CMD", f"smallest f ≥ {FAITHFUL} (fraction)"]

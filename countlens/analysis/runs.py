@@ -109,7 +109,14 @@ def read_run(path: str | Path) -> StoredRun:
         from countlens.analysis.heads import read_heads
 
         heads = read_heads(path)
-    return StoredRun(path, spec, found, heads, label=str(spec["model"]))
+    return StoredRun(path, spec, found, heads, label=model_label(spec["model"]))
+
+
+def model_label(model) -> str:
+    """A run's model as tables name it: a checkpoint directory or hub id by its last part
+    (``/data/Qwen2.5-VL-7B-Instruct`` and ``Qwen/Qwen2.5-VL-7B-Instruct`` as ``Qwen2.5-VL-7B-Instruct``),
+    so that labels stay short enough for a figure's panel titles; ``toy`` as it is."""
+    return str(model).rstrip("/").rsplit("/", 1)[-1] or str(model)
 
 
 def read_runs(paths: list[str | Path]) -> list[StoredRun]:
@@ -124,7 +131,7 @@ def read_runs(paths: list[str | Path]) -> list[StoredRun]:
     models = [r.label for r in runs]
     for r in runs:
         if models.count(r.label) > 1:
-            r.label = f"{r.spec['model']} ({r.path.name})"
+            r.label = f"{r.label} ({r.path.name})"
     if len({r.label for r in runs}) < len(runs):  # same model and same folder name under two parents
         for r in runs:
             r.label = f"{r.spec['model']} ({r.path})"

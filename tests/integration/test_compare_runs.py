@@ -51,3 +51,41 @@ def test_compare_an_organism_run_with_a_shallower_one(toy_run, tmp_path):
         pd.Series(cases.correct.values.astype(float)).groupby(cases.case.values).mean().mean()
     )
     assert acc.loc["toy"].equals(acc.loc["toy-shallow"].rename("toy"))  # the cases were not cut
+
+
+def test_compare_the_organism_with_two_tiny_models_of_other_depths(toy_run, tiny_checkpoint, tmp_path):
+    """The organism (6 layers) beside tiny Qwen2-VLs of 2 and 3 layers on the real Qwen vocabulary: the
+    models' own runs, compared on relative depth (their protocols differ from the organism's prompt and
+    sizes, so --allow-mixed, and compare.md says what differs)."""
+    import countlens
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.pipeline.discover import discover
+
+    runs = []
+    for layers in (2, 3):
+        vlm = countlens.load(tiny_checkpoint("qwen2_vl", image_side=128, layers=layers))
+        runs.append(tmp_path / f"qwen-{layers}")
+        config = DiscoverConfig(n_per_case=1, n_pairs=4, n_samples=4, batch_size=8)
+        discover(vlm, runs[-1], config, log=lambda _: None)
+    out = tmp_path / "cmp"
+    refused = runner.invoke(app, ["compare", str(toy_run), *map(str, runs), "--out", str(out)])
+    assert refused.exit_code == 2 and "differ in protocol" in refused.output and not out.exists()
+    result = runner.invoke(app, ["compare", str(toy_run), *map(str, runs), "--out", str(out), "--allow-mixed"])
+    assert result.exit_code == 0, result.output
+    md = (out / "compare.md").read_text()
+    assert "**The runs differ in protocol**" in md and "- prompt: toy = 'short'" in md
+    hand = pd.read_csv(out / "handoff.csv", index_col=0)
+    labels = list(hand.index)
+    assert hand["layers"].tolist() == [6, 2, 3]
+    curves = pd.read_csv(out / "vap_curves.csv")
+    for run, label in zip([toy_run, *runs], labels):
+        vap = results.load(run / "results" / "vap.nc")
+        mine = curves[curves.model == label].set_index("layer")
+        assert mine["last"].to_numpy() == pytest.approx(vap.effect.sel(group="last").values)
+        n_layers = int(vap.layer.max()) + 1
+        assert mine.loc[n_layers - 1, "depth"] == pytest.approx(1.0) and mine.loc[0, "depth"] == 0
+        heads = pd.read_csv(run / "heads.csv")
+        classes = pd.read_csv(out / "head_classes.csv")
+        assert classes[classes.model == label].drop(columns=["model", "depth"]).to_numpy().sum() == len(heads)
+    page = (out / "compare.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 2 and "Not embedded" not in page

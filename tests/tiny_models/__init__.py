@@ -76,7 +76,8 @@ TINY_NAMES: tuple[str, ...] = tuple(BUILDERS)
 
 def build_tiny(name: str, **kw):
     """``(model, processor)`` for the tiny ``name`` (one of `TINY_NAMES`); the Qwen ones and GLM-4.1V
-    take ``image_side=`` (pixels of the square image the processor pins, default `TINY_IMAGE_SIZE`), the
+    take ``image_side=`` (pixels of the square image the processor pins, default `TINY_IMAGE_SIZE`; the
+    Qwen ones but Qwen3.5 also ``layers=``, the language model's depth, default 2), the
     tiled ones (InternVL, Ovis2, Phi-4, Idefics3, SmolVLM) ``tile=`` (the tile / crop side in pixels,
     default 32), PaliGemma ``tile=`` (its image side) and Mistral 3 ``tile=`` (its longest edge)."""
     if name not in BUILDERS:

@@ -45,7 +45,7 @@ QWEN_MERGE = 2
 QWEN_VOCAB = 151_936  # Qwen2-VL-2B, Qwen2.5-VL-3B, Qwen3-VL: the BPE ranks, the specials, then unused rows
 
 
-def _qwen(name: str, image_side: int | None = None):
+def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
     import transformers as tf
     from real_vocab import qwen_tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -73,7 +73,7 @@ def _qwen(name: str, image_side: int | None = None):
         vocab_size=QWEN3_5_VOCAB if name == "qwen3_5" else QWEN_VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=512,
@@ -144,6 +144,8 @@ def _qwen(name: str, image_side: int | None = None):
             model_cls = tf.Qwen3VLMoeForConditionalGeneration
         proc_cls = tf.Qwen3VLProcessor
     elif name == "qwen3_5":
+        if layers != LAYERS:
+            raise ValueError("the tiny Qwen3.5 has its own 4 layers (linear, full, linear, full); give no layers=")
         # A hybrid language model: Gated DeltaNet linear attention at layers 0 and 2, softmax at 1 and 3
         # (real: 3 linear then 1 full); 8 value heads of 8 (2 key heads) beside 4 attention heads of 16, so
         # the head axis is 8 wide and the softmax layers' heads 4-7 are no sites (real 27B: 48 value heads of

@@ -51,6 +51,7 @@ CASE_NAMES = list(CASES)[:4] + ["5A", "6A", "9A", "10A"]  # two of each family's
 COUNTS = (3, 4, 5, 6, 7)
 RANKINGS = ("exact patching", "AtP", "random", "random 0", "random 1")
 SIZES = np.array([0.0, 0.1, 0.25, 0.5, 1.0])
+TAPS = ("vision", "projector", "llm")
 
 
 def _answers(rng, n: int, cases: list[str]) -> xr.Dataset:
@@ -105,9 +106,12 @@ def make_run(root, name: str, model: str, n_layers: int, n_heads: int = 2, seed:
     n = 10
     save["attention_metrics"] = xr.Dataset(
         {m: (("layer", "sample"), rng.random((n_layers, n))) for m in ("mas", "vra", "iou", "ars")}
-        | {"correct": ("sample", np.arange(n) % 3 == 0)},
-        coords={"layer": np.arange(n_layers)},
+        | {"correct": ("sample", np.arange(n) % 3 == 0)}
+        # The MAS code's raw attention sums per token set (special, system, image, text).
+        | {"sets": (("layer", "sample", "set"), rng.random((n_layers, n, 4)))},
+        coords={"layer": np.arange(n_layers), "set": ["special", "system", "image", "text"]},
     )
+    save["probes"] = xr.Dataset({"ap50": ("tap", rng.random(3))}, coords={"tap": list(TAPS)})
     for stage, ds in save.items():
         results.save(ds, out / "results" / f"{stage}.nc")
     rows = [
@@ -185,6 +189,7 @@ def test_every_number_equals_its_runs_own_results(two_runs, tmp_path):
     counting = pd.read_csv(out / "counting.csv", index_col=0)
     hand = pd.read_csv(out / "handoff.csv", index_col=0)
     mas = pd.read_csv(out / "mas.csv", index_col=0)
+    probes = pd.read_csv(out / "probes.csv", index_col=0)
     faith = pd.read_csv(out / "faithfulness.csv")
     classes = pd.read_csv(out / "head_classes.csv")
     top = pd.read_csv(out / "top_heads.csv")
@@ -223,6 +228,12 @@ def test_every_number_equals_its_runs_own_results(two_runs, tmp_path):
         assert mas.loc[model, "MAS (all)"] == pytest.approx(per_sample.mean())
         assert mas.loc[model, "MAS (correct)"] == pytest.approx(per_sample[right].mean())
         assert mas.loc[model, "MAS (wrong)"] == pytest.approx(per_sample[~right].mean())
+        # The MAS code's reduction, by hand: mean sums over samples, each layer's renormalised, mean over layers.
+        sums = am.sets.transpose("sample", "layer", "set").values.mean(0)
+        shares = (sums / sums.sum(-1, keepdims=True)).mean(0)
+        for name, share in zip(am.set.values, shares):
+            assert mas.loc[model, f"{name} share (MAS code)"] == pytest.approx(share)
+        assert probes.loc[model].to_dict() == pytest.approx(dict(zip(TAPS, _load(run, "probes").ap50.values)))
         ds = _load(run, "faithfulness")
         mine = faith[faith.model == model].set_index("ranking")
         assert list(mine.index) == ["exact patching", "AtP", "random"]  # the draws as their mean only
@@ -245,8 +256,17 @@ def test_every_number_equals_its_runs_own_results(two_runs, tmp_path):
             assert shown["importance"].to_numpy() == pytest.approx(best["importance"].to_numpy())
     assert (out / "figures" / "handoff.png").exists() and (out / "figures" / "head_classes.png").exists()
     assert "share one protocol" in md and "Missing results" not in md
-    for section in ("COUNTINGTRICKS accuracy", "hand-off on relative depth", "Head classes", "Faithfulness", "MAS"):
+    sections = ("COUNTINGTRICKS accuracy", "hand-off on relative depth", "Head classes", "Faithfulness", "MAS")
+    for section in (*sections, "Detection probes"):
         assert section in md
+    # compare.html: compare.md as one page that loads nothing, both figures embedded where they stand.
+    page = (out / "compare.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page, re.I)
+    figures = re.findall(r'<img alt="([^"]*)" src="data:image/png;base64,', page)
+    assert figures == ["VAP effect over relative depth", "head classes by relative depth"]
+    assert page.count("<table>") == len(re.findall(r"(?m)^\|[\s:|-]+\|$", md)) > 5 and "Not embedded" not in page
+    for section in (*sections, "Detection probes"):
+        assert section in page
 
 
 # Protocols, missing stages and paths that are no finished run.
@@ -266,7 +286,7 @@ def test_mixed_protocols_are_refused_unless_allowed(tmp_path):
 
 
 def test_a_missing_stage_leaves_empty_cells_and_a_note(two_runs, tmp_path):
-    for stage in ("conflict", "faithfulness", "attention_metrics"):
+    for stage in ("conflict", "faithfulness", "attention_metrics", "probes"):
         (two_runs[1] / "results" / f"{stage}.nc").unlink()
     md = compare_runs(two_runs, tmp_path / "cmp").read_text()
     counting = pd.read_csv(tmp_path / "cmp" / "counting.csv", index_col=0)
@@ -275,7 +295,9 @@ def test_a_missing_stage_leaves_empty_cells_and_a_note(two_runs, tmp_path):
     assert set(pd.read_csv(tmp_path / "cmp" / "faithfulness.csv").model) == {"small-model"}
     assert pd.read_csv(tmp_path / "cmp" / "mas.csv", index_col=0).loc["deep-model"].isna().all()
     assert "Missing results" in md
+    assert pd.read_csv(tmp_path / "cmp" / "probes.csv", index_col=0).loc["deep-model"].isna().all()
     notes = (("conflict", "Digit-in-Conflict"), ("faithfulness", "faithfulness"), ("attention_metrics", "MAS"))
+    notes += (("probes", "probe AP"),)
     for stage, what in notes:
         assert f"deep-model has no results/{stage}.nc ({two_runs[1]}): its {what} cells are empty" in md
 
@@ -318,3 +340,11 @@ def test_two_runs_of_one_model_are_told_apart_by_folder(tmp_path):
         "same (first)",
         "same (second)",
     ]
+
+
+def test_a_checkpoint_path_or_hub_id_is_labelled_by_its_last_part(tmp_path):
+    runs = [make_run(tmp_path, "a", "/data/models/Qwen2.5-VL-7B-Instruct/", 4), make_run(tmp_path, "b", "org/m2", 6)]
+    runs.append(make_run(tmp_path, "c", "/elsewhere/Qwen2.5-VL-7B-Instruct", 4, seed=3))
+    compare_runs(runs, tmp_path / "cmp")
+    labels = pd.read_csv(tmp_path / "cmp" / "accuracy.csv", index_col=0).index.tolist()
+    assert labels == ["Qwen2.5-VL-7B-Instruct (a)", "m2", "Qwen2.5-VL-7B-Instruct (c)"]

@@ -16,6 +16,7 @@ import pytest
 import xarray as xr
 from PIL import Image
 
+from countlens import html_page
 from countlens.analysis.heads import classify_heads, export_heads, read_heads
 from countlens.pipeline import head_panels, html_report, presets
 from countlens.pipeline.stages import ReportContext
@@ -92,7 +93,7 @@ def test_the_page_loads_nothing_from_the_web(tmp_path):
     import base64
 
     width, height = Image.open(io.BytesIO(base64.b64decode(figures[0][1]))).size
-    assert max(width, height) == html_report.MAX_SIDE and width / height == pytest.approx(15, rel=0.02)
+    assert max(width, height) == html_page.MAX_SIDE and width / height == pytest.approx(15, rel=0.02)
     assert "<table>" in page and "<h1" in page  # report.md's markdown rendered
 
 
@@ -153,7 +154,7 @@ def test_the_page_stays_bounded_however_many_figures(tmp_path):
     for i in range(30):  # incompressible figures, ~500 KB each: far more than the budget
         (ctx.figures / f"noise_{i:02d}.png").write_bytes(_png(400, 400, noise=True, seed=i))
     page = html_report.render_html(ctx, REPORT)
-    assert len(page.encode()) < html_report.IMAGE_BUDGET * 4 / 3 + 200_000  # base64 of the budget, and the rest
+    assert len(page.encode()) < html_page.IMAGE_BUDGET * 4 / 3 + 200_000  # base64 of the budget, and the rest
     shown = re.findall(r'alt="(noise_\d+)"', page)
     assert 0 < len(shown) < 30 and "figures/noise_29.png" in page.split("Not embedded")[1]
 

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "answers": 3,
     "files": 1,
     "labels": 1,
+    "html_page": 1,
     "results": 3,
     "sweep_store": 3,
     "distributed": 3,
