@@ -41,11 +41,13 @@ def image_only(base: type) -> type:
         base.__init__(self, image_processor=image_processor, tokenizer=tokenizer, **dict.fromkeys(dropped), **kwargs)
 
     # ProcessorMixin reads the sub-processors off the signature below, without the dropped ones. The
-    # base passes its None for them on, positionally (dropped there by position) or by keyword (Gemma
-    # 4's): `_WithoutDropped`, next after the base in the subclass's method order, leaves those out.
+    # base passes its None for them on, by keyword (Gemma 4's) or positionally in its own signature's
+    # order (LLaVA-OneVision's after the tokenizer, LLaVA-NeXT-Video's first): `_WithoutDropped`, next
+    # after the base in the subclass's method order, names the positional ones and leaves those out.
     sig = inspect.signature(base.__init__)
     __init__.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in dropped])
-    body = {"__init__": __init__, "__module__": __name__}
+    order = tuple(n for n in sig.parameters if n != "self")
+    body = {"__init__": __init__, "__module__": __name__, "_base_order": order}
     if base.__name__ in models.MIXIN_CHAT_TEMPLATE:
         # Its own apply_chat_template only adds the video processor's frame settings: the mixin's.
         body["apply_chat_template"] = ProcessorMixin.apply_chat_template
@@ -55,8 +57,9 @@ def image_only(base: type) -> type:
 def _without_dropped_init(self, *args, **kwargs):
     from transformers import ProcessorMixin
 
+    kwargs = {**dict(zip(type(self)._base_order, args)), **kwargs}  # the base's positional sub-processors, named
     kwargs = {k: v for k, v in kwargs.items() if not (k in DROPPED and v is None)}
-    ProcessorMixin.__init__(self, *args, **kwargs)
+    ProcessorMixin.__init__(self, **kwargs)
 
 
 @cache

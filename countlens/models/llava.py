@@ -1,9 +1,11 @@
-"""LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision: a CLIP / SigLIP tower, a projector, and a language model
-under ``model.language_model``.
+"""LLaVA-1.5, LLaVA-NeXT, LLaVA-NeXT-Video and LLaVA-OneVision: a CLIP / SigLIP tower, a projector,
+and a language model under ``model.language_model``.
 
-LLaVA-1.5's image tokens are its patch grid row-major (the CLS token dropped). NeXT and OneVision
-("anyres") show the image twice: the base image's grid row-major, then the high-resolution crops
-stitched into one finer grid, row-major with a newline token ending each row.
+LLaVA-1.5's image tokens are its patch grid row-major (the CLS token dropped). NeXT, NeXT-Video and
+OneVision ("anyres") show the image twice: the base image's grid row-major, then the high-resolution
+crops stitched into one finer grid, row-major with a newline token ending each row. NeXT-Video reads
+an image exactly as NeXT does; its video pooler (``model.vision_resampler``) acts on videos only, and
+countlens builds its processor without the video processor (`countlens.processor_files`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _PATHS = dict(
 SPECS = (
     ArchSpec("llava", ("llava",), **_PATHS),
     ArchSpec("llava_next", ("llava_next",), layout="anyres", **_PATHS),
+    ArchSpec("llava_next_video", ("llava_next_video",), layout="anyres", **_PATHS),
     ArchSpec("llava_onevision", ("llava_onevision",), layout="anyres", **_PATHS),
 )
 

@@ -1,4 +1,5 @@
-"""Tiny LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision: a CLIP / SigLIP tower, a projector and a language model."""
+"""Tiny LLaVA-1.5, LLaVA-NeXT, LLaVA-NeXT-Video and LLaVA-OneVision: a CLIP / SigLIP tower, a projector
+and a language model."""
 
 from __future__ import annotations
 
@@ -54,12 +55,15 @@ def _llava():
     return seeded(tf.LlavaForConditionalGeneration, config), processor
 
 
-def _llava_next():
-    """LLaVA-NeXT (v1.6-mistral style): CLIP with anyres tiling, Mistral text."""
+def _llava_next(video: bool = False):
+    """LLaVA-NeXT (v1.6-mistral style): CLIP with anyres tiling, Mistral text. ``video``: LLaVA-NeXT-Video,
+    the same image path (its video pooler and video processor unused: countlens reads images)."""
     import transformers as tf
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>", "[INST]", "[/INST]"]
+    from countlens.processors import image_only
+
+    specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>", "[INST]", "[/INST]", *(["<video>"] if video else [])]
     template = chat(
         "{% if message['role'] == 'user' %}[INST] {% endif %}",
         "<image>\n",
@@ -67,12 +71,11 @@ def _llava_next():
         "",
         prefix="<s>",
     )
-    tok = word_tokenizer(
-        specials, pad="<pad>", eos="</s>", bos="<s>", named={"image_token": "<image>"}, chat_template=template
-    )
+    named = {"image_token": "<image>", **({"video_token": "<video>"} if video else {})}
+    tok = word_tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", named=named, chat_template=template)
     # The real pinpoints scaled by 32/336.
     pinpoints = [[32, 64], [64, 32], [64, 64], [96, 32], [32, 96]]
-    config = tf.LlavaNextConfig(
+    config = (tf.LlavaNextVideoConfig if video else tf.LlavaNextConfig)(
         vision_config=_clip_vision(),
         text_config=text_settings("mistral", tok, head_dim=HEAD_DIM, sliding_window=None),
         image_token_index=tok.image_token_id,
@@ -80,19 +83,21 @@ def _llava_next():
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
         image_seq_length=(LLAVA_TILE // LLAVA_PATCH) ** 2,
+        **({"video_token_index": tok.video_token_id} if video else {}),
     )
     image_processor = LlavaNextImageProcessorPil(
         size={"shortest_edge": LLAVA_TILE},
         crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE},
         image_grid_pinpoints=pinpoints,
     )
-    processor = tf.LlavaNextProcessor(
+    processor = (image_only(tf.LlavaNextVideoProcessor) if video else tf.LlavaNextProcessor)(
         image_processor=image_processor,
         tokenizer=tok,
         chat_template=template,
         **CLIP_PROCESSOR,
     )
-    return seeded(tf.LlavaNextForConditionalGeneration, config), processor
+    model_cls = tf.LlavaNextVideoForConditionalGeneration if video else tf.LlavaNextForConditionalGeneration
+    return seeded(model_cls, config), processor
 
 
 def _llava_onevision():
@@ -144,10 +149,12 @@ def _llava_onevision():
 BUILDERS = {
     "llava": _llava,
     "llava_next": _llava_next,
+    "llava_next_video": lambda **kw: _llava_next(video=True, **kw),
     "llava_onevision": _llava_onevision,
 }
 IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "llava": (LLAVA_TILE, LLAVA_TILE),
     "llava_next": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
+    "llava_next_video": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
     "llava_onevision": (2 * LLAVA_TILE, 2 * LLAVA_TILE),
 }
