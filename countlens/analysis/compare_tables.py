@@ -138,7 +138,7 @@ MAS_COLUMNS = ["MAS (all)", "MAS (correct)", "MAS (wrong)", "n (correct)", "n (w
 
 
 def mas_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
-    """MAS per model for all, right and wrong answers, and the MAS code's image share where stored."""
+    """MAS per model for all, right and wrong answers, and the MAS code's 4-way share where stored."""
     from countlens.analysis.attention_metrics import aggregate
     from countlens.reference.counting_to_four.attention import SETS, modality_shares
 
