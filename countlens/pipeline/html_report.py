@@ -9,8 +9,9 @@ figure it shows is embedded where it stands, and the run's other figures after i
 
 A run's size must not decide the page's: images are downscaled and budgeted (`countlens.html_page`),
 and the attention images of at most `MAX_IMAGE_HEADS` heads (the most important) are asked for, at
-most `MAX_IMAGES_PER_HEAD` each. What is left out is named on the page, so a reader knows to open it
-beside the file. The per-head data (`countlens.pipeline.head_panels`) is small: a few hundred bytes a head.
+most `MAX_IMAGES_PER_HEAD` each — counted apart from the figures, within the same byte budget. What
+is left out is named on the page, so a reader knows to open it beside the file. The per-head data
+(`countlens.pipeline.head_panels`) is small: a few hundred bytes a head.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def render_html(ctx: ReportContext, text: str) -> str:
                 others.append((path.stem, uri))
     data = head_panels.head_data(ctx)
     data["image_heads"] = MAX_IMAGE_HEADS
+    # The heads' images are counted apart from the figures, so that a run's many figures cannot leave
+    # every panel without its attention images; the byte budget stays one for the page.
+    images.left = MAX_IMAGE_HEADS * MAX_IMAGES_PER_HEAD
     _embed_head_images(ctx, data["heads"], images)
     # The explorer goes under the report's title and header, before its numbered sections.
     cut = body.find("<h2") if "<h2" in body else len(body)

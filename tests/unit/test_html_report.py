@@ -161,6 +161,8 @@ def test_the_page_stays_bounded_however_many_figures(tmp_path):
 
 def test_head_images_fill_the_most_important_panels_only(tmp_path, monkeypatch):
     ctx = _run(tmp_path)
+    for i in range(html_page.MAX_IMAGES + 5):  # more figures than the page embeds: they do not crowd the heads out
+        (ctx.figures / f"small_{i:02d}.png").write_bytes(_png(40, 30, seed=i))
     assert "attention_maps" not in ctx.results and head_panels.head_images(None, 0, 0) == []  # no maps stored
     monkeypatch.setattr(html_report, "MAX_IMAGE_HEADS", 2)
     sample = _png(64, 64)
@@ -179,6 +181,8 @@ def test_head_images_fill_the_most_important_panels_only(tmp_path, monkeypatch):
         assert len(images) == expected and data["heads"][head_id]["images_left_out"] == (rank < 2)
         assert all(cap == f"scene of {head_id}" and uri.startswith("data:image/png;base64,") for cap, uri in images)
     assert len(asked) == 2  # the heads past the cap are not asked for their images at all
+    shown = re.findall(r'<img alt="(small_\d+)"', html_report.render_html(ctx, REPORT))
+    assert len(shown) == html_page.MAX_IMAGES - 2  # the figures' own cap (report.md shows two others)
 
 
 def test_write_report_writes_the_page_beside_report_md(tmp_path):
