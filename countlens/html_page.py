@@ -88,18 +88,25 @@ def json_script(value) -> Markup:
     return Markup(json.dumps(value, ensure_ascii=False, allow_nan=False).replace("</", "<\\/"))
 
 
-#: The styles of a plain page (`standalone_page`): readable text, compact tables, images that fit.
-PAGE_CSS = """\
+#: The styles every page shares (report.html adds its own after them: ``templates/report.css``).
+BASE_CSS = """\
 body { font: 15px/1.5 system-ui, sans-serif; color: #1d2430; margin: 0; background: #fff; }
-main { max-width: 1200px; margin: 0 auto; padding: 1rem 1.5rem 4rem; overflow-x: auto; }
+main { max-width: 1200px; margin: 0 auto; padding: 1rem 1.5rem 4rem; }
 h1 { font-size: 1.6rem; } h2 { font-size: 1.3rem; border-bottom: 1px solid #dde; padding-bottom: .2rem; }
 code { background: #f3f4f7; padding: 0 .2em; border-radius: 3px; }
 table { border-collapse: collapse; margin: .5rem 0; font-size: 13px; }
 th, td { border: 1px solid #dde; padding: 2px 6px; text-align: right; }
+"""
+#: A plain page's (`standalone_page`): wide tables scroll, the label column reads left, images fit.
+PAGE_CSS = (
+    BASE_CSS
+    + """\
+main { overflow-x: auto; }
 th:first-child, td:first-child { text-align: left; }
 img { max-width: 100%; height: auto; }
 .missing, .url { color: #667; font-size: 13px; }
 """
+)
 
 
 def standalone_page(title: str, markdown_text: str, base: Path, page: str) -> str:

@@ -45,6 +45,18 @@ def missing(run: StoredRun, stage: str, what: str) -> str:
     return f"{run.label} has no results/{stage}.nc ({run.path}): its {what} cells are empty"
 
 
+def _rows_of(runs: list[StoredRun], stage: str, what: str, row) -> tuple[dict[str, dict], list[str]]:
+    """``row(run, ds)`` of each run's ``stage`` result by label; a run without it gets an empty row
+    and a `missing` note naming ``what``."""
+    rows, notes = {}, []
+    for run in runs:
+        ds = run.get(stage)
+        if ds is None:
+            notes.append(missing(run, stage, what))
+        rows[run.label] = {} if ds is None else row(run, ds)
+    return rows, notes
+
+
 def _frame(rows: dict[str, dict], columns: list[str], index: str = "model") -> pd.DataFrame:
     table = pd.DataFrame.from_dict(rows, orient="index").reindex(columns=columns).astype(float)
     table.index.name = index
@@ -56,13 +68,8 @@ def accuracy_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     designs = list(dict.fromkeys(r.spec.get("design", "countlens") for r in runs))
     families = pd.concat([case_families(d) for d in designs])
     families = families[~families.index.duplicated()]
-    rows, notes = {}, []
-    for run in runs:
-        cases = run.get("cases")
-        if cases is None:
-            notes.append(missing(run, "cases", "COUNTINGTRICKS accuracy"))
-            rows[run.label] = {}
-            continue
+
+    def row_of(run: StoredRun, cases) -> dict:
         by_case = accuracy(cases, "case")["accuracy"].astype(float)  # as the run's own report (cases section)
         own = case_families(run.spec.get("design", "countlens"))
         by_case = by_case.reindex([c for c in own.index if c in by_case.index])
@@ -71,7 +78,9 @@ def accuracy_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
             part = by_case[[c for c in by_case.index if own[c] == fam]]
             row[family_row(fam)] = float(part.mean()) if len(part) else math.nan
         row[OVERALL] = float(by_case.mean()) if len(by_case) else math.nan
-        rows[run.label] = row
+        return row
+
+    rows, notes = _rows_of(runs, "cases", "COUNTINGTRICKS accuracy", row_of)
     present = {c for row in rows.values() for c in row}
     columns = [c for c in families.index if c in present] + [family_row(f) for f in FAMILIES] + [OVERALL]
     return _frame(rows, columns), notes
@@ -143,13 +152,8 @@ def mas_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     from countlens.reference.counting_to_four.attention import SETS, modality_shares
 
     columns = MAS_COLUMNS + [f"{name} share (MAS code)" for name in SETS]  # the code's sets, in its order
-    rows, notes = {}, []
-    for run in runs:
-        am = run.get("attention_metrics")
-        if am is None:
-            notes.append(missing(run, "attention_metrics", "MAS"))
-            rows[run.label] = {}
-            continue
+
+    def row_of(run: StoredRun, am) -> dict:
         mas = aggregate(am, by=None)
         row = {
             "MAS (all)": mas.loc["all", "mas"],
@@ -163,23 +167,19 @@ def mas_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
 
             shares = modality_shares(torch.tensor(am.sets.transpose("sample", "layer", "set").values))
             row |= {f"{name} share (MAS code)": shares[name] for name in SETS}
-        rows[run.label] = {k: float(v) for k, v in row.items()}
+        return {k: float(v) for k, v in row.items()}
+
+    rows, notes = _rows_of(runs, "attention_metrics", "MAS", row_of)
     return _frame(rows, columns), notes
 
 
 def probes_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     """AP@50 of the detection probes per tap (columns, in the first run's order of taps) per model;
     a run without the optional ``probes`` stage leaves its row empty, with a note."""
-    rows, notes, taps = {}, [], []
-    for run in runs:
-        ds = run.get("probes")
-        if ds is None:
-            notes.append(missing(run, "probes", "probe AP"))
-            rows[run.label] = {}
-            continue
-        row = {str(t): float(v) for t, v in zip(ds.tap.values, ds.ap50.values)}
-        taps += [t for t in row if t not in taps]
-        rows[run.label] = row
+    rows, notes = _rows_of(
+        runs, "probes", "probe AP", lambda run, ds: {str(t): float(v) for t, v in zip(ds.tap.values, ds.ap50.values)}
+    )
+    taps = list(dict.fromkeys(t for row in rows.values() for t in row))  # in the first run's order, then others'
     return _frame(rows, taps), notes
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
 
-from countlens.html_page import Images, json_script, markdown_body
+from countlens.html_page import BASE_CSS, Images, json_script, markdown_body
 from countlens.pipeline import head_panels
 from countlens.pipeline.stages.base import ReportContext
 
@@ -80,7 +80,7 @@ def render_html(ctx: ReportContext, text: str) -> str:
         others=others,
         skipped=images.skipped,
         data=json_script(data),
-        css=Markup((TEMPLATES / "report.css").read_text()),
+        css=Markup(BASE_CSS + (TEMPLATES / "report.css").read_text()),
         js=Markup((TEMPLATES / "report.js").read_text()),
     )
 

@@ -78,6 +78,7 @@ def test_compare_the_organism_with_two_tiny_models_of_other_depths(toy_run, tiny
     labels = list(hand.index)
     assert hand["layers"].tolist() == [6, 2, 3]
     curves = pd.read_csv(out / "vap_curves.csv")
+    classes = pd.read_csv(out / "head_classes.csv")
     for run, label in zip([toy_run, *runs], labels):
         vap = results.load(run / "results" / "vap.nc")
         mine = curves[curves.model == label].set_index("layer")
@@ -85,7 +86,6 @@ def test_compare_the_organism_with_two_tiny_models_of_other_depths(toy_run, tiny
         n_layers = int(vap.layer.max()) + 1
         assert mine.loc[n_layers - 1, "depth"] == pytest.approx(1.0) and mine.loc[0, "depth"] == 0
         heads = pd.read_csv(run / "heads.csv")
-        classes = pd.read_csv(out / "head_classes.csv")
         assert classes[classes.model == label].drop(columns=["model", "depth"]).to_numpy().sum() == len(heads)
     page = (out / "compare.html").read_text()
     assert page.count('src="data:image/png;base64,') == 2 and "Not embedded" not in page
