@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from countlens.analysis.evaluate import candidate_sets
 from countlens.answers import read_rows
 from countlens.circuits.pair_batch import prepare_pairs
-from countlens.memory import MAX_ROWS, Widths, replica_copy_bytes, rows_per_forward, widths
+from countlens.memory import MAX_ROWS, Widths, logit_bytes, replica_copy_bytes, rows_per_forward, widths
 from countlens.pipeline.config import resolved_prompt
 from countlens.pipeline.inputs import stage_inputs
 
@@ -91,7 +91,7 @@ def forward_bytes(w: Widths, f: Forward, patches: int) -> int:
         layer = max(layer, tokens * 4 * w.d_model * b + scores)
     images = f.rows if f.images is None else f.images
     vision = images * patches * (3 * w.vision_ff + 4 * w.vision_width) * b
-    logits = f.rows * f.keep * w.vocab * (b + 4)
+    logits = logit_bytes(w, f.rows, f.keep)
     cache = 2 * w.n_layers * f.rows * (f.seq + f.context) * w.n_kv_heads * w.d_head * b if f.cache or f.context else 0
     saved = (w.n_layers if f.layers is None else f.layers) * tokens * (4 * w.d_ff + 6 * w.d_model) * b if f.grad else 0
     return int(max(layer, vision) + logits + cache + saved + f.extra)
