@@ -39,18 +39,24 @@ paper's CPR or CMD is comparable without the same models, tasks and node set.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import xarray as xr
-from torch import Tensor
 
-from countlens import memory
+from countlens.circuits import edge_ablation, edges
+from countlens.circuits.nodes import (
+    NODE_KINDS,
+    Node,
+    ablated_logits,
+    graph_nodes,
+    image_positions,
+    mean_of,
+    record_nodes,
+)
 from countlens.circuits.pair_batch import logit_diff, prepare_pairs
-from countlens.circuits.sites import group_mask, repeat_inputs
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.labels import head_label
@@ -58,47 +64,12 @@ from countlens.results import provenance
 from countlens.validate import require_choice
 
 if TYPE_CHECKING:
-    from jaxtyping import Bool, Float
-
-    from countlens.vlm import VLM, Batch
+    from countlens.vlm import VLM
 
 #: MIB's circuit sizes: fractions of the node set kept.
 SIZES: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 ABLATIONS: tuple[str, ...] = ("patch", "mean")
-NODE_KINDS: tuple[str, ...] = ("head", "mlp", "input")
-INPUTS: tuple[str, ...] = ("image", "text")
-
-
-@dataclass(frozen=True, order=True)
-class Node:
-    """One component's output over every position: ``kind`` "head" (layer, head), "mlp" (layer) or
-    "input" (``index`` "image" or "text"; layer −1)."""
-
-    kind: str
-    layer: int
-    index: int | str = 0
-
-    @property
-    def label(self) -> str:
-        if self.kind == "head":
-            return head_label((self.layer, int(self.index)))
-        if self.kind == "mlp":
-            return f"MLP{self.layer}"
-        return f"IN.{self.index}"
-
-
-def graph_nodes(vlm: VLM, kinds: Sequence[str] = NODE_KINDS) -> list[Node]:
-    """The model's nodes of ``kinds``, in forward order: inputs, then per layer its heads and its MLP."""
-    for kind in kinds:
-        require_choice(kind, "a node kind", NODE_KINDS, InputError)
-    arch = vlm.arch
-    out = [Node("input", -1, g) for g in INPUTS] if "input" in kinds else []
-    for layer in range(arch.n_layers):
-        if "head" in kinds:
-            out += [Node("head", layer, h) for h in range(arch.heads(layer))]
-        if "mlp" in kinds:
-            out.append(Node("mlp", layer))
-    return out
+LEVELS: tuple[str, ...] = ("node", "edge")
 
 
 def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[Node, float]:
@@ -165,159 +136,6 @@ def smallest_faithful(ds: xr.Dataset, level: float = 0.8) -> xr.DataArray:
     return kept.min("size", skipna=True)
 
 
-def mlp_path(vlm: VLM, layer: int) -> str:
-    """A decoder layer's MLP module (``mlp``, or Llama 4's ``feed_forward``)."""
-    path = vlm.arch.layer(layer)
-    for name in ("mlp", "feed_forward"):
-        try:
-            vlm.hf.get_submodule(f"{path}.{name}")
-        except AttributeError:
-            continue
-        return f"{path}.{name}"
-    raise InputError(f"layer {layer} of {vlm.arch.name} has no mlp or feed_forward module: its MLP cannot be a node")
-
-
-def image_positions(vlm: VLM, batch: Batch) -> Bool[Tensor, "batch seq"]:
-    """Where the image tokens sit (none on a cross-attention model: its image is its states)."""
-    if image_states_path(vlm) is not None:
-        return torch.zeros_like(batch.inputs["attention_mask"], dtype=torch.bool)
-    return group_mask(batch, "image")
-
-
-def first_output(output):
-    """A module's output tensor: Llama 4's MoE block returns (output, router logits)."""
-    return output[0] if isinstance(output, tuple) else output
-
-
-def image_states_path(vlm: VLM) -> str | None:
-    cross = vlm.arch.spec.cross_attention
-    return None if cross is None else cross.states
-
-
-@torch.no_grad()
-def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
-    """The outputs of ``nodes``' sites in one forward of ``batch``: ``z[layer]``, ``mlp[layer]``,
-    ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states)."""
-    layers = sorted({n.layer for n in nodes if n.kind in ("head", "mlp")})
-    inputs = any(n.kind == "input" for n in nodes)
-    states_path = image_states_path(vlm)
-    got: dict = {"z": {}, "mlp": {}}
-    with vlm.read(batch):
-        if inputs and states_path is not None:
-            got["states"] = vlm.module(states_path).output.save()
-        if inputs:
-            got["embed"] = vlm.module(vlm.arch.layer(0)).input.save()
-        for layer in layers:
-            if any(n.kind == "head" and n.layer == layer for n in nodes):
-                got["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
-            if any(n.kind == "mlp" and n.layer == layer for n in nodes):
-                got["mlp"][layer] = first_output(vlm.module(mlp_path(vlm, layer)).output).save()
-    return got
-
-
-def _mean(a: dict, b: dict) -> dict:
-    """Per position, the mean of two recordings over both of their rows, broadcast to one's rows."""
-
-    def avg(x: Tensor, y: Tensor) -> Tensor:
-        both = torch.cat([x, y]).float()
-        return both.mean(0, keepdim=True).expand_as(x).to(x.dtype)
-
-    out = {
-        "z": {k: avg(v, b["z"][k]) for k, v in a["z"].items()},
-        "mlp": {k: avg(v, b["mlp"][k]) for k, v in a["mlp"].items()},
-    }
-    for key in ("embed", "states"):
-        if key in a:
-            out[key] = avg(a[key], b[key])
-    return out
-
-
-def _replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) -> dict:
-    """Per stacked replica (``n`` rows each), where its ablated nodes sit: ``z[layer]`` Bool (k·n, 1,
-    width of the layer's z), ``mlp[layer]`` (k·n, 1, 1), ``embed`` (k·n, seq, 1) and ``states`` (k) for
-    the image states; a site no replica ablates is left out."""
-    arch = vlm.arch
-    cross = image_states_path(vlm) is not None
-    k = len(sets)
-    z: dict[int, Tensor] = {}
-    mlp: dict[int, Tensor] = {}
-    embed = torch.zeros(k, *image.shape, dtype=torch.bool)
-    states = torch.zeros(k, dtype=torch.bool)
-    for r, ablate in enumerate(sets):
-        for node in ablate:
-            if node.kind == "head":
-                d = arch.head_dim(node.layer)
-                if node.layer not in z:
-                    z[node.layer] = torch.zeros(k, arch.heads(node.layer) * d, dtype=torch.bool)
-                z[node.layer][r, int(node.index) * d : (int(node.index) + 1) * d] = True
-            elif node.kind == "mlp":
-                mlp.setdefault(node.layer, torch.zeros(k, dtype=torch.bool))[r] = True
-            elif node.index == "image" and cross:
-                states[r] = True
-            elif node.index == "image":
-                embed[r] |= image
-            else:
-                embed[r] |= torch.ones_like(image) if cross else ~image
-    return {
-        "z": {la: m.repeat_interleave(n, 0)[:, None, :] for la, m in z.items()},
-        "mlp": {la: m.repeat_interleave(n, 0)[:, None, None] for la, m in mlp.items()},
-        "embed": embed.reshape(k * n, -1)[..., None] if embed.any() else None,
-        "states": states if states.any() else None,
-    }
-
-
-@torch.no_grad()
-def ablated_logits(
-    vlm: VLM, batch: Batch, sets: Sequence[frozenset], values: dict, image: Tensor, max_rows: int | None = None
-) -> Float[Tensor, "circuits batch vocab"]:
-    """Last-position logits of ``batch`` once per set of ``sets``, that set's nodes overwritten by
-    ``values``. The sets run stacked, as many copies of the batch a forward as memory holds
-    (`countlens.memory.rows_per_forward`); each site is one ``where`` over the copies."""
-    n = len(batch)
-    if max_rows is None:
-        free = memory.model_free_bytes(vlm)
-        if free is None:
-            max_rows = memory.MAX_ROWS
-        else:
-            w = memory.widths(vlm)
-            max_rows = memory.rows_per_forward(
-                w, int(batch.inputs["input_ids"].shape[1]), free, 1, batch.patches(w.merge)
-            )
-    per_pass = max(1, max_rows // n)
-    states_path = image_states_path(vlm)
-    out = []
-    for i in range(0, len(sets), per_pass):
-        chunk = sets[i : i + per_pass]
-        k = len(chunk)
-        masks = _replica_masks(vlm, chunk, n, image)
-        with vlm.trace(repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1):
-            if masks["states"] is not None:
-                site = vlm.module(states_path).output
-                per = values["states"].shape[0]  # the states' rows of one copy of the batch
-                where = masks["states"].repeat_interleave(per).view(-1, *[1] * (site.ndim - 1))
-                fill = torch.cat([values["states"]] * k).to(site.device, site.dtype)
-                site[:] = torch.where(where.to(site.device), fill, site)
-            if masks["embed"] is not None:
-                hid = vlm.module(vlm.arch.layer(0)).input
-                fill = torch.cat([values["embed"]] * k).to(hid.device, hid.dtype)
-                hid[:] = torch.where(masks["embed"].to(hid.device), fill, hid)
-            for layer in sorted(set(masks["z"]) | set(masks["mlp"])):
-                if layer in masks["z"]:
-                    zin = vlm.module(vlm.arch.o_proj(layer)).input
-                    fill = torch.cat([values["z"][layer]] * k).to(zin.device, zin.dtype)
-                    zin[:] = torch.where(masks["z"][layer].to(zin.device), fill, zin)
-                if layer in masks["mlp"]:
-                    mo = first_output(vlm.module(mlp_path(vlm, layer)).output)
-                    fill = torch.cat([values["mlp"][layer]] * k).to(mo.device, mo.dtype)
-                    where = masks["mlp"][layer]
-                    if mo.ndim == 2:  # flattened tokens, rows · seq of them (Llama 4's MoE block)
-                        where = where.view(-1, 1).repeat_interleave(mo.shape[0] // where.shape[0], 0)
-                    mo[:] = torch.where(where.to(mo.device), fill, mo)
-            logits = vlm.nn.output.logits[:, -1].save()
-        out.append(logits.float().view(k, n, -1).cpu())
-    return torch.cat(out)
-
-
 def faithfulness(
     vlm: VLM,
     pairs: Sequence,
@@ -326,11 +144,14 @@ def faithfulness(
     ablation: str = "patch",
     nodes: Sequence[str] | None = None,
     batch_size: int = 16,
+    level: str = "node",
 ) -> xr.Dataset:
     """The faithfulness curve of one ranking (see the module docstring for the definition):
     ``faithfulness`` and ``metric`` over ``size``, with ``kept`` / ``kept_fraction`` and per-pair
     ``logit_diff``; ``cpr`` and ``cmd`` in its attrs. One ranking of `faithfulness_curves`."""
-    ds = faithfulness_curves(vlm, pairs, {"scores": scores}, sizes, ablation, nodes, batch_size, random_draws=0)
+    ds = faithfulness_curves(
+        vlm, pairs, {"scores": scores}, sizes, ablation, nodes, batch_size, random_draws=0, level=level
+    )
     out = ds.sel(ranking="scores", drop=True)
     out.attrs.update(cpr=float(out.cpr), cmd=float(out.cmd))
     return out.drop_vars(["cpr", "cmd"])
@@ -346,47 +167,96 @@ def faithfulness_curves(
     batch_size: int = 16,
     random_draws: int = 5,
     seed: int = 0,
+    level: str = "node",
 ) -> xr.Dataset:
-    """Faithfulness curves of several rankings over one node set, from one corrupt recording per chunk
-    of pairs: ``faithfulness``, ``metric`` (ranking × size), ``cpr`` / ``cmd`` per ranking. With
-    ``random_draws`` > 0, that many random rankings (a permutation each, seeded by ``seed``) as
-    rankings ``random0`` …, and ``random`` = their mean curve (its CPR / CMD the draws' mean; their
-    standard deviation in ``cpr_std`` / ``cmd_std``; per-pair logit differences are then left out)."""
+    """Faithfulness curves of several rankings over one node set (``level="node"``) or over every
+    edge (``level="edge"``: rankings are `edge_attribution` results or {edge label: score}; ``nodes``
+    does not apply), from one corrupt recording per chunk of pairs: ``faithfulness``, ``metric``
+    (ranking × size), ``cpr`` / ``cmd`` per ranking. With ``random_draws`` > 0, that many random
+    rankings (a permutation each, seeded by ``seed``) as rankings ``random0`` …, and ``random`` =
+    their mean curve (its CPR / CMD the draws' mean; their standard deviation in ``cpr_std`` /
+    ``cmd_std``; per-pair logit differences are then left out)."""
     check_pair_sweep(pairs, batch_size, "faithfulness")
     require_choice(ablation, "ablation", ABLATIONS, InputError)
+    require_choice(level, "level", LEVELS, InputError)
     if not rankings and random_draws <= 0:
         raise InputError("no ranking to evaluate: give rankings={name: scores} or random_draws > 0")
-    scored = {name: node_scores(vlm, s, nodes) for name, s in rankings.items()}
-    node_set = next(iter(scored.values())) if scored else {n: 0.0 for n in graph_nodes(vlm, nodes or ("head",))}
-    order = list(node_set)
-    for name, s in scored.items():
-        if list(s) != order:
-            raise InputError(
-                f"ranking {name!r} scores another node set than the others; give every ranking the same kinds"
-            )
-    n = len(order)
+    if level == "edge":
+        if nodes is not None:
+            raise InputError("nodes= chooses a node set; at level='edge' every edge is ranked: leave nodes unset")
+        graph = edges.edge_graph(vlm)
+        scored = {name: edge_ablation.edge_scores(graph, s) for name, s in rankings.items()}
+        items = list(range(len(graph.edges)))
+        unit = "edge"
+        run = _edge_chunk(vlm, graph, ablation)
+    else:
+        scored = {name: node_scores(vlm, s, nodes) for name, s in rankings.items()}
+        items = list(next(iter(scored.values()))) if scored else graph_nodes(vlm, nodes or ("head",))
+        for name, s in scored.items():
+            if list(s) != items:
+                raise InputError(
+                    f"ranking {name!r} scores another node set than the others; give every ranking the same kinds"
+                )
+        unit = ",".join(dict.fromkeys(node.kind for node in items))
+        run = _node_chunk(vlm, items, ablation)
+    ds = _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run)
+    ds.attrs.update(ablation=ablation, level=level, nodes=unit)
+    return ds
+
+
+ChunkRun = Callable[[object, list[frozenset]], torch.Tensor]
+
+
+def _node_chunk(vlm: VLM, order: list[Node], ablation: str) -> ChunkRun:
+    """Per chunk of pairs: last-position logits with each set's nodes ablated."""
+
+    def run(pb, sets):
+        values = record_nodes(vlm, pb.corrupt, order)
+        if ablation == "mean":
+            values = mean_of(record_nodes(vlm, pb.clean, order), values)
+        return ablated_logits(vlm, pb.clean, sets, values, image_positions(vlm, pb.clean))
+
+    return run
+
+
+def _edge_chunk(vlm: VLM, graph, ablation: str) -> ChunkRun:
+    """Per chunk of pairs: last-position logits with each set's edges ablated."""
+
+    def run(pb, sets):
+        if not getattr(run, "checked", False):
+            edges.check_additive(vlm, graph, pb.clean)
+            run.checked = True
+        values = record_nodes(vlm, pb.corrupt, graph.nodes)
+        if ablation == "mean":
+            values = mean_of(record_nodes(vlm, pb.clean, graph.nodes), values)
+        return edge_ablation.edge_ablated_logits(vlm, graph, pb.clean, sets, values, image_positions(vlm, pb.clean))
+
+    return run
+
+
+def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run: ChunkRun) -> xr.Dataset:
+    """The curves of ``scored`` rankings over ``items`` (nodes or edge indices), ``run`` ablating sets of
+    them in each chunk of pairs."""
+    n = len(items)
+    position = {item: i for i, item in enumerate(items)}
     kept = circuit_sizes(n, sizes)
-    orders: dict[str, list[Node]] = {
-        name: sorted(order, key=lambda node, s=s: (-abs(s[node]), order.index(node))) for name, s in scored.items()
+    orders: dict[str, list] = {
+        name: sorted(items, key=lambda item, s=s: (-abs(s[item]), position[item])) for name, s in scored.items()
     }
     rng = np.random.default_rng(seed)
     for d in range(random_draws):
-        orders[f"random{d}"] = [order[i] for i in rng.permutation(n)]
+        orders[f"random{d}"] = [items[i] for i in rng.permutation(n)]
     circuits = {(name, k): frozenset(o[:k]) for name, o in orders.items() for k in kept}
-    distinct = sorted(set(circuits.values()), key=lambda c: (len(c), sorted(c)))
+    distinct = sorted(set(circuits.values()), key=lambda c: (len(c), sorted(position[i] for i in c)))
+    middle = [c for c in distinct if 0 < len(c) < n]
     lds = {c: [] for c in distinct}
     full_ld, empty_ld = [], []
+    every = frozenset(items)
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
-        values = record_nodes(vlm, pb.corrupt, order)
-        if ablation == "mean":
-            values = _mean(record_nodes(vlm, pb.clean, order), values)
-        image = image_positions(vlm, pb.clean)
         # The full and empty circuits, then every other distinct circuit, in stacked forwards (the sets
-        # of nodes each ablates); a circuit of every node or of none is the full or empty run itself.
-        middle = [c for c in distinct if 0 < len(c) < n]
-        sets = [frozenset(), frozenset(order), *(frozenset(order) - c for c in middle)]
-        logits = ablated_logits(vlm, pb.clean, sets, values, image)
+        # each ablates); a circuit of every item or of none is the full or empty run itself.
+        logits = run(pb, [frozenset(), every, *(every - c for c in middle)])
         ld = [logit_diff(rows, pb.clean_id, pb.corrupt_id).cpu() for rows in logits]
         full_ld.append(ld[0])
         empty_ld.append(ld[1])
@@ -395,7 +265,7 @@ def faithfulness_curves(
     m_full, m_empty = float(torch.cat(full_ld).sum()), float(torch.cat(empty_ld).sum())
     if m_full == m_empty:
         raise InputError(
-            "ablating every node changes no logit difference (m(N) = m(∅)): the node set carries nothing of "
+            "ablating everything changes no logit difference (m(N) = m(∅)): the set carries nothing of "
             "these pairs; give pairs whose answers differ, or a larger node set"
         )
     methods = list(orders)
@@ -425,8 +295,6 @@ def faithfulness_curves(
     ds.attrs.update(
         provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs)}),
         method="faithfulness",
-        ablation=ablation,
-        nodes=",".join(dict.fromkeys(node.kind for node in order)),
         n_nodes=n,
         metric_full=m_full,
         metric_empty=m_empty,

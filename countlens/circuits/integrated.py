@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.faithfulness import (
+from countlens.circuits.nodes import (
     INPUTS,
     Node,
     first_output,

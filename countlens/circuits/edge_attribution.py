@@ -1,0 +1,212 @@
+"""EAP and EAP-IG: attribution scores of every edge of `countlens.circuits.edges`' graph.
+
+Patching edge u → r alone changes x_r by Δ_u = c_u(corrupt) −
+c_u(clean), so attribution patching estimates its effect as Δ_u · ∂LD/∂x_r, summed over positions
+(MIB sums them; ``positions`` restricts the sum to a token group). ∂LD/∂x_r is the gradient through
+r alone: the norm's vector-Jacobian product at x_r of what r's projection sends back (for a head's
+q, the gradient of q_proj's output at that head's columns times their weights). EAP takes the
+gradient at the clean run; EAP-IG (``steps`` = m > 1) averages it over m points of the straight path
+from the corrupt input to the clean one, interpolating the input of decoder layer 0 as
+`countlens.circuits.integrated` does for nodes. Scores are normalised like the exact sweeps: divided
+by Σ LD_corrupt − Σ LD_clean. Since a node's output reaches the metric only through the receivers
+downstream of it, a node's score is the sum of its outgoing edges' (``node_effect``): EAP's node
+scores are AtP's and EAP-IG's are `node_attribution`'s.
+
+Memory: the gradients are kept per layer at their projections' width, as `node_attribution` keeps
+them; the residual-space products are formed ``chunk`` positions at a time, so an image-heavy
+prompt's cost in memory is a chunk's, not the sequence's.
+
+Memory: the gradients are kept per layer at their projections' width, as `node_attribution` keeps
+them; the residual-space products are formed ``chunk`` positions at a time, so an image-heavy
+prompt's cost in memory is a chunk's, not the sequence's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.circuits.edges import (
+    EdgeGraph,
+    Receiver,
+    check_additive,
+    edge_graph,
+    first_arg,
+    hooked,
+    node_deltas,
+    replace_first,
+)
+from countlens.circuits.nodes import image_positions, record_nodes
+from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.sites import check_group, group_mask
+from countlens.circuits.sweep import check_pair_sweep
+from countlens.errors import InputError
+from countlens.validate import require_count
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM, Batch
+
+
+def _norm_vjp(norm: torch.nn.Module, x: Tensor, cot: Tensor) -> Tensor:
+    """(receivers, …) gradients at x of norm's output paired with each cotangent in ``cot``."""
+    with torch.enable_grad():
+        xe = x.detach().unsqueeze(0).expand_as(cot).clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(norm(xe), xe, grad_outputs=cot.to(xe.dtype))
+    return g
+
+
+def _gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -> dict:
+    """One forward and backward of ``batch`` with layer 0's input replaced by ``embed``: each layer's
+    norm inputs and the gradients of LD's sum at the receivers' projections (see `receiver_gradients`)."""
+    hf, got = vlm.hf, {"x": {}, "mid": {}, "q": {}, "k": {}, "v": {}, "attn": {}, "mlp": {}}
+    leaf = embed.detach().clone().requires_grad_(True)
+
+    def set_input(module, args, kwargs):
+        return replace_first(args, kwargs, leaf)
+
+    def keep_out(store, layer, with_input=None):
+        def hook(module, args, out):
+            out.retain_grad()
+            store[layer] = out
+            if with_input is not None:
+                with_input[layer] = args[0].detach()
+
+        return hook
+
+    def keep_final(module, args, kwargs):
+        x = first_arg(args, kwargs)
+        x.retain_grad()
+        got["final"] = x
+
+    hooks = [(hf.get_submodule(vlm.arch.layer(0)), "pre", set_input)]
+    for layer, paths in enumerate(graph.layers):
+        hooks.append((hf.get_submodule(paths.attn_norm), "forward", keep_out(got["attn"], layer, got["x"])))
+        hooks.append((hf.get_submodule(paths.mlp_norm), "forward", keep_out(got["mlp"], layer, got["mid"])))
+        if paths.qkv is not None:
+            for part, path in zip("qkv", paths.qkv):
+                hooks.append((hf.get_submodule(path), "forward", keep_out(got[part], layer)))
+    hooks.append((hf.get_submodule(graph.final_norm), "pre", keep_final))
+    params = [p for p in hf.parameters() if p.requires_grad]
+    for p in params:  # gradients only for activations
+        p.requires_grad_(False)
+    try:
+        with torch.enable_grad(), hooked(hooks):
+            logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+            logit_diff(logits, pb.clean_id, pb.corrupt_id).sum().backward()
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    grads = {key: {la: t.grad.detach() for la, t in got[key].items()} for key in ("q", "k", "v", "attn", "mlp")}
+    return {**grads, "x": got["x"], "mid": got["mid"], "final": got["final"].grad.detach()}
+
+
+def receiver_gradients(vlm: VLM, graph: EdgeGraph, layer: int, g: dict, sl: slice) -> dict[Receiver, Tensor]:
+    """∂LD/∂x_r at positions ``sl`` of every receiver of ``layer`` (the logits: ``layer`` = n_layers),
+    (batch, positions, d_model) each, from a `_gradient_pass`."""
+    if layer == vlm.arch.n_layers:
+        return {graph.receivers[-1]: g["final"][:, sl]}
+    paths, hf = graph.layers[layer], vlm.hf
+    mine = [r for r in graph.receivers if r.layer == layer]
+    cots = []
+    for r in mine[:-1]:
+        if r.kind == "attn":
+            cots.append(g["attn"][layer][:, sl])
+            continue
+        w = hf.get_submodule(paths.qkv["qkv".index(r.kind)]).weight
+        d = vlm.arch.head_dim(layer)
+        cols = slice(r.index * d, (r.index + 1) * d)
+        cots.append(g[r.kind][layer][:, sl, cols] @ w[cols].to(g[r.kind][layer].dtype))
+    out = dict(zip(mine[:-1], _norm_vjp(hf.get_submodule(paths.attn_norm), g["x"][layer][:, sl], torch.stack(cots))))
+    mlp_g = _norm_vjp(hf.get_submodule(paths.mlp_norm), g["mid"][layer][:, sl], g["mlp"][layer][:, sl][None])
+    out[mine[-1]] = mlp_g[0]
+    return out
+
+
+def _chunk(vlm: VLM, graph: EdgeGraph, rows: int, seq: int, chunk: int | None) -> int:
+    """Positions a residual-space product covers at once: ``chunk``, or what keeps the node deltas
+    and one layer's receiver gradients within 256 MiB."""
+    if chunk is not None:
+        require_count(chunk, "chunk")
+        return chunk
+    per_position = (len(graph.nodes) + max(graph.prefix[r] for r in graph.receivers[:1]) + 64) * rows
+    per_position *= vlm.arch.d_model * 8
+    return max(1, min(seq, (256 << 20) // max(1, per_position)))
+
+
+def edge_attribution(
+    vlm: VLM,
+    pairs: Sequence,
+    method: str = "eap-ig",
+    steps: int = 5,
+    positions: str = "all",
+    batch_size: int = 16,
+    chunk: int | None = None,
+) -> xr.Dataset:
+    """EAP (``method="eap"``: one gradient, the clean run's) or EAP-IG (``steps`` points) scores of
+    every edge: ``effect`` over ``edge`` (with ``upstream``, ``receiver`` and ``part`` coordinates),
+    and ``node_effect`` over ``node`` (the sum of a node's outgoing edges). ``positions``: the token
+    group whose positions are summed ("all", "image", "text", "last"). See the module docstring."""
+    check_pair_sweep(pairs, batch_size, "edge_attribution")
+    if method not in ("eap", "eap-ig"):
+        raise InputError(f"method {method!r}: give 'eap' (the clean run's gradient) or 'eap-ig' (integrated)")
+    require_count(steps, "steps")
+    check_group(positions)
+    steps = 1 if method == "eap" else steps
+    graph = edge_graph(vlm)
+    offsets = graph.offsets()
+    n_edges = sum(graph.prefix.values())
+    scores = torch.zeros(n_edges, dtype=torch.float64)
+    clean_sum = corrupt_sum = 0.0
+    for start in range(0, len(pairs), batch_size):
+        pb = prepare_pairs(vlm, pairs[start : start + batch_size])
+        if start == 0:
+            check_additive(vlm, graph, pb.clean)
+        corrupt, clean = record_nodes(vlm, pb.corrupt, graph.nodes), record_nodes(vlm, pb.clean, graph.nodes)
+        image = image_positions(vlm, pb.clean)
+        where = group_mask(pb.clean, positions)
+        seq = int(where.shape[1])
+        step = _chunk(vlm, graph, len(pb.clean), seq, chunk)
+        for k in range(1, steps + 1):
+            embed = corrupt["embed"] + (k / steps) * (clean["embed"] - corrupt["embed"])
+            g = _gradient_pass(vlm, graph, pb.clean, embed, pb)
+            with torch.no_grad():
+                for p0 in range(0, seq, step):
+                    sl = slice(p0, min(seq, p0 + step))
+                    delta = node_deltas(vlm, graph, corrupt, clean, image, sl).double()
+                    delta = delta * where[None, :, sl, None].to(delta.device)
+                    for layer in range(vlm.arch.n_layers + 1):
+                        for r, gr in receiver_gradients(vlm, graph, layer, g, sl).items():
+                            p = graph.prefix[r]
+                            got = torch.einsum("ubsd,bsd->u", delta[:p], gr.double())
+                            scores[offsets[r] : offsets[r] + p] += got.cpu() / steps
+        with torch.no_grad():
+            for b, acc in ((pb.clean, "clean"), (pb.corrupt, "corrupt")):
+                ld = float(
+                    logit_diff(vlm.forward(b, logits_to_keep=1).logits[:, -1].float(), pb.clean_id, pb.corrupt_id).sum()
+                )
+                if acc == "clean":
+                    clean_sum += ld
+                else:
+                    corrupt_sum += ld
+    effect = (scores / (corrupt_sum - clean_sum)).numpy()
+    edges = graph.edges
+    node_effect = np.zeros(len(graph.nodes))
+    index = {u: i for i, u in enumerate(graph.nodes)}
+    for (u, _), e in zip(edges, effect):
+        node_effect[index[u]] += e
+    return xr.Dataset(
+        {"effect": ("edge", effect), "node_effect": ("node", node_effect)},
+        coords={
+            "edge": graph.labels(),
+            "upstream": ("edge", [u.label for u, _ in edges]),
+            "receiver": ("edge", [r.label for _, r in edges]),
+            "part": ("edge", [r.kind for _, r in edges]),
+            "node": [u.label for u in graph.nodes],
+        },
+        attrs={**pairs_provenance(vlm, pairs), "method": method, "steps": steps, "positions": positions},
+    )

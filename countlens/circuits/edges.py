@@ -1,0 +1,260 @@
+"""Edges: the computational graph between nodes.
+
+A decoder layer of a pre-norm transformer adds its attention output and its MLP output to the
+residual stream, and the attention output is the sum of its heads' contributions z_h·W_O[h]ᵀ. So
+what any component reads is a sum over everything upstream of it: the input embeddings, each earlier
+head's contribution and each earlier MLP's output (o_proj's bias, where there is one, is the same in
+every run and drops out of every difference). An **edge** u → r is one term of that sum: upstream node
+u (a node of `countlens.circuits.faithfulness`: ``IN.image``, ``IN.text``, a head, an MLP) to the input
+of a **receiver** r:
+
+- a head's query (``L2H1.q``), and a key / value head's key and value (``L2K0.k``, ``L2K0.v``;
+  with grouped-query attention a kv head serves several query heads) where the layer projects q, k
+  and v with separate linear maps;
+- the whole attention block's input (``L2.attn``) where it does not (a fused qkv projection, a
+  linear-attention layer);
+- an MLP's input (``MLP2.in``; the heads of its own layer are upstream of it) and the logits
+  (``logits``: the final norm's input).
+
+A receiver reads norm(x_r), x_r its own copy of the residual stream. Keeping or ablating an edge
+decides which version of u's output that copy holds.
+
+`countlens.circuits.edge_attribution` scores edges (EAP, EAP-IG); `countlens.circuits.edge_ablation`
+runs circuits of edges for `countlens.circuits.faithfulness`.
+
+Supported: models whose layers add exactly their attention output and MLP output to the residual
+stream, and nothing enters between layers. `edge_graph` checks that on the model's first batch and
+refuses the others by name (Gemma's norms after attention and MLP, Qwen3-VL's DeepStack, gated
+cross-attention layers); their nodes remain (`countlens.circuits.faithfulness`).
+
+Countlens calls the layers' own norm modules (and the projections' weights) on its copies of the
+residual stream inside the forward, which nnsight's trace does not allow: edges run on plain torch
+hooks, as `countlens.circuits.atp_star` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from countlens.circuits.nodes import INPUTS, Node, first_output, graph_nodes, mlp_path
+from countlens.circuits.sites import heads_view
+from countlens.errors import InputError
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM, Batch
+
+#: Receiver kinds: a head's query, a kv head's key and value, a whole attention block, an MLP, the logits.
+RECEIVERS: tuple[str, ...] = ("q", "k", "v", "attn", "mlp", "logits")
+#: The pre-norm layer's norms: before attention, before the MLP.
+ATTN_NORM, MLP_NORM = "input_layernorm", "post_attention_layernorm"
+
+
+@dataclass(frozen=True, order=True)
+class Receiver:
+    """The input of one downstream component: ``kind`` one of `RECEIVERS`, its layer (the logits: the
+    number of layers) and its head (a query head, or a kv head for "k" and "v")."""
+
+    layer: int
+    order: int  # within a layer: attention receivers (0), then the MLP (1)
+    kind: str
+    index: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "q":
+            return f"L{self.layer}H{self.index}.q"
+        if self.kind in ("k", "v"):
+            return f"L{self.layer}K{self.index}.{self.kind}"
+        if self.kind == "attn":
+            return f"L{self.layer}.attn"
+        if self.kind == "mlp":
+            return f"MLP{self.layer}.in"
+        return "logits"
+
+
+@dataclass(frozen=True)
+class LayerPaths:
+    """Where one decoder layer keeps what edges read and write."""
+
+    attn_norm: str
+    mlp_norm: str
+    o_proj: str
+    mlp: str
+    qkv: tuple[str, str, str] | None  # q_proj, k_proj, v_proj; None: the block is one receiver
+
+
+@dataclass
+class EdgeGraph:
+    """Nodes (upstream), receivers and edges of a model. Every receiver reads a prefix of ``nodes``
+    (in forward order): ``prefix[r]`` nodes."""
+
+    nodes: list[Node]
+    receivers: list[Receiver]
+    prefix: dict[Receiver, int]
+    layers: list[LayerPaths]
+    final_norm: str
+    kv_heads: list[int] = field(default_factory=list)
+
+    @property
+    def edges(self) -> list[tuple[Node, Receiver]]:
+        return [(u, r) for r in self.receivers for u in self.nodes[: self.prefix[r]]]
+
+    def labels(self) -> list[str]:
+        return [f"{u.label}→{r.label}" for u, r in self.edges]
+
+    def offsets(self) -> dict[Receiver, int]:
+        """Where each receiver's edges start in `edges`."""
+        out, at = {}, 0
+        for r in self.receivers:
+            out[r] = at
+            at += self.prefix[r]
+        return out
+
+
+def _module(vlm: VLM, path: str) -> torch.nn.Module | None:
+    try:
+        return vlm.hf.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def edge_graph(vlm: VLM) -> EdgeGraph:
+    """The model's edge graph (see the module docstring); refuses a model whose layers are not
+    pre-norm blocks with the two norms edges read."""
+    arch = vlm.arch
+    if arch.cross_layers:
+        raise InputError(
+            f"{vlm.name} has gated cross-attention layers {list(arch.cross_layers)}: their output is not a sum of "
+            "heads added to the residual stream, so edges are undefined; use nodes (countlens.circuits.faithfulness)"
+        )
+    nodes = graph_nodes(vlm)
+    receivers, prefix, layers, kv = [], {}, [], []
+    seen = len(INPUTS)
+    for layer in range(arch.n_layers):
+        base = arch.layer(layer)
+        norms = [f"{base}.{n}" for n in (ATTN_NORM, MLP_NORM)]
+        missing = [p for p in norms if _module(vlm, p) is None]
+        if missing:
+            raise InputError(
+                f"layer {layer} of {vlm.name} has no {missing[0].rsplit('.', 1)[-1]}: edges need a pre-norm layer "
+                f"({ATTN_NORM} before attention, {MLP_NORM} before the MLP); use nodes (countlens.circuits.faithfulness)"
+            )
+        q, k = (f"{base}.{p}" for p in (arch.spec.q_proj, arch.spec.k_proj))
+        v = k.rsplit(".", 1)[0] + ".v_proj"
+        separate = arch.softmax(layer) and not arch.spec.fused_qkv and all(_module(vlm, p) for p in (q, k, v))
+        heads = arch.heads(layer)
+        n_kv = _module(vlm, k).out_features // arch.head_dim(layer) if separate else 0
+        kv.append(n_kv)
+        if separate:
+            mine = [Receiver(layer, 0, "q", h) for h in range(heads)]
+            mine += [Receiver(layer, 0, part, j) for part in ("k", "v") for j in range(n_kv)]
+        else:
+            mine = [Receiver(layer, 0, "attn")]
+        for r in mine:
+            prefix[r] = seen
+        seen += heads
+        mlp = Receiver(layer, 1, "mlp")
+        prefix[mlp] = seen
+        seen += 1
+        receivers += [*mine, mlp]
+        layers.append(LayerPaths(*norms, arch.o_proj(layer), mlp_path(vlm, layer), (q, k, v) if separate else None))
+    logits = Receiver(arch.n_layers, 0, "logits")
+    prefix[logits] = seen
+    receivers.append(logits)
+    return EdgeGraph(nodes, receivers, prefix, layers, arch.spec.final_norm, kv)
+
+
+@contextmanager
+def hooked(hooks: Sequence[tuple[torch.nn.Module, str, object]]) -> Iterator[None]:
+    """Plain torch hooks ("pre" with kwargs, or "forward"), removed on exit."""
+    handles = []
+    try:
+        for module, kind, fn in hooks:
+            if kind == "pre":
+                handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(fn))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def first_arg(args, kwargs) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def replace_first(args, kwargs, value: Tensor):
+    if args:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": value}
+
+
+def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
+    """Refuse the model unless each layer's output is its input plus its attention output plus its
+    MLP output, and each layer reads the previous one's output (one forward of ``batch``)."""
+    hf, got = vlm.hf, {}
+
+    def keep(name):
+        def hook(module, args, out):
+            got[name] = (args[0] if args else None, first_output(out))
+
+        return hook
+
+    hooks = []
+    for layer, paths in enumerate(graph.layers):
+        hooks += [
+            (hf.get_submodule(vlm.arch.layer(layer)), "forward", keep(("layer", layer))),
+            (hf.get_submodule(paths.attn_norm), "forward", keep(("attn_norm", layer))),
+            (hf.get_submodule(paths.o_proj), "forward", keep(("o", layer))),
+            (hf.get_submodule(paths.mlp), "forward", keep(("mlp", layer))),
+        ]
+    hooks.append((hf.get_submodule(graph.final_norm), "forward", keep("final")))
+    with torch.no_grad(), hooked(hooks):
+        vlm.forward(batch, use_cache=False, logits_to_keep=1)
+    eps = torch.finfo(got["final"][0].dtype).eps
+    for layer in range(vlm.arch.n_layers):
+        x = got[("attn_norm", layer)][0]
+        out = got[("layer", layer)][1]
+        parts = (got[("o", layer)][1], got[("mlp", layer)][1])
+        if any(p.shape != x.shape for p in parts):
+            raise InputError(
+                f"layer {layer} of {vlm.name}: its attention or MLP output is not shaped like the residual stream "
+                f"({[tuple(p.shape) for p in parts]} vs {tuple(x.shape)}); edges are undefined here, use nodes"
+            )
+        nxt = got[("attn_norm", layer + 1)][0] if layer + 1 < vlm.arch.n_layers else got["final"][0]
+        scale = float(x.abs().max()) + sum(float(p.abs().max()) for p in parts)
+        limit = 64 * eps * max(1.0, scale)
+        if float((x + parts[0] + parts[1] - out).abs().max()) > limit or float((nxt - out).abs().max()) > limit:
+            raise InputError(
+                f"{vlm.name}'s layer {layer} does not add its attention and MLP outputs to the residual stream unchanged "
+                "(a norm after attention or the MLP, or inputs added between layers): edges are undefined here; "
+                "use nodes (countlens.circuits.faithfulness)"
+            )
+
+
+def _o_weight(vlm: VLM, paths: LayerPaths, heads: int) -> Tensor:
+    """o_proj's weight per head: (heads, d_model, d_head)."""
+    w = vlm.hf.get_submodule(paths.o_proj).weight
+    return w.view(w.shape[0], heads, -1).permute(1, 0, 2)
+
+
+def node_deltas(vlm: VLM, graph: EdgeGraph, a: dict, b: dict, image: Tensor, sl: slice) -> Tensor:
+    """Residual-space a − b of every node at positions ``sl`` (recordings of `record_nodes`): (nodes,
+    batch, positions, d_model), in graph order."""
+    arch = vlm.arch
+    d = (a["embed"] - b["embed"])[:, sl]
+    img = image[:, sl, None].to(d.dtype)
+    out = [d * img, d * (1 - img)]
+    for layer, paths in enumerate(graph.layers):
+        heads = arch.heads(layer)
+        dz = heads_view((a["z"][layer] - b["z"][layer])[:, sl], heads)
+        out += list(torch.einsum("bshd,hod->hbso", dz, _o_weight(vlm, paths, heads).to(dz.dtype)))
+        out.append((a["mlp"][layer] - b["mlp"][layer])[:, sl])
+    return torch.stack(out)

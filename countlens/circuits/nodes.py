@@ -1,0 +1,218 @@
+"""Nodes: the components a circuit is made of, recorded and ablated in stacked forwards.
+
+A node is one component's output over every position: a head's z (its slice of the attention output
+projection's input, `Arch.o_proj`), a layer's MLP output (on a mixture-of-experts layer, the whole
+MoE block's), or an input: the image tokens' embeddings and the other tokens' embeddings (the input
+of layer 0 at those positions; on a cross-attention model the image node is the image states every
+cross-attention layer reads, `CrossAttentionSpec.states`). `record_nodes` records their outputs in
+one forward; `ablated_logits` runs a batch once per set of nodes, each set's nodes overwritten by
+recorded values (`countlens.circuits.faithfulness` defines the circuits and the metric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from countlens import memory
+from countlens.circuits.sites import group_mask, repeat_inputs
+from countlens.errors import InputError
+from countlens.labels import head_label
+from countlens.validate import require_choice
+
+if TYPE_CHECKING:
+    from jaxtyping import Bool, Float
+
+    from countlens.vlm import VLM, Batch
+
+NODE_KINDS: tuple[str, ...] = ("head", "mlp", "input")
+INPUTS: tuple[str, ...] = ("image", "text")
+
+
+@dataclass(frozen=True, order=True)
+class Node:
+    """One component's output over every position: ``kind`` "head" (layer, head), "mlp" (layer) or
+    "input" (``index`` "image" or "text"; layer −1)."""
+
+    kind: str
+    layer: int
+    index: int | str = 0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "head":
+            return head_label((self.layer, int(self.index)))
+        if self.kind == "mlp":
+            return f"MLP{self.layer}"
+        return f"IN.{self.index}"
+
+
+def graph_nodes(vlm: VLM, kinds: Sequence[str] = NODE_KINDS) -> list[Node]:
+    """The model's nodes of ``kinds``, in forward order: inputs, then per layer its heads and its MLP."""
+    for kind in kinds:
+        require_choice(kind, "a node kind", NODE_KINDS, InputError)
+    arch = vlm.arch
+    out = [Node("input", -1, g) for g in INPUTS] if "input" in kinds else []
+    for layer in range(arch.n_layers):
+        if "head" in kinds:
+            out += [Node("head", layer, h) for h in range(arch.heads(layer))]
+        if "mlp" in kinds:
+            out.append(Node("mlp", layer))
+    return out
+
+
+def mlp_path(vlm: VLM, layer: int) -> str:
+    """A decoder layer's MLP module (``mlp``, or Llama 4's ``feed_forward``)."""
+    path = vlm.arch.layer(layer)
+    for name in ("mlp", "feed_forward"):
+        try:
+            vlm.hf.get_submodule(f"{path}.{name}")
+        except AttributeError:
+            continue
+        return f"{path}.{name}"
+    raise InputError(f"layer {layer} of {vlm.arch.name} has no mlp or feed_forward module: its MLP cannot be a node")
+
+
+def image_positions(vlm: VLM, batch: Batch) -> Bool[Tensor, "batch seq"]:
+    """Where the image tokens sit (none on a cross-attention model: its image is its states)."""
+    if image_states_path(vlm) is not None:
+        return torch.zeros_like(batch.inputs["attention_mask"], dtype=torch.bool)
+    return group_mask(batch, "image")
+
+
+def first_output(output):
+    """A module's output tensor: Llama 4's MoE block returns (output, router logits)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def image_states_path(vlm: VLM) -> str | None:
+    cross = vlm.arch.spec.cross_attention
+    return None if cross is None else cross.states
+
+
+@torch.no_grad()
+def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
+    """The outputs of ``nodes``' sites in one forward of ``batch``: ``z[layer]``, ``mlp[layer]``,
+    ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states)."""
+    layers = sorted({n.layer for n in nodes if n.kind in ("head", "mlp")})
+    inputs = any(n.kind == "input" for n in nodes)
+    states_path = image_states_path(vlm)
+    got: dict = {"z": {}, "mlp": {}}
+    with vlm.read(batch):
+        if inputs and states_path is not None:
+            got["states"] = vlm.module(states_path).output.save()
+        if inputs:
+            got["embed"] = vlm.module(vlm.arch.layer(0)).input.save()
+        for layer in layers:
+            if any(n.kind == "head" and n.layer == layer for n in nodes):
+                got["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
+            if any(n.kind == "mlp" and n.layer == layer for n in nodes):
+                got["mlp"][layer] = first_output(vlm.module(mlp_path(vlm, layer)).output).save()
+    return got
+
+
+def mean_of(a: dict, b: dict) -> dict:
+    """Per position, the mean of two recordings over both of their rows, broadcast to one's rows."""
+
+    def avg(x: Tensor, y: Tensor) -> Tensor:
+        both = torch.cat([x, y]).float()
+        return both.mean(0, keepdim=True).expand_as(x).to(x.dtype)
+
+    out = {
+        "z": {k: avg(v, b["z"][k]) for k, v in a["z"].items()},
+        "mlp": {k: avg(v, b["mlp"][k]) for k, v in a["mlp"].items()},
+    }
+    for key in ("embed", "states"):
+        if key in a:
+            out[key] = avg(a[key], b[key])
+    return out
+
+
+def replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) -> dict:
+    """Per stacked replica (``n`` rows each), where its ablated nodes sit: ``z[layer]`` Bool (k·n, 1,
+    width of the layer's z), ``mlp[layer]`` (k·n, 1, 1), ``embed`` (k·n, seq, 1) and ``states`` (k) for
+    the image states; a site no replica ablates is left out."""
+    arch = vlm.arch
+    cross = image_states_path(vlm) is not None
+    k = len(sets)
+    z: dict[int, Tensor] = {}
+    mlp: dict[int, Tensor] = {}
+    embed = torch.zeros(k, *image.shape, dtype=torch.bool)
+    states = torch.zeros(k, dtype=torch.bool)
+    for r, ablate in enumerate(sets):
+        for node in ablate:
+            if node.kind == "head":
+                d = arch.head_dim(node.layer)
+                if node.layer not in z:
+                    z[node.layer] = torch.zeros(k, arch.heads(node.layer) * d, dtype=torch.bool)
+                z[node.layer][r, int(node.index) * d : (int(node.index) + 1) * d] = True
+            elif node.kind == "mlp":
+                mlp.setdefault(node.layer, torch.zeros(k, dtype=torch.bool))[r] = True
+            elif node.index == "image" and cross:
+                states[r] = True
+            elif node.index == "image":
+                embed[r] |= image
+            else:
+                embed[r] |= torch.ones_like(image) if cross else ~image
+    return {
+        "z": {la: m.repeat_interleave(n, 0)[:, None, :] for la, m in z.items()},
+        "mlp": {la: m.repeat_interleave(n, 0)[:, None, None] for la, m in mlp.items()},
+        "embed": embed.reshape(k * n, -1)[..., None] if embed.any() else None,
+        "states": states if states.any() else None,
+    }
+
+
+@torch.no_grad()
+def ablated_logits(
+    vlm: VLM, batch: Batch, sets: Sequence[frozenset], values: dict, image: Tensor, max_rows: int | None = None
+) -> Float[Tensor, "circuits batch vocab"]:
+    """Last-position logits of ``batch`` once per set of ``sets``, that set's nodes overwritten by
+    ``values``. The sets run stacked, as many copies of the batch a forward as memory holds
+    (`countlens.memory.rows_per_forward`); each site is one ``where`` over the copies."""
+    n = len(batch)
+    if max_rows is None:
+        free = memory.model_free_bytes(vlm)
+        if free is None:
+            max_rows = memory.MAX_ROWS
+        else:
+            w = memory.widths(vlm)
+            max_rows = memory.rows_per_forward(
+                w, int(batch.inputs["input_ids"].shape[1]), free, 1, batch.patches(w.merge)
+            )
+    per_pass = max(1, max_rows // n)
+    states_path = image_states_path(vlm)
+    out = []
+    for i in range(0, len(sets), per_pass):
+        chunk = sets[i : i + per_pass]
+        k = len(chunk)
+        masks = replica_masks(vlm, chunk, n, image)
+        with vlm.trace(repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1):
+            if masks["states"] is not None:
+                site = vlm.module(states_path).output
+                per = values["states"].shape[0]  # the states' rows of one copy of the batch
+                where = masks["states"].repeat_interleave(per).view(-1, *[1] * (site.ndim - 1))
+                fill = torch.cat([values["states"]] * k).to(site.device, site.dtype)
+                site[:] = torch.where(where.to(site.device), fill, site)
+            if masks["embed"] is not None:
+                hid = vlm.module(vlm.arch.layer(0)).input
+                fill = torch.cat([values["embed"]] * k).to(hid.device, hid.dtype)
+                hid[:] = torch.where(masks["embed"].to(hid.device), fill, hid)
+            for layer in sorted(set(masks["z"]) | set(masks["mlp"])):
+                if layer in masks["z"]:
+                    zin = vlm.module(vlm.arch.o_proj(layer)).input
+                    fill = torch.cat([values["z"][layer]] * k).to(zin.device, zin.dtype)
+                    zin[:] = torch.where(masks["z"][layer].to(zin.device), fill, zin)
+                if layer in masks["mlp"]:
+                    mo = first_output(vlm.module(mlp_path(vlm, layer)).output)
+                    fill = torch.cat([values["mlp"][layer]] * k).to(mo.device, mo.dtype)
+                    where = masks["mlp"][layer]
+                    if mo.ndim == 2:  # flattened tokens, rows · seq of them (Llama 4's MoE block)
+                        where = where.view(-1, 1).repeat_interleave(mo.shape[0] // where.shape[0], 0)
+                    mo[:] = torch.where(where.to(mo.device), fill, mo)
+            logits = vlm.nn.output.logits[:, -1].save()
+        out.append(logits.float().view(k, n, -1).cpu())
+    return torch.cat(out)
