@@ -143,7 +143,8 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
         if missing:
             raise InputError(
                 f"layer {layer} of {vlm.name} has no {missing[0].rsplit('.', 1)[-1]}: edges need a pre-norm layer "
-                f"({ATTN_NORM} before attention, {MLP_NORM} before the MLP); use nodes (countlens.circuits.faithfulness)"
+                f"({ATTN_NORM} before attention, {MLP_NORM} before the MLP); use nodes "
+                "(countlens.circuits.faithfulness)"
             )
         q, k = (f"{base}.{p}" for p in (arch.spec.q_proj, arch.spec.k_proj))
         v = k.rsplit(".", 1)[0] + ".v_proj"
@@ -233,7 +234,8 @@ def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
         limit = 64 * eps * max(1.0, scale)
         if float((x + parts[0] + parts[1] - out).abs().max()) > limit or float((nxt - out).abs().max()) > limit:
             raise InputError(
-                f"{vlm.name}'s layer {layer} does not add its attention and MLP outputs to the residual stream unchanged "
+                f"{vlm.name}'s layer {layer} does not add its attention and MLP outputs to the residual stream "
+                "unchanged "
                 "(a norm after attention or the MLP, or inputs added between layers): edges are undefined here; "
                 "use nodes (countlens.circuits.faithfulness)"
             )

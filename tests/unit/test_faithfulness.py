@@ -10,17 +10,14 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, scale_of
 
 from countlens.circuits.faithfulness import (
-    ablated_logits,
     areas,
     circuit_sizes,
     faithfulness,
     faithfulness_curves,
-    graph_nodes,
-    image_positions,
     node_scores,
-    record_nodes,
     smallest_faithful,
 )
+from countlens.circuits.nodes import ablated_logits, graph_nodes, image_positions, record_nodes
 from countlens.circuits.patching import prepare_pairs
 from countlens.circuits.sites import group_mask
 from countlens.datasets.pairs import count_pairs

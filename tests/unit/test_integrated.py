@@ -10,7 +10,8 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_effect, logit_scale
 
 from countlens.circuits import attribution_patch
-from countlens.circuits.faithfulness import faithfulness, graph_nodes
+from countlens.circuits.faithfulness import faithfulness
+from countlens.circuits.nodes import graph_nodes
 from countlens.circuits.integrated import node_attribution, node_scores_of
 from countlens.circuits.pair_batch import logit_diff, prepare_pairs
 from countlens.datasets.pairs import count_pairs

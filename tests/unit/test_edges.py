@@ -1,0 +1,165 @@
+"""Edges: every family runs them or is refused by name; keeping every edge is the clean run and none
+the corrupt run; EAP is the derivative of patching one edge (central finite differences through the
+edge forward); edge scores sum to the node scores that `node_attribution` computes another way; the
+position groups partition the sum; edge-level faithfulness ends at 1 and 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import BUILDERS, TINY_IMAGE_SIZE
+from tolerance import assert_close, scale_of
+
+from countlens.circuits import edge_ablation, edges
+from countlens.circuits.edge_attribution import edge_attribution
+from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
+from countlens.circuits.integrated import node_attribution, node_scores_of
+from countlens.circuits.nodes import image_positions, record_nodes
+from countlens.circuits.pair_batch import logit_diff, prepare_pairs
+from countlens.datasets.pairs import count_pairs
+from countlens.errors import InputError
+
+#: Families whose layers add their attention and MLP outputs to the residual stream unchanged.
+RUN = {
+    "toy", "qwen2_vl", "qwen2_5_vl", "idefics3", "internvl3_5", "internvl", "llava", "llava_next", "llava_next_video",
+    "llava_onevision", "mistral3", "phi4_multimodal", "ovis2", "qwen3_5", "smolvlm",
+}
+
+
+def _pairs(vlm, name, n=4):
+    size = vlm.geometry.image_height if name == "toy" else TINY_IMAGE_SIZE[name][0]
+    return count_pairs(n, 3, 5, kind="polygons", image_size=size, prompt="short", seed=4)
+
+
+def _ends(vlm, pairs):
+    """(logits keeping every edge, keeping none, clean, corrupt) of the pairs."""
+    graph = edges.edge_graph(vlm)
+    pb = prepare_pairs(vlm, pairs)
+    edges.check_additive(vlm, graph, pb.clean)
+    values = record_nodes(vlm, pb.corrupt, graph.nodes)
+    every = frozenset(range(len(graph.edges)))
+    kept, none = edge_ablation.edge_ablated_logits(
+        vlm, graph, pb.clean, [frozenset(), every], values, image_positions(vlm, pb.clean)
+    )
+    with torch.no_grad():
+        clean, corrupt = (vlm.forward(b, logits_to_keep=1).logits[:, -1].float() for b in (pb.clean, pb.corrupt))
+    return kept, none, clean, corrupt
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("name", ["toy", *sorted(BUILDERS)])
+def test_every_family_runs_edges_or_is_refused_by_name(name, loaded):
+    vlm = loaded(name)
+    pairs = _pairs(vlm, name, n=2)
+    if name not in RUN:
+        with pytest.raises(InputError, match="edges"):
+            _ends(vlm, pairs)
+        return
+    kept, none, clean, corrupt = _ends(vlm, pairs)
+    assert_close(kept, clean, what=f"{name}: every edge kept vs the clean run")
+    assert_close(none, corrupt, scale=scale_of(clean, corrupt), what=f"{name}: no edge kept vs the corrupt run")
+
+
+def _ld(logits, pb):
+    return float(logit_diff(logits, pb.clean_id, pb.corrupt_id).sum())
+
+
+@pytest.mark.numeric
+def test_eap_is_the_derivative_of_patching_one_edge(loaded):
+    """EAP's score of u → r is (c_u(corrupt) − c_u(clean)) · ∂LD/∂x_r: the derivative of LD when r's copy
+    of the stream moves by ε of that difference. The edge forward computes that move exactly (its
+    ablation value c_u + ε·Δ_u); central differences agree with the scores for edges into every kind of
+    receiver."""
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, "toy")
+    eap = edge_attribution(vlm, pairs, method="eap", batch_size=len(pairs))
+    graph = edges.edge_graph(vlm)
+    pb = prepare_pairs(vlm, pairs)
+    clean, corrupt = record_nodes(vlm, pb.clean, graph.nodes), record_nodes(vlm, pb.corrupt, graph.nodes)
+    image = image_positions(vlm, pb.clean)
+    with torch.no_grad():
+        denom = _ld(vlm.forward(pb.corrupt).logits[:, -1].float(), pb) - _ld(
+            vlm.forward(pb.clean).logits[:, -1].float(), pb
+        )
+
+    def toward(eps):  # ablation values c + ε (corrupt − clean)
+        mix = lambda a, b: a + eps * (b - a)  # noqa: E731
+        return {
+            "embed": mix(clean["embed"], corrupt["embed"]),
+            "z": {k: mix(v, corrupt["z"][k]) for k, v in clean["z"].items()},
+            "mlp": {k: mix(v, corrupt["mlp"][k]) for k, v in clean["mlp"].items()},
+        }
+
+    labels = graph.labels()
+    picked = [
+        "IN.image→L0K1.k",
+        "IN.image→L0H2.q",
+        "MLP0→L1K1.v",
+        "L1H2→MLP3.in",
+        "L2H0→logits",
+        "MLP4→logits",
+    ]
+    sets = [frozenset([labels.index(lab)]) for lab in picked]
+    eps = 1e-2
+    plus = edge_ablation.edge_ablated_logits(vlm, graph, pb.clean, sets, toward(eps), image)
+    minus = edge_ablation.edge_ablated_logits(vlm, graph, pb.clean, sets, toward(-eps), image)
+    for i, lab in enumerate(picked):
+        derivative = (_ld(plus[i], pb) - _ld(minus[i], pb)) / (2 * eps) / denom
+        score = float(eap.effect.sel(edge=lab))
+        # Central differences err by O(ε²) times the third derivative: 1 % of the largest score bounds it.
+        assert abs(derivative - score) <= 0.01 * max(1.0, float(np.abs(eap.effect).max())), (lab, derivative, score)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("name", ["toy", "qwen2_5_vl"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_edge_scores_sum_to_the_node_scores(name, steps, loaded):
+    """A node reaches the metric only through the receivers downstream of it, so the sum of its
+    outgoing edges' scores is its node score: `node_attribution` computes that from the gradient at
+    the node's own output (z, the MLP's output, the embeddings), not from the receivers'."""
+    vlm = loaded(name)
+    pairs = _pairs(vlm, name)
+    method = "eap" if steps == 1 else "eap-ig"
+    ea = edge_attribution(vlm, pairs, method=method, steps=steps, batch_size=2)
+    nodes = node_scores_of(node_attribution(vlm, pairs, steps=steps, batch_size=2))
+    got = np.array([float(ea.node_effect.sel(node=k)) for k in nodes])
+    assert_close(got, np.array(list(nodes.values())), what=f"{name}: Σ edges vs node scores ({method})")
+
+
+def test_position_groups_partition_the_sum_and_chunks_change_nothing(loaded):
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, "toy")
+    whole = edge_attribution(vlm, pairs, method="eap", batch_size=len(pairs))
+    chunked = edge_attribution(vlm, pairs, method="eap", batch_size=len(pairs), chunk=5)
+    assert_close(chunked.effect, whole.effect, what="chunked vs whole")
+    parts = [edge_attribution(vlm, pairs, method="eap", positions=g, batch_size=len(pairs)) for g in ("image", "text", "last")]
+    assert_close(sum(p.effect.values for p in parts), whole.effect, what="image + text + last vs all")
+    assert float(np.abs(parts[0].effect).max()) > 0 and float(np.abs(parts[2].effect).max()) > 0
+
+
+def test_edge_faithfulness_keeps_the_clean_run_whole_and_loses_it_empty(loaded):
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, "toy")
+    scores = edge_attribution(vlm, pairs, method="eap", batch_size=len(pairs))
+    ds = faithfulness_curves(
+        vlm, pairs, {"EAP": scores}, sizes=(0.0, 0.05, 1.0), random_draws=2, batch_size=len(pairs), level="edge"
+    )
+    assert ds.attrs["level"] == "edge" and ds.attrs["n_nodes"] == len(edges.edge_graph(vlm).edges)
+    np.testing.assert_allclose(ds.faithfulness.sel(size=1.0).values, 1.0, atol=1e-6)
+    np.testing.assert_allclose(ds.faithfulness.sel(size=0.0).values, 0.0, atol=1e-6)
+    one = faithfulness(vlm, pairs, scores, sizes=(0.0, 0.05, 1.0), batch_size=len(pairs), level="edge")
+    assert_close(one.faithfulness, ds.faithfulness.sel(ranking="EAP"), what="faithfulness vs its curve")
+
+
+def test_edge_inputs_are_refused_by_name(loaded):
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, "toy", n=2)
+    with pytest.raises(InputError, match="method"):
+        edge_attribution(vlm, pairs, method="atp")
+    with pytest.raises(InputError, match="nodes"):
+        faithfulness(vlm, pairs, {}, nodes=("head",), level="edge")
+    with pytest.raises(InputError, match="edges of this model"):
+        faithfulness(vlm, pairs, {"L0H0→nowhere": 1.0}, level="edge")
+    with pytest.raises(InputError, match="level"):
+        faithfulness(vlm, pairs, {}, level="path")
