@@ -1,5 +1,5 @@
-"""The intervention layer over nnsight: sites, patching, attribution (AtP, EAP-IG), faithfulness of a
-circuit, lenses, HeadLens, ablation, head temperature, and the experts of mixture-of-experts models.
+"""The intervention layer over nnsight: sites, patching, attribution (AtP, EAP-IG on nodes and edges),
+faithfulness of a circuit, lenses, HeadLens, ablation, head temperature, and the experts of mixture-of-experts models.
 
 Every function takes a `countlens.VLM` and prepared data (pairs or samples) and returns labelled
 xarray results; module paths come from `countlens.arch` only.
@@ -7,6 +7,8 @@ xarray results; module paths come from `countlens.arch` only.
 
 from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
 from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
+from countlens.circuits.edge_attribution import edge_attribution
+from countlens.circuits.edges import edge_graph
 from countlens.circuits.experts import (
     ablate_experts,
     expert_ablation_scan,
@@ -32,6 +34,8 @@ __all__ = [
     "beta_from_importance",
     "compare",
     "eager_attention",
+    "edge_attribution",
+    "edge_graph",
     "expert_ablation_scan",
     "expert_means",
     "expert_usage",

@@ -22,8 +22,21 @@ from countlens.errors import InputError
 
 #: Families whose layers add their attention and MLP outputs to the residual stream unchanged.
 RUN = {
-    "toy", "qwen2_vl", "qwen2_5_vl", "idefics3", "internvl3_5", "internvl", "llava", "llava_next", "llava_next_video",
-    "llava_onevision", "mistral3", "phi4_multimodal", "ovis2", "qwen3_5", "smolvlm",
+    "toy",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "idefics3",
+    "internvl3_5",
+    "internvl",
+    "llava",
+    "llava_next",
+    "llava_next_video",
+    "llava_onevision",
+    "mistral3",
+    "phi4_multimodal",
+    "ovis2",
+    "qwen3_5",
+    "smolvlm",
 }
 
 
@@ -133,7 +146,10 @@ def test_position_groups_partition_the_sum_and_chunks_change_nothing(loaded):
     whole = edge_attribution(vlm, pairs, method="eap", batch_size=len(pairs))
     chunked = edge_attribution(vlm, pairs, method="eap", batch_size=len(pairs), chunk=5)
     assert_close(chunked.effect, whole.effect, what="chunked vs whole")
-    parts = [edge_attribution(vlm, pairs, method="eap", positions=g, batch_size=len(pairs)) for g in ("image", "text", "last")]
+    parts = [
+        edge_attribution(vlm, pairs, method="eap", positions=g, batch_size=len(pairs))
+        for g in ("image", "text", "last")
+    ]
     assert_close(sum(p.effect.values for p in parts), whole.effect, what="image + text + last vs all")
     assert float(np.abs(parts[0].effect).max()) > 0 and float(np.abs(parts[2].effect).max()) > 0
 

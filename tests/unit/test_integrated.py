@@ -11,8 +11,8 @@ from tolerance import assert_effect, logit_scale
 
 from countlens.circuits import attribution_patch
 from countlens.circuits.faithfulness import faithfulness
-from countlens.circuits.nodes import graph_nodes
 from countlens.circuits.integrated import node_attribution, node_scores_of
+from countlens.circuits.nodes import graph_nodes
 from countlens.circuits.pair_batch import logit_diff, prepare_pairs
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
