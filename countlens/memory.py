@@ -137,11 +137,13 @@ def model_free_bytes(vlm: VLM) -> int | None:
     return min(free_bytes(d) for d in devices)
 
 
-def rows_per_forward(w: Widths, seq: int, free: int, keep: int = 1, patches: int = 0, cap: int | None = None) -> int:
+def rows_per_forward(
+    w: Widths, seq: int, free: int, keep: int = 1, patches: int = 0, cap: int | None = None, extra: int = 0
+) -> int:
     """The most rows a batch-expanded forward of ``seq`` tokens (``patches`` vision patches a row)
-    may stack: FREE_SHARE of ``free`` bytes over what a row costs (`stacked_row_bytes`), at least 1
-    and at most ``cap`` (`MAX_ROWS`)."""
-    per_row = stacked_row_bytes(w, seq, keep, patches)
+    may stack: FREE_SHARE of ``free`` bytes over what a row costs (`stacked_row_bytes`, plus ``extra``
+    bytes a row the caller holds), at least 1 and at most ``cap`` (`MAX_ROWS`)."""
+    per_row = stacked_row_bytes(w, seq, keep, patches) + extra
     return max(1, min(cap or MAX_ROWS, int(FREE_SHARE * free) // max(1, per_row)))
 
 

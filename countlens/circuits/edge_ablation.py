@@ -27,7 +27,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked
+from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked, stream_shaped
 from countlens.circuits.nodes import INPUTS, first_output
 from countlens.circuits.sites import repeat_inputs
 from countlens.errors import InputError
@@ -122,7 +122,8 @@ class _Ablator:
 
     def mlp_out(self, layer):
         def hook(module, args, out):
-            self.delta["mlp"][layer] = first_output(out) - self.values["mlp"][layer]
+            delta = first_output(out) - self.values["mlp"][layer]
+            self.delta["mlp"][layer] = stream_shaped(delta, self.delta["embed"])
 
         return hook
 
@@ -190,6 +191,13 @@ class _Ablator:
         return out
 
 
+def edge_row_bytes(w: memory.Widths, seq: int, receivers: int) -> int:
+    """What one stacked row of `edge_ablated_logits` holds beyond a plain forward's: the ablation
+    values and this forward's differences from them (the embeddings, every layer's z and MLP output),
+    and one layer's ``receivers`` normed copies of the stream."""
+    return (2 * (2 * w.n_layers + 1) + receivers) * seq * w.d_model * w.act_bytes
+
+
 def _weights(graph: EdgeGraph, sets: Sequence[frozenset], n: int) -> dict[Receiver, Tensor]:
     """Per receiver, (rows, prefix) 1.0 where the row's set ablates the edge; receivers no set touches
     are left out."""
@@ -218,7 +226,13 @@ def edge_ablated_logits(
         free = memory.model_free_bytes(vlm)
         w = memory.widths(vlm)
         seq = int(batch.inputs["input_ids"].shape[1])
-        max_rows = memory.MAX_ROWS if free is None else memory.rows_per_forward(w, seq, free, 1, batch.patches(w.merge))
+        receivers = max(sum(r.layer == la for r in graph.receivers) for la in range(vlm.arch.n_layers))
+        extra = edge_row_bytes(w, seq, receivers)
+        max_rows = (
+            memory.MAX_ROWS
+            if free is None
+            else memory.rows_per_forward(w, seq, free, 1, batch.patches(w.merge), extra=extra)
+        )
     per_pass = max(1, max_rows // n)
     out = []
     for i in range(0, len(sets), per_pass):

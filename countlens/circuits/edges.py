@@ -197,6 +197,12 @@ def replace_first(args, kwargs, value: Tensor):
     return args, {**kwargs, "hidden_states": value}
 
 
+def stream_shaped(t: Tensor, like: Tensor) -> Tensor:
+    """A module output in the residual stream's shape: Llama 4's MoE block returns its tokens
+    flattened, (rows · seq, d)."""
+    return t.view(like.shape) if t.ndim == 2 and like.ndim == 3 and t.numel() == like.numel() else t
+
+
 def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
     """Refuse the model unless each layer's output is its input plus its attention output plus its
     MLP output, and each layer reads the previous one's output (one forward of ``batch``)."""
@@ -223,7 +229,7 @@ def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
     for layer in range(vlm.arch.n_layers):
         x = got[("attn_norm", layer)][0]
         out = got[("layer", layer)][1]
-        parts = (got[("o", layer)][1], got[("mlp", layer)][1])
+        parts = (got[("o", layer)][1], stream_shaped(got[("mlp", layer)][1], x))
         if any(p.shape != x.shape for p in parts):
             raise InputError(
                 f"layer {layer} of {vlm.name}: its attention or MLP output is not shaped like the residual stream "
@@ -258,5 +264,5 @@ def node_deltas(vlm: VLM, graph: EdgeGraph, a: dict, b: dict, image: Tensor, sl:
         heads = arch.heads(layer)
         dz = heads_view((a["z"][layer] - b["z"][layer])[:, sl], heads)
         out += list(torch.einsum("bshd,hod->hbso", dz, _o_weight(vlm, paths, heads).to(dz.dtype)))
-        out.append((a["mlp"][layer] - b["mlp"][layer])[:, sl])
+        out.append(stream_shaped(a["mlp"][layer] - b["mlp"][layer], a["embed"])[:, sl])
     return torch.stack(out)

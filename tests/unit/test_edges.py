@@ -20,7 +20,7 @@ from countlens.circuits.pair_batch import logit_diff, prepare_pairs
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 
-#: Families whose layers add their attention and MLP outputs to the residual stream unchanged.
+#: Families whose layers add their attention and MLP outputs to the residual stream unchanged (Llama 4: a MoE).
 RUN = {
     "toy",
     "qwen2_vl",
@@ -37,6 +37,7 @@ RUN = {
     "ovis2",
     "qwen3_5",
     "smolvlm",
+    "llama4",
 }
 
 
@@ -179,3 +180,28 @@ def test_edge_inputs_are_refused_by_name(loaded):
         faithfulness(vlm, pairs, {"L0H0→nowhere": 1.0}, level="edge")
     with pytest.raises(InputError, match="level"):
         faithfulness(vlm, pairs, {}, level="path")
+
+
+@pytest.mark.parametrize("name", ["toy", "qwen2_5_vl"])
+def test_the_plan_counts_the_graphs_edges(name, loaded):
+    from countlens.pipeline.stages.edges import edge_count
+
+    vlm = loaded(name)
+    arch = vlm.arch
+    assert edge_count(arch.n_layers, arch.n_heads, arch.n_kv_heads) == len(edges.edge_graph(vlm).edges)
+
+
+def test_the_stage_records_why_a_model_has_no_edges(loaded):
+    """On a model whose layers are not additive the stage stores the refusal, and the report says it."""
+    from types import SimpleNamespace
+
+    from countlens.pipeline.stages.edges import _compute
+    from countlens.pipeline.stages.faithfulness import _edges
+
+    vlm = loaded("gemma3")
+    run = SimpleNamespace(vlm=vlm, pairs=_pairs(vlm, "gemma3", n=2), batch_size=2)
+    ds = _compute(run)
+    assert "does not add its attention and MLP outputs" in ds.attrs["refused"]
+    shown = _edges(SimpleNamespace(results={"edge_faithfulness": ds}))
+    assert shown == {"refused": ds.attrs["refused"]}
+    assert _edges(SimpleNamespace(results={})) is None

@@ -15,6 +15,7 @@ from countlens.pipeline.stages import (
     attention_maps,
     cases,
     classes,
+    edges,
     faithfulness,
     lens,
     patching,
@@ -39,6 +40,7 @@ STAGES: tuple[Stage, ...] = (
     ablation.ABLATION,
     temperature.TEMPERATURE,
     faithfulness.FAITHFULNESS,
+    edges.EDGE_FAITHFULNESS,
     probes.PROBES,
 )
 

@@ -24,6 +24,7 @@ from countlens.labels import head_label
 from countlens.organisms import planted_circuit_of
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, sweep_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
+from countlens.pipeline.stages.edges import RANDOM_DRAWS as EDGE_DRAWS
 
 #: Random rankings drawn as the baseline (their mean and spread are reported).
 RANDOM_DRAWS = 5
@@ -77,7 +78,7 @@ def _plan(p: Planner) -> StagePlan:
 FAITHFULNESS = Stage("faithfulness", inputs=("pairs",), compute=_faithfulness, plan=_plan)
 
 
-def _table(ds: xr.Dataset) -> pd.DataFrame:
+def _table(ds: xr.Dataset, unit: str = "heads", draws: int = RANDOM_DRAWS) -> pd.DataFrame:
     smallest = smallest_faithful(ds, LEVEL)
     rows = []
     for r in ds.ranking.values:
@@ -89,10 +90,10 @@ def _table(ds: xr.Dataset) -> pd.DataFrame:
         if name == "random":
             cpr_s = f"{cpr:.3f} ± {float(ds.cpr_std.sel(ranking=name)):.3f}"
             cmd_s = f"{cmd:.3f} ± {float(ds.cmd_std.sel(ranking=name)):.3f}"
-            name = f"random (mean of {RANDOM_DRAWS})"
+            name = f"random (mean of {draws})"
         else:
             cpr_s, cmd_s = f"{cpr:.3f}", f"{cmd:.3f}"
-        reach = "—" if math.isnan(fraction) else f"{fraction:.1%} ({round(fraction * ds.attrs['n_nodes'])} heads)"
+        reach = "—" if math.isnan(fraction) else f"{fraction:.1%} ({round(fraction * ds.attrs['n_nodes'])} {unit})"
         rows.append({"ranking": name, "CPR": cpr_s, "CMD": cmd_s, f"smallest circuit with f ≥ {LEVEL}": reach})
     return pd.DataFrame(rows)
 
@@ -129,6 +130,21 @@ def _recovery(ctx: ReportContext) -> dict | None:
     }
 
 
+def _edges(ctx: ReportContext) -> dict | None:
+    """The edge stage's table and curve, why the model has no edges, or None for a run without it."""
+    ds = ctx.results.get("edge_faithfulness")
+    if ds is None:
+        return None
+    if "refused" in ds.attrs:
+        return {"refused": ds.attrs["refused"]}
+    return {
+        "n_edges": int(ds.attrs["n_nodes"]),
+        "steps": int(ds.attrs["steps"]),
+        "table": _table(ds, "edges", EDGE_DRAWS).to_markdown(index=False),
+        "curve": _curve(ds).to_markdown(),
+    }
+
+
 def _values(ctx: ReportContext) -> dict:
     ds = ctx.results["faithfulness"]
     return {
@@ -139,12 +155,18 @@ def _values(ctx: ReportContext) -> dict:
             "curve": _curve(ds).to_markdown(),
             "level": LEVEL,
             "recovery": _recovery(ctx),
+            "edges": _edges(ctx),
         }
     }
 
 
 def _draw(ctx: ReportContext) -> None:
     plots.plot_faithfulness(ctx.results["faithfulness"], ctx.figures / "faithfulness.png")
+    edges = ctx.results.get("edge_faithfulness")
+    if edges is not None and "refused" not in edges.attrs:
+        plots.plot_faithfulness(
+            edges, ctx.figures / "edge_faithfulness.png", "Faithfulness of each ranking's top edges"
+        )
 
 
 SECTION = Section("faithfulness.md.j2", _values, _draw)
