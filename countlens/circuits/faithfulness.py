@@ -74,30 +74,37 @@ LEVELS: tuple[str, ...] = ("node", "edge")
 
 def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[Node, float]:
     """A ranking's score per node. ``scores``: a DataArray over (layer, head) (a head ranking:
-    `patch_heads`' or `attribution_patch`'s ``effect``, an ablation drop), or a mapping from node label
-    (``L3H1``, ``MLP3``, ``IN.image``) to score. ``kinds``: the node set; by default the kinds the
+    `patch_heads`' or `attribution_patch`'s ``effect``, an ablation drop) or over (layer, expert)
+    (`patch_experts`' ``effect``), or a mapping from node label (``L3H1``, ``MLP3``, ``IN.image``,
+    ``L1E3``) to score. ``kinds``: the node set; by default the kinds the
     ranking scores. A node of the set the ranking does not score is refused by name."""
     if isinstance(scores, xr.DataArray):
-        if set(scores.dims) != {"layer", "head"}:
+        unit = next((u for u in ("head", "expert") if set(scores.dims) == {"layer", u}), None)
+        if unit is None:
             raise InputError(
-                f"scores over {scores.dims}: give a DataArray over (layer, head), or {{node label: score}}"
+                f"scores over {scores.dims}: give a DataArray over (layer, head) or (layer, expert), "
+                "or {node label: score}"
             )
+        label = head_label if unit == "head" else lambda le: f"L{le[0]}E{le[1]}"
         # NaN: no head there (beyond a layer's own heads, e.g. Qwen3.5's linear layers have more).
         values = {
-            head_label((int(la), int(h))): float(scores.sel(layer=la, head=h))
+            label((int(la), int(h))): float(scores.sel({"layer": la, unit: h}))
             for la in scores["layer"].values
-            for h in scores["head"].values
-            if not math.isnan(float(scores.sel(layer=la, head=h)))
+            for h in scores[unit].values
+            if not math.isnan(float(scores.sel({"layer": la, unit: h})))
         }
     elif isinstance(scores, Mapping):
         values = {str(k): float(v) for k, v in scores.items()}
     else:
         raise InputError(f"scores of type {type(scores).__name__}: give a DataArray over (layer, head) or a mapping")
     every = {n.label: n for n in graph_nodes(vlm)}
+    if vlm.arch.expert_layers:
+        every.update({n.label: n for n in graph_nodes(vlm, ("expert",))})
     unknown = sorted(set(values) - set(every))
     if unknown:
         raise InputError(
-            f"scores name {unknown[:5]}, which are no nodes of {vlm.name}; node labels look like L0H1, MLP0, IN.image"
+            f"scores name {unknown[:5]}, which are no nodes of {vlm.name}; node labels look like L0H1, MLP0, "
+            "IN.image, L1E3 (an expert)"
         )
     if kinds is None:
         kinds = tuple(k for k in NODE_KINDS if any(every[label].kind == k for label in values))
@@ -247,7 +254,7 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
     for d in range(random_draws):
         orders[f"random{d}"] = [items[i] for i in rng.permutation(n)]
     circuits = {(name, k): frozenset(o[:k]) for name, o in orders.items() for k in kept}
-    distinct = sorted(set(circuits.values()), key=lambda c: (len(c), sorted(position[i] for i in c)))
+    distinct = sorted(set(circuits.values()), key=lambda c: (len(c), sorted(c)))
     middle = [c for c in distinct if 0 < len(c) < n]
     lds = {c: [] for c in distinct}
     full_ld, empty_ld = [], []

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.sites import group_mask, repeat_inputs
+from countlens.circuits.expert_rules import expert_rule
+from countlens.circuits.sites import Expert, Placed, group_mask, repeat_inputs
 from countlens.errors import InputError
 from countlens.labels import head_label
 from countlens.validate import require_choice
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
 
     from countlens.vlm import VLM, Batch
 
-NODE_KINDS: tuple[str, ...] = ("head", "mlp", "input")
+#: Node kinds: a head's z, a layer's MLP (block) output, an input, and a MoE layer's expert (its contribution).
+NODE_KINDS: tuple[str, ...] = ("head", "mlp", "input", "expert")
+#: The kinds every model has (the default node set of the whole graph).
+BASE_KINDS: tuple[str, ...] = ("head", "mlp", "input")
 INPUTS: tuple[str, ...] = ("image", "text")
 
 
@@ -48,19 +52,28 @@ class Node:
             return head_label((self.layer, int(self.index)))
         if self.kind == "mlp":
             return f"MLP{self.layer}"
+        if self.kind == "expert":
+            return f"L{self.layer}E{self.index}"
         return f"IN.{self.index}"
 
 
-def graph_nodes(vlm: VLM, kinds: Sequence[str] = NODE_KINDS) -> list[Node]:
-    """The model's nodes of ``kinds``, in forward order: inputs, then per layer its heads and its MLP."""
+def graph_nodes(vlm: VLM, kinds: Sequence[str] = BASE_KINDS) -> list[Node]:
+    """The model's nodes of ``kinds``, in forward order: inputs, then per layer its heads and its MLP.
+    With "expert", a mixture-of-experts layer's experts stand for its MLP node (the block's other
+    parts, such as a shared expert, are then no node); on a model without experts "expert" is refused."""
     for kind in kinds:
         require_choice(kind, "a node kind", NODE_KINDS, InputError)
     arch = vlm.arch
+    experts = "expert" in kinds
+    if experts and not arch.expert_layers:
+        raise InputError(f"{vlm.name} has no mixture-of-experts layers: its nodes have no 'expert' kind")
     out = [Node("input", -1, g) for g in INPUTS] if "input" in kinds else []
     for layer in range(arch.n_layers):
         if "head" in kinds:
             out += [Node("head", layer, h) for h in range(arch.heads(layer))]
-        if "mlp" in kinds:
+        if experts and layer in arch.expert_layers:
+            out += [Node("expert", layer, e) for e in range(arch.n_experts)]
+        elif "mlp" in kinds:
             out.append(Node("mlp", layer))
     return out
 
@@ -98,10 +111,10 @@ def image_states_path(vlm: VLM) -> str | None:
 def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
     """The outputs of ``nodes``' sites in one forward of ``batch``: ``z[layer]``, ``mlp[layer]``,
     ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states)."""
-    layers = sorted({n.layer for n in nodes if n.kind in ("head", "mlp")})
+    layers = sorted({n.layer for n in nodes if n.kind in ("head", "mlp", "expert")})
     inputs = any(n.kind == "input" for n in nodes)
     states_path = image_states_path(vlm)
-    got: dict = {"z": {}, "mlp": {}}
+    got: dict = {"z": {}, "mlp": {}, "experts": {}}
     with vlm.read(batch):
         if inputs and states_path is not None:
             got["states"] = vlm.module(states_path).output.save()
@@ -110,8 +123,15 @@ def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
         for layer in layers:
             if any(n.kind == "head" and n.layer == layer for n in nodes):
                 got["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
+            if any(n.kind == "expert" and n.layer == layer for n in nodes):
+                got["experts"][layer] = expert_rule(vlm.arch).record(vlm.module(vlm.arch.experts(layer)))
             if any(n.kind == "mlp" and n.layer == layer for n in nodes):
                 got["mlp"][layer] = first_output(vlm.module(mlp_path(vlm, layer)).output).save()
+    rows, seq = batch.inputs["input_ids"].shape
+    got["experts"] = {
+        layer: expert_rule(vlm.arch).per_token(saved, rows, seq, vlm.arch.n_experts)
+        for layer, saved in got["experts"].items()
+    }
     return got
 
 
@@ -122,6 +142,11 @@ def mean_of(a: dict, b: dict) -> dict:
         both = torch.cat([x, y]).float()
         return both.mean(0, keepdim=True).expand_as(x).to(x.dtype)
 
+    if a.get("experts"):
+        raise InputError(
+            "mean ablation of experts is not defined here (an expert's contribution is recorded as its "
+            "routing and input, whose mean is no mean contribution): use ablation='patch' with expert nodes"
+        )
     out = {
         "z": {k: avg(v, b["z"][k]) for k, v in a["z"].items()},
         "mlp": {k: avg(v, b["mlp"][k]) for k, v in a["mlp"].items()},
@@ -134,13 +159,14 @@ def mean_of(a: dict, b: dict) -> dict:
 
 def replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) -> dict:
     """Per stacked replica (``n`` rows each), where its ablated nodes sit: ``z[layer]`` Bool (k·n, 1,
-    width of the layer's z), ``mlp[layer]`` (k·n, 1, 1), ``embed`` (k·n, seq, 1) and ``states`` (k) for
-    the image states; a site no replica ablates is left out."""
+    width of the layer's z), ``mlp[layer]`` (k·n, 1, 1), ``experts[layer]`` [(replica, expert)],
+    ``embed`` (k·n, seq, 1) and ``states`` (k) for the image states; a site no replica ablates is left out."""
     arch = vlm.arch
     cross = image_states_path(vlm) is not None
     k = len(sets)
     z: dict[int, Tensor] = {}
     mlp: dict[int, Tensor] = {}
+    experts: dict[int, list[tuple[int, int]]] = {}
     embed = torch.zeros(k, *image.shape, dtype=torch.bool)
     states = torch.zeros(k, dtype=torch.bool)
     for r, ablate in enumerate(sets):
@@ -152,6 +178,8 @@ def replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) ->
                 z[node.layer][r, int(node.index) * d : (int(node.index) + 1) * d] = True
             elif node.kind == "mlp":
                 mlp.setdefault(node.layer, torch.zeros(k, dtype=torch.bool))[r] = True
+            elif node.kind == "expert":
+                experts.setdefault(node.layer, []).append((r, int(node.index)))
             elif node.index == "image" and cross:
                 states[r] = True
             elif node.index == "image":
@@ -161,9 +189,20 @@ def replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) ->
     return {
         "z": {la: m.repeat_interleave(n, 0)[:, None, :] for la, m in z.items()},
         "mlp": {la: m.repeat_interleave(n, 0)[:, None, None] for la, m in mlp.items()},
+        "experts": {la: sorted(pairs) for la, pairs in experts.items()},
         "embed": embed.reshape(k * n, -1)[..., None] if embed.any() else None,
         "states": states if states.any() else None,
     }
+
+
+def _write_experts(vlm: VLM, layer: int, ablated: list[tuple[int, int]], values: dict, batch: Batch) -> None:
+    """Inside a trace: each (replica, expert)'s contribution at every position of that replica's rows
+    replaced by the recorded run's (`countlens.circuits.sites.Expert`'s write, the edits' own)."""
+    n, seq = batch.inputs["input_ids"].shape
+    b, s = torch.ones(n, seq, dtype=torch.bool).nonzero(as_tuple=True)
+    mask = torch.ones(n, seq, dtype=torch.bool)
+    placed = [Placed(r, Expert(layer, e), mask, None, b, s) for r, e in ablated]
+    Expert.write(vlm, placed, {"experts": values["experts"]}, n, seq)
 
 
 @torch.no_grad()
@@ -201,11 +240,13 @@ def ablated_logits(
                 hid = vlm.module(vlm.arch.layer(0)).input
                 fill = torch.cat([values["embed"]] * k).to(hid.device, hid.dtype)
                 hid[:] = torch.where(masks["embed"].to(hid.device), fill, hid)
-            for layer in sorted(set(masks["z"]) | set(masks["mlp"])):
+            for layer in sorted(set(masks["z"]) | set(masks["mlp"]) | set(masks["experts"])):
                 if layer in masks["z"]:
                     zin = vlm.module(vlm.arch.o_proj(layer)).input
                     fill = torch.cat([values["z"][layer]] * k).to(zin.device, zin.dtype)
                     zin[:] = torch.where(masks["z"][layer].to(zin.device), fill, zin)
+                if layer in masks["experts"]:
+                    _write_experts(vlm, layer, masks["experts"][layer], values, batch)
                 if layer in masks["mlp"]:
                     mo = first_output(vlm.module(mlp_path(vlm, layer)).output)
                     fill = torch.cat([values["mlp"][layer]] * k).to(mo.device, mo.dtype)

@@ -9,6 +9,7 @@ import torch
 from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, scale_of
 
+from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.faithfulness import (
     areas,
     circuit_sizes,
@@ -19,7 +20,7 @@ from countlens.circuits.faithfulness import (
 )
 from countlens.circuits.nodes import ablated_logits, graph_nodes, image_positions, record_nodes
 from countlens.circuits.patching import prepare_pairs
-from countlens.circuits.sites import group_mask
+from countlens.circuits.sites import Expert, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 
@@ -221,3 +222,61 @@ def test_bad_rankings_are_refused_by_name(loaded):
         faithfulness(vlm, pairs, heads, sizes=(0.5, 2))
     with pytest.raises(InputError, match="another node set"):
         faithfulness_curves(vlm, pairs, {"a": heads, "b": {n.label: 1.0 for n in graph_nodes(vlm)}})
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_moe", "llama4"])
+def test_a_moe_layers_experts_are_nodes_in_place_of_its_mlp(name, loaded):
+    vlm = loaded(name)
+    arch = vlm.arch
+    nodes = graph_nodes(vlm, ("head", "mlp", "expert"))
+    experts = [n for n in nodes if n.kind == "expert"]
+    assert len(experts) == arch.n_experts * len(arch.expert_layers)
+    assert {n.layer for n in experts} == set(arch.expert_layers)
+    assert not any(n.kind == "mlp" and n.layer in arch.expert_layers for n in nodes)
+    assert experts[0].label == f"L{arch.expert_layers[0]}E0"
+
+
+@pytest.mark.numeric
+def test_ablating_every_expert_of_a_layer_is_ablating_its_block(loaded):
+    """Qwen3-VL-MoE's block is the sum of its experts' contributions: patching every expert's
+    contribution (each computed from the corrupt run's routing and input) is patching the block's
+    output; one expert patched moves the logits and matches the sweeps' own expert edit."""
+    vlm = loaded("qwen3_vl_moe")
+    pairs = _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE["qwen3_vl_moe"][0])
+    pb = prepare_pairs(vlm, pairs)
+    image = image_positions(vlm, pb.clean)
+    layer = vlm.arch.expert_layers[0]
+    experts = [n for n in graph_nodes(vlm, ("expert",)) if n.layer == layer]
+    block = [n for n in graph_nodes(vlm, ("mlp",)) if n.layer == layer]
+    every, one = ablated_logits(
+        vlm, pb.clean, [frozenset(experts), frozenset(experts[:1])], record_nodes(vlm, pb.corrupt, experts), image
+    )
+    (whole,) = ablated_logits(vlm, pb.clean, [frozenset(block)], record_nodes(vlm, pb.corrupt, block), image)
+    assert_close(every, whole, what="every expert vs the block")
+    cache = cache_run(vlm, pb.corrupt, [layer], resid=False, z=False, experts=True)
+    mask = torch.ones(pb.clean.inputs["input_ids"].shape, dtype=torch.bool)
+    (edited,) = run_edits(vlm, pb.clean, cache, [[Edit(Expert(layer, 0), mask)]])
+    assert_close(one, edited.float().cpu(), what="one expert vs the expert edit")
+    with torch.no_grad():
+        clean = vlm.forward(pb.clean, logits_to_keep=1).logits[:, -1].float()
+    assert float((one - clean).abs().max()) > 0
+
+
+def test_expert_rankings_make_curves_and_mean_ablation_is_refused(loaded):
+    import xarray as xr
+
+    vlm = loaded("qwen3_vl_moe")
+    pairs = _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE["qwen3_vl_moe"][0])
+    arch = vlm.arch
+    scores = xr.DataArray(
+        np.arange(len(arch.expert_layers) * arch.n_experts, dtype=float).reshape(len(arch.expert_layers), -1),
+        dims=("layer", "expert"),
+        coords={"layer": list(arch.expert_layers), "expert": range(arch.n_experts)},
+    )
+    assert [n.label for n in node_scores(vlm, scores)] == [n.label for n in graph_nodes(vlm, ("expert",))]
+    ds = faithfulness_curves(vlm, pairs, {"experts": scores}, sizes=(0.0, 0.5, 1.0), random_draws=0, batch_size=2)
+    np.testing.assert_allclose(ds.faithfulness.sel(size=[0.0, 1.0]).values, [[0.0, 1.0]], atol=1e-6)
+    with pytest.raises(InputError, match="mean ablation of experts"):
+        faithfulness_curves(vlm, pairs, {"experts": scores}, ablation="mean", random_draws=0, batch_size=2)
+    with pytest.raises(InputError, match="no mixture-of-experts"):
+        graph_nodes(loaded("toy"), ("expert",))
