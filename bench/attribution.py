@@ -6,7 +6,9 @@ On the organism with the demo's 128 pairs (`countlens discover`'s defaults: ``co
 kind="shapes", seed=0, prompt="short", counts=1–9)``), in one process: exact head patching
 (`patch_heads`, every head's z over all positions), AtP (`attribution_patch`), and EAP-IG on nodes
 (`countlens.circuits.integrated.node_attribution`) at 1, 5 and 16 steps (1 step is AtP's formula
-through another code path), and AtP* (`attribution_patch(method="atp*")`, Kramár et al. 2024:
+through another code path), EAP and EAP-IG (5 steps) on edges (`edge_attribution`; a head's score is
+its outgoing edges' sum, which equals its node score, so the row shows what the edges cost), and
+AtP* (`attribution_patch(method="atp*")`, Kramár et al. 2024:
 GradDrop on the heads' z; `countlens.circuits.atp_star`). For each: wall seconds (one run each, after
 one warm-up of a small chunk; the machine's other load recorded), that cost in "forward-equivalents"
 (the method's seconds over one plain forward of the 128 clean inputs in the same batches), and
@@ -28,11 +30,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import xarray as xr  # noqa: E402
 from _timing import Load  # noqa: E402
 
 import countlens  # noqa: E402
 from countlens.circuits import attribution_patch, compare, patch_heads  # noqa: E402
 from countlens.circuits.atp_star import atp_star  # noqa: E402
+from countlens.circuits.edge_attribution import edge_attribution  # noqa: E402
 from countlens.circuits.integrated import node_attribution  # noqa: E402
 from countlens.datasets import count_pairs  # noqa: E402
 
@@ -60,6 +64,12 @@ def main() -> None:
         "EAP-IG, 1 step": lambda: node_attribution(vlm, pairs, steps=1, batch_size=BATCH),
         "EAP-IG, 5 steps": lambda: node_attribution(vlm, pairs, steps=5, batch_size=BATCH),
         "EAP-IG, 16 steps": lambda: node_attribution(vlm, pairs, steps=16, batch_size=BATCH),
+        "EAP on edges (a head: its outgoing edges summed)": lambda: _heads_of(
+            vlm, edge_attribution(vlm, pairs, method="eap", batch_size=BATCH)
+        ),
+        "EAP-IG on edges, 5 steps (likewise)": lambda: _heads_of(
+            vlm, edge_attribution(vlm, pairs, method="eap-ig", steps=5, batch_size=BATCH)
+        ),
         "AtP*": lambda: attribution_patch(vlm, pairs, batch_size=BATCH, method="atp*"),
         "QK fix, q + k + v summed per head": lambda: _parts_summed(
             atp_star(vlm, pairs, batch_size=BATCH, graddrop=False)
@@ -83,6 +93,17 @@ def main() -> None:
     OUT.write_text(json.dumps(record, indent=1) + "\n")
     for name, row in rows.items():
         print(f"{name:32s} {row}")
+
+
+def _heads_of(vlm, edges):
+    """An `edge_attribution` result's head scores (each head's outgoing edges summed) over (layer, head)."""
+    arch = vlm.arch
+    effect = [
+        [float(edges.node_effect.sel(node=f"L{la}H{h}")) for h in range(arch.n_heads)] for la in range(arch.n_layers)
+    ]
+    return xr.Dataset(
+        {"effect": (("layer", "head"), effect)}, coords={"layer": range(arch.n_layers), "head": range(arch.n_heads)}
+    )
 
 
 def _parts_summed(ds):

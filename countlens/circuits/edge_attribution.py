@@ -51,6 +51,10 @@ from countlens.validate import require_count
 if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
 
+#: What the residual-space products of one chunk of positions may hold (float64 node differences and
+#: one layer's receiver gradients).
+CHUNK_BYTES = 256 << 20
+
 
 def _norm_vjp(norm: torch.nn.Module, x: Tensor, cot: Tensor) -> Tensor:
     """(receivers, …) gradients at x of norm's output paired with each cotangent in ``cot``."""
@@ -129,13 +133,13 @@ def receiver_gradients(vlm: VLM, graph: EdgeGraph, layer: int, g: dict, sl: slic
 
 def _chunk(vlm: VLM, graph: EdgeGraph, rows: int, seq: int, chunk: int | None) -> int:
     """Positions a residual-space product covers at once: ``chunk``, or what keeps the node deltas
-    and one layer's receiver gradients within 256 MiB."""
+    and one layer's receiver gradients within `CHUNK_BYTES`."""
     if chunk is not None:
         require_count(chunk, "chunk")
         return chunk
-    per_position = (len(graph.nodes) + max(graph.prefix[r] for r in graph.receivers[:1]) + 64) * rows
-    per_position *= vlm.arch.d_model * 8
-    return max(1, min(seq, (256 << 20) // max(1, per_position)))
+    receivers = max(sum(r.layer == layer for r in graph.receivers) for layer in range(vlm.arch.n_layers + 1))
+    per_position = (len(graph.nodes) + receivers) * rows * vlm.arch.d_model * 8  # float64 products
+    return max(1, min(seq, CHUNK_BYTES // per_position))
 
 
 def edge_attribution(
