@@ -1,6 +1,7 @@
 """Attribution methods side by side against exact head patching: cost and how well each ranks the heads.
 
     .venv/bin/python bench/attribution.py            # writes bench/attribution.json
+    .venv/bin/python bench/attribution.py --tiny     # AtP, AtP* on the tiny Qwen2-VLs → bench/attribution_tiny.json
 
 On the organism with the demo's 128 pairs (`countlens discover`'s defaults: ``count_pairs(128,
 kind="shapes", seed=0, prompt="short", counts=1–9)``), in one process: exact head patching
@@ -110,5 +111,38 @@ def _parts_summed(ds):
     return ds.assign(effect=ds.q_effect + ds.k_effect + ds.v_effect)
 
 
+def tiny() -> None:
+    """AtP and AtP* against exact head patching on the tiny real-vocabulary Qwen2-VL and Qwen2.5-VL
+    (random weights, the tests' builders; 32 polygon pairs 3 vs 5, batch 8, one thread) →
+    bench/attribution_tiny.json."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import tiny_checkpoint
+    from tiny_models import TINY_IMAGE_SIZE
+
+    torch.set_num_threads(1)
+    record = {}
+    for name in ("qwen2_vl", "qwen2_5_vl"):
+        vlm = countlens.load(tiny_checkpoint.__wrapped__()(name))
+        pairs = count_pairs(32, 3, 5, kind="polygons", image_size=TINY_IMAGE_SIZE[name][0], prompt="short", seed=4)
+        exact = patch_heads(vlm, pairs, batch_size=8).effect
+        row = {"heads": int(exact.notnull().sum())}
+        for method in ("atp", "atp*"):
+            t = time.perf_counter()
+            estimate = attribution_patch(vlm, pairs, batch_size=8, method=method).effect
+            score = compare(estimate, exact, k=5)
+            row[method] = {
+                "seconds": round(time.perf_counter() - t, 1),
+                "spearman": round(score["spearman"], 3),
+                "top5_overlap": score["top_k_overlap"],
+            }
+        record[name] = row
+        print(name, row)
+    OUT.with_name("attribution_tiny.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    tiny() if "--tiny" in sys.argv else main()
