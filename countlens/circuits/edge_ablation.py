@@ -17,7 +17,7 @@ values, so with counterfactual patching the forward is the corrupt run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +27,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked, stream_shaped
+from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked, receiver_columns, stream_shaped
 from countlens.circuits.nodes import INPUTS, first_output
 from countlens.circuits.sites import repeat_inputs
 from countlens.errors import InputError
@@ -48,7 +48,7 @@ def edge_scores(graph: EdgeGraph, scores) -> dict[int, float]:
                 f"edge scores over {scores.dims}: give edge_attribution's result, or {{edge label: score}}"
             )
         values = dict(zip(map(str, scores["edge"].values), map(float, scores.values)))
-    elif isinstance(scores, dict):
+    elif isinstance(scores, Mapping):
         values = {str(k): float(v) for k, v in scores.items()}
     else:
         raise InputError(f"edge scores of type {type(scores).__name__}: give edge_attribution's result or a mapping")
@@ -134,6 +134,7 @@ class _Ablator:
             if self.busy:
                 return None
             x = args[0]
+            self.normed = {}  # one layer's copies at a time
             for r in mine:
                 removed = self.removed(r, x)
                 self.normed[r] = None if removed is None else self.norm_of(module, x - removed)
@@ -145,7 +146,6 @@ class _Ablator:
 
     def projection(self, layer, part):
         mine = [r for r in self.graph.receivers if r.layer == layer and r.kind == part]
-        d = self.vlm.arch.head_dim(layer)
 
         def hook(module, args, out):
             todo = [r for r in mine if self.normed.get(r) is not None]
@@ -153,7 +153,7 @@ class _Ablator:
                 return None
             out = out.clone()
             for r in todo:
-                cols = slice(r.index * d, (r.index + 1) * d)
+                cols = receiver_columns(self.graph, r, module)
                 bias = None if module.bias is None else module.bias[cols]
                 out[..., cols] = F.linear(self.normed[r], module.weight[cols], bias)
             return out

@@ -1,7 +1,7 @@
 """EAP and EAP-IG: attribution scores of every edge of `countlens.circuits.edges`' graph.
 
-Patching edge u → r alone changes x_r by Δ_u = c_u(corrupt) −
-c_u(clean), so attribution patching estimates its effect as Δ_u · ∂LD/∂x_r, summed over positions
+Patching edge u → r alone changes x_r by Δ_u = c_u(corrupt) − c_u(clean), so attribution patching
+estimates its effect as Δ_u · ∂LD/∂x_r, summed over positions
 (MIB sums them; ``positions`` restricts the sum to a token group). ∂LD/∂x_r is the gradient through
 r alone: the norm's vector-Jacobian product at x_r of what r's projection sends back (for a head's
 q, the gradient of q_proj's output at that head's columns times their weights). EAP takes the
@@ -11,10 +11,6 @@ from the corrupt input to the clean one, interpolating the input of decoder laye
 by Σ LD_corrupt − Σ LD_clean. Since a node's output reaches the metric only through the receivers
 downstream of it, a node's score is the sum of its outgoing edges' (``node_effect``): EAP's node
 scores are AtP's and EAP-IG's are `node_attribution`'s.
-
-Memory: the gradients are kept per layer at their projections' width, as `node_attribution` keeps
-them; the residual-space products are formed ``chunk`` positions at a time, so an image-heavy
-prompt's cost in memory is a chunk's, not the sequence's.
 
 Memory: the gradients are kept per layer at their projections' width, as `node_attribution` keeps
 them; the residual-space products are formed ``chunk`` positions at a time, so an image-heavy
@@ -39,6 +35,7 @@ from countlens.circuits.edges import (
     first_arg,
     hooked,
     node_deltas,
+    receiver_columns,
     replace_first,
 )
 from countlens.circuits.nodes import image_positions, record_nodes
@@ -121,9 +118,9 @@ def receiver_gradients(vlm: VLM, graph: EdgeGraph, layer: int, g: dict, sl: slic
         if r.kind == "attn":
             cots.append(g["attn"][layer][:, sl])
             continue
-        w = hf.get_submodule(paths.qkv["qkv".index(r.kind)]).weight
-        d = vlm.arch.head_dim(layer)
-        cols = slice(r.index * d, (r.index + 1) * d)
+        projection = hf.get_submodule(paths.qkv["qkv".index(r.kind)])
+        w = projection.weight
+        cols = receiver_columns(graph, r, projection)
         cots.append(g[r.kind][layer][:, sl, cols] @ w[cols].to(g[r.kind][layer].dtype))
     out = dict(zip(mine[:-1], _norm_vjp(hf.get_submodule(paths.attn_norm), g["x"][layer][:, sl], torch.stack(cots))))
     mlp_g = _norm_vjp(hf.get_submodule(paths.mlp_norm), g["mid"][layer][:, sl], g["mlp"][layer][:, sl][None])
@@ -138,7 +135,8 @@ def _chunk(vlm: VLM, graph: EdgeGraph, rows: int, seq: int, chunk: int | None) -
         require_count(chunk, "chunk")
         return chunk
     receivers = max(sum(r.layer == layer for r in graph.receivers) for layer in range(vlm.arch.n_layers + 1))
-    per_position = (len(graph.nodes) + receivers) * rows * vlm.arch.d_model * 8  # float64 products
+    # float64: the node differences (stacked, then masked: two copies) and one layer's receiver gradients
+    per_position = (2 * len(graph.nodes) + receivers) * rows * vlm.arch.d_model * 8
     return max(1, min(seq, CHUNK_BYTES // per_position))
 
 

@@ -23,9 +23,10 @@ decides which version of u's output that copy holds.
 runs circuits of edges for `countlens.circuits.faithfulness`.
 
 Supported: models whose layers add exactly their attention output and MLP output to the residual
-stream, and nothing enters between layers. `edge_graph` checks that on the model's first batch and
-refuses the others by name (Gemma's norms after attention and MLP, Qwen3-VL's DeepStack, gated
-cross-attention layers); their nodes remain (`countlens.circuits.faithfulness`).
+stream, and nothing enters between layers. `edge_graph` refuses gated cross-attention layers and
+layers without the two pre-norms; `check_additive` then checks the rest element by element on the
+first batch and refuses, naming the layer and why (Gemma's norms after attention and MLP, Qwen3-VL's
+DeepStack); their nodes remain (`countlens.circuits.faithfulness`).
 
 Countlens calls the layers' own norm modules (and the projections' weights) on its copies of the
 residual stream inside the forward, which nnsight's trace does not allow: edges run on plain torch
@@ -100,6 +101,7 @@ class EdgeGraph:
     layers: list[LayerPaths]
     final_norm: str
     kv_heads: list[int] = field(default_factory=list)
+    heads: list[int] = field(default_factory=list)
 
     @property
     def edges(self) -> list[tuple[Node, Receiver]]:
@@ -115,6 +117,15 @@ class EdgeGraph:
             out[r] = at
             at += self.prefix[r]
         return out
+
+
+def receiver_columns(graph: EdgeGraph, r: Receiver, module: torch.nn.Module) -> slice:
+    """The columns of r's projection output that belong to r: its head's (a query head's, or a kv
+    head's for keys and values). A projection wider than heads × head size (Qwen3.5's full-attention
+    q_proj, each head's query then its output gate) gives each head its whole block."""
+    count = graph.heads[r.layer] if r.kind == "q" else graph.kv_heads[r.layer]
+    width = module.out_features // count
+    return slice(r.index * width, (r.index + 1) * width)
 
 
 def _module(vlm: VLM, path: str) -> torch.nn.Module | None:
@@ -168,7 +179,9 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
     logits = Receiver(arch.n_layers, 0, "logits")
     prefix[logits] = seen
     receivers.append(logits)
-    return EdgeGraph(nodes, receivers, prefix, layers, arch.spec.final_norm, kv)
+    return EdgeGraph(
+        nodes, receivers, prefix, layers, arch.spec.final_norm, kv, [arch.heads(i) for i in range(arch.n_layers)]
+    )
 
 
 @contextmanager
@@ -205,46 +218,63 @@ def stream_shaped(t: Tensor, like: Tensor) -> Tensor:
 
 def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
     """Refuse the model unless each layer's output is its input plus its attention output plus its
-    MLP output, and each layer reads the previous one's output (one forward of ``batch``)."""
-    hf, got = vlm.hf, {}
+    MLP output, and each layer reads the previous one's output (one forward of ``batch``). Checked
+    element by element as each layer ends (a few roundings of the three terms' sizes), so only one
+    layer's tensors are held."""
+    hf, seen, bad = vlm.hf, {}, []
 
     def keep(name):
         def hook(module, args, out):
-            got[name] = (args[0] if args else None, first_output(out))
+            seen[name] = (args[0] if args else None, first_output(out))
 
         return hook
+
+    def check(layer):
+        def hook(module, args, out):
+            x, o, m = seen.pop("x")[0], seen.pop("o")[1], seen.pop("mlp")[1]
+            out = first_output(out)
+            m = stream_shaped(m, x)
+            if o.shape != x.shape or m.shape != x.shape:
+                bad.append(
+                    f"its attention or MLP output is shaped {tuple(o.shape)}, {tuple(m.shape)}, not like the stream"
+                )
+            elif _off(x + o + m, out, (x.abs() + o.abs() + m.abs())):
+                bad.append("it does not add its attention and MLP outputs to the residual stream unchanged")
+            elif "out" in seen and _off(x, seen["out"], x.abs()):
+                bad.append("it does not read the previous layer's output (inputs are added between layers)")
+            seen["out"] = out
+            if bad and not isinstance(bad[-1], tuple):
+                bad[-1] = (layer, bad[-1])
+
+        return hook
+
+    def final(module, args, out):
+        if _off(args[0], seen["out"], args[0].abs()):
+            bad.append((vlm.arch.n_layers, "the final norm does not read the last layer's output"))
 
     hooks = []
     for layer, paths in enumerate(graph.layers):
         hooks += [
-            (hf.get_submodule(vlm.arch.layer(layer)), "forward", keep(("layer", layer))),
-            (hf.get_submodule(paths.attn_norm), "forward", keep(("attn_norm", layer))),
-            (hf.get_submodule(paths.o_proj), "forward", keep(("o", layer))),
-            (hf.get_submodule(paths.mlp), "forward", keep(("mlp", layer))),
+            (hf.get_submodule(paths.attn_norm), "forward", keep("x")),
+            (hf.get_submodule(paths.o_proj), "forward", keep("o")),
+            (hf.get_submodule(paths.mlp), "forward", keep("mlp")),
+            (hf.get_submodule(vlm.arch.layer(layer)), "forward", check(layer)),
         ]
-    hooks.append((hf.get_submodule(graph.final_norm), "forward", keep("final")))
+    hooks.append((hf.get_submodule(graph.final_norm), "forward", final))
     with torch.no_grad(), hooked(hooks):
         vlm.forward(batch, use_cache=False, logits_to_keep=1)
-    eps = torch.finfo(got["final"][0].dtype).eps
-    for layer in range(vlm.arch.n_layers):
-        x = got[("attn_norm", layer)][0]
-        out = got[("layer", layer)][1]
-        parts = (got[("o", layer)][1], stream_shaped(got[("mlp", layer)][1], x))
-        if any(p.shape != x.shape for p in parts):
-            raise InputError(
-                f"layer {layer} of {vlm.name}: its attention or MLP output is not shaped like the residual stream "
-                f"({[tuple(p.shape) for p in parts]} vs {tuple(x.shape)}); edges are undefined here, use nodes"
-            )
-        nxt = got[("attn_norm", layer + 1)][0] if layer + 1 < vlm.arch.n_layers else got["final"][0]
-        scale = float(x.abs().max()) + sum(float(p.abs().max()) for p in parts)
-        limit = 64 * eps * max(1.0, scale)
-        if float((x + parts[0] + parts[1] - out).abs().max()) > limit or float((nxt - out).abs().max()) > limit:
-            raise InputError(
-                f"{vlm.name}'s layer {layer} does not add its attention and MLP outputs to the residual stream "
-                "unchanged "
-                "(a norm after attention or the MLP, or inputs added between layers): edges are undefined here; "
-                "use nodes (countlens.circuits.faithfulness)"
-            )
+    if bad:
+        layer, why = bad[0]
+        raise InputError(
+            f"{vlm.name}'s layer {layer}: {why} (a norm after attention or the MLP, or image features added "
+            "between layers): edges are undefined here; use nodes (countlens.circuits.faithfulness)"
+        )
+
+
+def _off(a: Tensor, b: Tensor, size: Tensor) -> bool:
+    """Whether a and b differ anywhere by more than a few roundings of ``size`` there."""
+    eps = torch.finfo(a.dtype).eps
+    return bool(((a - b).abs() > 4 * eps * size + torch.finfo(a.dtype).tiny).any())
 
 
 def _o_weight(vlm: VLM, paths: LayerPaths, heads: int) -> Tensor:

@@ -208,6 +208,8 @@ def faithfulness_curves(
         run = _node_chunk(vlm, items, ablation)
     ds = _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run)
     ds.attrs.update(ablation=ablation, level=level, nodes=unit)
+    if level == "edge":
+        ds.attrs["x_axis"] = "fraction of the edges kept, linear"
     return ds
 
 

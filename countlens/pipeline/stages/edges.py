@@ -75,13 +75,15 @@ def _plan(p: Planner) -> StagePlan:
     n_edges = edge_count(w.n_layers, w.n_heads, w.n_kv_heads)
     circuits = (len(RANKINGS) + RANDOM_DRAWS) * len(set(circuit_sizes(n_edges, SIZES))) + 2
     per_layer = n0 * seq * (4 * w.d_model + (w.n_heads + 2 * w.n_kv_heads) * w.d_head) * b
-    kept = (2 * w.n_layers + 1) * n0 * seq * w.d_model * b  # a chunk's recorded nodes
-    extra = edge_row_bytes(w, seq, w.n_heads + 2 * w.n_kv_heads)
+    kept = 2 * (2 * w.n_layers + 1) * n0 * seq * w.d_model * b  # a chunk's two recordings of the nodes
+    extra = edge_row_bytes(w, seq, w.n_heads + 2 * w.n_kv_heads + 1)
     rows = rows_per_forward(w, seq, max(0, p.free - kept), 1, p.patches, extra=extra)
     fw = []
     for n, k in chunk_sizes(len(pairs), p.bs).items():
         per = max(1, rows // n)
-        fw += [Forward(n, seq, count=5 * k)]  # four recordings for the scores, one for the circuits
+        # per attribution two recordings and two logit-difference forwards; one recording for the circuits;
+        # the first chunk's additivity check (one forward per check: stage, EAP-IG, EAP, circuits)
+        fw += [Forward(n, seq, count=9 * k + 4)]
         fw += [Forward(n, seq, count=(EDGE_STEPS + 1) * k, grad=True, extra=w.n_layers * per_layer)]
         full, rest = divmod(circuits, per)
         fw += [Forward(per * n, seq, count=k * full, extra=per * n * extra)] if full else []
