@@ -39,7 +39,11 @@ def test_discover_writes_a_report_and_resumes(tmp_path, toy_run_copy):
         assert section in report
     assert len(list((out / "figures").glob("*.png"))) >= 7 and (out / "figures" / "faithfulness.png").exists()
     faith = xr.open_dataset(out / "results" / "faithfulness.nc")
-    assert {"exact patching", "AtP", "EAP-IG", "mean-ablation drop", "random"} <= set(faith.ranking.values)
+    assert {"exact patching", "AtP", "EAP-IG", "mean-ablation drop", "AtP*", "random"} <= set(faith.ranking.values)
+    assert (faith.atp_star_effect >= 0).all()  # AtP*'s scores are magnitudes
+    edges = xr.open_dataset(out / "results" / "edge_faithfulness.nc")
+    assert {"EAP-IG edges", "EAP edges", "random"} <= set(edges.ranking.values) and edges.attrs["level"] == "edge"
+    assert "Circuits of edges." in report and (out / "figures" / "edge_faithfulness.png").exists()
     assert (faith.faithfulness.sel(size=1.0) == 1).all() and (faith.faithfulness.sel(size=0.001) == 0).all()
     heads = pd.read_csv(out / "heads.csv")
     assert len(heads) == 24 and set(heads["class"]) <= {
