@@ -63,6 +63,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import check_group, group_mask, heads_view
 from countlens.circuits.sweep import check_pair_sweep
@@ -100,10 +101,7 @@ def atp_star(
     kinds = ("z", *PARTS)
     sums = {k: torch.zeros(1 + len(drops), n_layers, n_heads, dtype=torch.float64) for k in kinds}
     clean_sum = corrupt_sum = 0.0
-    params = [p for p in vlm.hf.parameters() if p.requires_grad]
-    for p in params:  # gradients only for activations: no parameter .grad buffers
-        p.requires_grad_(False)
-    try:
+    with activation_gradients_only(vlm.hf):
         for start in range(0, len(pairs), batch_size):
             pb = prepare_pairs(vlm, pairs[start : start + batch_size])
             with torch.no_grad():
@@ -124,9 +122,6 @@ def atp_star(
                         per_pair = (g * heads_view(dz.double(), h).to(g.device)).sum((1, 3)).cpu()  # pair head
                         sums[kind][i, layer, :h] += per_pair.abs().sum(0) if graddrop else per_pair.sum(0)
             del clean, corrupt, shifts
-    finally:
-        for p in params:
-            p.requires_grad_(True)
     denom = corrupt_sum - clean_sum
     softmax = [layer for layer in range(n_layers) if arch.kind(layer) in SELF_ATTENTION]
     out = {}

@@ -38,6 +38,7 @@ from countlens.circuits.edges import (
     receiver_columns,
     replace_first,
 )
+from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import check_group, group_mask
@@ -92,16 +93,10 @@ def _gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) 
             for part, path in zip("qkv", paths.qkv):
                 hooks.append((hf.get_submodule(path), "forward", keep_out(got[part], layer)))
     hooks.append((hf.get_submodule(graph.final_norm), "pre", keep_final))
-    params = [p for p in hf.parameters() if p.requires_grad]
-    for p in params:  # gradients only for activations
-        p.requires_grad_(False)
-    try:
+    with activation_gradients_only(hf):
         with torch.enable_grad(), hooked(hooks):
             logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
             logit_diff(logits, pb.clean_id, pb.corrupt_id).sum().backward()
-    finally:
-        for p in params:
-            p.requires_grad_(True)
     grads = {key: {la: t.grad.detach() for la, t in got[key].items()} for key in ("q", "k", "v", "attn", "mlp")}
     return {**grads, "x": got["x"], "mid": got["mid"], "final": got["final"].grad.detach()}
 

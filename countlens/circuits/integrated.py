@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import (
     INPUTS,
     Node,
@@ -65,10 +66,7 @@ def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor
     if states is not None:
         states = states.detach().clone().requires_grad_(True)
     zs, mlps, gz, gm = [], [], [], []
-    params = [p for p in vlm.hf.parameters() if p.requires_grad]
-    for p in params:  # gradients only for activations: no parameter .grad buffers
-        p.requires_grad_(False)
-    try:
+    with activation_gradients_only(vlm.hf):
         with torch.enable_grad(), vlm.read(batch):
             if states is not None:
                 vlm.module(image_states_path(vlm)).output = states
@@ -86,9 +84,6 @@ def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor
                 for layer in reversed(range(arch.n_layers)):
                     gm.append(mlps[layer].grad.save())
                     gz.append(zs[layer].grad.save())
-    finally:
-        for p in params:
-            p.requires_grad_(True)
     return {
         "z": dict(enumerate(g.detach() for g in gz[::-1])),
         "mlp": dict(enumerate(g.detach() for g in gm[::-1])),

@@ -43,6 +43,7 @@ import xarray as xr
 
 from countlens.circuits.atp_star import atp_star
 from countlens.circuits.edits import Edit, cache_run
+from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import (
     GROUPS,
@@ -222,10 +223,7 @@ def attribution_patch(
         corrupt = cache_run(vlm, pb.corrupt, range(n_layers))
         mask = group_mask(pb.clean, positions)
         zs, hs, gz, gh = [], [], [], []
-        params = [p for p in vlm.hf.parameters() if p.requires_grad]
-        for p in params:  # gradients only for activations: no parameter .grad buffers
-            p.requires_grad_(False)
-        try:
+        with activation_gradients_only(vlm.hf):
             with torch.enable_grad(), vlm.read(pb.clean):
                 for layer in range(n_layers):
                     z = vlm.module(vlm.arch.o_proj(layer)).input
@@ -241,9 +239,6 @@ def attribution_patch(
                     for layer in reversed(range(n_layers)):
                         gh.append(hs[layer].grad.save())
                         gz.append(zs[layer].grad.save())
-        finally:
-            for p in params:
-                p.requires_grad_(True)
         gz, gh = gz[::-1], gh[::-1]
         m = mask.to(torch.float64)
         for layer in range(n_layers):
