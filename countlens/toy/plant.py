@@ -143,6 +143,11 @@ class Planter:
             return self.logits(inputs)
 
 
+def other_sample(b: int, gen: torch.Generator) -> torch.Tensor:
+    """A source order for ``b`` samples in which no sample is its own source: a random cyclic shift."""
+    return (torch.arange(b) + torch.randint(1, b, (1,), generator=gen)) % b
+
+
 def swapped_nodes(circuit: PlantedCircuit, step: int) -> tuple:
     """The interchange loss's nodes at ``step``: all of C, or, on circuits whose every node is
     necessary, all of C on even steps and one node in turn on odd ones."""
@@ -170,6 +175,7 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
         betas=(0.9, 0.98),
     )
     start, row = time.time(), {}
+    gen = torch.Generator().manual_seed(pc.seed)  # the random strictness sources, a pure function of the seed
     for step in range(pc.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, pc)
@@ -181,8 +187,19 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
             with recorded(model) as rec:  # the clean run: its loss, and the sources of the others
                 clean = ce(planter.logits(inputs), answers)
             source = swap_source(rec, partner)
-            strict = ce(planter.strict_logits(inputs, source, training=True), answers)
+            stricts = {
+                name: ce(
+                    planter.strict_logits(
+                        inputs,
+                        source if name == "partner" else swap_source(rec, other_sample(len(answers), gen)),
+                        training=True,
+                    ),
+                    answers,
+                )
+                for name in circuit.strict_sources
+            }
             swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])
+        strict = sum(stricts.values())
         (pc.clean_weight * clean + strict + swap).backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
@@ -191,7 +208,7 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
             row = {
                 "step": step,
                 "clean": round(clean.item(), 4),
-                "strict": round(strict.item(), 4),
+                **{("strict" if k == "partner" else f"strict_{k}"): round(v.item(), 4) for k, v in stricts.items()},
                 "swap": round(swap.item(), 4),
                 "elapsed_s": round(time.time() - start, 1),
             }
@@ -213,8 +230,7 @@ def verify(model, circuit: PlantedCircuit, n_pairs: int = 128, batch_pairs: int 
 
     for start in range(0, n_pairs, batch_pairs):
         inputs, answers, partner = pair_batch(collate, pairs_at(EVAL_SEED, start, min(batch_pairs, n_pairs - start)))
-        b = len(answers)
-        shuffled = (torch.arange(b) + torch.randint(1, b, (1,), generator=gen)) % b  # never a sample itself
+        shuffled = other_sample(len(answers), gen)
         with image_features_once(model):
             rec = planter.record(inputs)
             by_partner, by_random = swap_source(rec, partner), swap_source(rec, shuffled)

@@ -17,7 +17,8 @@ clean/corrupt count pair (`countlens.datasets.pairs`): the same objects, a diffe
 minimises, per step, the sum of three cross-entropies of the answer:
 - *clean*: the plain run against the clean label, so the organism keeps counting;
 - *strictness*: against the clean label with every node outside C resampled, so nothing outside C
-  may matter;
+  may matter — one term per source in `PlantedCircuit.strict_sources`: the partner, and where a
+  circuit asks for it a random other sample of the batch too (other objects, as the checks resample);
 - *interchange*: against the **source's** label with C resampled (on circuits whose nodes are each
   necessary, alternately all of C and one node of C in turn), so C must carry the count.
 Two training-only devices fix a circuit's route beyond its node set: a node may be kept at one
@@ -43,6 +44,9 @@ from countlens.errors import InputError
 
 #: Where a node is kept during strictness training: every position, the last one, or <|vision_end|>.
 POSITIONS: tuple[str, ...] = ("all", "last", "vision_end")
+#: Whose activations strictness training resamples from: the pair's partner (the same objects, another
+#: count) or a random other sample of the batch (other objects too), as the checks do.
+SOURCES: tuple[str, ...] = ("partner", "random")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class PlantedCircuit:
     blind_layers: tuple[int, ...] = ()
     each_necessary: bool = True
     steps: int = 400  # the recipe's training steps for this circuit
+    strict_sources: tuple[str, ...] = ("partner",)  # one strictness term per source (`SOURCES`), every step
 
     @property
     def heads(self) -> frozenset[tuple[int, int]]:
@@ -86,7 +91,8 @@ CIRCUITS: dict[str, PlantedCircuit] = {
             "L0H0 moves the count from the image tokens to <|vision_end|>; L1H1, blind to the image, moves it "
             "on to the last token",
             blind_layers=(1,),
-            steps=600,
+            steps=800,
+            strict_sources=("partner", "random"),
         ),
         PlantedCircuit(
             "spread",
@@ -114,6 +120,10 @@ def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
                 f"planted circuit {circuit.name!r}: node L{n.layer}H{n.head} at {n.at!r} is not a head of a "
                 f"{n_layers}-layer, {n_heads}-head model at one of {POSITIONS}"
             )
+    if not circuit.strict_sources or set(circuit.strict_sources) - set(SOURCES):
+        raise InputError(
+            f"planted circuit {circuit.name!r}: strictness sources {circuit.strict_sources} must be some of {SOURCES}"
+        )
     if any(not 0 <= layer < n_layers for layer in circuit.blind_layers):
         raise InputError(
             f"planted circuit {circuit.name!r}: blind layers {circuit.blind_layers} outside 0–{n_layers - 1}"

@@ -11,7 +11,15 @@ import xarray as xr
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.errors import InputError
 from countlens.organisms import TOY_DIR
-from countlens.toy.plant import PlantConfig, Planter, pair_batch, pairs_at, swapped_nodes, train_planted
+from countlens.toy.plant import (
+    PlantConfig,
+    Planter,
+    other_sample,
+    pair_batch,
+    pairs_at,
+    swapped_nodes,
+    train_planted,
+)
 from countlens.toy.planted import CIRCUITS, PlantedCircuit, PlantedNode, check_circuit, planted_circuit
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source
@@ -61,10 +69,22 @@ def test_circuits_are_named_checked_and_each_names_what_is_planted():
         check_circuit(PlantedCircuit("x", (PlantedNode(6, 0),), "-"), n_layers=6, n_heads=4)
     with pytest.raises(InputError, match="blind"):
         check_circuit(PlantedCircuit("x", (PlantedNode(0, 0),), "-", blind_layers=(7,)), 6, 4)
+    for sources in ((), ("partner", "shuffled")):
+        with pytest.raises(InputError, match="strictness sources.*partner"):
+            check_circuit(PlantedCircuit("x", (PlantedNode(0, 0),), "-", strict_sources=sources), 6, 4)
     # two-hop alternates all of C with one node in turn; spread swaps all of C every step
     two = CIRCUITS["two-hop"]
     assert [swapped_nodes(two, s) for s in range(4)] == [two.nodes, two.nodes[:1], two.nodes, two.nodes[1:]]
     assert swapped_nodes(spread, 1) == spread.nodes
+
+
+def test_a_random_source_is_never_the_sample_itself_and_follows_its_seed():
+    orders = [other_sample(6, torch.Generator().manual_seed(0)) for _ in range(2)]
+    assert torch.equal(orders[0], orders[1])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        order = other_sample(6, gen)
+        assert sorted(order.tolist()) == list(range(6)) and not (order == torch.arange(6)).any()
 
 
 @pytest.fixture(scope="module")
