@@ -15,7 +15,7 @@ _TOY = Path(__file__).parent / "toy"
 TOY_DIR = _TOY / "weights"
 #: The planted circuits whose organisms ship (trained and passing their checks); the others of
 #: `CIRCUITS` are recipes only: `countlens toy plant --circuit NAME` trains one.
-SHIPPED_PLANTED: tuple[str, ...] = ("route", "spread")
+SHIPPED_PLANTED: tuple[str, ...] = ("route", "two-hop", "spread")
 ORGANISMS: dict[str, Path] = {
     "toy": TOY_DIR,
     **{f"planted-{name}": _TOY / "organisms" / name for name in SHIPPED_PLANTED},
