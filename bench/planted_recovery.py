@@ -7,15 +7,27 @@ For each shipped planted organism (`countlens.organisms.SHIPPED_PLANTED`, loaded
 own pairs ("shapes" pairs under seed 0, the short prompt, counts 1–9), each method ranks the 24 heads:
 - exact head patching of z (`patch_heads`), AtP and AtP* (`attribution_patch`),
   EAP-IG on nodes (`node_attribution`, 5 steps);
+- EAP and EAP-IG (5 steps) on edges (`edge_attribution`): a head's score is the sum of its outgoing
+  edges' (``node_effect``); the faithfulness columns of these rows are the *edge* curve's (top edges
+  kept, every other edge from the corrupt run), so f(top |C|) is left empty there;
 - the drop in log p(gold) when a head is mean-ablated on counting scenes (`ablation_scan`);
 - the share of the last position's attention on image tokens (`image_attention_share`, mean over
   the clean samples): a reading, not an intervention;
-- a random ranking (the mean over 20 permutations; AUROC 0.5 by construction).
+- HeadLens (fitted on the clean samples): CTER, the share of number tokens a head writes at the last
+  position, and its count alignment, the share of samples whose top-1 decoded token is the count;
+  its classes (`countlens.analysis.heads.classify_heads`, default thresholds) as a 0 / 1 ranking —
+  the heads classed cross-modal routing or counting aggregation first;
+- a random ranking, as its expectation: AUROC 0.5, precision@|C| = |C| / 24.
 Scored against the planted heads C (`countlens.circuits.recovery`): AUROC and precision@|C|; and the
 faithfulness f of the method's top |C| heads (every other head's z patched from the corrupt run,
-`countlens.circuits.faithfulness`) with the CPR / CMD of its whole curve over MIB's sizes. These are
-countlens's own measurements on its own planted organisms: no paper's figures are comparable.
-Writes bench/planted_recovery.json and prints the table docs/benchmarks.md shows.
+`countlens.circuits.faithfulness`) with the CPR / CMD of its whole curve over MIB's sizes.
+
+VAP (`patch_layers`) patches the residual stream by layer and token group, so it ranks no heads; it
+is shown as the route it measures: per layer, the effect of patching the image tokens, the other
+text (where `<|vision_end|>` is) and the last position, beside the layers C's heads sit in.
+
+These are countlens's own measurements on its own planted organisms: no paper's figures are
+comparable. Writes bench/planted_recovery.json and prints the tables docs/benchmarks.md shows.
 """
 
 from __future__ import annotations
@@ -29,27 +41,80 @@ import numpy as np
 import xarray as xr
 
 import countlens
-from countlens.circuits import ablation_scan, attribution_patch, image_attention_share, node_attribution, patch_heads
-from countlens.circuits.faithfulness import faithfulness
+from countlens.analysis.heads import classify_heads, constancy
+from countlens.circuits import (
+    HeadLens,
+    ablation_scan,
+    attribution_patch,
+    edge_attribution,
+    image_attention_share,
+    node_attribution,
+    patch_heads,
+    patch_layers,
+)
+from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
+from countlens.circuits.nodes import head_label
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.datasets.pairs import count_pair, count_scene
 from countlens.organisms import SHIPPED_PLANTED
 from countlens.toy.planted import CIRCUITS
 
 OUT = Path(__file__).with_suffix(".json")
-RANDOM_DRAWS = 20
+#: The HeadLens classes that move or aggregate the count: the heads a class-based reading would name.
+COUNT_CLASSES = ("cross-modal routing", "counting aggregation")
+#: Rows whose faithfulness is the edge curve's (their head scores are outgoing-edge sums).
+EDGE_ROWS = ("EAP (edges)", "EAP-IG (edges)")
 
 
-def rankings(vlm, pairs, scenes) -> dict[str, xr.DataArray]:
+def heads_of_edges(result: xr.Dataset, template: xr.DataArray) -> xr.DataArray:
+    """A head's edge score: the sum of its outgoing edges' (``node_effect``), over (layer, head)."""
+    by_label = dict(zip(result["node"].values.tolist(), result.node_effect.values.tolist(), strict=True))
+    out = template.copy(data=np.full(template.shape, np.nan))
+    for layer in template["layer"].values:
+        for head in template["head"].values:
+            out.loc[{"layer": layer, "head": head}] = by_label[head_label((int(layer), int(head)))]
+    return out
+
+
+def headlens_rankings(vlm, samples, importance: xr.DataArray) -> dict[str, xr.DataArray]:
+    hl = HeadLens.fit(vlm, samples).decode(vlm, samples)
+    top1 = hl.token_id.isel(k=0)
+    alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")
+    attention = image_attention_share(vlm, samples).mean("sample")
+    table = classify_heads(hl.vgs, hl.cter, attention, np.abs(importance), constancy(hl.token.isel(k=0)))
+    classed = importance.copy(data=np.zeros(importance.shape))
+    for _, row in table[table["class"].isin(COUNT_CLASSES)].iterrows():
+        classed.loc[{"layer": row["layer"], "head": row["head"]}] = 1.0
+    return {"HeadLens CTER": hl.cter, "HeadLens count alignment": alignment, "HeadLens classes": classed}
+
+
+def rankings(vlm, pairs, scenes) -> tuple[dict[str, xr.DataArray], dict[str, xr.Dataset]]:
+    """Head rankings by method, and the edge methods' results (for their edge curves)."""
+    exact = patch_heads(vlm, pairs).effect
+    edge_results = {
+        "EAP (edges)": edge_attribution(vlm, pairs, "eap"),
+        "EAP-IG (edges)": edge_attribution(vlm, pairs, "eap-ig", steps=5),
+    }
     out = {
-        "exact patching": patch_heads(vlm, pairs).effect,
+        "exact patching": exact,
         "AtP": attribution_patch(vlm, pairs).effect,
+        "AtP*": attribution_patch(vlm, pairs, method="atp*").effect,
         "EAP-IG (nodes)": node_attribution(vlm, pairs).effect,
+        **{name: heads_of_edges(r, exact) for name, r in edge_results.items()},
         "mean-ablation drop": ablation_scan(vlm, {"count": scenes}).logp_drop.sel(task="count", drop=True),
         "image-attention share": image_attention_share(vlm, [p.clean for p in pairs]).mean("sample"),
-        "AtP*": attribution_patch(vlm, pairs, method="atp*").effect,
+        **headlens_rankings(vlm, [p.clean for p in pairs], exact),
     }
-    return out
+    return out, edge_results
+
+
+def vap_route(vlm, pairs) -> dict[str, list]:
+    """VAP's effect per layer (−1: the embeddings) for the image tokens, the other text and the last position."""
+    effect = patch_layers(vlm, pairs, groups=("image", "text", "last")).effect
+    return {
+        "layers": effect.layer.values.tolist(),
+        **{g: [round(float(v), 3) for v in effect.sel(group=g).values] for g in ("image", "text", "last")},
+    }
 
 
 def main() -> None:
@@ -57,37 +122,40 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=64)
     ap.add_argument("--organisms", nargs="*", default=[f"planted-{c}" for c in SHIPPED_PLANTED])
     args = ap.parse_args()
-    result: dict = {"pairs": args.pairs, "random_draws": RANDOM_DRAWS, "organisms": {}}
+    result: dict = {"pairs": args.pairs, "organisms": {}}
     for name in args.organisms:
         circuit = CIRCUITS[name.removeprefix("planted-")]
         vlm = countlens.load(name)
         pairs = [count_pair(0, i, "shapes", prompt="short") for i in range(args.pairs)]
         scenes = [count_scene(0, i, "shapes", prompt="short", counts=range(1, 10)) for i in range(args.pairs)]
         start = time.time()
-        ranks = rankings(vlm, pairs, scenes)
+        ranks, edge_results = rankings(vlm, pairs, scenes)
+        edge_curves = faithfulness_curves(vlm, pairs, edge_results, level="edge")
         n_heads = vlm.arch.n_layers * vlm.arch.n_heads
         k = len(circuit.heads)
         rows = {}
         for method, scores in ranks.items():
-            curve = faithfulness(vlm, pairs, scores)
-            top = faithfulness(vlm, pairs, scores, sizes=((k + 0.5) / n_heads,))
-            rows[method] = {
+            row = {
                 "auroc": round(auroc(scores, circuit.heads), 3),
                 f"precision@{k}": round(precision_at(scores, circuit.heads), 3),
-                f"f(top {k})": round(float(top.faithfulness.item()), 3),
-                "cpr": round(curve.attrs["cpr"], 3),
-                "cmd": round(curve.attrs["cmd"], 3),
             }
-        rng = np.random.default_rng(0)
-        template = ranks["exact patching"]
-        draws = [template.copy(data=rng.permutation(template.size).reshape(template.shape)) for _ in range(20)]
-        rows["random"] = {
-            "auroc": round(float(np.mean([auroc(d, circuit.heads) for d in draws])), 3),
-            f"precision@{k}": round(float(np.mean([precision_at(d, circuit.heads) for d in draws])), 3),
-        }
+            if method in EDGE_ROWS:
+                cpr, cmd = (float(edge_curves[m].sel(ranking=method)) for m in ("cpr", "cmd"))
+                row |= {"cpr": round(cpr, 3), "cmd": round(cmd, 3)}
+            else:
+                curve = faithfulness(vlm, pairs, scores)
+                top = faithfulness(vlm, pairs, scores, sizes=((k + 0.5) / n_heads,))
+                row |= {
+                    f"f(top {k})": round(float(top.faithfulness.item()), 3),
+                    "cpr": round(curve.attrs["cpr"], 3),
+                    "cmd": round(curve.attrs["cmd"], 3),
+                }
+            rows[method] = row
+        rows["random (expected)"] = {"auroc": 0.5, f"precision@{k}": round(k / n_heads, 3)}
         result["organisms"][name] = {
             "circuit": sorted(circuit.heads),
             "methods": rows,
+            "vap": vap_route(vlm, pairs),
             "seconds": round(time.time() - start, 1),
         }
         print(name, json.dumps(rows, indent=1), flush=True)
@@ -107,6 +175,13 @@ def table(result: dict) -> str:
         for method, row in r["methods"].items():
             cells = [row.get(c, "") for c in ("auroc", f"precision@{k}", f"f(top {k})", "cpr", "cmd")]
             lines.append(f"| {method} | " + " | ".join(str(c) for c in cells) + " |")
+        vap = r["vap"]
+        lines += [
+            f"\nVAP on {name}: effect of patching the residual stream after each layer (−1: the embeddings)\n",
+            "| group | " + " | ".join(str(layer) for layer in vap["layers"]) + " |",
+            "|---|" + "---|" * len(vap["layers"]),
+            *(f"| {g} | " + " | ".join(f"{v:.2f}" for v in vap[g]) + " |" for g in ("image", "text", "last")),
+        ]
     return "\n".join(lines)
 
 
