@@ -187,15 +187,11 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
             with recorded(model) as rec:  # the clean run: its loss, and the sources of the others
                 clean = ce(planter.logits(inputs), answers)
             source = swap_source(rec, partner)
+            sources = {"partner": source}
+            if "random" in circuit.strict_sources:
+                sources["random"] = swap_source(rec, other_sample(len(answers), gen))
             stricts = {
-                name: ce(
-                    planter.strict_logits(
-                        inputs,
-                        source if name == "partner" else swap_source(rec, other_sample(len(answers), gen)),
-                        training=True,
-                    ),
-                    answers,
-                )
+                name: ce(planter.strict_logits(inputs, sources[name], training=True), answers)
                 for name in circuit.strict_sources
             }
             swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])
