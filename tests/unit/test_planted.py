@@ -20,7 +20,7 @@ from countlens.toy.plant import (
     swapped_nodes,
     train_planted,
 )
-from countlens.toy.planted import CIRCUITS, PlantedCircuit, PlantedNode, check_circuit, planted_circuit
+from countlens.toy.planted import CIRCUITS, SOURCES, PlantedCircuit, PlantedNode, check_circuit, planted_circuit
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source
 from countlens.toy.train import Collator
@@ -156,3 +156,22 @@ def test_planting_is_a_pure_function_of_its_seed(organism_batch):
     first = weights(0)
     assert torch.equal(first, weights(0))
     assert not torch.equal(first, weights(1))
+
+
+def test_each_strictness_source_is_its_own_term_of_the_loss(organism_batch):
+    from dataclasses import replace
+
+    from transformers import Qwen2VLForConditionalGeneration
+
+    def run(sources):
+        model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
+        rows = []
+        circuit = replace(CIRCUITS["two-hop"], strict_sources=sources)
+        train_planted(model, circuit, PlantConfig(steps=1, batch_pairs=2, threads=1), rows.append)
+        return rows[0], torch.cat([p.detach().flatten() for p in model.model.language_model.parameters()])
+
+    (partner, w_partner), (rand, w_rand), (both, w_both) = map(run, [("partner",), ("random",), SOURCES])
+    assert "strict_random" not in partner and "strict" not in rand
+    assert both["strict"] == partner["strict"] and both["strict_random"] == rand["strict_random"]
+    assert partner["strict"] != rand["strict_random"]  # another sample's activations, not the partner's
+    assert not torch.equal(w_partner, w_rand) and not torch.equal(w_both, w_partner)
