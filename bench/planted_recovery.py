@@ -15,8 +15,8 @@ own pairs ("shapes" pairs under seed 0, the short prompt, counts 1–9), each me
   the clean samples): a reading, not an intervention;
 - HeadLens (fitted on the clean samples): CTER, the share of number tokens a head writes at the last
   position, and its count alignment, the share of samples whose top-1 decoded token is the count;
-  its classes (`countlens.analysis.heads.classify_heads`, default thresholds) as a 0 / 1 ranking —
-  the heads classed cross-modal routing or counting aggregation first;
+  its classes (`countlens.analysis.heads.classify_heads`, default thresholds, exact patching's effect
+  as importance) as a 0 / 1 ranking — the heads classed cross-modal routing or counting aggregation first;
 - a random ranking, as its expectation: AUROC 0.5, precision@|C| = |C| / 24.
 Scored against the planted heads C (`countlens.circuits.recovery`): AUROC and precision@|C|; and the
 faithfulness f of the method's top |C| heads (every other head's z patched from the corrupt run,
@@ -24,7 +24,7 @@ faithfulness f of the method's top |C| heads (every other head's z patched from 
 
 VAP (`patch_layers`) patches the residual stream by layer and token group, so it ranks no heads; it
 is shown as the route it measures: per layer, the effect of patching the image tokens, the other
-text (where `<|vision_end|>` is) and the last position, beside the layers C's heads sit in.
+text (where `<|vision_end|>` is) and the last position.
 
 These are countlens's own measurements on its own planted organisms: no paper's figures are
 comparable. Writes bench/planted_recovery.json and prints the tables docs/benchmarks.md shows.
