@@ -64,6 +64,8 @@ OUT = Path(__file__).with_suffix(".json")
 COUNT_CLASSES = ("cross-modal routing", "counting aggregation")
 #: Rows whose faithfulness is the edge curve's (their head scores are outgoing-edge sums).
 EDGE_ROWS = ("EAP (edges)", "EAP-IG (edges)")
+#: VAP's token groups, in the route's order.
+VAP_GROUPS = ("image", "text", "last")
 
 
 def heads_of_edges(result: xr.Dataset, template: xr.DataArray) -> xr.DataArray:
@@ -76,11 +78,12 @@ def heads_of_edges(result: xr.Dataset, template: xr.DataArray) -> xr.DataArray:
     return out
 
 
-def headlens_rankings(vlm, samples, importance: xr.DataArray) -> dict[str, xr.DataArray]:
+def headlens_rankings(vlm, samples, importance: xr.DataArray, attention: xr.DataArray) -> dict[str, xr.DataArray]:
+    """HeadLens's CTER, count alignment and classes (which read ``importance`` and the image-attention
+    share ``attention``, both over (layer, head))."""
     hl = HeadLens.fit(vlm, samples).decode(vlm, samples)
     top1 = hl.token_id.isel(k=0)
     alignment = (top1 == hl.count_token).where(hl.count_token >= 0).mean("sample")
-    attention = image_attention_share(vlm, samples).mean("sample")
     table = classify_heads(hl.vgs, hl.cter, attention, np.abs(importance), constancy(hl.token.isel(k=0)))
     classed = importance.copy(data=np.zeros(importance.shape))
     for _, row in table[table["class"].isin(COUNT_CLASSES)].iterrows():
@@ -91,6 +94,8 @@ def headlens_rankings(vlm, samples, importance: xr.DataArray) -> dict[str, xr.Da
 def rankings(vlm, pairs, scenes) -> tuple[dict[str, xr.DataArray], dict[str, xr.Dataset]]:
     """Head rankings by method, and the edge methods' results (for their edge curves)."""
     exact = patch_heads(vlm, pairs).effect
+    clean = [p.clean for p in pairs]
+    attention = image_attention_share(vlm, clean).mean("sample")
     edge_results = {
         "EAP (edges)": edge_attribution(vlm, pairs, "eap"),
         "EAP-IG (edges)": edge_attribution(vlm, pairs, "eap-ig", steps=5),
@@ -102,18 +107,18 @@ def rankings(vlm, pairs, scenes) -> tuple[dict[str, xr.DataArray], dict[str, xr.
         "EAP-IG (nodes)": node_attribution(vlm, pairs).effect,
         **{name: heads_of_edges(r, exact) for name, r in edge_results.items()},
         "mean-ablation drop": ablation_scan(vlm, {"count": scenes}).logp_drop.sel(task="count", drop=True),
-        "image-attention share": image_attention_share(vlm, [p.clean for p in pairs]).mean("sample"),
-        **headlens_rankings(vlm, [p.clean for p in pairs], exact),
+        "image-attention share": attention,
+        **headlens_rankings(vlm, clean, exact, attention),
     }
     return out, edge_results
 
 
 def vap_route(vlm, pairs) -> dict[str, list]:
     """VAP's effect per layer (−1: the embeddings) for the image tokens, the other text and the last position."""
-    effect = patch_layers(vlm, pairs, groups=("image", "text", "last")).effect
+    effect = patch_layers(vlm, pairs, groups=VAP_GROUPS).effect
     return {
         "layers": effect.layer.values.tolist(),
-        **{g: [round(float(v), 3) for v in effect.sel(group=g).values] for g in ("image", "text", "last")},
+        **{g: [round(float(v), 3) for v in effect.sel(group=g).values] for g in VAP_GROUPS},
     }
 
 
@@ -180,7 +185,7 @@ def table(result: dict) -> str:
             f"\nVAP on {name}: effect of patching the residual stream after each layer (−1: the embeddings)\n",
             "| group | " + " | ".join(str(layer) for layer in vap["layers"]) + " |",
             "|---|" + "---|" * len(vap["layers"]),
-            *(f"| {g} | " + " | ".join(f"{v:.2f}" for v in vap[g]) + " |" for g in ("image", "text", "last")),
+            *(f"| {g} | " + " | ".join(f"{v:.2f}" for v in vap[g]) + " |" for g in VAP_GROUPS),
         ]
     return "\n".join(lines)
 
