@@ -12,6 +12,8 @@ same code runs locally and, with ``remote=True``, on NDIF.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,6 +33,7 @@ from countlens.sizing import default_size, processed_size
 from countlens.validate import require_count
 
 IMAGE_SLOT = "<image>"
+RECENT_BATCHES = 32
 
 
 @dataclass
@@ -58,6 +61,8 @@ class Batch:
     # Cross-attention models (no image tokens): per sample, each image state's cell, as image_cell is
     # for image tokens (class tokens and padding tiles (-1, -1)); empty for token models.
     state_cells: list[torch.Tensor] = field(default_factory=list)
+    # The samples the batch was prepared from (`VLM.prepare_samples`): their scenes give object positions.
+    samples: Sequence | None = None
 
     def __post_init__(self):
         if self.prompt_last is None:
@@ -98,6 +103,8 @@ class VLM:
 
             envoy = NNsight(hf_model)
         self.nn = envoy
+        # Weak references to the batches prepared last (`prepared`).
+        self.recent: deque = deque(maxlen=RECENT_BATCHES)
 
     def __repr__(self) -> str:
         return f"VLM({self.name!r}, {self.arch!r}, geometry={self.geometry})"
@@ -162,10 +169,13 @@ class VLM:
         read the whole answer (multi-token answers: "12" → "1", "2")."""
         images, questions = [s.image for s in samples], [s.question for s in samples]
         if not (answers or teacher_force):
-            return self.prepare(images, questions, single_token=single_token)
-        given = [s.answer for s in samples]
-        forced = [self.answer_ids(a)[:-1] for a in given] if teacher_force else None
-        return self.prepare(images, questions, given, single_token=single_token, forced=forced)
+            batch = self.prepare(images, questions, single_token=single_token)
+        else:
+            given = [s.answer for s in samples]
+            forced = [self.answer_ids(a)[:-1] for a in given] if teacher_force else None
+            batch = self.prepare(images, questions, given, single_token=single_token, forced=forced)
+        batch.samples = list(samples)
+        return batch
 
     def batches(self, samples: Sequence, batch_size: int, **kw) -> Iterator[tuple[Sequence, Batch]]:
         """(chunk, its `prepare_samples` batch) for consecutive chunks of ``batch_size`` samples."""
@@ -257,7 +267,32 @@ class VLM:
                 k: v.to(device, self.hf.dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()
             }
         prompt_last = last - torch.tensor([len(f) for f in forced]) if forcing else last
-        return Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last, grids, states)
+        batch = Batch(inputs, image_pos, image_cell, geoms, last, answer_ids, list(texts), prompt_last, grids, states)
+        self.recent.append(weakref.ref(batch))
+        return batch
+
+    def prepared(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> Batch | None:
+        """The batch most recently prepared whose tokens (and pixels, where given) these are, or k
+        copies of it stacked (a batch-expanded forward), if it is still alive; else None. Positions
+        that need a sample's image cells or objects (`countlens.circuits.positions`) find it here."""
+        rows, seq = input_ids.shape
+        for ref in reversed(self.recent):
+            batch = ref()
+            if batch is None:
+                continue
+            ids = batch.inputs["input_ids"]
+            if ids.shape[1] != seq or rows % ids.shape[0]:
+                continue
+            k = rows // ids.shape[0]
+            if not torch.equal(torch.cat([ids.to(input_ids.device)] * k), input_ids):
+                continue
+            mine = batch.inputs.get("pixel_values")
+            if pixel_values is not None and mine is not None:
+                stacked = torch.cat([mine.to(pixel_values.device, pixel_values.dtype)] * k)
+                if stacked.shape != pixel_values.shape or not torch.equal(stacked, pixel_values):
+                    continue
+            return batch
+        return None
 
     def _chat_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):

@@ -43,6 +43,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.cells import cell_edges, cell_sums
 from countlens.errors import InputError
 from countlens.geometry import Geometry
 
@@ -60,21 +61,6 @@ QUANTILE = 0.99
 # ----------------------------------------------------------------------------- object cells
 
 
-def _edges(n_pixels: int, n_cells: int, what: str) -> np.ndarray:
-    if n_pixels < n_cells:
-        raise InputError(
-            f"the scene is {n_pixels} px {what} but the token grid has {n_cells} cells; "
-            "render the scene at the model's image size (vlm.geometry)"
-        )
-    return np.round(np.arange(n_cells + 1) * n_pixels / n_cells).astype(int)
-
-
-def _cell_sums(masks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """Int[ndarray, "... rows cols"]: covered pixels per cell from Bool[ndarray, "... H W"] masks."""
-    per_row = np.add.reduceat(masks.astype(np.int64), rows[:-1], axis=-2)
-    return np.add.reduceat(per_row, cols[:-1], axis=-1)
-
-
 def object_cells(
     scene, geometry: Geometry, coverage: float = COVERAGE, each_object: bool = True
 ) -> Bool[Tensor, "rows cols"]:
@@ -87,12 +73,12 @@ def object_cells(
     if not 0 < coverage <= 1:
         raise InputError(f"coverage must be in (0, 1], got {coverage}; 0.25 is the documented default")
     n_rows, n_cols = geometry.token_grid
-    rows, cols = _edges(scene.height, n_rows, "high"), _edges(scene.width, n_cols, "wide")
+    rows, cols = cell_edges(scene.height, n_rows, "high"), cell_edges(scene.width, n_cols, "wide")
     masks = scene.masks()  # Bool[ndarray, "obj H W"]
     area = np.diff(rows)[:, None] * np.diff(cols)[None, :]
-    covered = _cell_sums(masks.any(0), rows, cols) >= coverage * area
+    covered = cell_sums(masks.any(0), rows, cols) >= coverage * area
     if each_object and len(masks):
-        per_obj = _cell_sums(masks, rows, cols)  # Int[ndarray, "obj rows cols"]
+        per_obj = cell_sums(masks, rows, cols)  # Int[ndarray, "obj rows cols"]
         peak = per_obj.max(axis=(1, 2), keepdims=True)
         covered |= ((per_obj == peak) & (peak > 0)).any(0)
     return torch.from_numpy(covered)
@@ -168,10 +154,10 @@ def pixel_attention_iou(
     object pixels of the attended cells. NaN when neither set has a pixel.
     """
     n_rows, n_cols = grid_map.shape[-2:]
-    rows, cols = _edges(scene.height, n_rows, "high"), _edges(scene.width, n_cols, "wide")
+    rows, cols = cell_edges(scene.height, n_rows, "high"), cell_edges(scene.width, n_cols, "wide")
     masks = scene.masks()
     obj = masks.any(0) if len(masks) else np.zeros((scene.height, scene.width), bool)
-    on = torch.from_numpy(_cell_sums(obj, rows, cols)).float().to(grid_map.device)  # object pixels per cell
+    on = torch.from_numpy(cell_sums(obj, rows, cols)).float().to(grid_map.device)  # object pixels per cell
     area = torch.from_numpy(np.diff(rows)[:, None] * np.diff(cols)[None, :]).float().to(grid_map.device)
     m = grid_map.float()
     peak = m.amax((-2, -1), keepdim=True)

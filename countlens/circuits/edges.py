@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.circuits.nodes import INPUTS, Node, first_output, graph_nodes, mlp_path
+from countlens.circuits.nodes import INPUTS, Node, graph_nodes
+from countlens.circuits.sites import first_output, mlp_path
 from countlens.circuits.sites import heads_view
 from countlens.errors import InputError
 

@@ -1,8 +1,9 @@
 """Edits of a forward pass: overwrite sites at masked positions and read the logits.
 
-An `Edit` is a site (`countlens.circuits.sites`: a layer's residual, a head's z, an expert's
-contribution, the image states), a mask of the positions it overwrites, and the value written there
-— or, without one, the value a cached run had there. `cache_run` records those cached values.
+An `Edit` is a site (`countlens.circuits.sites`: a layer's residual, a head's z, q / k / v, an MLP's
+input or output, an expert's contribution, the image states), a mask of the positions it overwrites,
+and the value written there — or, without one, the value a cached run had there; or a function of
+the value the forward has there (`countlens.circuits.interventions` lowers to these). `cache_run` records those cached values.
 
 `run_edits` is the engine under patching and ablation. Many edited copies ("replicas") of one
 clean batch run stacked in one forward, replica r receiving its own edits, which each site kind
@@ -12,7 +13,7 @@ changes below a replica's lowest edited layer, so those layers run once too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,10 +77,12 @@ class Edit:
     site: Site
     mask: Bool[Tensor, "batch seq"]
     value: Float[Tensor, "batch seq d"] | None = None
+    # Or what is written as a function of what the forward has there (Float[Tensor, "k d"] → same).
+    op: Callable[[Tensor], Tensor] | None = None
 
     def placed(self, replica: int) -> Placed:
         """This edit in replica ``replica`` of a stacked forward, its mask's entries listed."""
-        return Placed(replica, self.site, self.mask, self.value, *self.mask.nonzero(as_tuple=True))
+        return Placed(replica, self.site, self.mask, self.value, *self.mask.nonzero(as_tuple=True), self.op)
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from countlens import memory
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.sites import Expert, Placed, group_mask, repeat_inputs
+from countlens.circuits.sites import Expert, Placed, first_output, group_mask, mlp_path, repeat_inputs
 from countlens.errors import InputError
 from countlens.labels import head_label
 from countlens.validate import require_choice
@@ -78,28 +78,11 @@ def graph_nodes(vlm: VLM, kinds: Sequence[str] = BASE_KINDS) -> list[Node]:
     return out
 
 
-def mlp_path(vlm: VLM, layer: int) -> str:
-    """A decoder layer's MLP module (``mlp``, or Llama 4's ``feed_forward``)."""
-    path = vlm.arch.layer(layer)
-    for name in ("mlp", "feed_forward"):
-        try:
-            vlm.hf.get_submodule(f"{path}.{name}")
-        except AttributeError:
-            continue
-        return f"{path}.{name}"
-    raise InputError(f"layer {layer} of {vlm.arch.name} has no mlp or feed_forward module: its MLP cannot be a node")
-
-
 def image_positions(vlm: VLM, batch: Batch) -> Bool[Tensor, "batch seq"]:
     """Where the image tokens sit (none on a cross-attention model: its image is its states)."""
     if image_states_path(vlm) is not None:
         return torch.zeros_like(batch.inputs["attention_mask"], dtype=torch.bool)
     return group_mask(batch, "image")
-
-
-def first_output(output):
-    """A module's output tensor: Llama 4's MoE block returns (output, router logits)."""
-    return output[0] if isinstance(output, tuple) else output
 
 
 def image_states_path(vlm: VLM) -> str | None:

@@ -54,7 +54,11 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     forced = [prefix for prefix, _, _ in split]
 
     def prep(side: Sequence) -> Batch:
-        return vlm.prepare([s.image for s in side], [s.question for s in side], [s.answer for s in side], forced=forced)
+        batch = vlm.prepare(
+            [s.image for s in side], [s.question for s in side], [s.answer for s in side], forced=forced
+        )
+        batch.samples = list(side)  # object positions read each side's scene
+        return batch
 
     clean = prep([p.clean for p in pairs])
     corrupt = prep([p.corrupt for p in pairs])

@@ -40,7 +40,7 @@ A cross-attention model has no image tokens; its image is the ``image_states`` g
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
@@ -60,7 +60,8 @@ if TYPE_CHECKING:
 
 class Placed(NamedTuple):
     """An edit placed in a stacked forward: replica ``replica`` (rows replica·n … of the stacked
-    batch) gets ``value``, or else the cached run's, at the mask's entries — rows b, positions s."""
+    batch) gets ``value``, or else the cached run's, at the mask's entries — rows b, positions s; or,
+    with ``op``, op(what the forward has there) (`countlens.circuits.interventions`)."""
 
     replica: int
     site: Site
@@ -68,6 +69,14 @@ class Placed(NamedTuple):
     value: Float[Tensor, "batch positions d"] | None
     b: Int[Tensor, " k"]
     s: Int[Tensor, " k"]
+    op: Callable[[Tensor], Tensor] | None = None
+
+
+def written(vlm: VLM, placed: Placed, cache: dict | None, current: Tensor) -> Tensor:
+    """What a placed edit leaves at its entries, given what the forward has there (``current``, k × d)."""
+    if placed.op is not None:
+        return placed.op(current)
+    return source(vlm, placed, cache, current.device).to(current.device, current.dtype)
 
 
 def source(vlm: VLM, placed: Placed, cache: dict | None, device: torch.device) -> Float[Tensor, "k d"]:
@@ -91,6 +100,11 @@ class Residual:
     def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
         return cache["resid"][self.layer][b, s].to(device)
 
+    def location(self, vlm: VLM) -> Location:
+        if self.layer == -1:
+            return Location(vlm.arch.layer(0), "input", whole)
+        return Location(vlm.arch.layer(self.layer), "output", whole)
+
     @staticmethod
     def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
         """Inside a trace: the residual at one layer, every replica's entries."""
@@ -98,8 +112,8 @@ class Residual:
         module = vlm.module(vlm.arch.layer(max(layer, 0)))
         hid = module.input if layer == -1 else module.output
         for p in placed:
-            src = source(vlm, p, cache, hid.device)
-            hid[p.b.to(hid.device) + p.replica * n, p.s.to(hid.device)] = src.to(hid.device, hid.dtype)
+            b, s = p.b.to(hid.device) + p.replica * n, p.s.to(hid.device)
+            hid[b, s] = written(vlm, p, cache, hid[b, s]).to(hid.dtype)
 
 
 @dataclass(frozen=True)
@@ -121,14 +135,18 @@ class HeadZ:
     def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_head"]:
         return cache["z"][self.layer][b, s, self.columns(vlm.arch)].to(device)
 
+    def location(self, vlm: VLM) -> Location:
+        vlm.arch.heads(self.layer)
+        return Location(vlm.arch.o_proj(self.layer), "input", columns(self.columns(vlm.arch)))
+
     @staticmethod
     def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
         """Inside a trace: heads' z at one layer, every replica's entries."""
         zin = vlm.module(vlm.arch.o_proj(placed[0].site.layer)).input
         for p in placed:
             cols = p.site.columns(vlm.arch)
-            src = source(vlm, p, cache, zin.device)
-            zin[p.b.to(zin.device) + p.replica * n, p.s.to(zin.device), cols] = src.to(zin.device, zin.dtype)
+            b, s = p.b.to(zin.device) + p.replica * n, p.s.to(zin.device)
+            zin[b, s, cols] = written(vlm, p, cache, zin[b, s, cols]).to(zin.dtype)
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,7 @@ class Expert:
         """Inside a trace: experts' contributions at one MoE layer, every replica's entries (the
         experts module sees the tokens flattened: row · seq + position)."""
         path = vlm.arch.experts(placed[0].site.layer)
+        refuse_ops(placed, "an expert's contribution")
         writes = [
             ((p.b + p.replica * n) * seq + p.s, p.site.expert, lambda device, p=p: source(vlm, p, cache, device))
             for p in placed
@@ -179,6 +198,7 @@ class ImageStates:
         written in place, or a patched copy passed to the cross-attention layer in place of the
         states every cross-attention layer shares."""
         layer, cross = placed[0].site.layer, vlm.arch.spec.cross_attention
+        refuse_ops(placed, "the image states")
         n_states = placed[0].mask.shape[1]
 
         def per_row(states: Tensor) -> Tensor:
@@ -205,7 +225,174 @@ class ImageStates:
             attn.inputs = (args, {**kwargs, cross.states_kwarg: states})
 
 
-Site = Residual | HeadZ | Expert | ImageStates
+# ----------------------------------------------------------------------------- where a site lives
+
+
+class Location(NamedTuple):
+    """Where a site lives in the HF model: a module, whether the site is its ``input`` (first
+    argument) or its ``output`` (first element), and ``view``: the site's (batch, seq, width) view of
+    that tensor (in place: writing into the view writes the tensor)."""
+
+    path: str
+    io: str
+    view: Callable[[Tensor], Tensor]
+
+
+def whole(t: Tensor) -> Tensor:
+    return t
+
+
+def columns(cols: slice) -> Callable[[Tensor], Tensor]:
+    """The view of a (batch, seq, width) tensor's columns ``cols``."""
+    return lambda t: t[..., cols]
+
+
+def head_axis(layout: str, head: int, n_heads: int, d_head: int) -> Callable[[Tensor], Tensor]:
+    """The view of one head of q in ``layout`` ("bs(hd)", "bs(qkv)", "bshd", "bhsd") as (batch, seq, d_head)."""
+    if layout in ("bs(hd)", "bs(qkv)"):
+        return columns(slice(head * d_head, (head + 1) * d_head))
+    if layout == "bshd":
+        return lambda t: t[:, :, head]
+    return lambda t: t[:, head]
+
+
+def first_output(output):
+    """A module's output tensor: Llama 4's MoE block returns (output, router logits)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def mlp_path(vlm: VLM, layer: int) -> str:
+    """A decoder layer's MLP module (``mlp``, or Llama 4's ``feed_forward``)."""
+    path = vlm.arch.layer(layer)
+    for name in ("mlp", "feed_forward"):
+        try:
+            vlm.hf.get_submodule(f"{path}.{name}")
+        except AttributeError:
+            continue
+        return f"{path}.{name}"
+    raise InputError(f"layer {layer} of {vlm.arch.name} has no mlp or feed_forward module: its MLP is no site")
+
+
+def refuse_ops(placed: Sequence[Placed], what: str) -> None:
+    if any(p.op is not None for p in placed):
+        raise InputError(f"{what} can only be overwritten (Patch, Zero, Mean, Resample), not added to or scaled")
+
+
+def write_at(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+    """Inside a trace: sites of one kind at one layer, written through their `Location`. A site
+    without a recorded cache of its own reads its values from the edit (``Placed.value``) or ``op``."""
+    for p in placed:
+        loc = p.site.location(vlm)
+        envoy = vlm.module(loc.path)
+        view = loc.view(envoy.input if loc.io == "input" else first_output(envoy.output))
+        b, s = p.b.to(view.device) + p.replica * n, p.s.to(view.device)
+        view[b, s] = written(vlm, p, cache, view[b, s]).to(view.dtype)
+
+
+@dataclass(frozen=True)
+class Q:
+    """Head ``head``'s query at ``layer``: after any q-norm, before rotary (where head temperature
+    scales it: `Arch.q_site`); a fused projection's q columns."""
+
+    layer: int
+    head: int
+    stage: ClassVar[float] = 0.5
+    write = staticmethod(write_at)
+
+    def width(self, arch: Arch) -> int:
+        return arch.head_dim(self.layer)
+
+    def location(self, vlm: VLM) -> Location:
+        arch = vlm.arch
+        path = arch.q_site(self.layer)
+        if arch.spec.q_norm_shared_with_k and path.endswith(arch.spec.q_norm):
+            raise InputError(
+                f"{arch.name} normalises q and k with one module at layer {self.layer}: its q is no site of its own; "
+                "scale a head's attention with countlens.circuits.head_temperature"
+            )
+        _check_head(arch, self.layer, self.head, arch.heads(self.layer), "head")
+        return Location(path, "output", head_axis(arch.q_layout(self.layer), self.head, arch.heads(self.layer), self.width(arch)))
+
+
+@dataclass(frozen=True)
+class K:
+    """Key-value head ``head``'s key at ``layer``: its columns of the k projection's output (before
+    any k-norm and rotary; a fused qkv projection's k columns)."""
+
+    layer: int
+    head: int
+    stage: ClassVar[float] = 0.6
+    write = staticmethod(write_at)
+    part: ClassVar[int] = 1
+
+    def width(self, arch: Arch) -> int:
+        return arch.head_dim(self.layer)
+
+    def location(self, vlm: VLM) -> Location:
+        arch = vlm.arch
+        arch.require_softmax(self.layer, f"the {type(self).__name__.lower()} site")
+        if arch.kind(self.layer) == "cross":
+            raise InputError(
+                f"layer {self.layer} of {arch.name} is a cross-attention layer: its keys and values are the "
+                "image states' (the ImageStates site), not the text's"
+            )
+        d, base = arch.head_dim(self.layer), arch.layer(self.layer)
+        if arch.spec.fused_qkv:
+            path = f"{base}.{arch.spec.q_proj}"
+            n_kv = (vlm.hf.get_submodule(path).out_features // d - arch.heads(self.layer)) // 2
+            start = arch.heads(self.layer) * d + (self.part - 1) * n_kv * d
+        else:
+            k = f"{base}.{arch.spec.k_proj}"
+            path = k if self.part == 1 else k.rsplit(".", 1)[0] + ".v_proj"
+            n_kv, start = vlm.hf.get_submodule(path).out_features // d, 0
+        _check_head(arch, self.layer, self.head, n_kv, "key-value head")
+        return Location(path, "output", columns(slice(start + self.head * d, start + (self.head + 1) * d)))
+
+
+@dataclass(frozen=True)
+class V(K):
+    """Key-value head ``head``'s value at ``layer``: its columns of the v projection's output."""
+
+    stage: ClassVar[float] = 0.7
+    part: ClassVar[int] = 2
+
+
+@dataclass(frozen=True)
+class MlpIn:
+    """The input of layer ``layer``'s MLP (after its pre-MLP norm)."""
+
+    layer: int
+    stage: ClassVar[float] = 1.5
+    write = staticmethod(write_at)
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def location(self, vlm: VLM) -> Location:
+        return Location(mlp_path(vlm, self.layer), "input", whole)
+
+
+@dataclass(frozen=True)
+class MlpOut:
+    """The output of layer ``layer``'s MLP (a mixture-of-experts layer's whole block)."""
+
+    layer: int
+    stage: ClassVar[float] = 2.5
+    write = staticmethod(write_at)
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def location(self, vlm: VLM) -> Location:
+        return Location(mlp_path(vlm, self.layer), "output", whole)
+
+
+def _check_head(arch: Arch, layer: int, head: int, n: int, what: str) -> None:
+    if not 0 <= head < n:
+        raise InputError(f"{what} {head} out of range: layer {layer} of {arch.name} has {what}s 0..{n - 1}")
+
+
+Site = Residual | HeadZ | Expert | ImageStates | Q | K | V | MlpIn | MlpOut
 
 
 GROUPS: tuple[str, ...] = ("image", "last", "text", "all")

@@ -113,6 +113,7 @@ def sweep_pairs(
     def chunk_result(start: int) -> xr.Dataset:
         chunk = pairs[start : start + batch_size]
         pb = prepare_pairs(vlm, chunk)
+        edits = make_edits(pb)  # before any forward: positions that a sample lacks are refused here
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers), experts=experts)
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
 
@@ -122,7 +123,6 @@ def sweep_pairs(
             to_corrupt = (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()
             return torch.stack([logit_diff(rows, pb.clean_id, pb.corrupt_id), to_corrupt])
 
-        edits = make_edits(pb)
         live = [i for i, e in enumerate(edits) if e is not None]  # None: a slot with no site (NaN)
         ran = run_edits(vlm, pb.clean, cache, [edits[i] for i in live], reduce=read)
         out = torch.full((len(edits), *ran.shape[1:]), float("nan"))

@@ -1,0 +1,49 @@
+"""Pixels to token cells: which cells of an image-token grid a scene's objects cover.
+
+A scene rendered at any size is cut into the token grid's cells with integer edges (cell k of an
+axis of n pixels and m cells spans round(k·n/m) … round((k+1)·n/m)); a cell's *coverage* by an
+object is the share of the cell's pixels the object's mask covers. Attention metrics
+(`countlens.analysis.attention_metrics.object_cells`) and object positions
+(`countlens.circuits.positions.Objects`) read the same cells from here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from countlens.errors import InputError
+
+
+def cell_edges(n_pixels: int, n_cells: int, what: str) -> np.ndarray:
+    """Int[ndarray, "n_cells+1"]: the pixel edges of ``n_cells`` cells along an axis of ``n_pixels``."""
+    if n_pixels < n_cells:
+        raise InputError(
+            f"the scene is {n_pixels} px {what} but the token grid has {n_cells} cells; "
+            "render the scene at the model's image size (vlm.geometry)"
+        )
+    return np.round(np.arange(n_cells + 1) * n_pixels / n_cells).astype(int)
+
+
+def cell_sums(masks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Int[ndarray, "... rows cols"]: covered pixels per cell from Bool[ndarray, "... H W"] masks."""
+    per_row = np.add.reduceat(masks.astype(np.int64), rows[:-1], axis=-2)
+    return np.add.reduceat(per_row, cols[:-1], axis=-1)
+
+
+def object_coverage(scene, token_grid: tuple[int, int]) -> np.ndarray:
+    """Float[ndarray, "objects rows cols"]: each object's share of each cell's pixels."""
+    n_rows, n_cols = token_grid
+    rows, cols = cell_edges(scene.height, n_rows, "high"), cell_edges(scene.width, n_cols, "wide")
+    area = np.diff(rows)[:, None] * np.diff(cols)[None, :]
+    return cell_sums(scene.masks(), rows, cols) / area
+
+
+def object_cells(coverage: np.ndarray, threshold: float, peak: bool) -> np.ndarray:
+    """Bool[ndarray, "objects rows cols"] from `object_coverage`: the cells an object covers by at least
+    ``threshold`` of their pixels (threshold 0: by any pixel) and, with ``peak``, the cell(s) holding
+    the largest share of it (so that an object smaller than the threshold still owns a cell)."""
+    cells = coverage > 0 if threshold == 0 else coverage >= threshold
+    if peak and coverage.size:
+        top = coverage.max(axis=(1, 2), keepdims=True)
+        cells |= (coverage == top) & (top > 0)
+    return cells

@@ -1,0 +1,270 @@
+"""Interventions as values: what is written at a site, at which positions.
+
+Each intervention names a site (`countlens.circuits.sites`: `Residual`, `HeadZ`, `Q` / `K` / `V`,
+`MlpIn`, `MlpOut`, `Expert`, `ImageStates`), positions (`countlens.circuits.positions`: a token
+group's name, `Cells`, `Objects`, a `Mask`) and what it writes there, given the value x the forward
+has at each chosen position (Float[Tensor, "k d"], d the site's width):
+
+- `Patch` — the value a donor run has there: in `countlens.circuits.effect` the pair's corrupt
+  run; under `countlens.circuits.intervene` the ``values`` given (Float[Tensor, "batch seq d"], from
+  `countlens.circuits.record`).
+- `Resample` — the value a donor sample has there: row b of a batch takes donor ``order[b]`` of
+  ``donors`` (samples, recorded once; ``order`` a seeded permutation).
+- `Mean` — the mean of x over a reference set: ``reference`` samples (the mean at the same positions
+  of their forwards) or a vector.
+- `Zero` — 0.
+- `Add` — x + α·v (steering; `countlens.circuits.mean_difference` gives v).
+- `Scale` — β·x (on `Q`, head temperature: β scales the head's attention logits).
+- `Apply` — fn(x), any function of Float[Tensor, "k d"] to the same shape.
+
+A list of interventions applies together, in the forward's order. Patch and Resample write a
+donor's values, so they never act on tokens generated after the prompt (no donor has them); the
+others act wherever their positions reach (`countlens.circuits.positions` says where new tokens
+belong).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from countlens.circuits.positions import Objects, as_positions
+from countlens.circuits.sites import Expert, HeadZ, ImageStates, Site, checked_heads
+from countlens.errors import InputError
+from countlens.validate import require_seed
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
+SITE_KINDS = ("Residual", "HeadZ", "Q", "K", "V", "MlpIn", "MlpOut", "Expert", "ImageStates")
+
+
+@dataclass(frozen=True, eq=False)
+class Intervention:
+    """The base: a site and positions. Subclasses say what is written (``op``, or a donor's values)."""
+
+    site: Site
+    positions: Any = field(default="all", kw_only=True)
+    donor: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if type(self.site).__name__ not in SITE_KINDS:
+            raise InputError(
+                f"{type(self).__name__} takes a site ({', '.join(SITE_KINDS)} from countlens.circuits), "
+                f"got {self.site!r}"
+            )
+        object.__setattr__(self, "positions", as_positions(self.positions))
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse, before any forward, a site this model lacks, positions it cannot have, a value of
+        the wrong width."""
+        site = self.site
+        if isinstance(site, HeadZ):
+            checked_heads(vlm.arch, [(site.layer, site.head)])
+        elif isinstance(site, Expert):
+            vlm.arch.experts(site.layer)  # a LayerError naming the MoE layers
+            if not 0 <= site.expert < vlm.arch.n_experts:
+                raise InputError(
+                    f"expert {site.expert} out of range: {vlm.arch.name} has experts 0..{vlm.arch.n_experts - 1}"
+                )
+        elif isinstance(site, ImageStates):
+            if vlm.arch.spec.cross_attention is None:
+                raise InputError(f"{vlm.arch.name} has no image states: its image enters as image tokens (Residual -1)")
+        else:
+            site.location(vlm)  # raises a LayerError / InputError naming what the family lacks
+        self.positions.check(vlm)
+        self.check_values(vlm)
+
+    def check_values(self, vlm: VLM) -> None:
+        pass
+
+    def check_samples(self, pairs: Sequence) -> None:
+        """Refuse object positions that a pair's scene (edited: clean; donor: corrupt) does not have,
+        before any forward."""
+        if not isinstance(self.positions, Objects):
+            return
+        donor = self.positions.of == "donor"
+        for k, p in enumerate(pairs):
+            s = p.corrupt if donor else p.clean
+            objects = getattr(getattr(s, "scene", None), "objects", None)
+            side = "corrupt" if donor else "clean"
+            if not objects:
+                raise InputError(f"pair {k}'s {side} sample has no object list: Objects positions need a generated scene")
+            if max(self.positions.objects) >= len(objects):
+                raise InputError(
+                    f"pair {k}'s {side} scene has objects 0..{len(objects) - 1}; it has no object "
+                    f"{max(self.positions.objects)}"
+                )
+
+    def resolved(self, vlm: VLM) -> Intervention:
+        """This intervention with anything that needs a forward (a reference mean, donors) computed."""
+        return self
+
+    def op(self) -> Callable[[Tensor], Tensor] | None:
+        """What is written, as a function of what the forward has there; None: a donor's values."""
+        return None
+
+    def _width(self, vlm: VLM, value: Tensor, what: str) -> None:
+        width = self.site.width(vlm.arch)
+        if not isinstance(value, Tensor) or value.ndim == 0 or value.shape[-1] != width:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise InputError(f"{type(self).__name__}'s {what} is {shape}; {self.site} is {width} wide")
+        if not torch.isfinite(value).all():
+            raise InputError(f"{type(self).__name__}'s {what} holds NaN or ±inf")
+
+
+@dataclass(frozen=True, eq=False)
+class Patch(Intervention):
+    """Write a donor run's values: the pair's corrupt run in `effect`; ``values`` (batch, seq, d) under
+    `intervene`."""
+
+    values: Tensor | None = field(default=None, repr=False)
+    donor: ClassVar[bool] = True
+
+    def check_values(self, vlm: VLM) -> None:
+        if self.values is not None:
+            self._width(vlm, self.values, "values")
+            if self.values.ndim != 3:
+                raise InputError(f"Patch values are Float[Tensor, 'batch seq d'], got shape {tuple(self.values.shape)}")
+
+
+@dataclass(frozen=True, eq=False)
+class Resample(Intervention):
+    """Write donor samples' values: row b takes donor ``order[b mod n]`` (a permutation drawn from ``seed``)."""
+
+    donors: Sequence = ()
+    seed: int = 0
+    values: Tensor | None = field(default=None, repr=False)
+    donor: ClassVar[bool] = True
+
+    def check_values(self, vlm: VLM) -> None:
+        from countlens.vlm import check_samples
+
+        check_samples(self.donors, "Resample donors")
+        require_seed(self.seed)
+
+    def resolved(self, vlm: VLM) -> Resample:
+        from countlens.circuits.run import record
+
+        recorded = record(vlm, vlm.prepare_samples(self.donors), [self.site])[self.site]
+        order = np.random.default_rng(self.seed).permutation(len(self.donors))
+        return replace(self, values=recorded[torch.from_numpy(order)])
+
+
+@dataclass(frozen=True, eq=False)
+class Zero(Intervention):
+    """Write 0."""
+
+    def op(self):
+        return torch.zeros_like
+
+
+@dataclass(frozen=True, eq=False)
+class Mean(Intervention):
+    """Write the mean over ``reference``: samples (the mean of the site at the same positions of their
+    forwards, `countlens.circuits.mean_activation`) or a vector (d,)."""
+
+    reference: Any = field(default=None, repr=False)
+
+    def check_values(self, vlm: VLM) -> None:
+        if isinstance(self.reference, Tensor):
+            self._width(vlm, self.reference, "reference vector")
+            if self.reference.ndim != 1:
+                raise InputError(f"Mean's reference vector is (d,), got shape {tuple(self.reference.shape)}")
+        else:
+            from countlens.vlm import check_samples
+
+            check_samples(self.reference, "Mean reference")
+
+    def resolved(self, vlm: VLM) -> Mean:
+        if isinstance(self.reference, Tensor):
+            return self
+        from countlens.circuits.run import mean_activation
+
+        return replace(self, reference=mean_activation(vlm, self.reference, self.site, self.positions))
+
+    def op(self):
+        vector = self.reference
+        return lambda x: vector.to(x.device, x.dtype).expand_as(x).clone()
+
+
+@dataclass(frozen=True, eq=False)
+class Add(Intervention):
+    """Write x + α·``vector`` (steering)."""
+
+    vector: Tensor | None = field(default=None, repr=False)
+    alpha: float = 1.0
+
+    def check_values(self, vlm: VLM) -> None:
+        self._width(vlm, self.vector, "vector")
+        if self.vector.ndim != 1:
+            raise InputError(f"Add's vector is (d,), got shape {tuple(self.vector.shape)}")
+        _finite(self.alpha, "Add's alpha")
+
+    def op(self):
+        vector, alpha = self.vector, float(self.alpha)
+        return lambda x: x + alpha * vector.to(x.device, x.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class Scale(Intervention):
+    """Write β·x."""
+
+    beta: float = 1.0
+
+    def check_values(self, vlm: VLM) -> None:
+        _finite(self.beta, "Scale's beta")
+
+    def op(self):
+        beta = float(self.beta)
+        return lambda x: x * beta
+
+
+@dataclass(frozen=True, eq=False)
+class Apply(Intervention):
+    """Write fn(x): ``fn`` maps Float[Tensor, "k d"] to the same shape."""
+
+    fn: Callable[[Tensor], Tensor] | None = field(default=None, repr=False)
+
+    def check_values(self, vlm: VLM) -> None:
+        if not callable(self.fn):
+            raise InputError(f"Apply takes a function of Float[Tensor, 'k d'], got {type(self.fn).__name__}")
+
+    def op(self):
+        fn = self.fn
+
+        def apply(x: Tensor) -> Tensor:
+            out = fn(x)
+            if not isinstance(out, Tensor) or out.shape != x.shape:
+                got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                raise InputError(f"Apply's function returned {got} for values of shape {tuple(x.shape)}; keep the shape")
+            return out
+
+        return apply
+
+
+def _finite(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value):
+        raise InputError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def as_interventions(vlm: VLM, interventions) -> list[Intervention]:
+    """``interventions`` (one or a list) checked on ``vlm``, before any forward."""
+    items = [interventions] if isinstance(interventions, Intervention) else interventions
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items:
+        raise InputError(
+            "give an intervention or a non-empty list of them (Patch, Resample, Mean, Zero, Add, Scale, Apply "
+            f"from countlens.circuits); got {interventions!r}"
+        )
+    for item in items:
+        if not isinstance(item, Intervention):
+            raise InputError(f"{item!r} is no intervention; use Patch, Resample, Mean, Zero, Add, Scale or Apply")
+        item.check(vlm)
+    return list(items)
+

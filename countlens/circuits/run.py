@@ -1,0 +1,296 @@
+"""Your own experiment: interventions under any measurement, and their effect over count pairs.
+
+Two entry points take the same interventions (`countlens.circuits.interventions`):
+
+- ``effect(vlm, pairs, interventions)`` → xr.Dataset: the interventions applied to each pair's clean
+  run (a `Patch` copies the pair's corrupt run), and the normalised logit-difference change
+  ``effect`` = (Σ LD_edited − Σ LD_clean) / (Σ LD_corrupt − Σ LD_clean) with the ``overwrite`` rate
+  (`countlens.circuits.patching` defines both), per pair too. A mapping {label: interventions} is a
+  grid over the ``intervention`` dim; `patch_layers`, `patch_heads` and `patch_experts` are such grids
+  (`effect_grid`), so every patching number comes from this one normalisation.
+- ``with intervene(vlm, interventions): ...`` — every forward inside runs edited: teacher-forced
+  scoring (`countlens.analysis.score`), generation (`countlens.analysis.generate`, ``vlm.hf.generate``),
+  ``vlm.trace`` and raw nnsight, HeadLens decoding, a fine-tune's evaluation. Positions are resolved
+  per forward (`countlens.circuits.positions`), so any batch size works, and so do the new tokens of
+  generation. It runs on plain torch hooks on the HF modules, so it holds for a model with a LoRA
+  adapter too; local models only.
+
+Helpers: `record` reads any set of sites in one forward; `mean_activation` and `mean_difference`
+(a steering vector: the mean of a site over one set of samples minus its mean over another).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.circuits.edits import Edit
+from countlens.circuits.interventions import Intervention, Patch, as_interventions
+from countlens.circuits.pair_batch import PairBatch
+from countlens.circuits.positions import Frame, as_positions
+from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual, first_output
+from countlens.circuits.sweep import check_pair_sweep, sweep_pairs
+from countlens.errors import InputError
+from countlens.validate import require_count
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.circuits.sites import Site
+    from countlens.vlm import VLM, Batch
+
+#: Sites `effect` patches from the corrupt run's cache (`countlens.circuits.edits.cache_run`); the
+#: others are recorded from the corrupt run when a Patch asks for them.
+CACHED = (Residual, HeadZ, Expert, ImageStates)
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def _tensor_hook(module: torch.nn.Module, io: str, action: Callable[[Tensor], Tensor | None]):
+    """A torch hook calling ``action`` on the module's first input or output tensor; a tensor it
+    returns replaces that one."""
+    if io == "output":
+
+        def post(mod, args, out):
+            new = action(first_output(out))
+            if new is None:
+                return None
+            return (new, *out[1:]) if isinstance(out, tuple) else new
+
+        return module.register_forward_hook(post)
+
+    def pre(mod, args, kwargs):
+        new = action(args[0] if args else kwargs["hidden_states"])
+        if new is None:
+            return None
+        return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+
+    return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def _rows_seq(t: Tensor, frame: Frame) -> Tensor:
+    """``t`` as (rows, seq, …): an MoE block's flattened tokens (rows · seq, d) viewed back."""
+    rows, seq = frame.input_ids.shape
+    return t.view(rows, seq, -1) if t.ndim == 2 and t.shape[0] == rows * seq else t
+
+
+def _location(vlm: VLM, site: Site) -> Location:
+    if isinstance(site, (Expert, ImageStates)):
+        raise InputError(
+            f"{site} is written inside the experts or cross-attention modules: patch it through effect() or "
+            "patch_experts / patch_layers; intervene and record take Residual, HeadZ, Q, K, V, MlpIn and MlpOut"
+        )
+    return site.location(vlm)
+
+
+def _local(vlm: VLM, what: str) -> None:
+    if vlm.remote:
+        raise InputError(f"{what} runs torch hooks on a local model; {vlm.name} is remote (NDIF): use vlm.trace")
+
+
+@torch.no_grad()
+def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
+    """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU."""
+    _local(vlm, "record")
+    sites = list(dict.fromkeys(sites))
+    locations = {site: _location(vlm, site) for site in sites}
+    frame = Frame.of(batch)
+    got: dict = {}
+    handles = []
+
+    def keeper(site, loc):
+        def keep(t):
+            got[site] = loc.view(_rows_seq(t, frame)).detach().float().cpu().clone()
+
+        return keep
+
+    try:
+        for site, loc in locations.items():
+            handles.append(_tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, keeper(site, loc)))
+        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+@torch.no_grad()
+def mean_activation(vlm: VLM, samples: Sequence, site: Site, positions="all", batch_size: int = 16) -> Float[Tensor, " d"]:
+    """The mean of ``site`` over ``samples``' tokens at ``positions`` (Float[Tensor, "d"], float32, CPU)."""
+    from countlens.vlm import check_samples
+
+    check_samples(samples, "mean_activation")
+    require_count(batch_size, "batch_size")
+    positions = as_positions(positions)
+    positions.check(vlm)
+    _location(vlm, site)
+    total, count = torch.zeros(site.width(vlm.arch), dtype=torch.float64), 0
+    for _, batch in vlm.batches(samples, batch_size):
+        values = record(vlm, batch, [site])[site]
+        mask = positions.mask(vlm, Frame.of(batch)).cpu()
+        total += values[mask].double().sum(0)
+        count += int(mask.sum())
+    if count == 0:
+        raise InputError(f"no token of the {len(samples)} samples lies at {positions}: nothing to average")
+    return (total / count).float()
+
+
+def mean_difference(
+    vlm: VLM, a: Sequence, b: Sequence, site: Site, positions="all", batch_size: int = 16
+) -> Float[Tensor, " d"]:
+    """A steering vector: ``site``'s mean over ``a``'s tokens at ``positions`` minus its mean over ``b``'s."""
+    return mean_activation(vlm, a, site, positions, batch_size) - mean_activation(vlm, b, site, positions, batch_size)
+
+
+# ----------------------------------------------------------------------------- under any measurement
+
+
+@contextmanager
+def intervene(vlm: VLM, interventions) -> Iterator[None]:
+    """``with intervene(vlm, [Add(Residual(2), v, alpha=4.0), ...]):`` — every forward of ``vlm`` inside
+    runs with the interventions; on exit the model is as it was. A `Patch` takes ``values`` here
+    (`record` of a donor batch: row b of any forward reads donor row b mod its rows)."""
+    _local(vlm, "intervene")
+    items = as_interventions(vlm, interventions)
+    for item in items:
+        _location(vlm, item.site)
+        if isinstance(item, Patch) and item.values is None:
+            raise InputError(
+                f"under intervene, {item!r} needs values=: record(vlm, donor_batch, [site])[site] — or run "
+                "effect(vlm, pairs, ...), where a Patch copies each pair's corrupt run"
+            )
+    items = [item.resolved(vlm) for item in items]  # forwards of reference or donor samples, unedited
+    state: dict = {}
+
+    def frame_of(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise InputError("intervene needs input_ids in every forward (positions are read off the tokens)")
+        attn = kwargs.get("attention_mask")
+        attn = torch.ones_like(ids) if attn is None else attn
+        new = attn.shape[1] > ids.shape[1]  # a step after a KV cache: the columns are new tokens
+        batch = None if new else vlm.prepared(ids, kwargs.get("pixel_values"))
+        state.update(frame=Frame(ids, attn, batch, new), masks={})
+
+    def action(item: Intervention, loc: Location):
+        op = item.op()
+
+        def act(t: Tensor) -> Tensor | None:
+            frame = state["frame"]
+            if item.donor and frame.new:
+                return None  # no donor has the tokens generated after the prompt
+            masks = state["masks"]
+            if id(item.positions) not in masks:
+                masks[id(item.positions)] = item.positions.mask(vlm, frame)
+            mask = masks[id(item.positions)]
+            out = t.clone()
+            view = loc.view(_rows_seq(out, frame))
+            if tuple(view.shape[:2]) != tuple(mask.shape):
+                raise InputError(f"{item.site} is shaped {tuple(view.shape)} here, the tokens {tuple(mask.shape)}")
+            b, s = mask.to(view.device).nonzero(as_tuple=True)
+            if op is not None:
+                view[b, s] = op(view[b, s]).to(view.dtype)
+            else:
+                view[b, s] = _donor(item, b, s, view.shape[1]).to(view.device, view.dtype)
+            return out
+
+        return act
+
+    handles = [vlm.hf.register_forward_pre_hook(frame_of, with_kwargs=True)]
+    try:
+        for item in items:
+            loc = _location(vlm, item.site)
+            handles.append(_tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, action(item, loc)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _donor(item: Intervention, b: Tensor, s: Tensor, seq: int) -> Tensor:
+    values = item.values
+    if values.shape[1] != seq:
+        raise InputError(
+            f"{type(item).__name__} at {item.site}: the donor values cover {values.shape[1]} positions, this "
+            f"forward {seq}; donors must be prepared like the edited batch (same image size and question)"
+        )
+    return values[b.cpu() % values.shape[0], s.cpu()]
+
+
+# ----------------------------------------------------------------------------- effect over pairs
+
+
+def lower(vlm: VLM, item: Intervention, frame: Frame, donors: dict, masks: dict) -> Edit:
+    """``item`` as an `Edit` of the edited (clean) batch of ``frame``: its mask, and a donor's values
+    (None: the cached corrupt run's) or its op. ``masks`` caches each positions' mask per batch."""
+    batch = frame.batch
+    if isinstance(item.site, ImageStates):
+        mask = torch.ones(len(batch), len(batch.state_cells[0]), dtype=torch.bool)
+    else:
+        if item.positions not in masks:
+            masks[item.positions] = item.positions.mask(vlm, frame).cpu()
+        mask = masks[item.positions]
+    if _from_corrupt(item):
+        return Edit(item.site, mask, donors.get(item.site))
+    if item.donor:  # a Resample's donors, or a Patch's own values
+        b, s = torch.meshgrid(torch.arange(mask.shape[0]), torch.arange(mask.shape[1]), indexing="ij")
+        return Edit(item.site, mask, _donor(item, b.flatten(), s.flatten(), mask.shape[1]).view(*mask.shape, -1))
+    return Edit(item.site, mask, op=item.op())
+
+
+def _from_corrupt(item: Intervention) -> bool:
+    """A Patch without values of its own: in `effect`, it copies each pair's corrupt run."""
+    return isinstance(item, Patch) and item.values is None
+
+
+def effect_grid(
+    vlm: VLM,
+    pairs: Sequence,
+    sets: Sequence[Sequence[Intervention] | None],
+    coords: dict,
+    batch_size: int = 16,
+    store=None,
+    progress: bool = False,
+    shard=None,
+) -> xr.Dataset:
+    """The effect of each set of interventions (None: no site, NaN), laid out on the ``coords`` grid in
+    order; the engine of `effect` and of the patching sweeps (`countlens.circuits.sweep.sweep_pairs`)."""
+    live = [items for items in sets if items is not None]
+    experts = any(isinstance(i.site, Expert) for items in live for i in items)
+    recorded = [i.site for items in live for i in items if _from_corrupt(i) and not isinstance(i.site, CACHED)]
+    recorded = list(dict.fromkeys(recorded))
+
+    def make_edits(pb: PairBatch) -> list:
+        frame, masks = Frame.of(pb.clean, donor=pb.corrupt), {}
+        for item in (i for items in live for i in items if not isinstance(i.site, ImageStates)):
+            if item.positions not in masks:  # every positions resolved before any forward: refusals come first
+                masks[item.positions] = item.positions.mask(vlm, frame).cpu()
+        donors = record(vlm, pb.corrupt, recorded) if recorded else {}
+        return [None if items is None else [lower(vlm, i, frame, donors, masks) for i in items] for items in sets]
+
+    return sweep_pairs(vlm, pairs, make_edits, coords, batch_size, store, progress, shard, experts=experts)
+
+
+def effect(vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progress: bool = False) -> xr.Dataset:
+    """The interventions' effect on each pair's clean run: ``effect`` and ``overwrite`` (scalars), per pair
+    ``logit_diff`` / ``to_corrupt`` beside the clean and corrupt runs'; a `Patch` copies the corrupt run.
+    ``interventions``: one, a list (applied together), or {label: list} (a grid over ``intervention``)."""
+    check_pair_sweep(pairs, batch_size, "effect")
+    grid = dict(interventions) if isinstance(interventions, Mapping) else None
+    if grid is not None and not grid:
+        raise InputError("give at least one set of interventions in the mapping")
+    sets = {str(k): as_interventions(vlm, v) for k, v in (grid or {"": interventions}).items()}
+    for items in sets.values():
+        for item in items:
+            item.check_samples(pairs)
+    resolved = [[item.resolved(vlm) for item in items] for items in sets.values()]
+    ds = effect_grid(vlm, pairs, resolved, {"intervention": list(sets)}, batch_size, progress=progress)
+    ds.attrs.update(method="effect", interventions=json.dumps({k: [repr(i) for i in v] for k, v in sets.items()}))
+    return ds if grid is not None else ds.isel(intervention=0, drop=True)
