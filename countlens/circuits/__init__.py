@@ -1,4 +1,5 @@
-"""The intervention layer over nnsight: sites, patching, attribution (AtP, EAP-IG on nodes and edges),
+"""The intervention layer over nnsight: sites, positions and interventions (your own experiment:
+`effect` over pairs, `intervene` under any measurement), patching, attribution (AtP, EAP-IG on nodes and edges),
 faithfulness of a circuit, lenses, HeadLens, ablation, head temperature, and the experts of mixture-of-experts models.
 
 Every function takes a `countlens.VLM` and prepared data (pairs or samples) and returns labelled
@@ -20,13 +21,39 @@ from countlens.circuits.experts import (
 from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
 from countlens.circuits.headlens import HeadLens
 from countlens.circuits.integrated import node_attribution
+from countlens.circuits.interventions import Add, Apply, Intervention, Mean, Patch, Resample, Scale, Zero
 from countlens.circuits.lens import logit_lens
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
+from countlens.circuits.positions import Cells, Group, Mask, Objects
+from countlens.circuits.recorder import mean_activation, record
+from countlens.circuits.run import effect, intervene, mean_difference
+from countlens.circuits.sites import Expert, HeadZ, ImageStates, K, MlpIn, MlpOut, Q, Residual, V
 from countlens.circuits.taps import tap
 from countlens.circuits.temperature import beta_from_importance, head_temperature
 
 __all__ = [
+    "Add",
+    "Apply",
+    "Cells",
+    "Expert",
+    "Group",
     "HeadLens",
+    "HeadZ",
+    "ImageStates",
+    "Intervention",
+    "K",
+    "Mask",
+    "Mean",
+    "MlpIn",
+    "MlpOut",
+    "Objects",
+    "Patch",
+    "Q",
+    "Resample",
+    "Residual",
+    "Scale",
+    "V",
+    "Zero",
     "ablate",
     "ablate_experts",
     "ablation_scan",
@@ -36,6 +63,7 @@ __all__ = [
     "eager_attention",
     "edge_attribution",
     "edge_graph",
+    "effect",
     "expert_ablation_scan",
     "expert_means",
     "expert_usage",
@@ -44,13 +72,17 @@ __all__ = [
     "group_means",
     "head_temperature",
     "image_attention_share",
+    "intervene",
     "jaccard",
     "last_token_attention",
     "logit_lens",
+    "mean_activation",
+    "mean_difference",
     "node_attribution",
     "patch_experts",
     "patch_heads",
     "patch_layers",
+    "record",
     "routing",
     "tap",
     "top_heads",

@@ -29,8 +29,7 @@ from torch import Tensor
 from countlens import memory
 from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked, receiver_columns, stream_shaped
 from countlens.circuits.nodes import INPUTS
-from countlens.circuits.sites import first_output
-from countlens.circuits.sites import repeat_inputs
+from countlens.circuits.sites import first_output, repeat_inputs
 from countlens.errors import InputError
 
 if TYPE_CHECKING:

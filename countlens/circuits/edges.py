@@ -44,8 +44,7 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.nodes import INPUTS, Node, graph_nodes
-from countlens.circuits.sites import first_output, mlp_path
-from countlens.circuits.sites import heads_view
+from countlens.circuits.sites import first_output, heads_view, mlp_path
 from countlens.errors import InputError
 
 if TYPE_CHECKING:

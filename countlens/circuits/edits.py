@@ -3,7 +3,8 @@
 An `Edit` is a site (`countlens.circuits.sites`: a layer's residual, a head's z, q / k / v, an MLP's
 input or output, an expert's contribution, the image states), a mask of the positions it overwrites,
 and the value written there — or, without one, the value a cached run had there; or a function of
-the value the forward has there (`countlens.circuits.interventions` lowers to these). `cache_run` records those cached values.
+the value the forward has there (`countlens.circuits.interventions` lowers to these). `cache_run`
+records those cached values.
 
 `run_edits` is the engine under patching and ablation. Many edited copies ("replicas") of one
 clean batch run stacked in one forward, replica r receiving its own edits, which each site kind

@@ -39,9 +39,10 @@ from countlens.answers import answer_window
 from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.pair_batch import PairBatch
+from countlens.circuits.interventions import Patch
+from countlens.circuits.run import effect_grid
 from countlens.circuits.sites import Expert, check_group, group_mask
-from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
+from countlens.circuits.sweep import check_pair_sweep, pairs_store
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.labels import expert_key, expert_label, is_head_pair
@@ -135,9 +136,7 @@ def patch_experts(
     layers = _layers(vlm, layers, "patch_experts")
     experts = list(range(vlm.arch.n_experts))
 
-    def edits(pb: PairBatch) -> list[Edit]:
-        mask = group_mask(pb.clean, positions)
-        return [Edit(Expert(layer, e), mask) for layer in layers for e in experts]
+    sets = [[Patch(Expert(layer, e), positions=positions)] for layer in layers for e in experts]
 
     spec = {
         "sweep": "patch_experts",
@@ -147,16 +146,15 @@ def patch_experts(
         "pairs": len(pairs),
         "batch_size": batch_size,
     }
-    ds = sweep_pairs(
+    ds = effect_grid(
         vlm,
         pairs,
-        edits,
+        sets,
         {"layer": layers, "expert": experts},
         batch_size,
         pairs_store(store, spec, pairs),
         progress,
         shard,
-        experts=True,
     )
     ds.attrs.update(method="patch_experts", positions=positions)
     return ds

@@ -94,7 +94,9 @@ class Intervention:
             objects = getattr(getattr(s, "scene", None), "objects", None)
             side = "corrupt" if donor else "clean"
             if not objects:
-                raise InputError(f"pair {k}'s {side} sample has no object list: Objects positions need a generated scene")
+                raise InputError(
+                    f"pair {k}'s {side} sample has no object list: Objects positions need a generated scene"
+                )
             if max(self.positions.objects) >= len(objects):
                 raise InputError(
                     f"pair {k}'s {side} scene has objects 0..{len(objects) - 1}; it has no object "
@@ -149,7 +151,7 @@ class Resample(Intervention):
         require_seed(self.seed)
 
     def resolved(self, vlm: VLM) -> Resample:
-        from countlens.circuits.run import record
+        from countlens.circuits.recorder import record
 
         recorded = record(vlm, vlm.prepare_samples(self.donors), [self.site])[self.site]
         order = np.random.default_rng(self.seed).permutation(len(self.donors))
@@ -184,7 +186,7 @@ class Mean(Intervention):
     def resolved(self, vlm: VLM) -> Mean:
         if isinstance(self.reference, Tensor):
             return self
-        from countlens.circuits.run import mean_activation
+        from countlens.circuits.recorder import mean_activation
 
         return replace(self, reference=mean_activation(vlm, self.reference, self.site, self.positions))
 
@@ -242,14 +244,20 @@ class Apply(Intervention):
             out = fn(x)
             if not isinstance(out, Tensor) or out.shape != x.shape:
                 got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-                raise InputError(f"Apply's function returned {got} for values of shape {tuple(x.shape)}; keep the shape")
+                raise InputError(
+                    f"Apply's function returned {got} for values of shape {tuple(x.shape)}; keep the shape"
+                )
             return out
 
         return apply
 
 
 def _finite(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not np.isfinite(value)
+    ):
         raise InputError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
@@ -267,4 +275,3 @@ def as_interventions(vlm: VLM, interventions) -> list[Intervention]:
             raise InputError(f"{item!r} is no intervention; use Patch, Resample, Mean, Zero, Add, Scale or Apply")
         item.check(vlm)
     return list(items)
-

@@ -42,9 +42,11 @@ import torch
 import xarray as xr
 
 from countlens.circuits.atp_star import atp_star
-from countlens.circuits.edits import Edit, cache_run
+from countlens.circuits.edits import cache_run
 from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.interventions import Patch
+from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.run import effect_grid
 from countlens.circuits.sites import (
     GROUPS,
     STATES,
@@ -55,7 +57,7 @@ from countlens.circuits.sites import (
     group_mask,
     heads_view,
 )
-from countlens.circuits.sweep import check_pair_sweep, pairs_store, sweep_pairs
+from countlens.circuits.sweep import check_pair_sweep, pairs_store
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.validate import require_choice, require_count
@@ -106,18 +108,17 @@ def patch_layers(
             )
     reads_states = {-1, *vlm.arch.cross_layers}
 
-    def edits(pb: PairBatch) -> list[Edit]:
-        masks = {g: group_mask(pb.clean, g) for g in groups if g != STATES}
-        if STATES in groups:
-            masks[STATES] = torch.ones(len(pb.clean), len(pb.clean.state_cells[0]), dtype=torch.bool)
-        none = torch.zeros_like(pb.clean.inputs["attention_mask"], dtype=torch.bool)
-        return [
-            Edit(ImageStates(layer), masks[g])
-            if g == STATES and layer in reads_states
-            else Edit(Residual(layer), none if g == STATES else masks[g])  # a self-attention layer: nothing to patch
-            for layer in layers
-            for g in groups
-        ]
+    # Each (layer, group) patches the residual over the group's tokens; a cross-attention model's image
+    # states at layer −1 and its cross-attention layers (a self-attention layer reads none: no site).
+    sets = [
+        None
+        if g == STATES and layer not in reads_states
+        else [Patch(ImageStates(layer))]
+        if g == STATES
+        else [Patch(Residual(layer), positions=g)]
+        for layer in layers
+        for g in groups
+    ]
 
     spec = {
         "sweep": "patch_layers",
@@ -127,10 +128,10 @@ def patch_layers(
         "pairs": len(pairs),
         "batch_size": batch_size,
     }
-    ds = sweep_pairs(
+    ds = effect_grid(
         vlm,
         pairs,
-        edits,
+        sets,
         {"layer": layers, "group": list(groups)},
         batch_size,
         pairs_store(store, spec, pairs),
@@ -167,12 +168,12 @@ def patch_heads(
     heads = list(range(vlm.arch.n_heads))
     arch = vlm.arch
 
-    def edits(pb: PairBatch) -> list[Edit | None]:
-        mask = group_mask(pb.clean, positions)
-        # A layer with fewer heads than the widest (Qwen3.5: value heads vs attention heads): NaN beyond.
-        return [
-            Edit(HeadZ(layer, head), mask) if head < arch.heads(layer) else None for layer in layers for head in heads
-        ]
+    # A layer with fewer heads than the widest (Qwen3.5: value heads vs attention heads): NaN beyond.
+    sets = [
+        [Patch(HeadZ(layer, head), positions=positions)] if head < arch.heads(layer) else None
+        for layer in layers
+        for head in heads
+    ]
 
     spec = {
         "sweep": "patch_heads",
@@ -182,10 +183,10 @@ def patch_heads(
         "pairs": len(pairs),
         "batch_size": batch_size,
     }
-    ds = sweep_pairs(
+    ds = effect_grid(
         vlm,
         pairs,
-        edits,
+        sets,
         {"layer": layers, "head": heads},
         batch_size,
         pairs_store(store, spec, pairs),

@@ -22,7 +22,7 @@ Helpers: `record` reads any set of sites in one forward; `mean_activation` and `
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -33,113 +33,21 @@ from torch import Tensor
 from countlens.circuits.edits import Edit
 from countlens.circuits.interventions import Intervention, Patch, as_interventions
 from countlens.circuits.pair_batch import PairBatch
-from countlens.circuits.positions import Frame, as_positions
-from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual, first_output
+from countlens.circuits.positions import Frame
+from countlens.circuits.recorder import location, mean_activation, record, require_local, rows_seq, tensor_hook
+from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual
 from countlens.circuits.sweep import check_pair_sweep, sweep_pairs
 from countlens.errors import InputError
-from countlens.validate import require_count
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
     from countlens.circuits.sites import Site
-    from countlens.vlm import VLM, Batch
+    from countlens.vlm import VLM
 
 #: Sites `effect` patches from the corrupt run's cache (`countlens.circuits.edits.cache_run`); the
 #: others are recorded from the corrupt run when a Patch asks for them.
 CACHED = (Residual, HeadZ, Expert, ImageStates)
-
-
-# ----------------------------------------------------------------------------- hooks
-
-
-def _tensor_hook(module: torch.nn.Module, io: str, action: Callable[[Tensor], Tensor | None]):
-    """A torch hook calling ``action`` on the module's first input or output tensor; a tensor it
-    returns replaces that one."""
-    if io == "output":
-
-        def post(mod, args, out):
-            new = action(first_output(out))
-            if new is None:
-                return None
-            return (new, *out[1:]) if isinstance(out, tuple) else new
-
-        return module.register_forward_hook(post)
-
-    def pre(mod, args, kwargs):
-        new = action(args[0] if args else kwargs["hidden_states"])
-        if new is None:
-            return None
-        return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
-
-    return module.register_forward_pre_hook(pre, with_kwargs=True)
-
-
-def _rows_seq(t: Tensor, frame: Frame) -> Tensor:
-    """``t`` as (rows, seq, …): an MoE block's flattened tokens (rows · seq, d) viewed back."""
-    rows, seq = frame.input_ids.shape
-    return t.view(rows, seq, -1) if t.ndim == 2 and t.shape[0] == rows * seq else t
-
-
-def _location(vlm: VLM, site: Site) -> Location:
-    if isinstance(site, (Expert, ImageStates)):
-        raise InputError(
-            f"{site} is written inside the experts or cross-attention modules: patch it through effect() or "
-            "patch_experts / patch_layers; intervene and record take Residual, HeadZ, Q, K, V, MlpIn and MlpOut"
-        )
-    return site.location(vlm)
-
-
-def _local(vlm: VLM, what: str) -> None:
-    if vlm.remote:
-        raise InputError(f"{what} runs torch hooks on a local model; {vlm.name} is remote (NDIF): use vlm.trace")
-
-
-@torch.no_grad()
-def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
-    """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU."""
-    _local(vlm, "record")
-    sites = list(dict.fromkeys(sites))
-    locations = {site: _location(vlm, site) for site in sites}
-    frame = Frame.of(batch)
-    got: dict = {}
-    handles = []
-
-    def keeper(site, loc):
-        def keep(t):
-            got[site] = loc.view(_rows_seq(t, frame)).detach().float().cpu().clone()
-
-        return keep
-
-    try:
-        for site, loc in locations.items():
-            handles.append(_tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, keeper(site, loc)))
-        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
-
-
-@torch.no_grad()
-def mean_activation(vlm: VLM, samples: Sequence, site: Site, positions="all", batch_size: int = 16) -> Float[Tensor, " d"]:
-    """The mean of ``site`` over ``samples``' tokens at ``positions`` (Float[Tensor, "d"], float32, CPU)."""
-    from countlens.vlm import check_samples
-
-    check_samples(samples, "mean_activation")
-    require_count(batch_size, "batch_size")
-    positions = as_positions(positions)
-    positions.check(vlm)
-    _location(vlm, site)
-    total, count = torch.zeros(site.width(vlm.arch), dtype=torch.float64), 0
-    for _, batch in vlm.batches(samples, batch_size):
-        values = record(vlm, batch, [site])[site]
-        mask = positions.mask(vlm, Frame.of(batch)).cpu()
-        total += values[mask].double().sum(0)
-        count += int(mask.sum())
-    if count == 0:
-        raise InputError(f"no token of the {len(samples)} samples lies at {positions}: nothing to average")
-    return (total / count).float()
 
 
 def mean_difference(
@@ -157,10 +65,10 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
     """``with intervene(vlm, [Add(Residual(2), v, alpha=4.0), ...]):`` — every forward of ``vlm`` inside
     runs with the interventions; on exit the model is as it was. A `Patch` takes ``values`` here
     (`record` of a donor batch: row b of any forward reads donor row b mod its rows)."""
-    _local(vlm, "intervene")
+    require_local(vlm, "intervene")
     items = as_interventions(vlm, interventions)
     for item in items:
-        _location(vlm, item.site)
+        location(vlm, item.site)
         if isinstance(item, Patch) and item.values is None:
             raise InputError(
                 f"under intervene, {item!r} needs values=: record(vlm, donor_batch, [site])[site] — or run "
@@ -191,7 +99,7 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
                 masks[id(item.positions)] = item.positions.mask(vlm, frame)
             mask = masks[id(item.positions)]
             out = t.clone()
-            view = loc.view(_rows_seq(out, frame))
+            view = loc.view(rows_seq(out, frame))
             if tuple(view.shape[:2]) != tuple(mask.shape):
                 raise InputError(f"{item.site} is shaped {tuple(view.shape)} here, the tokens {tuple(mask.shape)}")
             b, s = mask.to(view.device).nonzero(as_tuple=True)
@@ -206,8 +114,8 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
     handles = [vlm.hf.register_forward_pre_hook(frame_of, with_kwargs=True)]
     try:
         for item in items:
-            loc = _location(vlm, item.site)
-            handles.append(_tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, action(item, loc)))
+            loc = location(vlm, item.site)
+            handles.append(tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, action(item, loc)))
         yield
     finally:
         for h in handles:

@@ -311,7 +311,9 @@ class Q:
                 "scale a head's attention with countlens.circuits.head_temperature"
             )
         _check_head(arch, self.layer, self.head, arch.heads(self.layer), "head")
-        return Location(path, "output", head_axis(arch.q_layout(self.layer), self.head, arch.heads(self.layer), self.width(arch)))
+        return Location(
+            path, "output", head_axis(arch.q_layout(self.layer), self.head, arch.heads(self.layer), self.width(arch))
+        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""Recording sites: any set of sites read in one forward, through plain torch hooks.
+
+`record` returns each site's value over a prepared batch, Float[Tensor, "batch seq d"]; `mean_activation`
+averages one site over samples' tokens at chosen positions (a `countlens.circuits.Mean` reference, half
+of a steering vector). The hooks here are also what `countlens.circuits.intervene` writes through:
+each site's `countlens.circuits.sites.Location` (a module, its input or output, the site's view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from countlens.circuits.positions import Frame, as_positions
+from countlens.circuits.sites import Expert, ImageStates, Location, first_output
+from countlens.errors import InputError
+from countlens.validate import require_count
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.circuits.sites import Site
+    from countlens.vlm import VLM, Batch
+
+
+def tensor_hook(module: torch.nn.Module, io: str, action: Callable[[Tensor], Tensor | None]):
+    """A torch hook calling ``action`` on the module's first input or output tensor; a tensor it
+    returns replaces that one."""
+    if io == "output":
+
+        def post(mod, args, out):
+            new = action(first_output(out))
+            if new is None:
+                return None
+            return (new, *out[1:]) if isinstance(out, tuple) else new
+
+        return module.register_forward_hook(post)
+
+    def pre(mod, args, kwargs):
+        new = action(args[0] if args else kwargs["hidden_states"])
+        if new is None:
+            return None
+        return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+
+    return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def rows_seq(t: Tensor, frame: Frame) -> Tensor:
+    """``t`` as (rows, seq, …): an MoE block's flattened tokens (rows · seq, d) viewed back."""
+    rows, seq = frame.input_ids.shape
+    return t.view(rows, seq, -1) if t.ndim == 2 and t.shape[0] == rows * seq else t
+
+
+def location(vlm: VLM, site: Site) -> Location:
+    if isinstance(site, (Expert, ImageStates)):
+        raise InputError(
+            f"{site} is written inside the experts or cross-attention modules: patch it through effect() or "
+            "patch_experts / patch_layers; intervene and record take Residual, HeadZ, Q, K, V, MlpIn and MlpOut"
+        )
+    return site.location(vlm)
+
+
+def require_local(vlm: VLM, what: str) -> None:
+    if vlm.remote:
+        raise InputError(f"{what} runs torch hooks on a local model; {vlm.name} is remote (NDIF): use vlm.trace")
+
+
+@torch.no_grad()
+def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
+    """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU."""
+    require_local(vlm, "record")
+    sites = list(dict.fromkeys(sites))
+    locations = {site: location(vlm, site) for site in sites}
+    frame = Frame.of(batch)
+    got: dict = {}
+    handles = []
+
+    def keeper(site, loc):
+        def keep(t):
+            got[site] = loc.view(rows_seq(t, frame)).detach().float().cpu().clone()
+
+        return keep
+
+    try:
+        for site, loc in locations.items():
+            handles.append(tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, keeper(site, loc)))
+        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+@torch.no_grad()
+def mean_activation(
+    vlm: VLM, samples: Sequence, site: Site, positions="all", batch_size: int = 16
+) -> Float[Tensor, " d"]:
+    """The mean of ``site`` over ``samples``' tokens at ``positions`` (Float[Tensor, "d"], float32, CPU)."""
+    from countlens.vlm import check_samples
+
+    check_samples(samples, "mean_activation")
+    require_count(batch_size, "batch_size")
+    positions = as_positions(positions)
+    positions.check(vlm)
+    location(vlm, site)
+    total, count = torch.zeros(site.width(vlm.arch), dtype=torch.float64), 0
+    for _, batch in vlm.batches(samples, batch_size):
+        values = record(vlm, batch, [site])[site]
+        mask = positions.mask(vlm, Frame.of(batch)).cpu()
+        total += values[mask].double().sum(0)
+        count += int(mask.sum())
+    if count == 0:
+        raise InputError(f"no token of the {len(samples)} samples lies at {positions}: nothing to average")
+    return (total / count).float()
