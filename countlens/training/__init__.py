@@ -4,6 +4,7 @@ layers (LoRA via peft, accelerate). What a fine-tune is, as data, is torch-free 
 main job: `countlens.pipeline.finetune_job`."""
 
 from countlens.training.finetune import FinetuneConfig, finetune, target_layers_from, with_adapter
+from countlens.training.head_lora import top_heads_from
 from countlens.training.losses import answer_ce, focus_loss, gaussian_prior, mas_loss
 
 __all__ = [
@@ -14,5 +15,6 @@ __all__ = [
     "gaussian_prior",
     "mas_loss",
     "target_layers_from",
+    "top_heads_from",
     "with_adapter",
 ]

@@ -44,6 +44,7 @@ from countlens.errors import ConfigError, InputError, RunDirError
 from countlens.files import read_json, refuse_older_spec, write_text
 from countlens.settings import FinetuneConfig
 from countlens.training.collate import digit_mask
+from countlens.training.head_lora import check_heads, restrict_to_heads
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -79,6 +80,8 @@ def _lora_config(vlm: VLM, config: FinetuneConfig):
     layers = (
         config.target_layers if config.lora_target_layers_only and config.target_layers else range(vlm.arch.n_layers)
     )
+    if config.target_heads:  # only the layers of the heads; their other heads' slices are masked afterwards
+        layers = sorted({layer for layer, _ in config.target_heads})
     # A full-match regex on module names: only the language model's attention projections (and a
     # hybrid model's linear-attention projections, on its linear layers).
     sites = rf"{re.escape(spec.self_attn)}\.({'|'.join(vlm.arch.projections)})"
@@ -201,6 +204,7 @@ def check_variant(vlm: VLM, samples: Sequence, config: FinetuneConfig) -> None:
             vlm.arch.require_softmax(layer, "the focus / MAS losses at target layer")
         else:
             vlm.arch.layer(layer)
+    check_heads(vlm, config.target_heads)
     if config.ce_on == "digits":
         check_digit_answers(vlm, samples)
 
@@ -270,6 +274,8 @@ def finetune(
     else:
         trained, original = None, {}
         model = get_peft_model(vlm.hf, _lora_config(vlm, config))
+        if config.target_heads:
+            restrict_to_heads(vlm, model, config.target_heads)
     try:
         return _train(vlm, model, accelerator, samples, out, config, progress, trained)
     finally:
