@@ -131,6 +131,15 @@ class VLM:
             node = node[int(part)] if part.isdigit() else getattr(node, part)
         return node
 
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from residual-stream states Float[Tensor, "... d_model"]: the final norm, then the
+        unembedding (the logit lens), and any final logit soft-capping the text config sets (Gemma). The
+        HF modules are called directly, so it works on tensors and inside an nnsight trace alike."""
+        spec = self.arch.spec
+        logits = self.hf.get_submodule(spec.lm_head)(self.hf.get_submodule(spec.final_norm)(h))
+        cap = getattr(getattr(self.hf.config, "text_config", self.hf.config), "final_logit_softcapping", None)
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
     @property
     def device(self) -> torch.device:
         """Where inputs go: the input embeddings' device (with device_map="auto" the first layers')."""

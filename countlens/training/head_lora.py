@@ -111,12 +111,23 @@ def check_heads(vlm: VLM, heads: Sequence[tuple[int, int]]) -> None:
 
 
 def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) -> tuple[tuple[int, int], ...]:
-    """The ``k`` most important heads of a head table (a `countlens discover` run directory or its
-    ``heads.csv`` DataFrame), only those of ``classes`` when given; self-attention layers only."""
+    """The ``k`` most important heads of ``circuit``: a head table (a `countlens discover` run directory or
+    its ``heads.csv`` DataFrame; only heads of ``classes`` when given; self-attention layers only), or an
+    importance DataArray over (layer, head) such as ``patch_heads(...).effect`` (by |value|)."""
+    import xarray as xr
+
     from countlens.analysis.heads import read_heads
+    from countlens.labels import top_sites
     from countlens.validate import require_count
 
     require_count(k, "k")
+    if isinstance(circuit, xr.DataArray):
+        if set(circuit.dims) != {"layer", "head"} or classes is not None:
+            raise ConfigError(
+                "an importance DataArray must have dims (layer, head) and carries no classes; give a head table "
+                f"to choose by class (got dims {circuit.dims})"
+            )
+        return tuple((layer, head) for layer, head, _ in top_sites(circuit, k, absolute=True))
     table = read_heads(circuit) if isinstance(circuit, (str, Path)) else circuit
     if "kind" in table:
         table = table[table["kind"].isin(("full", "sliding", "chunked"))]
