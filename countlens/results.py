@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from numbers import Integral, Real
 from pathlib import Path
@@ -36,8 +37,10 @@ __all__ = [
     "ResultNotFoundError",
     "SpecMismatchError",
     "load",
+    "load_all",
     "provenance",
     "save",
+    "save_all",
 ]
 
 ENGINE = "netcdf4"
@@ -65,13 +68,19 @@ class SpecMismatchError(ResultError):
 
 
 def provenance(
-    model: str, arch: str, dataset: dict | str | None = None, seed: int | None = None, **extra: Any
+    model: str,
+    arch: str,
+    dataset: dict | str | None = None,
+    seed: int | None = None,
+    samples: Any = None,
+    **extra: Any,
 ) -> dict[str, str | int | float]:
     """Attrs recording where a result came from; every value is netCDF-safe (str, int or float).
 
     A dict ``dataset`` is stored as sorted JSON, so it can be compared and decoded with
     `json.loads`. ``None`` values (``dataset``, ``seed`` or an extra) are left out, since netCDF
     has no null. Extras that are not str/int/float (bools, lists, dicts) become JSON strings.
+    ``samples`` (or pairs) add the data's ``data_recipe`` (`recipe_of`).
     """
     attrs: dict[str, str | int | float] = {
         "model": str(model),
@@ -83,12 +92,38 @@ def provenance(
         attrs["dataset"] = dataset if isinstance(dataset, str) else _to_json(dataset, "dataset")
     if seed is not None:
         attrs["seed"] = int(seed)
+    if samples is not None:
+        attrs["data_recipe"] = _to_json(recipe_of(samples), "data_recipe")
     for key, value in extra.items():
         if key in attrs:
             raise ResultError(f"provenance extra {key!r} would overwrite the standard attr; rename it")
         if value is not None:
             attrs[key] = _attr_value(value, key)
     return attrs
+
+
+def recipe_of(samples) -> list[dict]:
+    """The recipes of ``samples`` (or of pairs: their clean sides, whose recipe names both counts),
+    folded: samples whose generator calls differ only in ``index`` form one entry with their indices
+    as ``[first, last]`` runs, in order; loaded samples (no recipe) are counted as ``{"loaded": n}``.
+    `countlens.datasets.recipe.rebuild` makes each sample again from its unfolded recipe."""
+    groups: dict[str, dict] = {}
+    loaded = 0
+    for s in samples:
+        s = getattr(s, "clean", s)
+        recipe = getattr(s, "recipe", None)
+        if not recipe:
+            loaded += 1
+            continue
+        rest = {k: v for k, v in recipe.items() if k != "index"}
+        key = json.dumps(rest, sort_keys=True)
+        runs = groups.setdefault(key, {**rest, "index": []})["index"]
+        i = recipe.get("index")
+        if runs and isinstance(i, int) and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [*groups.values(), *([{"loaded": loaded}] if loaded else [])]
 
 
 def _countlens_version() -> str:
@@ -142,6 +177,31 @@ def save(obj: xr.DataArray | xr.Dataset, path: str | os.PathLike) -> Path:
     with atomic_path(path) as tmp:
         _write_netcdf(dataset, tmp)
     return path
+
+
+def save_all(results: Mapping[str, xr.DataArray | xr.Dataset], directory: str | os.PathLike) -> dict[str, Path]:
+    """Save several results at once, ``directory/<name>.nc`` each (every one written atomically); all
+    are checked before the first is written, so a bad one leaves nothing half-saved. ``load_all`` reads
+    them back."""
+    if not isinstance(results, Mapping) or not results:
+        raise ResultError("save_all takes a non-empty mapping {name: result}, e.g. {'vap': vap, 'heads': heads}")
+    datasets = {}
+    for name, obj in results.items():
+        if not isinstance(name, str) or not name or name.startswith(".") or set(name) & set("/\\"):
+            raise ResultError(f"result name {name!r} is no file name: use letters, digits, '-', '_' or '.'")
+        if not isinstance(obj, (xr.DataArray, xr.Dataset)):
+            raise ResultError(f"result {name!r} is a {type(obj).__name__}, not an xarray DataArray or Dataset")
+        datasets[name] = _to_dataset(obj)
+        _check_attrs(datasets[name])
+    return {name: save(obj, Path(directory) / f"{name}.nc") for name, obj in results.items()}
+
+
+def load_all(directory: str | os.PathLike) -> dict[str, xr.DataArray | xr.Dataset]:
+    """Every result `save_all` (or `save`) wrote into ``directory``, by name."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ResultNotFoundError(f"no results at {directory}: it is not a directory")
+    return {path.stem: load(path) for path in sorted(directory.glob("*.nc"))}
 
 
 def load(path: str | os.PathLike) -> xr.DataArray | xr.Dataset:

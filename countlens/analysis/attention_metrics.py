@@ -46,6 +46,7 @@ from torch import Tensor
 from countlens.cells import cell_edges, cell_sums
 from countlens.errors import InputError
 from countlens.geometry import Geometry
+from countlens.results import provenance
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
@@ -314,8 +315,8 @@ def attention_metrics(
         data,
         coords=coords,
         attrs={
-            "model": vlm.name,
-            "arch": vlm.arch.name,
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples),
+            "method": "attention_metrics",
             "position": "last generation step" if at == "generation" else "last prompt token",
             "coverage": coverage,
             "threshold": threshold,

@@ -73,6 +73,12 @@ def _meta_vars(samples: Sequence[Sample]) -> dict[str, tuple[str, np.ndarray]]:
     }
 
 
+def _provenance(vlm: VLM, samples: Sequence[Sample]) -> dict:
+    from countlens.results import provenance
+
+    return provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples)
+
+
 def _steps(n: int, batch_size: int, progress: bool, what: str):
     steps = range(0, n, batch_size)
     if progress:
@@ -162,7 +168,7 @@ def _score_tokens(vlm: VLM, samples: Sequence[Sample], batch_size: int, progress
             **_meta_vars(samples),
         },
         coords={"sample": np.arange(len(samples))},
-        attrs={"model": vlm.name, "arch": vlm.arch.name, "method": "single-token scoring"},
+        attrs={**_provenance(vlm, samples), "method": "single-token scoring"},
     )
 
 
@@ -254,8 +260,7 @@ def _score_candidates(
         },
         coords={"sample": np.arange(len(samples))},
         attrs={
-            "model": vlm.name,
-            "arch": vlm.arch.name,
+            **_provenance(vlm, samples),
             "method": "candidate scoring",
             "answer_end": -1 if vlm.answer_end is None else int(vlm.answer_end),
             "candidates": ",".join(sorted({c for s in sets for c in s})),
@@ -454,8 +459,7 @@ def generate(
         },
         coords={"sample": np.arange(len(samples))},
         attrs={
-            "model": vlm.name,
-            "arch": vlm.arch.name,
+            **_provenance(vlm, samples),
             "method": "greedy generation",
             "max_new_tokens": max_new_tokens,
             "parser": parser,

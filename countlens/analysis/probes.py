@@ -443,6 +443,7 @@ def probe_taps(
         vlm.arch.name,
         dataset=dataset,
         seed=config.seed,
+        samples=[*train_samples, *test_samples],
         method="probe_taps",
         config=asdict(config),
         recipe=recipe,

@@ -284,6 +284,7 @@ def representation_view(
         vlm.arch.name,
         dataset={"samples": len(samples)},
         seed=seed,
+        samples=samples,
         method="representation_view",
         position="last prompt token",
     )

@@ -200,7 +200,12 @@ def ablation_scan(
             "kind": ("layer", list(arch.kinds)),
         },
         attrs={
-            **provenance(vlm.name, vlm.arch.name, dataset={k: len(v) for k, v in tasks.items()}),
+            **provenance(
+                vlm.name,
+                vlm.arch.name,
+                dataset={k: len(v) for k, v in tasks.items()},
+                samples=[s for v in tasks.values() for s in v],
+            ),
             "method": "mean_ablation",
             "groups": ",".join(ABLATION_GROUPS),
         },
@@ -296,7 +301,11 @@ def ablate(
     return xr.Dataset(
         data,
         coords={"sample": np.arange(len(samples))},
-        attrs={"heads": ",".join(map(head_label, heads)), "method": "ablate"},
+        attrs={
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples),
+            "heads": ",".join(map(head_label, heads)),
+            "method": "ablate",
+        },
     )
 
 

@@ -25,6 +25,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.arch import text_config
+from countlens.results import provenance
 from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
@@ -112,4 +113,8 @@ def image_attention_share(
         dims=("layer", "head", "sample"),
         name="image_attention",
         coords={"layer": layers, "head": np.arange(vlm.arch.n_heads), "sample": np.arange(len(samples))},
+        attrs={
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples),
+            "method": "image_attention_share",
+        },
     )

@@ -114,7 +114,12 @@ def expert_usage(
         dims=("layer", "expert"),
         coords={"layer": layers, "expert": np.arange(vlm.arch.n_experts)},
         name="expert_usage",
-        attrs={"positions": positions, "tokens": tokens},
+        attrs={
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples),
+            "method": "expert_usage",
+            "positions": positions,
+            "tokens": tokens,
+        },
     )
 
 
@@ -233,7 +238,11 @@ def ablate_experts(
     return xr.Dataset(
         data,
         coords={"sample": np.arange(len(samples))},
-        attrs={"experts": ",".join(map(expert_label, sites)), "method": "ablate_experts"},
+        attrs={
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples),
+            "experts": ",".join(map(expert_label, sites)),
+            "method": "ablate_experts",
+        },
     )
 
 
@@ -278,7 +287,7 @@ def expert_ablation_scan(vlm: VLM, samples: Sequence, means: Tensor | None = Non
         },
         coords={"layer": layers, "expert": np.arange(vlm.arch.n_experts)},
         attrs={
-            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}),
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples),
             "method": "expert_mean_ablation",
             "groups": ",".join(ABLATION_GROUPS),
         },

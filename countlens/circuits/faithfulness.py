@@ -302,7 +302,7 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         ds["cpr_std"] = xr.full_like(ds.cpr, np.nan).where(ds.ranking != "random", float(draws.cpr.std()))
         ds["cmd_std"] = xr.full_like(ds.cmd, np.nan).where(ds.ranking != "random", float(draws.cmd.std()))
     ds.attrs.update(
-        provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs)}),
+        provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs)}, samples=pairs),
         method="faithfulness",
         n_nodes=n,
         metric_full=m_full,

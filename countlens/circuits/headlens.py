@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from countlens.circuits.sites import head_contributions
 from countlens.errors import InputError
+from countlens.results import provenance
 from countlens.validate import require_count
 from countlens.vlm import check_samples
 
@@ -80,6 +81,8 @@ class HeadLens:
     b: Float[Tensor, "layer d_model"]
     r2: Float[Tensor, " layer"]  # held-out
     model: str = ""
+    # Where the maps came from: the model, the fit samples' recipe, the ridge (`countlens.results.provenance`).
+    fitted: dict = field(default_factory=dict)
 
     @classmethod
     @torch.no_grad()
@@ -124,10 +127,16 @@ class HeadLens:
             a, b = fit.pop(layer).ridge(ridge)
             a_all[i], b_all[i] = a, b
             r2_all.append(test.pop(layer).r2(a, b))
-        return cls(layers, a_all, b_all, torch.tensor(r2_all), vlm.name)
+        fitted = provenance(
+            vlm.name, arch.name, dataset={"samples": len(samples)}, samples=samples, method="HeadLens.fit", ridge=ridge
+        )
+        return cls(layers, a_all, b_all, torch.tensor(r2_all), vlm.name, fitted)
 
     def r2_array(self) -> xr.DataArray:
-        return xr.DataArray(self.r2.numpy(), dims=("layer",), coords={"layer": self.layers}, name="r2")
+        """Each layer's held-out R² of its map, with the fit's provenance."""
+        return xr.DataArray(
+            self.r2.numpy(), dims=("layer",), coords={"layer": self.layers}, name="r2", attrs=dict(self.fitted)
+        )
 
     @torch.no_grad()
     def head_logits(
@@ -184,7 +193,6 @@ class HeadLens:
 
         counts = [int((s.meta or {}).get("count", -1)) for s in samples]
         count_token = [_first_word_token(vlm, str(n)) if n >= 0 else -1 for n in counts]
-        from countlens.results import provenance
 
         return xr.Dataset(
             {
@@ -204,7 +212,7 @@ class HeadLens:
                 "kind": ("layer", [arch.kind(layer) for layer in self.layers]),
             },
             attrs={
-                **provenance(vlm.name, arch.name, dataset={"samples": len(samples)}),
+                **provenance(vlm.name, arch.name, dataset={"samples": len(samples)}, samples=samples),
                 "method": "headlens",
                 "top_k": top_k,
                 "bias": int(bias),

@@ -64,7 +64,10 @@ def logit_lens(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None,
             "top": (("layer", "sample"), torch.cat(tops, 1).numpy()),
         },
         coords={"layer": sorted(layers), "sample": np.arange(len(samples))},
-        attrs={**provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}), "method": "logit_lens"},
+        attrs={
+            **provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples),
+            "method": "logit_lens",
+        },
     )
 
 

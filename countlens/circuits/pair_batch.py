@@ -112,4 +112,4 @@ def logit_diff(
 def pairs_provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
     """A result's provenance: the model, and how many pairs of which kinds it read."""
     kinds = sorted({getattr(p, "kind", "?") for p in pairs})
-    return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, **extra)
+    return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, samples=pairs, **extra)

@@ -42,6 +42,7 @@ import numpy as np
 
 from countlens.datasets.arrangements import chain, cluster, ring, split_count, tiling
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
+from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, check_visible
 from countlens.datasets.tasks import TaskSample, sample_rng
 from countlens.errors import CountlensError, InputError
@@ -340,6 +341,7 @@ def _check_style(shapes, color, prompt) -> tuple[tuple[str, ...], tuple[str, ...
     return shapes, colors
 
 
+@recorded
 def trick_sample(
     name: str,
     seed: int,

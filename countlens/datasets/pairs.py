@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from itertools import permutations
 
 from countlens.datasets.prompts import PAIR_PROMPTS, answer_text, make_question
+from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TaskSample, sample_rng
 from countlens.errors import InputError
@@ -101,6 +102,7 @@ def _check_prompt(prompt: str) -> None:
         raise InputError(f"prompt {prompt!r} is not a pair prompt; use one of {PAIR_PROMPTS}")
 
 
+@recorded
 def count_pair(
     seed: int,
     index: int,
@@ -134,6 +136,7 @@ def count_pair(
     return CountPair(sample(clean, "clean"), sample(corrupt, "corrupt"), kind, index)
 
 
+@recorded
 def count_scene(
     seed: int,
     index: int,

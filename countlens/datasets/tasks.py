@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.errors import CountlensError, InputError
 from countlens.validate import require_count, require_image_side, require_seed
@@ -49,6 +50,8 @@ class TaskSample:
     answer: str
     task: str
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    # The generator call that makes the sample again (`countlens.datasets.recipe`); empty if loaded.
+    recipe: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def image(self) -> Image.Image:
@@ -65,6 +68,7 @@ def object_sizes(image_size: int) -> tuple[float, float]:
     return SIZE_RANGE[0] * image_size / 192, SIZE_RANGE[1] * image_size / 192
 
 
+@recorded
 def task_sample(
     task: str,
     seed: int,

@@ -36,6 +36,7 @@ mean here, not what countlens's 32 cases of the same names mean.
 from __future__ import annotations
 
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
+from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import PALETTE, Obj, Scene
 from countlens.datasets.tasks import TaskSample, sample_rng
 from countlens.errors import InputError
@@ -170,6 +171,7 @@ def circles(name: str, seed: int, index: int, grid: Geometry) -> tuple[list[tupl
     return out, n
 
 
+@recorded
 def reference_sample(
     name: str,
     seed: int,
