@@ -284,23 +284,18 @@ class VLM:
         """The batch most recently prepared whose tokens (and pixels, where given) these are, or k
         copies of it stacked (a batch-expanded forward), if it is still alive; else None. Positions
         that need a sample's image cells or objects (`countlens.circuits.positions`) find it here."""
-        rows, seq = input_ids.shape
-        for ref in reversed(self.recent):
-            batch = ref()
-            if batch is None:
-                continue
-            ids = batch.inputs["input_ids"]
-            if ids.shape[1] != seq or rows % ids.shape[0]:
-                continue
-            k = rows // ids.shape[0]
-            if not torch.equal(torch.cat([ids.to(input_ids.device)] * k), input_ids):
-                continue
-            mine = batch.inputs.get("pixel_values")
-            if pixel_values is not None and mine is not None:
-                stacked = torch.cat([mine.to(pixel_values.device, pixel_values.dtype)] * k)
-                if stacked.shape != pixel_values.shape or not torch.equal(stacked, pixel_values):
-                    continue
-            return batch
+
+        def stacks(mine: torch.Tensor | None, given: torch.Tensor | None, k: int) -> bool:
+            if mine is None or given is None:
+                return True
+            stacked = torch.cat([mine.to(given.device, given.dtype)] * k)
+            return stacked.shape == given.shape and torch.equal(stacked, given)
+
+        for batch in filter(None, (ref() for ref in reversed(self.recent))):
+            rows, (n, seq) = input_ids.shape[0], batch.inputs["input_ids"].shape
+            if seq == input_ids.shape[1] and rows % n == 0 and stacks(batch.inputs["input_ids"], input_ids, rows // n):
+                if stacks(batch.inputs.get("pixel_values"), pixel_values, rows // n):
+                    return batch
         return None
 
     def _chat_text(self, prompt: str, i: int) -> str:

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "validate": 0,
     "geometry": 1,
+    "cells": 1,
     "progress": 1,
     "settings": 1,
     "models": 2,
