@@ -1,10 +1,11 @@
 """Is it a circuit? The faithfulness of the top heads of each ranking the run computed.
 
-For each ranking of the heads — exact head patching (``heads``), attribution patching (``atp``),
-EAP-IG (``eap_ig``), the drop in log p(gold) when a head is mean-ablated on counting (``ablation``),
-AtP* (computed here, on the families `countlens.circuits.atp_star` supports; its scores are kept as
-``atp_star_effect``) and random rankings — the circuit at each of MIB's sizes keeps the top heads and
-patches every other head's z from the corrupt run; f(C) says how much of the clean run's logit difference it keeps
+The rankings are the registry's methods that discover ranks with (`countlens.circuits.methods`): exact
+head patching (``heads``), attribution patching (``atp``), EAP-IG (``eap_ig``), the drop in log p(gold)
+when a head is mean-ablated on counting (``ablation``) and AtP* (computed here, on the families
+`countlens.circuits.atp_star` supports; its scores are kept as ``atp_star_effect``); beside them random
+rankings. The circuit at each of MIB's sizes keeps the top heads and patches every other head's z from
+the corrupt run; f(C) says how much of the clean run's logit difference it keeps
 (`countlens.circuits.faithfulness`: the definition, the node set, CPR and CMD). The report's section
 draws the curves and tabulates CPR, CMD and the smallest circuit reaching 80 % faithfulness. These are
 countlens's own measurements on the run's pairs: no paper's figure is comparable with them.
@@ -19,9 +20,8 @@ import pandas as pd
 import xarray as xr
 
 from countlens.analysis import plots
-from countlens.circuits.atp_star import SUPPORTED as ATP_STAR_FAMILIES
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves, smallest_faithful
-from countlens.circuits.patching import attribution_patch
+from countlens.circuits.methods import discover_methods
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.labels import head_label
 from countlens.organisms import planted_circuit_of
@@ -31,44 +31,41 @@ from countlens.pipeline.stages.edges import RANDOM_DRAWS as EDGE_DRAWS
 
 #: Random rankings drawn as the baseline (their mean and spread are reported).
 RANDOM_DRAWS = 5
-#: The run's own head rankings (`_rankings`): exact patching, AtP, EAP-IG, the mean-ablation drop, and
-#: AtP* on the families it supports.
-RANKINGS = 5
+#: The run's own head rankings: the registry's methods discover ranks with (`countlens.circuits.methods`).
+RANKINGS = len(discover_methods())
 #: The faithfulness a circuit must reach to count as carrying the behaviour in the report's table.
 LEVEL = 0.8
 
 
-def _rankings(results: dict, atp_star: xr.DataArray | None = None) -> dict[str, xr.DataArray]:
-    """The head rankings a run has computed, each a DataArray over (layer, head); AtP*'s where the
-    family has it (this stage computes it: ``atp_star_effect`` in its result)."""
-    out = {
-        "exact patching": results["heads"].effect,
-        "AtP": results["atp"].effect,
-        "EAP-IG": results["eap_ig"].effect,
-        "mean-ablation drop": results["ablation"].logp_drop.sel(task="count", drop=True),
-    }
-    if atp_star is None and "faithfulness" in results and "atp_star_effect" in results["faithfulness"]:
-        atp_star = results["faithfulness"].atp_star_effect
-    if atp_star is not None:
-        out["AtP*"] = atp_star
+def _rankings(results: dict, computed: dict[str, xr.DataArray] | None = None) -> dict[str, xr.DataArray]:
+    """The head rankings of the registry's discover methods, each a DataArray over (layer, head): read
+    from the run's results (a stage's, or this stage's own ``<key>_effect``), or from ``computed``."""
+    computed = computed or {}
+    out = {}
+    for m in discover_methods():
+        ranking = computed.get(m.key)
+        ranking = m.from_run(results) if ranking is None else ranking
+        if ranking is not None:
+            out[m.name] = ranking
     return out
 
 
 def _faithfulness(run: RunContext) -> xr.Dataset:
-    star = None
-    if run.vlm.arch.name in ATP_STAR_FAMILIES and not run.vlm.remote:
-        star = attribution_patch(run.vlm, run.pairs, batch_size=run.batch_size, method="atp*").effect
+    # Methods no earlier stage computed (AtP*) are computed here, where the family supports them.
+    computed = {
+        m.key: m.ranking(run.vlm, run.pairs, run.batch_size) for m in discover_methods(run.vlm) if m.stage is None
+    }
     ds = faithfulness_curves(
         run.vlm,
         run.pairs,
-        _rankings(run.results, star),
+        _rankings(run.results, computed),
         nodes=("head",),
         batch_size=run.batch_size,
         random_draws=RANDOM_DRAWS,
         seed=run.config.seed,
     )
-    if star is not None:
-        ds["atp_star_effect"] = star
+    for key, ranking in computed.items():
+        ds[f"{key}_effect"] = ranking
     return ds
 
 
@@ -84,8 +81,10 @@ def _plan(p: Planner) -> StagePlan:
     fw = []
     for n, k in chunk_sizes(len(pairs), p.bs).items():
         per = max(1, rows // n)
-        # AtP*: the corrupt and clean runs, the clean one kept for L + 1 backward passes (GradDrop)
-        fw += [Forward(n, seq, count=k), Forward(n, seq, count=(w.n_layers + 1) * k, grad=True)]
+        for m in discover_methods():  # the methods this stage computes itself (no stage before it does)
+            if m.stage is None:
+                fw += [Forward(n, seq, count=m.cost.plain(w.n_layers) * k)]
+                fw += [Forward(n, seq, count=m.cost.grad(w.n_layers) * k, grad=True)]
         fw += [Forward(n, seq, count=k)]  # the corrupt run, recorded
         full, rest = divmod(circuits, per)
         fw += [Forward(per * n, seq, count=k * full)] if full else []

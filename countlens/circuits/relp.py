@@ -1,0 +1,224 @@
+"""RelP: relevance patching (Rezaei Jafari, Eberle, Khakzar & Nanda 2025, arXiv 2508.21258).
+
+Attribution patching (AtP) estimates patching a node n from the corrupt run into the clean one as
+(n_corrupt − n_clean)·∂LD/∂n. RelP keeps that form and replaces the local gradient by the propagation
+coefficients of Layer-wise Relevance Propagation: the backward pass of the clean run is taken through
+a model whose non-linear parts are frozen at their clean values by LRP's rules for transformers —
+
+- **LN-rule**: a normalisation y = s(x)·x·w (every RMSNorm of the language model, the final one too)
+  is linear in x with its scale s(x) held at the clean run's value;
+- **Identity-rule**: the MLP's activation a = act(g) passes relevance unchanged: a = g·(act(g)/g) with
+  the ratio held at its clean value (0 where g = 0);
+- **Half-rule**: the gated MLP's product a ⊙ b sends half of the gradient to each factor,
+  0.5·(b·da + a·db);
+- **AH-rule**: attention probabilities are constants: the softmax reads q and k detached, so the
+  gradient reaches a head's values only.
+
+The forward values are unchanged (each rule's rewrite computes the same numbers), so RelP costs what
+AtP costs: the corrupt run, and the clean run with one backward pass. countlens scores heads (a head's
+z over ``positions``, as `patch_heads` patches) and the residual stream after each layer, normalised
+like the exact sweeps: Σ_pairs estimate / (Σ LD_corrupt − Σ LD_clean).
+
+Supported: the families in `SUPPORTED`, whose decoder layers are RMSNorm, softmax attention and a
+gated MLP ``down(act(gate(x)) * up(x))``; every run checks that the rewritten forward reproduces the
+model's own logits and refuses the model otherwise. countlens's implementation follows the paper's
+rules as its text states them; its figures on VLMs are countlens's own and not comparable with the
+paper's (text models, IOI).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.circuits.edits import cache_run
+from countlens.circuits.gradients import activation_gradients_only
+from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.sites import check_group, group_mask, heads_view, mlp_path
+from countlens.circuits.sweep import check_pair_sweep
+from countlens.errors import InputError
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM, Batch
+
+#: Families whose layers are RMSNorm, softmax attention and a gated MLP (the rules above).
+SUPPORTED: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+_ATTENTION = "countlens_relp"
+#: The rewritten forward's logits may differ from the model's own by rounding only (relative to their size).
+REPRODUCES = 1e-4
+
+
+def refusal(vlm: VLM) -> str | None:
+    """None where RelP runs on ``vlm``, else why not."""
+    if vlm.arch.name not in SUPPORTED:
+        return f"RelP's rules are written for {', '.join(SUPPORTED)} (RMSNorm, gated MLP), not {vlm.arch.name}"
+    if vlm.remote:
+        return "a remote model: RelP runs the model locally"
+    return None
+
+
+def _frozen_ratio(y: Tensor, x: Tensor) -> Tensor:
+    """x·(y/x) with the ratio detached: y's value, and ∂/∂x the clean ratio (0 where x = 0)."""
+    ratio = torch.where(x == 0, torch.zeros_like(y), y / torch.where(x == 0, torch.ones_like(x), x))
+    return x * ratio.detach()
+
+
+def _half(a: Tensor, b: Tensor) -> Tensor:
+    """a ⊙ b whose gradient is half to each factor: 0.5·(b·da + a·db)."""
+    return 0.5 * (a * b.detach() + a.detach() * b)
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's own attention with q and k detached: the probabilities are constants (AH-rule)."""
+    own = module._countlens_relp
+    if own == "eager":
+        fn = importlib.import_module(type(module).__module__).eager_attention_forward
+    else:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        fn = ALL_ATTENTION_FUNCTIONS[own]
+    return fn(module, query.detach(), key.detach(), value, attention_mask, **kwargs)
+
+
+@contextmanager
+def lrp_rules(vlm: VLM) -> Iterator[None]:
+    """Inside: every forward of ``vlm``'s language model follows the four rules (values unchanged)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(_ATTENTION, _attention)
+    arch, model = vlm.arch, vlm.hf
+    handles, swapped = [], []
+
+    def norm_hook(module, args, out):
+        return _frozen_ratio(out, args[0].to(out.dtype))
+
+    def mlp_hook(module, args, out):
+        x = args[0]
+        g = module.gate_proj(x)
+        a = _frozen_ratio(module.act_fn(g), g)
+        return module.down_proj(_half(a, module.up_proj(x)))
+
+    try:
+        norms = [arch.spec.final_norm]
+        for layer in range(arch.n_layers):
+            base = arch.layer(layer)
+            norms += [f"{base}.input_layernorm", f"{base}.post_attention_layernorm"]
+            mlp = model.get_submodule(mlp_path(vlm, layer))
+            if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                raise InputError(f"layer {layer}'s MLP of {vlm.name} is not a gated MLP: RelP's half-rule needs one")
+            handles.append(mlp.register_forward_hook(mlp_hook))
+            attn = model.get_submodule(arch.attention(layer))
+            own = copy.copy(attn.config)
+            own._attn_implementation = _ATTENTION
+            attn._countlens_relp = attn.config._attn_implementation
+            swapped.append((attn, attn.config))
+            attn.config = own
+        handles += [model.get_submodule(path).register_forward_hook(norm_hook) for path in norms]
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for attn, config in swapped:
+            attn.config = config
+            del attn._countlens_relp
+
+
+def _clean_pass(vlm: VLM, batch: Batch, clean_id: Tensor, corrupt_id: Tensor) -> tuple:
+    """The clean run under the rules: LD, and each layer's z and output with their RelP coefficients."""
+    arch, zs, hs, handles = vlm.arch, {}, {}, []
+
+    def keep_z(layer):
+        def hook(module, args):
+            z = args[0]
+            if not z.requires_grad:
+                z.requires_grad_(True)  # layer 0's z: nothing below it needs a gradient
+            zs[layer] = z
+
+        return hook
+
+    def keep_h(layer):
+        def hook(module, args, out):
+            hs[layer] = out[0] if isinstance(out, tuple) else out
+
+        return hook
+
+    try:
+        for layer in range(arch.n_layers):
+            handles.append(vlm.hf.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(keep_z(layer)))
+            handles.append(vlm.hf.get_submodule(arch.layer(layer)).register_forward_hook(keep_h(layer)))
+        with activation_gradients_only(vlm.hf), torch.enable_grad(), lrp_rules(vlm):
+            logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+            ld = logit_diff(logits, clean_id, corrupt_id)
+            layers = list(range(arch.n_layers))
+            grads = torch.autograd.grad(ld.sum(), [zs[i] for i in layers] + [hs[i] for i in layers])
+    finally:
+        for h in handles:
+            h.remove()
+    n = arch.n_layers
+    return (
+        logits.detach(),
+        ld.detach(),
+        [z.detach() for z in zs.values()],
+        [h.detach() for h in hs.values()],
+        grads[:n],
+        grads[n:],
+    )
+
+
+def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
+    """RelP estimates of head patching (``effect`` over (layer, head)) and of residual patching over
+    ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps (module docstring)."""
+    check_pair_sweep(pairs, batch_size, "relevance_patch")
+    check_group(positions)
+    why = refusal(vlm)
+    if why is not None:
+        raise InputError(f"relevance_patch does not run on {vlm.name}: {why}; use attribution_patch")
+    arch = vlm.arch
+    n_layers, n_heads = arch.n_layers, arch.n_heads
+    head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    resid_est = torch.zeros(n_layers, dtype=torch.float64)
+    clean_sum = corrupt_sum = 0.0
+    for start in range(0, len(pairs), batch_size):
+        pb = prepare_pairs(vlm, pairs[start : start + batch_size])
+        corrupt = cache_run(vlm, pb.corrupt, range(n_layers))
+        logits, ld, zs, hs, gz, gh = _clean_pass(vlm, pb.clean, pb.clean_id, pb.corrupt_id)
+        own = vlm.forward(pb.clean, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        gap = float((logits - own).abs().max())
+        if gap > REPRODUCES * max(1.0, float(own.abs().max())):
+            raise InputError(
+                f"RelP's rewritten forward of {vlm.name} moves its logits by {gap:.3g}: its layers are not the "
+                "RMSNorm / gated-MLP / softmax-attention blocks the rules are written for; use attribution_patch"
+            )
+        m = group_mask(pb.clean, positions).to(torch.float64)
+        for layer in range(n_layers):
+            dz = (corrupt["z"][layer].double() - zs[layer].double()) * gz[layer].double()
+            per_head = heads_view(dz, arch.heads(layer)).sum(-1) * m[..., None].to(dz.device)
+            head_est[layer, : arch.heads(layer)] += per_head.sum((0, 1)).cpu()
+            dh = (corrupt["resid"][layer].double() - hs[layer].double()) * gh[layer].double()
+            resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
+        clean_sum += float(ld.sum())
+        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
+    denom = corrupt_sum - clean_sum
+    for layer in range(n_layers):  # beyond a layer's own heads: no site
+        head_est[layer, arch.heads(layer) :] = float("nan")
+    return xr.Dataset(
+        {
+            "effect": (("layer", "head"), (head_est / denom).numpy()),
+            "resid_effect": ("layer", (resid_est / denom).numpy()),
+        },
+        coords={
+            "layer": np.arange(n_layers),
+            "head": np.arange(n_heads),
+            "kind": ("layer", [arch.kind(layer) for layer in range(n_layers)]),
+        },
+        attrs={**pairs_provenance(vlm, pairs), "method": "relevance_patch", "positions": positions},
+    )
