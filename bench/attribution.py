@@ -4,16 +4,13 @@
     .venv/bin/python bench/attribution.py --tiny     # AtP, AtP* on the tiny Qwen2-VLs → bench/attribution_tiny.json
 
 On the organism with the demo's 128 pairs (`countlens discover`'s defaults: ``count_pairs(128,
-kind="shapes", seed=0, prompt="short", counts=1–9)``), in one process: exact head patching
-(`patch_heads`, every head's z over all positions), AtP (`attribution_patch`), and EAP-IG on nodes
-(`countlens.circuits.integrated.node_attribution`) at 1, 5 and 16 steps (1 step is AtP's formula
-through another code path), EAP and EAP-IG (5 steps) on edges (`edge_attribution`; a head's score is
-its outgoing edges' sum, which equals its node score, so the row shows what the edges cost), and
-AtP* (`attribution_patch(method="atp*")`, Kramár et al. 2024:
-GradDrop on the heads' z; `countlens.circuits.atp_star`). For each: wall seconds (one run each, after
-one warm-up of a small chunk; the machine's other load recorded), that cost in "forward-equivalents"
-(the method's seconds over one plain forward of the 128 clean inputs in the same batches), and
-Spearman ρ and top-5 overlap of |effect| against exact patching (`countlens.circuits.compare`).
+kind="shapes", seed=0, prompt="short", counts=1–9)``), in one process: every method of the registry
+(`countlens.circuits.methods.METHODS`: exact head patching, AtP, EAP-IG on nodes (5 steps), the
+mean-ablation drop, AtP*, EAP and EAP-IG on edges (a head's score is its outgoing edges' sum), RelP),
+and beside them EAP-IG at 1 and 16 steps. For each: wall seconds (one run each, after one warm-up of a
+small chunk; the machine's other load recorded), that cost in "forward-equivalents" (the method's
+seconds over one plain forward of the 128 clean inputs in the same batches), and Spearman ρ and top-5
+overlap of |effect| against exact patching (`countlens.circuits.compare`).
 
 One more row is no countlens ranking: the QK fix's query, key and value estimates of each head
 (`atp_star(..., graddrop=False)`) summed, what a head's estimate would be if it were scored through
@@ -31,14 +28,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import xarray as xr  # noqa: E402
 from _timing import Load  # noqa: E402
 
 import countlens  # noqa: E402
 from countlens.circuits import attribution_patch, compare, patch_heads  # noqa: E402
 from countlens.circuits.atp_star import atp_star  # noqa: E402
-from countlens.circuits.edge_attribution import edge_attribution  # noqa: E402
 from countlens.circuits.integrated import node_attribution  # noqa: E402
+from countlens.circuits.methods import METHODS  # noqa: E402
 from countlens.datasets import count_pairs  # noqa: E402
 
 OUT = Path(__file__).with_suffix(".json")
@@ -58,20 +54,12 @@ def main() -> None:
                 batch = vlm.prepare([p.clean.image for p in chunk], [p.clean.question for p in chunk])
                 vlm.hf(**batch.inputs)
 
-    methods = {
-        "plain forward (clean inputs)": plain,
-        "exact head patching": lambda: patch_heads(vlm, pairs, batch_size=BATCH),
-        "AtP": lambda: attribution_patch(vlm, pairs, batch_size=BATCH),
-        "EAP-IG, 1 step": lambda: node_attribution(vlm, pairs, steps=1, batch_size=BATCH),
-        "EAP-IG, 5 steps": lambda: node_attribution(vlm, pairs, steps=5, batch_size=BATCH),
-        "EAP-IG, 16 steps": lambda: node_attribution(vlm, pairs, steps=16, batch_size=BATCH),
-        "EAP on edges (a head: its outgoing edges summed)": lambda: _heads_of(
-            vlm, edge_attribution(vlm, pairs, method="eap", batch_size=BATCH)
-        ),
-        "EAP-IG on edges, 5 steps (likewise)": lambda: _heads_of(
-            vlm, edge_attribution(vlm, pairs, method="eap-ig", steps=5, batch_size=BATCH)
-        ),
-        "AtP*": lambda: attribution_patch(vlm, pairs, batch_size=BATCH, method="atp*"),
+    # Every registered method (`countlens.circuits.methods.METHODS`), then the extra settings shown beside them.
+    methods = {"plain forward (clean inputs)": plain}
+    methods |= {m.name: (lambda m=m: m.ranking(vlm, pairs, BATCH)) for m in METHODS if m.supports(vlm)}
+    methods |= {
+        "EAP-IG, 1 step": lambda: node_attribution(vlm, pairs, steps=1, batch_size=BATCH).effect,
+        "EAP-IG, 16 steps": lambda: node_attribution(vlm, pairs, steps=16, batch_size=BATCH).effect,
         "QK fix, q + k + v summed per head": lambda: _parts_summed(
             atp_star(vlm, pairs, batch_size=BATCH, graddrop=False)
         ),
@@ -83,12 +71,12 @@ def main() -> None:
             results[name] = fn()
             seconds = time.perf_counter() - t
         rows[name] = {"seconds": round(seconds, 2), "others_load_cores": load.others}
-    exact = results["exact head patching"].effect
+    exact = results["exact patching"]
     unit = rows["plain forward (clean inputs)"]["seconds"]
     for name, row in rows.items():
         row["forward_equivalents"] = round(row["seconds"] / unit, 1)
-        if name.startswith(("AtP", "EAP", "QK")):
-            score = compare(results[name].effect, exact, k=5)
+        if name not in ("plain forward (clean inputs)", "exact patching"):
+            score = compare(results[name], exact, k=5)
             row.update(spearman=round(score["spearman"], 3), top5_overlap=score["top_k_overlap"])
     record = {"machine": platform.processor() or platform.machine(), "pairs": len(pairs), "methods": rows}
     OUT.write_text(json.dumps(record, indent=1) + "\n")
@@ -96,19 +84,8 @@ def main() -> None:
         print(f"{name:32s} {row}")
 
 
-def _heads_of(vlm, edges):
-    """An `edge_attribution` result's head scores (each head's outgoing edges summed) over (layer, head)."""
-    arch = vlm.arch
-    effect = [
-        [float(edges.node_effect.sel(node=f"L{la}H{h}")) for h in range(arch.n_heads)] for la in range(arch.n_layers)
-    ]
-    return xr.Dataset(
-        {"effect": (("layer", "head"), effect)}, coords={"layer": range(arch.n_layers), "head": range(arch.n_heads)}
-    )
-
-
 def _parts_summed(ds):
-    return ds.assign(effect=ds.q_effect + ds.k_effect + ds.v_effect)
+    return ds.q_effect + ds.k_effect + ds.v_effect
 
 
 def tiny() -> None:

@@ -5,12 +5,12 @@
 
 For each shipped planted organism (`countlens.organisms.SHIPPED_PLANTED`, loaded by name), on discover's
 own pairs ("shapes" pairs under seed 0, the short prompt, counts 1–9), each method ranks the 24 heads:
-- exact head patching of z (`patch_heads`), AtP and AtP* (`attribution_patch`),
-  EAP-IG on nodes (`node_attribution`, 5 steps);
-- EAP and EAP-IG (5 steps) on edges (`edge_attribution`): a head's score is the sum of its outgoing
-  edges' (``node_effect``); the faithfulness columns of these rows are the *edge* curve's (top edges
-  kept, every other edge from the corrupt run), so f(top |C|) is left empty there;
-- the drop in log p(gold) when a head is mean-ablated on counting scenes (`ablation_scan`);
+- every method of the registry (`countlens.circuits.methods.METHODS`) the organism supports: exact head
+  patching of z, AtP, EAP-IG on nodes (5 steps), the drop in log p(gold) when a head is mean-ablated
+  (on the pairs' clean scenes), AtP*, EAP and EAP-IG (5 steps) on edges — a head's score is the sum of
+  its outgoing edges' (``node_effect``), and the faithfulness columns of these rows are the *edge*
+  curve's (top edges kept, every other edge from the corrupt run), so f(top |C|) is left empty there —
+  and RelP;
 - the share of the last position's attention on image tokens (`image_attention_share`, mean over
   the clean samples): a reading, not an intervention;
 - HeadLens (fitted on the clean samples): CTER, the share of number tokens a head writes at the last
@@ -44,38 +44,21 @@ import countlens
 from countlens.analysis.heads import classify_heads, constancy
 from countlens.circuits import (
     HeadLens,
-    ablation_scan,
-    attribution_patch,
-    edge_attribution,
     image_attention_share,
-    node_attribution,
-    patch_heads,
     patch_layers,
 )
 from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
-from countlens.circuits.nodes import head_label
+from countlens.circuits.methods import METHODS
 from countlens.circuits.recovery import auroc, precision_at
-from countlens.datasets.pairs import count_pair, count_scene
+from countlens.datasets.pairs import count_pair
 from countlens.organisms import SHIPPED_PLANTED
 from countlens.toy.planted import CIRCUITS
 
 OUT = Path(__file__).with_suffix(".json")
 #: The HeadLens classes that move or aggregate the count: the heads a class-based reading would name.
 COUNT_CLASSES = ("cross-modal routing", "counting aggregation")
-#: Rows whose faithfulness is the edge curve's (their head scores are outgoing-edge sums).
-EDGE_ROWS = ("EAP (edges)", "EAP-IG (edges)")
 #: VAP's token groups, in the route's order.
 VAP_GROUPS = ("image", "text", "last")
-
-
-def heads_of_edges(result: xr.Dataset, template: xr.DataArray) -> xr.DataArray:
-    """A head's edge score: the sum of its outgoing edges' (``node_effect``), over (layer, head)."""
-    by_label = dict(zip(result["node"].values.tolist(), result.node_effect.values.tolist(), strict=True))
-    out = template.copy(data=np.full(template.shape, np.nan))
-    for layer in template["layer"].values:
-        for head in template["head"].values:
-            out.loc[{"layer": layer, "head": head}] = by_label[head_label((int(layer), int(head)))]
-    return out
 
 
 def headlens_rankings(vlm, samples, importance: xr.DataArray, attention: xr.DataArray) -> dict[str, xr.DataArray]:
@@ -91,26 +74,16 @@ def headlens_rankings(vlm, samples, importance: xr.DataArray, attention: xr.Data
     return {"HeadLens CTER": hl.cter, "HeadLens count alignment": alignment, "HeadLens classes": classed}
 
 
-def rankings(vlm, pairs, scenes) -> tuple[dict[str, xr.DataArray], dict[str, xr.Dataset]]:
-    """Head rankings by method, and the edge methods' results (for their edge curves)."""
-    exact = patch_heads(vlm, pairs).effect
+def rankings(vlm, pairs) -> tuple[dict[str, xr.DataArray], dict[str, xr.Dataset]]:
+    """Head rankings by method — every registered method (`countlens.circuits.methods.METHODS`) the
+    organism supports, then the readings that are no attribution method — and the edge methods' results
+    (for their edge curves)."""
+    results = {m.name: (m, m.result(vlm, pairs)) for m in METHODS if m.supports(vlm)}
+    out = {name: m.heads(vlm, result) for name, (m, result) in results.items()}
     clean = [p.clean for p in pairs]
     attention = image_attention_share(vlm, clean).mean("sample")
-    edge_results = {
-        "EAP (edges)": edge_attribution(vlm, pairs, "eap"),
-        "EAP-IG (edges)": edge_attribution(vlm, pairs, "eap-ig", steps=5),
-    }
-    out = {
-        "exact patching": exact,
-        "AtP": attribution_patch(vlm, pairs).effect,
-        "AtP*": attribution_patch(vlm, pairs, method="atp*").effect,
-        "EAP-IG (nodes)": node_attribution(vlm, pairs).effect,
-        **{name: heads_of_edges(r, exact) for name, r in edge_results.items()},
-        "mean-ablation drop": ablation_scan(vlm, {"count": scenes}).logp_drop.sel(task="count", drop=True),
-        "image-attention share": attention,
-        **headlens_rankings(vlm, clean, exact, attention),
-    }
-    return out, edge_results
+    out |= {"image-attention share": attention, **headlens_rankings(vlm, clean, out["exact patching"], attention)}
+    return out, {name: result for name, (m, result) in results.items() if m.level == "edge"}
 
 
 def vap_route(vlm, pairs) -> dict[str, list]:
@@ -132,9 +105,8 @@ def main() -> None:
         circuit = CIRCUITS[name.removeprefix("planted-")]
         vlm = countlens.load(name)
         pairs = [count_pair(0, i, "shapes", prompt="short") for i in range(args.pairs)]
-        scenes = [count_scene(0, i, "shapes", prompt="short", counts=range(1, 10)) for i in range(args.pairs)]
         start = time.time()
-        ranks, edge_results = rankings(vlm, pairs, scenes)
+        ranks, edge_results = rankings(vlm, pairs)
         edge_curves = faithfulness_curves(vlm, pairs, edge_results, level="edge")
         n_heads = vlm.arch.n_layers * vlm.arch.n_heads
         k = len(circuit.heads)
@@ -144,7 +116,7 @@ def main() -> None:
                 "auroc": round(auroc(scores, circuit.heads), 3),
                 f"precision@{k}": round(precision_at(scores, circuit.heads), 3),
             }
-            if method in EDGE_ROWS:
+            if method in edge_results:
                 cpr, cmd = (float(edge_curves[m].sel(ranking=method)) for m in ("cpr", "cmd"))
                 row |= {"cpr": round(cpr, 3), "cmd": round(cmd, 3)}
             else:

@@ -2,8 +2,8 @@
 
 Every method that ranks a model's components for a behaviour is one `Method` entry of `METHODS`,
 in the order tables show them. An entry says what it scores (site kinds: a head's z, an MLP's output,
-the inputs; or edges), how it ranks the heads over (layer, head) (``rank``; the edge methods by their
-heads' outgoing edges summed), which families it runs on (``refusal``: None, or why not), and its cost
+the inputs; or edges), how it computes its result (``compute``) and ranks the heads over (layer, head)
+from it (``heads``; an edge method by its heads' outgoing edges summed), which families it runs on (``refusal``: None, or why not), and its cost
 per chunk of pairs as plain and gradient forwards (`Cost`, which `countlens plan` turns into time and
 memory). discover's faithfulness stage, `faithfulness_curves` callers, `bench/attribution.py` and
 `bench/planted_recovery.py` iterate `METHODS`: a new method is one module and one entry here.
@@ -50,13 +50,14 @@ class Method:
     key: str  # where a run keeps its scores: results[key], or the faithfulness result's f"{key}_effect"
     level: str  # "node" or "edge"
     scores: tuple[type, ...]
-    rank: Callable[[VLM, Sequence, int], xr.DataArray]
+    compute: Callable[[VLM, Sequence, int], xr.DataArray | xr.Dataset]  # the method's own result
     cost: Cost
     refusal: Callable[[VLM], str | None] = lambda vlm: None
     from_run: Callable[[dict], xr.DataArray | None] = lambda results: None
     in_discover: bool = False
     stage: str | None = None  # the discover stage that computes it; None: the faithfulness stage itself
     signed: bool = True  # False: scores are magnitudes (AtP*)
+    heads: Callable[[VLM, xr.DataArray | xr.Dataset], xr.DataArray] = lambda vlm, result: result
 
     def supports(self, vlm: VLM) -> bool:
         return self.refusal(vlm) is None
@@ -64,10 +65,15 @@ class Method:
     def ranking(self, vlm: VLM, pairs: Sequence, batch_size: int = 16) -> xr.DataArray:
         """The heads' scores over (layer, head), normalised like the exact sweeps; refused by name where
         the family does not support the method."""
+        return self.heads(vlm, self.result(vlm, pairs, batch_size))
+
+    def result(self, vlm: VLM, pairs: Sequence, batch_size: int = 16) -> xr.DataArray | xr.Dataset:
+        """The method's own result (an edge method's: every edge's score), refused by name where the
+        family does not support it."""
         why = self.refusal(vlm)
         if why is not None:
             raise InputError(f"{self.name} does not run on {vlm.name}: {why}")
-        return self.rank(vlm, pairs, batch_size)
+        return self.compute(vlm, pairs, batch_size)
 
 
 def _exact(vlm, pairs, batch_size):
@@ -110,12 +116,12 @@ def _ablation_drop(vlm, pairs, batch_size):
 
 
 def _edges(method: str, steps: int):
-    def rank(vlm, pairs, batch_size):
+    def compute(vlm, pairs, batch_size):
         from countlens.circuits.edge_attribution import edge_attribution
 
-        return heads_of_edges(vlm, edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size))
+        return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size)
 
-    return rank
+    return compute
 
 
 def _edge_refusal(vlm) -> str | None:
@@ -232,6 +238,7 @@ METHODS: tuple[Method, ...] = (
         _edges("eap", 1),
         Cost(lambda n_layers: 2, lambda n_layers: 1),
         refusal=_edge_refusal,
+        heads=lambda vlm, result: heads_of_edges(vlm, result),
     ),
     Method(
         "EAP-IG (edges)",
@@ -241,6 +248,7 @@ METHODS: tuple[Method, ...] = (
         _edges("eap-ig", IG_STEPS),
         Cost(lambda n_layers: 2, lambda n_layers: IG_STEPS),
         refusal=_edge_refusal,
+        heads=lambda vlm, result: heads_of_edges(vlm, result),
     ),
     Method(
         "RelP",
