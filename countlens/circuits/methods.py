@@ -2,11 +2,12 @@
 
 Every method that ranks a model's components for a behaviour is one `Method` entry of `METHODS`,
 in the order tables show them. An entry says what it scores (site kinds: a head's z, an MLP's output,
-the inputs; or edges), how it computes its result (``compute``) and ranks the heads over (layer, head)
-from it (``heads``; an edge method by its heads' outgoing edges summed), which families it runs on (``refusal``: None, or why not), and its cost
-per chunk of pairs as plain and gradient forwards (`Cost`, which `countlens plan` turns into time and
-memory). discover's faithfulness stage, `faithfulness_curves` callers, `bench/attribution.py` and
-`bench/planted_recovery.py` iterate `METHODS`: a new method is one module and one entry here.
+the inputs; or edges), how it computes its result (``compute``) and ranks the heads over (layer,
+head) from it (``heads``; an edge method by its heads' outgoing edges summed), which families it runs
+on (``refusal``: None, or why not), and its cost per chunk of pairs as plain and gradient forwards
+(`Cost`, which `countlens plan` turns into time and memory). discover's faithfulness stage,
+`bench/attribution.py` and `bench/planted_recovery.py` iterate `METHODS`: a new method is one module
+and one entry here.
 
 ``from_run`` reads the method's ranking from a discover run's results where a stage already computed
 it (exact patching in ``heads``, AtP in ``atp`` …); ``in_discover`` says whether discover's
