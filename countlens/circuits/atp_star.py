@@ -65,7 +65,7 @@ from torch import Tensor
 
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
-from countlens.circuits.sites import check_group, group_mask, heads_view
+from countlens.circuits.sites import HeadZ, K, Q, V, check_group, group_mask, heads_view
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 
@@ -78,7 +78,8 @@ SUPPORTED: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 #: The name under which countlens's recording attention function is registered with transformers.
 _RECORDER = "countlens_atp_star"
 #: Per-head node kinds of the QK fix: the head's queries, its keys (each position alone), its values.
-PARTS: tuple[str, ...] = ("q", "k", "v")
+#: The parts the QK fix estimates per head, as sites: its queries, keys and values.
+PARTS: tuple[type, ...] = (Q, K, V)
 #: Layer kinds whose attention the QK fix recomputes (softmax self-attention; `countlens.arch.LayerKind`).
 SELF_ATTENTION: tuple[str, ...] = ("full", "sliding", "chunked")
 
@@ -98,7 +99,7 @@ def atp_star(
     n_layers, n_heads = arch.n_layers, arch.n_heads
     drops = list(range(n_layers)) if graddrop else []
     # Per dropped layer (None: no layer dropped), per node kind: the sum over pairs (signed, or |·|).
-    kinds = ("z", *PARTS)
+    kinds = (HeadZ, *PARTS)
     sums = {k: torch.zeros(1 + len(drops), n_layers, n_heads, dtype=torch.float64) for k in kinds}
     clean_sum = corrupt_sum = 0.0
     with activation_gradients_only(vlm.hf):
@@ -118,7 +119,7 @@ def atp_star(
                     h = arch.heads(layer)
                     g = heads_view(grads[layer].double(), h) * mask[..., None, None].to(grads[layer].device)
                     dz_head = corrupt["z"][layer].double() - clean["z"][layer].detach().double()
-                    for kind, dz in {"z": dz_head, **by_kind}.items():
+                    for kind, dz in {HeadZ: dz_head, **by_kind}.items():
                         per_pair = (g * heads_view(dz.double(), h).to(g.device)).sum((1, 3)).cpu()  # pair head
                         sums[kind][i, layer, :h] += per_pair.abs().sum(0) if graddrop else per_pair.sum(0)
             del clean, corrupt, shifts
@@ -132,9 +133,9 @@ def atp_star(
             est = s[0] / denom
         for layer in range(n_layers):  # beyond a layer's own heads, and the QK fix off softmax layers: no node
             est[layer, arch.heads(layer) :] = float("nan")
-            if kind != "z" and layer not in softmax:
+            if kind is not HeadZ and layer not in softmax:
                 est[layer] = float("nan")
-        out["effect" if kind == "z" else f"{kind}_effect"] = (("layer", "head"), est.numpy())
+        out["effect" if kind is HeadZ else f"{kind.part_name}_effect"] = (("layer", "head"), est.numpy())
     return xr.Dataset(
         out,
         coords={
@@ -298,7 +299,7 @@ def _gradients(clean: dict, total: Tensor, drops: Sequence[int]) -> Iterator[dic
         yield {layer: torch.zeros_like(z) if g is None else g for layer, z, g in zip(layers, zs, got)}
 
 
-def _shifts(clean: dict, corrupt: dict) -> dict[int, dict[str, Tensor]]:
+def _shifts(clean: dict, corrupt: dict) -> dict[int, dict[type, Tensor]]:
     """Per layer, the QK fix's Δz (batch, seq, heads·d_head) of q, k and v on softmax layers (none
     elsewhere): computed in float64 (`_part_shifts`), kept in float32 or z's dtype if wider; the
     recorded attention inputs are let go layer by layer."""
@@ -312,7 +313,7 @@ def _shifts(clean: dict, corrupt: dict) -> dict[int, dict[str, Tensor]]:
     return out
 
 
-def _part_shifts(clean: dict, corrupt: dict, z: Tensor) -> dict[str, Tensor]:
+def _part_shifts(clean: dict, corrupt: dict, z: Tensor) -> dict[type, Tensor]:
     """Δz of the QK fix for every head of one layer, (batch, seq, heads·d_head) in float64: ``q`` (its
     queries patched, the pattern recomputed), ``k`` (each key patched alone, summed over the keys) and
     ``v`` (its values patched under the clean pattern). Checks first that the recomputed clean
@@ -334,7 +335,7 @@ def _part_shifts(clean: dict, corrupt: dict, z: Tensor) -> dict[str, Tensor]:
     key_scores = q @ k_new.transpose(-1, -2) * scale  # row s, column t: q_s · k'_t
     dk = key_shift(scores, key_scores.masked_fill(~allowed, float("-inf")), v, z_clean, rows)
     dv = attn @ (v_new - v)
-    return {name: _flat(d) for name, d in (("q", dq), ("k", dk), ("v", dv))}
+    return {part: _flat(d) for part, d in zip(PARTS, (dq, dk, dv))}
 
 
 def key_shift(scores: Tensor, key_scores: Tensor, v: Tensor, z: Tensor, rows: Tensor) -> Tensor:

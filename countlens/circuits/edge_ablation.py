@@ -28,8 +28,7 @@ from torch import Tensor
 
 from countlens import memory
 from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked, receiver_columns, stream_shaped
-from countlens.circuits.nodes import INPUTS
-from countlens.circuits.sites import first_output, repeat_inputs
+from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_output, repeat_inputs
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -128,7 +127,7 @@ class _Ablator:
         return hook
 
     def attn_norm(self, layer):
-        mine = [r for r in self.graph.receivers if r.layer == layer and r.order == 0]
+        mine = [r for r in self.graph.receivers if r.layer == layer and r.block == 0]
 
         def hook(module, args, out):
             if self.busy:
@@ -138,14 +137,14 @@ class _Ablator:
             for r in mine:
                 removed = self.removed(r, x)
                 self.normed[r] = None if removed is None else self.norm_of(module, x - removed)
-            if mine[0].kind == "attn" and self.normed[mine[0]] is not None:
+            if isinstance(mine[0], AttnIn) and self.normed[mine[0]] is not None:
                 return self.normed[mine[0]]
             return None
 
         return hook
 
-    def projection(self, layer, part):
-        mine = [r for r in self.graph.receivers if r.layer == layer and r.kind == part]
+    def projection(self, layer, part: type):
+        mine = [r for r in self.graph.receivers if r.layer == layer and type(r) is part]
 
         def hook(module, args, out):
             todo = [r for r in mine if self.normed.get(r) is not None]
@@ -175,7 +174,7 @@ class _Ablator:
     def hooks(self) -> list:
         hf, graph = self.vlm.hf, self.graph
         out = [(hf.get_submodule(self.vlm.arch.layer(0)), "pre", self.embed)]
-        mlps = [r for r in graph.receivers if r.kind == "mlp"]
+        mlps = [r for r in graph.receivers if isinstance(r, MlpIn)]
         for layer, paths in enumerate(graph.layers):
             out += [
                 (hf.get_submodule(paths.attn_norm), "forward", self.attn_norm(layer)),
@@ -185,7 +184,8 @@ class _Ablator:
             ]
             if paths.qkv is not None:
                 out += [
-                    (hf.get_submodule(p), "forward", self.projection(layer, part)) for part, p in zip("qkv", paths.qkv)
+                    (hf.get_submodule(p), "forward", self.projection(layer, part))
+                    for part, p in zip((Q, K, V), paths.qkv)
                 ]
         out.append((hf.get_submodule(graph.final_norm), "forward", self.reread(graph.receivers[-1])))
         return out

@@ -41,7 +41,7 @@ from countlens.circuits.edges import (
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
-from countlens.circuits.sites import check_group, group_mask
+from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, group_mask
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.validate import require_count
@@ -65,7 +65,7 @@ def _norm_vjp(norm: torch.nn.Module, x: Tensor, cot: Tensor) -> Tensor:
 def _gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -> dict:
     """One forward and backward of ``batch`` with layer 0's input replaced by ``embed``: each layer's
     norm inputs and the gradients of LD's sum at the receivers' projections (see `receiver_gradients`)."""
-    hf, got = vlm.hf, {"x": {}, "mid": {}, "q": {}, "k": {}, "v": {}, "attn": {}, "mlp": {}}
+    hf, got = vlm.hf, {"x": {}, "mid": {}, **{kind: {} for kind in (Q, K, V, AttnIn, MlpIn)}}
     leaf = embed.detach().clone().requires_grad_(True)
 
     def set_input(module, args, kwargs):
@@ -87,17 +87,17 @@ def _gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) 
 
     hooks = [(hf.get_submodule(vlm.arch.layer(0)), "pre", set_input)]
     for layer, paths in enumerate(graph.layers):
-        hooks.append((hf.get_submodule(paths.attn_norm), "forward", keep_out(got["attn"], layer, got["x"])))
-        hooks.append((hf.get_submodule(paths.mlp_norm), "forward", keep_out(got["mlp"], layer, got["mid"])))
+        hooks.append((hf.get_submodule(paths.attn_norm), "forward", keep_out(got[AttnIn], layer, got["x"])))
+        hooks.append((hf.get_submodule(paths.mlp_norm), "forward", keep_out(got[MlpIn], layer, got["mid"])))
         if paths.qkv is not None:
-            for part, path in zip("qkv", paths.qkv):
+            for part, path in zip((Q, K, V), paths.qkv):
                 hooks.append((hf.get_submodule(path), "forward", keep_out(got[part], layer)))
     hooks.append((hf.get_submodule(graph.final_norm), "pre", keep_final))
     with activation_gradients_only(hf):
         with torch.enable_grad(), hooked(hooks):
             logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
             logit_diff(logits, pb.clean_id, pb.corrupt_id).sum().backward()
-    grads = {key: {la: t.grad.detach() for la, t in got[key].items()} for key in ("q", "k", "v", "attn", "mlp")}
+    grads = {key: {la: t.grad.detach() for la, t in got[key].items()} for key in (Q, K, V, AttnIn, MlpIn)}
     return {**grads, "x": got["x"], "mid": got["mid"], "final": got["final"].grad.detach()}
 
 
@@ -110,15 +110,16 @@ def receiver_gradients(vlm: VLM, graph: EdgeGraph, layer: int, g: dict, sl: slic
     mine = [r for r in graph.receivers if r.layer == layer]
     cots = []
     for r in mine[:-1]:
-        if r.kind == "attn":
-            cots.append(g["attn"][layer][:, sl])
+        if isinstance(r, AttnIn):
+            cots.append(g[AttnIn][layer][:, sl])
             continue
-        projection = hf.get_submodule(paths.qkv["qkv".index(r.kind)])
+        projection = hf.get_submodule(paths.qkv[r.qkv])
         w = projection.weight
         cols = receiver_columns(graph, r, projection)
-        cots.append(g[r.kind][layer][:, sl, cols] @ w[cols].to(g[r.kind][layer].dtype))
+        grad = g[type(r)][layer]
+        cots.append(grad[:, sl, cols] @ w[cols].to(grad.dtype))
     out = dict(zip(mine[:-1], _norm_vjp(hf.get_submodule(paths.attn_norm), g["x"][layer][:, sl], torch.stack(cots))))
-    mlp_g = _norm_vjp(hf.get_submodule(paths.mlp_norm), g["mid"][layer][:, sl], g["mlp"][layer][:, sl][None])
+    mlp_g = _norm_vjp(hf.get_submodule(paths.mlp_norm), g["mid"][layer][:, sl], g[MlpIn][layer][:, sl][None])
     out[mine[-1]] = mlp_g[0]
     return out
 
@@ -202,7 +203,7 @@ def edge_attribution(
             "edge": graph.labels(),
             "upstream": ("edge", [u.label for u, _ in edges]),
             "receiver": ("edge", [r.label for _, r in edges]),
-            "part": ("edge", [r.kind for _, r in edges]),
+            "part": ("edge", [r.part_name for _, r in edges]),
             "node": [u.label for u in graph.nodes],
         },
         attrs={**pairs_provenance(vlm, pairs), "method": method, "steps": steps, "positions": positions},

@@ -6,7 +6,7 @@ what any component reads is a sum over everything upstream of it: the input embe
 head's contribution and each earlier MLP's output (o_proj's bias, where there is one, is the same in
 every run and drops out of every difference). An **edge** u → r is one term of that sum: upstream node
 u (a node of `countlens.circuits.faithfulness`: ``IN.image``, ``IN.text``, a head, an MLP) to the input
-of a **receiver** r:
+of a **receiver** r, itself a site (`countlens.circuits.sites`: `Q`, `K`, `V`, `AttnIn`, `MlpIn`, `Logits`):
 
 - a head's query (``L2H1.q``), and a key / value head's key and value (``L2K0.k``, ``L2K0.v``;
   with grouped-query attention a kv head serves several query heads) where the layer projects q, k
@@ -43,40 +43,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.circuits.nodes import INPUTS, Node, graph_nodes
-from countlens.circuits.sites import first_output, heads_view, mlp_path
+from countlens.circuits.nodes import Node, graph_nodes
+from countlens.circuits.sites import INPUTS, AttnIn, K, Logits, MlpIn, Q, V, first_output, heads_view, mlp_path
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
 
-#: Receiver kinds: a head's query, a kv head's key and value, a whole attention block, an MLP, the logits.
-RECEIVERS: tuple[str, ...] = ("q", "k", "v", "attn", "mlp", "logits")
+#: A receiver: the input of one downstream component, a site — a head's query `Q`, a key-value head's
+#: key `K` and value `V`, a whole attention block `AttnIn`, an MLP `MlpIn`, the `Logits`. Its ``block``
+#: orders a layer's receivers (attention 0, MLP 1), its ``part_name`` names its kind in results.
+Receiver = Q | K | V | AttnIn | MlpIn | Logits
+RECEIVERS: tuple[type, ...] = (Q, K, V, AttnIn, MlpIn, Logits)
 #: The pre-norm layer's norms: before attention, before the MLP.
 ATTN_NORM, MLP_NORM = "input_layernorm", "post_attention_layernorm"
-
-
-@dataclass(frozen=True, order=True)
-class Receiver:
-    """The input of one downstream component: ``kind`` one of `RECEIVERS`, its layer (the logits: the
-    number of layers) and its head (a query head, or a kv head for "k" and "v")."""
-
-    layer: int
-    order: int  # within a layer: attention receivers (0), then the MLP (1)
-    kind: str
-    index: int = 0
-
-    @property
-    def label(self) -> str:
-        if self.kind == "q":
-            return f"L{self.layer}H{self.index}.q"
-        if self.kind in ("k", "v"):
-            return f"L{self.layer}K{self.index}.{self.kind}"
-        if self.kind == "attn":
-            return f"L{self.layer}.attn"
-        if self.kind == "mlp":
-            return f"MLP{self.layer}.in"
-        return "logits"
 
 
 @dataclass(frozen=True)
@@ -123,9 +103,9 @@ def receiver_columns(graph: EdgeGraph, r: Receiver, module: torch.nn.Module) -> 
     """The columns of r's projection output that belong to r: its head's (a query head's, or a kv
     head's for keys and values). A projection wider than heads × head size (Qwen3.5's full-attention
     q_proj, each head's query then its output gate) gives each head its whole block."""
-    count = graph.heads[r.layer] if r.kind == "q" else graph.kv_heads[r.layer]
+    count = graph.heads[r.layer] if isinstance(r, Q) else graph.kv_heads[r.layer]
     width = module.out_features // count
-    return slice(r.index * width, (r.index + 1) * width)
+    return slice(r.head * width, (r.head + 1) * width)
 
 
 def _module(vlm: VLM, path: str) -> torch.nn.Module | None:
@@ -164,19 +144,19 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
         n_kv = _module(vlm, k).out_features // arch.head_dim(layer) if separate else 0
         kv.append(n_kv)
         if separate:
-            mine = [Receiver(layer, 0, "q", h) for h in range(heads)]
-            mine += [Receiver(layer, 0, part, j) for part in ("k", "v") for j in range(n_kv)]
+            mine = [Q(layer, h) for h in range(heads)]
+            mine += [part(layer, j) for part in (K, V) for j in range(n_kv)]
         else:
-            mine = [Receiver(layer, 0, "attn")]
+            mine = [AttnIn(layer)]
         for r in mine:
             prefix[r] = seen
         seen += heads
-        mlp = Receiver(layer, 1, "mlp")
+        mlp = MlpIn(layer)
         prefix[mlp] = seen
         seen += 1
         receivers += [*mine, mlp]
         layers.append(LayerPaths(*norms, arch.o_proj(layer), mlp_path(vlm, layer), (q, k, v) if separate else None))
-    logits = Receiver(arch.n_layers, 0, "logits")
+    logits = Logits(arch.n_layers)
     prefix[logits] = seen
     receivers.append(logits)
     return EdgeGraph(

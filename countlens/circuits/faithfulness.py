@@ -53,7 +53,9 @@ from countlens.circuits.nodes import (
     ablated_logits,
     graph_nodes,
     image_positions,
+    kind_of,
     mean_of,
+    node_key,
     record_nodes,
 )
 from countlens.circuits.pair_batch import logit_diff, prepare_pairs
@@ -107,7 +109,7 @@ def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[No
             "IN.image, L1E3 (an expert)"
         )
     if kinds is None:
-        kinds = tuple(k for k in NODE_KINDS if any(every[label].kind == k for label in values))
+        kinds = tuple(k for k in NODE_KINDS if any(kind_of(every[label]) == k for label in values))
     chosen = graph_nodes(vlm, kinds)
     missing = [n.label for n in chosen if n.label not in values or math.isnan(values[n.label])]
     if missing:
@@ -204,7 +206,7 @@ def faithfulness_curves(
                 raise InputError(
                     f"ranking {name!r} scores another node set than the others; give every ranking the same kinds"
                 )
-        unit = ",".join(dict.fromkeys(node.kind for node in items))
+        unit = ",".join(dict.fromkeys(kind_of(node) for node in items))
         run = _node_chunk(vlm, items, ablation)
     ds = _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run)
     ds.attrs.update(ablation=ablation, level=level, nodes=unit)
@@ -256,7 +258,8 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
     for d in range(random_draws):
         orders[f"random{d}"] = [items[i] for i in rng.permutation(n)]
     circuits = {(name, k): frozenset(o[:k]) for name, o in orders.items() for k in kept}
-    distinct = sorted(set(circuits.values()), key=lambda c: (len(c), sorted(c)))
+    key = node_key if items and not isinstance(items[0], int) else int  # nodes, or edge indices
+    distinct = sorted(set(circuits.values()), key=lambda c: (len(c), sorted(map(key, c))))
     middle = [c for c in distinct if 0 < len(c) < n]
     lds = {c: [] for c in distinct}
     full_ld, empty_ld = [], []

@@ -31,17 +31,9 @@ import torch
 import xarray as xr
 
 from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.nodes import (
-    INPUTS,
-    Node,
-    first_output,
-    image_positions,
-    image_states_path,
-    mlp_path,
-    record_nodes,
-)
+from countlens.circuits.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
-from countlens.circuits.sites import heads_view
+from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view, mlp_path
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.validate import require_count
 
@@ -51,10 +43,10 @@ if TYPE_CHECKING:
 
 def _every_node(vlm: VLM) -> list[Node]:
     arch = vlm.arch
-    nodes = [Node("input", -1, g) for g in INPUTS]
+    nodes: list[Node] = [Embed(part) for part in INPUTS]
     for layer in range(arch.n_layers):
-        nodes += [Node("head", layer, h) for h in range(arch.heads(layer))]
-        nodes.append(Node("mlp", layer))
+        nodes += [HeadZ(layer, h) for h in range(arch.heads(layer))]
+        nodes.append(MlpOut(layer))
     return nodes
 
 

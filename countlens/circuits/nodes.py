@@ -1,10 +1,12 @@
 """Nodes: the components a circuit is made of, recorded and ablated in stacked forwards.
 
-A node is one component's output over every position: a head's z (its slice of the attention output
-projection's input, `Arch.o_proj`), a layer's MLP output (on a mixture-of-experts layer, the whole
-MoE block's), or an input: the image tokens' embeddings and the other tokens' embeddings (the input
-of layer 0 at those positions; on a cross-attention model the image node is the image states every
-cross-attention layer reads, `CrossAttentionSpec.states`). `record_nodes` records their outputs in
+A node is one component's output over every position, named by its site
+(`countlens.circuits.sites`): a head's z (`HeadZ`, its slice of the attention output projection's
+input, `Arch.o_proj`), a layer's MLP output (`MlpOut`; on a mixture-of-experts layer, the whole MoE
+block's, or each `Expert`), or an input (`Embed`): the image tokens' embeddings and the other tokens'
+embeddings (the input of layer 0 at those positions; on a cross-attention model the image node is
+the image states every cross-attention layer reads, `CrossAttentionSpec.states`). A node set is
+chosen by kind names (`NODE_KINDS`), each naming one site kind. `record_nodes` records their outputs in
 one forward; `ablated_logits` runs a batch once per set of nodes, each set's nodes overwritten by
 recorded values (`countlens.circuits.faithfulness` defines the circuits and the metric).
 """
@@ -12,7 +14,6 @@ recorded values (`countlens.circuits.faithfulness` defines the circuits and the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,9 +21,19 @@ from torch import Tensor
 
 from countlens import memory
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.sites import Expert, Placed, first_output, group_mask, mlp_path, repeat_inputs
+from countlens.circuits.sites import (
+    INPUTS,
+    Embed,
+    Expert,
+    HeadZ,
+    MlpOut,
+    Placed,
+    first_output,
+    group_mask,
+    mlp_path,
+    repeat_inputs,
+)
 from countlens.errors import InputError
-from countlens.labels import head_label
 from countlens.validate import require_choice
 
 if TYPE_CHECKING:
@@ -30,31 +41,24 @@ if TYPE_CHECKING:
 
     from countlens.vlm import VLM, Batch
 
-#: Node kinds: a head's z, a layer's MLP (block) output, an input, and a MoE layer's expert (its contribution).
-NODE_KINDS: tuple[str, ...] = ("head", "mlp", "input", "expert")
+#: The node kinds a node set is chosen by, each a site kind: a head's z, a layer's MLP (block) output, an
+#: input part's embeddings, and a MoE layer's expert (its contribution).
+NODE_SITES: dict[str, type] = {"head": HeadZ, "mlp": MlpOut, "input": Embed, "expert": Expert}
+NODE_KINDS: tuple[str, ...] = tuple(NODE_SITES)
 #: The kinds every model has (the default node set of the whole graph).
 BASE_KINDS: tuple[str, ...] = ("head", "mlp", "input")
-INPUTS: tuple[str, ...] = ("image", "text")
+#: A node: one component's output over every position.
+Node = HeadZ | MlpOut | Embed | Expert
 
 
-@dataclass(frozen=True, order=True)
-class Node:
-    """One component's output over every position: ``kind`` "head" (layer, head), "mlp" (layer) or
-    "input" (``index`` "image" or "text"; layer −1)."""
+def kind_of(node: Node) -> str:
+    """The node kind (`NODE_KINDS`) ``node`` is of."""
+    return next(name for name, site in NODE_SITES.items() if type(node) is site)
 
-    kind: str
-    layer: int
-    index: int | str = 0
 
-    @property
-    def label(self) -> str:
-        if self.kind == "head":
-            return head_label((self.layer, int(self.index)))
-        if self.kind == "mlp":
-            return f"MLP{self.layer}"
-        if self.kind == "expert":
-            return f"L{self.layer}E{self.index}"
-        return f"IN.{self.index}"
+def node_key(node: Node) -> tuple:
+    """A total order of nodes: by kind's name, layer, then head, expert or input part."""
+    return (kind_of(node), node.layer, getattr(node, "head", getattr(node, "expert", getattr(node, "part", 0))))
 
 
 def graph_nodes(vlm: VLM, kinds: Sequence[str] = BASE_KINDS) -> list[Node]:
@@ -67,14 +71,14 @@ def graph_nodes(vlm: VLM, kinds: Sequence[str] = BASE_KINDS) -> list[Node]:
     experts = "expert" in kinds
     if experts and not arch.expert_layers:
         raise InputError(f"{vlm.name} has no mixture-of-experts layers: its nodes have no 'expert' kind")
-    out = [Node("input", -1, g) for g in INPUTS] if "input" in kinds else []
+    out: list[Node] = [Embed(part) for part in INPUTS] if "input" in kinds else []
     for layer in range(arch.n_layers):
         if "head" in kinds:
-            out += [Node("head", layer, h) for h in range(arch.heads(layer))]
+            out += [HeadZ(layer, h) for h in range(arch.heads(layer))]
         if experts and layer in arch.expert_layers:
-            out += [Node("expert", layer, e) for e in range(arch.n_experts)]
+            out += [Expert(layer, e) for e in range(arch.n_experts)]
         elif "mlp" in kinds:
-            out.append(Node("mlp", layer))
+            out.append(MlpOut(layer))
     return out
 
 
@@ -94,8 +98,8 @@ def image_states_path(vlm: VLM) -> str | None:
 def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
     """The outputs of ``nodes``' sites in one forward of ``batch``: ``z[layer]``, ``mlp[layer]``,
     ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states)."""
-    layers = sorted({n.layer for n in nodes if n.kind in ("head", "mlp", "expert")})
-    inputs = any(n.kind == "input" for n in nodes)
+    by_kind = {kind: {n.layer for n in nodes if isinstance(n, site)} for kind, site in NODE_SITES.items()}
+    inputs = bool(by_kind["input"])
     states_path = image_states_path(vlm)
     got: dict = {"z": {}, "mlp": {}, "experts": {}}
     with vlm.read(batch):
@@ -103,12 +107,12 @@ def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
             got["states"] = vlm.module(states_path).output.save()
         if inputs:
             got["embed"] = vlm.module(vlm.arch.layer(0)).input.save()
-        for layer in layers:
-            if any(n.kind == "head" and n.layer == layer for n in nodes):
+        for layer in sorted(by_kind["head"] | by_kind["mlp"] | by_kind["expert"]):
+            if layer in by_kind["head"]:
                 got["z"][layer] = vlm.module(vlm.arch.o_proj(layer)).input.save()
-            if any(n.kind == "expert" and n.layer == layer for n in nodes):
+            if layer in by_kind["expert"]:
                 got["experts"][layer] = expert_rule(vlm.arch).record(vlm.module(vlm.arch.experts(layer)))
-            if any(n.kind == "mlp" and n.layer == layer for n in nodes):
+            if layer in by_kind["mlp"]:
                 got["mlp"][layer] = first_output(vlm.module(mlp_path(vlm, layer)).output).save()
     rows, seq = batch.inputs["input_ids"].shape
     got["experts"] = {
@@ -154,18 +158,18 @@ def replica_masks(vlm: VLM, sets: Sequence[frozenset], n: int, image: Tensor) ->
     states = torch.zeros(k, dtype=torch.bool)
     for r, ablate in enumerate(sets):
         for node in ablate:
-            if node.kind == "head":
+            if isinstance(node, HeadZ):
                 d = arch.head_dim(node.layer)
                 if node.layer not in z:
                     z[node.layer] = torch.zeros(k, arch.heads(node.layer) * d, dtype=torch.bool)
-                z[node.layer][r, int(node.index) * d : (int(node.index) + 1) * d] = True
-            elif node.kind == "mlp":
+                z[node.layer][r, node.head * d : (node.head + 1) * d] = True
+            elif isinstance(node, MlpOut):
                 mlp.setdefault(node.layer, torch.zeros(k, dtype=torch.bool))[r] = True
-            elif node.kind == "expert":
-                experts.setdefault(node.layer, []).append((r, int(node.index)))
-            elif node.index == "image" and cross:
+            elif isinstance(node, Expert):
+                experts.setdefault(node.layer, []).append((r, node.expert))
+            elif node.part == "image" and cross:
                 states[r] = True
-            elif node.index == "image":
+            elif node.part == "image":
                 embed[r] |= image
             else:
                 embed[r] |= torch.ones_like(image) if cross else ~image

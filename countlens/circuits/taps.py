@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.circuits.sites import ImageStates, Residual, VisionBlock
 from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import token_cells
@@ -40,6 +41,25 @@ if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
 
 TAPS: tuple[str, ...] = ("vision", "projector", "llm")
+
+
+def tap_site(vlm: VLM, kind: str, index: int | None) -> VisionBlock | Residual | ImageStates:
+    """The site a tap reads: vision block ``index``, the image tokens entering layer 0 (a cross-attention
+    model's image states), or the residual stream after decoder layer ``index``."""
+    if kind not in TAPS:
+        raise InputError(f"unknown tap {kind!r}; use one of {TAPS}")
+
+    def indexed(site: type, what: str):
+        if index is None:
+            raise InputError(f"the {kind!r} tap needs an index: the {what} to read")
+        return site(index)
+
+    makers = {
+        "vision": lambda: indexed(VisionBlock, "vision block"),
+        "projector": lambda: Residual(-1) if vlm.arch.spec.cross_attention is None else ImageStates(-1),
+        "llm": lambda: indexed(Residual, "decoder layer"),
+    }
+    return makers[kind]()
 
 
 def _cell_means(x: Tensor, cells: Tensor, rows: int, cols: int) -> Tensor:
@@ -125,35 +145,22 @@ def tap(
     vlm: VLM, samples: Sequence, kind: str, index: int | None = None, batch_size: int = 16
 ) -> Float[Tensor, "sample d rows cols"]:
     """The ``kind`` tap ("vision", "projector", "llm") of every sample, laid out on the image grid."""
-    if kind not in TAPS:
-        raise InputError(f"unknown tap {kind!r}; use one of {TAPS}")
-    if kind in ("vision", "llm") and index is None:
-        raise InputError(f"the {kind!r} tap needs an index: the vision block or decoder layer to read")
-    spec = vlm.arch.spec
-    cross = spec.cross_attention
-    if cross is not None and kind != "projector":
+    site = tap_site(vlm, kind, index)
+    if vlm.arch.spec.cross_attention is not None and not isinstance(site, ImageStates):
         raise InputError(
             f"{vlm.arch.name} reads its image through cross-attention: no image tokens in the residual stream "
             "and its vision blocks are not mapped yet; use the 'projector' tap (the image states)"
         )
+    loc = site.location(vlm)
     out = []
     for _, batch in vlm.batches(samples, batch_size):
         with vlm.read(batch):
-            if kind == "vision":
-                blocks = vlm.module(spec.vision_blocks)
-                if not 0 <= index < len(blocks):
-                    raise InputError(f"vision block {index} out of range 0..{len(blocks) - 1}")
-                acts = blocks[index].output.save()
-            elif kind == "projector" and cross is not None:
-                acts = vlm.module(cross.states).output.save()
-            elif kind == "projector":
-                acts = vlm.module(vlm.arch.layer(0)).input.save()
-            else:
-                acts = vlm.module(vlm.arch.layer(index)).output.save()
+            envoy = vlm.module(loc.path)
+            acts = (envoy.input if loc.io == "input" else envoy.output).save()
         acts = acts[0] if isinstance(acts, tuple) else acts
-        if kind == "vision":
+        if isinstance(site, VisionBlock):
             out.append(_vision_grid_map(acts, vlm, batch))
-        elif cross is not None:  # the states as a sequence: every one of them a "position"
+        elif isinstance(site, ImageStates):  # the states as a sequence: every one of them a "position"
             states = acts.reshape(len(batch), -1, acts.shape[-1])
             keys = [torch.arange(states.shape[1])] * len(batch)
             out.append(_grid_map(states, keys, batch.state_cells, batch))

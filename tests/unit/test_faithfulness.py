@@ -20,7 +20,7 @@ from countlens.circuits.faithfulness import (
 )
 from countlens.circuits.nodes import ablated_logits, graph_nodes, image_positions, record_nodes
 from countlens.circuits.patching import prepare_pairs
-from countlens.circuits.sites import Expert, group_mask
+from countlens.circuits.sites import Expert, HeadZ, MlpOut, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 
@@ -160,7 +160,7 @@ def test_no_node_ablated_is_the_clean_run_and_every_node_the_corrupt_run(name, l
 def test_curves_of_several_rankings_share_one_node_set_and_random_draws_are_seeded(loaded):
     vlm = loaded("toy")
     pairs = _pairs(vlm, n=2)
-    heads = {n.label: float(n.layer * 10 + int(n.index)) for n in graph_nodes(vlm, ("head",))}
+    heads = {n.label: float(n.layer * 10 + n.head) for n in graph_nodes(vlm, ("head",))}
     a = faithfulness_curves(vlm, pairs, {"by_depth": heads}, sizes=(0.0, 0.5, 1.0), random_draws=3, seed=1)
     b = faithfulness_curves(vlm, pairs, {"by_depth": heads}, sizes=(0.0, 0.5, 1.0), random_draws=3, seed=1)
     assert list(a.ranking.values) == ["by_depth", "random0", "random1", "random2", "random"]
@@ -180,7 +180,7 @@ def test_a_head_ranking_from_patching_is_a_ranking(loaded):
 
     effect = xr.DataArray(np.arange(24.0).reshape(6, 4), coords={"layer": range(6), "head": range(4)})
     scores = node_scores(vlm, effect)
-    assert len(scores) == 24 and {n.kind for n in scores} == {"head"}
+    assert len(scores) == 24 and {type(n) for n in scores} == {HeadZ}
     assert scores[next(n for n in scores if n.label == "L5H3")] == 23.0
 
 
@@ -229,10 +229,10 @@ def test_a_moe_layers_experts_are_nodes_in_place_of_its_mlp(name, loaded):
     vlm = loaded(name)
     arch = vlm.arch
     nodes = graph_nodes(vlm, ("head", "mlp", "expert"))
-    experts = [n for n in nodes if n.kind == "expert"]
+    experts = [n for n in nodes if isinstance(n, Expert)]
     assert len(experts) == arch.n_experts * len(arch.expert_layers)
     assert {n.layer for n in experts} == set(arch.expert_layers)
-    assert not any(n.kind == "mlp" and n.layer in arch.expert_layers for n in nodes)
+    assert not any(isinstance(n, MlpOut) and n.layer in arch.expert_layers for n in nodes)
     assert experts[0].label == f"L{arch.expert_layers[0]}E0"
 
 

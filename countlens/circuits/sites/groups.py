@@ -1,0 +1,83 @@
+"""Token groups: which positions of a prepared batch a site is read or written at, and heads by name.
+
+``image`` (image tokens), ``last`` (where the answer is read: the last prompt token, and any answer
+tokens teacher-forced after it up to the read position — see `countlens.answers`), ``text`` (every
+other real token), ``all`` (all real tokens). A cross-attention model has no image tokens; its image
+is the ``image_states`` group of `countlens.circuits.patching.patch_layers` (a site, not positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from countlens.errors import InputError
+from countlens.labels import head_key, is_head_pair
+
+if TYPE_CHECKING:
+    from jaxtyping import Bool
+
+    from countlens.arch import Arch
+    from countlens.vlm import Batch
+
+
+GROUPS: tuple[str, ...] = ("image", "last", "text", "all")
+#: The image states of a cross-attention model, patched as a group of `patch_layers`.
+STATES = "image_states"
+
+
+def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
+    """``heads`` as (layer, head) pairs, each given as a pair or a label such as "L3H2"
+    (`countlens.labels.head_key`), checked against the model's layers and heads."""
+    if isinstance(heads, str) or is_head_pair(heads):
+        heads = [heads]  # one head given alone: "L0H0", (0, 0) or [0, 0]
+    out = []
+    for head in heads:
+        layer, h = head_key(head)
+        arch.layer(layer)
+        if not 0 <= h < arch.heads(layer):
+            raise InputError(
+                f"head {h} out of range: layer {layer} of {arch.name} has heads 0..{arch.heads(layer) - 1}"
+            )
+        out.append((layer, h))
+    return out
+
+
+def check_group(group: str) -> str:
+    """``group`` if it names a token group (`GROUPS`), else an `InputError` listing them. Sweeps call
+    it before they open their store, so a misspelt group leaves no spec.json to block the rerun."""
+    if group not in GROUPS:
+        raise InputError(f"unknown token group {group!r}; use one of {GROUPS}")
+    return group
+
+
+def group_mask(batch: Batch, group: str) -> Bool[Tensor, "batch seq"]:
+    """The positions of ``group`` in each row of a prepared `Batch`."""
+    check_group(group)
+    ids = batch.inputs["input_ids"]
+    real = batch.inputs["attention_mask"].bool()
+    mask = torch.zeros_like(real)
+    if group == "all":
+        return real.clone()
+    answer = _answer_span(batch, ids.shape[1]).to(real.device)
+    if group == "last":
+        return answer
+    if group == "image" and batch.state_cells:
+        raise InputError(
+            "this model has no image tokens: its image reaches the text only through cross-attention, as "
+            "image states — a site (patch_layers' group 'image_states'), not positions in the sequence"
+        )
+    for b, pos in enumerate(batch.image_pos):
+        mask[b, pos] = True
+    if group == "image":
+        return mask
+    return real & ~mask & ~answer  # text: real tokens outside the image and the answer span
+
+
+def _answer_span(batch: Batch, width: int) -> Tensor:
+    """Bool[Tensor, "batch seq"]: each row's positions from its last prompt token to its read position."""
+    pos = torch.arange(width)[None]
+    return (pos >= batch.prompt_last[:, None]) & (pos <= batch.last[:, None])

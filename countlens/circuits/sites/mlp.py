@@ -1,0 +1,52 @@
+"""Sites of the MLP: its input `MlpIn` (after its norm) and its output `MlpOut`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from countlens.circuits.sites.engine import Location, mlp_path, whole, write_at
+
+if TYPE_CHECKING:
+    from countlens.arch import Arch
+    from countlens.vlm import VLM
+
+
+@dataclass(frozen=True)
+class MlpIn:
+    """The input of layer ``layer``'s MLP (after its pre-MLP norm)."""
+
+    layer: int
+    stage: ClassVar[float] = 1.5
+    write = staticmethod(write_at)
+    block: ClassVar[int] = 1  # as an edge receiver: the layer's MLP, after its attention
+    part_name: ClassVar[str] = "mlp"
+
+    @property
+    def label(self) -> str:
+        return f"MLP{self.layer}.in"
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def location(self, vlm: VLM) -> Location:
+        return Location(mlp_path(vlm, self.layer), "input", whole)
+
+
+@dataclass(frozen=True)
+class MlpOut:
+    """The output of layer ``layer``'s MLP (a mixture-of-experts layer's whole block)."""
+
+    layer: int
+    stage: ClassVar[float] = 2.5
+    write = staticmethod(write_at)
+
+    @property
+    def label(self) -> str:
+        return f"MLP{self.layer}"
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def location(self, vlm: VLM) -> Location:
+        return Location(mlp_path(vlm, self.layer), "output", whole)

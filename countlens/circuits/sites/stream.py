@@ -1,0 +1,216 @@
+"""Sites of the residual stream and the heads' outputs: `Residual`, `HeadZ`, `Expert`, `ImageStates`,
+each with its own write inside a traced forward (the engine's fast path: `countlens.circuits.edits`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from countlens.circuits.expert_rules import expert_rule
+from countlens.circuits.sites.engine import Location, Placed, columns, refuse_ops, source, whole, written
+from countlens.errors import InputError
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.arch import Arch
+    from countlens.vlm import VLM
+
+
+@dataclass(frozen=True)
+class Residual:
+    """The residual stream after decoder layer ``layer``; −1: the input of layer 0."""
+
+    layer: int
+    stage: ClassVar[int] = 3  # a layer's output: the last thing of the layer the forward reaches
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
+        return cache["resid"][self.layer][b, s].to(device)
+
+    def location(self, vlm: VLM) -> Location:
+        if self.layer == -1:
+            return Location(vlm.arch.layer(0), "input", whole)
+        return Location(vlm.arch.layer(self.layer), "output", whole)
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: the residual at one layer, every replica's entries."""
+        layer = placed[0].site.layer
+        module = vlm.module(vlm.arch.layer(max(layer, 0)))
+        hid = module.input if layer == -1 else module.output
+        for p in placed:
+            b, s = p.b.to(hid.device) + p.replica * n, p.s.to(hid.device)
+            hid[b, s] = written(vlm, p, cache, hid[b, s]).to(hid.dtype)
+
+
+@dataclass(frozen=True)
+class HeadZ:
+    """Head ``head``'s z at decoder layer ``layer``: its columns of o_proj's input."""
+
+    layer: int
+    head: int
+    stage: ClassVar[int] = 1
+
+    @property
+    def label(self) -> str:
+        return f"L{self.layer}H{self.head}"
+
+    def width(self, arch: Arch) -> int:
+        return arch.head_dim(self.layer)
+
+    def columns(self, arch: Arch) -> slice:
+        """The head's columns of the layer's z (n_heads·d_head wide)."""
+        d_head = arch.head_dim(self.layer)
+        return slice(self.head * d_head, (self.head + 1) * d_head)
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_head"]:
+        return cache["z"][self.layer][b, s, self.columns(vlm.arch)].to(device)
+
+    def location(self, vlm: VLM) -> Location:
+        vlm.arch.heads(self.layer)
+        return Location(vlm.arch.o_proj(self.layer), "input", columns(self.columns(vlm.arch)))
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: heads' z at one layer, every replica's entries."""
+        zin = vlm.module(vlm.arch.o_proj(placed[0].site.layer)).input
+        for p in placed:
+            cols = p.site.columns(vlm.arch)
+            b, s = p.b.to(zin.device) + p.replica * n, p.s.to(zin.device)
+            zin[b, s, cols] = written(vlm, p, cache, zin[b, s, cols]).to(zin.dtype)
+
+
+@dataclass(frozen=True)
+class Expert:
+    """Expert ``expert``'s contribution at MoE layer ``layer`` (a cache recorded with experts=True)."""
+
+    layer: int
+    expert: int
+    stage: ClassVar[int] = 2
+
+    @property
+    def label(self) -> str:
+        return f"L{self.layer}E{self.expert}"
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
+        module = vlm.hf.get_submodule(vlm.arch.experts(self.layer))
+        return expert_rule(vlm.arch).cached(module, cache["experts"][self.layer], self.expert, b, s, device)
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: experts' contributions at one MoE layer, every replica's entries (the
+        experts module sees the tokens flattened: row · seq + position)."""
+        path = vlm.arch.experts(placed[0].site.layer)
+        refuse_ops(placed, "an expert's contribution")
+        writes = [
+            ((p.b + p.replica * n) * seq + p.s, p.site.expert, lambda device, p=p: source(vlm, p, cache, device))
+            for p in placed
+        ]
+        expert_rule(vlm.arch).write(vlm.hf.get_submodule(path), vlm.module(path), vlm.arch.n_experts, writes)
+
+
+@dataclass(frozen=True)
+class ImageStates:
+    """A cross-attention model's image states: at layer −1 the projector's output, which every
+    cross-attention layer reads; at a cross-attention layer the states that layer alone reads."""
+
+    layer: int
+    stage: ClassVar[int] = 0  # the projector's output, or a cross-attention layer's input
+
+    def location(self, vlm: VLM) -> Location:
+        """Where the states every cross-attention layer reads are (layer −1: the projector's output)."""
+        cross = vlm.arch.spec.cross_attention
+        if cross is None or self.layer != -1:
+            raise InputError(
+                "only ImageStates(-1) of a cross-attention model is read as a module's output; a layer's own "
+                "states are patched through effect()"
+            )
+        return Location(cross.states, "output", whole)
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
+        states = cache["states"]
+        return states[b.to(states.device), s.to(states.device)].to(device)
+
+    @staticmethod
+    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
+        """Inside a trace: image states at one layer, every replica's entries — the projector's output
+        written in place, or a patched copy passed to the cross-attention layer in place of the
+        states every cross-attention layer shares."""
+        layer, cross = placed[0].site.layer, vlm.arch.spec.cross_attention
+        refuse_ops(placed, "the image states")
+        n_states = placed[0].mask.shape[1]
+
+        def per_row(states: Tensor) -> Tensor:
+            if states.numel() % (n_states * states.shape[-1]):
+                raise InputError(
+                    f"the image states {tuple(states.shape)} are not rows of {n_states} states: the edit's "
+                    "mask was made for another batch (build it from the batch that runs)"
+                )
+            return states.view(-1, n_states, states.shape[-1])
+
+        if layer == -1:
+            rows = per_row(vlm.module(cross.states).output)  # (rows, images, tiles, patches, d): in place
+        else:
+            if vlm.arch.kind(layer) != "cross":
+                raise ValueError(f"layer {layer} is not a cross-attention layer; its attention reads no image states")
+            attn = vlm.module(f"{vlm.arch.layer(layer)}.{cross.attn}")
+            args, kwargs = attn.inputs
+            states = kwargs[cross.states_kwarg].clone()  # (rows · images · tiles, patches, d)
+            rows = per_row(states)
+        for p in placed:
+            src = source(vlm, p, cache, rows.device)
+            rows[p.b.to(rows.device) + p.replica * n, p.s.to(rows.device)] = src.to(rows.device, rows.dtype)
+        if layer != -1:
+            attn.inputs = (args, {**kwargs, cross.states_kwarg: states})
+
+
+#: The input parts: the image tokens' embeddings and every other token's.
+INPUTS: tuple[str, ...] = ("image", "text")
+
+
+@dataclass(frozen=True)
+class Embed:
+    """The input embeddings of the image tokens (``part`` "image") or of every other token ("text"): the
+    input of layer 0 at those positions (`Residual` −1, split by positions). A cross-attention model's
+    image part is its image states every cross-attention layer reads (`ImageStates` −1)."""
+
+    part: str
+    layer: ClassVar[int] = -1
+
+    def __post_init__(self):
+        if self.part not in INPUTS:
+            raise InputError(f"Embed part {self.part!r}: use one of {INPUTS}")
+
+    @property
+    def label(self) -> str:
+        return f"IN.{self.part}"
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+
+@dataclass(frozen=True)
+class Logits:
+    """The logits: what the final norm and the unembedding read (an edge receiver; ``layer`` is the
+    number of decoder layers, after the last)."""
+
+    layer: int
+    block: ClassVar[int] = 0
+    part_name: ClassVar[str] = "logits"
+
+    @property
+    def label(self) -> str:
+        return "logits"

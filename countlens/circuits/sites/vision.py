@@ -1,0 +1,25 @@
+"""Sites of the vision tower: the output of one vision block, on the ViT's patch grid (before merging)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from countlens.circuits.sites.engine import Location, whole
+from countlens.errors import InputError
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
+
+@dataclass(frozen=True)
+class VisionBlock:
+    """The output of vision block ``index`` (`ArchSpec.vision_blocks`), read only: taps and probes."""
+
+    index: int
+
+    def location(self, vlm: VLM) -> Location:
+        blocks = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)
+        if not 0 <= self.index < len(blocks):
+            raise InputError(f"vision block {self.index} out of range 0..{len(blocks) - 1}")
+        return Location(f"{vlm.arch.spec.vision_blocks}.{self.index}", "output", whole)
