@@ -53,6 +53,11 @@ class Intervention:
     donor: ClassVar[bool] = False
 
     def __post_init__(self):
+        if type(self.site).__name__ == "Pattern":
+            raise InputError(
+                f"{self.site} is read only (record(vlm, batch, [Pattern(layer, head)])); to change a head's "
+                "attention, Scale its Q (head temperature) or write its Q / K"
+            )
         if type(self.site).__name__ not in SITE_KINDS:
             raise InputError(
                 f"{type(self).__name__} takes a site ({', '.join(SITE_KINDS)} from countlens.circuits), "

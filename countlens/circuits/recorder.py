@@ -9,11 +9,13 @@ each site's `countlens.circuits.sites.Location` (a module, its input or output, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from countlens.circuits.attention import eager_attention
 from countlens.circuits.positions import Frame, as_positions
 from countlens.circuits.sites import Expert, ImageStates, Location, first_output
 from countlens.errors import InputError
@@ -27,8 +29,10 @@ if TYPE_CHECKING:
 
 
 def tensor_hook(module: torch.nn.Module, io: str, action: Callable[[Tensor], Tensor | None]):
-    """A torch hook calling ``action`` on the module's first input or output tensor; a tensor it
-    returns replaces that one."""
+    """A torch hook calling ``action`` on the module's first input or output tensor (or an attention
+    module's weights, read only); a tensor it returns replaces that one."""
+    if io == "weights":
+        return module.register_forward_hook(lambda mod, args, out: action(out[1]) and None)
     if io == "output":
 
         def post(mod, args, out):
@@ -70,7 +74,8 @@ def require_local(vlm: VLM, what: str) -> None:
 
 @torch.no_grad()
 def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
-    """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU."""
+    """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU (a
+    `Pattern`'s: Float[Tensor, "batch query key"])."""
     require_local(vlm, "record")
     sites = list(dict.fromkeys(sites))
     locations = {site: location(vlm, site) for site in sites}
@@ -84,10 +89,12 @@ def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
 
         return keep
 
+    patterns = any(loc.io == "weights" for loc in locations.values())
     try:
         for site, loc in locations.items():
             handles.append(tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, keeper(site, loc)))
-        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+        with eager_attention(vlm) if patterns else nullcontext():
+            vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()

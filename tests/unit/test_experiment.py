@@ -109,6 +109,22 @@ def test_record_reads_what_the_cache_reads(organism, pairs):
     assert_close(got[HeadZ(1, 3)], cache["z"][1][..., 96:128])
 
 
+def test_record_reads_attention_patterns(organism, pairs):
+    from countlens.circuits.attention import last_token_attention
+    from countlens.circuits.sites import Pattern
+
+    batch = prepare_pairs(organism, pairs).clean
+    got = record(organism, batch, [Pattern(1, 2)])[Pattern(1, 2)]  # batch × query × key
+    assert got.shape[1] == got.shape[2] and torch.allclose(
+        got.sum(-1)[batch.inputs["attention_mask"].bool()], torch.ones(1)
+    )
+    assert_close(
+        got[:, -1], last_token_attention(organism, batch, [1])[0, :, 2], what="Pattern vs last_token_attention"
+    )
+    with pytest.raises(InputError, match="read only"):
+        Scale(Pattern(1, 2), 2.0)
+
+
 def test_steering_under_scoring_and_generation_matches_plain_hooks(organism, pairs):
     clean, corrupt = [p.clean for p in pairs], [p.corrupt for p in pairs]
     v = mean_difference(organism, corrupt, clean, Residual(3), "last")

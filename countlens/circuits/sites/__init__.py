@@ -38,7 +38,7 @@ A cross-attention model has no image tokens; its image is the ``image_states`` g
 `countlens.circuits.patching.patch_layers` (a site, not positions in the sequence).
 """
 
-from countlens.circuits.sites.attention import AttnIn, K, Q, V
+from countlens.circuits.sites.attention import AttnIn, K, Pattern, Q, V
 from countlens.circuits.sites.engine import (
     Location,
     Placed,
@@ -65,7 +65,7 @@ from countlens.circuits.sites.stream import INPUTS, Embed, Expert, HeadZ, ImageS
 from countlens.circuits.sites.vision import VisionBlock
 
 #: Every site kind: the one vocabulary of components.
-Site = Residual | HeadZ | Expert | ImageStates | Embed | Q | K | V | AttnIn | MlpIn | MlpOut | Logits
+Site = Residual | HeadZ | Expert | ImageStates | Embed | Q | K | V | Pattern | AttnIn | MlpIn | MlpOut | Logits
 
 __all__ = [
     "GROUPS",
@@ -81,6 +81,7 @@ __all__ = [
     "Location",
     "MlpIn",
     "MlpOut",
+    "Pattern",
     "Placed",
     "Q",
     "Residual",

@@ -114,3 +114,19 @@ class AttnIn:
     @property
     def label(self) -> str:
         return f"L{self.layer}.attn"
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Head ``head``'s attention probabilities at ``layer``, (batch, query, key): read only (`record`
+    switches the language model to eager attention for it); to change attention, scale `Q`."""
+
+    layer: int
+    head: int
+
+    def location(self, vlm: VLM) -> Location:
+        arch = vlm.arch
+        arch.require_softmax(self.layer, "an attention pattern")
+        _check_head(arch, self.layer, self.head, arch.heads(self.layer), "head")
+        head = self.head
+        return Location(arch.attention(self.layer), "weights", lambda t: t[:, head])

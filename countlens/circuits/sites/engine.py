@@ -49,8 +49,9 @@ def source(vlm: VLM, placed: Placed, cache: dict | None, device: torch.device) -
 
 class Location(NamedTuple):
     """Where a site lives in the HF model: a module, whether the site is its ``input`` (first
-    argument) or its ``output`` (first element), and ``view``: the site's (batch, seq, width) view of
-    that tensor (in place: writing into the view writes the tensor)."""
+    argument), its ``output`` (first element) or an attention module's ``weights`` (its second output,
+    read only), and ``view``: the site's (batch, seq, width) view of that tensor (in place: writing into
+    the view writes the tensor)."""
 
     path: str
     io: str
