@@ -95,3 +95,72 @@ def write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+@contextmanager
+def directory_lock(out: Path, name: str, what: str, elsewhere: str) -> Iterator[None]:
+    """Hold ``out/name`` (an exclusive `fcntl.flock`) while a ``what`` writes ``out``: a second writer is
+    refused, naming the lock and the process holding it, instead of both writing the same files. The
+    operating system releases the lock when its process dies (killed, crashed), so a stale lock file
+    blocks nothing and a killed run resumes; the file is removed on release. ``elsewhere``: the fix."""
+    import fcntl
+
+    from countlens.errors import InputError
+
+    lock = out / name
+    while True:
+        f = lock.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise InputError(
+                f"{out} is being written by another {what} (process {holder}, lock {lock}); wait for it to "
+                f"finish, or {elsewhere}. If no such process runs, the lock is stale (a filesystem without "
+                f"flock): delete {lock} and run again"
+            ) from None
+        if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(f.fileno()).st_ino:
+            break  # not a file another process removed between our open and our flock
+        f.close()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        f.close()
+
+
+#: The file that marks a directory as one command's output (`claim_directory`).
+OWNER = ".countlens-owner.json"
+
+
+def claim_directory(out: Path, command: str, spec: dict) -> None:
+    """Make ``out`` ``command``'s output, or refuse it: it must be missing, empty, or already this
+    command's output with the same ``spec`` (an earlier or interrupted run of it, which is redone or
+    resumed). Another command's folder, a checkpoint, or a run of other settings is never written into."""
+    out = Path(out)
+    marker = out / OWNER
+    mine = {"command": command, "spec": spec}
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"{out} is a file; give a directory for `{command}`")
+    if marker.exists():
+        saved = read_json(marker, f"delete {out} or choose another directory")
+        if saved != json.loads(json.dumps(mine)):
+            raise RunDirError(
+                f"{out} holds the output of `{saved.get('command')}` with other settings ({marker}); choose "
+                f"another directory, or delete {out} to write it again"
+            )
+        return
+    if out.exists() and any(out.iterdir()):
+        listed = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise RunDirError(
+            f"{out} is not empty ({listed} …) and is no output of `{command}`; give an empty or new directory "
+            "— countlens writes only into its own outputs"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(marker, json.dumps(mine, indent=1))

@@ -273,6 +273,11 @@ def torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
 def resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
     """(local directory, label) of "toy", a checkpoint directory or a cached hub id; never downloads."""
     name = str(name_or_path)
+    if name in ORGANISMS and Path(name).expanduser().is_dir():
+        raise CheckpointNotFoundError(
+            f"{name!r} names both a shipped organism and a local folder ./{name}; say which: "
+            f"countlens.load('./{name}') (or --model ./{name}) for the folder, or move the folder to load the organism"
+        )
     if name in ORGANISMS:
         folder = ORGANISMS[name]
         if not (folder / "config.json").exists():
@@ -291,15 +296,18 @@ def resolve_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
             )
         return str(p), name
     if p.exists():
-        raise CheckpointNotFoundError(f"{p} is a file; give a checkpoint directory, a cached hub id or 'toy'")
+        raise CheckpointNotFoundError(
+            f"{p} is a file; give a checkpoint directory, a cached hub id or an organism ({', '.join(ORGANISMS)})"
+        )
     try:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(name, local_files_only=True), name
     except Exception as err:
         raise CheckpointNotFoundError(
-            f"{name!r} is neither 'toy', a local checkpoint directory, nor a hub id in the local cache "
-            f"({type(err).__name__}); countlens never downloads: copy the checkpoint to disk and pass its path"
+            f"{name!r} is neither a shipped organism ({', '.join(ORGANISMS)}), a local checkpoint directory, nor a "
+            f"hub id in the local cache ({type(err).__name__}); countlens never downloads: copy the checkpoint to "
+            "disk and pass its path"
         ) from None
 
 

@@ -64,7 +64,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import HeadZ, K, Q, V, check_group, group_mask, heads_view
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
@@ -123,7 +123,7 @@ def atp_star(
                         per_pair = (g * heads_view(dz.double(), h).to(g.device)).sum((1, 3)).cpu()  # pair head
                         sums[kind][i, layer, :h] += per_pair.abs().sum(0) if graddrop else per_pair.sum(0)
             del clean, corrupt, shifts
-    denom = corrupt_sum - clean_sum
+    denom = normaliser(clean_sum, corrupt_sum)
     softmax = [layer for layer in range(n_layers) if arch.kind(layer) in SELF_ATTENTION]
     out = {}
     for kind, s in sums.items():

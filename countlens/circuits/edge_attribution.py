@@ -40,7 +40,7 @@ from countlens.circuits.edges import (
 )
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import image_positions, record_nodes
-from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, group_mask
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
@@ -191,7 +191,7 @@ def edge_attribution(
                     clean_sum += ld
                 else:
                     corrupt_sum += ld
-    effect = (scores / (corrupt_sum - clean_sum)).numpy()
+    effect = (scores / normaliser(clean_sum, corrupt_sum)).numpy()
     edges = graph.edges
     node_effect = np.zeros(len(graph.nodes))
     index = {u: i for i, u in enumerate(graph.nodes)}

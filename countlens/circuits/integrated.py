@@ -32,7 +32,7 @@ import xarray as xr
 
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import Node, image_positions, image_states_path, record_nodes
-from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view, mlp_path
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.validate import require_count
@@ -129,7 +129,7 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int 
         with torch.no_grad():
             clean_sum += float(logit_diff(_logits(vlm, pb.clean), pb.clean_id, pb.corrupt_id).sum())
             corrupt_sum += float(logit_diff(_logits(vlm, pb.corrupt), pb.clean_id, pb.corrupt_id).sum())
-    denom = corrupt_sum - clean_sum
+    denom = normaliser(clean_sum, corrupt_sum)
     for layer in range(arch.n_layers):  # beyond a layer's own heads: no node
         heads[layer, arch.heads(layer) :] = float("nan")
     return xr.Dataset(

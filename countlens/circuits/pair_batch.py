@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,15 +54,22 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     ]
     forced = [prefix for prefix, _, _ in split]
 
-    def prep(side: Sequence) -> Batch:
-        batch = vlm.prepare(
-            [s.image for s in side], [s.question for s in side], [s.answer for s in side], forced=forced
-        )
-        batch.samples = list(side)  # object positions read each side's scene
+    images = {side: [getattr(p, side).image for p in pairs] for side in ("clean", "corrupt")}
+    for k, (a, b) in enumerate(zip(images["clean"], images["corrupt"])):
+        if np.array_equal(np.asarray(a), np.asarray(b)):
+            raise InputError(
+                f"pair {k}: the clean and corrupt images are the same picture, so patching has nothing to carry "
+                "and every effect would divide by zero; give pairs whose images differ (count_pairs draws them)"
+            )
+
+    def prep(side: str) -> Batch:
+        samples = [getattr(p, side) for p in pairs]
+        batch = vlm.prepare(images[side], [s.question for s in samples], [s.answer for s in samples], forced=forced)
+        batch.samples = samples  # object positions read each side's scene
         return batch
 
-    clean = prep([p.clean for p in pairs])
-    corrupt = prep([p.corrupt for p in pairs])
+    clean = prep("clean")
+    corrupt = prep("corrupt")
     a, b = clean.inputs["input_ids"], corrupt.inputs["input_ids"]
     aligned = a.shape == b.shape and all(torch.equal(x, y) for x, y in zip(clean.image_pos, corrupt.image_pos))
     if not aligned or not torch.equal(clean.last, corrupt.last):
@@ -107,6 +115,19 @@ def logit_diff(
     """LD per pair: the clean answer's logit minus the corrupt answer's, at the read position."""
     rows = torch.arange(len(logits))
     return logits[rows, clean_id.to(logits.device)] - logits[rows, corrupt_id.to(logits.device)]
+
+
+def normaliser(clean_sum: float, corrupt_sum: float) -> float:
+    """Σ LD_corrupt − Σ LD_clean, the denominator of every patching effect; refused where it is zero or
+    not finite (the pairs' two sides read alike, or a logit overflowed), so no effect is NaN or ±inf."""
+    denom = float(corrupt_sum) - float(clean_sum)
+    if not np.isfinite(denom) or denom == 0:
+        raise InputError(
+            f"the pairs' corrupt and clean runs give the same summed logit difference (Σ LD_corrupt − Σ LD_clean "
+            f"= {denom}), so no effect can be normalised: the model reads the two sides of these pairs alike. "
+            "Give pairs the model tells apart (e.g. counts further apart), or more pairs"
+        )
+    return denom
 
 
 def pairs_provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:

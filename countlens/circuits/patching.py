@@ -45,7 +45,7 @@ from countlens.circuits.atp_star import atp_star
 from countlens.circuits.edits import cache_run
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.interventions import Patch
-from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.run import effect_grid
 from countlens.circuits.sites import (
     GROUPS,
@@ -250,7 +250,7 @@ def attribution_patch(
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
         clean_sum += float(clean_ld.sum())
         corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
-    denom = corrupt_sum - clean_sum
+    denom = normaliser(clean_sum, corrupt_sum)
     for layer in range(n_layers):  # beyond a layer's own heads: no site
         head_est[layer, vlm.arch.heads(layer) :] = float("nan")
     ds = xr.Dataset(

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from countlens.circuits.edits import cache_run
 from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.pair_batch import logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import check_group, group_mask, heads_view, mlp_path
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
@@ -207,7 +207,7 @@ def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_siz
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
         clean_sum += float(ld.sum())
         corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
-    denom = corrupt_sum - clean_sum
+    denom = normaliser(clean_sum, corrupt_sum)
     for layer in range(n_layers):  # beyond a layer's own heads: no site
         head_est[layer, arch.heads(layer) :] = float("nan")
     return xr.Dataset(

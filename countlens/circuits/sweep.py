@@ -26,7 +26,7 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.pair_batch import PairBatch, logit_diff, pairs_provenance, prepare_pairs
+from countlens.circuits.pair_batch import PairBatch, logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.distributed import Shard
 from countlens.sweep_store import SweepStore, samples_digest
 from countlens.validate import require_count
@@ -162,6 +162,6 @@ def pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
 
 def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corrupt_ld: Tensor) -> tuple:
     """Per site (effect, overwrite rate) from per-pair (site…, pair) logit diffs and corrupt predictions."""
-    denom = float(corrupt_ld.sum() - clean_ld.sum())
+    denom = normaliser(float(clean_ld.sum()), float(corrupt_ld.sum()))
     effect = (patched_ld.sum(-1) - clean_ld.sum()) / denom
     return effect, pred_corrupt.float().mean(-1)

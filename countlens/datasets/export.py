@@ -24,7 +24,6 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from countlens.datasets.png import indexed_png
 from countlens.datasets.scene import PALETTE, Obj
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
+from countlens.files import directory_lock
 from countlens.geometry import Geometry
 from countlens.validate import require_count, require_distinct, require_seed
 
@@ -338,40 +338,10 @@ def _write(out, names, n, grid, seed, workers, progress, overwrite, say, spec, k
 LOCK = ".export.lock"
 
 
-@contextmanager
-def owned(out: Path) -> Iterator[None]:
-    """Hold ``out``'s export lock (``out/.export.lock``, an exclusive `fcntl.flock`) while writing: a
-    second export into ``out`` is refused, naming the lock and the process holding it, instead of
-    both appending to one manifest. The operating system releases the lock when its process dies
-    (killed, crashed), so a stale lock file blocks nothing; the file is removed on release."""
-    import fcntl
-
-    lock = out / LOCK
-    while True:
-        f = lock.open("a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            f.close()
-            raise InputError(
-                f"{out} is being written by another export (process {holder}, lock {lock}); wait for it to "
-                f"finish, or export into another directory. If no such process runs, the lock is stale (a "
-                f"filesystem without flock): delete {lock} and run again"
-            ) from None
-        if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(f.fileno()).st_ino:
-            break  # not a file another process removed between our open and our flock
-        f.close()
-    try:
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
-        f.close()
+def owned(out: Path):
+    """Hold ``out``'s export lock while writing (`countlens.files.directory_lock`): a second export into
+    ``out`` is refused, naming the process that holds it."""
+    return directory_lock(out, LOCK, "export", "export into another directory")
 
 
 def _check_manifest(out: Path, manifest: Path, expected: int) -> None:

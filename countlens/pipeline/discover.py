@@ -29,11 +29,12 @@ the other stages and writes the report, the same as one process would.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from countlens import distributed
+from countlens import distributed, files
 from countlens.analysis.heads import export_heads, head_table
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig, resolved_prompt
@@ -79,6 +80,20 @@ def discover(
     shard = distributed.current()  # the launcher's variables checked before anything is written
     check_inputs(vlm, c, prompt)
     inputs = stage_inputs(vlm, c, prompt)
+    # One process writes a run folder at a time (the ranks of one sharded run share it by design): a
+    # second discover into the same --out is refused while the first runs; a killed run leaves no lock.
+    out.mkdir(parents=True, exist_ok=True)
+    lock = nullcontext() if shard.sharded else files.directory_lock(out, LOCK, "discover", "give another --out")
+    with lock:
+        return _run(vlm, c, prompt, inputs, out, shard, log, spec)
+
+
+#: The lock file a discover run holds in its folder while it runs.
+LOCK = ".discover.lock"
+
+
+def _run(vlm: VLM, c: DiscoverConfig, prompt: str, inputs: dict, out: Path, shard, log, spec: dict) -> Path:
+    """`discover`'s stages and report, by the process that holds ``out``'s lock."""
     run = RunContext(vlm, c, prompt, inputs, out, shard, log)
     run.pairs, run.data = inputs["pairs"](), inputs["tasks"]()
     stages = Stages(out, spec, log)

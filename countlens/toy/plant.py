@@ -32,6 +32,7 @@ import torch
 from countlens.datasets.pairs import DEFAULT_COUNTS, count_pair
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
+from countlens.files import claim_directory, directory_lock
 from countlens.toy.planted import PlantedCircuit, PlantedNode, check_circuit
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
@@ -268,13 +269,21 @@ def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig | None = None, pro
     training log and ``planted.json`` with the circuit, the recipe, `verify`'s figures on the saved
     weights and the checks); ``pc`` defaults to the recipe with the circuit's own steps. Returns
     planted.json's content."""
+    pc = PlantConfig(steps=circuit.steps) if pc is None else pc
+    out = Path(out)
+    # Only an empty folder, or this command's own earlier output of the same circuit and recipe, is written:
+    # never another checkpoint (its shard index would point at deleted shards) or a finished run of others.
+    claim_directory(out, "countlens toy plant", {"circuit": circuit.name, "recipe": asdict(pc)})
+    with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
+        return _plant(out, circuit, pc, progress)
+
+
+def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dict:
+    """`plant`'s training and verification, by the process that holds ``out``'s lock."""
     from transformers import Qwen2VLForConditionalGeneration
 
     from countlens.organisms import TOY_DIR
 
-    pc = PlantConfig(steps=circuit.steps) if pc is None else pc
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
     rows = []
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ import torch
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Obj, Scene, place_objects
 from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, TaskSample, object_sizes, sample_rng, task_sample
 from countlens.errors import CountlensError
+from countlens.files import claim_directory
 from countlens.toy.recipe import (
     ToyConfig,
     TrainConfig,
@@ -283,7 +284,14 @@ def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig
             f"crop_size {tc.crop_size} is not a multiple of the organism's token size "
             f"{cfg.geometry.token_size} px; choose e.g. {4 * cfg.geometry.token_size}"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    claim_directory(
+        out,
+        "countlens toy train",
+        {
+            "config": json.loads(json.dumps(asdict(cfg), default=str)),
+            "train": json.loads(json.dumps(asdict(tc), default=str)),
+        },
+    )
     torch.set_num_threads(tc.threads)
     tokenizer, image_processor = build_tokenizer(), build_image_processor(cfg)
     collate = Collator(cfg, tokenizer, image_processor)

@@ -1,0 +1,93 @@
+"""Degenerate pairs, zero denominators, output ownership and ambiguous names: each refused by name
+before any forward or any write."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+import countlens as cl
+from countlens import circuits
+from countlens.circuits.methods import METHODS
+from countlens.circuits.pair_batch import normaliser
+from countlens.datasets.pairs import CountPair, count_pairs
+from countlens.errors import CheckpointNotFoundError, InputError, RunDirError
+from countlens.files import claim_directory, directory_lock
+
+
+@pytest.fixture(scope="module")
+def organism(loaded):
+    return loaded("toy")
+
+
+@pytest.fixture(scope="module")
+def same_image(organism):
+    """Pairs whose corrupt side shows the clean image (answers still differ)."""
+    pairs = count_pairs(2, 3, 5, kind="shapes", grid=organism.geometry, prompt="short", seed=3)
+    return [CountPair(p.clean, replace(p.corrupt, scene=p.clean.scene), p.kind, p.index) for p in pairs]
+
+
+def _refused_before_any_forward(vlm, call):
+    calls = []
+    handle = vlm.hf.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        with pytest.raises(InputError, match="the same picture"):
+            call()
+    finally:
+        handle.remove()
+    assert not calls
+
+
+def test_pairs_without_a_difference_are_refused_by_every_method(organism, same_image):
+    calls = {
+        "patch_layers": lambda: circuits.patch_layers(organism, same_image),
+        "effect": lambda: circuits.effect(organism, same_image, circuits.Patch(circuits.Residual(1))),
+        "faithfulness": lambda: circuits.faithfulness_curves(organism, same_image, {}, random_draws=1),
+        **{m.name: (lambda m=m: m.result(organism, same_image, 2)) for m in METHODS if m.name != "mean-ablation drop"},
+    }
+    for name, call in calls.items():
+        _refused_before_any_forward(organism, call)
+
+
+@pytest.mark.parametrize("clean, corrupt", [(1.5, 1.5), (0.0, float("nan")), (0.0, float("inf"))])
+def test_a_zero_or_broken_denominator_is_an_error_not_nan(clean, corrupt):
+    with pytest.raises(InputError, match="no effect can be normalised"):
+        normaliser(clean, corrupt)
+    assert normaliser(1.0, 3.0) == 2.0
+
+
+def test_plant_writes_only_into_its_own_output(tmp_path):
+    from countlens.toy.plant import plant
+    from countlens.toy.planted import CIRCUITS
+
+    checkpoint = tmp_path / "other-model"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(RunDirError, match="not empty .*model.safetensors.index.json"):
+        plant(checkpoint, CIRCUITS["route"])
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["model.safetensors.index.json"]
+    claim_directory(tmp_path / "run", "countlens toy plant", {"circuit": "two-hop"})
+    with pytest.raises(RunDirError, match="other settings"):
+        plant(tmp_path / "run", CIRCUITS["route"])
+    claim_directory(tmp_path / "run", "countlens toy plant", {"circuit": "two-hop"})  # its own: accepted again
+
+
+def test_a_second_writer_of_one_folder_is_refused(tmp_path, organism):
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.pipeline.discover import LOCK, discover
+
+    with directory_lock(tmp_path, LOCK, "discover", "give another --out"):
+        with pytest.raises(InputError, match=f"being written by another discover \\(process {os.getpid()}"):
+            discover(organism, tmp_path, DiscoverConfig(n_pairs=2, n_per_case=1, n_samples=2), log=lambda _: None)
+    assert not (tmp_path / LOCK).exists() and not (tmp_path / "spec.json").exists()
+
+
+def test_an_organism_name_that_is_also_a_folder_is_ambiguous(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "toy").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="names both a shipped organism and a local folder"):
+        cl.load("toy")
+    with pytest.raises(CheckpointNotFoundError, match="planted-route, planted-two-hop, planted-spread"):
+        cl.load("no-such-model")
