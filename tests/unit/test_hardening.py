@@ -47,7 +47,7 @@ def test_pairs_without_a_difference_are_refused_by_every_method(organism, same_i
         "faithfulness": lambda: circuits.faithfulness_curves(organism, same_image, {}, random_draws=1),
         **{m.name: (lambda m=m: m.result(organism, same_image, 2)) for m in METHODS if m.name != "mean-ablation drop"},
     }
-    for name, call in calls.items():
+    for call in calls.values():
         _refused_before_any_forward(organism, call)
 
 
