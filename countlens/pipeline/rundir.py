@@ -16,7 +16,9 @@ import xarray as xr
 
 from countlens import files, results
 from countlens.errors import RunDirError
-from countlens.pipeline.stages import REQUIRED
+from countlens.pipeline.stages import REQUIRED, STAGES
+
+BY_NAME = {stage.name: stage for stage in STAGES}
 
 
 def read_spec(run: str | Path) -> dict:
@@ -36,12 +38,41 @@ def read_spec(run: str | Path) -> dict:
     return spec
 
 
+def stored(path: Path, out: Path) -> xr.Dataset | xr.DataArray:
+    """A stage's stored result, checked against what its stage declares it holds (`check_stored`); a
+    damaged or foreign file is a `RunDirError` that names it and the fix."""
+    fix = f"delete {path} and rerun `countlens discover --out {out}` (it resumes, recomputing only that stage)"
+    try:
+        value = results.load(path)
+    except results.ResultError as err:
+        raise RunDirError(f"{err}; {fix}") from None
+    check_stored(path.stem, value, path, fix)
+    return value
+
+
+def check_stored(name: str, value, path: Path, fix: str) -> None:
+    """Refuse a stored result of stage ``name`` that lacks a variable its stage declares, or holds it
+    over other dims (a damaged file, or one another version or program wrote)."""
+    stage = BY_NAME.get(name)
+    if stage is None or not stage.variables or value.attrs.get("refused"):
+        return
+    if isinstance(value, xr.DataArray):
+        value = value.to_dataset(name=value.name or name)
+    problems = [
+        f"{var} is missing" if var not in value else f"{var} is over {value[var].dims}, not {dims}"
+        for var, dims in stage.variables.items()
+        if var not in value or value[var].dims != dims
+    ]
+    if problems:
+        raise RunDirError(f"{path} is not a {name} result countlens can read ({'; '.join(problems)}); {fix}")
+
+
 def load_run(out: str | Path) -> dict[str, xr.Dataset]:
     """Every stage result of a finished run directory, by stage name (every required stage of the
-    registry, and the optional ones the run had)."""
+    registry, and the optional ones the run had), each checked against its stage's variables."""
     out = Path(out)
     read_spec(out)
-    found = {p.stem: results.load(p) for p in sorted((out / "results").glob("*.nc"))}
+    found = {p.stem: stored(p, out) for p in sorted((out / "results").glob("*.nc"))}
     missing = [s for s in REQUIRED if s not in found]
     if missing:
         raise RunDirError(f"{out} misses stages {missing}; rerun `countlens discover --out {out}` to finish it")
@@ -104,7 +135,7 @@ class Stages:
         path = self.dir / f"{name}.nc"
         if path.exists():
             self.log(f"[{name}] done before: {path}")
-            return results.load(path)
+            return stored(path, self.out)
         self.log(f"[{name}] running")
         value = compute()
         if save:

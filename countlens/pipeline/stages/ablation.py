@@ -44,7 +44,14 @@ def _plan(p: Planner) -> StagePlan:
     return StagePlan("ablation", fw, kept=kept, host=host, rows=rows, batch=p.bs)
 
 
-ABLATION = Stage("ablation", inputs=("tasks",), compute=_ablation, plan=_plan, sweep=True)
+ABLATION = Stage(
+    "ablation",
+    inputs=("tasks",),
+    compute=_ablation,
+    plan=_plan,
+    sweep=True,
+    variables={"logp_drop": ("task", "layer", "head"), "acc_drop": ("task", "layer", "head"), "base_acc": ("task",)},
+)
 
 
 def _reasoning_sources(spec: dict, tasks: list[str]) -> dict[str, str]:

@@ -67,6 +67,7 @@ HEADLENS = Stage(
     inputs=("headlens_fit", "tasks"),
     compute=_headlens,
     plan=_plan_headlens,
+    variables={"token": ("layer", "head", "sample", "k"), "vgs": ("layer", "head"), "cter": ("layer", "head")},
 )
 ATTENTION = Stage(
     "attention",
@@ -75,6 +76,7 @@ ATTENTION = Stage(
         run.vlm, run.data["count"], batch_size=run.batch_size
     ).to_dataset(name="image_attention"),
     plan=_plan_attention,
+    variables={"image_attention": ("layer", "head", "sample")},
 )
 ATTENTION_METRICS = Stage(
     "attention_metrics",
@@ -86,6 +88,12 @@ ATTENTION_METRICS = Stage(
         at=run.config.attention_at,  # the notebook's 50 new tokens
     ),
     plan=_plan_metrics,
+    variables={
+        "mas": ("layer", "sample"),
+        "vra": ("layer", "sample"),
+        "iou": ("layer", "sample"),
+        "ars": ("layer", "sample"),
+    },
 )
 
 

@@ -75,7 +75,13 @@ def _plan(p: Planner) -> StagePlan:
     return StagePlan("attention_maps", fw, batch=p.bs)
 
 
-ATTENTION_MAPS = Stage("attention_maps", inputs=("cases",), compute=_compute, plan=_plan)
+ATTENTION_MAPS = Stage(
+    "attention_maps",
+    inputs=("cases",),
+    compute=_compute,
+    plan=_plan,
+    variables={"attention": ("site", "sample", "token"), "layer_mean": ("layer", "sample", "token")},
+)
 
 
 def key_heads(table: pd.DataFrame, ds: xr.Dataset, k: int = N_HEADS) -> list[tuple[int, int]]:

@@ -82,6 +82,10 @@ class Stage:
     sweep: bool = False
     enabled: Callable[[DiscoverConfig], bool] = lambda config: True
     optional: bool = False  # a finished run may lack its result (`load_run` does not require it)
+    # What its stored result must hold, {variable: dims}: a stored result is checked on read against it
+    # (`countlens.pipeline.rundir.check_stored`); a result with an ``refused`` attr (the stage found
+    # nothing to measure on this model) holds none.
+    variables: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass

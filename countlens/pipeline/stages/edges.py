@@ -91,4 +91,10 @@ def _plan(p: Planner) -> StagePlan:
     return StagePlan("edge_faithfulness", fw, kept=kept, rows=rows, batch=p.bs)
 
 
-EDGE_FAITHFULNESS = Stage("edge_faithfulness", inputs=("pairs",), compute=_compute, plan=_plan)
+EDGE_FAITHFULNESS = Stage(
+    "edge_faithfulness",
+    inputs=("pairs",),
+    compute=_compute,
+    plan=_plan,
+    variables={"faithfulness": ("ranking", "size"), "cpr": ("ranking",), "cmd": ("ranking",)},
+)

@@ -92,7 +92,13 @@ def _plan(p: Planner) -> StagePlan:
     return StagePlan("faithfulness", fw, kept=kept, rows=rows, batch=p.bs)
 
 
-FAITHFULNESS = Stage("faithfulness", inputs=("pairs",), compute=_faithfulness, plan=_plan)
+FAITHFULNESS = Stage(
+    "faithfulness",
+    inputs=("pairs",),
+    compute=_faithfulness,
+    plan=_plan,
+    variables={"faithfulness": ("ranking", "size"), "cpr": ("ranking",), "cmd": ("ranking",)},
+)
 
 
 def _table(ds: xr.Dataset, unit: str = "heads", draws: int = RANDOM_DRAWS) -> pd.DataFrame:

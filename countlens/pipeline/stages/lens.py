@@ -24,6 +24,7 @@ LENS = Stage(
     inputs=("tasks",),
     compute=lambda run: circuits.logit_lens(run.vlm, run.data["count"], batch_size=run.batch_size),
     plan=_plan,
+    variables={"rank": ("layer", "sample"), "prob": ("layer", "sample")},
 )
 
 

@@ -65,6 +65,7 @@ VAP = Stage(
     compute=_vap,
     plan=lambda p: p.patching("vap", [la for la in range(-1, p.w.n_layers) for _ in range(3)]),
     sweep=True,
+    variables={"effect": ("layer", "group"), "logit_diff": ("layer", "group", "pair")},
 )
 HEADS = Stage(
     "heads",
@@ -73,12 +74,14 @@ HEADS = Stage(
     plan=lambda p: p.patching("heads", [la for la in range(p.w.n_layers) for _ in range(p.w.n_heads)]),
     check=_check_heads,
     sweep=True,
+    variables={"effect": ("layer", "head"), "logit_diff": ("layer", "head", "pair")},
 )
 ATP = Stage(
     "atp",
     inputs=("pairs",),
     compute=lambda run: circuits.attribution_patch(run.vlm, run.pairs, batch_size=run.batch_size),
     plan=_plan_atp,
+    variables={"effect": ("layer", "head"), "resid_effect": ("layer",)},
 )
 #: EAP-IG's interpolation steps: MIB's authors' default for EAP-IG-inputs.
 EAP_IG_STEPS = 5
@@ -94,6 +97,7 @@ EAP_IG = Stage(
     inputs=("pairs",),
     compute=lambda run: node_attribution(run.vlm, run.pairs, steps=EAP_IG_STEPS, batch_size=run.batch_size),
     plan=_plan_eap_ig,
+    variables={"effect": ("layer", "head"), "mlp_effect": ("layer",), "input_effect": ("input",)},
 )
 
 

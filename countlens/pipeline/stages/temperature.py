@@ -38,6 +38,7 @@ TEMPERATURE = Stage(
     inputs=("temperature",),
     compute=_temperature,
     plan=lambda p: p.score("temperature", p.samples("temperature"), times=2),
+    variables={"base": ("sample",), "sharpened": ("sample",)},
 )
 
 
