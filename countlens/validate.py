@@ -101,3 +101,35 @@ def require_choice(value, name: str, choices: Iterable, kind: type[CountlensErro
     if value not in choices:
         raise kind(f"{name}={value!r}: use one of {', '.join(map(repr, choices))}")
     return value
+
+
+def require_sequence(value, name: str, kind: type[CountlensError] = InputError, example: str = "[0.1, 0.5]") -> list:
+    """A non-empty list, tuple or array (not a string, a number or a mapping), as a list."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable) or isinstance(value, Real):
+        raise kind(f"{name} must be a sequence, e.g. {example}; got {type(value).__name__} {value!r}")
+    values = list(value)
+    if not values:
+        raise kind(f"{name} is empty; give at least one value, e.g. {example}")
+    return values
+
+
+def require_fractions(value, name: str, kind: type[CountlensError] = InputError) -> list[float]:
+    """A non-empty, strictly increasing sequence of fractions in [0, 1] (circuit sizes, levels): refuses
+    a bare number, percentages (80 for 0.8), NaN or ±inf, a repeat, descending order."""
+    values = require_sequence(value, name, kind)
+    for v in values:
+        require_share(v, f"each of {name}", kind)
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise kind(f"{name} must increase strictly (smallest first, each once); got {values}")
+    return [float(v) for v in values]
+
+
+def require_finite_scores(values: dict, name: str, kind: type[CountlensError] = InputError) -> dict:
+    """A mapping of scores whose values are finite numbers: an inf would rank first whatever it means."""
+    bad = [k for k, v in values.items() if not _real(v)]
+    if bad:
+        raise kind(
+            f"{name} holds non-finite scores (NaN or ±inf) at {bad[:5]}{' …' if len(bad) > 5 else ''}; rank with "
+            "a result whose every score is finite (a degenerate denominator gives inf: check the pairs)"
+        )
+    return values

@@ -43,6 +43,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.arguments import require_layers, require_vlm
 from countlens.cells import cell_edges, cell_sums
 from countlens.errors import InputError
 from countlens.geometry import Geometry
@@ -251,6 +252,7 @@ def attention_metrics(
     cross-attention looks — countlens's definitions, the papers define none there. Attention comes from
     `countlens.circuits.attention.last_token_attention` (eager attention for that call only).
     """
+    require_vlm(vlm, "attention_metrics")
     from countlens.analysis.evaluate import score
     from countlens.analysis.parse import parse_shape_count
     from countlens.circuits.attention import image_keys, last_token_attention
@@ -264,7 +266,7 @@ def attention_metrics(
             "at='generation' reads the MAS code's diagnostics of image tokens; a cross-attention model has none"
         )
     asked = layers  # None: every layer, NaN where there are no probabilities (linear attention)
-    layers = list(range(vlm.arch.n_layers)) if layers is None else sorted({int(x) for x in layers})
+    layers = sorted(set(require_layers(vlm, layers, "attention_metrics") or range(vlm.arch.n_layers)))
     for layer in layers:
         vlm.arch.attention(layer)  # raises a LayerError naming the valid range
     rows: dict[str, list[Tensor]] = {k: [] for k in METRICS}

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from countlens.analysis.benchmark_answers import has_rule, read_answer
 from countlens.analysis.parse import PARSERS, parse_count, parse_shape_count
+from countlens.arguments import require_vlm
 from countlens.errors import InputError
 from countlens.reference.counting_to_four.parse import parse_count_as_reference
 from countlens.validate import require_count
@@ -118,6 +119,7 @@ def score(
     - ``"auto"`` (default) — ``"token"`` when every answer is a single token, else ``"candidates"``.
     All carry gold, task, count, case, shape and distractor.
     """
+    require_vlm(vlm, "score")
     _check_samples(samples, "score", batch_size)
     if method not in SCORE_METHODS:
         raise InputError(f"unknown scoring method {method!r}; use one of {SCORE_METHODS}")
@@ -408,6 +410,7 @@ def generate(
     it, `countlens.answers`) is refused: the budget could never produce it — except a benchmark
     question's, which its rule reads from whatever is written (the caller sizes the budget).
     """
+    require_vlm(vlm, "generate")
     _check_samples(samples, "generate", batch_size)
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")

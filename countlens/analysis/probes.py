@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from countlens.analysis.detection import average_precision, giou, nms
+from countlens.arguments import require_vlm
 from countlens.errors import ConfigError, InputError
 from countlens.validate import require_count, require_nonnegative, require_positive, require_seed, require_share
 
@@ -411,6 +412,7 @@ def probe_taps(
     (`countlens.reference.counting_to_four.probe`; ``config`` gives only the seed), on scenes (shapes as classes) or
     VOC2007 images (`countlens.datasets.loaders.load_voc2007`); `reference_taps` are the code's taps.
     """
+    require_vlm(vlm, "probe_taps")
     if recipe not in RECIPES:
         raise InputError(f"unknown probe recipe {recipe!r}; use one of {RECIPES}")
     from countlens.results import provenance

@@ -32,6 +32,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.arguments import require_layers, require_vlm
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -256,8 +257,11 @@ def representation_view(
     Variables: ``pca`` (layer, sample, pc), ``explained`` (layer, pc), ``separation`` (layer, range)
     and, with ``with_tsne``, ``tsne`` (layer, sample, pc). Coords: ``count`` and ``case`` per sample.
     """
+    require_vlm(vlm, "representation_view")
     counts = _counts(samples)
-    layers = sorted({int(x) for x in layers})
+    if layers is None:
+        raise InputError("representation_view: give the layers to read, e.g. layers=[0, 3]")
+    layers = sorted(set(require_layers(vlm, layers, "representation_view")))
     states = last_token_states(vlm, samples, layers, batch_size)
     fits = [pca(s, k) for s in states]
     data = {

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.answers import answer_window, sequence_scores
+from countlens.arguments import require_vlm
 from countlens.circuits.edits import Edit, run_edits
 from countlens.circuits.sites import HeadZ, checked_heads, group_mask
 from countlens.circuits.sweep import open_store, run_chunks
@@ -64,6 +65,7 @@ def group_masks(batch: Batch) -> list[Tensor]:
 @torch.no_grad()
 def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tensor, "layer group n_heads*d_head"]:
     """Mean z per token group (`ABLATION_GROUPS`) over a reference set."""
+    require_vlm(vlm, "group_means")
     if len(samples) == 0:
         raise InputError("no reference samples for the means")
     arch = vlm.arch
@@ -142,6 +144,7 @@ def ablation_scan(
     processes, the chunks are split between them (`countlens.distributed`; rank 0 computes the
     tasks' means first, the other ranks read them from the store).
     """
+    require_vlm(vlm, "ablation_scan")
     if not isinstance(tasks, dict) or not tasks:
         raise InputError(f"give tasks={{'name': samples, ...}}, got {type(tasks).__name__}")
     for name, samples in tasks.items():
@@ -290,6 +293,7 @@ def ablate(
 ) -> xr.Dataset:
     """Ablate ``heads`` jointly (each (layer, head) or a label such as "L3H2"): per sample
     ``correct`` and ``logp`` before and after."""
+    require_vlm(vlm, "ablate")
     check_samples(samples, "ablate")
     heads = checked_heads(vlm.arch, heads)
     require_count(batch_size, "batch_size")

@@ -25,6 +25,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.arch import text_config
+from countlens.arguments import require_batch, require_layers, require_vlm
 from countlens.results import provenance
 from countlens.vlm import check_samples
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 @contextmanager
 def eager_attention(vlm: VLM) -> Iterator[None]:
     """Switch the language model to eager attention inside the block (the vision tower is untouched)."""
+    require_vlm(vlm, "eager_attention")
     text = text_config(vlm.hf.config, vlm.arch.spec)
     previous = text._attn_implementation
     if previous == "eager":
@@ -56,11 +58,13 @@ def last_token_attention(
     """Attention from the last prompt position, per head, over the keys (`image_keys`). Asked for
     explicitly, a linear-attention layer (no probabilities) is an error; by default (``layers`` None)
     such layers, and heads beyond a layer's own, are NaN."""
+    require_vlm(vlm, "last_token_attention")
+    require_batch(batch, "last_token_attention")
     arch = vlm.arch
     if layers is None:
         layers = list(range(arch.n_layers))
     else:
-        layers = sorted(int(x) for x in layers)
+        layers = sorted(require_layers(vlm, layers, "last_token_attention"))
         for layer in layers:
             arch.require_softmax(layer, "reading attention")
     rows = {}
@@ -98,9 +102,10 @@ def image_attention_share(
     vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 16
 ) -> xr.DataArray:
     """Share of the last position's attention that lands on image tokens: (layer, head, sample)."""
+    require_vlm(vlm, "image_attention_share")
     check_samples(samples, "image_attention_share")
     asked = layers  # None: every layer, NaN where there are no probabilities
-    layers = list(range(vlm.arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
+    layers = sorted(require_layers(vlm, layers, "image_attention_share") or range(vlm.arch.n_layers))
     parts = []
     for _, batch in vlm.batches(samples, batch_size):
         att = last_token_attention(vlm, batch, asked)  # layer batch head key

@@ -30,6 +30,7 @@ from countlens import memory
 from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked, receiver_columns, stream_shaped
 from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_output, repeat_inputs
 from countlens.errors import InputError
+from countlens.validate import require_finite_scores
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
@@ -48,9 +49,13 @@ def edge_scores(graph: EdgeGraph, scores) -> dict[int, float]:
             )
         values = dict(zip(map(str, scores["edge"].values), map(float, scores.values)))
     elif isinstance(scores, Mapping):
-        values = {str(k): float(v) for k, v in scores.items()}
+        try:
+            values = {str(k): float(v) for k, v in scores.items()}
+        except (TypeError, ValueError) as err:
+            raise InputError(f"edge scores must map edge labels to numbers ({err})") from None
     else:
         raise InputError(f"edge scores of type {type(scores).__name__}: give edge_attribution's result or a mapping")
+    require_finite_scores({k: v for k, v in values.items() if k in labels and not np.isnan(v)}, "the edge ranking")
     missing = [lab for lab in labels if lab not in values or np.isnan(values[lab])]
     unknown = sorted(set(values) - set(labels))
     if unknown or missing:

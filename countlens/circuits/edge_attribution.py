@@ -27,6 +27,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.arguments import require_vlm
 from countlens.circuits.edges import (
     EdgeGraph,
     Receiver,
@@ -149,6 +150,7 @@ def edge_attribution(
     every edge: ``effect`` over ``edge`` (with ``upstream``, ``receiver`` and ``part`` coordinates),
     and ``node_effect`` over ``node`` (the sum of a node's outgoing edges). ``positions``: the token
     group whose positions are summed ("all", "image", "text", "last"). See the module docstring."""
+    require_vlm(vlm, "edge_attribution")
     check_pair_sweep(pairs, batch_size, "edge_attribution")
     if method not in ("eap", "eap-ig"):
         raise InputError(f"method {method!r}: give 'eap' (the clean run's gradient) or 'eap-ig' (integrated)")

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.arguments import require_vlm
 from countlens.circuits.nodes import Node, graph_nodes
 from countlens.circuits.sites import INPUTS, AttnIn, K, Logits, MlpIn, Q, V, first_output, heads_view, mlp_path
 from countlens.errors import InputError
@@ -118,6 +119,7 @@ def _module(vlm: VLM, path: str) -> torch.nn.Module | None:
 def edge_graph(vlm: VLM) -> EdgeGraph:
     """The model's edge graph (see the module docstring); refuses a model whose layers are not
     pre-norm blocks with the two norms edges read."""
+    require_vlm(vlm, "edge_graph")
     arch = vlm.arch
     if arch.cross_layers:
         raise InputError(

@@ -36,6 +36,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.answers import answer_window
+from countlens.arguments import require_batch, require_layers, require_vlm
 from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.expert_rules import expert_rule
@@ -73,7 +74,7 @@ def _layers(vlm: VLM, layers: Sequence[int] | None, what: str) -> list[int]:
     moe = require_experts(vlm, what)
     if layers is None:
         return moe
-    for layer in layers:
+    for layer in require_layers(vlm, layers, what):
         vlm.arch.experts(int(layer))  # a LayerError naming the MoE layers
     return sorted(int(x) for x in layers)
 
@@ -82,6 +83,8 @@ def _layers(vlm: VLM, layers: Sequence[int] | None, what: str) -> list[int]:
 def routing(vlm: VLM, batch: Batch, layers: Sequence[int] | None = None) -> dict[int, tuple[Tensor, Tensor]]:
     """Per MoE layer, the router's choice for every token of a prepared batch: (top-k expert indices,
     their weights), Int and Float[Tensor, "batch seq top_k"] (padding positions included)."""
+    require_vlm(vlm, "routing")
+    require_batch(batch, "routing")
     layers = _layers(vlm, layers, "routing")
     rows, seq = batch.inputs["input_ids"].shape
     rule, top_k = expert_rule(vlm.arch), vlm.arch.experts_top_k
@@ -97,6 +100,7 @@ def expert_usage(
 ) -> xr.DataArray:
     """The share of ``positions``' tokens (a token group: "last", "image", "text", "all") whose top-k
     includes each expert: (layer, expert); each layer's shares sum to top-k."""
+    require_vlm(vlm, "expert_usage")
     check_samples(samples, "expert_usage")
     check_group(positions)
     layers = _layers(vlm, layers, "expert_usage")
@@ -136,6 +140,7 @@ def patch_experts(
     """Expert patching: each expert's contribution at ``positions`` copied from the corrupt run into
     the clean run, one (layer, expert) at a time; ``effect`` / ``overwrite`` over (layer, expert), per
     pair ``logit_diff`` over (layer, expert, pair), as `countlens.circuits.patching.patch_heads`."""
+    require_vlm(vlm, "patch_experts")
     check_pair_sweep(pairs, batch_size, "patch_experts")
     check_group(positions)
     layers = _layers(vlm, layers, "patch_experts")
@@ -169,6 +174,7 @@ def patch_experts(
 def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Tensor, "moe_layer group expert d_model"]:
     """Each expert's mean contribution per token group (`countlens.circuits.ablation.ABLATION_GROUPS`)
     over a reference set, MoE layers in order; zero counts where the expert was not chosen."""
+    require_vlm(vlm, "expert_means")
     check_samples(samples, "expert_means")
     layers = require_experts(vlm, "expert_means")
     arch = vlm.arch
@@ -227,6 +233,7 @@ def ablate_experts(
     """Mean-ablate ``experts`` jointly — each (layer, expert) or the label results give it, such as
     "L1E0" — : per sample ``correct`` and ``logp`` before and after (``base_correct``,
     ``base_logp``), as `countlens.circuits.ablation.ablate`."""
+    require_vlm(vlm, "ablate_experts")
     check_samples(samples, "ablate_experts")
     require_count(batch_size, "batch_size")
     sites = checked_experts(vlm, experts)
@@ -249,6 +256,7 @@ def ablate_experts(
 def expert_ablation_scan(vlm: VLM, samples: Sequence, means: Tensor | None = None, batch_size: int = 16) -> xr.Dataset:
     """Mean-ablate each expert alone: ``acc_drop`` and ``logp_drop`` over (layer, expert), MoE layers
     only (replicas stacked in one forward, as `countlens.circuits.ablation.ablation_scan`)."""
+    require_vlm(vlm, "expert_ablation_scan")
     check_samples(samples, "expert_ablation_scan")
     require_count(batch_size, "batch_size")
     layers = require_experts(vlm, "expert_ablation_scan")

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.arguments import require_vlm
 from countlens.circuits import edge_ablation, edges
 from countlens.circuits.nodes import (
     NODE_KINDS,
@@ -63,7 +64,7 @@ from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.labels import head_label
 from countlens.results import provenance
-from countlens.validate import require_choice
+from countlens.validate import require_choice, require_finite_scores, require_fractions, require_share
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -80,6 +81,11 @@ def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[No
     (`patch_experts`' ``effect``), or a mapping from node label (``L3H1``, ``MLP3``, ``IN.image``,
     ``L1E3``) to score. ``kinds``: the node set; by default the kinds the
     ranking scores. A node of the set the ranking does not score is refused by name."""
+    if isinstance(scores, xr.Dataset):
+        raise InputError(
+            "scores is a Dataset; give its scores as a DataArray over (layer, head), e.g. result.effect "
+            "(or result.logp_drop.sel(task='count', drop=True) of an ablation scan), or {node label: score}"
+        )
     if isinstance(scores, xr.DataArray):
         unit = next((u for u in ("head", "expert") if set(scores.dims) == {"layer", u}), None)
         if unit is None:
@@ -96,9 +102,14 @@ def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[No
             if not math.isnan(float(scores.sel({"layer": la, unit: h})))
         }
     elif isinstance(scores, Mapping):
-        values = {str(k): float(v) for k, v in scores.items()}
+        try:
+            values = {str(k): float(v) for k, v in scores.items()}
+        except (TypeError, ValueError) as err:
+            raise InputError(f"scores must map node labels to numbers ({err})") from None
     else:
         raise InputError(f"scores of type {type(scores).__name__}: give a DataArray over (layer, head) or a mapping")
+    values = {k: v for k, v in values.items() if not math.isnan(v)} if isinstance(scores, xr.DataArray) else values
+    require_finite_scores(values, "the ranking")
     every = {n.label: n for n in graph_nodes(vlm)}
     if vlm.arch.expert_layers:
         every.update({n.label: n for n in graph_nodes(vlm, ("expert",))})
@@ -121,10 +132,9 @@ def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[No
 
 
 def circuit_sizes(n_nodes: int, sizes: Sequence[float] = SIZES) -> list[int]:
-    """Nodes kept at each size: ⌊s·|N|⌋, as MIB rounds (small sizes of a small model keep none)."""
-    for s in sizes:
-        if not (isinstance(s, (int, float)) and 0 <= s <= 1):
-            raise InputError(f"size {s!r}: give fractions of the node set in [0, 1]")
+    """Nodes kept at each size: ⌊s·|N|⌋, as MIB rounds (small sizes of a small model keep none).
+    ``sizes``: fractions of the node set, non-empty and increasing."""
+    sizes = require_fractions(sizes, "sizes")
     return [int(s * n_nodes + 1e-9) for s in sizes]
 
 
@@ -139,7 +149,10 @@ def areas(kept: Sequence[float], f: Sequence[float]) -> tuple[float, float]:
 
 def smallest_faithful(ds: xr.Dataset, level: float = 0.8) -> xr.DataArray:
     """Per ranking, the smallest fraction of the node set whose circuit reaches ``level`` faithfulness
-    (NaN where none does)."""
+    (NaN where none does); ``level`` is a fraction (0.8, not 80)."""
+    require_share(level, "level")
+    if not isinstance(ds, xr.Dataset) or "faithfulness" not in ds or "kept_fraction" not in ds:
+        raise InputError("smallest_faithful reads a faithfulness_curves result (a Dataset with faithfulness)")
     reached = ds.faithfulness >= level
     kept = ds.kept_fraction.broadcast_like(ds.faithfulness).where(reached)
     return kept.min("size", skipna=True)
@@ -158,6 +171,7 @@ def faithfulness(
     """The faithfulness curve of one ranking (see the module docstring for the definition):
     ``faithfulness`` and ``metric`` over ``size``, with ``kept`` / ``kept_fraction`` and per-pair
     ``logit_diff``; ``cpr`` and ``cmd`` in its attrs. One ranking of `faithfulness_curves`."""
+    require_vlm(vlm, "faithfulness")
     ds = faithfulness_curves(
         vlm, pairs, {"scores": scores}, sizes, ablation, nodes, batch_size, random_draws=0, level=level
     )
@@ -185,6 +199,7 @@ def faithfulness_curves(
     rankings (a permutation each, seeded by ``seed``) as rankings ``random0`` …, and ``random`` =
     their mean curve (its CPR / CMD the draws' mean; their standard deviation in ``cpr_std`` /
     ``cmd_std``; per-pair logit differences are then left out)."""
+    require_vlm(vlm, "faithfulness_curves")
     check_pair_sweep(pairs, batch_size, "faithfulness")
     require_choice(ablation, "ablation", ABLATIONS, InputError)
     require_choice(level, "level", LEVELS, InputError)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.arguments import require_vlm
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
@@ -88,6 +89,7 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int 
     """EAP-IG scores of every node (see the module docstring): ``effect`` over (layer, head) for the
     heads (NaN beyond a layer's own heads), ``mlp_effect`` over layer, ``input_effect`` over the input
     groups (image, text), each normalised like the exact sweeps. ``steps`` = 1 is AtP."""
+    require_vlm(vlm, "node_attribution")
     check_pair_sweep(pairs, batch_size, "node_attribution")
     require_count(steps, "steps")
     arch = vlm.arch

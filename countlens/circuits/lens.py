@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.arguments import require_layers, require_vlm
 from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def logit_lens(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, batch_size: int = 32) -> xr.Dataset:
     """``rank`` and ``prob`` of each sample's gold token, and the ``top`` token id, over (layer, sample)."""
+    require_vlm(vlm, "logit_lens")
     check_samples(samples, "logit_lens")
-    layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    layers = require_layers(vlm, layers, "logit_lens") or list(range(vlm.arch.n_layers))
     for layer in layers:
         vlm.arch.layer(layer)
     spec = vlm.arch.spec

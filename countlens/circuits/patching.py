@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.arguments import require_layers, require_vlm
 from countlens.circuits.atp_star import atp_star
 from countlens.circuits.edits import cache_run
 from countlens.circuits.gradients import activation_gradients_only
@@ -90,8 +91,9 @@ def patch_layers(
     the image states (`countlens.circuits.sites`): at layer −1 those every cross-attention layer reads
     (patching all of them there carries the whole effect), at a cross-attention layer those that layer
     alone reads. Self-attention layers read no image states: NaN effect there."""
+    require_vlm(vlm, "patch_layers")
     check_pair_sweep(pairs, batch_size, "patch_layers")
-    layers = list(range(-1, vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    layers = require_layers(vlm, layers, "patch_layers", embeddings=True) or list(range(-1, vlm.arch.n_layers))
     groups = (image_group(vlm), "last", "text") if groups is None else tuple(groups)
     for layer in layers:
         if layer != -1:
@@ -160,9 +162,10 @@ def patch_heads(
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text"). Every layer
     kind's heads (`countlens.arch.LayerKind`: the ``kind`` coordinate); NaN beyond a layer's own heads."""
+    require_vlm(vlm, "patch_heads")
     check_pair_sweep(pairs, batch_size, "patch_heads")
     check_group(positions)  # before the store's spec.json is written
-    layers = list(range(vlm.arch.n_layers)) if layers is None else [int(x) for x in layers]
+    layers = require_layers(vlm, layers, "patch_heads") or list(range(vlm.arch.n_layers))
     for layer in layers:
         vlm.arch.layer(layer)
     heads = list(range(vlm.arch.n_heads))
@@ -210,6 +213,7 @@ def attribution_patch(
     patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps.
     ``method="atp*"``: AtP* (`countlens.circuits.atp_star.atp_star`: GradDrop on the heads' z, and the
     QK fix's per-head query, key and value estimates; magnitudes, no residual estimates)."""
+    require_vlm(vlm, "attribution_patch")
     require_choice(method, "method", ATTRIBUTION_METHODS)
     if method == "atp*":
         return atp_star(vlm, pairs, positions=positions, batch_size=batch_size)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.arguments import require_batch, require_vlm
 from countlens.circuits.attention import eager_attention
 from countlens.circuits.positions import Frame, as_positions
 from countlens.circuits.sites import Expert, ImageStates, Location, first_output
@@ -76,6 +77,8 @@ def require_local(vlm: VLM, what: str) -> None:
 def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
     """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU (a
     `Pattern`'s: Float[Tensor, "batch query key"])."""
+    require_vlm(vlm, "record")
+    require_batch(batch, "record")
     require_local(vlm, "record")
     sites = list(dict.fromkeys(sites))
     locations = {site: location(vlm, site) for site in sites}
@@ -106,6 +109,7 @@ def mean_activation(
     vlm: VLM, samples: Sequence, site: Site, positions="all", batch_size: int = 16
 ) -> Float[Tensor, " d"]:
     """The mean of ``site`` over ``samples``' tokens at ``positions`` (Float[Tensor, "d"], float32, CPU)."""
+    require_vlm(vlm, "mean_activation")
     from countlens.vlm import check_samples
 
     check_samples(samples, "mean_activation")

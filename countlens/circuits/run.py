@@ -30,6 +30,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.arguments import require_vlm
 from countlens.circuits.edits import Edit
 from countlens.circuits.interventions import Intervention, Patch, as_interventions
 from countlens.circuits.pair_batch import PairBatch
@@ -54,6 +55,7 @@ def mean_difference(
     vlm: VLM, a: Sequence, b: Sequence, site: Site, positions="all", batch_size: int = 16
 ) -> Float[Tensor, " d"]:
     """A steering vector: ``site``'s mean over ``a``'s tokens at ``positions`` minus its mean over ``b``'s."""
+    require_vlm(vlm, "mean_difference")
     return mean_activation(vlm, a, site, positions, batch_size) - mean_activation(vlm, b, site, positions, batch_size)
 
 
@@ -65,6 +67,7 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
     """``with intervene(vlm, [Add(Residual(2), v, alpha=4.0), ...]):`` — every forward of ``vlm`` inside
     runs with the interventions; on exit the model is as it was. A `Patch` takes ``values`` here
     (`record` of a donor batch: row b of any forward reads donor row b mod its rows)."""
+    require_vlm(vlm, "intervene")
     require_local(vlm, "intervene")
     items = as_interventions(vlm, interventions)
     for item in items:
@@ -190,6 +193,7 @@ def effect(vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progr
     """The interventions' effect on each pair's clean run: ``effect`` and ``overwrite`` (scalars), per pair
     ``logit_diff`` / ``to_corrupt`` beside the clean and corrupt runs'; a `Patch` copies the corrupt run.
     ``interventions``: one, a list (applied together), or {label: list} (a grid over ``intervention``)."""
+    require_vlm(vlm, "effect")
     check_pair_sweep(pairs, batch_size, "effect")
     grid = dict(interventions) if isinstance(interventions, Mapping) else None
     if grid is not None and not grid:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.arguments import require_vlm
 from countlens.circuits.sites import ImageStates, Residual, VisionBlock
 from countlens.errors import InputError
 from countlens.geometry import Geometry
@@ -145,6 +146,7 @@ def tap(
     vlm: VLM, samples: Sequence, kind: str, index: int | None = None, batch_size: int = 16
 ) -> Float[Tensor, "sample d rows cols"]:
     """The ``kind`` tap ("vision", "projector", "llm") of every sample, laid out on the image grid."""
+    require_vlm(vlm, "tap")
     site = tap_site(vlm, kind, index)
     if vlm.arch.spec.cross_attention is not None and not isinstance(site, ImageStates):
         raise InputError(

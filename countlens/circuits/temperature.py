@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.arguments import require_vlm
 from countlens.circuits.sites import checked_heads
 from countlens.errors import InputError
 from countlens.labels import head_label, top_sites
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 def head_temperature(vlm: VLM, betas: Mapping[tuple[int, int] | str, float]) -> Iterator[None]:
     """``with head_temperature(vlm, {(layer, head): β, ...}): ...`` scales those heads' attention logits;
     a head may also be named by its label, ``{"L3H2": 1.2}``; β is a finite number > 0."""
+    require_vlm(vlm, "head_temperature")
     arch = vlm.arch
     if not isinstance(betas, Mapping):
         raise InputError(

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from countlens.analysis.heads import read_heads
+from countlens.arguments import require_vlm
 from countlens.errors import ConfigError, InputError, RunDirError
 from countlens.files import read_json, refuse_older_spec, write_text
 from countlens.settings import FinetuneConfig
@@ -218,6 +219,7 @@ def finetune(
 ) -> Path:
     """Train a LoRA adapter on ``samples`` into ``out`` (resuming from its checkpoint); returns the
     adapter directory ``out/adapter``. ``vlm`` is left as it was (its LoRA layers are removed)."""
+    require_vlm(vlm, "finetune")
     from accelerate import Accelerator, InitProcessGroupKwargs
     from peft import get_peft_model
 

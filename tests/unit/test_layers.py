@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "vlm": 3,
     "adapt": 3,
     "loading": 3,
+    "arguments": 3,
     "consistency": 3,
     "processor_files": 3,
     "processors": 3,

@@ -1,0 +1,53 @@
+"""Checks of the arguments that name a model and its parts: the model, its layers, a prepared batch.
+
+The checks of plain values (counts, seeds, shares, fractions, sequences) are `countlens.validate`'s;
+samples and pairs are `countlens.vlm.check_samples` / `check_pairs`. Each check names the argument,
+what was given and the fix, and runs before any forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+
+from countlens.errors import InputError
+from countlens.vlm import VLM, Batch
+
+
+def require_vlm(vlm, what: str) -> VLM:
+    """A loaded model (`countlens.load`), not its name or a bare Hugging Face model."""
+    if not isinstance(vlm, VLM):
+        raise InputError(
+            f"{what} takes a loaded model, got {type(vlm).__name__} {vlm!r:.60}: load one with "
+            "countlens.load('toy') (or a checkpoint path)"
+        )
+    return vlm
+
+
+def require_layers(vlm: VLM, layers, what: str, embeddings: bool = False) -> list[int] | None:
+    """None, or a non-empty sequence of the model's decoder layers (with ``embeddings``, −1 too: the
+    input of layer 0); each an integer in range."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes, dict)) or not isinstance(layers, Sequence) and not hasattr(layers, "tolist"):
+        raise InputError(f"{what}: layers must be a list of layer indices, e.g. [0, 3]; got {layers!r:.60}")
+    layers = list(layers.tolist() if hasattr(layers, "tolist") else layers)
+    if not layers:
+        raise InputError(f"{what}: layers is empty; give at least one layer, or None for every layer")
+    low = -1 if embeddings else 0
+    for layer in layers:
+        if not isinstance(layer, Integral) or isinstance(layer, bool) or not low <= layer < vlm.arch.n_layers:
+            raise InputError(
+                f"{what}: layer {layer!r} is not a layer of {vlm.arch.name}; give integers "
+                f"{low}..{vlm.arch.n_layers - 1}{' (−1: the embeddings)' if embeddings else ''}"
+            )
+    return [int(layer) for layer in layers]
+
+
+def require_batch(batch, what: str) -> Batch:
+    """A prepared batch (`VLM.prepare` / `VLM.prepare_samples`)."""
+    if not isinstance(batch, Batch):
+        raise InputError(
+            f"{what} takes a prepared batch, got {type(batch).__name__}: prepare one with vlm.prepare_samples(samples)"
+        )
+    return batch
