@@ -98,7 +98,7 @@ def require_distinct(values: Iterable, name: str, kind: type[CountlensError] = I
 def require_choice(value, name: str, choices: Iterable, kind: type[CountlensError] = InputError):
     """One of ``choices``."""
     choices = tuple(choices)
-    if value not in choices:
+    if not isinstance(value, (str, bytes, Real)) or value not in choices:
         raise kind(f"{name}={value!r}: use one of {', '.join(map(repr, choices))}")
     return value
 
@@ -133,3 +133,56 @@ def require_finite_scores(values: dict, name: str, kind: type[CountlensError] = 
             "a result whose every score is finite (a degenerate denominator gives inf: check the pairs)"
         )
     return values
+
+
+def require_text(value, name: str, kind: type[CountlensError] = InputError, empty: bool = False) -> str:
+    """A string (non-empty unless ``empty``)."""
+    if not isinstance(value, str) or (not empty and not value):
+        raise kind(f"{name} must be {'a' if empty else 'a non-empty'} string, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def require_integer(value, name: str, kind: type[CountlensError] = InputError, low: int | None = None) -> int:
+    """An integer (not a bool, not 2.0), at least ``low`` where given."""
+    if not _integer(value) or (low is not None and value < low):
+        bound = "" if low is None else f" ≥ {low}"
+        raise kind(f"{name} must be an integer{bound}, got {value!r:.60}")
+    return int(value)
+
+
+def require_dataarray(value, name: str, dims=None, kind: type[CountlensError] = InputError):
+    """An xarray DataArray (over exactly ``dims``, in any order, where given), not a Dataset or an array."""
+    import xarray as xr
+
+    if isinstance(value, xr.Dataset):
+        raise kind(f"{name} is a Dataset; give one of its variables (a DataArray), e.g. result.effect")
+    if not isinstance(value, xr.DataArray):
+        raise kind(f"{name} must be an xarray DataArray, got {type(value).__name__} {value!r:.60}")
+    if dims is not None and set(value.dims) != set(dims):
+        raise kind(f"{name} must be over {tuple(dims)}, got dims {value.dims}")
+    return value
+
+
+def require_dataset(value, name: str, variables=(), kind: type[CountlensError] = InputError):
+    """An xarray Dataset holding ``variables`` (a countlens result)."""
+    import xarray as xr
+
+    if not isinstance(value, xr.Dataset):
+        raise kind(f"{name} must be an xarray Dataset (a countlens result), got {type(value).__name__} {value!r:.60}")
+    missing = [v for v in variables if v not in value]
+    if missing:
+        raise kind(f"{name} lacks {missing}: give the result of the function that makes it")
+    return value
+
+
+def require_tensor(value, name: str, ndim: int | None = None, kind: type[CountlensError] = InputError):
+    """A torch tensor (of ``ndim`` dimensions where given), finite where floating."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise kind(f"{name} must be a torch tensor, got {type(value).__name__} {value!r:.60}")
+    if ndim is not None and value.ndim != ndim:
+        raise kind(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if value.is_floating_point() and not torch.isfinite(value).all():
+        raise kind(f"{name} holds NaN or ±inf")
+    return value

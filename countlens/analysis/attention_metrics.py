@@ -48,6 +48,8 @@ from countlens.cells import cell_edges, cell_sums
 from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.results import provenance
+from countlens.validate import require_count
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
@@ -194,10 +196,8 @@ def attention_reward(
 
 
 def _check(samples: Sequence, batch_size: int) -> None:
-    if len(samples) == 0:
-        raise InputError("no samples given; pass a non-empty list of samples with a scene")
-    if batch_size < 1:
-        raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
+    check_samples(samples, "attention_metrics")
+    require_count(batch_size, "batch_size")
     missing = [i for i, s in enumerate(samples) if getattr(s, "scene", None) is None]
     if missing:
         raise InputError(

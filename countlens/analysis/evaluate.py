@@ -414,8 +414,7 @@ def generate(
     _check_samples(samples, "generate", batch_size)
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; generate runs local models only — load it locally")
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    require_count(max_new_tokens, "max_new_tokens")
     if parser not in PARSERS:
         raise InputError(f"unknown parser {parser!r}; use one of {PARSERS}")
     # A benchmark's answer is read by its rule, not matched whole: its length is the caller's budget.

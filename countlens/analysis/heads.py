@@ -32,9 +32,10 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from countlens.errors import RunDirError
+from countlens.errors import InputError, RunDirError
 from countlens.labels import head_label
 from countlens.settings import HeadThresholds
+from countlens.validate import require_dataarray
 
 CLASSES: tuple[str, ...] = ("visual grounding", "cross-modal routing", "counting aggregation", "awareness", "other")
 
@@ -60,6 +61,15 @@ def classify_heads(
     difficulty: xr.DataArray | None = None,
 ) -> pd.DataFrame:
     """One row per head: the measurements, depth and ``class``; sorted by importance."""
+    for name, value in (("vgs", vgs), ("cter", cter), ("image_attention", image_attention), ("importance", importance)):
+        require_dataarray(value, name)
+        if not {"layer", "head"} <= set(value.dims):
+            raise InputError(f"{name} must be over (layer, head), got dims {value.dims}")
+    for name, value in (("constancy", constancy), ("alignment", alignment), ("difficulty", difficulty)):
+        if value is not None:
+            require_dataarray(value, name)
+    if not isinstance(thresholds, HeadThresholds):
+        raise InputError(f"thresholds must be a HeadThresholds, got {type(thresholds).__name__}")
     t = thresholds
     layers = vgs.layer.values
     n_layers = int(layers.max()) + 1

@@ -23,6 +23,7 @@ import xarray as xr
 
 from countlens.analysis.parse import parse_count, token_text
 from countlens.errors import InputError
+from countlens.validate import require_dataset, require_text
 
 
 def accuracy(ds: xr.Dataset, by: str) -> pd.DataFrame:
@@ -34,6 +35,9 @@ def accuracy(ds: xr.Dataset, by: str) -> pd.DataFrame:
 
 
 def _require(ds: xr.Dataset, *names: str) -> None:
+    require_dataset(ds, "the result (a score() or generate() Dataset)")
+    for name in names:
+        require_text(name, "a variable name")
     missing = [n for n in names if n not in ds.variables]
     if missing:
         raise InputError(

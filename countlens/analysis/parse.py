@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from countlens.errors import InputError
+from countlens.validate import require_text
 
 _UNITS = (
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
@@ -64,6 +65,8 @@ def parse_shape_count(text: str, shape: str = "") -> int | None:
     model that ignores it and answers "There are 7" is still read (→ 7), as the papers' parser does.
     ``shape`` is the asked shape, singular or plural ("circle", "circles", "objects"); empty: any word.
     """
+    require_text(text, "text", empty=True)
+    require_text(shape, "shape", empty=True)
     if not isinstance(text, str):
         raise InputError(f"parse_shape_count got a {type(text).__name__}; give the answer text as a string")
     stem = re.escape(shape[:-1] if shape.endswith("s") else shape) if shape else r"[a-z]+"

@@ -46,7 +46,15 @@ from torch.nn import functional as F
 from countlens.analysis.detection import average_precision, giou, nms
 from countlens.arguments import require_vlm
 from countlens.errors import ConfigError, InputError
-from countlens.validate import require_count, require_nonnegative, require_positive, require_seed, require_share
+from countlens.validate import (
+    require_count,
+    require_nonnegative,
+    require_positive,
+    require_seed,
+    require_sequence,
+    require_share,
+)
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -417,10 +425,15 @@ def probe_taps(
         raise InputError(f"unknown probe recipe {recipe!r}; use one of {RECIPES}")
     from countlens.results import provenance
 
-    if len(train_samples) == 0 or len(test_samples) == 0:
-        raise InputError("probe_taps needs train_samples and test_samples, both non-empty")
-    if not taps:
-        raise InputError("no taps given; pass e.g. taps=[('projector', None), ('llm', 2)]")
+    check_samples(train_samples, "probe_taps (train_samples)")
+    check_samples(test_samples, "probe_taps (test_samples)")
+    if not isinstance(config, ProbeConfig):
+        raise InputError(f"config must be a ProbeConfig, got {type(config).__name__}")
+    require_count(batch_size, "batch_size")
+    taps = require_sequence(taps, "taps", example="[('projector', None), ('llm', 2)]")
+    for t in taps:
+        if isinstance(t, (str, bytes)) or not isinstance(t, (tuple, list)) or len(t) != 2:
+            raise InputError(f"each tap is (kind, index), e.g. ('llm', 2) or ('projector', None); got {t!r:.60}")
     by_case = recipe == "countlens" and all("case" in getattr(s, "meta", {}) for s in test_samples)
     rows = [
         _probe_one(vlm, train_samples, test_samples, t, config, batch_size, by_case)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from countlens.arguments import require_layers, require_vlm
 from countlens.errors import InputError
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -258,6 +259,7 @@ def representation_view(
     and, with ``with_tsne``, ``tsne`` (layer, sample, pc). Coords: ``count`` and ``case`` per sample.
     """
     require_vlm(vlm, "representation_view")
+    check_samples(samples, "representation_view")
     counts = _counts(samples)
     if layers is None:
         raise InputError("representation_view: give the layers to read, e.g. layers=[0, 3]")

@@ -19,6 +19,7 @@ import xarray as xr
 
 from countlens.datasets.countingtricks import CASES
 from countlens.errors import InputError
+from countlens.validate import require_dataset
 
 FAMILIES: tuple[str, ...] = ("position", "dilation", "adjacency")
 OVERALL = "mean (all)"
@@ -66,8 +67,10 @@ def case_table(results: dict[str, xr.Dataset]) -> pd.DataFrame:
     ``mean (dilation)``, ``mean (adjacency)`` (for the families present) and ``mean (all)``. A model
     without a case has NaN there, and its means skip that case.
     """
-    if not results:
+    if not isinstance(results, dict) or not results:
         raise InputError("no results given; pass {model name: score() or generate() result}")
+    for name, ds in results.items():
+        require_dataset(ds, f"results[{name!r}]", ("case", "correct"))
     cols = {name: _case_accuracy(name, ds) for name, ds in results.items()}
     present = set().union(*(c.index for c in cols.values()))
     order = [c for c in CASES if c in present]

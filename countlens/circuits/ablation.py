@@ -40,7 +40,7 @@ from countlens.errors import InputError
 from countlens.labels import head_label, top_sites
 from countlens.results import provenance
 from countlens.sweep_store import SweepStore, samples_digest
-from countlens.validate import require_count
+from countlens.validate import require_count, require_dataset
 from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
@@ -66,8 +66,8 @@ def group_masks(batch: Batch) -> list[Tensor]:
 def group_means(vlm: VLM, samples: Sequence, batch_size: int = 32) -> Float[Tensor, "layer group n_heads*d_head"]:
     """Mean z per token group (`ABLATION_GROUPS`) over a reference set."""
     require_vlm(vlm, "group_means")
-    if len(samples) == 0:
-        raise InputError("no reference samples for the means")
+    check_samples(samples, "group_means")
+    require_count(batch_size, "batch_size")
     arch = vlm.arch
     # One width for every layer: the widest z (layers of fewer or smaller heads fill the first columns).
     width = max(arch.heads(layer) * arch.head_dim(layer) for layer in range(arch.n_layers))
@@ -316,6 +316,7 @@ def ablate(
 def top_heads(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> dict[str, list[tuple[int, int]]]:
     """Per task, the ``k`` heads whose ablation hurts most by ``by`` (all the heads where ``k`` is more)."""
     require_count(k, "k")
+    require_dataset(scan, "scan (an ablation_scan result)", (by,) if isinstance(by, str) else ("?",))
     out = {}
     for task in scan.task.values:
         out[str(task)] = [(layer, head) for layer, head, _ in top_sites(scan[by].sel(task=task), k)]
@@ -329,6 +330,7 @@ def jaccard(scan: xr.Dataset, k: int = 10, by: str = "logp_drop") -> xr.DataArra
     then every head and every overlap 1, which says nothing about the tasks. ``attrs["k"]`` is the
     k used, ``attrs["k_requested"]`` the one asked for."""
     requested = require_count(k, "k")
+    require_dataset(scan, "scan (an ablation_scan result)", (by,) if isinstance(by, str) else ("?",))
     heads = int(scan[by].isel(task=0).notnull().sum()) if scan.sizes.get("task") else 0
     if not heads:
         raise InputError(f"jaccard: the scan has no task with a head whose {by} is a number; scan some tasks first")

@@ -44,8 +44,7 @@ from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, group_mask
 from countlens.circuits.sweep import check_pair_sweep
-from countlens.errors import InputError
-from countlens.validate import require_count
+from countlens.validate import require_choice, require_count
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM, Batch
@@ -152,8 +151,7 @@ def edge_attribution(
     group whose positions are summed ("all", "image", "text", "last"). See the module docstring."""
     require_vlm(vlm, "edge_attribution")
     check_pair_sweep(pairs, batch_size, "edge_attribution")
-    if method not in ("eap", "eap-ig"):
-        raise InputError(f"method {method!r}: give 'eap' (the clean run's gradient) or 'eap-ig' (integrated)")
+    require_choice(method, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", ("eap", "eap-ig"))
     require_count(steps, "steps")
     check_group(positions)
     steps = 1 if method == "eap" else steps

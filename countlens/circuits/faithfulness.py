@@ -64,7 +64,14 @@ from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.labels import head_label
 from countlens.results import provenance
-from countlens.validate import require_choice, require_finite_scores, require_fractions, require_share
+from countlens.validate import (
+    require_choice,
+    require_finite_scores,
+    require_fractions,
+    require_integer,
+    require_seed,
+    require_share,
+)
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -203,6 +210,10 @@ def faithfulness_curves(
     check_pair_sweep(pairs, batch_size, "faithfulness")
     require_choice(ablation, "ablation", ABLATIONS, InputError)
     require_choice(level, "level", LEVELS, InputError)
+    if not isinstance(rankings, Mapping):
+        raise InputError(f"rankings must map a name to scores, e.g. {{'exact': result.effect}}; got {rankings!r:.60}")
+    require_integer(random_draws, "random_draws", low=0)
+    require_seed(seed)
     if not rankings and random_draws <= 0:
         raise InputError("no ranking to evaluate: give rankings={name: scores} or random_draws > 0")
     if level == "edge":

@@ -61,7 +61,7 @@ from countlens.circuits.sites import (
 from countlens.circuits.sweep import check_pair_sweep, pairs_store
 from countlens.distributed import Shard
 from countlens.errors import InputError
-from countlens.validate import require_choice, require_count
+from countlens.validate import require_choice, require_count, require_dataarray
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -275,6 +275,12 @@ def attribution_patch(
 def compare(estimate: xr.DataArray, exact: xr.DataArray, k: int = 10) -> dict:
     """How well an estimate (AtP) ranks sites like exact patching: Spearman ρ and top-k overlap of |effect|."""
     require_count(k, "k")
+    require_dataarray(estimate, "estimate")
+    require_dataarray(exact, "exact", estimate.dims)
+    if exact.shape != estimate.transpose(*exact.dims).shape:
+        raise InputError(
+            f"estimate {dict(estimate.sizes)} and exact {dict(exact.sizes)} cover other sites; compare like with like"
+        )
     a, b = estimate.values.ravel(), exact.transpose(*estimate.dims).values.ravel()
     sites = ~(np.isnan(a) | np.isnan(b))  # slots beyond a layer's own heads are no sites
     a, b = a[sites], b[sites]

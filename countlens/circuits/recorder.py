@@ -20,7 +20,7 @@ from countlens.circuits.attention import eager_attention
 from countlens.circuits.positions import Frame, as_positions
 from countlens.circuits.sites import Expert, ImageStates, Location, first_output
 from countlens.errors import InputError
-from countlens.validate import require_count
+from countlens.validate import require_count, require_sequence
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -60,6 +60,11 @@ def rows_seq(t: Tensor, frame: Frame) -> Tensor:
 
 
 def location(vlm: VLM, site: Site) -> Location:
+    if not hasattr(site, "location") or isinstance(site, type):
+        raise InputError(
+            f"{site!r:.60} is no site; name one with countlens.circuits' Residual(layer), HeadZ(layer, head), Q, K, "
+            "V, MlpIn, MlpOut or Pattern"
+        )
     if isinstance(site, (Expert, ImageStates)):
         raise InputError(
             f"{site} is written inside the experts or cross-attention modules: patch it through effect() or "
@@ -80,8 +85,10 @@ def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
     require_vlm(vlm, "record")
     require_batch(batch, "record")
     require_local(vlm, "record")
-    sites = list(dict.fromkeys(sites))
-    locations = {site: location(vlm, site) for site in sites}
+    sites = require_sequence(sites, "sites", example="[Residual(3), HeadZ(0, 1)]")
+    for site in sites:
+        location(vlm, site)  # refuses what is no site before anything is hashed or run
+    locations = {site: location(vlm, site) for site in dict.fromkeys(sites)}
     frame = Frame.of(batch)
     got: dict = {}
     handles = []

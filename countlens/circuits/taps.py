@@ -35,6 +35,8 @@ from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import token_cells
 from countlens.models import family_of
+from countlens.validate import require_choice, require_count, require_integer
+from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -47,8 +49,9 @@ TAPS: tuple[str, ...] = ("vision", "projector", "llm")
 def tap_site(vlm: VLM, kind: str, index: int | None) -> VisionBlock | Residual | ImageStates:
     """The site a tap reads: vision block ``index``, the image tokens entering layer 0 (a cross-attention
     model's image states), or the residual stream after decoder layer ``index``."""
-    if kind not in TAPS:
-        raise InputError(f"unknown tap {kind!r}; use one of {TAPS}")
+    require_choice(kind, "tap", TAPS)
+    if index is not None:
+        require_integer(index, "the tap's index", low=0)
 
     def indexed(site: type, what: str):
         if index is None:
@@ -147,6 +150,8 @@ def tap(
 ) -> Float[Tensor, "sample d rows cols"]:
     """The ``kind`` tap ("vision", "projector", "llm") of every sample, laid out on the image grid."""
     require_vlm(vlm, "tap")
+    check_samples(samples, "tap")
+    require_count(batch_size, "batch_size")
     site = tap_site(vlm, kind, index)
     if vlm.arch.spec.cross_attention is not None and not isinstance(site, ImageStates):
         raise InputError(

@@ -26,7 +26,7 @@ from countlens.arguments import require_vlm
 from countlens.circuits.sites import checked_heads
 from countlens.errors import InputError
 from countlens.labels import head_label, top_sites
-from countlens.validate import require_count, require_positive
+from countlens.validate import require_count, require_dataarray, require_positive
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -115,8 +115,7 @@ def beta_from_importance(
     """β_h = α·γ_h for the ``top_k`` heads by |importance| (an xr.DataArray over layer × head). NaN
     slots are no candidates (no head there, or a layer without softmax masked out); ±inf, or no finite
     value at all (a degenerate patching denominator), is refused."""
-    if set(importance.dims) != {"layer", "head"}:
-        raise InputError(f"importance must have dims (layer, head), got {importance.dims}")
+    require_dataarray(importance, "importance", ("layer", "head"))
     require_positive(alpha, "alpha")
     require_count(top_k, "top_k")
     grid = importance.transpose("layer", "head")

@@ -47,7 +47,14 @@ from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, check_visible
 from countlens.datasets.tasks import TaskSample, sample_rng
 from countlens.errors import CountlensError, InputError
 from countlens.geometry import Geometry
-from countlens.validate import require_count, require_distinct, require_seed
+from countlens.validate import (
+    require_count,
+    require_distinct,
+    require_integer,
+    require_seed,
+    require_sequence,
+    require_text,
+)
 
 DEFAULT_COUNTS: tuple[int, ...] = tuple(range(3, 13))
 APART = 0.5  # minimum distance between enclosing discs of non-adjacent objects, in patches
@@ -135,7 +142,7 @@ def as_geometry(grid: Geometry | None = None, image_size: int | None = None, pat
 
 
 def case(name: str) -> Case:
-    if name not in CASES:
+    if not isinstance(name, str) or name not in CASES:
         raise InputError(f"unknown COUNTINGTRICKS case {name!r}; cases are {', '.join(CASES)}")
     return CASES[name]
 
@@ -357,6 +364,8 @@ def trick_sample(
     background: str = "white",
 ) -> TaskSample:
     """The ``index``-th sample of case ``name`` under ``seed``: a pure function of its arguments."""
+    require_seed(seed)
+    require_integer(index, "index", low=0)
     c = case(name)
     g = as_geometry(grid, image_size, patch_size)
     shapes, colors = _check_style(shapes, color, prompt)
@@ -408,6 +417,8 @@ def countingtricks(
         raise InputError(f"unknown design {design!r}; use one of {DESIGNS}")
     if isinstance(cases, str):  # one case named alone: "1A"
         cases = [cases]
+    if cases is not None:
+        cases = [require_text(c, "each case") for c in require_sequence(cases, "cases", example='["1A", "4A"]')]
     require_count(n_per_case, "n_per_case")
     require_seed(seed)
     if design == "paper-code":

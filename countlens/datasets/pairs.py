@@ -29,7 +29,7 @@ from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TaskSample, sample_rng
 from countlens.errors import InputError
 from countlens.geometry import Geometry
-from countlens.validate import require_count, require_seed
+from countlens.validate import require_count, require_image_side, require_integer, require_seed, require_sequence
 
 KINDS: tuple[str, ...] = ("dots", "shapes", "polygons", "rendered")
 DEFAULT_COUNTS: tuple[int, ...] = tuple(range(1, 10))
@@ -57,6 +57,16 @@ def check_kind(kind: str) -> tuple[str, ...]:
             "(e.g. 'dots+polygons': they alternate by index)"
         )
     return parts
+
+
+def _check_draw(seed, index, grid, image_size) -> None:
+    """The arguments every single draw takes, refused by name before anything is drawn."""
+    require_seed(seed)
+    require_integer(index, "index", low=0)
+    if grid is not None and not isinstance(grid, Geometry):
+        raise InputError(f"grid must be a Geometry (vlm.geometry), got {type(grid).__name__}")
+    if image_size is not None:
+        require_image_side(image_size, "image_size")
 
 
 def _kind(kind: str, index: int) -> tuple[str, int]:
@@ -115,15 +125,19 @@ def count_pair(
     prompt: str = "std",
 ) -> CountPair:
     """The ``index``-th pair of ``kind`` under ``seed``."""
+    _check_draw(seed, index, grid, image_size)
     kind, own = _kind(kind, index)
     _check_prompt(prompt)
     if (clean is None) != (corrupt is None):
         raise InputError("give both clean= and corrupt= (a fixed count pair) or neither (all pairs of counts=)")
     if clean is None:
-        options = list(permutations(sorted(set(int(c) for c in counts)), 2))
+        counts = require_sequence(counts, "counts", example="range(1, 10)")
+        options = list(permutations(sorted(set(require_integer(c, "each of counts", low=0) for c in counts)), 2))
         if not options:
             raise InputError(f"counts={counts!r} needs at least two distinct values to form pairs")
         clean, corrupt = options[own % len(options)]
+    require_integer(clean, "clean")
+    require_integer(corrupt, "corrupt")
     if clean == corrupt or min(clean, corrupt) < 0:
         raise InputError(f"clean={clean} and corrupt={corrupt} must be distinct non-negative counts")
     rng = sample_rng(seed, f"pairs/{kind}", own)
@@ -148,9 +162,15 @@ def count_scene(
 ) -> TaskSample:
     """The ``index``-th single counting scene of ``kind`` (the counts cycle by index): fine-tuning
     data (SynDot = "dots", SynPoly = "polygons") and the rendered evaluation set ("rendered")."""
+    _check_draw(seed, index, grid, image_size)
     kind, own = _kind(kind, index)
     _check_prompt(prompt)
-    counts = sorted(set(int(c) for c in counts))
+    counts = sorted(
+        set(
+            require_integer(c, "each of counts", low=0)
+            for c in require_sequence(counts, "counts", example="range(1, 10)")
+        )
+    )
     if not counts or counts[0] < 0:
         raise InputError(f"counts={counts!r}: give at least one non-negative count")
     n = counts[own % len(counts)]

@@ -21,6 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from countlens.errors import InputError
+from countlens.validate import require_choice, require_integer, require_text
+
 PSTD = (
     "How many {plural} are there in the image? Respond concisely with shape counts using the "
     "following format: {shape}: {{number}}"
@@ -59,15 +62,25 @@ def singular(shape: str) -> str:
     return shape[:-1] if shape.endswith("s") else shape
 
 
+def _check_question(style: str, shape: str, count: int) -> None:
+    require_choice(style, "prompt style", PROMPTS)
+    require_text(shape, "shape")
+    require_integer(count, "count", low=0)
+
+
 def answer_text(style: str, shape: str, count: int) -> str:
     """The answer ``style`` asks for when ``count`` ``shape`` objects are shown ("7", "circle: 7")."""
+    _check_question(style, shape, count)
     return PROMPTS[style].answer.format(shape=singular(shape), n=int(count))
 
 
 def make_question(style: str, shape: str, count: int, rng: np.random.Generator | None) -> tuple[str, dict]:
     """(question, meta) for counting ``shape`` objects (``"objects"`` for all) under a prompt style;
     ``rng`` draws a conflict style's distractor and may be None for the other styles."""
+    _check_question(style, shape, count)
     template, conflict, _ = PROMPTS[style]
+    if conflict and not isinstance(rng, np.random.Generator):
+        raise InputError(f"the {style!r} prompt draws a distractor digit: give rng, a numpy Generator")
     question = template.format(plural=plural(shape), shape=singular(shape))
     if not conflict:
         return question, {}

@@ -23,6 +23,13 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from countlens.errors import CountlensError, InputError
+from countlens.validate import (
+    require_count,
+    require_image_side,
+    require_nonnegative,
+    require_positive,
+    require_sequence,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -260,6 +267,16 @@ def place_objects(
 
     Raises instead of returning fewer objects than asked: a label must equal what is drawn.
     """
+    if not isinstance(rng, np.random.Generator):
+        raise CountlensError(f"rng must be a numpy Generator (np.random.default_rng(seed)), got {type(rng).__name__}")
+    require_image_side(width, "width")
+    require_image_side(height, "height")
+    require_nonnegative(gap, "gap")
+    require_count(max_tries, "max_tries")
+    for spec in require_sequence(specs, "specs", example='[("circle", "red", 8.0)]'):
+        if isinstance(spec, (str, bytes)) or not isinstance(spec, (tuple, list)) or len(spec) != 3:
+            raise CountlensError(f"each spec is (shape, colour, size), e.g. ('circle', 'red', 8.0); got {spec!r:.60}")
+        require_positive(spec[2], "an object's size")
     placed: list[Obj] = []
     for shape, color, size in specs:
         probe = Obj(shape, color, 0.0, 0.0, size)

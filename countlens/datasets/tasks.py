@@ -27,7 +27,7 @@ import numpy as np
 from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.errors import CountlensError, InputError
-from countlens.validate import require_count, require_image_side, require_seed
+from countlens.validate import require_choice, require_count, require_image_side, require_integer, require_seed
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -78,8 +78,8 @@ def task_sample(
     max_count: int = MAX_COUNT,
 ) -> TaskSample:
     """The ``index``-th sample of ``task`` under ``seed``."""
-    if task not in TASKS + REASONING_TASKS:
-        raise CountlensError(f"unknown task {task!r}; use one of {TASKS + REASONING_TASKS}")
+    require_choice(task, "task", TASKS + REASONING_TASKS, CountlensError)
+    require_integer(index, "index", low=0)
     require_image_side(image_size, "image_size")
     require_seed(seed)
     scaled = size_range is None
@@ -110,6 +110,8 @@ def task_sample(
 def task_samples(task: str, n: int, seed: int, start: int = 0, **kw) -> list[TaskSample]:
     """Samples ``start`` … ``start + n − 1`` of ``task`` under ``seed`` (see `task_sample`)."""
     require_count(n, "task_samples: n")
+    require_choice(task, "task", TASKS + REASONING_TASKS, CountlensError)
+    require_integer(start, "start", low=0)
     return [task_sample(task, seed, i, **kw) for i in range(start, start + n)]
 
 

@@ -46,6 +46,7 @@ from countlens.files import read_json, refuse_older_spec, write_text
 from countlens.settings import FinetuneConfig
 from countlens.training.collate import digit_mask
 from countlens.training.head_lora import check_heads, restrict_to_heads
+from countlens.validate import require_count, require_sequence
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -62,10 +63,19 @@ def target_layers_from(
     attention for the focus and MAS losses to shape).
 
     ``circuit``: a `countlens discover` run directory (its ``heads.csv``) or a head table DataFrame."""
+    import pandas as pd
+
     from countlens.arch import SOFTMAX_KINDS
 
     if isinstance(circuit, (str, Path)):
         circuit = read_heads(circuit)
+    if not isinstance(circuit, pd.DataFrame) or not {"layer", "head", "class", "importance"} <= set(circuit.columns):
+        raise ConfigError(
+            "circuit must be a discover run directory or its head table (a DataFrame with layer, head, class and "
+            f"importance); got {type(circuit).__name__}"
+        )
+    require_count(fallback_k, "fallback_k")
+    classes = require_sequence(classes, "classes", example="('visual grounding',)")
     if "kind" in circuit:
         circuit = circuit[circuit["kind"].isin(SOFTMAX_KINDS)]
     chosen = circuit[circuit["class"].isin(classes)]

@@ -114,11 +114,12 @@ def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) ->
     """The ``k`` most important heads of ``circuit``: a head table (a `countlens discover` run directory or
     its ``heads.csv`` DataFrame; only heads of ``classes`` when given; self-attention layers only), or an
     importance DataArray over (layer, head) such as ``patch_heads(...).effect`` (by |value|)."""
+    import pandas as pd
     import xarray as xr
 
     from countlens.analysis.heads import read_heads
     from countlens.labels import top_sites
-    from countlens.validate import require_count
+    from countlens.validate import require_count, require_sequence
 
     require_count(k, "k")
     if isinstance(circuit, xr.DataArray):
@@ -129,6 +130,13 @@ def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) ->
             )
         return tuple((layer, head) for layer, head, _ in top_sites(circuit, k, absolute=True))
     table = read_heads(circuit) if isinstance(circuit, (str, Path)) else circuit
+    if not isinstance(table, pd.DataFrame) or not {"layer", "head", "class", "importance"} <= set(table.columns):
+        raise ConfigError(
+            "circuit must be an importance DataArray over (layer, head), a discover run directory or its head "
+            f"table (a DataFrame with layer, head, class and importance); got {type(circuit).__name__}"
+        )
+    if classes is not None:
+        classes = require_sequence(classes, "classes", example="('cross-modal routing',)")
     if "kind" in table:
         table = table[table["kind"].isin(("full", "sliding", "chunked"))]
     if classes is not None:

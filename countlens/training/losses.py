@@ -30,13 +30,27 @@ from torch import Tensor
 from countlens.errors import InputError
 from countlens.settings import MAS_REDUCE
 from countlens.training.collate import IGNORE
+from countlens.validate import (
+    require_choice,
+    require_count,
+    require_nonnegative,
+    require_positive,
+    require_sequence,
+    require_share,
+    require_tensor,
+)
 
 if TYPE_CHECKING:
     from countlens.vlm import Batch
 
 
 def answer_ce(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross-entropy of the answer tokens: logits Float[Tensor, "batch seq vocab"]."""
+    """Mean cross-entropy of the answer tokens: logits Float[Tensor, "batch seq vocab"], labels
+    Int[Tensor, "batch seq"] (`countlens.training.collate.IGNORE` where no answer token is)."""
+    require_tensor(logits, "logits", 3)
+    require_tensor(labels, "labels", 2)
+    if labels.is_floating_point() or labels.shape != logits.shape[:2]:
+        raise InputError(f"labels must be integer ids shaped like logits' (batch, seq) {tuple(logits.shape[:2])}")
     shifted = logits[:, :-1].float()
     target = labels[:, 1:].to(logits.device)
     return F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), target.reshape(-1), ignore_index=IGNORE)
@@ -46,7 +60,17 @@ def gaussian_prior(centres: Sequence[tuple[float, float]], grid: tuple[int, int]
     """Float[Tensor, "rows cols"], summing to 1: Gaussians (σ in cells) around (row, col) centres in cell units.
 
     With no objects the prior is uniform (nothing to focus on)."""
-    rows, cols = grid
+    if isinstance(grid, (str, bytes)) or not isinstance(grid, (tuple, list)) or len(grid) != 2:
+        raise InputError(f"grid must be (rows, cols), e.g. vlm.geometry.token_grid; got {grid!r:.60}")
+    rows, cols = (require_count(n, "each side of grid") for n in grid)
+    require_positive(sigma, "sigma")
+    empty = isinstance(centres, (list, tuple)) and not centres
+    centres = [] if empty else require_sequence(centres, "centres", example="[(2.5, 3.0)]")
+    for centre in centres:
+        if isinstance(centre, (str, bytes)) or not isinstance(centre, (tuple, list)) or len(centre) != 2:
+            raise InputError(f"each centre is a (row, col) pair in cell units; got {centre!r:.60}")
+        for x in centre:
+            require_nonnegative(x, "a centre's row or col")
     r = torch.arange(rows, dtype=torch.float32)[:, None] + 0.5
     c = torch.arange(cols, dtype=torch.float32)[None, :] + 0.5
     prior = torch.zeros(rows, cols)
@@ -78,6 +102,13 @@ def focus_loss(
 ) -> Tensor:
     """Cross-entropy between each prior and the head-mean attention over image tokens, renormalised;
     mean over target layers, target positions and samples."""
+    _check_attention(attn, targets)
+    for name, items in (("image_pos", image_pos), ("priors", priors)):
+        if isinstance(items, (str, bytes, Tensor)) or not isinstance(items, Sequence) or len(items) != len(targets):
+            raise InputError(f"{name} must be a list of one tensor per sample ({len(targets)}); got {items!r:.60}")
+        for item in items:
+            require_tensor(item, f"each of {name}", 1)
+    require_positive(eps, "eps")
     losses = []
     for a in attn:
         mean = a.mean(1)  # batch seq seq: head-mean
@@ -87,6 +118,17 @@ def focus_loss(
             dist = vis / vis.sum(-1, keepdim=True).clamp(min=eps)
             losses.append(-(prior.to(dist.device, dist.dtype)[None] * (dist + eps).log()).sum(-1))
     return torch.cat(losses).mean()
+
+
+def _check_attention(attn: Sequence[Tensor], targets: Tensor) -> None:
+    """Attention maps Float[Tensor, "batch heads seq seq"] per layer, and Bool / 0-1 targets (batch, seq)."""
+    if isinstance(attn, (str, bytes, Tensor)) or not isinstance(attn, Sequence) or not len(attn):
+        raise InputError(f"attn must be a non-empty list of one attention map per layer; got {attn!r:.60}")
+    for a in attn:
+        require_tensor(a, "each attention map", 4)
+    require_tensor(targets, "targets", 2)
+    if targets.shape[0] != attn[0].shape[0] or targets.shape[1] != attn[0].shape[-1]:
+        raise InputError(f"targets {tuple(targets.shape)} must be (batch, seq) of the maps {tuple(attn[0].shape)}")
 
 
 def modality_share(attn: Sequence[Tensor], targets: Tensor, image_mask: Tensor) -> Tensor:
@@ -114,8 +156,10 @@ def mas_loss(
     `countlens.training.finetune` passes those under this reduction. (The code takes the union of the
     batch's answer positions for every sample, an artefact of its padding; here each sample has its own.)
     """
-    if reduce not in MAS_REDUCE:
-        raise InputError(f"reduce must be one of {MAS_REDUCE}, got {reduce!r}")
+    require_choice(reduce, "reduce", MAS_REDUCE)
+    _check_attention(attn, targets)
+    require_tensor(image_mask, "image_mask", 2)
+    require_share(tau, "tau")
     if reduce == "paper":
         return _paper_mas_loss(attn, targets, image_mask, tau, wrong)
     if wrong is not None:

@@ -5,21 +5,23 @@ range, the others valid. Each call must end in a `CountlensError` (a clear messa
 (no ±inf in it) — never another exception. A function that cannot be fuzzed this way says why in
 `UNFUZZED`; one with no valid call below fails `test_every_public_function_is_fuzzed`.
 
-Budget: hypothesis draws `EXAMPLES` (parameter, bad value) cases per function on the organism with
-two samples or pairs, at most a few seconds a function.
+Two sweeps per function: every parameter × every value of `BAD`, and `EXAMPLES` (parameter, value)
+draws of hypothesis (any float, an integer ≤ 0, a string). The valid calls use the organism with two
+samples or pairs; the whole test takes about 15 s on 2 cores, most of it building the valid calls.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import signal
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 import xarray as xr
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import countlens.analysis as analysis
@@ -29,8 +31,8 @@ import countlens.training as training
 from countlens.errors import CountlensError
 
 MODULES = (circuits, analysis, datasets, training)
-#: (parameter, bad value) cases drawn per function.
-EXAMPLES = 25
+#: (parameter, value) cases hypothesis draws per function, beyond the exhaustive `BAD` sweep.
+EXAMPLES = 20
 
 #: Functions not fuzzed here, and why.
 UNFUZZED = {
@@ -67,18 +69,28 @@ BAD = [
 
 
 def public() -> list[str]:
-    return sorted(
-        name for module in MODULES for name in module.__all__ if inspect.isfunction(getattr(module, name))
-    )
+    return sorted(name for module in MODULES for name in module.__all__ if inspect.isfunction(getattr(module, name)))
 
 
 def function(name: str):
     return next(getattr(m, name) for m in MODULES if name in m.__all__)
 
 
+#: The valid calls, once the fixture has built them (module-level for `_outcome`).
+VALID: dict = {}
+#: A call past this many seconds took a bad value as valid.
+SECONDS = 30
+
+
 @pytest.fixture(scope="module")
 def valid(loaded):
     """A valid, cheap call of every fuzzed function: its keyword arguments."""
+    if not VALID:
+        VALID.update(_valid_calls(loaded))
+    return VALID
+
+
+def _valid_calls(loaded) -> dict:
     vlm = loaded("toy")
     pairs = datasets.count_pairs(2, 3, 5, kind="shapes", grid=vlm.geometry, prompt="short", seed=1)
     samples = datasets.task_samples("count", 2, seed=1)
@@ -128,8 +140,10 @@ def valid(loaded):
         ),
         "case_table": dict(results={"cases": scored}),
         "classify_heads": dict(
-            vgs=lens.decode(vlm, samples).vgs, cter=lens.decode(vlm, samples).cter,
-            image_attention=xr.zeros_like(heads.sel(layer=[0, 1])), importance=heads.sel(layer=[0, 1]),
+            vgs=lens.decode(vlm, samples).vgs,
+            cter=lens.decode(vlm, samples).cter,
+            image_attention=xr.zeros_like(heads.sel(layer=[0, 1])),
+            importance=heads.sel(layer=[0, 1]),
         ),
         "digit_in_conflict": dict(std_ds=scored, conflict_ds=scored),
         "generate": dict(vlm=vlm, samples=samples, max_new_tokens=2),
@@ -159,11 +173,15 @@ def valid(loaded):
         "trick_sample": dict(name="1A", seed=0, index=0, image_size=192, patch_size=16),
         "answer_ce": dict(logits=torch.randn(2, 3, 5), labels=torch.tensor([[-100, 1, 2], [-100, -100, 3]])),
         "focus_loss": dict(
-            attn=attn, targets=torch.tensor([[0, 0, 0, 0, 1]] * 2), image_pos=[torch.tensor([0, 1])] * 2,
+            attn=attn,
+            targets=torch.tensor([[0, 0, 0, 0, 1]] * 2),
+            image_pos=[torch.tensor([0, 1])] * 2,
             priors=[torch.tensor([0.5, 0.5])] * 2,
         ),
         "gaussian_prior": dict(centres=[(1.0, 1.0)], grid=(3, 3)),
-        "mas_loss": dict(attn=attn, targets=torch.tensor([[0, 0, 0, 0, 1]] * 2), image_mask=torch.tensor([1, 1, 0, 0, 0]).bool()),
+        "mas_loss": dict(
+            attn=attn, targets=torch.tensor([[0, 0, 0, 0, 1]] * 2), image_mask=torch.tensor([1, 1, 0, 0, 0]).bool()
+        ),
         "target_layers_from": dict(
             circuit=pd.DataFrame({"layer": [0], "head": [0], "importance": [1.0], "class": ["visual grounding"]})
         ),
@@ -201,20 +219,59 @@ def _call(fn, kwargs):
     return out
 
 
+class _TooSlow(Exception):
+    pass
+
+
+def _outcome(name: str, param: str, bad) -> str | None:
+    """None where ``name`` with ``param`` = ``bad`` ends in a `CountlensError` or a finite result (within
+    `SECONDS`), else what went wrong."""
+
+    def alarm(*_):
+        raise _TooSlow
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(SECONDS)
+    try:
+        result = _call(function(name), {**VALID[name], param: bad})
+    except CountlensError:
+        return None
+    except _TooSlow:
+        return f"{name}({param}={bad!r:.40}) ran past {SECONDS} s: a bad value was accepted"
+    except Exception as err:  # noqa: BLE001 — the point: any other exception is a bug
+        return f"{name}({param}={bad!r:.40}) raised {type(err).__name__}: {str(err)[:100]}"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return None if _finite(result) else f"{name}({param}={bad!r:.40}) returned ±inf"
+
+
 @pytest.mark.parametrize("name", [n for n in public() if n not in UNFUZZED])
 def test_bad_arguments_get_a_clear_error(valid, name):
-    fn, base = function(name), valid[name]
-    params = list(base)
+    """Every parameter × every value of `BAD`."""
+    failures = [f for param in valid[name] for bad in BAD if (f := _outcome(name, param, bad))]
+    assert not failures, "\n".join(failures)
 
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(param=st.sampled_from(params), bad=st.sampled_from(BAD))
-    def check(param, bad):
-        try:
-            result = _call(fn, {**base, param: bad})
-        except CountlensError:
-            return
-        except Exception as err:  # noqa: BLE001 — the point: anything else is a bug
-            raise AssertionError(f"{name}({param}={bad!r}) raised {type(err).__name__}: {err}") from err
-        assert _finite(result), f"{name}({param}={bad!r}) returned ±inf"
+
+@pytest.mark.parametrize("name", [n for n in public() if n not in UNFUZZED])
+def test_drawn_values_get_a_clear_error(valid, name):
+    """Hypothesis draws a parameter and a value — any float (NaN and ±inf among them), an integer ≤ 0,
+    a string — `EXAMPLES` times; no shrinking (a failure is reported as drawn)."""
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+        database=None,
+    )
+    @given(
+        param=st.sampled_from(list(valid[name])),
+        value=st.one_of(st.floats(), st.integers(max_value=0), st.text(max_size=8)),
+    )
+    def check(param, value):
+        failure = _outcome(name, param, value)
+        assert failure is None, failure
 
     check()

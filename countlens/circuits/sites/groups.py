@@ -32,8 +32,13 @@ STATES = "image_states"
 def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
     """``heads`` as (layer, head) pairs, each given as a pair or a label such as "L3H2"
     (`countlens.labels.head_key`), checked against the model's layers and heads."""
+    if isinstance(heads, (dict, bytes)) or not isinstance(heads, Iterable) or hasattr(heads, "data_vars"):
+        raise InputError(f"heads must be a list of (layer, head) pairs or labels such as 'L3H2'; got {heads!r:.60}")
     if isinstance(heads, str) or is_head_pair(heads):
         heads = [heads]  # one head given alone: "L0H0", (0, 0) or [0, 0]
+    heads = list(heads)
+    if not heads:
+        raise InputError("heads is empty; give at least one (layer, head) pair or label such as 'L3H2'")
     out = []
     for head in heads:
         layer, h = head_key(head)
@@ -49,7 +54,7 @@ def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
 def check_group(group: str) -> str:
     """``group`` if it names a token group (`GROUPS`), else an `InputError` listing them. Sweeps call
     it before they open their store, so a misspelt group leaves no spec.json to block the rerun."""
-    if group not in GROUPS:
+    if not isinstance(group, str) or group not in GROUPS:
         raise InputError(f"unknown token group {group!r}; use one of {GROUPS}")
     return group
 
