@@ -19,6 +19,7 @@ import inspect
 from functools import cache
 
 from countlens import models
+from countlens.errors import InputError
 
 #: Sub-processors an image-only build leaves out: video, and audio features (Gemma 4's). Phi-4's
 #: ``audio_processor`` stays: its processor needs it to build (countlens passes the checkpoint's).
@@ -119,3 +120,17 @@ def useful_grid(processor, height: int, width: int) -> tuple[int, int] | None:
     if family is None or family.useful_grid is None:
         return None
     return family.useful_grid(ip, _settings(processor), height, width)
+
+
+def render_chat(processor, messages: list, name: str) -> str:
+    """The processor's chat template applied to ``messages`` (with the generation prompt); a template
+    that does not render is an `InputError` naming the file to fix, not a traceback."""
+    from jinja2 import TemplateError
+
+    try:
+        return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as err:
+        raise InputError(
+            f"{name}'s chat template does not render ({type(err).__name__}: {err}); fix or replace the "
+            "checkpoint's chat_template.jinja (or tokenizer_config.json's chat_template)"
+        ) from None

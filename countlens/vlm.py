@@ -28,7 +28,7 @@ from countlens.arch import Arch, resolve
 from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import TILED, token_cells
-from countlens.processors import tile_grid, useful_grid
+from countlens.processors import render_chat, tile_grid, useful_grid
 from countlens.sizing import default_size, processed_size
 from countlens.validate import require_count
 
@@ -318,8 +318,7 @@ class VLM:
         before, _, after = prompt.partition(IMAGE_SLOT) if IMAGE_SLOT in prompt else ("", "", prompt)
         content = [{"type": "text", "text": before.strip()}] if before.strip() else []
         content += [{"type": "image"}, {"type": "text", "text": after.strip()}]
-        messages = [{"role": "user", "content": content}]
-        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.processor, [{"role": "user", "content": content}], self.name)
 
     def _raw_text(self, prompt: str, i: int) -> str:
         if not isinstance(prompt, str):

@@ -115,3 +115,21 @@ def test_a_damaged_or_foreign_stored_result_names_the_file_and_the_fix(tmp_path)
     results.save(transposed, tmp_path / "results" / "atp.nc")
     with pytest.raises(RunDirError, match="effect is over \\('head', 'layer'\\), not \\('layer', 'head'\\)"):
         stages.run("atp", never)
+
+
+def test_earlier_cases_end_in_a_clear_error(tmp_path, organism):
+    from countlens.datasets.loaders import load_countingtricks_release
+    from countlens.datasets.loaders.common import LoaderError
+    from countlens.errors import ConfigError
+    from countlens.pipeline.finetune_job import check_recipe
+    from countlens.pipeline.presets import recipe
+
+    (tmp_path / "images" / "1A").mkdir(parents=True)
+    with pytest.raises(LoaderError, match="case 1A holds no .png image"):
+        load_countingtricks_release(tmp_path)
+    with pytest.raises(ConfigError, match="n_train 2 is fewer scenes than COUNTINGTRICKS has cases"):
+        check_recipe(recipe(), n_train=2)
+    vlm = cl.load("toy")  # private: its chat template is broken below
+    vlm.processor.chat_template = "{% for m in messages %}{{ m.role }"
+    with pytest.raises(InputError, match="chat template does not render.*fix or replace"):
+        vlm.prepare_samples([count_pairs(1, 3, 5, grid=vlm.geometry, prompt="short")[0].clean])

@@ -47,6 +47,8 @@ def load_countingtricks_release(
     out = []
     for case in names:
         files = sorted(p for p in (images / case).iterdir() if p.suffix.lower() == ".png")
+        if not files:
+            raise LoaderError(f"{images / case}: the folder of case {case} holds no .png image; {_FIX}")
         merged = _merged_labels(root / "labels" / f"{case}_labels.json")
         for file in files[:limit] if limit is not None else files:
             count, points = _label(root, case, file, merged)
