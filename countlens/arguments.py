@@ -34,13 +34,11 @@ def require_layers(vlm: VLM, layers, what: str, embeddings: bool = False) -> lis
     layers = list(layers.tolist() if hasattr(layers, "tolist") else layers)
     if not layers:
         raise InputError(f"{what}: layers is empty; give at least one layer, or None for every layer")
-    low = -1 if embeddings else 0
     for layer in layers:
-        if not isinstance(layer, Integral) or isinstance(layer, bool) or not low <= layer < vlm.arch.n_layers:
-            raise InputError(
-                f"{what}: layer {layer!r} is not a layer of {vlm.arch.name}; give integers "
-                f"{low}..{vlm.arch.n_layers - 1}{' (−1: the embeddings)' if embeddings else ''}"
-            )
+        if not isinstance(layer, Integral) or isinstance(layer, bool):
+            raise InputError(f"{what}: layer {layer!r} is no layer index; give integers, e.g. [0, 3]")
+        if not (embeddings and layer == -1):
+            vlm.arch.layer(int(layer))  # a LayerError naming the valid range
     return [int(layer) for layer in layers]
 
 

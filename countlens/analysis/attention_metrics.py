@@ -196,14 +196,15 @@ def attention_reward(
 
 
 def _check(samples: Sequence, batch_size: int) -> None:
-    check_samples(samples, "attention_metrics")
-    require_count(batch_size, "batch_size")
-    missing = [i for i, s in enumerate(samples) if getattr(s, "scene", None) is None]
+    listed = isinstance(samples, Sequence) and not isinstance(samples, (str, bytes))
+    missing = [i for i, s in enumerate(samples) if getattr(s, "scene", None) is None] if listed else []
     if missing:
         raise InputError(
             f"samples {missing[:5]} have no scene (object masks); use TaskSample-like samples "
             "with .scene, e.g. from countlens.datasets.countingtricks"
         )
+    check_samples(samples, "attention_metrics")
+    require_count(batch_size, "batch_size")
 
 
 def _sample_metrics(

@@ -35,7 +35,7 @@ from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import token_cells
 from countlens.models import family_of
-from countlens.validate import require_choice, require_count, require_integer
+from countlens.validate import require_count, require_integer
 from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ TAPS: tuple[str, ...] = ("vision", "projector", "llm")
 def tap_site(vlm: VLM, kind: str, index: int | None) -> VisionBlock | Residual | ImageStates:
     """The site a tap reads: vision block ``index``, the image tokens entering layer 0 (a cross-attention
     model's image states), or the residual stream after decoder layer ``index``."""
-    require_choice(kind, "tap", TAPS)
+    if not isinstance(kind, str) or kind not in TAPS:
+        raise InputError(f"unknown tap {kind!r:.40}; use one of {TAPS}")
     if index is not None:
         require_integer(index, "the tap's index", low=0)
 

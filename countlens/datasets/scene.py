@@ -28,7 +28,6 @@ from countlens.validate import (
     require_image_side,
     require_nonnegative,
     require_positive,
-    require_sequence,
 )
 
 if TYPE_CHECKING:
@@ -273,7 +272,11 @@ def place_objects(
     require_image_side(height, "height")
     require_nonnegative(gap, "gap")
     require_count(max_tries, "max_tries")
-    for spec in require_sequence(specs, "specs", example='[("circle", "red", 8.0)]'):
+    if isinstance(specs, (str, bytes, dict)) or not isinstance(specs, (list, tuple)):
+        raise CountlensError(
+            f"specs must be a list of (shape, colour, size), e.g. [('circle', 'red', 8.0)]; got {specs!r:.60}"
+        )
+    for spec in specs:  # none: an empty scene
         if isinstance(spec, (str, bytes)) or not isinstance(spec, (tuple, list)) or len(spec) != 3:
             raise CountlensError(f"each spec is (shape, colour, size), e.g. ('circle', 'red', 8.0); got {spec!r:.60}")
         require_positive(spec[2], "an object's size")

@@ -54,17 +54,20 @@ def check_stored(name: str, value, path: Path, fix: str) -> None:
     """Refuse a stored result of stage ``name`` that lacks a variable its stage declares, or holds it
     over other dims (a damaged file, or one another version or program wrote)."""
     stage = BY_NAME.get(name)
-    if stage is None or not stage.variables or value.attrs.get("refused"):
-        return
     if isinstance(value, xr.DataArray):
         value = value.to_dataset(name=value.name or name)
+    # No variable at all: a stage that measured nothing on this model (``refused``); its readers say so.
+    if stage is None or not stage.variables or value.attrs.get("refused") or not value.data_vars:
+        return
     problems = [
-        f"{var} is missing" if var not in value else f"{var} is over {value[var].dims}, not {dims}"
+        f"{var!r} is missing"
+        if var not in value
+        else f"{var!r} is over the dims {list(value[var].dims)}, not {list(dims)}"
         for var, dims in stage.variables.items()
-        if var not in value or value[var].dims != dims
+        if var not in value or set(value[var].dims) != set(dims)
     ]
     if problems:
-        raise RunDirError(f"{path} is not a {name} result countlens can read ({'; '.join(problems)}); {fix}")
+        raise RunDirError(f"{path}: {'; '.join(problems)}: not a {name} result countlens can read; {fix}")
 
 
 def load_run(out: str | Path) -> dict[str, xr.Dataset]:

@@ -104,16 +104,14 @@ def test_a_damaged_or_foreign_stored_result_names_the_file_and_the_fix(tmp_path)
     never = lambda: pytest.fail("a stored result is read, not recomputed")  # noqa: E731
     renamed = xr.Dataset({"effects": (("layer", "head"), np.zeros((2, 2)))})
     results.save(renamed, tmp_path / "results" / "heads.nc")
-    with pytest.raises(
-        RunDirError, match="heads.nc is not a heads result .*effect is missing.*delete .*heads.nc and rerun"
-    ):
+    with pytest.raises(RunDirError, match="heads.nc: 'effect' is missing.*delete .*heads.nc and rerun"):
         stages.run("heads", never)
     (tmp_path / "results" / "atp.nc").write_bytes(b"not a netCDF file")
     with pytest.raises(RunDirError, match="atp.nc.*delete .*atp.nc and rerun `countlens discover"):
         stages.run("atp", never)
-    transposed = xr.Dataset({"effect": (("head", "layer"), np.zeros((2, 2))), "resid_effect": ("layer", np.zeros(2))})
-    results.save(transposed, tmp_path / "results" / "atp.nc")
-    with pytest.raises(RunDirError, match="effect is over \\('head', 'layer'\\), not \\('layer', 'head'\\)"):
+    dims = xr.Dataset({"effect": (("lyr", "head"), np.zeros((2, 2))), "resid_effect": ("lyr", np.zeros(2))})
+    results.save(dims, tmp_path / "results" / "atp.nc")
+    with pytest.raises(RunDirError, match="'effect' is over the dims \\['lyr', 'head'\\], not \\['layer', 'head'\\]"):
         stages.run("atp", never)
 
 

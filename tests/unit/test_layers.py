@@ -67,7 +67,16 @@ LAYERS: dict[str, int] = {
     "reference.counting_to_four.probe": 4,
 }
 #: Parts that may import only these (besides themselves): data generation needs no model.
-DATA: set[str] = {"datasets", "geometry", "errors", "validate", "progress", "reference.counting_to_four.scenes"}
+# files: its directory lock (an export holds it while writing), which imports only errors.
+DATA: set[str] = {
+    "datasets",
+    "geometry",
+    "errors",
+    "validate",
+    "progress",
+    "files",
+    "reference.counting_to_four.scenes",
+}
 ONLY: dict[str, set[str]] = {"datasets": DATA, "reference.counting_to_four.scenes": DATA}
 
 
@@ -213,6 +222,10 @@ FAMILY_NAMES_ELSEWHERE: dict[tuple[str, str], str] = {
     ("countlens/circuits/atp_star.py", "qwen"): (
         "the model types AtP*'s attention recomputation was verified on (it also checks itself against the "
         "model's own z on every run); moves into ArchSpec as data when a second family is verified"
+    ),
+    ("countlens/circuits/relp.py", "qwen"): (
+        "the model types RelP's LRP rules were written and checked for (RMSNorm, gated MLP; every run also "
+        "checks that the rewritten forward reproduces the model's logits); data in ArchSpec with a second family"
     ),
     ("countlens/pipeline/presets.py", "ovis2"): (
         "citations of the MAS paper's code (file paths in its repositories, MAS_w_Ovis/ovis/..., run_ovis.py), "

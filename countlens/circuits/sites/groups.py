@@ -36,9 +36,6 @@ def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
         raise InputError(f"heads must be a list of (layer, head) pairs or labels such as 'L3H2'; got {heads!r:.60}")
     if isinstance(heads, str) or is_head_pair(heads):
         heads = [heads]  # one head given alone: "L0H0", (0, 0) or [0, 0]
-    heads = list(heads)
-    if not heads:
-        raise InputError("heads is empty; give at least one (layer, head) pair or label such as 'L3H2'")
     out = []
     for head in heads:
         layer, h = head_key(head)

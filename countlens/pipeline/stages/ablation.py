@@ -13,6 +13,7 @@ import xarray as xr
 
 from countlens import circuits
 from countlens.analysis import plots
+from countlens.analysis.heads import RESULT_DIMS
 from countlens.answers import answer_window
 from countlens.labels import head_label
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, stacked, sweep_rows
@@ -50,7 +51,7 @@ ABLATION = Stage(
     compute=_ablation,
     plan=_plan,
     sweep=True,
-    variables={"logp_drop": ("task", "layer", "head"), "acc_drop": ("task", "layer", "head"), "base_acc": ("task",)},
+    variables=RESULT_DIMS["ablation"][1],
 )
 
 

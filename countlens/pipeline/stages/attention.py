@@ -17,6 +17,7 @@ import xarray as xr
 from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.attention_metrics import aggregate, attention_metrics
+from countlens.analysis.heads import RESULT_DIMS
 from countlens.errors import RunDirError
 from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
@@ -67,7 +68,7 @@ HEADLENS = Stage(
     inputs=("headlens_fit", "tasks"),
     compute=_headlens,
     plan=_plan_headlens,
-    variables={"token": ("layer", "head", "sample", "k"), "vgs": ("layer", "head"), "cter": ("layer", "head")},
+    variables=RESULT_DIMS["headlens"][1],
 )
 ATTENTION = Stage(
     "attention",
@@ -76,7 +77,7 @@ ATTENTION = Stage(
         run.vlm, run.data["count"], batch_size=run.batch_size
     ).to_dataset(name="image_attention"),
     plan=_plan_attention,
-    variables={"image_attention": ("layer", "head", "sample")},
+    variables=RESULT_DIMS["attention"][1],
 )
 ATTENTION_METRICS = Stage(
     "attention_metrics",

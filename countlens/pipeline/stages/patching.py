@@ -74,7 +74,7 @@ HEADS = Stage(
     plan=lambda p: p.patching("heads", [la for la in range(p.w.n_layers) for _ in range(p.w.n_heads)]),
     check=_check_heads,
     sweep=True,
-    variables={"effect": ("layer", "head"), "logit_diff": ("layer", "head", "pair")},
+    variables={"effect": ("layer", "head")},  # logit_diff: optional (RESULT_DIMS["heads"])
 )
 ATP = Stage(
     "atp",
