@@ -282,7 +282,14 @@ def compare(estimate: xr.DataArray, exact: xr.DataArray, k: int = 10) -> dict:
             f"estimate {dict(estimate.sizes)} and exact {dict(exact.sizes)} cover other sites; compare like with like"
         )
     a, b = estimate.values.ravel(), exact.transpose(*estimate.dims).values.ravel()
-    sites = ~(np.isnan(a) | np.isnan(b))  # slots beyond a layer's own heads are no sites
+    if np.isinf(a).any() or np.isinf(b).any():
+        raise InputError("compare: a score is ±inf; compare results whose every score is finite (check the pairs)")
+    if (np.isnan(a) != np.isnan(b)).any():
+        raise InputError(
+            f"compare: estimate and exact score different sites ({int((np.isnan(a) != np.isnan(b)).sum())} are NaN in "
+            "one only), so a rank correlation would cover part of them; compare results over the same sites"
+        )
+    sites = ~np.isnan(a)  # slots beyond a layer's own heads are no sites in either
     a, b = a[sites], b[sites]
     k = min(k, len(a))
     top_a, top_b = set(np.argsort(-np.abs(a))[:k]), set(np.argsort(-np.abs(b))[:k])

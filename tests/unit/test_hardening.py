@@ -131,3 +131,17 @@ def test_earlier_cases_end_in_a_clear_error(tmp_path, organism):
     vlm.processor.chat_template = "{% for m in messages %}{{ m.role }"
     with pytest.raises(InputError, match="chat template does not render.*fix or replace"):
         vlm.prepare_samples([count_pairs(1, 3, 5, grid=vlm.geometry, prompt="short")[0].clean])
+
+
+def test_a_rank_correlation_over_part_of_the_sites_is_refused():
+    import numpy as np
+    import xarray as xr
+
+    from countlens.circuits import compare
+
+    grid = xr.DataArray(np.arange(6.0).reshape(2, 3), dims=("layer", "head"))
+    assert compare(grid, grid, k=2)["spearman"] == 1.0
+    with pytest.raises(InputError, match="score different sites \\(1 are NaN in one only\\)"):
+        compare(grid.where(grid != 2), grid, k=2)
+    with pytest.raises(InputError, match="±inf"):
+        compare(grid.where(grid != 2, np.inf), grid, k=2)
