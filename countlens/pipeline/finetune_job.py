@@ -85,14 +85,6 @@ def check_recipe(
     from countlens.errors import ConfigError
 
     _check_fields({**recipe.config, **(overrides or {})}, "Recipe.config / overrides")
-    if train is None and recipe.training == "countingtricks" and n_train is not None:
-        from countlens.datasets.countingtricks import CASES
-
-        if n_train < len(CASES):  # one scene per case is the least this recipe draws
-            raise ConfigError(
-                f"n_train {n_train} is fewer scenes than COUNTINGTRICKS has cases ({len(CASES)}), and this recipe's "
-                f"training set holds one scene of every case at least: give n_train ≥ {len(CASES)}"
-            )
     FinetuneConfig(**{**recipe.config, **(overrides or {})})  # every field's range (FinetuneConfig.__post_init__)
     bad_classes = [c for c in recipe.temperature_classes if c not in CLASSES]
     if bad_classes:

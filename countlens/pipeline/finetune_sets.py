@@ -46,8 +46,8 @@ def default_training_data(grid, n: int = 2048, prompt: str = "short", seed: int 
 
     per_case = max(1, n // (2 * len(CASES)))
     tricks = countingtricks(None, per_case, grid, seed=seed, prompt=prompt, color=("red", "green", "blue"))
-    if n <= len(tricks):  # small n: one scene per case already fills it
-        return tricks
+    if n <= len(tricks):  # small n: n scenes, spread over the cases (not one per case beyond what was asked)
+        return [tricks[i * len(tricks) // n] for i in range(n)]
     return tricks + task_samples("count", n - len(tricks), seed, image_size=grid.image_height)
 
 

@@ -30,7 +30,7 @@ CASES = Stage(
     compute=lambda run: run.answers(run.inputs["cases"](), progress=True),
     plan=lambda p: p.score("cases", p.samples("cases")),
     check=_warn_unanswered,
-    variables={"pred": ("sample",), "correct": ("sample",), "case": ("sample",)},
+    variables={"correct": ("sample",), "case": ("sample",)},
 )
 # Digit-in-Conflict: the same position-case images under Pstd and with a distractor digit.
 CONFLICT_STD = Stage(
@@ -38,14 +38,14 @@ CONFLICT_STD = Stage(
     inputs=("conflict_std",),
     compute=lambda run: run.answers(run.inputs["conflict_std"]()),
     plan=lambda p: p.score("conflict_std", p.samples("conflict_std")),
-    variables={"pred": ("sample",), "correct": ("sample",), "case": ("sample",)},
+    variables={"correct": ("sample",), "case": ("sample",)},
 )
 CONFLICT = Stage(
     "conflict",
     inputs=("conflict",),
     compute=lambda run: run.answers(run.inputs["conflict"]()),
     plan=lambda p: p.score("conflict", p.samples("conflict")),
-    variables={"pred": ("sample",), "correct": ("sample",), "case": ("sample",)},
+    variables={"correct": ("sample",), "case": ("sample",)},
 )
 
 
