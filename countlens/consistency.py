@@ -76,6 +76,29 @@ def check_processor_settings(processor, config, arch, path: str) -> None:
     before it reads the weights."""
     _check_patch(processor.image_processor, arch, path)
     _check_image_size(processor.image_processor, config, arch, path)
+    _check_normalisation(processor.image_processor, path)
+
+
+def _check_normalisation(ip, path: str) -> None:
+    """A rescale factor or an image std that would blank or blow up every image (0, negative, not finite):
+    named as the processor setting it is, before any image is drawn."""
+    import math
+
+    factor = getattr(ip, "rescale_factor", None)
+    if getattr(ip, "do_rescale", False) and not (
+        isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0
+    ):
+        raise CheckpointError(
+            f"{path}: preprocessor_config.json's rescale_factor is {factor!r}: every image would be rescaled to "
+            "nothing (or overflow); give its published value (usually 1/255 = 0.00392156862745098)"
+        )
+    std = getattr(ip, "image_std", None)
+    if getattr(ip, "do_normalize", False) and isinstance(std, (list, tuple)):
+        if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in std):
+            raise CheckpointError(
+                f"{path}: preprocessor_config.json's image_std is {list(std)}: normalising divides by it; give "
+                "its published, positive values"
+            )
 
 
 def _check_image_token(vlm: VLM, path: str) -> None:

@@ -67,6 +67,7 @@ def load(
         _check_device(device_map)
     config = read_config(path)
     spec = spec_for(config)  # fail early, before loading weights, for an unsupported architecture
+    _require_prompt_files(path, label)  # a missing tokenizer is said so, not taken for another model's
     check_experts(config, spec, path)
     processor = load_processor(path, config)
     check_processor_settings(processor, config, resolve(config), path)  # before the weights are read
@@ -320,8 +321,8 @@ def _require_prompt_files(where: str, label: str) -> None:
     fails on it with an error that names no file."""
     if Path(where).is_dir() and not any((Path(where) / f).exists() for f in TOKENIZER_FILES):
         raise CheckpointError(
-            f"{label}: no tokenizer files ({' / '.join(TOKENIZER_FILES)}): the plan prepares each stage's "
-            "prompts; copy the checkpoint's tokenizer files and chat template beside its config"
+            f"{label}: no tokenizer files ({' / '.join(TOKENIZER_FILES)}): countlens writes every prompt with "
+            "them; copy the checkpoint's tokenizer files and chat template beside its config"
         )
 
 

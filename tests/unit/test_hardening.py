@@ -146,3 +146,30 @@ def test_a_rank_correlation_over_part_of_the_sites_is_refused():
         compare(grid.where(grid != 2), grid, k=2)
     with pytest.raises(InputError, match="±inf"):
         compare(grid.where(grid != 2, np.inf), grid, k=2)
+
+
+def test_a_missing_tokenizer_is_named_as_missing(tmp_path):
+    import shutil
+
+    from countlens.errors import CheckpointError
+    from countlens.loading import TOKENIZER_FILES
+    from countlens.organisms import TOY_DIR
+
+    shutil.copytree(TOY_DIR, tmp_path / "toy", ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    with pytest.raises(CheckpointError, match="no tokenizer files .*copy the checkpoint's tokenizer files"):
+        cl.load(tmp_path / "toy")
+
+
+def test_a_zero_rescale_factor_is_named_as_the_processor_setting(tmp_path):
+    import json
+    import shutil
+
+    from countlens.errors import CheckpointError
+    from countlens.organisms import TOY_DIR
+
+    shutil.copytree(TOY_DIR, tmp_path / "toy")
+    path = tmp_path / "toy" / "preprocessor_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "rescale_factor": 0.0, "do_rescale": True}))
+    with pytest.raises(CheckpointError, match="rescale_factor is 0.0: every image would be rescaled to nothing"):
+        cl.load(tmp_path / "toy")
