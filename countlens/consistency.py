@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from countlens.errors import CheckpointError, CountlensError, ImageTokenCountError
+from countlens.processor_files import VOCABULARY_FILES
 from countlens.sizing import fixed_size
 
 if TYPE_CHECKING:
@@ -120,6 +121,12 @@ def _check_image_token(vlm: VLM, path: str) -> None:
     # A tokenizer larger than the embedding is not proof alone (checkpoints add unused tokens), but
     # with an image token the model cannot embed, or at another id than config.json's, it is.
     larger = vocab is not None and len(tok) > vocab and (found >= vocab or found != arch.image_token_id)
+    if (unknown or larger) and not any((Path(path) / f).exists() for f in VOCABULARY_FILES):
+        raise CheckpointError(
+            f"{path} has no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)}), so the tokenizer "
+            "countlens was given is not this checkpoint's; copy tokenizer.json and tokenizer_config.json from "
+            "the original checkpoint"
+        )
     if unknown or larger:
         why = (
             f"has no token {token!r}, the image token {_name(vlm.processor)} writes"

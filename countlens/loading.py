@@ -67,7 +67,6 @@ def load(
         _check_device(device_map)
     config = read_config(path)
     spec = spec_for(config)  # fail early, before loading weights, for an unsupported architecture
-    _require_prompt_files(path, label)  # a missing tokenizer is said so, not taken for another model's
     check_experts(config, spec, path)
     processor = load_processor(path, config)
     check_processor_settings(processor, config, resolve(config), path)  # before the weights are read

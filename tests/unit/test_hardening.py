@@ -156,7 +156,7 @@ def test_a_missing_tokenizer_is_named_as_missing(tmp_path):
     from countlens.organisms import TOY_DIR
 
     shutil.copytree(TOY_DIR, tmp_path / "toy", ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
-    with pytest.raises(CheckpointError, match="no tokenizer files .*copy the checkpoint's tokenizer files"):
+    with pytest.raises(CheckpointError, match="has no tokenizer vocabulary .*copy tokenizer.json"):
         cl.load(tmp_path / "toy")
 
 
