@@ -33,7 +33,7 @@ from countlens.analysis import compare_tables as ct
 from countlens.analysis import depth
 from countlens.analysis.figures.depth import plot_depth_classes, plot_handoff
 from countlens.analysis.runs import PROTOCOL, StoredRun, check_protocol, describe_differences, read_runs
-from countlens.analysis.tables import to_latex, to_markdown
+from countlens.analysis.tables import finite_markdown, to_latex, to_markdown
 from countlens.errors import ConfigError
 from countlens.html_page import standalone_page
 
@@ -99,7 +99,7 @@ def _runs_table(stored: list[StoredRun]) -> str:
         }
         for r in stored
     ]
-    return pd.DataFrame(rows).to_markdown(index=False)
+    return finite_markdown(pd.DataFrame(rows), index=False)
 
 
 def _protocol_text(stored: list[StoredRun], differences: dict) -> str:
@@ -159,7 +159,7 @@ def _markdown(stored, tables, notes, differences, drawn, out: Path, k: int, n_bi
         _figure(drawn, "head_classes", out, "head classes by relative depth"),
         f"\n## 5. Top {k} heads per relative-depth bin\n",
         "By importance (|head-patching effect|), with the class.\n",
-        tables["top_heads"].pipe(ct.top_heads_grid, n_bins).to_markdown() + "\n"
+        finite_markdown(tables["top_heads"].pipe(ct.top_heads_grid, n_bins)) + "\n"
         if not tables["top_heads"].empty
         else "_No run has a head table._\n",
         "\n## 6. Faithfulness\n",

@@ -95,6 +95,21 @@ def _fmt(value, digits: int) -> str:
     )
 
 
+def finite_markdown(df, **kw) -> str:
+    """``df.to_markdown(**kw)`` with every NaN or ±inf cell shown as "–" (empty: no figure there), never as
+    nan or inf; a table without one is rendered exactly as pandas renders it."""
+    frame = df.to_frame() if isinstance(df, pd.Series) else df
+    numeric = frame.select_dtypes("number")
+    if numeric.empty or np.isfinite(numeric.to_numpy(dtype=float)).all():
+        return df.to_markdown(**kw)
+    shown = frame.astype(object).where(frame.map(_finite_cell), None)
+    return shown.to_markdown(missingval="–", **kw)
+
+
+def _finite_cell(value) -> bool:
+    return not isinstance(value, (float, np.floating)) or bool(np.isfinite(value))
+
+
 def _is_mean_row(label) -> bool:
     return str(label).startswith("mean (")
 

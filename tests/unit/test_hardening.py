@@ -173,3 +173,16 @@ def test_a_zero_rescale_factor_is_named_as_the_processor_setting(tmp_path):
     path.write_text(json.dumps({**config, "rescale_factor": 0.0, "do_rescale": True}))
     with pytest.raises(CheckpointError, match="rescale_factor is 0.0: every image would be rescaled to nothing"):
         cl.load(tmp_path / "toy")
+
+
+def test_report_tables_show_no_nan_or_inf_as_a_figure():
+    import numpy as np
+    import pandas as pd
+
+    from countlens.analysis.tables import finite_markdown
+
+    clean = pd.DataFrame({"a": [0.5, 1.25], "b": ["x", "y"]})
+    assert finite_markdown(clean, index=False) == clean.to_markdown(index=False)  # untouched without a gap
+    gaps = pd.DataFrame({"CPR": [0.9, np.nan], "CMD": [np.inf, 0.1]}, index=["exact", "random"])
+    shown = finite_markdown(gaps)
+    assert "nan" not in shown and "inf" not in shown and shown.count("–") == 2 and "0.9" in shown

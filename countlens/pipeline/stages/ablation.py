@@ -14,6 +14,7 @@ import xarray as xr
 from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.heads import RESULT_DIMS
+from countlens.analysis.tables import finite_markdown
 from countlens.answers import answer_window
 from countlens.labels import head_label
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, stacked, sweep_rows
@@ -70,7 +71,7 @@ def _values(ctx: ReportContext) -> dict:
             "k": jac.attrs["k"],
             "k_requested": jac.attrs.get("k_requested", jac.attrs["k"]),
             "top_heads": "; ".join(f"{t}: {v}" for t, v in tops.items()),
-            "jaccard_table": jac.to_pandas().round(2).to_markdown(),
+            "jaccard_table": finite_markdown(jac.to_pandas().round(2)),
             "reasoning": _reasoning_sources(ctx.spec, [str(t) for t in abl.task.values]),
         }
     }

@@ -18,6 +18,7 @@ from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.attention_metrics import aggregate, attention_metrics
 from countlens.analysis.heads import RESULT_DIMS
+from countlens.analysis.tables import finite_markdown
 from countlens.errors import RunDirError
 from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
@@ -177,7 +178,7 @@ def _values(ctx: ReportContext) -> dict:
         },
         "attention": {
             "n_scenes": int(am.sizes["sample"]),
-            "mas_iou_table": mas_iou.to_markdown(),
+            "mas_iou_table": finite_markdown(mas_iou),
             "pixel_iou": {"top_head": _argmax_head(by_head.fillna(0.0)), "mean": float(by_head.mean(skipna=True))},
             "position": am.attrs.get("position", "last prompt token"),
             "code": _reference_attention(am),

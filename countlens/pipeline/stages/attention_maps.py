@@ -20,6 +20,7 @@ import xarray as xr
 
 from countlens.analysis import overlays
 from countlens.analysis.attention_maps import attention_maps
+from countlens.analysis.tables import finite_markdown
 from countlens.errors import RunDirError
 from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
@@ -134,7 +135,7 @@ def _values(ctx: ReportContext) -> dict:
         "stored": ds.attrs.get("heads", "all"),
         "heads": ", ".join(head_label(h) for h in heads) or "none stored",
         "layers": ", ".join(str(la) for la in layers),
-        "table": pd.DataFrame(rows).T.round(3).to_markdown(),
+        "table": finite_markdown(pd.DataFrame(rows).T.round(3)),
     }
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 
 from countlens.analysis import plots
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary, unanswered
-from countlens.analysis.tables import case_families
+from countlens.analysis.tables import case_families, finite_markdown
 from countlens.pipeline.config import conflict_styles
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 
@@ -99,7 +99,7 @@ def _values(ctx: ReportContext) -> dict:
         "overall": {"accuracy": overall["accuracy"], "mae": overall["mae"], "unparsed": overall["unparsed"]},
         "evaluation": spec.get("evaluate", "score"),
         "max_new_tokens": spec.get("max_new_tokens"),
-        "case_table": by_case.to_frame().T.round(2).to_markdown(index=False),
+        "case_table": finite_markdown(by_case.to_frame().T.round(2), index=False),
         "avoidance": {
             "r": avoid["r"],
             "per_count": ", ".join(f"{k}: {v:.2f}" for k, v in avoid["per_count"].items()),

@@ -16,6 +16,7 @@ import xarray as xr
 
 from countlens.analysis import plots
 from countlens.analysis.heads import CLASSES, shown_columns
+from countlens.analysis.tables import finite_markdown
 from countlens.pipeline.stages.base import ReportContext, Section
 
 
@@ -64,11 +65,11 @@ def _values(ctx: ReportContext) -> dict:
     classes = ctx.table["class"].value_counts().to_dict()
     tokens = key_head_tokens(ctx.table, ctx.results["headlens"])
     return {
-        "classes_table": pd.Series(classes).to_frame("heads").to_markdown(),
-        "heads_table": shown_columns(ctx.table).head(10).round(3).to_markdown(index=False),
+        "classes_table": finite_markdown(pd.Series(classes).to_frame("heads")),
+        "heads_table": finite_markdown(shown_columns(ctx.table).head(10).round(3), index=False),
         "preset": preset_summary(ctx.spec),
         "key_tokens": {
-            "table": tokens.to_markdown(index=False),
+            "table": finite_markdown(tokens, index=False),
             "top_k": int(ctx.results["headlens"].attrs.get("top_k", ctx.results["headlens"].sizes["k"])),
         },
     }

@@ -20,6 +20,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.analysis import plots
+from countlens.analysis.tables import finite_markdown
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves, smallest_faithful
 from countlens.circuits.methods import discover_methods
 from countlens.circuits.recovery import auroc, precision_at
@@ -149,7 +150,7 @@ def _recovery(ctx: ReportContext) -> dict | None:
     ]
     return {
         "heads": ", ".join(head_label(h) for h in sorted(circuit.heads)),
-        "table": pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True),  # 1.000 stays 1.000
+        "table": finite_markdown(pd.DataFrame(rows), index=False, disable_numparse=True),  # 1.000 stays 1.000
     }
 
 
@@ -163,8 +164,8 @@ def _edges(ctx: ReportContext) -> dict | None:
     return {
         "n_edges": int(ds.attrs["n_nodes"]),
         "steps": int(ds.attrs["steps"]),
-        "table": _table(ds, "edges", EDGE_DRAWS).to_markdown(index=False),
-        "curve": _curve(ds).to_markdown(),
+        "table": finite_markdown(_table(ds, "edges", EDGE_DRAWS), index=False),
+        "curve": finite_markdown(_curve(ds)),
     }
 
 
@@ -174,8 +175,8 @@ def _values(ctx: ReportContext) -> dict:
         "faithfulness": {
             "n_pairs": int(json.loads(ds.attrs["dataset"])["pairs"]),
             "n_nodes": int(ds.attrs["n_nodes"]),
-            "table": _table(ds).to_markdown(index=False),
-            "curve": _curve(ds).to_markdown(),
+            "table": finite_markdown(_table(ds), index=False),
+            "curve": finite_markdown(_curve(ds)),
             "level": LEVEL,
             "recovery": _recovery(ctx),
             "edges": _edges(ctx),

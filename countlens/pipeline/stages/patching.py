@@ -15,6 +15,7 @@ import xarray as xr
 from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.heads import check_effects, head_sites
+from countlens.analysis.tables import finite_markdown
 from countlens.circuits.integrated import node_attribution
 from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
@@ -138,8 +139,8 @@ def _vap_values(ctx: ReportContext) -> dict:
             "n_pairs": int(vap.sizes["pair"]),
             "image_sentence": _image_sentence(first_img, "image_states" in vap.group),
             "first_last": first_last,
-            "effect_table": vap.effect.to_pandas().round(3).to_markdown(),
-            "overwrite_table": vap.overwrite.to_pandas().round(3).to_markdown(),
+            "effect_table": finite_markdown(vap.effect.to_pandas().round(3)),
+            "overwrite_table": finite_markdown(vap.overwrite.to_pandas().round(3)),
         }
     }
 
