@@ -309,3 +309,17 @@ def test_head_level_config_and_top_heads_are_checked():
     assert top_heads_from(table, k=5, classes=["a"]) == ((2, 3), (0, 1))
     with pytest.raises(ConfigError, match="no head of class"):
         top_heads_from(table, classes=["c"])
+
+
+def test_a_logit_lens_in_raw_nnsight_is_the_model_s_own_head(organism, pairs):
+    import nnsight
+
+    batch = organism.prepare_samples([p.clean for p in pairs])
+    with organism.trace(batch):
+        lens = nnsight.save([organism.unembed(organism.module(organism.arch.layer(i)).output[:, -1]) for i in (2, 5)])
+    with torch.no_grad():
+        out = organism.hf(**batch.inputs, output_hidden_states=True)
+        norm = organism.hf.get_submodule(organism.arch.spec.final_norm)
+        plain = organism.hf.get_submodule(organism.arch.spec.lm_head)(norm(out.hidden_states[3][:, -1]))
+    assert_close(lens[0], plain, what="unembed of layer 2's residual")
+    assert_close(lens[1], out.logits[:, -1], what="unembed of the last layer is the model's logits")
