@@ -323,3 +323,14 @@ def test_a_logit_lens_in_raw_nnsight_is_the_model_s_own_head(organism, pairs):
         plain = organism.hf.get_submodule(organism.arch.spec.lm_head)(norm(out.hidden_states[3][:, -1]))
     assert_close(lens[0], plain, what="unembed of layer 2's residual")
     assert_close(lens[1], out.logits[:, -1], what="unembed of the last layer is the model's logits")
+
+
+def test_intervene_holds_under_an_nnsight_trace_with_object_positions(organism, pairs):
+    batch = organism.prepare_samples([p.clean for p in pairs])
+    edits = [Zero(HeadZ(0, 0)), Zero(Residual(1), positions=Objects([0]))]
+    with intervene(organism, edits):
+        plain = organism.forward(batch).logits[:, -1].float()
+        with organism.trace(batch):
+            traced = organism.nn.output.logits[:, -1].save()
+    assert torch.equal(traced.float(), plain)
+    assert not torch.allclose(plain, organism.forward(batch).logits[:, -1].float())  # the edits took effect
