@@ -27,8 +27,8 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.edges import EdgeGraph, Receiver, first_arg, hooked, receiver_columns, stream_shaped
-from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_output, repeat_inputs
+from countlens.circuits.edges import EdgeGraph, Receiver, hooked, receiver_columns, stream_shaped
+from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_arg, first_output, repeat_inputs
 from countlens.errors import InputError
 from countlens.validate import require_finite_scores
 

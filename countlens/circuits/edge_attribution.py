@@ -33,16 +33,14 @@ from countlens.circuits.edges import (
     Receiver,
     check_additive,
     edge_graph,
-    first_arg,
     hooked,
     node_deltas,
     receiver_columns,
-    replace_first,
 )
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
-from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, group_mask
+from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, first_arg, group_mask, replace_first
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.validate import require_choice, require_count
 

@@ -45,7 +45,18 @@ from torch import Tensor
 
 from countlens.arguments import require_vlm
 from countlens.circuits.nodes import Node, graph_nodes
-from countlens.circuits.sites import INPUTS, AttnIn, K, Logits, MlpIn, Q, V, first_output, heads_view, mlp_path
+from countlens.circuits.sites import (
+    INPUTS,
+    AttnIn,
+    K,
+    Logits,
+    MlpIn,
+    Q,
+    V,
+    first_output,
+    heads_view,
+    mlp_path,
+)
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -180,16 +191,6 @@ def hooked(hooks: Sequence[tuple[torch.nn.Module, str, object]]) -> Iterator[Non
     finally:
         for h in handles:
             h.remove()
-
-
-def first_arg(args, kwargs) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def replace_first(args, kwargs, value: Tensor):
-    if args:
-        return (value, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": value}
 
 
 def stream_shaped(t: Tensor, like: Tensor) -> Tensor:

@@ -115,7 +115,6 @@ def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[No
             raise InputError(f"scores must map node labels to numbers ({err})") from None
     else:
         raise InputError(f"scores of type {type(scores).__name__}: give a DataArray over (layer, head) or a mapping")
-    values = {k: v for k, v in values.items() if not math.isnan(v)} if isinstance(scores, xr.DataArray) else values
     require_finite_scores(values, "the ranking")
     every = {n.label: n for n in graph_nodes(vlm)}
     if vlm.arch.expert_layers:

@@ -93,20 +93,9 @@ class Intervention:
         before any forward."""
         if not isinstance(self.positions, Objects):
             return
-        donor = self.positions.of == "donor"
+        side = "corrupt" if self.positions.of == "donor" else "clean"
         for k, p in enumerate(pairs):
-            s = p.corrupt if donor else p.clean
-            objects = getattr(getattr(s, "scene", None), "objects", None)
-            side = "corrupt" if donor else "clean"
-            if not objects:
-                raise InputError(
-                    f"pair {k}'s {side} sample has no object list: Objects positions need a generated scene"
-                )
-            if max(self.positions.objects) >= len(objects):
-                raise InputError(
-                    f"pair {k}'s {side} scene has objects 0..{len(objects) - 1}; it has no object "
-                    f"{max(self.positions.objects)}"
-                )
+            self.positions.scene_of(getattr(p, side), f"pair {k}'s {side} sample")
 
     def resolved(self, vlm: VLM) -> Intervention:
         """This intervention with anything that needs a forward (a reference mean, donors) computed."""

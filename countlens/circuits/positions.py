@@ -182,18 +182,26 @@ class Objects:
             out[b, self.tokens(batch, b, sample)] = True
         return frame.stacked(out)
 
-    def tokens(self, batch: Batch, b: int, sample) -> Tensor:
-        """The positions of row ``b``'s tokens that belong to the chosen objects of ``sample``'s scene."""
+    def scene_of(self, sample, where: str):
+        """``sample``'s scene, refused (``where`` names the sample) without an object list or without one
+        of the chosen objects."""
         scene = getattr(sample, "scene", None)
         objects = getattr(scene, "objects", None)
         if not objects:
             raise InputError(
-                f"sample {b} has no object list (a loaded benchmark image, or an empty scene): Objects positions "
+                f"{where} has no object list (a loaded benchmark image, or an empty scene): Objects positions "
                 "need a generated scene; use Cells or a Mask"
             )
         missing = [i for i in self.objects if i >= len(objects)]
         if missing:
-            raise InputError(f"sample {b}'s scene has objects 0..{len(objects) - 1}; it has no object {missing}")
+            raise InputError(
+                f"{where}'s scene has objects 0..{len(objects) - 1}; it has no object {', '.join(map(str, missing))}"
+            )
+        return scene
+
+    def tokens(self, batch: Batch, b: int, sample) -> Tensor:
+        """The positions of row ``b``'s tokens that belong to the chosen objects of ``sample``'s scene."""
+        scene = self.scene_of(sample, f"sample {b}")
         cells = object_cells(object_coverage(scene, batch.geometry[b].token_grid), self.coverage, self.peak)
         mine = torch.from_numpy(cells[list(self.objects)].any(0))
         cell = batch.image_cell[b]

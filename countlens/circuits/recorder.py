@@ -18,7 +18,7 @@ from torch import Tensor
 from countlens.arguments import require_batch, require_vlm
 from countlens.circuits.attention import eager_attention
 from countlens.circuits.positions import Frame, as_positions
-from countlens.circuits.sites import Expert, ImageStates, Location, first_output
+from countlens.circuits.sites import Expert, ImageStates, Location, first_arg, first_output, replace_first
 from countlens.errors import InputError
 from countlens.validate import require_count, require_sequence
 
@@ -45,10 +45,8 @@ def tensor_hook(module: torch.nn.Module, io: str, action: Callable[[Tensor], Ten
         return module.register_forward_hook(post)
 
     def pre(mod, args, kwargs):
-        new = action(args[0] if args else kwargs["hidden_states"])
-        if new is None:
-            return None
-        return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+        new = action(first_arg(args, kwargs))
+        return None if new is None else replace_first(args, kwargs, new)
 
     return module.register_forward_pre_hook(pre, with_kwargs=True)
 

@@ -76,6 +76,18 @@ def head_axis(layout: str, head: int, n_heads: int, d_head: int) -> Callable[[Te
     return lambda t: t[:, head]
 
 
+def first_arg(args, kwargs) -> Tensor:
+    """A module call's first input tensor: positional, or a decoder layer's ``hidden_states``."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def replace_first(args, kwargs, value: Tensor):
+    """(args, kwargs) of a module call with its first input tensor replaced by ``value``."""
+    if args:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": value}
+
+
 def first_output(output):
     """A module's output tensor: Llama 4's MoE block returns (output, router logits)."""
     return output[0] if isinstance(output, tuple) else output
