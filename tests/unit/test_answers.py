@@ -210,6 +210,14 @@ def test_pairs_with_multi_token_answers(qwen, clean, corrupt):
     heads = circuits.patch_heads(qwen, pairs)
     atp = circuits.attribution_patch(qwen, pairs)
     assert np.isfinite(heads.effect.values).all() and np.isfinite(atp.effect.values).all()
+    # The experiment entry point reads the same multi-token metric: the same patches, the same numbers.
+    sets = {
+        f"{la}/{g}": [circuits.Patch(circuits.Residual(la), positions=g)]
+        for la in (-1, 0, 1)
+        for g in ("image", "last")
+    }
+    grid = circuits.effect(qwen, pairs, sets)
+    np.testing.assert_array_equal(grid.effect.values, vap.effect.values.ravel())
 
 
 @pytest.mark.numeric
