@@ -17,6 +17,7 @@ values, so with counterfactual patching the forward is the corrupt run.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,8 +28,8 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.edges import EdgeGraph, Receiver, hooked, receiver_columns, stream_shaped
-from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_arg, first_output, repeat_inputs
+from countlens.circuits.edges import EdgeGraph, Receiver, hooked, receiver_columns
+from countlens.circuits.sites import INPUTS, AttnIn, K, Q, V, first_arg, first_output, heads_view, repeat_inputs
 from countlens.errors import InputError
 from countlens.validate import require_finite_scores
 
@@ -67,43 +68,61 @@ def edge_scores(graph: EdgeGraph, scores) -> dict[int, float]:
 
 
 class _Ablator:
-    """The hooks of one stacked forward: ``weights[r]`` (rows, prefix) is 1 where row's circuit ablates
-    edge u → r, ``values`` the ablation values tiled to the rows."""
+    """The hooks of one stacked forward: k circuits × n rows of the batch.
 
-    def __init__(self, vlm: VLM, graph: EdgeGraph, weights: dict[Receiver, Tensor], values: dict, image: Tensor):
-        self.vlm, self.graph, self.weights, self.values = vlm, graph, weights, values
-        self.image = image[..., None]
-        self.delta: dict = {"z": {}, "mlp": {}}
-        self.normed: dict[Receiver, Tensor] = {}
-        self.busy = False
+    ``weights[r]`` (rows, prefix) is 1 where a row's circuit ablates edge u → r. Only the **live** nodes
+    — those some receiver's ablated edges read — are kept: as each one's output is computed, its
+    difference from the ablation value, in the residual stream's space, goes into one slot of
+    ``deltas`` (rows, live, seq, d_model). A receiver's Σ (c_u − a_u) over its ablated edges is then
+    one masked sum over those slots, and a layer's receivers share one batched product: the cost per
+    layer is receivers × live nodes × d_model per position, not an o_proj-sized product per receiver
+    and upstream layer."""
+
+    def __init__(self, vlm: VLM, graph: EdgeGraph, weights: dict[Receiver, Tensor], values: dict, image: Tensor, k: int):
+        self.vlm, self.graph, self.values, self.k = vlm, graph, values, k
+        self.image = image.repeat(k, 1)[..., None]  # (rows, seq, 1)
         arch = vlm.arch
+        touched = torch.zeros(len(graph.nodes), dtype=torch.bool)
+        for w in weights.values():
+            touched[: w.shape[1]] |= w.any(0)
+        self.live = touched.nonzero().flatten().tolist()
+        self.slot = {u: i for i, u in enumerate(self.live)}
         self.starts = []  # where each layer's heads start in the node order
         at = len(INPUTS)
         for layer in range(arch.n_layers):
             self.starts.append(at)
             at += arch.heads(layer) + 1
+        # Per group of receivers read together (a layer's attention block, an MLP, the logits): the
+        # receivers with ablated edges and their weights over the live nodes they can read.
+        self.groups: dict[object, tuple[list[Receiver], Tensor]] = {}
+        for layer in range(arch.n_layers + 1):
+            for block in (0, 1):
+                mine = [r for r in graph.receivers if r.layer == layer and r.block == block and r in weights]
+                if mine:
+                    m = bisect_left(self.live, graph.prefix[mine[0]])
+                    w = torch.stack([weights[r][:, self.live[:m]] for r in mine], 1)  # (rows, receivers, m)
+                    self.groups[(layer, block)] = (mine, w)
+        self.deltas: Tensor | None = None
+        self.normed: dict[Receiver, Tensor] = {}
+        self.busy = False
 
-    def removed(self, r: Receiver, like: Tensor) -> Tensor | None:
-        """Σ over r's ablated edges of (c_u − a_u), or None where r has none."""
-        w = self.weights.get(r)
-        if w is None:
-            return None
-        w = w.to(like.device, like.dtype)
-        arch, out = self.vlm.arch, torch.zeros_like(like)
-        d_in = self.delta["embed"]
-        out += w[:, 0, None, None] * d_in * self.image + w[:, 1, None, None] * d_in * (1 - self.image)
-        for layer in range(arch.n_layers):
-            s = self.starts[layer]
-            if s >= w.shape[1]:
-                break
-            heads = arch.heads(layer)
-            wh = w[:, s : s + heads]
-            if bool(wh.any()):
-                dz = self.delta["z"][layer] * wh.repeat_interleave(arch.head_dim(layer), 1)[:, None, :]
-                out += F.linear(dz, self.vlm.hf.get_submodule(self.graph.layers[layer].o_proj).weight)
-            if s + heads < w.shape[1] and bool(w[:, s + heads].any()):
-                out += w[:, s + heads, None, None] * self.delta["mlp"][layer]
-        return out
+    def _store(self, u: int, delta: Tensor) -> None:
+        i = self.slot.get(u)
+        if i is not None:
+            self.deltas[:, i] = delta
+
+    def _rows(self, x: Tensor, value: Tensor) -> Tensor:
+        """x − the ablation value, the value (n rows) broadcast over the k circuits."""
+        return (x.reshape(self.k, -1, *x.shape[1:]) - value.to(x.dtype)).reshape(x.shape)
+
+    def removed(self, key) -> tuple[list[Receiver], Tensor]:
+        """A group's receivers and Σ over each one's ablated edges of (c_u − a_u): (rows, receivers, seq, d)."""
+        mine, w = self.groups[key]
+        d = self.deltas
+        rows, _, seq, width = d.shape
+        m = w.shape[-1]
+        out = torch.bmm(w.to(d.device, d.dtype), d[:, :m].reshape(rows, m, seq * width))
+        return mine, out.view(rows, len(mine), seq, width)
 
     def norm_of(self, module, x: Tensor) -> Tensor:
         self.busy = True
@@ -116,43 +135,54 @@ class _Ablator:
 
     def embed(self, module, args, kwargs):
         x = first_arg(args, kwargs)
-        self.delta["embed"] = x - self.values["embed"].to(x.dtype)
+        self.deltas = x.new_empty(x.shape[0], len(self.live), *x.shape[1:])
+        d = self._rows(x, self.values["embed"])
+        image = self.image.to(d.dtype)
+        self._store(0, d * image)
+        self._store(1, d * (1 - image))
 
     def z(self, layer):
+        start, heads = self.starts[layer], self.vlm.arch.heads(layer)
+        live = [h for h in range(heads) if start + h in self.slot]
+        o_proj = self.vlm.hf.get_submodule(self.graph.layers[layer].o_proj)
+
         def hook(module, args, kwargs):
-            self.delta["z"][layer] = first_arg(args, kwargs) - self.values["z"][layer]
+            if not live:
+                return
+            dz = heads_view(self._rows(first_arg(args, kwargs), self.values["z"][layer]), heads)[:, :, live]
+            w = o_proj.weight.view(o_proj.weight.shape[0], heads, -1)[:, live].to(dz.dtype)
+            i = self.slot[start + live[0]]
+            self.deltas[:, i : i + len(live)] = torch.einsum("bshd,ohd->bhso", dz, w)
 
         return hook
 
     def mlp_out(self, layer):
+        u = self.starts[layer] + self.vlm.arch.heads(layer)
+
         def hook(module, args, out):
-            delta = first_output(out) - self.values["mlp"][layer]
-            self.delta["mlp"][layer] = stream_shaped(delta, self.delta["embed"])
+            if u in self.slot:
+                d = self.deltas
+                delta = first_output(out).reshape(d.shape[0], *d.shape[2:])
+                self._store(u, self._rows(delta, self.values["mlp"][layer].reshape(-1, *d.shape[2:])))
 
         return hook
 
     def attn_norm(self, layer):
-        mine = [r for r in self.graph.receivers if r.layer == layer and r.block == 0]
+        key = (layer, 0)
 
         def hook(module, args, out):
-            if self.busy:
+            if self.busy or key not in self.groups:
                 return None
             x = args[0]
-            self.normed = {}  # one layer's copies at a time
-            for r in mine:
-                removed = self.removed(r, x)
-                self.normed[r] = None if removed is None else self.norm_of(module, x - removed)
-            if isinstance(mine[0], AttnIn) and self.normed[mine[0]] is not None:
-                return self.normed[mine[0]]
-            return None
+            mine, removed = self.removed(key)
+            self.normed = {r: self.norm_of(module, x - removed[:, i]) for i, r in enumerate(mine)}
+            return self.normed[mine[0]] if isinstance(mine[0], AttnIn) else None
 
         return hook
 
     def projection(self, layer, part: type):
-        mine = [r for r in self.graph.receivers if r.layer == layer and type(r) is part]
-
         def hook(module, args, out):
-            todo = [r for r in mine if self.normed.get(r) is not None]
+            todo = [r for r in self.normed if type(r) is part and r.layer == layer]
             if not todo:
                 return None
             out = out.clone()
@@ -164,27 +194,27 @@ class _Ablator:
 
         return hook
 
-    def reread(self, r: Receiver):
-        """A norm's forward hook: the norm applied to r's own copy of the stream (the MLP, the logits)."""
+    def reread(self, key):
+        """A norm's forward hook: the norm applied to the receiver's own copy of the stream (the MLP, the logits)."""
 
         def hook(module, args, out):
-            if self.busy:
+            if self.busy or key not in self.groups:
                 return None
-            x = args[0]
-            removed = self.removed(r, x)
-            return None if removed is None else self.norm_of(module, x - removed)
+            _, removed = self.removed(key)
+            return self.norm_of(module, args[0] - removed[:, 0])
 
         return hook
 
     def hooks(self) -> list:
         hf, graph = self.vlm.hf, self.graph
+        if not self.groups:
+            return []
         out = [(hf.get_submodule(self.vlm.arch.layer(0)), "pre", self.embed)]
-        mlps = [r for r in graph.receivers if isinstance(r, MlpIn)]
         for layer, paths in enumerate(graph.layers):
             out += [
                 (hf.get_submodule(paths.attn_norm), "forward", self.attn_norm(layer)),
                 (hf.get_submodule(paths.o_proj), "pre", self.z(layer)),
-                (hf.get_submodule(paths.mlp_norm), "forward", self.reread(mlps[layer])),
+                (hf.get_submodule(paths.mlp_norm), "forward", self.reread((layer, 1))),
                 (hf.get_submodule(paths.mlp), "forward", self.mlp_out(layer)),
             ]
             if paths.qkv is not None:
@@ -192,15 +222,17 @@ class _Ablator:
                     (hf.get_submodule(p), "forward", self.projection(layer, part))
                     for part, p in zip((Q, K, V), paths.qkv)
                 ]
-        out.append((hf.get_submodule(graph.final_norm), "forward", self.reread(graph.receivers[-1])))
+        logits = graph.receivers[-1]
+        out.append((hf.get_submodule(graph.final_norm), "forward", self.reread((logits.layer, logits.block))))
         return out
 
 
-def edge_row_bytes(w: memory.Widths, seq: int, receivers: int) -> int:
-    """What one stacked row of `edge_ablated_logits` holds beyond a plain forward's: the ablation
-    values and this forward's differences from them (the embeddings, every layer's z and MLP output),
-    and one layer's ``receivers`` normed copies of the stream."""
-    return (2 * (2 * w.n_layers + 1) + receivers) * seq * w.d_model * w.act_bytes
+def edge_row_bytes(w: memory.Widths, seq: int, receivers: int, live: int | None = None) -> int:
+    """What one stacked row of `edge_ablated_logits` holds beyond a plain forward's: the live nodes'
+    differences from their ablation values in the residual stream's space (``live``: every node of the
+    graph unless given), and one layer's ``receivers`` sums of them and normed copies of the stream."""
+    nodes = len(INPUTS) + w.n_layers * (w.n_heads + 1) if live is None else live
+    return (nodes + 2 * receivers) * seq * w.d_model * w.act_bytes
 
 
 def _weights(graph: EdgeGraph, sets: Sequence[frozenset], n: int) -> dict[Receiver, Tensor]:
@@ -243,12 +275,7 @@ def edge_ablated_logits(
     for i in range(0, len(sets), per_pass):
         chunk = sets[i : i + per_pass]
         k = len(chunk)
-        tiled = {
-            "embed": torch.cat([values["embed"]] * k),
-            "z": {la: torch.cat([v] * k) for la, v in values["z"].items()},
-            "mlp": {la: torch.cat([v] * k) for la, v in values["mlp"].items()},
-        }
-        ablator = _Ablator(vlm, graph, _weights(graph, chunk, n), tiled, torch.cat([image] * k).float())
+        ablator = _Ablator(vlm, graph, _weights(graph, chunk, n), values, image, k)
         with hooked(ablator.hooks()):
             logits = vlm.hf(**repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1).logits[:, -1]
         out.append(logits.float().view(k, n, -1).cpu())
