@@ -187,24 +187,24 @@ def capacity(name: str, grid: Geometry) -> int | None:
 
 
 @lru_cache(maxsize=256)
-def _anchor_table(c: Case, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
-    """A lattice case's anchors (k, 2) in row-major order and their Chebyshev distances (k, k):
-    fixed per case and grid, so computed once."""
+def _anchor_table(c: Case, g: Geometry) -> np.ndarray:
+    """A lattice case's anchors (k, 2) in row-major order: fixed per case and grid, so computed once.
+    Their Chebyshev distances are computed a row at a time (`_greedy`): the whole (k, k) table of a
+    1540 px image (Mistral 3's native size, k ≈ 12,000 anchors) would take over a GiB per case."""
     margin, _, _ = _lattice_terms(c, g)
     xs, ys = _anchors(c, g, margin)
     pts = np.array([(x, y) for y in ys for x in xs]).reshape(-1, 2)
-    dist = np.abs(pts[:, None, :] - pts[None, :, :]).max(-1)
-    pts.flags.writeable = dist.flags.writeable = False  # shared by every sample of the case
-    return pts, dist
+    pts.flags.writeable = False  # shared by every sample of the case
+    return pts
 
 
-def _greedy(order: np.ndarray, dist: np.ndarray, sizes: np.ndarray, spacing: float, n: int) -> list[int]:
+def _greedy(order: np.ndarray, pts: np.ndarray, sizes: np.ndarray, spacing: float, n: int) -> list[int]:
     """Scan anchors in ``order`` once and keep each whose Chebyshev distance to every kept one is at
     least the two objects' mean size plus ``spacing``, the new object's size being ``sizes[i]``
     for the i-th kept. ``slack[a]``, the least of dist(a, kept) − size(kept)/2, makes each step one
     vectorised scan."""
     chosen: list[int] = []
-    slack = np.full(len(dist), np.inf)
+    slack = np.full(len(pts), np.inf)
     pos = 0
     while len(chosen) < n and pos < len(order):
         rest = order[pos:]
@@ -213,7 +213,7 @@ def _greedy(order: np.ndarray, dist: np.ndarray, sizes: np.ndarray, spacing: flo
         if not ok[hit]:
             break
         m = int(rest[hit])
-        slack = np.minimum(slack, dist[m] - sizes[len(chosen)] / 2)
+        slack = np.minimum(slack, np.abs(pts - pts[m]).max(-1) - sizes[len(chosen)] / 2)
         chosen.append(m)
         pos += hit + 1
     return chosen
@@ -222,12 +222,12 @@ def _greedy(order: np.ndarray, dist: np.ndarray, sizes: np.ndarray, spacing: flo
 def _lattice(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...], rng) -> tuple[Obj, ...]:
     p = g.patch_size
     margin, jitter, step = _lattice_terms(c, g)
-    grid_pts, dist = _anchor_table(c, g)
+    grid_pts = _anchor_table(c, g)
     sizes = rng.uniform(c.size[0] * p, c.size[1] * p, size=n) if c.size[0] != c.size[1] else np.full(n, c.size[0] * p)
     chosen: list[int] = []
     for _ in range(10):  # random greedy first: varied layouts, not only sub-lattices
         # Chebyshev distance between anchors: the boxes of two objects stay p/2 apart after jitter.
-        chosen = _greedy(rng.permutation(len(grid_pts)), dist, sizes, APART * p + 2 * jitter, n)
+        chosen = _greedy(rng.permutation(len(grid_pts)), grid_pts, sizes, APART * p + 2 * jitter, n)
         if len(chosen) == n:
             break
     else:

@@ -281,3 +281,20 @@ def test_contact_helpers_on_hand_made_pairs():
     diagonal[3, 3], beside[2, 3] = True, True
     assert pixel_joined(a, beside, 4) and not pixel_joined(a, diagonal, 4) and pixel_joined(a, diagonal, 8)
     assert not pixel_joined(a, np.zeros_like(a), 8)
+
+
+def test_a_lattice_sample_at_mistral_3s_native_size_stays_small():
+    """Mistral 3's processor keeps 1540 px images (`countlens plan` at its native size): 110 × 110 patches
+    of 14 px, ~12,000 anchors. A (k, k) table of anchor distances held 1.2 GB per case (the plan was
+    killed for memory); a sample must cost a few MB, and place its objects as at any size."""
+    import tracemalloc
+
+    grid = Geometry.square(1540, 14)
+    tracemalloc.start()
+    try:
+        s = trick_sample("1A", 0, 0, grid)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(s.scene.objects) == s.meta["count"]
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"
