@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5: one vision tower and merger under
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE: one vision tower and merger under
 ``model.visual``, 3-D rotary positions, and an image processor that keeps the image's aspect within a
 pixel budget.
 
@@ -10,7 +10,7 @@ Qwen2.5-VL's vision blocks hold the merge units window by window (``projector_or
 `window_index` is that order, from the model's own code. Qwen3-VL adds image features inside its
 first decoder layers (DeepStack); Qwen3-VL-MoE has mixture-of-experts MLPs; Qwen3.5 is hybrid: Gated
 DeltaNet linear attention on most layers, softmax on every fourth, its softmax layers' q_proj writing
-each head's query then its output gate.
+each head's query then its output gate; Qwen3.5-MoE is Qwen3.5's hybrid layout with routed experts.
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ SPECS = (
     ArchSpec("qwen3_vl", ("qwen3_vl",), q_norm="self_attn.q_norm", deepstack=True, **_PATHS),
     ArchSpec("qwen3_vl_moe", ("qwen3_vl_moe",), q_norm="self_attn.q_norm", deepstack=True, moe=MoESpec(), **_PATHS),
     ArchSpec("qwen3_5", ("qwen3_5",), q_norm="self_attn.q_norm", linear_attention=LinearAttentionSpec(), **_PATHS),
+    # Qwen3.5-35B-A3B: the hybrid layers of Qwen3.5 with Qwen3-VL-MoE's routed experts on every layer
+    # (256, 8 per token) and a gated shared expert beside them, which is no expert here (as Llama 4's).
+    ArchSpec(
+        "qwen3_5_moe",
+        ("qwen3_5_moe",),
+        q_norm="self_attn.q_norm",
+        linear_attention=LinearAttentionSpec(),
+        moe=MoESpec(),
+        **_PATHS,
+    ),
 )
 
 
