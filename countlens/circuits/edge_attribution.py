@@ -36,12 +36,14 @@ from countlens.circuits.edges import (
     hooked,
     node_deltas,
     receiver_columns,
+    require_graph,
 )
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, first_arg, group_mask, replace_first
 from countlens.circuits.sweep import check_pair_sweep
+from countlens.errors import InputError
 from countlens.validate import require_choice, require_count
 
 if TYPE_CHECKING:
@@ -134,6 +136,9 @@ def _chunk(vlm: VLM, graph: EdgeGraph, rows: int, seq: int, chunk: int | None) -
     return max(1, min(seq, CHUNK_BYTES // per_position))
 
 
+METHODS: tuple[str, ...] = ("eap", "eap-ig")
+
+
 def edge_attribution(
     vlm: VLM,
     pairs: Sequence,
@@ -142,54 +147,92 @@ def edge_attribution(
     positions: str = "all",
     batch_size: int = 16,
     chunk: int | None = None,
+    graph: EdgeGraph | None = None,
 ) -> xr.Dataset:
     """EAP (``method="eap"``: one gradient, the clean run's) or EAP-IG (``steps`` points) scores of
     every edge: ``effect`` over ``edge`` (with ``upstream``, ``receiver`` and ``part`` coordinates),
     and ``node_effect`` over ``node`` (the sum of a node's outgoing edges). ``positions``: the token
-    group whose positions are summed ("all", "image", "text", "last"). See the module docstring."""
+    group whose positions are summed ("all", "image", "text", "last"); ``graph``: the model's
+    `edge_graph`, built here if not given. See the module docstring."""
+    require_choice(method, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", METHODS)
+    return edge_attributions(vlm, pairs, (method,), steps, positions, batch_size, chunk, graph)[method]
+
+
+def edge_attributions(
+    vlm: VLM,
+    pairs: Sequence,
+    methods: Sequence[str] = ("eap-ig", "eap"),
+    steps: int = 5,
+    positions: str = "all",
+    batch_size: int = 16,
+    chunk: int | None = None,
+    graph: EdgeGraph | None = None,
+) -> dict[str, xr.Dataset]:
+    """`edge_attribution`'s result per method of ``methods``, from one pass: EAP's gradient is EAP-IG's
+    last point (the clean input), so both cost EAP-IG's ``steps`` gradients, and each chunk's node
+    differences are formed once for all of them. The normaliser comes from the recordings' own forwards."""
     require_vlm(vlm, "edge_attribution")
     check_pair_sweep(pairs, batch_size, "edge_attribution")
-    require_choice(method, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", ("eap", "eap-ig"))
+    if isinstance(methods, str) or not methods:
+        raise InputError(f"methods must be a non-empty list of {METHODS}, e.g. ('eap-ig', 'eap'); got {methods!r}")
+    for m in methods:
+        require_choice(m, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", METHODS)
     require_count(steps, "steps")
     check_group(positions)
-    steps = 1 if method == "eap" else steps
-    graph = edge_graph(vlm)
+    graph = edge_graph(vlm) if graph is None else require_graph(vlm, graph)
+    m = steps if "eap-ig" in methods else 1
+    # which gradients each method averages: EAP-IG all m, EAP the last (the clean input)
+    divisor = {"eap-ig": [m] * m, "eap": [0] * (m - 1) + [1]}
     offsets = graph.offsets()
     n_edges = sum(graph.prefix.values())
-    scores = torch.zeros(n_edges, dtype=torch.float64)
+    scores = {method: torch.zeros(n_edges, dtype=torch.float64) for method in methods}
     clean_sum = corrupt_sum = 0.0
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
-        if start == 0:
+        if not graph.checked:
             check_additive(vlm, graph, pb.clean)
-        corrupt, clean = record_nodes(vlm, pb.corrupt, graph.nodes), record_nodes(vlm, pb.clean, graph.nodes)
+        corrupt, clean = (record_nodes(vlm, b, graph.nodes, logits=True) for b in (pb.corrupt, pb.clean))
+        clean_sum += float(logit_diff(clean["logits"], pb.clean_id, pb.corrupt_id).sum())
+        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
         image = image_positions(vlm, pb.clean)
         where = group_mask(pb.clean, positions)
         seq = int(where.shape[1])
+        grads = []
+        for k in range(1, m + 1):
+            embed = corrupt["embed"] + (k / m) * (clean["embed"] - corrupt["embed"])
+            grads.append(_gradient_pass(vlm, graph, pb.clean, embed, pb))
         step = _chunk(vlm, graph, len(pb.clean), seq, chunk)
-        for k in range(1, steps + 1):
-            embed = corrupt["embed"] + (k / steps) * (clean["embed"] - corrupt["embed"])
-            g = _gradient_pass(vlm, graph, pb.clean, embed, pb)
-            with torch.no_grad():
-                for p0 in range(0, seq, step):
-                    sl = slice(p0, min(seq, p0 + step))
-                    delta = node_deltas(vlm, graph, corrupt, clean, image, sl).double()
-                    delta = delta * where[None, :, sl, None].to(delta.device)
-                    for layer in range(vlm.arch.n_layers + 1):
-                        for r, gr in receiver_gradients(vlm, graph, layer, g, sl).items():
-                            p = graph.prefix[r]
-                            got = torch.einsum("ubsd,bsd->u", delta[:p], gr.double())
-                            scores[offsets[r] : offsets[r] + p] += got.cpu() / steps
         with torch.no_grad():
-            for b, acc in ((pb.clean, "clean"), (pb.corrupt, "corrupt")):
-                ld = float(
-                    logit_diff(vlm.forward(b, logits_to_keep=1).logits[:, -1].float(), pb.clean_id, pb.corrupt_id).sum()
-                )
-                if acc == "clean":
-                    clean_sum += ld
-                else:
-                    corrupt_sum += ld
-    effect = (scores / normaliser(clean_sum, corrupt_sum)).numpy()
+            for p0 in range(0, seq, step):
+                sl = slice(p0, min(seq, p0 + step))
+                delta = node_deltas(vlm, graph, corrupt, clean, image, sl).double()
+                delta = delta * where[None, :, sl, None].to(delta.device)
+                for i, g in enumerate(grads):
+                    used = [(method, divisor[method][i]) for method in methods if divisor[method][i]]
+                    if not used:
+                        continue
+                    for layer in range(vlm.arch.n_layers + 1):
+                        by_prefix: dict[int, list] = {}  # receivers reading the same nodes: one product
+                        for r, gr in receiver_gradients(vlm, graph, layer, g, sl).items():
+                            by_prefix.setdefault(graph.prefix[r], []).append((r, gr))
+                        for p, group in by_prefix.items():
+                            grads_r = torch.stack([gr for _, gr in group]).double()
+                            got = torch.einsum("ubsd,rbsd->ru", delta[:p], grads_r).cpu()
+                            for (r, _), row in zip(group, got):
+                                for method, wt in used:
+                                    scores[method][offsets[r] : offsets[r] + p] += row / wt
+    denom = normaliser(clean_sum, corrupt_sum)
+    return {
+        method: _result(
+            vlm, pairs, graph, (scores[method] / denom).numpy(), method, 1 if method == "eap" else m, positions
+        )
+        for method in methods
+    }
+
+
+def _result(
+    vlm: VLM, pairs, graph: EdgeGraph, effect: np.ndarray, method: str, steps: int, positions: str
+) -> xr.Dataset:
     edges = graph.edges
     node_effect = np.zeros(len(graph.nodes))
     index = {u: i for i, u in enumerate(graph.nodes)}

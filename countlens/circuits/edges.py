@@ -94,6 +94,8 @@ class EdgeGraph:
     final_norm: str
     kv_heads: list[int] = field(default_factory=list)
     heads: list[int] = field(default_factory=list)
+    model: int = 0  # id() of the HF model it was built from
+    checked: bool = False  # `check_additive` has passed on this model
 
     @property
     def edges(self) -> list[tuple[Node, Receiver]]:
@@ -173,8 +175,31 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
     prefix[logits] = seen
     receivers.append(logits)
     return EdgeGraph(
-        nodes, receivers, prefix, layers, arch.spec.final_norm, kv, [arch.heads(i) for i in range(arch.n_layers)]
+        nodes,
+        receivers,
+        prefix,
+        layers,
+        arch.spec.final_norm,
+        kv,
+        [arch.heads(i) for i in range(arch.n_layers)],
+        model=id(vlm.hf),
     )
+
+
+def require_graph(vlm: VLM, graph: object) -> EdgeGraph:
+    """``graph`` if it is ``vlm``'s `edge_graph` (built once per stage and handed to each step)."""
+    if not isinstance(graph, EdgeGraph):
+        raise InputError(f"graph must be edge_graph(vlm)'s result, not {type(graph).__name__}")
+    if graph.model != id(vlm.hf):
+        raise InputError(f"this edge graph was built for another model than {vlm.name}: give edge_graph(vlm)")
+    return graph
+
+
+def checked_graph(vlm: VLM, batch: Batch) -> EdgeGraph:
+    """`edge_graph` with `check_additive` passed on ``batch``: what a stage builds once and hands down."""
+    graph = edge_graph(vlm)
+    check_additive(vlm, graph, batch)
+    return graph
 
 
 @contextmanager
@@ -252,6 +277,7 @@ def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
             f"{vlm.name}'s layer {layer}: {why} (a norm after attention or the MLP, or image features added "
             "between layers): edges are undefined here; use nodes (countlens.circuits.faithfulness)"
         )
+    graph.checked = True
 
 
 def _off(a: Tensor, b: Tensor, size: Tensor) -> bool:

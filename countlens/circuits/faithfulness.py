@@ -197,6 +197,7 @@ def faithfulness_curves(
     random_draws: int = 5,
     seed: int = 0,
     level: str = "node",
+    graph: edges.EdgeGraph | None = None,
 ) -> xr.Dataset:
     """Faithfulness curves of several rankings over one node set (``level="node"``) or over every
     edge (``level="edge"``: rankings are `edge_attribution` results or {edge label: score}; ``nodes``
@@ -204,7 +205,8 @@ def faithfulness_curves(
     (ranking × size), ``cpr`` / ``cmd`` per ranking. With ``random_draws`` > 0, that many random
     rankings (a permutation each, seeded by ``seed``) as rankings ``random0`` …, and ``random`` =
     their mean curve (its CPR / CMD the draws' mean; their standard deviation in ``cpr_std`` /
-    ``cmd_std``; per-pair logit differences are then left out)."""
+    ``cmd_std``; per-pair logit differences are then left out). ``graph``: at ``level="edge"``, the
+    model's `edge_graph` when the caller has built (and checked) it already."""
     require_vlm(vlm, "faithfulness_curves")
     check_pair_sweep(pairs, batch_size, "faithfulness")
     require_choice(ablation, "ablation", ABLATIONS, InputError)
@@ -215,10 +217,12 @@ def faithfulness_curves(
     require_seed(seed)
     if not rankings and random_draws <= 0:
         raise InputError("no ranking to evaluate: give rankings={name: scores} or random_draws > 0")
+    if graph is not None and level != "edge":
+        raise InputError("graph= is the edge graph of level='edge'; at level='node' leave it unset")
     if level == "edge":
         if nodes is not None:
             raise InputError("nodes= chooses a node set; at level='edge' every edge is ranked: leave nodes unset")
-        graph = edges.edge_graph(vlm)
+        graph = edges.edge_graph(vlm) if graph is None else edges.require_graph(vlm, graph)
         scored = {name: edge_ablation.edge_scores(graph, s) for name, s in rankings.items()}
         items = list(range(len(graph.edges)))
         unit = "edge"
@@ -259,9 +263,8 @@ def _edge_chunk(vlm: VLM, graph, ablation: str) -> ChunkRun:
     """Per chunk of pairs: last-position logits with each set's edges ablated."""
 
     def run(pb, sets):
-        if not getattr(run, "checked", False):
+        if not graph.checked:
             edges.check_additive(vlm, graph, pb.clean)
-            run.checked = True
         values = record_nodes(vlm, pb.corrupt, graph.nodes)
         if ablation == "mean":
             values = mean_of(record_nodes(vlm, pb.clean, graph.nodes), values)

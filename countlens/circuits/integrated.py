@@ -101,7 +101,7 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int 
     clean_sum = corrupt_sum = 0.0
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
-        corrupt, clean = record_nodes(vlm, pb.corrupt, nodes), record_nodes(vlm, pb.clean, nodes)
+        corrupt, clean = (record_nodes(vlm, b, nodes, logits=True) for b in (pb.corrupt, pb.clean))
         grads: dict = {}
         for k in range(1, steps + 1):
             alpha = k / steps
@@ -128,9 +128,9 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int 
         else:
             inputs[0] += float(de[image].sum())
             inputs[1] += float(de[~image].sum())
-        with torch.no_grad():
-            clean_sum += float(logit_diff(_logits(vlm, pb.clean), pb.clean_id, pb.corrupt_id).sum())
-            corrupt_sum += float(logit_diff(_logits(vlm, pb.corrupt), pb.clean_id, pb.corrupt_id).sum())
+        # the normaliser from the recordings' own forwards
+        clean_sum += float(logit_diff(clean["logits"], pb.clean_id, pb.corrupt_id).sum())
+        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
     denom = normaliser(clean_sum, corrupt_sum)
     for layer in range(arch.n_layers):  # beyond a layer's own heads: no node
         heads[layer, arch.heads(layer) :] = float("nan")
@@ -151,12 +151,6 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int 
 
 
 @torch.no_grad()
-def _logits(vlm: VLM, batch: Batch) -> torch.Tensor:
-    with vlm.read(batch):
-        out = vlm.nn.output.logits[:, -1].save()
-    return out.float()
-
-
 def node_scores_of(ds: xr.Dataset) -> dict[str, float]:
     """A `node_attribution` result as {node label: score}, every node, for `faithfulness`."""
     from countlens.labels import head_label

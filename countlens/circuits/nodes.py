@@ -95,9 +95,11 @@ def image_states_path(vlm: VLM) -> str | None:
 
 
 @torch.no_grad()
-def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
+def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node], logits: bool = False) -> dict:
     """The outputs of ``nodes``' sites in one forward of ``batch``: ``z[layer]``, ``mlp[layer]``,
-    ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states)."""
+    ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states); with
+    ``logits``, the same forward's last-position logits too (float32), so that a method's normalising
+    logit differences cost no forward of their own."""
     by_kind = {kind: {n.layer for n in nodes if isinstance(n, site)} for kind, site in NODE_SITES.items()}
     inputs = bool(by_kind["input"])
     states_path = image_states_path(vlm)
@@ -114,6 +116,10 @@ def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node]) -> dict:
                 got["experts"][layer] = expert_rule(vlm.arch).record(vlm.module(vlm.arch.experts(layer)))
             if layer in by_kind["mlp"]:
                 got["mlp"][layer] = first_output(vlm.module(mlp_path(vlm, layer)).output).save()
+        if logits:
+            got["logits"] = vlm.nn.output.logits[:, -1].save()
+    if logits:
+        got["logits"] = got["logits"].float()
     rows, seq = batch.inputs["input_ids"].shape
     got["experts"] = {
         layer: expert_rule(vlm.arch).per_token(saved, rows, seq, vlm.arch.n_experts)

@@ -8,7 +8,8 @@ token; vision blocks: every patch; projector: every image token; ``lm_head``: th
 logits are kept; patch embedding: every patch) plus attention, 4·S²·(heads·d_head) per decoder layer
 and row and 4·P²·width per vision block and image (full attention: an upper bound for windowed
 blocks; a class token's position is not counted). Exact against torch's FLOP counter on eager
-attention for Qwen2-VL (``tests/unit/test_plan.py``).
+attention for Qwen2-VL (``tests/unit/test_plan.py``). A forward whose hooks compute products of their
+own (an edge-ablated forward) adds them as ``extra_flops``, counted by the stage that runs it.
 
 **Memory** of a stage: weights + the runtime's base + what the stage keeps across its forwards
 (corrupt caches, saved activations, edit values) + the largest transient of one of its forwards.
@@ -60,6 +61,7 @@ class Forward:
     context: int = 0  # earlier positions attended through a KV cache (continuations)
     grad: bool = False  # activations kept for a backward pass
     extra: int = 0  # further transient bytes (e.g. logits post-processing)
+    extra_flops: float = 0.0  # further FLOPs of one such forward (hooks' own products)
 
 
 def forward_flops(w: Widths, f: Forward, patches: int) -> float:
@@ -78,7 +80,7 @@ def forward_flops(w: Widths, f: Forward, patches: int) -> float:
     )
     if f.grad:  # backward through activations only: about twice the forward's matmuls
         text, head = 3 * text, 3 * head
-    return float(text + head + vision)
+    return float(text + head + vision + f.extra_flops)
 
 
 def forward_bytes(w: Widths, f: Forward, patches: int) -> int:

@@ -231,3 +231,159 @@ def test_the_stage_records_why_a_model_has_no_edges(loaded):
     shown = _edges(SimpleNamespace(results={"edge_faithfulness": ds}))
     assert shown == {"refused": ds.attrs["refused"]}
     assert _edges(SimpleNamespace(results={})) is None
+
+
+def _reference_ablated(vlm, graph, batch, ablate: frozenset, values, image):
+    """An independent edge-ablated forward, one circuit, written receiver by receiver: each receiver's
+    removed sum is formed from the recorded z differences masked per head and mapped through each
+    upstream layer's own o_proj, the MLP's and the inputs' differences added as they are."""
+    import torch.nn.functional as F
+
+    from countlens.circuits.sites import K, MlpOut, Q, V, first_arg, first_output
+
+    arch, hf = vlm.arch, vlm.hf
+    live: dict = {}
+    for i, (u, r) in enumerate(graph.edges):
+        if i in ablate:
+            live.setdefault(r, set()).add(u)
+    seen: dict = {"z": {}, "mlp": {}}
+    img = image[..., None].to(values["embed"].dtype)
+
+    def removed(r, x):
+        out = torch.zeros_like(x)
+        for u in live.get(r, ()):
+            if u.label == "IN.image":
+                out += seen["embed"] * img
+            elif u.label == "IN.text":
+                out += seen["embed"] * (1 - img)
+            elif isinstance(u, MlpOut):
+                out += seen["mlp"][u.layer].view_as(x)
+            else:
+                w = hf.get_submodule(arch.o_proj(u.layer)).weight
+                d = arch.head_dim(u.layer)
+                dz = seen["z"][u.layer][..., u.head * d : (u.head + 1) * d]
+                out += F.linear(dz, w[:, u.head * d : (u.head + 1) * d])
+        return out
+
+    busy = []
+    normed: dict = {}
+
+    def keep_embed(module, args, kwargs):
+        seen["embed"] = first_arg(args, kwargs) - values["embed"]
+
+    def keep_z(layer):
+        return lambda module, args, kwargs: seen["z"].__setitem__(layer, first_arg(args, kwargs) - values["z"][layer])
+
+    def keep_mlp(layer):
+        return lambda module, args, out: seen["mlp"].__setitem__(layer, first_output(out) - values["mlp"][layer])
+
+    def norm_for(rs):
+        def hook(module, args, out):
+            if busy:
+                return None
+            for r in rs:
+                busy.append(1)
+                normed[r] = module(args[0] - removed(r, args[0]))
+                busy.pop()
+            return normed[rs[0]] if len(rs) == 1 else None
+
+        return hook
+
+    def project(layer, part):
+        def hook(module, args, out):
+            out = out.clone()
+            for r in (r for r in graph.receivers if r.layer == layer and type(r) is part):
+                cols = edges.receiver_columns(graph, r, module)
+                b = None if module.bias is None else module.bias[cols]
+                out[..., cols] = F.linear(normed[r], module.weight[cols], b)
+            return out
+
+        return hook
+
+    hooks = [(hf.get_submodule(arch.layer(0)), "pre", keep_embed)]
+    for layer, paths in enumerate(graph.layers):
+        attn = [r for r in graph.receivers if r.layer == layer and r.block == 0]
+        mlp = [r for r in graph.receivers if r.layer == layer and r.block == 1]
+        hooks += [
+            (hf.get_submodule(paths.attn_norm), "forward", norm_for(attn)),
+            (hf.get_submodule(paths.o_proj), "pre", keep_z(layer)),
+            (hf.get_submodule(paths.mlp_norm), "forward", norm_for(mlp)),
+            (hf.get_submodule(paths.mlp), "forward", keep_mlp(layer)),
+        ]
+        if paths.qkv is not None:
+            hooks += [(hf.get_submodule(p), "forward", project(layer, part)) for part, p in zip((Q, K, V), paths.qkv)]
+    hooks.append((hf.get_submodule(graph.final_norm), "forward", norm_for([graph.receivers[-1]])))
+    with torch.no_grad(), edges.hooked(hooks):
+        return vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("name", ["toy", "qwen2_5_vl"])
+def test_random_circuits_equal_a_receiver_by_receiver_reference(name, loaded):
+    """Random edge sets (a tenth, a half, all but a few), stacked in one forward, against the
+    independent per-receiver forward above, circuit by circuit."""
+    vlm = loaded(name)
+    pairs = _pairs(vlm, name, n=2)
+    graph = edges.edge_graph(vlm)
+    pb = prepare_pairs(vlm, pairs)
+    values = record_nodes(vlm, pb.corrupt, graph.nodes)
+    image = image_positions(vlm, pb.clean)
+    rng = np.random.default_rng(0)
+    n = len(graph.edges)
+    sets = [frozenset(rng.choice(n, int(f * n), replace=False).tolist()) for f in (0.1, 0.5, 0.97)]
+    got = edge_ablation.edge_ablated_logits(vlm, graph, pb.clean, sets, values, image)
+    with torch.no_grad():
+        clean, corrupt = (vlm.forward(b, logits_to_keep=1).logits[:, -1].float() for b in (pb.clean, pb.corrupt))
+    for s, logits in zip(sets, got):
+        want = _reference_ablated(vlm, graph, pb.clean, s, values, image)
+        assert_close(logits, want, scale=scale_of(clean, corrupt), what=f"{name}: {len(s)} of {n} edges ablated")
+    assert not torch.allclose(got[0], got[1])  # the circuits differ, and so do their logits
+
+
+def test_the_plan_counts_an_ablated_forwards_flops(loaded):
+    """Every product an edge-ablated forward adds (all nodes live) is a matmul that torch counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from countlens.memory import widths
+    from countlens.pipeline.stages.edges import edge_forward_flops
+
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, "toy", n=2)
+    graph = edges.edge_graph(vlm)
+    pb = prepare_pairs(vlm, pairs)
+    values = record_nodes(vlm, pb.corrupt, graph.nodes)
+    image = image_positions(vlm, pb.clean)
+    every = frozenset(range(len(graph.edges)))
+    with FlopCounterMode(display=False) as plain, torch.no_grad():
+        vlm.hf(**pb.clean.inputs, use_cache=False, logits_to_keep=1)
+    with FlopCounterMode(display=False) as ablated:
+        edge_ablation.edge_ablated_logits(vlm, graph, pb.clean, [every], values, image)
+    rows, seq = pb.clean.inputs["input_ids"].shape
+    added = ablated.get_total_flops() - plain.get_total_flops()
+    assert added == edge_forward_flops(widths(vlm), int(seq), int(rows))
+
+
+def test_one_pass_gives_both_attributions_and_a_graph_is_handed_down(loaded):
+    """EAP from EAP-IG's pass is EAP alone; a checked graph is not checked again; another model's graph
+    or a graph at the node level is refused."""
+    from unittest import mock
+
+    from countlens.circuits.edge_attribution import edge_attributions
+
+    vlm = loaded("toy")
+    pairs = _pairs(vlm, "toy")
+    graph = edges.checked_graph(vlm, prepare_pairs(vlm, pairs[:2]).clean)
+    with mock.patch.object(edges, "check_additive", side_effect=AssertionError("checked twice")):
+        both = edge_attributions(vlm, pairs, ("eap-ig", "eap"), steps=3, batch_size=2, graph=graph)
+    alone = {m: edge_attribution(vlm, pairs, method=m, steps=3, batch_size=2) for m in ("eap", "eap-ig")}
+    for m in ("eap", "eap-ig"):
+        np.testing.assert_allclose(both[m].effect.values, alone[m].effect.values, rtol=1e-12, atol=1e-15)
+        assert both[m].attrs["method"] == m
+    assert both["eap"].attrs["steps"] == 1 and both["eap-ig"].attrs["steps"] == 3
+    other = loaded("qwen2_5_vl")
+    with pytest.raises(InputError, match="another model"):
+        edge_attribution(other, _pairs(other, "qwen2_5_vl", n=2), graph=graph)
+    with pytest.raises(InputError, match="level='edge'"):
+        faithfulness_curves(vlm, pairs, {}, random_draws=1, graph=graph)
+    with pytest.raises(InputError, match="methods"):
+        edge_attributions(vlm, pairs, "eap")

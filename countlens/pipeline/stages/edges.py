@@ -15,11 +15,11 @@ import xarray as xr
 
 from countlens.circuits import edges
 from countlens.circuits.edge_ablation import edge_row_bytes
-from countlens.circuits.edge_attribution import edge_attribution
+from countlens.circuits.edge_attribution import edge_attributions
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves
 from countlens.circuits.pair_batch import prepare_pairs
 from countlens.errors import InputError
-from countlens.memory import rows_per_forward
+from countlens.memory import Widths, rows_per_forward
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import RunContext, Stage
 
@@ -32,13 +32,14 @@ RANKINGS = ("EAP-IG edges", "EAP edges")
 
 
 def _compute(run: RunContext) -> xr.Dataset:
-    try:
-        graph = edges.edge_graph(run.vlm)
-        edges.check_additive(run.vlm, graph, prepare_pairs(run.vlm, run.pairs[: run.batch_size]).clean)
+    try:  # the graph is built and checked once, and handed to each step
+        graph = edges.checked_graph(run.vlm, prepare_pairs(run.vlm, run.pairs[: run.batch_size]).clean)
     except InputError as refused:  # the graph is undefined on this model: nothing to measure
         return xr.Dataset(attrs={"refused": str(refused)})
-    ig = edge_attribution(run.vlm, run.pairs, "eap-ig", steps=EDGE_STEPS, batch_size=run.batch_size)
-    eap = edge_attribution(run.vlm, run.pairs, "eap", batch_size=run.batch_size)
+    scores = edge_attributions(
+        run.vlm, run.pairs, ("eap-ig", "eap"), steps=EDGE_STEPS, batch_size=run.batch_size, graph=graph
+    )
+    ig, eap = scores["eap-ig"], scores["eap"]
     ds = faithfulness_curves(
         run.vlm,
         run.pairs,
@@ -47,6 +48,7 @@ def _compute(run: RunContext) -> xr.Dataset:
         random_draws=RANDOM_DRAWS,
         seed=run.config.seed,
         level="edge",
+        graph=graph,
     )
     ds["eap_ig_effect"] = ig.effect
     ds["eap_effect"] = eap.effect
@@ -65,30 +67,76 @@ def edge_count(n_layers: int, heads: int, kv_heads: int) -> int:
     return total + upstream  # the logits
 
 
+def _uniform(w: Widths) -> tuple[int, int, list[int]]:
+    """(receivers of a layer's attention, upstream nodes of the graph, prefix of each layer's attention
+    receivers) of a model of uniform layers with separate q, k and v."""
+    prefixes = [2 + layer * (w.n_heads + 1) for layer in range(w.n_layers)]
+    return w.n_heads + 2 * w.n_kv_heads, 2 + w.n_layers * (w.n_heads + 1), prefixes
+
+
+def edge_forward_flops(w: Widths, seq: int, rows: int) -> float:
+    """FLOPs an edge-ablated forward of ``rows`` × ``seq`` tokens adds to a plain one, every node live
+    (`countlens.circuits.edge_ablation`): each layer's heads' differences mapped to the residual stream
+    (an o_proj), the masked sums of its attention receivers and of its MLP over the nodes upstream,
+    the receivers' q, k and v columns recomputed from their own normed copies, and the logits' sum."""
+    receivers, nodes, prefixes = _uniform(w)
+    qkv = (w.n_heads + 2 * w.n_kv_heads) * w.d_head
+    per_token = sum(
+        2 * w.n_heads * w.d_head * w.d_model  # the heads' residual-space differences
+        + 2 * receivers * p * w.d_model  # the attention receivers' masked sums
+        + 2 * (p + w.n_heads) * w.d_model  # the MLP's
+        + 2 * qkv * w.d_model  # q, k and v of the receivers' copies
+        for p in prefixes
+    )
+    return float(rows * seq * (per_token + 2 * nodes * w.d_model))
+
+
+def attribution_flops(w: Widths, seq: int, rows: int, steps: int) -> float:
+    """FLOPs of `edge_attributions`' products beyond its forwards and backwards, one chunk of ``rows``
+    pairs: the node differences once (an o_proj per layer) and, per gradient, Σ over edges of one
+    d_model-wide product per token (float64)."""
+    n_edges = edge_count(w.n_layers, w.n_heads, w.n_kv_heads)
+    return float(rows * seq * (2 * w.n_layers * w.n_heads * w.d_head * w.d_model + steps * 2 * n_edges * w.d_model))
+
+
 def _plan(p: Planner) -> StagePlan:
-    """Per chunk of pairs: two attributions (two recordings each, then EAP-IG's steps and EAP's one
-    forward-and-backward), then the corrupt run recorded and every distinct circuit as stacked copies
-    of the clean batch, each copy holding the ablation values and its differences from them."""
+    """Per chunk of pairs: both attributions from one pass (two recordings, EAP-IG's steps of one
+    forward and backward each, their gradients kept for the products), then the corrupt run recorded
+    and every distinct circuit as stacked copies of the clean batch, each copy holding its live nodes'
+    differences from the ablation values; the graph checked once, on the first chunk."""
     w, b, seq = p.w, p.w.act_bytes, p.pair_seq
     pairs = p.samples("pairs")
     n0 = min(p.bs, len(pairs))
     n_edges = edge_count(w.n_layers, w.n_heads, w.n_kv_heads)
     circuits = (len(RANKINGS) + RANDOM_DRAWS) * len(set(circuit_sizes(n_edges, SIZES))) + 2
     per_layer = n0 * seq * (4 * w.d_model + (w.n_heads + 2 * w.n_kv_heads) * w.d_head) * b
-    kept = 2 * (2 * w.n_layers + 1) * n0 * seq * w.d_model * b  # a chunk's two recordings of the nodes
-    extra = edge_row_bytes(w, seq, w.n_heads + 2 * w.n_kv_heads + 1)
-    rows = rows_per_forward(w, seq, max(0, p.free - kept), 1, p.patches, extra=extra)
-    fw = []
+    values = (2 * w.n_layers + 1) * n0 * seq * w.d_model * b  # one recording of the nodes
+    receivers, _, _ = _uniform(w)
+    extra = edge_row_bytes(w, seq, receivers)
+    rows = rows_per_forward(w, seq, max(0, p.free - values), 1, p.patches, extra=extra)
+    gradients = EDGE_STEPS * w.n_layers * per_layer  # every step's, kept for the products
+    fw = [Forward(n0, seq)]  # the additivity check
     for n, k in chunk_sizes(len(pairs), p.bs).items():
         per = max(1, rows // n)
-        # per attribution two recordings and two logit-difference forwards; one recording for the circuits;
-        # the first chunk's additivity check (one forward per check: stage, EAP-IG, EAP, circuits)
-        fw += [Forward(n, seq, count=9 * k + 4)]
-        fw += [Forward(n, seq, count=(EDGE_STEPS + 1) * k, grad=True, extra=w.n_layers * per_layer)]
+        # two recordings for the attributions, one (the corrupt run's) for the circuits
+        fw += [Forward(n, seq, count=3 * k)]
+        fw += [
+            Forward(
+                n,
+                seq,
+                count=EDGE_STEPS * k,
+                grad=True,
+                extra=2 * values + gradients,
+                extra_flops=attribution_flops(w, seq, n, EDGE_STEPS) / EDGE_STEPS,
+            )
+        ]
         full, rest = divmod(circuits, per)
-        fw += [Forward(per * n, seq, count=k * full, extra=per * n * extra)] if full else []
-        fw += [Forward(rest * n, seq, count=k, extra=rest * n * extra)] if rest else []
-    return StagePlan("edge_faithfulness", fw, kept=kept, rows=rows, batch=p.bs)
+        for m, count in ((per, k * full), (rest, k if rest else 0)):
+            if count:
+                fw += [
+                    Forward(m * n, seq, count=count, extra=m * n * extra, extra_flops=edge_forward_flops(w, seq, m * n))
+                ]
+    return StagePlan("edge_faithfulness", fw, kept=values, rows=rows, batch=p.bs)
 
 
 EDGE_FAITHFULNESS = Stage(
