@@ -52,5 +52,13 @@ FAMILY = Family(
     names=("Ovis2",),
     image_processors=("Ovis2ImageProcessor",),
     tile_grid=tile_grid,
-    remote_code={"ovis": ("ovis2", "an Ovis2 checkpoint saved by transformers (model_type 'ovis2')")},
+    # transformers' Ovis2 code names converted 1B and 2B checkpoints only; none of AIDC-AI/Ovis2-8B.
+    remote_code={
+        "ovis": (
+            "ovis2",
+            "thisisiron/Ovis2-2B-hf (or -1B-hf, the conversions transformers' Ovis2 code names); no transformers "
+            "conversion of the larger Ovis2 sizes (AIDC-AI/Ovis2-8B) is named there: convert the weights to "
+            "transformers' Ovis2ForConditionalGeneration and save_pretrained them",
+        )
+    },
 )

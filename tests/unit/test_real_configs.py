@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from countlens.arch import resolve, spec_for
 from countlens.cli import app
-from countlens.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
+from countlens.errors import CheckpointError, ConfigError, CountlensError, UnsupportedArchitectureError
 from countlens.geometry import Geometry
 from countlens.loading import meta_vlm, read_config
 from countlens.pipeline import plan
@@ -35,24 +35,42 @@ from countlens.sizing import default_size, fixed_size, is_dynamic, processed_siz
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
 
+
 # Published figures: decoder layers, attention heads, kv heads, hidden size, image token id, ViT patch,
-# patches merged per side (README.md names each figure's source).
+# patches merged per side (README.md names each figure's source; "the config's own" where none was read).
+def _fig(arch, layers, heads, kv, d_model, image_token, patch, merge):
+    return dict(
+        arch=arch, layers=layers, heads=heads, kv=kv, d_model=d_model, image_token=image_token, patch=patch, merge=merge
+    )
+
+
 PUBLISHED = {
-    "Qwen__Qwen2.5-VL-3B-Instruct": dict(
-        arch="qwen2_5_vl", layers=36, heads=16, kv=2, d_model=2048, image_token=151655, patch=14, merge=2
-    ),
-    "Qwen__Qwen2.5-VL-7B-Instruct": dict(
-        arch="qwen2_5_vl", layers=28, heads=28, kv=4, d_model=3584, image_token=151655, patch=14, merge=2
-    ),
-    "Qwen__Qwen3-VL-8B-Instruct": dict(
-        arch="qwen3_vl", layers=36, heads=32, kv=8, d_model=4096, image_token=151655, patch=16, merge=2
-    ),
-    "llava-hf__llava-1.5-7b-hf": dict(
-        arch="llava", layers=32, heads=32, kv=32, d_model=4096, image_token=32000, patch=14, merge=1
-    ),
+    "Qwen__Qwen2.5-VL-3B-Instruct": _fig("qwen2_5_vl", 36, 16, 2, 2048, 151655, 14, 2),
+    "Qwen__Qwen2.5-VL-7B-Instruct": _fig("qwen2_5_vl", 28, 28, 4, 3584, 151655, 14, 2),
+    "Qwen__Qwen3-VL-8B-Instruct": _fig("qwen3_vl", 36, 32, 8, 4096, 151655, 16, 2),
+    "Qwen__Qwen3-VL-30B-A3B-Instruct": _fig("qwen3_vl_moe", 48, 32, 4, 2048, 151655, 16, 2),
+    "Qwen__Qwen3.5-27B": _fig("qwen3_5", 64, 24, 4, 5120, 248056, 16, 2),
+    "Qwen__Qwen3.5-35B-A3B": _fig("qwen3_5_moe", 40, 16, 2, 2048, 248056, 16, 2),
+    "llava-hf__llava-1.5-7b-hf": _fig("llava", 32, 32, 32, 4096, 32000, 14, 1),
+    "llava-hf__llava-onevision-qwen2-7b-ov-hf": _fig("llava_onevision", 28, 28, 4, 3584, 151646, 14, 1),
+    "OpenGVLab__InternVL3-8B-hf": _fig("internvl", 28, 28, 4, 3584, 151667, 14, 2),
+    "zai-org__GLM-4.1V-9B-Thinking": _fig("glm4v", 40, 32, 2, 4096, 151343, 14, 2),
+    "mistralai__Mistral-Small-3.1-24B-Instruct-2503": _fig("mistral3", 40, 32, 8, 5120, 10, 14, 2),
+    "meta-llama__Llama-3.2-11B-Vision-Instruct": _fig("mllama", 40, 32, 8, 4096, 128256, 14, 1),
+    "google__gemma-4-26B-A4B": _fig("gemma4", 30, 16, 8, 2816, 258880, 16, 3),
+    "google__gemma-4-26B-A4B-it": _fig("gemma4", 30, 16, 8, 2816, 258880, 16, 3),
+    "HuggingFaceTB__SmolVLM-256M-Instruct": _fig("idefics3", 30, 9, 3, 576, 49190, 16, 4),
+    "HuggingFaceTB__SmolVLM-500M-Instruct": _fig("idefics3", 32, 15, 5, 960, 49190, 16, 4),
+    "HuggingFaceTB__SmolVLM-Instruct": _fig("idefics3", 24, 32, 32, 2048, 49153, 14, 3),
+    "HuggingFaceTB__SmolVLM2-2.2B-Instruct": _fig("idefics3", 24, 32, 32, 2048, 49190, 14, 3),
 }
-# Remote-code checkpoints (``trust_remote_code``) whose transformers conversion countlens supports.
-REMOTE_CODE = {"OpenGVLab__InternVL3-8B": "OpenGVLab/InternVL3-8B-hf"}
+# Remote-code checkpoints (``trust_remote_code``): what the refusal names instead.
+REMOTE_CODE = {
+    "OpenGVLab__InternVL3-8B": ("internvl_chat", "OpenGVLab/InternVL3-8B-hf"),
+    "AIDC-AI__Ovis2-8B": ("ovis", "thisisiron/Ovis2-2B-hf .* no transformers conversion .*AIDC-AI/Ovis2-8B"),
+}
+# config.json's layer_types spellings → countlens's layer kinds.
+KINDS = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
 
 
 def _dir(name: str) -> str:
@@ -77,22 +95,44 @@ def test_resolve_matches_the_config_and_the_published_figures(name):
     # The config's own fields (LLaVA's text_config leaves the Llama defaults implicit: transformers' value).
     raw = _raw(name)
     text = raw.get("text_config", raw)
-    own = {
-        "layers": text.get("num_hidden_layers", config.text_config.num_hidden_layers),
-        "heads": text.get("num_attention_heads", config.text_config.num_attention_heads),
-        "kv": text.get("num_key_value_heads", config.text_config.num_key_value_heads),
-        "d_model": text.get("hidden_size", config.text_config.hidden_size),
-    }
-    got = {"layers": arch.n_layers, "heads": arch.n_heads, "kv": arch.n_kv_heads, "d_model": arch.d_model}
-    assert got == own
-    assert got == {k: want[k] for k in got}
-    assert arch.kinds == ("full",) * arch.n_layers and arch.uniform_heads
-    assert arch.d_head == text.get("head_dim", own["d_model"] // own["heads"])
+    keys = {"layers": "num_hidden_layers", "heads": "num_attention_heads", "kv": "num_key_value_heads"}
+    keys["d_model"] = "hidden_size"
+    own = {k: text[f] if f in text else getattr(config.text_config, f) for k, f in keys.items()}
+    # Layer kinds, heads and head sizes from the config's own layer list: softmax layers have the attention
+    # heads (Gemma 4's full layers its global_head_dim), linear ones their value heads, cross layers the
+    # attention heads reading the image.
+    n = own["layers"]
+    types = text.get("layer_types") or ["full_attention"] * n
+    cross = set(text.get("cross_attention_layers", ()))
+    kinds = tuple("cross" if i in cross else KINDS[t] for i, t in enumerate(types))
+    d_head = text.get("head_dim", own["d_model"] // own["heads"])
+    heads = tuple(text["linear_num_value_heads"] if k == "linear" else own["heads"] for k in kinds)
+    dims = tuple(
+        text["linear_value_head_dim"]
+        if k == "linear"
+        else text.get("global_head_dim", d_head)
+        if k == "full"
+        else d_head
+        for k in kinds
+    )
+    got = {"layers": arch.n_layers, "heads": arch.heads(_softmax_layer(arch)), "d_model": arch.d_model}
+    assert got == {k: own[k] for k in got} == {k: want[k] for k in got}
+    assert arch.n_kv_heads == own["kv"] == want["kv"]  # the most kv heads of any layer (Gemma 4's sliding ones)
+    assert arch.kinds == kinds
+    assert tuple(arch.heads(i) for i in range(n)) == heads and tuple(arch.head_dim(i) for i in range(n)) == dims
+    assert arch.uniform_heads == (len(set(heads)) == len(set(dims)) == 1)
     image_token = raw.get("image_token_id", raw.get("image_token_index"))
     assert arch.image_token_id == image_token == want["image_token"]
     vision = raw["vision_config"]
-    assert arch.patch_size == vision["patch_size"] == want["patch"]
-    assert arch.merge_size == vision.get("spatial_merge_size", 1) == want["merge"]
+    merge = vision.get("spatial_merge_size", raw.get("spatial_merge_size", raw.get("scale_factor")))
+    merge = merge or vision.get("pooling_kernel_size") or round(1 / raw.get("downsample_ratio", 1))
+    patch = vision["patch_size"]
+    assert arch.patch_size == (patch[0] if isinstance(patch, list) else patch) == want["patch"]
+    assert arch.merge_size == merge == want["merge"]
+
+
+def _softmax_layer(arch) -> int:
+    return next(i for i, k in enumerate(arch.kinds) if k in ("full", "sliding"))
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -106,12 +146,20 @@ def test_every_spec_path_exists_at_every_layer_of_the_meta_model(name):
         for path in (arch.layer(layer), *softmax, arch.o_proj(layer), arch.attention(layer)):
             model.get_submodule(path)  # raises AttributeError when a path is wrong
         assert model.get_submodule(arch.o_proj(layer)).in_features == arch.heads(layer) * arch.head_dim(layer)
-        model.get_submodule(f"{arch.layer(layer)}.{spec.k_proj}")
+        if arch.softmax(layer) and arch.kind(layer) != "cross":
+            model.get_submodule(f"{arch.layer(layer)}.{spec.k_proj}")
     for path in (spec.final_norm, spec.lm_head, spec.vision_blocks, spec.projector, spec.vision_tower):
         model.get_submodule(path)
     assert len(model.get_submodule(spec.layers)) == arch.n_layers
     blocks = _raw(name)["vision_config"]
     assert len(model.get_submodule(spec.vision_blocks)) == blocks.get("depth", blocks.get("num_hidden_layers"))
+    if arch.n_experts:  # every decoder layer of the MoE checkpoints here has its experts and router
+        text = _raw(name)["text_config"]
+        assert (arch.n_experts, arch.experts_top_k) == (text["num_experts"], text["num_experts_per_tok"])
+        for layer in range(arch.n_layers):
+            experts = model.get_submodule(f"{arch.layer(layer)}.{spec.moe.experts}")
+            assert experts.gate_up_proj.shape[0] == arch.n_experts
+            model.get_submodule(f"{arch.layer(layer)}.{spec.moe.router}")
 
 
 def _budget_resize(h: int, w: int, unit: int, lo: int, hi: int) -> tuple[int, int]:
@@ -144,8 +192,8 @@ def test_llava_1_5_image_tokens_from_its_preprocessor_config():
     assert rows * cols == expected
 
 
-@pytest.mark.parametrize("name", ["Qwen__Qwen2.5-VL-7B-Instruct", "Qwen__Qwen3-VL-8B-Instruct"])
-@pytest.mark.parametrize("size", [(448, 448), (336, 336), (1000, 700), (40, 40), (4000, 3000)])
+@pytest.mark.parametrize("name", [n for n in sorted(PUBLISHED) if n.startswith("Qwen__Qwen") and "3.5" not in n])
+@pytest.mark.parametrize("size", [(448, 448), (1000, 700), (4000, 3000)])
 def test_qwen_image_tokens_from_its_preprocessor_config(name, size):
     pre = _raw(name, "preprocessor_config.json")
     # Qwen2.5-VL names its budget min_pixels / max_pixels, Qwen3-VL size.shortest_edge / longest_edge.
@@ -180,14 +228,14 @@ def test_qwen_default_square_image(name, side, tokens):
 
 @pytest.mark.parametrize("name", sorted(REMOTE_CODE))
 def test_remote_code_checkpoint_is_refused(name):
-    assert _raw(name)["model_type"] == "internvl_chat"
+    assert _raw(name)["model_type"] == REMOTE_CODE[name][0] and "auto_map" in _raw(name)
     with pytest.raises(UnsupportedArchitectureError):
         read_config(_dir(name))
 
 
 @pytest.mark.parametrize("name", sorted(REMOTE_CODE))
 def test_remote_code_refusal_names_the_converted_checkpoint(name):
-    with pytest.raises(UnsupportedArchitectureError, match=REMOTE_CODE[name]):
+    with pytest.raises(UnsupportedArchitectureError, match=REMOTE_CODE[name][1]):
         read_config(_dir(name))
 
 
@@ -219,7 +267,7 @@ def planned_vlm(plannable):
     made: dict[tuple, object] = {}
 
     def get(name: str, side: int | None):
-        key = (name, side or _native_side(name)[0])
+        key = (name, side or _native(name)[0])
         if key not in made:
             made[key] = meta_vlm(str(plannable(name)), dtype="bfloat16", image_size=side)
         return made[key]
@@ -227,39 +275,91 @@ def planned_vlm(plannable):
     return get
 
 
-def _native_side(name: str) -> tuple[int, bool]:
-    """The processor's own square side and whether it is fixed, read from the preprocessor config:
-    a fixed processor's crop (LLaVA-1.5: 336), else countlens's assumed 448 px for a pixel budget."""
-    pre = _raw(name, "preprocessor_config.json")
+def _native(name: str) -> tuple[int, int, str]:
+    """(side, patches per image, kind) of the image the plan should size, from the checkpoint's own files:
+    a fixed processor's crop or size ("fixed"), a pixel budget's assumed 448 px ("budget"), Mistral 3's
+    longest edge (pinnable to a square), Gemma 4's most pooled tokens of a square ("own budget"); tiled
+    processors count every tile's patches (Llama-3.2: each tile's and its class token; SmolVLM: longest
+    edge ÷ tile, squared, and the global image)."""
+    raw = _raw(name)
+    vision = raw["vision_config"]
+    patch = vision["patch_size"][0] if isinstance(vision["patch_size"], list) else vision["patch_size"]
+    path = CHECKPOINTS / name / "preprocessor_config.json"
+    pre = json.loads(path.read_text()) if path.exists() else {}
+    if raw["model_type"] == "mllama":  # no processor file: the config's tile side and tile count
+        side = vision["image_size"]
+        return side, vision["max_num_tiles"] * ((side // patch) ** 2 + 1), "fixed"
+    if raw["model_type"] == "gemma4":  # no processor file: the config's default budget of pooled tokens
+        per_side = math.isqrt(vision["default_output_length"])
+        side = per_side * patch * vision["pooling_kernel_size"]
+        return side, (side // patch) ** 2, "own budget"
+    if "longest_edge" in pre.get("size", {}) and "max_image_size" in pre:  # Idefics3 / SmolVLM tiles
+        tile = pre["max_image_size"]["longest_edge"]
+        return tile, ((pre["size"]["longest_edge"] // tile) ** 2 + 1) * (tile // patch) ** 2, "fixed"
+    if list(pre.get("size", {})) == ["longest_edge"]:  # Mistral 3
+        side = pre["size"]["longest_edge"]
+        return side, (side // patch) ** 2, "longest edge"
     crop = pre.get("crop_size")
     if pre.get("do_center_crop") and crop:
-        return (crop["height"] if isinstance(crop, dict) else crop), True
-    return 448, False
+        side = crop["height"] if isinstance(crop, dict) else crop
+    elif "height" in pre.get("size", {}):
+        side = pre["size"]["height"]
+    else:
+        return 448, (448 // patch) ** 2, "budget"
+    return side, (side // patch) ** 2, "fixed"
 
 
-@pytest.mark.parametrize("side", [None, 448])
-@pytest.mark.parametrize("name", sorted(TOKENIZER_FROM))
+#: Planned at their native size only in `make test` (-m slow): SmolVLM-256M / 500M's 17 tiles of 512 px per
+#: image and Mistral 3's 1540 px images take about a minute per plan on 2 cores.
+SLOW_PLANS = {
+    "HuggingFaceTB__SmolVLM-256M-Instruct",
+    "HuggingFaceTB__SmolVLM-500M-Instruct",
+    "mistralai__Mistral-Small-3.1-24B-Instruct-2503",
+}
+#: What breaks today, checked to break (strict): SigLIP-so400m's 384 px is 27 whole 14 px patches and 6 px
+#: the tower's convolution drops; countlens's geometry takes only images that are whole multiples.
+NOT_A_MULTIPLE = {
+    "llava-hf__llava-onevision-qwen2-7b-ov-hf",
+    "HuggingFaceTB__SmolVLM-Instruct",
+    "HuggingFaceTB__SmolVLM2-2.2B-Instruct",
+}
+
+
+def _plan_cases():
+    for name in sorted(TOKENIZER_FROM):
+        for side in (None, 448):
+            marks = [pytest.mark.slow] if name in SLOW_PLANS and side is None else []
+            if name in NOT_A_MULTIPLE and side is None:
+                reason = "384 px is not a multiple of the 14 px patch (27 whole patches): refused by countlens"
+                marks.append(pytest.mark.xfail(raises=CountlensError, strict=True, reason=reason))
+            yield pytest.param(name, side, marks=marks)
+
+
+@pytest.mark.parametrize("name, side", list(_plan_cases()))
 def test_plan_sizes_every_stage_in_bf16_on_80_and_141_gib(name, side, plannable, planned_vlm):
-    native, fixed = _native_side(name)
-    if side is not None and fixed and side != native:  # LLaVA-1.5's processor takes 336 px only
-        with pytest.raises(ConfigError, match=f"resizes every image to {native}×{native}; leave --image-size unset"):
+    native, patches, kind = _native(name)
+    if side is not None and side != native and kind not in ("budget", "longest edge"):
+        # A fixed processor takes its own size only; a budget of its own cannot be pinned to a square.
+        said = f"resizes every image to {native}×{native}" if kind == "fixed" else "by its own token budget"
+        with pytest.raises(ConfigError, match=f"{said}.*leave --image-size unset"):
             meta_vlm(str(plannable(name)), dtype="bfloat16", image_size=side)
         return
     vlm = planned_vlm(name, side)
-    want_side = side or native
-    patch = _raw(name)["vision_config"]["patch_size"]
+    arch_patch = vlm.arch.patch_size
     params = sum(t.numel() for t in vlm.hf.parameters())
     stages = [s.name for s in STAGES if s.plan is not None and s.enabled(SMALL)]
     rows = {}
     for gib in (80, 141):
         p = plan.plan(vlm, SMALL, memory=gib * GIB, device="cuda")
-        assert (p.image_size, p.patches) == (want_side, (want_side // patch) ** 2)
+        at_448 = side is not None and kind in ("budget", "longest edge")
+        assert (p.image_size, p.patches) == ((448, (448 // arch_patch) ** 2) if at_448 else (native, patches))
         assert 2 * params <= p.widths.weight_bytes < 2.001 * params  # bf16 parameters (and a few buffers)
         assert [s.name for s in p.stages] == stages
         for s in p.stages:
-            assert p.widths.weight_bytes < p.peak(s) <= p.memory, s.name  # every stage fits (7-8B in bf16)
+            assert p.widths.weight_bytes < p.peak(s), s.name
             assert p.flops(s) > 0, s.name
-        assert p.over() == []
+        # Every stage printed; those over the device named as over, and only those.
+        assert sorted(p.over()) == sorted(s.name for s in p.stages if p.peak(s) > p.memory)
         rows[gib] = {s.name: max(f.rows for f in s.forwards) for s in p.stages}
     assert all(rows[80][k] <= rows[141][k] for k in stages)  # less memory never stacks more rows
 
