@@ -166,6 +166,7 @@ class Planner:
         self.w = widths(vlm)
         self._make = stage_inputs(vlm, config, resolved_prompt(vlm, config))
         self._made: dict[str, object] = {}
+        self._seqs: dict[tuple, tuple[list, int]] = {}
         self.bs = config.batch_size
         first = self.samples("pairs")[0].clean
         self.patches = vlm.prepare([first.image], [first.question]).patches(self.w.merge)
@@ -179,9 +180,14 @@ class Planner:
         return self._made[name]
 
     def seq(self, samples, forced: bool = False) -> int:
-        chunk = samples[: self.bs]
-        batch = self.vlm.prepare_samples(chunk, teacher_force=forced)
-        return int(batch.inputs["input_ids"].shape[1])
+        """The padded length of the first batch of ``samples``; prepared once per chunk (stages and the
+        plans for several memories ask for the same ones)."""
+        chunk = list(samples[: self.bs])
+        key = (tuple(map(id, chunk)), forced)
+        if key not in self._seqs:  # the chunk is kept with its length: its ids stay its own
+            batch = self.vlm.prepare_samples(chunk, teacher_force=forced)
+            self._seqs[key] = (chunk, int(batch.inputs["input_ids"].shape[1]))
+        return self._seqs[key][1]
 
     def score(self, name: str, samples, times: int = 1) -> StagePlan:
         vlm, w, seq = self.vlm, self.w, self.seq(samples)

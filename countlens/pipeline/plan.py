@@ -8,6 +8,7 @@ counted (the cost model, and the `Planner` the stages use): `countlens.pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,6 +109,15 @@ def plan(vlm: VLM, config=None, memory: int | None = None, device: str | None = 
     ``base``: the runtime's own bytes (default: on the CPU this process's resident set less the
     loaded weights; on a GPU 0, the CUDA context being outside the allocator's count).
     """
+    return plans(vlm, config, [memory], device, base)[0]
+
+
+def plans(
+    vlm: VLM, config=None, memories: Sequence[int | None] = (None,), device: str | None = None, base: int | None = None
+) -> list[Plan]:
+    """`plan` for each of several devices' ``memories`` (bytes in all; None: `plan`'s default), in
+    order. The stages' samples are made and their batches prepared once for all of them: only the
+    rows a sweep stacks depend on the memory."""
     c = config or DiscoverConfig()
     check_preset(c)
     w = widths(vlm)
@@ -117,17 +127,24 @@ def plan(vlm: VLM, config=None, memory: int | None = None, device: str | None = 
         raise ConfigError(f"device {where!r}: plan for 'cpu' or 'cuda'")
     if base is None:
         base = max(0, resident_bytes() - (w.weight_bytes if loaded else 0)) if where == "cpu" else 0
-    if memory is None:
-        memory = (
-            free_bytes(vlm.device if loaded else "cpu") + (w.weight_bytes if loaded else 0) + (base if loaded else 0)
-        )
-    free = memory - w.weight_bytes - base
-    if free <= 0:
-        raise ConfigError(
-            f"{vlm.name}'s weights ({w.weight_bytes / 2**30:.1f} GiB) and the runtime "
-            f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
-            "memory, a smaller dtype, or several devices (device_map='auto')"
-        )
-    p = Planner(vlm, c, free)
-    stages = [stage.plan(p) for stage in STAGES if stage.plan is not None and stage.enabled(c)]
-    return Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory)
+    sized = []
+    for memory in memories:
+        if memory is None:
+            held = w.weight_bytes + base if loaded else 0
+            memory = free_bytes(vlm.device if loaded else "cpu") + held
+        free = memory - w.weight_bytes - base
+        if free <= 0:
+            raise ConfigError(
+                f"{vlm.name}'s weights ({w.weight_bytes / 2**30:.1f} GiB) and the runtime "
+                f"({base / 2**30:.1f} GiB) do not fit {memory / 2**30:.1f} GiB; give a device with more "
+                "memory, a smaller dtype, or several devices (device_map='auto')"
+            )
+        sized.append((memory, free))
+    out, p = [], None
+    for memory, free in sized:
+        if p is None:
+            p = Planner(vlm, c, free)
+        p.free = free  # the one input that differs between the memories
+        stages = [stage.plan(p) for stage in STAGES if stage.plan is not None and stage.enabled(c)]
+        out.append(Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory))
+    return out

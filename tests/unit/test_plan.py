@@ -124,6 +124,29 @@ def test_little_memory_shrinks_the_sweeps_and_flags_nothing_it_fits(organism):
         plan.plan(organism, SMALL, memory=w.weight_bytes // 2, base=0)
 
 
+def test_plans_for_several_memories_equal_one_plan_each_and_prepare_each_batch_once(organism, monkeypatch):
+    w = memory.widths(organism)
+    sizes = [1 << 36, w.weight_bytes + 40 * memory.stacked_row_bytes(w, 60)]
+    alone = [plan.plan(organism, SMALL, memory=m, base=0) for m in sizes]
+    prepared = []
+    real = type(organism).prepare_samples
+    monkeypatch.setattr(
+        type(organism),
+        "prepare_samples",
+        lambda self, chunk, **kw: (
+            prepared.append((tuple(map(id, chunk)), kw.get("teacher_force", False))) or real(self, chunk, **kw)
+        ),
+    )
+    both = plan.plans(organism, SMALL, memories=sizes, base=0)
+    assert [p.to_dict() for p in both] == [p.to_dict() for p in alone]
+    assert [[s.forwards for s in p.stages] for p in both] == [[s.forwards for s in p.stages] for p in alone]
+    heads = [{s.name: s.rows for s in p.stages}["heads"] for p in both]
+    assert heads[1] < heads[0]  # each plan sized from its own memory
+    assert prepared and len(prepared) == len(set(prepared))  # no chunk of samples prepared twice
+    with pytest.raises(ConfigError, match="do not fit"):
+        plan.plans(organism, SMALL, memories=[1 << 36, w.weight_bytes // 2], base=0)
+
+
 def test_cli_plan_writes_json_and_refuses_bad_memory(tmp_path):
     runner = CliRunner()
     out = tmp_path / "plan.json"
