@@ -4,6 +4,7 @@
     python bench/plan_rehearsal.py --depths 1 --image-size 224 --out /tmp/r.json   # a quicker check
     python bench/plan_rehearsal.py --replan           # the recorded runs against the current plan
     python bench/plan_rehearsal.py --remeasure headlens   # one stage measured again, alone, at each depth
+    python bench/plan_rehearsal.py --remeasure edge_faithfulness   # the edge stage (not in discover's default)
 
 Each depth runs in a fresh process: a random-init Qwen2.5-VL at Qwen2.5-VL-7B's widths
 (`bench/gpu.py`'s `build`: text hidden 3,584, 28 heads, 4 KV heads, intermediate 18,944, vocabulary
@@ -48,15 +49,29 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
+ALONE = ("headlens", "edge_faithfulness")
+
+
 def _alone(vlm, c, name: str, log) -> None:
-    """Run only discover's stage ``name`` on its own samples (`--remeasure`): HeadLens's fit + decode."""
+    """Run only discover's stage ``name`` on its own samples (`--remeasure`): HeadLens's fit + decode,
+    or the edge stage (EAP-IG and EAP, then the curves of their circuits and the random ones)."""
+    from types import SimpleNamespace
+
     from countlens import circuits
     from countlens.pipeline.config import resolved_prompt
     from countlens.pipeline.inputs import stage_inputs
+    from countlens.pipeline.stages.edges import _compute
 
-    if name != "headlens":
-        sys.exit(f"--remeasure takes headlens only, not {name}; run the whole rehearsal instead")
+    if name not in ALONE:
+        sys.exit(f"--remeasure takes {' / '.join(ALONE)}, not {name}; run the whole rehearsal instead")
     inputs = stage_inputs(vlm, c, resolved_prompt(vlm, c))
+    if name == "edge_faithfulness":
+        pairs = inputs["pairs"]()
+        log(f"[{name}] running")
+        ds = _compute(SimpleNamespace(vlm=vlm, pairs=pairs, batch_size=c.batch_size, config=c))
+        if "refused" in ds.attrs:
+            sys.exit(ds.attrs["refused"])
+        return
     fit, data = inputs["headlens_fit"](), inputs["tasks"]()["count"]
     log(f"[{name}] running")
     circuits.HeadLens.fit(vlm, fit, batch_size=c.batch_size).decode(vlm, data, batch_size=c.batch_size)
@@ -229,10 +244,11 @@ def remeasure(result: dict, names: list[str]) -> dict:
     for run in result["runs"]:
         fresh = _depth_in_subprocess(run["depth"], result["image_size"], result["config"], names)["stages"]
         for name in names:
-            old = run["stages"][name]
-            fresh[name]["previous_measured_peak_bytes"] = old.get(
-                "previous_measured_peak_bytes", old["measured_peak_bytes"]
-            )
+            old = run["stages"].get(name, {})  # a stage the full rehearsal does not run: measured alone only
+            if "measured_peak_bytes" in old:
+                fresh[name]["previous_measured_peak_bytes"] = old.get(
+                    "previous_measured_peak_bytes", old["measured_peak_bytes"]
+                )
             fresh[name]["measured_alone"] = True
             if "previous_planned_peak_bytes" in old:  # the plan before any correction, as replan keeps it
                 fresh[name]["previous_planned_peak_bytes"] = old["previous_planned_peak_bytes"]
@@ -255,7 +271,7 @@ def main() -> None:
         "--remeasure",
         nargs="+",
         metavar="STAGE",
-        help="measure these stages again, alone (headlens), into --out's record",
+        help="measure these stages again, alone (headlens, edge_faithfulness), into --out's record",
     )
     ap.add_argument("--only", nargs="+", help=argparse.SUPPRESS)  # internal: with --one
     args = ap.parse_args()

@@ -78,15 +78,27 @@ class _Ablator:
     layer is receivers × live nodes × d_model per position, not an o_proj-sized product per receiver
     and upstream layer."""
 
-    def __init__(self, vlm: VLM, graph: EdgeGraph, weights: dict[Receiver, Tensor], values: dict, image: Tensor, k: int):
+    def __init__(
+        self, vlm: VLM, graph: EdgeGraph, weights: dict[Receiver, Tensor], values: dict, image: Tensor, k: int
+    ):
         self.vlm, self.graph, self.values, self.k = vlm, graph, values, k
         self.image = image.repeat(k, 1)[..., None]  # (rows, seq, 1)
         arch = vlm.arch
+        # A row whose circuit ablates more of these edges than it keeps reads the complement: Σ over its
+        # ablated edges = (x − x_a) − Σ over its kept ones, x_a the ablation values' own stream there.
+        rows = next(iter(weights.values())).shape[0] if weights else 0
+        ablated, total = torch.zeros(rows), 0
+        for w in weights.values():
+            ablated += w.sum(1)
+            total += w.shape[1]
+        self.complement = ablated > total - ablated
+        weights = {r: torch.where(self.complement[:, None], w - 1, w) for r, w in weights.items()}
         touched = torch.zeros(len(graph.nodes), dtype=torch.bool)
         for w in weights.values():
-            touched[: w.shape[1]] |= w.any(0)
+            touched[: w.shape[1]] |= (w != 0).any(0)
         self.live = touched.nonzero().flatten().tolist()
         self.slot = {u: i for i, u in enumerate(self.live)}
+        self.streams: dict | None = None
         self.starts = []  # where each layer's heads start in the node order
         at = len(INPUTS)
         for layer in range(arch.n_layers):
@@ -115,14 +127,35 @@ class _Ablator:
         """x − the ablation value, the value (n rows) broadcast over the k circuits."""
         return (x.reshape(self.k, -1, *x.shape[1:]) - value.to(x.dtype)).reshape(x.shape)
 
-    def removed(self, key) -> tuple[list[Receiver], Tensor]:
-        """A group's receivers and Σ over each one's ablated edges of (c_u − a_u): (rows, receivers, seq, d)."""
+    def removed(self, key, x: Tensor) -> tuple[list[Receiver], Tensor]:
+        """A group's receivers and Σ over each one's ablated edges of (c_u − a_u) at ``x``, the stream
+        they read: (rows, receivers, seq, d)."""
         mine, w = self.groups[key]
         d = self.deltas
         rows, _, seq, width = d.shape
         m = w.shape[-1]
         out = torch.bmm(w.to(d.device, d.dtype), d[:, :m].reshape(rows, m, seq * width))
-        return mine, out.view(rows, len(mine), seq, width)
+        out = out.view(rows, len(mine), seq, width)
+        if bool(self.complement.any()):
+            whole = self._rows(x, self._stream(key)) * self.complement.to(x.device, x.dtype)[:, None, None]
+            out += whole[:, None]
+        return mine, out
+
+    def _stream(self, key) -> Tensor:
+        """The ablation values' own residual stream (n rows) where group ``key`` reads it: the input
+        embeddings plus every upstream layer's attention output (o_proj of its z) and MLP output."""
+        if self.streams is None:
+            v, hf = self.values, self.vlm.hf
+            stream, self.streams = v["embed"], {}
+            for layer, paths in enumerate(self.graph.layers):
+                self.streams[(layer, 0)] = stream
+                o_proj = hf.get_submodule(paths.o_proj)
+                z = v["z"][layer].to(o_proj.weight.dtype)
+                stream = stream + F.linear(z, o_proj.weight, o_proj.bias).to(stream.dtype)
+                self.streams[(layer, 1)] = stream
+                stream = stream + v["mlp"][layer].reshape(stream.shape).to(stream.dtype)
+            self.streams[(len(self.graph.layers), 0)] = stream
+        return self.streams[key]
 
     def norm_of(self, module, x: Tensor) -> Tensor:
         self.busy = True
@@ -174,8 +207,9 @@ class _Ablator:
             if self.busy or key not in self.groups:
                 return None
             x = args[0]
-            mine, removed = self.removed(key)
-            self.normed = {r: self.norm_of(module, x - removed[:, i]) for i, r in enumerate(mine)}
+            mine, removed = self.removed(key, x)
+            copies = self.norm_of(module, removed.neg_().add_(x[:, None]))  # every receiver's at once
+            self.normed = {r: copies[:, i] for i, r in enumerate(mine)}
             return self.normed[mine[0]] if isinstance(mine[0], AttnIn) else None
 
         return hook
@@ -200,7 +234,7 @@ class _Ablator:
         def hook(module, args, out):
             if self.busy or key not in self.groups:
                 return None
-            _, removed = self.removed(key)
+            _, removed = self.removed(key, args[0])
             return self.norm_of(module, args[0] - removed[:, 0])
 
         return hook
@@ -230,9 +264,10 @@ class _Ablator:
 def edge_row_bytes(w: memory.Widths, seq: int, receivers: int, live: int | None = None) -> int:
     """What one stacked row of `edge_ablated_logits` holds beyond a plain forward's: the live nodes'
     differences from their ablation values in the residual stream's space (``live``: every node of the
-    graph unless given), and one layer's ``receivers`` sums of them and normed copies of the stream."""
+    graph unless given), and one layer's ``receivers`` copies of the stream and their normed copies
+    (with the norm's two float32 intermediates)."""
     nodes = len(INPUTS) + w.n_layers * (w.n_heads + 1) if live is None else live
-    return (nodes + 2 * receivers) * seq * w.d_model * w.act_bytes
+    return ((nodes + 2 * receivers) * w.act_bytes + 2 * receivers * 4) * seq * w.d_model
 
 
 def _weights(graph: EdgeGraph, sets: Sequence[frozenset], n: int) -> dict[Receiver, Tensor]:

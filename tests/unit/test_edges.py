@@ -321,7 +321,9 @@ def _reference_ablated(vlm, graph, batch, ablate: frozenset, values, image):
 @pytest.mark.parametrize("name", ["toy", "qwen2_5_vl"])
 def test_random_circuits_equal_a_receiver_by_receiver_reference(name, loaded):
     """Random edge sets (a tenth, a half, all but a few), stacked in one forward, against the
-    independent per-receiver forward above, circuit by circuit."""
+    independent per-receiver forward above, circuit by circuit. The last set ablates more edges than it
+    keeps, so its rows read the complement (the ablation values' stream less the kept edges) beside
+    rows that sum their ablated edges."""
     vlm = loaded(name)
     pairs = _pairs(vlm, name, n=2)
     graph = edges.edge_graph(vlm)
@@ -341,7 +343,9 @@ def test_random_circuits_equal_a_receiver_by_receiver_reference(name, loaded):
 
 
 def test_the_plan_counts_an_ablated_forwards_flops(loaded):
-    """Every product an edge-ablated forward adds (all nodes live) is a matmul that torch counts."""
+    """Every product an edge-ablated forward adds is a matmul that torch counts; the plan counts the
+    worst case, every node live and every receiver reading it: here each node's edge into the logits
+    and one edge into every receiver ablated (fewer than kept, so no receiver reads the complement)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from countlens.memory import widths
@@ -353,11 +357,14 @@ def test_the_plan_counts_an_ablated_forwards_flops(loaded):
     pb = prepare_pairs(vlm, pairs)
     values = record_nodes(vlm, pb.corrupt, graph.nodes)
     image = image_positions(vlm, pb.clean)
-    every = frozenset(range(len(graph.edges)))
+    offsets, logits = graph.offsets(), graph.receivers[-1]
+    worst = frozenset(range(offsets[logits], offsets[logits] + graph.prefix[logits])) | {
+        offsets[r] for r in graph.receivers
+    }
     with FlopCounterMode(display=False) as plain, torch.no_grad():
         vlm.hf(**pb.clean.inputs, use_cache=False, logits_to_keep=1)
     with FlopCounterMode(display=False) as ablated:
-        edge_ablation.edge_ablated_logits(vlm, graph, pb.clean, [every], values, image)
+        edge_ablation.edge_ablated_logits(vlm, graph, pb.clean, [worst], values, image)
     rows, seq = pb.clean.inputs["input_ids"].shape
     added = ablated.get_total_flops() - plain.get_total_flops()
     assert added == edge_forward_flops(widths(vlm), int(seq), int(rows))
