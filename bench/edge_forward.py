@@ -23,10 +23,10 @@ The ratio must stay within 1.5 and not grow with depth (issue "Edges at a real m
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: measure one depth, print its row
     args = ap.parse_args()
     import countlens
     from countlens.datasets.pairs import count_pairs
@@ -99,14 +100,17 @@ def main() -> None:
         "repeats": args.repeats,
         "seven_b_widths": [],
     }
-    for depth in args.depths:
-        vlm, grid = build(depth, args.image_size, torch.float32, "cpu")
+    if args.one is not None:  # one depth, in this fresh process
+        vlm, grid = build(args.one, args.image_size, torch.float32, "cpu")
         pairs = count_pairs(args.pairs, kind="dots", grid=grid, prompt="short", counts=range(2, 8), seed=0)
-        row = measure(vlm, pairs, args.repeats)
+        print("ROW " + json.dumps(measure(vlm, pairs, args.repeats)), flush=True)
+        return
+    for depth in args.depths:  # each depth in a fresh process: no model's memory left behind
+        cmd = [sys.executable, __file__, "--one", str(depth), *sys.argv[1:]]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        row = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("ROW "))[4:])
         print(json.dumps(row), flush=True)
         out["seven_b_widths"].append(row)
-        del vlm
-        gc.collect()
     toy = countlens.load("toy")
     pairs = count_pairs(4, kind="shapes", grid=toy.geometry, prompt="short", counts=range(2, 7), seed=4)
     out["organism"] = measure(toy, pairs, max(args.repeats, 5))

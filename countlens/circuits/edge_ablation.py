@@ -208,7 +208,7 @@ class _Ablator:
                 return None
             x = args[0]
             mine, removed = self.removed(key, x)
-            copies = self.norm_of(module, removed.neg_().add_(x[:, None]))  # every receiver's at once
+            copies = self.norm_of(module, torch.sub(x[:, None], removed, out=removed))  # every receiver's at once
             self.normed = {r: copies[:, i] for i, r in enumerate(mine)}
             return self.normed[mine[0]] if isinstance(mine[0], AttnIn) else None
 
