@@ -25,11 +25,11 @@ from PIL import Image
 
 from countlens.adapt import add_missing_output_fields, bidirectional_vision, with_expert_layers, with_q_norm_layers
 from countlens.arch import Arch, resolve
-from countlens.errors import InputError
+from countlens.errors import InputError, UnsupportedArchitectureError
 from countlens.geometry import Geometry
 from countlens.layouts import TILED, token_cells
 from countlens.processors import render_chat, tile_grid, useful_grid
-from countlens.sizing import default_size, processed_size
+from countlens.sizing import default_size, is_dynamic, processed_size
 from countlens.validate import require_count
 
 IMAGE_SLOT = "<image>"
@@ -158,14 +158,30 @@ class VLM:
     def geometry(self) -> Geometry:
         """The patch grid for this model's native (or default) square image size (`countlens.sizing`)."""
         h, w = default_size(self.processor.image_processor, self.arch.patch_size * self.arch.merge_size)
-        return Geometry(h, w, self.arch.patch_size, self.arch.merge_size)
+        return self._geometry(h, w)
 
     def geometry_for(self, height: int, width: int) -> Geometry:
         """The geometry the processor will use for an input image of ``height`` × ``width`` pixels (one
         tile's, for tiling processors)."""
         unit = self.arch.patch_size * self.arch.merge_size
         h, w = processed_size(self.processor.image_processor, height, width, unit)
-        return Geometry(h, w, self.arch.patch_size, self.arch.merge_size)
+        return self._geometry(h, w)
+
+    def _geometry(self, h: int, w: int) -> Geometry:
+        """``Geometry(h, w)``; a fixed-size processor whose one size is not whole image tokens (SigLIP's
+        384 px of 14 px patches: 27 patches and 6 px its convolution drops) is refused as such: no image
+        size a user could choose changes it."""
+        p, m = self.arch.patch_size, self.arch.merge_size
+        ip = self.processor.image_processor
+        if (h % (p * m) or w % (p * m)) and not is_dynamic(ip):
+            each = "image (tile or crop)" if self.arch.spec.layout in (*TILED, "anyres") else "image"
+            raise UnsupportedArchitectureError(
+                f"{self.name or self.arch.name}: {type(ip).__name__} resizes every {each} to {h}×{w} px, which is "
+                f"{h // p}×{w // p} whole {p} px patches and {h % p}×{w % p} px more that the vision tower's "
+                f"convolution drops; countlens maps image tokens only on images of whole {p * m} px tokens "
+                f"(patch {p} × merge {m}), so this checkpoint's image size is not supported"
+            )
+        return Geometry(h, w, p, m)
 
     # -- inputs --------------------------------------------------------------
 

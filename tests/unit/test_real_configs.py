@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from PIL import Image
 from real_checkpoints import TOKENIZER_FROM, planning_dir
 from typer.testing import CliRunner
 
@@ -26,11 +28,12 @@ from countlens.arch import resolve, spec_for
 from countlens.cli import app
 from countlens.errors import CheckpointError, ConfigError, CountlensError, UnsupportedArchitectureError
 from countlens.geometry import Geometry
+from countlens.layouts import TILED
 from countlens.loading import meta_vlm, read_config
 from countlens.pipeline import plan
 from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.stages import STAGES
-from countlens.processor_files import _load_image_processor
+from countlens.processor_files import _load_image_processor, load_processor
 from countlens.sizing import default_size, fixed_size, is_dynamic, processed_size
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
@@ -224,6 +227,168 @@ def test_qwen_default_square_image(name, side, tokens):
     assert default_size(ip, unit) == (side, side)
     rows, cols = Geometry.square(side, arch.patch_size, arch.merge_size).token_grid
     assert rows * cols == tokens
+
+
+# Image tokens of the tiled and dynamic families, each computed here from the processor files' own fields
+# (and config.json's patch and merge where the processor has none) and compared with what countlens
+# prepares for one image of three sizes on the meta model (`VLM.prepare`: the image tokens it finds, which
+# `countlens.layouts` checks against countlens's own tile grid or token grid, and those grids).
+TOKEN_SIZES = [(448, 448), (1000, 700), (300, 1000)]  # (height, width)
+#: Sizes past a bound of the family's rule: Mistral 3's and InternVL's largest (1540 px, 12 tiles), GLM-4.1V's
+#: pixel budget at both ends (where its temporal frames count).
+TOKEN_SIZES_OF = {
+    "mistralai__Mistral-Small-3.1-24B-Instruct-2503": [(448, 448), (1000, 700), (4000, 3000)],
+    "zai-org__GLM-4.1V-9B-Thinking": [(60, 90), (1000, 700), (4000, 3000)],
+    "OpenGVLab__InternVL3-8B-hf": [(448, 448), (1000, 700), (4000, 3000)],
+}
+#: Fixed 384 px processors: SigLIP's 384 px is 27 whole 14 px patches and 6 px the tower's convolution drops.
+#: countlens refuses them (its token maps need whole tokens); the expected counts are checked against the
+#: processor itself instead, and countlens's own count is a strict xfail until it takes such sizes.
+WHOLE_PATCHES_ONLY = {
+    "HuggingFaceTB__SmolVLM-Instruct",
+    "HuggingFaceTB__SmolVLM2-2.2B-Instruct",
+    "llava-hf__llava-onevision-qwen2-7b-ov-hf",
+}
+REFUSED_384 = "resizes every image (tile or crop) to 384×384 px, which is 27×27 whole 14 px patches and 6×6 px more"
+
+
+def _smolvlm_tokens(name: str, h: int, w: int) -> tuple[tuple[int, int], int]:
+    """(tile rows, cols), image tokens: the longest edge resized to size.longest_edge (which is whole tiles
+    of max_image_size.longest_edge), the other side in proportion, each side cut into whole tiles (the last
+    stretched); image_seq_len tokens per tile, and the whole image as one more tile when there are several."""
+    pre, proc = _raw(name, "preprocessor_config.json"), _raw(name, "processor_config.json")
+    longest, tile = pre["size"]["longest_edge"], pre["max_image_size"]["longest_edge"]
+    assert pre["do_image_splitting"] and longest % tile == 0
+    vision = _raw(name)["vision_config"]  # image_seq_len is a tile's patches pixel-shuffled by scale_factor
+    assert proc["image_seq_len"] == (tile // vision["patch_size"] // _raw(name)["scale_factor"]) ** 2
+    short = math.ceil(min(h, w) * longest / max(h, w) / tile)
+    rows, cols = (longest // tile, short) if h >= w else (short, longest // tile)
+    n = rows * cols
+    return (rows, cols), proc["image_seq_len"] * (n + (n > 1))
+
+
+def _mistral3_tokens(name: str, h: int, w: int) -> tuple[tuple[int, int], int]:
+    """(rows, cols) of [IMG] tokens: shrunk (never enlarged) so the longest side fits size.longest_edge,
+    then each side in whole patch × spatial_merge_size tokens, rounded up ([IMG_BREAK] / [IMG_END] are
+    other tokens)."""
+    pre, proc = _raw(name, "preprocessor_config.json"), _raw(name, "processor_config.json")
+    unit, longest = proc["patch_size"] * proc["spatial_merge_size"], pre["size"]["longest_edge"]
+    if max(h, w) > longest:
+        h, w = math.floor(h * longest / max(h, w)), math.floor(w * longest / max(h, w))
+    return (math.ceil(h / unit), math.ceil(w / unit)), math.ceil(h / unit) * math.ceil(w / unit)
+
+
+def _glm4v_tokens(name: str, h: int, w: int) -> tuple[tuple[int, int], int]:
+    """Qwen's pixel budget over the temporal_patch_size frames an image is repeated into: the image's own
+    bounds are the budget's ÷ frames; one token per patch × merge square."""
+    pre = _raw(name, "preprocessor_config.json")
+    unit, frames = pre["patch_size"] * pre["merge_size"], pre["temporal_patch_size"]
+    lo, hi = pre["size"]["shortest_edge"] / frames, pre["size"]["longest_edge"] / frames
+    hb, wb = _budget_resize(h, w, unit, lo, hi)
+    return (hb // unit, wb // unit), (hb // unit) * (wb // unit)
+
+
+def _internvl_tokens(name: str, h: int, w: int) -> tuple[tuple[int, int], int]:
+    """InternVL's dynamic tiling: of the grids of min_patches … max_patches tiles of size px, the one whose
+    aspect is nearest the image's (a tie goes to the larger grid when the image has over half its area);
+    each tile (size ÷ patch × downsample_ratio)² tokens, and a thumbnail after several. The preprocessor
+    file says crop_to_patches false, but transformers' InternVLProcessor asks for it on every call."""
+    pre, raw = _raw(name, "preprocessor_config.json"), _raw(name)
+    assert pre["crop_to_patches"] is False  # overridden by the processor (see above)
+    side, lo, hi = pre["size"]["height"], pre["min_patches"], pre["max_patches"]
+    grids = sorted(
+        {(i, j) for i in range(1, hi + 1) for j in range(1, hi + 1) if lo <= i * j <= hi}, key=lambda g: g[0] * g[1]
+    )
+    best, diff = (1, 1), math.inf
+    for cols, rows in grids:
+        d = abs(w / h - cols / rows)
+        if d < diff:
+            best, diff = (cols, rows), d
+        elif d == diff and h * w > 0.5 * side * side * cols * rows:
+            best = (cols, rows)
+    cols, rows = best
+    per_tile = round(side // raw["vision_config"]["patch_size"][0] * raw["downsample_ratio"]) ** 2
+    return (rows, cols), per_tile * (rows * cols + (rows * cols > 1))
+
+
+def _onevision_tokens(name: str, h: int, w: int) -> tuple[None, int]:
+    """LLaVA-OneVision's anyres_max_9: the base image (num_image_tokens, SigLIP's 27 × 27), then the pinpoint
+    that shows most of the image (least waste on a tie) as a grid of 384 px crops, their patches unpadded to
+    the image's aspect, one newline per row, shrunk when over 9 base grids (the config's anyres_max_9)."""
+    pre, proc = _raw(name, "preprocessor_config.json"), _raw(name, "processor_config.json")
+    assert _raw(name)["vision_aspect_ratio"] == "anyres_max_9"
+    base, side = proc["num_image_tokens"], pre["size"]["height"]
+    best, most, waste = None, 0, math.inf
+    for ph, pw in pre["image_grid_pinpoints"]:
+        scale = min(pw / w, ph / h)
+        shown = min(int(w * scale) * int(h * scale), w * h)
+        if shown > most or (shown == most and ph * pw - shown < waste):
+            best, most, waste = (ph, pw), shown, ph * pw - shown
+    per = math.isqrt(base)
+    rows, cols = per * (best[0] // side), per * (best[1] // side)
+    if w / h > cols / rows:
+        rows -= (rows - int(round(h * cols / w, 7))) // 2 * 2
+    else:
+        cols -= (cols - int(round(w * rows / h, 7))) // 2 * 2
+    features, newlines = rows * cols, rows
+    ratio = math.sqrt(rows * cols / (9 * per**2))
+    if ratio > 1.1:
+        features, newlines = int(rows // ratio) * int(cols // ratio), int(rows // ratio)
+    return None, base + features + newlines
+
+
+IMAGE_TOKENS = {
+    "HuggingFaceTB__SmolVLM-256M-Instruct": _smolvlm_tokens,
+    "HuggingFaceTB__SmolVLM-500M-Instruct": _smolvlm_tokens,
+    "HuggingFaceTB__SmolVLM-Instruct": _smolvlm_tokens,
+    "HuggingFaceTB__SmolVLM2-2.2B-Instruct": _smolvlm_tokens,
+    "mistralai__Mistral-Small-3.1-24B-Instruct-2503": _mistral3_tokens,
+    "zai-org__GLM-4.1V-9B-Thinking": _glm4v_tokens,
+    "OpenGVLab__InternVL3-8B-hf": _internvl_tokens,
+    "llava-hf__llava-onevision-qwen2-7b-ov-hf": _onevision_tokens,
+}
+
+
+def test_every_processor_file_has_an_image_token_test():
+    with_processor = {n for n in PUBLISHED if (CHECKPOINTS / n / "preprocessor_config.json").exists()}
+    others = {"llava-hf__llava-1.5-7b-hf"} | {n for n in with_processor if n.startswith("Qwen__")}
+    assert with_processor == set(IMAGE_TOKENS) | others
+
+
+def _image_cases():
+    for name in sorted(IMAGE_TOKENS):
+        for size in TOKEN_SIZES_OF.get(name, TOKEN_SIZES):
+            marks = []
+            if name in WHOLE_PATCHES_ONLY:
+                reason = "384 px is 27 whole 14 px patches and 6 px more: refused by countlens (REFUSED_384)"
+                marks = [pytest.mark.xfail(raises=UnsupportedArchitectureError, strict=True, reason=reason)]
+            yield pytest.param(name, size, marks=marks, id=f"{name}-{size[0]}x{size[1]}")
+
+
+@pytest.mark.parametrize("name, size", list(_image_cases()))
+def test_image_tokens_from_the_processor_files(name, size, planned_vlm):
+    grid, expected = IMAGE_TOKENS[name](name, *size)
+    vlm = planned_vlm(name, None)
+    batch = vlm.prepare([Image.new("RGB", size[::-1])], ["How many?"])
+    assert len(batch.image_pos[0]) == expected
+    if vlm.arch.spec.layout in TILED:  # countlens's own tile grid (which its token map checked the count by)
+        assert batch.tile_grids[0] == grid
+    elif grid is not None:  # one grid of tokens: countlens's geometry for the image
+        assert batch.geometry[0].token_grid == grid == vlm.geometry_for(*size).token_grid
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_PATCHES_ONLY))
+def test_a_384_px_processor_is_refused_clearly_and_the_expected_counts_are_its_own(name, plannable):
+    """The counts the strict xfails above expect are the processor's own (transformers, no countlens),
+    and countlens refuses the checkpoint's image size with a message that says why."""
+    path = str(plannable(name))
+    processor = load_processor(path, read_config(path))
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    for size in TOKEN_SIZES:
+        ids = processor(text=[f"{processor.image_token} How many?"], images=[[Image.new("RGB", size[::-1])]])
+        assert sum(t == image_token for t in ids["input_ids"][0]) == IMAGE_TOKENS[name](name, *size)[1]
+    with pytest.raises(UnsupportedArchitectureError, match=re.escape(REFUSED_384)):
+        meta_vlm(path, dtype="bfloat16").geometry
 
 
 @pytest.mark.parametrize("name", sorted(REMOTE_CODE))
