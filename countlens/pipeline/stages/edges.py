@@ -93,15 +93,17 @@ def edge_forward_flops(w: Widths, seq: int, rows: int) -> float:
 
 def attribution_flops(w: Widths, seq: int, rows: int, steps: int) -> float:
     """FLOPs of `edge_attributions`' products beyond its forwards and backwards, one chunk of ``rows``
-    pairs: the node differences once (an o_proj per layer) and, per gradient, Σ over edges of one
+    pairs: per gradient, the node differences (an o_proj per layer; formed once for all gradients
+    where one product covers every position, so this is an upper bound) and Σ over edges of one
     d_model-wide product per token (float64)."""
     n_edges = edge_count(w.n_layers, w.n_heads, w.n_kv_heads)
-    return float(rows * seq * (2 * w.n_layers * w.n_heads * w.d_head * w.d_model + steps * 2 * n_edges * w.d_model))
+    per_token = 2 * w.n_layers * w.n_heads * w.d_head * w.d_model + 2 * n_edges * w.d_model
+    return float(steps * rows * seq * per_token)
 
 
 def _plan(p: Planner) -> StagePlan:
     """Per chunk of pairs: both attributions from one pass (two recordings, EAP-IG's steps of one
-    forward and backward each, their gradients kept for the products), then the corrupt run recorded
+    forward and backward each, one step's gradients kept for its products), then the corrupt run recorded
     and every distinct circuit as stacked copies of the clean batch, each copy holding its live nodes'
     differences from the ablation values; the graph checked once, on the first chunk."""
     w, b, seq = p.w, p.w.act_bytes, p.pair_seq
@@ -114,7 +116,7 @@ def _plan(p: Planner) -> StagePlan:
     receivers, _, _ = _uniform(w)
     extra = edge_row_bytes(w, seq, receivers)
     rows = rows_per_forward(w, seq, max(0, p.free - values), 1, p.patches, extra=extra)
-    gradients = EDGE_STEPS * w.n_layers * per_layer  # every step's, kept for the products
+    gradients = w.n_layers * per_layer  # one step's, kept for its products
     fw = [Forward(n0, seq)]  # the additivity check
     for n, k in chunk_sizes(len(pairs), p.bs).items():
         per = max(1, rows // n)
