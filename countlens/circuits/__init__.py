@@ -8,8 +8,8 @@ xarray results; module paths come from `countlens.arch` only.
 
 from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
 from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
-from countlens.circuits.edge_attribution import edge_attribution
-from countlens.circuits.edges import edge_graph
+from countlens.circuits.edge_attribution import edge_attribution, edge_attributions
+from countlens.circuits.edges import checked_graph, edge_graph
 from countlens.circuits.experts import (
     ablate_experts,
     expert_ablation_scan,
@@ -62,6 +62,8 @@ __all__ = [
     "compare",
     "eager_attention",
     "edge_attribution",
+    "edge_attributions",
+    "checked_graph",
     "edge_graph",
     "effect",
     "expert_ablation_scan",

@@ -177,7 +177,7 @@ def edge_attributions(
     position's differences more still."""
     require_vlm(vlm, "edge_attribution")
     check_pair_sweep(pairs, batch_size, "edge_attribution")
-    if isinstance(methods, str) or not methods:
+    if not isinstance(methods, (list, tuple)) or not methods:
         raise InputError(f"methods must be a non-empty list of {METHODS}, e.g. ('eap-ig', 'eap'); got {methods!r}")
     for m in methods:
         require_choice(m, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", METHODS)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.arguments import require_vlm
+from countlens.arguments import require_batch, require_vlm
 from countlens.circuits.nodes import Node, graph_nodes
 from countlens.circuits.sites import (
     INPUTS,
@@ -197,6 +197,7 @@ def require_graph(vlm: VLM, graph: object) -> EdgeGraph:
 
 def checked_graph(vlm: VLM, batch: Batch) -> EdgeGraph:
     """`edge_graph` with `check_additive` passed on ``batch``: what a stage builds once and hands down."""
+    require_batch(batch, "checked_graph")
     graph = edge_graph(vlm)
     check_additive(vlm, graph, batch)
     return graph

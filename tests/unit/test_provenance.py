@@ -59,6 +59,7 @@ def calls(loaded):
         "ablation_scan": lambda: circuits.ablation_scan(vlm, {"count": samples[:2]}),
         "attribution_patch": lambda: circuits.attribution_patch(vlm, pairs),
         "edge_attribution": lambda: circuits.edge_attribution(vlm, pairs, method="eap"),
+        "edge_attributions": lambda: circuits.edge_attributions(vlm, pairs, ("eap",))["eap"],
         "effect": lambda: circuits.effect(vlm, pairs, Patch(Residual(1), positions="last")),
         "expert_ablation_scan": lambda: circuits.expert_ablation_scan(
             moe, task_samples("count", 2, seed=1, image_size=64)

@@ -108,6 +108,8 @@ def _valid_calls(loaded) -> dict:
         "beta_from_importance": dict(importance=heads),
         "compare": dict(estimate=heads, exact=heads, k=3),
         "edge_attribution": dict(vlm=vlm, pairs=pairs, method="eap", steps=1),
+        "edge_attributions": dict(vlm=vlm, pairs=pairs, methods=("eap",), steps=1),
+        "checked_graph": dict(vlm=vlm, batch=batch),
         "effect": dict(vlm=vlm, pairs=pairs, interventions=circuits.Patch(circuits.Residual(1), positions="last")),
         "faithfulness": dict(vlm=vlm, pairs=pairs, scores=heads, sizes=[0.5, 1.0]),
         "faithfulness_curves": dict(vlm=vlm, pairs=pairs, rankings={"exact": heads}, sizes=[0.5, 1.0]),
