@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu import _interleaved, build  # noqa: E402
 
 
-def measure(vlm, pairs, repeats: int) -> dict:
+def measure(vlm, pairs, repeats: int, device: str = "cpu", warmup: bool = True) -> dict:
+    """The plain and the edge-ablated forward of ``pairs``' clean batch, interleaved (module docstring)."""
     from countlens.circuits.edge_ablation import edge_ablated_logits
     from countlens.circuits.edges import checked_graph
     from countlens.circuits.nodes import image_positions, record_nodes
@@ -62,7 +63,7 @@ def measure(vlm, pairs, repeats: int) -> dict:
     def ablated():
         return edge_ablated_logits(vlm, graph, pb.clean, [half], values, image)
 
-    t = _interleaved({"plain": plain, "ablated": ablated}, repeats, "cpu")
+    t = _interleaved({"plain": plain, "ablated": ablated}, repeats, device, warmup)
     rows, seq = (int(x) for x in pb.clean.inputs["input_ids"].shape)
     w = widths(vlm)
     base = forward_flops(w, Forward(rows, seq), pb.clean.patches(w.merge))

@@ -18,6 +18,8 @@ size, which sets the unembedding's cost, is the config's 152,064). Measured, eac
   forwards (one per site);
 - **check**: `countlens check` on the model (`countlens.pipeline.selfcheck`), its rows recorded (run first,
   before the timings and the peak-memory reading);
+- **edges**: one edge-ablated forward (`bench/edge_forward.py`'s: a random half of every edge of the
+  graph ablated, counterfactual patching) beside a plain forward of the same clean batch;
 - **P2**: the all-head sweep (`patch_heads`, batched replicas) vs a naive loop of one forward per
   head (`run_edits` with one edit, as ``bench/patching_sweeps.py`` defines it); goal ≥ 5×. The
   naive loop runs ``--naive-heads`` heads (all by default) and its time is scaled to all heads.
@@ -262,6 +264,9 @@ def run(
         {"patch_heads": lambda: patch_heads(vlm, pairs, batch_size=n_pairs), "naive": naive}, repeats, device, warmup
     )
     naive_all = p2["naive"] * len(heads) / len(chosen)
+    from edge_forward import measure as edge_forward  # noqa: PLC0415 — beside this file, imports it back
+
+    edges = edge_forward(vlm, pairs, repeats, device, warmup)
     text, vision = vlm.hf.config.text_config, vlm.hf.config.vision_config
     ms = lambda s: round(1000 * s, 1)  # noqa: E731
     return {
@@ -310,6 +315,8 @@ def run(
             "speedup": round(naive_all / p2["patch_heads"], 2),
             "goal": ">= 5",
         },
+        # One edge-ablated forward (a random half of every edge, counterfactual) beside a plain one.
+        "edges": {k: edges[k] for k in ("edges", "rows", "seq", "plain_s", "ablated_s", "ratio", "planned_ratio")},
         "peak_memory_bytes": _peak_bytes(device),
         # `countlens check` on this model (countlens.pipeline.selfcheck): its rows, for the record.
         "check": checked,

@@ -286,6 +286,18 @@ def _weights(graph: EdgeGraph, sets: Sequence[frozenset], n: int) -> dict[Receiv
     return out
 
 
+def edge_max_rows(vlm: VLM, graph: EdgeGraph, batch: Batch) -> int:
+    """The rows of ``batch``'s shape an edge-ablated forward may stack in the memory free now, every
+    node live (`edge_row_bytes`)."""
+    free = memory.model_free_bytes(vlm)
+    if free is None:
+        return memory.MAX_ROWS
+    w = memory.widths(vlm)
+    seq = int(batch.inputs["input_ids"].shape[1])
+    receivers = max(sum(r.layer == la for r in graph.receivers) for la in range(vlm.arch.n_layers))
+    return memory.rows_per_forward(w, seq, free, 1, batch.patches(w.merge), extra=edge_row_bytes(w, seq, receivers))
+
+
 @torch.no_grad()
 def edge_ablated_logits(
     vlm: VLM, graph: EdgeGraph, batch: Batch, sets: Sequence[frozenset], values: dict, image: Tensor, max_rows=None
@@ -294,17 +306,7 @@ def edge_ablated_logits(
     vocab), those edges ablated to ``values`` (a `record_nodes` recording of the same batch's shape),
     as many sets a stacked forward as memory holds."""
     n = len(batch)
-    if max_rows is None:
-        free = memory.model_free_bytes(vlm)
-        w = memory.widths(vlm)
-        seq = int(batch.inputs["input_ids"].shape[1])
-        receivers = max(sum(r.layer == la for r in graph.receivers) for la in range(vlm.arch.n_layers))
-        extra = edge_row_bytes(w, seq, receivers)
-        max_rows = (
-            memory.MAX_ROWS
-            if free is None
-            else memory.rows_per_forward(w, seq, free, 1, batch.patches(w.merge), extra=extra)
-        )
+    max_rows = edge_max_rows(vlm, graph, batch) if max_rows is None else max_rows
     per_pass = max(1, max_rows // n)
     out = []
     for i in range(0, len(sets), per_pass):

@@ -46,6 +46,8 @@ def test_gpu_bench_dry_run(tmp_path):
     assert {row["status"] for row in r["check"]} == {"passed", "skipped"} and len(
         r["check"]
     ) == 16  # with "outputs are finite"
-    for section, key in (("p1", "ratio"), ("vap", "ratio"), ("p2", "speedup")):
+    for section, key in (("p1", "ratio"), ("vap", "ratio"), ("p2", "speedup"), ("edges", "ratio")):
         assert r[section][key] > 0
+    # depth 1 at 28 heads and 4 KV heads: 2 inputs → 36 q / k / v receivers, 30 → the MLP, 31 → the logits
+    assert r["edges"]["edges"] == 36 * 2 + 30 + 31 and r["edges"]["planned_ratio"] > 1
     assert r["peak_memory_bytes"] > 4 * 2**30  # 1.39 B fp32 parameters are resident

@@ -394,3 +394,19 @@ def test_one_pass_gives_both_attributions_and_a_graph_is_handed_down(loaded):
         faithfulness_curves(vlm, pairs, {}, random_draws=1, graph=graph)
     with pytest.raises(InputError, match="methods"):
         edge_attributions(vlm, pairs, "eap")
+
+
+def test_the_stage_takes_fewer_pairs_a_chunk_where_a_circuit_would_not_fit(loaded, monkeypatch):
+    """Where one circuit's copy of the batch does not fit, the curves run in smaller chunks of pairs:
+    the same sums, so the same curves."""
+    from types import SimpleNamespace
+
+    from countlens.pipeline.stages import edges as stage
+
+    vlm = loaded("toy")
+    run = SimpleNamespace(vlm=vlm, pairs=_pairs(vlm, "toy"), batch_size=4, config=SimpleNamespace(seed=0))
+    whole = stage._compute(run)
+    monkeypatch.setattr(stage, "edge_max_rows", lambda *a: 3)
+    split = stage._compute(run)
+    assert whole.attrs["curve_batch"] == 4 and split.attrs["curve_batch"] == 3
+    assert_close(split.faithfulness, whole.faithfulness, what="curves in chunks of 3 pairs vs 4")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import xarray as xr
 
 from countlens.circuits import edges
-from countlens.circuits.edge_ablation import edge_row_bytes
+from countlens.circuits.edge_ablation import edge_max_rows, edge_row_bytes
 from countlens.circuits.edge_attribution import edge_attributions
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves
 from countlens.circuits.pair_batch import prepare_pairs
@@ -32,10 +32,14 @@ RANKINGS = ("EAP-IG edges", "EAP edges")
 
 
 def _compute(run: RunContext) -> xr.Dataset:
+    first = prepare_pairs(run.vlm, run.pairs[: run.batch_size]).clean
     try:  # the graph is built and checked once, and handed to each step
-        graph = edges.checked_graph(run.vlm, prepare_pairs(run.vlm, run.pairs[: run.batch_size]).clean)
+        graph = edges.checked_graph(run.vlm, first)
     except InputError as refused:  # the graph is undefined on this model: nothing to measure
         return xr.Dataset(attrs={"refused": str(refused)})
+    # A circuit's rows are the chunk's pairs: where one circuit's copy of the batch would not fit,
+    # the curves take fewer pairs a chunk (the same sums).
+    curve_batch = max(1, min(run.batch_size, edge_max_rows(run.vlm, graph, first)))
     scores = edge_attributions(
         run.vlm, run.pairs, ("eap-ig", "eap"), steps=EDGE_STEPS, batch_size=run.batch_size, graph=graph
     )
@@ -44,7 +48,7 @@ def _compute(run: RunContext) -> xr.Dataset:
         run.vlm,
         run.pairs,
         dict(zip(RANKINGS, (ig, eap))),
-        batch_size=run.batch_size,
+        batch_size=curve_batch,
         random_draws=RANDOM_DRAWS,
         seed=run.config.seed,
         level="edge",
@@ -53,6 +57,7 @@ def _compute(run: RunContext) -> xr.Dataset:
     ds["eap_ig_effect"] = ig.effect
     ds["eap_effect"] = eap.effect
     ds.attrs["steps"] = EDGE_STEPS
+    ds.attrs["curve_batch"] = curve_batch
     return ds
 
 
@@ -119,9 +124,8 @@ def _plan(p: Planner) -> StagePlan:
     gradients = w.n_layers * per_layer  # one step's, kept for its products
     fw = [Forward(n0, seq)]  # the additivity check
     for n, k in chunk_sizes(len(pairs), p.bs).items():
-        per = max(1, rows // n)
-        # two recordings for the attributions, one (the corrupt run's) for the circuits
-        fw += [Forward(n, seq, count=3 * k)]
+        # two recordings for the attributions
+        fw += [Forward(n, seq, count=2 * k)]
         fw += [
             Forward(
                 n,
@@ -132,6 +136,10 @@ def _plan(p: Planner) -> StagePlan:
                 extra_flops=attribution_flops(w, seq, n, EDGE_STEPS) / EDGE_STEPS,
             )
         ]
+    # the curves: chunks of at most as many pairs as one circuit's rows fit (`_compute`)
+    for n, k in chunk_sizes(len(pairs), max(1, min(p.bs, rows))).items():
+        per = max(1, rows // n)
+        fw += [Forward(n, seq, count=k)]  # the corrupt run recorded
         full, rest = divmod(circuits, per)
         for m, count in ((per, k * full), (rest, k if rest else 0)):
             if count:
