@@ -222,10 +222,12 @@ def replan(result: dict) -> dict:
 
     for run in result["runs"]:
         vlm, _ = build(run["depth"], result["image_size"], torch.float32, "meta", real_vocab=True)
-        q = plan.plan(
-            vlm, DiscoverConfig(**result["config"]), memory=run["memory_bytes"], device="cpu", base=run["base_bytes"]
-        ).to_dict()["stages"]
+        config = DiscoverConfig(**result["config"])
+        q = plan.plan(vlm, config, memory=run["memory_bytes"], device="cpu", base=run["base_bytes"]).to_dict()["stages"]
         for name, st in run["stages"].items():
+            if "memory_bytes" in st:  # measured alone, later: planned with that process's memory and base
+                alone = plan.plan(vlm, config, memory=st["memory_bytes"], device="cpu", base=st["base_bytes"])
+                q[name] = alone.to_dict()["stages"][name]
             if q[name]["rows"] != st["rows"]:
                 sys.exit(
                     f"depth {run['depth']} {name}: the current plan stacks {q[name]['rows']} rows, the "
@@ -242,8 +244,11 @@ def remeasure(result: dict, names: list[str]) -> dict:
     """Measure the stages ``names`` again, alone, at each recorded depth, and put their figures in the
     record (the earlier ones kept as ``previous_measured_peak_bytes``); the other stages are replanned."""
     for run in result["runs"]:
-        fresh = _depth_in_subprocess(run["depth"], result["image_size"], result["config"], names)["stages"]
+        alone = _depth_in_subprocess(run["depth"], result["image_size"], result["config"], names)
+        fresh = alone["stages"]
         for name in names:
+            # the rows of a memory-bound stage follow the memory free in that process: kept to replan it
+            fresh[name].update(memory_bytes=alone["memory_bytes"], base_bytes=alone["base_bytes"])
             old = run["stages"].get(name, {})  # a stage the full rehearsal does not run: measured alone only
             if "measured_peak_bytes" in old:
                 fresh[name]["previous_measured_peak_bytes"] = old.get(
