@@ -13,6 +13,14 @@ norm(x_r); the logits are read from norm(x_r) at the final norm. Everything else
 stream itself, the attention pattern's other heads — runs as usual. With no edge ablated every
 receiver reads x (the clean run); with every edge ablated each receiver reads the sum of the ablation
 values, so with counterfactual patching the forward is the corrupt run.
+
+**Cost.** Each node's c_u − a_u is mapped into the stream once, as u's output is computed (a head's
+z difference through its columns of o_proj), and a layer's receivers form their sums in one batched
+product with each circuit's 0 / 1 weights over the nodes upstream: receivers × upstream nodes ×
+d_model multiply-adds per layer and position (`countlens.pipeline.stages.edges.edge_forward_flops`).
+A circuit that ablates more edges than it keeps reads the complement, x_r = x_a + Σ_{kept u → r}
+(c_u − a_u), x_a the ablation values' own stream (their embeddings, o_proj outputs and MLP outputs
+summed, as the residual stream adds them), so only the nodes some circuit's sum reads are kept.
 """
 
 from __future__ import annotations
