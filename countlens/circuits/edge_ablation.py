@@ -37,7 +37,7 @@ from torch import Tensor
 
 from countlens import memory
 from countlens.circuits.edges import EdgeGraph, Receiver, hooked, receiver_columns
-from countlens.circuits.sites import INPUTS, AttnIn, K, Q, V, first_arg, first_output, heads_view, repeat_inputs
+from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_arg, first_output, heads_view, repeat_inputs
 from countlens.errors import InputError
 from countlens.validate import require_finite_scores
 
@@ -112,16 +112,22 @@ class _Ablator:
         for layer in range(arch.n_layers):
             self.starts.append(at)
             at += arch.heads(layer) + 1
-        # Per group of receivers read together (a layer's attention block, an MLP, the logits): the
-        # receivers with ablated edges and their weights over the live nodes they can read.
-        self.groups: dict[object, tuple[list[Receiver], Tensor]] = {}
+        # Per layer (the logits: n_layers), the receivers with ablated edges — its attention block's, then
+        # its MLP — and their weights over the live nodes before the layer's heads, read in one product
+        # as the layer starts; the MLP's weights over its own layer's heads are read when it starts.
+        self.groups: dict[int, tuple[list[Receiver], Tensor]] = {}
+        self.own: dict[int, tuple[int, Tensor]] = {}
+        self.partial: Tensor | None = None  # the MLP's sum over the nodes before its layer's heads
         for layer in range(arch.n_layers + 1):
-            for block in (0, 1):
-                mine = [r for r in graph.receivers if r.layer == layer and r.block == block and r in weights]
-                if mine:
-                    m = bisect_left(self.live, graph.prefix[mine[0]])
-                    w = torch.stack([weights[r][:, self.live[:m]] for r in mine], 1)  # (rows, receivers, m)
-                    self.groups[(layer, block)] = (mine, w)
+            mine = [r for r in graph.receivers if r.layer == layer and r in weights]
+            if not mine:
+                continue
+            before = self.starts[layer] if layer < arch.n_layers else len(graph.nodes)
+            m0 = bisect_left(self.live, before)
+            self.groups[layer] = (mine, torch.stack([weights[r][:, self.live[:m0]] for r in mine], 1))
+            if isinstance(mine[-1], MlpIn):
+                m1 = bisect_left(self.live, before + arch.heads(layer))
+                self.own[layer] = (m0, weights[mine[-1]][:, self.live[m0:m1]])
         self.deltas: Tensor | None = None
         self.normed: dict[Receiver, Tensor] = {}
         self.busy = False
@@ -135,19 +141,20 @@ class _Ablator:
         """x − the ablation value, the value (n rows) broadcast over the k circuits."""
         return (x.reshape(self.k, -1, *x.shape[1:]) - value.to(x.dtype)).reshape(x.shape)
 
-    def removed(self, key, x: Tensor) -> tuple[list[Receiver], Tensor]:
-        """A group's receivers and Σ over each one's ablated edges of (c_u − a_u) at ``x``, the stream
-        they read: (rows, receivers, seq, d)."""
-        mine, w = self.groups[key]
+    def _sum(self, w: Tensor, start: int = 0) -> Tensor:
+        """Σ over live nodes start … start + m of w (rows, receivers, m) × their differences:
+        (rows, receivers, seq, d)."""
         d = self.deltas
         rows, _, seq, width = d.shape
         m = w.shape[-1]
-        out = torch.bmm(w.to(d.device, d.dtype), d[:, :m].reshape(rows, m, seq * width))
-        out = out.view(rows, len(mine), seq, width)
+        out = torch.bmm(w.to(d.device, d.dtype), d[:, start : start + m].reshape(rows, m, seq * width))
+        return out.view(rows, w.shape[1], seq, width)
+
+    def _complement(self, out: Tensor, x: Tensor, key) -> Tensor:
+        """``out`` (rows, receivers, seq, d) plus, in the rows that read the complement, x − x_a."""
         if bool(self.complement.any()):
-            whole = self._rows(x, self._stream(key)) * self.complement.to(x.device, x.dtype)[:, None, None]
-            out += whole[:, None]
-        return mine, out
+            out += (self._rows(x, self._stream(key)) * self.complement.to(x.device, x.dtype)[:, None, None])[:, None]
+        return out
 
     def _stream(self, key) -> Tensor:
         """The ablation values' own residual stream (n rows) where group ``key`` reads it: the input
@@ -209,13 +216,17 @@ class _Ablator:
         return hook
 
     def attn_norm(self, layer):
-        key = (layer, 0)
-
         def hook(module, args, out):
-            if self.busy or key not in self.groups:
+            if self.busy or layer not in self.groups:
                 return None
             x = args[0]
-            mine, removed = self.removed(key, x)
+            mine, w = self.groups[layer]
+            removed = self._sum(w)
+            if isinstance(mine[-1], MlpIn):
+                self.partial, removed, mine = removed[:, -1], removed[:, :-1], mine[:-1]
+            if not mine:
+                return None
+            removed = self._complement(removed, x, (layer, 0))
             copies = self.norm_of(module, torch.sub(x[:, None], removed, out=removed))  # every receiver's at once
             self.normed = {r: copies[:, i] for i, r in enumerate(mine)}
             return self.normed[mine[0]] if isinstance(mine[0], AttnIn) else None
@@ -236,16 +247,28 @@ class _Ablator:
 
         return hook
 
-    def reread(self, key):
-        """A norm's forward hook: the norm applied to the receiver's own copy of the stream (the MLP, the logits)."""
+    def mlp_norm(self, layer):
+        """The MLP's norm applied to its own copy of the stream: the sum over the nodes before its layer
+        (formed as the layer started) and over its own layer's heads."""
 
         def hook(module, args, out):
-            if self.busy or key not in self.groups:
+            if self.busy or layer not in self.own:
                 return None
-            _, removed = self.removed(key, args[0])
-            return self.norm_of(module, args[0] - removed[:, 0])
+            x = args[0]
+            start, w = self.own[layer]
+            removed = self.partial[:, None] + self._sum(w[:, None], start)
+            return self.norm_of(module, x - self._complement(removed, x, (layer, 1))[:, 0])
 
         return hook
+
+    def final_norm(self, module, args, out):
+        """The final norm applied to the logits' own copy of the stream."""
+        layer = len(self.graph.layers)
+        if self.busy or layer not in self.groups:
+            return None
+        x = args[0]
+        removed = self._complement(self._sum(self.groups[layer][1]), x, (layer, 0))
+        return self.norm_of(module, x - removed[:, 0])
 
     def hooks(self) -> list:
         hf, graph = self.vlm.hf, self.graph
@@ -256,7 +279,7 @@ class _Ablator:
             out += [
                 (hf.get_submodule(paths.attn_norm), "forward", self.attn_norm(layer)),
                 (hf.get_submodule(paths.o_proj), "pre", self.z(layer)),
-                (hf.get_submodule(paths.mlp_norm), "forward", self.reread((layer, 1))),
+                (hf.get_submodule(paths.mlp_norm), "forward", self.mlp_norm(layer)),
                 (hf.get_submodule(paths.mlp), "forward", self.mlp_out(layer)),
             ]
             if paths.qkv is not None:
@@ -264,8 +287,7 @@ class _Ablator:
                     (hf.get_submodule(p), "forward", self.projection(layer, part))
                     for part, p in zip((Q, K, V), paths.qkv)
                 ]
-        logits = graph.receivers[-1]
-        out.append((hf.get_submodule(graph.final_norm), "forward", self.reread((logits.layer, logits.block))))
+        out.append((hf.get_submodule(graph.final_norm), "forward", self.final_norm))
         return out
 
 
