@@ -1,10 +1,10 @@
 """Is it a circuit of edges? Faithfulness of the top edges that EAP-IG and EAP rank.
 
 The model's edge graph (`countlens.circuits.edges`: inputs, heads and MLPs into each head's q, k and
-v, each MLP's input and the logits) is scored by EAP-IG (`EDGE_STEPS` steps) and by EAP (the clean
-run's gradient), and each ranking's circuits at MIB's sizes keep their top edges while every other
-edge reads the corrupt run's value (`countlens.circuits.edge_ablation`); five random rankings give the
-baseline. On a model whose layers do not add their outputs to the residual stream unchanged the graph
+v, each MLP's input and the logits), built and checked once, is scored by EAP-IG (`EDGE_STEPS` steps)
+and by EAP (the clean run's gradient: EAP-IG's last, so both come from one pass), and each ranking's
+circuits at MIB's sizes keep their top edges while every other edge reads the corrupt run's value
+(`countlens.circuits.edge_ablation`); five random rankings give the baseline. On a model whose layers do not add their outputs to the residual stream unchanged the graph
 is undefined: the stage records why (``refused``) and the report says so. The faithfulness section
 shows the curves and the CPR / CMD table beside the head rankings'.
 """
