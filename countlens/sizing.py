@@ -19,6 +19,7 @@ merge); the arch matrix checks it against each processor's own token count for s
 from __future__ import annotations
 
 from countlens import models
+from countlens.errors import UnsupportedArchitectureError
 from countlens.models.spec import SizingRule
 
 #: Image side assumed for dynamic-resolution processors when no size is given.
@@ -93,3 +94,17 @@ def pin_square(ip, side: int) -> bool:
         return False
     ip.size = rule.pinned(side)
     return True
+
+
+def refuse_partial_tokens(image_processor, h: int, w: int, patch: int, merge: int, name: str, tiled: bool) -> None:
+    """Refuse a fixed-size processor whose one size is not whole image tokens (SigLIP's 384 px of 14 px
+    patches: 27 patches and 6 px its convolution drops): no image size a user could choose changes it."""
+    each = "image (tile or crop)" if tiled else "image"
+    if (h % (patch * merge) or w % (patch * merge)) and not is_dynamic(image_processor):
+        raise UnsupportedArchitectureError(
+            f"{name}: {type(image_processor).__name__} resizes every {each} to {h}×{w} px, which is "
+            f"{h // patch}×{w // patch} whole {patch} px patches and {h % patch}×{w % patch} px more that the "
+            f"vision tower's convolution drops; countlens maps image tokens only on images of whole "
+            f"{patch * merge} px tokens (patch {patch} × merge {merge}), so this checkpoint's image size is "
+            "not supported"
+        )

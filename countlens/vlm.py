@@ -25,11 +25,11 @@ from PIL import Image
 
 from countlens.adapt import add_missing_output_fields, bidirectional_vision, with_expert_layers, with_q_norm_layers
 from countlens.arch import Arch, resolve
-from countlens.errors import InputError, UnsupportedArchitectureError
+from countlens.errors import InputError
 from countlens.geometry import Geometry
 from countlens.layouts import TILED, token_cells
 from countlens.processors import render_chat, tile_grid, useful_grid
-from countlens.sizing import default_size, is_dynamic, processed_size
+from countlens.sizing import default_size, processed_size, refuse_partial_tokens
 from countlens.validate import require_count
 
 IMAGE_SLOT = "<image>"
@@ -164,23 +164,11 @@ class VLM:
         """The geometry the processor will use for an input image of ``height`` × ``width`` pixels (one
         tile's, for tiling processors)."""
         unit = self.arch.patch_size * self.arch.merge_size
-        h, w = processed_size(self.processor.image_processor, height, width, unit)
-        return self._geometry(h, w)
+        return self._geometry(*processed_size(self.processor.image_processor, height, width, unit))
 
     def _geometry(self, h: int, w: int) -> Geometry:
-        """``Geometry(h, w)``; a fixed-size processor whose one size is not whole image tokens (SigLIP's
-        384 px of 14 px patches: 27 patches and 6 px its convolution drops) is refused as such: no image
-        size a user could choose changes it."""
-        p, m = self.arch.patch_size, self.arch.merge_size
-        ip = self.processor.image_processor
-        if (h % (p * m) or w % (p * m)) and not is_dynamic(ip):
-            each = "image (tile or crop)" if self.arch.spec.layout in (*TILED, "anyres") else "image"
-            raise UnsupportedArchitectureError(
-                f"{self.name or self.arch.name}: {type(ip).__name__} resizes every {each} to {h}×{w} px, which is "
-                f"{h // p}×{w // p} whole {p} px patches and {h % p}×{w % p} px more that the vision tower's "
-                f"convolution drops; countlens maps image tokens only on images of whole {p * m} px tokens "
-                f"(patch {p} × merge {m}), so this checkpoint's image size is not supported"
-            )
+        p, m, tiled = self.arch.patch_size, self.arch.merge_size, self.arch.spec.layout in (*TILED, "anyres")
+        refuse_partial_tokens(self.processor.image_processor, h, w, p, m, self.name or self.arch.name, tiled)
         return Geometry(h, w, p, m)
 
     # -- inputs --------------------------------------------------------------

@@ -53,7 +53,7 @@ def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
     from countlens.processors import image_only
 
     template = QWEN2_TEMPLATE if name in ("qwen2_vl", "qwen2_5_vl") else QWEN3_TEMPLATE
-    if name == "qwen3_5":  # its own vocabulary; the real template opens the answer with an empty think block
+    if name in ("qwen3_5", "qwen3_5_moe"):  # its own vocabulary; the real template opens the answer with an empty think
         from real_vocab import QWEN3_5_VOCAB, qwen3_5_tokenizer
 
         template = template.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -70,7 +70,7 @@ def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
         size={"shortest_edge": side * side, "longest_edge": side * side},
     )
     text = dict(
-        vocab_size=QWEN3_5_VOCAB if name == "qwen3_5" else QWEN_VOCAB,
+        vocab_size=QWEN3_5_VOCAB if name in ("qwen3_5", "qwen3_5_moe") else QWEN_VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=layers,
@@ -143,7 +143,7 @@ def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
             config = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
             model_cls = tf.Qwen3VLMoeForConditionalGeneration
         proc_cls = tf.Qwen3VLProcessor
-    elif name == "qwen3_5":
+    elif name in ("qwen3_5", "qwen3_5_moe"):
         if layers != LAYERS:
             raise ValueError("the tiny Qwen3.5 has its own 4 layers (linear, full, linear, full); give no layers=")
         # A hybrid language model: Gated DeltaNet linear attention at layers 0 and 2, softmax at 1 and 3
@@ -170,8 +170,16 @@ def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
         vision.update(
             hidden_size=V_HIDDEN, intermediate_size=V_INTERMEDIATE, out_hidden_size=HIDDEN, num_position_embeddings=64
         )
-        config = tf.Qwen3_5Config(text_config=text, vision_config=vision, **top)
-        model_cls, proc_cls = tf.Qwen3_5ForConditionalGeneration, tf.Qwen3VLProcessor
+        if name == "qwen3_5":
+            config = tf.Qwen3_5Config(text_config=text, vision_config=vision, **top)
+            model_cls = tf.Qwen3_5ForConditionalGeneration
+        else:  # every layer a mixture of 4 experts, 2 per token, beside a gated shared expert (real 35B-A3B: 256, 8)
+            text.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+            )
+            config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
+            model_cls = tf.Qwen3_5MoeForConditionalGeneration
+        proc_cls = tf.Qwen3VLProcessor
     else:
         raise KeyError(name)
     processor = image_only(proc_cls)(image_processor=image_processor, tokenizer=tok, chat_template=template)
@@ -185,6 +193,7 @@ BUILDERS = {
     "qwen3_vl": lambda **kw: _qwen("qwen3_vl", **kw),
     "qwen3_vl_moe": lambda **kw: _qwen("qwen3_vl_moe", **kw),
     "qwen3_5": lambda **kw: _qwen("qwen3_5", **kw),
+    "qwen3_5_moe": lambda **kw: _qwen("qwen3_5_moe", **kw),
 }
 IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "qwen2_vl": (IMAGE_SIDE, IMAGE_SIDE),
@@ -192,4 +201,5 @@ IMAGE_SIZE: dict[str, tuple[int, int]] = {
     "qwen3_vl": (IMAGE_SIDE, IMAGE_SIDE),
     "qwen3_vl_moe": (IMAGE_SIDE, IMAGE_SIDE),
     "qwen3_5": (IMAGE_SIDE, IMAGE_SIDE),
+    "qwen3_5_moe": (IMAGE_SIDE, IMAGE_SIDE),
 }

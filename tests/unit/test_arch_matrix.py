@@ -110,6 +110,7 @@ SPLITS_DIGITS = (
     "qwen3_vl",
     "qwen3_vl_moe",
     "qwen3_5",
+    "qwen3_5_moe",
     "llava",
     "llava_onevision",
     "gemma3",
@@ -216,7 +217,7 @@ def lm_input(vlm, batch) -> torch.Tensor:
 
 # Tiny models that show the image once (the others add tiles, crops or a thumbnail: a second view).
 ONE_VIEW = (
-    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v"),
+    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"),
     *("llava", "gemma3", "gemma4", "paligemma", "mistral3", "mllama"),
 )
 # (height, width) multiples of the matrix's image size: bigger and non-square images for tiled layouts.

@@ -61,7 +61,7 @@ def test_every_circuit_function_runs(name, loaded):
     kinds = ["cross" if layer in cross else "full" for layer in range(n_layers)]
     if name in ("gemma3", "gemma4", "paligemma"):  # layer_types: a sliding-window layer, then a global one
         kinds = ["sliding", "full"]
-    if name == "qwen3_5":  # Gated DeltaNet layers, then softmax ones
+    if name in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet layers, then softmax ones
         kinds = ["linear", "full"] * 2
     if name == "llama4":  # chunked attention with RoPE, then global attention without
         kinds = ["chunked", "full"]

@@ -36,6 +36,7 @@ RUN = {
     "phi4_multimodal",
     "ovis2",
     "qwen3_5",
+    "qwen3_5_moe",
     "smolvlm",
     "llama4",
 }
