@@ -154,47 +154,15 @@ def test_patching_one_llama4_expert_overwrites_only_its_rows(loaded, pairs):
     assert not torch.allclose(ref, cache_run(moe, pb.clean, [])["logits"])  # the patch changes something
 
 
-def test_qwen3_5_moe_experts_follow_the_weighted_outputs_rule():
-    """Qwen3.5-35B-A3B's layout (tests/data/checkpoints) had no spec: a tiny random Qwen3.5-MoE, two
-    hybrid layers (linear, full) of four experts, two per token, and a shared expert. Its experts
-    module's own forward equals Σ_e of the rule's contributions, token by token, on both layers; the
-    shared expert is outside the experts module."""
-    import transformers as tf
-
-    from countlens.adapt import with_expert_layers
-    from countlens.arch import resolve
-
-    text = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [1, 1, 0],
-            "mrope_interleaved": True,
-        },
-    )
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=8)
-    config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=60, video_token_id=61)
-    torch.manual_seed(0)
-    model = tf.Qwen3_5MoeForConditionalGeneration(config).eval()
-    arch = with_expert_layers(resolve(config), model)
-    assert arch.name == "qwen3_5_moe" and arch.kinds == ("linear", "full")
-    assert (arch.expert_layers, arch.n_experts, arch.experts_top_k) == ((0, 1), 4, 2)
+def test_qwen3_5_moe_experts_follow_the_weighted_outputs_rule(loaded):
+    """Qwen3.5-35B-A3B's layout (tests/data/checkpoints): the tiny random Qwen3.5-MoE (hybrid layers,
+    linear and full, of four experts, two per token, and a shared expert). Its experts module's own
+    forward equals Σ_e of the rule's contributions, token by token, on every layer; the shared expert
+    is outside the experts module."""
+    vlm = loaded("qwen3_5_moe")
+    model, arch = vlm.hf, vlm.arch
+    assert arch.name == "qwen3_5_moe" and arch.kinds == ("linear", "full") * 2
+    assert (arch.expert_layers, arch.n_experts, arch.experts_top_k) == ((0, 1, 2, 3), 4, 2)
     for layer in arch.expert_layers:
         module = model.get_submodule(arch.experts(layer))
         assert isinstance(model.get_submodule(arch.router(layer)), torch.nn.Module)
@@ -202,7 +170,7 @@ def test_qwen3_5_moe_experts_follow_the_weighted_outputs_rule():
         handle = module.register_forward_hook(lambda m, args, out, seen=seen: seen.update(args=args, out=out))
         try:
             with torch.no_grad():
-                model(input_ids=torch.randint(0, 50, (2, 7)))
+                model(input_ids=torch.randint(0, 50, (2, 7)), use_cache=False)
         finally:
             handle.remove()
         x, index, weights = seen["args"]
