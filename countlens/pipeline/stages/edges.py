@@ -4,9 +4,10 @@ The model's edge graph (`countlens.circuits.edges`: inputs, heads and MLPs into 
 v, each MLP's input and the logits), built and checked once, is scored by EAP-IG (`EDGE_STEPS` steps)
 and by EAP (the clean run's gradient: EAP-IG's last, so both come from one pass), and each ranking's
 circuits at MIB's sizes keep their top edges while every other edge reads the corrupt run's value
-(`countlens.circuits.edge_ablation`); five random rankings give the baseline. On a model whose layers do not add their outputs to the residual stream unchanged the graph
-is undefined: the stage records why (``refused``) and the report says so. The faithfulness section
-shows the curves and the CPR / CMD table beside the head rankings'.
+(`countlens.circuits.edge_ablation`); five random rankings give the baseline. On a model whose layers
+do not add their outputs to the residual stream unchanged the graph is undefined: the stage records
+why (``refused``) and the report says so. The faithfulness section shows the curves and the CPR / CMD
+table beside the head rankings'.
 """
 
 from __future__ import annotations
