@@ -179,8 +179,8 @@ def edge_attributions(
     check_pair_sweep(pairs, batch_size, "edge_attribution")
     if not isinstance(methods, (list, tuple)) or not methods:
         raise InputError(f"methods must be a non-empty list of {METHODS}, e.g. ('eap-ig', 'eap'); got {methods!r}")
-    for m in methods:
-        require_choice(m, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", METHODS)
+    for name in methods:
+        require_choice(name, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", METHODS)
     require_count(steps, "steps")
     check_group(positions)
     graph = edge_graph(vlm) if graph is None else require_graph(vlm, graph)
