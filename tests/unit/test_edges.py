@@ -405,9 +405,9 @@ def test_the_stage_takes_fewer_pairs_a_chunk_where_a_circuit_would_not_fit(loade
     from countlens.pipeline.stages import edges as stage
 
     vlm = loaded("toy")
-    run = SimpleNamespace(vlm=vlm, pairs=_pairs(vlm, "toy"), batch_size=4, config=SimpleNamespace(seed=0))
+    run = SimpleNamespace(vlm=vlm, pairs=_pairs(vlm, "toy", n=3), batch_size=3, config=SimpleNamespace(seed=0))
     whole = stage._compute(run)
-    monkeypatch.setattr(stage, "edge_max_rows", lambda *a: 3)
+    monkeypatch.setattr(stage, "edge_max_rows", lambda *a: 2)
     split = stage._compute(run)
-    assert whole.attrs["curve_batch"] == 4 and split.attrs["curve_batch"] == 3
-    assert_close(split.faithfulness, whole.faithfulness, what="curves in chunks of 3 pairs vs 4")
+    assert whole.attrs["curve_batch"] == 3 and split.attrs["curve_batch"] == 2
+    assert_close(split.faithfulness, whole.faithfulness, what="curves in chunks of 2 pairs vs 3")
