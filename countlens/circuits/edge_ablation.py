@@ -36,7 +36,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import memory
-from countlens.circuits.edges import EdgeGraph, Receiver, hooked, receiver_columns
+from countlens.circuits.edges import EdgeGraph, Receiver, hooked, o_weight, receiver_columns
 from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_arg, first_output, heads_view, repeat_inputs
 from countlens.errors import InputError
 from countlens.validate import require_finite_scores
@@ -107,11 +107,7 @@ class _Ablator:
         self.live = touched.nonzero().flatten().tolist()
         self.slot = {u: i for i, u in enumerate(self.live)}
         self.streams: dict | None = None
-        self.starts = []  # where each layer's heads start in the node order
-        at = len(INPUTS)
-        for layer in range(arch.n_layers):
-            self.starts.append(at)
-            at += arch.heads(layer) + 1
+        self.starts = graph.starts
         # Per layer (the logits: n_layers), the receivers with ablated edges — its attention block's, then
         # its MLP — and their weights over the live nodes before the layer's heads, read in one product
         # as the layer starts; the MLP's weights over its own layer's heads are read when it starts.
@@ -192,15 +188,15 @@ class _Ablator:
     def z(self, layer):
         start, heads = self.starts[layer], self.vlm.arch.heads(layer)
         live = [h for h in range(heads) if start + h in self.slot]
-        o_proj = self.vlm.hf.get_submodule(self.graph.layers[layer].o_proj)
+        paths = self.graph.layers[layer]
 
         def hook(module, args, kwargs):
             if not live:
                 return
             dz = heads_view(self._rows(first_arg(args, kwargs), self.values["z"][layer]), heads)[:, :, live]
-            w = o_proj.weight.view(o_proj.weight.shape[0], heads, -1)[:, live].to(dz.dtype)
+            w = o_weight(self.vlm, paths, heads)[live].to(dz.dtype)
             i = self.slot[start + live[0]]
-            self.deltas[:, i : i + len(live)] = torch.einsum("bshd,ohd->bhso", dz, w)
+            self.deltas[:, i : i + len(live)] = torch.einsum("bshd,hod->bhso", dz, w)
 
         return hook
 

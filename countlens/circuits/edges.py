@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,6 +104,11 @@ class EdgeGraph:
 
     def labels(self) -> list[str]:
         return [f"{u.label}→{r.label}" for u, r in self.edges]
+
+    @property
+    def starts(self) -> list[int]:
+        """Where each layer's heads start in ``nodes`` (its MLP follows them)."""
+        return list(accumulate((h + 1 for h in self.heads[:-1]), initial=len(INPUTS)))
 
     def offsets(self) -> dict[Receiver, int]:
         """Where each receiver's edges start in `edges`."""
@@ -287,7 +293,7 @@ def _off(a: Tensor, b: Tensor, size: Tensor) -> bool:
     return bool(((a - b).abs() > 4 * eps * size + torch.finfo(a.dtype).tiny).any())
 
 
-def _o_weight(vlm: VLM, paths: LayerPaths, heads: int) -> Tensor:
+def o_weight(vlm: VLM, paths: LayerPaths, heads: int) -> Tensor:
     """o_proj's weight per head: (heads, d_model, d_head)."""
     w = vlm.hf.get_submodule(paths.o_proj).weight
     return w.view(w.shape[0], heads, -1).permute(1, 0, 2)
@@ -303,6 +309,6 @@ def node_deltas(vlm: VLM, graph: EdgeGraph, a: dict, b: dict, image: Tensor, sl:
     for layer, paths in enumerate(graph.layers):
         heads = arch.heads(layer)
         dz = heads_view((a["z"][layer] - b["z"][layer])[:, sl], heads)
-        out += list(torch.einsum("bshd,hod->hbso", dz, _o_weight(vlm, paths, heads).to(dz.dtype)))
+        out += list(torch.einsum("bshd,hod->hbso", dz, o_weight(vlm, paths, heads).to(dz.dtype)))
         out.append(stream_shaped(a["mlp"][layer] - b["mlp"][layer], a["embed"])[:, sl])
     return torch.stack(out)

@@ -150,7 +150,6 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int 
     )
 
 
-@torch.no_grad()
 def node_scores_of(ds: xr.Dataset) -> dict[str, float]:
     """A `node_attribution` result as {node label: score}, every node, for `faithfulness`."""
     from countlens.labels import head_label

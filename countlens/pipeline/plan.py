@@ -140,10 +140,8 @@ def plans(
                 "memory, a smaller dtype, or several devices (device_map='auto')"
             )
         sized.append((memory, free))
-    out, p = [], None
+    out, p = [], Planner(vlm, c, sized[0][1])
     for memory, free in sized:
-        if p is None:
-            p = Planner(vlm, c, free)
         p.free = free  # the one input that differs between the memories
         stages = [stage.plan(p) for stage in STAGES if stage.plan is not None and stage.enabled(c)]
         out.append(Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory))
