@@ -381,8 +381,23 @@ def test_one_pass_gives_both_attributions_and_a_graph_is_handed_down(loaded):
     vlm = loaded("toy")
     pairs = _pairs(vlm, "toy")
     graph = edges.checked_graph(vlm, prepare_pairs(vlm, pairs[:2]).clean)
-    with mock.patch.object(edges, "check_additive", side_effect=AssertionError("checked twice")):
+    twice = AssertionError("checked twice")
+    with (
+        mock.patch.object(edges, "check_additive", side_effect=twice),
+        mock.patch("countlens.circuits.edge_attribution.check_additive", side_effect=twice),
+    ):
         both = edge_attributions(vlm, pairs, ("eap-ig", "eap"), steps=3, batch_size=2, graph=graph)
+        faithfulness_curves(
+            vlm, pairs, {"EAP": both["eap"]}, sizes=(0.0, 1.0), random_draws=0, batch_size=2, level="edge", graph=graph
+        )
+        for unchecked in (  # the patches do intercept: a graph not yet checked is checked by either
+            lambda: edge_attribution(vlm, pairs[:2], "eap", batch_size=2, graph=edges.edge_graph(vlm)),
+            lambda: faithfulness_curves(
+                vlm, pairs[:2], {}, sizes=(1.0,), random_draws=1, level="edge", graph=edges.edge_graph(vlm)
+            ),
+        ):
+            with pytest.raises(AssertionError, match="checked twice"):
+                unchecked()
     alone = {m: edge_attribution(vlm, pairs, method=m, steps=3, batch_size=2) for m in ("eap", "eap-ig")}
     for m in ("eap", "eap-ig"):
         np.testing.assert_allclose(both[m].effect.values, alone[m].effect.values, rtol=1e-12, atol=1e-15)
