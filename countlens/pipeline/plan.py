@@ -18,6 +18,7 @@ from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.costs import Planner, StagePlan, forward_bytes, forward_flops
 from countlens.pipeline.discover import check_preset
 from countlens.pipeline.stages import STAGES
+from countlens.validate import require_integer
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -118,6 +119,11 @@ def plans(
     """`plan` for each of several devices' ``memories`` (bytes in all; None: `plan`'s default), in
     order. The stages' samples are made and their batches prepared once for all of them: only the
     rows a sweep stacks depend on the memory."""
+    if isinstance(memories, (str, bytes)) or not isinstance(memories, Sequence) or not memories:
+        raise ConfigError(f"memories: a list of device sizes in bytes (None: this device's), got {memories!r:.60}")
+    for memory in memories:
+        if memory is not None:
+            require_integer(memory, "memory (bytes)", ConfigError, low=1)
     c = config or DiscoverConfig()
     check_preset(c)
     w = widths(vlm)

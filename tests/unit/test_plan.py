@@ -185,3 +185,9 @@ def test_remote_models_keep_the_fixed_row_cap(organism, monkeypatch):
     assert memory.model_free_bytes(organism) > 0
     monkeypatch.setattr(organism, "remote", True)
     assert memory.model_free_bytes(organism) is None
+
+
+@pytest.mark.parametrize("memories", ["80", [], [0], [80.5 * 2**30], 80 * 2**30])
+def test_plans_refuse_memories_that_are_no_list_of_byte_counts(organism, memories):
+    with pytest.raises(ConfigError, match="memor"):
+        plan.plans(organism, SMALL, memories=memories)
