@@ -23,6 +23,7 @@ from countlens.circuits.headlens import HeadLens
 from countlens.circuits.integrated import node_attribution
 from countlens.circuits.interventions import Add, Apply, Intervention, Mean, Patch, Resample, Scale, Zero
 from countlens.circuits.lens import logit_lens
+from countlens.circuits.object_effects import object_effects
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
 from countlens.circuits.positions import Cells, Group, Mask, Objects
 from countlens.circuits.recorder import mean_activation, record
@@ -78,6 +79,7 @@ __all__ = [
     "jaccard",
     "last_token_attention",
     "logit_lens",
+    "object_effects",
     "mean_activation",
     "mean_difference",
     "node_attribution",
