@@ -8,6 +8,7 @@ from countlens.analysis.compare import compare_runs
 from countlens.analysis.evaluate import generate, score
 from countlens.analysis.heads import HeadThresholds, classify_heads, export_heads
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
+from countlens.analysis.object_misses import object_misses
 from countlens.analysis.parse import parse_count, parse_shape_count
 from countlens.analysis.probes import probe_taps
 from countlens.analysis.representations import representation_view
@@ -24,6 +25,7 @@ __all__ = [
     "export_heads",
     "generate",
     "number_avoidance",
+    "object_misses",
     "parse_count",
     "parse_shape_count",
     "probe_taps",

@@ -118,9 +118,10 @@ def fewer_answer(sample, n: int, where: str) -> str:
     return re.sub(pattern, str(n - 1), answer)
 
 
-def _scenes(samples: Sequence) -> list:
-    """Each sample's scene, refused by name without an object list."""
-    return [Objects(0).scene_of(s, f"sample {k}") for k, s in enumerate(samples)]
+def _scenes(samples: Sequence, objects: Sequence[int] | None) -> list:
+    """Each sample's scene, refused by name without an object list or without a chosen object."""
+    chosen = Objects(0 if objects is None else objects)
+    return [chosen.scene_of(s, f"sample {k}") for k, s in enumerate(samples)]
 
 
 def _sample(scene, sample, answer: str):
@@ -208,11 +209,13 @@ def object_effects(
     coverage: float = 0.25,
     peak: bool = True,
     batch_size: int = 16,
+    objects: Sequence[int] | None = None,
 ) -> xr.Dataset:
     """Each object's exact effect on the count answer: its image tokens patched from the ``reference``
     run ("removed": the scene without it; "background": the scene without any object) at ``site``
-    ("embed", a layer or Residual(layer)). Dataset over (scene, object); the module docstring defines
-    every variable."""
+    ("embed", a layer or Residual(layer)). ``objects``: the object indices to measure in every scene
+    (None: all; the others are NaN, their spans still reported). Dataset over (scene, object); the
+    module docstring defines every variable."""
     require_vlm(vlm, "object_effects")
     require_local(vlm, "object_effects")
     check_samples(samples, "object_effects")
@@ -221,15 +224,16 @@ def object_effects(
     coverage = require_share(coverage, "coverage")
     batch_size = require_count(batch_size, "batch_size")
     samples = list(samples)
-    scenes = _scenes(samples)
+    scenes = _scenes(samples, objects)
     counts = [len(s.objects) for s in scenes]
     fewer = [fewer_answer(s, n, f"sample {k}") for k, (s, n) in enumerate(zip(samples, counts))]
     split = [divergence(vlm.answer_ids(s.answer), vlm.answer_ids(f), (s.answer, f)) for s, f in zip(samples, fewer)]
     layout = _layout(vlm, samples, scenes, coverage, bool(peak), batch_size)
-    live = [[bool(sp[i].any()) for i in range(n)] for sp, n in zip(layout["spans"], counts)]
+    chosen = set(range(max(counts))) if objects is None else set(Objects(objects).objects)
+    live = [[bool(sp[i].any()) and i in chosen for i in range(n)] for sp, n in zip(layout["spans"], counts)]
     if not any(any(x) for x in live):
         raise InputError(
-            f"no object of these {len(samples)} scenes covers an image token at coverage {coverage} "
+            f"no chosen object of these {len(samples)} scenes covers an image token at coverage {coverage} "
             f"(peak={bool(peak)}): there is nothing to patch. Lower coverage, or set peak=True so that every "
             "object with a pixel in the image owns its largest cell"
         )
@@ -282,11 +286,16 @@ def object_effects(
 
 
 def _without(scene, i: int | None):
-    """``scene`` without object ``i`` (None: without any object), drawn again on the same background."""
-    from dataclasses import replace
+    """``scene`` without object ``i`` (None: without any object), drawn again on the same background and
+    noise. Not re-validated: fewer objects of a valid scene are valid, and an object hidden by design
+    (outside the image, set past `Scene`'s check) stays as it was."""
+    from copy import copy
 
     objects = () if i is None else tuple(o for j, o in enumerate(scene.objects) if j != i)
-    return replace(scene, objects=objects)
+    out = copy(scene)
+    out.__dict__.pop("_prints", None)  # the cached footprints are the full scene's
+    object.__setattr__(out, "objects", objects)
+    return out
 
 
 def _chunks(counts: Sequence[int], live: Sequence, batch_size: int) -> list[list[int]]:
