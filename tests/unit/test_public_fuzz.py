@@ -101,6 +101,7 @@ def _valid_calls(loaded) -> dict:
     lens = circuits.HeadLens.fit(vlm, samples, layers=[0, 1])
     rng = np.random.default_rng(0)
     attn = [torch.softmax(torch.randn(2, 4, 5, 5), -1)]
+    scenes = datasets.countingtricks(["1A"], 1, grid=vlm.geometry, prompt="short", counts=[3])
     return {
         "ablate": dict(vlm=vlm, samples=samples, heads=[(0, 0)]),
         "ablation_scan": dict(vlm=vlm, tasks={"count": samples}),
@@ -123,6 +124,8 @@ def _valid_calls(loaded) -> dict:
         "mean_activation": dict(vlm=vlm, samples=samples, site=circuits.Residual(1), positions="last"),
         "mean_difference": dict(vlm=vlm, a=samples, b=samples[::-1], site=circuits.Residual(1)),
         "node_attribution": dict(vlm=vlm, pairs=pairs, steps=1),
+        "object_effects": dict(vlm=vlm, samples=scenes, reference="background"),
+        "object_misses": dict(effects=circuits.object_effects(vlm, scenes, reference="background"), n_boot=50),
         "patch_heads": dict(vlm=vlm, pairs=pairs, layers=[0]),
         "patch_layers": dict(vlm=vlm, pairs=pairs, layers=[0]),
         "record": dict(vlm=vlm, batch=batch, sites=[circuits.Residual(0)]),
