@@ -24,6 +24,7 @@ from countlens.circuits.integrated import node_attribution
 from countlens.circuits.interventions import Add, Apply, Intervention, Mean, Patch, Resample, Scale, Zero
 from countlens.circuits.lens import logit_lens
 from countlens.circuits.object_effects import object_effects
+from countlens.circuits.object_gradients import object_attribution
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
 from countlens.circuits.positions import Cells, Group, Mask, Objects
 from countlens.circuits.recorder import mean_activation, record
@@ -83,6 +84,7 @@ __all__ = [
     "mean_activation",
     "mean_difference",
     "node_attribution",
+    "object_attribution",
     "patch_experts",
     "patch_heads",
     "patch_layers",

@@ -1,0 +1,288 @@
+"""Object attribution, cheap: every object of every scene scored from one gradient pass (AtP) or ``steps``.
+
+A scene's **clean** input is its image; its **reference** input is the same scene with its objects
+removed (the background: same size, colour, noise and noise seed; ``dataclasses.replace(scene,
+objects=())``), with the same question. The **metric** m is a logit difference at the read position:
+logit(n) − logit(n − 1), n the scene's true count (``sample.meta["count"]``, else its number of
+objects) and n − 1 the answer with that number lowered by one; a multi-token answer is read where
+the two answers first differ, their shared prefix ("circle:") teacher-forced
+(`countlens.circuits.pair_batch.prepare_pairs`, whose ``corrupt`` side is here the reference).
+
+The attributed site is x, the **input of a decoder layer**: ``site="embed"`` the input of layer 0
+(the token embeddings with the projected image tokens, `Embed` / ``Residual(-1)``), ``site=l`` the
+residual stream after layer l (the input of layer l + 1; l < n_layers − 1). Per token t,
+
+- **AtP**: a_t = (x_clean,t − x_ref,t) · ∂m/∂x_t at the clean input (one backward per chunk of scenes);
+- **EAP-IG** (integrated gradients, the registry's `IG_STEPS` by default): a_t = (x_clean,t − x_ref,t) ·
+  (1/s) Σ_{k=1..s} ∂m/∂x_t at x_ref + (k/s)(x_clean − x_ref), the whole input interpolated at once
+  (right-endpoint Riemann sum; ``s`` backwards per chunk).
+
+Object i's **span** is its image tokens by `countlens.circuits.positions.Objects` (coverage ≥
+``coverage`` of the token's cell, or the object's peak cell); its ``score`` is Σ_{t ∈ span_i} a_t. All
+objects of a chunk come from the same gradients: one pass, not one per object. A token two objects
+share counts in each object's score; ``overlap`` = Σ_t (k_t − 1)·a_t over tokens owned by k_t ≥ 2
+objects, so ``objects`` (the union of the spans, each token once) = Σ_i score_i − overlap.
+``background`` is Σ a_t over the image tokens in no span, ``text`` over the other positions (0 at
+``embed``: the text is the same in both inputs; at a later layer the text has read the image).
+
+**Completeness** (EAP-IG): objects + background + text = m(clean) − m(reference) (``image_total``) up
+to the Riemann sum's error, which shrinks as ``steps`` grows; ``completeness_error`` is their
+difference. AtP is a first-order estimate and has no completeness: its sum is not expected to equal
+``image_total``. Scores are in logit units (not normalised), signed: > 0 means the object raises
+logit(n) over logit(n − 1). Their counterpart by exact patching puts the reference's values at the
+object's tokens into the clean run, m(clean) − m(patched).
+
+Cost per chunk of scenes, as `countlens.circuits.methods.Cost` counts (a backward ≈ two forwards):
+AtP one plain forward (the reference) and one forward with a backward, 1 + 3 forward-equivalents;
+EAP-IG two plain (both inputs recorded) and ``steps`` with a backward, 2 + 3·steps. Where the image
+also enters inside the decoder (Qwen3-VL's DeepStack) those additions are not interpolated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from contextlib import contextmanager
+from numbers import Integral
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor
+
+from countlens.arguments import require_vlm
+from countlens.circuits.gradients import activation_gradients_only
+from countlens.circuits.methods import IG_STEPS
+from countlens.circuits.methods import method as registry_method
+from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
+from countlens.circuits.positions import Objects
+from countlens.circuits.recorder import require_local
+from countlens.circuits.sites import first_arg, replace_first
+from countlens.datasets.tasks import TaskSample
+from countlens.errors import InputError
+from countlens.results import provenance
+from countlens.validate import require_choice, require_count, require_sequence, require_share
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM, Batch
+
+#: The methods and the registry entry (`countlens.circuits.methods.METHODS`) each one is.
+METHODS: dict[str, str] = {"atp": "AtP", "eap-ig": "EAP-IG"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferencePair:
+    """A scene (``clean``) beside its background (``corrupt``: the reference input, answer n − 1)."""
+
+    clean: object
+    corrupt: TaskSample
+    kind: str = "objects"
+    index: int = 0
+
+
+def count_of(sample, where: str) -> int:
+    """The scene's true count n (``meta["count"]``, else its number of objects), refused below 1."""
+    meta = getattr(sample, "meta", None) or {}
+    n = meta.get("count", len(sample.scene.objects))
+    if not isinstance(n, Integral) or n < 1:
+        raise InputError(f"{where} counts {n!r}: the metric logit(n) − logit(n − 1) needs a count n ≥ 1")
+    return int(n)
+
+
+def reference_sample(sample, where: str = "the sample") -> TaskSample:
+    """``sample``'s reference: its scene without objects, its question, its answer with n lowered to n − 1."""
+    Objects(0).scene_of(sample, where)  # refuses a scene without an object list, naming the fix
+    n = count_of(sample, where)
+    answer = getattr(sample, "answer", None)
+    found = re.findall(rf"(?<!\d){n}(?!\d)", answer) if isinstance(answer, str) else []
+    if len(found) != 1:
+        raise InputError(
+            f"{where}'s answer {answer!r} does not name its count {n} exactly once, so the reference answer "
+            f"(count {n - 1}) cannot be written: give samples whose answer holds the count (task_samples, "
+            "countingtricks)"
+        )
+    lowered = re.sub(rf"(?<!\d){n}(?!\d)", str(n - 1), answer)
+    scene = dataclasses.replace(sample.scene, objects=())
+    return TaskSample(scene, sample.question, lowered, "count", {"count": n - 1, "reference": "background"})
+
+
+def input_layer(vlm: VLM, site) -> int:
+    """The decoder layer whose input is the attributed site: 0 for ``"embed"`` (or −1), l + 1 for layer l."""
+    if site == "embed" or (isinstance(site, Integral) and not isinstance(site, bool) and site == -1):
+        return 0
+    last = vlm.arch.n_layers - 2
+    if not isinstance(site, Integral) or isinstance(site, bool) or not 0 <= site <= last:
+        raise InputError(
+            f"site={site!r}: use 'embed' (layer 0's input) or a layer 0..{last} (the residual after it; after "
+            f"the last layer an image token reaches no other position)"
+        )
+    return int(site) + 1
+
+
+def spans(batch: Batch, b: int, sample, coverage: float, peak: bool) -> list[Tensor]:
+    """Row ``b``'s positions of each object of ``sample``'s scene (`Objects`' rule)."""
+    return [Objects(i, coverage, peak).tokens(batch, b, sample) for i in range(len(sample.scene.objects))]
+
+
+@contextmanager
+def _at_input(vlm: VLM, layer: int, store: dict, value: Tensor | None):
+    """Inside: layer ``layer``'s input is kept in ``store["x"]`` (made a leaf that requires a gradient when
+    gradients are on) or, with ``value``, replaced by it."""
+
+    def pre(module, args, kwargs):
+        if value is not None:
+            store["x"] = value
+            return replace_first(args, kwargs, value)
+        x = first_arg(args, kwargs).detach()
+        store["x"] = x.requires_grad_(True) if torch.is_grad_enabled() else x
+        return replace_first(args, kwargs, store["x"])
+
+    handle = vlm.hf.get_submodule(vlm.arch.layer(layer)).register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _metric(vlm: VLM, batch: Batch, pb: PairBatch) -> Tensor:
+    logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+    return logit_diff(logits, pb.clean_id, pb.corrupt_id)
+
+
+@torch.no_grad()
+def _record(vlm: VLM, batch: Batch, layer: int, pb: PairBatch) -> tuple[Tensor, Tensor]:
+    """(layer ``layer``'s input, m per row) in one plain forward."""
+    store: dict = {}
+    with _at_input(vlm, layer, store, None):
+        m = _metric(vlm, batch, pb)
+    return store["x"], m
+
+
+def _gradient(vlm: VLM, batch: Batch, layer: int, pb: PairBatch, value: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(the input, ∂Σm/∂input, m per row) from one forward and backward, the input ``value`` or the batch's own."""
+    store: dict = {}
+    leaf = None if value is None else value.detach().clone().requires_grad_(True)
+    with activation_gradients_only(vlm.hf), torch.enable_grad(), _at_input(vlm, layer, store, leaf):
+        m = _metric(vlm, batch, pb)
+        (grad,) = torch.autograd.grad(m.sum(), store["x"])
+    return store["x"].detach(), grad, m.detach()
+
+
+def per_token(vlm: VLM, pb: PairBatch, layer: int, method: str, steps: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(a_t over (rows, seq) in float64, m(clean), m(reference)) for one chunk (see the module docstring)."""
+    x_ref, m_ref = _record(vlm, pb.corrupt, layer, pb)
+    if method == "atp":
+        x_clean, grad, m_clean = _gradient(vlm, pb.clean, layer, pb, None)
+        grad = grad.double()
+    else:
+        x_clean, m_clean = _record(vlm, pb.clean, layer, pb)
+        grad = 0
+        for k in range(1, steps + 1):
+            point = x_ref + (k / steps) * (x_clean - x_ref)
+            grad = grad + _gradient(vlm, pb.clean, layer, pb, point)[1].double() / steps
+    a = ((x_clean.double() - x_ref.double()) * grad).sum(-1)
+    return a.cpu(), m_clean.double().cpu(), m_ref.double().cpu()
+
+
+def check_request(vlm: VLM, samples, method_name: str, steps, coverage, batch_size, site, what: str):
+    """Every argument checked, and the scenes prepared against their references, before any forward:
+    (steps, the input layer, the pairs, their prepared chunks)."""
+    require_vlm(vlm, what)
+    require_choice(method_name, f"{what} method", tuple(METHODS))
+    why = registry_method(METHODS[method_name]).refusal(vlm)
+    if why is not None:
+        raise InputError(f"{what}: {METHODS[method_name]} does not run on {vlm.name}: {why}")
+    require_local(vlm, what)
+    if vlm.arch.spec.cross_attention is not None:
+        raise InputError(
+            f"{what}: {vlm.arch.name} has no image tokens (its image reaches the text as image states), so an "
+            "object has no span of positions to attribute to"
+        )
+    if method_name == "atp" and steps not in (None, 1):
+        raise InputError(
+            f"{what}: AtP takes one gradient, the clean input's; steps={steps!r} is EAP-IG's (method='eap-ig')"
+        )
+    steps = 1 if method_name == "atp" else IG_STEPS if steps is None else require_count(steps, "steps")
+    require_share(coverage, "coverage")
+    require_count(batch_size, "batch_size")
+    layer = input_layer(vlm, site)
+    samples = require_sequence(samples, "samples", example="countingtricks(['1A'], 8, grid=vlm.geometry)")
+    pairs = [ReferencePair(s, reference_sample(s, f"sample {i}"), index=i) for i, s in enumerate(samples)]
+    chunks = [prepare_pairs(vlm, pairs[i : i + batch_size]) for i in range(0, len(pairs), batch_size)]
+    return steps, layer, pairs, chunks
+
+
+def object_attribution(
+    vlm: VLM,
+    samples: Sequence,
+    method: str = "atp",
+    steps: int | None = None,
+    coverage: float = 0.25,
+    batch_size: int = 16,
+    site: str | int = "embed",
+    peak: bool = True,
+) -> xr.Dataset:
+    """Every object of every scene scored by AtP (``method="atp"``) or EAP-IG (``"eap-ig"``, ``steps``
+    points, default the registry's) against the scene's background (see the module docstring):
+    ``score`` over (``scene``, ``object``: the index into ``sample.scene.objects``; NaN beyond a scene's
+    own objects) with ``tokens`` (each span's size); per scene ``objects`` (the spans' union), ``overlap``,
+    ``background``, ``text``, ``image_total`` = m(clean) − m(reference), ``clean_metric``,
+    ``reference_metric`` and, for EAP-IG, ``completeness_error``."""
+    what = "object_attribution"
+    steps, layer, pairs, chunks = check_request(vlm, samples, method, steps, coverage, batch_size, site, what)
+    n, width = len(pairs), max(len(p.clean.scene.objects) for p in pairs)
+    score = np.full((n, width), np.nan)
+    tokens = np.zeros((n, width), dtype=np.int64)
+    per_scene = {
+        k: np.zeros(n) for k in ("objects", "overlap", "background", "text", "clean_metric", "reference_metric")
+    }
+    row = 0
+    for pb in chunks:
+        owned = [spans(pb.clean, b, s, coverage, peak) for b, s in enumerate(pb.clean.samples)]
+        a, m_clean, m_ref = per_token(vlm, pb, layer, method, steps)
+        for b, objs in enumerate(owned):
+            image = torch.zeros(a.shape[1], dtype=torch.bool)
+            image[pb.clean.image_pos[b]] = True
+            real = pb.clean.inputs["attention_mask"][b].bool()
+            k = torch.zeros(a.shape[1], dtype=torch.int64)
+            for i, pos in enumerate(objs):
+                score[row, i] = float(a[b, pos].sum())
+                tokens[row, i] = len(pos)
+                k[pos] += 1
+            per_scene["objects"][row] = float(a[b, k > 0].sum())
+            per_scene["overlap"][row] = float((a[b] * (k - 1).clamp(min=0)).sum())
+            per_scene["background"][row] = float(a[b, image & (k == 0)].sum())
+            per_scene["text"][row] = float(a[b, real & ~image].sum())
+            per_scene["clean_metric"][row], per_scene["reference_metric"][row] = float(m_clean[b]), float(m_ref[b])
+            row += 1
+    total = per_scene["clean_metric"] - per_scene["reference_metric"]
+    data = {"score": (("scene", "object"), score), "tokens": (("scene", "object"), tokens)}
+    data |= {k: ("scene", v) for k, v in per_scene.items()} | {"image_total": ("scene", total)}
+    if method == "eap-ig":
+        summed = per_scene["objects"] + per_scene["background"] + per_scene["text"]
+        data["completeness_error"] = ("scene", summed - total)
+    grad, plain = (1, 1) if method == "atp" else (steps, 2)
+    return xr.Dataset(
+        data,
+        coords={
+            "scene": np.arange(n),
+            "object": np.arange(width),
+            "count": ("scene", [count_of(p.clean, "") for p in pairs]),
+        },
+        attrs=provenance(
+            vlm.name,
+            vlm.arch.name,
+            dataset={"scenes": n},
+            samples=[p.clean for p in pairs],
+            method=method,
+            steps=steps,
+            coverage=float(coverage),
+            peak=bool(peak),
+            site=str(site),
+            reference="background",
+            metric="logit(n) - logit(n - 1) at the read position",
+            forward_equivalents=(plain + 3 * grad) * len(chunks),
+        ),
+    )
