@@ -36,6 +36,11 @@ Cost per chunk of scenes, as `countlens.circuits.methods.Cost` counts (a backwar
 AtP one plain forward (the reference) and one forward with a backward, 1 + 3 forward-equivalents;
 EAP-IG two plain (both inputs recorded) and ``steps`` with a backward, 2 + 3·steps. Where the image
 also enters inside the decoder (Qwen3-VL's DeepStack) those additions are not interpolated.
+
+Not here yet: edge attribution by span (object → receiver: a head's q / k / v, an MLP, the logits).
+It would be this gradient taken at each receiver's own copy of the residual stream
+(`countlens.circuits.edge_attribution.receiver_gradients`), summed over the span; the receivers'
+scores of one object then add up to its node score here.
 """
 
 from __future__ import annotations
