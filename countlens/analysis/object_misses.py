@@ -10,13 +10,16 @@ Reads an `countlens.circuits.object_effects` result (dims ``scene``, ``object``)
   are left out of every row and counted in the ``hidden`` attr.
 - **Groups** (the ``group`` dim: "all", or "factor:level" such as "placement:edge"): one row per
   level of three factors — ``placement`` (centred / edge / intersection),
-  ``size`` (patches, binned at ``size_bins``: "<0.75", "0.75–1.25", …) and ``contact`` (touches /
+  ``size`` (patches, binned at ``size_bins``: "<0.75", "0.75-1.25", …) and ``contact`` (touches /
   apart) — plus ``all``.
 - ``mean_effect``: the mean ``effect`` of the group's objects over every scene; its CI is a
   percentile bootstrap over scenes (``n_boot`` resamples of the scenes with replacement, seed
   ``seed``; a resample's mean is Σ effect / Σ objects of the group over the drawn scenes).
 - ``missed_rate``: missed objects / objects of the group in wrongly counted scenes; its CI is
-  Wilson's score interval. NaN where the group has no such object.
+  Wilson's score interval. NaN where the group has no such object. ``chance_rate``: the rate were
+  the missed object drawn uniformly among its scene's measured objects (Σ over wrongly counted
+  scenes of the group's objects there / the scene's objects, over the group's objects there) — the
+  baseline a placement must beat to be "missed more".
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ def object_misses(
     z = _z(level)
     rows = {k: [] for k in ("n_objects", "n_scenes", "mean_effect", "effect_low", "effect_high")}
     rows.update({k: [] for k in ("n_wrong_objects", "missed", "missed_rate", "missed_low", "missed_high")})
+    rows["chance_rate"] = []
+    per_scene = np.maximum(in_wrong.sum(1), 1)
     for _, _, sel in groups:
         total = np.where(sel, effect, 0.0).sum(1)
         count = sel.sum(1)
@@ -121,6 +126,7 @@ def object_misses(
         rows["n_wrong_objects"].append(n)
         rows["missed"].append(k)
         rows["missed_rate"].append(k / n if n else np.nan)
+        rows["chance_rate"].append(float(((in_wrong & sel).sum(1) / per_scene).sum() / n) if n else np.nan)
         wl, wh = _wilson(np.array(k, float), np.array(n, float), z)
         rows["missed_low"].append(float(wl))
         rows["missed_high"].append(float(wh))

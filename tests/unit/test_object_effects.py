@@ -225,6 +225,8 @@ def test_misses_table_counts_the_least_object_of_wrong_scenes():
     assert int(row.n_objects) == 8 and int(row.n_wrong_objects) == 6 and int(row.missed) == 2
     inter = table.sel(group="placement:intersection")
     assert int(inter.missed) == 2 and int(inter.n_wrong_objects) == 2 and float(inter.missed_rate) == 1.0
+    np.testing.assert_allclose(float(inter.chance_rate), 1 / 3)  # one of three objects in each wrong scene
+    np.testing.assert_allclose(float(row.chance_rate), 2 / 6)
     # Wilson 95 % for 2 of 6.
     z, n, p = 1.959963984540054, 6, 2 / 6
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
