@@ -240,3 +240,11 @@ def test_misses_table_counts_the_least_object_of_wrong_scenes():
         object_misses(fx, size_bins=(2.0, 1.0))
     with pytest.raises(InputError, match="wrong"):
         object_misses(fx, wrong=xr.DataArray([True], dims="scene"))
+
+
+def test_a_reference_with_another_token_layout_is_refused(toy, tricks, monkeypatch):
+    module = importlib.import_module("countlens.circuits.object_effects")
+    bigger = replace(tricks[0].scene, width=2 * tricks[0].scene.width, objects=())
+    monkeypatch.setattr(module, "_without", lambda scene, i: bigger)
+    with pytest.raises(InputError, match="token layout"):
+        object_effects(toy, tricks[:1], reference="background")
