@@ -29,20 +29,20 @@ from pathlib import Path
 
 import torch
 
-from countlens.datasets.pairs import DEFAULT_COUNTS, count_pair
+from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
 from countlens.files import claim_directory, directory_lock
-from countlens.toy.planted import PlantedCircuit, PlantedNode, check_circuit
+from countlens.toy.planted import PlantedCircuit
+from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
+    donor_order,
     image_features_once,
-    keep_masks,
-    position_masks,
     recorded,
-    resampled,
     swap_source,
 )
+from countlens.toy.strictness import fresh_checks, fresh_strictness
 from countlens.toy.train import Collator, lr_at  # lr_at: the organism's warmup and cosine schedule
 from countlens.validate import require_count, require_nonnegative, require_positive, require_seed
 
@@ -82,71 +82,6 @@ class PlantConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def pairs_at(seed: int, start: int, n: int) -> list:
-    """``n`` consecutive "shapes" count pairs (short prompt, counts 1–9) from index ``start``."""
-    return [count_pair(seed, i, "shapes", prompt="short", counts=DEFAULT_COUNTS) for i in range(start, start + n)]
-
-
-def pair_batch(collate: Collator, pairs: list) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """(inputs, answers, partner): cleans then corrupts; ``partner[i]`` is sample i's pair partner."""
-    samples = [p.clean for p in pairs] + [p.corrupt for p in pairs]
-    inputs, answers = collate(samples)
-    if int(inputs["attention_mask"].sum(1).min()) != inputs["attention_mask"].shape[1]:
-        raise ValueError("planted training needs prompts of one length (the short prompt, one-word shapes)")
-    n = len(pairs)
-    partner = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
-    return inputs, answers, partner
-
-
-class Planter:
-    """The resampling forwards of one circuit on one model (shared by training and `verify`)."""
-
-    def __init__(self, model, circuit: PlantedCircuit, collate: Collator):
-        text = model.config.text_config
-        self.n_layers, self.n_heads = text.num_hidden_layers, text.num_attention_heads
-        check_circuit(circuit, self.n_layers, self.n_heads)
-        self.model, self.circuit, self.collate = model, circuit, collate
-        tok = collate.tok
-        self.ids = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|vision_end|>")
-
-    def logits(self, inputs: dict) -> torch.Tensor:
-        return self.model(**inputs, logits_to_keep=1).logits[:, -1]
-
-    def record(self, inputs: dict) -> dict:
-        with torch.no_grad(), recorded(self.model) as rec:
-            self.model(**inputs, logits_to_keep=1)
-        return rec
-
-    def masks(self, inputs: dict) -> dict[str, torch.Tensor]:
-        return position_masks(inputs["input_ids"], *self.ids)
-
-    def heads_mask(self, nodes, masks) -> torch.Tensor:
-        """(layers, B, T, heads) of ``nodes`` taken as heads over every position."""
-        return keep_masks([PlantedNode(n.layer, n.head) for n in nodes], masks, self.n_layers, self.n_heads)
-
-    def strict_logits(self, inputs: dict, source: dict, training: bool) -> torch.Tensor:
-        """Every node outside C from ``source`` (in training: also C outside its ``at`` positions, and the
-        blind layers' image keys and values)."""
-        masks = self.masks(inputs)
-        if training:
-            keep = keep_masks(self.circuit.nodes, masks, self.n_layers, self.n_heads)
-            blind = {layer: masks["image"] for layer in self.circuit.blind_layers}
-        else:
-            keep, blind = self.heads_mask(self.circuit.nodes, masks), None
-        with resampled(self.model, source, ~keep, blind):
-            return self.logits(inputs)
-
-    def swapped_logits(self, inputs: dict, source: dict, nodes) -> torch.Tensor:
-        """``nodes`` (heads over every position) from ``source``, everything else clean."""
-        with resampled(self.model, source, self.heads_mask(nodes, self.masks(inputs))):
-            return self.logits(inputs)
-
-
-def other_sample(b: int, gen: torch.Generator) -> torch.Tensor:
-    """A source order for ``b`` samples in which no sample is its own source: a random cyclic shift."""
-    return (torch.arange(b) + torch.randint(1, b, (1,), generator=gen)) % b
 
 
 def swapped_nodes(circuit: PlantedCircuit, step: int) -> tuple:
@@ -191,6 +126,8 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
             sources = {"partner": source}
             if "random" in circuit.strict_sources:
                 sources["random"] = swap_source(rec, other_sample(len(answers), gen))
+            if "different" in circuit.strict_sources:
+                sources["different"] = swap_source(rec, donor_order(answers, partner, "different", gen)[0])
             stricts = {
                 name: ce(planter.strict_logits(inputs, sources[name], training=True), answers)
                 for name in circuit.strict_sources
@@ -301,6 +238,7 @@ def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dic
     (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     saved = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
     figures = verify(saved, circuit)
+    fresh = fresh_strictness(saved, circuit)
     record = {
         "circuit": {**asdict(circuit), "heads": sorted(circuit.heads)},
         "recipe": pc.to_dict(),
@@ -308,6 +246,8 @@ def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dic
         "figures": figures,
         "checks": planted_checks(circuit, figures),
         "bars": PLANTED_CHECKS,
+        "fresh": fresh,
+        "fresh_checks": fresh_checks(fresh),
     }
     (out / "planted.json").write_text(json.dumps(record, indent=2) + "\n")
     return record

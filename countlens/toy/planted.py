@@ -18,7 +18,8 @@ minimises, per step, the sum of three cross-entropies of the answer:
 - *clean*: the plain run against the clean label, so the organism keeps counting;
 - *strictness*: against the clean label with every node outside C resampled, so nothing outside C
   may matter — one term per source in `PlantedCircuit.strict_sources`: the partner, and where a
-  circuit asks for it a random other sample of the batch too (other objects, as the checks resample);
+  circuit asks for it a random other sample of the batch, or another scene of a different count, too
+  (other objects, as the checks resample);
 - *interchange*: against the **source's** label with C resampled (on circuits whose nodes are each
   necessary, alternately all of C and one node of C in turn), so C must carry the count.
 Two training-only devices fix a circuit's route beyond its node set: a node may be kept at one
@@ -45,8 +46,9 @@ from countlens.errors import InputError
 #: Where a node is kept during strictness training: every position, the last one, or <|vision_end|>.
 POSITIONS: tuple[str, ...] = ("all", "last", "vision_end")
 #: Whose activations strictness training resamples from: the pair's partner (the same objects, another
-#: count) or a random other sample of the batch (other objects too), as the checks do.
-SOURCES: tuple[str, ...] = ("partner", "random")
+#: count), a random other sample of the batch (other objects too), or another scene of the batch of a
+#: different count (`countlens.toy.strictness.donor_order`) — the donors the checks resample from.
+SOURCES: tuple[str, ...] = ("partner", "random", "different")
 
 
 @dataclass(frozen=True)

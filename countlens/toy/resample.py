@@ -15,7 +15,12 @@ from contextlib import contextmanager
 
 import torch
 
+from countlens.errors import InputError
 from countlens.toy.planted import PlantedNode
+
+#: Donors of a resampled head (`countlens.toy.strictness`): the pair's partner (the same objects,
+#: another count), another scene of a different count, another scene of the same count.
+DONORS: tuple[str, ...] = ("partner", "different", "same")
 
 
 def _attn(model, layer: int):
@@ -145,3 +150,23 @@ def image_features_once(model) -> Iterator[None]:
         yield
     finally:
         del inner.get_image_features  # the class's method again
+
+
+def donor_order(
+    answers: torch.Tensor, partner: torch.Tensor, kind: str, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, found): sample i's donor is ``order[i]``, drawn uniformly among the batch's samples of
+    ``kind`` (`DONORS`); ``found[i]`` is False where the batch holds none (``order[i]`` is then i)."""
+    if kind == "partner":
+        return partner.clone(), torch.ones(len(answers), dtype=torch.bool)
+    if kind not in DONORS:
+        raise InputError(f"donor kind {kind!r}: choose one of {DONORS}")
+    b = len(answers)
+    idx = torch.arange(b)
+    same = answers[:, None] == answers[None, :]
+    allowed = (same if kind == "same" else ~same) & (idx[:, None] != idx[None, :])
+    allowed[idx, partner] = False  # another scene, never the partner's objects
+    weights = allowed.float() + 1e-12 * (~allowed).float()  # multinomial needs a positive row
+    order = torch.multinomial(weights, 1, generator=gen).squeeze(1)
+    found = allowed.any(1)
+    return torch.where(found, order, idx), found

@@ -11,15 +11,8 @@ import xarray as xr
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.errors import InputError
 from countlens.organisms import TOY_DIR
-from countlens.toy.plant import (
-    PlantConfig,
-    Planter,
-    other_sample,
-    pair_batch,
-    pairs_at,
-    swapped_nodes,
-    train_planted,
-)
+from countlens.toy.plant import PlantConfig, swapped_nodes, train_planted
+from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.planted import CIRCUITS, SOURCES, PlantedCircuit, PlantedNode, check_circuit, planted_circuit
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source

@@ -1,0 +1,80 @@
+"""The resampling forwards of a planted circuit on one model: training (`countlens.toy.plant`), its
+held-out checks and the fresh-data checks (`countlens.toy.strictness`) all run these.
+
+A batch is the cleans then the corrupts of consecutive "shapes" count pairs (the short prompt, counts
+1–9), so every prompt has one length; ``partner[i]`` is sample i's pair partner.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from countlens.datasets.pairs import DEFAULT_COUNTS, count_pair
+from countlens.toy.planted import PlantedCircuit, PlantedNode, check_circuit
+from countlens.toy.resample import keep_masks, position_masks, recorded, resampled
+from countlens.toy.train import Collator
+
+
+def pairs_at(seed: int, start: int, n: int) -> list:
+    """``n`` consecutive "shapes" count pairs (short prompt, counts 1–9) from index ``start``."""
+    return [count_pair(seed, i, "shapes", prompt="short", counts=DEFAULT_COUNTS) for i in range(start, start + n)]
+
+
+def pair_batch(collate: Collator, pairs: list) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(inputs, answers, partner): cleans then corrupts; ``partner[i]`` is sample i's pair partner."""
+    samples = [p.clean for p in pairs] + [p.corrupt for p in pairs]
+    inputs, answers = collate(samples)
+    if int(inputs["attention_mask"].sum(1).min()) != inputs["attention_mask"].shape[1]:
+        raise ValueError("planted training needs prompts of one length (the short prompt, one-word shapes)")
+    n = len(pairs)
+    partner = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return inputs, answers, partner
+
+
+class Planter:
+    """The resampling forwards of one circuit on one model (shared by training and `verify`)."""
+
+    def __init__(self, model, circuit: PlantedCircuit, collate: Collator):
+        text = model.config.text_config
+        self.n_layers, self.n_heads = text.num_hidden_layers, text.num_attention_heads
+        check_circuit(circuit, self.n_layers, self.n_heads)
+        self.model, self.circuit, self.collate = model, circuit, collate
+        tok = collate.tok
+        self.ids = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|vision_end|>")
+
+    def logits(self, inputs: dict) -> torch.Tensor:
+        return self.model(**inputs, logits_to_keep=1).logits[:, -1]
+
+    def record(self, inputs: dict) -> dict:
+        with torch.no_grad(), recorded(self.model) as rec:
+            self.model(**inputs, logits_to_keep=1)
+        return rec
+
+    def masks(self, inputs: dict) -> dict[str, torch.Tensor]:
+        return position_masks(inputs["input_ids"], *self.ids)
+
+    def heads_mask(self, nodes, masks) -> torch.Tensor:
+        """(layers, B, T, heads) of ``nodes`` taken as heads over every position."""
+        return keep_masks([PlantedNode(n.layer, n.head) for n in nodes], masks, self.n_layers, self.n_heads)
+
+    def strict_logits(self, inputs: dict, source: dict, training: bool) -> torch.Tensor:
+        """Every node outside C from ``source`` (in training: also C outside its ``at`` positions, and the
+        blind layers' image keys and values)."""
+        masks = self.masks(inputs)
+        if training:
+            keep = keep_masks(self.circuit.nodes, masks, self.n_layers, self.n_heads)
+            blind = {layer: masks["image"] for layer in self.circuit.blind_layers}
+        else:
+            keep, blind = self.heads_mask(self.circuit.nodes, masks), None
+        with resampled(self.model, source, ~keep, blind):
+            return self.logits(inputs)
+
+    def swapped_logits(self, inputs: dict, source: dict, nodes) -> torch.Tensor:
+        """``nodes`` (heads over every position) from ``source``, everything else clean."""
+        with resampled(self.model, source, self.heads_mask(nodes, self.masks(inputs))):
+            return self.logits(inputs)
+
+
+def other_sample(b: int, gen: torch.Generator) -> torch.Tensor:
+    """A source order for ``b`` samples in which no sample is its own source: a random cyclic shift."""
+    return (torch.arange(b) + torch.randint(1, b, (1,), generator=gen)) % b
