@@ -6,8 +6,9 @@ the same positions of a *reference* run, and the count answer's logit difference
 Definitions (enough to re-implement the numbers):
 
 - **Scene**: a generated sample (``sample.scene.objects``: an object list; a loaded benchmark image
-  has none and is refused). Its count n is ``len(scene.objects)``; its answer is the sample's, and
-  the answer for n − 1 is the same text with the number n replaced by n − 1.
+  has none and is refused). Its count n is ``meta["count"]`` where the sample has one (an organism
+  may count only some objects), else ``len(scene.objects)``; its answer is the sample's, and the
+  answer for n − 1 is the same text with the number n replaced by n − 1.
 - **Metric**: LD = logit(answer n) − logit(answer n − 1) at the read position, read as countlens's
   patching reads a pair (`countlens.circuits.pair_batch`): where the two answers' tokens first differ
   (`countlens.answers.divergence`), their shared prefix teacher-forced. LD is the model's preference
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from numbers import Integral
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -105,13 +107,23 @@ def object_site(vlm: VLM, site) -> Residual:
     return site
 
 
+def count_of(sample, where: str) -> int:
+    """The scene's true count n (``meta["count"]``, else its number of objects), refused below 1."""
+    meta = getattr(sample, "meta", None) or {}
+    n = meta.get("count", len(sample.scene.objects))
+    if not isinstance(n, Integral) or n < 1:
+        raise InputError(f"{where} counts {n!r}: the metric logit(n) − logit(n − 1) needs a count n ≥ 1")
+    return int(n)
+
+
 def fewer_answer(sample, n: int, where: str) -> str:
     """The sample's answer with its count n replaced by n − 1 (the answer had one object been missed)."""
-    answer = str(sample.answer)
+    answer = getattr(sample, "answer", None)
+    answer = answer if isinstance(answer, str) else ""
     pattern = rf"(?<!\d){n}(?!\d)"
     if len(re.findall(pattern, answer)) != 1:
         raise InputError(
-            f"{where}'s answer {answer!r} does not name its count {n} (the number of objects in its scene) "
+            f"{where}'s answer {answer!r} does not name its count {n} (its meta's count, else its number of objects) "
             "exactly once, so the answer for one object fewer cannot be written; give counting samples "
             "whose answer is the object count (countingtricks, count_scenes, task_samples('count'))"
         )
@@ -225,8 +237,9 @@ def object_effects(
     batch_size = require_count(batch_size, "batch_size")
     samples = list(samples)
     scenes = _scenes(samples, objects)
-    counts = [len(s.objects) for s in scenes]
-    fewer = [fewer_answer(s, n, f"sample {k}") for k, (s, n) in enumerate(zip(samples, counts))]
+    counts = [len(s.objects) for s in scenes]  # objects per scene; the answer's count is the sample's own
+    true = [count_of(s, f"sample {k}") for k, s in enumerate(samples)]
+    fewer = [fewer_answer(s, n, f"sample {k}") for k, (s, n) in enumerate(zip(samples, true))]
     split = [divergence(vlm.answer_ids(s.answer), vlm.answer_ids(f), (s.answer, f)) for s, f in zip(samples, fewer)]
     layout = _layout(vlm, samples, scenes, coverage, bool(peak), batch_size)
     chosen = set(range(max(counts))) if objects is None else set(Objects(objects).objects)
@@ -282,7 +295,8 @@ def object_effects(
         for k, (_, s, i) in enumerate(items):
             ld["patched"][s, i], ld["reference"][s, i] = float(patched[0, k]), float(ref_ld[k])
 
-    return _dataset(vlm, samples, scenes, counts, layout, ld, clean_ld, correct, reference, site, coverage, peak)
+    out = _dataset(vlm, samples, scenes, counts, layout, ld, clean_ld, correct, reference, site, coverage, peak)
+    return out.assign(count=("scene", np.array(true)))
 
 
 def _without(scene, i: int | None):

@@ -46,7 +46,6 @@ scores of one object then add up to its node score here.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from contextlib import contextmanager
 from numbers import Integral
@@ -61,6 +60,7 @@ from countlens.arguments import require_vlm
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.methods import IG_STEPS
 from countlens.circuits.methods import method as registry_method
+from countlens.circuits.object_effects import count_of, fewer_answer
 from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
 from countlens.circuits.positions import Objects
 from countlens.circuits.recorder import require_local
@@ -87,28 +87,11 @@ class ReferencePair:
     index: int = 0
 
 
-def count_of(sample, where: str) -> int:
-    """The scene's true count n (``meta["count"]``, else its number of objects), refused below 1."""
-    meta = getattr(sample, "meta", None) or {}
-    n = meta.get("count", len(sample.scene.objects))
-    if not isinstance(n, Integral) or n < 1:
-        raise InputError(f"{where} counts {n!r}: the metric logit(n) − logit(n − 1) needs a count n ≥ 1")
-    return int(n)
-
-
 def reference_sample(sample, where: str = "the sample") -> TaskSample:
     """``sample``'s reference: its scene without objects, its question, its answer with n lowered to n − 1."""
     Objects(0).scene_of(sample, where)  # refuses a scene without an object list, naming the fix
     n = count_of(sample, where)
-    answer = getattr(sample, "answer", None)
-    found = re.findall(rf"(?<!\d){n}(?!\d)", answer) if isinstance(answer, str) else []
-    if len(found) != 1:
-        raise InputError(
-            f"{where}'s answer {answer!r} does not name its count {n} exactly once, so the reference answer "
-            f"(count {n - 1}) cannot be written: give samples whose answer holds the count (task_samples, "
-            "countingtricks)"
-        )
-    lowered = re.sub(rf"(?<!\d){n}(?!\d)", str(n - 1), answer)
+    lowered = fewer_answer(sample, n, where)
     scene = dataclasses.replace(sample.scene, objects=())
     return TaskSample(scene, sample.question, lowered, "count", {"count": n - 1, "reference": "background"})
 
