@@ -1,0 +1,201 @@
+"""An organism whose count is read from a designated part of the image: object-level ground truth.
+
+The head organisms (`countlens.toy.planted`) know which heads carry the count; nothing tells an
+object-level method which objects should matter. The **top-half** organism does: it is the shipped
+organism trained further so that its answer to "how many <shape>?" is the number of those shapes whose
+centre lies in the **top half** of the image. Objects in the bottom half are there to be ignored. By
+design, not by prompt: the question is the organism's short one, unchanged.
+
+Scenes (`top_half_sample`, a pure function of (seed, index)): one shape, 1–9 objects in the top half
+(cycling by index) and 0–4 in the bottom half (drawn), each object wholly inside its half (its
+enclosing disc does not cross the middle line, which is a token row boundary of the organism's 6 × 6
+token grid), listed in a random order; ``meta["count"]`` is the top count (what `object_effects`
+reads as the answer's count) and ``meta["top"]`` flags each object.
+
+Training (`train_regions`): from the shipped organism's weights, vision tower frozen, the answer's
+cross-entropy with AdamW, warmup and cosine decay (the organism's schedule), on training seeds
+≥ `TRAIN_SEED_BASE`. `verify_regions` checks, on fresh samples (seed `FRESH_SEED`):
+- ``accuracy`` (Wilson interval): the top count is answered;
+- ``bottom_removed``: the same scenes drawn without their bottom objects — the answer must not move
+  (paired drop and interval; bar ≤ 2 points);
+- ``top_shifted``: one top object removed — the answer must follow (accuracy against count − 1);
+- exact object effects (`countlens.circuits.object_effects`, reference "removed", at the input):
+  AUROC of |effect| separating top objects (the ground truth C) from bottom ones.
+`REGION_CHECKS` are countlens's bars, chosen here (no paper defines this organism).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from countlens.datasets.prompts import make_question
+from countlens.datasets.recipe import recorded
+from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
+from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng
+from countlens.toy.plant import PlantConfig
+from countlens.toy.strictness import FRESH_SEED, Z95, paired_drop, wilson
+from countlens.validate import require_count, require_seed
+
+IMAGE = 192
+TOP_COUNTS: tuple[int, ...] = tuple(range(1, 10))
+MAX_BOTTOM = 4
+REGION_CHECKS = {"accuracy_min": 0.90, "bottom_drop_max": 0.02, "follows_min": 0.80, "object_auroc_min": 0.95}
+
+
+@recorded
+def top_half_sample(seed: int, index: int) -> TaskSample:
+    """The ``index``-th top-half scene under ``seed`` (module docstring): answer = the top count."""
+    require_seed(seed)
+    require_seed(index, "index")
+    rng = sample_rng(seed, "regions/top-half", index)
+    n_top = TOP_COUNTS[index % len(TOP_COUNTS)]
+    n_bottom = int(rng.integers(0, MAX_BOTTOM + 1))
+    shape = SHAPES[rng.integers(len(SHAPES))]
+
+    def specs(n):
+        return [
+            (shape, OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))], float(rng.uniform(*SIZE_RANGE))) for _ in range(n)
+        ]
+
+    half = IMAGE // 2
+    top = place_objects(rng, IMAGE, half, specs(n_top))
+    bottom = [replace(o, cy=o.cy + half) for o in place_objects(rng, IMAGE, half, specs(n_bottom))]
+    objects = list(top) + bottom
+    order = rng.permutation(len(objects))
+    objects = [objects[i] for i in order]
+    flags = [bool(i < n_top) for i in order]
+    question, _ = make_question("short", shape, n_top, rng)
+    meta = {"count": n_top, "bottom": n_bottom, "top": flags, "rule": "objects whose centre is in the top half"}
+    scene = Scene(IMAGE, IMAGE, tuple(objects), noise=0.0, noise_seed=int(rng.integers(2**31)))
+    return TaskSample(scene, question, str(n_top), "count", meta)
+
+
+def without(sample: TaskSample, keep) -> TaskSample:
+    """``sample`` drawn again with only the objects ``keep(i, is_top)`` selects, its answer the new top count."""
+    flags = sample.meta["top"]
+    kept = [i for i, t in enumerate(flags) if keep(i, t)]
+    n_top = sum(flags[i] for i in kept)
+    scene = replace(sample.scene, objects=tuple(sample.scene.objects[i] for i in kept))
+    meta = {**sample.meta, "count": n_top, "top": [flags[i] for i in kept], "bottom": len(kept) - n_top}
+    return replace(sample, scene=scene, answer=str(n_top), meta=meta, recipe={})
+
+
+def train_regions(model, steps: int = 300, seed: int = 0, batch: int = 32, lr: float = 1e-3, log=None) -> dict:
+    """Train ``model`` (in place) to count the top half; returns the last log row."""
+    from countlens.toy.recipe import ToyConfig
+    from countlens.toy.resample import image_features_once
+    from countlens.toy.train import Collator, lr_at
+
+    require_count(steps, "steps")
+    schedule = PlantConfig(seed=seed, steps=steps, lr=lr)  # the planting recipe's warmup and cosine decay
+    torch.manual_seed(seed)
+    collate = Collator(ToyConfig())
+    model.train()
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    start, row = time.time(), {}
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        samples = [top_half_sample(TRAIN_SEED_BASE + seed, step * batch + i) for i in range(batch)]
+        inputs, answers = collate(samples)
+        with image_features_once(model):
+            loss = torch.nn.functional.cross_entropy(model(**inputs, logits_to_keep=1).logits[:, -1], answers)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 25 == 0 or step == steps - 1:
+            row = {"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(time.time() - start, 1)}
+            if log:
+                log(row)
+    return row
+
+
+@torch.no_grad()
+def _answers(model, collate, samples: list, batch: int = 64) -> torch.Tensor:
+    out = []
+    for i in range(0, len(samples), batch):
+        inputs, _ = collate(samples[i : i + batch])
+        out.append(model(**inputs, logits_to_keep=1).logits[:, -1].argmax(-1))
+    return torch.cat(out)
+
+
+def _auroc(pos: np.ndarray, neg: np.ndarray) -> float:
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
+
+
+def verify_regions(model, vlm=None, n_samples: int = 1024, n_scenes: int = 64, seed: int = FRESH_SEED) -> dict:
+    """The top-half organism's figures (module docstring) on fresh samples; ``vlm`` (the same weights
+    loaded by `countlens.load`) adds the exact object effects on ``n_scenes`` scenes."""
+    from countlens.toy.recipe import ToyConfig
+    from countlens.toy.train import Collator
+
+    collate = Collator(ToyConfig())
+    model.eval()
+    samples = [top_half_sample(seed, i) for i in range(n_samples)]
+    tok = collate.tok
+    ids = lambda ss: torch.tensor([tok.convert_tokens_to_ids(s.answer) for s in ss])  # noqa: E731
+    clean = _answers(model, collate, samples) == ids(samples)
+    no_bottom = [without(s, lambda i, t: t) for s in samples]
+    moved = _answers(model, collate, no_bottom) == ids(no_bottom)
+    shifted = [without(s, lambda i, t, s=s: not (t and i == s.meta["top"].index(True))) for s in samples]
+    follows = _answers(model, collate, shifted) == ids(shifted)
+    hits = int(clean.sum())
+    out = {
+        "seed": seed,
+        "n_samples": n_samples,
+        "accuracy": round(hits / n_samples, 4),
+        "accuracy_ci95": [round(x, 4) for x in wilson(hits, n_samples)],
+        "bottom_removed": {"accuracy": round(float(moved.float().mean()), 4), **paired_drop(clean, moved)},
+        "top_one_removed_follows": round(float(follows.float().mean()), 4),
+    }
+    if vlm is not None:
+        out["objects"] = object_ground_truth(vlm, samples[:n_scenes])
+    return out
+
+
+def object_ground_truth(vlm, samples: list) -> dict:
+    """Exact object effects (removed reference, at the input) of top vs bottom objects, and their AUROC."""
+    from countlens.circuits.object_effects import object_effects
+
+    ds = object_effects(vlm, samples, reference="removed", site="embed")
+    eff = ds["effect"].values
+    top = np.zeros_like(eff, dtype=bool)
+    for k, s in enumerate(samples):
+        top[k, : len(s.meta["top"])] = s.meta["top"]
+    live = ds["exists"].values & ~np.isnan(eff)
+    pos, neg = np.abs(eff[live & top]), np.abs(eff[live & ~top])
+    se = lambda x: float(np.std(x, ddof=1) / math.sqrt(len(x)))  # noqa: E731
+    return {
+        "n_scenes": len(samples),
+        "top_objects": int(len(pos)),
+        "bottom_objects": int(len(neg)),
+        "top_mean_abs_effect": round(float(pos.mean()), 4),
+        "top_ci95": [round(float(pos.mean()) - Z95 * se(pos), 4), round(float(pos.mean()) + Z95 * se(pos), 4)],
+        "bottom_mean_abs_effect": round(float(neg.mean()), 4),
+        "bottom_ci95": [round(float(neg.mean()) - Z95 * se(neg), 4), round(float(neg.mean()) + Z95 * se(neg), 4)],
+        "auroc": round(_auroc(pos, neg), 4),
+    }
+
+
+def region_checks(figures: dict) -> dict[str, bool]:
+    """Each of `REGION_CHECKS` passed or not on ``figures`` (from `verify_regions`)."""
+    bars = REGION_CHECKS
+    checks = {
+        "accuracy": figures["accuracy"] >= bars["accuracy_min"],
+        "bottom_ignored": figures["bottom_removed"]["drop"] <= bars["bottom_drop_max"],
+        "follows_top": figures["top_one_removed_follows"] >= bars["follows_min"],
+    }
+    if "objects" in figures:
+        checks["object_auroc"] = figures["objects"]["auroc"] >= bars["object_auroc_min"]
+    return checks
