@@ -62,7 +62,7 @@ def _views(vlm: VLM, batch: Batch, b: int, image, n: int) -> np.ndarray:
     return token_cells(spec.layout, geom, n, b, tiles, useful).views.numpy()
 
 
-def _downsampled(sample) -> tuple[np.ndarray, np.ndarray]:
+def downsampled(sample) -> tuple[np.ndarray, np.ndarray]:
     """The sample's image and object labels, at most `MAX_SIDE` px a side (area-averaged pixels,
     nearest labels)."""
     from PIL import Image
@@ -142,7 +142,7 @@ def attention_maps(
     full = np.stack([pad(a, np.nan) for a in rows], 2).astype(np.float32)  # (layer, head, sample, token)
     with np.errstate(all="ignore"):  # a layer without probabilities is NaN, its mean too
         layer_mean = torch.from_numpy(full).nanmean(1).numpy()
-    pictures = [_downsampled(s) for s in samples]
+    pictures = [downsampled(s) for s in samples]
     h, w = max(p[0].shape[0] for p in pictures), max(p[0].shape[1] for p in pictures)
     image = np.zeros((len(samples), h, w, 3), np.uint8)
     objects = np.zeros((len(samples), h, w), np.uint8)

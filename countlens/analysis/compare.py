@@ -13,8 +13,9 @@ model is loaded) and writes, into ``out``:
   per case, the family means), ``counting`` (accuracy, number-avoidance r, Digit-in-Conflict),
   ``handoff`` and ``vap_curves`` (the VAP hand-off on relative depth, `countlens.analysis.depth`),
   ``head_classes`` and ``top_heads`` (heads on relative depth), ``faithfulness``, ``mas`` (with the
-  MAS code's 4-way share where run), ``probes`` (AP@50 per tap, where run) and ``protocol`` (every
-  run's protocol values);
+  MAS code's 4-way share where run), ``probes`` (AP@50 per tap, where run), ``placement`` (per model
+  and placement class, the objects' mean effect and missed rate from the ``objects`` stage; "not run"
+  where a run lacks it) and ``protocol`` (every run's protocol values);
 - ``figures/handoff.png`` (every model's image-token and last-token curves over depth ∈ [0, 1]) and
   ``figures/head_classes.png`` (classes per depth bin, a panel per model).
 
@@ -63,6 +64,7 @@ def compare_runs(
         "faithfulness": ct.faithfulness_table(stored),
         "mas": ct.mas_table(stored),
         "probes": ct.probes_table(stored),
+        "placement": ct.placement_table(stored),
     }.items():
         tables[name] = table
         notes += [n for n in table_notes if n not in notes]
@@ -72,7 +74,7 @@ def compare_runs(
     out.mkdir(parents=True, exist_ok=True)
     figures = out / "figures"
     for name, table in tables.items():
-        table.to_csv(out / f"{name}.csv", index=name not in ("head_classes", "top_heads", "faithfulness"))
+        table.to_csv(out / f"{name}.csv", index=name not in ("head_classes", "top_heads", "faithfulness", "placement"))
     for name in ("accuracy", "counting"):
         (out / f"{name}.tex").write_text(to_latex(tables[name], digits=2, bold_best=False))
     drawn = {}
@@ -175,8 +177,36 @@ def _markdown(stored, tables, notes, differences, drawn, out: Path, k: int, n_bi
         "AP@50 of the MAS paper's code's detection probes on each tap (the optional `probes` stage: "
         "`--preset counting-to-four`, or `--voc DIR`).\n",
         _table_md(tables["probes"], 3),
+        "\n## 9. Which objects does the model count?\n",
+        "Per placement class on the ViT patch grid: each object's exact effect on the count answer (logits; "
+        "its image tokens at the input patched from the scene without it: the `objects` stage), mean with a "
+        "95 % bootstrap interval over scenes; the missed rate: of the class's objects in the scenes the run "
+        "answered wrong, the share that carry the least effect of their scene (Wilson interval), beside the "
+        "share were that object drawn at random among its scene's objects (chance).\n",
+        _placement_md(tables["placement"]),
     ]
     return "\n".join(parts)
+
+
+def _placement_md(table: pd.DataFrame) -> str:
+    """`placement_table` as compare.md shows it: a row per model and placement, value [interval]."""
+    if table.empty:
+        return "_No run has this result._\n"
+
+    def interval(value, low, high) -> str:
+        return "–" if pd.isna(value) else f"{value:.2f} [{low:.2f}, {high:.2f}]"
+
+    rows = {}
+    for _, r in table.iterrows():
+        measured = not pd.isna(r["objects"])
+        rows[f"{r['model']} / {r['placement']}"] = {
+            "objects": str(int(r["objects"])) if measured else "–",
+            "mean effect [95 % CI]": interval(r["mean effect"], r["effect low"], r["effect high"]),
+            "missed / in wrong scenes": f"{int(r['missed'])}/{int(r['objects in wrong scenes'])}" if measured else "–",
+            "missed rate [95 % CI]": interval(r["missed rate"], r["missed low"], r["missed high"]),
+            "chance": "–" if pd.isna(r["chance"]) else f"{r['chance']:.2f}",
+        }
+    return finite_markdown(pd.DataFrame.from_dict(rows, orient="index").rename_axis("model / placement")) + "\n"
 
 
 def _faithfulness_md(table: pd.DataFrame) -> str:

@@ -21,6 +21,11 @@ rather than refused, since a run may predate a stage or leave an optional one ou
   paper's code's probes on its three taps), "Counting to Four"'s Figure 4 as a table.
 - `faithfulness_table`: per ranking of the heads, CPR, CMD and the smallest circuit reaching
   `FAITHFUL` (as a fraction of the heads and in heads), the report's faithfulness table.
+- `placement_table`: per model and placement class (centred, edge, intersection, all), the objects'
+  mean effect on the count answer and the missed rate on wrongly answered scenes, with their 95 %
+  intervals and the chance rate (`countlens.analysis.object_misses.run_misses` of the ``objects``
+  stage); a run without that result gets one "not run" row, one whose model had no object to measure
+  a "not measured" row, each with a note.
 - `class_table` and `top_heads_table`: head classes per relative-depth bin and each bin's top heads
   (`countlens.analysis.depth`).
 """
@@ -33,6 +38,7 @@ import pandas as pd
 
 from countlens.analysis import depth
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
+from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses
 from countlens.analysis.runs import StoredRun
 from countlens.analysis.tables import FAMILIES, OVERALL, case_families, family_row
 
@@ -181,6 +187,35 @@ def probes_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     )
     taps = list(dict.fromkeys(t for row in rows.values() for t in row))  # in the first run's order, then others'
     return _frame(rows, taps), notes
+
+
+PLACEMENT_COLUMNS = ["model", "placement", "objects", "scenes", "mean effect", "effect low", "effect high"]
+PLACEMENT_COLUMNS += ["missed", "objects in wrong scenes", "missed rate", "missed low", "missed high", "chance"]
+_PLACEMENT_VARS = ["n_objects", "n_scenes", "mean_effect", "effect_low", "effect_high", "missed", "n_wrong_objects"]
+_PLACEMENT_VARS += ["missed_rate", "missed_low", "missed_high", "chance_rate"]
+
+
+def placement_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
+    """Per (model, placement class) the objects' mean effect (logits, bootstrap CI over scenes) and the
+    missed rate on the scenes the run answered wrong (Wilson CI), from each run's ``objects`` result
+    (`run_misses`); "not run" / "not measured" rows, with a note, where a run has no such result."""
+    rows, notes = [], []
+    for run in runs:
+        ds = run.get("objects")
+        if ds is None:
+            notes.append(missing(run, "objects", "object-placement"))
+            rows.append({"model": run.label, "placement": "not run"})
+            continue
+        if "refused" in ds.attrs:
+            notes.append(f"{run.label} measured no object effect ({run.path}): {ds.attrs['refused']}")
+            rows.append({"model": run.label, "placement": "not measured"})
+            continue
+        table = run_misses(ds)
+        for group in PLACEMENT_ROWS:
+            values = table.sel(group=group)
+            row = {"model": run.label, "placement": str(values["level"].item())}
+            rows.append(row | {c: float(values[v]) for c, v in zip(PLACEMENT_COLUMNS[2:], _PLACEMENT_VARS)})
+    return pd.DataFrame(rows, columns=PLACEMENT_COLUMNS), notes
 
 
 FAITHFULNESS_COLUMNS = ["model", "ranking", "CPR", "CMD", f"smallest f ≥ {FAITHFUL} (fraction)"]

@@ -20,6 +20,10 @@ Reads an `countlens.circuits.object_effects` result (dims ``scene``, ``object``)
   the missed object drawn uniformly among its scene's measured objects (Σ over wrongly counted
   scenes of the group's objects there / the scene's objects, over the group's objects there) — the
   baseline a placement must beat to be "missed more".
+
+`run_misses` is the table of a discover run's stored ``objects`` result, wrongly counted meaning
+answered wrong by the run itself; `shown_rows` gives rows as text (value [CI]) for report.md and
+compare.md.
 """
 
 from __future__ import annotations
@@ -149,3 +153,39 @@ def object_misses(
         size_bins=str([float(b) for b in size_bins]),
     )
     return out
+
+
+def run_misses(effects: xr.Dataset, **kw) -> xr.Dataset:
+    """`object_misses` of a discover run's stored ``objects`` result (`countlens.pipeline.stages.objects`),
+    wrongly counted = answered wrong by the run itself (``answered_right`` False), as its report and
+    `countlens compare` read it."""
+    effects = require_dataset(effects, "effects", ("answered_right",))
+    return object_misses(effects, wrong=~effects["answered_right"].astype(bool), **kw)
+
+
+#: The rows of the misses table by placement class, in the order the report and compare show them.
+PLACEMENT_ROWS: tuple[str, ...] = ("placement:centred", "placement:edge", "placement:intersection", "all")
+
+
+def _interval(value: float, low: float, high: float) -> str:
+    return "–" if not np.isfinite(value) else f"{value:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def shown_rows(table: xr.Dataset, groups=PLACEMENT_ROWS):
+    """The misses table's ``groups`` as text for a report (a pandas DataFrame indexed by level):
+    objects, scenes, mean effect [CI], missed / objects in wrongly counted scenes, missed rate [CI],
+    chance; "–" where a value is undefined."""
+    import pandas as pd
+
+    rows = {}
+    for g in groups:
+        r = {k: float(v) for k, v in table.sel(group=g).data_vars.items()}
+        rows[str(table["level"].sel(group=g).item())] = {
+            "objects": int(r["n_objects"]),
+            "scenes": int(r["n_scenes"]),
+            "mean effect [95 % CI]": _interval(r["mean_effect"], r["effect_low"], r["effect_high"]),
+            "missed / in wrong scenes": f"{int(r['missed'])}/{int(r['n_wrong_objects'])}",
+            "missed rate [95 % CI]": _interval(r["missed_rate"], r["missed_low"], r["missed_high"]),
+            "chance": "–" if not np.isfinite(r["chance_rate"]) else f"{r['chance_rate']:.2f}",
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")

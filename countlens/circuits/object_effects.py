@@ -254,7 +254,7 @@ def object_effects(
     n_scenes, width = len(samples), max(counts)
     ld = {k: np.full((n_scenes, width), np.nan) for k in ("patched", "reference")}
     clean_ld, correct = np.full(n_scenes, np.nan), np.zeros(n_scenes, dtype=bool)
-    for chunk in _chunks(counts, live, batch_size):
+    for chunk in scene_chunks(counts, live, batch_size):
         forced = [split[s][0] for s in chunk]
         ids = (torch.tensor([split[s][1] for s in chunk]), torch.tensor([split[s][2] for s in chunk]))
         clean = _prepare(vlm, [samples[s] for s in chunk], forced)
@@ -312,7 +312,7 @@ def _without(scene, i: int | None):
     return out
 
 
-def _chunks(counts: Sequence[int], live: Sequence, batch_size: int) -> list[list[int]]:
+def scene_chunks(counts: Sequence[int], live: Sequence, batch_size: int) -> list[list[int]]:
     """Scene indices in chunks of whole scenes holding at most ``batch_size`` live objects (≥ 1 scene)."""
     out, cur, held = [], [], 0
     for s in range(len(counts)):

@@ -112,6 +112,19 @@ def make_run(root, name: str, model: str, n_layers: int, n_heads: int = 2, seed:
         coords={"layer": np.arange(n_layers), "set": ["special", "system", "image", "text"]},
     )
     save["probes"] = xr.Dataset({"ap50": ("tap", rng.random(3))}, coords={"tap": list(TAPS)})
+    so, shape = ("scene", "object"), (6, 4)  # the objects stage: 6 scenes of 4 objects, every other answered wrong
+    save["objects"] = xr.Dataset(
+        {
+            "effect": (so, rng.normal(2.0, 2.0, shape)),
+            "exists": (so, np.ones(shape, bool)),
+            "n_tokens": (so, np.ones(shape, int)),
+            "placement": (so, rng.choice(["centred", "edge", "intersection"], shape)),
+            "size": (so, np.ones(shape)),
+            "touches": (so, np.zeros(shape, bool)),
+            "clean_correct": ("scene", np.ones(6, bool)),  # not what compare reads: the run's own answers are
+            "answered_right": ("scene", np.arange(6) % 2 == 0),
+        }
+    )
     for stage, ds in save.items():
         results.save(ds, out / "results" / f"{stage}.nc")
     rows = [
@@ -193,6 +206,7 @@ def test_every_number_equals_its_runs_own_results(two_runs, tmp_path):
     faith = pd.read_csv(out / "faithfulness.csv")
     classes = pd.read_csv(out / "head_classes.csv")
     top = pd.read_csv(out / "top_heads.csv")
+    placement = pd.read_csv(out / "placement.csv")
     assert list(acc.index) == ["small-model", "deep-model"]
     assert list(acc.columns[: len(CASE_NAMES)]) == CASE_NAMES  # the design's order
     for run, model in zip(two_runs, acc.index):
@@ -234,6 +248,20 @@ def test_every_number_equals_its_runs_own_results(two_runs, tmp_path):
         for name, share in zip(am.set.values, shares):
             assert mas.loc[model, f"{name} share (MAS code)"] == pytest.approx(share)
         assert probes.loc[model].to_dict() == pytest.approx(dict(zip(TAPS, _load(run, "probes").ap50.values)))
+        # Object placement, by hand: the mean effect per class; on the scenes answered wrong, the object
+        # with the least effect is missed, its class's rate = missed / that class's objects there.
+        obj = _load(run, "objects")
+        effect, where = obj.effect.values, obj.placement.values
+        wrong = ~obj.answered_right.values
+        missed = wrong[:, None] & (effect == effect.min(1, keepdims=True))
+        mine = placement[placement.model == model].set_index("placement")
+        assert list(mine.index) == ["centred", "edge", "intersection", "all"]
+        for c in ("centred", "edge", "intersection"):
+            assert mine.loc[c, "mean effect"] == pytest.approx(effect[where == c].mean())
+            in_wrong = wrong[:, None] & (where == c)
+            assert mine.loc[c, "objects in wrong scenes"] == in_wrong.sum()
+            assert mine.loc[c, "missed"] == (missed & (where == c)).sum()
+        assert mine.loc["all", "mean effect"] == pytest.approx(effect.mean()) and mine.loc["all", "missed"] == 3
         ds = _load(run, "faithfulness")
         mine = faith[faith.model == model].set_index("ranking")
         assert list(mine.index) == ["exact patching", "AtP", "random"]  # the draws as their mean only
@@ -257,8 +285,9 @@ def test_every_number_equals_its_runs_own_results(two_runs, tmp_path):
     assert (out / "figures" / "handoff.png").exists() and (out / "figures" / "head_classes.png").exists()
     assert "share one protocol" in md and "Missing results" not in md
     sections = ("COUNTINGTRICKS accuracy", "hand-off on relative depth", "Head classes", "Faithfulness", "MAS")
-    for section in (*sections, "Detection probes"):
+    for section in (*sections, "Detection probes", "Which objects does the model count?"):
         assert section in md
+    assert "| small-model / centred " in md and "| deep-model / all " in md
     # compare.html: compare.md as one page that loads nothing, both figures embedded where they stand.
     page = (out / "compare.html").read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page, re.I)
@@ -286,7 +315,7 @@ def test_mixed_protocols_are_refused_unless_allowed(tmp_path):
 
 
 def test_a_missing_stage_leaves_empty_cells_and_a_note(two_runs, tmp_path):
-    for stage in ("conflict", "faithfulness", "attention_metrics", "probes"):
+    for stage in ("conflict", "faithfulness", "attention_metrics", "probes", "objects"):
         (two_runs[1] / "results" / f"{stage}.nc").unlink()
     md = compare_runs(two_runs, tmp_path / "cmp").read_text()
     counting = pd.read_csv(tmp_path / "cmp" / "counting.csv", index_col=0)
@@ -297,7 +326,10 @@ def test_a_missing_stage_leaves_empty_cells_and_a_note(two_runs, tmp_path):
     assert "Missing results" in md
     assert pd.read_csv(tmp_path / "cmp" / "probes.csv", index_col=0).loc["deep-model"].isna().all()
     notes = (("conflict", "Digit-in-Conflict"), ("faithfulness", "faithfulness"), ("attention_metrics", "MAS"))
-    notes += (("probes", "probe AP"),)
+    notes += (("probes", "probe AP"), ("objects", "object-placement"))
+    placement = pd.read_csv(tmp_path / "cmp" / "placement.csv")
+    assert placement[placement.model == "deep-model"].placement.tolist() == ["not run"]
+    assert "| deep-model / not run " in md and "| small-model / edge " in md
     for stage, what in notes:
         assert f"deep-model has no results/{stage}.nc ({two_runs[1]}): its {what} cells are empty" in md
 

@@ -18,6 +18,7 @@ from countlens.pipeline.stages import (
     edges,
     faithfulness,
     lens,
+    objects,
     patching,
     probes,
     temperature,
@@ -37,6 +38,7 @@ STAGES: tuple[Stage, ...] = (
     attention.ATTENTION,
     attention.ATTENTION_METRICS,
     attention_maps.ATTENTION_MAPS,
+    objects.OBJECTS,
     ablation.ABLATION,
     temperature.TEMPERATURE,
     faithfulness.FAITHFULNESS,
@@ -55,6 +57,7 @@ SECTIONS: tuple[Section, ...] = (
     ablation.SECTION,
     temperature.SECTION,
     faithfulness.SECTION,
+    objects.SECTION,
 )
 
 #: The stages every finished run has (`results/<name>.nc`); an optional one (the probes) may be absent.
