@@ -12,11 +12,17 @@ organism whose circuit C is known (`countlens.toy.planted`), its ranking is scor
   `countlens.circuits.faithfulness` ranks nodes.
 
 Heads that do not exist (NaN beyond a layer's own heads) are left out of both.
+
+At object level (`object_recovery`) the same two figures score a per-object score over (scene,
+object) — exact object effects or an attribution — against the objects an organism counts by design
+(``sample.meta["top"]`` of the top-half organism, `countlens.toy.regions`): objects pooled over scenes,
+precision at k = the number of counted objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import xarray as xr
@@ -63,3 +69,46 @@ def precision_at(scores: xr.DataArray, circuit: Collection[tuple[int, int]], k: 
     values = flat[~np.isnan(flat)]
     order = np.argsort(-values, kind="stable")[:k]  # ties: head order
     return float(sum(cells[i] in set(circuit) for i in order) / k)
+
+
+def object_recovery(scores: xr.DataArray, samples: Sequence, key: str = "top") -> dict:
+    """AUROC and precision@|C| of |``scores``| (dims scene, object; NaN: no object or no token) against
+    each sample's ``meta[key]`` (one flag per object: counted by design), with the mean |score| and its
+    normal 95 % interval on each side."""
+    if set(scores.dims) != {"scene", "object"}:
+        raise InputError(f"object scores have dims (scene, object); got {scores.dims}")
+    s = np.abs(scores.transpose("scene", "object").values.astype(float))
+    if s.shape[0] != len(samples):
+        raise InputError(f"{s.shape[0]} scenes of scores for {len(samples)} samples: give the samples scored")
+    truth = np.zeros_like(s, dtype=bool)
+    for k, sample in enumerate(samples):
+        flags = (getattr(sample, "meta", None) or {}).get(key)
+        if flags is None or len(flags) > s.shape[1]:
+            raise InputError(f"sample {k} has no meta[{key!r}] flag per object: score an organism's own scenes")
+        truth[k, : len(flags)] = flags
+    live = ~np.isnan(s)
+    pos, neg = s[live & truth], s[live & ~truth]
+    if not len(pos) or not len(neg):
+        raise InputError("object recovery needs objects on both sides: counted and not counted")
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    order = np.argsort(-s[live], kind="stable")[: len(pos)]
+
+    def mean_ci(x):
+        se = float(np.std(x, ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+        return round(float(x.mean()), 4), [
+            round(float(x.mean()) - 1.959964 * se, 4),
+            round(float(x.mean()) + 1.959964 * se, 4),
+        ]
+
+    (pm, pci), (nm, nci) = mean_ci(pos), mean_ci(neg)
+    return {
+        "auroc": round(float((greater + 0.5 * ties) / (len(pos) * len(neg))), 4),
+        "precision": round(float(truth[live][order].mean()), 4),
+        "counted": int(len(pos)),
+        "ignored": int(len(neg)),
+        "counted_mean_abs": pm,
+        "counted_ci95": pci,
+        "ignored_mean_abs": nm,
+        "ignored_ci95": nci,
+    }

@@ -183,7 +183,7 @@ def _verify_batch(planter, circuit, inputs, answers, by_partner, by_random, scor
     score("circuit_resampled", planter.swapped_logits(inputs, by_random, circuit.nodes), answers)
     score("circuit_resampled_partner", planter.swapped_logits(inputs, by_partner, circuit.nodes), answers)
     for n in circuit.nodes:
-        score(f"node_resampled/L{n.layer}H{n.head}", planter.swapped_logits(inputs, by_random, (n,)), answers)
+        score(f"node_resampled/{n.label}", planter.swapped_logits(inputs, by_random, (n,)), answers)
 
 
 def planted_checks(circuit: PlantedCircuit, figures: dict) -> dict[str, bool]:

@@ -53,11 +53,20 @@ SOURCES: tuple[str, ...] = ("partner", "random", "different")
 
 @dataclass(frozen=True)
 class PlantedNode:
-    """Head ``head`` of decoder layer ``layer``; ``at`` where strictness training keeps it (`POSITIONS`)."""
+    """Head ``head`` of decoder layer ``layer`` (``head`` None: the layer's MLP); ``at`` where strictness
+    training keeps it (`POSITIONS`)."""
 
     layer: int
-    head: int
+    head: int | None
     at: str = "all"
+
+    @property
+    def is_mlp(self) -> bool:
+        return self.head is None
+
+    @property
+    def label(self) -> str:
+        return f"L{self.layer}MLP" if self.is_mlp else f"L{self.layer}H{self.head}"
 
 
 @dataclass(frozen=True)
@@ -71,11 +80,18 @@ class PlantedCircuit:
     each_necessary: bool = True
     steps: int = 400  # the recipe's training steps for this circuit
     strict_sources: tuple[str, ...] = ("partner",)  # one strictness term per source (`SOURCES`), every step
+    # Whether the MLPs are nodes too: resampled outside C like the heads (else never resampled).
+    mlp_nodes: bool = False
 
     @property
     def heads(self) -> frozenset[tuple[int, int]]:
-        """C as (layer, head) pairs: what a method's ranking is scored against."""
-        return frozenset((n.layer, n.head) for n in self.nodes)
+        """C's heads as (layer, head) pairs: what a method's ranking of heads is scored against."""
+        return frozenset((n.layer, n.head) for n in self.nodes if not n.is_mlp)
+
+    @property
+    def mlps(self) -> frozenset[int]:
+        """The layers whose MLP is a node of C."""
+        return frozenset(n.layer for n in self.nodes if n.is_mlp)
 
 
 CIRCUITS: dict[str, PlantedCircuit] = {
@@ -103,6 +119,15 @@ CIRCUITS: dict[str, PlantedCircuit] = {
             each_necessary=False,
             steps=300,
         ),
+        PlantedCircuit(
+            "mlp",
+            (PlantedNode(0, 2), PlantedNode(1, None, at="last")),
+            "L0H2 moves the count from the image tokens to the last token, where layer 1's MLP decodes it; every "
+            "other head and MLP is resampled",
+            steps=600,
+            strict_sources=("partner", "different"),
+            mlp_nodes=True,
+        ),
     )
 }
 
@@ -117,10 +142,16 @@ def planted_circuit(name: str) -> PlantedCircuit:
 def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
     """Raise if a node or blind layer lies outside an ``n_layers`` × ``n_heads`` model."""
     for n in circuit.nodes:
-        if not (0 <= n.layer < n_layers and 0 <= n.head < n_heads) or n.at not in POSITIONS:
+        head_ok = n.is_mlp or 0 <= n.head < n_heads
+        if not (0 <= n.layer < n_layers and head_ok) or n.at not in POSITIONS:
             raise InputError(
-                f"planted circuit {circuit.name!r}: node L{n.layer}H{n.head} at {n.at!r} is not a head of a "
+                f"planted circuit {circuit.name!r}: node {n.label} at {n.at!r} is not a node of a "
                 f"{n_layers}-layer, {n_heads}-head model at one of {POSITIONS}"
+            )
+        if n.is_mlp and not circuit.mlp_nodes:
+            raise InputError(
+                f"planted circuit {circuit.name!r}: node {n.label} is an MLP, but the circuit's MLPs are not nodes: "
+                "set mlp_nodes=True (every MLP outside C is then resampled too)"
             )
     if not circuit.strict_sources or set(circuit.strict_sources) - set(SOURCES):
         raise InputError(

@@ -11,7 +11,7 @@ import torch
 
 from countlens.datasets.pairs import DEFAULT_COUNTS, count_pair
 from countlens.toy.planted import PlantedCircuit, PlantedNode, check_circuit
-from countlens.toy.resample import keep_masks, position_masks, recorded, resampled
+from countlens.toy.resample import keep_masks, mlp_keep_masks, position_masks, recorded, resampled
 from countlens.toy.train import Collator
 
 
@@ -53,25 +53,29 @@ class Planter:
     def masks(self, inputs: dict) -> dict[str, torch.Tensor]:
         return position_masks(inputs["input_ids"], *self.ids)
 
-    def heads_mask(self, nodes, masks) -> torch.Tensor:
-        """(layers, B, T, heads) of ``nodes`` taken as heads over every position."""
-        return keep_masks([PlantedNode(n.layer, n.head) for n in nodes], masks, self.n_layers, self.n_heads)
+    def nodes_mask(self, nodes, masks) -> tuple[torch.Tensor, torch.Tensor]:
+        """((layers, B, T, heads), (layers, B, T)) of ``nodes``' heads and MLPs over every position."""
+        every = [PlantedNode(n.layer, n.head) for n in nodes]
+        return keep_masks(every, masks, self.n_layers, self.n_heads), mlp_keep_masks(every, masks, self.n_layers)
 
     def strict_logits(self, inputs: dict, source: dict, training: bool) -> torch.Tensor:
         """Every node outside C from ``source`` (in training: also C outside its ``at`` positions, and the
-        blind layers' image keys and values)."""
+        blind layers' image keys and values); MLPs only on circuits whose MLPs are nodes."""
         masks = self.masks(inputs)
         if training:
             keep = keep_masks(self.circuit.nodes, masks, self.n_layers, self.n_heads)
+            keep_mlp = mlp_keep_masks(self.circuit.nodes, masks, self.n_layers)
             blind = {layer: masks["image"] for layer in self.circuit.blind_layers}
         else:
-            keep, blind = self.heads_mask(self.circuit.nodes, masks), None
-        with resampled(self.model, source, ~keep, blind):
+            (keep, keep_mlp), blind = self.nodes_mask(self.circuit.nodes, masks), None
+        take_mlp = ~keep_mlp if self.circuit.mlp_nodes else None
+        with resampled(self.model, source, ~keep, blind, take_mlp):
             return self.logits(inputs)
 
     def swapped_logits(self, inputs: dict, source: dict, nodes) -> torch.Tensor:
-        """``nodes`` (heads over every position) from ``source``, everything else clean."""
-        with resampled(self.model, source, self.heads_mask(nodes, self.masks(inputs))):
+        """``nodes`` (heads and MLPs over every position) from ``source``, everything else clean."""
+        heads, mlps = self.nodes_mask(nodes, self.masks(inputs))
+        with resampled(self.model, source, heads, take_mlp=mlps if mlps.any() else None):
             return self.logits(inputs)
 
 

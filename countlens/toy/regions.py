@@ -19,18 +19,17 @@ cross-entropy with AdamW, warmup and cosine decay (the organism's schedule), on 
 - ``bottom_removed``: the same scenes drawn without their bottom objects — the answer must not move
   (paired drop and interval; bar ≤ 2 points);
 - ``top_shifted``: one top object removed — the answer must follow (accuracy against count − 1);
-- exact object effects (`countlens.circuits.object_effects`, reference "removed", at the input):
-  AUROC of |effect| separating top objects (the ground truth C) from bottom ones.
+- at object level (`countlens.circuits.recovery.object_recovery`): exact object effects
+  (`countlens.circuits.object_effects`, reference "removed", at the input) must separate the top
+  objects (the ground truth C, ``meta["top"]``) from the bottom ones: AUROC of |effect|.
 `REGION_CHECKS` are countlens's bars, chosen here (no paper defines this organism).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 from countlens.datasets.prompts import make_question
@@ -38,7 +37,7 @@ from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng
 from countlens.toy.plant import PlantConfig
-from countlens.toy.strictness import FRESH_SEED, Z95, paired_drop, wilson
+from countlens.toy.strictness import FRESH_SEED, paired_drop, wilson
 from countlens.validate import require_count, require_seed
 
 IMAGE = 192
@@ -128,15 +127,9 @@ def _answers(model, collate, samples: list, batch: int = 64) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _auroc(pos: np.ndarray, neg: np.ndarray) -> float:
-    greater = (pos[:, None] > neg[None, :]).sum()
-    ties = (pos[:, None] == neg[None, :]).sum()
-    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
-
-
-def verify_regions(model, vlm=None, n_samples: int = 1024, n_scenes: int = 64, seed: int = FRESH_SEED) -> dict:
-    """The top-half organism's figures (module docstring) on fresh samples; ``vlm`` (the same weights
-    loaded by `countlens.load`) adds the exact object effects on ``n_scenes`` scenes."""
+def verify_regions(model, n_samples: int = 1024, seed: int = FRESH_SEED) -> dict:
+    """The top-half organism's answer figures (module docstring) on fresh samples; the object-level
+    figures are `countlens.circuits.recovery.object_recovery`'s on `object_effects`."""
     from countlens.toy.recipe import ToyConfig
     from countlens.toy.train import Collator
 
@@ -159,33 +152,7 @@ def verify_regions(model, vlm=None, n_samples: int = 1024, n_scenes: int = 64, s
         "bottom_removed": {"accuracy": round(float(moved.float().mean()), 4), **paired_drop(clean, moved)},
         "top_one_removed_follows": round(float(follows.float().mean()), 4),
     }
-    if vlm is not None:
-        out["objects"] = object_ground_truth(vlm, samples[:n_scenes])
     return out
-
-
-def object_ground_truth(vlm, samples: list) -> dict:
-    """Exact object effects (removed reference, at the input) of top vs bottom objects, and their AUROC."""
-    from countlens.circuits.object_effects import object_effects
-
-    ds = object_effects(vlm, samples, reference="removed", site="embed")
-    eff = ds["effect"].values
-    top = np.zeros_like(eff, dtype=bool)
-    for k, s in enumerate(samples):
-        top[k, : len(s.meta["top"])] = s.meta["top"]
-    live = ds["exists"].values & ~np.isnan(eff)
-    pos, neg = np.abs(eff[live & top]), np.abs(eff[live & ~top])
-    se = lambda x: float(np.std(x, ddof=1) / math.sqrt(len(x)))  # noqa: E731
-    return {
-        "n_scenes": len(samples),
-        "top_objects": int(len(pos)),
-        "bottom_objects": int(len(neg)),
-        "top_mean_abs_effect": round(float(pos.mean()), 4),
-        "top_ci95": [round(float(pos.mean()) - Z95 * se(pos), 4), round(float(pos.mean()) + Z95 * se(pos), 4)],
-        "bottom_mean_abs_effect": round(float(neg.mean()), 4),
-        "bottom_ci95": [round(float(neg.mean()) - Z95 * se(neg), 4), round(float(neg.mean()) + Z95 * se(neg), 4)],
-        "auroc": round(_auroc(pos, neg), 4),
-    }
 
 
 def region_checks(figures: dict) -> dict[str, bool]:
@@ -196,6 +163,6 @@ def region_checks(figures: dict) -> dict[str, bool]:
         "bottom_ignored": figures["bottom_removed"]["drop"] <= bars["bottom_drop_max"],
         "follows_top": figures["top_one_removed_follows"] >= bars["follows_min"],
     }
-    if "objects" in figures:
+    if "objects" in figures:  # object_recovery's figures on the exact effects
         checks["object_auroc"] = figures["objects"]["auroc"] >= bars["object_auroc_min"]
     return checks

@@ -27,14 +27,20 @@ def _attn(model, layer: int):
     return model.model.language_model.layers[layer].self_attn
 
 
+def _mlp(model, layer: int):
+    return model.model.language_model.layers[layer].mlp
+
+
 @contextmanager
 def recorded(model) -> Iterator[dict[str, list[torch.Tensor]]]:
-    """Record every layer's z (o_proj's input) and pre-RoPE keys and values during the forwards inside."""
+    """Record every layer's z (o_proj's input), pre-RoPE keys and values, and MLP output during the
+    forwards inside."""
     n = len(model.model.language_model.layers)
-    rec: dict[str, list] = {"z": [None] * n, "k": [None] * n, "v": [None] * n}
+    rec: dict[str, list] = {"z": [None] * n, "k": [None] * n, "v": [None] * n, "mlp": [None] * n}
     hooks = []
     for layer in range(n):
         a = _attn(model, layer)
+        hooks.append(_mlp(model, layer).register_forward_hook(lambda _m, _a, out, layer=layer: _put(rec, layer, out)))
 
         def z_hook(_m, args, layer=layer):
             rec["z"][layer] = args[0].detach()
@@ -57,6 +63,10 @@ def recorded(model) -> Iterator[dict[str, list[torch.Tensor]]]:
             h.remove()
 
 
+def _put(rec: dict, layer: int, out: torch.Tensor) -> None:
+    rec["mlp"][layer] = out.detach()
+
+
 def position_masks(input_ids: torch.Tensor, image_id: int, vision_end_id: int) -> dict[str, torch.Tensor]:
     """(B, T) boolean masks of `POSITIONS` and of the image tokens."""
     last = torch.zeros_like(input_ids, dtype=torch.bool)
@@ -72,11 +82,22 @@ def position_masks(input_ids: torch.Tensor, image_id: int, vision_end_id: int) -
 def keep_masks(
     heads: Iterable[PlantedNode], masks: dict[str, torch.Tensor], n_layers: int, n_heads: int
 ) -> torch.Tensor:
-    """(layers, B, T, heads) True where a node of ``heads`` is kept (at its ``at`` positions)."""
+    """(layers, B, T, heads) True where a head node of ``heads`` is kept (at its ``at`` positions)."""
     b, t = masks["all"].shape
     keep = torch.zeros(n_layers, b, t, n_heads, dtype=torch.bool)
     for n in heads:
-        keep[n.layer, :, :, n.head] |= masks[n.at]
+        if not n.is_mlp:
+            keep[n.layer, :, :, n.head] |= masks[n.at]
+    return keep
+
+
+def mlp_keep_masks(nodes: Iterable[PlantedNode], masks: dict[str, torch.Tensor], n_layers: int) -> torch.Tensor:
+    """(layers, B, T) True where an MLP node of ``nodes`` is kept (at its ``at`` positions)."""
+    b, t = masks["all"].shape
+    keep = torch.zeros(n_layers, b, t, dtype=torch.bool)
+    for n in nodes:
+        if n.is_mlp:
+            keep[n.layer] |= masks[n.at]
     return keep
 
 
@@ -86,12 +107,20 @@ def resampled(
     source: dict[str, list[torch.Tensor]],
     take_source: torch.Tensor,
     blind: dict[int, torch.Tensor] | None = None,
+    take_mlp: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """Forwards inside take each head's z from ``source`` where ``take_source`` (layers, B, T, heads) is
-    True; layers in ``blind`` take their keys and values from ``source`` at the (B, T) mask given."""
+    True, each MLP's output where ``take_mlp`` (layers, B, T) is; layers in ``blind`` take their keys
+    and values from ``source`` at the (B, T) mask given."""
     hooks = []
     for layer in range(take_source.shape[0]):
         a = _attn(model, layer)
+        if take_mlp is not None and take_mlp[layer].any():
+
+            def mlp_hook(_m, _args, out, layer=layer, where=take_mlp[layer]):
+                return torch.where(where[..., None], source["mlp"][layer], out)
+
+            hooks.append(_mlp(model, layer).register_forward_hook(mlp_hook))
         mask = take_source[layer]
         if mask.any():
 

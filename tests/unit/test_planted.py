@@ -3,6 +3,8 @@ by-hand computation, and the training recipe's determinism on a short run."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -12,8 +14,8 @@ from countlens.circuits.recovery import auroc, precision_at
 from countlens.errors import InputError
 from countlens.organisms import TOY_DIR
 from countlens.toy.plant import PlantConfig, swapped_nodes, train_planted
-from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.planted import CIRCUITS, SOURCES, PlantedCircuit, PlantedNode, check_circuit, planted_circuit
+from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source
 from countlens.toy.train import Collator
@@ -52,7 +54,11 @@ def test_recovery_refuses_what_cannot_be_scored():
 
 
 def test_circuits_are_named_checked_and_each_names_what_is_planted():
-    assert set(CIRCUITS) == {"route", "two-hop", "spread"}
+    assert set(CIRCUITS) == {"route", "two-hop", "spread", "mlp"}
+    mlp = CIRCUITS["mlp"]
+    assert mlp.heads == {(0, 2)} and mlp.mlps == {1} and mlp.mlp_nodes
+    with pytest.raises(InputError, match="L1MLP.*mlp_nodes=True"):
+        check_circuit(PlantedCircuit("x", (PlantedNode(1, None),), "-"), n_layers=6, n_heads=4)
     spread = CIRCUITS["spread"]
     assert len(spread.heads) >= 4 and len({layer for layer, _ in spread.heads}) >= 3
     assert CIRCUITS["two-hop"].heads == {(0, 0), (1, 1)} and CIRCUITS["two-hop"].blind_layers == (1,)
@@ -168,3 +174,50 @@ def test_each_strictness_source_is_its_own_term_of_the_loss(organism_batch):
     assert both["strict"] == partner["strict"] and both["strict_random"] == rand["strict_random"]
     assert partner["strict"] != rand["strict_random"]  # another sample's activations, not the partner's
     assert not torch.equal(w_partner, w_rand) and not torch.equal(w_both, w_partner)
+
+
+def test_an_mlp_node_is_resampled_like_a_by_hand_mix(organism_batch):
+    """An MLP node's output at the chosen positions comes from the source, elsewhere from the run itself;
+    every other MLP of an mlp_nodes circuit is resampled by strictness, none of a heads-only circuit."""
+    from countlens.toy.resample import mlp_keep_masks
+
+    model, collate, inputs, answers, partner = organism_batch
+    planter = Planter(model, CIRCUITS["mlp"], collate)
+    with torch.no_grad():
+        rec = planter.record(inputs)
+    source = swap_source(rec, partner)
+    masks = planter.masks(inputs)
+    keep = mlp_keep_masks(CIRCUITS["mlp"].nodes, masks, 6)
+    assert keep[1].equal(masks["last"]) and not keep[[0, 2, 3, 4, 5]].any()
+    swapped = _seen_after_resampling(model, lambda: planter.swapped_logits(inputs, source, (PlantedNode(1, None),)))
+    assert torch.equal(swapped[1], source["mlp"][1])  # every position from the partner
+    assert not torch.equal(swapped[2], source["mlp"][2])  # the others clean
+    last = masks["last"]
+    strict = _seen_after_resampling(model, lambda: planter.strict_logits(inputs, source, training=True))
+    assert torch.equal(strict[3], source["mlp"][3])  # outside C: the partner's everywhere
+    assert not torch.equal(strict[1][last], source["mlp"][1][last])  # kept at the last token
+    assert torch.equal(strict[1][~last], source["mlp"][1][~last])  # elsewhere resampled in training
+    route = Planter(model, CIRCUITS["route"], collate)
+    route_out = _seen_after_resampling(model, lambda: route.strict_logits(inputs, source, training=False))
+    assert not torch.equal(route_out[3], source["mlp"][3])  # a heads-only circuit never resamples MLPs
+
+
+def _seen_after_resampling(model, run) -> list:
+    """Each MLP's output as the rest of the forward sees it: recorded by hooks placed after the resampling's."""
+    import countlens.toy.planter as planter_module
+
+    inner, seen = planter_module.resampled, {}
+
+    @contextmanager
+    def spying(*args, **kw):
+        with inner(*args, **kw), recorded(model) as rec:
+            yield
+        seen.update(rec)
+
+    planter_module.resampled = spying
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        planter_module.resampled = inner
+    return seen["mlp"]
