@@ -13,7 +13,10 @@ stream their chunks to ``results/sweeps/``:
 5. ``headlens`` — HeadLens maps, decoded tokens, VGS / CTER; ``attention`` — image-attention share;
    ``attention_metrics`` — MAS, VRA, Attention-IoU, ARS per layer on COUNTINGTRICKS scenes;
    ``attention_maps`` — the last token's attention on the image tokens of a few right and wrong
-   answers, with their images, for the report's attention-on-image figure;
+   answers, with their images, for the report's attention-on-image figure; ``objects`` — each
+   object's exact effect on the count answer (its image tokens at the input patched from the scene
+   without it) on up to 4 COUNTINGTRICKS scenes per case, for the report's section on which objects
+   the model counts, by placement class;
 6. ``ablation`` — mean ablation of every head on the config's tasks (counting, colour and shape by
    default; the counting-circuits preset: counting, math, spatial, colour); Jaccard;
 7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);

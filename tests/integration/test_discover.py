@@ -35,8 +35,12 @@ def test_discover_writes_a_report_and_resumes(tmp_path, toy_run_copy):
         "Head temperature",
         "Is it a circuit?",
         "EAP-IG",
+        "Which objects does the model count?",
     ):
         assert section in report
+    # The objects section's panels: the scenes outlined by effect and the effect against the offset, in the page too.
+    assert '<img alt="object effects"' in page and '<img alt="object effect against offset"' in page
+    assert "| centred " in report.split("Which objects does the model count?")[1]
     assert len(list((out / "figures").glob("*.png"))) >= 7 and (out / "figures" / "faithfulness.png").exists()
     faith = xr.open_dataset(out / "results" / "faithfulness.nc")
     assert {"exact patching", "AtP", "EAP-IG", "mean-ablation drop", "AtP*", "random"} <= set(faith.ranking.values)

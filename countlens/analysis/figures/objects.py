@@ -117,7 +117,7 @@ def effect_by_offset(ds: xr.Dataset, title: str | None = None) -> Figure:
     effect, offset = ds["effect"].values, ds["offset"].values
     live = ds["exists"].values.astype(bool) & np.isfinite(effect) & np.isfinite(offset)
     wrong = ~ds["answered_right"].values.astype(bool)[:, None] & live
-    fig = Figure(figsize=(5.6, 3.6), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(6.8, 3.6), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     for placement, colour in PLACEMENTS.items():
@@ -133,7 +133,7 @@ def effect_by_offset(ds: xr.Dataset, title: str | None = None) -> Figure:
     ax.set_ylabel("object effect (logits)", fontsize=8)
     ax.tick_params(labelsize=7)
     if live.any():
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the points, never on them
     else:
         ax.text(0.5, 0.5, "no object measured", ha="center", va="center", transform=ax.transAxes)
     return finish(fig, title or "Object effect against the object's offset from the nearest cell centre", 10)
