@@ -128,8 +128,11 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
                 sources["random"] = swap_source(rec, other_sample(len(answers), gen))
             if "different" in circuit.strict_sources:
                 sources["different"] = swap_source(rec, donor_order(answers, partner, "different", gen)[0])
+            # A circuit may check some sources' strictness as the checks do (C kept at every position, no
+            # blind layer): training's own devices resample more than the checks, and the mix the checks
+            # see (C clean everywhere, the rest from another scene) is otherwise never trained on.
             stricts = {
-                name: ce(planter.strict_logits(inputs, sources[name], training=True), answers)
+                name: ce(planter.strict_logits(inputs, sources[name], training=name not in circuit.checked), answers)
                 for name in circuit.strict_sources
             }
             swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])

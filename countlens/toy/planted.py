@@ -82,6 +82,9 @@ class PlantedCircuit:
     strict_sources: tuple[str, ...] = ("partner",)  # one strictness term per source (`SOURCES`), every step
     # Whether the MLPs are nodes too: resampled outside C like the heads (else never resampled).
     mlp_nodes: bool = False
+    # Sources of `strict_sources` whose strictness term keeps C as the checks do: at every position, no
+    # blind layer (the others use the training devices `PlantedNode.at` and `blind_layers`).
+    checked: tuple[str, ...] = ()
 
     @property
     def heads(self) -> frozenset[tuple[int, int]]:
@@ -153,9 +156,11 @@ def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
                 f"planted circuit {circuit.name!r}: node {n.label} is an MLP, but the circuit's MLPs are not nodes: "
                 "set mlp_nodes=True (every MLP outside C is then resampled too)"
             )
-    if not circuit.strict_sources or set(circuit.strict_sources) - set(SOURCES):
+    sources = set(circuit.strict_sources)
+    if not sources or sources - set(SOURCES) or set(circuit.checked) - sources:
         raise InputError(
-            f"planted circuit {circuit.name!r}: strictness sources {circuit.strict_sources} must be some of {SOURCES}"
+            f"planted circuit {circuit.name!r}: strictness sources {circuit.strict_sources} must be some of {SOURCES}, "
+            f"and those checked as the checks do ({circuit.checked}) some of them"
         )
     if any(not 0 <= layer < n_layers for layer in circuit.blind_layers):
         raise InputError(

@@ -17,7 +17,8 @@ per-sample differences (each −1, 0 or 1). Accuracy's interval is Wilson's. The
 (`FRESH_CHECKS`, countlens's choice, the issue's "≤ 2 points"): every donor kind's drop ≤ 0.02 as a
 point estimate, the interval stated beside it. C resampled from a ``different`` donor must leave at
 most chance (1/9) plus 10 points of the clean answers, as `verify`'s check does; how often the answer
-then follows the donor's count is reported beside it.
+then follows the donor's count is reported beside it. On circuits whose every node is necessary, each
+node alone resampled from a ``different`` donor must cost ≥ 20 points of accuracy.
 
 A batch's donors are drawn by a generator seeded with ``FRESH_SEED``: a pure function of the seed.
 """
@@ -40,7 +41,13 @@ from countlens.validate import require_count, require_seed
 #: Fresh samples' seed: not training's (≥ 1000), not verify's (1), not discover's default (0).
 FRESH_SEED = 2
 #: The bars on fresh data (countlens's choice; the issue named the 2-point drop and ≥ 1,024 samples).
-FRESH_CHECKS = {"n_samples_min": 1024, "accuracy_min": 0.90, "outside_drop_max": 0.02, "circuit_above_chance_max": 0.10}
+FRESH_CHECKS = {
+    "n_samples_min": 1024,
+    "accuracy_min": 0.90,
+    "outside_drop_max": 0.02,
+    "circuit_above_chance_max": 0.10,
+    "node_drop_min": 0.20,
+}
 Z95 = 1.959964
 
 
@@ -91,6 +98,9 @@ def fresh_strictness(
                     swapped = planter.swapped_logits(inputs, source, circuit.nodes).argmax(-1)
                     hits.setdefault("circuit_different", []).append(swapped == answers)
                     hits.setdefault("follows_donor", []).append(swapped == answers[order])
+                    for node in circuit.nodes if circuit.each_necessary and len(circuit.nodes) > 1 else ():
+                        alone = planter.swapped_logits(inputs, source, (node,)).argmax(-1) == answers
+                        hits.setdefault(f"node/{node.label}", []).append(alone)
     h = {k: torch.cat(v) for k, v in hits.items()}
     n = len(h["clean"])
     acc = int(h["clean"].sum())
@@ -108,6 +118,9 @@ def fresh_strictness(
         "chance": round(1 / len(DEFAULT_COUNTS), 4),
         "donors_missing": missing,
     }
+    nodes = {k.removeprefix("node/"): v for k, v in h.items() if k.startswith("node/")}
+    if nodes:
+        out["node_resampled_different"] = {k: round(float(v.float().mean()), 4) for k, v in nodes.items()}
     return out
 
 
@@ -121,4 +134,7 @@ def fresh_checks(figures: dict) -> dict[str, bool]:
     }
     for kind, row in figures["outside"].items():
         checks[f"outside_{kind}"] = row["drop"] <= bars["outside_drop_max"]
+    if "node_resampled_different" in figures:  # every node necessary: each alone moves the answer
+        drops = [figures["accuracy"] - v for v in figures["node_resampled_different"].values()]
+        checks["each_node"] = min(drops) >= bars["node_drop_min"]
     return checks
