@@ -25,12 +25,14 @@ from countlens.analysis.figures.curves import (
 )
 from countlens.analysis.figures.depth import plot_depth_classes, plot_handoff
 from countlens.analysis.figures.grids import plot_head_classes, plot_heatmap, plot_matrix
+from countlens.analysis.figures.objects import plot_effect_by_offset, plot_object_scenes
 
 __all__ = [
     "plot_accuracy_by_count",
     "plot_bars",
     "plot_case_grid",
     "plot_depth_classes",
+    "plot_effect_by_offset",
     "plot_faithfulness",
     "plot_handoff",
     "plot_head_classes",
@@ -39,6 +41,7 @@ __all__ = [
     "plot_lens",
     "plot_matrix",
     "plot_modality_share",
+    "plot_object_scenes",
     "plot_probe_ap",
     "plot_rank_emergence",
     "plot_scatter",

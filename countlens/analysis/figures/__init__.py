@@ -11,6 +11,9 @@
   and the head classes per depth bin.
 - `counting`: COUNTINGTRICKS accuracy (per case as bars and in the paper's Table 5 layout, by the
   true count), the attention share by modality for right and wrong answers, and the probes' AP@50.
+- `objects`: which objects the model counts (discover's ``objects`` stage): scenes with each object
+  outlined in the colour of its effect, right answers above wrong ones, and the effect against the
+  object's offset from the nearest cell centre.
 
 Each picture has a builder that returns the drawn ``Figure`` (tests read its texts, images and title
 back) and a ``plot_*`` function that saves it as a PNG and returns the path.

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import xarray as xr
 
+from countlens.analysis import plots
 from countlens.analysis.attention_maps import downsampled
-from countlens.analysis.figures.objects import plot_effect_by_offset, plot_object_scenes
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses, shown_rows
 from countlens.analysis.tables import finite_markdown
 from countlens.circuits.object_effects import object_effects, scene_chunks
@@ -160,8 +160,8 @@ def _draw(ctx: ReportContext) -> None:
     ds = ctx.results["objects"]
     if "refused" in ds.attrs:
         return
-    plot_object_scenes(ds, ctx.figures / "object_effects.png")
-    plot_effect_by_offset(ds, ctx.figures / "object_offset.png")
+    plots.plot_object_scenes(ds, ctx.figures / "object_effects.png")
+    plots.plot_effect_by_offset(ds, ctx.figures / "object_offset.png")
 
 
 SECTION = Section("objects.md.j2", _values, _draw)
