@@ -27,8 +27,10 @@ cross-entropy with AdamW, warmup and cosine decay (the organism's schedule), on 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,7 @@ from countlens.validate import require_count, require_seed
 IMAGE = 192
 TOP_COUNTS: tuple[int, ...] = tuple(range(1, 10))
 MAX_BOTTOM = 4
+RULE = "objects whose centre is in the top half"
 REGION_CHECKS = {"accuracy_min": 0.90, "bottom_drop_max": 0.02, "follows_min": 0.80, "object_auroc_min": 0.95}
 
 
@@ -69,7 +72,7 @@ def top_half_sample(seed: int, index: int) -> TaskSample:
     objects = [objects[i] for i in order]
     flags = [bool(i < n_top) for i in order]
     question, _ = make_question("short", shape, n_top, rng)
-    meta = {"count": n_top, "bottom": n_bottom, "top": flags, "rule": "objects whose centre is in the top half"}
+    meta = {"count": n_top, "bottom": n_bottom, "top": flags, "rule": RULE}
     scene = Scene(IMAGE, IMAGE, tuple(objects), noise=0.0, noise_seed=int(rng.integers(2**31)))
     return TaskSample(scene, question, str(n_top), "count", meta)
 
@@ -166,3 +169,55 @@ def region_checks(figures: dict) -> dict[str, bool]:
     if "objects" in figures:  # object_recovery's figures on the exact effects
         checks["object_auroc"] = figures["objects"]["auroc"] >= bars["object_auroc_min"]
     return checks
+
+
+#: The top-half organism's recipe (`plant_regions`'s defaults).
+REGION_RECIPE = {"steps": 1200, "seed": 0, "batch": 32, "lr": 1e-3}
+
+
+def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) -> dict:
+    """Train the top-half organism into ``out`` (weights, tokenizer, processor, training log and
+    ``planted.json`` with the recipe and `verify_regions`'s figures on the saved weights); returns the
+    record. The object-level figures are added by ``countlens toy plant`` (they need countlens's
+    object effects, above this package)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from countlens.files import claim_directory, directory_lock
+    from countlens.organisms import TOY_DIR
+    from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
+
+    recipe = {**REGION_RECIPE, "steps": steps, "seed": seed}
+    out = Path(out)
+    claim_directory(out, "countlens toy plant", {"circuit": "top-half", "recipe": recipe})
+    with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
+        model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
+        rows: list[dict] = []
+
+        def log(row):
+            rows.append(row)
+            if progress:
+                progress(row)
+
+        start = time.time()
+        train_regions(model, steps=steps, seed=seed, batch=recipe["batch"], lr=recipe["lr"], log=log)
+        seconds = round(time.time() - start, 1)
+        model.save_pretrained(out)
+        build_tokenizer().save_pretrained(out)
+        build_image_processor(ToyConfig()).save_pretrained(out)
+        (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        saved = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+        figures = verify_regions(saved)
+        record = {
+            "circuit": {
+                "name": "top-half",
+                "ground_truth": "objects",
+                "rule": "objects whose centre is in the top half",
+            },
+            "recipe": recipe,
+            "train_seconds": seconds,
+            "fresh": figures,
+            "fresh_checks": region_checks(figures),
+            "bars": REGION_CHECKS,
+        }
+        (out / "planted.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
