@@ -121,6 +121,7 @@ CIRCUITS: dict[str, PlantedCircuit] = {
             "four heads over three layers (L0H0, L0H3, L1H2, L2H1) carry the count together",
             each_necessary=False,
             steps=300,
+            strict_sources=("partner", "different"),
         ),
         PlantedCircuit(
             "mlp",
