@@ -13,6 +13,9 @@ organism whose circuit C is known (`countlens.toy.planted`), its ranking is scor
 
 Heads that do not exist (NaN beyond a layer's own heads) are left out of both.
 
+Over any named nodes (`node_recovery`: heads and MLPs by label, as an organism whose MLPs are nodes
+needs) the same two figures, ties at the k-th score broken by the scores' order.
+
 At object level (`object_recovery`) the same two figures score a per-object score over (scene,
 object) — exact object effects or an attribution — against the objects an organism counts by design
 (``sample.meta["top"]`` of the top-half organism, `countlens.toy.regions`): objects pooled over scenes,
@@ -22,7 +25,7 @@ precision at k = the number of counted objects.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import xarray as xr
@@ -71,6 +74,31 @@ def precision_at(scores: xr.DataArray, circuit: Collection[tuple[int, int]], k: 
     return float(sum(cells[i] in set(circuit) for i in order) / k)
 
 
+def _mann_whitney(pos: np.ndarray, neg: np.ndarray) -> float:
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
+
+
+def node_recovery(scores: Mapping[str, float], circuit: Collection[str]) -> dict:
+    """AUROC and precision@|C| of |``scores``| (node label → score, e.g. ``L0H2``, ``MLP1``) against the
+    nodes ``circuit`` names; NaN scores are left out."""
+    live = {k: abs(float(v)) for k, v in scores.items() if not np.isnan(v)}
+    members = set(circuit)
+    missing = members - set(live)
+    if missing:
+        raise InputError(f"circuit nodes {sorted(missing)} are not scored (scored: {sorted(live)[:6]}…)")
+    pos = np.array([v for k, v in live.items() if k in members])
+    neg = np.array([v for k, v in live.items() if k not in members])
+    if not len(neg):
+        raise InputError("the circuit holds every node: there is nothing outside it to rank below")
+    order = sorted(live, key=lambda k: -live[k])[: len(members)]  # stable: ties keep the scores' order
+    return {
+        "auroc": round(_mann_whitney(pos, neg), 4),
+        "precision": round(sum(k in members for k in order) / len(members), 4),
+    }
+
+
 def object_recovery(scores: xr.DataArray, samples: Sequence, key: str = "top") -> dict:
     """AUROC and precision@|C| of |``scores``| (dims scene, object; NaN: no object or no token) against
     each sample's ``meta[key]`` (one flag per object: counted by design), with the mean |score| and its
@@ -90,8 +118,6 @@ def object_recovery(scores: xr.DataArray, samples: Sequence, key: str = "top") -
     pos, neg = s[live & truth], s[live & ~truth]
     if not len(pos) or not len(neg):
         raise InputError("object recovery needs objects on both sides: counted and not counted")
-    greater = (pos[:, None] > neg[None, :]).sum()
-    ties = (pos[:, None] == neg[None, :]).sum()
     order = np.argsort(-s[live], kind="stable")[: len(pos)]
 
     def mean_ci(x):
@@ -103,7 +129,7 @@ def object_recovery(scores: xr.DataArray, samples: Sequence, key: str = "top") -
 
     (pm, pci), (nm, nci) = mean_ci(pos), mean_ci(neg)
     return {
-        "auroc": round(float((greater + 0.5 * ties) / (len(pos) * len(neg))), 4),
+        "auroc": round(_mann_whitney(pos, neg), 4),
         "precision": round(float(truth[live][order].mean()), 4),
         "counted": int(len(pos)),
         "ignored": int(len(neg)),

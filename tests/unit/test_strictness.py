@@ -102,3 +102,31 @@ def test_region_checks_name_each_bar():
         "follows_top": True,
         "object_auroc": True,
     }
+
+
+def test_node_and_object_recovery_on_hand_worked_scores():
+    import xarray as xr
+
+    from countlens.circuits.recovery import node_recovery, object_recovery
+
+    scores = {"L0H2": 0.9, "MLP1": -0.5, "L0H0": 0.5, "L1H1": 0.1, "MLP2": float("nan")}
+    # C = {L0H2, MLP1}: of the 2 × 2 (inside, outside) pairs, L0H2 beats both, MLP1 ties L0H0 and beats L1H1;
+    # the top 2 are L0H2 and, of the tie at 0.5, the one scored first (MLP1) — then L0H0 if listed first
+    assert node_recovery(scores, {"L0H2", "MLP1"}) == {"auroc": 0.875, "precision": 1.0}
+    flipped = {"L0H0": 0.5, **scores}
+    assert node_recovery(flipped, {"L0H2", "MLP1"}) == {"auroc": 0.875, "precision": 0.5}
+    with pytest.raises(InputError, match="MLP3"):
+        node_recovery(scores, {"MLP3"})
+    samples = [top_half_sample(7, i) for i in range(3)]
+    truth = [s.meta["top"] for s in samples]
+    width = max(len(t) for t in truth)
+    perfect = np.full((3, width), np.nan)
+    for k, t in enumerate(truth):
+        perfect[k, : len(t)] = [2.0 if x else 0.1 for x in t]
+    out = object_recovery(xr.DataArray(perfect, dims=("scene", "object")), samples)
+    assert out["auroc"] == 1.0 and out["precision"] == 1.0 and out["counted"] == sum(map(sum, truth))
+    with pytest.raises(InputError, match="meta"):
+        object_recovery(
+            xr.DataArray(perfect, dims=("scene", "object")),
+            [s.__class__(s.scene, s.question, s.answer, "count") for s in samples],
+        )
