@@ -125,8 +125,8 @@ CIRCUITS: dict[str, PlantedCircuit] = {
         ),
         PlantedCircuit(
             "mlp",
-            (PlantedNode(0, 2), PlantedNode(1, None, at="last")),
-            "L0H2 moves the count from the image tokens to the last token, where layer 1's MLP decodes it; every "
+            (PlantedNode(0, 2), PlantedNode(0, None, at="last")),
+            "L0H2 moves the count from the image tokens to the last token, where layer 0's MLP decodes it; every "
             "other head and MLP is resampled",
             steps=600,
             strict_sources=("partner", "different"),

@@ -56,7 +56,7 @@ def test_recovery_refuses_what_cannot_be_scored():
 def test_circuits_are_named_checked_and_each_names_what_is_planted():
     assert set(CIRCUITS) == {"route", "two-hop", "spread", "mlp"}
     mlp = CIRCUITS["mlp"]
-    assert mlp.heads == {(0, 2)} and mlp.mlps == {1} and mlp.mlp_nodes
+    assert mlp.heads == {(0, 2)} and mlp.mlps == {0} and mlp.mlp_nodes
     with pytest.raises(InputError, match="L1MLP.*mlp_nodes=True"):
         check_circuit(PlantedCircuit("x", (PlantedNode(1, None),), "-"), n_layers=6, n_heads=4)
     spread = CIRCUITS["spread"]
@@ -188,15 +188,15 @@ def test_an_mlp_node_is_resampled_like_a_by_hand_mix(organism_batch):
     source = swap_source(rec, partner)
     masks = planter.masks(inputs)
     keep = mlp_keep_masks(CIRCUITS["mlp"].nodes, masks, 6)
-    assert keep[1].equal(masks["last"]) and not keep[[0, 2, 3, 4, 5]].any()
-    swapped = _seen_after_resampling(model, lambda: planter.swapped_logits(inputs, source, (PlantedNode(1, None),)))
-    assert torch.equal(swapped[1], source["mlp"][1])  # every position from the partner
+    assert keep[0].equal(masks["last"]) and not keep[1:].any()
+    swapped = _seen_after_resampling(model, lambda: planter.swapped_logits(inputs, source, (PlantedNode(0, None),)))
+    assert torch.equal(swapped[0], source["mlp"][0])  # every position from the partner
     assert not torch.equal(swapped[2], source["mlp"][2])  # the others clean
     last = masks["last"]
     strict = _seen_after_resampling(model, lambda: planter.strict_logits(inputs, source, training=True))
     assert torch.equal(strict[3], source["mlp"][3])  # outside C: the partner's everywhere
-    assert not torch.equal(strict[1][last], source["mlp"][1][last])  # kept at the last token
-    assert torch.equal(strict[1][~last], source["mlp"][1][~last])  # elsewhere resampled in training
+    assert not torch.equal(strict[0][last], source["mlp"][0][last])  # kept at the last token
+    assert torch.equal(strict[0][~last], source["mlp"][0][~last])  # elsewhere resampled in training
     route = Planter(model, CIRCUITS["route"], collate)
     route_out = _seen_after_resampling(model, lambda: route.strict_logits(inputs, source, training=False))
     assert not torch.equal(route_out[3], source["mlp"][3])  # a heads-only circuit never resamples MLPs
