@@ -23,6 +23,7 @@ from countlens.circuits.headlens import HeadLens
 from countlens.circuits.integrated import node_attribution
 from countlens.circuits.interventions import Add, Apply, Intervention, Mean, Patch, Resample, Scale, Zero
 from countlens.circuits.lens import logit_lens
+from countlens.circuits.object_edges import object_edge_attribution
 from countlens.circuits.object_effects import object_effects
 from countlens.circuits.object_gradients import object_attribution
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
@@ -85,6 +86,7 @@ __all__ = [
     "mean_difference",
     "node_attribution",
     "object_attribution",
+    "object_edge_attribution",
     "patch_experts",
     "patch_heads",
     "patch_layers",

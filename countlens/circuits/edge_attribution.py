@@ -62,9 +62,12 @@ def _norm_vjp(norm: torch.nn.Module, x: Tensor, cot: Tensor) -> Tensor:
     return g
 
 
-def _gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -> dict:
-    """One forward and backward of ``batch`` with layer 0's input replaced by ``embed``: each layer's
-    norm inputs and the gradients of LD's sum at the receivers' projections (see `receiver_gradients`)."""
+def gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -> dict:
+    """One forward and backward of ``batch`` with layer 0's input replaced by ``embed`` (a tensor shaped
+    like it; a copy is taken), LD = logit(``pb.clean_id``) − logit(``pb.corrupt_id``) at the last
+    position summed over rows: each layer's norm inputs and the gradients of LD's sum at the receivers'
+    projections, which `receiver_gradients` turns into each receiver's ∂LD/∂x_r. Rows do not interact,
+    so a row's gradients are its own LD's. Also `countlens.circuits.object_edges`' pass."""
     hf, got = vlm.hf, {"x": {}, "mid": {}, **{kind: {} for kind in (Q, K, V, AttnIn, MlpIn)}}
     leaf = embed.detach().clone().requires_grad_(True)
 
@@ -103,7 +106,7 @@ def _gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) 
 
 def receiver_gradients(vlm: VLM, graph: EdgeGraph, layer: int, g: dict, sl: slice) -> dict[Receiver, Tensor]:
     """∂LD/∂x_r at positions ``sl`` of every receiver of ``layer`` (the logits: ``layer`` = n_layers),
-    (batch, positions, d_model) each, from a `_gradient_pass`."""
+    (batch, positions, d_model) each, from a `gradient_pass`."""
     if layer == vlm.arch.n_layers:
         return {graph.receivers[-1]: g["final"][:, sl]}
     paths, hf = graph.layers[layer], vlm.hf
@@ -208,7 +211,7 @@ def edge_attributions(
             if not used:
                 continue
             embed = corrupt["embed"] + (k / m) * (clean["embed"] - corrupt["embed"])
-            g = _gradient_pass(vlm, graph, pb.clean, embed, pb)
+            g = gradient_pass(vlm, graph, pb.clean, embed, pb)
             with torch.no_grad():
                 for p0 in range(0, seq, step):
                     sl = slice(p0, min(seq, p0 + step))

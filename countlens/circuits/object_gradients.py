@@ -37,10 +37,11 @@ AtP one plain forward (the reference) and one forward with a backward, 1 + 3 for
 EAP-IG two plain (both inputs recorded) and ``steps`` with a backward, 2 + 3·steps. Where the image
 also enters inside the decoder (Qwen3-VL's DeepStack) those additions are not interpolated.
 
-Not here yet: edge attribution by span (object → receiver: a head's q / k / v, an MLP, the logits).
-It would be this gradient taken at each receiver's own copy of the residual stream
-(`countlens.circuits.edge_attribution.receiver_gradients`), summed over the span; the receivers'
-scores of one object then add up to its node score here.
+Edge attribution by span (object → receiver: a head's q / k / v, an MLP, the logits) is
+`countlens.circuits.object_edges.object_edge_attribution` (EAP, EAP-IG): this gradient taken at each
+receiver's own copy of the residual stream (`countlens.circuits.edge_attribution.receiver_gradients`),
+summed over the span. At ``site="embed"`` an object's edges summed over every receiver (every layer's,
+the logits included) equal its score here, AtP's for EAP and EAP-IG's at the same ``steps`` (tested).
 """
 
 from __future__ import annotations
@@ -174,25 +175,30 @@ def per_token(vlm: VLM, pb: PairBatch, layer: int, method: str, steps: int) -> t
     return a.cpu(), m_clean.double().cpu(), m_ref.double().cpu()
 
 
-def check_request(vlm: VLM, samples, method_name: str, steps, coverage, batch_size, site, what: str):
+def check_request(
+    vlm: VLM, samples, method_name: str, steps, coverage, batch_size, site, what: str, methods: dict = METHODS
+):
     """Every argument checked, and the scenes prepared against their references, before any forward:
-    (steps, the input layer, the pairs, their prepared chunks)."""
+    (steps, the input layer, the pairs, their prepared chunks). ``methods``: the names ``what`` takes and
+    the registry entry each is (whose refusal of the model is reused); every one but "eap-ig" takes
+    one gradient."""
     require_vlm(vlm, what)
-    require_choice(method_name, f"{what} method", tuple(METHODS))
-    why = registry_method(METHODS[method_name]).refusal(vlm)
+    require_choice(method_name, f"{what} method", tuple(methods))
+    why = registry_method(methods[method_name]).refusal(vlm)
     if why is not None:
-        raise InputError(f"{what}: {METHODS[method_name]} does not run on {vlm.name}: {why}")
+        raise InputError(f"{what}: {methods[method_name]} does not run on {vlm.name}: {why}")
     require_local(vlm, what)
     if vlm.arch.spec.cross_attention is not None:
         raise InputError(
             f"{what}: {vlm.arch.name} has no image tokens (its image reaches the text as image states), so an "
             "object has no span of positions to attribute to"
         )
-    if method_name == "atp" and steps not in (None, 1):
+    if method_name != "eap-ig" and steps not in (None, 1):
         raise InputError(
-            f"{what}: AtP takes one gradient, the clean input's; steps={steps!r} is EAP-IG's (method='eap-ig')"
+            f"{what}: {methods[method_name]} takes one gradient, the clean input's; steps={steps!r} is "
+            "EAP-IG's (method='eap-ig')"
         )
-    steps = 1 if method_name == "atp" else IG_STEPS if steps is None else require_count(steps, "steps")
+    steps = 1 if method_name != "eap-ig" else IG_STEPS if steps is None else require_count(steps, "steps")
     require_share(coverage, "coverage")
     require_count(batch_size, "batch_size")
     layer = input_layer(vlm, site)

@@ -71,6 +71,7 @@ def calls(loaded):
         "logit_lens": lambda: circuits.logit_lens(vlm, samples[:2]),
         "node_attribution": lambda: circuits.node_attribution(vlm, pairs, steps=1),
         "object_attribution": lambda: circuits.object_attribution(vlm, tricks, method="eap-ig", steps=2),
+        "object_edge_attribution": lambda: circuits.object_edge_attribution(vlm, tricks, method="eap-ig", steps=2),
         "object_effects": lambda: circuits.object_effects(vlm, tricks, reference="background"),
         "object_misses": lambda: analysis.object_misses(circuits.object_effects(vlm, tricks[:1]), n_boot=50),
         "patch_experts": lambda: circuits.patch_experts(moe, moe_pairs),

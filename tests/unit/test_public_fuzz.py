@@ -125,6 +125,7 @@ def _valid_calls(loaded) -> dict:
         "mean_difference": dict(vlm=vlm, a=samples, b=samples[::-1], site=circuits.Residual(1)),
         "node_attribution": dict(vlm=vlm, pairs=pairs, steps=1),
         "object_attribution": dict(vlm=vlm, samples=scenes, method="atp"),
+        "object_edge_attribution": dict(vlm=vlm, samples=scenes, method="eap", peak=True),
         "object_effects": dict(vlm=vlm, samples=scenes, reference="background"),
         "object_misses": dict(effects=circuits.object_effects(vlm, scenes, reference="background"), n_boot=50),
         "patch_heads": dict(vlm=vlm, pairs=pairs, layers=[0]),
