@@ -219,6 +219,10 @@ FAMILY_NAMES_ELSEWHERE: dict[tuple[str, str], str] = {
         "the planted organisms are the Qwen2-VL organism trained further: it loads and saves that HF class "
         "(a user of the family, like countlens/toy/recipe.py)"
     ),
+    ("countlens/toy/regions.py", "qwen"): (
+        "the top-half organism is the Qwen2-VL organism trained further: it loads and saves that HF class "
+        "(a user of the family, like countlens/toy/plant.py)"
+    ),
     ("countlens/circuits/atp_star.py", "qwen"): (
         "the model types AtP*'s attention recomputation was verified on (it also checks itself against the "
         "model's own z on every run); moves into ArchSpec as data when a second family is verified"
