@@ -16,9 +16,12 @@ TOY_DIR = _TOY / "weights"
 #: The planted circuits whose organisms ship (trained and passing their checks); the others of
 #: `CIRCUITS` are recipes only: `countlens toy plant --circuit NAME` trains one.
 SHIPPED_PLANTED: tuple[str, ...] = ("route", "two-hop", "spread")
+#: Organisms whose ground truth is objects, not heads (`countlens.toy.regions`): "top-half" counts only
+#: the objects in the image's top half.
+SHIPPED_OBJECTS: tuple[str, ...] = ("top-half",)
 ORGANISMS: dict[str, Path] = {
     "toy": TOY_DIR,
-    **{f"planted-{name}": _TOY / "organisms" / name for name in SHIPPED_PLANTED},
+    **{f"planted-{name}": _TOY / "organisms" / name for name in SHIPPED_PLANTED + SHIPPED_OBJECTS},
 }
 
 
@@ -31,4 +34,4 @@ def planted_circuit_of(name: object):
     """The circuit planted in the organism ``name`` (a `countlens.toy.planted.PlantedCircuit`), or None
     for a model without one."""
     name = str(name)
-    return CIRCUITS[name.removeprefix("planted-")] if name.startswith("planted-") and name in ORGANISMS else None
+    return CIRCUITS.get(name.removeprefix("planted-")) if name.startswith("planted-") and name in ORGANISMS else None

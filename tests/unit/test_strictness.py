@@ -92,7 +92,7 @@ def test_top_half_scenes_keep_their_rule_and_rebuild_from_their_recipe():
 def test_region_checks_name_each_bar():
     figures = {
         "accuracy": 0.95,
-        "bottom_removed": {"drop": 0.03},
+        "bottom_removed": {"drop": -0.03},
         "top_one_removed_follows": 0.9,
         "objects": {"auroc": 0.99},
     }
