@@ -26,6 +26,21 @@ VAP (`patch_layers`) patches the residual stream by layer and token group, so it
 is shown as the route it measures: per layer, the effect of patching the image tokens, the other
 text (where `<|vision_end|>` is) and the last position.
 
+On an organism whose MLPs are nodes (``planted-mlp``: C = L0H2 and layer 0's MLP), the methods that
+score MLPs are scored again over every node, heads and MLPs together (`node_recovery`, 30 nodes):
+exact patching (heads' z, and each MLP's output patched from the corrupt run), EAP-IG on nodes
+(``mlp_effect``), EAP and EAP-IG on edges (a node's outgoing edges); random: AUROC 0.5,
+precision |C| / 30. Its head rows score against C's heads only.
+
+On the top-half organism (``planted-top-half``, `countlens.toy.regions`: only objects in the top half
+count), the ground truth is objects: 48 of its fresh scenes (seed 2), every object scored by exact
+object effects (`countlens.circuits.object_effects`: removed and background references, at the input)
+and by AtP and EAP-IG per object (`countlens.circuits.object_attribution`, against the background),
+against the objects it counts (`object_recovery`: AUROC of |score|, precision@|counted|, objects
+pooled over scenes); random: AUROC 0.5, precision = the counted share.
+
+No organism has edge-level ground truth yet: the edge methods are scored at head (and MLP) level.
+
 These are countlens's own measurements on its own planted organisms: no paper's figures are
 comparable. Writes bench/planted_recovery.json and prints the tables docs/benchmarks.md shows.
 """
@@ -48,11 +63,19 @@ from countlens.circuits import (
     patch_layers,
 )
 from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
+from countlens.circuits.interventions import Patch
 from countlens.circuits.methods import METHODS
-from countlens.circuits.recovery import auroc, precision_at
+from countlens.circuits.object_effects import object_effects
+from countlens.circuits.object_gradients import object_attribution
+from countlens.circuits.recovery import auroc, node_recovery, object_recovery, precision_at
+from countlens.circuits.run import effect
+from countlens.circuits.sites import MlpOut
 from countlens.datasets.pairs import count_pair
-from countlens.organisms import SHIPPED_PLANTED
+from countlens.labels import head_label
+from countlens.organisms import SHIPPED_OBJECTS, SHIPPED_PLANTED
 from countlens.toy.planted import CIRCUITS
+from countlens.toy.regions import top_half_sample
+from countlens.toy.strictness import FRESH_SEED
 
 OUT = Path(__file__).with_suffix(".json")
 #: The HeadLens classes that move or aggregate the count: the heads a class-based reading would name.
@@ -95,13 +118,69 @@ def vap_route(vlm, pairs) -> dict[str, list]:
     }
 
 
+def node_rows(vlm, pairs, circuit, results: dict) -> dict:
+    """Heads and MLPs ranked together by the methods that score MLPs, against C's heads and MLPs."""
+    arch = vlm.arch
+    members = {head_label(h) for h in circuit.heads} | {f"MLP{layer}" for layer in circuit.mlps}
+
+    def heads_and(head_scores: xr.DataArray, mlp_scores) -> dict:
+        out = {
+            head_label((la, h)): float(head_scores.sel(layer=la, head=h))
+            for la in range(arch.n_layers)
+            for h in range(arch.heads(la))
+        }
+        return out | {f"MLP{la}": float(v) for la, v in enumerate(mlp_scores)}
+
+    mlps = effect(vlm, pairs, {f"MLP{la}": [Patch(MlpOut(la))] for la in range(arch.n_layers)}).effect.values
+    scored = {"exact patching (heads + MLPs)": heads_and(results["exact patching"], mlps)}
+    from countlens.circuits.integrated import node_attribution
+
+    ig = node_attribution(vlm, pairs, steps=5)
+    scored["EAP-IG (heads + MLPs)"] = heads_and(ig.effect, ig.mlp_effect.values)
+    for name in ("EAP (edges)", "EAP-IG (edges)"):
+        if name in results:
+            by = dict(zip(results[name]["node"].values.tolist(), results[name].node_effect.values.tolist()))
+            scored[f"{name} (heads + MLPs)"] = {k: by[k] for k in heads_and(results["exact patching"], mlps)}
+    rows = {name: node_recovery(scores, members) for name, scores in scored.items()}
+    n_nodes = len(next(iter(scored.values())))
+    rows["random (expected)"] = {"auroc": 0.5, "precision": round(len(members) / n_nodes, 3)}
+    return {"circuit": sorted(members), "methods": rows}
+
+
+def object_rows(vlm, n_scenes: int) -> dict:
+    """Exact object effects and per-object AtP / EAP-IG against the objects the organism counts."""
+    scenes = [top_half_sample(FRESH_SEED, i) for i in range(n_scenes)]
+    scores, seconds = {}, {}
+    for name, run in (
+        ("exact (removed)", lambda: object_effects(vlm, scenes, "removed", "embed").effect),
+        ("exact (background)", lambda: object_effects(vlm, scenes, "background", "embed").effect),
+        ("AtP", lambda: object_attribution(vlm, scenes, "atp").score),
+        ("EAP-IG", lambda: object_attribution(vlm, scenes, "eap-ig").score),
+    ):
+        start = time.time()
+        scores[name] = run()
+        seconds[name] = round(time.time() - start, 1)
+    rows = {name: {**object_recovery(s, scenes), "seconds": seconds[name]} for name, s in scores.items()}
+    counted = next(iter(rows.values()))
+    share = counted["counted"] / (counted["counted"] + counted["ignored"])
+    rows["random (expected)"] = {"auroc": 0.5, "precision": round(share, 3)}
+    return {"scenes": n_scenes, "methods": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=64)
-    ap.add_argument("--organisms", nargs="*", default=[f"planted-{c}" for c in SHIPPED_PLANTED])
+    ap.add_argument("--scenes", type=int, default=48, help="the top-half organism's scenes")
+    ap.add_argument("--organisms", nargs="*", default=[f"planted-{c}" for c in SHIPPED_PLANTED + SHIPPED_OBJECTS])
     args = ap.parse_args()
     result: dict = {"pairs": args.pairs, "organisms": {}}
     for name in args.organisms:
+        if name.removeprefix("planted-") in SHIPPED_OBJECTS:
+            start = time.time()
+            result["organisms"][name] = {"objects": object_rows(countlens.load(name), args.scenes)}
+            result["organisms"][name]["seconds"] = round(time.time() - start, 1)
+            print(name, json.dumps(result["organisms"][name], indent=1), flush=True)
+            continue
         circuit = CIRCUITS[name.removeprefix("planted-")]
         vlm = countlens.load(name)
         pairs = [count_pair(0, i, "shapes", prompt="short") for i in range(args.pairs)]
@@ -133,8 +212,10 @@ def main() -> None:
             "circuit": sorted(circuit.heads),
             "methods": rows,
             "vap": vap_route(vlm, pairs),
-            "seconds": round(time.time() - start, 1),
         }
+        if circuit.mlp_nodes:
+            result["organisms"][name]["nodes"] = node_rows(vlm, pairs, circuit, {**ranks, **edge_results})
+        result["organisms"][name]["seconds"] = round(time.time() - start, 1)
         print(name, json.dumps(rows, indent=1), flush=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
@@ -143,6 +224,18 @@ def main() -> None:
 def table(result: dict) -> str:
     lines = []
     for name, r in result["organisms"].items():
+        if "objects" in r:
+            lines += [
+                f"\n{name}: objects ({r['objects']['scenes']} fresh scenes; C = the objects in the top half)\n",
+                "| method | AUROC | precision@|counted| | mean abs score, counted | ignored | s |",
+                "|---|---|---|---|---|---|",
+            ]
+            for method, row in r["objects"]["methods"].items():
+                cells = [
+                    row.get(c, "") for c in ("auroc", "precision", "counted_mean_abs", "ignored_mean_abs", "seconds")
+                ]
+                lines.append(f"| {method} | " + " | ".join(str(c) for c in cells) + " |")
+            continue
         k = len(r["circuit"])
         lines += [
             f"\n{name} (C = {', '.join(f'L{a}H{b}' for a, b in r['circuit'])})\n",
@@ -152,6 +245,14 @@ def table(result: dict) -> str:
         for method, row in r["methods"].items():
             cells = [row.get(c, "") for c in ("auroc", f"precision@{k}", f"f(top {k})", "cpr", "cmd")]
             lines.append(f"| {method} | " + " | ".join(str(c) for c in cells) + " |")
+        if "nodes" in r:
+            nodes = r["nodes"]
+            lines += [
+                f"\n{name}, heads and MLPs ranked together (C = {', '.join(nodes['circuit'])})\n",
+                f"| method | AUROC | precision@{len(nodes['circuit'])} |",
+                "|---|---|---|",
+                *(f"| {m} | {row['auroc']} | {row['precision']} |" for m, row in nodes["methods"].items()),
+            ]
         vap = r["vap"]
         lines += [
             f"\nVAP on {name}: effect of patching the residual stream after each layer (−1: the embeddings)\n",
