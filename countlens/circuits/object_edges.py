@@ -54,7 +54,6 @@ from countlens.circuits.object_effects import count_of
 from countlens.circuits.object_gradients import check_request, spans
 from countlens.circuits.pair_batch import PairBatch, logit_diff
 from countlens.circuits.sites import Embed
-from countlens.errors import InputError
 from countlens.results import provenance
 
 if TYPE_CHECKING:
@@ -145,9 +144,9 @@ def object_edge_attribution(
     ``clean_metric``, ``reference_metric`` and, for EAP-IG, ``completeness_error``. Every argument is
     checked, and a model whose edges are undefined refused, before any forward."""
     what = "object_edge_attribution"
-    steps, _, pairs, chunks = check_request(vlm, samples, method, steps, coverage, batch_size, "embed", what, METHODS)
-    if not isinstance(peak, (bool, np.bool_)):
-        raise InputError(f"{what}: peak={peak!r}: give True (an object owns at least its peak cell's token) or False")
+    steps, _, pairs, chunks = check_request(
+        vlm, samples, method, steps, coverage, batch_size, "embed", what, METHODS, peak=peak
+    )
     graph = edge_graph(vlm)  # the registry's refusal above has built it once already
     n, width, n_r = len(pairs), max(len(p.clean.scene.objects) for p in pairs), len(graph.receivers)
     score = np.full((n, width, n_r), np.nan)
@@ -167,6 +166,7 @@ def object_edge_attribution(
                 parts[part][row] = got[:, b, width + j].numpy()
             metric["clean_metric"][row], metric["reference_metric"][row] = float(m_clean[b]), float(m_ref[b])
             row += 1
+    score[tokens == 0] = np.nan  # an object that owns no token (hidden) has no edge, as in object_effects
     total = metric["clean_metric"] - metric["reference_metric"]
     data = {"score": (("scene", "object", "receiver"), score), "tokens": (("scene", "object"), tokens)}
     data |= {k: (("scene", "receiver"), v) for k, v in parts.items()}

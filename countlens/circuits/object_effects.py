@@ -54,9 +54,12 @@ are NaN). Token spans: ``covers`` Bool over (scene, object, token), ``token`` th
 scene's image tokens in sequence order (padding False), with their cell in ``token_row`` /
 ``token_col`` (−1 on padding). Per scene: ``count``, ``case`` (the sample's meta, "" if none),
 ``clean_logit_diff`` and ``clean_correct`` (the arg-max at the read position is the true answer's
-token). Cost in forwards: S clean runs, plus N reference runs ("removed") or S ("background"), plus
-N patched runs, for S scenes and N objects that cover a token; rows batched ``batch_size`` at a time
-(a chunk holds whole scenes, at least one).
+token: the whole answer where counts are one token, as in the organism's vocabulary; where a tokenizer
+splits digits, only the first token where n and n − 1 differ — a 10 read after "1" is not told from
+11 or 12 — so give `object_misses` the run's own answers, ``wrong=``, as discover does). Cost in
+forwards: S clean runs, plus N reference runs ("removed") or S ("background"), plus N patched runs,
+for S scenes and N objects that cover a token; rows batched ``batch_size`` objects at a time (a chunk
+holds whole scenes, at least one, so a scene of more objects makes a larger chunk).
 """
 
 from __future__ import annotations
@@ -235,6 +238,10 @@ def object_effects(
     site = object_site(vlm, site)
     coverage = require_share(coverage, "coverage")
     batch_size = require_count(batch_size, "batch_size")
+    if not isinstance(peak, (bool, np.bool_)):
+        raise InputError(
+            f"object_effects: peak={peak!r}: give True (an object owns at least its peak cell's token) or False"
+        )
     samples = list(samples)
     scenes = _scenes(samples, objects)
     counts = [len(s.objects) for s in scenes]  # objects per scene; the answer's count is the sample's own
@@ -295,8 +302,7 @@ def object_effects(
         for k, (_, s, i) in enumerate(items):
             ld["patched"][s, i], ld["reference"][s, i] = float(patched[0, k]), float(ref_ld[k])
 
-    out = _dataset(vlm, samples, scenes, counts, layout, ld, clean_ld, correct, reference, site, coverage, peak)
-    return out.assign(count=("scene", np.array(true)))
+    return _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, reference, site, coverage, peak)
 
 
 def _without(scene, i: int | None):
@@ -325,7 +331,7 @@ def scene_chunks(counts: Sequence[int], live: Sequence, batch_size: int) -> list
     return out + [cur] if cur else out
 
 
-def _dataset(vlm, samples, scenes, counts, layout, ld, clean_ld, correct, reference, site, coverage, peak):
+def _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, reference, site, coverage, peak):
     n_scenes, width = len(samples), max(counts)
     T = max(len(c) for c in layout["cells"])
     exists = np.arange(width)[None, :] < np.array(counts)[:, None]
@@ -363,7 +369,7 @@ def _dataset(vlm, samples, scenes, counts, layout, ld, clean_ld, correct, refere
         "touches": (so, per_object("touches", False, bool)),
         "clean_logit_diff": ("scene", clean_ld),
         "clean_correct": ("scene", correct),
-        "count": ("scene", np.array(counts)),
+        "count": ("scene", np.array(true)),
         "case": ("scene", np.array([str(s.meta.get("case", "")) if s.meta else "" for s in samples])),
     }
     for key in ("offset", "token_offset", "size", "size_px", "cx", "cy"):

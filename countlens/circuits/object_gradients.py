@@ -176,7 +176,16 @@ def per_token(vlm: VLM, pb: PairBatch, layer: int, method: str, steps: int) -> t
 
 
 def check_request(
-    vlm: VLM, samples, method_name: str, steps, coverage, batch_size, site, what: str, methods: dict = METHODS
+    vlm: VLM,
+    samples,
+    method_name: str,
+    steps,
+    coverage,
+    batch_size,
+    site,
+    what: str,
+    methods: dict = METHODS,
+    peak: bool = True,
 ):
     """Every argument checked, and the scenes prepared against their references, before any forward:
     (steps, the input layer, the pairs, their prepared chunks). ``methods``: the names ``what`` takes and
@@ -201,10 +210,28 @@ def check_request(
     steps = 1 if method_name != "eap-ig" else IG_STEPS if steps is None else require_count(steps, "steps")
     require_share(coverage, "coverage")
     require_count(batch_size, "batch_size")
+    if not isinstance(peak, (bool, np.bool_)):
+        raise InputError(f"{what}: peak={peak!r}: give True (an object owns at least its peak cell's token) or False")
     layer = input_layer(vlm, site)
     samples = require_sequence(samples, "samples", example="countingtricks(['1A'], 8, grid=vlm.geometry)")
     pairs = [ReferencePair(s, reference_sample(s, f"sample {i}"), index=i) for i, s in enumerate(samples)]
+    for i, p in enumerate(pairs):  # else prepare_pairs would call the pair "the same picture"
+        if np.array_equal(np.asarray(p.clean.image), np.asarray(p.corrupt.image)):
+            raise InputError(
+                f"{what}: sample {i}'s objects are all outside the image (it renders as its background): no object "
+                "has a token to attribute to; draw its objects inside the image or leave the sample out"
+            )
     chunks = [prepare_pairs(vlm, pairs[i : i + batch_size]) for i in range(0, len(pairs), batch_size)]
+    peak = True if peak is None else peak
+    owned = (
+        pos for pb in chunks for b, s in enumerate(pb.clean.samples) for pos in spans(pb.clean, b, s, coverage, peak)
+    )
+    if not any(len(pos) for pos in owned):
+        raise InputError(
+            f"{what}: no object of these {len(samples)} scenes covers an image token at coverage {coverage} "
+            f"(peak={peak}): there is nothing to attribute to. Lower coverage, or set peak=True so that every object "
+            "with a pixel in the image owns its largest cell"
+        )
     return steps, layer, pairs, chunks
 
 
@@ -225,7 +252,11 @@ def object_attribution(
     ``background``, ``text``, ``image_total`` = m(clean) − m(reference), ``clean_metric``,
     ``reference_metric`` and, for EAP-IG, ``completeness_error``."""
     what = "object_attribution"
-    steps, layer, pairs, chunks = check_request(vlm, samples, method, steps, coverage, batch_size, site, what)
+    if not isinstance(peak, bool):
+        raise InputError(f"{what}: peak is True or False; got {peak!r}")
+    steps, layer, pairs, chunks = check_request(
+        vlm, samples, method, steps, coverage, batch_size, site, what, peak=peak
+    )
     n, width = len(pairs), max(len(p.clean.scene.objects) for p in pairs)
     score = np.full((n, width), np.nan)
     tokens = np.zeros((n, width), dtype=np.int64)
@@ -242,7 +273,7 @@ def object_attribution(
             real = pb.clean.inputs["attention_mask"][b].bool()
             k = torch.zeros(a.shape[1], dtype=torch.int64)
             for i, pos in enumerate(objs):
-                score[row, i] = float(a[b, pos].sum())
+                score[row, i] = float(a[b, pos].sum()) if len(pos) else np.nan  # hidden: as object_effects
                 tokens[row, i] = len(pos)
                 k[pos] += 1
             per_scene["objects"][row] = float(a[b, k > 0].sum())

@@ -55,7 +55,7 @@ def _panel(ax, ds: xr.Dataset, k: int, norm, cmap) -> None:
     labels = ds["labels"].values[k, :h, :w]
     ax.imshow((0.45 * image + 0.55 * 235).round().astype(np.uint8), interpolation="nearest")
     effect = ds["effect"].values[s]
-    for i in range(int(ds["count"].values[s])):
+    for i in range(int(ds["exists"].values[s].sum())):  # every object drawn (count may be fewer)
         mask = labels == i + 1
         if not mask.any():
             continue  # painted over by later objects, or outside the stored image
@@ -70,7 +70,7 @@ def _panel(ax, ds: xr.Dataset, k: int, norm, cmap) -> None:
     ax.set_xticks([])
     ax.set_yticks([])
     answer = f"answered {ds['pred'].values[s]}" if "pred" in ds else ""
-    ax.set_title(f"{ds['case'].values[s]}: {int(ds['count'].values[s])} objects\n{answer}", fontsize=7)
+    ax.set_title(f"{ds['case'].values[s]}: {int(ds['exists'].values[s].sum())} objects\n{answer}", fontsize=7)
 
 
 def object_scenes(ds: xr.Dataset, title: str | None = None) -> Figure:
@@ -80,7 +80,7 @@ def object_scenes(ds: xr.Dataset, title: str | None = None) -> Figure:
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
-    _check(ds, ("effect", "count", "case", "answered_right", "drawn_scene", "image", "labels"))
+    _check(ds, ("effect", "exists", "count", "case", "answered_right", "drawn_scene", "image", "labels"))
     right = ds["answered_right"].values[ds["drawn_scene"].values].astype(bool)
     rows = [np.flatnonzero(right), np.flatnonzero(~right)]
     ncols = max(1, max(len(r) for r in rows))
