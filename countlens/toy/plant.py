@@ -218,6 +218,18 @@ def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig | None = None, pro
         return _plant(out, circuit, pc, progress)
 
 
+def save_organism(model, out: Path, rows: list[dict]):
+    """Save a trained organism into ``out`` (weights, the organism's tokenizer and processor, the training
+    log) and return it loaded back from there, so that its checks measure what was written."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    build_image_processor(ToyConfig()).save_pretrained(out)
+    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+
+
 def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dict:
     """`plant`'s training and verification, by the process that holds ``out``'s lock."""
     from transformers import Qwen2VLForConditionalGeneration
@@ -235,11 +247,7 @@ def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dic
     start = time.time()
     train_planted(model, circuit, pc, log)
     seconds = round(time.time() - start, 1)
-    model.save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
-    build_image_processor(ToyConfig()).save_pretrained(out)
-    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    saved = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    saved = save_organism(model, out, rows)
     figures = verify(saved, circuit)
     fresh = fresh_strictness(saved, circuit)
     record = {

@@ -38,7 +38,7 @@ from countlens.datasets.prompts import make_question
 from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng
-from countlens.toy.plant import PlantConfig
+from countlens.toy.plant import PlantConfig, save_organism
 from countlens.toy.strictness import FRESH_SEED, paired_drop, wilson
 from countlens.validate import require_count, require_seed
 
@@ -185,7 +185,6 @@ def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) ->
 
     from countlens.files import claim_directory, directory_lock
     from countlens.organisms import TOY_DIR
-    from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 
     recipe = {**REGION_RECIPE, "steps": steps, "seed": seed}
     out = Path(out)
@@ -202,11 +201,7 @@ def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) ->
         start = time.time()
         train_regions(model, steps=steps, seed=seed, batch=recipe["batch"], lr=recipe["lr"], log=log)
         seconds = round(time.time() - start, 1)
-        model.save_pretrained(out)
-        build_tokenizer().save_pretrained(out)
-        build_image_processor(ToyConfig()).save_pretrained(out)
-        (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        saved = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+        saved = save_organism(model, out, rows)
         figures = verify_regions(saved)
         record = {
             "circuit": {
