@@ -105,6 +105,8 @@ CIRCUITS: dict[str, PlantedCircuit] = {
             (PlantedNode(0, 2),),
             "one routing head (L0H2) moves the count from the image tokens to the last token; the MLPs after it "
             "decode it",
+            steps=800,
+            strict_sources=("partner", "different"),
         ),
         PlantedCircuit(
             "two-hop",
