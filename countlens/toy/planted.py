@@ -115,7 +115,7 @@ CIRCUITS: dict[str, PlantedCircuit] = {
             "on to the last token",
             blind_layers=(1,),
             steps=800,
-            strict_sources=("partner", "random"),
+            strict_sources=("partner", "random", "different"),
         ),
         PlantedCircuit(
             "spread",
