@@ -31,6 +31,10 @@ class ImageTokenCountError(InputError):
     its processor's tiles give: the processor's settings disagree with the model's."""
 
 
+class NoObjectTokensError(InputError):
+    """No chosen object of the scenes owns an image token: there is nothing to patch or attribute to."""
+
+
 class ConfigError(CountlensError):
     """A configuration that cannot run: a `DiscoverConfig` / `FinetuneConfig` field, a preset, a
     recipe, a command-line option, a dtype or device name."""

@@ -81,7 +81,7 @@ from countlens.circuits.positions import Objects
 from countlens.circuits.recorder import location, require_local
 from countlens.circuits.sites import Residual
 from countlens.datasets.contact import boundary_gap
-from countlens.errors import InputError
+from countlens.errors import InputError, NoObjectTokensError
 from countlens.results import provenance
 from countlens.validate import require_choice, require_count, require_share
 from countlens.vlm import check_samples
@@ -233,6 +233,11 @@ def object_effects(
     module docstring defines every variable."""
     require_vlm(vlm, "object_effects")
     require_local(vlm, "object_effects")
+    if vlm.arch.spec.cross_attention is not None:
+        raise NoObjectTokensError(
+            f"object_effects: {vlm.arch.name} has no image tokens (its image reaches the text as image states "
+            "through cross-attention), so an object has no positions to patch"
+        )
     check_samples(samples, "object_effects")
     reference = require_choice(reference, "reference", REFERENCES)
     site = object_site(vlm, site)
@@ -252,7 +257,7 @@ def object_effects(
     chosen = set(range(max(counts))) if objects is None else set(Objects(objects).objects)
     live = [[bool(sp[i].any()) and i in chosen for i in range(n)] for sp, n in zip(layout["spans"], counts)]
     if not any(any(x) for x in live):
-        raise InputError(
+        raise NoObjectTokensError(
             f"no chosen object of these {len(samples)} scenes covers an image token at coverage {coverage} "
             f"(peak={bool(peak)}): there is nothing to patch. Lower coverage, or set peak=True so that every "
             "object with a pixel in the image owns its largest cell"

@@ -248,3 +248,10 @@ def test_a_reference_with_another_token_layout_is_refused(toy, tricks, monkeypat
     monkeypatch.setattr(module, "_without", lambda scene, i: bigger)
     with pytest.raises(InputError, match="token layout"):
         object_effects(toy, tricks[:1], reference="background")
+
+
+def test_a_model_without_image_tokens_is_refused_with_the_reason(loaded, tricks):
+    from countlens.errors import NoObjectTokensError
+
+    with pytest.raises(NoObjectTokensError, match="no image tokens .*cross-attention"):
+        object_effects(loaded("mllama"), tricks)

@@ -29,7 +29,7 @@ from countlens.analysis.attention_maps import downsampled
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses, shown_rows
 from countlens.analysis.tables import finite_markdown
 from countlens.circuits.object_effects import object_effects, scene_chunks
-from countlens.errors import InputError, RunDirError
+from countlens.errors import NoObjectTokensError, RunDirError
 from countlens.pipeline.costs import Forward, Planner, StagePlan
 from countlens.pipeline.stages.attention_maps import choose
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
@@ -69,7 +69,7 @@ def _compute(run: RunContext) -> xr.Dataset:
     chosen = [samples[i] for i in index]
     try:
         ds = object_effects(run.vlm, chosen, reference=REFERENCE, site=SITE, batch_size=run.batch_size)
-    except InputError as refused:  # no object to measure on this model's inputs: the report says why
+    except NoObjectTokensError as refused:  # no object owns a token of this model's inputs: the report says why
         return xr.Dataset(attrs={"refused": str(refused)})
     answers = cases["pred"] if "pred" in cases else cases["text"]
     right = cases["correct"].values[index].astype(bool)
