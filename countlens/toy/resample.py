@@ -40,7 +40,9 @@ def recorded(model) -> Iterator[dict[str, list[torch.Tensor]]]:
     hooks = []
     for layer in range(n):
         a = _attn(model, layer)
-        hooks.append(_mlp(model, layer).register_forward_hook(lambda _m, _a, out, layer=layer: _put(rec, layer, out)))
+
+        def mlp_hook(_m, _args, out, layer=layer):
+            rec["mlp"][layer] = out.detach()
 
         def z_hook(_m, args, layer=layer):
             rec["z"][layer] = args[0].detach()
@@ -52,6 +54,7 @@ def recorded(model) -> Iterator[dict[str, list[torch.Tensor]]]:
             return hook
 
         hooks += [
+            _mlp(model, layer).register_forward_hook(mlp_hook),
             a.o_proj.register_forward_pre_hook(z_hook),
             a.k_proj.register_forward_hook(kv_hook("k", layer)),
             a.v_proj.register_forward_hook(kv_hook("v", layer)),
@@ -61,10 +64,6 @@ def recorded(model) -> Iterator[dict[str, list[torch.Tensor]]]:
     finally:
         for h in hooks:
             h.remove()
-
-
-def _put(rec: dict, layer: int, out: torch.Tensor) -> None:
-    rec["mlp"][layer] = out.detach()
 
 
 def position_masks(input_ids: torch.Tensor, image_id: int, vision_end_id: int) -> dict[str, torch.Tensor]:
