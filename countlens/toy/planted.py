@@ -114,7 +114,7 @@ CIRCUITS: dict[str, PlantedCircuit] = {
             "L0H0 moves the count from the image tokens to <|vision_end|>; L1H1, blind to the image, moves it "
             "on to the last token",
             blind_layers=(1,),
-            steps=800,
+            steps=1200,
             strict_sources=("partner", "random", "different"),
         ),
         PlantedCircuit(
