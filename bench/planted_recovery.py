@@ -172,8 +172,13 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=64)
     ap.add_argument("--scenes", type=int, default=48, help="the top-half organism's scenes")
     ap.add_argument("--organisms", nargs="*", default=[f"planted-{c}" for c in SHIPPED_PLANTED + SHIPPED_OBJECTS])
+    ap.add_argument("--merge", action="store_true", help="update these organisms in the existing JSON, keep the others")
     args = ap.parse_args()
     result: dict = {"pairs": args.pairs, "organisms": {}}
+    if args.merge and OUT.exists():
+        result = json.loads(OUT.read_text())
+        if result["pairs"] != args.pairs:
+            raise SystemExit(f"--merge: {OUT} was made with --pairs {result['pairs']}; give the same")
     for name in args.organisms:
         if name.removeprefix("planted-") in SHIPPED_OBJECTS:
             start = time.time()
@@ -227,7 +232,7 @@ def table(result: dict) -> str:
         if "objects" in r:
             lines += [
                 f"\n{name}: objects ({r['objects']['scenes']} fresh scenes; C = the objects in the top half)\n",
-                "| method | AUROC | precision@|counted| | mean abs score, counted | ignored | s |",
+                "| method | AUROC | precision@counted | mean abs score, counted | mean abs score, ignored | s |",
                 "|---|---|---|---|---|---|",
             ]
             for method, row in r["objects"]["methods"].items():
