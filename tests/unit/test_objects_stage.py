@@ -36,6 +36,10 @@ def test_pick_takes_evenly_spaced_samples_of_each_case_in_run_order():
     cases = ["1A"] * 10 + ["2A"] * 3 + ["5A"]
     assert stage.pick(cases, 4).tolist() == [0, 3, 6, 9, 10, 11, 12, 13]
     assert stage.pick(cases, 1).tolist() == [0, 10, 13]
+    # an empty scene (count 0: nothing to measure) is never picked, and a case of only such scenes drops out
+    usable = [i != 0 for i in range(10)] + [True, True, True, False]
+    assert stage.pick(cases, 4, usable).tolist() == [1, 4, 6, 9, 10, 11, 12]
+    assert stage.pick(cases, 4, [False] * len(cases)).tolist() == []
 
 
 @pytest.fixture(scope="module")

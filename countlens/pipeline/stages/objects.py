@@ -41,13 +41,15 @@ PER_OUTCOME = 4
 REFERENCE, SITE = "removed", "embed"
 
 
-def pick(cases: Sequence[str], per_case: int = PER_CASE) -> np.ndarray:
+def pick(cases: Sequence[str], per_case: int = PER_CASE, usable: Sequence[bool] | None = None) -> np.ndarray:
     """Positions (in run order) of up to ``per_case`` samples of each case of ``cases`` (one case name
-    per sample), each case's at evenly spaced positions of its samples."""
+    per sample), each case's at evenly spaced positions of its samples; only the ``usable`` ones (a scene
+    with objects: an empty scene has nothing to measure)."""
     cases = np.asarray([str(c) for c in cases])
+    ok = np.ones(len(cases), dtype=bool) if usable is None else np.asarray(usable, dtype=bool)
     picked: list[int] = []
-    for case in dict.fromkeys(cases.tolist()):
-        where = np.flatnonzero(cases == case)
+    for case in dict.fromkeys(cases[ok].tolist()):
+        where = np.flatnonzero((cases == case) & ok)
         k = min(per_case, len(where))
         picked += where[np.linspace(0, len(where) - 1, k).round().astype(int)].tolist()
     return np.array(sorted(picked), dtype=int)
@@ -55,6 +57,10 @@ def pick(cases: Sequence[str], per_case: int = PER_CASE) -> np.ndarray:
 
 def _case_names(samples: Sequence) -> list[str]:
     return [str((s.meta or {}).get("case", "")) for s in samples]
+
+
+def _with_objects(samples: Sequence) -> list[bool]:
+    return [bool(getattr(getattr(s, "scene", None), "objects", None)) for s in samples]
 
 
 def _compute(run: RunContext) -> xr.Dataset:
@@ -65,7 +71,9 @@ def _compute(run: RunContext) -> xr.Dataset:
             f"{run.out}/results/cases.nc holds {cases.sizes['sample']} answers but the run's cases are "
             f"{len(samples)} samples: it was written by another countlens; delete it and rerun discover"
         )
-    index = pick(_case_names(samples))
+    index = pick(_case_names(samples), usable=_with_objects(samples))
+    if not len(index):
+        return xr.Dataset(attrs={"refused": "no scene of the run's cases draws an object"})
     chosen = [samples[i] for i in index]
     try:
         ds = object_effects(run.vlm, chosen, reference=REFERENCE, site=SITE, batch_size=run.batch_size)
@@ -98,8 +106,10 @@ def _plan(p: Planner) -> StagePlan:
     """S clean forwards, N reference forwards (each cached at the input of layer 0) and N patched ones,
     for the S picked scenes and their N objects, in `object_effects`'s chunks of whole scenes."""
     samples = p.samples("cases")
-    chosen = [samples[i] for i in pick(_case_names(samples))]
-    counts = [len(s.scene.objects) if getattr(s, "scene", None) is not None else 0 for s in chosen]
+    chosen = [samples[i] for i in pick(_case_names(samples), usable=_with_objects(samples))]
+    if not chosen:  # no scene draws an object: the stage only says so
+        return StagePlan("objects", [], kept=0, batch=p.bs, notes=["no scene of the run's cases draws an object"])
+    counts = [len(s.scene.objects) for s in chosen]
     seq = p.seq(chosen, forced=True)  # the answer's first tokens forced: the most object_effects forces
     shapes: Counter = Counter()
     chunks = scene_chunks(counts, [[True] * n for n in counts], p.bs)
