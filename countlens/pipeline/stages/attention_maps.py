@@ -25,6 +25,7 @@ from countlens.errors import RunDirError
 from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
+from countlens.pipeline.stages.cases import answered_cases
 
 #: Samples drawn per outcome (answered right, answered wrong).
 PER_OUTCOME = 4
@@ -48,13 +49,7 @@ def choose(correct, per_outcome: int = PER_OUTCOME) -> np.ndarray:
 
 
 def _compute(run: RunContext) -> xr.Dataset:
-    cases = run.results["cases"]
-    samples = run.inputs["cases"]()
-    if len(samples) != cases.sizes["sample"]:
-        raise RunDirError(
-            f"{run.out}/results/cases.nc holds {cases.sizes['sample']} answers but the run's cases are "
-            f"{len(samples)} samples: it was written by another countlens; delete it and rerun discover"
-        )
+    cases, samples = answered_cases(run)
     chosen = choose(cases["correct"].values)
     # Scored candidates keep the chosen answer as ``pred``; greedy generations keep their ``text``.
     answers = cases["pred"] if "pred" in cases else cases["text"]

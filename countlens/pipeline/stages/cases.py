@@ -14,8 +14,22 @@ import pandas as pd
 from countlens.analysis import plots
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary, unanswered
 from countlens.analysis.tables import case_families, finite_markdown
+from countlens.errors import RunDirError
 from countlens.pipeline.config import conflict_styles
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
+
+
+def answered_cases(run: RunContext) -> tuple:
+    """(the cases stage's stored answers, the run's case samples), refused where the two disagree in
+    number (a cases.nc written by another countlens): what a later stage that reads both starts from."""
+    cases = run.results["cases"]
+    samples = run.inputs["cases"]()
+    if len(samples) != cases.sizes["sample"]:
+        raise RunDirError(
+            f"{run.out}/results/cases.nc holds {cases.sizes['sample']} answers but the run's cases are "
+            f"{len(samples)} samples: it was written by another countlens; delete it and rerun discover"
+        )
+    return cases, samples
 
 
 def _warn_unanswered(run: RunContext, cases) -> None:

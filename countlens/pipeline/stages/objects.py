@@ -29,10 +29,11 @@ from countlens.analysis.attention_maps import downsampled
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses, shown_rows
 from countlens.analysis.tables import finite_markdown
 from countlens.circuits.object_effects import object_effects, scene_chunks
-from countlens.errors import NoObjectTokensError, RunDirError
+from countlens.errors import NoObjectTokensError
 from countlens.pipeline.costs import Forward, Planner, StagePlan
 from countlens.pipeline.stages.attention_maps import choose
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
+from countlens.pipeline.stages.cases import answered_cases
 
 #: Scenes measured per COUNTINGTRICKS case (evenly spaced over the case's samples).
 PER_CASE = 4
@@ -64,13 +65,7 @@ def _with_objects(samples: Sequence) -> list[bool]:
 
 
 def _compute(run: RunContext) -> xr.Dataset:
-    cases = run.results["cases"]
-    samples = run.inputs["cases"]()
-    if len(samples) != cases.sizes["sample"]:
-        raise RunDirError(
-            f"{run.out}/results/cases.nc holds {cases.sizes['sample']} answers but the run's cases are "
-            f"{len(samples)} samples: it was written by another countlens; delete it and rerun discover"
-        )
+    cases, samples = answered_cases(run)
     index = pick(_case_names(samples), usable=_with_objects(samples))
     if not len(index):
         return xr.Dataset(attrs={"refused": "no scene of the run's cases draws an object"})
