@@ -39,7 +39,12 @@ and by AtP and EAP-IG per object (`countlens.circuits.object_attribution`, again
 against the objects it counts (`object_recovery`: AUROC of |score|, precision@|counted|, objects
 pooled over scenes); random: AUROC 0.5, precision = the counted share.
 
-No organism has edge-level ground truth yet: the edge methods are scored at head (and MLP) level.
+On the edge organism (``planted-value-route``, `countlens.toy.edge_plant`: C is four edges, its nodes L0H2
+and MLP1), the edge methods (EAP, EAP-IG on edges) are scored again over all 839 edges against the
+planted edges E (`node_recovery` over edge labels: AUROC, precision@|E|), and the faithfulness of the
+top |E| edges of each ranking — every other edge from the corrupt run — stands beside the planted set
+E's own and a random set's (the mean of 5 draws). Its head rows score against L0H2, its node rows
+(heads and MLPs) against L0H2 and MLP1.
 
 These are countlens's own measurements on its own planted organisms: no paper's figures are
 comparable. Writes bench/planted_recovery.json and prints the tables docs/benchmarks.md shows.
@@ -72,8 +77,7 @@ from countlens.circuits.run import effect
 from countlens.circuits.sites import MlpOut
 from countlens.datasets.pairs import count_pair
 from countlens.labels import head_label
-from countlens.organisms import SHIPPED_OBJECTS, SHIPPED_PLANTED
-from countlens.toy.planted import CIRCUITS
+from countlens.organisms import SHIPPED_EDGES, SHIPPED_OBJECTS, SHIPPED_PLANTED, planted_circuit_of, planted_edges_of
 from countlens.toy.regions import top_half_sample
 from countlens.toy.strictness import FRESH_SEED
 
@@ -147,6 +151,24 @@ def node_rows(vlm, pairs, circuit, results: dict) -> dict:
     return {"circuit": sorted(members), "methods": rows}
 
 
+def edge_rows(vlm, pairs, planted, edge_results: dict) -> dict:
+    """The edge methods' rankings of every edge against the planted edges, and the faithfulness of each
+    ranking's top |E| edges beside E's own and a random set's."""
+    members = set(planted.edges)
+    labels = [str(e) for e in next(iter(edge_results.values()))["edge"].values]
+    k, n = len(members), len(labels)
+    rankings = {**edge_results, "planted E": {label: float(label in members) for label in labels}}
+    top = faithfulness_curves(vlm, pairs, rankings, sizes=((k + 0.5) / n,), level="edge", random_draws=5)
+    f = {str(r): round(float(v), 3) for r, v in zip(top.ranking.values, top.faithfulness.isel(size=0).values)}
+    rows = {}
+    for name, result in edge_results.items():
+        scores = dict(zip(map(str, result["edge"].values), map(float, result.effect.values)))
+        rows[name] = {**node_recovery(scores, members), "f": f[name]}
+    rows["planted E"] = {"auroc": 1.0, "precision": 1.0, "f": f["planted E"]}
+    rows["random (expected)"] = {"auroc": 0.5, "precision": round(k / n, 4), "f": f["random"]}
+    return {"circuit": sorted(members), "edges": n, "methods": rows}
+
+
 def object_rows(vlm, n_scenes: int) -> dict:
     """Exact object effects and per-object AtP / EAP-IG against the objects the organism counts."""
     scenes = [top_half_sample(FRESH_SEED, i) for i in range(n_scenes)]
@@ -171,7 +193,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=64)
     ap.add_argument("--scenes", type=int, default=48, help="the top-half organism's scenes")
-    ap.add_argument("--organisms", nargs="*", default=[f"planted-{c}" for c in SHIPPED_PLANTED + SHIPPED_OBJECTS])
+    ap.add_argument(
+        "--organisms",
+        nargs="*",
+        default=[f"planted-{c}" for c in SHIPPED_PLANTED + SHIPPED_OBJECTS + SHIPPED_EDGES],
+    )
     ap.add_argument("--merge", action="store_true", help="update these organisms in the existing JSON, keep the others")
     args = ap.parse_args()
     result: dict = {"pairs": args.pairs, "organisms": {}}
@@ -186,7 +212,7 @@ def main() -> None:
             result["organisms"][name]["seconds"] = round(time.time() - start, 1)
             print(name, json.dumps(result["organisms"][name], indent=1), flush=True)
             continue
-        circuit = CIRCUITS[name.removeprefix("planted-")]
+        circuit = planted_circuit_of(name)
         vlm = countlens.load(name)
         pairs = [count_pair(0, i, "shapes", prompt="short") for i in range(args.pairs)]
         start = time.time()
@@ -220,6 +246,8 @@ def main() -> None:
         }
         if circuit.mlp_nodes:
             result["organisms"][name]["nodes"] = node_rows(vlm, pairs, circuit, {**ranks, **edge_results})
+        if planted_edges_of(name) is not None:
+            result["organisms"][name]["edges"] = edge_rows(vlm, pairs, planted_edges_of(name), edge_results)
         result["organisms"][name]["seconds"] = round(time.time() - start, 1)
         print(name, json.dumps(rows, indent=1), flush=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
@@ -257,6 +285,15 @@ def table(result: dict) -> str:
                 f"| method | AUROC | precision@{len(nodes['circuit'])} |",
                 "|---|---|---|",
                 *(f"| {m} | {row['auroc']} | {row['precision']} |" for m, row in nodes["methods"].items()),
+            ]
+        if "edges" in r:
+            e = r["edges"]
+            k = len(e["circuit"])
+            lines += [
+                f"\n{name}, edges ranked ({e['edges']} edges; E = {', '.join(e['circuit'])})\n",
+                f"| method | AUROC | precision@{k} | f(top {k} edges) |",
+                "|---|---|---|---|",
+                *(f"| {m} | {row['auroc']} | {row['precision']} | {row['f']} |" for m, row in e["methods"].items()),
             ]
         vap = r["vap"]
         lines += [

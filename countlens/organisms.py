@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from countlens.toy.planted import CIRCUITS
+from countlens.toy.planted import CIRCUITS, EDGE_CIRCUITS
 
 _TOY = Path(__file__).parent / "toy"
 TOY_DIR = _TOY / "weights"
@@ -19,9 +19,12 @@ SHIPPED_PLANTED: tuple[str, ...] = ("route", "two-hop", "spread")
 #: Organisms whose ground truth is objects, not heads (`countlens.toy.regions`): "top-half" counts only
 #: the objects in the image's top half.
 SHIPPED_OBJECTS: tuple[str, ...] = ("top-half",)
+#: Organisms whose ground truth is a set of edges (`countlens.toy.edge_plant`); their nodes (heads and
+#: MLPs) are ground truth too.
+SHIPPED_EDGES: tuple[str, ...] = ("value-route",)
 ORGANISMS: dict[str, Path] = {
     "toy": TOY_DIR,
-    **{f"planted-{name}": _TOY / "organisms" / name for name in SHIPPED_PLANTED + SHIPPED_OBJECTS},
+    **{f"planted-{name}": _TOY / "organisms" / name for name in SHIPPED_PLANTED + SHIPPED_OBJECTS + SHIPPED_EDGES},
 }
 
 
@@ -34,4 +37,14 @@ def planted_circuit_of(name: object):
     """The circuit planted in the organism ``name`` (a `countlens.toy.planted.PlantedCircuit`), or None
     for a model without one."""
     name = str(name)
-    return CIRCUITS.get(name.removeprefix("planted-")) if name.startswith("planted-") and name in ORGANISMS else None
+    if not (name.startswith("planted-") and name in ORGANISMS):
+        return None
+    short = name.removeprefix("planted-")
+    return EDGE_CIRCUITS[short].node_circuit if short in EDGE_CIRCUITS else CIRCUITS.get(short)
+
+
+def planted_edges_of(name: object):
+    """The edge circuit planted in the organism ``name`` (a `countlens.toy.planted.EdgeCircuit`), or None."""
+    name = str(name)
+    short = name.removeprefix("planted-")
+    return EDGE_CIRCUITS.get(short) if name.startswith("planted-") and name in ORGANISMS else None

@@ -62,7 +62,10 @@ def toy_train(
 
 def toy_plant(
     circuit: Annotated[
-        str, typer.Option(help="The circuit to plant: route, two-hop, spread, mlp, or top-half (objects).")
+        str,
+        typer.Option(
+            help="The circuit to plant: route, two-hop, spread, mlp, top-half (objects) or value-route (edges)."
+        ),
     ],
     out: Annotated[Path, typer.Option(help="Directory for the checkpoint, training log and planted.json.")],
     seed: Annotated[int, typer.Option(help="Seed of torch and of the training pairs.")] = 0,
@@ -78,8 +81,18 @@ def toy_plant(
     from dataclasses import replace
 
     from countlens.toy.plant import PlantConfig, plant
-    from countlens.toy.planted import planted_circuit
+    from countlens.toy.planted import EDGE_CIRCUITS, planted_circuit
 
+    if circuit in EDGE_CIRCUITS:
+        from countlens.toy.edge_plant import plant_edges
+
+        check_out(out)
+        spec = EDGE_CIRCUITS[circuit]
+        pc = PlantConfig(seed=seed, steps=spec.steps if steps is None else steps)
+        record = plant_edges(out, spec, pc, progress=lambda row: typer.echo(json.dumps(row)))
+        checks = {"edges": record["fresh_checks"], "nodes": record["fresh_node_checks"]}
+        typer.echo(json.dumps({"figures": record["fresh"], "checks": checks}, indent=2))
+        return
     if circuit == "top-half":
         check_out(out)
         record = plant_top_half(out, seed, steps)

@@ -34,6 +34,9 @@ because re-routing the count through a later layer from scratch did not start wi
 steps (measured: a one-head route through L3H2 stayed at chance under strictness for 100 steps at
 3e-4, and left the clean answers at loss 1.6 after 100 steps at 1e-3).
 
+A circuit may also be a set of **edges** (`EdgeCircuit`, planted by `countlens.toy.edge_plant`): which
+of a node's inputs and outputs carry the count, not only which nodes.
+
 These circuits and checks are countlens's own construction; no paper's planted models are comparable.
 """
 
@@ -136,6 +139,46 @@ CIRCUITS: dict[str, PlantedCircuit] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class EdgeCircuit:
+    """A circuit of edges (labels ``u→r``), the edges the interchange loss swaps alone, and its nodes."""
+
+    name: str
+    edges: tuple[str, ...]
+    swapped: tuple[str, ...]
+    nodes: tuple[PlantedNode, ...]
+    description: str
+    steps: int = 600
+    strict_sources: tuple[str, ...] = ("partner", "different")
+
+    @property
+    def node_circuit(self) -> PlantedCircuit:
+        """Its nodes as a head-and-MLP circuit, for the node-level checks and node rankings."""
+        return PlantedCircuit(self.name, self.nodes, self.description, mlp_nodes=True)
+
+
+EDGE_CIRCUITS: dict[str, EdgeCircuit] = {
+    c.name: c
+    for c in (
+        EdgeCircuit(
+            "value-route",
+            ("IN.image→L0K1.k", "IN.image→L0K1.v", "L0H2→MLP1.in", "MLP1→logits"),
+            ("IN.image→L0K1.v", "L0H2→MLP1.in", "MLP1→logits"),
+            (PlantedNode(0, 2), PlantedNode(1, None)),
+            "L0H2 reads the image through its key-value head and moves the count to the last token; only MLP1 "
+            "reads it there, and MLP1 alone writes the answer to the logits",
+        ),
+    )
+}
+
+
+def edge_circuit(name: str) -> EdgeCircuit:
+    """The edge circuit ``name``; raises naming the choices."""
+    if name not in EDGE_CIRCUITS:
+        raise InputError(f"no planted edge circuit {name!r}; choose one of {tuple(EDGE_CIRCUITS)}")
+    return EDGE_CIRCUITS[name]
 
 
 def planted_circuit(name: str) -> PlantedCircuit:
