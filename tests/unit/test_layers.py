@@ -53,6 +53,7 @@ LAYERS: dict[str, int] = {
     "organisms": 3,
     "circuits": 4,
     "analysis": 5,
+    "features": 5,
     "training": 6,
     "pipeline": 7,
     "cli": 8,

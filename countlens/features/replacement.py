@@ -1,0 +1,127 @@
+"""The replacement model: the model with every MLP swapped for its transcoder.
+
+In circuit tracing (Ameisen et al. 2025) the *replacement model* is the original model in which each
+layer's MLP output ``y = MLP(x)`` is replaced by its transcoder's reconstruction
+``ŷ = decode(encode(x))`` (``+ x @ W_skip.T`` for a skip transcoder). The gap ``y − ŷ`` is the
+*error term*; a *local* replacement model adds it back (and so reproduces the model exactly on one
+prompt), the replacement model here drops it, so its outputs show how much of the model's behaviour
+the features alone carry. Attention, norms and embeddings stay the model's own; an MLP's input
+``x`` is whatever the (already replaced) layers below produce, so errors compound with depth.
+
+`replacement` installs the swap as forward hooks on the MLP modules
+(`countlens.circuits.sites.engine.mlp_path`) for the duration of a ``with`` block; any forward inside
+it — `VLM.forward`, scoring, generation — runs the replacement model.
+`replacement_accuracy` scores counting samples with countlens's own scoring
+(`countlens.analysis.evaluate.score`) on the original and on the replacement model, side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xarray as xr
+
+from countlens.errors import InputError
+from countlens.features.transcoder import Transcoder, TranscoderSet
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
+
+def check_fits(vlm: VLM, transcoders: TranscoderSet, what: str) -> None:
+    """An `InputError` unless ``transcoders`` is a set whose layers and d_model are ``vlm``'s."""
+    if not isinstance(transcoders, TranscoderSet):
+        raise InputError(
+            f"{what} takes a TranscoderSet (train_transcoders or load_transcoders), got {type(transcoders).__name__}"
+        )
+    name = vlm.name or vlm.arch.name
+    if transcoders.d_model != vlm.arch.d_model:
+        raise InputError(
+            f"{what}: the transcoders read d_model {transcoders.d_model}, but {name}'s hidden size is "
+            f"{vlm.arch.d_model}: a set trained for another model"
+        )
+    outside = [layer for layer in transcoders.layers if layer >= vlm.arch.n_layers]
+    if outside:
+        raise InputError(f"{what}: the set covers layers {outside}, but {name} has layers 0 … {vlm.arch.n_layers - 1}")
+
+
+def _swap(tc: Transcoder):
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else next(iter(kwargs.values()))
+        return tc(x.to(tc.dtype)).to(output.dtype)
+
+    return hook
+
+
+@contextmanager
+def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
+    """``with replacement(vlm, transcoders): …`` — inside, each covered layer's MLP output is its
+    transcoder's reconstruction (error terms dropped); the hooks go when the block ends, whatever
+    happens in it. Yields ``vlm``."""
+    from countlens.arguments import require_vlm
+    from countlens.circuits.sites.engine import mlp_path
+
+    require_vlm(vlm, "replacement")
+    check_fits(vlm, transcoders, "replacement")
+    handles = []
+    try:
+        for layer, tc in transcoders.items():
+            module = vlm.hf.get_submodule(mlp_path(vlm, layer))
+            handles.append(module.register_forward_hook(_swap(tc), with_kwargs=True))
+        with torch.no_grad():
+            yield vlm
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def replacement_accuracy(
+    vlm: VLM, transcoders: TranscoderSet, samples: Sequence, batch_size: int = 32, progress: bool = False
+) -> xr.Dataset:
+    """The accuracy of the original and of the replacement model on ``samples`` (countlens's scoring,
+    `countlens.analysis.evaluate.score`): an `xr.Dataset` with ``accuracy`` over ``model``
+    (original, replacement), ``correct`` and ``pred`` over (``model``, ``sample``), and ``agreement``
+    (the share of samples whose predicted answer is the same in both)."""
+    from countlens.analysis.evaluate import score
+    from countlens.arguments import require_vlm
+    from countlens.results import provenance
+    from countlens.validate import require_count
+    from countlens.vlm import check_samples
+
+    require_vlm(vlm, "replacement_accuracy")
+    check_fits(vlm, transcoders, "replacement_accuracy")
+    check_samples(samples, "replacement_accuracy")
+    require_count(batch_size, "batch_size")
+    original = score(vlm, samples, batch_size=batch_size, progress=progress)
+    with replacement(vlm, transcoders):
+        replaced = score(vlm, samples, batch_size=batch_size, progress=progress)
+    models = ["original", "replacement"]
+    correct = np.stack([original["correct"].values, replaced["correct"].values]).astype(bool)
+    pred = np.stack([original["pred"].values.astype(str), replaced["pred"].values.astype(str)]).astype(object)
+    ds = xr.Dataset(
+        {
+            "correct": (("model", "sample"), correct),
+            "pred": (("model", "sample"), pred),
+            "accuracy": ("model", correct.mean(1)),
+            "gold": ("sample", original["gold"].values),
+            "count": ("sample", original["count"].values),
+        },
+        coords={"model": models, "sample": np.arange(len(samples))},
+    )
+    ds["agreement"] = float((pred[0] == pred[1]).mean())
+    ds.attrs.update(
+        provenance(
+            vlm.name,
+            vlm.arch.name,
+            dataset={"samples": len(samples)},
+            samples=samples,
+            transcoders=transcoders.scan or "unnamed",
+            layers=list(transcoders.layers),
+            scoring=str(original.attrs.get("method", "")),
+        )
+    )
+    return ds

@@ -1,0 +1,296 @@
+"""Training per-layer TopK transcoders on a model's own MLP activations.
+
+For each chosen layer, `train_transcoders` fits a `Transcoder` to reconstruct the MLP's output ``y``
+from its input ``x`` (`countlens.features.activations` says which tokens, from which data mix):
+
+1. **Data.** One pass of the model over the mix's training samples records ``(x, y)`` at every real
+   token of every chosen layer; a second pass records the held-out split.
+2. **Initialisation** (seeded per layer): ``W_enc`` ~ N(0, 1/d_model), ``W_dec`` its rows scaled to
+   unit norm (a tied start), ``b_enc = 0``, ``b_dec = ȳ`` (the training mean output).
+3. **Steps.** Each step draws ``batch_tokens`` tokens at random (with replacement, from a generator
+   seeded by ``seed`` and the layer) and takes one Adam step on the normalised MSE
+   ``Σ‖y − ŷ‖² / (batch_tokens · Σ var(y))`` — the batch's FVU against the training variance, so one
+   learning rate suits every layer's scale. After each step the decoder rows are rescaled to unit
+   norm (*countlens's choice*; circuit-tracer leaves training out, and TopK needs no sparsity
+   penalty, so the norm only fixes the scale between a feature's activation and its write).
+4. **Fidelity** on the held-out split: FVU, L0, dead features per layer (`fidelity`).
+
+With ``out`` the run is resumable: ``out/checkpoint.pt`` holds the finished layers, the current
+layer's weights, Adam state and generator state every ``checkpoint_every`` steps (written
+atomically), so after an interruption the same call continues from the last saved step and ends with
+the weights an uninterrupted run gets. The result is also written there: ``out/transcoders/`` (a
+circuit-tracer transcoder set, `countlens.features.files`) and ``out/fidelity.nc``. Everything is a
+function of ``seed`` (data, initialisation, batches): two runs agree bit for bit on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import xarray as xr
+
+from countlens.errors import InputError
+from countlens.features.activations import (
+    DATA_SEED_BASE,
+    TEXT_START,
+    Activations,
+    check_mix,
+    collect_activations,
+    fidelity,
+    held_out_mix,
+    mix_samples,
+)
+from countlens.features.transcoder import Transcoder, TranscoderSet
+from countlens.validate import require_count, require_positive, require_seed, require_share
+
+if TYPE_CHECKING:
+    from countlens.vlm import VLM
+
+CHECKPOINT = "checkpoint.pt"
+#: The defaults: a few minutes for the organism's six layers on 2 CPU cores.
+WIDTH, K, STEPS, BATCH_TOKENS, LR = 512, 16, 1500, 512, 2e-3
+
+
+class Training(NamedTuple):
+    """What `train_transcoders` returns: the set, and its held-out fidelity over ``layer`` (attrs:
+    provenance — the mix, seeds, counts, hyperparameters)."""
+
+    transcoders: TranscoderSet
+    fidelity: xr.Dataset
+
+
+def train_step(
+    tc: Transcoder, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, scale: float
+) -> float:
+    """One Adam step on ``Σ‖y − tc(x)‖² / (len(x) · scale)``, then unit-norm decoder rows; the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = ((tc(x) - y) ** 2).sum() / (len(x) * scale)
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        tc.W_dec /= tc.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-8)
+    return float(loss.detach())
+
+
+def _check_layers(vlm: VLM, layers: Sequence[int] | None) -> list[int]:
+    n = vlm.arch.n_layers
+    if layers is None:
+        return list(range(n))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise InputError(f"layers must be a non-empty list of layer indices, e.g. [0, 1]; got {layers!r:.60}")
+    bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n]
+    if bad:
+        raise InputError(f"layers {bad} are not layers of {vlm.name or vlm.arch.name} (0 … {n - 1})")
+    if sorted(set(layers)) != list(layers):
+        raise InputError(f"layers {list(layers)} must be distinct and increasing, e.g. [0, 1, 2]")
+    return list(layers)
+
+
+def _init(tc: Transcoder, y_mean: torch.Tensor, generator: torch.Generator) -> None:
+    with torch.no_grad():
+        tc.W_enc.copy_(torch.randn(tc.W_enc.shape, generator=generator) / tc.d_model**0.5)
+        tc.W_dec.copy_(tc.W_enc / tc.W_enc.norm(dim=1, keepdim=True))
+        tc.b_enc.zero_()
+        tc.b_dec.copy_(y_mean)
+
+
+def _save(path: Path, state: dict) -> None:
+    from countlens.files import atomic_path
+
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def train_transcoders(
+    vlm: VLM,
+    layers: Sequence[int] | None = None,
+    width: int = WIDTH,
+    k: int = K,
+    steps: int = STEPS,
+    batch_tokens: int = BATCH_TOKENS,
+    lr: float = LR,
+    seed: int = 0,
+    mix: Mapping[str, int] | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+    resume: bool = True,
+    held_out: float = 0.25,
+    checkpoint_every: int = 250,
+    batch_size: int = 32,
+) -> Training:
+    """Train one TopK transcoder (``width`` features, ``k`` active) per layer of ``layers`` (default:
+    every layer) to reconstruct the MLP's output from its input; see the module's docstring.
+
+    ``mix``: samples per kind (`countlens.features.activations.DEFAULT_MIX`: counting scenes, the two
+    other tasks' scenes, plain text prompts); ``held_out``: the share of each kind drawn again, after
+    the training samples, for the fidelity table. ``out``: a folder for the checkpoint and the result;
+    with ``resume`` (default) a checkpoint there of the same call is continued, without it replaced.
+    Returns `Training` (the set, and its fidelity over ``layer``)."""
+    from countlens.arguments import require_vlm
+
+    require_vlm(vlm, "train_transcoders")
+    layers = _check_layers(vlm, layers)
+    require_count(width, "width")
+    require_count(k, "k")
+    if k > width:
+        raise InputError(f"k={k} is more than width={width} features; give k ≤ width")
+    require_count(steps, "steps")
+    require_count(batch_tokens, "batch_tokens")
+    require_positive(lr, "lr")
+    require_seed(seed)
+    mix = check_mix(mix)
+    require_share(held_out, "held_out", below_one=True, above_zero=True)
+    require_count(checkpoint_every, "checkpoint_every")
+    require_count(batch_size, "batch_size")
+    for name, flag in (("progress", progress), ("resume", resume)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name} must be True or False, got {flag!r}")
+    if out is not None and not isinstance(out, (str, Path)):
+        raise InputError(f"out must be a folder path or None, got {type(out).__name__}")
+    spec = {
+        "model": vlm.name or vlm.arch.name,
+        "layers": layers,
+        "width": width,
+        "k": k,
+        "steps": steps,
+        "batch_tokens": batch_tokens,
+        "lr": lr,
+        "seed": seed,
+        "mix": mix,
+        "held_out": held_out,
+    }
+    ckpt_path = None if out is None else Path(out) / CHECKPOINT
+    state = _resumed(ckpt_path, spec) if (ckpt_path is not None and resume) else None
+    if ckpt_path is not None:
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+
+    held = held_out_mix(mix, held_out)
+    train_data = collect_activations(vlm, layers, *mix_samples(mix, seed), batch_size=batch_size)
+    test_data = collect_activations(vlm, layers, *mix_samples(held, seed, start=mix), batch_size=batch_size)
+
+    done: dict[int, dict] = dict(state["done"]) if state else {}
+    transcoders = []
+    for layer in layers:
+        tc = Transcoder(vlm.arch.d_model, width, "topk", k=k)
+        if layer in done:
+            tc.load_state_dict(done[layer])
+        else:
+            current = state if state and state.get("layer") == layer else None
+            _train_layer(tc, layer, train_data, spec, done, current, ckpt_path, checkpoint_every, progress)
+            done[layer] = {key: v.clone() for key, v in tc.state_dict().items()}
+            if ckpt_path is not None:
+                _save(ckpt_path, {"spec": spec, "done": done, "layer": None})
+        transcoders.append(tc)
+    name = vlm.name or vlm.arch.name
+    result = TranscoderSet(transcoders, layers, model_name=name, scan=f"countlens/{name}/topk-{width}-{k}-seed{seed}")
+    table = fidelity(result, test_data)
+    table.attrs.update(_provenance(vlm, spec, held, train_data, test_data))
+    if out is not None:
+        from countlens.features.files import save_transcoders
+
+        if result.layers == tuple(range(vlm.arch.n_layers)):
+            save_transcoders(result, Path(out) / "transcoders")
+        table.to_netcdf(Path(out) / "fidelity.nc")
+    return Training(result, table)
+
+
+def _resumed(path: Path, spec: dict) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as err:  # a truncated or foreign file
+        raise InputError(f"{path} is not a readable checkpoint ({err}); delete it or pass resume=False") from None
+    if state.get("spec") != spec:
+        raise InputError(
+            f"{path} is the checkpoint of another training ({json.dumps(state.get('spec'))[:300]}); give another "
+            "out, the same arguments, or resume=False to start over"
+        )
+    return state
+
+
+def _train_layer(
+    tc: Transcoder,
+    layer: int,
+    data: Activations,
+    spec: dict,
+    done: dict,
+    state: dict | None,
+    ckpt_path: Path | None,
+    every: int,
+    progress: bool,
+) -> None:
+    x, y = data.inputs[layer], data.outputs[layer]
+    scale = float(y.var(0, unbiased=False).sum())
+    generator = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + layer)
+    optimizer = torch.optim.Adam(tc.parameters(), lr=spec["lr"])
+    start = 0
+    if state is not None:
+        tc.load_state_dict(state["weights"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        start = state["step"]
+    else:
+        _init(tc, y.mean(0), generator)
+    bar = None
+    if progress:
+        from countlens.progress import Bar
+
+        bar = Bar(f"transcoder layer {layer}", spec["steps"]).__enter__()
+    try:
+        for step in range(start + 1, spec["steps"] + 1):
+            index = torch.randint(len(x), (spec["batch_tokens"],), generator=generator)
+            loss = train_step(tc, optimizer, x[index], y[index], scale)
+            if bar is not None:
+                bar.update(step, f"batch FVU {loss:.3f}")
+            if ckpt_path is not None and step % every == 0 and step < spec["steps"]:
+                _save(
+                    ckpt_path,
+                    {
+                        "spec": spec,
+                        "done": done,
+                        "layer": layer,
+                        "step": step,
+                        "weights": tc.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "generator": generator.get_state(),
+                    },
+                )
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+
+
+def _provenance(vlm: VLM, spec: dict, held: dict, train: Activations, test: Activations) -> dict:
+    from countlens.results import provenance
+
+    counts = {
+        split: {kind: int((data.kinds == kind).sum()) for kind in spec["mix"]}
+        for split, data in (("train", train), ("held_out", test))
+    }
+    return provenance(
+        vlm.name,
+        vlm.arch.name,
+        dataset={
+            "mix": spec["mix"],
+            "held_out_mix": held,
+            "scene_seed": DATA_SEED_BASE + spec["seed"],
+            "text_start": TEXT_START,
+            "tokens": counts,
+            "text": "each task's question without its image, in the chat template",
+        },
+        seed=spec["seed"],
+        layers=spec["layers"],
+        width=spec["width"],
+        k=spec["k"],
+        steps=spec["steps"],
+        batch_tokens=spec["batch_tokens"],
+        lr=spec["lr"],
+        held_out=spec["held_out"],
+        decoder="rows unit-normalised after every step",
+        loss="MSE normalised by the training outputs' total variance, Adam",
+    )
