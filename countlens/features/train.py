@@ -13,6 +13,10 @@ from its input ``x`` (`countlens.features.activations` says which tokens, from w
    learning rate suits every layer's scale. After each step the decoder rows are rescaled to unit
    norm (*countlens's choice*; circuit-tracer leaves training out, and TopK needs no sparsity
    penalty, so the norm only fixes the scale between a feature's activation and its write).
+   **AuxK** (Gao et al. 2024) keeps features alive: a feature that has not fired for `DEAD_AFTER`
+   steps counts as dead, and the `AUX_K` largest pre-activations among dead features (through ReLU)
+   must reconstruct the batch's remaining error ``y − ŷ`` through their decoder rows; that loss,
+   weighted `AUX_WEIGHT`, is added to the main one.
 4. **Fidelity** on the held-out split: FVU, L0, dead features per layer (`fidelity`).
 
 With ``out`` the run is resumable: ``out/checkpoint.pt`` holds the finished layers, the current
@@ -53,6 +57,9 @@ if TYPE_CHECKING:
 CHECKPOINT = "checkpoint.pt"
 #: The defaults: a few minutes for the organism's six layers on 2 CPU cores.
 WIDTH, K, STEPS, BATCH_TOKENS, LR = 512, 16, 1500, 512, 2e-3
+#: AuxK (Gao et al. 2024): a feature that has not fired for `DEAD_AFTER` steps is dead; the `AUX_K`
+#: largest dead pre-activations reconstruct the main reconstruction's error, weighted `AUX_WEIGHT`.
+DEAD_AFTER, AUX_K, AUX_WEIGHT = 50, 64, 1 / 32
 
 
 class Training(NamedTuple):
@@ -64,16 +71,27 @@ class Training(NamedTuple):
 
 
 def train_step(
-    tc: Transcoder, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, scale: float
-) -> float:
-    """One Adam step on ``Σ‖y − tc(x)‖² / (len(x) · scale)``, then unit-norm decoder rows; the loss."""
+    tc: Transcoder, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, scale: float, dead: torch.Tensor
+) -> tuple[float, torch.Tensor]:
+    """One Adam step on ``Σ‖y − tc(x)‖² / (len(x) · scale)`` plus the AuxK term on the ``dead``
+    features, then unit-norm decoder rows; returns (the main loss, which features fired)."""
     optimizer.zero_grad(set_to_none=True)
-    loss = ((tc(x) - y) ** 2).sum() / (len(x) * scale)
-    loss.backward()
+    pre = tc.pre_activations(x)
+    a = tc.activation_function(pre)
+    y_hat = tc.decode(a, x)
+    loss = ((y_hat - y) ** 2).sum() / (len(x) * scale)
+    total = loss
+    n_dead = int(dead.sum())
+    if n_dead:
+        values, index = pre.masked_fill(~dead, float("-inf")).topk(min(n_dead, AUX_K), dim=-1)
+        a_aux = torch.zeros_like(pre).scatter(-1, index, values.relu())
+        error = (y - y_hat).detach()
+        total = loss + AUX_WEIGHT * ((a_aux @ tc.W_dec - error) ** 2).sum() / (len(x) * scale)
+    total.backward()
     optimizer.step()
     with torch.no_grad():
         tc.W_dec /= tc.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-8)
-    return float(loss.detach())
+    return float(loss.detach()), (a != 0).any(0)
 
 
 def _check_layers(vlm: VLM, layers: Sequence[int] | None) -> list[int]:
@@ -228,12 +246,12 @@ def _train_layer(
     scale = float(y.var(0, unbiased=False).sum())
     generator = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + layer)
     optimizer = torch.optim.Adam(tc.parameters(), lr=spec["lr"])
-    start = 0
+    start, since = 0, torch.zeros(tc.d_transcoder, dtype=torch.long)
     if state is not None:
         tc.load_state_dict(state["weights"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
-        start = state["step"]
+        start, since = state["step"], state["since"]
     else:
         _init(tc, y.mean(0), generator)
     bar = None
@@ -244,7 +262,8 @@ def _train_layer(
     try:
         for step in range(start + 1, spec["steps"] + 1):
             index = torch.randint(len(x), (spec["batch_tokens"],), generator=generator)
-            loss = train_step(tc, optimizer, x[index], y[index], scale)
+            loss, fired = train_step(tc, optimizer, x[index], y[index], scale, since >= DEAD_AFTER)
+            since = torch.where(fired, 0, since + 1)
             if bar is not None:
                 bar.update(step, f"batch FVU {loss:.3f}")
             if ckpt_path is not None and step % every == 0 and step < spec["steps"]:
@@ -258,6 +277,7 @@ def _train_layer(
                         "weights": tc.state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "generator": generator.get_state(),
+                        "since": since,
                     },
                 )
     finally:
