@@ -108,6 +108,8 @@ def collect_activations(
     from countlens.processors import render_chat
 
     require_count(batch_size, "batch_size")
+    if not len(samples) and not len(texts):
+        raise InputError("collect_activations got no samples and no texts; give some of either")
     got_in: dict[int, list] = {layer: [] for layer in layers}
     got_out: dict[int, list] = {layer: [] for layer in layers}
     mask: list[torch.Tensor] = []

@@ -23,7 +23,8 @@ With ``out`` the run is resumable: ``out/checkpoint.pt`` holds the finished laye
 layer's weights, Adam state and generator state every ``checkpoint_every`` steps (written
 atomically), so after an interruption the same call continues from the last saved step and ends with
 the weights an uninterrupted run gets. The result is also written there: ``out/transcoders/`` (a
-circuit-tracer transcoder set, `countlens.features.files`) and ``out/fidelity.nc``. Everything is a
+circuit-tracer transcoder set, `countlens.features.files`; for a run over every layer, as the format
+holds layers 0 … n − 1) and ``out/fidelity.nc``. Everything is a
 function of ``seed`` (data, initialisation, batches): two runs agree bit for bit on one machine.
 """
 
@@ -169,6 +170,8 @@ def train_transcoders(
             raise InputError(f"{name} must be True or False, got {flag!r}")
     if out is not None and not isinstance(out, (str, Path)):
         raise InputError(f"out must be a folder path or None, got {type(out).__name__}")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise InputError(f"out {out} is a file; give a folder for the checkpoint and the result")
     spec = {
         "model": vlm.name or vlm.arch.name,
         "layers": layers,

@@ -324,6 +324,7 @@ def test_training_is_deterministic_and_resumes_to_the_same_weights(tmp_path, loa
         ({"lr": 0}, "lr"),
         ({"seed": -1}, "seed"),
         ({"held_out": 1.0}, "held_out"),
+        ({"out": __file__}, "is a file"),
     ],
 )
 def test_training_refuses_bad_arguments_before_any_forward(loaded, kw, message):
