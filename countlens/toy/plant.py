@@ -169,7 +169,7 @@ def verify(model, circuit: PlantedCircuit, n_pairs: int = 128, batch_pairs: int 
         inputs, answers, partner = pair_batch(collate, pairs_at(EVAL_SEED, start, min(batch_pairs, n_pairs - start)))
         shuffled = other_sample(len(answers), gen)
         with image_features_once(model):
-            rec = planter.record(inputs)
+            rec = planter.record(inputs)[0]
             by_partner, by_random = swap_source(rec, partner), swap_source(rec, shuffled)
             _verify_batch(planter, circuit, inputs, answers, by_partner, by_random, score)
     out = {k: round(float(torch.cat(v).mean()), 4) for k, v in hits.items()}

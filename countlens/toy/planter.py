@@ -45,10 +45,11 @@ class Planter:
     def logits(self, inputs: dict) -> torch.Tensor:
         return self.model(**inputs, logits_to_keep=1).logits[:, -1]
 
-    def record(self, inputs: dict) -> dict:
+    def record(self, inputs: dict) -> tuple[dict, torch.Tensor]:
+        """(the plain run's recording (`recorded`) of ``inputs``, its last-position logits)."""
         with torch.no_grad(), recorded(self.model) as rec:
-            self.model(**inputs, logits_to_keep=1)
-        return rec
+            logits = self.model(**inputs, logits_to_keep=1).logits[:, -1]
+        return rec, logits
 
     def masks(self, inputs: dict) -> dict[str, torch.Tensor]:
         return position_masks(inputs["input_ids"], *self.ids)

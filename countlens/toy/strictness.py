@@ -86,8 +86,8 @@ def fresh_strictness(
     for start in range(0, n_pairs, batch_pairs):
         inputs, answers, partner = pair_batch(planter.collate, pairs_at(seed, start, min(batch_pairs, n_pairs - start)))
         with image_features_once(model):
-            rec = planter.record(inputs)
-            hits.setdefault("clean", []).append(planter.logits(inputs).argmax(-1) == answers)
+            rec, clean = planter.record(inputs)
+            hits.setdefault("clean", []).append(clean.argmax(-1) == answers)
             for kind in DONORS:
                 order, found = donor_order(answers, partner, kind, gen)
                 missing += int((~found).sum())

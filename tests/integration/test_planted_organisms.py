@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import countlens
 from countlens.cli import app
-from countlens.organisms import ORGANISMS, SHIPPED_OBJECTS, SHIPPED_PLANTED, TOY_DIR
+from countlens.organisms import ORGANISMS, SHIPPED_EDGES, SHIPPED_OBJECTS, SHIPPED_PLANTED, TOY_DIR
 from countlens.toy.planted import CIRCUITS
 from countlens.toy.strictness import FRESH_CHECKS, fresh_checks, fresh_strictness
 
@@ -79,6 +79,29 @@ def test_an_object_organism_still_counts_only_its_objects(name):
     for key in ("accuracy", "bottom_removed/accuracy", "top_one_removed_follows"):
         assert abs(measured[key] - recorded[key]) <= 2 / figures["n_samples"] + 1e-9, key
     assert abs(measured["objects/auroc"] - recorded["objects/auroc"]) <= 1e-3
+
+
+@pytest.mark.slow  # about 30 s: 1,024 fresh samples, 9 edge-ablated forwards each
+@pytest.mark.parametrize("name", [f"planted-{name}" for name in SHIPPED_EDGES])
+def test_an_edge_organism_still_carries_the_count_only_in_its_edges(name):
+    from countlens.toy.edge_plant import edge_checks, fresh_edge_strictness
+    from countlens.toy.planted import EDGE_CIRCUITS
+
+    folder = ORGANISMS[name]
+    circuit = EDGE_CIRCUITS[name.removeprefix("planted-")]
+    record = json.loads((folder / "planted.json").read_text())
+    assert record["circuit"]["name"] == circuit.name and tuple(record["circuit"]["edges"]) == circuit.edges
+    # Edge level and node level (C = its nodes, MLPs as nodes) both passed when it was planted.
+    assert all(record["fresh_checks"].values()) and all(record["fresh_node_checks"].values()), record["fresh"]
+    assert _size(folder) <= _size(TOY_DIR)
+    vlm = countlens.load(name)
+    # The edge-level figures again (the node-level ones are the head organisms' measurement, tested above).
+    figures = fresh_edge_strictness(vlm.hf.float(), circuit)
+    assert all(edge_checks(figures).values()), figures
+    measured, recorded = _rates(figures), _rates(record["fresh"])
+    assert measured.keys() == recorded.keys()
+    for key, value in recorded.items():
+        assert abs(measured[key] - value) <= 2 / figures["n_samples"] + 1e-9, key
 
 
 @pytest.mark.slow

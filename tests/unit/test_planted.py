@@ -184,7 +184,7 @@ def test_an_mlp_node_is_resampled_like_a_by_hand_mix(organism_batch):
     model, collate, inputs, answers, partner = organism_batch
     planter = Planter(model, CIRCUITS["mlp"], collate)
     with torch.no_grad():
-        rec = planter.record(inputs)
+        rec = planter.record(inputs)[0]
     source = swap_source(rec, partner)
     masks = planter.masks(inputs)
     keep = mlp_keep_masks(CIRCUITS["mlp"].nodes, masks, 6)
