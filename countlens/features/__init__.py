@@ -7,12 +7,21 @@
 - `countlens.features.train` — `train_transcoders` (resumable, deterministic by seed).
 - `countlens.features.replacement` — `replacement` (the replacement model as hooks) and
   `replacement_accuracy`.
+- `countlens.features.graph` — `attribution_graph` (one prompt's graph on the local replacement
+  model, `LocalReplacement`), `AttributionGraph`.
+- `countlens.features.prune` — `prune`, `node_influence`, `removal_effects`.
+- `countlens.features.graph_files` — `graph_json` / `save_graph` (circuit-tracer's viewer JSON),
+  `graph_dataset`.
 
-``docs/concepts/transcoders.md`` defines every term and gives the organism's measured figures.
+``docs/concepts/transcoders.md`` and ``docs/concepts/attribution_graphs.md`` define every term and
+give the organism's measured figures.
 """
 
 from countlens.features.activations import DEFAULT_MIX, Activations, collect_activations, fidelity, fvu
 from countlens.features.files import load_transcoders, save_transcoders
+from countlens.features.graph import AttributionGraph, LocalReplacement, attribution_graph
+from countlens.features.graph_files import graph_dataset, graph_json, save_graph
+from countlens.features.prune import node_influence, prune, removal_effects
 from countlens.features.replacement import replacement, replacement_accuracy
 from countlens.features.train import Training, train_transcoders
 from countlens.features.transcoder import ACTIVATIONS, Transcoder, TranscoderSet
@@ -21,15 +30,24 @@ __all__ = [
     "ACTIVATIONS",
     "DEFAULT_MIX",
     "Activations",
+    "AttributionGraph",
+    "LocalReplacement",
     "Training",
     "Transcoder",
     "TranscoderSet",
+    "attribution_graph",
     "collect_activations",
     "fidelity",
     "fvu",
+    "graph_dataset",
+    "graph_json",
     "load_transcoders",
+    "node_influence",
+    "prune",
+    "removal_effects",
     "replacement",
     "replacement_accuracy",
+    "save_graph",
     "save_transcoders",
     "train_transcoders",
 ]
