@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from countlens.errors import InputError
+from countlens.features.prune import feature_order
 from countlens.features.transcoder import TranscoderSet
 from countlens.validate import require_count, require_share
 
@@ -174,14 +175,15 @@ class LocalReplacement:
     position. `run` replays the frozen model with any embeddings and writes."""
 
     def __init__(self, vlm: VLM, transcoders: TranscoderSet, sample):
-        self.vlm, self.transcoders, self.sample = vlm, transcoders, sample
-        arch = vlm.arch
-        self.n_layers = arch.n_layers
-        self._batches: dict[int, Batch] = {}
+        self.vlm, self.transcoders, self.sample, arch, hf = vlm, transcoders, sample, vlm.arch, vlm.hf
+        self.n_layers, self._batches = arch.n_layers, {}
         self.batch = self.prepared(1)
-        hf = vlm.hf
         self._layer0 = hf.get_submodule(arch.layer(0))
-        self._qk = [hf.get_submodule(f"{arch.layer(i)}.{p}") for i in range(self.n_layers) for p in self._qk_names()]
+        self._qk = [
+            hf.get_submodule(f"{arch.layer(i)}.{p}")
+            for i in range(self.n_layers)
+            for p in (arch.spec.q_proj, arch.spec.k_proj)
+        ]
         self._norms = [m for i in range(self.n_layers) for m in _norms(hf.get_submodule(arch.layer(i)))]
         self._final = hf.get_submodule(arch.spec.final_norm)
         self._norms.append(self._final)
@@ -190,9 +192,6 @@ class LocalReplacement:
         self._mlps = [hf.get_submodule(mlp_path(vlm, i)) for i in range(self.n_layers)]
         self.unembed = hf.get_submodule(arch.spec.lm_head).weight.detach()
         self._record()
-
-    def _qk_names(self) -> tuple[str, str]:
-        return (self.vlm.arch.spec.q_proj, self.vlm.arch.spec.k_proj)
 
     def prepared(self, rows: int) -> Batch:
         """The prompt prepared ``rows`` times (one batch row per copy)."""
@@ -421,7 +420,7 @@ def attribution_graph(
     with torch.no_grad():
         logit_rows = edges([("logit", int(v)) for v in logit_tokens])
         feature_rows = torch.zeros(n_f, n_src)
-        order = _feature_order(feats, logit_rows, logit_probs, n_f, max_features, rows)
+        order = feature_order(logit_rows, logit_probs, n_f, max_features, rows)
         visited = torch.zeros(n_f, dtype=torch.bool)
         for chunk in order:
             if callable(chunk):
@@ -473,31 +472,6 @@ def attribution_graph(
         keep[:n_f] = visited
         graph = graph.select(keep)
     return graph
-
-
-def _feature_order(feats, logit_rows, logit_probs, n_f, max_features, rows) -> list:
-    """The chunks of feature targets: all of them in order, or (``max_features``) a callable per
-    chunk that picks the unvisited features of largest influence through the rows so far."""
-    if max_features is None or n_f <= max_features:
-        return [torch.arange(i, min(i + rows, n_f)) for i in range(0, n_f, rows)]
-    from countlens.features.prune import influence, normalized
-
-    def pick(size):
-        def chunk(feature_rows, visited):
-            a = torch.zeros(n_f + len(logit_probs), n_f)
-            a[:n_f] = feature_rows[:, :n_f]
-            a[n_f:] = logit_rows[:, :n_f]
-            w = torch.cat([torch.zeros(n_f), logit_probs.float()])
-            full = torch.zeros(len(w), len(w))
-            full[:, :n_f] = a
-            score = influence(normalized(full), w)[:n_f] + (w @ normalized(full))[:n_f]
-            score[visited] = -1
-            return score.topk(size).indices
-
-        return chunk
-
-    sizes = [min(rows, max_features - i) for i in range(0, max_features, rows)]
-    return [pick(s) for s in sizes]
 
 
 def _hidden(args, kwargs) -> torch.Tensor:

@@ -154,3 +154,29 @@ def removal_effects(graph: AttributionGraph, logit: int | None = None) -> torch.
             return -acts * total
         total += current
     raise InputError("removal_effects: the feature adjacency has a cycle; build the graph with attribution_graph")
+
+
+def feature_order(logit_rows, logit_probs, n_f: int, max_features: int | None, rows: int) -> list:
+    """The chunks of feature targets `attribution_graph` fills, ``rows`` at a time: all features in
+    order, or (``max_features``) a callable per chunk that picks, given the rows filled so far and
+    the visited mask, the unvisited features of largest influence on the logits (direct plus
+    indirect, through the rows so far), as circuit-tracer's ``max_feature_nodes`` does."""
+    if max_features is None or n_f <= max_features:
+        return [torch.arange(i, min(i + rows, n_f)) for i in range(0, n_f, rows)]
+
+    def pick(size):
+        def chunk(feature_rows, visited):
+            a = torch.zeros(n_f + len(logit_probs), n_f)
+            a[:n_f] = feature_rows[:, :n_f]
+            a[n_f:] = logit_rows[:, :n_f]
+            w = torch.cat([torch.zeros(n_f), logit_probs.float()])
+            full = torch.zeros(len(w), len(w))
+            full[:, :n_f] = a
+            score = influence(normalized(full), w)[:n_f] + (w @ normalized(full))[:n_f]
+            score[visited] = -1
+            return score.topk(size).indices
+
+        return chunk
+
+    sizes = [min(rows, max_features - i) for i in range(0, max_features, rows)]
+    return [pick(s) for s in sizes]
