@@ -10,7 +10,7 @@ countlens …``, the command, the exception) and exit status 70, with the traceb
 exit status 130.
 
 The commands live one group to a module (`countlens.cli.model`, `discover`, `report`, `compare`,
-`finetune`, `data`, `toy`); this module only names them, in the order ``countlens --help`` lists them.
+`finetune`, `data`, `toy`, `features`); this module only names them, in the order ``countlens --help`` lists them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typer.core import TyperGroup
 from countlens.cli.compare import compare_cmd
 from countlens.cli.data import data_countingtricks
 from countlens.cli.discover import discover_cmd, plan_cmd
+from countlens.cli.features import features_train
 from countlens.cli.finetune import finetune_cmd
 from countlens.cli.model import check_cmd, eval_cmd
 from countlens.cli.report import classify_cmd, report_cmd
@@ -135,6 +136,11 @@ toy_app.command("train")(toy_train)
 toy_app.command("plant")(toy_plant)
 app.add_typer(data_app, name="data")
 data_app.command("countingtricks")(data_countingtricks)
+features_app = typer.Typer(
+    cls=CountlensGroup, no_args_is_help=True, help="Below the heads: transcoders of a model's MLPs and their features."
+)
+app.add_typer(features_app, name="features")
+features_app.command("train")(features_train)
 
 
 @app.callback()

@@ -80,9 +80,13 @@ def toy_plant(
     import json
     from dataclasses import replace
 
+    from countlens.errors import ConfigError
     from countlens.toy.plant import PlantConfig, plant
-    from countlens.toy.planted import EDGE_CIRCUITS, planted_circuit
+    from countlens.toy.planted import CIRCUITS, EDGE_CIRCUITS
 
+    known = (*CIRCUITS, "top-half", *EDGE_CIRCUITS)
+    if circuit not in known:  # before anything is written
+        raise ConfigError(f"--circuit {circuit!r}: no such planted circuit; choose one of {', '.join(known)}")
     if circuit in EDGE_CIRCUITS:
         from countlens.toy.edge_plant import plant_edges
 
@@ -98,7 +102,7 @@ def toy_plant(
         record = plant_top_half(out, seed, steps)
         typer.echo(json.dumps({"figures": record["fresh"], "checks": record["fresh_checks"]}, indent=2))
         return
-    spec = planted_circuit(circuit)  # an unknown name fails before anything is written
+    spec = CIRCUITS[circuit]
     check_out(out)
     pc = replace(PlantConfig(seed=seed), steps=spec.steps if steps is None else steps)
     record = plant(out, spec, pc, progress=lambda row: typer.echo(json.dumps(row)))

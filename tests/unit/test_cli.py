@@ -10,7 +10,7 @@ runner = CliRunner()
 
 def test_help_of_every_command():
     commands = ("eval", "toy", "toy train", "data countingtricks", "discover", "plan", "classify", "report", "compare")
-    commands += ("finetune",)
+    commands += ("finetune", "toy plant", "features", "features train")
     for args in (["--help"], *([*c.split(), "--help"] for c in commands)):
         result = runner.invoke(app, args)
         assert result.exit_code == 0 and "Usage" in result.output, args
@@ -63,6 +63,10 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
         (["eval", "--seed", "5000", "--out", str(tmp_path / "o2")], "training scenes"),
         (["eval", "--out", str(a_file)], "is a file"),
         (["toy", "train", "--out", str(a_file)], "is a file"),
+        (["features", "train", "--out", str(a_file)], "is a file"),
+        (["features", "train", "--out", str(tmp_path / "o3"), "--k", "600"], "give k ≤ width"),
+        (["features", "train", "--out", str(tmp_path / "o4"), "--steps", "0"], "--steps must be ≥ 1"),
+        (["toy", "plant", "--circuit", "nope", "--out", str(tmp_path / "o5")], "value-route"),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)
