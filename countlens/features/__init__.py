@@ -10,6 +10,8 @@
 - `countlens.features.graph` — `attribution_graph` (one prompt's graph on the local replacement
   model, `LocalReplacement`), `AttributionGraph`.
 - `countlens.features.prune` — `prune`, `node_influence`, `removal_effects`.
+- `countlens.features.cards` — `feature_cards` (a feature's top scenes, image maps, objects, effect on
+  the count logits) and `draw_card`.
 - `countlens.features.graph_files` — `graph_json` / `save_graph` (circuit-tracer's viewer JSON),
   `graph_dataset`.
 
@@ -18,6 +20,7 @@ give the organism's measured figures.
 """
 
 from countlens.features.activations import DEFAULT_MIX, Activations, collect_activations, fidelity, fvu
+from countlens.features.cards import draw_card, feature_cards
 from countlens.features.files import load_transcoders, save_transcoders
 from countlens.features.graph import AttributionGraph, LocalReplacement, attribution_graph
 from countlens.features.graph_files import graph_dataset, graph_json, save_graph
@@ -37,6 +40,8 @@ __all__ = [
     "TranscoderSet",
     "attribution_graph",
     "collect_activations",
+    "draw_card",
+    "feature_cards",
     "fidelity",
     "fvu",
     "graph_dataset",
