@@ -1,0 +1,305 @@
+"""Head paths of an attribution graph: how much of the answer flows through each attention head.
+
+An attribution graph (`countlens.features.graph`) is built on the **local replacement model** of one
+prompt: attention patterns and RMSNorm scales frozen at the clean run, MLPs replaced by transcoder
+writes plus frozen error terms. That model is *affine* in its sources (features, errors, embeddings),
+and so is every head in it: with its pattern frozen, a head's output ``z_h · W_O[:, h]`` is a linear
+map of the residual stream it reads. The graph's nodes are features, so its attention paths are
+implicit — an edge from an image-token embedding to the answer's logit is the sum of every route
+through the frozen heads. This module splits them by head, exactly.
+
+Quantities, for one target logit (the graph's first logit node, else the most probable token) whose
+**value** is the demeaned logit ``(W_U[v] − mean_u W_U[u]) · h`` the graph's logit row sums to:
+
+- **path** (the total effect through head h): the value minus the value with h's output removed — its
+  slice of z (the input of ``o_proj``) zeroed, its pattern still frozen, everything downstream
+  recomputed linearly. Every route that passes through h counts, whatever heads it also passes.
+  Routes through two heads count in both, so paths of heads in *different* layers do not add up;
+  heads of one layer are parallel, so theirs do: the paths of a layer's heads sum to the effect of
+  removing that layer's heads together, and a last-layer head's path is its direct effect.
+- **direct** (h as the last head): the value minus the value with h's output removed and every other
+  head's z held at its clean value, so only routes whose last head is h change. These add up:
+  ``value = no_heads + Σ_h direct_h`` exactly, ``no_heads`` the value with every head removed (the
+  routes through no head: residual stream, MLP skip paths, biases).
+- **image** (the image tokens' attribution through h): the image-token embeddings' summed attribution
+  to the logit — the sum of the graph's edges from the image positions' embedding nodes to the logit
+  row, ``image_total`` = value − value with those embeddings zeroed, writes held — minus the same sum
+  with h removed. Linear, so it is the image sources' effect that passes through h (every route).
+  ``image_direct`` is the same with h as the last head, and ``image_total = image_no_heads +
+  Σ_h image_direct_h``.
+- **share** = image / image_total: the share of the image's attribution that runs through h. On an
+  organism whose count is carried by known heads (``planted-route``: L0H2), the planted heads should
+  hold the large shares; `planted_path_recovery` scores the ranking of |share| against them (AUROC,
+  precision@|C|, `countlens.circuits.recovery`).
+
+Computation: one frozen forward (``LocalReplacement.run``) per row, rows batched ``batch_size`` at a
+time; a forward pre-hook on each layer's ``o_proj`` zeroes (or freezes) each row's heads. Heads beyond
+a layer's own (mixed-width models) are NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xarray as xr
+
+from countlens.errors import InputError
+from countlens.validate import require_count
+
+if TYPE_CHECKING:
+    from countlens.features.graph import AttributionGraph, LocalReplacement
+    from countlens.features.transcoder import TranscoderSet
+    from countlens.vlm import VLM
+
+#: The per-head variables of `head_shares`, in order.
+VARIABLES: tuple[str, ...] = ("path", "direct", "image", "image_direct", "share")
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One frozen forward: ``image`` says whether the image embeddings are zeroed; ``removed`` lists
+    the (layer, head)s whose output is zeroed; ``frozen``: every other head's z is held at the clean
+    run's (of the same image setting)."""
+
+    image: bool
+    removed: tuple[tuple[int, int], ...] = ()
+    frozen: bool = False
+
+
+def head_shares(
+    vlm: VLM,
+    transcoders: TranscoderSet,
+    sample,
+    graph: AttributionGraph | None = None,
+    target: int | None = None,
+    batch_size: int = 32,
+) -> xr.Dataset:
+    """Per head, what of the target logit's demeaned value flows through it in the local replacement
+    model of ``sample`` (see the module's docstring): an ``xr.Dataset`` over (layer, head) with
+    ``path``, ``direct``, ``image``, ``image_direct`` and ``share``; attrs ``target`` (vocab id),
+    ``target_string``, ``value``, ``no_heads``, ``image_total``, ``image_no_heads``, ``n_image`` and,
+    with a ``graph``, ``graph_image`` (its logit row summed over the image embedding nodes, which
+    equals ``image_total``). ``graph``: the sample's attribution graph; ``target`` defaults to its
+    first logit node (without a graph, the most probable token). ``batch_size``: rows per forward."""
+    from countlens.features.graph import AttributionGraph, LocalReplacement, _positions
+
+    _check(vlm, transcoders, sample)
+    require_count(batch_size, "batch_size")
+    prepared = vlm.prepare_samples([sample])
+    ids = prepared.inputs["input_ids"][0].cpu()
+    if not len(prepared.image_pos[0]):
+        raise InputError("head_shares splits the image tokens' attribution: the sample has no image tokens")
+    if target is not None:
+        vocab = vlm.hf.get_submodule(vlm.arch.spec.lm_head).weight.shape[0]
+        if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= int(target) < vocab:
+            raise InputError(f"target takes a vocab id 0 … {vocab - 1}, got {target!r}")
+    if graph is not None:
+        if not isinstance(graph, AttributionGraph):
+            raise InputError(f"graph takes an AttributionGraph (attribution_graph(...)), got {type(graph).__name__}")
+        same = graph.n_layers == vlm.arch.n_layers and torch.equal(graph.tokens.cpu(), ids)
+        if not same or not torch.equal(graph.objects.cpu(), _positions(prepared, sample, len(ids))[1]):
+            raise InputError("graph is not this sample's attribution graph on this model: its tokens or objects differ")
+        target = int(graph.logit_tokens[0]) if target is None else int(target)
+        graph.logit_node(target)  # refuses a token that is no logit node of the graph
+
+    lr = LocalReplacement(vlm, transcoders, sample)
+    target = int(lr.logits.argmax()) if target is None else int(target)
+    image_pos = lr.batch.image_pos[0]
+    arch = vlm.arch
+    heads = [(layer, h) for layer in range(arch.n_layers) for h in range(arch.heads(layer))]
+
+    with torch.no_grad():
+        base, z_clean = _record_z(lr, image_pos, target)
+        rows = [_Row(image=i, removed=r, frozen=f) for i in (False, True) for r, f in _removals(heads)]
+        values = _values(lr, rows, image_pos, z_clean, target, batch_size)
+    got = dict(zip(rows, values))
+    value, blind = float(base[0]), float(base[1])
+    if graph is not None:
+        recorded = float(graph.values[graph.logit_node(target)])
+        if abs(recorded - value) > 1e-3 * max(abs(value), 1.0):
+            raise InputError(
+                f"graph's value of logit {target} is {recorded:.4g}, this sample's {value:.4g}: not this sample's graph"
+            )
+    image_total = value - blind
+
+    shape = (arch.n_layers, arch.n_heads)
+    out = {name: np.full(shape, np.nan) for name in VARIABLES}
+    for layer, h in heads:
+        one = ((layer, h),)
+        out["path"][layer, h] = value - got[_Row(False, one)]
+        out["direct"][layer, h] = value - got[_Row(False, one, True)]
+        out["image"][layer, h] = image_total - (got[_Row(False, one)] - got[_Row(True, one)])
+        out["image_direct"][layer, h] = image_total - (got[_Row(False, one, True)] - got[_Row(True, one, True)])
+    scale = image_total if image_total != 0 else np.nan
+    out["share"] = out["image"] / scale
+    everything = tuple(heads)
+    no_heads = got[_Row(False, everything)]
+    attrs = {
+        "target": target,
+        "target_string": vlm.token_strings([target])[0],
+        "value": value,
+        "no_heads": no_heads,
+        "image_total": image_total,
+        "image_no_heads": no_heads - got[_Row(True, everything)],
+        "n_image": len(image_pos),
+    }
+    if graph is not None:
+        row = graph.adjacency[graph.logit_node(target)]
+        on_image = torch.isin(graph.embeddings, image_pos.cpu())
+        attrs["graph_image"] = float(row[graph.start("embedding") : graph.start("logit")][on_image].sum())
+    coords = {"layer": np.arange(arch.n_layers), "head": np.arange(arch.n_heads)}
+    return xr.Dataset({k: (("layer", "head"), v) for k, v in out.items()}, coords=coords, attrs=attrs)
+
+
+def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Collection[tuple[int, int]]) -> dict:
+    """AUROC and precision@|C| of |share| (a `head_shares` Dataset — its ``share`` — or any (layer,
+    head) DataArray, e.g. a mean over scenes) against the planted heads ``circuit_heads`` (a set of
+    (layer, head), `countlens.organisms.planted_circuit_of(name).heads`)."""
+    from countlens.circuits.recovery import auroc, precision_at
+
+    if isinstance(shares, xr.Dataset):
+        if "share" not in shares:
+            raise InputError(f"a Dataset of shares has a 'share' variable (head_shares); got {list(shares)}")
+        shares = shares["share"]
+    if not isinstance(shares, xr.DataArray):
+        raise InputError(f"shares takes head_shares(...) or a (layer, head) DataArray, got {type(shares).__name__}")
+    circuit = {tuple(int(x) for x in c) for c in circuit_heads}
+    if not circuit:
+        raise InputError("circuit_heads is empty: name the planted (layer, head)s")
+    return {"auroc": auroc(shares, circuit), "precision": precision_at(shares, circuit), "k": len(circuit)}
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _check(vlm, transcoders, sample) -> None:
+    """attribution_graph's refusals, before any forward."""
+    from countlens.arguments import require_vlm
+    from countlens.features.replacement import check_fits
+    from countlens.vlm import check_samples
+
+    require_vlm(vlm, "head_shares")
+    check_fits(vlm, transcoders, "head_shares")
+    if transcoders.layers != tuple(range(vlm.arch.n_layers)):
+        raise InputError(
+            f"head_shares needs a transcoder for every layer (0 … {vlm.arch.n_layers - 1}); the set covers "
+            f"{list(transcoders.layers)}: train with layers=None"
+        )
+    if vlm.remote:
+        raise InputError("head_shares runs the frozen model locally; load the model locally, not on NDIF")
+    spec = vlm.arch.spec
+    if spec.fused_qkv or spec.cross_attention is not None or spec.moe is not None or spec.linear_attention:
+        raise InputError(
+            f"head_shares freezes attention through separate q_proj/k_proj on self-attention models; "
+            f"{vlm.arch.name} has fused, cross, expert or linear layers"
+        )
+    if isinstance(sample, (list, tuple)):
+        raise InputError("head_shares takes one sample (task_samples(...)[0]), not a list")
+    check_samples([sample], "head_shares")
+
+
+def _removals(heads: list[tuple[int, int]]) -> Iterator[tuple[tuple[tuple[int, int], ...], bool]]:
+    """(removed heads, frozen) of every row a base needs: each head alone, totally and directly, and
+    every head at once."""
+    for cell in heads:
+        yield (cell,), False
+        yield (cell,), True
+    yield tuple(heads), False
+
+
+def _record_z(
+    lr: LocalReplacement, image_pos: torch.Tensor, target: int
+) -> tuple[list[float], dict[int, torch.Tensor]]:
+    """The clean and the image-blind rows (image embeddings zeroed): their target values and their z
+    at every layer's o_proj, (2, seq, width)."""
+    arch, hf = lr.vlm.arch, lr.vlm.hf
+    z: dict[int, torch.Tensor] = {}
+
+    def keep(layer):
+        def hook(m, args, kwargs):
+            z[layer] = _first(args, kwargs).detach().clone()
+
+        return hook
+
+    handles = [
+        hf.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(keep(layer), with_kwargs=True)
+        for layer in range(arch.n_layers)
+    ]
+    try:
+        got = lr.run(_embeds(lr, [False, True], image_pos))
+    finally:
+        for h in handles:
+            h.remove()
+    direction = lr.demeaned(torch.tensor([target]))[0]
+    return (got["final"][:, -1].float() @ direction).tolist(), z
+
+
+def _embeds(lr: LocalReplacement, blind: list[bool], image_pos: torch.Tensor) -> torch.Tensor:
+    embed = lr.embed.expand(len(blind), -1, -1).clone()
+    for r, b in enumerate(blind):
+        if b:
+            embed[r, image_pos] = 0
+    return embed
+
+
+@contextmanager
+def _head_hooks(lr: LocalReplacement, rows: list[_Row], z_clean: dict[int, torch.Tensor] | None) -> Iterator[None]:
+    """Forward pre-hooks on every o_proj: per row, zero its removed heads' slices of z and, for a
+    frozen row, hold every other head's z at the clean run's (of the row's image setting)."""
+    arch, hf = lr.vlm.arch, lr.vlm.hf
+    n = len(rows)
+    handles = []
+    for layer in range(arch.n_layers):
+        n_heads, d_head = arch.heads(layer), arch.head_dim(layer)
+        keep = torch.ones(n, n_heads)
+        for r, row in enumerate(rows):
+            for cell_layer, h in row.removed:
+                if cell_layer == layer:
+                    keep[r, h] = 0
+        frozen = torch.tensor([row.frozen for row in rows])
+        source = torch.tensor([int(row.image) for row in rows])
+
+        def hook(m, args, kwargs, keep=keep, frozen=frozen, source=source, layer=layer, n_heads=n_heads, d=d_head):
+            z = _first(args, kwargs)
+            zv = z.view(*z.shape[:-1], n_heads, d)
+            if frozen.any():
+                clean = z_clean[layer][source].view_as(zv)
+                zv = torch.where(frozen.view(-1, 1, 1, 1).to(z.device), clean.to(zv.dtype), zv)
+            zv = zv * keep.to(z.device, z.dtype).view(n, 1, n_heads, 1)
+            new = zv.reshape(z.shape)
+            return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+
+        handles.append(hf.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _values(
+    lr: LocalReplacement,
+    rows: list[_Row],
+    image_pos: torch.Tensor,
+    z_clean: dict[int, torch.Tensor] | None,
+    target: int,
+    batch_size: int,
+) -> list[float]:
+    """The target's demeaned value in the frozen model, one per row."""
+    direction = lr.demeaned(torch.tensor([target]))[0]
+    out: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        with _head_hooks(lr, chunk, z_clean):
+            got = lr.run(_embeds(lr, [row.image for row in chunk], image_pos))
+        out += (got["final"][:, -1].float() @ direction).tolist()
+    return out
+
+
+def _first(args, kwargs) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"] if "hidden_states" in kwargs else next(iter(kwargs.values()))

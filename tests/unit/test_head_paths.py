@@ -1,0 +1,187 @@
+"""Head paths of an attribution graph (`countlens.features.head_paths`) on the organism with tiny
+transcoders: the exact linearity identities (direct effects and the no-head part add up to the value,
+a layer's paths add up to removing the layer, the image total is the graph's image edges), each head's
+path and image share against a plain torch hook on o_proj in the frozen model, recovery scoring, and
+every refusal before any forward."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from countlens.datasets.tasks import task_samples
+from countlens.errors import InputError
+from countlens.features import LocalReplacement, TranscoderSet, attribution_graph, train_transcoders
+from countlens.features.head_paths import VARIABLES, head_shares, planted_path_recovery
+
+
+@pytest.fixture(scope="module")
+def setup(loaded):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    vlm = loaded("toy")
+    tcs = train_transcoders(vlm, width=32, k=4, steps=8, mix={"count": 16}, progress=False).transcoders
+    sample = task_samples("count", 4, seed=0)[1]
+    graph = attribution_graph(vlm, tcs, sample, batch_size=16)
+    shares = head_shares(vlm, tcs, sample, graph=graph)
+    yield vlm, tcs, sample, graph, shares
+    torch.set_num_threads(before)
+
+
+def _removed(vlm, tcs, sample, cells, target, blind_image=False):
+    """The target's demeaned value in the frozen model with the heads ``cells`` zeroed by a plain
+    forward pre-hook on o_proj (and the image embeddings zeroed if ``blind_image``)."""
+    lr = LocalReplacement(vlm, tcs, sample)
+    arch = vlm.arch
+    handles = []
+    for layer in {c[0] for c in cells}:
+        gone = [h for c_layer, h in cells if c_layer == layer]
+        d = arch.head_dim(layer)
+
+        def zero(m, args, gone=gone, d=d):
+            z = args[0].clone()
+            for h in gone:
+                z[..., h * d : (h + 1) * d] = 0
+            return (z, *args[1:])
+
+        handles.append(vlm.hf.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(zero))
+    embed = lr.embed.clone()
+    if blind_image:
+        embed[:, lr.batch.image_pos[0]] = 0
+    try:
+        with torch.no_grad():
+            got = lr.run(embed)
+    finally:
+        for h in handles:
+            h.remove()
+    return float(got["final"][0, -1].float() @ lr.demeaned(torch.tensor([target]))[0])
+
+
+def _close(a, b, scale):
+    return abs(a - b) <= 2e-5 * max(abs(scale), 1.0)
+
+
+# ----------------------------------------------------------------------------- identities
+
+
+def test_the_layout_and_the_value_is_the_real_models_demeaned_logit(setup):
+    vlm, _, sample, g, d = setup
+    assert isinstance(d, xr.Dataset) and tuple(d.data_vars) == VARIABLES
+    assert d["share"].dims == ("layer", "head") and d["share"].shape == (vlm.arch.n_layers, vlm.arch.n_heads)
+    assert d.attrs["target"] == int(g.logit_tokens[0])  # the graph's first logit node by default
+    with torch.no_grad():
+        logits = vlm.forward(vlm.prepare_samples([sample])).logits[0, -1].float()
+    want = float(logits[d.attrs["target"]] - logits.mean())
+    assert _close(d.attrs["value"], want, want)
+    assert np.isfinite(d["share"].values).all()
+    assert np.allclose(d["share"].values, d["image"].values / d.attrs["image_total"])
+
+
+def test_no_heads_plus_every_direct_effect_is_the_value_exactly(setup):
+    d = setup[4]
+    a = d.attrs
+    assert _close(a["no_heads"] + float(d["direct"].sum()), a["value"], a["value"])
+    assert _close(a["image_no_heads"] + float(d["image_direct"].sum()), a["image_total"], a["value"])
+    # The image tokens reach the last position only through attention: nothing is left with no heads.
+    assert abs(a["image_no_heads"]) < 1e-4 * abs(a["value"])
+
+
+def test_the_image_total_is_the_graphs_image_edges_into_the_logit(setup):
+    d = setup[4]
+    assert _close(d.attrs["graph_image"], d.attrs["image_total"], d.attrs["value"])
+
+
+def test_a_layers_paths_add_up_and_the_last_layers_paths_are_direct(setup):
+    vlm, tcs, sample, _, d = setup
+    value, target, last = d.attrs["value"], d.attrs["target"], vlm.arch.n_layers - 1
+    for layer in (0, last):
+        cells = [(layer, h) for h in range(vlm.arch.heads(layer))]
+        together = value - _removed(vlm, tcs, sample, cells, target)
+        assert _close(float(d["path"].sel(layer=layer).sum()), together, value)
+    assert np.allclose(d["path"].sel(layer=last), d["direct"].sel(layer=last), atol=2e-5 * abs(value))
+    # Removing every head at once, with a plain hook, leaves the no-heads part.
+    everything = [(layer, h) for layer in range(vlm.arch.n_layers) for h in range(vlm.arch.heads(layer))]
+    assert _close(_removed(vlm, tcs, sample, everything, target), d.attrs["no_heads"], value)
+
+
+def test_a_heads_path_and_image_share_match_a_plain_hook_on_o_proj(setup):
+    vlm, tcs, sample, _, d = setup
+    value, target = d.attrs["value"], d.attrs["target"]
+    blind = _removed(vlm, tcs, sample, [], target, blind_image=True)
+    assert _close(value - blind, d.attrs["image_total"], value)
+    top = np.unravel_index(np.nanargmax(np.abs(d["share"].values)), d["share"].shape)
+    for cell in {(int(top[0]), int(top[1])), (1, 2)}:
+        cut = _removed(vlm, tcs, sample, [cell], target)
+        cut_blind = _removed(vlm, tcs, sample, [cell], target, blind_image=True)
+        assert _close(float(d["path"].sel(layer=cell[0], head=cell[1])), value - cut, value)
+        image = (value - blind) - (cut - cut_blind)
+        assert _close(float(d["image"].sel(layer=cell[0], head=cell[1])), image, value)
+
+
+def test_batching_does_not_change_the_result_and_another_target_can_be_asked(setup):
+    vlm, tcs, sample, g, d = setup
+    again = head_shares(vlm, tcs, sample, batch_size=7)  # no graph: the top logit
+    assert again.attrs["target"] == d.attrs["target"]  # the graph's first logit is the top one
+    assert "graph_image" not in again.attrs
+    for name in VARIABLES:
+        assert np.allclose(again[name], d[name], atol=2e-5 * abs(d.attrs["value"]))
+    if g.n_logits > 1:
+        other = head_shares(vlm, tcs, sample, graph=g, target=int(g.logit_tokens[1]))
+        assert other.attrs["target"] == int(g.logit_tokens[1])
+        assert _close(other.attrs["graph_image"], other.attrs["image_total"], other.attrs["value"])
+
+
+# ----------------------------------------------------------------------------- recovery
+
+
+def test_planted_path_recovery_scores_the_ranking_of_abs_share(setup):
+    d = setup[4]
+    scores = xr.zeros_like(d["share"]) + 0.01
+    scores.loc[{"layer": 0, "head": 2}] = -0.9  # |share| ranks it first
+    got = planted_path_recovery(scores, {(0, 2)})
+    assert got == {"auroc": 1.0, "precision": 1.0, "k": 1}
+    assert planted_path_recovery(d, [(0, 2)])["k"] == 1  # a Dataset: its share
+    worst = planted_path_recovery(scores, {(1, 1)})
+    assert worst["precision"] == 0.0 and worst["auroc"] < 0.5
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_bad_arguments_are_refused_before_any_forward(setup):
+    vlm, tcs, sample, g, d = setup
+    partial = TranscoderSet(list(tcs)[:2], [0, 1])
+    other = task_samples("count", 4, seed=0)[2]
+    absent = next(v for v in range(100) if v not in g.logit_tokens.tolist())
+    cases = [
+        (lambda: head_shares("toy", tcs, sample), "loaded model"),
+        (lambda: head_shares(vlm, "tcs", sample), "TranscoderSet"),
+        (lambda: head_shares(vlm, partial, sample), "every layer"),
+        (lambda: head_shares(vlm, tcs, [sample]), "one sample"),
+        (lambda: head_shares(vlm, tcs, sample, batch_size=0), "batch_size"),
+        (lambda: head_shares(vlm, tcs, sample, graph="g"), "AttributionGraph"),
+        (lambda: head_shares(vlm, tcs, other, graph=g), "not this sample"),
+        (lambda: head_shares(vlm, tcs, sample, graph=replace(g, objects=g.objects.roll(1))), "not this sample"),
+        (lambda: head_shares(vlm, tcs, sample, graph=g, target=absent), "no logit node"),
+        (lambda: head_shares(vlm, tcs, sample, target=-1), "vocab id"),
+        (lambda: head_shares(vlm, tcs, sample, target="3"), "vocab id"),
+        (lambda: planted_path_recovery(d, []), "empty"),
+        (lambda: planted_path_recovery(d.drop_vars("share"), [(0, 2)]), "'share'"),
+        (lambda: planted_path_recovery([0.1], [(0, 2)]), "DataArray"),
+        (lambda: planted_path_recovery(d, [(9, 0)]), "not heads"),
+    ]
+
+    def no_forward(module, args, kwargs):
+        raise AssertionError("a forward ran before the refusal")
+
+    hook = vlm.hf.register_forward_pre_hook(no_forward, with_kwargs=True)
+    try:
+        for call, words in cases:
+            with pytest.raises(InputError, match=words):
+                call()
+    finally:
+        hook.remove()
