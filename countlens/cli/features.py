@@ -1,6 +1,11 @@
-"""``countlens features train``: per-layer transcoders of a model's MLPs (`countlens.features`), with a
-progress bar and a checkpoint a rerun resumes from; the fidelity table and the replacement model's
-counting accuracy beside the original's."""
+"""``countlens features``: the commands on a model's transcoders (`countlens.features`).
+
+- ``train``: per-layer transcoders of a model's MLPs, with a progress bar and a checkpoint a rerun
+  resumes from; the fidelity table and the replacement model's counting accuracy beside the original's.
+- ``graph``: the attribution graph of one counting scene (`counting_scene`), pruned, written as
+  circuit-tracer's viewer JSON, a Dataset and a self-contained HTML page
+  (`countlens.features.graph_page`), with the feature cards of its most influential features.
+"""
 
 from __future__ import annotations
 
@@ -46,3 +51,128 @@ def features_train(
     for name in acc.model.values:
         typer.echo(f"counting accuracy, {name}: {float(acc.accuracy.sel(model=name)):.3f}")
     typer.echo(f"saved to {out / 'transcoders'}")
+
+
+def counting_scene(count: int, seed: int):
+    """The scene ``countlens features graph`` draws: the first sample of ``task_samples("count", ·,
+    seed)`` (the organism's own counting task, `countlens.datasets.tasks.task_sample`) whose answer
+    is ``count``; the samples are pure functions of (seed, index), so the choice is reproducible."""
+    from countlens.datasets.tasks import task_sample
+
+    for index in range(SCENE_SEARCH):
+        sample = task_sample("count", seed, index)
+        if sample.meta["count"] == count:
+            return sample
+    raise ConfigError(f"no scene of {count} objects among the first {SCENE_SEARCH} of seed {seed}: try another --seed")
+
+
+#: How many samples `counting_scene` draws at most (each count 0 … 12 comes about once in 13).
+SCENE_SEARCH = 2000
+
+
+def top_features(graph, n: int) -> dict[tuple[int, int], int]:
+    """The ``n`` distinct (layer, feature) pairs of largest node influence in the whole (unpruned)
+    ``graph``, most influential first, each with its most influential node's index. Pruning keeps
+    the nodes of largest influence, so those of them that survive are the pruned graph's top too."""
+    from countlens.features import node_influence
+
+    influence = node_influence(graph)[: graph.n_features]
+    out: dict[tuple[int, int], int] = {}
+    for j in influence.argsort(descending=True).tolist():
+        layer, _, f = graph.features[j].tolist()
+        out.setdefault((layer, f), j)
+        if len(out) == n:
+            break
+    return out
+
+
+def features_graph(
+    transcoders: Annotated[
+        Path, typer.Option(help="A circuit-tracer transcoder folder (config.yaml, layer_{i}.safetensors).")
+    ],
+    out: Annotated[
+        Path, typer.Option(help="Directory for graph.json, graph.nc, graph.html, cards.nc and card_L{l}F{f}.png.")
+    ],
+    model: Model = "toy",
+    count: Annotated[int, typer.Option(help="Objects in the counting scene (0 … 12).")] = 3,
+    seed: Annotated[int, typer.Option(help="Seed of the scene (and of the cards' scenes).")] = 0,
+    node_threshold: Annotated[float, typer.Option(help="Pruning: share of node influence kept, in (0, 1].")] = 0.8,
+    edge_threshold: Annotated[float, typer.Option(help="Pruning: share of edge influence kept, in (0, 1].")] = 0.98,
+    top: Annotated[int, typer.Option(help="Features (largest influence) that get a card.")] = 5,
+    card_scenes: Annotated[int, typer.Option(help="Counting scenes the cards are computed over.")] = 64,
+    device: Device = None,
+    dtype: Dtype = None,
+) -> None:
+    """Attribution graph of one counting scene: pruned, as viewer JSON, Dataset and an HTML page,
+    with cards of its top features.
+
+    Example: countlens features graph --transcoders runs/transcoders/transcoders --count 3 --out runs/graph
+    """
+    check_positive(top=top, card_scenes=card_scenes)
+    if not transcoders.is_dir():
+        raise ConfigError(
+            f"--transcoders {transcoders} is not a folder: give a transcoder set's folder "
+            "(countlens features train writes OUT/transcoders)"
+        )
+    if not (transcoders / "config.yaml").is_file() and (transcoders / "transcoders" / "config.yaml").is_file():
+        raise ConfigError(
+            f"--transcoders {transcoders} is a training folder: give the set inside it, {transcoders / 'transcoders'}"
+        )
+    for name, value in (("--node-threshold", node_threshold), ("--edge-threshold", edge_threshold)):
+        if not 0 < value <= 1:
+            raise ConfigError(f"{name} must be in (0, 1] (a share of the influence kept), got {value:g}")
+    from countlens.datasets.tasks import MAX_COUNT
+
+    if not 0 <= count <= MAX_COUNT:
+        raise ConfigError(f"--count {count} is outside the counting scenes' range: give 0 … {MAX_COUNT}")
+    if seed < 0:
+        raise ConfigError(f"--seed must be ≥ 0, got {seed}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory")
+    import countlens
+    from countlens.features import load_transcoders
+
+    tcs = load_transcoders(transcoders)  # the folder's format, checked before the model loads
+    vlm = countlens.load(model, dtype=dtype, device_map=device)
+    write_graph(vlm, tcs, counting_scene(count, seed), out, seed, node_threshold, edge_threshold, top, card_scenes)
+
+
+def write_graph(vlm, tcs, sample, out: Path, seed: int, node_threshold, edge_threshold, top, card_scenes) -> None:
+    """Build, prune and write the graph of ``sample`` and the cards of its top features: everything is
+    computed first and drawn in a scratch folder, then moved into ``out``, so a failure writes nothing."""
+    import shutil
+    import tempfile
+
+    from countlens.datasets.tasks import task_samples
+    from countlens.features import attribution_graph, draw_card, feature_cards, graph_dataset, prune, save_graph
+    from countlens.features.graph_page import graph_page
+
+    graph = attribution_graph(vlm, tcs, sample)
+    pruned = prune(graph, node_threshold, edge_threshold)
+    chosen = top_features(graph, top)
+    scenes = task_samples("count", card_scenes, seed=seed)
+    cards = feature_cards(vlm, tcs, scenes, list(chosen), top=min(6, card_scenes)) if chosen else None
+    slug = f"{vlm.name or vlm.arch.name}-count-{sample.meta['count']}-seed{seed}".replace("/", "-")
+    with tempfile.TemporaryDirectory(prefix="countlens-graph-") as scratch:
+        tmp = Path(scratch)
+        save_graph(pruned, tmp / "graph.json", slug=slug)
+        graph_dataset(pruned).to_netcdf(tmp / "graph.nc")
+        graph_page(tmp / "graph.json", tmp / "graph.html", title=f"{slug}: {sample.question}", cards=cards)
+        if cards is not None:
+            cards.to_netcdf(tmp / "cards.nc")
+            for name in cards.card.values:
+                draw_card(cards, str(name), scenes, tmp / f"card_{name}.png")
+        out.mkdir(parents=True, exist_ok=True)
+        for file in sorted(tmp.iterdir()):
+            shutil.move(str(file), str(out / file.name))
+    typer.echo(
+        f"scene: {sample.question} (answer {sample.answer}); graph {graph.n_nodes} nodes, {graph.n_edges} edges; "
+        f"pruned {pruned.n_nodes} nodes ({pruned.n_features} features), {pruned.n_edges} edges"
+    )
+    kept = {(layer, f) for layer, _, f in pruned.features.tolist()}
+    typer.echo("top features by influence (its most influential position, its activation there):")
+    for (layer, f), j in chosen.items():
+        pos, act = int(graph.features[j, 1]), float(graph.activations[j])
+        where = "" if (layer, f) in kept else "  (pruned away)"
+        typer.echo(f"  L{layer}F{f}  position {pos} {graph.token_strings[pos]!r}  activation {act:.3g}{where}")
+    typer.echo(f"saved graph.json, graph.nc, graph.html and {len(chosen)} cards to {out}")
