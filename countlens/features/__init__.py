@@ -14,6 +14,8 @@
   the count logits) and `draw_card`.
 - `countlens.features.graph_files` — `graph_json` / `save_graph` (circuit-tracer's viewer JSON),
   `graph_dataset`.
+- `countlens.features.head_paths` — `head_shares` (how much of a graph's logit, and of the image
+  tokens' attribution to it, flows through each frozen head), `planted_path_recovery`.
 
 ``docs/concepts/transcoders.md`` and ``docs/concepts/attribution_graphs.md`` define every term and
 give the organism's measured figures.
@@ -24,6 +26,7 @@ from countlens.features.cards import draw_card, feature_cards
 from countlens.features.files import load_transcoders, save_transcoders
 from countlens.features.graph import AttributionGraph, LocalReplacement, attribution_graph
 from countlens.features.graph_files import graph_dataset, graph_json, save_graph
+from countlens.features.head_paths import head_shares, planted_path_recovery
 from countlens.features.prune import node_influence, prune, removal_effects
 from countlens.features.replacement import replacement, replacement_accuracy
 from countlens.features.train import Training, train_transcoders
@@ -55,4 +58,6 @@ __all__ = [
     "save_graph",
     "save_transcoders",
     "train_transcoders",
+    "head_shares",
+    "planted_path_recovery",
 ]
