@@ -24,7 +24,7 @@ from typer.core import TyperGroup
 from countlens.cli.compare import compare_cmd
 from countlens.cli.data import data_countingtricks
 from countlens.cli.discover import discover_cmd, plan_cmd
-from countlens.cli.features import features_graph, features_train
+from countlens.cli.features import features_graph, features_plan, features_train
 from countlens.cli.finetune import finetune_cmd
 from countlens.cli.model import check_cmd, eval_cmd
 from countlens.cli.report import classify_cmd, report_cmd
@@ -142,6 +142,7 @@ features_app = typer.Typer(
 app.add_typer(features_app, name="features")
 features_app.command("train")(features_train)
 features_app.command("graph")(features_graph)
+features_app.command("plan")(features_plan)
 
 
 @app.callback()

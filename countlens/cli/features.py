@@ -5,6 +5,8 @@
 - ``graph``: the attribution graph of one counting scene (`counting_scene`), pruned, written as
   circuit-tracer's viewer JSON, a Dataset and a self-contained HTML page
   (`countlens.features.graph_page`), with the feature cards of its most influential features.
+- ``plan``: what the graph of a model's counting scene would cost (`countlens.features.graph_cost`),
+  read from its config and processor alone: nodes, GiB, backward passes, FLOPs, time, and the fit.
 """
 
 from __future__ import annotations
@@ -176,3 +178,119 @@ def write_graph(vlm, tcs, sample, out: Path, seed: int, node_threshold, edge_thr
         where = "" if (layer, f) in kept else "  (pruned away)"
         typer.echo(f"  L{layer}F{f}  position {pos} {graph.token_strings[pos]!r}  activation {act:.3g}{where}")
     typer.echo(f"saved graph.json, graph.nc, graph.html and {len(chosen)} cards to {out}")
+
+
+def features_plan(
+    model: Annotated[
+        str,
+        typer.Option(help="'toy', a local checkpoint directory (its config and processor; no weights), or a hub id."),
+    ] = "toy",
+    image_size: Annotated[
+        int | None, typer.Option(help="Square image side in pixels (dynamic processors); default: the processor's.")
+    ] = None,
+    k: Annotated[int, typer.Option(help="Active features per token (TopK).")] = 16,
+    width: Annotated[int, typer.Option(help="Transcoder features per layer.")] = 512,
+    max_features: Annotated[
+        int | None, typer.Option(help="Features the graph keeps (attribution_graph's max_features); default: all.")
+    ] = None,
+    n_logits: Annotated[int, typer.Option(help="Logit nodes (attribution_graph's max_logits).")] = 10,
+    batch_rows: Annotated[
+        int, typer.Option(help="Target rows per backward pass (attribution_graph's batch_size).")
+    ] = 64,
+    memory: Annotated[
+        float | None, typer.Option(help="The device's memory, GiB (e.g. 141 for an H200); default: no check.")
+    ] = None,
+    host_memory: Annotated[
+        float | None,
+        typer.Option(
+            help="With --device cuda: the host's memory, GiB (graph.py's arrays live there); default: no check."
+        ),
+    ] = None,
+    device: Annotated[
+        str, typer.Option(help="Time estimate for 'cpu' (calibrated, one thread) or 'cuda' (an assumed H200 rate).")
+    ] = "cpu",
+    dtype: Dtype = None,
+) -> None:
+    """Plan an attribution graph before building it: nodes, adjacency and transcoder GiB, backward
+    passes, FLOPs and time, and whether it fits in --memory (config and processor only, no weights).
+
+    Example: countlens features plan --model runs/qwen2.5-vl-7b --image-size 448 --k 16 --width 16384
+    --max-features 8192 --memory 141 --dtype bfloat16 --device cuda
+    """
+    import math
+
+    from countlens.features.graph_cost import CPU_FLOPS, GPU_FLOPS, graph_cost, prompt_length
+    from countlens.loading import meta_vlm
+
+    check_positive(image_size=image_size, k=k, width=width, max_features=max_features, n_logits=n_logits)
+    check_positive(batch_rows=batch_rows)
+    if k > width:
+        raise ConfigError(f"--k {k} exceeds --width {width}: give k ≤ width")
+    for name, value in (("--memory", memory), ("--host-memory", host_memory)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{name} must be a finite number of GiB > 0, got {value}")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: plan for 'cpu' or 'cuda'")
+    if host_memory is not None and device != "cuda":
+        raise ConfigError("--host-memory is for --device cuda; on the CPU, --memory holds everything")
+    vlm = meta_vlm(model, dtype=dtype, image_size=image_size)
+    seq, patches = prompt_length(vlm)
+    rate = CPU_FLOPS if device == "cpu" else GPU_FLOPS
+    c = graph_cost(
+        vlm,
+        seq,
+        k,
+        max_features=max_features,
+        n_logits=n_logits,
+        batch_rows=batch_rows,
+        dtype_bytes=vlm.hf.dtype.itemsize,
+        transcoder_width=width,
+        patches=patches,
+        flops_per_second=rate,
+    )
+    gib = 2**30
+    typer.echo(
+        f"{vlm.name}: {c['n_layers']} layers, d_model {c['d_model']}, {c['seq']} tokens a counting scene "
+        f"({patches} patches), {vlm.hf.dtype}; transcoders width {width}, k {k}"
+    )
+    typer.echo(
+        f"nodes {c['nodes']:,}: features {c['features']:,} (of {c['active_features']:,} active), errors "
+        f"{c['errors']:,}, embeddings {c['embeddings']:,}, logits {c['logits']}"
+    )
+    lines = [
+        ("adjacency (the graph)", c["adjacency_bytes"]),
+        ("feature rows, every active feature (host)", c["feature_rows_bytes"]),
+        ("full square before max_features' drop (host)", c["full_adjacency_bytes"]),
+        ("max_features selection, per chunk (host)", c["selection_bytes"]),
+        ("model weights", c["weights_bytes"]),
+        ("transcoders", c["transcoder_bytes"]),
+        ("activations kept for the backward passes", c["kept_bytes"]),
+        ("one backward pass's transient", c["backward_bytes"]),
+    ]
+    for name, value in lines:
+        typer.echo(f"  {name:<48} {value / gib:10.2f} GiB")
+    typer.echo(f"  {'peak (host + model device)':<48} {c['peak_bytes'] / gib:10.2f} GiB")
+    where = (
+        "one CPU thread, calibrated on the organism" if device == "cpu" else "an assumed 40 % of an H200's bf16 peak"
+    )
+    typer.echo(
+        f"backward passes {c['backward_passes']:,} ({batch_rows} rows each); {c['flops'] / 1e12:,.1f} TFLOP "
+        f"(edges through W_dec {c['edge_flops'] / 1e12:,.1f}, selection {c['selection_flops'] / 1e12:,.1f}); "
+        f"about {_duration(c['seconds'])} on {where}"
+    )
+    checks = [] if memory is None else [(memory, c["peak_bytes"] if device == "cpu" else c["device_bytes"], device)]
+    if host_memory is not None:
+        checks.append((host_memory, c["host_bytes"], "host"))
+    for size, need, where in checks:
+        verdict = "fits" if need <= size * gib else "does not fit"
+        typer.echo(f"{where}: {need / gib:.1f} GiB {verdict} in {size:g} GiB")
+    if device == "cuda":
+        typer.echo(f"host: {c['host_bytes'] / gib:.1f} GiB of adjacency work arrays (graph.py makes them on the CPU)")
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as s, min, h or days, whichever reads best."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.1f} s"

@@ -1,0 +1,125 @@
+"""`countlens.features.graph_cost` against the graph `attribution_graph` really builds on the organism
+(tiny transcoders: node counts and adjacency bytes equal, with and without max_features), the
+``countlens features plan`` command on a tiny config, and every refusal before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from countlens.cli import app
+from countlens.cli.features import counting_scene
+from countlens.errors import InputError
+from countlens.features import attribution_graph, train_transcoders
+from countlens.features.graph_cost import ADJACENCY_BYTES, graph_cost, prompt_length
+from countlens.memory import widths
+
+runner = CliRunner()
+WIDTH, K = 32, 4
+
+
+@pytest.fixture(scope="module")
+def organism(loaded):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    vlm = loaded("toy")
+    tcs = train_transcoders(vlm, width=WIDTH, k=K, steps=8, mix={"count": 16}, progress=False).transcoders
+    yield vlm, tcs, counting_scene(3, 0)
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("max_features", [None, 100])
+def test_nodes_and_adjacency_bytes_equal_the_built_graph(organism, max_features):
+    vlm, tcs, sample = organism
+    graph = attribution_graph(vlm, tcs, sample, max_features=max_features)
+    seq, patches = prompt_length(vlm)
+    assert seq == len(graph.tokens)
+    c = graph_cost(vlm, seq, K, max_features, n_logits=graph.n_logits, transcoder_width=WIDTH, patches=patches)
+    assert c["features"] == graph.n_features
+    assert (c["errors"], c["embeddings"], c["logits"]) == (graph.n_errors, graph.n_embeddings, graph.n_logits)
+    assert c["nodes"] == graph.n_nodes
+    assert c["adjacency_bytes"] == graph.adjacency.numel() * graph.adjacency.element_size()
+    assert c["active_features"] == vlm.arch.n_layers * seq * K
+    assert c["backward_passes"] == 1 + -(-graph.n_features // 64)
+    assert c["transcoder_bytes"] == sum(p.numel() * p.element_size() for p in tcs.parameters())
+    assert (c["selection_bytes"] > 0) == (max_features is not None)
+
+
+def test_a_widths_gives_what_the_model_gives_and_costs_grow_as_they_should(loaded):
+    vlm = loaded("toy")
+    w = widths(vlm)
+    base = graph_cost(w, 52, 16)
+    assert base == graph_cost(vlm, 52, 16)
+    n = base["nodes"]
+    assert base["adjacency_bytes"] == n * n * ADJACENCY_BYTES
+    capped = graph_cost(w, 52, 16, max_features=500)
+    assert capped["features"] == 500 and capped["adjacency_bytes"] < base["adjacency_bytes"]
+    assert capped["feature_rows_bytes"] == base["feature_rows_bytes"]  # graph.py fills every feature's row first
+    assert capped["flops"] < base["flops"] + capped["selection_flops"]
+    half = graph_cost(w, 52, 16, dtype_bytes=2)
+    assert half["transcoder_bytes"] * 2 == base["transcoder_bytes"]
+    assert half["adjacency_bytes"] == base["adjacency_bytes"]  # always float32
+    assert graph_cost(w, 104, 16)["edge_flops"] > 3.9 * base["edge_flops"]  # targets × seq: quadratic
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seq": 0}, "seq"),
+        ({"k": 0}, "k "),
+        ({"k": 600}, "k ≤ width"),
+        ({"max_features": 0}, "max_features"),
+        ({"n_logits": 2.5}, "n_logits"),
+        ({"batch_rows": -1}, "batch_rows"),
+        ({"dtype_bytes": 3}, "bfloat16: 2"),
+        ({"patches": -1}, "patches"),
+        ({"flops_per_second": float("nan")}, "flops_per_second"),
+    ],
+)
+def test_graph_cost_refuses_bad_arguments(loaded, kwargs, message):
+    args = {"seq": 52, "k": 16, **kwargs}
+    with pytest.raises(InputError, match=message):
+        graph_cost(widths(loaded("toy")), **args)
+
+
+def test_graph_cost_refuses_what_is_no_model():
+    with pytest.raises(InputError, match="meta_vlm"):
+        graph_cost("toy", 52, 16)
+
+
+def test_the_plan_command_on_a_tiny_config(tiny_checkpoint):
+    model = str(tiny_checkpoint("qwen2_5_vl"))
+    args = ["features", "plan", "--model", model, "--k", "4", "--width", "64", "--max-features", "100"]
+    result = runner.invoke(app, [*args, "--memory", "1", "--device", "cuda", "--host-memory", "0.001"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "features 100 (of" in out and "backward passes" in out and "adjacency (the graph)" in out
+    assert "cuda: " in out and "fits in 1 GiB" in out and "does not fit in 0.001 GiB" in out
+    assert "host: " in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--k", "0"], "--k must be ≥ 1"),
+        (["--k", "65", "--width", "64"], "exceeds --width"),
+        (["--max-features", "0"], "--max-features must be ≥ 1"),
+        (["--batch-rows", "0"], "--batch-rows must be ≥ 1"),
+        (["--memory", "nan"], "--memory must be a finite"),
+        (["--host-memory", "-1", "--device", "cuda"], "--host-memory must be a finite"),
+        (["--host-memory", "8"], "--host-memory is for --device cuda"),
+        (["--device", "tpu"], "plan for 'cpu' or 'cuda'"),
+        (["--image-size", "0"], "--image-size must be ≥ 1"),
+    ],
+)
+def test_the_plan_commands_refusals_exit_2_before_reading_the_model(extra, message, monkeypatch):
+    import countlens.loading
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the options were checked")
+
+    monkeypatch.setattr(countlens.loading, "meta_vlm", no_read)
+    result = runner.invoke(app, ["features", "plan", "--model", "toy", *extra])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
