@@ -275,8 +275,9 @@ def features_plan(
     )
     typer.echo(
         f"backward passes {c['backward_passes']:,} ({batch_rows} rows each); {c['flops'] / 1e12:,.1f} TFLOP "
-        f"(edges through W_dec {c['edge_flops'] / 1e12:,.1f}, selection {c['selection_flops'] / 1e12:,.1f}); "
-        f"about {_duration(c['seconds'])} on {where}"
+        f"(edges through W_dec {c['edge_flops'] / 1e12:,.1f}); "
+        f"about {_duration(c['seconds'])} on {where}, {_duration(c['selection_seconds'])} of it the max_features "
+        "selection on one host thread"
     )
     checks = [] if memory is None else [(memory, c["peak_bytes"] if device == "cpu" else c["device_bytes"], device)]
     if host_memory is not None:
@@ -284,7 +285,7 @@ def features_plan(
     for size, need, where in checks:
         verdict = "fits" if need <= size * gib else "does not fit"
         typer.echo(f"{where}: {need / gib:.1f} GiB {verdict} in {size:g} GiB")
-    if device == "cuda":
+    if device == "cuda" and host_memory is None:
         typer.echo(f"host: {c['host_bytes'] / gib:.1f} GiB of adjacency work arrays (graph.py makes them on the CPU)")
 
 

@@ -40,12 +40,14 @@ attention pattern and ``o_proj`` (MLPs, ``q``/``k`` and norm scales are constant
 ``2 · rows · seq · d_model · (heads + kv_heads) · d_head + 2 · rows · heads · d_head · seq²`` — then
 graph.py turns the gradients into edges: ``2 · targets · seq · d_model · width`` per layer (the
 ``W_dec`` product, by far the largest term at real widths) plus the error and embedding dot products.
-``max_features`` adds, per chunk, an influence over the ``(F + n_logits)²`` square: layers +
-`INFLUENCE_TERMS_PLUS` vector–matrix products and the normalisation, ``(2 · (layers + 2) + 4) · N²``.
 
-**Time** = FLOPs / ``flops_per_second``. `CPU_FLOPS` is this project's calibration: one backward pass
-of the organism timed on one CPU thread (``bench/graph_cost.py``); it predicts the organism's whole
-graph within the factor that bench states. `GPU_FLOPS` is an assumption, not a measurement.
+**Time** = FLOPs / ``flops_per_second`` + the ``max_features`` selection. `CPU_FLOPS` is this
+project's calibration: one backward pass of the organism timed on one CPU thread
+(``bench/graph_cost.py``); it predicts the organism's whole graph (no ``max_features``) within 1.2×.
+`GPU_FLOPS` is an assumption, not a measurement. The selection is not FLOP-bound: per chunk it
+allocates, copies and normalises the ``(F + n_logits)²`` square and runs an influence series over it,
+on the host whatever the model's device (graph.py's arrays are CPU tensors), so it is timed as
+`SELECTION_SECONDS` per square entry per chunk, calibrated on the organism on one thread.
 """
 
 from __future__ import annotations
@@ -73,7 +75,11 @@ SELECTION_SQUARES = 4
 
 #: Floating-point operations per second of the organism's graph on one CPU thread here, from one timed
 #: backward pass (bench/graph_cost.py, which records the measurement it came from).
-CPU_FLOPS = 6.0e9
+CPU_FLOPS = 5.2e10
+
+#: Seconds per entry of the (F + n_logits)² square per max_features chunk, on one CPU thread: the
+#: organism's max_features 2000 and 500 graphs (bench/graph_cost.py), less their planned FLOP time.
+SELECTION_SECONDS = 3.0e-8
 
 #: An assumed sustained rate on one H200 in bf16: 40 % of its 989 TFLOP/s dense peak (as
 #: bench/plan_rehearsal.py assumes); not calibrated (no GPU run of attribution_graph yet).
@@ -148,8 +154,8 @@ def graph_cost(
     targets = n_logits + kept_f
     edges = targets * L * seq * (2 * d * width + 2 * d) + targets * 2 * seq * d
     chunks = feature_passes if dropped else 0
-    choose = chunks * (2 * (L + INFLUENCE_TERMS_PLUS) + 4) * (n_f + n_logits) ** 2
-    flops = forwards + (logit_passes + feature_passes) * per_backward + edges + choose
+    choose = chunks * (n_f + n_logits) ** 2 * SELECTION_SECONDS
+    flops = forwards + (logit_passes + feature_passes) * per_backward + edges
     return {
         "n_layers": L,
         "d_model": d,
@@ -183,16 +189,11 @@ def graph_cost(
         "forward_flops": forwards,
         "backward_flops": per_backward,
         "edge_flops": edges,
-        "selection_flops": choose,
         "flops": flops,
         "flops_per_second": float(flops_per_second),
-        "seconds": flops / flops_per_second,
+        "selection_seconds": choose,
+        "seconds": flops / flops_per_second + choose,
     }
-
-
-#: Influence terms per max_features chunk beyond the layers: a path visits at most one feature per
-#: layer, then the logit, then the term that is zero.
-INFLUENCE_TERMS_PLUS = 2
 
 
 def prompt_length(vlm: VLM, count: int = 3, seed: int = 0) -> tuple[int, int]:
