@@ -5,7 +5,7 @@
 
 Organism: transcoders from ``--transcoders`` (a circuit-tracer folder, e.g. the ``transcoders/`` a
 ``train_transcoders(vlm, out=…)`` run wrote) or `train_transcoders(vlm)` with its defaults; the
-3-object scene ``countlens features graph`` draws (`counting_scene(3, 0)`). One torch thread.
+3-object scene ``countlens features graph`` draws (`count_task_sample(3, 0)`). One torch thread.
 
 1. **Calibration**: in the ``max_features=None`` graph, every backward pass's start is timed (a
    wrapper round ``torch.autograd.grad``); the median interval between two full feature passes is one
@@ -36,11 +36,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 import countlens
-from countlens.cli.features import counting_scene
+from countlens.datasets.tasks import count_task_sample
 from countlens.features import attribution_graph, load_transcoders, train_transcoders
-from countlens.features.graph_cost import GPU_FLOPS, graph_cost, prompt_length
 from countlens.loading import meta_vlm
 from countlens.memory import resident_bytes
+from countlens.pipeline.graph_cost import GPU_FLOPS, graph_cost, prompt_length
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -85,7 +85,7 @@ def plan_7b() -> dict:
     from disk_cache import cached_dir, entry_key
     from real_checkpoints import planning_dir
 
-    from countlens.features.graph_cost import CPU_FLOPS
+    from countlens.pipeline.graph_cost import CPU_FLOPS
 
     name = "Qwen__Qwen2.5-VL-7B-Instruct"
     tiny = cached_dir(entry_key("tiny", "qwen2_5_vl"), lambda path: _save_tiny("qwen2_5_vl", {}, path))
@@ -119,7 +119,7 @@ def main() -> None:
         tcs, source = train_transcoders(vlm, progress=False).transcoders, "train_transcoders(vlm) defaults"
     tc = tcs.layer(0)
     k, width = tc.k, tc.W_enc.shape[0]
-    sample = counting_scene(3, 0)
+    sample = count_task_sample(3, 0)
     seq, patches = prompt_length(vlm)
     attribution_graph(vlm, tcs, sample, max_features=500)  # warm-up: first-call allocations and caches
 

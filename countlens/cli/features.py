@@ -2,10 +2,11 @@
 
 - ``train``: per-layer transcoders of a model's MLPs, with a progress bar and a checkpoint a rerun
   resumes from; the fidelity table and the replacement model's counting accuracy beside the original's.
-- ``graph``: the attribution graph of one counting scene (`counting_scene`), pruned, written as
+- ``graph``: the attribution graph of one counting scene
+  (`countlens.datasets.tasks.count_task_sample`), pruned, written as
   circuit-tracer's viewer JSON, a Dataset and a self-contained HTML page
   (`countlens.features.graph_page`), with the feature cards of its most influential features.
-- ``plan``: what the graph of a model's counting scene would cost (`countlens.features.graph_cost`),
+- ``plan``: what the graph of a model's counting scene would cost (`countlens.pipeline.graph_cost`),
   read from its config and processor alone: nodes, GiB, backward passes, FLOPs, time, and the fit.
 """
 
@@ -53,23 +54,6 @@ def features_train(
     for name in acc.model.values:
         typer.echo(f"counting accuracy, {name}: {float(acc.accuracy.sel(model=name)):.3f}")
     typer.echo(f"saved to {out / 'transcoders'}")
-
-
-def counting_scene(count: int, seed: int):
-    """The scene ``countlens features graph`` draws: the first sample of ``task_samples("count", ·,
-    seed)`` (the organism's own counting task, `countlens.datasets.tasks.task_sample`) whose answer
-    is ``count``; the samples are pure functions of (seed, index), so the choice is reproducible."""
-    from countlens.datasets.tasks import task_sample
-
-    for index in range(SCENE_SEARCH):
-        sample = task_sample("count", seed, index)
-        if sample.meta["count"] == count:
-            return sample
-    raise ConfigError(f"no scene of {count} objects among the first {SCENE_SEARCH} of seed {seed}: try another --seed")
-
-
-#: How many samples `counting_scene` draws at most (each count 0 … 12 comes about once in 13).
-SCENE_SEARCH = 2000
 
 
 def top_features(graph, n: int) -> dict[tuple[int, int], int]:
@@ -123,7 +107,7 @@ def features_graph(
     for name, value in (("--node-threshold", node_threshold), ("--edge-threshold", edge_threshold)):
         if not 0 < value <= 1:
             raise ConfigError(f"{name} must be in (0, 1] (a share of the influence kept), got {value:g}")
-    from countlens.datasets.tasks import MAX_COUNT
+    from countlens.datasets.tasks import MAX_COUNT, count_task_sample
 
     if not 0 <= count <= MAX_COUNT:
         raise ConfigError(f"--count {count} is outside the counting scenes' range: give 0 … {MAX_COUNT}")
@@ -136,7 +120,7 @@ def features_graph(
 
     tcs = load_transcoders(transcoders)  # the folder's format, checked before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device)
-    write_graph(vlm, tcs, counting_scene(count, seed), out, seed, node_threshold, edge_threshold, top, card_scenes)
+    write_graph(vlm, tcs, count_task_sample(count, seed), out, seed, node_threshold, edge_threshold, top, card_scenes)
 
 
 def write_graph(vlm, tcs, sample, out: Path, seed: int, node_threshold, edge_threshold, top, card_scenes) -> None:
@@ -219,8 +203,8 @@ def features_plan(
     """
     import math
 
-    from countlens.features.graph_cost import CPU_FLOPS, GPU_FLOPS, graph_cost, prompt_length
     from countlens.loading import meta_vlm
+    from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS, graph_cost, prompt_length
 
     check_positive(image_size=image_size, k=k, width=width, max_features=max_features, n_logits=n_logits)
     check_positive(batch_rows=batch_rows)

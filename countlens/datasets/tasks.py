@@ -178,3 +178,20 @@ def _attribute_question(rng, image_size, size_range, ask: str) -> TaskSample:
     else:
         question, meta = f"what shape is the {names[q]} object?", {"color": names[q], "n_objects": k}
     return TaskSample(Scene(image_size, image_size, objs), question, answers[q], ask, meta)
+
+
+#: How many samples `count_task_sample` draws at most (each count 0 … 12 comes about once in 13).
+SCENE_SEARCH = 2000
+
+
+def count_task_sample(count: int, seed: int) -> TaskSample:
+    """The first sample of ``task_samples("count", ·, seed)`` whose answer is ``count`` (the scene
+    ``countlens features graph --count`` draws); samples are pure functions of (seed, index), so the
+    choice is reproducible."""
+    require_integer(count, "count", low=0)
+    require_seed(seed)
+    for index in range(SCENE_SEARCH):
+        sample = task_sample("count", seed, index)
+        if sample.meta["count"] == count:
+            return sample
+    raise InputError(f"no scene of {count} objects among the first {SCENE_SEARCH} of seed {seed}: try another seed")

@@ -12,7 +12,8 @@
 - `countlens.features.prune` — `prune`, `node_influence`, `removal_effects`.
 - `countlens.features.cards` — `feature_cards` (a feature's top scenes, image maps, objects, effect on
   the count logits) and `draw_card`.
-- `countlens.features.graph_page` — `graph_page`: a pruned graph as one self-contained HTML page.
+- `countlens.features.graph_page` — `graph_page(graph, path)`: a pruned graph as one self-contained
+  HTML page (import it from the module: the name is the module's).
 - `countlens.features.graph_files` — `graph_json` / `save_graph` (circuit-tracer's viewer JSON),
   `graph_dataset`.
 - `countlens.features.head_paths` — `head_shares` (how much of a graph's logit, and of the image
@@ -27,7 +28,6 @@ from countlens.features.cards import draw_card, feature_cards
 from countlens.features.files import load_transcoders, save_transcoders
 from countlens.features.graph import AttributionGraph, LocalReplacement, attribution_graph
 from countlens.features.graph_files import graph_dataset, graph_json, save_graph
-from countlens.features.graph_page import graph_page
 from countlens.features.head_paths import head_shares, planted_path_recovery
 from countlens.features.prune import node_influence, prune, removal_effects
 from countlens.features.replacement import replacement, replacement_accuracy
@@ -51,7 +51,6 @@ __all__ = [
     "fvu",
     "graph_dataset",
     "graph_json",
-    "graph_page",
     "load_transcoders",
     "node_influence",
     "prune",

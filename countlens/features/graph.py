@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from countlens.errors import InputError
-from countlens.features.prune import feature_order
+from countlens.features.influence import feature_order
 from countlens.features.transcoder import TranscoderSet
 from countlens.validate import require_count, require_share
 
@@ -445,7 +445,7 @@ def attribution_graph(
     constant[n_src:] = lr.demeaned(logit_tokens) @ base["final"][0, -1].float()
 
     ids = lr.batch.inputs["input_ids"][0].cpu()
-    cells, objects = _positions(lr.batch, sample, seq)
+    cells, objects = token_positions(lr.batch, sample, seq)
     answer = vlm.answer_ids(sample.answer)[0] if getattr(sample, "answer", None) else -1
     graph = AttributionGraph(
         adjacency=adjacency,
@@ -483,7 +483,7 @@ def _norms(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for _, m in layer.named_children() if "norm" in type(m).__name__.lower()]
 
 
-def _positions(batch: Batch, sample, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_positions(batch: Batch, sample, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: the image token's cell (row, col), and the object it belongs to
     (`countlens.circuits.positions.Objects`: coverage ≥ 0.25 of the cell, or the object's peak cell;
     where several objects claim a token, the lowest index); −1 elsewhere."""

@@ -86,7 +86,7 @@ def head_shares(
     with a ``graph``, ``graph_image`` (its logit row summed over the image embedding nodes, which
     equals ``image_total``). ``graph``: the sample's attribution graph; ``target`` defaults to its
     first logit node (without a graph, the most probable token). ``batch_size``: rows per forward."""
-    from countlens.features.graph import AttributionGraph, LocalReplacement, _positions
+    from countlens.features.graph import AttributionGraph, LocalReplacement, token_positions
 
     _check(vlm, transcoders, sample)
     require_count(batch_size, "batch_size")
@@ -102,7 +102,7 @@ def head_shares(
         if not isinstance(graph, AttributionGraph):
             raise InputError(f"graph takes an AttributionGraph (attribution_graph(...)), got {type(graph).__name__}")
         same = graph.n_layers == vlm.arch.n_layers and torch.equal(graph.tokens.cpu(), ids)
-        if not same or not torch.equal(graph.objects.cpu(), _positions(prepared, sample, len(ids))[1]):
+        if not same or not torch.equal(graph.objects.cpu(), token_positions(prepared, sample, len(ids))[1]):
             raise InputError("graph is not this sample's attribution graph on this model: its tokens or objects differ")
         target = int(graph.logit_tokens[0]) if target is None else int(target)
         graph.logit_node(target)  # refuses a token that is no logit node of the graph

@@ -27,7 +27,7 @@ from countlens.features import (
     train_transcoders,
 )
 from countlens.features.graph_files import cantor
-from countlens.features.prune import influence, normalized
+from countlens.features.influence import influence, normalized
 
 SMALL_MIX = {"count": 8, "color": 1, "shape": 1, "text": 2}
 

@@ -83,7 +83,12 @@ def _places(root: Path) -> dict[str, Path]:
 
 def _argv(path: tuple[str, ...], opt: str, value: str | None, places: dict[str, Path]) -> list[str]:
     """The command with the fuzzed option, and its required options (given their usual places)."""
-    required = {"--out": places["<missing>"], "--run": places["<run>"], "--circuit": places["<run>"]}
+    required = {
+        "--out": places["<missing>"],
+        "--run": places["<run>"],
+        "--circuit": places["<run>"],
+        "--transcoders": places["<dir>"],
+    }
     command = COMMANDS[path]
     args = [*path]
     for p in command.params:
@@ -100,9 +105,11 @@ def _listing(root: Path) -> dict[str, int]:
 
 @pytest.fixture
 def stubs(monkeypatch):
-    """Each command's work replaced by `Reached`: loading a model, exporting, training, planning."""
+    """Each command's work replaced by `Reached`: loading a model (or its config), exporting, training,
+    planning."""
     import countlens
     import countlens.datasets.export
+    import countlens.loading
     import countlens.pipeline.plan
     import countlens.toy.train
 
@@ -110,6 +117,7 @@ def stubs(monkeypatch):
     monkeypatch.setattr(countlens.datasets.export, "export_countingtricks", _stub)
     monkeypatch.setattr(countlens.toy.train, "train", _stub)
     monkeypatch.setattr(countlens.pipeline.plan, "plan", _stub)
+    monkeypatch.setattr(countlens.loading, "meta_vlm", _stub)
     for name in ("RANK", "WORLD_SIZE", "COUNTLENS_DEBUG"):
         monkeypatch.delenv(name, raising=False)
 

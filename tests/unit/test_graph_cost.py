@@ -1,4 +1,4 @@
-"""`countlens.features.graph_cost` against the graph `attribution_graph` really builds on the organism
+"""`countlens.pipeline.graph_cost` against the graph `attribution_graph` really builds on the organism
 (tiny transcoders: node counts and adjacency bytes equal, with and without max_features), the
 ``countlens features plan`` command on a tiny config, and every refusal before any work."""
 
@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from countlens.cli import app
-from countlens.cli.features import counting_scene
+from countlens.datasets.tasks import count_task_sample
 from countlens.errors import InputError
 from countlens.features import attribution_graph, train_transcoders
-from countlens.features.graph_cost import ADJACENCY_BYTES, graph_cost, prompt_length
 from countlens.memory import widths
+from countlens.pipeline.graph_cost import ADJACENCY_BYTES, graph_cost, prompt_length
 
 runner = CliRunner()
 WIDTH, K = 32, 4
@@ -25,7 +25,7 @@ def organism(loaded):
     torch.set_num_threads(1)
     vlm = loaded("toy")
     tcs = train_transcoders(vlm, width=WIDTH, k=K, steps=8, mix={"count": 16}, progress=False).transcoders
-    yield vlm, tcs, counting_scene(3, 0)
+    yield vlm, tcs, count_task_sample(3, 0)
     torch.set_num_threads(before)
 
 

@@ -18,7 +18,7 @@ dtype; they live on the host: graph.py makes them with ``torch.zeros``):
 - ``feature_rows``: graph.py fills ``F × S`` rows for *every* active feature before it drops the
   unvisited ones, so ``max_features`` does not shrink it;
 - ``full_adjacency``: the ``(S + n_logits)²`` square the rows are copied into, again before the drop;
-- ``selection``: with ``max_features < F``, each chunk's choice (`countlens.features.prune.feature_order`)
+- ``selection``: with ``max_features < F``, each chunk's choice (`countlens.features.influence.feature_order`)
   builds ``(F + n_logits) × F`` and ``(F + n_logits)²`` matrices and normalises the square (two more
   of that size): `SELECTION_SQUARES` squares;
 - ``transcoders``: ``layers × (2 × width × d_model + width + d_model)`` parameters;
@@ -198,11 +198,11 @@ def graph_cost(
 
 def prompt_length(vlm: VLM, count: int = 3, seed: int = 0) -> tuple[int, int]:
     """(tokens, vision patches) of the counting scene ``countlens features graph`` draws
-    (`countlens.cli.features.counting_scene`), prepared by ``vlm``'s own processor — a meta model's
+    (`countlens.datasets.tasks.count_task_sample`), prepared by ``vlm``'s own processor — a meta model's
     too, so a plan reads a real checkpoint's sequence length at its image size without weights."""
-    from countlens.cli.features import counting_scene
+    from countlens.datasets.tasks import count_task_sample
 
-    batch = vlm.prepare_samples([counting_scene(count, seed)])
+    batch = vlm.prepare_samples([count_task_sample(count, seed)])
     return int(batch.inputs["input_ids"].shape[1]), int(batch.patches(vlm.arch.merge_size))
 
 
