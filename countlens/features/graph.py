@@ -331,28 +331,9 @@ def attribution_graph(
     only that many features, chosen as circuit-tracer does (repeatedly, the unvisited features of
     largest influence on the logits through the rows computed so far); the dropped features' edges
     are lost, so rows no longer sum to their values. ``batch_size``: target rows per backward."""
-    from countlens.arguments import require_vlm
-    from countlens.features.replacement import check_fits
-    from countlens.vlm import check_samples
+    from countlens.features.replacement import check_graphable
 
-    require_vlm(vlm, "attribution_graph")
-    check_fits(vlm, transcoders, "attribution_graph")
-    if transcoders.layers != tuple(range(vlm.arch.n_layers)):
-        raise InputError(
-            f"attribution_graph needs a transcoder for every layer (0 … {vlm.arch.n_layers - 1}); the set covers "
-            f"{list(transcoders.layers)}: train with layers=None"
-        )
-    if vlm.remote:
-        raise InputError("attribution_graph runs backward passes locally; load the model locally, not on NDIF")
-    spec = vlm.arch.spec
-    if spec.fused_qkv or spec.cross_attention is not None or spec.moe is not None or spec.linear_attention:
-        raise InputError(
-            f"attribution_graph freezes attention through separate q_proj/k_proj on self-attention models; "
-            f"{vlm.arch.name} has fused, cross, expert or linear layers"
-        )
-    if isinstance(sample, (list, tuple)):
-        raise InputError("attribution_graph takes one sample (task_samples(...)[0]), not a list")
-    check_samples([sample], "attribution_graph")
+    check_graphable(vlm, transcoders, sample, "attribution_graph")
     require_count(max_logits, "max_logits")
     require_share(logit_prob, "logit_prob", above_zero=True)
     if max_features is not None:

@@ -179,28 +179,9 @@ def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Coll
 
 def _check(vlm, transcoders, sample) -> None:
     """attribution_graph's refusals, before any forward."""
-    from countlens.arguments import require_vlm
-    from countlens.features.replacement import check_fits
-    from countlens.vlm import check_samples
+    from countlens.features.replacement import check_graphable
 
-    require_vlm(vlm, "head_shares")
-    check_fits(vlm, transcoders, "head_shares")
-    if transcoders.layers != tuple(range(vlm.arch.n_layers)):
-        raise InputError(
-            f"head_shares needs a transcoder for every layer (0 … {vlm.arch.n_layers - 1}); the set covers "
-            f"{list(transcoders.layers)}: train with layers=None"
-        )
-    if vlm.remote:
-        raise InputError("head_shares runs the frozen model locally; load the model locally, not on NDIF")
-    spec = vlm.arch.spec
-    if spec.fused_qkv or spec.cross_attention is not None or spec.moe is not None or spec.linear_attention:
-        raise InputError(
-            f"head_shares freezes attention through separate q_proj/k_proj on self-attention models; "
-            f"{vlm.arch.name} has fused, cross, expert or linear layers"
-        )
-    if isinstance(sample, (list, tuple)):
-        raise InputError("head_shares takes one sample (task_samples(...)[0]), not a list")
-    check_samples([sample], "head_shares")
+    check_graphable(vlm, transcoders, sample, "head_shares")
 
 
 def _removals(heads: list[tuple[int, int]]) -> Iterator[tuple[tuple[tuple[int, int], ...], bool]]:

@@ -79,6 +79,32 @@ def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
             h.remove()
 
 
+def check_graphable(vlm: VLM, transcoders: TranscoderSet, sample, what: str) -> None:
+    """Refuse, before any forward, what the local replacement model cannot be built for: a set without a
+    transcoder for every layer, a remote model, fused / cross / expert / linear attention, a list of samples."""
+    from countlens.arguments import require_vlm
+    from countlens.vlm import check_samples
+
+    require_vlm(vlm, what)
+    check_fits(vlm, transcoders, what)
+    if transcoders.layers != tuple(range(vlm.arch.n_layers)):
+        raise InputError(
+            f"{what} needs a transcoder for every layer (0 … {vlm.arch.n_layers - 1}); the set covers "
+            f"{list(transcoders.layers)}: train with layers=None"
+        )
+    if vlm.remote:
+        raise InputError(f"{what} runs the frozen model locally; load the model locally, not on NDIF")
+    spec = vlm.arch.spec
+    if spec.fused_qkv or spec.cross_attention is not None or spec.moe is not None or spec.linear_attention:
+        raise InputError(
+            f"{what} freezes attention through separate q_proj/k_proj on self-attention models; "
+            f"{vlm.arch.name} has fused, cross, expert or linear layers"
+        )
+    if isinstance(sample, (list, tuple)):
+        raise InputError(f"{what} takes one sample (task_samples(...)[0]), not a list")
+    check_samples([sample], what)
+
+
 def replacement_accuracy(
     vlm: VLM, transcoders: TranscoderSet, samples: Sequence, batch_size: int = 32, progress: bool = False
 ) -> xr.Dataset:

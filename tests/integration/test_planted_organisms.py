@@ -19,6 +19,8 @@ PLANTED = [f"planted-{name}" for name in SHIPPED_PLANTED]
 #: Fresh checks a shipped organism is known to fail (docs/organism/planted.md gives the figures): asserted to
 #: fail still, so that a re-planted organism that passes them is noticed and this list emptied.
 KNOWN_UNMET = {"planted-two-hop": {"outside_different"}}
+#: The same for the edge organisms' edge-level checks (their node-level checks all pass).
+KNOWN_UNMET_EDGES = {"planted-value-route": {"outside_different"}}
 
 
 def _size(folder) -> int:
@@ -91,13 +93,15 @@ def test_an_edge_organism_still_carries_the_count_only_in_its_edges(name):
     circuit = EDGE_CIRCUITS[name.removeprefix("planted-")]
     record = json.loads((folder / "planted.json").read_text())
     assert record["circuit"]["name"] == circuit.name and tuple(record["circuit"]["edges"]) == circuit.edges
-    # Edge level and node level (C = its nodes, MLPs as nodes) both passed when it was planted.
-    assert all(record["fresh_checks"].values()) and all(record["fresh_node_checks"].values()), record["fresh"]
+    # Node level (C = its nodes, MLPs as nodes) passed when it was planted; edge level but the known unmet.
+    unmet = KNOWN_UNMET_EDGES.get(name, set())
+    assert {k for k, ok in record["fresh_checks"].items() if not ok} == unmet, record["fresh"]
+    assert all(record["fresh_node_checks"].values()), record["fresh_nodes"]
     assert _size(folder) <= _size(TOY_DIR)
     vlm = countlens.load(name)
     # The edge-level figures again (the node-level ones are the head organisms' measurement, tested above).
     figures = fresh_edge_strictness(vlm.hf.float(), circuit)
-    assert all(edge_checks(figures).values()), figures
+    assert {k for k, ok in edge_checks(figures).items() if not ok} == unmet, figures
     measured, recorded = _rates(figures), _rates(record["fresh"])
     assert measured.keys() == recorded.keys()
     for key, value in recorded.items():
