@@ -47,8 +47,8 @@ def load(
     remote: bool = False,
 ) -> VLM:
     """Load a supported VLM offline: "toy" (the shipped organism), a planted organism ("planted-route",
-    "planted-two-hop", "planted-spread", "planted-top-half": `countlens.organisms.ORGANISMS`), a
-    checkpoint directory, or a cached hub id.
+    "planted-two-hop", "planted-spread", "planted-top-half", "planted-value-route":
+    `countlens.organisms.ORGANISMS`), a checkpoint directory, or a cached hub id.
 
     ``dtype`` ("bfloat16", torch.float16 …), ``device_map`` ("auto", "cuda", {…}) and
     ``attn_implementation`` ("eager", "sdpa") go to ``from_pretrained``. ``remote=True`` builds the
