@@ -349,10 +349,16 @@ def attribution_graph(
 
     layers = list(range(lr.n_layers))
     feats = torch.cat(
-        [torch.cat([torch.full((len(nz), 1), layer), nz], 1) for layer in layers for nz in [lr.act[layer][0].nonzero()]]
+        [
+            torch.cat([torch.full((len(nz), 1), layer), nz], 1)
+            for layer in layers
+            for nz in [lr.act[layer][0].nonzero().cpu()]
+        ]
     )
     acts = (
-        torch.stack([lr.act[int(layer)][0, p, f] for layer, p, f in feats.tolist()]) if len(feats) else torch.zeros(0)
+        torch.stack([lr.act[int(layer)][0, p, f] for layer, p, f in feats.tolist()]).detach().float().cpu()
+        if len(feats)
+        else torch.zeros(0)
     )
     n_f, n_e = len(feats), len(layers) * seq
     n_src = n_f + n_e + seq
@@ -363,6 +369,7 @@ def attribution_graph(
     writes = {layer: lr.writes[layer].expand(rows, -1, -1).clone().requires_grad_(True) for layer in layers}
     with torch.enable_grad():
         got = lr.run(embed, writes)
+    dev = embed.device  # the model's: gradients are injected there, rows gathered on the CPU
 
     def edges(targets: list[tuple]) -> torch.Tensor:
         """(len(targets), n_src): one backward; a target is ("logit", vocab id) or ("feature", l, p, f)."""
@@ -371,12 +378,12 @@ def attribution_graph(
         g_fin = None
         for r, t in enumerate(targets):
             if t[0] == "logit":
-                g_fin = torch.zeros(rows, seq, d) if g_fin is None else g_fin
-                g_fin[r, -1] = lr.demeaned(torch.tensor([t[1]]))[0]
+                g_fin = torch.zeros(rows, seq, d, device=dev) if g_fin is None else g_fin
+                g_fin[r, -1] = lr.demeaned(torch.tensor([t[1]], device=lr.unembed.device))[0].to(dev)
             else:
                 _, layer, p, f = t
-                g = g_in.setdefault(layer, torch.zeros(rows, seq, d))
-                g[r, p] = transcoders.layer(layer).W_enc[f].detach()
+                g = g_in.setdefault(layer, torch.zeros(rows, seq, d, device=dev))
+                g[r, p] = transcoders.layer(layer).W_enc[f].detach().to(dev)
         for layer, g in g_in.items():
             outs.append(got["mlp_in"][layer])
             grads.append(g.to(got["mlp_in"][layer].dtype))
@@ -387,15 +394,15 @@ def attribution_graph(
         back = torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
         back = [torch.zeros_like(x) if g is None else g for g, x in zip(back, inputs)]
         n = len(targets)
-        g_embed, g_writes = back[0][:n].float(), [g[:n].float() for g in back[1:]]
+        g_embed, g_writes = back[0][:n].float().cpu(), [g[:n].float().cpu() for g in back[1:]]
         cols = []
         for layer in layers:
             tc = transcoders.layer(layer)
             here = feats[:, 0] == layer
-            through = g_writes[layer] @ tc.W_dec.detach().float().T  # (n, seq, width)
+            through = g_writes[layer] @ tc.W_dec.detach().float().cpu().T  # (n, seq, width)
             cols.append(through[:, feats[here, 1], feats[here, 2]] * acts[here].float())
-        cols += [(g_writes[layer] * lr.error[layer].float()).sum(-1) for layer in layers]
-        cols.append((g_embed * lr.embed.float()).sum(-1))
+        cols += [(g_writes[layer] * lr.error[layer].float().cpu()).sum(-1) for layer in layers]
+        cols.append((g_embed * lr.embed.float().cpu()).sum(-1))
         return torch.cat(cols, 1)
 
     with torch.no_grad():
@@ -420,10 +427,10 @@ def attribution_graph(
     constant = torch.zeros(n)
     for j, (layer, p, f) in enumerate(feats.tolist()):
         tc = transcoders.layer(layer)
-        values[j] = lr.pre[layer][0, p, f]
-        constant[j] = tc.b_enc[f] + tc.W_enc[f] @ base["mlp_in"][layer][0, p].to(tc.dtype)
-    values[n_src:] = lr.logits[logit_tokens] - lr.logits.mean()
-    constant[n_src:] = lr.demeaned(logit_tokens) @ base["final"][0, -1].float()
+        values[j] = float(lr.pre[layer][0, p, f])
+        constant[j] = float((tc.b_enc[f] + tc.W_enc[f] @ base["mlp_in"][layer][0, p].to(tc.W_enc)).detach())
+    values[n_src:] = (lr.logits[logit_tokens] - lr.logits.mean()).float().cpu()
+    constant[n_src:] = (lr.demeaned(logit_tokens) @ base["final"][0, -1].float()).cpu()
 
     ids = lr.batch.inputs["input_ids"][0].cpu()
     cells, objects = token_positions(lr.batch, sample, seq)
