@@ -40,7 +40,7 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import InputError
 from countlens.toy.edge_forward import EdgeForward, prepare
-from countlens.toy.plant import PlantConfig, save_organism
+from countlens.toy.plant import PlantConfig, decoder_optimizer, optimizer_step, save_organism
 from countlens.toy.planted import EdgeCircuit
 from countlens.toy.planter import pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
@@ -61,17 +61,7 @@ def train_edges(model, circuit: EdgeCircuit, pc: PlantConfig, log=None) -> dict:
     fwd = EdgeForward(model.train())
     strict_mask = fwd.space.all_but(circuit.edges)
     swaps = [fwd.space.mask(circuit.edges)] + [fwd.space.mask([e]) for e in circuit.swapped]
-    for p in model.model.visual.parameters():
-        p.requires_grad_(False)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in trained if p.ndim >= 2], "weight_decay": pc.weight_decay},
-            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=pc.lr,
-        betas=(0.9, 0.98),
-    )
+    trained, opt = decoder_optimizer(model, pc)
     gen = torch.Generator().manual_seed(pc.seed)
     ce = torch.nn.functional.cross_entropy
     start, row = time.time(), {}
@@ -91,20 +81,8 @@ def train_edges(model, circuit: EdgeCircuit, pc: PlantConfig, log=None) -> dict:
             stricts[kind] = ce(fwd(prep, strict_mask, [o[order] for o in outs])[0], answers)
         swap_mask = swaps[0] if step % 2 == 0 else swaps[1 + (step // 2) % len(circuit.swapped)]
         swap = ce(fwd(prep, swap_mask, [o[partner] for o in outs])[0], answers[partner])
-        (pc.clean_weight * clean + sum(stricts.values()) + swap).backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 25 == 0 or step == pc.steps - 1:
-            row = {
-                "step": step,
-                "clean": round(clean.item(), 4),
-                **{f"strict_{k}": round(v.item(), 4) for k, v in stricts.items()},
-                "swap": round(swap.item(), 4),
-                "elapsed_s": round(time.time() - start, 1),
-            }
-            if log:
-                log(row)
+        losses = {f"strict_{k}": v for k, v in stricts.items()}
+        row = optimizer_step(opt, trained, pc, step, clean, losses, swap, start, log) or row
     return row
 
 

@@ -99,17 +99,7 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
     torch.set_num_threads(pc.threads)
     collate = Collator(ToyConfig())  # its own tokenizer and image processor
     planter = Planter(model.train(), circuit, collate)
-    for p in model.model.visual.parameters():  # the organism's encoder: a circuit is planted in the decoder
-        p.requires_grad_(False)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in trained if p.ndim >= 2], "weight_decay": pc.weight_decay},
-            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=pc.lr,
-        betas=(0.9, 0.98),
-    )
+    trained, opt = decoder_optimizer(model, pc)
     start, row = time.time(), {}
     gen = torch.Generator().manual_seed(pc.seed)  # the random strictness sources, a pure function of the seed
     for step in range(pc.steps):
@@ -136,21 +126,42 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
                 for name in circuit.strict_sources
             }
             swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])
-        strict = sum(stricts.values())
-        (pc.clean_weight * clean + strict + swap).backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 25 == 0 or step == pc.steps - 1:
-            row = {
-                "step": step,
-                "clean": round(clean.item(), 4),
-                **{("strict" if k == "partner" else f"strict_{k}"): round(v.item(), 4) for k, v in stricts.items()},
-                "swap": round(swap.item(), 4),
-                "elapsed_s": round(time.time() - start, 1),
-            }
-            if log:
-                log(row)
+        losses = {("strict" if k == "partner" else f"strict_{k}"): v for k, v in stricts.items()}
+        row = optimizer_step(opt, trained, pc, step, clean, losses, swap, start, log) or row
+    return row
+
+
+def decoder_optimizer(model, pc: PlantConfig) -> tuple[list, torch.optim.Optimizer]:
+    """(the trained parameters, their AdamW): the vision tower frozen (a circuit is planted in the
+    decoder), weight decay on matrices only."""
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in trained if p.ndim >= 2], "weight_decay": pc.weight_decay},
+        {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return trained, torch.optim.AdamW(groups, lr=pc.lr, betas=(0.9, 0.98))
+
+
+def optimizer_step(opt, trained, pc: PlantConfig, step: int, clean, stricts: dict, swap, start: float, log):
+    """One step on clean + Σ strictness + interchange (gradients clipped to norm 1); every 25 steps and at
+    the last, the log row (returned, and given to ``log``), else None."""
+    (pc.clean_weight * clean + sum(stricts.values()) + swap).backward()
+    torch.nn.utils.clip_grad_norm_(trained, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if step % 25 and step != pc.steps - 1:
+        return None
+    row = {
+        "step": step,
+        "clean": round(clean.item(), 4),
+        **{k: round(v.item(), 4) for k, v in stricts.items()},
+        "swap": round(swap.item(), 4),
+        "elapsed_s": round(time.time() - start, 1),
+    }
+    if log:
+        log(row)
     return row
 
 
