@@ -40,7 +40,7 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import InputError
 from countlens.toy.edge_forward import EdgeForward, prepare
-from countlens.toy.plant import PlantConfig, decoder_optimizer, optimizer_step, save_organism
+from countlens.toy.plant import PlantConfig, decoder_optimizer, optimizer_step, train_and_save
 from countlens.toy.planted import EdgeCircuit
 from countlens.toy.planter import pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
@@ -140,16 +140,9 @@ def fresh_edge_strictness(
     }
 
 
-def edge_checks(figures: dict) -> dict[str, bool]:
-    """`FRESH_CHECKS` on `fresh_edge_strictness`'s figures (each edge of E counted as a node)."""
-    return fresh_checks(figures)
-
-
 def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, progress=None) -> dict:
     """Train ``circuit`` into ``out`` (from `START`'s weights), then write planted.json with the edge-level
     and node-level fresh figures and checks. Returns planted.json's content."""
-    from transformers import Qwen2VLForConditionalGeneration
-
     from countlens.files import claim_directory, directory_lock
     from countlens.organisms import ORGANISMS
 
@@ -157,18 +150,8 @@ def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, 
     out = Path(out)
     claim_directory(out, "countlens toy plant", {"circuit": circuit.name, "recipe": asdict(pc)})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
-        model = Qwen2VLForConditionalGeneration.from_pretrained(ORGANISMS[START], dtype=torch.float32)
-        rows: list[dict] = []
-
-        def log(row):
-            rows.append(row)
-            if progress:
-                progress(row)
-
-        t0 = time.time()
-        train_edges(model, circuit, pc, log)
-        seconds = round(time.time() - t0, 1)
-        saved = save_organism(model, out, rows)
+        train = lambda model, log: train_edges(model, circuit, pc, log)  # noqa: E731
+        saved, seconds = train_and_save(ORGANISMS[START], out, train, progress)
         fresh = fresh_edge_strictness(saved, circuit)
         nodes = fresh_strictness(saved, circuit.node_circuit)
         record = {
@@ -178,7 +161,7 @@ def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, 
             "train_seconds": seconds,
             "bars": FRESH_CHECKS,
             "fresh": fresh,
-            "fresh_checks": edge_checks(fresh),
+            "fresh_checks": fresh_checks(fresh),
             "fresh_nodes": nodes,
             "fresh_node_checks": fresh_checks(nodes),
         }

@@ -241,24 +241,30 @@ def save_organism(model, out: Path, rows: list[dict]):
     return Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
 
 
-def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dict:
-    """`plant`'s training and verification, by the process that holds ``out``'s lock."""
+def train_and_save(start: Path, out: Path, train, progress) -> tuple:
+    """(the organism loaded from ``start``, trained by ``train(model, log)``, saved into ``out`` and loaded
+    back (`save_organism`); the training's seconds). ``progress`` sees each log row."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    from countlens.organisms import TOY_DIR
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
-    rows = []
+    model = Qwen2VLForConditionalGeneration.from_pretrained(start, dtype=torch.float32)
+    rows: list[dict] = []
 
     def log(row):
         rows.append(row)
         if progress:
             progress(row)
 
-    start = time.time()
-    train_planted(model, circuit, pc, log)
-    seconds = round(time.time() - start, 1)
-    saved = save_organism(model, out, rows)
+    began = time.time()
+    train(model, log)
+    seconds = round(time.time() - began, 1)
+    return save_organism(model, out, rows), seconds
+
+
+def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dict:
+    """`plant`'s training and verification, by the process that holds ``out``'s lock."""
+    from countlens.organisms import TOY_DIR
+
+    saved, seconds = train_and_save(TOY_DIR, out, lambda model, log: train_planted(model, circuit, pc, log), progress)
     figures = verify(saved, circuit)
     fresh = fresh_strictness(saved, circuit)
     record = {

@@ -86,7 +86,7 @@ def test_an_object_organism_still_counts_only_its_objects(name):
 @pytest.mark.slow  # about 30 s: 1,024 fresh samples, 9 edge-ablated forwards each
 @pytest.mark.parametrize("name", [f"planted-{name}" for name in SHIPPED_EDGES])
 def test_an_edge_organism_still_carries_the_count_only_in_its_edges(name):
-    from countlens.toy.edge_plant import edge_checks, fresh_edge_strictness
+    from countlens.toy.edge_plant import fresh_edge_strictness
     from countlens.toy.planted import EDGE_CIRCUITS
 
     folder = ORGANISMS[name]
@@ -101,7 +101,7 @@ def test_an_edge_organism_still_carries_the_count_only_in_its_edges(name):
     vlm = countlens.load(name)
     # The edge-level figures again (the node-level ones are the head organisms' measurement, tested above).
     figures = fresh_edge_strictness(vlm.hf.float(), circuit)
-    assert {k for k, ok in edge_checks(figures).items() if not ok} == unmet, figures
+    assert {k for k, ok in fresh_checks(figures).items() if not ok} == unmet, figures
     measured, recorded = _rates(figures), _rates(record["fresh"])
     assert measured.keys() == recorded.keys()
     for key, value in recorded.items():
