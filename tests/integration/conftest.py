@@ -1,4 +1,5 @@
-"""One small `countlens discover` run of the organism, shared by the end-to-end tests that read a run.
+"""One small `countlens discover` run of the organism, shared by the end-to-end tests that read a run,
+and one headless browser (`browser`) for the pages' tests.
 
 The report, resume, fine-tune, compare, browser and sharded tests all need a finished run of the same
 small spec; each ran its own before. The run is made once, through the command line, with the single
@@ -30,3 +31,20 @@ def toy_run() -> Path:
 def toy_run_copy(toy_run, tmp_path) -> Path:
     """A private copy of the shared run, for a test that writes into it."""
     return Path(shutil.copytree(toy_run, tmp_path / "run"))
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless chromium (tests/browser.py) for the browser tests of report.html and graph.html.
+    Without it they fail where CI is set (CI always runs them) and are skipped elsewhere, naming the
+    packages to install."""
+    from browser import chromium, missing
+
+    lacking = missing()
+    if lacking:
+        message = f"the browser tests need chromium: {lacking}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with chromium() as driver:
+        yield driver

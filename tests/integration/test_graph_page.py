@@ -11,11 +11,9 @@ elsewhere, naming the packages to install.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from browser import chromium, missing
 
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError
@@ -41,18 +39,6 @@ def built(loaded, tmp_path_factory):
     path = graph_page(pruned, tmp_path_factory.mktemp("graph_page") / "graph.html", title="toy: 3 objects", cards=cards)
     torch.set_num_threads(before)
     return {"graph": graph, "pruned": pruned, "json": graph_json(pruned, "x"), "cards": cards, "path": path}
-
-
-@pytest.fixture(scope="module")
-def browser():
-    lacking = missing()
-    if lacking:
-        message = f"graph.html's browser test needs chromium: {lacking}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    with chromium() as driver:
-        yield driver
 
 
 def _open(driver, path):

@@ -9,32 +9,18 @@ naming the packages to install. The builder alone: tests/unit/test_html_report.p
 from __future__ import annotations
 
 import io
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from browser import chromium, missing
 from PIL import Image
 from typer.testing import CliRunner
 
 from countlens.cli import app
 
 pytestmark = pytest.mark.slow  # a discover run and a browser
-
-
-@pytest.fixture(scope="session")
-def browser():
-    lacking = missing()
-    if lacking:
-        message = f"report.html's browser test needs chromium: {lacking}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    with chromium() as driver:
-        yield driver
 
 
 @pytest.fixture(scope="session")
