@@ -37,7 +37,20 @@ from torch import Tensor
 
 from countlens import memory
 from countlens.circuits.edges import EdgeGraph, Receiver, hooked, o_weight, receiver_columns
-from countlens.circuits.sites import INPUTS, AttnIn, K, MlpIn, Q, V, first_arg, first_output, heads_view, repeat_inputs
+from countlens.circuits.sites import (
+    INPUTS,
+    AttnIn,
+    K,
+    MlpIn,
+    Q,
+    V,
+    first_arg,
+    first_output,
+    heads_view,
+    repeat_inputs,
+    skip_tower,
+    tower_output,
+)
 from countlens.errors import InputError
 from countlens.validate import require_finite_scores
 
@@ -334,12 +347,15 @@ def edge_ablated_logits(
     n = len(batch)
     max_rows = edge_max_rows(vlm, graph, batch) if max_rows is None else max_rows
     per_pass = max(1, max_rows // n)
+    tower = tower_output(vlm, batch) if len(sets) > 1 else None
     out = []
     for i in range(0, len(sets), per_pass):
         chunk = sets[i : i + per_pass]
         k = len(chunk)
         ablator = _Ablator(vlm, graph, _weights(graph, chunk, n), values, image, k)
-        with hooked(ablator.hooks()):
-            logits = vlm.hf(**repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1).logits[:, -1]
+        with hooked(ablator.hooks()), vlm.trace(repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1):
+            if tower is not None:
+                skip_tower(vlm, tower, k)
+            logits = vlm.nn.output.logits[:, -1].save()
         out.append(logits.float().view(k, n, -1).cpu())
     return torch.cat(out)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from countlens import memory
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.sites import Placed, Site, repeat_inputs, repeat_output
+from countlens.circuits.sites import Placed, Site, repeat_inputs, repeat_output, skip_tower
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def run_edits(
                 writes.setdefault((e.site.layer, e.site.stage), []).append(e.placed(r))
         with vlm.trace(inputs, use_cache=False, logits_to_keep=keep):
             if clean:
-                vlm.module(tower).skip(repeat_output(clean["vision"], k, int(vlm.arch.spec.packed_tower)))
+                skip_tower(vlm, clean["vision"], k)
                 if start >= 1:
                     # Layers below the first edit: only the last one's output is ever read.
                     below = repeat_output(clean[start - 1], k)

@@ -32,6 +32,8 @@ from countlens.circuits.sites import (
     group_mask,
     mlp_path,
     repeat_inputs,
+    skip_tower,
+    tower_output,
 )
 from countlens.errors import InputError
 from countlens.validate import require_choice
@@ -217,12 +219,15 @@ def ablated_logits(
             )
     per_pass = max(1, max_rows // n)
     states_path = image_states_path(vlm)
+    tower = tower_output(vlm, batch) if len(sets) > 1 else None
     out = []
     for i in range(0, len(sets), per_pass):
         chunk = sets[i : i + per_pass]
         k = len(chunk)
         masks = replica_masks(vlm, chunk, n, image)
         with vlm.trace(repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1):
+            if tower is not None:
+                skip_tower(vlm, tower, k)
             if masks["states"] is not None:
                 site = vlm.module(states_path).output
                 per = values["states"].shape[0]  # the states' rows of one copy of the batch

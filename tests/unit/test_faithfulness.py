@@ -137,12 +137,13 @@ def test_faithfulness_agrees_with_plain_hooks_on_the_organism(loaded):
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("name", ["toy", "qwen2_5_vl", "qwen3_5", "qwen3_vl_moe", "mllama", "llama4"])
+@pytest.mark.parametrize("name", ["toy", "qwen2_5_vl", "qwen3_5", "qwen3_vl_moe", "mllama", "llama4", "mistral3"])
 def test_no_node_ablated_is_the_clean_run_and_every_node_the_corrupt_run(name, loaded):
     """Counterfactual patching of every node (inputs, every head's z, every MLP or MoE block) rebuilds
     the corrupt run: the residual stream is their sum. A hybrid (Qwen3.5's linear layers), a MoE
-    (Qwen3-VL-MoE; Llama 4's experts run on every token) and a cross-attention model (Llama-3.2-Vision:
-    the image node is its image states)."""
+    (Qwen3-VL-MoE; Llama 4's experts run on every token), a cross-attention model (Llama-3.2-Vision:
+    the image node is its image states) and a tower that packs the batch's images into one sequence
+    (Mistral 3's Pixtral: the stacked sets share one run of it)."""
     vlm = loaded(name)
     pairs = _pairs(vlm) if name == "toy" else _pairs(vlm, n=2, image_size=TINY_IMAGE_SIZE[name][0])
     pb = prepare_pairs(vlm, pairs)

@@ -62,6 +62,8 @@ from countlens.circuits.sites.stacking import (
     o_proj_weight,
     repeat_inputs,
     repeat_output,
+    skip_tower,
+    tower_output,
 )
 from countlens.circuits.sites.stream import INPUTS, Embed, Expert, HeadZ, ImageStates, Logits, Residual
 from countlens.circuits.sites.vision import VisionBlock
@@ -104,6 +106,8 @@ __all__ = [
     "refuse_ops",
     "repeat_inputs",
     "repeat_output",
+    "skip_tower",
+    "tower_output",
     "replace_first",
     "source",
     "whole",

@@ -36,6 +36,23 @@ def repeat_output(out, k: int, dim: int = 0):
     return out
 
 
+def tower_output(vlm: VLM, batch):
+    """A copy of the vision tower's output on ``batch`` (a copy: the model edits that object later).
+    Every replica of a stacked forward shows the same images, so the tower runs once here and is
+    skipped in the stacked forwards (`skip_tower`): exact by construction. Without it a tower that
+    packs the batch's images into one sequence (Pixtral's) costs the square of the replicas."""
+    kept: dict = {}
+    with vlm.read(batch):
+        kept["out"] = repeat_output(vlm.module(vlm.arch.spec.vision_tower).output, 1)
+    return kept["out"]
+
+
+def skip_tower(vlm: VLM, out, k: int) -> None:
+    """Inside a trace of ``k`` stacked replicas: the vision tower skipped, ``out`` (`tower_output`)
+    fed in once per replica."""
+    vlm.module(vlm.arch.spec.vision_tower).skip(repeat_output(out, k, int(vlm.arch.spec.packed_tower)))
+
+
 def heads_view(z: Float[Tensor, "batch seq n_heads*d_head"], n_heads: int) -> Float[Tensor, "batch seq n_heads d_head"]:
     """z with its last axis split into the heads."""
     return z.view(*z.shape[:-1], n_heads, z.shape[-1] // n_heads)
