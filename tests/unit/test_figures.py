@@ -39,6 +39,8 @@ def _context(tmp_path, results: dict, design: str = "countlens", table=None) -> 
 
 
 def _title_inside(fig) -> bool:
+    """Measured on the drawn figure, as savefig lays it out (`finish` measures the title alone)."""
+    fig.canvas.draw()
     box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
     return box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
 

@@ -35,10 +35,12 @@ def finish(fig: Figure, title: str, fontsize: float = 11.0) -> Figure:
     """Give ``fig`` its title, wrapped onto more lines (then shrunk) until it fits inside the figure."""
     limit = fig.bbox.width
     chars = max(len(title), 1)
+    renderer = fig.canvas.get_renderer()
     while True:
         text = fig.suptitle("\n".join(textwrap.wrap(title, chars)) or title, fontsize=fontsize)
-        fig.canvas.draw()
-        box = text.get_window_extent(fig.canvas.get_renderer())
+        # The title's extent from its own layout: it sits centred at the top whatever the constrained
+        # layout does to the axes, so no draw of the whole figure is needed (savefig draws it once).
+        box = text.get_window_extent(renderer)
         if box.x0 >= 0 and box.x1 <= limit:
             return fig
         if chars > 12:  # rewrap to the share of the width that fits, with a margin for proportional glyphs
