@@ -1,7 +1,7 @@
 """The GPU check at a real model's width: Qwen2.5-VL-7B's widths, random init, no downloads.
 
     python bench/gpu.py                      # a GPU machine: depth 28, bf16, 448 px → bench/gpu.json
-    python bench/gpu.py --dry-run OUT.json   # CPU, depth 1, fp32, 112 px, 2 pairs, no warm-up (run by the tests)
+    python bench/gpu.py --dry-run OUT.json   # CPU, depth 1, fp32, 112 px, 1 pair, no warm-up (run by the tests)
     python bench/gpu.py --device cpu --dtype float32 --depth 2 --image-size 224 --pairs 2 --naive-heads 4 \
         --repeats 1 --out bench/gpu_cpu_depth2.json   # the CPU rehearsal recorded here
 
@@ -329,7 +329,7 @@ def main() -> dict:
         "--dry-run",
         metavar="OUT",
         type=Path,
-        help="CPU, depth 1, fp32, 112 px, 2 pairs, no warm-up (checks that it all runs; its times "
+        help="CPU, depth 1, fp32, 112 px, 1 pair, no warm-up (checks that it all runs; its times "
         "are not results); write OUT",
     )
     ap.add_argument("--depth", type=int, default=28)
@@ -342,7 +342,7 @@ def main() -> dict:
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     args = ap.parse_args()
     if args.dry_run:
-        result = run(1, 112, 2, "float32", "cpu", 1, naive_heads=1, warmup=False, tiled_init=True)
+        result = run(1, 112, 1, "float32", "cpu", 1, naive_heads=1, warmup=False, tiled_init=True)
         args.dry_run.write_text(json.dumps(result, indent=2) + "\n")
         return result
     if args.device.startswith("cuda") and not torch.cuda.is_available():
