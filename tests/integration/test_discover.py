@@ -344,14 +344,34 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_discover_on_the_real_qwen_vocabulary_with_counts_up_to_twelve(tmp_path, tiny_checkpoint):
-    """Qwen writes "12" as "1", "2": every stage must take multi-token answers (Pstd: "circle: 12")."""
+def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
+    """Each preset end to end at small sizes (the flags override its sizes), on the real Qwen
+    vocabulary, since both presets ask the Pstd prompt; spec and report name what the preset set.
+    Qwen writes "12" as "1", "2": every stage must take multi-token answers ("circle: 12"), so the
+    first run draws 10 scenes per case (counts 3 … 12)."""
+    import json
+
     from countlens import results
 
     model = tiny_checkpoint("qwen2_5_vl", image_side=128)  # a 16×16 patch grid: every case fits 3 … 9+
-    out = tmp_path / "qwen"
-    args = ["--n-per-case", "10", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "16"]
-    result = runner.invoke(app, ["discover", "--model", str(model), "--out", str(out), *args])
+    sizes = ["--n-pairs", "4", "--n-samples", "4", "--batch-size", "16"]
+    small = ["--n-per-case", "2", *sizes]
+    out = tmp_path / "circuits"
+    result = runner.invoke(
+        app,
+        [
+            "discover",
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            "--preset",
+            "counting-circuits",
+            "--n-per-case",
+            "10",
+            *sizes,
+        ],
+    )
     assert result.exit_code == 0, result.output
     cases = results.load(out / "results" / "cases.nc")
     assert cases.attrs["method"] == "candidate scoring"
@@ -360,7 +380,8 @@ def test_discover_on_the_real_qwen_vocabulary_with_counts_up_to_twelve(tmp_path,
     # Patching every image embedding is the whole effect, up to rounding over this effect's denominator;
     # the logits' size, which that rounding scales with, read on pairs like the run's.
     vlm = countlens.load(model)
-    scale = logit_scale(vlm, prepare_pairs(vlm, count_pairs(4, kind="shapes", image_size=128, prompt="std", seed=0)))
+    pairs = count_pairs(4, kind="dots+polygons", image_size=128, prompt="std", seed=0)
+    scale = logit_scale(vlm, prepare_pairs(vlm, pairs))
     assert_effect(
         vap.effect.sel(layer=-1, group="image"),
         1.0,
@@ -369,20 +390,6 @@ def test_discover_on_the_real_qwen_vocabulary_with_counts_up_to_twelve(tmp_path,
         scale=scale,
     )
     assert "Prompt style: `std`" in (out / "report.md").read_text()
-
-
-def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
-    """Each preset end to end at small sizes (the flags override its sizes), on the real Qwen
-    vocabulary, since both presets ask the Pstd prompt; spec and report name what the preset set."""
-    import json
-
-    model = tiny_checkpoint("qwen2_5_vl", image_side=128)
-    small = ["--n-per-case", "2", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "16"]
-    out = tmp_path / "circuits"
-    result = runner.invoke(
-        app, ["discover", "--model", str(model), "--out", str(out), "--preset", "counting-circuits", *small]
-    )
-    assert result.exit_code == 0, result.output
     spec = json.loads((out / "spec.json").read_text())
     assert (spec["preset"], spec["pair_kind"], spec["jaccard_k"], spec["n_pairs"]) == (
         "counting-circuits",
