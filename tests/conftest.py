@@ -99,6 +99,7 @@ def _fingerprint(vlm) -> tuple:
 
 
 _SHARED: dict[tuple, tuple] = {}  # (name, load keywords) → (VLM, its fingerprint at load)
+_FETCHED: set[tuple] = set()  # the shared models handed out during the current test
 
 
 @pytest.fixture(scope="session")
@@ -114,19 +115,36 @@ def loaded(tiny_checkpoint):
         if key not in _SHARED:
             vlm = countlens.load("toy" if name == "toy" else tiny_checkpoint(name), **kw)
             _SHARED[key] = (vlm, _fingerprint(vlm))
+        _FETCHED.add(key)
         return _SHARED[key][0]
 
     return get
 
 
-@pytest.fixture(autouse=True)
-def _shared_models_stay_unchanged(request):
-    yield
-    for key, (vlm, before) in list(_SHARED.items()):
+def _check_shared(keys, who: str) -> None:
+    """Fail naming ``who`` if a shared model of ``keys`` changed since it was loaded."""
+    for key in [k for k in keys if k in _SHARED]:
+        vlm, before = _SHARED[key]
         if _fingerprint(vlm) != before:
             del _SHARED[key]  # later tests get a fresh load instead of the changed one
             pytest.fail(
-                f"{request.node.nodeid} changed the shared model {key[0]!r} (weights, hooks, modules or "
+                f"{who} changed the shared model {key[0]!r} (weights, hooks, modules or "
                 "mode): load a private copy with countlens.load for a test that edits a model",
                 pytrace=False,
             )
+
+
+@pytest.fixture(autouse=True)
+def _shared_models_stay_unchanged(request):
+    """After each test, the shared models it was handed (fingerprinting every model after every test cost
+    ~10–20 ms a test); a model a module- or class-scoped fixture handed out earlier is checked when the
+    module ends (`_shared_models_stay_unchanged_in_module`)."""
+    _FETCHED.clear()
+    yield
+    _check_shared(sorted(_FETCHED, key=repr), request.node.nodeid)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shared_models_stay_unchanged_in_module(request):
+    yield
+    _check_shared(list(_SHARED), f"a test of {request.node.nodeid}")
