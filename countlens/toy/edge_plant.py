@@ -45,7 +45,15 @@ from countlens.toy.planted import EdgeCircuit
 from countlens.toy.planter import pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
 from countlens.toy.resample import DONORS, donor_order, image_features_once
-from countlens.toy.strictness import FRESH_CHECKS, FRESH_SEED, fresh_checks, fresh_strictness, paired_drop, wilson
+from countlens.toy.strictness import (
+    FRESH_CHECKS,
+    FRESH_SEED,
+    fresh_checks,
+    fresh_strictness,
+    lost_answers,
+    paired_drop,
+    wilson,
+)
 from countlens.toy.train import Collator, lr_at
 from countlens.validate import require_count, require_seed
 
@@ -103,6 +111,7 @@ def fresh_edge_strictness(
     strict_mask, all_e = fwd.space.all_but(circuit.edges), fwd.space.mask(circuit.edges)
     gen = torch.Generator().manual_seed(seed)
     hits: dict[str, list] = {}
+    moved: list = []
     n_pairs = n_samples // 2
     for start in range(0, n_pairs, batch_pairs):
         inputs, answers, partner = pair_batch(collate, pairs_at(seed, start, min(batch_pairs, n_pairs - start)))
@@ -113,8 +122,10 @@ def fresh_edge_strictness(
         for kind in DONORS:
             order = donor_order(answers, partner, kind, gen)[0]
             donor = [o[order] for o in outs]
-            hits.setdefault(kind, []).append(fwd(prep, strict_mask, donor)[0].argmax(-1) == answers)
+            answer = fwd(prep, strict_mask, donor)[0].argmax(-1)
+            hits.setdefault(kind, []).append(answer == answers)
             if kind == "different":
+                moved.append(torch.stack([logits.argmax(-1), answer, answers, answers[order]]))
                 swapped = fwd(prep, all_e, donor)[0].argmax(-1)
                 hits.setdefault("circuit", []).append(swapped == answers)
                 hits.setdefault("follows", []).append(swapped == answers[order])
@@ -137,6 +148,7 @@ def fresh_edge_strictness(
         "circuit_follows_donor": rate("follows"),
         "chance": round(1 / len(DEFAULT_COUNTS), 4),
         "node_resampled_different": {e: rate(f"edge/{e}") for e in circuit.edges},
+        "lost_different": lost_answers(*torch.cat(moved, 1)),
     }
 
 

@@ -81,6 +81,7 @@ def fresh_strictness(
     planter = Planter(model.eval(), circuit, Collator(ToyConfig()))
     gen = torch.Generator().manual_seed(seed)
     hits: dict[str, list] = {}
+    moved: list = []
     missing = 0
     n_pairs = n_samples // 2
     for start in range(0, n_pairs, batch_pairs):
@@ -92,9 +93,10 @@ def fresh_strictness(
                 order, found = donor_order(answers, partner, kind, gen)
                 missing += int((~found).sum())
                 source = swap_source(rec, order)
-                out = planter.strict_logits(inputs, source, training=False).argmax(-1) == answers
-                hits.setdefault(kind, []).append(out)
+                answer = planter.strict_logits(inputs, source, training=False).argmax(-1)
+                hits.setdefault(kind, []).append(answer == answers)
                 if kind == "different":
+                    moved.append(torch.stack([clean.argmax(-1), answer, answers, answers[order]]))
                     swapped = planter.swapped_logits(inputs, source, circuit.nodes).argmax(-1)
                     hits.setdefault("circuit_different", []).append(swapped == answers)
                     hits.setdefault("follows_donor", []).append(swapped == answers[order])
@@ -117,11 +119,27 @@ def fresh_strictness(
         "circuit_follows_donor": round(float(h["follows_donor"].float().mean()), 4),
         "chance": round(1 / len(DEFAULT_COUNTS), 4),
         "donors_missing": missing,
+        "lost_different": lost_answers(*torch.cat(moved, 1)),
     }
     nodes = {k.removeprefix("node/"): v for k, v in h.items() if k.startswith("node/")}
     if nodes:
         out["node_resampled_different"] = {k: round(float(v.float().mean()), 4) for k, v in nodes.items()}
     return out
+
+
+def lost_answers(clean: torch.Tensor, resampled: torch.Tensor, gold: torch.Tensor, donor: torch.Tensor) -> dict:
+    """Where the answers lost to a different-count donor went (counts, not rates: a diagnostic beside the
+    bar, not one of its figures): ``lost`` right when clean and wrong when resampled; of those, how many
+    are ``off_by_one`` and how many moved ``toward_donor`` (the error's sign is the donor count's, about half
+    of them by chance alone; a share well above half says the rest of the model carries the donor's count).
+    Answers are the organism's count tokens, whose ids run in count order."""
+    lost = (clean == gold) & (resampled != gold)
+    error, pull = resampled[lost] - gold[lost], donor[lost] - gold[lost]
+    return {
+        "lost": int(lost.sum()),
+        "off_by_one": int((error.abs() == 1).sum()),
+        "toward_donor": int((error.sign() == pull.sign()).sum()),
+    }
 
 
 def fresh_checks(figures: dict) -> dict[str, bool]:

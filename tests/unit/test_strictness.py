@@ -13,7 +13,7 @@ from countlens.datasets.recipe import rebuild
 from countlens.errors import InputError
 from countlens.toy.regions import IMAGE, MAX_BOTTOM, region_checks, top_half_sample, without
 from countlens.toy.resample import DONORS, donor_order
-from countlens.toy.strictness import FRESH_CHECKS, fresh_checks, paired_drop, wilson
+from countlens.toy.strictness import FRESH_CHECKS, fresh_checks, lost_answers, paired_drop, wilson
 
 
 def test_each_donor_kind_is_drawn_from_its_own_samples_and_follows_its_seed():
@@ -53,6 +53,17 @@ def test_the_intervals_are_wilsons_and_the_paired_normal_one():
     se = d.std(ddof=1) / math.sqrt(len(d))
     assert row["drop"] == pytest.approx(0.25)
     assert row["ci95"] == pytest.approx([round(0.25 - 1.959964 * se, 4), round(0.25 + 1.959964 * se, 4)])
+
+
+def test_lost_answers_count_by_hand():
+    # gold, clean, resampled and the donor's count per sample: samples 0–3 are lost (right, then wrong),
+    # 4 was wrong before, 5 stays right. Sample 0 moves one toward the donor (5 → 6, donor 8), 1 one away
+    # (5 → 4, donor 9), 2 two toward (5 → 3, donor 2), 3 one toward (9 → 8, donor 1).
+    gold = torch.tensor([5, 5, 5, 9, 5, 5])
+    clean = torch.tensor([5, 5, 5, 9, 4, 5])
+    resampled = torch.tensor([6, 4, 3, 8, 6, 5])
+    donor = torch.tensor([8, 9, 2, 1, 7, 3])
+    assert lost_answers(clean, resampled, gold, donor) == {"lost": 4, "off_by_one": 3, "toward_donor": 3}
 
 
 def test_the_fresh_bar_fails_on_any_donor_kind_and_on_too_few_samples():
