@@ -46,7 +46,8 @@ PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist works
 test: $(STAMP)
 	$(PYTEST)
 
-# The inner loop: everything but the end-to-end runs (the `slow` marker: subprocesses, the CLI, discover).
+# The inner loop: everything but the end-to-end runs (the `slow` marker: subprocesses, the CLI, discover)
+# and the per-family matrices beyond their first case (the `matrix` marker, tests/conftest.py).
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
 

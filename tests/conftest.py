@@ -5,6 +5,11 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # What a worker starts (notebook kernels, torchrun ranks, bench scripts) takes one thread too: two
+    # OpenMP threads on the one core the other worker leaves spin against each other (a notebook's kernel
+    # ran 7× slower than alone).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,9 +35,19 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """``--kernel-subset``: every kind of numeric comparison once, every family's matrix row; the native
-    run (`make test`) has already run every case under this machine's own kernels."""
+    """A ``matrix`` test's cases after its first are ``slow``: the inner loop (-m 'not slow') runs each
+    matrix on one family, `make test` on all. ``--kernel-subset``: every kind of numeric comparison once,
+    every family's matrix row; the native run (`make test`) has already run every case under this
+    machine's own kernels."""
+    first: set = set()
+    for item in items:
+        if item.get_closest_marker("matrix"):
+            function = (item.path, item.originalname)
+            if function in first:
+                item.add_marker(pytest.mark.slow)
+            first.add(function)
     if not config.getoption("--kernel-subset"):
         return
     seen, keep, drop = set(), [], []

@@ -224,6 +224,7 @@ ONE_VIEW = (
 SCALES = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "wide": (1, 2), "tall": (2, 1)}
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("scale", SCALES)
 def test_each_image_token_sees_its_own_cell(vlm, scale):
     """A bright square in one base cell changes most, in every view of the image (the base grid,
@@ -255,6 +256,7 @@ def test_each_image_token_sees_its_own_cell(vlm, scale):
             assert tuple(cells[top].tolist()) == cell, (name, dark.tile_grids[0], cell, int(view))
 
 
+@pytest.mark.matrix
 def test_trace_equals_plain_forward(vlm):
     batch = vlm.prepare(images_of(vlm.tiny_name), [QUESTION, "what shape is the red object?"])
     with vlm.trace(batch):

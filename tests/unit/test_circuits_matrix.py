@@ -20,6 +20,7 @@ from countlens.datasets.tasks import task_samples
 
 
 @pytest.mark.numeric(every_case=True)  # every family under every kernel
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_every_circuit_function_runs(name, loaded):
     vlm = loaded(name)

@@ -62,6 +62,7 @@ def _touch_px(a_mask: np.ndarray, b_mask: np.ndarray) -> float:
     return max(0.0, d - 1.0)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.image_width}-{g.patch_size}px")
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.layout])
 def test_adjacency_cases_touch(name, grid):

@@ -62,6 +62,7 @@ def _ends(vlm, pairs):
     return kept, none, clean, corrupt
 
 
+@pytest.mark.matrix
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["toy", *sorted(BUILDERS)])
 def test_every_family_runs_edges_or_is_refused_by_name(name, loaded):
@@ -141,6 +142,7 @@ def test_eap_is_the_derivative_of_patching_one_edge(loaded):
         assert abs(score) > 1e-3 and abs(derivative - score) <= 0.02 * abs(score), (lab, derivative, score)
 
 
+@pytest.mark.matrix
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["toy", "qwen2_5_vl", "qwen3_5"])
 @pytest.mark.parametrize("steps", [1, 3])

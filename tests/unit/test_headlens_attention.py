@@ -22,6 +22,7 @@ def _samples(vlm, name, n, seed=1, task="count"):
     return task_samples(task, n, seed, image_size=size)
 
 
+@pytest.mark.matrix
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["toy", "qwen3_vl", "gemma3", "llava"])
 def test_head_contributions_sum_to_the_o_proj_output(name, loaded):

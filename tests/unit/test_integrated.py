@@ -24,6 +24,7 @@ def _pairs(vlm, n=3, image_size=None):
     return count_pairs(n, 3, 5, kind="polygons", image_size=image_size, prompt="short", seed=4)
 
 
+@pytest.mark.matrix
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["toy", "qwen2_5_vl", "qwen3_5", "llama4"])
 def test_one_step_is_attribution_patching(name, loaded):

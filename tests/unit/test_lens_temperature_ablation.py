@@ -38,6 +38,7 @@ def test_logit_lens_last_layer_is_the_model_output(organism):
     assert (lens["rank"].values >= 0).all() and lens["rank"].dims == ("layer", "sample")
 
 
+@pytest.mark.matrix
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["toy", "qwen3_vl", "gemma3"])
 def test_temperature_on_every_head_of_a_layer_equals_scaling_the_attention(name, loaded):

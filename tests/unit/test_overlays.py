@@ -253,6 +253,7 @@ def test_the_report_section_draws_the_key_heads_from_stored_results(run_dir):
     assert f"{values['n_right']} scenes answered right" in text and values["n_right"] + values["n_wrong"] == n
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", ["internvl", "llava_next"])
 def test_a_tiled_models_tokens_are_stored_with_their_views(loaded, name):
     """A tiny tiled model (InternVL's tiles and thumbnail, LLaVA-NeXT's base image and crops): every

@@ -117,6 +117,7 @@ def test_layer_and_head_patching_agree_with_plain_hooks_on_the_organism(organism
 
 
 @pytest.mark.numeric
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "llava_onevision", "gemma3", "qwen3_5"])
 def test_patching_agrees_with_plain_hooks_on_tiny_architectures(name, loaded):
     """Qwen3.5: layer 0's heads are a Gated DeltaNet layer's 8 value heads of 8, layer 1's 4 softmax

@@ -365,6 +365,7 @@ def _image_cases():
             yield pytest.param(name, size, marks=marks, id=f"{name}-{size[0]}x{size[1]}")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name, size", list(_image_cases()))
 def test_image_tokens_from_the_processor_files(name, size, planned_vlm):
     grid, expected = IMAGE_TOKENS[name](name, *size)
@@ -498,6 +499,7 @@ def _plan_cases():
             yield pytest.param(name, side, marks=marks)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name, side", list(_plan_cases()))
 def test_plan_sizes_every_stage_in_bf16_on_80_and_141_gib(name, side, plannable, planned_vlm):
     native, patches, kind = _native(name)

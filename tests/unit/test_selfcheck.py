@@ -16,6 +16,7 @@ from countlens.pipeline.selfcheck import check, failed, table
 from countlens.vlm import VLM
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", ("toy", *SUPPORTED, *VARIANTS))
 def test_every_check_passes_on_every_architecture(name, loaded):
     rows = check(loaded(name))

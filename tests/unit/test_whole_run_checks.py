@@ -23,6 +23,7 @@ from countlens.pipeline.stages import STAGES
 ATTENTION_VARIANTS = [name for name, terms in VARIANTS.items() if terms["focus"] > 0 or terms["mas"] > 0]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
 def test_a_variant_that_needs_softmax_is_refused_before_the_baseline(variant, tmp_path, tiny_checkpoint):
     """Qwen3.5's layer 0 is linear attention: a table of +SFT (which may train there) and then a
