@@ -60,7 +60,10 @@ def test_every_discover_stage_and_the_plan(name, tiny_checkpoint, tmp_path, monk
         undrawn = tuple(dataclasses.replace(s, draw=lambda ctx: None) for s in report_module.SECTIONS)
         monkeypatch.setattr(report_module, "SECTIONS", undrawn)
     report = discover(
-        vlm, tmp_path / "run", DiscoverConfig(n_per_case=1, n_pairs=4, n_samples=4, batch_size=8), log=lambda _: None
+        vlm,
+        tmp_path / "run",
+        DiscoverConfig(n_per_case=1, n_pairs=4, n_samples=4, batch_size=8, tasks=("count", "color")),
+        log=lambda _: None,
     )
     text = report.read_text()
     assert any((tmp_path / "run" / "figures").glob("*.png")) == (name in DRAWN)
