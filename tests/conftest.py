@@ -48,7 +48,6 @@ def pytest_collection_modifyitems(config, items):
             if function in first:
                 item.add_marker(pytest.mark.slow)
             first.add(function)
-    items[:] = _halves_of_equal_work(items)
     if not config.getoption("--kernel-subset"):
         return
     seen, keep, drop = set(), [], []
@@ -62,36 +61,6 @@ def pytest_collection_modifyitems(config, items):
             keep.append(item)
     config.hook.pytest_deselected(items=drop)
     items[:] = keep
-
-
-#: Rough seconds of one test, for ordering only: an end-to-end run (tests/integration, marked slow) or any other.
-_END_TO_END_S, _OTHER_S = 20.0, 0.35
-
-
-def _halves_of_equal_work(items: list) -> list:
-    """The items reordered, each file's kept together and in order, so that the two halves pytest-xdist's
-    worksteal hands its two workers hold about as much work and each half starts with its end-to-end
-    files: the files of end-to-end runs dealt longest first to the half with less, then the others
-    filled in until the first half holds half the items. A worker that finishes first then steals only
-    short tests from the other's end, instead of waiting on a long run the other started last."""
-    files: dict = {}
-    for item in items:
-        files.setdefault(item.path, []).append(item)
-
-    def seconds(group) -> float:
-        slow = "integration" in group[0].path.parts and group[0].get_closest_marker("slow")
-        return sum(_END_TO_END_S if slow else _OTHER_S for _ in group)
-
-    heavy = sorted((g for g in files.values() if seconds(g) >= _END_TO_END_S), key=seconds, reverse=True)
-    light = [g for g in files.values() if seconds(g) < _END_TO_END_S]
-    halves: list[list] = [[], []]
-    for group in heavy:
-        halves[min((0, 1), key=lambda h: sum(map(seconds, halves[h])))].append(group)
-    count = sum(map(len, halves[0]))
-    for group in light:
-        halves[0 if count < len(items) // 2 else 1].append(group)
-        count += len(group) if count < len(items) // 2 else 0
-    return [item for half in halves for group in half for item in group]
 
 
 def _save_tiny(name: str, kw: dict, path: Path) -> None:
