@@ -49,6 +49,29 @@ def _open(driver, path):
     WebDriverWait(driver, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#graph .node"))
 
 
+def _wait_for_panel(driver, mark, node_id: str) -> None:
+    """Wait (a loaded machine's renderer may lag the click) until the panel shows ``node_id``; fail
+    naming what the click's point hit if it never does."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def shown(d):
+        return d.find_element(By.ID, "panel").is_displayed() and d.find_element(By.ID, "panel-id").text == node_id
+
+    try:
+        WebDriverWait(driver, 5).until(shown)
+    except TimeoutException:
+        hit = driver.execute_script(
+            "const r = arguments[0].getBoundingClientRect();"
+            "const e = document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2);"
+            "return [r.x, r.y, r.width, r.height, e ? e.outerHTML.slice(0, 120) : null,"
+            " document.getElementById('panel').hidden, document.getElementById('panel-id').textContent]",
+            mark,
+        )
+        pytest.fail(f"a click on {node_id} did not show its panel: its rect, what its centre hits, panel hidden, panel id: {hit}")
+
+
 def _panel(driver) -> dict[str, str]:
     from selenium.webdriver.common.by import By
 
@@ -86,9 +109,11 @@ def test_a_click_on_a_node_shows_its_panel(browser, built):
         kinds.setdefault(n["feature_type"], n)
     image = next(n for n in nodes if n["clerp"].startswith("image cell"))
     for node in [*kinds.values(), image]:
-        browser.find_element(By.CSS_SELECTOR, f'#graph .node[data-id="{node["node_id"]}"]').click()
-        assert browser.find_element(By.ID, "panel").is_displayed()
-        assert browser.find_element(By.ID, "panel-id").text == node["node_id"]
+        mark = browser.find_element(By.CSS_SELECTOR, f'#graph .node[data-id="{node["node_id"]}"]')
+        # Centred first: a mark at the figure's edge may sit under its scrollbar, where a click misses.
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center', inline: 'center'})", mark)
+        mark.click()
+        _wait_for_panel(browser, mark, node["node_id"])
         shown = _panel(browser)
         assert shown["node_id"] == node["node_id"] and shown["position"] == str(node["ctx_idx"])
         assert shown["token"] == built["json"]["metadata"]["prompt_tokens"][node["ctx_idx"]]
