@@ -351,9 +351,11 @@ header { padding: .5rem 1.5rem 0; } h1 { margin: .2rem 0; }
 .sw.embedding { background: #40c057; } .sw.logit { background: #e64980; transform: rotate(45deg); }
 .ln { height: 3px; vertical-align: middle; width: 18px; }
 .ln.pos { background: #e8590c; } .ln.neg { background: #1c7ed6; }
-.layout { display: flex; gap: 1rem; padding: 0 1rem; align-items: flex-start; }
-#figure { flex: 1; overflow: auto; border: 1px solid #dde; max-height: 85vh; }
-#side { flex: none; width: 330px; position: sticky; top: 0; font-size: 13px; }
+/* The layout's height is fixed and each side scrolls inside it: a panel that grows or shrinks with the
+   node hovered must not change the page's height, or a scrolled page moves under the pointer. */
+.layout { display: flex; gap: 1rem; padding: 0 1rem; height: 85vh; }
+#figure { flex: 1; overflow: auto; border: 1px solid #dde; }
+#side { flex: none; width: 330px; overflow-y: auto; font-size: 13px; }
 #panel h2 { font-size: 1.1rem; word-break: break-all; } #panel th, #card-fields th { text-align: left; }
 #panel td { text-align: left; word-break: break-word; }
 .node { cursor: pointer; stroke: #fff; stroke-width: 1; } .node:hover, .node.on { stroke: #000; stroke-width: 2; }

@@ -110,7 +110,8 @@ def test_a_click_on_a_node_shows_its_panel(browser, built):
     image = next(n for n in nodes if n["clerp"].startswith("image cell"))
     for node in [*kinds.values(), image]:
         mark = browser.find_element(By.CSS_SELECTOR, f'#graph .node[data-id="{node["node_id"]}"]')
-        # Centred first: a mark at the figure's edge may sit under its scrollbar, where a click misses.
+        # Centred first, which scrolls the page: the panel's height as it changes from node to node must
+        # not move a scrolled page under the pointer between the click's press and release.
         browser.execute_script("arguments[0].scrollIntoView({block: 'center', inline: 'center'})", mark)
         mark.click()
         _wait_for_panel(browser, mark, node["node_id"])
