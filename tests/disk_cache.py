@@ -3,8 +3,9 @@
 A tiny checkpoint (`tiny_models.build_tiny`, saved) or a real vocabulary converted from its BPE ranks
 (`real_vocab`) is a pure function of the code that builds it and of the installed libraries. Each
 entry is keyed by a digest of exactly that — the builders' source files, the libraries' versions and
-the builder's arguments — so an edit to a builder, or another transformers, builds it anew; nothing
-is ever invalidated by hand. Entries are written to a temporary name and renamed into place, so a
+the builder's arguments — so an edit to a builder, or another transformers, builds it anew, and the
+new entry removes the ones it supersedes (the same kind and arguments, older code); nothing is
+invalidated by hand. Entries are written to a temporary name and renamed into place, so a
 killed session leaves either the whole entry or none, and two workers that want the same entry build it once.
 
 Where: ``COUNTLENS_TEST_CACHE`` if set, else ``.pytest_cache/countlens/`` in the checkout (`make clean`
@@ -105,7 +106,19 @@ def cached_dir(key: str, build: Callable[[Path], None]) -> Path:
             tmp.rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        _drop_superseded(final)
     return final
+
+
+def _drop_superseded(final: Path) -> None:
+    """Remove the entries ``final`` replaces: the same kind and arguments built by older code (keys
+    ``kind-<code digest>-<argument digest>``). Without this every edit to a builder or to the package
+    left a whole set behind, and the cache grew without bound (22 GB over a few sessions)."""
+    kind, digest, args = final.name.rsplit("-", 2)
+    for old in final.parent.glob(f"{kind}-*-{args}"):
+        if old.name != final.name and old.name.rsplit("-", 2)[0] == kind and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+            old.with_name(f"{old.name}.lock").unlink(missing_ok=True)
 
 
 def cached_text(key: str, build: Callable[[], str]) -> str:
