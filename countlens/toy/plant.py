@@ -116,8 +116,9 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
             sources = {"partner": source}
             if "random" in circuit.strict_sources:
                 sources["random"] = swap_source(rec, other_sample(len(answers), gen))
-            if "different" in circuit.strict_sources:
-                sources["different"] = swap_source(rec, donor_order(answers, partner, "different", gen)[0])
+            for kind in ("different", "same"):  # in this order: the draws are a pure function of the seed
+                if kind in circuit.strict_sources:
+                    sources[kind] = swap_source(rec, donor_order(answers, partner, kind, gen)[0])
             # A circuit may check some sources' strictness as the checks do (C kept at every position, no
             # blind layer): training's own devices resample more than the checks, and the mix the checks
             # see (C clean everywhere, the rest from another scene) is otherwise never trained on.

@@ -50,8 +50,9 @@ from countlens.errors import InputError
 POSITIONS: tuple[str, ...] = ("all", "last", "vision_end")
 #: Whose activations strictness training resamples from: the pair's partner (the same objects, another
 #: count), a random other sample of the batch (other objects too), or another scene of the batch of a
-#: different count (`countlens.toy.strictness.donor_order`) — the donors the checks resample from.
-SOURCES: tuple[str, ...] = ("partner", "random", "different")
+#: different or of the same count (`countlens.toy.strictness.donor_order`) — the donors the checks
+#: resample from.
+SOURCES: tuple[str, ...] = ("partner", "random", "different", "same")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """One small `countlens discover` run of the organism, shared by the end-to-end tests that read a run,
-and one headless browser (`browser`) for the pages' tests.
+one headless browser (`browser`) for the pages' tests, and `undrawn_report` for the runs whose figures
+are not what a test checks.
 
 The report, resume, fine-tune, compare, browser and sharded tests all need a finished run of the same
 small spec; each ran its own before. The run is made once, through the command line, with the single
@@ -18,6 +19,19 @@ from pathlib import Path
 import pytest
 from disk_cache import cached_dir, run_key
 from shared_run import KERNEL_SETTINGS, TOY_RUN, discover_toy_run
+
+
+@pytest.fixture
+def undrawn_report(monkeypatch) -> None:
+    """discover writes its report without drawing its figures, for this test: a test of what a preset,
+    a family or a stage computes spends much of a small run drawing figures that the figures' own tests
+    (test_figures, the shared run's report tests, test_new_architectures' drawn families) check."""
+    import dataclasses
+
+    import countlens.pipeline.report as report_module
+
+    undrawn = tuple(dataclasses.replace(s, draw=lambda ctx: None) for s in report_module.SECTIONS)
+    monkeypatch.setattr(report_module, "SECTIONS", undrawn)
 
 
 @pytest.fixture(scope="session")

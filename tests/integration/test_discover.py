@@ -170,7 +170,7 @@ def test_finetune_adds_the_before_after_table(tmp_path, toy_run_copy, monkeypatc
     assert (out / "report.md").read_text().count("Circuit-guided fine-tune") == 1
 
 
-def test_finetune_presets_run_each_papers_recipe(tmp_path):
+def test_finetune_presets_run_each_papers_recipe(tmp_path, undrawn_report):
     """Each preset end to end on the organism: discover, then the fine-tune. counting-circuits: Baseline /
     +SFT / +SFT+focus / Full on SynDot + SynPoly scenes, with SynReal and PixMo-Count accuracy and MAE;
     counting-to-four: SFT against SFT+MAS on FSC-147's train split (the fixtures' small copies)."""
@@ -344,7 +344,7 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint):
+def test_discover_presets_set_the_papers_protocol(tmp_path, tiny_checkpoint, undrawn_report):
     """Each preset end to end at small sizes (the flags override its sizes), on the real Qwen
     vocabulary, since both presets ask the Pstd prompt; spec and report name what the preset set.
     Qwen writes "12" as "1", "2": every stage must take multi-token answers ("circle: 12"), so the

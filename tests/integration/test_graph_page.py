@@ -69,7 +69,7 @@ def _wait_for_panel(driver, mark, node_id: str) -> None:
             " document.getElementById('panel').hidden, document.getElementById('panel-id').textContent]",
             mark,
         )
-        pytest.fail(f"a click on {node_id} did not show its panel: its rect, what its centre hits, panel hidden, panel id: {hit}")
+        pytest.fail(f"a click on {node_id} left the panel unshown: rect, what its centre hits, hidden, id: {hit}")
 
 
 def _panel(driver) -> dict[str, str]:

@@ -5,7 +5,6 @@ paper's fine-tune (focus + MAS) on InternVL and Ovis2, its backbones, with tiled
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pandas as pd
@@ -51,14 +50,11 @@ DRAWN = {"internvl", "mllama", "qwen3_5", "gemma4", "mistral3"}
 
 
 @pytest.mark.parametrize("name", NEW)
-def test_every_discover_stage_and_the_plan(name, tiny_checkpoint, tmp_path, monkeypatch):
+def test_every_discover_stage_and_the_plan(name, tiny_checkpoint, tmp_path, request):
     path = tiny_checkpoint(name, **NEW[name])
     vlm = countlens.load(path)
     if name not in DRAWN:
-        import countlens.pipeline.report as report_module
-
-        undrawn = tuple(dataclasses.replace(s, draw=lambda ctx: None) for s in report_module.SECTIONS)
-        monkeypatch.setattr(report_module, "SECTIONS", undrawn)
+        request.getfixturevalue("undrawn_report")
     report = discover(
         vlm,
         tmp_path / "run",
