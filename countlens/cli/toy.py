@@ -70,7 +70,11 @@ def toy_plant(
     out: Annotated[Path, typer.Option(help="Directory for the checkpoint, training log and planted.json.")],
     seed: Annotated[int, typer.Option(help="Seed of torch and of the training pairs.")] = 0,
     steps: Annotated[
-        int | None, typer.Option(help="Override the circuit's number of steps.", show_default="the circuit's")
+        int | None,
+        typer.Option(
+            help="Override the circuit's number of steps (of its first stage, where it has two).",
+            show_default="the circuit's",
+        ),
     ] = None,
 ) -> None:
     """Train a planted-circuit organism from the shipped one and verify it (figures in planted.json).

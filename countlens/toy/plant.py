@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -93,8 +93,9 @@ def swapped_nodes(circuit: PlantedCircuit, step: int) -> tuple:
     return (nodes[(step // 2) % len(nodes)],)
 
 
-def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> dict:
-    """Train ``model`` (modified in place) so that ``circuit`` is planted; returns the last log row."""
+def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None, high_counts: tuple[int, ...] = ()) -> dict:
+    """Train ``model`` (modified in place) so that ``circuit`` is planted; returns the last log row.
+    ``high_counts``: every other pair drawn from these counts (`pairs_at`; a `Sharpening` stage's)."""
     torch.manual_seed(pc.seed)
     torch.set_num_threads(pc.threads)
     collate = Collator(ToyConfig())  # its own tokenizer and image processor
@@ -106,7 +107,7 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
         for group in opt.param_groups:
             group["lr"] = lr_at(step, pc)
         inputs, answers, partner = pair_batch(
-            collate, pairs_at(TRAIN_SEED_BASE + pc.seed, step * pc.batch_pairs, pc.batch_pairs)
+            collate, pairs_at(TRAIN_SEED_BASE + pc.seed, step * pc.batch_pairs, pc.batch_pairs, high_counts)
         )
         ce = torch.nn.functional.cross_entropy
         with image_features_once(model):
@@ -130,6 +131,25 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> 
         losses = {("strict" if k == "partner" else f"strict_{k}"): v for k, v in stricts.items()}
         row = optimizer_step(opt, trained, pc, step, clean, losses, swap, start, log) or row
     return row
+
+
+def train_stages(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> dict:
+    """`train_planted` with ``pc``, then the circuit's `Sharpening` stage if it has one (its log rows
+    marked ``"stage": 2``); returns the last log row."""
+    row = train_planted(model, circuit, pc, log)
+    s = circuit.sharpen
+    if s is None:
+        return row
+    second = PlantConfig(
+        seed=s.seed, steps=s.steps, lr=s.lr, batch_pairs=s.batch_pairs, warmup=s.warmup, threads=pc.threads
+    )
+    return train_planted(
+        model,
+        replace(circuit, strict_sources=s.strict_sources),
+        second,
+        (lambda r: log({**r, "stage": 2})) if log else None,
+        s.high_counts,
+    )
 
 
 def decoder_optimizer(model, pc: PlantConfig) -> tuple[list, torch.optim.Optimizer]:
@@ -265,7 +285,7 @@ def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dic
     """`plant`'s training and verification, by the process that holds ``out``'s lock."""
     from countlens.organisms import TOY_DIR
 
-    saved, seconds = train_and_save(TOY_DIR, out, lambda model, log: train_planted(model, circuit, pc, log), progress)
+    saved, seconds = train_and_save(TOY_DIR, out, lambda model, log: train_stages(model, circuit, pc, log), progress)
     figures = verify(saved, circuit)
     fresh = fresh_strictness(saved, circuit)
     record = {

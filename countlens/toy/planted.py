@@ -74,6 +74,22 @@ class PlantedNode:
 
 
 @dataclass(frozen=True)
+class Sharpening:
+    """A second training stage, from the first stage's weights: where the answers a donor of another
+    scene takes away sit (borderline high counts, `countlens.toy.strictness.lost_answers`), at a lower
+    rate on larger batches, every other pair drawn from ``high_counts`` (the rest from counts 1–9), with
+    its own strictness sources."""
+
+    steps: int
+    lr: float
+    batch_pairs: int
+    seed: int
+    high_counts: tuple[int, ...]
+    strict_sources: tuple[str, ...]
+    warmup: int = 10
+
+
+@dataclass(frozen=True)
 class PlantedCircuit:
     """A circuit to plant: its heads, the layers blind to the image, and whether each node is necessary."""
 
@@ -89,6 +105,8 @@ class PlantedCircuit:
     # Sources of `strict_sources` whose strictness term keeps C as the checks do: at every position, no
     # blind layer (the others use the training devices `PlantedNode.at` and `blind_layers`).
     checked: tuple[str, ...] = ()
+    # A second stage after the first (`Sharpening`), or none.
+    sharpen: Sharpening | None = None
 
     @property
     def heads(self) -> frozenset[tuple[int, int]]:
@@ -120,6 +138,14 @@ CIRCUITS: dict[str, PlantedCircuit] = {
             blind_layers=(1,),
             steps=1200,
             strict_sources=("partner", "random", "different"),
+            sharpen=Sharpening(
+                steps=400,
+                lr=3e-4,
+                batch_pairs=32,
+                seed=4,
+                high_counts=(5, 6, 7, 8, 9),
+                strict_sources=("partner", "random", "different", "same"),
+            ),
         ),
         PlantedCircuit(
             "spread",
@@ -208,6 +234,17 @@ def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
         raise InputError(
             f"planted circuit {circuit.name!r}: strictness sources {circuit.strict_sources} must be some of {SOURCES}, "
             f"and those checked as the checks do ({circuit.checked}) some of them"
+        )
+    s = circuit.sharpen
+    if s is not None and (
+        not set(s.strict_sources)
+        or set(s.strict_sources) - set(SOURCES)
+        or len(set(s.high_counts)) < 2
+        or not set(s.high_counts) <= set(range(1, 10))
+    ):
+        raise InputError(
+            f"planted circuit {circuit.name!r}: its sharpening's strictness sources {s.strict_sources} must be "
+            f"some of {SOURCES}, and its high counts {s.high_counts} two or more of 1–9"
         )
     if any(not 0 <= layer < n_layers for layer in circuit.blind_layers):
         raise InputError(

@@ -15,9 +15,13 @@ from countlens.toy.resample import keep_masks, mlp_keep_masks, position_masks, r
 from countlens.toy.train import Collator
 
 
-def pairs_at(seed: int, start: int, n: int) -> list:
-    """``n`` consecutive "shapes" count pairs (short prompt, counts 1–9) from index ``start``."""
-    return [count_pair(seed, i, "shapes", prompt="short", counts=DEFAULT_COUNTS) for i in range(start, start + n)]
+def pairs_at(seed: int, start: int, n: int, high_counts: tuple[int, ...] = ()) -> list:
+    """``n`` consecutive "shapes" count pairs (short prompt, counts 1–9) from index ``start``; with
+    ``high_counts``, every odd-indexed pair is drawn from those counts instead."""
+    return [
+        count_pair(seed, i, "shapes", prompt="short", counts=high_counts if high_counts and i % 2 else DEFAULT_COUNTS)
+        for i in range(start, start + n)
+    ]
 
 
 def pair_batch(collate: Collator, pairs: list) -> tuple[dict, torch.Tensor, torch.Tensor]:

@@ -13,8 +13,16 @@ import xarray as xr
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.errors import InputError
 from countlens.organisms import TOY_DIR
-from countlens.toy.plant import PlantConfig, swapped_nodes, train_planted
-from countlens.toy.planted import CIRCUITS, SOURCES, PlantedCircuit, PlantedNode, check_circuit, planted_circuit
+from countlens.toy.plant import PlantConfig, swapped_nodes, train_planted, train_stages
+from countlens.toy.planted import (
+    CIRCUITS,
+    SOURCES,
+    PlantedCircuit,
+    PlantedNode,
+    Sharpening,
+    check_circuit,
+    planted_circuit,
+)
 from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import keep_masks, position_masks, recorded, resampled, swap_source
@@ -71,6 +79,9 @@ def test_circuits_are_named_checked_and_each_names_what_is_planted():
     for sources in ((), ("partner", "shuffled")):
         with pytest.raises(InputError, match="strictness sources.*partner"):
             check_circuit(PlantedCircuit("x", (PlantedNode(0, 0),), "-", strict_sources=sources), 6, 4)
+    for sharpen in (Sharpening(1, 1e-4, 2, 0, (9,), ("partner",)), Sharpening(1, 1e-4, 2, 0, (8, 9), ("other",))):
+        with pytest.raises(InputError, match="sharpening's strictness sources"):
+            check_circuit(PlantedCircuit("x", (PlantedNode(0, 0),), "-", sharpen=sharpen), 6, 4)
     # two-hop alternates all of C with one node in turn; spread swaps all of C every step
     two = CIRCUITS["two-hop"]
     assert [swapped_nodes(two, s) for s in range(4)] == [two.nodes, two.nodes[:1], two.nodes, two.nodes[1:]]
@@ -221,3 +232,43 @@ def _seen_after_resampling(model, run) -> list:
     finally:
         planter_module.resampled = inner
     return seen["mlp"]
+
+
+def test_high_counts_draw_every_other_pair_and_leave_the_rest_as_they_were():
+    plain, high = pairs_at(1000, 4, 6), pairs_at(1000, 4, 6, (7, 8, 9))
+    for i, (p, h) in enumerate(zip(plain, high, strict=True)):
+        counts = {h.clean.meta["count"], h.corrupt.meta["count"]}
+        if (4 + i) % 2:
+            assert counts <= {7, 8, 9}
+        else:
+            assert counts == {p.clean.meta["count"], p.corrupt.meta["count"]} and h.clean.scene == p.clean.scene
+
+
+def test_a_sharpening_stage_runs_after_the_first_from_its_weights():
+    from dataclasses import replace
+
+    from transformers import Qwen2VLForConditionalGeneration
+
+    def model():
+        return Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
+
+    def weights(m):
+        return torch.cat([p.detach().flatten() for p in m.model.language_model.parameters()])
+
+    pc = PlantConfig(steps=1, batch_pairs=2, threads=1)
+    sharpen = Sharpening(1, 1e-4, 2, 5, (8, 9), ("partner", "same"))
+    circuit = replace(CIRCUITS["route"], sharpen=sharpen)
+    first, both = model(), model()
+    train_planted(first, CIRCUITS["route"], pc)
+    rows = []
+    train_stages(both, circuit, pc, rows.append)
+    assert [r.get("stage") for r in rows] == [None, 2] and "strict_same" in rows[1] and "strict_same" not in rows[0]
+    # The second stage by hand: the first stage's weights, then its own recipe.
+    train_planted(
+        first,
+        replace(circuit, strict_sources=sharpen.strict_sources),
+        replace(pc, seed=5, lr=1e-4, warmup=10),
+        None,
+        (8, 9),
+    )
+    assert torch.equal(weights(first), weights(both))
