@@ -6,9 +6,9 @@
 For each planted organism whose count is carried by known heads (``planted-route``: L0H2;
 ``planted-two-hop``: L0H0 then L1H1; ``planted-spread``: L0H0, L0H3, L1H2, L2H1), train transcoders on
 it (`train_transcoders`, its defaults but ``--steps``; written under ``--cache``, default
-/tmp/countlens-graph-planted, and reused from there), build the attribution graph of 8 counting
-scenes (the "shapes" kind, the organisms' short prompt, counts 2–9: the clean scene of
-``count_pair(0, c, clean=c, corrupt=c − 1)``) and split each graph's top logit by head
+/tmp/countlens-graph-planted, and reused from there while the organism's weights are the same), build
+the attribution graph of 8 counting scenes (the "shapes" kind, the organisms' short prompt, counts
+2–9: the clean scene of ``count_pair(0, c, clean=c, corrupt=c − 1)``) and split each graph's top logit by head
 (`countlens.features.head_paths.head_shares`). Reported per organism:
 
 - the mean over scenes of each planted head's **share** — the share of the image-token embeddings'
@@ -56,13 +56,24 @@ def scenes() -> list:
     return [count_pair(0, c, "shapes", clean=c, corrupt=c - 1, prompt="short").clean for c in COUNTS]
 
 
+def _cache_name(name: str, steps: int | None) -> str:
+    """The transcoders' folder: the organism's name, its weights' digest (a re-planted organism trains
+    its own) and the steps."""
+    import hashlib
+
+    from countlens.organisms import ORGANISMS as FOLDERS
+
+    digest = hashlib.sha256((FOLDERS[name] / "model.safetensors").read_bytes()).hexdigest()[:12]
+    return f"{name}-{digest}-steps{steps or 'default'}"
+
+
 def organism(name: str, steps: int | None, cache: Path) -> dict:
     vlm = countlens.load(name)
     circuit = sorted(planted_circuit_of(name).heads)
     kw = {} if steps is None else {"steps": steps}
     start = time.perf_counter()
     with Load() as load:
-        tcs = train_transcoders(vlm, out=cache / f"{name}-steps{steps or 'default'}", progress=False, **kw)
+        tcs = train_transcoders(vlm, out=cache / _cache_name(name, steps), progress=False, **kw)
     train_s = time.perf_counter() - start
     fvu = tcs.fidelity["fvu"].values.tolist() if "fvu" in tcs.fidelity else None
     rows, shares, paths, images = [], [], [], []
