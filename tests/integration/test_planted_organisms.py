@@ -109,7 +109,7 @@ def test_an_edge_organism_still_carries_the_count_only_in_its_edges(name):
 
 
 @pytest.mark.slow
-def test_discover_runs_on_a_planted_organism(tmp_path):
+def test_discover_runs_on_a_planted_organism(tmp_path, undrawn_report):
     out = tmp_path / "run"
     small = ["--n-per-case", "1", "--n-pairs", "4", "--n-samples", "4", "--batch-size", "8"]
     result = CliRunner().invoke(app, ["discover", "--model", "planted-route", "--out", str(out), *small])
