@@ -68,6 +68,7 @@ class PlantConfig:
     lr: float = 1e-3
     warmup: int = 20
     clean_weight: float = 1.0
+    different_weight: float = 1.0  # the weight of the strictness term from a different-count donor
     weight_decay: float = 0.01
     threads: int = 1  # the shipped organisms' (a rerun reproduces them with the same thread count)
 
@@ -77,7 +78,7 @@ class PlantConfig:
             require_count(getattr(self, name), name, ConfigError)
         require_seed(self.warmup, "warmup", ConfigError)
         require_positive(self.lr, "lr", ConfigError)
-        for name in ("weight_decay", "clean_weight"):
+        for name in ("weight_decay", "clean_weight", "different_weight"):
             require_nonnegative(getattr(self, name), name, ConfigError)
 
     def to_dict(self) -> dict:
@@ -140,15 +141,25 @@ def train_stages(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> d
     s = circuit.sharpen
     if s is None:
         return row
-    second = PlantConfig(
-        seed=s.seed, steps=s.steps, lr=s.lr, batch_pairs=s.batch_pairs, warmup=s.warmup, threads=pc.threads
-    )
     return train_planted(
         model,
         replace(circuit, strict_sources=s.strict_sources),
-        second,
+        sharpening_config(s, pc),
         (lambda r: log({**r, "stage": 2})) if log else None,
         s.high_counts,
+    )
+
+
+def sharpening_config(s, pc: PlantConfig) -> PlantConfig:
+    """The `PlantConfig` of a `Sharpening` stage after a first stage run with ``pc``."""
+    return PlantConfig(
+        seed=s.seed,
+        steps=s.steps,
+        lr=s.lr,
+        batch_pairs=s.batch_pairs,
+        warmup=s.warmup,
+        different_weight=s.different_weight,
+        threads=pc.threads,
     )
 
 
@@ -168,7 +179,8 @@ def decoder_optimizer(model, pc: PlantConfig) -> tuple[list, torch.optim.Optimiz
 def optimizer_step(opt, trained, pc: PlantConfig, step: int, clean, stricts: dict, swap, start: float, log):
     """One step on clean + Σ strictness + interchange (gradients clipped to norm 1); every 25 steps and at
     the last, the log row (returned, and given to ``log``), else None."""
-    (pc.clean_weight * clean + sum(stricts.values()) + swap).backward()
+    weighted = [v * (pc.different_weight if k.endswith("different") else 1.0) for k, v in stricts.items()]
+    (pc.clean_weight * clean + sum(weighted) + swap).backward()
     torch.nn.utils.clip_grad_norm_(trained, 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)

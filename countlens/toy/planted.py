@@ -77,10 +77,11 @@ class PlantedNode:
 
 @dataclass(frozen=True)
 class Sharpening:
-    """A second training stage, from the first stage's weights: where the answers a donor of another
-    scene takes away sit (borderline high counts, `countlens.toy.strictness.lost_answers`), at a lower
-    rate on larger batches, every other pair drawn from ``high_counts`` (the rest from counts 1–9), with
-    its own strictness sources."""
+    """A second training stage, from the first stage's weights, at a lower rate on larger batches: every
+    other pair drawn from ``high_counts`` where it names some (the rest from counts 1–9; the answers a
+    donor of another scene takes away sit at borderline high counts, `countlens.toy.strictness.
+    lost_answers`), with its own strictness sources, the different-count one weighted
+    ``different_weight``."""
 
     steps: int
     lr: float
@@ -89,6 +90,7 @@ class Sharpening:
     high_counts: tuple[int, ...]
     strict_sources: tuple[str, ...]
     warmup: int = 10
+    different_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,7 @@ class EdgeCircuit:
     description: str
     steps: int = 600
     strict_sources: tuple[str, ...] = ("partner", "different")
+    sharpen: Sharpening | None = None  # a second stage (`Sharpening`), or none
 
     @property
     def node_circuit(self) -> PlantedCircuit:
@@ -198,6 +201,16 @@ EDGE_CIRCUITS: dict[str, EdgeCircuit] = {
             (PlantedNode(0, 2), PlantedNode(1, None)),
             "L0H2 reads the image through its key-value head and moves the count to the last token; only MLP1 "
             "reads it there, and MLP1 alone writes the answer to the logits",
+            steps=800,
+            sharpen=Sharpening(
+                steps=300,
+                lr=3e-4,
+                batch_pairs=32,
+                seed=4,
+                high_counts=(),
+                strict_sources=("partner", "different", "same"),
+                different_weight=3.0,
+            ),
         ),
     )
 }
@@ -237,18 +250,24 @@ def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
             f"planted circuit {circuit.name!r}: strictness sources {circuit.strict_sources} must be some of {SOURCES}, "
             f"and those checked as the checks do ({circuit.checked}) some of them"
         )
-    s = circuit.sharpen
-    if s is not None and (
-        not set(s.strict_sources)
-        or set(s.strict_sources) - set(SOURCES)
-        or len(set(s.high_counts)) < 2
-        or not set(s.high_counts) <= set(range(1, 10))
-    ):
-        raise InputError(
-            f"planted circuit {circuit.name!r}: its sharpening's strictness sources {s.strict_sources} must be "
-            f"some of {SOURCES}, and its high counts {s.high_counts} two or more of 1–9"
-        )
+    check_sharpening(circuit.name, circuit.sharpen)
     if any(not 0 <= layer < n_layers for layer in circuit.blind_layers):
         raise InputError(
             f"planted circuit {circuit.name!r}: blind layers {circuit.blind_layers} outside 0–{n_layers - 1}"
+        )
+
+
+def check_sharpening(name: str, s: Sharpening | None) -> None:
+    """Raise if circuit ``name``'s second stage ``s`` (if any) names unknown sources or counts."""
+    if s is not None and (
+        not set(s.strict_sources)
+        or set(s.strict_sources) - set(SOURCES)
+        or len(set(s.high_counts)) == 1
+        or not set(s.high_counts) <= set(range(1, 10))
+        or not s.different_weight > 0
+    ):
+        raise InputError(
+            f"planted circuit {name!r}: its sharpening's strictness sources {s.strict_sources} must be "
+            f"some of {SOURCES}, its high counts {s.high_counts} none or two or more of 1–9, and its "
+            f"different-count weight {s.different_weight} positive"
         )

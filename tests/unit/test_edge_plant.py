@@ -106,3 +106,36 @@ def test_edge_planting_is_a_pure_function_of_its_seed():
     (rows, first), (_, again), (_, other) = weights(0), weights(0), weights(1)
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert {"clean", "strict_partner", "strict_different", "swap"} <= rows[-1].keys()
+
+
+def test_an_edge_circuits_second_stage_is_its_own_recipe_from_the_first_stages_weights():
+    """`train_edge_stages` = the first stage, then the `Sharpening` by hand: its sources, seed, rate and
+    its different-count term weighted (a weight of 1 trains other weights)."""
+    from dataclasses import replace
+
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from countlens.toy.edge_plant import train_edge_stages
+    from countlens.toy.planted import Sharpening
+
+    def model():
+        return Qwen2VLForConditionalGeneration.from_pretrained(ORGANISMS["toy"], dtype=torch.float32)
+
+    def weights(m):
+        return torch.cat([p.detach().flatten() for p in m.model.language_model.parameters()])
+
+    pc = PlantConfig(steps=1, batch_pairs=2)
+    sharpen = Sharpening(1, 1e-4, 2, 5, (), ("partner", "different", "same"), different_weight=3.0)
+    circuit = replace(EDGE_CIRCUITS["value-route"], sharpen=sharpen)
+    rows: list = []
+    staged = model()
+    train_edge_stages(staged, circuit, pc, rows.append)
+    assert [r.get("stage") for r in rows] == [None, 2] and "strict_same" in rows[1]
+    second = replace(circuit, strict_sources=sharpen.strict_sources)
+    by_hand = {}
+    for w in (3.0, 1.0):
+        m = model()
+        train_edges(m, circuit, pc)
+        train_edges(m, second, PlantConfig(seed=5, steps=1, batch_pairs=2, lr=1e-4, warmup=10, different_weight=w))
+        by_hand[w] = weights(m)
+    assert torch.equal(weights(staged), by_hand[3.0]) and not torch.equal(by_hand[3.0], by_hand[1.0])

@@ -79,7 +79,12 @@ def test_circuits_are_named_checked_and_each_names_what_is_planted():
     for sources in ((), ("partner", "shuffled")):
         with pytest.raises(InputError, match="strictness sources.*partner"):
             check_circuit(PlantedCircuit("x", (PlantedNode(0, 0),), "-", strict_sources=sources), 6, 4)
-    for sharpen in (Sharpening(1, 1e-4, 2, 0, (9,), ("partner",)), Sharpening(1, 1e-4, 2, 0, (8, 9), ("other",))):
+    refused = (
+        Sharpening(1, 1e-4, 2, 0, (9,), ("partner",)),
+        Sharpening(1, 1e-4, 2, 0, (8, 9), ("other",)),
+        Sharpening(1, 1e-4, 2, 0, (), ("partner",), different_weight=0.0),
+    )
+    for sharpen in refused:
         with pytest.raises(InputError, match="sharpening's strictness sources"):
             check_circuit(PlantedCircuit("x", (PlantedNode(0, 0),), "-", sharpen=sharpen), 6, 4)
     # two-hop alternates all of C with one node in turn; spread swaps all of C every step
