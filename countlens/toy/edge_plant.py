@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -40,8 +40,8 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import InputError
 from countlens.toy.edge_forward import EdgeForward, prepare
-from countlens.toy.plant import PlantConfig, decoder_optimizer, optimizer_step, sharpening_config, train_and_save
-from countlens.toy.planted import EdgeCircuit, check_sharpening
+from countlens.toy.plant import PlantConfig, decoder_optimizer, optimizer_step, train_and_save, train_stages
+from countlens.toy.planted import EdgeCircuit
 from countlens.toy.planter import pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
 from countlens.toy.resample import DONORS, donor_order, image_features_once
@@ -59,19 +59,6 @@ from countlens.validate import require_count, require_seed
 
 #: The organism an edge circuit is planted into (its L0H2 already moves the count).
 START = "planted-route"
-
-
-def train_edge_stages(model, circuit: EdgeCircuit, pc: PlantConfig, log=None) -> dict:
-    """`train_edges` with ``pc``, then the circuit's `Sharpening` stage if it has one (its log rows
-    marked ``"stage": 2``); returns the last log row."""
-    check_sharpening(circuit.name, circuit.sharpen)
-    row = train_edges(model, circuit, pc, log)
-    s = circuit.sharpen
-    if s is None:
-        return row
-    staged = (lambda r: log({**r, "stage": 2})) if log else None
-    second = replace(circuit, strict_sources=s.strict_sources)
-    return train_edges(model, second, sharpening_config(s, pc), staged, s.high_counts)
 
 
 def train_edges(model, circuit: EdgeCircuit, pc: PlantConfig, log=None, high_counts: tuple[int, ...] = ()) -> dict:
@@ -175,7 +162,7 @@ def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, 
     out = Path(out)
     claim_directory(out, "countlens toy plant", {"circuit": circuit.name, "recipe": asdict(pc)})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
-        train = lambda model, log: train_edge_stages(model, circuit, pc, log)  # noqa: E731
+        train = lambda model, log: train_stages(model, circuit, pc, log, train_edges)  # noqa: E731
         saved, seconds = train_and_save(ORGANISMS[START], out, train, progress)
         fresh = fresh_edge_strictness(saved, circuit)
         nodes = fresh_strictness(saved, circuit.node_circuit)

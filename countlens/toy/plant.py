@@ -33,7 +33,7 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
 from countlens.files import claim_directory, directory_lock
-from countlens.toy.planted import PlantedCircuit
+from countlens.toy.planted import PlantedCircuit, check_sharpening
 from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
@@ -134,19 +134,19 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None, hig
     return row
 
 
-def train_stages(model, circuit: PlantedCircuit, pc: PlantConfig, log=None) -> dict:
-    """`train_planted` with ``pc``, then the circuit's `Sharpening` stage if it has one (its log rows
-    marked ``"stage": 2``); returns the last log row."""
-    row = train_planted(model, circuit, pc, log)
+def train_stages(model, circuit, pc: PlantConfig, log=None, train=None) -> dict:
+    """``train`` (`train_planted`, or `countlens.toy.edge_plant.train_edges` for an edge circuit) with
+    ``pc``, then the circuit's `Sharpening` stage if it has one (its log rows marked ``"stage": 2``);
+    returns the last log row."""
+    train = train_planted if train is None else train
+    check_sharpening(circuit.name, circuit.sharpen)
+    row = train(model, circuit, pc, log)
     s = circuit.sharpen
     if s is None:
         return row
-    return train_planted(
-        model,
-        replace(circuit, strict_sources=s.strict_sources),
-        sharpening_config(s, pc),
-        (lambda r: log({**r, "stage": 2})) if log else None,
-        s.high_counts,
+    staged = (lambda r: log({**r, "stage": 2})) if log else None
+    return train(
+        model, replace(circuit, strict_sources=s.strict_sources), sharpening_config(s, pc), staged, s.high_counts
     )
 
 

@@ -28,7 +28,8 @@ made *blind* to the image (`PlantedCircuit.blind_layers`: its keys and values at
 from the source), so a later head must read the count from a text position, not from the image.
 Neither device is part of the evaluation: the checks and every method see heads over all positions.
 A circuit may add a second stage (`Sharpening`): more steps from the first stage's weights, at a lower
-rate, half the pairs drawn from the high counts where a donor's resampling moves borderline answers.
+rate, with its own strictness sources and weights, and (where it names them) half the pairs drawn from
+the high counts where a donor's resampling moves borderline answers.
 
 The circuits start where the organism already moves the count — its layer-0 heads carry almost all of
 exact head patching's effect (L0H0 0.31, L0H3 0.21, L0H2 0.12; every later head ≤ 0.04, on 32 pairs) —

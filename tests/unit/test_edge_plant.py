@@ -109,13 +109,13 @@ def test_edge_planting_is_a_pure_function_of_its_seed():
 
 
 def test_an_edge_circuits_second_stage_is_its_own_recipe_from_the_first_stages_weights():
-    """`train_edge_stages` = the first stage, then the `Sharpening` by hand: its sources, seed, rate and
+    """`train_stages` with `train_edges` = the first stage, then the `Sharpening` by hand: its sources, seed, rate and
     its different-count term weighted (a weight of 1 trains other weights)."""
     from dataclasses import replace
 
     from transformers import Qwen2VLForConditionalGeneration
 
-    from countlens.toy.edge_plant import train_edge_stages
+    from countlens.toy.plant import train_stages
     from countlens.toy.planted import Sharpening
 
     def model():
@@ -129,7 +129,7 @@ def test_an_edge_circuits_second_stage_is_its_own_recipe_from_the_first_stages_w
     circuit = replace(EDGE_CIRCUITS["value-route"], sharpen=sharpen)
     rows: list = []
     staged = model()
-    train_edge_stages(staged, circuit, pc, rows.append)
+    train_stages(staged, circuit, pc, rows.append, train_edges)
     assert [r.get("stage") for r in rows] == [None, 2] and "strict_same" in rows[1]
     second = replace(circuit, strict_sources=sharpen.strict_sources)
     by_hand = {}
