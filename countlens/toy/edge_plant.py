@@ -40,7 +40,14 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import InputError
 from countlens.toy.edge_forward import EdgeForward, prepare
-from countlens.toy.plant import PlantConfig, decoder_optimizer, optimizer_step, train_and_save, train_stages
+from countlens.toy.plant import (
+    PlantConfig,
+    decoder_optimizer,
+    invariance,
+    optimizer_step,
+    train_and_save,
+    train_stages,
+)
 from countlens.toy.planted import EdgeCircuit
 from countlens.toy.planter import pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
@@ -83,13 +90,15 @@ def train_edges(model, circuit: EdgeCircuit, pc: PlantConfig, log=None, high_cou
             prep = prepare(model, inputs)
         logits, outs = fwd(prep)
         clean = ce(logits, answers)
-        stricts = {}
+        resampled = {}
         for kind in circuit.strict_sources:
             order = donor_order(answers, partner, kind, gen)[0]
-            stricts[kind] = ce(fwd(prep, strict_mask, [o[order] for o in outs])[0], answers)
+            resampled[kind] = fwd(prep, strict_mask, [o[order] for o in outs])[0]
         swap_mask = swaps[0] if step % 2 == 0 else swaps[1 + (step // 2) % len(circuit.swapped)]
         swap = ce(fwd(prep, swap_mask, [o[partner] for o in outs])[0], answers[partner])
-        losses = {f"strict_{k}": v for k, v in stricts.items()}
+        losses = {f"strict_{k}": ce(v, answers) for k, v in resampled.items()}
+        if pc.invariance_weight:
+            losses["invariance"] = invariance(logits, resampled.values())
         row = optimizer_step(opt, trained, pc, step, clean, losses, swap, start, log) or row
     return row
 

@@ -69,6 +69,9 @@ class PlantConfig:
     warmup: int = 20
     clean_weight: float = 1.0
     different_weight: float = 1.0  # the weight of the strictness term from a different-count donor
+    # The weight of the invariance term: per strictness source, KL(clean run's answer distribution, held
+    # fixed ‖ the resampled run's); 0 leaves it out.
+    invariance_weight: float = 0.0
     weight_decay: float = 0.01
     threads: int = 1  # the shipped organisms' (a rerun reproduces them with the same thread count)
 
@@ -78,7 +81,7 @@ class PlantConfig:
             require_count(getattr(self, name), name, ConfigError)
         require_seed(self.warmup, "warmup", ConfigError)
         require_positive(self.lr, "lr", ConfigError)
-        for name in ("weight_decay", "clean_weight", "different_weight"):
+        for name in ("weight_decay", "clean_weight", "different_weight", "invariance_weight"):
             require_nonnegative(getattr(self, name), name, ConfigError)
 
     def to_dict(self) -> dict:
@@ -113,7 +116,8 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None, hig
         ce = torch.nn.functional.cross_entropy
         with image_features_once(model):
             with recorded(model) as rec:  # the clean run: its loss, and the sources of the others
-                clean = ce(planter.logits(inputs), answers)
+                clean_logits = planter.logits(inputs)
+                clean = ce(clean_logits, answers)
             source = swap_source(rec, partner)
             sources = {"partner": source}
             if "random" in circuit.strict_sources:
@@ -124,12 +128,14 @@ def train_planted(model, circuit: PlantedCircuit, pc: PlantConfig, log=None, hig
             # A circuit may check some sources' strictness as the checks do (C kept at every position, no
             # blind layer): training's own devices resample more than the checks, and the mix the checks
             # see (C clean everywhere, the rest from another scene) is otherwise never trained on.
-            stricts = {
-                name: ce(planter.strict_logits(inputs, sources[name], training=name not in circuit.checked), answers)
+            resampled = {
+                name: planter.strict_logits(inputs, sources[name], training=name not in circuit.checked)
                 for name in circuit.strict_sources
             }
             swap = ce(planter.swapped_logits(inputs, source, swapped_nodes(circuit, step)), answers[partner])
-        losses = {("strict" if k == "partner" else f"strict_{k}"): v for k, v in stricts.items()}
+        losses = {("strict" if k == "partner" else f"strict_{k}"): ce(v, answers) for k, v in resampled.items()}
+        if pc.invariance_weight:
+            losses["invariance"] = invariance(clean_logits, resampled.values())
         row = optimizer_step(opt, trained, pc, step, clean, losses, swap, start, log) or row
     return row
 
@@ -159,6 +165,7 @@ def sharpening_config(s, pc: PlantConfig) -> PlantConfig:
         batch_pairs=s.batch_pairs,
         warmup=s.warmup,
         different_weight=s.different_weight,
+        invariance_weight=s.invariance_weight,
         threads=pc.threads,
     )
 
@@ -176,10 +183,29 @@ def decoder_optimizer(model, pc: PlantConfig) -> tuple[list, torch.optim.Optimiz
     return trained, torch.optim.AdamW(groups, lr=pc.lr, betas=(0.9, 0.98))
 
 
+def invariance(clean: torch.Tensor, resampled) -> torch.Tensor:
+    """Σ over the resampled runs of KL(clean ‖ resampled) between answer distributions (batch means), the
+    clean one held fixed: zero only where resampling outside C leaves the answer's distribution as it was.
+    The strictness terms' cross-entropy asks only for the right answer, and leaves the borderline samples
+    (a clean answer won by a small margin) free to flip under any resampling."""
+    target = torch.log_softmax(clean.detach(), -1)
+    return sum(
+        torch.nn.functional.kl_div(torch.log_softmax(r, -1), target, log_target=True, reduction="batchmean")
+        for r in resampled
+    )
+
+
+def loss_weight(pc: PlantConfig, name: str) -> float:
+    """The weight of the loss term ``name`` beside the clean and interchange terms (each weighted 1)."""
+    if name == "invariance":
+        return pc.invariance_weight
+    return pc.different_weight if name.endswith("different") else 1.0
+
+
 def optimizer_step(opt, trained, pc: PlantConfig, step: int, clean, stricts: dict, swap, start: float, log):
-    """One step on clean + Σ strictness + interchange (gradients clipped to norm 1); every 25 steps and at
-    the last, the log row (returned, and given to ``log``), else None."""
-    weighted = [v * (pc.different_weight if k.endswith("different") else 1.0) for k, v in stricts.items()]
+    """One step on clean + Σ strictness (+ invariance) + interchange (gradients clipped to norm 1); every 25
+    steps and at the last, the log row (returned, and given to ``log``), else None."""
+    weighted = [v * loss_weight(pc, k) for k, v in stricts.items()]
     (pc.clean_weight * clean + sum(weighted) + swap).backward()
     torch.nn.utils.clip_grad_norm_(trained, 1.0)
     opt.step()

@@ -92,6 +92,7 @@ class Sharpening:
     strict_sources: tuple[str, ...]
     warmup: int = 10
     different_weight: float = 1.0
+    invariance_weight: float = 0.0  # `countlens.toy.plant.invariance`'s weight
 
 
 @dataclass(frozen=True)
@@ -259,16 +260,18 @@ def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
 
 
 def check_sharpening(name: str, s: Sharpening | None) -> None:
-    """Raise if circuit ``name``'s second stage ``s`` (if any) names unknown sources or counts."""
+    """Raise if circuit ``name``'s second stage ``s`` (if any) names unknown sources or counts, or bad weights."""
     if s is not None and (
         not set(s.strict_sources)
         or set(s.strict_sources) - set(SOURCES)
         or len(set(s.high_counts)) == 1
         or not set(s.high_counts) <= set(range(1, 10))
         or not s.different_weight > 0
+        or not 0 <= s.invariance_weight < float("inf")
     ):
         raise InputError(
             f"planted circuit {name!r}: its sharpening's strictness sources {s.strict_sources} must be "
             f"some of {SOURCES}, its high counts {s.high_counts} none or two or more of 1–9, and its "
-            f"different-count weight {s.different_weight} positive"
+            f"different-count weight {s.different_weight} positive, its invariance weight "
+            f"{s.invariance_weight} zero or more (finite)"
         )

@@ -94,18 +94,22 @@ def test_the_edge_circuit_is_named_and_its_organism_maps_to_its_nodes():
     assert planted_edges_of("planted-route") is None and "planted-value-route" in ORGANISMS
 
 
-def test_edge_planting_is_a_pure_function_of_its_seed():
+def test_edge_planting_is_a_pure_function_of_its_seed_and_weights_its_invariance_term():
     from transformers import Qwen2VLForConditionalGeneration
 
-    def weights(seed):
+    def weights(seed, **weights):
         model = Qwen2VLForConditionalGeneration.from_pretrained(ORGANISMS["toy"], dtype=torch.float32)
         rows = []
-        train_edges(model, EDGE_CIRCUITS["value-route"], PlantConfig(seed=seed, steps=2, batch_pairs=2), rows.append)
+        pc = PlantConfig(seed=seed, steps=2, batch_pairs=2, **weights)
+        train_edges(model, EDGE_CIRCUITS["value-route"], pc, rows.append)
         return rows, torch.cat([p.detach().flatten() for p in model.model.language_model.parameters()])
 
     (rows, first), (_, again), (_, other) = weights(0), weights(0), weights(1)
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert {"clean", "strict_partner", "strict_different", "swap"} <= rows[-1].keys()
+    assert "invariance" not in rows[-1]
+    (invariant, w_invariant) = weights(0, invariance_weight=2.0)
+    assert invariant[-1]["invariance"] > 0 and not torch.equal(w_invariant, first)
 
 
 def test_an_edge_circuits_second_stage_is_its_own_recipe_from_the_first_stages_weights():

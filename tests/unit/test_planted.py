@@ -11,9 +11,9 @@ import torch
 import xarray as xr
 
 from countlens.circuits.recovery import auroc, precision_at
-from countlens.errors import InputError
+from countlens.errors import ConfigError, InputError
 from countlens.organisms import TOY_DIR
-from countlens.toy.plant import PlantConfig, swapped_nodes, train_planted, train_stages
+from countlens.toy.plant import PlantConfig, invariance, swapped_nodes, train_planted, train_stages
 from countlens.toy.planted import (
     CIRCUITS,
     SOURCES,
@@ -83,6 +83,8 @@ def test_circuits_are_named_checked_and_each_names_what_is_planted():
         Sharpening(1, 1e-4, 2, 0, (9,), ("partner",)),
         Sharpening(1, 1e-4, 2, 0, (8, 9), ("other",)),
         Sharpening(1, 1e-4, 2, 0, (), ("partner",), different_weight=0.0),
+        Sharpening(1, 1e-4, 2, 0, (), ("partner",), invariance_weight=-1.0),
+        Sharpening(1, 1e-4, 2, 0, (), ("partner",), invariance_weight=float("inf")),
     )
     for sharpen in refused:
         with pytest.raises(InputError, match="sharpening's strictness sources"):
@@ -277,3 +279,39 @@ def test_a_sharpening_stage_runs_after_the_first_from_its_weights():
         (8, 9),
     )
     assert torch.equal(weights(first), weights(both))
+
+
+def test_the_invariance_term_is_the_kl_from_the_clean_answers_by_hand():
+    gen = torch.Generator().manual_seed(0)
+    clean, a, b = (torch.randn(5, 12, generator=gen, dtype=torch.float64) for _ in range(3))
+    p = clean.softmax(-1)
+
+    def kl(q_logits):  # Σ_i p_i (log p_i − log q_i), averaged over the batch
+        return float((p * (p.log() - q_logits.softmax(-1).log())).sum(-1).mean())
+
+    assert float(invariance(clean, [clean])) == pytest.approx(0.0, abs=1e-12)
+    assert float(invariance(clean, [a, b])) == pytest.approx(kl(a) + kl(b), rel=1e-9)
+    assert float(invariance(clean, [a])) > 0
+    q = a.clone().requires_grad_(True)
+    c = clean.clone().requires_grad_(True)
+    invariance(c, [q]).backward()
+    assert c.grad is None and q.grad.abs().sum() > 0  # the clean run is the target, held fixed
+    with pytest.raises(ConfigError, match="invariance_weight"):
+        PlantConfig(invariance_weight=-0.5)
+
+
+def test_a_weighted_invariance_term_is_logged_and_trains_other_weights(organism_batch):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    def run(weight):
+        model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)
+        rows = []
+        train_planted(
+            model, CIRCUITS["route"], PlantConfig(steps=1, batch_pairs=2, invariance_weight=weight), rows.append
+        )
+        return rows[0], torch.cat([p.detach().flatten() for p in model.model.language_model.parameters()])
+
+    (plain, w_plain), (weighted, w_weighted) = run(0.0), run(2.0)
+    assert "invariance" not in plain and weighted["invariance"] > 0
+    assert plain["strict"] == weighted["strict"] and plain["clean"] == weighted["clean"]  # the same forward
+    assert not torch.equal(w_plain, w_weighted)
