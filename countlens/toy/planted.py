@@ -82,7 +82,8 @@ class Sharpening:
     other pair drawn from ``high_counts`` where it names some (the rest from counts 1–9; the answers a
     donor of another scene takes away sit at borderline high counts, `countlens.toy.strictness.
     lost_answers`), with its own strictness sources, the different-count one weighted
-    ``different_weight``."""
+    ``different_weight``, and the invariance term (`countlens.toy.plant.invariance`: the resampled runs'
+    answer distributions held to the clean run's) weighted ``invariance_weight``."""
 
     steps: int
     lr: float
@@ -151,6 +152,7 @@ CIRCUITS: dict[str, PlantedCircuit] = {
                 seed=4,
                 high_counts=(5, 6, 7, 8, 9),
                 strict_sources=("partner", "random", "different", "same"),
+                invariance_weight=4.0,
             ),
         ),
         PlantedCircuit(
