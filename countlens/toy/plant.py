@@ -5,7 +5,8 @@ organism's weights and train on clean/corrupt count pairs of the "shapes" kind (
 short prompt, counts 1–9, training seeds ≥ `TRAIN_SEED_BASE` so that evaluation and `discover`'s pairs
 are never seen), each sample's source being its pair's partner. Per step: one recording forward
 without gradients, then the strictness and the interchange forwards, AdamW on their summed
-cross-entropies, linear warmup and cosine decay. Every batch is a pure function of (seed, step) and
+cross-entropies (and, where ``invariance_weight`` asks, the weighted `invariance` of the strictness
+runs), linear warmup and cosine decay. Every batch is a pure function of (seed, step) and
 torch is seeded, so a rerun with the same seed and thread count reproduces the weights.
 
 `verify` measures what makes the circuit planted, on held-out pairs (seed `EVAL_SEED`), nodes being
