@@ -214,6 +214,7 @@ EDGE_CIRCUITS: dict[str, EdgeCircuit] = {
                 high_counts=(),
                 strict_sources=("partner", "different", "same"),
                 different_weight=3.0,
+                invariance_weight=4.0,
             ),
         ),
     )
