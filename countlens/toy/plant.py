@@ -34,7 +34,7 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
 from countlens.files import claim_directory, directory_lock
-from countlens.toy.planted import PlantedCircuit, check_sharpening
+from countlens.toy.planted import PlantedCircuit, Sharpening, check_sharpening
 from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
@@ -157,7 +157,7 @@ def train_stages(model, circuit, pc: PlantConfig, log=None, train=None) -> dict:
     )
 
 
-def sharpening_config(s, pc: PlantConfig) -> PlantConfig:
+def sharpening_config(s: Sharpening, pc: PlantConfig) -> PlantConfig:
     """The `PlantConfig` of a `Sharpening` stage after a first stage run with ``pc``."""
     return PlantConfig(
         seed=s.seed,
