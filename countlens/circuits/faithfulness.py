@@ -302,7 +302,8 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         empty_ld.append(ld[1])
         for c in distinct:
             lds[c].append(ld[0] if len(c) == n else ld[1] if not c else ld[2 + middle.index(c)])
-    m_full, m_empty = float(torch.cat(full_ld).sum()), float(torch.cat(empty_ld).sum())
+    # Sums in float64 over the float32 per-pair values: m(N) and m(∅) are read the way every m(C) is.
+    m_full, m_empty = (float(torch.cat(ld).double().sum()) for ld in (full_ld, empty_ld))
     if m_full == m_empty:
         raise InputError(
             "ablating everything changes no logit difference (m(N) = m(∅)): the set carries nothing of "
@@ -310,8 +311,13 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         )
     methods = list(orders)
     per_pair = np.stack([[torch.cat(lds[circuits[(m, k)]]).numpy() for k in kept] for m in methods])
-    metric = per_pair.sum(-1)
+    metric = per_pair.astype(np.float64).sum(-1)
     faith = (metric - m_empty) / (m_full - m_empty)
+    # The end points are definitions, not measurements: every item kept is the clean run itself (f = 1),
+    # none kept the run with every item ablated (f = 0). Dividing a sum by itself is 1 only where both sums
+    # run the same reduction; another CPU's kernels may round one of them otherwise.
+    faith[:, np.asarray(kept) == n] = 1.0
+    faith[:, np.asarray(kept) == 0] = 0.0
     fraction = np.asarray(kept, dtype=float) / n
     cpr, cmd = zip(*(areas(fraction, f) for f in faith))
     ds = xr.Dataset(
