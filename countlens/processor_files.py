@@ -178,6 +178,13 @@ def _load_image_processor(path: str):
                 f"{path} names the image processor {name!r}, which cannot be built here ({err}); countlens needs a "
                 "PIL image processor for it (in its family's module under countlens/models/)"
             ) from None
+    from transformers.image_processing_utils import ImageProcessingMixin
+
+    if not (isinstance(cls, type) and issubclass(cls, ImageProcessingMixin)):  # a file names a class, never a call
+        raise CheckpointError(
+            f"{path}: image_processor_type {name!r} is no image processor class of transformers; copy "
+            "preprocessor_config.json from the original checkpoint"
+        )
     try:
         return cls.from_dict(cfg)
     except (AttributeError, KeyError, TypeError, ValueError) as err:  # settings of the wrong type or shape

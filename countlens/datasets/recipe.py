@@ -1,19 +1,50 @@
-"""Recipes: each generated sample carries the call that makes it again.
+"""Recipes: each generated sample carries the call that makes it again, as data, never as code.
 
 Every generator of one sample (`task_sample`, `trick_sample`, `count_pair`, `count_scene`, the paper
-code's `reference_sample`) is wrapped by `recorded`: the sample it returns carries ``recipe``, the
-generator's dotted name and every argument of the call with its defaults filled in (a `Geometry` as its
-fields). ``import_module(module).<name>(**arguments)`` gives the sample again — generators are pure
-functions of their arguments. `countlens.results.recipe_of` folds many samples' recipes into the
-``recipe`` attr every result carries.
+code's `reference_sample`, the top-half organism's `top_half_sample`) is wrapped by `recorded`: the
+sample it returns carries ``recipe``, a plain JSON dict of the generator's dotted name, every argument
+of the call with its defaults filled in (a `Geometry` as its fields), the countlens version that made
+it and the recipe schema (`RECIPE_SCHEMA`). Generators are pure functions of their arguments, so
+`rebuild` gives the sample again. `countlens.results.recipe_of` folds many samples' recipes into the
+``data_recipe`` attr every result carries, so a recipe travels in every saved file.
+
+A recipe read from a file is data: `rebuild` calls only a generator of `GENERATORS`, the allow-list
+kept here beside the `recorded` wrapper (a function wrapped by `recorded` that is not on it fails at
+import), with arguments its signature names, each plain JSON data (no path, no object): nothing in a
+file can make countlens call anything else. A recipe of another countlens version or schema is
+refused, naming both, since a generator of another version may draw other samples from the same
+arguments.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import asdict, is_dataclass, replace
+import math
+from dataclasses import asdict, fields, is_dataclass, replace
 from typing import Any
+
+from countlens import __version__
+from countlens.errors import CountlensError, InputError
+
+#: The recipe format: what `recorded` writes beside the generator's arguments. Raised when that changes.
+RECIPE_SCHEMA = 1
+#: The keys of a recipe that are not arguments of its generator.
+GENERATOR_KEY, VERSION_KEY, SCHEMA_KEY = "generator", "countlens_version", "recipe_schema"
+
+#: The data generators a recipe may name (dotted names): `rebuild` calls these and nothing else. Each
+#: draws one sample (or pair) from plain arguments and writes no file.
+GENERATORS: frozenset[str] = frozenset(
+    {
+        "countlens.datasets.countingtricks.trick_sample",
+        "countlens.datasets.pairs.count_pair",
+        "countlens.datasets.pairs.count_scene",
+        "countlens.datasets.tasks.task_sample",
+        "countlens.reference.counting_to_four.scenes.reference_sample",
+        "countlens.toy.regions.top_half_sample",
+    }
+)
+_REGISTERED: dict[str, Any] = {}  # dotted name -> the recorded generator, filled as their modules import
 
 
 def plain(value: Any) -> Any:
@@ -39,32 +70,155 @@ def stamp(out, recipe: dict):
 
 
 def recorded(fn):
-    """Wrap a one-sample generator so that what it returns carries its recipe."""
+    """Wrap a one-sample generator of `GENERATORS` so that what it returns carries its recipe."""
     signature = inspect.signature(fn)
     name = f"{fn.__module__}.{fn.__qualname__}"
+    if name not in GENERATORS:  # a programming error, met at import: the allow-list is kept by hand
+        raise TypeError(f"{name} is recorded but not in countlens.datasets.recipe.GENERATORS; add it there")
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         out = fn(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return stamp(out, {"generator": name, **{k: plain(v) for k, v in bound.arguments.items()}})
+        arguments = {k: plain(v) for k, v in bound.arguments.items()}
+        return stamp(out, {GENERATOR_KEY: name, VERSION_KEY: __version__, SCHEMA_KEY: RECIPE_SCHEMA, **arguments})
 
+    _REGISTERED[name] = call
     return call
 
 
 def rebuild(recipe: dict):
-    """The sample (or pair) a recipe describes, made again by its generator."""
-    from importlib import import_module
+    """The sample (or pair) that ``recipe`` describes, made again by its generator.
 
-    from countlens.errors import InputError
-    from countlens.geometry import Geometry
+    ``recipe``: a sample's ``.recipe``, or one entry of a result's ``data_recipe`` attr
+    (`countlens.results.recipe_of`) with ``index`` set to one sample's index::
 
-    args = dict(recipe)
-    generator = args.pop("generator", None)
-    if not isinstance(generator, str) or not generator.startswith("countlens."):
-        raise InputError(f"{recipe!r} is no countlens recipe: it names no countlens generator")
-    module, name = generator.rsplit(".", 1)
+        from countlens.datasets import rebuild, task_samples
+        s = task_samples("count", 3, seed=4)[2]
+        assert rebuild(s.recipe).scene == s.scene
+
+        entry = json.loads(result.attrs["data_recipe"])[0]    # indices as [first, last] runs
+        sample = rebuild({**entry, "index": entry["index"][0][0]})
+
+    The recipe is data: its generator must be one of `GENERATORS` (data generators that write
+    nothing), its arguments names in that generator's signature with plain JSON values, and it must
+    have been written by this countlens version and recipe schema. Anything else is an `InputError`
+    naming what differs, before any generator runs.
+    """
+    if not isinstance(recipe, dict):
+        raise InputError(
+            f"rebuild takes a recipe dict (a sample's .recipe, or an entry of a result's data_recipe), "
+            f"got {type(recipe).__name__} {recipe!r:.80}"
+        )
+    if set(recipe) == {"loaded"}:
+        raise InputError(
+            f"{recipe!r} counts samples loaded from a data set, which have no recipe; load that data set again"
+        )
+    generator = recipe.get(GENERATOR_KEY)
+    if not isinstance(generator, str) or generator not in GENERATORS:
+        raise InputError(
+            f"the recipe names the generator {generator!r:.120}, which is no registered data generator: a recipe "
+            f"may name only {sorted(GENERATORS)}; rebuild from a recipe countlens wrote (the file was edited, or "
+            "written by another program)"
+        )
+    _check_version(recipe)
+    fn = _generator(generator)
+    args = {k: v for k, v in recipe.items() if k not in (GENERATOR_KEY, VERSION_KEY, SCHEMA_KEY)}
+    args = _arguments(generator, fn, args)
+    try:
+        return fn(**args)
+    except CountlensError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError) as err:  # a value of the wrong kind for the generator
+        raise InputError(
+            f"the recipe of {generator} cannot be made again ({type(err).__name__}: {err}); its arguments "
+            f"{args!r:.200} are not what this generator takes: rebuild from a recipe countlens wrote"
+        ) from None
+
+
+def _check_version(recipe: dict) -> None:
+    """Refuse a recipe of another countlens version or schema, or one written before recipes had one."""
+    generator, version, schema = recipe.get(GENERATOR_KEY), recipe.get(VERSION_KEY), recipe.get(SCHEMA_KEY)
+    remake = "make the data again with this version's generator (the recipe names the call)"
+    if version is None and schema is None:
+        raise InputError(
+            f"the recipe of {generator} carries no countlens version and no recipe schema: it was written before "
+            f"recipes carried them, and this is countlens {__version__} (recipe schema {RECIPE_SCHEMA}); {remake}"
+        )
+    pairs = (("countlens version", version, __version__), ("recipe schema", schema, RECIPE_SCHEMA))
+    differs = [f"{what} {theirs!r}, this one's {ours!r}" for what, theirs, ours in pairs if theirs != ours]
+    if differs:
+        raise InputError(
+            f"the recipe of {generator} was written by another countlens ({'; '.join(differs)}): a generator of "
+            f"another version may draw other samples from the same arguments; {remake}, or rebuild it with the "
+            f"version that wrote it (pip install countlens=={version})"
+        )
+
+
+def _generator(name: str):
+    """The recorded generator ``name`` (one of `GENERATORS`), its module imported if it was not yet."""
+    if name not in _REGISTERED:
+        from importlib import import_module
+
+        import_module(name.rsplit(".", 1)[0])  # a module named by the allow-list, never by the file
+    return _REGISTERED[name]
+
+
+def _arguments(generator: str, fn, args: dict) -> dict:
+    """``args`` checked against ``fn``'s signature (names it knows, every required one given) and for
+    plain JSON values; a ``grid`` dict made a `Geometry` again."""
+    params = inspect.signature(fn).parameters
+    unknown = sorted(set(args) - set(params))
+    missing = [p.name for p in params.values() if p.default is inspect.Parameter.empty and p.name not in args]
+    if unknown or missing:
+        said = "; ".join(
+            part
+            for part in (
+                f"arguments {unknown} it does not take" if unknown else "",
+                f"no {missing}, which it needs" if missing else "",
+            )
+            if part
+        )
+        raise InputError(
+            f"the recipe of {generator} gives {said} (it takes {list(params)}): the file was edited, or written by "
+            "another program; rebuild from a recipe countlens wrote"
+        )
+    for key, value in args.items():
+        bad = _not_plain(value)
+        if bad is not None:
+            raise InputError(
+                f"the recipe of {generator} gives {key}={value!r:.80}, which holds {bad}: a recipe's arguments are "
+                "plain JSON data (strings, finite numbers, booleans, null, lists, objects)"
+            )
     if isinstance(args.get("grid"), dict):
-        args["grid"] = Geometry(**args["grid"])
-    return getattr(import_module(module), name)(**args)
+        from countlens.geometry import Geometry
+
+        names = {f.name for f in fields(Geometry)}
+        extra = sorted(set(args["grid"]) - names)
+        if extra:
+            raise InputError(
+                f"the recipe of {generator} gives grid fields {extra}, which a Geometry has not ({sorted(names)})"
+            )
+        try:
+            args["grid"] = Geometry(**args["grid"])
+        except TypeError as err:
+            raise InputError(f"the recipe of {generator} gives a grid that is no Geometry ({err})") from None
+    return args
+
+
+def _not_plain(value: Any, depth: int = 0) -> str | None:
+    """What in ``value`` is not plain JSON data (None when it all is)."""
+    if depth > 8:
+        return "lists or objects nested deeper than 8"
+    if value is None or isinstance(value, (str, bool, int)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"the non-finite number {value}"
+    if isinstance(value, list):
+        return next((bad for v in value if (bad := _not_plain(v, depth + 1)) is not None), None)
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return "an object key that is not a string"
+        return next((bad for v in value.values() if (bad := _not_plain(v, depth + 1)) is not None), None)
+    return f"a {type(value).__name__}"

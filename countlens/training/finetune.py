@@ -339,7 +339,7 @@ def _train(
     if ckpt is not None:
         fix = f"delete {ckpt} (and {out}/checkpoint.old, if any) to train this fine-tune again from the start"
         try:
-            state = torch.load(ckpt / "state.pt", weights_only=False)
+            state = torch.load(ckpt / "state.pt", weights_only=True)  # tensors and numbers: a file runs no code
         except Exception as err:  # truncated or corrupt: torch raises several kinds
             raise RunDirError(f"{ckpt / 'state.pt'} cannot be read ({type(err).__name__}: {err}); {fix}") from None
         if accelerator.distributed_type == "FSDP" and state["step"] < config.steps:

@@ -175,6 +175,7 @@ def _valid_calls(loaded) -> dict:
         "countingtricks": dict(cases=["1A"], n_per_case=2, image_size=192, patch_size=16),
         "make_question": dict(style="std", shape="circle", count=3, rng=None),
         "place_objects": dict(rng=rng, width=64, height=64, specs=[("circle", "red", 8.0)]),
+        "rebuild": dict(recipe=samples[0].recipe),
         "task_sample": dict(task="count", seed=0, index=0),
         "task_samples": dict(task="count", n=2, seed=0),
         "trick_sample": dict(name="1A", seed=0, index=0, image_size=192, patch_size=16),
