@@ -1,20 +1,29 @@
-"""Labels of model sites in results: heads as ``"L3H2"``, experts as ``"L1E0"``, and the largest
-(layer, head) cells of a result.
+"""Labels of model sites in results: heads as ``"L3H2"``, experts as ``"L1E0"``, transcoder features
+as ``"L1F17"``, and the largest (layer, head) cells of a result.
 
 A result's ``head`` coordinate is an index, but tables, reports and configuration name a head by its
 label; `head_key` reads either form back (a (layer, head) pair or its label) and refuses anything
 else with the form to use. Experts of a mixture-of-experts layer are labelled the same way.
+
+Where an API takes a *selection* of heads (a fine-tune's ``target_heads``, a circuit scored by
+`countlens.circuits.recovery`) it reads it with `head_keys`, and a selection of transcoder features
+with `feature_keys`: one parser for every spelling. Each takes one pair or a collection of pairs,
+nested or not — tuples, lists, numpy integers, a numpy array of shape (2,) or (n, 2) — and labels;
+it refuses non-integers (a float is never rounded to a head it may not mean), bools, negative
+indices, a site given twice (as a pair and as its label too) and an empty selection: "no
+restriction" is the caller's ``None``, never ``()``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from numbers import Integral
 
 import numpy as np
 import xarray as xr
 
-from countlens.errors import InputError
+from countlens.errors import CountlensError, InputError
 
 
 def top_sites(da: xr.DataArray, k: int | None = None, absolute: bool = False) -> list[tuple[int, int, float]]:
@@ -40,10 +49,18 @@ def is_head_pair(head) -> bool:
     """Whether ``head`` is (layer, head) as two integers: a tuple, a list or a numpy row."""
     return (
         not isinstance(head, (str, bytes))
-        and np.ndim(head) == 1
+        and _ndim(head) == 1
         and len(head) == 2
         and all(isinstance(x, Integral) and not isinstance(x, (bool, np.bool_)) for x in head)
     )
+
+
+def _ndim(value) -> int | None:
+    """``np.ndim(value)``, or None for a ragged collection numpy cannot shape (pairs mixed with labels)."""
+    try:
+        return np.ndim(value)
+    except (ValueError, TypeError):
+        return None
 
 
 def head_key(head) -> tuple[int, int]:
@@ -77,3 +94,87 @@ def expert_key(expert) -> tuple[int, int]:
     elif is_head_pair(expert):  # two integers, the same test as a head's
         return int(expert[0]), int(expert[1])
     raise InputError(f"expert {expert!r}: give (layer, expert) as two integers, e.g. (1, 0), or its label, e.g. 'L1E0'")
+
+
+_FEATURE_LABEL = re.compile(r"L(\d+)F(\d+)")
+
+
+def feature_label(feature: tuple[int, int]) -> str:
+    """The label `countlens.features.feature_cards` gives feature (layer, index): ``"L1F17"``."""
+    return f"L{feature[0]}F{feature[1]}"
+
+
+#: Per kind of site: its label's pattern, its label, its pair's form and an example of each.
+_SPELLINGS = {
+    "head": (_HEAD_LABEL, head_label, "(layer, head)", "(3, 2)", "'L3H2'"),
+    "feature": (_FEATURE_LABEL, feature_label, "(layer, feature)", "(1, 17)", "'L1F17'"),
+}
+
+
+def head_keys(
+    heads, what: str = "heads", kind: type[CountlensError] = InputError, none: str | None = None
+) -> tuple[tuple[int, int], ...]:
+    """A selection of heads as (layer, head) pairs in the order given, from every spelling countlens
+    takes: one head alone (``(3, 2)``, ``[3, 2]``, ``"L3H2"``) or a collection of them, numpy integers
+    and an (n, 2) integer array included. ``what``: the argument's name in the message; ``kind``: the
+    error class (`ConfigError` for a configuration field); ``none``: what the caller's ``None`` means,
+    offered when the selection is empty (e.g. "None (the default) to train every head"). Refuses
+    non-integers, bools, negative indices, an empty selection and a head given twice."""
+    return _site_keys(heads, "head", what, kind, none)
+
+
+def feature_keys(
+    features, what: str = "features", kind: type[CountlensError] = InputError
+) -> tuple[tuple[int, int], ...]:
+    """A selection of transcoder features as (layer, feature) pairs in the order given: `head_keys`'
+    rules with the feature's label ``"L1F17"`` (`feature_label`)."""
+    return _site_keys(features, "feature", what, kind, None)
+
+
+def _site_keys(sites, unit: str, what: str, kind, none: str | None) -> tuple[tuple[int, int], ...]:
+    pattern, label, form, pair, example = _SPELLINGS[unit]
+    takes = f"{what} takes {form} pairs of integers, e.g. [{pair}], or labels, e.g. [{example}]"
+    if isinstance(sites, str) or _pair_like(sites):
+        items = [sites]  # one site given alone
+    elif isinstance(sites, np.ndarray):
+        if sites.ndim != 2 or sites.shape[1] != 2:
+            raise kind(f"{takes}; a numpy array of them has shape (n, 2), got shape {sites.shape}")
+        items = list(sites)
+    elif isinstance(sites, (bytes, Mapping)) or not isinstance(sites, Iterable) or hasattr(sites, "dims"):
+        raise kind(f"{takes}; got {type(sites).__name__} {sites!r:.60}")
+    else:
+        items = list(sites)
+    if not items:
+        raise kind(
+            f"{what} is empty: give {form} pairs, e.g. [{pair}], or labels, e.g. [{example}]"
+            + (f", or {none}" if none else "")
+        )
+    out: list[tuple[int, int]] = []
+    for item in items:
+        match = pattern.fullmatch(item.strip()) if isinstance(item, str) else None
+        if match:
+            key = int(match[1]), int(match[2])
+        elif is_head_pair(item):
+            key = int(item[0]), int(item[1])
+        else:
+            shown = tuple(item.tolist()) if isinstance(item, np.ndarray) else item
+            raise kind(f"{takes}; got {shown!r:.60}")
+        if min(key) < 0:
+            raise kind(
+                f"{what}: {unit} {key} has a negative index; layers and {unit}s count from 0, so give indices ≥ 0"
+            )
+        if key in out:
+            raise kind(f"{what} names {label(key)} more than once; give each {unit} once")
+        out.append(key)
+    return tuple(out)
+
+
+def _pair_like(value) -> bool:
+    """Whether ``value`` is meant as one pair: a tuple, list or numpy row of scalars (right or wrong
+    ones, such as ``(0, 1.7)`` or ``(0, 1, 2)``), not a collection of sites (``[(0, 1), "L2H3"]``)."""
+    return (
+        isinstance(value, (tuple, list, np.ndarray))
+        and _ndim(value) == 1
+        and len(value) > 0
+        and all(not isinstance(x, (str, bytes)) and _ndim(x) == 0 for x in value)
+    )

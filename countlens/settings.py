@@ -91,8 +91,9 @@ class FinetuneConfig:
     lora_dropout: float = 0.0
     lora_target_layers_only: bool = False
     target_layers: tuple[int, ...] = ()
-    # (layer, head) pairs: LoRA trains only these heads' q / k / v / o slices (`countlens.training.head_lora`).
-    target_heads: tuple[tuple[int, int], ...] = ()
+    # Heads, as (layer, head) pairs or labels ("L3H2"): LoRA trains only their q / k / v / o slices
+    # (`countlens.training.head_lora`). None: no restriction; an empty selection is refused.
+    target_heads: tuple[tuple[int, int], ...] | None = None
     focus: float = 1.0  # λ_focus (0 switches the term off)
     mas: float = 0.0  # λ_mas (the papers' default when used: 0.1)
     tau: float = 0.4
@@ -124,20 +125,16 @@ class FinetuneConfig:
         for layer in self.target_layers:
             require_seed(layer, "a target layer", ConfigError)
         require_distinct(self.target_layers, "target_layers", ConfigError)
-        heads = []
-        for pair in self.target_heads:
-            if isinstance(pair, str) or len(tuple(pair)) != 2:
-                raise ConfigError(f"target_heads takes (layer, head) pairs, e.g. ((0, 0), (3, 1)); got {pair!r}")
-            for value in pair:
-                require_seed(value, "a target head's layer or head", ConfigError)
-            heads.append((int(pair[0]), int(pair[1])))
-        require_distinct(heads, "target_heads", ConfigError)
-        object.__setattr__(self, "target_heads", tuple(heads))
-        if heads and self.method != "lora":
-            raise ConfigError(
-                "target_heads trains LoRA adapters restricted to those heads' slices: use method='lora' "
-                "(a full fine-tune would change every weight)"
-            )
+        if self.target_heads is not None:  # None: every head; an empty selection is refused, never "every head"
+            from countlens.labels import head_keys  # numpy only where heads are given: --help stays light
+
+            heads = head_keys(self.target_heads, "target_heads", ConfigError, "None (the default) to train every head")
+            object.__setattr__(self, "target_heads", heads)
+            if self.method != "lora":
+                raise ConfigError(
+                    "target_heads trains LoRA adapters restricted to those heads' slices: use method='lora' "
+                    "(a full fine-tune would change every weight)"
+                )
 
 
 #: The before/after columns every fine-tune can make from generated scenes alone (no local copy): a

@@ -7,7 +7,8 @@ Reads an `countlens.circuits.object_effects` result (dims ``scene``, ``object``)
   not the true answer's token), unless ``wrong`` (Bool over ``scene``) says otherwise.
 - **Missed object**: in a wrongly counted scene, the object(s) with the least ``effect`` among those
   that cover a token (ties: each tied object). Objects covering no token (``n_tokens`` 0, effect NaN)
-  are left out of every row and counted in the ``hidden`` attr.
+  are left out of every row and counted in the ``hidden`` attr; a NaN or ±inf effect of an object
+  that covers tokens (not measured, or a broken result) is refused, naming its scene and object.
 - **Groups** (the ``group`` dim: "all", or "factor:level" such as "placement:edge"): one row per
   level of three factors — ``placement`` (centred / edge / intersection),
   ``size`` (patches, binned at ``size_bins``: "<0.75", "0.75-1.25", …) and ``contact`` (touches /
@@ -93,7 +94,16 @@ def object_misses(
             raise InputError("wrong is a Bool DataArray over the effects' scene dim (True: a wrongly counted scene)")
         bad = wrong.values.astype(bool)
     effect = ds["effect"].values.astype(float)
-    live = ds["exists"].values.astype(bool) & (ds["n_tokens"].values > 0) & np.isfinite(effect)
+    measured = ds["exists"].values.astype(bool) & (ds["n_tokens"].values > 0)
+    broken = [f"scene {a}, object {b}" for a, b in zip(*np.nonzero(measured & ~np.isfinite(effect)), strict=True)]
+    if broken:
+        raise InputError(
+            f"effects: the effect at {'; '.join(broken[:5])}{' …' if len(broken) > 5 else ''} is not finite, though "
+            "that object covers image tokens (NaN is for objects covering none): the least effect of a scene needs "
+            "every such object measured, and finite; recompute object_effects with objects=None, or drop those "
+            "scenes with effects.isel(scene=...)"
+        )
+    live = measured
     masked = np.where(live, effect, np.inf)
     least = masked.min(1, keepdims=True)
     missed = live & bad[:, None] & (masked == least)

@@ -11,7 +11,10 @@ organism whose circuit C is known (`countlens.toy.planted`), its ranking is scor
   precision and recall coincide). Ties at the k-th score are broken by head order, as
   `countlens.circuits.faithfulness` ranks nodes.
 
-Heads that do not exist (NaN beyond a layer's own heads) are left out of both.
+Heads that do not exist (NaN beyond a layer's own heads) are left out of both; a ±inf score is
+refused, naming its cell, as it would rank first whatever it means. The circuit's heads are read
+by `countlens.labels.head_keys`: (layer, head) pairs or labels such as ``"L3H2"``, one head alone or
+a collection, never empty or a head twice.
 
 Over any named nodes (`node_recovery`: heads and MLPs by label, as an organism whose MLPs are nodes
 needs) the same two figures, ties at the k-th score broken by the scores' order.
@@ -31,18 +34,28 @@ import numpy as np
 import xarray as xr
 
 from countlens.errors import InputError
+from countlens.labels import head_keys, head_label
+
+_INF_FIX = "an inf ranks first whatever it means: score with finite values (a degenerate denominator gives inf)"
 
 
-def _split(scores: xr.DataArray, circuit: Collection[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list]:
-    """(|scores| of C's heads, |scores| of the other heads, the existing heads in order)."""
-    if set(scores.dims) != {"layer", "head"}:
-        raise InputError(f"a ranking of heads has dims (layer, head); got {scores.dims}")
+def _split(scores: xr.DataArray, circuit) -> tuple[np.ndarray, np.ndarray, list, set]:
+    """(|scores| of C's heads, |scores| of the other heads, the existing heads in order, C)."""
+    if not isinstance(scores, xr.DataArray) or set(scores.dims) != {"layer", "head"}:
+        raise InputError(
+            f"a ranking of heads is a DataArray with dims (layer, head); got {getattr(scores, 'dims', scores)!r:.60}"
+        )
+    c = set(head_keys(circuit, "circuit"))
     s = np.abs(scores.transpose("layer", "head").values.astype(float))
     layers, heads = scores["layer"].values.tolist(), scores["head"].values.tolist()
     cells = [(layer, head) for layer in layers for head in heads]
     flat = s.reshape(-1)
+    infinite = [head_label(cell) for cell, v in zip(cells, flat, strict=True) if np.isinf(v)]
+    if infinite:
+        raise InputError(
+            f"the ranking holds ±inf at {', '.join(infinite[:5])}{' …' if len(infinite) > 5 else ''}; {_INF_FIX}"
+        )
     exists = ~np.isnan(flat)
-    c = set(circuit)
     missing = c - {cell for cell, e in zip(cells, exists, strict=True) if e}
     if missing:
         raise InputError(
@@ -51,10 +64,11 @@ def _split(scores: xr.DataArray, circuit: Collection[tuple[int, int]]) -> tuple[
     inside = np.array([cell in c for cell in cells])
     if inside.sum() == exists.sum():
         raise InputError("the circuit holds every head: there is nothing outside it to rank below")
-    return flat[inside & exists], flat[~inside & exists], [cell for cell, e in zip(cells, exists, strict=True) if e]
+    kept = [cell for cell, e in zip(cells, exists, strict=True) if e]
+    return flat[inside & exists], flat[~inside & exists], kept, c
 
 
-def auroc(scores: xr.DataArray, circuit: Collection[tuple[int, int]]) -> float:
+def auroc(scores: xr.DataArray, circuit: Collection[tuple[int, int] | str]) -> float:
     """P(|score| of a head of ``circuit`` > |score| of a head outside it), ties one half."""
     pos, neg = _split(scores, circuit)[:2]
     greater = (pos[:, None] > neg[None, :]).sum()
@@ -62,16 +76,16 @@ def auroc(scores: xr.DataArray, circuit: Collection[tuple[int, int]]) -> float:
     return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
 
 
-def precision_at(scores: xr.DataArray, circuit: Collection[tuple[int, int]], k: int | None = None) -> float:
+def precision_at(scores: xr.DataArray, circuit: Collection[tuple[int, int] | str], k: int | None = None) -> float:
     """Share of ``circuit`` among the top ``k`` heads by |score| (default k = |circuit|)."""
-    _, _, cells = _split(scores, circuit)
-    k = len(set(circuit)) if k is None else k
+    _, _, cells, members = _split(scores, circuit)
+    k = len(members) if k is None else k
     if not 1 <= k <= len(cells):
         raise InputError(f"k={k}: choose 1 ≤ k ≤ {len(cells)} (the heads ranked)")
     flat = np.abs(scores.transpose("layer", "head").values.astype(float)).reshape(-1)
     values = flat[~np.isnan(flat)]
     order = np.argsort(-values, kind="stable")[:k]  # ties: head order
-    return float(sum(cells[i] in set(circuit) for i in order) / k)
+    return float(sum(cells[i] in members for i in order) / k)
 
 
 def _mann_whitney(pos: np.ndarray, neg: np.ndarray) -> float:
@@ -82,9 +96,14 @@ def _mann_whitney(pos: np.ndarray, neg: np.ndarray) -> float:
 
 def node_recovery(scores: Mapping[str, float], circuit: Collection[str]) -> dict:
     """AUROC and precision@|C| of |``scores``| (node label → score, e.g. ``L0H2``, ``MLP1``) against the
-    nodes ``circuit`` names; NaN scores are left out."""
+    nodes ``circuit`` names; NaN scores are left out, ±inf ones refused."""
+    infinite = [k for k, v in scores.items() if np.isinf(v)]
+    if infinite:
+        raise InputError(f"node scores hold ±inf at {', '.join(map(str, infinite[:5]))}; {_INF_FIX}")
     live = {k: abs(float(v)) for k, v in scores.items() if not np.isnan(v)}
-    members = set(circuit)
+    members = {circuit} if isinstance(circuit, str) else set(circuit)
+    if not members:
+        raise InputError("circuit is empty: name the circuit's nodes, e.g. {'L0H2', 'MLP1'}")
     missing = members - set(live)
     if missing:
         raise InputError(f"circuit nodes {sorted(missing)} are not scored (scored: {sorted(live)[:6]}…)")
@@ -108,6 +127,9 @@ def object_recovery(scores: xr.DataArray, samples: Sequence, key: str = "top") -
     s = np.abs(scores.transpose("scene", "object").values.astype(float))
     if s.shape[0] != len(samples):
         raise InputError(f"{s.shape[0]} scenes of scores for {len(samples)} samples: give the samples scored")
+    infinite = [f"scene {a}, object {b}" for a, b in zip(*np.nonzero(np.isinf(s)), strict=True)]
+    if infinite:
+        raise InputError(f"object scores hold ±inf at {'; '.join(infinite[:5])}; {_INF_FIX}")
     truth = np.zeros_like(s, dtype=bool)
     for k, sample in enumerate(samples):
         flags = (getattr(sample, "meta", None) or {}).get(key)

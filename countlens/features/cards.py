@@ -35,6 +35,7 @@ import torch
 import xarray as xr
 
 from countlens.errors import InputError
+from countlens.labels import feature_keys, feature_label
 from countlens.validate import require_count
 
 if TYPE_CHECKING:
@@ -55,19 +56,13 @@ def _check(vlm, transcoders, samples, features, top) -> list[tuple[int, int]]:
     require_count(top, "top")
     if top > len(samples):
         raise InputError(f"top={top} exceeds the {len(samples)} samples given: give top ≤ len(samples)")
-    if features is None or isinstance(features, (str, bytes)) or not len(features):
-        raise InputError("features: give (layer, feature) pairs, e.g. [(1, 17), (3, 200)]")
-    out = []
-    for item in features:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise InputError(f"features: each item is a (layer, feature) pair; got {item!r}")
-        layer, f = (int(v) for v in item)
+    out = list(feature_keys(features))  # pairs or "L1F17" labels: never a float rounded, never empty or twice
+    for layer, f in out:
         if layer not in transcoders.layers or not 0 <= f < transcoders.d_transcoder:
             raise InputError(
                 f"feature ({layer}, {f}) is not in the transcoder set (layers {list(transcoders.layers)}, "
                 f"features 0–{transcoders.d_transcoder - 1})"
             )
-        out.append((layer, f))
     return out
 
 
@@ -144,11 +139,11 @@ def feature_cards(
     top: int = 6,
     batch_size: int = 32,
 ) -> xr.Dataset:
-    """The cards (module docstring) of ``features`` ((layer, feature) pairs) over ``samples`` (scenes
-    with objects, e.g. `countlens.datasets.tasks.task_samples("count", 64, seed)`): per card the ``top``
-    scenes by maximum activation, their image-token activations and cells, each object's largest
-    activation, the direct effect on each count word's logit and the ablated change of the answer's
-    log-probability."""
+    """The cards (module docstring) of ``features`` ((layer, feature) pairs or labels such as
+    ``"L1F17"``, read by `countlens.labels.feature_keys`) over ``samples`` (scenes with objects, e.g.
+    `countlens.datasets.tasks.task_samples("count", 64, seed)`): per card the ``top`` scenes by maximum
+    activation, their image-token activations and cells, each object's largest activation, the direct
+    effect on each count word's logit and the ablated change of the answer's log-probability."""
     from countlens.circuits.positions import Objects
     from countlens.results import provenance
 
@@ -213,7 +208,7 @@ def feature_cards(
             "ablated": (("card",), ablated),
         },
         coords={
-            "card": [f"L{layer}F{f}" for layer, f in chosen],
+            "card": [feature_label(c) for c in chosen],
             "layer": ("card", [layer for layer, _ in chosen]),
             "feature": ("card", [f for _, f in chosen]),
             "count": [int(w) for w in COUNT_WORDS],

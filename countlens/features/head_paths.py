@@ -49,6 +49,7 @@ import torch
 import xarray as xr
 
 from countlens.errors import InputError
+from countlens.labels import head_keys
 from countlens.validate import require_count
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def head_shares(
 def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Collection[tuple[int, int]]) -> dict:
     """AUROC and precision@|C| of |share| (a `head_shares` Dataset — its ``share`` — or any (layer,
     head) DataArray, e.g. a mean over scenes) against the planted heads ``circuit_heads`` (a set of
-    (layer, head), `countlens.organisms.planted_circuit_of(name).heads`)."""
+    (layer, head), `countlens.organisms.planted_circuit_of(name).heads`, or labels such as "L0H2")."""
     from countlens.circuits.recovery import auroc, precision_at
 
     if isinstance(shares, xr.Dataset):
@@ -168,9 +169,7 @@ def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Coll
         shares = shares["share"]
     if not isinstance(shares, xr.DataArray):
         raise InputError(f"shares takes head_shares(...) or a (layer, head) DataArray, got {type(shares).__name__}")
-    circuit = {tuple(int(x) for x in c) for c in circuit_heads}
-    if not circuit:
-        raise InputError("circuit_heads is empty: name the planted (layer, head)s")
+    circuit = set(head_keys(circuit_heads, "circuit_heads"))  # pairs or labels; never empty
     return {"auroc": auroc(shares, circuit), "precision": precision_at(shares, circuit), "k": len(circuit)}
 
 

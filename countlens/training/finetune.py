@@ -91,7 +91,7 @@ def _lora_config(vlm: VLM, config: FinetuneConfig):
     layers = (
         config.target_layers if config.lora_target_layers_only and config.target_layers else range(vlm.arch.n_layers)
     )
-    if config.target_heads:  # only the layers of the heads; their other heads' slices are masked afterwards
+    if config.target_heads is not None:  # only the heads' layers; their other heads' slices are masked afterwards
         layers = sorted({layer for layer, _ in config.target_heads})
     # A full-match regex on module names: only the language model's attention projections (and a
     # hybrid model's linear-attention projections, on its linear layers).
@@ -215,7 +215,8 @@ def check_variant(vlm: VLM, samples: Sequence, config: FinetuneConfig) -> None:
             vlm.arch.require_softmax(layer, "the focus / MAS losses at target layer")
         else:
             vlm.arch.layer(layer)
-    check_heads(vlm, config.target_heads)
+    if config.target_heads is not None:
+        check_heads(vlm, config.target_heads)
     if config.ce_on == "digits":
         check_digit_answers(vlm, samples)
 
@@ -286,7 +287,7 @@ def finetune(
     else:
         trained, original = None, {}
         model = get_peft_model(vlm.hf, _lora_config(vlm, config))
-        if config.target_heads:
+        if config.target_heads is not None:
             restrict_to_heads(vlm, model, config.target_heads)
     try:
         return _train(vlm, model, accelerator, samples, out, config, progress, trained)

@@ -113,7 +113,10 @@ def check_heads(vlm: VLM, heads: Sequence[tuple[int, int]]) -> None:
 def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) -> tuple[tuple[int, int], ...]:
     """The ``k`` most important heads of ``circuit``: a head table (a `countlens discover` run directory or
     its ``heads.csv`` DataFrame; only heads of ``classes`` when given; self-attention layers only), or an
-    importance DataArray over (layer, head) such as ``patch_heads(...).effect`` (by |value|)."""
+    importance DataArray over (layer, head) such as ``patch_heads(...).effect`` (by |value|). NaN is
+    no head (or an unmeasured one) and left out; ±inf is refused, and so is a ranking with no finite
+    value: it selects no head, and an empty selection would not be "every head"."""
+    import numpy as np
     import pandas as pd
     import xarray as xr
 
@@ -128,6 +131,9 @@ def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) ->
                 "an importance DataArray must have dims (layer, head) and carries no classes; give a head table "
                 f"to choose by class (got dims {circuit.dims})"
             )
+        flat = circuit.transpose("layer", "head")
+        cells = [(int(a), int(b)) for a in flat["layer"].values for b in flat["head"].values]
+        _require_ranked(cells, flat.values.astype(float).reshape(-1), "the importance DataArray")
         return tuple((layer, head) for layer, head, _ in top_sites(circuit, k, absolute=True))
     table = read_heads(circuit) if isinstance(circuit, (str, Path)) else circuit
     if not isinstance(table, pd.DataFrame) or not {"layer", "head", "class", "importance"} <= set(table.columns):
@@ -145,5 +151,34 @@ def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) ->
         if unknown:
             raise ConfigError(f"no head of class {unknown} in the table; its classes are {known}")
         table = table[table["class"].isin(list(classes))]
+    try:
+        importance = table["importance"].to_numpy(dtype=float)
+    except (TypeError, ValueError):
+        raise ConfigError("the head table's importance column holds non-numbers; give numbers per head") from None
+    cells = [(int(r.layer), int(r.head)) for r in table.itertuples()]
+    _require_ranked(
+        cells, importance, "the head table's importance" + (f" of classes {list(classes)}" if classes else "")
+    )
+    table = table[np.isfinite(importance)]
     top = table.sort_values("importance", ascending=False, kind="stable").head(k)
     return tuple((int(r.layer), int(r.head)) for r in top.itertuples())
+
+
+def _require_ranked(cells: list[tuple[int, int]], values, what: str) -> None:
+    """A `ConfigError` where ``values`` (one per head of ``cells``) hold ±inf, or no finite value."""
+    import numpy as np
+
+    from countlens.labels import head_label
+
+    infinite = [head_label(c) for c, v in zip(cells, values, strict=True) if np.isinf(v)]
+    if infinite:
+        raise ConfigError(
+            f"{what} holds ±inf at {', '.join(infinite[:5])}{' …' if len(infinite) > 5 else ''}: an inf ranks "
+            "first whatever it means; rank with finite importances (NaN where a head is not measured)"
+        )
+    if not np.isfinite(values).any():
+        nan = ", all NaN" if len(values) else ""
+        raise ConfigError(
+            f"{what} has no finite value ({len(values)} heads{nan}): it ranks no head; give a measured ranking "
+            "(e.g. patch_heads(...).effect), or leave target_heads None to train every head"
+        )

@@ -299,7 +299,7 @@ def test_head_level_config_and_top_heads_are_checked():
     with pytest.raises(ConfigError, match="use method='lora'"):
         FinetuneConfig(target_heads=((0, 1),), method="full")
     with pytest.raises(ConfigError, match="\\(layer, head\\) pairs"):
-        FinetuneConfig(target_heads=("L0H1",))
+        FinetuneConfig(target_heads=("L0X1",))  # labels are taken ("L0H1"); a misspelt one is not
     table = pd.DataFrame(
         {"layer": [0, 1, 2], "head": [1, 0, 3], "importance": [0.2, 0.9, 0.5], "class": ["a", "b", "a"]}
     )
