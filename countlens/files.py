@@ -7,20 +7,28 @@ new one. The temp's name records its writer (`writer_id`: host and process), so 
 opened by one rank removes only the temps of writers that died
 (`countlens.sweep_store.writer_alive`). `read_json` and `refuse_older_spec` read a run's own state
 back and say what to delete or rerun when it cannot be used.
+
+Outputs follow one order: every argument is checked, then the folder is claimed (`claim_directory`), then
+written; an output that is one of the inputs is refused (`refuse_output_over_input`), and a rerun of other
+settings is told which ones differ (`settings_changes`). A file library's failure that the machine caused
+(netCDF's "NetCDF: HDF error" on a full disk) becomes the `OSError` behind it (`machine_error`), so it is
+reported as the disk's fault, with the file's name, and not as a bug.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import secrets
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from countlens.errors import RunDirError
+from countlens.errors import InputError, RunDirError
 
 #: The suffix of every temp file `atomic_path` writes (its name also starts with a dot).
 TMP_SUFFIX = ".tmp"
@@ -105,8 +113,6 @@ def directory_lock(out: Path, name: str, what: str, elsewhere: str) -> Iterator[
     blocks nothing and a killed run resumes; the file is removed on release. ``elsewhere``: the fix."""
     import fcntl
 
-    from countlens.errors import InputError
-
     lock = out / name
     while True:
         f = lock.open("a+")
@@ -150,10 +156,18 @@ def claim_directory(out: Path, command: str, spec: dict) -> None:
         raise RunDirError(f"{out} is a file; give a directory for `{command}`")
     if marker.exists():
         saved = read_json(marker, f"delete {out} or choose another directory")
-        if saved != json.loads(json.dumps(mine)):
+        if not isinstance(saved, dict) or saved.get("command") != command:
+            other = saved.get("command") if isinstance(saved, dict) else None
             raise RunDirError(
-                f"{out} holds the output of `{saved.get('command')}` with other settings ({marker}); choose "
-                f"another directory, or delete {out} to write it again"
+                f"{out} holds the output of `{other}`, not of `{command}` ({marker}); choose another directory"
+            )
+        spec = json.loads(json.dumps(spec))
+        if saved.get("spec") != spec:
+            changes = settings_changes(saved.get("spec"), spec)
+            raise RunDirError(
+                f"{out} holds the output of `{command}` with other settings: {changes} (old → new; {marker}); "
+                f"rerun with the old settings to redo it, choose another directory, or delete {out} to write it "
+                "with the new ones"
             )
         return
     if out.exists() and any(out.iterdir()):
@@ -164,3 +178,107 @@ def claim_directory(out: Path, command: str, spec: dict) -> None:
         )
     out.mkdir(parents=True, exist_ok=True)
     write_text(marker, json.dumps(mine, indent=1))
+
+
+def settings_changes(old, new, limit: int = 6) -> str:
+    """The settings that differ between a saved spec ``old`` and a rerun's ``new``, as ``steps 400 → 5,
+    seed 0 → 1`` (nested ones dotted: ``train.steps``; one a spec lacks as ``(none)``), at most ``limit``
+    of them and how many more: what a refusal of "other settings" names."""
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    missing = object()
+    changed = [
+        key for key in sorted({*flat_old, *flat_new}) if flat_old.get(key, missing) != flat_new.get(key, missing)
+    ]
+    if not changed:
+        return "(none that differ)"
+
+    def shown(value) -> str:
+        text = "(none)" if value is missing else json.dumps(value)
+        return text if len(text) <= 60 else text[:57] + "…"
+
+    words = [f"{key} {shown(flat_old.get(key, missing))} → {shown(flat_new.get(key, missing))}" for key in changed]
+    more = len(words) - limit
+    return ", ".join(words[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def _flatten(spec, prefix: str = "") -> dict:
+    if not isinstance(spec, dict):
+        return {prefix or "spec": spec}
+    flat: dict = {}
+    for key, value in spec.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        flat.update(_flatten(value, name) if isinstance(value, dict) and value else {name: value})
+    return flat
+
+
+def refuse_output_over_input(output, inputs: dict, what: str = "output") -> Path:
+    """``output`` as a `Path`, or an `InputError` when it is one of ``inputs`` ({name: path}; None
+    skipped): both resolved (links, ``..``, relative paths), so writing ``output`` would destroy an
+    input before, or while, it is read. ``what``: the output's name in the message (``--out``)."""
+    out = Path(output)
+    for name, given in inputs.items():
+        if given is None or not isinstance(given, (str, os.PathLike)):
+            continue
+        source = Path(given)
+        same = out.resolve() == source.resolve()
+        if not same and out.exists() and source.exists():
+            same = os.path.samefile(out, source)  # a hard link, or another mount of the same file
+        if same:
+            raise InputError(
+                f"{what} {output} is {name} {given}: writing it would overwrite its own input; give another "
+                f"path for the {what}"
+            )
+    return out
+
+
+#: errno values whose OS message a file library may carry in its own error's text.
+_MACHINE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+#: Free bytes below which a library's write failure is taken for a full disk.
+FULL_DISK_MARGIN = 16 * 2**20
+
+
+def machine_error(err: BaseException, path: Path, needed: int = 0) -> OSError | None:
+    """The `OSError` behind a file library's failure to write ``path``, with ``path`` as its file name, or
+    None when it is not the machine's doing. netCDF4 reports a full disk as ``RuntimeError("NetCDF:
+    HDF error")`` with no errno, and h5py as an `OSError` whose errno is None: the errno is read from
+    the text where it is there (HDF5's ``errno = 28``, the OS's own words), else from the machine — the
+    disk of ``path`` has less than ``needed`` bytes (plus `FULL_DISK_MARGIN`) free, or its folder cannot
+    be written."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return None  # the OS's own error: it names its cause already
+    if not isinstance(err, (RuntimeError, OSError)):
+        return None
+    text = str(err)
+    code = None
+    found = re.search(r"errno\s*=\s*(\d+)", text)
+    if found and int(found.group(1)) in _MACHINE_ERRNOS:
+        code = int(found.group(1))
+    for candidate in _MACHINE_ERRNOS:
+        if code is None and os.strerror(candidate).lower() in text.lower():
+            code = candidate
+    if code is None and ("NetCDF" in text or "HDF" in text):
+        folder = Path(path).parent
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        if free is not None and free < needed + FULL_DISK_MARGIN:
+            code = errno.ENOSPC
+        elif not os.access(folder, os.W_OK | os.X_OK):
+            code = errno.EACCES
+    if code is None:
+        return None
+    return OSError(code, f"{os.strerror(code)} (the file library said: {' '.join(text.split())[:200]})", str(path))
+
+
+@contextmanager
+def machine_errors(path: Path, needed: int = 0) -> Iterator[None]:
+    """Around a file library's write of ``path``: its failures that the machine caused (`machine_error`)
+    are raised as that `OSError`, naming ``path``; anything else passes unchanged."""
+    try:
+        yield
+    except (RuntimeError, OSError) as err:
+        translated = machine_error(err, path, needed)
+        if translated is None:
+            raise
+        raise translated from err
