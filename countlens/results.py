@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from numbers import Integral, Real
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 import xarray as xr
 
 from countlens.errors import CountlensError
-from countlens.files import atomic_path
+from countlens.files import atomic_path, machine_errors
 
 __all__ = [
     "ResultError",
@@ -175,16 +176,18 @@ def save(obj: xr.DataArray | xr.Dataset, path: str | os.PathLike) -> Path:
     _check_attrs(dataset)
     _prepare_parent(path)
     with atomic_path(path) as tmp:
-        _write_netcdf(dataset, tmp)
+        _write(dataset, tmp, path)
     return path
 
 
 def save_all(results: Mapping[str, xr.DataArray | xr.Dataset], directory: str | os.PathLike) -> dict[str, Path]:
-    """Save several results at once, ``directory/<name>.nc`` each (every one written atomically); all
-    are checked before the first is written, so a bad one leaves nothing half-saved. ``load_all`` reads
-    them back."""
+    """Save several results at once, ``directory/<name>.nc`` each; all or nothing. All are checked
+    first, then each is written to a temp file beside its name, and only when every one is written are
+    they renamed into place: a bad one, or a full disk, leaves ``directory`` as it was (a folder it
+    created included). ``load_all`` reads them back."""
     if not isinstance(results, Mapping) or not results:
         raise ResultError("save_all takes a non-empty mapping {name: result}, e.g. {'vap': vap, 'heads': heads}")
+    directory = Path(directory)
     datasets = {}
     for name, obj in results.items():
         if not isinstance(name, str) or not name or name.startswith(".") or set(name) & set("/\\"):
@@ -193,7 +196,33 @@ def save_all(results: Mapping[str, xr.DataArray | xr.Dataset], directory: str | 
             raise ResultError(f"result {name!r} is a {type(obj).__name__}, not an xarray DataArray or Dataset")
         datasets[name] = _to_dataset(obj)
         _check_attrs(datasets[name])
-    return {name: save(obj, Path(directory) / f"{name}.nc") for name, obj in results.items()}
+        if (directory / f"{name}.nc").is_dir():
+            raise ResultError(f"cannot save {name!r} to {directory / f'{name}.nc'}: it is a directory; remove it")
+    made = _missing_folders(directory)
+    paths = {name: directory / f"{name}.nc" for name in datasets}
+    try:
+        _prepare_parent(directory / "result.nc")
+        with ExitStack() as stack:  # every temp renamed over its name on success, all removed on failure
+            temps = {name: stack.enter_context(atomic_path(path)) for name, path in paths.items()}
+            for name, dataset in datasets.items():
+                _write(dataset, temps[name], paths[name])
+    except BaseException:
+        for folder in made:  # the folders this call created, deepest first, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    return paths
+
+
+def _missing_folders(directory: Path) -> list[Path]:
+    """``directory`` and its parents that do not exist yet, deepest first (what `save_all` would create)."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    return missing
 
 
 def load_all(directory: str | os.PathLike) -> dict[str, xr.DataArray | xr.Dataset]:
@@ -308,5 +337,20 @@ def _prepare_parent(path: Path) -> None:
         raise ResultError(f"cannot save to {path}: {parent} is not writable; choose a path you can write to")
 
 
-def _write_netcdf(dataset: xr.Dataset, path: Path) -> None:
-    dataset.to_netcdf(path, engine=ENGINE)
+def _write(dataset: xr.Dataset, tmp: Path, path: Path) -> None:
+    """Write ``dataset`` to ``tmp``, the temp file of ``path``. The netCDF library reports a full disk as
+    ``RuntimeError("NetCDF: HDF error")``: it is raised as the `OSError` behind it, naming ``path``
+    (`countlens.files.machine_errors`), so the command line reports the disk, not a bug; values netCDF
+    cannot hold (mixed Python objects) are a `ResultError` naming ``path``."""
+    with machine_errors(path, dataset.nbytes):
+        try:
+            _write_netcdf(dataset, tmp)
+        except (ValueError, TypeError) as err:
+            raise ResultError(
+                f"cannot save to {path}: netCDF cannot hold its values ({err}); give its variables and coords "
+                "numbers, bools or strings (store anything richer as a JSON string)"
+            ) from None
+
+
+def _write_netcdf(dataset: xr.Dataset, tmp: Path) -> None:
+    dataset.to_netcdf(tmp, engine=ENGINE)

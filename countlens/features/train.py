@@ -30,7 +30,6 @@ function of ``seed`` (data, initialisation, batches): two runs agree bit for bit
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -215,7 +214,11 @@ def train_transcoders(
 
         if result.layers == tuple(range(vlm.arch.n_layers)):
             save_transcoders(result, Path(out) / "transcoders")
-        table.to_netcdf(Path(out) / "fidelity.nc")
+        from countlens.files import atomic_path, machine_errors
+
+        fidelity_file = Path(out) / "fidelity.nc"
+        with atomic_path(fidelity_file) as tmp, machine_errors(fidelity_file, table.nbytes):
+            table.to_netcdf(tmp)  # whole or not at all; a full disk reported as the disk's fault
     return Training(result, table)
 
 
@@ -225,11 +228,17 @@ def _resumed(path: Path, spec: dict) -> dict | None:
     try:
         state = torch.load(path, weights_only=True)
     except Exception as err:  # a truncated or foreign file
-        raise InputError(f"{path} is not a readable checkpoint ({err}); delete it or pass resume=False") from None
-    if state.get("spec") != spec:
         raise InputError(
-            f"{path} is the checkpoint of another training ({json.dumps(state.get('spec'))[:300]}); give another "
-            "out, the same arguments, or resume=False to start over"
+            f"{path} is not a readable checkpoint ({err}); delete it to start over (in Python: resume=False)"
+        ) from None
+    saved = state.get("spec") if isinstance(state, dict) else None
+    if saved != spec:
+        from countlens.files import settings_changes
+
+        raise InputError(
+            f"{path} is the checkpoint of another training, with other settings: {settings_changes(saved, spec)} "
+            f"(old → new); rerun with the old settings to resume it, give another out folder (--out), or delete "
+            f"{path} to start over with the new ones (in Python: resume=False)"
         )
     return state
 
