@@ -87,8 +87,42 @@ def _known(err: Exception) -> str | None:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
         return f"out of memory ({first}); lower --batch-size, or see what fits with `countlens plan` first"
     if isinstance(err, OSError) and err.errno is not None:
-        where = f": {err.filename}" if err.filename else ""
-        return f"{err.strerror or err}{where}; free space or fix the permissions there, then rerun the command"
+        return _os_error(err)
+    return None
+
+
+def _os_error(err: OSError) -> str:
+    """An `OSError`'s one line, with the fix for its cause: a full disk, a missing permission, a path
+    whose parent is a file, ... (the file library's own failures arrive here as `OSError` too:
+    `countlens.files.machine_error`)."""
+    import errno
+
+    name = err.filename
+    where = f": {name}" if name else ""
+    said = f"{err.strerror or err}{where}"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{said}; the disk (or your quota) is full: free space there, or write elsewhere, then rerun the command"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{said}; fix the permissions there, or write elsewhere, then rerun the command"
+    if err.errno in (errno.ENOTDIR, errno.EEXIST) and name:
+        blocker = _file_in_the_way(name)
+        if blocker is not None:
+            return f"{said}; {blocker} is a file, not a folder, so nothing can be made under it: give another path"
+    if err.errno == errno.EISDIR and name:
+        return f"{said}; it is a folder where a file was expected: give a file path"
+    if err.errno == errno.ENOENT and name:
+        return f"{said}; it does not exist (moved or deleted meanwhile?): check the path, then rerun the command"
+    return f"{said}; the operating system refused it there: fix that, then rerun the command"
+
+
+def _file_in_the_way(name) -> str | None:
+    """The first part of path ``name`` that exists and is not a folder (None when there is none)."""
+    from pathlib import Path
+
+    path = Path(str(name))
+    for part in reversed([path, *path.parents]):
+        if part.exists() and not part.is_dir():
+            return str(part)
     return None
 
 

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from countlens.cli.options import Device, Dtype, Model, check_positive
+from countlens.cli.paths import check_out
 from countlens.errors import ConfigError
 
 
@@ -45,8 +46,7 @@ def features_train(
     check_positive(width=width, k=k, steps=steps, n_eval=n_eval)
     if k > width:
         raise ConfigError(f"--k {k} exceeds --width {width}: give k ≤ width")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: give a directory")
+    check_out(out)  # a file, a path under a file, a folder not writable: before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device)
     run = train_transcoders(vlm, width=width, k=k, steps=steps, seed=seed, out=out, progress=True)
     typer.echo(run.fidelity[["fvu", "l0", "dead"]].to_dataframe().round(4).to_string())
@@ -113,8 +113,10 @@ def features_graph(
         raise ConfigError(f"--count {count} is outside the counting scenes' range: give 0 … {MAX_COUNT}")
     if seed < 0:
         raise ConfigError(f"--seed must be ≥ 0, got {seed}")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: give a directory")
+    check_out(out)
+    from countlens.files import refuse_output_over_input
+
+    refuse_output_over_input(out, {"--transcoders": transcoders}, "--out")  # its files would join the set's
     import countlens
     from countlens.features import load_transcoders
 
@@ -208,6 +210,14 @@ def features_plan(
 
     check_positive(image_size=image_size, k=k, width=width, max_features=max_features, n_logits=n_logits)
     check_positive(batch_rows=batch_rows)
+    from countlens.pipeline.graph_cost import min_scene_side
+
+    if image_size is not None and image_size < min_scene_side():
+        side = min_scene_side()
+        raise ConfigError(
+            f"--image-size {image_size} px: the counting scene the graph is built on needs ≥ {side} px (smaller, "
+            f"its objects shrink below the pixels that draw them); give --image-size ≥ {side}"
+        )
     if k > width:
         raise ConfigError(f"--k {k} exceeds --width {width}: give k ≤ width")
     for name, value in (("--memory", memory), ("--host-memory", host_memory)):

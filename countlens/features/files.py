@@ -147,8 +147,15 @@ def _read_config(folder: Path) -> dict:
         )
     try:
         config = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise InputError(f"{file} is not readable YAML ({type(err).__name__}): a folder in another format") from None
+    except UnicodeDecodeError as err:
+        raise InputError(f"{file} is not text ({err}): restore it from the transcoder set it came from") from None
+    except yaml.YAMLError as err:  # an edited or truncated config.yaml: say where it breaks
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        what = getattr(err, "problem", None) or type(err).__name__
+        raise InputError(
+            f"{file} is broken YAML at {where} ({what}): fix that line, or restore the file from the set it came from"
+        ) from None
     if not isinstance(config, dict) or config.get("model_kind") != "transcoder_set":
         kind = config.get("model_kind") if isinstance(config, dict) else type(config).__name__
         raise InputError(

@@ -30,12 +30,14 @@ puts them together for one model.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from countlens.analysis.evaluate import candidate_sets
 from countlens.answers import read_rows
 from countlens.circuits.pair_batch import prepare_pairs
+from countlens.errors import ConfigError, CountlensError
 from countlens.memory import MAX_ROWS, Widths, logit_bytes, replica_copy_bytes, rows_per_forward, widths
 from countlens.pipeline.config import resolved_prompt
 from countlens.pipeline.inputs import stage_inputs
@@ -168,16 +170,31 @@ class Planner:
         self._made: dict[str, object] = {}
         self._seqs: dict[tuple, tuple[list, int]] = {}
         self.bs = config.batch_size
-        first = self.samples("pairs")[0].clean
-        self.patches = vlm.prepare([first.image], [first.question]).patches(self.w.merge)
-        pairs = self.samples("pairs")
-        self.pair_seq = int(prepare_pairs(vlm, pairs[: self.bs]).clean.inputs["input_ids"].shape[1])
+        with self._drawn("pairs"):
+            first = self.samples("pairs")[0].clean
+            self.patches = vlm.prepare([first.image], [first.question]).patches(self.w.merge)
+            pairs = self.samples("pairs")
+            self.pair_seq = int(prepare_pairs(vlm, pairs[: self.bs]).clean.inputs["input_ids"].shape[1])
 
     def samples(self, name: str):
         """A stage's samples (`countlens.pipeline.discover.stage_inputs`), made once: several stages share them."""
         if name not in self._made:
-            self._made[name] = self._make[name]()
+            with self._drawn(name):
+                self._made[name] = self._make[name]()
         return self._made[name]
+
+    @contextmanager
+    def _drawn(self, name: str):
+        """Around making (and drawing) the ``name`` inputs: a refusal says at which image size, the
+        plan's own choice (scenes too small for their objects, a case's grid too small for its count)."""
+        try:
+            yield
+        except CountlensError as err:
+            side = self.vlm.geometry.image_height
+            raise ConfigError(
+                f"the {name} inputs cannot be made at {side} px images ({err}); where the image size is the "
+                "cause, plan at a larger --image-size (image_size of meta_vlm)"
+            ) from None
 
     def seq(self, samples, forced: bool = False) -> int:
         """The padded length of the first batch of ``samples``; prepared once per chunk (stages and the

@@ -196,6 +196,15 @@ def graph_cost(
     }
 
 
+def min_scene_side() -> int:
+    """The smallest image side (px) a graph's counting scene can be seen at: its objects scale with the
+    image (`countlens.datasets.tasks.object_sizes`) and must keep `MIN_OBJECT_SIZE` px (32 px), so a
+    plan at a smaller ``--image-size`` is of a graph that cannot be built."""
+    from countlens.datasets.tasks import MIN_OBJECT_SIZE, object_sizes
+
+    return math.ceil(MIN_OBJECT_SIZE / object_sizes(1)[0])
+
+
 def prompt_length(vlm: VLM, count: int = 3, seed: int = 0) -> tuple[int, int]:
     """(tokens, vision patches) of the counting scene ``countlens features graph`` draws
     (`countlens.datasets.tasks.count_task_sample`), prepared by ``vlm``'s own processor — a meta model's
