@@ -67,11 +67,12 @@ def graph_page(graph_or_json, path, title: str | None = None, cards=None) -> Pat
     `feature_cards` Dataset shown on the panel of the features it covers.
 
     Every argument is checked before anything is written; the file is written whole or not at all."""
-    from countlens.files import write_text
+    from countlens.files import refuse_output_over_input, write_text
 
     if title is not None and (not isinstance(title, str) or not title.strip()):
         raise InputError(f"title must be a non-empty string (or None for the graph's slug), got {title!r}")
     target = _check_path(path)
+    refuse_output_over_input(target, {"the graph's JSON file": graph_or_json}, "the page's path")
     data = _viewer_json(graph_or_json, title)
     card_data = _cards(cards)
     page = _html(_page_data(data, card_data), title or data["metadata"].get("slug") or "Attribution graph")

@@ -34,7 +34,7 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
 from countlens.files import claim_directory, directory_lock
-from countlens.toy.planted import PlantedCircuit, Sharpening, check_sharpening
+from countlens.toy.planted import PlantedCircuit, Sharpening, check_circuit, check_sharpening
 from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
@@ -281,12 +281,28 @@ def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig | None = None, pro
     weights and the checks); ``pc`` defaults to the recipe with the circuit's own steps. Returns
     planted.json's content."""
     pc = PlantConfig(steps=circuit.steps) if pc is None else pc
+    check_plant(circuit, pc)  # every argument before the folder is claimed
     out = Path(out)
     # Only an empty folder, or this command's own earlier output of the same circuit and recipe, is written:
     # never another checkpoint (its shard index would point at deleted shards) or a finished run of others.
     claim_directory(out, "countlens toy plant", {"circuit": circuit.name, "recipe": asdict(pc)})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
         return _plant(out, circuit, pc, progress)
+
+
+def check_plant(circuit: PlantedCircuit, pc: PlantConfig) -> None:
+    """Refuse what `plant` would refuse only once training began: a ``pc`` that is no `PlantConfig`, a
+    circuit whose nodes do not fit the shipped organism, a second stage whose recipe is out of range."""
+    if not isinstance(pc, PlantConfig):
+        raise ConfigError(f"pc must be a PlantConfig (countlens.toy.plant), got {type(pc).__name__}")
+    if not isinstance(circuit, PlantedCircuit):
+        raise ConfigError(
+            f"circuit must be a PlantedCircuit (countlens.toy.planted.CIRCUITS), got {type(circuit).__name__}"
+        )
+    cfg = ToyConfig()
+    check_circuit(circuit, cfg.text_layers, cfg.heads)  # the organism planting starts from
+    if circuit.sharpen is not None:
+        sharpening_config(circuit.sharpen, pc)  # its PlantConfig checks the stage's ranges
 
 
 def save_organism(model, out: Path, rows: list[dict]):

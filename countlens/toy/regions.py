@@ -181,12 +181,13 @@ def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) ->
     ``planted.json`` with the recipe and `verify_regions`'s figures on the saved weights); returns the
     record. The object-level figures are added by ``countlens toy plant`` (they need countlens's
     object effects, above this package)."""
+    recipe = {**REGION_RECIPE, "steps": steps, "seed": seed}
+    PlantConfig(seed=seed, steps=steps, lr=recipe["lr"])  # its ranges checked before the folder is claimed
     from transformers import Qwen2VLForConditionalGeneration
 
     from countlens.files import claim_directory, directory_lock
     from countlens.organisms import TOY_DIR
 
-    recipe = {**REGION_RECIPE, "steps": steps, "seed": seed}
     out = Path(out)
     claim_directory(out, "countlens toy plant", {"circuit": "top-half", "recipe": recipe})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):

@@ -42,7 +42,7 @@ import torch
 from countlens.analysis.heads import read_heads
 from countlens.arguments import require_vlm
 from countlens.errors import ConfigError, InputError, RunDirError
-from countlens.files import read_json, refuse_older_spec, write_text
+from countlens.files import read_json, refuse_older_spec, settings_changes, write_text
 from countlens.settings import FinetuneConfig
 from countlens.training.collate import digit_mask
 from countlens.training.head_lora import check_heads, restrict_to_heads
@@ -256,11 +256,10 @@ def finetune(
         refuse_older_spec(saved, spec, spec_file, "fine-tune into a new directory")
         if saved != spec:
             raise RunDirError(
-                f"{out} holds a fine-tune with other settings ({spec_file}); use a new directory, the same "
-                f"settings to resume it, or delete {out} to train it again"
+                f"{out} holds a fine-tune with other settings: {settings_changes(saved, spec)} (old → new; "
+                f"{spec_file}); use a new directory, the old settings to resume it, or delete {out} to train it "
+                "again with the new ones"
             )
-    out.mkdir(parents=True, exist_ok=True)
-    write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
 
     torch.manual_seed(config.seed)
     accelerator = Accelerator(
@@ -275,6 +274,8 @@ def finetune(
             f"batch_size {config.batch_size} is the global batch, split between "
             f"{accelerator.num_processes} processes: give a multiple of {accelerator.num_processes}"
         )
+    out.mkdir(parents=True, exist_ok=True)  # every argument checked: now the folder is claimed
+    write_text(spec_file, json.dumps(spec, indent=1))  # atomic: every rank writes the same spec
     frozen = {n: p.requires_grad for n, p in vlm.hf.named_parameters()}
     own = {k: vlm.hf.__dict__.get(k) for k in ("forward", "_original_forward")}  # instance attributes before
     if config.method == "full":
