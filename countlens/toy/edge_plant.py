@@ -42,6 +42,7 @@ from countlens.errors import InputError
 from countlens.toy.edge_forward import EdgeForward, prepare
 from countlens.toy.plant import (
     PlantConfig,
+    check_plant,
     decoder_optimizer,
     invariance,
     optimizer_step,
@@ -168,6 +169,7 @@ def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, 
     from countlens.organisms import ORGANISMS
 
     pc = PlantConfig(steps=circuit.steps) if pc is None else pc
+    check_plant(circuit, pc)  # every argument before the folder is claimed
     out = Path(out)
     claim_directory(out, "countlens toy plant", {"circuit": circuit.name, "recipe": asdict(pc)})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):

@@ -34,7 +34,7 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
 from countlens.files import claim_directory, directory_lock
-from countlens.toy.planted import PlantedCircuit, Sharpening, check_circuit, check_sharpening
+from countlens.toy.planted import EdgeCircuit, PlantedCircuit, Sharpening, check_circuit, check_sharpening
 from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
@@ -290,17 +290,20 @@ def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig | None = None, pro
         return _plant(out, circuit, pc, progress)
 
 
-def check_plant(circuit: PlantedCircuit, pc: PlantConfig) -> None:
-    """Refuse what `plant` would refuse only once training began: a ``pc`` that is no `PlantConfig`, a
-    circuit whose nodes do not fit the shipped organism, a second stage whose recipe is out of range."""
+def check_plant(circuit: PlantedCircuit | EdgeCircuit, pc: PlantConfig) -> None:
+    """Refuse what `plant` (or `countlens.toy.edge_plant.plant_edges`) would refuse only once training
+    began: a ``pc`` that is no `PlantConfig`, a circuit whose nodes do not fit the shipped organism, a
+    second stage whose recipe is out of range."""
     if not isinstance(pc, PlantConfig):
         raise ConfigError(f"pc must be a PlantConfig (countlens.toy.plant), got {type(pc).__name__}")
-    if not isinstance(circuit, PlantedCircuit):
+    if not isinstance(circuit, (PlantedCircuit, EdgeCircuit)):
         raise ConfigError(
-            f"circuit must be a PlantedCircuit (countlens.toy.planted.CIRCUITS), got {type(circuit).__name__}"
+            "circuit must be a PlantedCircuit or an EdgeCircuit (countlens.toy.planted.CIRCUITS, EDGE_CIRCUITS), "
+            f"got {type(circuit).__name__}"
         )
     cfg = ToyConfig()
-    check_circuit(circuit, cfg.text_layers, cfg.heads)  # the organism planting starts from
+    nodes = circuit.node_circuit if isinstance(circuit, EdgeCircuit) else circuit
+    check_circuit(nodes, cfg.text_layers, cfg.heads)  # the organism planting starts from
     if circuit.sharpen is not None:
         sharpening_config(circuit.sharpen, pc)  # its PlantConfig checks the stage's ranges
 

@@ -57,14 +57,18 @@ def test_toy_plant_top_half_refuses_bad_steps_before_it_claims_the_folder(tmp_pa
 
 def test_plant_refuses_a_bad_second_stage_before_it_claims_the_folder(tmp_path):
     """A sharpening stage out of range was refused only after the first stage had trained."""
+    from countlens.toy.edge_plant import plant_edges
     from countlens.toy.plant import PlantConfig, plant
-    from countlens.toy.planted import CIRCUITS
+    from countlens.toy.planted import CIRCUITS, EDGE_CIRCUITS
 
     circuit = next(c for c in CIRCUITS.values() if c.sharpen is not None)
     bad = replace(circuit, sharpen=replace(circuit.sharpen, steps=0))
     with pytest.raises(ConfigError, match="steps"):
         plant(tmp_path / "p", bad, PlantConfig(steps=1))
-    assert not (tmp_path / "p").exists()
+    edges = EDGE_CIRCUITS["value-route"]
+    with pytest.raises(ConfigError, match="steps"):
+        plant_edges(tmp_path / "e", replace(edges, sharpen=replace(edges.sharpen, steps=0)), PlantConfig(steps=1))
+    assert sorted(tmp_path.iterdir()) == []
 
 
 # -- all or nothing ---------------------------------------------------------------------------------
