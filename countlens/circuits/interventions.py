@@ -7,7 +7,9 @@ has at each chosen position (Float[Tensor, "k d"], d the site's width):
 
 - `Patch` — the value a donor run has there: in `countlens.circuits.effect` the pair's corrupt
   run; under `countlens.circuits.intervene` the ``values`` given (Float[Tensor, "batch seq d"], from
-  `countlens.circuits.record`).
+  `countlens.circuits.record`, which marks each row with its sample; ``into=`` names the samples the
+  rows are written into). Each forward's row takes its own sample's row, whatever the batching and
+  order (`countlens.circuits.positions.row_index`).
 - `Resample` — the value a donor sample has there: row b of a batch takes donor ``order[b]`` of
   ``donors`` (samples, recorded once; ``order`` a seeded permutation).
 - `Mean` — the mean of x over a reference set: ``reference`` samples (the mean at the same positions
@@ -15,7 +17,7 @@ has at each chosen position (Float[Tensor, "k d"], d the site's width):
 - `Zero` — 0.
 - `Add` — x + α·v (steering; `countlens.circuits.mean_difference` gives v).
 - `Scale` — β·x (on `Q`, head temperature: β scales the head's attention logits).
-- `Apply` — fn(x), any function of Float[Tensor, "k d"] to the same shape.
+- `Apply` — fn(x), any function of Float[Tensor, "k d"] to the same shape, finite where x is.
 
 A list of interventions applies together, in the forward's order. Patch and Resample write a
 donor's values, so they never act on tokens generated after the prompt (no donor has them); the
@@ -33,8 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from countlens.circuits.positions import Objects, as_positions
-from countlens.circuits.sites import Expert, HeadZ, ImageStates, Site, checked_heads
+from countlens.circuits.positions import AS_POSITIONS, Frame, Objects, as_positions, row_index, sample_keys, samples_of
+from countlens.circuits.sites import Site, check_site
 from countlens.errors import InputError
 from countlens.validate import require_seed
 
@@ -66,22 +68,9 @@ class Intervention:
         object.__setattr__(self, "positions", as_positions(self.positions))
 
     def check(self, vlm: VLM) -> None:
-        """Refuse, before any forward, a site this model lacks, positions it cannot have, a value of
-        the wrong width."""
-        site = self.site
-        if isinstance(site, HeadZ):
-            checked_heads(vlm.arch, [(site.layer, site.head)])
-        elif isinstance(site, Expert):
-            vlm.arch.experts(site.layer)  # a LayerError naming the MoE layers
-            if not 0 <= site.expert < vlm.arch.n_experts:
-                raise InputError(
-                    f"expert {site.expert} out of range: {vlm.arch.name} has experts 0..{vlm.arch.n_experts - 1}"
-                )
-        elif isinstance(site, ImageStates):
-            if vlm.arch.spec.cross_attention is None:
-                raise InputError(f"{vlm.arch.name} has no image states: its image enters as image tokens (Residual -1)")
-        else:
-            site.location(vlm)  # raises a LayerError / InputError naming what the family lacks
+        """Refuse, before any forward, a site this model lacks (`countlens.circuits.sites.check_site`),
+        positions it cannot have, a value of the wrong width."""
+        check_site(vlm, self.site)  # the site's own check: every entry point runs this one
         self.positions.check(vlm)
         self.check_values(vlm)
 
@@ -95,7 +84,7 @@ class Intervention:
             return
         side = "corrupt" if self.positions.of == "donor" else "clean"
         for k, p in enumerate(pairs):
-            self.positions.scene_of(getattr(p, side), f"pair {k}'s {side} sample")
+            self.positions.scene_of(getattr(p, side), f"pair {k}'s {side} sample", AS_POSITIONS)
 
     def resolved(self, vlm: VLM) -> Intervention:
         """This intervention with anything that needs a forward (a reference mean, donors) computed."""
@@ -117,16 +106,42 @@ class Intervention:
 @dataclass(frozen=True, eq=False)
 class Patch(Intervention):
     """Write a donor run's values: the pair's corrupt run in `effect`; ``values`` (batch, seq, d) under
-    `intervene`."""
+    `intervene`. Values know their rows' samples (`record` marks them; ``into`` says them: row i of
+    ``values`` is written into sample ``into[i]``), and each forward's row takes its own sample's row,
+    at any batch size and order; a forward of a sample they lack is refused
+    (`countlens.circuits.positions.row_index`). Values without samples have exactly the forward's rows,
+    or one row for every row."""
 
     values: Tensor | None = field(default=None, repr=False)
+    into: Sequence | None = field(default=None, repr=False)
+    keys: tuple | None = field(default=None, init=False, repr=False)
     donor: ClassVar[bool] = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.into is not None and self.values is None:
+            raise InputError("Patch's into= names the samples of its values' rows; give values= too")
+        samples = samples_of(self.values) if self.into is None else self.into
+        if samples is not None:
+            from countlens.vlm import check_samples
+
+            check_samples(samples, "Patch into")
+            object.__setattr__(self, "keys", sample_keys(samples))
 
     def check_values(self, vlm: VLM) -> None:
         if self.values is not None:
             self._width(vlm, self.values, "values")
             if self.values.ndim != 3:
                 raise InputError(f"Patch values are Float[Tensor, 'batch seq d'], got shape {tuple(self.values.shape)}")
+            if self.keys is not None and len(self.keys) != self.values.shape[0]:
+                raise InputError(
+                    f"Patch values of {self.values.shape[0]} rows, into {len(self.keys)} samples; give one sample "
+                    "per row"
+                )
+
+    def rows_for(self, frame: Frame) -> Tensor:
+        """Each of ``frame``'s rows' row of ``values``: by sample (`row_index`)."""
+        return row_index(frame, self.keys, self.values.shape[0], f"{self.site}'s Patch values")
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,6 +165,10 @@ class Resample(Intervention):
         recorded = record(vlm, vlm.prepare_samples(self.donors), [self.site])[self.site]
         order = np.random.default_rng(self.seed).permutation(len(self.donors))
         return replace(self, values=recorded[torch.from_numpy(order)])
+
+    def rows_for(self, frame: Frame) -> Tensor:
+        """Row b's donor: ``order[b mod n]`` (a random draw by design, not a sample's own row)."""
+        return torch.arange(frame.input_ids.shape[0]) % self.values.shape[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,14 +251,18 @@ class Apply(Intervention):
             raise InputError(f"Apply takes a function of Float[Tensor, 'k d'], got {type(self.fn).__name__}")
 
     def op(self):
-        fn = self.fn
+        fn, where = self.fn, f"Apply at {self.site} ({getattr(self.fn, '__name__', repr(self.fn))})"
 
         def apply(x: Tensor) -> Tensor:
             out = fn(x)
             if not isinstance(out, Tensor) or out.shape != x.shape:
                 got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
                 raise InputError(
-                    f"Apply's function returned {got} for values of shape {tuple(x.shape)}; keep the shape"
+                    f"{where}: the function returned {got} for values of shape {tuple(x.shape)}; keep the shape"
+                )
+            if out.is_floating_point() and bool((torch.isfinite(x) & ~torch.isfinite(out)).any()):
+                raise InputError(
+                    f"{where}: the function returned NaN or ±inf where its input was finite; return finite values"
                 )
             return out
 

@@ -16,6 +16,17 @@ forward, and the new tokens of generation:
   ``coverage=0`` every token it touches.
 - `Mask` — any Bool[Tensor, "batch seq"] over a prepared batch.
 
+**Rows know their samples.** A value made over a batch's rows (a `Mask`; a `Patch`'s recorded values,
+`countlens.circuits.interventions`) is written into a forward by sample, never by row number: each
+row's sample is identified by `sample_key` (a frozen sample by its value — scene, question, answer —
+else its image and question). `countlens.circuits.record` marks the tensors it returns with the
+samples of their rows (`with_samples`, read back by `samples_of`); a forward of batches prepared with
+`VLM.prepare_samples` (`score`, `generate`, `effect` do) knows its rows' samples (`Frame.row_keys`), so
+row r takes the value's row of the same sample, at any batch size and in any order (`row_index`). A
+forward with a sample the value lacks, or whose rows' samples are unknown, is refused. A value without
+samples must have exactly the forward's rows (or the rows of the batch that a stacked forward repeats),
+or one row, which every row shares.
+
 **New tokens** (generation after the prompt, fed one at a time after a KV cache) belong to ``last``
 and ``all`` — each new token is where the next answer token is read — and to no other set: they are
 not image tokens, not in any cell or object, and outside a mask, which covers the prompt only.
@@ -27,7 +38,8 @@ the tokens alone when no batch is known.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -69,10 +81,99 @@ class Frame(NamedTuple):
             )
         return self.batch
 
+    def row_keys(self) -> tuple | None:
+        """Each row's `sample_key` (k stacked copies of the batch: its keys k times), or None where the
+        rows' samples are unknown (no prepared batch, or one prepared without `VLM.prepare_samples`)."""
+        if self.batch is None or self.batch.samples is None:
+            return None
+        keys = sample_keys(self.batch.samples)
+        rows = self.input_ids.shape[0]
+        if rows % len(keys):
+            return None
+        return keys * (rows // len(keys))
+
     def stacked(self, per_row: Bool[Tensor, "batch seq"]) -> Bool[Tensor, "rows seq"]:
         """A mask over the batch's rows repeated over this forward's stacked rows."""
         k = self.input_ids.shape[0] // per_row.shape[0]
         return torch.cat([per_row] * k).to(self.input_ids.device)
+
+
+# ----------------------------------------------------------------------------- rows and their samples
+
+_SAMPLES = "countlens_samples"  # the attribute of a tensor that `with_samples` marks
+
+
+def sample_key(sample) -> Hashable:
+    """A stable identity of ``sample``: the sample itself where it hashes (countlens's samples are
+    frozen dataclasses, equal when their scene or image, question and answer are), else a digest of
+    its image with its question."""
+    try:
+        hash(sample)
+    except TypeError:
+        image = np.asarray(sample.image)
+        digest = hashlib.sha256(image.tobytes()).hexdigest()
+        return ("image", image.shape, digest, getattr(sample, "question", None))
+    return sample
+
+
+def sample_keys(samples: Sequence) -> tuple:
+    """`sample_key` of each of ``samples``."""
+    return tuple(sample_key(s) for s in samples)
+
+
+def with_samples(values: Tensor, samples: Sequence) -> Tensor:
+    """``values`` (its first axis: one row per sample) marked with the samples of its rows, so that a
+    forward writes each row into its own sample's row (`row_index`); returns ``values``. A new tensor
+    made from it (``.to(device)``, indexing, arithmetic) is unmarked: mark it again, or give the samples
+    where it is used (``Patch(..., into=samples)``)."""
+    if len(samples) != values.shape[0]:
+        raise InputError(f"{len(samples)} samples for values of {values.shape[0]} rows; give one sample per row")
+    setattr(values, _SAMPLES, tuple(samples))
+    return values
+
+
+def samples_of(values) -> tuple | None:
+    """The samples of ``values``' rows (`with_samples`: `countlens.circuits.record` marks what it
+    returns), or None."""
+    return getattr(values, _SAMPLES, None)
+
+
+def row_index(frame: Frame, keys: tuple | None, n: int, what: str) -> Tensor:
+    """For each row of ``frame``'s forward, the row of a value of ``n`` rows written there: by sample
+    where the value's rows have ``keys`` (`sample_key`s), else row for row (exactly the forward's rows,
+    or the batch's rows that a stacked forward repeats), or one row for all. ``what`` names the value in
+    the refusals."""
+    rows = frame.input_ids.shape[0]
+    if keys is not None:
+        here = frame.row_keys()
+        if here is None:
+            raise InputError(
+                f"{what} know the samples of their rows, but this forward's rows are no known samples: run "
+                "batches prepared with vlm.prepare_samples(samples) (score, generate and effect do)"
+            )
+        where: dict = {}
+        for i, key in enumerate(keys):
+            where.setdefault(key, i)
+        missing = [r for r, key in enumerate(here) if key not in where]
+        if missing:
+            raise InputError(
+                f"{what} were made from other samples: none of their {n} rows is the sample of this forward's "
+                f"row {missing[0]} ({len(missing)} of its {rows} rows lack theirs). Record them from the samples "
+                "that run (record(vlm, vlm.prepare_samples(samples), [site])), or name the sample each of their "
+                "rows is written into: Patch(..., into=samples), Mask(..., samples=samples)"
+            )
+        return torch.tensor([where[key] for key in here], dtype=torch.long)
+    if n == 1:
+        return torch.zeros(rows, dtype=torch.long)
+    if n == rows:
+        return torch.arange(rows)
+    if frame.batch is not None and n == len(frame.batch) and rows % n == 0:
+        return torch.arange(rows) % n  # k stacked copies of the batch the value was made for
+    raise InputError(
+        f"{what} hold {n} rows, without their samples, and this forward {rows}: give one row (shared by every "
+        "row), exactly the forward's rows, or values that know their samples (record's, or with into= / "
+        "samples=), which are written by sample at any batch size and order"
+    )
 
 
 @dataclass(frozen=True)
@@ -137,6 +238,15 @@ class Cells:
         return frame.stacked(out)
 
 
+#: What to do about a sample without an object list: for a function that reads each sample's objects …
+GENERATED = (
+    "this reads each sample's objects, so give samples with generated scenes (task_samples, count_scenes, "
+    "count_pairs or countingtricks)"
+)
+#: … and for Objects positions, which other positions can replace.
+AS_POSITIONS = "Objects positions need a generated scene; use Cells or a Mask"
+
+
 @dataclass(frozen=True)
 class Objects:
     """The image tokens of objects ``objects`` (indices into each row's ``scene.objects``); a token is
@@ -151,7 +261,10 @@ class Objects:
     of: str = "edited"
 
     def __init__(self, objects: int | Sequence[int], coverage: float = 0.25, peak: bool = True, of: str = "edited"):
-        chosen = (objects,) if isinstance(objects, (int, np.integer)) else tuple(objects)
+        try:
+            chosen = (objects,) if isinstance(objects, (int, np.integer)) else tuple(objects)
+        except TypeError:
+            chosen = ()  # a float, None: no indices
         if not chosen or any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0 for i in chosen):
             raise InputError(f"Objects takes object indices ≥ 0, e.g. Objects([0, 2]); got {objects!r}")
         object.__setattr__(self, "objects", tuple(int(i) for i in chosen))
@@ -179,19 +292,17 @@ class Objects:
             )
         out = torch.zeros_like(batch.inputs["input_ids"], dtype=torch.bool, device="cpu")
         for b, sample in enumerate(batch.samples):
-            out[b, self.tokens(batch, b, sample)] = True
+            out[b, self.tokens(batch, b, sample, fix=AS_POSITIONS)] = True
         return frame.stacked(out)
 
-    def scene_of(self, sample, where: str):
+    def scene_of(self, sample, where: str, fix: str = GENERATED):
         """``sample``'s scene, refused (``where`` names the sample) without an object list or without one
-        of the chosen objects."""
+        of the chosen objects; ``fix`` says what to do instead (`GENERATED`: give generated scenes;
+        `AS_POSITIONS`: other positions)."""
         scene = getattr(sample, "scene", None)
         objects = getattr(scene, "objects", None)
         if not objects:
-            raise InputError(
-                f"{where} has no object list (a loaded benchmark image, or an empty scene): Objects positions "
-                "need a generated scene; use Cells or a Mask"
-            )
+            raise InputError(f"{where} has no object list (a loaded benchmark image, or an empty scene): {fix}")
         missing = [i for i in self.objects if i >= len(objects)]
         if missing:
             raise InputError(
@@ -199,9 +310,10 @@ class Objects:
             )
         return scene
 
-    def tokens(self, batch: Batch, b: int, sample) -> Tensor:
-        """The positions of row ``b``'s tokens that belong to the chosen objects of ``sample``'s scene."""
-        scene = self.scene_of(sample, f"sample {b}")
+    def tokens(self, batch: Batch, b: int, sample, fix: str = GENERATED) -> Tensor:
+        """The positions of row ``b``'s tokens that belong to the chosen objects of ``sample``'s scene
+        (``fix``: as in `scene_of`)."""
+        scene = self.scene_of(sample, f"sample {b}", fix)
         cells = object_cells(object_coverage(scene, batch.geometry[b].token_grid), self.coverage, self.peak)
         mine = torch.from_numpy(cells[list(self.objects)].any(0))
         cell = batch.image_cell[b]
@@ -213,25 +325,40 @@ class Objects:
 
 @dataclass(frozen=True, eq=False)
 class Mask:
-    """Explicit positions: Bool[Tensor, "batch seq"] over the prepared batch the forward runs on."""
+    """Explicit positions: Bool[Tensor, "batch seq"] over the prepared batch the forward runs on. With
+    ``samples`` (the sample of each row; a tensor marked by `with_samples` carries them) each forward's
+    row takes its own sample's row, at any batch size and order; without, the mask has exactly the
+    forward's rows, or one row shared by all (`row_index`)."""
 
     where: Tensor = field(repr=False)
+    samples: Sequence | None = field(default=None, repr=False)
+    keys: tuple | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        samples = samples_of(self.where) if self.samples is None else self.samples
+        if samples is not None:
+            if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
+                raise InputError(f"Mask samples are the sample of each row (a list), got {type(samples).__name__}")
+            object.__setattr__(self, "keys", sample_keys(samples))
 
     def check(self, vlm: VLM) -> None:
         w = self.where
         if not isinstance(w, Tensor) or w.dtype != torch.bool or w.ndim != 2:
             raise InputError("Mask takes a Bool[Tensor, 'batch seq'] (e.g. batch.inputs['input_ids'] == token)")
+        if self.keys is not None and len(self.keys) != w.shape[0]:
+            raise InputError(f"a Mask of {w.shape[0]} rows with {len(self.keys)} samples; give one sample per row")
 
     def mask(self, vlm: VLM, frame: Frame) -> Bool[Tensor, "rows seq"]:
         if frame.new:
             return torch.zeros_like(frame.input_ids, dtype=torch.bool)
         rows, seq = frame.input_ids.shape
-        if self.where.shape[1] != seq or rows % self.where.shape[0]:
+        if self.where.shape[1] != seq:
             raise InputError(
                 f"a Mask of shape {tuple(self.where.shape)} does not fit a forward of {rows} rows × {seq} positions; "
-                "build it from the batch that runs"
+                "build it from the batch that runs (the same preparation: image size and question)"
             )
-        return frame.stacked(self.where.cpu())
+        index = row_index(frame, self.keys, self.where.shape[0], f"a Mask of shape {tuple(self.where.shape)}")
+        return self.where.cpu()[index].to(frame.input_ids.device)
 
 
 Positions = Group | Cells | Objects | Mask

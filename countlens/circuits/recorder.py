@@ -17,8 +17,16 @@ from torch import Tensor
 
 from countlens.arguments import require_batch, require_vlm
 from countlens.circuits.attention import eager_attention
-from countlens.circuits.positions import Frame, as_positions
-from countlens.circuits.sites import Expert, ImageStates, Location, first_arg, first_output, replace_first
+from countlens.circuits.positions import Frame, as_positions, with_samples
+from countlens.circuits.sites import (
+    Expert,
+    ImageStates,
+    Location,
+    check_site,
+    first_arg,
+    first_output,
+    replace_first,
+)
 from countlens.errors import InputError
 from countlens.validate import require_count, require_sequence
 
@@ -58,11 +66,14 @@ def rows_seq(t: Tensor, frame: Frame) -> Tensor:
 
 
 def location(vlm: VLM, site: Site) -> Location:
+    """Where ``site`` lives in ``vlm`` for a torch hook, after `check_site` refused what is no site or one
+    the model lacks."""
     if not hasattr(site, "location") or isinstance(site, type):
         raise InputError(
             f"{site!r:.60} is no site; name one with countlens.circuits' Residual(layer), HeadZ(layer, head), Q, K, "
             "V, MlpIn, MlpOut or Pattern"
         )
+    check_site(vlm, site)
     if isinstance(site, (Expert, ImageStates)):
         raise InputError(
             f"{site} is written inside the experts or cross-attention modules: patch it through effect() or "
@@ -79,7 +90,8 @@ def require_local(vlm: VLM, what: str) -> None:
 @torch.no_grad()
 def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
     """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU (a
-    `Pattern`'s: Float[Tensor, "batch query key"])."""
+    `Pattern`'s: Float[Tensor, "batch query key"]), marked with the samples of its rows where the batch
+    has them (`VLM.prepare_samples`; `countlens.circuits.positions.samples_of`)."""
     require_vlm(vlm, "record")
     require_batch(batch, "record")
     require_local(vlm, "record")
@@ -106,6 +118,9 @@ def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
     finally:
         for h in handles:
             h.remove()
+    if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
+        for values in got.values():
+            with_samples(values, batch.samples)
     return got
 
 

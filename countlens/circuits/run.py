@@ -12,8 +12,9 @@ Two entry points take the same interventions (`countlens.circuits.interventions`
   scoring (`countlens.analysis.score`), generation (`countlens.analysis.generate`, ``vlm.hf.generate``),
   ``vlm.trace`` and raw nnsight, HeadLens decoding, a fine-tune's evaluation. Positions are resolved
   per forward (`countlens.circuits.positions`), so any batch size works, and so do the new tokens of
-  generation. It runs on plain torch hooks on the HF modules, so it holds for a model with a LoRA
-  adapter too; local models only.
+  generation; a `Patch`'s values and a `Mask` know the samples of their rows, so each forward's row
+  takes its own sample's row, in any batching and order. It runs on plain torch hooks on the HF
+  modules, so it holds for a model with a LoRA adapter too; local models only.
 
 Helpers: `record` reads any set of sites in one forward; `mean_activation` and `mean_difference`
 (a steering vector: the mean of a site over one set of samples minus its mean over another).
@@ -66,7 +67,8 @@ def mean_difference(
 def intervene(vlm: VLM, interventions) -> Iterator[None]:
     """``with intervene(vlm, [Add(Residual(2), v, alpha=4.0), ...]):`` — every forward of ``vlm`` inside
     runs with the interventions; on exit the model is as it was. A `Patch` takes ``values`` here
-    (`record` of a donor batch: row b of any forward reads donor row b mod its rows)."""
+    (`record` of a donor batch): each forward's row reads its own sample's row of them, at any batch
+    size and order (`countlens.circuits.positions.row_index`); a forward of other samples is refused."""
     require_vlm(vlm, "intervene")
     require_local(vlm, "intervene")
     items = as_interventions(vlm, interventions)
@@ -88,7 +90,10 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
         attn = torch.ones_like(ids) if attn is None else attn
         new = attn.shape[1] > ids.shape[1]  # a step after a KV cache: the columns are new tokens
         batch = None if new else vlm.prepared(ids, kwargs.get("pixel_values"))
-        state.update(frame=Frame(ids, attn, batch, new), masks={})
+        frame = Frame(ids, attn, batch, new)
+        masks = {id(i.positions): i.positions.mask(vlm, frame) for i in items}  # refusals before any layer runs
+        rows = {} if new else {id(i): i.rows_for(frame) for i in items if i.donor}
+        state.update(frame=frame, masks=masks, rows=rows)
 
     def action(item: Intervention, loc: Location):
         op = item.op()
@@ -97,10 +102,7 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
             frame = state["frame"]
             if item.donor and frame.new:
                 return None  # no donor has the tokens generated after the prompt
-            masks = state["masks"]
-            if id(item.positions) not in masks:
-                masks[id(item.positions)] = item.positions.mask(vlm, frame)
-            mask = masks[id(item.positions)]
+            mask = state["masks"][id(item.positions)]
             out = t.clone()
             view = loc.view(rows_seq(out, frame))
             if tuple(view.shape[:2]) != tuple(mask.shape):
@@ -109,7 +111,7 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
             if op is not None:
                 view[b, s] = op(view[b, s]).to(view.dtype)
             else:
-                view[b, s] = _donor(item, b, s, view.shape[1]).to(view.device, view.dtype)
+                view[b, s] = _donor(item, frame, b, s, state["rows"][id(item)]).to(view.device, view.dtype)
             return out
 
         return act
@@ -125,14 +127,17 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
             h.remove()
 
 
-def _donor(item: Intervention, b: Tensor, s: Tensor, seq: int) -> Tensor:
-    values = item.values
+def _donor(item: Intervention, frame: Frame, b: Tensor, s: Tensor, rows: Tensor | None = None) -> Tensor:
+    """A donor's values (a Patch's, a Resample's) at the forward's rows ``b``, positions ``s``: each row's
+    own row of the values (``rows``, else `Patch.rows_for`: by sample), never a row number modulo theirs."""
+    values, seq = item.values, frame.input_ids.shape[1]
     if values.shape[1] != seq:
         raise InputError(
             f"{type(item).__name__} at {item.site}: the donor values cover {values.shape[1]} positions, this "
             f"forward {seq}; donors must be prepared like the edited batch (same image size and question)"
         )
-    return values[b.cpu() % values.shape[0], s.cpu()]
+    rows = item.rows_for(frame) if rows is None else rows
+    return values[rows[b.cpu()], s.cpu()]
 
 
 # ----------------------------------------------------------------------------- effect over pairs
@@ -152,7 +157,7 @@ def lower(vlm: VLM, item: Intervention, frame: Frame, donors: dict, masks: dict)
         return Edit(item.site, mask, donors.get(item.site))
     if item.donor:  # a Resample's donors, or a Patch's own values
         b, s = torch.meshgrid(torch.arange(mask.shape[0]), torch.arange(mask.shape[1]), indexing="ij")
-        return Edit(item.site, mask, _donor(item, b.flatten(), s.flatten(), mask.shape[1]).view(*mask.shape, -1))
+        return Edit(item.site, mask, _donor(item, frame, b.flatten(), s.flatten()).view(*mask.shape, -1))
     return Edit(item.site, mask, op=item.op())
 
 
@@ -198,6 +203,14 @@ def effect(vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progr
     grid = dict(interventions) if isinstance(interventions, Mapping) else None
     if grid is not None and not grid:
         raise InputError("give at least one set of interventions in the mapping")
+    labels: dict = {}
+    for key in grid or {"": None}:
+        if str(key) in labels:
+            raise InputError(
+                f"the labels {labels[str(key)]!r} and {key!r} of the mapping are both {str(key)!r} on the "
+                "intervention dim, so one set would hide the other; give each set a distinct label"
+            )
+        labels[str(key)] = key
     sets = {str(k): as_interventions(vlm, v) for k, v in (grid or {"": interventions}).items()}
     for items in sets.values():
         for item in items:

@@ -42,6 +42,8 @@ from countlens.circuits.sites.attention import AttnIn, K, Pattern, Q, V
 from countlens.circuits.sites.engine import (
     Location,
     Placed,
+    check_indices,
+    check_site,
     columns,
     first_arg,
     first_output,
@@ -93,6 +95,8 @@ __all__ = [
     "V",
     "VisionBlock",
     "check_group",
+    "check_indices",
+    "check_site",
     "checked_heads",
     "columns",
     "first_arg",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from countlens.circuits.sites.engine import Location, columns, head_axis, write_at
+from countlens.circuits.sites.engine import Location, check_indices, columns, head_axis, write_at
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -25,6 +25,13 @@ class Q:
     block: ClassVar[int] = 0  # as an edge receiver: the layer's attention
     qkv: ClassVar[int] = 0  # its place among q, k and v
     part_name: ClassVar[str] = "q"
+
+    def __post_init__(self):
+        check_indices(self, layer=0, head=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer or head the model lacks (its location checks both)."""
+        self.location(vlm)
 
     @property
     def label(self) -> str:
@@ -59,6 +66,13 @@ class K:
     block: ClassVar[int] = 0
     qkv: ClassVar[int] = 1
     part_name: ClassVar[str] = "k"
+
+    def __post_init__(self):
+        check_indices(self, layer=0, head=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer or head the model lacks (its location checks both)."""
+        self.location(vlm)
 
     @property
     def label(self) -> str:
@@ -111,6 +125,9 @@ class AttnIn:
     block: ClassVar[int] = 0
     part_name: ClassVar[str] = "attn"
 
+    def __post_init__(self):
+        check_indices(self, layer=0)
+
     @property
     def label(self) -> str:
         return f"L{self.layer}.attn"
@@ -123,6 +140,13 @@ class Pattern:
 
     layer: int
     head: int
+
+    def __post_init__(self):
+        check_indices(self, layer=0, head=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer or head the model lacks (its location checks both)."""
+        self.location(vlm)
 
     def location(self, vlm: VLM) -> Location:
         arch = vlm.arch

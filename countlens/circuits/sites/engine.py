@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.validate import require_integer
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
@@ -45,6 +46,26 @@ def source(vlm: VLM, placed: Placed, cache: dict | None, device: torch.device) -
         return placed.site.read(vlm, cache, placed.b, placed.s, device)
     value, b, s = placed.value, placed.b, placed.s
     return value[b.to(value.device), s.to(value.device)]  # edit values may sit on the CPU
+
+
+def check_indices(site, **lows: int) -> None:
+    """In a site's ``__post_init__``: each named field an integer ≥ its low bound (a numpy integer is one,
+    a bool or 1.5 is not), stored as a plain int; else an `InputError` naming the site and the field."""
+    for name, low in lows.items():
+        value = require_integer(getattr(site, name), f"{type(site).__name__}'s {name}", low=low)
+        object.__setattr__(site, name, value)
+
+
+def check_site(vlm: VLM, site) -> None:
+    """Refuse, before any forward, what is no site or a site ``vlm`` lacks (a layer, head, key-value head,
+    expert or vision block it has not): the one check behind `record`, `mean_activation`, `effect` and
+    `intervene` (each site's ``check``, which its ``location`` runs too)."""
+    if isinstance(site, type) or not callable(getattr(site, "check", None)):
+        raise InputError(
+            f"{site!r:.60} is no site; name one with countlens.circuits' Residual(layer), HeadZ(layer, head), Q, K, "
+            "V, MlpIn, MlpOut, Expert, ImageStates or Pattern"
+        )
+    site.check(vlm)
 
 
 class Location(NamedTuple):

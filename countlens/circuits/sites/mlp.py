@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from countlens.circuits.sites.engine import Location, mlp_path, whole, write_at
+from countlens.circuits.sites.engine import Location, check_indices, mlp_path, whole, write_at
 
 if TYPE_CHECKING:
     from countlens.arch import Arch
@@ -21,6 +21,13 @@ class MlpIn:
     write = staticmethod(write_at)
     block: ClassVar[int] = 1  # as an edge receiver: the layer's MLP, after its attention
     part_name: ClassVar[str] = "mlp"
+
+    def __post_init__(self):
+        check_indices(self, layer=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer the model lacks, or one without an MLP module."""
+        mlp_path(vlm, self.layer)
 
     @property
     def label(self) -> str:
@@ -40,6 +47,13 @@ class MlpOut:
     layer: int
     stage: ClassVar[float] = 2.5
     write = staticmethod(write_at)
+
+    def __post_init__(self):
+        check_indices(self, layer=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer the model lacks, or one without an MLP module."""
+        mlp_path(vlm, self.layer)
 
     @property
     def label(self) -> str:

@@ -11,7 +11,17 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.sites.engine import Location, Placed, columns, refuse_ops, source, whole, written
+from countlens.circuits.sites.engine import (
+    Location,
+    Placed,
+    check_indices,
+    columns,
+    refuse_ops,
+    source,
+    whole,
+    written,
+)
+from countlens.circuits.sites.groups import checked_heads
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -28,6 +38,14 @@ class Residual:
     layer: int
     stage: ClassVar[int] = 3  # a layer's output: the last thing of the layer the forward reaches
 
+    def __post_init__(self):
+        check_indices(self, layer=-1)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer the model lacks (a `LayerError` naming its layers)."""
+        if self.layer != -1:
+            vlm.arch.layer(self.layer)
+
     def width(self, arch: Arch) -> int:
         return arch.d_model
 
@@ -35,6 +53,7 @@ class Residual:
         return cache["resid"][self.layer][b, s].to(device)
 
     def location(self, vlm: VLM) -> Location:
+        self.check(vlm)
         if self.layer == -1:
             return Location(vlm.arch.layer(0), "input", whole)
         return Location(vlm.arch.layer(self.layer), "output", whole)
@@ -58,6 +77,13 @@ class HeadZ:
     head: int
     stage: ClassVar[int] = 1
 
+    def __post_init__(self):
+        check_indices(self, layer=0, head=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer or head the model lacks, naming its range."""
+        checked_heads(vlm.arch, [(self.layer, self.head)])
+
     @property
     def label(self) -> str:
         return f"L{self.layer}H{self.head}"
@@ -74,7 +100,7 @@ class HeadZ:
         return cache["z"][self.layer][b, s, self.columns(vlm.arch)].to(device)
 
     def location(self, vlm: VLM) -> Location:
-        vlm.arch.heads(self.layer)
+        self.check(vlm)
         return Location(vlm.arch.o_proj(self.layer), "input", columns(self.columns(vlm.arch)))
 
     @staticmethod
@@ -94,6 +120,17 @@ class Expert:
     layer: int
     expert: int
     stage: ClassVar[int] = 2
+
+    def __post_init__(self):
+        check_indices(self, layer=0, expert=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a layer without experts (a `LayerError` naming the MoE layers) or an expert out of range."""
+        vlm.arch.experts(self.layer)
+        if not self.expert < vlm.arch.n_experts:
+            raise InputError(
+                f"expert {self.expert} out of range: {vlm.arch.name} has experts 0..{vlm.arch.n_experts - 1}"
+            )
 
     @property
     def label(self) -> str:
@@ -126,6 +163,20 @@ class ImageStates:
 
     layer: int
     stage: ClassVar[int] = 0  # the projector's output, or a cross-attention layer's input
+
+    def __post_init__(self):
+        check_indices(self, layer=-1)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a model without image states, or a layer that reads none."""
+        if vlm.arch.spec.cross_attention is None:
+            raise InputError(f"{vlm.arch.name} has no image states: its image enters as image tokens (Residual -1)")
+        reads = (-1, *vlm.arch.cross_layers)
+        if self.layer not in reads:
+            raise InputError(
+                f"layer {self.layer} of {vlm.arch.name} reads no image states; ImageStates takes one of {list(reads)} "
+                "(−1: the projector's output, else a cross-attention layer)"
+            )
 
     def location(self, vlm: VLM) -> Location:
         """Where the states every cross-attention layer reads are (layer −1: the projector's output)."""
@@ -210,6 +261,9 @@ class Logits:
     layer: int
     block: ClassVar[int] = 0
     part_name: ClassVar[str] = "logits"
+
+    def __post_init__(self):
+        check_indices(self, layer=0)
 
     @property
     def label(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from countlens.circuits.sites.engine import Location, whole
+from countlens.circuits.sites.engine import Location, check_indices, whole
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -17,6 +17,13 @@ class VisionBlock:
     """The output of vision block ``index`` (`ArchSpec.vision_blocks`), read only: taps and probes."""
 
     index: int
+
+    def __post_init__(self):
+        check_indices(self, index=0)
+
+    def check(self, vlm: VLM) -> None:
+        """Refuse a vision block the tower lacks."""
+        self.location(vlm)
 
     def location(self, vlm: VLM) -> Location:
         blocks = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)
