@@ -234,7 +234,9 @@ def load_all(directory: str | os.PathLike) -> dict[str, xr.DataArray | xr.Datase
 
 
 def load(path: str | os.PathLike) -> xr.DataArray | xr.Dataset:
-    """Read a result written by `save`, as the DataArray or Dataset that was saved."""
+    """Read a result written by `save`, as the DataArray or Dataset that was saved. Its numbers are
+    checked at the door: a ±inf anywhere is a `ResultError` naming the file and the variable (NaN,
+    "no value there", is read as it is)."""
     path = Path(path)
     if path.is_dir():
         hint = " (a sweep directory: open it with SweepStore(path, spec))" if (path / "spec.json").exists() else ""
@@ -247,7 +249,25 @@ def load(path: str | os.PathLike) -> xr.DataArray | xr.Dataset:
         raise ResultError(
             f"{path} is not a netCDF file ({e}); countlens results are saved with countlens.results.save"
         ) from e
+    _check_finite(dataset, path)
     return _from_dataset(dataset.drop_encoding(), path)
+
+
+def _check_finite(dataset: xr.Dataset, path: Path) -> None:
+    """Refuse a file whose numbers hold ±inf: results are read back as scores, rankings and weights,
+    where an inf ranks first whatever it means. NaN stays legal (no value there: a layer's absent head)."""
+    from countlens.validate import require_finite_tensor
+
+    for name, variable in dataset.variables.items():
+        shown = "the result" if name == DATAARRAY_VAR else f"variable {name!r}"
+        require_finite_tensor(
+            variable.values,
+            f"{path}: {shown}",
+            ResultError,
+            nan=True,
+            fix="countlens writes none: the file was edited or written by another program; delete it and compute "
+            "the result again",
+        )
 
 
 def _to_dataset(obj: xr.DataArray | xr.Dataset) -> xr.Dataset:

@@ -115,7 +115,10 @@ def require_sequence(value, name: str, kind: type[CountlensError] = InputError, 
 
 def require_fractions(value, name: str, kind: type[CountlensError] = InputError) -> list[float]:
     """A non-empty, strictly increasing sequence of fractions in [0, 1] (circuit sizes, levels): refuses
-    a bare number, percentages (80 for 0.8), NaN or ±inf, a repeat, descending order."""
+    a bare number, percentages (80 for 0.8), NaN or ±inf, a repeat, descending order, and a set (it
+    has no order: its sizes would be taken in whatever order it iterates)."""
+    if isinstance(value, (set, frozenset)):
+        raise kind(f"{name} is a set, which has no order; give a list, smallest first, e.g. [0.1, 0.5]")
     values = require_sequence(value, name, kind)
     for v in values:
         require_share(v, f"each of {name}", kind)
@@ -186,3 +189,39 @@ def require_tensor(value, name: str, ndim: int | None = None, kind: type[Countle
     if value.is_floating_point() and not torch.isfinite(value).all():
         raise kind(f"{name} holds NaN or ±inf")
     return value
+
+
+def require_finite_tensor(value, name: str, kind: type[CountlensError] = InputError, nan: bool = False, fix: str = ""):
+    """A tensor or array whose numbers are finite, as read from a file: no ±inf, and no NaN unless
+    ``nan`` (NaN that marks "no value there", as a result's absent head). ``name`` says where the
+    numbers came from (the file and the tensor or variable), ``fix`` what to do; integer and bool
+    values pass as they are. Returns ``value``."""
+    import numpy as np
+
+    if hasattr(value, "detach"):  # a torch tensor
+        if not value.is_floating_point() and not value.is_complex():
+            return value
+        data = value.detach()
+        bad = ~data.isfinite() if not nan else data.isinf()
+        if not bool(bad.any()):
+            return value
+        n_nan, n_inf = int(data.isnan().sum()), int(data.isinf().sum())
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist()) if data.ndim else ()
+        total = data.numel()
+    else:
+        data = np.asarray(value)
+        if not (np.issubdtype(data.dtype, np.floating) or np.issubdtype(data.dtype, np.complexfloating)):
+            return value
+        bad = ~np.isfinite(data) if not nan else np.isinf(data)
+        if not bad.any():
+            return value
+        n_nan, n_inf = int(np.isnan(data).sum()), int(np.isinf(data).sum())
+        first = tuple(int(i[0]) for i in np.nonzero(bad)) if data.ndim else ()
+        total = data.size
+    counts = [f"{n} {what}" for n, what in ((n_nan, "NaN"), (n_inf, "±inf")) if n and (what != "NaN" or not nan)]
+    where = f", the first at index {first}" if first else ""
+    rule = "finite (or NaN: no value there)" if nan else "finite"
+    raise kind(
+        f"{name} holds {' and '.join(counts)} of its {total} values{where}: numbers countlens reads must be {rule}"
+        + (f"; {fix}" if fix else "")
+    )

@@ -21,7 +21,9 @@ model is loaded) and writes, into ``out``:
 
 Runs that differ in protocol (`countlens.analysis.runs.PROTOCOL`) are refused unless ``allow_mixed``.
 A run lacking a stage's result leaves its cells empty, with a note; a path that is not a finished run
-is refused, naming it. Nothing is written before every run has been read and checked.
+is refused, naming it, and so is a stored result that lacks a variable the tables read or holds NaN
+where a number is measured (`countlens.analysis.compare_tables.check_reads`). Nothing is written
+before every run has been read and checked.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def compare_runs(
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory")
     differences = check_protocol(stored, allow_mixed)
+    ct.check_reads(stored)  # every result the tables read, before anything is written
 
     tables: dict[str, pd.DataFrame] = {}
     notes: list[str] = []

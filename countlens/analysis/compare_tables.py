@@ -41,9 +41,62 @@ from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoid
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses
 from countlens.analysis.runs import StoredRun
 from countlens.analysis.tables import FAMILIES, OVERALL, case_families, family_row
+from countlens.errors import RunDirError
 
 #: The faithfulness a circuit must reach in `faithfulness_table` (the report's level).
 FAITHFUL = 0.8
+
+_SAMPLE, _SCENE_OBJECT = ("sample",), ("scene", "object")
+#: What the tables read of each stage's result: each variable and its dims. `check_reads` refuses a run
+#: whose stored result lacks one (renamed, edited, another program's) before any table is made.
+READS: dict[str, dict[str, tuple[str, ...]]] = {
+    "cases": {"correct": _SAMPLE, "case": _SAMPLE, "count": _SAMPLE},
+    "conflict_std": {"correct": _SAMPLE},
+    "conflict": {"correct": _SAMPLE, "distractor": _SAMPLE},
+    "vap": {"effect": ("layer", "group")},
+    "heads": {"effect": ("layer", "head")},
+    "faithfulness": {
+        "faithfulness": ("ranking", "size"),
+        "kept_fraction": ("size",),
+        "cpr": ("ranking",),
+        "cmd": ("ranking",),
+    },
+    "attention_metrics": {m: ("layer", "sample") for m in ("mas", "vra", "iou", "ars")} | {"correct": _SAMPLE},
+    "probes": {"ap50": ("tap",)},
+    "objects": {
+        **dict.fromkeys(("effect", "exists", "n_tokens", "placement", "size", "touches"), _SCENE_OBJECT),
+        "answered_right": ("scene",),
+    },
+}
+#: Of those, the variables that hold a measurement at every index: a NaN there is a broken file, not
+#: an empty cell (±inf is refused for every variable by `countlens.results.load`).
+MEASURED: dict[str, tuple[str, ...]] = {"faithfulness": ("faithfulness", "cpr", "cmd")}
+
+
+def check_reads(runs: list[StoredRun]) -> None:
+    """Refuse a run whose stored result lacks a variable the tables read (`READS`), holds it over other
+    dims, or holds NaN where a number is measured (`MEASURED`): a `RunDirError` naming the file and the
+    fix, before anything is written."""
+    from countlens.validate import require_finite_tensor
+
+    for run in runs:
+        for stage, wanted in READS.items():
+            ds = run.get(stage)
+            if ds is None or "refused" in ds.attrs:  # no result, or one that says why it measured nothing
+                continue
+            file = run.path / "results" / f"{stage}.nc"
+            fix = f"delete {file} and rerun `countlens discover --out {run.path}` (it resumes, recomputing that stage)"
+            problems = [
+                f"{var!r} is missing" if var not in ds else f"{var!r} is over {list(ds[var].dims)}, not {list(dims)}"
+                for var, dims in wanted.items()
+                if var not in ds or set(ds[var].dims) != set(dims)
+            ]
+            if stage == "faithfulness" and "n_nodes" not in ds.attrs:
+                problems.append("its attr 'n_nodes' is missing")
+            if problems:
+                raise RunDirError(f"{file}: {'; '.join(problems)}: not a {stage} result compare can read; {fix}")
+            for var in MEASURED.get(stage, ()):
+                require_finite_tensor(ds[var].values, f"{file}: {var!r}", RunDirError, fix=fix)
 
 
 def missing(run: StoredRun, stage: str, what: str) -> str:

@@ -215,6 +215,7 @@ def faithfulness_curves(
         raise InputError(f"rankings must map a name to scores, e.g. {{'exact': result.effect}}; got {rankings!r:.60}")
     require_integer(random_draws, "random_draws", low=0)
     require_seed(seed)
+    sizes = require_fractions(sizes, "sizes")  # checked once, kept as the list checked (a generator reads once)
     if not rankings and random_draws <= 0:
         raise InputError("no ranking to evaluate: give rankings={name: scores} or random_draws > 0")
     if graph is not None and level != "edge":

@@ -22,7 +22,8 @@ addresses); countlens reads the files beside it whatever the list says, after ch
 
 `load_transcoders` checks everything before any tensor reaches a model — a folder of another format,
 missing or non-contiguous layers, widths that differ across layers, a ``d_model`` or a layer count
-other than the model's, keys it does not know — each an `InputError` naming the file and the fix.
+other than the model's, keys it does not know, a NaN or ±inf in any tensor — each an `InputError`
+naming the file (and the tensor) and the fix.
 `save_transcoders` writes into a temp folder beside the target and renames it into place, so a
 failed write leaves the old set (or nothing), never half a set.
 """
@@ -41,6 +42,7 @@ import torch
 from countlens.errors import InputError
 from countlens.features.transcoder import FEATURE_INPUT_HOOK, FEATURE_OUTPUT_HOOK, Transcoder, TranscoderSet
 from countlens.files import writer_id
+from countlens.validate import require_finite_tensor
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -294,6 +296,13 @@ def load_transcoders(folder: str | Path, vlm: VLM | None = None, *, dtype: torch
     from safetensors.torch import load_file
 
     tensors = [load_file(str(f)) for f in files]
+    for file, layer in zip(files, tensors):  # finite at the door: a NaN weight would silence every feature
+        for key, value in layer.items():
+            require_finite_tensor(
+                value,
+                f"{file}: tensor {key}",
+                fix="the set's training diverged, or the file was damaged: retrain the set, or copy the file again",
+            )
     k = config.get("k")
     if activation == "topk":
         ks = {int(t["k"].item()) for t in tensors if "k" in t}

@@ -341,6 +341,15 @@ def attribution_graph(
     require_count(batch_size, "batch_size")
 
     lr = LocalReplacement(vlm, transcoders, sample)
+    parts = {f"activations at layer {la}": a for la, a in lr.act.items()} | {"logits": lr.logits}
+    parts |= {f"errors at layer {la}": e for la, e in lr.error.items()}
+    bad = [name for name, t in parts.items() if not t.isfinite().all()]
+    if bad:  # before any backward: every edge through them would be NaN (and read as a cycle)
+        raise InputError(
+            f"attribution_graph: the replacement model's {', '.join(bad[:3])} hold NaN or ±inf on this "
+            "sample: its transcoders' weights are not finite (load_transcoders refuses such a file; retrain a set "
+            "that diverged), or the model overflows in its dtype"
+        )
     seq, d = lr.embed.shape[1:]
     probs = lr.logits.softmax(-1)
     top = probs.sort(descending=True)
@@ -423,6 +432,8 @@ def attribution_graph(
     adjacency = torch.zeros(n, n)
     adjacency[:n_f, :n_src] = feature_rows
     adjacency[n_src:, :n_src] = logit_rows
+    if not adjacency.isfinite().all():
+        raise InputError("attribution_graph: edges are NaN or ±inf: the gradients overflow; run the model in float32")
     values = torch.full((n,), float("nan"))
     constant = torch.zeros(n)
     for j, (layer, p, f) in enumerate(feats.tolist()):

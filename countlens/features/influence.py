@@ -23,7 +23,17 @@ def normalized(adjacency: torch.Tensor) -> torch.Tensor:
 
 
 def influence(normalized_adjacency: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``weights @ (Â + Â² + …)``, summed until a term is exactly zero (at most 1000 terms)."""
+    """``weights @ (Â + Â² + …)``, summed until a term is exactly zero (at most 1000 terms). A NaN or
+    ±inf in ``Â`` or ``weights`` is refused as what it is (NaN never sums to zero: it would read as
+    a cycle)."""
+    for what, values in (("adjacency", normalized_adjacency), ("logit weights", weights)):
+        if not torch.isfinite(values).all():
+            raise InputError(
+                f"the graph's {what} holds {int((~torch.isfinite(values)).sum())} NaN or ±inf values: the replacement "
+                "model computed non-finite numbers (transcoders with NaN or ±inf weights, or a model that overflows "
+                "in its dtype); check the transcoders (load_transcoders refuses a file with them) and build the "
+                "graph again"
+            )
     current = weights @ normalized_adjacency
     total = current.clone()
     for _ in range(MAX_ITERATIONS):

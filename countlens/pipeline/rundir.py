@@ -17,8 +17,20 @@ import xarray as xr
 from countlens import files, results
 from countlens.errors import RunDirError
 from countlens.pipeline.stages import REQUIRED, STAGES
+from countlens.validate import require_count, require_finite_tensor
 
 BY_NAME = {stage.name: stage for stage in STAGES}
+#: Variables of a stage's result that hold a measurement at every index: a NaN there is no "no value
+#: there" but a broken file, refused on read with ±inf (which `countlens.results.load` refuses anywhere).
+MEASURED: dict[str, tuple[str, ...]] = {
+    "faithfulness": ("faithfulness", "cpr", "cmd"),
+    "edge_faithfulness": ("faithfulness", "cpr", "cmd"),
+}
+#: Coordinates of a stage's result that increase strictly (the faithfulness curves' sizes).
+INCREASING: dict[str, tuple[str, ...]] = {"faithfulness": ("size",), "edge_faithfulness": ("size",)}
+#: What a report reads of spec.json besides the model and arch: the prompt it names, and the top-k
+#: and Jaccard k its sections take.
+REPORT_SPEC: tuple[str, ...] = ("prompt", "top_k", "jaccard_k")
 
 
 def read_spec(run: str | Path) -> dict:
@@ -68,18 +80,47 @@ def check_stored(name: str, value, path: Path, fix: str) -> None:
     ]
     if problems:
         raise RunDirError(f"{path}: {'; '.join(problems)}: not a {name} result countlens can read; {fix}")
+    for var in MEASURED.get(name, ()):
+        require_finite_tensor(value[var].values, f"{path}: {var!r}", RunDirError, fix=fix)
+    for coord in INCREASING.get(name, ()):
+        values = value[coord].values if coord in value.coords else None
+        if values is not None and (values[1:] <= values[:-1]).any():
+            raise RunDirError(
+                f"{path}: its {coord} coordinate {list(values)} does not increase strictly, as a {name} result's "
+                f"does (a curve's areas are taken in that order): it was edited; {fix}"
+            )
 
 
 def load_run(out: str | Path) -> dict[str, xr.Dataset]:
     """Every stage result of a finished run directory, by stage name (every required stage of the
     registry, and the optional ones the run had), each checked against its stage's variables."""
     out = Path(out)
-    read_spec(out)
+    spec = read_spec(out)
     found = {p.stem: stored(p, out) for p in sorted((out / "results").glob("*.nc"))}
     missing = [s for s in REQUIRED if s not in found]
     if missing:
         raise RunDirError(f"{out} misses stages {missing}; rerun `countlens discover --out {out}` to finish it")
+    check_report_spec(spec, out)
     return found
+
+
+def check_report_spec(spec: dict, out: Path) -> None:
+    """Refuse a finished run's spec.json that lacks what its report reads (`REPORT_SPEC`), or holds it
+    in another form: an edited file, or one an older countlens wrote."""
+    path = out / "spec.json"
+    missing = [k for k in REPORT_SPEC if k not in spec]
+    fix = (
+        "add it as the run used it (discover writes every setting there: restore the file from a copy), or rerun "
+        "`countlens discover` into a new --out"
+    )
+    if missing:
+        raise RunDirError(f"{path} lacks {missing}, which the report reads; {fix}")
+    from countlens.datasets.prompts import PROMPTS
+
+    if spec["prompt"] not in PROMPTS:
+        raise RunDirError(f"{path}: prompt {spec['prompt']!r} is no prompt style ({', '.join(PROMPTS)}); {fix}")
+    for key in ("top_k", "jaccard_k"):
+        require_count(spec[key], f"{path}: {key}", RunDirError)
 
 
 def check_run_dir(out: str | Path) -> None:
