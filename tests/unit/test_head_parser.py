@@ -195,3 +195,21 @@ def test_object_misses_refuses_a_nan_effect_of_a_measured_object():
         object_misses(fx, n_boot=10)
     fx["effect"] = (("scene", "object"), np.array([[1.0, 0.5], [0.5, np.nan]]))  # NaN where no token: left out
     assert int(object_misses(fx, n_boot=10).sel(group="all").n_objects) == 3
+
+
+def test_the_interventions_read_heads_with_the_same_parser(loaded):
+    """`ablate`, `head_temperature` and the head sites read heads through `checked_heads`, which is the
+    one parser plus the model's range: a head given twice or as a float is refused before any forward;
+    an empty list is no heads (ablating none), never every head."""
+    from countlens.circuits.sites import checked_heads
+
+    arch = loaded("toy").arch
+    assert checked_heads(arch, [np.int64(0), np.int64(1)]) == [(0, 1)]
+    assert checked_heads(arch, ["L1H0", (0, 2)]) == [(1, 0), (0, 2)]
+    assert checked_heads(arch, []) == []
+    with pytest.raises(InputError, match="more than once"):
+        checked_heads(arch, [(0, 0), "L0H0"])
+    with pytest.raises(InputError, match="1.5"):
+        checked_heads(arch, [(0, 1.5)])
+    with pytest.raises(InputError, match="out of range"):
+        checked_heads(arch, [(0, 4)])

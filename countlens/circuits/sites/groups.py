@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from countlens.errors import InputError
-from countlens.labels import head_key, is_head_pair
+from countlens.labels import head_keys
 
 if TYPE_CHECKING:
     from jaxtyping import Bool
@@ -30,21 +30,19 @@ STATES = "image_states"
 
 
 def checked_heads(arch: Arch, heads: Iterable) -> list[tuple[int, int]]:
-    """``heads`` as (layer, head) pairs, each given as a pair or a label such as "L3H2"
-    (`countlens.labels.head_key`), checked against the model's layers and heads."""
-    if isinstance(heads, (dict, bytes)) or not isinstance(heads, Iterable) or hasattr(heads, "data_vars"):
-        raise InputError(f"heads must be a list of (layer, head) pairs or labels such as 'L3H2'; got {heads!r:.60}")
-    if isinstance(heads, str) or is_head_pair(heads):
-        heads = [heads]  # one head given alone: "L0H0", (0, 0) or [0, 0]
-    out = []
-    for head in heads:
-        layer, h = head_key(head)
+    """``heads`` as (layer, head) pairs, read by the one parser of heads (`countlens.labels.head_keys`:
+    pairs, labels such as "L3H2", numpy integers; one head alone or a collection; no head twice) and
+    checked against the model's layers and heads. An empty collection is no heads: what ablating none
+    means (the self-check's baseline), never "every head"."""
+    if isinstance(heads, (list, tuple)) and not heads:
+        return []
+    out = list(head_keys(heads, "heads"))
+    for layer, h in out:
         arch.layer(layer)
         if not 0 <= h < arch.heads(layer):
             raise InputError(
                 f"head {h} out of range: layer {layer} of {arch.name} has heads 0..{arch.heads(layer) - 1}"
             )
-        out.append((layer, h))
     return out
 
 
