@@ -27,6 +27,7 @@ belong).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -35,7 +36,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from countlens.circuits.positions import AS_POSITIONS, Frame, Objects, as_positions, row_index, sample_keys, samples_of
+from countlens.circuits.positions import (
+    AS_POSITIONS,
+    Frame,
+    Objects,
+    as_positions,
+    row_index,
+    sample_digest,
+    sample_keys,
+    samples_of,
+)
 from countlens.circuits.sites import Site, check_site
 from countlens.errors import InputError
 from countlens.validate import require_seed
@@ -146,7 +156,11 @@ class Patch(Intervention):
 
 @dataclass(frozen=True, eq=False)
 class Resample(Intervention):
-    """Write donor samples' values: row b takes donor ``order[b mod n]`` (a permutation drawn from ``seed``)."""
+    """Write donor samples' values, a random donor per row. Where the forward knows its rows' samples
+    (batches from `VLM.prepare_samples`: `score`, `generate`, `effect`), each sample's donor is drawn
+    from ``seed`` and the sample's content alone, so a sample gets the same donor at any batch size, in
+    any order, and chunks of a long run draw from every donor. Elsewhere (a batch prepared by hand) row b
+    takes donor ``order[b mod n]``, a permutation drawn from ``seed``."""
 
     donors: Sequence = ()
     seed: int = 0
@@ -167,8 +181,15 @@ class Resample(Intervention):
         return replace(self, values=recorded[torch.from_numpy(order)])
 
     def rows_for(self, frame: Frame) -> Tensor:
-        """Row b's donor: ``order[b mod n]`` (a random draw by design, not a sample's own row)."""
-        return torch.arange(frame.input_ids.shape[0]) % self.values.shape[0]
+        """Each row's donor (a random draw by design, not a sample's own row): by the row's sample where
+        the forward knows it, else ``order[b mod n]``."""
+        n, rows = self.values.shape[0], frame.input_ids.shape[0]
+        samples = None if frame.batch is None else frame.batch.samples
+        if not samples or rows % len(samples):
+            return torch.arange(rows) % n
+        seed = f"{int(self.seed)}:".encode()
+        draws = [int.from_bytes(hashlib.sha256(seed + sample_digest(s)).digest()[:8], "little") % n for s in samples]
+        return torch.tensor(draws * (rows // len(samples)))
 
 
 @dataclass(frozen=True, eq=False)

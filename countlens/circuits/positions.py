@@ -116,6 +116,14 @@ def sample_key(sample) -> Hashable:
     return sample
 
 
+def sample_digest(sample) -> bytes:
+    """A digest of ``sample``'s content (its image and question), the same in every process and on every
+    machine — unlike `hash`, which Python salts per process."""
+    h = hashlib.sha256(np.ascontiguousarray(np.asarray(sample.image)).tobytes())
+    h.update(str(getattr(sample, "question", "")).encode())
+    return h.digest()
+
+
 def sample_keys(samples: Sequence) -> tuple:
     """`sample_key` of each of ``samples``."""
     return tuple(sample_key(s) for s in samples)

@@ -220,3 +220,28 @@ def test_functions_without_positions_name_their_own_fix(toy, scenes):
     # Where positions are given, other positions are the fix.
     with pytest.raises(InputError, match="use Cells or a Mask"):
         Patch(Residual(1), positions=Objects([0])).check_samples([SimpleNamespace(clean=bare, corrupt=scenes[1])])
+
+
+def test_resample_draws_each_samples_donor_by_sample_not_by_row(toy, scenes):
+    """A Resample's donor is a pure function of the seed and the row's sample: the same scores at any
+    batch size and order, and a run in chunks draws from every donor, not only the first chunk's rows."""
+    from countlens.circuits import Resample
+
+    donors = task_samples("count", 6, seed=8)
+    item = Resample(Residual(-1), donors, seed=2, positions="image")
+    with intervene(toy, item):
+        whole = score(toy, scenes, batch_size=6)
+        chunks = score(toy, scenes[::-1], batch_size=2)
+    # One sample's scores in another batch shape: float32 rounding of the log-probabilities apart.
+    assert_close(whole.p_gold.values, chunks.p_gold.values[::-1], what="Resample, batch of 6 vs 2 reversed")
+    resolved = item.resolved(toy)
+    drawn = {int(i) for i in resolved.rows_for(_frame_of(toy, scenes))}
+    assert len(drawn) > 2, drawn  # chunks of 2 used to take donors order[0] and order[1] only
+    again = Resample(Residual(-1), donors, seed=2, positions="image").resolved(toy)
+    assert torch.equal(again.rows_for(_frame_of(toy, scenes)), resolved.rows_for(_frame_of(toy, scenes)))
+
+
+def _frame_of(vlm, samples):
+    from countlens.circuits.positions import Frame
+
+    return Frame.of(vlm.prepare_samples(samples))
