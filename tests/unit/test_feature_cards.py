@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tolerance import assert_close, scale_of
 
 from countlens.circuits.positions import Objects
 from countlens.datasets.tasks import task_samples
@@ -40,21 +41,29 @@ def _mlp_input(vlm, batch, layer):
 def test_a_cards_scenes_maps_and_objects_are_the_transcoder_applied_by_hand(cards_setup):
     vlm, tcs, samples, cards = cards_setup
     c = cards.sel(card="L2F7")
+    tc = tcs.layer(2)
     with torch.no_grad():
-        peaks = []
+        peaks, summed = [], 1.0
         for s in samples:  # every scene's maximum activation, one scene at a time
             batch = vlm.prepare_samples([s], answers=True)
-            a = tcs.layer(2).encode(_mlp_input(vlm, batch, 2))[0, :, 7]
+            x = _mlp_input(vlm, batch, 2)
+            a = tc.encode(x)[0, :, 7]
             peaks.append(float(a.max()))
-        assert np.allclose(sorted(peaks, reverse=True)[:3], c.max_activation.values, atol=1e-5)
+            summed = max(summed, scale_of(x[0].abs() @ tc.W_enc[7].abs()))
+        # The cards ran scenes 6 to a forward, padded; these one at a time: two float32 computations of the
+        # MLP input, whose rounding reaches the activation through W_enc's sum, Σ_j |W_enc[7, j] x_j|.
+        assert_close(sorted(peaks, reverse=True)[:3], c.max_activation.values, scale=summed, what="peaks")
         top = samples[int(c.scene[0])]
         batch = vlm.prepare_samples([top], answers=True)
-        a = tcs.layer(2).encode(_mlp_input(vlm, batch, 2))[0, :, 7]
-        assert np.allclose(c.activation.values[0][: len(batch.image_pos[0])], a[batch.image_pos[0]].numpy(), atol=1e-5)
+        a = tc.encode(_mlp_input(vlm, batch, 2))[0, :, 7]
+        got = c.activation.values[0][: len(batch.image_pos[0])]
+        assert_close(got, a[batch.image_pos[0]], scale=summed, what="the top scene's activation map")
         for i in range(len(top.scene.objects)):
             tokens = Objects(i).tokens(batch, 0, top)
-            expected = float(a[tokens].max()) if len(tokens) else np.nan
-            assert np.isclose(c.object_activation.values[0, i], expected, atol=1e-5, equal_nan=True)
+            if len(tokens):
+                assert_close(c.object_activation.values[0, i], a[tokens].max(), scale=summed, what=f"object {i}")
+            else:
+                assert np.isnan(c.object_activation.values[0, i])
 
 
 def test_the_direct_effect_is_the_decoder_rows_virtual_weight_to_the_count_words(cards_setup):
@@ -62,8 +71,10 @@ def test_the_direct_effect_is_the_decoder_rows_virtual_weight_to_the_count_words
     ids = [vlm.answer_ids(w)[0] for w in COUNT_WORDS]
     lm = vlm.hf.model.language_model
     with torch.no_grad():
-        v = (vlm.hf.lm_head.weight[ids] @ (tcs.layer(0).W_dec[3] * lm.norm.weight)).numpy()
-    assert np.allclose(cards.direct.sel(card="L0F3").values, v - v.mean(), atol=1e-5)
+        w = tcs.layer(0).W_dec[3] * lm.norm.weight
+        v = (vlm.hf.lm_head.weight[ids] @ w).numpy()
+        summed = scale_of(vlm.hf.lm_head.weight[ids].abs() @ w.abs())  # the sizes the dot products sum
+    assert_close(cards.direct.sel(card="L0F3").values, v - v.mean(), scale=summed, what="direct effect")
 
 
 def test_ablating_a_feature_with_no_write_changes_nothing(cards_setup):
@@ -75,6 +86,8 @@ def test_ablating_a_feature_with_no_write_changes_nothing(cards_setup):
             cards = feature_cards(vlm, tcs, samples[:4], [(1, 5)], top=2)
         finally:
             tcs.layer(1).W_dec[5] = saved
+    # A zero decoder row writes an exact zero: the ablated forward is the clean one, bit for bit, and
+    # the direct effect a sum of products with zero.
     assert cards.ablated.item() == 0.0 and np.allclose(cards.direct.values, 0.0)
 
 
