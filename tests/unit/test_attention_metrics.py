@@ -160,6 +160,7 @@ def test_pixel_iou_agrees_with_an_upsampled_pixel_mask():
     assert math.isnan(float(pixel_attention_iou(torch.zeros(6, 6), Scene(192, 192, ()))))
 
 
+@pytest.mark.numeric
 def test_the_papers_attention_iou_is_per_layer_head(vlm):
     samples = countingtricks(["1A", "5A"], 1, grid=vlm.geometry, prompt="short")
     iou = attention_metrics(vlm, samples, layers=[0, 2], batch_size=2).pixel_iou
@@ -168,5 +169,10 @@ def test_the_papers_attention_iou_is_per_layer_head(vlm):
     att = last_token_attention(vlm, batch, [2])[0, 1]  # head seq, sample 1
     grid = grid_attention(att[:, batch.image_pos[1]], batch.image_cell[1], vlm.geometry.token_grid)
     want = [_pixel_iou_by_upsampling(grid[h].numpy(), samples[1].scene) for h in range(vlm.arch.n_heads)]
-    # A ratio of sums of the same float32 attention, read in two batches: relative rounding only.
+    # The IoU is a ratio of pixel counts of the cells at or above half the peak: rounding moves it only if
+    # it moves a cell across that threshold. A probability rounds relative to itself (≈ 1e-6 of it in
+    # float32 after a softmax), and every cell here stands ≥ 1 % of its head's peak away from the threshold
+    # (measured: 1–5 %), so both computations pick the same cells and rtol absorbs only the division.
+    peak = grid.flatten(1).amax(-1)[:, None, None]
+    assert bool(((grid - 0.5 * peak).abs() > 1e-3 * peak).all())
     np.testing.assert_allclose(iou.sel(layer=2, sample=1).values, want, rtol=1e-5)

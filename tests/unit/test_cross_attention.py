@@ -48,6 +48,7 @@ def _hooked(vlm, batch, donor_states: torch.Tensor, layers) -> torch.Tensor:
             h.remove()
 
 
+@pytest.mark.numeric
 def test_state_edits_match_hooks_and_stay_in_their_replica(mllama, pb):
     cross = mllama.arch.cross_layers
     corrupt = cache_run(mllama, pb.corrupt, [])

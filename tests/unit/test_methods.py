@@ -49,6 +49,7 @@ def test_families_a_method_lacks_are_refused_by_name(loaded):
             method(name).ranking(llava, [])
 
 
+@pytest.mark.numeric
 def test_lrp_rules_leave_the_forward_unchanged(organism, pairs):
     batch = prepare_pairs(organism, pairs).clean
     plain = organism.forward(batch).logits[:, -1].float()
@@ -63,6 +64,7 @@ def _rms(norm, x):
     return scale * x, scale
 
 
+@pytest.mark.numeric
 def test_relp_of_the_last_layer_s_heads_is_lrp_by_hand(organism, pairs):
     """For the last layer, z reaches LD only at the read position through o_proj, the last MLP and the
     final norm: the rules give ĝ_z = W_Oᵀ(ĝ_y + s₂ ⊙ (W_gᵀ(ρ ⊙ ½b ⊙ W_dᵀĝ_y) + W_uᵀ(½a ⊙ W_dᵀĝ_y)))

@@ -126,6 +126,7 @@ def _o_proj_io(model, layer):
     return seen, hooks
 
 
+@pytest.mark.numeric
 def test_resampling_one_head_at_one_position_matches_a_by_hand_mix(organism_batch):
     model, collate, inputs, _, partner = organism_batch
     with torch.no_grad(), recorded(model) as rec:
@@ -134,7 +135,7 @@ def test_resampling_one_head_at_one_position_matches_a_by_hand_mix(organism_batc
     masks = position_masks(inputs["input_ids"], *Planter(model, CIRCUITS["route"], collate).ids)
     n_layers, n_heads = 6, 4
     nothing = torch.zeros(n_layers, *inputs["input_ids"].shape, n_heads, dtype=torch.bool)
-    with torch.no_grad(), resampled(model, source, nothing):
+    with torch.no_grad(), resampled(model, source, nothing):  # nothing taken: each hook writes the run's own
         assert torch.equal(model(**inputs, logits_to_keep=1).logits, plain)
     take = keep_masks([PlantedNode(2, 3, at="last")], masks, n_layers, n_heads)
 
@@ -153,7 +154,7 @@ def test_resampling_one_head_at_one_position_matches_a_by_hand_mix(organism_batc
     d = model.config.text_config.hidden_size // n_heads
     mixed = rec["z"][2].clone()
     mixed[:, -1, 3 * d : 4 * d] = rec["z"][2][partner][:, -1, 3 * d : 4 * d]
-    assert torch.equal(seen["z"], mixed)
+    assert torch.equal(seen["z"], mixed)  # copied values of one forward: no arithmetic between them
     assert_close(seen["out"], model.model.language_model.layers[2].self_attn.o_proj(mixed), what="o_proj of the mix")
     assert not torch.equal(patched, plain)
     seen, _ = run(nothing, blind={2: masks["image"]})
@@ -189,6 +190,7 @@ def test_each_strictness_source_is_its_own_term_of_the_loss(organism_batch):
 
     (partner, w_partner), (rand, w_rand), (both, w_both) = map(run, [("partner",), ("random",), SOURCES])
     assert "strict_random" not in partner and "strict" not in rand
+    # Each source's strictness loss is its own forward of the same batch before any step: the same computation.
     assert both["strict"] == partner["strict"] and both["strict_random"] == rand["strict_random"]
     assert partner["strict"] != rand["strict_random"]  # another sample's activations, not the partner's
     assert not torch.equal(w_partner, w_rand) and not torch.equal(w_both, w_partner)
@@ -278,7 +280,7 @@ def test_a_sharpening_stage_runs_after_the_first_from_its_weights():
         None,
         (8, 9),
     )
-    assert torch.equal(weights(first), weights(both))
+    assert torch.equal(weights(first), weights(both))  # the same trainings in one process: bit for bit
 
 
 def test_the_invariance_term_is_the_kl_from_the_clean_answers_by_hand():
