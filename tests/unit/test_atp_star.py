@@ -232,6 +232,8 @@ def test_key_shift_stays_exact_where_attention_saturates():
         patched[..., t] = key_scores[..., t]
         want += torch.softmax(patched, -1) @ v - z
     got = key_shift(scores, key_scores, v, z, torch.ones(b, 1, s, 1, dtype=torch.bool))
+    # float64 throughout, z and v of size ≈ 1: the two ways round ≈ 1e-16 apart; 1e-12 leaves 10⁴ ulps for the
+    # saturated rows' cancellations and still fails any formula error.
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 

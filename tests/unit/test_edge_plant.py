@@ -142,4 +142,5 @@ def test_an_edge_circuits_second_stage_is_its_own_recipe_from_the_first_stages_w
         train_edges(m, circuit, pc)
         train_edges(m, second, PlantConfig(seed=5, steps=1, batch_pairs=2, lr=1e-4, warmup=10, different_weight=w))
         by_hand[w] = weights(m)
+    # The same two trainings, the same steps, in one process: bit for bit.
     assert torch.equal(weights(staged), by_hand[3.0]) and not torch.equal(by_hand[3.0], by_hand[1.0])

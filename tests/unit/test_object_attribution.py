@@ -87,6 +87,7 @@ def test_the_parts_account_for_every_token(loaded):
     vlm = loaded("toy")
     samples = _scenes(vlm, 2, cases=("4A",))
     ds = object_attribution(vlm, samples, method="atp")
+    # float64 sums of the same per-token scores, grouped two ways: ≈ 1e-16 of their size apart, ≪ 1e-9.
     np.testing.assert_allclose(ds.score.sum("object") - ds.overlap, ds.objects, atol=1e-9)
     assert (ds.text == 0).all()  # at the embeddings the text is the same in both inputs
     assert int(ds.tokens.max()) == 4  # an object on a grid intersection owns its four cells
@@ -106,6 +107,7 @@ def test_integrated_gradients_are_complete(loaded):
     one = fine.isel(scene=-1)
     assert int(one["count"]) == 1 and np.isnan(one.score.values[1:]).all()
     whole = float(one.score[0] + one.background)
+    # The completeness error is that same float64 difference: only the order of a few float64 sums differs.
     assert abs(whole - float(one.image_total)) == pytest.approx(abs(float(one.completeness_error)), abs=1e-9)
 
 
