@@ -94,7 +94,9 @@ def test_a_sweep_on_little_memory_stacks_fewer_rows_and_gives_the_same_effects(o
         want_rounded=True,
         what="few-rows vs all-rows effect",
     )
-    assert (small.to_corrupt.values == full.to_corrupt.values).mean() > 0.99
+    # to_corrupt is an arg-max per (head, pair), 96 of them: another stacking can flip only one whose top two
+    # logits tie within rounding. (A share above 0.99 of 96 allowed none.) Allow one such flip, no more.
+    assert int((small.to_corrupt.values != full.to_corrupt.values).sum()) <= 1
 
 
 def test_plan_covers_every_stage_and_sizes_sweeps_like_run_edits(organism):
