@@ -85,7 +85,8 @@ def test_patch_under_intervene_equals_effect_and_a_plain_hook(organism, pairs):
     pb = prepare_pairs(organism, pairs)
     donor = record(organism, pb.corrupt, [V(0, 1)])[V(0, 1)]
     got = effect(organism, pairs, [Patch(V(0, 1), positions="image")])
-    with intervene(organism, Patch(V(0, 1), positions="image", values=donor)):
+    # The donor rows are the corrupt samples, written into the clean ones: into= names them.
+    with intervene(organism, Patch(V(0, 1), positions="image", values=donor, into=[p.clean for p in pairs])):
         edited = organism.forward(pb.clean).logits[:, -1].float()
     image = cl.circuits.sites.group_mask(pb.clean, "image")
     cols = slice(32, 64)  # key-value head 1 of 2, 32 wide
