@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from countlens.errors import ConfigError
 from countlens.validate import (
+    require_bool,
     require_choice,
     require_count,
     require_distinct,
@@ -63,7 +64,8 @@ class HeadThresholds:
         would class no head (or every head) without saying so."""
         for name in ("early", "late", "image_high", "image_low", "vgs_min", "cter_min", "constant", "routing_from"):
             require_share(getattr(self, name), name, ConfigError)
-        for name in ("routing_to", "align_min", "difficulty_min"):
+        require_share(self.align_min, "align_min", ConfigError)  # 0, not None, switches it off
+        for name in ("routing_to", "difficulty_min"):
             if getattr(self, name) is not None:
                 require_share(getattr(self, name), name, ConfigError)
         require_nonnegative(self.important, "important", ConfigError)
@@ -107,10 +109,10 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         """Every field in its range, so a bad value is refused before a model loads or a file is
         written (a learning rate of 0 would save an identity adapter as a result)."""
-        for name in ("steps", "batch_size", "grad_accum", "lora_r", "save_every"):
+        for name in ("steps", "batch_size", "grad_accum", "lora_r", "lora_alpha", "save_every"):
             require_count(getattr(self, name), name, ConfigError)
         require_positive(self.lr, "lr", ConfigError)
-        require_positive(self.lora_alpha, "lora_alpha", ConfigError)
+        require_bool(self.lora_target_layers_only, "lora_target_layers_only", ConfigError)
         require_positive(self.sigma, "sigma", ConfigError)
         for name in ("weight_decay", "focus", "mas", "max_grad_norm"):
             require_nonnegative(getattr(self, name), name, ConfigError)
@@ -122,6 +124,11 @@ class FinetuneConfig:
         require_choice(self.schedule, "schedule", SCHEDULES, ConfigError)
         require_choice(self.method, "method", METHODS, ConfigError)
         require_choice(self.ce_on, "ce_on", CE_ON, ConfigError)
+        if not isinstance(self.target_layers, (tuple, list)):
+            raise ConfigError(
+                f"target_layers is a tuple of layers, e.g. (4, 5), or () for none; got {self.target_layers!r:.60}"
+            )
+        object.__setattr__(self, "target_layers", tuple(self.target_layers))
         for layer in self.target_layers:
             require_seed(layer, "a target layer", ConfigError)
         require_distinct(self.target_layers, "target_layers", ConfigError)

@@ -11,8 +11,10 @@ never in range.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from numbers import Integral, Real
+from pathlib import Path
 
 from countlens.errors import CountlensError, InputError
 
@@ -151,6 +153,29 @@ def require_integer(value, name: str, kind: type[CountlensError] = InputError, l
         bound = "" if low is None else f" ≥ {low}"
         raise kind(f"{name} must be an integer{bound}, got {value!r:.60}")
     return int(value)
+
+
+def require_bool(value, name: str, kind: type[CountlensError] = InputError) -> bool:
+    """True or False (a numpy bool too): refuses "nonsense", None, 2.5 or a tensor as a switch."""
+    import numpy as np
+
+    if not isinstance(value, (bool, np.bool_)):
+        raise kind(f"{name} must be True or False, got {type(value).__name__} {value!r:.60}")
+    return bool(value)
+
+
+def require_path(value, name: str, kind: type[CountlensError] = InputError, example: str = "'out'") -> Path:
+    """A file or folder path: a non-empty string or a `pathlib.Path` (not None, a number or a list)."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise kind(f"{name} must be a path (a string or a pathlib.Path), e.g. {example}; got {value!r:.60}")
+    return Path(value)
+
+
+def require_callback(value, name: str = "progress", kind: type[CountlensError] = InputError):
+    """None, or a function (a progress callback): checked before any work, never first called mid-run."""
+    if value is not None and not callable(value):
+        raise kind(f"{name} must be a function (called with each log row) or None, got {value!r:.60}")
+    return value
 
 
 def require_dataarray(value, name: str, dims=None, kind: type[CountlensError] = InputError):

@@ -90,7 +90,9 @@ class ProbeConfig:
         require_count(self.groups, "ProbeConfig.groups", ConfigError)
         for name in ("hidden", "head_hidden"):
             width = getattr(self, name)
-            if width is not None and (width < 1 or width % self.groups):
+            if width is not None or name == "hidden":
+                require_count(width, f"ProbeConfig.{name}", ConfigError)
+            if width is not None and width % self.groups:
                 raise ConfigError(f"ProbeConfig.{name}={width} must be a positive multiple of groups={self.groups}")
         for name in ("epochs", "batch_size"):
             require_count(getattr(self, name), f"ProbeConfig.{name}", ConfigError)

@@ -33,6 +33,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.arguments import require_layers, require_vlm
 from countlens.circuits.sites import head_contributions
 from countlens.errors import InputError
 from countlens.results import provenance
@@ -89,10 +90,12 @@ class HeadLens:
     def fit(
         cls, vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None, ridge: float = 1e-2, batch_size: int = 16
     ) -> HeadLens:
+        require_vlm(vlm, "HeadLens.fit")
         check_samples(samples, "HeadLens.fit")
         require_count(batch_size, "batch_size")
         arch = vlm.arch
-        layers = list(range(arch.n_layers)) if layers is None else sorted(int(x) for x in layers)
+        layers = require_layers(vlm, layers, "HeadLens.fit")
+        layers = list(range(arch.n_layers)) if layers is None else sorted(set(layers))
         chunks = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
         # The held-out fifth is drawn over all positions at once, so a first, forward-free pass counts them.
         sizes = [int(vlm.prepare_samples(c).inputs["attention_mask"].sum()) for c in chunks]

@@ -50,7 +50,7 @@ from torch import Tensor
 from countlens.cells import object_cells, object_coverage
 from countlens.circuits.sites import GROUPS, check_group, group_mask
 from countlens.errors import InputError
-from countlens.validate import require_choice, require_share
+from countlens.validate import require_bool, require_choice, require_share
 
 if TYPE_CHECKING:
     from jaxtyping import Bool
@@ -277,7 +277,7 @@ class Objects:
             raise InputError(f"Objects takes object indices ≥ 0, e.g. Objects([0, 2]); got {objects!r}")
         object.__setattr__(self, "objects", tuple(int(i) for i in chosen))
         object.__setattr__(self, "coverage", require_share(coverage, "Objects coverage"))
-        object.__setattr__(self, "peak", bool(peak))
+        object.__setattr__(self, "peak", require_bool(peak, "Objects peak"))
         object.__setattr__(self, "of", require_choice(of, "Objects of", ("edited", "donor")))
 
     def check(self, vlm: VLM) -> None:

@@ -33,7 +33,7 @@ import torch
 import xarray as xr
 
 from countlens.errors import InputError
-from countlens.validate import require_count, require_integer
+from countlens.validate import require_count, require_integer, require_tensor
 
 if TYPE_CHECKING:
     from countlens.features.transcoder import TranscoderSet
@@ -103,13 +103,26 @@ def collect_activations(
     vlm: VLM, layers: Sequence[int], samples: Sequence, texts: Sequence[str] = (), batch_size: int = 32
 ) -> Activations:
     """Each layer's MLP input and output at the real tokens of ``samples`` (scenes, through
-    `VLM.prepare_samples`) and ``texts`` (plain prompts, no image), via forward hooks on the MLPs."""
+    `VLM.prepare_samples`) and ``texts`` (plain prompts, no image), via forward hooks on the MLPs;
+    ``layers`` None: every layer."""
+    from countlens.arguments import require_layers, require_vlm
     from countlens.circuits.sites.engine import mlp_path
     from countlens.processors import render_chat
+    from countlens.vlm import check_samples
 
+    require_vlm(vlm, "collect_activations")
+    layers = require_layers(vlm, layers, "collect_activations")
+    layers = list(range(vlm.arch.n_layers)) if layers is None else layers
     require_count(batch_size, "batch_size")
+    for name, given in (("samples", samples), ("texts", texts)):
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+            raise InputError(f"collect_activations: {name} must be a list (or empty), got {type(given).__name__}")
     if not len(samples) and not len(texts):
         raise InputError("collect_activations got no samples and no texts; give some of either")
+    if len(samples):
+        check_samples(samples, "collect_activations")
+    if not all(isinstance(t, str) for t in texts):
+        raise InputError("collect_activations: texts must be a list of strings (plain prompts)")
     got_in: dict[int, list] = {layer: [] for layer in layers}
     got_out: dict[int, list] = {layer: [] for layer in layers}
     mask: list[torch.Tensor] = []
@@ -155,6 +168,8 @@ def collect_activations(
 
 def fvu(y: torch.Tensor, y_hat: torch.Tensor) -> float:
     """Fraction of variance unexplained, ``Σ‖y − ŷ‖² / Σ‖y − ȳ‖²`` over the rows of ``y`` (tokens)."""
+    require_tensor(y, "fvu's y")
+    require_tensor(y_hat, "fvu's y_hat")
     if y.shape != y_hat.shape or y.ndim != 2 or len(y) < 2:
         raise InputError(
             f"fvu takes two (tokens ≥ 2, d_model) tensors of one shape; got {tuple(y.shape)}, {tuple(y_hat.shape)}"
@@ -170,6 +185,15 @@ def fvu(y: torch.Tensor, y_hat: torch.Tensor) -> float:
 def fidelity(transcoders: TranscoderSet, activations: Activations, chunk: int = 4096) -> xr.Dataset:
     """FVU, L0 and dead features of each layer's transcoder on ``activations`` (the held-out split):
     an `xr.Dataset` over ``layer`` with ``fvu``, ``l0``, ``dead`` and ``dead_share``."""
+    from countlens.features.transcoder import TranscoderSet
+
+    if not isinstance(transcoders, TranscoderSet):
+        raise InputError(
+            f"fidelity takes a TranscoderSet (train_transcoders, load_transcoders), got {transcoders!r:.60}"
+        )
+    if not isinstance(activations, Activations):
+        raise InputError(f"fidelity takes the Activations collect_activations returns, got {activations!r:.60}")
+    require_count(chunk, "chunk")
     rows = {"fvu": [], "l0": [], "dead": []}
     for layer, tc in transcoders.items():
         if layer not in activations.inputs:

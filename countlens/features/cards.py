@@ -36,7 +36,7 @@ import xarray as xr
 
 from countlens.errors import InputError
 from countlens.labels import feature_keys, feature_label
-from countlens.validate import require_count
+from countlens.validate import require_count, require_dataset, require_path
 
 if TYPE_CHECKING:
     from countlens.features.transcoder import TranscoderSet
@@ -229,6 +229,11 @@ def feature_cards(
     return ds
 
 
+#: What `draw_card` reads of `feature_cards`' result.
+CARD_VARIABLES = ("card", "activation", "scene", "cell", "object_activation", "max_activation", "fires_on_objects")
+CARD_VARIABLES += ("ablated",)
+
+
 def draw_card(cards: xr.Dataset, card: str, samples: Sequence, path: str | Path) -> Path:
     """Draw ``card``'s top scenes: each image with its activation over the token grid (red, opacity
     ∝ activation / the card's maximum) and its objects' outlines (solid where the feature fires on them)."""
@@ -238,9 +243,19 @@ def draw_card(cards: xr.Dataset, card: str, samples: Sequence, path: str | Path)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Circle, Rectangle
 
-    if card not in cards.card.values:
+    from countlens.vlm import check_samples
+
+    require_dataset(cards, "draw_card's cards (feature_cards' result)", CARD_VARIABLES)
+    path = require_path(path, "draw_card's path", example="'card.png'")
+    if not isinstance(card, str) or card not in cards.card.values:
         raise InputError(f"no card {card!r}; the cards are {list(map(str, cards.card.values))}")
+    check_samples(samples, "draw_card")
     c = cards.sel(card=card)
+    if int(c.scene.max()) >= len(samples):
+        raise InputError(
+            f"card {card} shows scene {int(c.scene.max())} of the samples its cards were made from; {len(samples)} "
+            "samples given: give draw_card those same samples"
+        )
     top = c.sizes["rank"]
     fig, axes = plt.subplots(1, top, figsize=(2.2 * top, 2.5), squeeze=False)
     vmax = float(np.nanmax(c.activation.values)) or 1.0

@@ -40,9 +40,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from countlens.errors import InputError
-from countlens.features.transcoder import FEATURE_INPUT_HOOK, FEATURE_OUTPUT_HOOK, Transcoder, TranscoderSet
+from countlens.features.transcoder import (
+    FEATURE_INPUT_HOOK,
+    FEATURE_OUTPUT_HOOK,
+    Transcoder,
+    TranscoderSet,
+    require_float_dtype,
+)
 from countlens.files import writer_id
-from countlens.validate import require_finite_tensor
+from countlens.validate import require_finite_tensor, require_path, require_text
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -80,7 +86,10 @@ def save_transcoders(
     ks = {t.k for t in transcoders}
     if len(activations) > 1 or len(ks) > 1:
         raise InputError(f"the layers differ in activation ({activations}) or k ({ks}); a set file holds one")
-    folder = Path(folder)
+    folder = require_path(folder, "folder", example="'transcoders'")
+    for name, value in (("model_name", model_name), ("scan", scan)):
+        if value is not None:
+            require_text(value, name, empty=True)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder} is a file; give a folder to write the transcoder set into")
     if folder.is_dir() and any(folder.iterdir()) and not _is_set(folder):
@@ -249,7 +258,13 @@ def load_transcoders(folder: str | Path, vlm: VLM | None = None, *, dtype: torch
     """The transcoder set in ``folder`` (circuit-tracer's format, see the module's docstring), checked
     against ``vlm`` (its hidden size and layer count) where given. Tensors keep the file's dtype
     unless ``dtype`` is given, so a save → load round trip is bit for bit."""
-    folder = Path(folder)
+    folder = require_path(folder, "folder", example="'transcoders'")
+    if vlm is not None:
+        from countlens.arguments import require_vlm
+
+        require_vlm(vlm, "load_transcoders")
+    if dtype is not None:
+        require_float_dtype(dtype, "dtype")
     if not folder.is_dir():
         raise InputError(
             f"{folder} is not a folder; give the folder of a transcoder set (config.yaml, layer_*.safetensors)"

@@ -52,6 +52,7 @@ import torch
 
 from countlens.errors import InputError
 from countlens.features.influence import feature_order
+from countlens.features.replacement import check_graphable
 from countlens.features.transcoder import TranscoderSet
 from countlens.validate import require_count, require_share
 
@@ -175,6 +176,7 @@ class LocalReplacement:
     position. `run` replays the frozen model with any embeddings and writes."""
 
     def __init__(self, vlm: VLM, transcoders: TranscoderSet, sample):
+        check_graphable(vlm, transcoders, sample, "LocalReplacement")
         self.vlm, self.transcoders, self.sample, arch, hf = vlm, transcoders, sample, vlm.arch, vlm.hf
         self.n_layers, self._batches = arch.n_layers, {}
         self.batch = self.prepared(1)
@@ -331,8 +333,6 @@ def attribution_graph(
     only that many features, chosen as circuit-tracer does (repeatedly, the unvisited features of
     largest influence on the logits through the rows computed so far); the dropped features' edges
     are lost, so rows no longer sum to their values. ``batch_size``: target rows per backward."""
-    from countlens.features.replacement import check_graphable
-
     check_graphable(vlm, transcoders, sample, "attribution_graph")
     require_count(max_logits, "max_logits")
     require_share(logit_prob, "logit_prob", above_zero=True)

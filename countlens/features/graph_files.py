@@ -145,9 +145,10 @@ def graph_json(graph: AttributionGraph, slug: str, scan: str | None = None, prom
     scan = graph.scan if scan is None else scan
     if not isinstance(scan, str):
         raise InputError(f"scan must be a string (the transcoders' name), got {type(scan).__name__}")
-    tokens = list(graph.token_strings if prompt_tokens is None else prompt_tokens)
-    if not all(isinstance(t, str) for t in tokens):
+    tokens = graph.token_strings if prompt_tokens is None else prompt_tokens
+    if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, str) for t in tokens):
         raise InputError("prompt_tokens must be a list of strings, one per position")
+    tokens = list(tokens)
     rows, infl = _node_rows(graph), _influence(graph)
     n_logit = graph.start("logit")
     nodes = []
@@ -210,6 +211,8 @@ def save_graph(graph: AttributionGraph, path: str | Path, slug: str | None = Non
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path} is a folder; give save_graph a file path such as {path / 'graph.json'}")
+    if slug is not None and not isinstance(slug, str):
+        raise InputError(f"slug must be a name for the graph (or None for the file's stem), got {slug!r:.60}")
     data = graph_json(graph, slug or path.stem)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:

@@ -40,7 +40,7 @@ import torch
 
 from countlens.errors import InputError
 from countlens.features.influence import MAX_ITERATIONS, influence, normalized
-from countlens.validate import require_share
+from countlens.validate import require_integer, require_share
 
 if TYPE_CHECKING:
     from countlens.features.graph import AttributionGraph
@@ -55,6 +55,10 @@ def logit_weights(graph: AttributionGraph) -> torch.Tensor:
 
 def node_influence(graph: AttributionGraph) -> torch.Tensor:
     """(n,) each node's influence on the logits, ``w @ (Â + Â² + …)``."""
+    from countlens.features.graph import AttributionGraph
+
+    if not isinstance(graph, AttributionGraph):
+        raise InputError(f"node_influence takes an AttributionGraph (attribution_graph(...)), got {graph!r:.60}")
     return influence(normalized(graph.adjacency), logit_weights(graph))
 
 
@@ -120,6 +124,8 @@ def removal_effects(graph: AttributionGraph, logit: int | None = None) -> torch.
 
     if not isinstance(graph, AttributionGraph):
         raise InputError(f"removal_effects takes an AttributionGraph, got {type(graph).__name__}")
+    if logit is not None:
+        require_integer(logit, "logit (a vocab id of one of the graph's logit nodes, or None)", low=0)
     row = graph.logit_node(logit)
     n_f = graph.n_features
     acts = graph.activations.float()

@@ -33,19 +33,33 @@ are the input and the output of the decoder layer's ``mlp`` module
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from countlens.errors import InputError
-from countlens.validate import require_choice, require_count
+from countlens.validate import (
+    require_bool,
+    require_choice,
+    require_count,
+    require_integer,
+    require_sequence,
+    require_text,
+)
 
 #: The activations a transcoder may use (circuit-tracer's names).
 ACTIVATIONS: tuple[str, ...] = ("topk", "jumprelu", "relu")
 #: Where a set's features read and write, in circuit-tracer's hook names.
 FEATURE_INPUT_HOOK = "mlp.hook_in"
 FEATURE_OUTPUT_HOOK = "mlp.hook_out"
+
+
+def require_float_dtype(dtype, name: str) -> torch.dtype:
+    """A floating torch dtype (torch.float32, torch.bfloat16 …): what a transcoder's weights are held in."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InputError(f"{name} must be a floating torch dtype such as torch.float32, got {dtype!r:.60}")
+    return dtype
 
 
 class TopK(nn.Module):
@@ -97,6 +111,8 @@ class Transcoder(nn.Module):
         require_count(d_model, "d_model")
         require_count(d_transcoder, "d_transcoder")
         require_choice(activation, "activation", ACTIVATIONS)
+        skip = require_bool(skip, "skip")
+        require_float_dtype(dtype, "dtype")
         if activation != "topk" and k is not None:
             raise InputError(f"k is for topk transcoders; a {activation} transcoder takes none")
         self.d_model, self.d_transcoder, self.activation = d_model, d_transcoder, activation
@@ -174,10 +190,19 @@ class TranscoderSet(nn.Module):
         scan: str = "",
     ):
         super().__init__()
+        if isinstance(transcoders, (str, bytes, torch.Tensor)) or not isinstance(transcoders, Iterable):
+            transcoders = []
         transcoders = list(transcoders)
         if not transcoders or not all(isinstance(t, Transcoder) for t in transcoders):
             raise InputError("a TranscoderSet takes a non-empty list of Transcoder, one per layer")
-        layers = list(range(len(transcoders))) if layers is None else [int(x) for x in layers]
+        if layers is not None:
+            layers = [
+                require_integer(x, "each of layers", low=0)
+                for x in require_sequence(layers, "layers", example="[0, 1]")
+            ]
+        layers = list(range(len(transcoders))) if layers is None else layers
+        require_text(model_name, "model_name", empty=True)
+        require_text(scan, "scan", empty=True)
         if len(layers) != len(transcoders) or sorted(set(layers)) != layers or layers[0] < 0:
             raise InputError(
                 f"layers {layers} must be distinct, increasing and ≥ 0, one per transcoder ({len(transcoders)} given)"

@@ -63,7 +63,7 @@ from countlens.toy.strictness import (
     wilson,
 )
 from countlens.toy.train import Collator, lr_at
-from countlens.validate import require_count, require_seed
+from countlens.validate import require_callback, require_count, require_path, require_seed
 
 #: The organism an edge circuit is planted into (its L0H2 already moves the count).
 START = "planted-route"
@@ -168,9 +168,9 @@ def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, 
     from countlens.files import claim_directory, directory_lock
     from countlens.organisms import ORGANISMS
 
+    out, progress = require_path(out, "out", example="'organisms/value-route'"), require_callback(progress)
     pc = PlantConfig(steps=circuit.steps) if pc is None else pc
     check_plant(circuit, pc)  # every argument before the folder is claimed
-    out = Path(out)
     claim_directory(out, "countlens toy plant", {"circuit": circuit.name, "recipe": asdict(pc)})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
         train = lambda model, log: train_stages(model, circuit, pc, log, train_edges)  # noqa: E731

@@ -34,7 +34,14 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
 from countlens.files import claim_directory, directory_lock
-from countlens.toy.planted import EdgeCircuit, PlantedCircuit, Sharpening, check_circuit, check_sharpening
+from countlens.toy.planted import (
+    EdgeCircuit,
+    PlantedCircuit,
+    Sharpening,
+    check_circuit,
+    check_fields,
+    check_sharpening,
+)
 from countlens.toy.planter import Planter, other_sample, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig, build_image_processor, build_tokenizer
 from countlens.toy.resample import (
@@ -45,7 +52,14 @@ from countlens.toy.resample import (
 )
 from countlens.toy.strictness import fresh_checks, fresh_strictness
 from countlens.toy.train import Collator, lr_at  # lr_at: the organism's warmup and cosine schedule
-from countlens.validate import require_count, require_nonnegative, require_positive, require_seed
+from countlens.validate import (
+    require_callback,
+    require_count,
+    require_nonnegative,
+    require_path,
+    require_positive,
+    require_seed,
+)
 
 #: Held-out pairs' seed: neither training (≥ TRAIN_SEED_BASE) nor discover's default (0).
 EVAL_SEED = 1
@@ -280,9 +294,9 @@ def plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig | None = None, pro
     training log and ``planted.json`` with the circuit, the recipe, `verify`'s figures on the saved
     weights and the checks); ``pc`` defaults to the recipe with the circuit's own steps. Returns
     planted.json's content."""
+    out, progress = require_path(out, "out", example="'organisms/route'"), require_callback(progress)
     pc = PlantConfig(steps=circuit.steps) if pc is None else pc
     check_plant(circuit, pc)  # every argument before the folder is claimed
-    out = Path(out)
     # Only an empty folder, or this command's own earlier output of the same circuit and recipe, is written:
     # never another checkpoint (its shard index would point at deleted shards) or a finished run of others.
     claim_directory(out, "countlens toy plant", {"circuit": circuit.name, "recipe": asdict(pc)})
@@ -301,9 +315,11 @@ def check_plant(circuit: PlantedCircuit | EdgeCircuit, pc: PlantConfig) -> None:
             "circuit must be a PlantedCircuit or an EdgeCircuit (countlens.toy.planted.CIRCUITS, EDGE_CIRCUITS), "
             f"got {type(circuit).__name__}"
         )
+    check_fields(circuit)  # an edge circuit's own fields (its node circuit's are checked with its nodes)
     cfg = ToyConfig()
     nodes = circuit.node_circuit if isinstance(circuit, EdgeCircuit) else circuit
     check_circuit(nodes, cfg.text_layers, cfg.heads)  # the organism planting starts from
+    check_sharpening(circuit.name, circuit.sharpen)  # an edge circuit's own (its node circuit has none)
     if circuit.sharpen is not None:
         sharpening_config(circuit.sharpen, pc)  # its PlantConfig checks the stage's ranges
 

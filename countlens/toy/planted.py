@@ -46,6 +46,7 @@ These circuits and checks are countlens's own construction; no paper's planted m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 from countlens.errors import InputError
 
@@ -223,20 +224,22 @@ EDGE_CIRCUITS: dict[str, EdgeCircuit] = {
 
 def edge_circuit(name: str) -> EdgeCircuit:
     """The edge circuit ``name``; raises naming the choices."""
-    if name not in EDGE_CIRCUITS:
+    if not isinstance(name, str) or name not in EDGE_CIRCUITS:
         raise InputError(f"no planted edge circuit {name!r}; choose one of {tuple(EDGE_CIRCUITS)}")
     return EDGE_CIRCUITS[name]
 
 
 def planted_circuit(name: str) -> PlantedCircuit:
     """The circuit ``name`` of `CIRCUITS`; raises naming the choices."""
-    if name not in CIRCUITS:
+    if not isinstance(name, str) or name not in CIRCUITS:
         raise InputError(f"no planted circuit {name!r}; choose one of {tuple(CIRCUITS)}")
     return CIRCUITS[name]
 
 
 def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
-    """Raise if a node or blind layer lies outside an ``n_layers`` × ``n_heads`` model."""
+    """Raise if a field is of the wrong kind, or a node or blind layer lies outside an ``n_layers`` ×
+    ``n_heads`` model."""
+    check_fields(circuit)
     for n in circuit.nodes:
         head_ok = n.is_mlp or 0 <= n.head < n_heads
         if not (0 <= n.layer < n_layers and head_ok) or n.at not in POSITIONS:
@@ -262,9 +265,70 @@ def check_circuit(circuit: PlantedCircuit, n_layers: int, n_heads: int) -> None:
         )
 
 
+def _index(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _listed(value, kind: type | tuple) -> bool:
+    """A tuple or list of ``kind`` values."""
+    return isinstance(value, (tuple, list)) and all(isinstance(v, kind) for v in value)
+
+
+def check_fields(circuit: PlantedCircuit | EdgeCircuit) -> None:
+    """Raise if ``circuit``'s fields are not what they hold: a name and a description, a non-empty tuple of
+    `PlantedNode`s of integer layers and heads, a step count, tuples of layers, of source names and (an
+    edge circuit's) of edge labels, switches True or False."""
+    name = circuit.name
+    if not isinstance(name, str) or not name:
+        raise InputError(f"a planted circuit's name is a non-empty string, e.g. 'route'; got {name!r:.60}")
+    nodes = circuit.nodes
+    if not _listed(nodes, PlantedNode) or not nodes:
+        raise InputError(
+            f"planted circuit {name!r}: nodes is a non-empty tuple of PlantedNode(layer, head), e.g. "
+            f"(PlantedNode(0, 2),); got {nodes!r:.60}"
+        )
+    for n in nodes:
+        if not _index(n.layer) or not (n.head is None or _index(n.head)) or not isinstance(n.at, str):
+            raise InputError(
+                f"planted circuit {name!r}: a node is PlantedNode(layer, head, at) with integer layer and head ≥ 0 "
+                f"(head None: the layer's MLP) and at one of {POSITIONS}; got {n!r:.80}"
+            )
+    if not isinstance(circuit.description, str):
+        raise InputError(f"planted circuit {name!r}: description is a string, got {circuit.description!r:.60}")
+    if not _index(circuit.steps) or not circuit.steps:
+        raise InputError(f"planted circuit {name!r}: steps is an integer ≥ 1, got {circuit.steps!r:.60}")
+    tuples = {"strict_sources": str}
+    tuples |= {"edges": str, "swapped": str} if isinstance(circuit, EdgeCircuit) else {"blind_layers": Integral}
+    tuples |= {} if isinstance(circuit, EdgeCircuit) else {"checked": str}
+    for field, kind in tuples.items():
+        if not _listed(getattr(circuit, field), kind):
+            what = "integers" if kind is Integral else "strings"
+            raise InputError(
+                f"planted circuit {name!r}: {field} is a tuple of {what}; got {getattr(circuit, field)!r:.60}"
+            )
+    for field in () if isinstance(circuit, EdgeCircuit) else ("each_necessary", "mlp_nodes"):
+        if not isinstance(getattr(circuit, field), bool):
+            raise InputError(f"planted circuit {name!r}: {field} is True or False, got {getattr(circuit, field)!r:.60}")
+
+
 def check_sharpening(name: str, s: Sharpening | None) -> None:
-    """Raise if circuit ``name``'s second stage ``s`` (if any) names unknown sources or counts, or bad weights."""
-    if s is not None and (
+    """Raise if circuit ``name``'s second stage ``s`` (if any) is no `Sharpening`, names unknown sources or
+    counts, or has bad weights."""
+    if s is None:
+        return
+    if not isinstance(s, Sharpening):
+        raise InputError(f"planted circuit {name!r}: sharpen is a Sharpening(...) or None, got {type(s).__name__}")
+    weights = (s.different_weight, s.invariance_weight)
+    if (
+        not _listed(s.strict_sources, str)
+        or not _listed(s.high_counts, Integral)
+        or not all(isinstance(w, Real) and not isinstance(w, bool) for w in weights)
+    ):
+        raise InputError(
+            f"planted circuit {name!r}: its sharpening takes tuples of strictness sources and high counts and "
+            f"numeric weights; got {s!r:.120}"
+        )
+    if (
         not set(s.strict_sources)
         or set(s.strict_sources) - set(SOURCES)
         or len(set(s.high_counts)) == 1

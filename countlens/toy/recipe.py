@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES
+from countlens.errors import ConfigError
 from countlens.toy.schedule import TrainConfig
+from countlens.validate import require_count, require_image_side, require_integer, require_positive
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -81,6 +83,11 @@ CHAT_TEMPLATE = (
 )
 
 
+#: `ToyConfig`'s sizes besides the image's: positive integers.
+SIZES = ("patch_size", "merge_size", "vision_depth", "vision_dim", "vision_heads", "text_layers", "hidden", "heads")
+SIZES += ("kv_heads", "intermediate")
+
+
 @dataclass(frozen=True)
 class ToyConfig:
     """Sizes of the organism. Defaults are the shipped organism's."""
@@ -107,6 +114,18 @@ class ToyConfig:
     # thousands of steps (measured: 32 fixed scenes not memorised in 150 steps at 0.02, memorised
     # at 0.1).
     init_std: float = 0.1
+
+    def __post_init__(self) -> None:
+        """Every size a positive integer, before a tokenizer, processor or model is built from them."""
+        require_image_side(self.image_size, "image_size", ConfigError)
+        for name in SIZES:
+            require_count(getattr(self, name), name, ConfigError)
+        require_positive(self.init_std, "init_std", ConfigError)
+        section = self.mrope_section
+        if not isinstance(section, (tuple, list)) or len(section) != 3:
+            raise ConfigError(f"mrope_section takes three integers (time, height, width), got {section!r:.60}")
+        for part in section:
+            require_integer(part, "each of mrope_section", ConfigError, low=0)
 
     @property
     def geometry(self):

@@ -40,7 +40,7 @@ from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng
 from countlens.toy.plant import PlantConfig, save_organism
 from countlens.toy.strictness import FRESH_SEED, paired_drop, wilson
-from countlens.validate import require_count, require_seed
+from countlens.validate import require_callback, require_count, require_path, require_seed
 
 IMAGE = 192
 TOP_COUNTS: tuple[int, ...] = tuple(range(1, 10))
@@ -181,6 +181,7 @@ def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) ->
     ``planted.json`` with the recipe and `verify_regions`'s figures on the saved weights); returns the
     record. The object-level figures are added by ``countlens toy plant`` (they need countlens's
     object effects, above this package)."""
+    out, progress = require_path(out, "out", example="'organisms/top-half'"), require_callback(progress)
     recipe = {**REGION_RECIPE, "steps": steps, "seed": seed}
     PlantConfig(seed=seed, steps=steps, lr=recipe["lr"])  # its ranges checked before the folder is claimed
     from transformers import Qwen2VLForConditionalGeneration
@@ -188,7 +189,6 @@ def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) ->
     from countlens.files import claim_directory, directory_lock
     from countlens.organisms import TOY_DIR
 
-    out = Path(out)
     claim_directory(out, "countlens toy plant", {"circuit": "top-half", "recipe": recipe})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
         model = Qwen2VLForConditionalGeneration.from_pretrained(TOY_DIR, dtype=torch.float32)

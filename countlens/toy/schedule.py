@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from countlens.errors import ConfigError
-from countlens.validate import require_choice, require_count, require_nonnegative, require_positive, require_seed
+from countlens.validate import (
+    require_bool,
+    require_choice,
+    require_count,
+    require_nonnegative,
+    require_positive,
+    require_seed,
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +45,10 @@ class TrainConfig:
     threads: int = 2
 
     def __post_init__(self) -> None:
-        if self.pretrain_reads not in ("centre", "tokens", "patches"):
-            raise ConfigError(f"pretrain_reads {self.pretrain_reads!r} is unknown; use 'centre', 'tokens' or 'patches'")
+        if not isinstance(self.pretrain_reads, str) or self.pretrain_reads not in ("centre", "tokens", "patches"):
+            raise ConfigError(
+                f"pretrain_reads {self.pretrain_reads!r:.40} is unknown; use 'centre', 'tokens' or 'patches'"
+            )
         require_seed(self.seed, "seed", ConfigError)
         for name in ("batch_size", "crop_size", "crop_batch", "threads"):
             require_count(getattr(self, name), name, ConfigError)
@@ -47,6 +56,7 @@ class TrainConfig:
             require_seed(getattr(self, name), name, ConfigError)
         require_positive(self.lr, "lr", ConfigError)
         require_nonnegative(self.weight_decay, "weight_decay", ConfigError)
+        require_bool(self.freeze_vision, "freeze_vision", ConfigError)
         from countlens.datasets.tasks import TASKS  # here, not at the top: reading the fields stays light
 
         for task, weight in self.task_mix.items():

@@ -28,7 +28,7 @@ import torch
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Obj, Scene, place_objects
 from countlens.datasets.tasks import TASKS, TRAIN_SEED_BASE, TaskSample, object_sizes, sample_rng, task_sample
-from countlens.errors import CountlensError
+from countlens.errors import ConfigError, CountlensError
 from countlens.files import claim_directory
 from countlens.toy.recipe import (
     ToyConfig,
@@ -38,6 +38,7 @@ from countlens.toy.recipe import (
     build_tokenizer,
     save_recipe,
 )
+from countlens.validate import require_callback, require_path
 
 
 def training_sample(seed: int, index: int, cfg: ToyConfig, tc: TrainConfig) -> TaskSample:
@@ -278,7 +279,12 @@ def quick_accuracy(model, collate: Collator, samples: list[TaskSample], batch_si
 
 def train(out: Path, cfg: ToyConfig = ToyConfig(), tc: TrainConfig = TrainConfig(), progress=None) -> dict:
     """Train and save the organism to ``out`` (HF format + recipe + log). Returns the last log row."""
-    out = Path(out)
+    out, progress = require_path(out, "out", example="'weights'"), require_callback(progress)
+    if not isinstance(cfg, ToyConfig) or not isinstance(tc, TrainConfig):
+        raise ConfigError(
+            f"train takes cfg=ToyConfig(...) and tc=TrainConfig(...) (countlens.toy.recipe, countlens.toy.schedule), "
+            f"got {type(cfg).__name__} and {type(tc).__name__}"
+        )
     if tc.vision_pretrain and tc.crop_size % cfg.geometry.token_size:
         raise CountlensError(
             f"crop_size {tc.crop_size} is not a multiple of the organism's token size "
