@@ -49,7 +49,7 @@ from countlens.features.activations import (
     mix_samples,
 )
 from countlens.features.transcoder import Transcoder, TranscoderSet
-from countlens.validate import require_count, require_positive, require_seed, require_share
+from countlens.validate import require_count, require_path, require_positive, require_seed, require_share
 
 if TYPE_CHECKING:
     from countlens.vlm import VLM
@@ -167,8 +167,8 @@ def train_transcoders(
     for name, flag in (("progress", progress), ("resume", resume)):
         if not isinstance(flag, bool):
             raise InputError(f"{name} must be True or False, got {flag!r}")
-    if out is not None and not isinstance(out, (str, Path)):
-        raise InputError(f"out must be a folder path or None, got {type(out).__name__}")
+    if out is not None:
+        out = require_path(out, "out", example="'runs/tc'")  # "" is no folder: not the working directory
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise InputError(f"out {out} is a file; give a folder for the checkpoint and the result")
     spec = {

@@ -286,3 +286,13 @@ def test_discover_plan_names_the_image_size_when_its_scenes_cannot_be_drawn():
         from countlens.pipeline.plan import plan
 
         plan(meta_vlm("toy", image_size=48))
+
+
+def test_train_transcoders_refuses_an_empty_out_rather_than_writing_here(loaded, tmp_path, monkeypatch):
+    """``out=""`` is no folder: it would have put the checkpoint in the working directory."""
+    from countlens.features import train_transcoders
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match="out must be a path"):
+        train_transcoders(loaded("toy"), out="", steps=1)
+    assert not list(tmp_path.iterdir())
