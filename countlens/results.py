@@ -174,6 +174,7 @@ def save(obj: xr.DataArray | xr.Dataset, path: str | os.PathLike) -> Path:
     path = Path(path)
     dataset = _to_dataset(obj)
     _check_attrs(dataset)
+    _check_finite(dataset, path, SAVE_FIX)
     _prepare_parent(path)
     with atomic_path(path) as tmp:
         _write(dataset, tmp, path)
@@ -196,6 +197,7 @@ def save_all(results: Mapping[str, xr.DataArray | xr.Dataset], directory: str | 
             raise ResultError(f"result {name!r} is a {type(obj).__name__}, not an xarray DataArray or Dataset")
         datasets[name] = _to_dataset(obj)
         _check_attrs(datasets[name])
+        _check_finite(datasets[name], directory / f"{name}.nc", SAVE_FIX)
         if (directory / f"{name}.nc").is_dir():
             raise ResultError(f"cannot save {name!r} to {directory / f'{name}.nc'}: it is a directory; remove it")
     made = _missing_folders(directory)
@@ -253,21 +255,22 @@ def load(path: str | os.PathLike) -> xr.DataArray | xr.Dataset:
     return _from_dataset(dataset.drop_encoding(), path)
 
 
-def _check_finite(dataset: xr.Dataset, path: Path) -> None:
-    """Refuse a file whose numbers hold ±inf: results are read back as scores, rankings and weights,
-    where an inf ranks first whatever it means. NaN stays legal (no value there: a layer's absent head)."""
+#: What to do with a file that holds ±inf (`save` writes none, so another program wrote or edited it).
+READ_FIX = "countlens saves none: the file was edited or written by another program; delete it and compute it again"
+SAVE_FIX = "results are read back as scores and rankings: replace ±inf by NaN (no value) or a finite bound"
+
+
+def _check_finite(dataset: xr.Dataset, path: Path, fix: str = READ_FIX) -> None:
+    """Refuse ±inf in a result, on save and on read: results are read back as scores, rankings and
+    weights, where an inf ranks first whatever it means. NaN stays legal (no value there: a layer's
+    absent head)."""
     from countlens.validate import require_finite_tensor
 
     for name, variable in dataset.variables.items():
+        if not np.issubdtype(variable.dtype, np.number):
+            continue
         shown = "the result" if name == DATAARRAY_VAR else f"variable {name!r}"
-        require_finite_tensor(
-            variable.values,
-            f"{path}: {shown}",
-            ResultError,
-            nan=True,
-            fix="countlens writes none: the file was edited or written by another program; delete it and compute "
-            "the result again",
-        )
+        require_finite_tensor(variable.values, f"{path}: {shown}", ResultError, nan=True, fix=fix)
 
 
 def _to_dataset(obj: xr.DataArray | xr.Dataset) -> xr.Dataset:
@@ -369,7 +372,7 @@ def _write(dataset: xr.Dataset, tmp: Path, path: Path) -> None:
             raise ResultError(
                 f"cannot save to {path}: netCDF cannot hold its values ({err}); give its variables and coords "
                 "numbers, bools or strings (store anything richer as a JSON string)"
-            ) from None
+            ) from err
 
 
 def _write_netcdf(dataset: xr.Dataset, tmp: Path) -> None:

@@ -10,8 +10,8 @@ has at each chosen position (Float[Tensor, "k d"], d the site's width):
   `countlens.circuits.record`, which marks each row with its sample; ``into=`` names the samples the
   rows are written into). Each forward's row takes its own sample's row, whatever the batching and
   order (`countlens.circuits.positions.row_index`).
-- `Resample` — the value a donor sample has there: row b of a batch takes donor ``order[b]`` of
-  ``donors`` (samples, recorded once; ``order`` a seeded permutation).
+- `Resample` — the value a donor sample has there, a random one of ``donors`` (samples, recorded once)
+  per row: drawn from the seed and the row's sample, so the same at any batching and order.
 - `Mean` — the mean of x over a reference set: ``reference`` samples (the mean at the same positions
   of their forwards) or a vector.
 - `Zero` — 0.
@@ -41,6 +41,7 @@ from countlens.circuits.positions import (
     Frame,
     Objects,
     as_positions,
+    given_sample_keys,
     row_index,
     sample_digest,
     sample_keys,
@@ -136,7 +137,8 @@ class Patch(Intervention):
             from countlens.vlm import check_samples
 
             check_samples(samples, "Patch into")
-            object.__setattr__(self, "keys", sample_keys(samples))
+            keys = sample_keys(samples) if self.into is None else given_sample_keys(samples, "Patch into=")
+            object.__setattr__(self, "keys", keys)
 
     def check_values(self, vlm: VLM) -> None:
         if self.values is not None:

@@ -129,6 +129,21 @@ def sample_keys(samples: Sequence) -> tuple:
     return tuple(sample_key(s) for s in samples)
 
 
+def given_sample_keys(samples: Sequence, what: str) -> tuple:
+    """`sample_keys` of the samples a user names for the rows of a value (``into=``, ``samples=``): each
+    sample once, since two rows given for one sample leave no rule for which a forward writes."""
+    keys = sample_keys(samples)
+    seen: dict = {}
+    for i, key in enumerate(keys):
+        if key in seen:
+            raise InputError(
+                f"{what} names one sample for rows {seen[key]} and {i}: a forward of that sample could take "
+                "either; give each sample once (run the other row's values in a separate intervene)"
+            )
+        seen[key] = i
+    return keys
+
+
 def with_samples(values: Tensor, samples: Sequence) -> Tensor:
     """``values`` (its first axis: one row per sample) marked with the samples of its rows, so that a
     forward writes each row into its own sample's row (`row_index`); returns ``values``. A new tensor
@@ -347,7 +362,8 @@ class Mask:
         if samples is not None:
             if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
                 raise InputError(f"Mask samples are the sample of each row (a list), got {type(samples).__name__}")
-            object.__setattr__(self, "keys", sample_keys(samples))
+            keys = sample_keys(samples) if self.samples is None else given_sample_keys(samples, "Mask samples=")
+            object.__setattr__(self, "keys", keys)
 
     def check(self, vlm: VLM) -> None:
         w = self.where

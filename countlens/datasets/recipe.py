@@ -134,7 +134,7 @@ def rebuild(recipe: dict):
         raise InputError(
             f"the recipe of {generator} cannot be made again ({type(err).__name__}: {err}); its arguments "
             f"{args!r:.200} are not what this generator takes: rebuild from a recipe countlens wrote"
-        ) from None
+        ) from err  # chained: where a generator's own bug raised it, the traceback shows where
 
 
 def _check_version(recipe: dict) -> None:

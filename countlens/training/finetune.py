@@ -253,6 +253,8 @@ def finetune(
     fix = f"delete {out} to train this fine-tune from scratch, or fine-tune into a new directory"
     saved = read_json(spec_file, fix) if spec_file.exists() else None
     if saved is not None:
+        if saved.get("target_heads") == []:  # every head, as specs wrote it before target_heads=None
+            saved = {**saved, "target_heads": None}
         refuse_older_spec(saved, spec, spec_file, "fine-tune into a new directory")
         if saved != spec:
             raise RunDirError(

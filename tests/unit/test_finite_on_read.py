@@ -74,11 +74,21 @@ def test_a_result_file_with_inf_is_refused_and_nan_stays_legal(tmp_path):
     ranking = xr.DataArray([[0.5, np.nan], [0.25, 0.1]], dims=("layer", "head"), name="effect")
     results.save(ranking, tmp_path / "ok.nc")
     assert np.isnan(results.load(tmp_path / "ok.nc").values[0, 1])  # no head there: read as it is
-    results.save(ranking.where(ranking != 0.25, np.inf), tmp_path / "inf.nc")
+    # countlens saves no ±inf (refused before anything is written), so such a file is another program's.
+    infinite = ranking.where(ranking != 0.25, np.inf)
+    with pytest.raises(results.ResultError, match=r"inf\.nc: the result holds 1 ±inf.*replace ±inf by NaN"):
+        results.save(infinite, tmp_path / "inf.nc")
+    with pytest.raises(results.ResultError, match=r"b\.nc: variable 'cpr' holds 1 ±inf"):
+        results.save_all({"a": ranking, "b": xr.Dataset({"cpr": ("r", [0.5, -np.inf])})}, tmp_path / "all")
+    assert not (tmp_path / "inf.nc").exists() and not (tmp_path / "all").exists()
+    results.save(ranking, tmp_path / "edited.nc")
+    edited = xr.load_dataset(tmp_path / "edited.nc")
+    edited[next(iter(edited.data_vars))][1, 0] = np.inf
+    edited.to_netcdf(tmp_path / "inf.nc")
     with pytest.raises(results.ResultError, match=r"inf\.nc: the result holds 1 ±inf of its 4 values"):
         results.load(tmp_path / "inf.nc")
     ds = xr.Dataset({"cpr": ("ranking", [0.5, -np.inf])}, coords={"ranking": ["a", "b"]})
-    results.save(ds, tmp_path / "ds.nc")
+    ds.to_netcdf(tmp_path / "ds.nc")
     with pytest.raises(results.ResultError, match=r"ds\.nc: variable 'cpr' holds 1 ±inf"):
         results.load(tmp_path / "ds.nc")
 

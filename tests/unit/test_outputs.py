@@ -262,6 +262,11 @@ def test_finetune_rerun_names_the_setting_that_differs(tmp_path, loaded):
     with pytest.raises(RunDirError, match="lr 0.0001 → 0.0002"):
         finetune(vlm, samples, out, replace(old, lr=2e-4))
     assert _listing(tmp_path) == before
+    # A spec that wrote "every head" as [] (target_heads=None now) differs only where it differs.
+    (out / "finetune.json").write_text(json.dumps({**spec, "target_heads": []}))
+    with pytest.raises(RunDirError, match="lr 0.0001 → 0.0002") as err:
+        finetune(vlm, samples, out, replace(old, lr=2e-4))
+    assert "target_heads" not in str(err.value)
 
 
 def test_broken_yaml_is_said_to_be_broken_yaml_and_where(tmp_path):

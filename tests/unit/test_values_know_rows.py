@@ -109,11 +109,21 @@ def test_values_of_other_samples_or_rows_are_refused_or_named(toy, scenes, pairs
                 score(toy, others)
         finally:
             handle.remove()
+    assert not calls  # refused before the model ran
     # A plain tensor (no samples) of 6 rows written into forwards of 4 and 2 rows: refused, never modulo.
     with intervene(toy, Patch(Residual(-1), positions="image", values=late.clone())):
-        with pytest.raises(InputError, match="hold 6 rows, without their samples, and this forward 4"):
-            score(toy, scenes, batch_size=4)
+        calls, handle = _forwards(toy)
+        try:
+            with pytest.raises(InputError, match="hold 6 rows, without their samples, and this forward 4"):
+                score(toy, scenes, batch_size=4)
+        finally:
+            handle.remove()
     assert not calls  # refused before the model ran
+    # Two rows named for one sample leave no rule for which one its forward takes: refused.
+    with pytest.raises(InputError, match="one sample for rows 0 and 1"):
+        Patch(Residual(-1), positions="image", values=late[:2].clone(), into=[scenes[0], scenes[0]])
+    with pytest.raises(InputError, match="one sample for rows 0 and 1"):
+        Mask(torch.zeros(2, late.shape[1], dtype=torch.bool), samples=[scenes[0], scenes[0]])
     # A donor's rows written into other samples say which: into= realigns them by sample too.
     pb = prepare_pairs(toy, pairs)
     donor = record(toy, pb.corrupt, [Residual(1)])[Residual(1)]
