@@ -545,6 +545,9 @@ def _run(name: str, kwargs: dict):
     result = _call(function(name), {k: v() if v is FRESH else v for k, v in kwargs.items()})
     if not inspect.isclass(PUBLIC[name]):
         return result
+    # A use the organism refuses by name (Expert, ImageStates: `REFUSED`) would pass any field: fields first.
+    if name in REFUSED and (wrong := _typed(result)) is not None:
+        raise TypeError(f"accepted: {wrong}")
     try:
         used = USE[name](result) if name in USE else None
     except _Trained:  # the object passed the door of the training it configures: its fields are checked below
