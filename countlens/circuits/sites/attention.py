@@ -29,10 +29,6 @@ class Q:
     def __post_init__(self):
         check_indices(self, layer=0, head=0)
 
-    def check(self, vlm: VLM) -> None:
-        """Refuse a layer or head the model lacks (its location checks both)."""
-        self.location(vlm)
-
     @property
     def label(self) -> str:
         return f"L{self.layer}H{self.head}.q"
@@ -69,10 +65,6 @@ class K:
 
     def __post_init__(self):
         check_indices(self, layer=0, head=0)
-
-    def check(self, vlm: VLM) -> None:
-        """Refuse a layer or head the model lacks (its location checks both)."""
-        self.location(vlm)
 
     @property
     def label(self) -> str:
@@ -143,10 +135,6 @@ class Pattern:
 
     def __post_init__(self):
         check_indices(self, layer=0, head=0)
-
-    def check(self, vlm: VLM) -> None:
-        """Refuse a layer or head the model lacks (its location checks both)."""
-        self.location(vlm)
 
     def location(self, vlm: VLM) -> Location:
         arch = vlm.arch

@@ -59,13 +59,15 @@ def check_indices(site, **lows: int) -> None:
 def check_site(vlm: VLM, site) -> None:
     """Refuse, before any forward, what is no site or a site ``vlm`` lacks (a layer, head, key-value head,
     expert or vision block it has not): the one check behind `record`, `mean_activation`, `effect` and
-    `intervene` (each site's ``check``, which its ``location`` runs too)."""
-    if isinstance(site, type) or not callable(getattr(site, "check", None)):
+    `intervene`. A site's own ``check`` where it has one (a site whose ``location`` runs it, or one with
+    no location of its own: `Expert`); else finding its ``location`` is the check."""
+    check = getattr(site, "check", None) or getattr(site, "location", None)
+    if isinstance(site, type) or not callable(check):
         raise InputError(
             f"{site!r:.60} is no site; name one with countlens.circuits' Residual(layer), HeadZ(layer, head), Q, K, "
             "V, MlpIn, MlpOut, Expert, ImageStates or Pattern"
         )
-    site.check(vlm)
+    check(vlm)
 
 
 class Location(NamedTuple):

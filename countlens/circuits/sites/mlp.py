@@ -25,10 +25,6 @@ class MlpIn:
     def __post_init__(self):
         check_indices(self, layer=0)
 
-    def check(self, vlm: VLM) -> None:
-        """Refuse a layer the model lacks, or one without an MLP module."""
-        mlp_path(vlm, self.layer)
-
     @property
     def label(self) -> str:
         return f"MLP{self.layer}.in"
@@ -50,10 +46,6 @@ class MlpOut:
 
     def __post_init__(self):
         check_indices(self, layer=0)
-
-    def check(self, vlm: VLM) -> None:
-        """Refuse a layer the model lacks, or one without an MLP module."""
-        mlp_path(vlm, self.layer)
 
     @property
     def label(self) -> str:

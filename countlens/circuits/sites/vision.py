@@ -21,10 +21,6 @@ class VisionBlock:
     def __post_init__(self):
         check_indices(self, index=0)
 
-    def check(self, vlm: VLM) -> None:
-        """Refuse a vision block the tower lacks."""
-        self.location(vlm)
-
     def location(self, vlm: VLM) -> Location:
         blocks = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)
         if not 0 <= self.index < len(blocks):
