@@ -185,13 +185,12 @@ class Resample(Intervention):
     def rows_for(self, frame: Frame) -> Tensor:
         """Each row's donor (a random draw by design, not a sample's own row): by the row's sample where
         the forward knows it, else ``order[b mod n]``."""
-        n, rows = self.values.shape[0], frame.input_ids.shape[0]
-        samples = None if frame.batch is None else frame.batch.samples
-        if not samples or rows % len(samples):
-            return torch.arange(rows) % n
+        n, samples = self.values.shape[0], frame.row_samples()
+        if samples is None:
+            return torch.arange(frame.input_ids.shape[0]) % n
         seed = f"{int(self.seed)}:".encode()
         draws = [int.from_bytes(hashlib.sha256(seed + sample_digest(s)).digest()[:8], "little") % n for s in samples]
-        return torch.tensor(draws * (rows // len(samples)))
+        return torch.tensor(draws)
 
 
 @dataclass(frozen=True, eq=False)

@@ -81,16 +81,19 @@ class Frame(NamedTuple):
             )
         return self.batch
 
-    def row_keys(self) -> tuple | None:
-        """Each row's `sample_key` (k stacked copies of the batch: its keys k times), or None where the
-        rows' samples are unknown (no prepared batch, or one prepared without `VLM.prepare_samples`)."""
-        if self.batch is None or self.batch.samples is None:
-            return None
-        keys = sample_keys(self.batch.samples)
+    def row_samples(self) -> tuple | None:
+        """Each row's sample (k stacked copies of the batch: its samples k times), or None where the rows'
+        samples are unknown (no prepared batch, or one prepared without `VLM.prepare_samples`)."""
+        samples = None if self.batch is None else self.batch.samples
         rows = self.input_ids.shape[0]
-        if rows % len(keys):
+        if not samples or rows % len(samples):
             return None
-        return keys * (rows // len(keys))
+        return tuple(samples) * (rows // len(samples))
+
+    def row_keys(self) -> tuple | None:
+        """Each row's `sample_key`, or None where the rows' samples are unknown (`row_samples`)."""
+        samples = self.row_samples()
+        return None if samples is None else sample_keys(samples)
 
     def stacked(self, per_row: Bool[Tensor, "batch seq"]) -> Bool[Tensor, "rows seq"]:
         """A mask over the batch's rows repeated over this forward's stacked rows."""
@@ -110,16 +113,16 @@ def sample_key(sample) -> Hashable:
     try:
         hash(sample)
     except TypeError:
-        image = np.asarray(sample.image)
-        digest = hashlib.sha256(image.tobytes()).hexdigest()
-        return ("image", image.shape, digest, getattr(sample, "question", None))
+        return ("content", sample_digest(sample))
     return sample
 
 
 def sample_digest(sample) -> bytes:
-    """A digest of ``sample``'s content (its image and question), the same in every process and on every
-    machine — unlike `hash`, which Python salts per process."""
-    h = hashlib.sha256(np.ascontiguousarray(np.asarray(sample.image)).tobytes())
+    """A digest of ``sample``'s content (its image, with its shape, and its question), the same in every
+    process and on every machine — unlike `hash`, which Python salts per process."""
+    image = np.ascontiguousarray(np.asarray(sample.image))
+    h = hashlib.sha256(repr(image.shape).encode())
+    h.update(image.tobytes())
     h.update(str(getattr(sample, "question", "")).encode())
     return h.digest()
 
