@@ -17,8 +17,9 @@ restriction" is the caller's ``None``, never ``()``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from numbers import Integral
+from typing import NamedTuple
 
 import numpy as np
 import xarray as xr
@@ -104,11 +105,20 @@ def feature_label(feature: tuple[int, int]) -> str:
     return f"L{feature[0]}F{feature[1]}"
 
 
-#: Per kind of site: its label's pattern, its label, its pair's form and an example of each.
-_SPELLINGS = {
-    "head": (_HEAD_LABEL, head_label, "(layer, head)", "(3, 2)", "'L3H2'"),
-    "feature": (_FEATURE_LABEL, feature_label, "(layer, feature)", "(1, 17)", "'L1F17'"),
-}
+class Spelling(NamedTuple):
+    """How one kind of site is written: its unit's name, its label's pattern and maker, its pair's form,
+    and an example pair and label."""
+
+    unit: str
+    pattern: re.Pattern
+    label: Callable[[tuple[int, int]], str]
+    form: str
+    pair: str
+    example: str
+
+
+HEAD = Spelling("head", _HEAD_LABEL, head_label, "(layer, head)", "(3, 2)", "'L3H2'")
+FEATURE = Spelling("feature", _FEATURE_LABEL, feature_label, "(layer, feature)", "(1, 17)", "'L1F17'")
 
 
 def head_keys(
@@ -120,7 +130,7 @@ def head_keys(
     error class (`ConfigError` for a configuration field); ``none``: what the caller's ``None`` means,
     offered when the selection is empty (e.g. "None (the default) to train every head"). Refuses
     non-integers, bools, negative indices, an empty selection and a head given twice."""
-    return _site_keys(heads, "head", what, kind, none)
+    return _site_keys(heads, HEAD, what, kind, none)
 
 
 def feature_keys(
@@ -128,11 +138,11 @@ def feature_keys(
 ) -> tuple[tuple[int, int], ...]:
     """A selection of transcoder features as (layer, feature) pairs in the order given: `head_keys`'
     rules with the feature's label ``"L1F17"`` (`feature_label`)."""
-    return _site_keys(features, "feature", what, kind, None)
+    return _site_keys(features, FEATURE, what, kind, None)
 
 
-def _site_keys(sites, unit: str, what: str, kind, none: str | None) -> tuple[tuple[int, int], ...]:
-    pattern, label, form, pair, example = _SPELLINGS[unit]
+def _site_keys(sites, spelling: Spelling, what: str, kind, none: str | None) -> tuple[tuple[int, int], ...]:
+    unit, pattern, label, form, pair, example = spelling
     takes = f"{what} takes {form} pairs of integers, e.g. [{pair}], or labels, e.g. [{example}]"
     if isinstance(sites, str) or _pair_like(sites):
         items = [sites]  # one site given alone

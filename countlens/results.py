@@ -172,9 +172,7 @@ def save(obj: xr.DataArray | xr.Dataset, path: str | os.PathLike) -> Path:
     created. Attr values must be str, int or float (see `provenance`).
     """
     path = Path(path)
-    dataset = _to_dataset(obj)
-    _check_attrs(dataset)
-    _check_finite(dataset, path, SAVE_FIX)
+    dataset = _to_save(obj, path)
     _prepare_parent(path)
     with atomic_path(path) as tmp:
         _write(dataset, tmp, path)
@@ -195,9 +193,7 @@ def save_all(results: Mapping[str, xr.DataArray | xr.Dataset], directory: str | 
             raise ResultError(f"result name {name!r} is no file name: use letters, digits, '-', '_' or '.'")
         if not isinstance(obj, (xr.DataArray, xr.Dataset)):
             raise ResultError(f"result {name!r} is a {type(obj).__name__}, not an xarray DataArray or Dataset")
-        datasets[name] = _to_dataset(obj)
-        _check_attrs(datasets[name])
-        _check_finite(datasets[name], directory / f"{name}.nc", SAVE_FIX)
+        datasets[name] = _to_save(obj, directory / f"{name}.nc")
         if (directory / f"{name}.nc").is_dir():
             raise ResultError(f"cannot save {name!r} to {directory / f'{name}.nc'}: it is a directory; remove it")
     made = _missing_folders(directory)
@@ -216,6 +212,14 @@ def save_all(results: Mapping[str, xr.DataArray | xr.Dataset], directory: str | 
                 break
         raise
     return paths
+
+
+def _to_save(obj: xr.DataArray | xr.Dataset, path: Path) -> xr.Dataset:
+    """``obj`` as the Dataset `save` writes to ``path``, its attrs and numbers checked first."""
+    dataset = _to_dataset(obj)
+    _check_attrs(dataset)
+    _check_finite(dataset, path, SAVE_FIX)
+    return dataset
 
 
 def _missing_folders(directory: Path) -> list[Path]:
@@ -267,8 +271,6 @@ def _check_finite(dataset: xr.Dataset, path: Path, fix: str = READ_FIX) -> None:
     from countlens.validate import require_finite_tensor
 
     for name, variable in dataset.variables.items():
-        if not np.issubdtype(variable.dtype, np.number):
-            continue
         shown = "the result" if name == DATAARRAY_VAR else f"variable {name!r}"
         require_finite_tensor(variable.values, f"{path}: {shown}", ResultError, nan=True, fix=fix)
 

@@ -297,16 +297,16 @@ def check_fields(circuit: PlantedCircuit | EdgeCircuit) -> None:
         raise InputError(f"planted circuit {name!r}: description is a string, got {circuit.description!r:.60}")
     if not _index(circuit.steps) or not circuit.steps:
         raise InputError(f"planted circuit {name!r}: steps is an integer ≥ 1, got {circuit.steps!r:.60}")
-    tuples = {"strict_sources": str}
-    tuples |= {"edges": str, "swapped": str} if isinstance(circuit, EdgeCircuit) else {"blind_layers": Integral}
-    tuples |= {} if isinstance(circuit, EdgeCircuit) else {"checked": str}
+    edge = isinstance(circuit, EdgeCircuit)
+    own = {"edges": str, "swapped": str} if edge else {"blind_layers": Integral, "checked": str}
+    tuples = {"strict_sources": str, **own}
     for field, kind in tuples.items():
         if not _listed(getattr(circuit, field), kind):
             what = "integers" if kind is Integral else "strings"
             raise InputError(
                 f"planted circuit {name!r}: {field} is a tuple of {what}; got {getattr(circuit, field)!r:.60}"
             )
-    for field in () if isinstance(circuit, EdgeCircuit) else ("each_necessary", "mlp_nodes"):
+    for field in () if edge else ("each_necessary", "mlp_nodes"):
         if not isinstance(getattr(circuit, field), bool):
             raise InputError(f"planted circuit {name!r}: {field} is True or False, got {getattr(circuit, field)!r:.60}")
 
