@@ -39,7 +39,7 @@ import pandas as pd
 from countlens.analysis import depth
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses
-from countlens.analysis.runs import StoredRun
+from countlens.analysis.runs import MEASURED, StoredRun
 from countlens.analysis.tables import FAMILIES, OVERALL, case_families, family_row
 from countlens.errors import RunDirError
 
@@ -68,9 +68,6 @@ READS: dict[str, dict[str, tuple[str, ...]]] = {
         "answered_right": ("scene",),
     },
 }
-#: Of those, the variables that hold a measurement at every index: a NaN there is a broken file, not
-#: an empty cell (±inf is refused for every variable by `countlens.results.load`).
-MEASURED: dict[str, tuple[str, ...]] = {"faithfulness": ("faithfulness", "cpr", "cmd")}
 
 
 def check_reads(runs: list[StoredRun]) -> None:

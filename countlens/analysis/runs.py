@@ -47,6 +47,14 @@ PROTOCOL: tuple[str, ...] = (
     "seed",
 )
 
+#: Variables of a stage's stored result that hold a measurement at every index: a NaN there is a
+#: broken file, not "no value there" (±inf is refused for every variable by `countlens.results.load`).
+#: Read by the report's run loader and by `compare`.
+MEASURED: dict[str, tuple[str, ...]] = {
+    "faithfulness": ("faithfulness", "cpr", "cmd"),
+    "edge_faithfulness": ("faithfulness", "cpr", "cmd"),
+}
+
 
 @dataclass
 class StoredRun:

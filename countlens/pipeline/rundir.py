@@ -15,17 +15,12 @@ from pathlib import Path
 import xarray as xr
 
 from countlens import files, results
+from countlens.analysis.runs import MEASURED
 from countlens.errors import RunDirError
 from countlens.pipeline.stages import REQUIRED, STAGES
 from countlens.validate import require_count, require_finite_tensor
 
 BY_NAME = {stage.name: stage for stage in STAGES}
-#: Variables of a stage's result that hold a measurement at every index: a NaN there is no "no value
-#: there" but a broken file, refused on read with ±inf (which `countlens.results.load` refuses anywhere).
-MEASURED: dict[str, tuple[str, ...]] = {
-    "faithfulness": ("faithfulness", "cpr", "cmd"),
-    "edge_faithfulness": ("faithfulness", "cpr", "cmd"),
-}
 #: Coordinates of a stage's result that increase strictly (the faithfulness curves' sizes).
 INCREASING: dict[str, tuple[str, ...]] = {"faithfulness": ("size",), "edge_faithfulness": ("size",)}
 #: What a report reads of spec.json besides the model and arch: the prompt it names, and the top-k
