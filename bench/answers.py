@@ -11,7 +11,7 @@ interleaved repeats (A, B, A, B, …), after a warm-up, waiting for a quiet mach
   ``score(method="candidates")`` (candidates 0 … the largest count: one row per sample, the bare
   prompt, so the same forward plus the candidate bookkeeping).
 - (b) Real-vocabulary Qwen, 32 samples with counts 1 … 12: candidate scoring (13 candidates ending in
-  ``<|im_end|>``: 12 teacher-forced rows per sample, `countlens.answers.read_rows`) vs one plain
+  ``<|im_end|>``: 12 teacher-forced rows per sample, `countlens.model.answers.read_rows`) vs one plain
   forward of the same batch (what single-token scoring would cost, were the answers one token).
 - (c) Real-vocabulary Qwen, 32 pairs of single-digit counts ((3, 5), (4, 6), (2, 7), (5, 3)) and 32
   of multi-digit targets ((1, 12), (9, 12), (10, 12), (12, 10): a shared "1" is teacher-forced for

@@ -93,7 +93,7 @@ import sys
 from pathlib import Path
 from countlens.datasets.countingtricks import capacity
 from countlens.datasets.export import export_countingtricks
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 grid = Geometry.data_grid({PAPER_SIZE}, {PAPER_PATCH})
 by_cap = {{}}
@@ -223,7 +223,7 @@ def png_encodings(n_scenes: int = 180) -> dict:
     from countlens.datasets.countingtricks import trick_sample
     from countlens.datasets.png import indexed_png
     from countlens.datasets.scene import PALETTE
-    from countlens.geometry import Geometry
+    from countlens.model.geometry import Geometry
 
     grid = Geometry.data_grid(PAPER_SIZE, PAPER_PATCH)
     scenes = [

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu import _interleaved, build  # noqa: E402
+from wide_model import build, interleaved  # noqa: E402
 
 
 def measure(vlm, pairs, repeats: int, device: str = "cpu", warmup: bool = True) -> dict:
@@ -45,7 +45,7 @@ def measure(vlm, pairs, repeats: int, device: str = "cpu", warmup: bool = True) 
     from countlens.circuits.edges import checked_graph
     from countlens.circuits.nodes import image_positions, record_nodes
     from countlens.circuits.pair_batch import prepare_pairs
-    from countlens.memory import widths
+    from countlens.model.memory import widths
     from countlens.pipeline.costs import Forward, forward_flops
     from countlens.pipeline.stages.edges import edge_forward_flops
 
@@ -63,7 +63,7 @@ def measure(vlm, pairs, repeats: int, device: str = "cpu", warmup: bool = True) 
     def ablated():
         return edge_ablated_logits(vlm, graph, pb.clean, [half], values, image)
 
-    t = _interleaved({"plain": plain, "ablated": ablated}, repeats, device, warmup)
+    t = interleaved({"plain": plain, "ablated": ablated}, repeats, device, warmup)
     rows, seq = (int(x) for x in pb.clean.inputs["input_ids"].shape)
     w = widths(vlm)
     base = forward_flops(w, Forward(rows, seq), pb.clean.patches(w.merge))

@@ -38,8 +38,8 @@ import torch
 import countlens
 from countlens.datasets.tasks import count_task_sample
 from countlens.features import attribution_graph, load_transcoders, train_transcoders
-from countlens.loading import meta_vlm
-from countlens.memory import resident_bytes
+from countlens.model.loading import meta_vlm
+from countlens.model.memory import resident_bytes
 from countlens.pipeline.graph_cost import GPU_FLOPS, graph_cost, prompt_length
 
 HERE = Path(__file__).resolve().parent

@@ -42,7 +42,7 @@ from countlens.datasets.pairs import count_pair
 from countlens.features import attribution_graph, train_transcoders
 from countlens.features.head_paths import head_shares, planted_path_recovery
 from countlens.labels import head_label
-from countlens.organisms import planted_circuit_of
+from countlens.toy.catalogue import planted_circuit_of
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -61,7 +61,7 @@ def _cache_name(name: str, steps: int | None) -> str:
     its own) and the steps."""
     import hashlib
 
-    from countlens.organisms import ORGANISMS as FOLDERS
+    from countlens.model.shipped import ORGANISMS as FOLDERS
 
     digest = hashlib.sha256((FOLDERS[name] / "model.safetensors").read_bytes()).hexdigest()[:12]
     return f"{name}-{digest}-steps{steps or 'default'}"

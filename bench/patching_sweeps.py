@@ -84,7 +84,7 @@ from countlens.circuits.pair_batch import prepare_pairs  # noqa: E402
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers  # noqa: E402
 from countlens.circuits.sites import HeadZ, Residual, group_mask, repeat_inputs  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
-from countlens.memory import MAX_ROWS  # noqa: E402
+from countlens.model.memory import MAX_ROWS  # noqa: E402
 
 THREADS = 2
 PAIRS_KW = dict(kind="shapes", prompt="short", counts=range(2, 9), seed=0)
@@ -101,12 +101,12 @@ def source_digest() -> dict:
     root = Path(countlens.__file__).parent
     files = (
         "circuits/patching.py",
-        "circuits/sites.py",
+        "circuits/sites/__init__.py",
         "circuits/edits.py",
         "circuits/sweep.py",
         "circuits/pair_batch.py",
         "circuits/expert_rules.py",
-        "vlm.py",
+        "model/vlm.py",
     )
     return {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12] for f in files}
 

@@ -82,7 +82,7 @@ def one_depth(depth: int, image_size: int, config: dict, only: list[str] | None 
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu import build
+    from wide_model import build
 
     from countlens.pipeline import plan
     from countlens.pipeline.config import DiscoverConfig
@@ -149,7 +149,7 @@ def extrapolate(runs: list[dict], image_size: int, config: dict) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu import build
+    from wide_model import build
 
     from countlens.pipeline import plan
     from countlens.pipeline.config import DiscoverConfig
@@ -215,7 +215,7 @@ def replan(result: dict) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu import build
+    from wide_model import build
 
     from countlens.pipeline import plan
     from countlens.pipeline.config import DiscoverConfig

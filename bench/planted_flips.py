@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import countlens  # noqa: E402
-from countlens.organisms import SHIPPED_EDGES, SHIPPED_PLANTED  # noqa: E402
+from countlens.model.shipped import SHIPPED_EDGES, SHIPPED_PLANTED  # noqa: E402
 from countlens.toy.edge_plant import fresh_edge_strictness  # noqa: E402
 from countlens.toy.planted import CIRCUITS, EDGE_CIRCUITS  # noqa: E402
 from countlens.toy.strictness import fresh_strictness  # noqa: E402

@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 .venv/bin/python bench/planted_recovery.py            # the shipped planted organisms
     HF_HUB_OFFLINE=1 .venv/bin/python bench/planted_recovery.py --pairs 32 # quicker, noisier
 
-For each shipped planted organism (`countlens.organisms.SHIPPED_PLANTED`, loaded by name), on discover's
+For each shipped planted organism (`countlens.model.shipped.SHIPPED_PLANTED`, loaded by name), on discover's
 own pairs ("shapes" pairs under seed 0, the short prompt, counts 1–9), each method ranks the 24 heads:
 - every method of the registry (`countlens.circuits.methods.METHODS`) the organism supports: exact head
   patching of z, AtP, EAP-IG on nodes (5 steps), the drop in log p(gold) when a head is mean-ablated
@@ -77,7 +77,8 @@ from countlens.circuits.run import effect
 from countlens.circuits.sites import MlpOut
 from countlens.datasets.pairs import count_pair
 from countlens.labels import head_label
-from countlens.organisms import SHIPPED_EDGES, SHIPPED_OBJECTS, SHIPPED_PLANTED, planted_circuit_of, planted_edges_of
+from countlens.model.shipped import SHIPPED_EDGES, SHIPPED_OBJECTS, SHIPPED_PLANTED
+from countlens.toy.catalogue import planted_circuit_of, planted_edges_of
 from countlens.toy.regions import top_half_sample
 from countlens.toy.strictness import FRESH_SEED
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 from countlens.errors import CountlensError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 __version__ = "0.1.0"
 
@@ -25,10 +25,10 @@ _LAZY: dict[str, str] = {
     "datasets": "countlens.datasets",
     "results": "countlens.results",
     "training": "countlens.training",
-    "load": "countlens.loading",
+    "load": "countlens.model.loading",
     "check": "countlens.pipeline.selfcheck",
-    "VLM": "countlens.vlm",
-    "Batch": "countlens.vlm",
+    "VLM": "countlens.model.vlm",
+    "Batch": "countlens.model.vlm",
 }
 __all__ = [
     "VLM",

@@ -6,7 +6,7 @@ class CountlensError(Exception):
 
 
 class UnsupportedArchitectureError(CountlensError):
-    """A model whose Hugging Face config class has no spec in the registry of families (`countlens.models`)."""
+    """A model whose Hugging Face config class has no spec in the registry of families (`countlens.model.families`)."""
 
 
 class CheckpointNotFoundError(CountlensError):

@@ -32,8 +32,8 @@ SOURCES = (
     TESTS / "conftest.py",  # _save_tiny
     *sorted((TESTS / "tiny_models").glob("*.py")),
     TESTS / "real_vocab.py",
-    ROOT / "countlens" / "processors.py",
-    *sorted((ROOT / "countlens" / "models").glob("*.py")),
+    ROOT / "countlens" / "model" / "processors.py",
+    *sorted((ROOT / "countlens" / "model" / "families").glob("*.py")),
     ROOT / "countlens" / "toy" / "recipe.py",
     ROOT / "countlens" / "datasets" / "prompts.py",
     ROOT / "countlens" / "datasets" / "scene.py",

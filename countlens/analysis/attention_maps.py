@@ -3,7 +3,7 @@
 `attention_maps` reads, for a few samples, the last prompt position's attention on every image token,
 per (layer, head), and keeps beside it everything a drawing needs: the image (as it was given to the
 model, downsampled to at most `MAX_SIDE` px a side), its objects as a label image, and each image
-token's base-grid cell and view (`countlens.layouts`). `countlens.analysis.overlays` draws it.
+token's base-grid cell and view (`countlens.model.layouts`). `countlens.analysis.overlays` draws it.
 
 The attention is `countlens.circuits.attention.last_token_attention` (eager attention for that call
 only) at the image keys of `countlens.circuits.attention.image_keys` — the rows MAS, VRA and
@@ -41,7 +41,7 @@ import xarray as xr
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 #: The longest side of a stored image (px): 8 samples of 256 × 256 RGB are 1.5 MiB.
 MAX_SIDE = 256
@@ -51,9 +51,9 @@ MAX_VALUES = 2**20
 
 def _views(vlm: VLM, batch: Batch, b: int, image, n: int) -> np.ndarray:
     """Each image key's view, from the layout countlens already maps the keys' cells with
-    (`countlens.layouts.token_cells`, as `VLM.prepare` calls it)."""
-    from countlens.layouts import token_cells
-    from countlens.processors import useful_grid
+    (`countlens.model.layouts.token_cells`, as `VLM.prepare` calls it)."""
+    from countlens.model.layouts import token_cells
+    from countlens.model.processors import useful_grid
 
     spec, geom, tiles = vlm.arch.spec, batch.geometry[b], batch.tile_grids[b] if batch.tile_grids else None
     if batch.state_cells:  # a cross-attention model's image states

@@ -43,18 +43,18 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.arguments import require_layers, require_vlm
-from countlens.cells import cell_edges, cell_sums
 from countlens.errors import InputError
-from countlens.geometry import Geometry
+from countlens.model.arguments import require_layers, require_vlm
+from countlens.model.cells import cell_edges, cell_sums
+from countlens.model.geometry import Geometry
+from countlens.model.vlm import check_samples
 from countlens.results import provenance
 from countlens.validate import require_count
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 METRICS: tuple[str, ...] = ("mas", "vra", "iou", "ars")
 COVERAGE = 0.25

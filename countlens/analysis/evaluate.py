@@ -4,7 +4,7 @@ Two ways to ask a VLM for a count. **Scoring** (`score`) reads the model's proba
 letting it write: single-token scoring takes the arg-max over the whole vocabulary at the last
 prompt position (one forward; a wrong-format answer counts as wrong), and candidate scoring — for
 answers of several tokens, as real tokenizers write "12" ("1", "2") — teacher-forces every candidate
-answer and takes the most probable (`countlens.answers` says how sequences end and are scored).
+answer and takes the most probable (`countlens.model.answers` says how sequences end and are scored).
 **Generation** (`generate`, the papers' way) lets the model answer freely (greedy, a few tokens) and
 parses its text (`countlens.analysis.parse`): the Pstd format "circle: 7" with `parse_shape_count`,
 else the first count with `parse_count` ("I think there are 3 circles" → 3, "none" → 0, "I don't
@@ -33,14 +33,14 @@ from torch import Tensor
 
 from countlens.analysis.benchmark_answers import has_rule, read_answer
 from countlens.analysis.parse import PARSERS, parse_count, parse_shape_count
-from countlens.arguments import require_vlm
 from countlens.errors import InputError
+from countlens.model.arguments import require_vlm
+from countlens.model.vlm import check_samples
 from countlens.reference.counting_to_four.parse import parse_count_as_reference
 from countlens.validate import require_count
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 class Sample(Protocol):
@@ -108,7 +108,7 @@ def score(
       position; every answer must be one token. Variables: pred (the arg-max token), correct, p_gold
       (softmax probability of the answer's token), pred_count / parsed (`parse_count` of the token).
     - ``"candidates"`` — candidate scoring: the teacher-forced log-probability of each candidate
-      answer sequence (`countlens.answers`: terminated where the vocabulary splits numbers), arg-max
+      answer sequence (`countlens.model.answers`: terminated where the vocabulary splits numbers), arg-max
       over candidates. Candidates default to, for counting samples, the counts 0 … the largest gold
       count among ``samples``, written like each sample's own answer ("7" → "0" … "12"; "circle: 7"
       → "circle: 0" …); for other samples, the distinct gold answers of their task. ``candidates=``
@@ -228,7 +228,7 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
 def _score_candidates(
     vlm: VLM, samples: Sequence[Sample], sets: list[dict[str, int]], batch_size: int, progress: bool
 ) -> xr.Dataset:
-    from countlens.answers import read_rows
+    from countlens.model.answers import read_rows
 
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; candidate scoring runs local models only")
@@ -302,7 +302,7 @@ def _forced_logprobs(vlm: VLM, samples: Sequence[Sample], rows: list[tuple[int, 
         by_sample.setdefault(j, []).append(prefix)
     found: dict[int, dict] = {}
     order = list(by_sample)
-    from countlens.memory import MAX_ROWS
+    from countlens.model.memory import MAX_ROWS
 
     # Each sample's KV cache is repeated once per row: bound the continuation batch by MAX_ROWS rows.
     step = max(1, min(batch_size, MAX_ROWS // max(len(v) for v in by_sample.values())))
@@ -407,7 +407,7 @@ def generate(
     gold, count, case, task, shape, distractor; for benchmark questions read by their own rule
     (`countlens.analysis.benchmark_answers.read_answer`: parsed and correct are that rule's), also
     extracted (what the rule read). A gold answer longer than ``max_new_tokens`` (as the model writes
-    it, `countlens.answers`) is refused: the budget could never produce it — except a benchmark
+    it, `countlens.model.answers`) is refused: the budget could never produce it — except a benchmark
     question's, which its rule reads from whatever is written (the caller sizes the budget).
     """
     require_vlm(vlm, "generate")

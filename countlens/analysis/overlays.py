@@ -3,7 +3,7 @@
 Three steps, each its own function:
 
 1. `token_map`: per-token weights (the last position's attention on each image token) onto the base
-   token grid through each token's cell (`countlens.layouts`). A token of a finer view (LLaVA's crops,
+   token grid through each token's cell (`countlens.model.layouts`). A token of a finer view (LLaVA's crops,
    InternVL's tiles) already carries the base cell its centre falls in, so it adds into that cell;
    ``view=`` keeps one view's tokens (0 the base grid or thumbnail, 1 the finer one), None all of them.
    The mapping is `countlens.analysis.attention_metrics.grid_attention`, the one the attention
@@ -39,7 +39,7 @@ import xarray as xr
 
 from countlens.analysis.attention_metrics import grid_attention
 from countlens.errors import InputError
-from countlens.layouts import TokenCells
+from countlens.model.layouts import TokenCells
 
 ALPHA = 0.55  # the colour map's weight over the image: objects stay visible under the strongest cell
 CMAP = "inferno"
@@ -57,7 +57,7 @@ def _pyplot():
 
 def token_map(weights, cells, grid_shape: tuple[int, int], view: int | None = None, views=None) -> np.ndarray:
     """Float[ndarray, "rows cols"]: ``weights`` (one per image token) summed into the base grid of
-    ``grid_shape`` at each token's cell. ``cells``: a `countlens.layouts.TokenCells` (cells and views)
+    ``grid_shape`` at each token's cell. ``cells``: a `countlens.model.layouts.TokenCells` (cells and views)
     or an (n, 2) array of (row, col), then with ``views`` (n,) when ``view`` is given. Tokens at
     (-1, -1) (no cell: newlines, padding) are dropped."""
     if isinstance(cells, TokenCells):

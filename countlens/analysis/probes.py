@@ -44,8 +44,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from countlens.analysis.detection import average_precision, giou, nms
-from countlens.arguments import require_vlm
 from countlens.errors import ConfigError, InputError
+from countlens.model.arguments import require_vlm
+from countlens.model.vlm import check_samples
 from countlens.validate import (
     require_count,
     require_nonnegative,
@@ -54,12 +55,11 @@ from countlens.validate import (
     require_sequence,
     require_share,
 )
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: A tap: (kind, index), as `countlens.circuits.taps.tap` takes them.
 Tap = tuple[str, int | None]

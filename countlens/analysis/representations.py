@@ -32,14 +32,14 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.arguments import require_layers, require_vlm
 from countlens.errors import InputError
-from countlens.vlm import check_samples
+from countlens.model.arguments import require_layers, require_vlm
+from countlens.model.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: Count ranges of `separation`: all counts, the subitizing range, and beyond it.
 RANGES: dict[str, tuple[int, int]] = {"all": (0, 10**9), "1-4": (1, 4), "5+": (5, 10**9)}

@@ -3,7 +3,7 @@
 faithfulness of a circuit, lenses, HeadLens, ablation, head temperature, and the experts of mixture-of-experts models.
 
 Every function takes a `countlens.VLM` and prepared data (pairs or samples) and returns labelled
-xarray results; module paths come from `countlens.arch` only.
+xarray results; module paths come from `countlens.model.arch` only.
 """
 
 from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads

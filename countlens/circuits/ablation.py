@@ -9,7 +9,7 @@ reports, per task, the drop in accuracy and in the gold answer's log-probability
 
 Multi-token answers ("12" → "1", "2") are teacher-forced: log p(gold) sums the answer tokens'
 log-probabilities and a sample stays correct while each token is the arg-max given the ones before
-(`countlens.answers.sequence_scores`); the forced tokens belong to the ``last`` group, for the means
+(`countlens.model.answers.sequence_scores`); the forced tokens belong to the ``last`` group, for the means
 too. Where every answer is one token (a word-level vocabulary) nothing is forced and the scan reads
 the last prompt position alone, where the model writes that one token; on a digit-splitting
 vocabulary every answer, even "3", ends with the end-of-answer token, so log p(gold) covers that
@@ -30,23 +30,23 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import distributed
-from countlens.answers import answer_window, sequence_scores
-from countlens.arguments import require_vlm
 from countlens.circuits.edits import Edit, run_edits
 from countlens.circuits.sites import HeadZ, checked_heads, group_mask
 from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.labels import head_label, top_sites
+from countlens.model.answers import answer_window, sequence_scores
+from countlens.model.arguments import require_vlm
+from countlens.model.vlm import check_samples
 from countlens.results import provenance
 from countlens.sweep_store import SweepStore, samples_digest
 from countlens.validate import require_count, require_dataset
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 ABLATION_GROUPS: tuple[str, ...] = ("image", "last", "text")
 

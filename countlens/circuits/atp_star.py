@@ -70,7 +70,7 @@ from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 #: Families whose attention AtP*'s recomputation reproduces (checked on every run; tested on the organism
 #: and a tiny Qwen2.5-VL in tests/unit/test_atp_star.py).
@@ -80,7 +80,7 @@ _RECORDER = "countlens_atp_star"
 #: Per-head node kinds of the QK fix: the head's queries, its keys (each position alone), its values.
 #: The parts the QK fix estimates per head, as sites: its queries, keys and values.
 PARTS: tuple[type, ...] = (Q, K, V)
-#: Layer kinds whose attention the QK fix recomputes (softmax self-attention; `countlens.arch.LayerKind`).
+#: Layer kinds whose attention the QK fix recomputes (softmax self-attention; `countlens.model.arch.LayerKind`).
 SELF_ATTENTION: tuple[str, ...] = ("full", "sliding", "chunked")
 
 

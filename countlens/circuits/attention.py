@@ -24,15 +24,15 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.arch import text_config
-from countlens.arguments import require_batch, require_layers, require_vlm
+from countlens.model.arch import text_config
+from countlens.model.arguments import require_batch, require_layers, require_vlm
+from countlens.model.vlm import check_samples
 from countlens.results import provenance
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float, Int
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 @contextmanager

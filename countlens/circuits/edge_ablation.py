@@ -35,7 +35,6 @@ import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 
-from countlens import memory
 from countlens.circuits.edges import EdgeGraph, Receiver, hooked, o_weight, receiver_columns
 from countlens.circuits.sites import (
     INPUTS,
@@ -52,10 +51,11 @@ from countlens.circuits.sites import (
     tower_output,
 )
 from countlens.errors import InputError
+from countlens.model import memory
 from countlens.validate import require_finite_scores
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 def edge_scores(graph: EdgeGraph, scores) -> dict[int, float]:

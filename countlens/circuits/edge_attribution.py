@@ -27,7 +27,6 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.arguments import require_vlm
 from countlens.circuits.edges import (
     EdgeGraph,
     Receiver,
@@ -44,10 +43,11 @@ from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenan
 from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, first_arg, group_mask, replace_first
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
+from countlens.model.arguments import require_vlm
 from countlens.validate import require_choice, require_count
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 #: What the residual-space products of one chunk of positions may hold (float64 node differences and
 #: one layer's receiver gradients).

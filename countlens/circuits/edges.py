@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.arguments import require_batch, require_vlm
 from countlens.circuits.nodes import Node, graph_nodes
 from countlens.circuits.sites import (
     INPUTS,
@@ -59,9 +58,10 @@ from countlens.circuits.sites import (
     mlp_path,
 )
 from countlens.errors import InputError
+from countlens.model.arguments import require_batch, require_vlm
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 #: A receiver: the input of one downstream component, a site — a head's query `Q`, a key-value head's
 #: key `K` and value `V`, a whole attention block `AttnIn`, an MLP `MlpIn`, the `Logits`. Its ``block``

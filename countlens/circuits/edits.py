@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens import memory
 from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.sites import Placed, Site, repeat_inputs, repeat_output, skip_tower
 from countlens.errors import InputError
+from countlens.model import memory
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 @torch.no_grad()
@@ -103,8 +103,8 @@ def run_edits(
 
     ``replicas`` holds one `Edit` or a list of edits (applied together) per replica; replicas run
     stacked in one forward, ``max_rows // len(batch)`` at a time (``max_rows`` None: as many rows as
-    the device's free memory holds, at most `countlens.memory.MAX_ROWS`;
-    `countlens.memory.rows_per_forward`). Two savings, exact by construction:
+    the device's free memory holds, at most `countlens.model.memory.MAX_ROWS`;
+    `countlens.model.memory.rows_per_forward`). Two savings, exact by construction:
     every replica shows the same images, so the vision tower runs once and is skipped in the stacked
     forwards; and nothing changes below a replica's lowest edited layer, so the layers beneath the
     lowest edit of a stacked forward are skipped too, their clean output fed in from one clean run.

@@ -1,4 +1,4 @@
-"""How a mixture-of-experts layer combines its experts: the two rules (`countlens.arch.MoESpec.rule`).
+"""How a mixture-of-experts layer combines its experts: the two rules (`countlens.model.arch.MoESpec.rule`).
 
 Expert e's **contribution** to token t is what it adds to the experts module's output there. The
 rules differ in where that contribution can be seen, so in how it is recorded, read, replaced and
@@ -27,8 +27,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
 
-    from countlens.arch import Arch
-    from countlens.vlm import VLM
+    from countlens.model.arch import Arch
+    from countlens.model.vlm import VLM
 
 #: One expert's new contribution inside a trace: the flattened tokens it covers (a replica's row ·
 #: seq + position), the expert, and its value there, made on the device the write asks for.

@@ -35,8 +35,6 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.answers import answer_window
-from countlens.arguments import require_batch, require_layers, require_vlm
 from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.expert_rules import expert_rule
@@ -47,14 +45,16 @@ from countlens.circuits.sweep import check_pair_sweep, pairs_store
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.labels import expert_key, expert_label, is_head_pair
+from countlens.model.answers import answer_window
+from countlens.model.arguments import require_batch, require_layers, require_vlm
+from countlens.model.vlm import check_samples
 from countlens.results import provenance
 from countlens.validate import require_count
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 #: Expert ablations built and run together (each edit holds a full-width value per token).

@@ -46,7 +46,6 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.arguments import require_vlm
 from countlens.circuits import edge_ablation, edges
 from countlens.circuits.nodes import (
     NODE_KINDS,
@@ -63,6 +62,7 @@ from countlens.circuits.pair_batch import logit_diff, prepare_pairs
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.labels import head_label
+from countlens.model.arguments import require_vlm
 from countlens.results import provenance
 from countlens.validate import (
     require_choice,
@@ -74,7 +74,7 @@ from countlens.validate import (
 )
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: MIB's circuit sizes: fractions of the node set kept.
 SIZES: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)

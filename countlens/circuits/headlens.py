@@ -33,17 +33,17 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.arguments import require_layers, require_vlm
 from countlens.circuits.sites import head_contributions
 from countlens.errors import InputError
+from countlens.model.arguments import require_layers, require_vlm
+from countlens.model.vlm import check_samples
 from countlens.results import provenance
 from countlens.validate import require_count
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 VISUAL_WORDS: frozenset[str] = frozenset(
     "red green blue yellow purple orange black white gray grey pink brown color colour colors colours "

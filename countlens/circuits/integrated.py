@@ -30,16 +30,16 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.arguments import require_vlm
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view, mlp_path
 from countlens.circuits.sweep import check_pair_sweep
+from countlens.model.arguments import require_vlm
 from countlens.validate import require_count
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 def _every_node(vlm: VLM) -> list[Node]:

@@ -52,7 +52,7 @@ from countlens.errors import InputError
 from countlens.validate import require_seed
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 SITE_KINDS = ("Residual", "HeadZ", "Q", "K", "V", "MlpIn", "MlpOut", "Expert", "ImageStates")
 
@@ -134,7 +134,7 @@ class Patch(Intervention):
             raise InputError("Patch's into= names the samples of its values' rows; give values= too")
         samples = samples_of(self.values) if self.into is None else self.into
         if samples is not None:
-            from countlens.vlm import check_samples
+            from countlens.model.vlm import check_samples
 
             check_samples(samples, "Patch into")
             keys = sample_keys(samples) if self.into is None else given_sample_keys(samples, "Patch into=")
@@ -170,7 +170,7 @@ class Resample(Intervention):
     donor: ClassVar[bool] = True
 
     def check_values(self, vlm: VLM) -> None:
-        from countlens.vlm import check_samples
+        from countlens.model.vlm import check_samples
 
         check_samples(self.donors, "Resample donors")
         require_seed(self.seed)
@@ -214,7 +214,7 @@ class Mean(Intervention):
             if self.reference.ndim != 1:
                 raise InputError(f"Mean's reference vector is (d,), got shape {tuple(self.reference.shape)}")
         else:
-            from countlens.vlm import check_samples
+            from countlens.model.vlm import check_samples
 
             check_samples(self.reference, "Mean reference")
 

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.arguments import require_layers, require_vlm
-from countlens.vlm import check_samples
+from countlens.model.arguments import require_layers, require_vlm
+from countlens.model.vlm import check_samples
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 @torch.no_grad()

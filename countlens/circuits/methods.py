@@ -28,7 +28,7 @@ from countlens.circuits.sites import HeadZ, MlpOut, Residual
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: EAP-IG's interpolation steps (MIB's authors' default family of settings), on nodes and on edges.
 IG_STEPS = 5

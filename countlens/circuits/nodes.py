@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens import memory
 from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.sites import (
     INPUTS,
@@ -36,12 +35,13 @@ from countlens.circuits.sites import (
     tower_output,
 )
 from countlens.errors import InputError
+from countlens.model import memory
 from countlens.validate import require_choice
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 #: The node kinds a node set is chosen by, each a site kind: a head's z, a layer's MLP (block) output, an
 #: input part's embeddings, and a MoE layer's expert (its contribution).
@@ -206,7 +206,7 @@ def ablated_logits(
 ) -> Float[Tensor, "circuits batch vocab"]:
     """Last-position logits of ``batch`` once per set of ``sets``, that set's nodes overwritten by
     ``values``. The sets run stacked, as many copies of the batch a forward as memory holds
-    (`countlens.memory.rows_per_forward`); each site is one ``where`` over the copies."""
+    (`countlens.model.memory.rows_per_forward`); each site is one ``where`` over the copies."""
     n = len(batch)
     if max_rows is None:
         free = memory.model_free_bytes(vlm)

@@ -57,7 +57,7 @@ from countlens.circuits.sites import Embed
 from countlens.results import provenance
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: The methods and the registry entry (`countlens.circuits.methods.METHODS`) each one is: its refusal
 #: of a model (edges undefined there) is this function's.

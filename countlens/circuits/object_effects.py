@@ -11,11 +11,11 @@ Definitions (enough to re-implement the numbers):
   answer for n − 1 is the same text with the number n replaced by n − 1.
 - **Metric**: LD = logit(answer n) − logit(answer n − 1) at the read position, read as countlens's
   patching reads a pair (`countlens.circuits.pair_batch`): where the two answers' tokens first differ
-  (`countlens.answers.divergence`), their shared prefix teacher-forced. LD is the model's preference
+  (`countlens.model.answers.divergence`), their shared prefix teacher-forced. LD is the model's preference
   for the true count over the count it would give had it missed one object.
 - **Object tokens**: `countlens.circuits.positions.Objects` (``tokens(batch, b, sample)``): image token
   t is object i's when i covers ≥ ``coverage`` of the pixels of t's token cell, or, with ``peak``, when
-  t's cell holds the largest share of i (`countlens.cells.object_cells`). Cells are the *token* cells
+  t's cell holds the largest share of i (`countlens.model.cells.object_cells`). Cells are the *token* cells
   the language model sees (the organism's merged 2×2 patches). A token two objects both claim is in
   both spans; ``shared_tokens`` counts, per object, its tokens that another object also owns.
 - **References**: ``"removed"``: the scene drawn again without object i (same size, background and
@@ -73,8 +73,6 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.answers import divergence
-from countlens.arguments import require_vlm
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.pair_batch import logit_diff
 from countlens.circuits.positions import Objects
@@ -82,12 +80,14 @@ from countlens.circuits.recorder import location, require_local
 from countlens.circuits.sites import Residual
 from countlens.datasets.contact import boundary_gap
 from countlens.errors import InputError, NoObjectTokensError
+from countlens.model.answers import divergence
+from countlens.model.arguments import require_vlm
+from countlens.model.vlm import check_samples
 from countlens.results import provenance
 from countlens.validate import require_choice, require_count, require_share
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 REFERENCES: tuple[str, ...] = ("removed", "background")
 #: COUNTINGTRICKS anchor kinds (`countlens.datasets.countingtricks.Case.anchor`) → placement class.

@@ -57,7 +57,6 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.arguments import require_vlm
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.methods import IG_STEPS
 from countlens.circuits.methods import method as registry_method
@@ -68,11 +67,12 @@ from countlens.circuits.recorder import require_local
 from countlens.circuits.sites import first_arg, replace_first
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
+from countlens.model.arguments import require_vlm
 from countlens.results import provenance
 from countlens.validate import require_choice, require_count, require_sequence, require_share
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 #: The methods and the registry entry (`countlens.circuits.methods.METHODS`) each one is.
 METHODS: dict[str, str] = {"atp": "AtP", "eap-ig": "EAP-IG"}

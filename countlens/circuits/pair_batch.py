@@ -4,7 +4,7 @@ A pair's two images differ only in how many objects they show (`countlens.datase
 patching copies the corrupt run's activations into the clean run position by position, so
 `prepare_pairs` refuses pairs whose token (or image state) positions do not cover the same cells
 on both sides. Each pair is read where its two answers' tokens first differ
-(`countlens.answers.divergence`), and `logit_diff` is the logit of the clean answer's token minus
+(`countlens.model.answers.divergence`), and `logit_diff` is the logit of the clean answer's token minus
 the corrupt answer's there.
 """
 
@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.model.vlm import check_pairs
 from countlens.results import provenance
-from countlens.vlm import check_pairs
 
 if TYPE_CHECKING:
     from jaxtyping import Float, Int
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 @dataclass
@@ -42,11 +42,11 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     """Prepare clean and corrupt batches and check that their token positions line up.
 
     Each pair's answers are compared where their token sequences first differ
-    (`countlens.answers.divergence`): the shared prefix (e.g. "1" of 10 and 12) is teacher-forced on
+    (`countlens.model.answers.divergence`): the shared prefix (e.g. "1" of 10 and 12) is teacher-forced on
     both sides, and ``clean_id`` / ``corrupt_id`` are the two tokens read at the position after it.
     """
     check_pairs(pairs, "prepare_pairs")
-    from countlens.answers import divergence
+    from countlens.model.answers import divergence
 
     split = [
         divergence(vlm.answer_ids(p.clean.answer), vlm.answer_ids(p.corrupt.answer), (p.clean.answer, p.corrupt.answer))

@@ -8,7 +8,7 @@ answer) at the read position, a site's **effect** is the normalised logit-differ
 **overwrite rate** is the share of pairs whose arg-max becomes the corrupt answer.
 
 Multi-token answers (real tokenizers write "12" as "1", "2") are compared at the first token where
-the two answers differ, their shared prefix teacher-forced on both sides (`countlens.answers`): for
+the two answers differ, their shared prefix teacher-forced on both sides (`countlens.model.answers`): for
 10 vs 12 the read position is after "1" and LD = logit("0") − logit("2"); for 1 vs 10 it is the
 end-of-answer token against "0"; two single-token answers share no prefix, so they are read at the
 last prompt token.
@@ -41,7 +41,6 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.arguments import require_layers, require_vlm
 from countlens.circuits.atp_star import atp_star
 from countlens.circuits.edits import cache_run
 from countlens.circuits.gradients import activation_gradients_only
@@ -61,10 +60,11 @@ from countlens.circuits.sites import (
 from countlens.circuits.sweep import check_pair_sweep, pairs_store
 from countlens.distributed import Shard
 from countlens.errors import InputError
+from countlens.model.arguments import require_layers, require_vlm
 from countlens.validate import require_choice, require_count, require_dataarray
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 def image_group(vlm: VLM) -> str:
@@ -161,7 +161,7 @@ def patch_heads(
 ) -> xr.Dataset:
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text"). Every layer
-    kind's heads (`countlens.arch.LayerKind`: the ``kind`` coordinate); NaN beyond a layer's own heads."""
+    kind's heads (`countlens.model.arch.LayerKind`: the ``kind`` coordinate); NaN beyond a layer's own heads."""
     require_vlm(vlm, "patch_heads")
     check_pair_sweep(pairs, batch_size, "patch_heads")
     check_group(positions)  # before the store's spec.json is written

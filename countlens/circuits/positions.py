@@ -11,7 +11,7 @@ forward, and the new tokens of generation:
 - `Objects` — the image tokens of chosen objects of each row's scene. Token t belongs to object i
   when object i covers at least ``coverage`` of the pixels of t's cell (``coverage=0``: any pixel),
   or, with ``peak`` (the default), when t's cell holds the largest share of the object's pixels, so
-  that an object smaller than the threshold still owns one cell (`countlens.cells.object_cells`).
+  that an object smaller than the threshold still owns one cell (`countlens.model.cells.object_cells`).
   At the default 0.25 a small object on the organism's 32 px cells owns one or two tokens; with
   ``coverage=0`` every token it touches.
 - `Mask` — any Bool[Tensor, "batch seq"] over a prepared batch.
@@ -31,7 +31,7 @@ or one row, which every row shares.
 and ``all`` — each new token is where the next answer token is read — and to no other set: they are
 not image tokens, not in any cell or object, and outside a mask, which covers the prompt only.
 
-Cells, objects and masks need the prepared `countlens.vlm.Batch` the forward runs on (its token
+Cells, objects and masks need the prepared `countlens.model.vlm.Batch` the forward runs on (its token
 cells; for objects the samples' scenes, so prepare with `VLM.prepare_samples`); groups are read off
 the tokens alone when no batch is known.
 """
@@ -47,15 +47,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from countlens.cells import object_cells, object_coverage
 from countlens.circuits.sites import GROUPS, check_group, group_mask
 from countlens.errors import InputError
+from countlens.model.cells import object_cells, object_coverage
 from countlens.validate import require_bool, require_choice, require_share
 
 if TYPE_CHECKING:
     from jaxtyping import Bool
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 class Frame(NamedTuple):

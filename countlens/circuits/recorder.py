@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.arguments import require_batch, require_vlm
 from countlens.circuits.attention import eager_attention
 from countlens.circuits.positions import Frame, as_positions, with_samples
 from countlens.circuits.sites import (
@@ -28,13 +27,14 @@ from countlens.circuits.sites import (
     replace_first,
 )
 from countlens.errors import InputError
+from countlens.model.arguments import require_batch, require_vlm
 from countlens.validate import require_count, require_sequence
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
     from countlens.circuits.sites import Site
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 
 def tensor_hook(module: torch.nn.Module, io: str, action: Callable[[Tensor], Tensor | None]):
@@ -130,7 +130,7 @@ def mean_activation(
 ) -> Float[Tensor, " d"]:
     """The mean of ``site`` over ``samples``' tokens at ``positions`` (Float[Tensor, "d"], float32, CPU)."""
     require_vlm(vlm, "mean_activation")
-    from countlens.vlm import check_samples
+    from countlens.model.vlm import check_samples
 
     check_samples(samples, "mean_activation")
     require_count(batch_size, "batch_size")

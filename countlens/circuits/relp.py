@@ -47,7 +47,7 @@ from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 #: Families whose layers are RMSNorm, softmax attention and a gated MLP (the rules above).
 SUPPORTED: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")

@@ -31,7 +31,6 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.arguments import require_vlm
 from countlens.circuits.edits import Edit
 from countlens.circuits.interventions import Intervention, Patch, as_interventions
 from countlens.circuits.pair_batch import PairBatch
@@ -40,12 +39,13 @@ from countlens.circuits.recorder import location, mean_activation, record, requi
 from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual
 from countlens.circuits.sweep import check_pair_sweep, sweep_pairs
 from countlens.errors import InputError
+from countlens.model.arguments import require_vlm
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
     from countlens.circuits.sites import Site
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: Sites `effect` patches from the corrupt run's cache (`countlens.circuits.edits.cache_run`); the
 #: others are recorded from the corrupt run when a Patch asks for them.

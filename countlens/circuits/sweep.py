@@ -28,12 +28,12 @@ from countlens import distributed
 from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.pair_batch import PairBatch, logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.distributed import Shard
+from countlens.model.vlm import check_pairs
 from countlens.sweep_store import SweepStore, samples_digest
 from countlens.validate import require_count
-from countlens.vlm import check_pairs
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 Chunk = TypeVar("Chunk")
 

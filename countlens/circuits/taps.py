@@ -13,7 +13,7 @@ OneVision's high-resolution tokens, InternVL's tiles and thumbnail) the cell hol
 taps undo the processor's patch order: row-major for CLIP/SigLIP towers (a CLS token is dropped),
 merge blocks for Qwen2-VL and Qwen3-VL, and for Qwen2.5-VL merge blocks put back from its windowed
 order (the model's own window index, inverted); InternVL's tiles are laid on the base patch grid as
-its tokens are on the token grid (`countlens.layouts` at merge 1), each cell the mean of the patches
+its tokens are on the token grid (`countlens.model.layouts` at merge 1), each cell the mean of the patches
 that see it. LLaVA's any-resolution crops are not mapped yet (clear error).
 
 A cross-attention model (Llama-3.2-Vision) has no image tokens: its ``projector`` tap is the image
@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.arguments import require_vlm
 from countlens.circuits.sites import ImageStates, Residual, VisionBlock
 from countlens.errors import InputError
-from countlens.geometry import Geometry
-from countlens.layouts import token_cells
-from countlens.models import family_of
+from countlens.model.arguments import require_vlm
+from countlens.model.families import family_of
+from countlens.model.geometry import Geometry
+from countlens.model.layouts import token_cells
+from countlens.model.vlm import check_samples
 from countlens.validate import require_count, require_integer
-from countlens.vlm import check_samples
 
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 TAPS: tuple[str, ...] = ("vision", "projector", "llm")
 

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.arguments import require_vlm
 from countlens.circuits.sites import checked_heads
 from countlens.errors import InputError
 from countlens.labels import head_label, top_sites
+from countlens.model.arguments import require_vlm
 from countlens.validate import require_count, require_dataarray, require_positive
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 @contextmanager
@@ -103,7 +103,7 @@ def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
             return (output.float() * scale[:, None, None]).to(output.dtype)
         raise InputError(
             f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__} for layout "
-            f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in countlens/arch.py"
+            f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in countlens/model/arch.py"
         )
 
     return hook

@@ -12,13 +12,13 @@ import typer
 from countlens.cli.options import check_positive
 from countlens.cli.paths import check_out
 from countlens.errors import ConfigError
-from countlens.organisms import is_organism
+from countlens.model.shipped import is_organism
 from countlens.validate import require_image_side
 
 
 def grid_of(model: str, image_size: int | None, patch_size: int | None):
     """The patch grid from plain numbers, the organism's recipe (no weights needed) or a loaded model."""
-    from countlens.geometry import Geometry
+    from countlens.model.geometry import Geometry
 
     if (image_size is None) != (patch_size is None):
         raise ConfigError("give both --image-size and --patch-size, or neither (the model's grid)")
@@ -107,13 +107,13 @@ def data_countingtricks(
     except ValueError:
         raise ConfigError(f"--counts {counts!r}: give comma-separated integers, e.g. 3,4,5") from None
     if design == "paper-code" and model is None and image_size is None and patch_size is None:
-        from countlens.reference.counting_to_four.scenes import reference_grid
+        from countlens.datasets.paper_generator import reference_grid
 
         grid = reference_grid()  # the code's own grid
     else:
         grid = grid_of(model or "toy", image_size, patch_size)
     if design == "paper-code":
-        from countlens.reference.counting_to_four.scenes import REFERENCE_CASES
+        from countlens.datasets.paper_generator import REFERENCE_CASES
 
         if wanted is not None or shapes not in ("circle", "circle,square,triangle") or "," in color:
             raise ConfigError(

@@ -182,7 +182,7 @@ def plan_cmd(
     import json
     import math
 
-    from countlens.loading import meta_vlm
+    from countlens.model.loading import meta_vlm
     from countlens.pipeline import plan
 
     check_positive(

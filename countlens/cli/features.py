@@ -205,7 +205,7 @@ def features_plan(
     """
     import math
 
-    from countlens.loading import meta_vlm
+    from countlens.model.loading import meta_vlm
     from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS, graph_cost, prompt_length
 
     check_positive(image_size=image_size, k=k, width=width, max_features=max_features, n_logits=n_logits)

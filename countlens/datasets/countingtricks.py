@@ -46,7 +46,7 @@ from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, check_visible
 from countlens.datasets.tasks import TaskSample, sample_rng
 from countlens.errors import CountlensError, InputError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 from countlens.validate import (
     require_count,
     require_distinct,
@@ -396,7 +396,7 @@ def trick_sample(
 
 
 #: The generators `countingtricks` can follow: countlens's reconstruction from the paper's text (32
-#: cases), or the rules of the paper's public generator (`countlens.reference.counting_to_four.scenes`, 18 cases).
+#: cases), or the rules of the paper's public generator (`countlens.datasets.paper_generator`, 18 cases).
 DESIGNS: tuple[str, ...] = ("countlens", "paper-code")
 
 
@@ -410,7 +410,7 @@ def countingtricks(
 ) -> list[TaskSample]:
     """``n_per_case`` samples of each case, case by case. ``design="countlens"`` (default): the 32 cases
     of this module (`trick_sample`; default all). ``design="paper-code"``: the 18 circle cases as the MAS
-    paper's generator draws them (`countlens.reference.counting_to_four.scenes.reference_sample`: shared layouts per
+    paper's generator draws them (`countlens.datasets.paper_generator.reference_sample`: shared layouts per
     index, counts 1–10, the code's drop rule), on ``grid`` or the code's 384 px / 27 px; it takes
     ``prompt``, ``color`` and ``background``."""
     if design not in DESIGNS:
@@ -422,7 +422,7 @@ def countingtricks(
     require_count(n_per_case, "n_per_case")
     require_seed(seed)
     if design == "paper-code":
-        from countlens.reference.counting_to_four.scenes import (
+        from countlens.datasets.paper_generator import (
             REFERENCE_CASES,
             check_capacity,
             reference_grid,

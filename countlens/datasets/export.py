@@ -33,7 +33,7 @@ from countlens.datasets.scene import PALETTE, Obj
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
 from countlens.files import directory_lock
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 from countlens.validate import require_count, require_distinct, require_seed
 
 _OBJ_FIELDS = tuple(f.name for f in fields(Obj))  # the manifest's object keys (asdict deep-copies: slow)
@@ -57,7 +57,7 @@ def sample_record(s: TaskSample, file: str | None = None) -> dict:
 
 def _case_params(meta: dict) -> dict:
     if meta.get("design") == "paper-code":
-        from countlens.reference.counting_to_four.scenes import case_params
+        from countlens.datasets.paper_generator import case_params
 
         return case_params(meta["case"])
     return CASES[meta["case"]].params
@@ -67,7 +67,7 @@ def _sample(name: str, seed: int, index: int, grid: Geometry, kw: dict) -> TaskS
     """One sample of the export's design: countlens's (`trick_sample`) or the paper code's (`reference_sample`)."""
     options = dict(kw)
     if options.pop("design", "countlens") == "paper-code":
-        from countlens.reference.counting_to_four.scenes import reference_sample
+        from countlens.datasets.paper_generator import reference_sample
 
         return reference_sample(name, seed, index, grid, **options)
     return trick_sample(name, seed, index, grid, **options)
@@ -118,7 +118,7 @@ def _export_spec(names: list[str], n: int, grid: Geometry, seed: int, kw: dict) 
 
     maker = trick_sample
     if kw.get("design") == "paper-code":
-        from countlens.reference.counting_to_four.scenes import reference_sample as maker
+        from countlens.datasets.paper_generator import reference_sample as maker
     options = {
         p.name: p.default
         for p in inspect.signature(maker).parameters.values()
@@ -224,7 +224,7 @@ def check_export(
     if design not in DESIGNS:
         raise InputError(f"unknown design {design!r}; use one of {DESIGNS}")
     if design == "paper-code":
-        from countlens.reference.counting_to_four.scenes import REFERENCE_CASES
+        from countlens.datasets.paper_generator import REFERENCE_CASES
 
         names = list(REFERENCE_CASES) if cases is None else [str(c).upper() for c in cases]
         bad = [c for c in names if c not in REFERENCE_CASES]
@@ -246,7 +246,7 @@ def check_export(
     for name in names if design == "countlens" else ():
         resolve_counts(name, grid, kw.get("counts"))
     if design == "paper-code":  # cases the grid cannot hold refused, those it holds short of 10 said
-        from countlens.reference.counting_to_four.scenes import check_capacity
+        from countlens.datasets.paper_generator import check_capacity
 
         check_capacity(names, grid)
     try:

@@ -28,7 +28,7 @@ from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TaskSample, sample_rng
 from countlens.errors import InputError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 from countlens.validate import require_count, require_image_side, require_integer, require_seed, require_sequence
 
 KINDS: tuple[str, ...] = ("dots", "shapes", "polygons", "rendered")

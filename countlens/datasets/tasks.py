@@ -6,7 +6,7 @@ identical. The organism is trained on seeds ≥ 1000 (`TRAIN_SEED_BASE`); evalua
 seeds, so held-out scenes are never training scenes.
 
 Tasks (answers are single words: single tokens of the organism's tokenizer; real tokenizers write
-"12" as two, see `countlens.answers`):
+"12" as two, see `countlens.model.answers`):
 
 - ``count``: "how many circles are there in the image?" → "0" … "12". 70 % of scenes hold only
   the named shape (one colour or several); 30 % mix in 1–4 objects of other shapes, so the

@@ -37,7 +37,7 @@ from countlens.validate import require_count, require_integer, require_tensor
 
 if TYPE_CHECKING:
     from countlens.features.transcoder import TranscoderSet
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: The mix's kinds: the organism's three tasks (scenes) and plain text prompts.
 KINDS: tuple[str, ...] = ("count", "color", "shape", "text")
@@ -105,10 +105,10 @@ def collect_activations(
     """Each layer's MLP input and output at the real tokens of ``samples`` (scenes, through
     `VLM.prepare_samples`) and ``texts`` (plain prompts, no image), via forward hooks on the MLPs;
     ``layers`` None: every layer."""
-    from countlens.arguments import require_layers, require_vlm
     from countlens.circuits.sites.engine import mlp_path
-    from countlens.processors import render_chat
-    from countlens.vlm import check_samples
+    from countlens.model.arguments import require_layers, require_vlm
+    from countlens.model.processors import render_chat
+    from countlens.model.vlm import check_samples
 
     require_vlm(vlm, "collect_activations")
     layers = require_layers(vlm, layers, "collect_activations")

@@ -40,15 +40,15 @@ from countlens.validate import require_count, require_dataset, require_path
 
 if TYPE_CHECKING:
     from countlens.features.transcoder import TranscoderSet
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 COUNT_WORDS = tuple(str(i) for i in range(10))
 
 
 def _check(vlm, transcoders, samples, features, top) -> list[tuple[int, int]]:
-    from countlens.arguments import require_vlm
     from countlens.features.replacement import check_fits
-    from countlens.vlm import check_samples
+    from countlens.model.arguments import require_vlm
+    from countlens.model.vlm import check_samples
 
     require_vlm(vlm, "feature_cards")
     check_fits(vlm, transcoders, "feature_cards")
@@ -243,7 +243,7 @@ def draw_card(cards: xr.Dataset, card: str, samples: Sequence, path: str | Path)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Circle, Rectangle
 
-    from countlens.vlm import check_samples
+    from countlens.model.vlm import check_samples
 
     require_dataset(cards, "draw_card's cards (feature_cards' result)", CARD_VARIABLES)
     path = require_path(path, "draw_card's path", example="'card.png'")

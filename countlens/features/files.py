@@ -51,7 +51,7 @@ from countlens.files import writer_id
 from countlens.validate import require_finite_tensor, require_path, require_text
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 CONFIG = "config.yaml"
 LAYER_FILE = re.compile(r"layer_(\d+)\.safetensors")
@@ -260,7 +260,7 @@ def load_transcoders(folder: str | Path, vlm: VLM | None = None, *, dtype: torch
     unless ``dtype`` is given, so a save → load round trip is bit for bit."""
     folder = require_path(folder, "folder", example="'transcoders'")
     if vlm is not None:
-        from countlens.arguments import require_vlm
+        from countlens.model.arguments import require_vlm
 
         require_vlm(vlm, "load_transcoders")
     if dtype is not None:

@@ -57,7 +57,7 @@ from countlens.features.transcoder import TranscoderSet
 from countlens.validate import require_count, require_share
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 KINDS: tuple[str, ...] = ("feature", "error", "embedding", "logit")
 

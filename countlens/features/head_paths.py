@@ -55,7 +55,7 @@ from countlens.validate import require_count
 if TYPE_CHECKING:
     from countlens.features.graph import AttributionGraph, LocalReplacement
     from countlens.features.transcoder import TranscoderSet
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: The per-head variables of `head_shares`, in order.
 VARIABLES: tuple[str, ...] = ("path", "direct", "image", "image_direct", "share")
@@ -160,7 +160,7 @@ def head_shares(
 def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Collection[tuple[int, int]]) -> dict:
     """AUROC and precision@|C| of |share| (a `head_shares` Dataset — its ``share`` — or any (layer,
     head) DataArray, e.g. a mean over scenes) against the planted heads ``circuit_heads`` (a set of
-    (layer, head), `countlens.organisms.planted_circuit_of(name).heads`, or labels such as "L0H2")."""
+    (layer, head), `countlens.toy.catalogue.planted_circuit_of(name).heads`, or labels such as "L0H2")."""
     from countlens.circuits.recovery import auroc, precision_at
 
     if isinstance(shares, xr.Dataset):

@@ -29,7 +29,7 @@ from countlens.errors import InputError
 from countlens.features.transcoder import Transcoder, TranscoderSet
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 def check_fits(vlm: VLM, transcoders: TranscoderSet, what: str) -> None:
@@ -62,8 +62,8 @@ def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
     """``with replacement(vlm, transcoders): …`` — inside, each covered layer's MLP output is its
     transcoder's reconstruction (error terms dropped); the hooks go when the block ends, whatever
     happens in it. Yields ``vlm``."""
-    from countlens.arguments import require_vlm
     from countlens.circuits.sites.engine import mlp_path
+    from countlens.model.arguments import require_vlm
 
     require_vlm(vlm, "replacement")
     check_fits(vlm, transcoders, "replacement")
@@ -82,8 +82,8 @@ def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
 def check_graphable(vlm: VLM, transcoders: TranscoderSet, sample, what: str) -> None:
     """Refuse, before any forward, what the local replacement model cannot be built for: a set without a
     transcoder for every layer, a remote model, fused / cross / expert / linear attention, a list of samples."""
-    from countlens.arguments import require_vlm
-    from countlens.vlm import check_samples
+    from countlens.model.arguments import require_vlm
+    from countlens.model.vlm import check_samples
 
     require_vlm(vlm, what)
     check_fits(vlm, transcoders, what)
@@ -113,10 +113,10 @@ def replacement_accuracy(
     (original, replacement), ``correct`` and ``pred`` over (``model``, ``sample``), and ``agreement``
     (the share of samples whose predicted answer is the same in both)."""
     from countlens.analysis.evaluate import score
-    from countlens.arguments import require_vlm
+    from countlens.model.arguments import require_vlm
+    from countlens.model.vlm import check_samples
     from countlens.results import provenance
     from countlens.validate import require_count
-    from countlens.vlm import check_samples
 
     require_vlm(vlm, "replacement_accuracy")
     check_fits(vlm, transcoders, "replacement_accuracy")

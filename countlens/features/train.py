@@ -52,7 +52,7 @@ from countlens.features.transcoder import Transcoder, TranscoderSet
 from countlens.validate import require_count, require_path, require_positive, require_seed, require_share
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 CHECKPOINT = "checkpoint.pt"
 #: The defaults: a few minutes for the organism's six layers on 2 CPU cores.
@@ -148,7 +148,7 @@ def train_transcoders(
     the training samples, for the fidelity table. ``out``: a folder for the checkpoint and the result;
     with ``resume`` (default) a checkpoint there of the same call is continued, without it replaced.
     Returns `Training` (the set, and its fidelity over ``layer``)."""
-    from countlens.arguments import require_vlm
+    from countlens.model.arguments import require_vlm
 
     require_vlm(vlm, "train_transcoders")
     layers = _check_layers(vlm, layers)

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from countlens.errors import ConfigError
-from countlens.organisms import is_organism
+from countlens.model.shipped import is_organism
 from countlens.validate import require_count, require_positive, require_seed
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: How a run reads the model's answers on COUNTINGTRICKS and Digit-in-Conflict: scoring candidate
 #: answers (`countlens.analysis.evaluate.score`) or greedy generation parsed as the papers do (`generate`).

@@ -23,7 +23,7 @@ copy of the tower's output. The vision tower's transient is the same count as a 
 its own widths over the batch's patches. These are countlens's own estimates; the
 7B-width rehearsal (``bench/plan_rehearsal.py``) measures them against peak RSS.
 
-Row sizing of the sweeps (`rows_per_forward`, `Widths`) lives in `countlens.memory`; each stage's
+Row sizing of the sweeps (`rows_per_forward`, `Widths`) lives in `countlens.model.memory`; each stage's
 own plan lives beside its computation (`countlens.pipeline.stages`), and `countlens.pipeline.plan`
 puts them together for one model.
 """
@@ -35,15 +35,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from countlens.analysis.evaluate import candidate_sets
-from countlens.answers import read_rows
 from countlens.circuits.pair_batch import prepare_pairs
 from countlens.errors import ConfigError, CountlensError
-from countlens.memory import MAX_ROWS, Widths, logit_bytes, replica_copy_bytes, rows_per_forward, widths
+from countlens.model.answers import read_rows
+from countlens.model.memory import MAX_ROWS, Widths, logit_bytes, replica_copy_bytes, rows_per_forward, widths
 from countlens.pipeline.config import resolved_prompt
 from countlens.pipeline.inputs import stage_inputs
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from countlens.pipeline.rundir import Stages, check_run_dir
 from countlens.pipeline.stages import STAGES, RunContext, Stage
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 def check_preset(c: DiscoverConfig) -> None:

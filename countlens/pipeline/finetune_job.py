@@ -146,7 +146,7 @@ def importance_from(circuit, classes: Sequence[str] = ()) -> xr.DataArray:
     outside the heads of those classes (all heads when none has one of them). Heads of layers without
     softmax (a ``kind`` column saying "linear": Qwen3.5) have no temperature: NaN, no candidates."""
     from countlens.analysis.heads import read_heads
-    from countlens.arch import SOFTMAX_KINDS
+    from countlens.model.arch import SOFTMAX_KINDS
 
     table = read_heads(circuit)
     if "kind" in table:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from countlens.settings import SYNTHETIC_EVALUATION
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 TRAINING: tuple[str, ...] = ("countingtricks", "syn", "fsc147")
 #: Evaluation columns read from a local benchmark copy (``local``'s key), scored by generation + parsing.

@@ -20,7 +20,7 @@ from countlens.errors import CountlensError
 from countlens.pipeline.selfcheck_groups import CheckRow
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 NAME = "outputs are finite"
 #: The groups whose checks compare the model's outputs, and so mean nothing when those are NaN.

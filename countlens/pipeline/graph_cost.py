@@ -2,8 +2,8 @@
 
 `attribution_graph` (`countlens.features.graph`) builds a dense graph over every active feature of
 a prompt, so its cost grows with layers × positions × k, squared. `graph_cost` counts it from a
-model's widths alone (a loaded model, `countlens.memory.Widths`, or a model built on the meta device
-by `countlens.loading.meta_vlm`: config and processor, no weights), following graph.py step by step:
+model's widths alone (a loaded model, `countlens.model.memory.Widths`, or a model built on the meta device
+by `countlens.model.loading.meta_vlm`: config and processor, no weights), following graph.py step by step:
 
 **Nodes.** ``F = layers × seq × k`` active features (a TopK transcoder keeps k per token; a kept
 pre-activation ≤ 0 is zeroed by its ReLU, so F is an upper bound that trained transcoders meet),
@@ -56,11 +56,11 @@ import math
 from typing import TYPE_CHECKING
 
 from countlens.errors import InputError
-from countlens.memory import Widths
+from countlens.model.memory import Widths
 from countlens.validate import require_count
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: Bytes of one adjacency entry: graph.py builds every row and the square in float32.
 ADJACENCY_BYTES = 4
@@ -218,12 +218,13 @@ def prompt_length(vlm: VLM, count: int = 3, seed: int = 0) -> tuple[int, int]:
 def _widths(widths_or_vlm) -> Widths:
     if isinstance(widths_or_vlm, Widths):
         return widths_or_vlm
-    from countlens.memory import widths
-    from countlens.vlm import VLM
+    from countlens.model.memory import widths
+    from countlens.model.vlm import VLM
 
     if isinstance(widths_or_vlm, VLM):
         return widths(widths_or_vlm)
     raise InputError(
-        f"graph_cost takes a Widths (countlens.memory.widths(vlm)) or a countlens.VLM (countlens.load, or "
-        f"countlens.loading.meta_vlm for a checkpoint's config without weights); got {type(widths_or_vlm).__name__}"
+        f"graph_cost takes a Widths (countlens.model.memory.widths(vlm)) or a countlens.VLM (countlens.load, or "
+        "countlens.model.loading.meta_vlm for a checkpoint's config without weights); got "
+        f"{type(widths_or_vlm).__name__}"
     )

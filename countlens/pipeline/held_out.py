@@ -20,7 +20,7 @@ from countlens.datasets.tasks import TASKS, scene_kind, task_samples
 if TYPE_CHECKING:
     import xarray as xr
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: The columns of each accuracy table: the group, its accuracy, its number of samples.
 _FLOATFMT = ("g", ".3f", "g")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from countlens.pipeline.config import DiscoverConfig, conflict_styles
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable[[], list]]:

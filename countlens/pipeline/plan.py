@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from countlens.errors import ConfigError
-from countlens.memory import Widths, free_bytes, resident_bytes, widths
+from countlens.model.memory import Widths, free_bytes, resident_bytes, widths
 from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.costs import Planner, StagePlan, forward_bytes, forward_flops
 from countlens.pipeline.discover import check_preset
@@ -21,7 +21,7 @@ from countlens.pipeline.stages import STAGES
 from countlens.validate import require_integer
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 @dataclass

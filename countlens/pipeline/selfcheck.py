@@ -40,7 +40,7 @@ from countlens.pipeline.finite import NEEDS_FINITE, finite_outputs
 from countlens.pipeline.selfcheck_groups import CheckRow
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 GROUPS: tuple[str, ...] = ("spec", "image", "answers", "interventions", "memory")
 

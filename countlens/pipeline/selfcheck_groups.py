@@ -17,7 +17,7 @@ from countlens.errors import CountlensError
 from countlens.pipeline.config import default_prompt
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: Rounding budget per dtype, relative to the logits' size (see the module docstring).
 REL: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -41,7 +41,7 @@ class CheckRow:
 
 COUNTS = range(0, 21)
 PATHS = "module paths"
-SPEC_FIX = "the spec (countlens/arch.py) does not fit this checkpoint: fix its path or config name"
+SPEC_FIX = "the spec (countlens/model/arch.py) does not fit this checkpoint: fix its path or config name"
 
 
 def _rel(vlm: VLM) -> float:
@@ -60,7 +60,7 @@ def _prompt(vlm: VLM) -> str:
 
 
 def spec(vlm: VLM) -> list[CheckRow]:
-    from countlens.consistency import check_processor
+    from countlens.model.consistency import check_processor
 
     arch, rows = vlm.arch, []
     missing, shapes = [], []
@@ -184,8 +184,8 @@ def _image_features(vlm: VLM, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def image(vlm: VLM) -> list[CheckRow]:
-    from countlens.layouts import token_cells
-    from countlens.processors import useful_grid
+    from countlens.model.layouts import token_cells
+    from countlens.model.processors import useful_grid
 
     g = vlm.geometry
     rows, cols = g.token_grid
@@ -256,8 +256,8 @@ def image(vlm: VLM) -> list[CheckRow]:
 
 def answers(vlm: VLM) -> list[CheckRow]:
     from countlens.analysis.evaluate import score
-    from countlens.answers import sequence_scores
     from countlens.datasets.tasks import task_samples
+    from countlens.model.answers import sequence_scores
 
     bad = []
     for n in COUNTS:
@@ -437,11 +437,11 @@ def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
 
 
 def memory(vlm: VLM) -> list[CheckRow]:
-    from countlens import memory as mem
     from countlens.circuits.edits import Edit, cache_run, run_edits
     from countlens.circuits.pair_batch import prepare_pairs
     from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
+    from countlens.model import memory as mem
     from countlens.pipeline.costs import Forward, forward_bytes
 
     name = "one stacked sweep forward fits the plan"

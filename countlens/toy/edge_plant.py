@@ -166,7 +166,7 @@ def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, 
     """Train ``circuit`` into ``out`` (from `START`'s weights), then write planted.json with the edge-level
     and node-level fresh figures and checks. Returns planted.json's content."""
     from countlens.files import claim_directory, directory_lock
-    from countlens.organisms import ORGANISMS
+    from countlens.model.shipped import ORGANISMS
 
     out, progress = require_path(out, "out", example="'organisms/value-route'"), require_callback(progress)
     pc = PlantConfig(steps=circuit.steps) if pc is None else pc

@@ -357,7 +357,7 @@ def train_and_save(start: Path, out: Path, train, progress) -> tuple:
 
 def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dict:
     """`plant`'s training and verification, by the process that holds ``out``'s lock."""
-    from countlens.organisms import TOY_DIR
+    from countlens.model.shipped import TOY_DIR
 
     saved, seconds = train_and_save(TOY_DIR, out, lambda model, log: train_stages(model, circuit, pc, log), progress)
     figures = verify(saved, circuit)

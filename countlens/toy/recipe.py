@@ -129,7 +129,7 @@ class ToyConfig:
 
     @property
     def geometry(self):
-        from countlens.geometry import Geometry
+        from countlens.model.geometry import Geometry
 
         return Geometry.square(self.image_size, self.patch_size, self.merge_size)
 
@@ -171,7 +171,7 @@ def build_image_processor(cfg: ToyConfig):
 def build_processor(cfg: ToyConfig, tokenizer=None, image_processor=None):
     from transformers import Qwen2VLProcessor
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     return image_only(Qwen2VLProcessor)(
         image_processor=image_processor or build_image_processor(cfg),

@@ -187,7 +187,7 @@ def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) ->
     from transformers import Qwen2VLForConditionalGeneration
 
     from countlens.files import claim_directory, directory_lock
-    from countlens.organisms import TOY_DIR
+    from countlens.model.shipped import TOY_DIR
 
     claim_directory(out, "countlens toy plant", {"circuit": "top-half", "recipe": recipe})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):

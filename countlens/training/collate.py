@@ -21,7 +21,7 @@ from countlens.errors import ConfigError, InputError
 from countlens.settings import CE_ON
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 IGNORE = -100
 

@@ -40,16 +40,16 @@ import numpy as np
 import torch
 
 from countlens.analysis.heads import read_heads
-from countlens.arguments import require_vlm
 from countlens.errors import ConfigError, InputError, RunDirError
 from countlens.files import read_json, refuse_older_spec, settings_changes, write_text
+from countlens.model.arguments import require_vlm
 from countlens.settings import FinetuneConfig
 from countlens.training.collate import digit_mask
 from countlens.training.head_lora import check_heads, restrict_to_heads
 from countlens.validate import require_count, require_sequence
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 FULL_WEIGHTS = "model.safetensors"  # a full fine-tune's trained weights, in a checkpoint and in out/adapter
 FULL_MARKER = "full_finetune.json"  # marks out/adapter as a full fine-tune's weights (not a LoRA adapter)
@@ -65,7 +65,7 @@ def target_layers_from(
     ``circuit``: a `countlens discover` run directory (its ``heads.csv``) or a head table DataFrame."""
     import pandas as pd
 
-    from countlens.arch import SOFTMAX_KINDS
+    from countlens.model.arch import SOFTMAX_KINDS
 
     if isinstance(circuit, (str, Path)):
         circuit = read_heads(circuit)
@@ -435,7 +435,7 @@ def with_adapter(name_or_path: str, adapter: str | Path, **load_kw) -> VLM:
     from peft import PeftModel
 
     import countlens
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
     adapter = Path(adapter)
     if (adapter / FULL_MARKER).exists():  # a full fine-tune's weights, loaded over a fresh model

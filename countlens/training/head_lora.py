@@ -22,7 +22,7 @@ import torch
 from countlens.errors import ConfigError
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 def head_rows(vlm: VLM, layer: int, heads: Sequence[int], part: str, out_features: int) -> torch.Tensor:

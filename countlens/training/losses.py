@@ -41,7 +41,7 @@ from countlens.validate import (
 )
 
 if TYPE_CHECKING:
-    from countlens.vlm import Batch
+    from countlens.model.vlm import Batch
 
 
 def answer_ce(logits: Tensor, labels: Tensor) -> Tensor:

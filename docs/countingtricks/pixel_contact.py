@@ -22,7 +22,7 @@ from pathlib import Path
 
 from countlens.datasets.contact import boundary_gap, pixel_joined, shared_edge
 from countlens.datasets.countingtricks import CASES, trick_sample
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 GRIDS = {"192/16": Geometry.square(192, 16), "384/27": Geometry.data_grid(384, 27)}
 N_SAMPLES = 60

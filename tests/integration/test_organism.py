@@ -7,7 +7,7 @@ import torch
 
 from countlens.analysis import score
 from countlens.datasets.tasks import task_samples
-from countlens.organisms import TOY_DIR
+from countlens.model.shipped import TOY_DIR
 
 
 def test_loads_by_name_with_its_geometry(loaded):

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import countlens
 from countlens.cli import app
-from countlens.organisms import ORGANISMS, SHIPPED_EDGES, SHIPPED_OBJECTS, SHIPPED_PLANTED, TOY_DIR
+from countlens.model.shipped import ORGANISMS, SHIPPED_EDGES, SHIPPED_OBJECTS, SHIPPED_PLANTED, TOY_DIR
 from countlens.toy.planted import CIRCUITS
 from countlens.toy.strictness import FRESH_CHECKS, fresh_checks, fresh_strictness
 

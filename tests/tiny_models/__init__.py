@@ -1,6 +1,6 @@
 """Tiny random-init Hugging Face VLMs with working offline processors, for the architecture test matrix.
 
-One module per model family (named as `countlens.models` names them), each with its builders and
+One module per model family (named as `countlens.model.families` names them), each with its builders and
 image sizes as plain data (``BUILDERS``, ``IMAGE_SIZE``); `common` holds what they share; this
 module is the registry. `build_tiny(name)` returns ``(model, processor)``: a model built from a
 config (no hub), seeded with ``torch.manual_seed(0)``, in eval mode, with ``config.architectures``
@@ -14,7 +14,7 @@ digits as their real tokenizers do; LLaVA-NeXT and Idefics3 a word-level vocabul
 which every number up to 100 is one token. Sizes: text hidden 64, 2 layers, 4 heads / 2 kv heads
 (where GQA exists), vision tower 2 layers of width 32, images of 32-64 px that give a 4×4 grid of
 image tokens per image (or per tile). Processors that also want a video processor are made
-image-only (`countlens.processors`). `tiny_inputs(name, processor)` makes a batch of 2 through the
+image-only (`countlens.model.processors`). `tiny_inputs(name, processor)` makes a batch of 2 through the
 chat template and the processor.
 
 Image sizes (`TINY_IMAGE_SIZE[name]`, (height, width) of the PIL image to feed):

@@ -43,7 +43,7 @@ def _gemma4():
     from real_vocab import digit_bpe
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     template = chat(
         "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n",

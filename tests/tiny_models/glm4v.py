@@ -46,7 +46,7 @@ def _glm4v(image_side: int | None = None):
     from real_vocab import digit_bpe
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     template = chat(
         "<|{{ message['role'] }}|>\n",

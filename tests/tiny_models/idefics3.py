@@ -16,7 +16,7 @@ def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
     by 2 (4 × 4 tokens each), then the whole image as one more tile."""
     import transformers as tf
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     if family == "idefics3":
         from real_vocab import LLAMA32_SPECIALS, llama3_tokenizer

@@ -15,7 +15,7 @@ def _internvl(text_model: str = "qwen2", tile: int = INTERNVL_TILE):
     from real_vocab import INTERNVL3_SPECIALS, INTERNVL3_VOCAB, qwen_tokenizer
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     template = chat("<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(

@@ -43,7 +43,7 @@ def _llama4(tile: int = LLAMA4_TILE):
     import transformers as tf
     from real_vocab import digit_bpe
 
-    from countlens.models.llama4 import Llama4ImageProcessorPil
+    from countlens.model.families.llama4 import Llama4ImageProcessorPil
 
     template = chat(
         "<|header_start|>{{ message['role'] }}<|header_end|>\n\n",

@@ -61,7 +61,7 @@ def _llava_next(video: bool = False):
     import transformers as tf
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>", "[INST]", "[/INST]", *(["<video>"] if video else [])]
     template = chat(
@@ -108,7 +108,7 @@ def _llava_onevision():
         LlavaOnevisionImageProcessorPil,
     )
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     template = chat("<|im_start|>{{ message['role'] }}\n", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(ONEVISION_SPECIALS, image_token="<image>", video_token="<video>")

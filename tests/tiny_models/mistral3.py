@@ -34,7 +34,7 @@ def _mistral3(tile: int = MISTRAL3_LONGEST):
     from real_vocab import digit_bpe
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    from countlens.processors import processor_class
+    from countlens.model.processors import processor_class
 
     template = chat(
         "{% if message['role'] == 'user' %}[INST]{% endif %}",

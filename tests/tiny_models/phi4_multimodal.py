@@ -17,7 +17,7 @@ def _phi4_multimodal(tile: int = PHI4_CROP):
     import transformers as tf
     from real_vocab import PHI4MM_NAMED, o200k_tokenizer
 
-    from countlens.models.phi4_multimodal import Phi4MultimodalImageProcessorPil
+    from countlens.model.families.phi4_multimodal import Phi4MultimodalImageProcessorPil
 
     # The remote-code checkpoint's template writes '<|' + role + '|>' + content + '<|end|>', the user
     # writing <|image_1|>, which became <|endoftext10|>; transformers' processor expands the

@@ -50,7 +50,7 @@ def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
     from real_vocab import qwen_tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from countlens.processors import image_only
+    from countlens.model.processors import image_only
 
     template = QWEN2_TEMPLATE if name in ("qwen2_vl", "qwen2_5_vl") else QWEN3_TEMPLATE
     if name in ("qwen3_5", "qwen3_5_moe"):  # its own vocabulary; the real template opens the answer with an empty think

@@ -17,12 +17,12 @@ from countlens import circuits
 from countlens.analysis.evaluate import generate, score
 from countlens.analysis.metrics import summary
 from countlens.analysis.parse import parse_shape_count
-from countlens.answers import divergence, read_rows, shared_prefix, splits_numbers
 from countlens.circuits.patching import prepare_pairs
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
+from countlens.model.answers import divergence, read_rows, shared_prefix, splits_numbers
 
 SIDE = TINY_IMAGE_SIZE["qwen2_5_vl"][0]
 

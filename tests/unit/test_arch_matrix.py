@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 from tiny_models import TINY_IMAGE_SIZE, TINY_NAMES
 
-from countlens.arch import SPECS
-from countlens.layouts import TILED, token_cells
-from countlens.processors import useful_grid
+from countlens.model.arch import SPECS
+from countlens.model.layouts import TILED, token_cells
+from countlens.model.processors import useful_grid
 
-#: Every spec of the registry (`countlens.models`), each the name of a tiny model (`tests/tiny_models/`).
+#: Every spec of the registry (`countlens.model.families`), each the name of a tiny model (`tests/tiny_models/`).
 SUPPORTED = tuple(SPECS)
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
 # q-norm) under "internvl", SmolVLM (SmolLM2 text, its own processor) under "idefics3". The cheap
@@ -51,22 +51,22 @@ def test_every_spec_is_in_the_matrix():
 
 
 def test_every_family_module_has_its_tiny_builder_module():
-    """The tests mirror the house: `countlens/models/<family>.py` has `tests/tiny_models/<family>.py`,
+    """The tests mirror the house: `countlens/model/families/<family>.py` has `tests/tiny_models/<family>.py`,
     whose builders are named after that family's specs, model types or VARIANTS."""
     import importlib
     from pathlib import Path
 
     import tiny_models
 
-    import countlens.models
+    import countlens.model.families
 
     def modules(package) -> set[str]:
         return {p.stem for p in Path(package.__file__).parent.glob("*.py")} - {"__init__", "spec", "common"}
 
     listed = {family.__name__.rsplit(".", 1)[1]: family for family in tiny_models.FAMILIES}
-    assert modules(countlens.models) == modules(tiny_models) == set(listed)
+    assert modules(countlens.model.families) == modules(tiny_models) == set(listed)
     for name, builders in listed.items():
-        specs = importlib.import_module(f"countlens.models.{name}").FAMILY.specs
+        specs = importlib.import_module(f"countlens.model.families.{name}").FAMILY.specs
         names = {s.name for s in specs} | {t for s in specs for t in s.model_types}
         assert set(builders.BUILDERS) <= names | set(VARIANTS), (name, sorted(builders.BUILDERS))
 

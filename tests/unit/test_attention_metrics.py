@@ -24,7 +24,7 @@ from countlens.circuits.attention import last_token_attention
 from countlens.datasets.countingtricks import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.errors import InputError, LayerError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 GEOM = Geometry.square(192, 16, 2)  # the organism's grid: 6 × 6 token cells of 32 px
 

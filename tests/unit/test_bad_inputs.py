@@ -41,9 +41,9 @@ from countlens.errors import (
     LayerError,
     RunDirError,
 )
-from countlens.geometry import Geometry
-from countlens.loading import meta_vlm
-from countlens.organisms import TOY_DIR
+from countlens.model.geometry import Geometry
+from countlens.model.loading import meta_vlm
+from countlens.model.shipped import TOY_DIR
 from countlens.pipeline.config import DiscoverConfig
 from countlens.results import ResultError, ResultNotFoundError
 from countlens.toy.recipe import TrainConfig

@@ -19,7 +19,7 @@ import pytest
 
 import countlens
 from countlens.errors import CountlensError
-from countlens.organisms import TOY_DIR
+from countlens.model.shipped import TOY_DIR
 
 FILES = ("config.json", "preprocessor_config.json")
 CASES = 20

@@ -109,7 +109,7 @@ def stubs(monkeypatch):
     planning."""
     import countlens
     import countlens.datasets.export
-    import countlens.loading
+    import countlens.model.loading
     import countlens.pipeline.plan
     import countlens.toy.train
 
@@ -117,7 +117,7 @@ def stubs(monkeypatch):
     monkeypatch.setattr(countlens.datasets.export, "export_countingtricks", _stub)
     monkeypatch.setattr(countlens.toy.train, "train", _stub)
     monkeypatch.setattr(countlens.pipeline.plan, "plan", _stub)
-    monkeypatch.setattr(countlens.loading, "meta_vlm", _stub)
+    monkeypatch.setattr(countlens.model.loading, "meta_vlm", _stub)
     for name in ("RANK", "WORLD_SIZE", "COUNTLENS_DEBUG"):
         monkeypatch.delenv(name, raising=False)
 

@@ -13,7 +13,7 @@ from countlens.datasets.countingtricks import CASES, capacity, countingtricks, t
 from countlens.datasets.export import export_countingtricks
 from countlens.datasets.scene import Obj
 from countlens.errors import CountlensError, InputError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 # The organism's grid, a 14 px ViT's, and the MAS paper's 384 px / 27 px (14 whole cells and a 6 px partial one).
 GRIDS = [Geometry.square(192, 16), Geometry.square(224, 14), Geometry.data_grid(384, 27)]
@@ -218,7 +218,7 @@ def test_generating_and_exporting_loads_no_torch(tmp_path):
 
     code = (
         "import sys; from countlens.datasets import countingtricks; "
-        "from countlens.datasets.export import export_countingtricks; from countlens.geometry import Geometry; "
+        "from countlens.datasets.export import export_countingtricks; from countlens.model.geometry import Geometry; "
         f"export_countingtricks({str(tmp_path)!r}, ['1A', '9A'], 2, Geometry.data_grid(384, 27), workers=1); "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

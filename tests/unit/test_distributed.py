@@ -94,7 +94,7 @@ def test_the_accelerate_configs_in_the_repo_load():
 
 
 def test_cuda_means_this_ranks_gpu_under_a_launcher(monkeypatch):
-    from countlens.loading import rank_device
+    from countlens.model.loading import rank_device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")

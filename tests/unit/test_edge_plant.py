@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from countlens.errors import InputError
-from countlens.organisms import ORGANISMS, planted_circuit_of, planted_edges_of
+from countlens.model.shipped import ORGANISMS
+from countlens.toy.catalogue import planted_circuit_of, planted_edges_of
 from countlens.toy.edge_forward import EdgeForward, EdgeSpace, prepare
 from countlens.toy.edge_plant import train_edges
 from countlens.toy.plant import PlantConfig

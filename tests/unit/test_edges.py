@@ -352,7 +352,7 @@ def test_the_plan_counts_an_ablated_forwards_flops(loaded):
     and one edge into every receiver ablated (fewer than kept, so no receiver reads the complement)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from countlens.memory import widths
+    from countlens.model.memory import widths
     from countlens.pipeline.stages.edges import edge_forward_flops
 
     vlm = loaded("toy")

@@ -16,7 +16,7 @@ import pytest
 
 from countlens.datasets.export import LOCK, export_countingtricks, owned
 from countlens.errors import InputError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 GRID = Geometry.square(96, 16)
 
@@ -65,7 +65,7 @@ def test_the_pool_workers_end_when_their_export_is_terminated(tmp_path):
     """SIGTERM ends the export's process without shutting its pool down: its two workers end too."""
     code = (
         "from countlens.datasets.export import export_countingtricks\n"
-        "from countlens.geometry import Geometry\n"
+        "from countlens.model.geometry import Geometry\n"
         f"export_countingtricks({str(tmp_path / 'out')!r}, ['1A', '9A'], 400, Geometry.square(96, 16), workers=2)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), *sys.path])}

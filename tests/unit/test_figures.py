@@ -11,11 +11,11 @@ import xarray as xr
 from countlens.analysis.figures import canvas, counting, curves, grids
 from countlens.analysis.metrics import number_avoidance
 from countlens.datasets.countingtricks import CASES
+from countlens.datasets.paper_generator import REFERENCE_CASES
 from countlens.pipeline.stages import cases as cases_stage
 from countlens.pipeline.stages.attention import modality_shares
 from countlens.pipeline.stages.base import ReportContext
 from countlens.pipeline.stages.classes import key_head_tokens
-from countlens.reference.counting_to_four.scenes import REFERENCE_CASES
 
 
 def _grid(n_layers: int, n_heads: int, seed: int = 0) -> xr.DataArray:

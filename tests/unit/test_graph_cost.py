@@ -12,7 +12,7 @@ from countlens.cli import app
 from countlens.datasets.tasks import count_task_sample
 from countlens.errors import InputError
 from countlens.features import attribution_graph, train_transcoders
-from countlens.memory import widths
+from countlens.model.memory import widths
 from countlens.pipeline.graph_cost import ADJACENCY_BYTES, graph_cost, prompt_length
 
 runner = CliRunner()
@@ -114,12 +114,12 @@ def test_the_plan_command_on_a_tiny_config(tiny_checkpoint):
     ],
 )
 def test_the_plan_commands_refusals_exit_2_before_reading_the_model(extra, message, monkeypatch):
-    import countlens.loading
+    import countlens.model.loading
 
     def no_read(*args, **kwargs):
         raise AssertionError("the checkpoint was read before the options were checked")
 
-    monkeypatch.setattr(countlens.loading, "meta_vlm", no_read)
+    monkeypatch.setattr(countlens.model.loading, "meta_vlm", no_read)
     result = runner.invoke(app, ["features", "plan", "--model", "toy", *extra])
     assert result.exit_code == 2, result.output
     assert message in result.output

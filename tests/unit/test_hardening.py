@@ -152,8 +152,8 @@ def test_a_missing_tokenizer_is_named_as_missing(tmp_path):
     import shutil
 
     from countlens.errors import CheckpointError
-    from countlens.loading import TOKENIZER_FILES
-    from countlens.organisms import TOY_DIR
+    from countlens.model.loading import TOKENIZER_FILES
+    from countlens.model.shipped import TOY_DIR
 
     shutil.copytree(TOY_DIR, tmp_path / "toy", ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
     with pytest.raises(CheckpointError, match="has no tokenizer vocabulary .*copy tokenizer.json"):
@@ -165,7 +165,7 @@ def test_a_zero_rescale_factor_is_named_as_the_processor_setting(tmp_path):
     import shutil
 
     from countlens.errors import CheckpointError
-    from countlens.organisms import TOY_DIR
+    from countlens.model.shipped import TOY_DIR
 
     shutil.copytree(TOY_DIR, tmp_path / "toy")
     path = tmp_path / "toy" / "preprocessor_config.json"

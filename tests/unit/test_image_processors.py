@@ -1,5 +1,5 @@
 """countlens's PIL Phi-4-multimodal image processor against fixtures worked out by hand from the
-documented steps (`countlens.models.phi4_multimodal`); it has not been compared with the torchvision one."""
+documented steps (`countlens.model.families.phi4_multimodal`); it has not been compared with the torchvision one."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ import pytest
 import torch
 from PIL import Image
 
-from countlens.geometry import Geometry
-from countlens.layouts import token_cells
-from countlens.models.phi4_multimodal import Phi4MultimodalImageProcessorPil, crop_grid, resized_size, useful_tokens
+from countlens.model.families.phi4_multimodal import (
+    Phi4MultimodalImageProcessorPil,
+    crop_grid,
+    resized_size,
+    useful_tokens,
+)
+from countlens.model.geometry import Geometry
+from countlens.model.layouts import token_cells
 
 CROP, PATCH = 32, 4  # 8 × 8 patches per crop, 4 × 4 tokens after the 2 × 2 pool
 

@@ -2,9 +2,9 @@
 arrow up the layers, no module importing another's private name. Imports inside functions and under
 ``TYPE_CHECKING`` count: a reader follows them as much as Python does.
 
-Family knowledge lives in one place (`countlens.models`): a family's names (its model types, its
+Family knowledge lives in one place (`countlens.model.families`): a family's names (its model types, its
 class-name prefixes, its remote-code model types) appear in package code only in its own module
-under ``countlens/models/`` and in the registry, and nothing but the registry imports a family
+under ``countlens/model/families/`` and in the registry, and nothing but the registry imports a family
 module. Comments and docstrings may name any family; code may not. What still names a family
 elsewhere is listed in `FAMILY_NAMES_ELSEWHERE` with its reason."""
 
@@ -25,32 +25,23 @@ PACKAGE = Path(__file__).resolve().parents[2] / "countlens"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "validate": 0,
-    "geometry": 1,
-    "cells": 1,
     "progress": 1,
     "settings": 1,
-    "models": 2,
-    "arch": 2,
-    "datasets": 2,
-    "answers": 3,
     "files": 1,
     "labels": 1,
     "html_page": 1,
+    "datasets": 2,
     "results": 3,
     "sweep_store": 3,
     "distributed": 3,
-    "memory": 3,
-    "layouts": 3,
-    "vlm": 3,
-    "adapt": 3,
-    "loading": 3,
-    "arguments": 3,
-    "consistency": 3,
-    "processor_files": 3,
-    "processors": 3,
-    "sizing": 3,
+    # countlens.model: what a VLM is; its data-only parts sit below the rest (data generation reads the grid).
+    "model.geometry": 1,
+    "model.cells": 1,
+    "model.shipped": 1,
+    "model.families": 2,
+    "model.arch": 2,
+    "model": 3,
     "toy": 3,
-    "organisms": 3,
     "circuits": 4,
     "analysis": 5,
     "features": 5,
@@ -59,26 +50,17 @@ LAYERS: dict[str, int] = {
     "cli": 8,
     "": 9,
     # countlens.reference is cut by paper, not by layer: each reproduction sits at the layer of what it
-    # reproduces (a generator is data, a parser reads text, the attention diagnostics read a VLM).
+    # reproduces (a parser reads text, the attention diagnostics read a VLM).
     "reference": 0,
     "reference.counting_to_four": 0,
     "reference.counting_to_four.parse": 1,
-    "reference.counting_to_four.scenes": 2,
     "reference.counting_to_four.attention": 4,
     "reference.counting_to_four.probe": 4,
 }
 #: Parts that may import only these (besides themselves): data generation needs no model.
 # files: its directory lock (an export holds it while writing), which imports only errors.
-DATA: set[str] = {
-    "datasets",
-    "geometry",
-    "errors",
-    "validate",
-    "progress",
-    "files",
-    "reference.counting_to_four.scenes",
-}
-ONLY: dict[str, set[str]] = {"datasets": DATA, "reference.counting_to_four.scenes": DATA}
+DATA: set[str] = {"datasets", "model.geometry", "errors", "validate", "progress", "files"}
+ONLY: dict[str, set[str]] = {"datasets": DATA}
 
 
 def modules() -> dict[str, Path]:
@@ -260,14 +242,14 @@ def code_tokens(path: Path):
 def family_names_outside() -> dict[tuple[str, str], list[str]]:
     """(file, family) → "line: token" for every token of package code outside the family's own module
     and the registry that contains one of the family's names (case-insensitive)."""
-    from countlens.models import FAMILIES
+    from countlens.model.families import FAMILIES
 
     # Each file tokenised once, not once per family (the families × files tokenisations took seconds).
     tokens = {path: [(t, t.string.lower()) for t in code_tokens(path)] for path in sorted(PACKAGE.rglob("*.py"))}
     found: dict[tuple[str, str], list[str]] = {}
     for family in FAMILIES:
         words = {w.lower() for w in (*family.model_types, *family.names, *family.remote_code)}
-        own = {PACKAGE / "models" / f"{family.name}.py", PACKAGE / "models" / "__init__.py"}
+        own = {PACKAGE / "model" / "families" / f"{family.name}.py", PACKAGE / "model" / "families" / "__init__.py"}
         for path, path_tokens in tokens.items():
             if path in own:
                 continue
@@ -279,10 +261,10 @@ def family_names_outside() -> dict[tuple[str, str], list[str]]:
 
 
 def test_every_family_has_its_module():
-    from countlens.models import FAMILIES
+    from countlens.model.families import FAMILIES
 
-    missing = [f.name for f in FAMILIES if not (PACKAGE / "models" / f"{f.name}.py").exists()]
-    assert not missing, f"families without a module countlens/models/<name>.py: {missing}"
+    missing = [f.name for f in FAMILIES if not (PACKAGE / "model" / "families" / f"{f.name}.py").exists()]
+    assert not missing, f"families without a module countlens/model/families/<name>.py: {missing}"
 
 
 def test_a_family_is_named_only_in_its_own_module():
@@ -296,13 +278,13 @@ def test_a_family_is_named_only_in_its_own_module():
 
 
 def test_only_the_registry_imports_a_family_module():
-    from countlens.models import FAMILIES
+    from countlens.model.families import FAMILIES
 
-    family_modules = {f"countlens.models.{f.name}" for f in FAMILIES}
+    family_modules = {f"countlens.model.families.{f.name}" for f in FAMILIES}
     wrong = [
         f"{a} imports {b}"
         for a, targets in graph().items()
         for b, _ in targets
-        if b in family_modules and a != "countlens.models"
+        if b in family_modules and a != "countlens.model.families"
     ]
-    assert not wrong, "only countlens/models/__init__.py may import a family module:\n" + "\n".join(wrong)
+    assert not wrong, "only countlens/model/families/__init__.py may import a family module:\n" + "\n".join(wrong)

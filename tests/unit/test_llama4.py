@@ -10,8 +10,8 @@ from PIL import Image
 from tolerance import assert_close, bound, scale_of
 
 from countlens import circuits
-from countlens.models.llama4 import llama4_canvas, llama4_resized
-from countlens.processors import useful_grid
+from countlens.model.families.llama4 import llama4_canvas, llama4_resized
+from countlens.model.processors import useful_grid
 
 
 def test_the_canvas_rule_gives_transformers_own_examples():

@@ -14,13 +14,13 @@ import torch
 import xarray as xr
 
 from countlens.analysis import object_misses
-from countlens.answers import divergence
 from countlens.circuits import Objects, object_effects
 from countlens.circuits.object_effects import _without
 from countlens.datasets import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError
+from countlens.model.answers import divergence
 from tests.tolerance import assert_close
 
 

@@ -287,7 +287,7 @@ def test_features_plan_refuses_an_image_too_small_for_its_scene():
 def test_discover_plan_names_the_image_size_when_its_scenes_cannot_be_drawn():
     """At 48 px the scenes' objects cover no pixel: it said "make it larger" of an object the user never made."""
     with pytest.raises(CountlensError, match="made at 32 px images .*larger --image-size"):  # 48 px: 32 px tokens
-        from countlens.loading import meta_vlm
+        from countlens.model.loading import meta_vlm
         from countlens.pipeline.plan import plan
 
         plan(meta_vlm("toy", image_size=48))

@@ -24,8 +24,8 @@ from countlens.analysis.attention_maps import attention_maps
 from countlens.circuits.attention import eager_attention
 from countlens.datasets.countingtricks import countingtricks
 from countlens.errors import InputError
-from countlens.geometry import Geometry
-from countlens.layouts import token_cells
+from countlens.model.geometry import Geometry
+from countlens.model.layouts import token_cells
 from countlens.pipeline.config import DiscoverConfig, resolved_prompt
 from countlens.pipeline.inputs import stage_inputs
 from countlens.pipeline.rundir import Stages

@@ -7,7 +7,7 @@ import pytest
 
 from countlens.datasets.pairs import KINDS, count_pair, count_pairs, count_scene, count_scenes
 from countlens.errors import InputError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 GRID = Geometry.square(192, 16)
 

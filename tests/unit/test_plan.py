@@ -11,14 +11,14 @@ from tolerance import assert_effect, logit_scale
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
-from countlens import memory
 from countlens.circuits.patching import patch_heads, prepare_pairs
 from countlens.cli import app
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
 from countlens.errors import ConfigError
-from countlens.loading import meta_vlm
-from countlens.memory import MAX_ROWS
+from countlens.model import memory
+from countlens.model.loading import meta_vlm
+from countlens.model.memory import MAX_ROWS
 from countlens.pipeline import costs, plan
 from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.stages import REQUIRED

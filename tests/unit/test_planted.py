@@ -12,7 +12,7 @@ import xarray as xr
 
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.errors import ConfigError, InputError
-from countlens.organisms import TOY_DIR
+from countlens.model.shipped import TOY_DIR
 from countlens.toy.plant import PlantConfig, invariance, swapped_nodes, train_planted, train_stages
 from countlens.toy.planted import (
     CIRCUITS,

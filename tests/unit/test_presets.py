@@ -94,7 +94,7 @@ def test_the_paper_probe_has_the_papers_capacity():
 
 
 def test_syn_training_data_is_half_dots_half_polygons_with_counts_to_ten():
-    from countlens.geometry import Geometry
+    from countlens.model.geometry import Geometry
     from countlens.pipeline.finetune_sets import training_data
 
     scenes = training_data(presets.recipe("counting-circuits"), Geometry(192, 192, 16), "std", n=40)
@@ -285,7 +285,7 @@ def test_a_recipe_no_run_can_finish_is_refused_before_a_model_loads(tmp_path):
 
     from PIL import Image
 
-    from countlens.geometry import Geometry
+    from countlens.model.geometry import Geometry
     from countlens.pipeline.finetune_job import check_recipe
     from countlens.pipeline.finetune_sets import EVALUATION, LOCAL_SETS, evaluation_sets
 

@@ -21,7 +21,7 @@ from countlens.datasets.contact import boundary_gap
 from countlens.datasets.countingtricks import CASES, trick_sample
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import CountlensError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 # Derandomized: the examples are a pure function of the test, so CI runs the same ones every time.
 FEW = settings(

@@ -4,7 +4,7 @@ No weights and no tokenizer: each config.json is read as countlens reads a check
 resolved (`spec_for`, `resolve`), and its model built on the meta device to check that every spec path
 exists at every layer (as tests/unit/test_arch_matrix.py does on tiny models). The image tokens per
 image are computed here from the preprocessor config's own numbers and compared with countlens's
-sizing of an image processor built from that file (`countlens.processor_files._load_image_processor`).
+sizing of an image processor built from that file (`countlens.model.processor_files._load_image_processor`).
 
 The expected figures below are the models' published ones (layers, heads, hidden size), as the
 README's table gives them with their sources; they are checked against the config's own fields too.
@@ -24,17 +24,17 @@ from PIL import Image
 from real_checkpoints import TOKENIZER_FROM, planning_dir
 from typer.testing import CliRunner
 
-from countlens.arch import resolve, spec_for
 from countlens.cli import app
 from countlens.errors import CheckpointError, ConfigError, CountlensError, UnsupportedArchitectureError
-from countlens.geometry import Geometry
-from countlens.layouts import TILED
-from countlens.loading import meta_vlm, read_config
+from countlens.model.arch import resolve, spec_for
+from countlens.model.geometry import Geometry
+from countlens.model.layouts import TILED
+from countlens.model.loading import meta_vlm, read_config
+from countlens.model.processor_files import _load_image_processor, load_processor
+from countlens.model.sizing import default_size, fixed_size, is_dynamic, processed_size
 from countlens.pipeline import plan
 from countlens.pipeline.config import DiscoverConfig
 from countlens.pipeline.stages import STAGES
-from countlens.processor_files import _load_image_processor, load_processor
-from countlens.sizing import default_size, fixed_size, is_dynamic, processed_size
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
 
@@ -232,7 +232,7 @@ def test_qwen_default_square_image(name, side, tokens):
 # Image tokens of the tiled and dynamic families, each computed here from the processor files' own fields
 # (and config.json's patch and merge where the processor has none) and compared with what countlens
 # prepares for one image of three sizes on the meta model (`VLM.prepare`: the image tokens it finds, which
-# `countlens.layouts` checks against countlens's own tile grid or token grid, and those grids).
+# `countlens.model.layouts` checks against countlens's own tile grid or token grid, and those grids).
 TOKEN_SIZES = [(448, 448), (1000, 700), (300, 1000)]  # (height, width)
 #: Sizes past a bound of the family's rule: Mistral 3's and InternVL's largest (1540 px, 12 tiles), GLM-4.1V's
 #: pixel budget at both ends (where its temporal frames count).

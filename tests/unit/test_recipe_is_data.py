@@ -99,7 +99,7 @@ def test_rebuild_is_public_and_documented():
 
 def test_an_image_processor_type_read_from_a_file_must_name_an_image_processor(tmp_path):
     """A checkpoint's preprocessor_config.json names a class; any other transformers name is refused."""
-    from countlens.processor_files import _load_image_processor
+    from countlens.model.processor_files import _load_image_processor
 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "GenerationConfig"}))
     with pytest.raises(CheckpointError, match="no image processor class"):
@@ -114,3 +114,14 @@ def test_no_file_is_unpickled_and_no_name_read_is_imported():
         assert "weights_only=False" not in text and "pickle.load" not in text, where
         if re.search(r"import_module\(|__import__\(", text):
             assert where in ours, f"{where} imports by a name; only {sorted(ours)} may (their names are countlens's)"
+
+
+def test_a_recipe_naming_a_generator_by_its_former_module_rebuilds_the_same_sample():
+    """A generator that moved keeps its recipes: the former name is looked up in `RENAMED` (data)."""
+    from countlens.datasets.paper_generator import reference_grid, reference_sample
+    from countlens.datasets.recipe import RENAMED
+
+    sample = reference_sample("1A", 0, 0, reference_grid())
+    old = next(k for k, v in RENAMED.items() if v == sample.recipe["generator"])
+    assert rebuild({**sample.recipe, "generator": old}).scene == sample.scene
+    assert all(new in GENERATORS for new in RENAMED.values())

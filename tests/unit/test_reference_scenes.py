@@ -8,15 +8,15 @@ from collections import Counter
 import pytest
 
 from countlens.datasets.countingtricks import countingtricks
-from countlens.errors import InputError
-from countlens.geometry import Geometry
-from countlens.reference.counting_to_four.scenes import (
+from countlens.datasets.paper_generator import (
     REFERENCE_CASES,
     circles,
     layout,
     reference_sample,
     requested_count,
 )
+from countlens.errors import InputError
+from countlens.model.geometry import Geometry
 
 GRID = Geometry.data_grid(384, 27)  # the code's grid: 14 whole cells and a 6 px strip
 P, R = 27, 13
@@ -160,7 +160,7 @@ def test_a_grid_that_holds_fewer_circles_than_the_papers_is_said_per_case():
     import warnings
 
     from countlens.datasets import countingtricks
-    from countlens.geometry import Geometry
+    from countlens.model.geometry import Geometry
 
     with pytest.warns(UserWarning, match=r"48 px / 16 px grid .*1A at most 1, 2B at most 1 \(of counts 1–10"):
         small = countingtricks(["1A", "2B"], 10, Geometry.square(48, 16), design="paper-code")

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from countlens.cli import app
 from countlens.errors import CheckpointError
+from countlens.model.vlm import VLM
 from countlens.pipeline.selfcheck import check, failed, table
-from countlens.vlm import VLM
 
 
 @pytest.mark.matrix
@@ -68,8 +68,8 @@ def test_a_processor_whose_patch_disagrees_fails(loaded):
 
 
 def test_swapped_rows_fail_the_layout(loaded, monkeypatch):
-    import countlens.vlm as vlm_module
-    from countlens.layouts import token_cells
+    import countlens.model.vlm as vlm_module
+    from countlens.model.layouts import token_cells
 
     def upside_down(layout, geom, n, sample, tiles=None, useful=None):
         got = token_cells(layout, geom, n, sample, tiles, useful)

@@ -1,4 +1,4 @@
-"""Every sizing rule (`countlens.sizing`): the token grid countlens computes for an image of any size,
+"""Every sizing rule (`countlens.model.sizing`): the token grid countlens computes for an image of any size,
 times the tiles it is shown in, equals the processor's own count of image tokens for it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 from test_arch_matrix import processor_count
 
-from countlens.processors import tile_grid
-from countlens.sizing import default_size, fixed_size, is_dynamic, pin_square, processed_size
-from countlens.vlm import VLM
+from countlens.model.processors import tile_grid
+from countlens.model.sizing import default_size, fixed_size, is_dynamic, pin_square, processed_size
+from countlens.model.vlm import VLM
 
 # (height, width): square, wide, tall, odd sizes, a thin strip, and one smaller than a token.
 SIZES = [(64, 64), (64, 128), (96, 48), (50, 70), (30, 200), (12, 20)]

@@ -9,8 +9,8 @@ from countlens.circuits.sites.engine import Location, check_indices, columns, he
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
-    from countlens.arch import Arch
-    from countlens.vlm import VLM
+    from countlens.model.arch import Arch
+    from countlens.model.vlm import VLM
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from countlens.validate import require_integer
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float, Int
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 class Placed(NamedTuple):

@@ -1,7 +1,7 @@
 """Token groups: which positions of a prepared batch a site is read or written at, and heads by name.
 
 ``image`` (image tokens), ``last`` (where the answer is read: the last prompt token, and any answer
-tokens teacher-forced after it up to the read position — see `countlens.answers`), ``text`` (every
+tokens teacher-forced after it up to the read position — see `countlens.model.answers`), ``text`` (every
 other real token), ``all`` (all real tokens). A cross-attention model has no image tokens; its image
 is the ``image_states`` group of `countlens.circuits.patching.patch_layers` (a site, not positions).
 """
@@ -20,8 +20,8 @@ from countlens.labels import head_keys
 if TYPE_CHECKING:
     from jaxtyping import Bool
 
-    from countlens.arch import Arch
-    from countlens.vlm import Batch
+    from countlens.model.arch import Arch
+    from countlens.model.vlm import Batch
 
 
 GROUPS: tuple[str, ...] = ("image", "last", "text", "all")

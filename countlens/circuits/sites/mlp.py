@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, ClassVar
 from countlens.circuits.sites.engine import Location, check_indices, mlp_path, whole, write_at
 
 if TYPE_CHECKING:
-    from countlens.arch import Arch
-    from countlens.vlm import VLM
+    from countlens.model.arch import Arch
+    from countlens.model.vlm import VLM
 
 
 @dataclass(frozen=True)

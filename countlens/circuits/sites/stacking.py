@@ -11,7 +11,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 def repeat_inputs(inputs: dict[str, Tensor], k: int) -> dict[str, Tensor]:
@@ -26,7 +26,7 @@ def repeat_inputs(inputs: dict[str, Tensor], k: int) -> dict[str, Tensor]:
 def repeat_output(out, k: int, dim: int = 0):
     """A module output (tensor, tuple, HF ModelOutput) with every tensor stacked k times along ``dim``,
     matching what the module computes on `repeat_inputs` (dim 1 for a vision tower that packs the
-    batch's images into one sequence: `countlens.arch.ArchSpec.packed_tower`)."""
+    batch's images into one sequence: `countlens.model.arch.ArchSpec.packed_tower`)."""
     if isinstance(out, Tensor):
         return torch.cat([out] * k, dim=dim)
     if isinstance(out, dict):  # HF ModelOutput is an ordered dict of its non-None fields

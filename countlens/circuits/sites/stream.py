@@ -27,8 +27,8 @@ from countlens.errors import InputError
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.arch import Arch
-    from countlens.vlm import VLM
+    from countlens.model.arch import Arch
+    from countlens.model.vlm import VLM
 
 
 @dataclass(frozen=True)

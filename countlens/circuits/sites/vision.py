@@ -9,7 +9,7 @@ from countlens.circuits.sites.engine import Location, check_indices, whole
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 @dataclass(frozen=True)

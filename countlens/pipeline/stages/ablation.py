@@ -15,8 +15,8 @@ from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.heads import RESULT_DIMS
 from countlens.analysis.tables import finite_markdown
-from countlens.answers import answer_window
 from countlens.labels import head_label
+from countlens.model.answers import answer_window
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, stacked, sweep_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 

@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     import xarray as xr
 
     from countlens.distributed import Shard
+    from countlens.model.vlm import VLM
     from countlens.pipeline.config import DiscoverConfig
     from countlens.pipeline.costs import Planner, StagePlan
-    from countlens.vlm import VLM
 
 
 @dataclass

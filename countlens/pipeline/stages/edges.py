@@ -20,7 +20,7 @@ from countlens.circuits.edge_attribution import edge_attributions
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves
 from countlens.circuits.pair_batch import prepare_pairs
 from countlens.errors import InputError
-from countlens.memory import Widths, rows_per_forward
+from countlens.model.memory import Widths, rows_per_forward
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import RunContext, Stage
 

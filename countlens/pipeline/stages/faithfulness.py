@@ -25,10 +25,10 @@ from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_c
 from countlens.circuits.methods import discover_methods
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.labels import head_label
-from countlens.organisms import planted_circuit_of
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, sweep_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 from countlens.pipeline.stages.edges import RANDOM_DRAWS as EDGE_DRAWS
+from countlens.toy.catalogue import planted_circuit_of
 
 #: Random rankings drawn as the baseline (their mean and spread are reported).
 RANDOM_DRAWS = 5
@@ -134,7 +134,7 @@ def _curve(ds: xr.Dataset) -> pd.DataFrame:
 
 
 def _recovery(ctx: ReportContext) -> dict | None:
-    """On a planted organism (`countlens.organisms`): each ranking's AUROC and precision@|C| against
+    """On a planted organism (`countlens.model.shipped`): each ranking's AUROC and precision@|C| against
     the circuit planted in it; None on any other model."""
     circuit = planted_circuit_of(ctx.model)
     if circuit is None:

@@ -4,8 +4,9 @@ reproduced where its numbers come from the code rather than the text.
 Each module follows one folder of that repository, re-implemented in countlens's own code from its
 description, with every departure named in its docstring:
 
-- `scenes`: COUNTINGTRICKS as ``vlm-count-eval/synthetic_data/generate.py`` draws it (18 red-circle
-  cases, counts 1–10, one layout per image shared by every case); ``countingtricks(design="paper-code")``.
+- its scene generator, COUNTINGTRICKS as ``vlm-count-eval/synthetic_data/generate.py`` draws it (18
+  red-circle cases, counts 1–10, one layout per image shared by every case), is a data generator and
+  lives with the others: `countlens.datasets.paper_generator`; ``countingtricks(design="paper-code")``.
 - `parse`: the count its evaluation scripts read from an answer (``vlm-count-eval/eval_accu_count/
   run*.py``); ``generate(parser="paper-code")``.
 - `attention`: its attention diagnostics at the last generation step — the 4-way modality share, VRA

@@ -4,7 +4,7 @@ Attention-Share): the 4-way modality share behind its "10.7 % visual" figure, an
 All three read the attention of the **last generation step**: after greedy decoding, the query row of
 the position that produces the last generated token (the code's ``outputs.attentions[-1]``, row −1),
 head-mean. `generation_batches` rebuilds that position by teacher-forcing the generated tokens but the
-last after the prompt (`countlens.vlm.VLM.prepare`'s ``forced``).
+last after the prompt (`countlens.model.vlm.VLM.prepare`'s ``forced``).
 
 - **4-way share** (``vlm-count-eval/modality_balance/attn_dist.ipynb``): per layer, the attention summed
   over four sets of prompt positions — *special* (tokens written ``<|…|>``, the image token excepted),
@@ -39,7 +39,7 @@ from countlens.errors import InputError
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
 
-    from countlens.vlm import VLM, Batch
+    from countlens.model.vlm import VLM, Batch
 
 SETS: tuple[str, ...] = ("special", "system", "image", "text")
 QUANTILE = 0.99
@@ -117,7 +117,7 @@ def generation_batches(
 ) -> Iterator[tuple[Sequence, Batch, list[list[int]]]]:
     """(chunk, the batch whose read position is each sample's last generation step, the generated ids):
     greedy decoding, then the prompt with every generated token but the last teacher-forced after it."""
-    from countlens.answers import end_of_answer_id
+    from countlens.model.answers import end_of_answer_id
 
     eos = vlm.hf.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}

@@ -48,7 +48,7 @@ from countlens.errors import InputError
 if TYPE_CHECKING:
     from jaxtyping import Float
 
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ each head's query then its output gate; Qwen3.5-MoE is Qwen3.5's hybrid layout w
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family, LinearAttentionSpec, MoESpec, SizingRule
+from countlens.model.families.spec import ArchSpec, Family, LinearAttentionSpec, MoESpec, SizingRule
 
 _PATHS = dict(
     layers="model.language_model.layers",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from countlens.models.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family
 
 SPECS = (
     ArchSpec(

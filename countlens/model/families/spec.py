@@ -2,15 +2,15 @@
 countlens knows of one model family), plain data that the shared code reads.
 
 An `ArchSpec` is pure data: module paths relative to the Hugging Face model, config attribute names,
-and the name of the image-token layout. `countlens.arch.resolve` turns it into an `Arch` with the
+and the name of the image-token layout. `countlens.model.arch.resolve` turns it into an `Arch` with the
 numbers read off one model's config. A `Family` gathers a family's specs with the few functions
-only that family needs: its image processor's sizing rule (`SizingRule`, read by `countlens.sizing`),
-the tile grid its processor cuts (read by `countlens.processors`), PIL image processors where
+only that family needs: its image processor's sizing rule (`SizingRule`, read by `countlens.model.sizing`),
+the tile grid its processor cuts (read by `countlens.model.processors`), PIL image processors where
 transformers has only torchvision ones, and fixes to the processor classes transformers ships.
-Shared code never names a family: it asks the registry (`countlens.models`) by ``model_type`` or by
+Shared code never names a family: it asks the registry (`countlens.model.families`) by ``model_type`` or by
 the image processor's class name, and calls what the family gave.
 
-Layouts (how image tokens sit on the image; `countlens.layouts` maps each token to its cell):
+Layouts (how image tokens sit on the image; `countlens.model.layouts` maps each token to its cell):
 - ``grid``: the image's tokens are the token grid (patch grid ÷ merge) in row-major order.
 - ``anyres``: the base image's grid in row-major order first, then the high-resolution image as one
   finer grid in row-major order with a newline token ending each row.
@@ -87,7 +87,7 @@ class MoESpec:
       contribution to token t is row e·T + t; the router returns (weights over all experts, logits);
       a shared expert beside them is not an expert here.
 
-    A layer is a MoE layer where its experts module exists (`countlens.vlm.VLM` finds them)."""
+    A layer is a MoE layer where its experts module exists (`countlens.model.vlm.VLM` finds them)."""
 
     experts: str = "mlp.experts"
     router: str = "mlp.gate"
@@ -178,18 +178,18 @@ class ArchSpec:
 
 
 #: A processor's setting as a call uses it: ``setting(key, fallback)`` reads the processor's class
-#: defaults, then the image processor's attribute (`countlens.processors.tile_grid`).
+#: defaults, then the image processor's attribute (`countlens.model.processors.tile_grid`).
 Setting = Callable[..., Any]
 
 
 @dataclass(frozen=True)
 class SizingRule:
-    """How a dynamic-resolution image processor sizes an image (`countlens.sizing`), each function
+    """How a dynamic-resolution image processor sizes an image (`countlens.model.sizing`), each function
     given the image processor and its ``size`` dict (entries that are None dropped).
 
     ``resize(ip, size, height, width, unit)``: the (height, width) the tower sees for an input of
     ``height`` × ``width`` pixels, ``unit`` = patch × merge. ``default_side(size)``: the side of the
-    square image countlens assumes when none is given (None: `countlens.sizing.DEFAULT_DYNAMIC_SIDE`).
+    square image countlens assumes when none is given (None: `countlens.model.sizing.DEFAULT_DYNAMIC_SIDE`).
     ``pinned(side)``: the ``size`` dict that makes the processor keep square images of ``side`` px,
     or None where no setting can. A rule applies to its family's image processors (by class name), or,
     with ``size_keys``, to any other processor whose ``size`` has those keys."""
@@ -202,7 +202,7 @@ class SizingRule:
 
 @dataclass(frozen=True)
 class Family:
-    """Everything countlens knows of one model family, for the registry (`countlens.models`).
+    """Everything countlens knows of one model family, for the registry (`countlens.model.families`).
 
     ``names`` are the family's class-name prefixes (``"Idefics3"``, ``"Pixtral"``): with its specs'
     model types, the words that may appear in package code only in the family's own module
@@ -214,13 +214,13 @@ class Family:
     specs: tuple[ArchSpec, ...]
     names: tuple[str, ...] = ()
     image_processors: tuple[str, ...] = ()
-    # The image processor's dynamic-resolution rule (`countlens.sizing`).
+    # The image processor's dynamic-resolution rule (`countlens.model.sizing`).
     sizing: SizingRule | None = None
     # (ip, size) -> the (height, width) of every tile where the ``size`` dict does not say it, or None.
     tile_size: Callable[[Any, dict], tuple[int, int] | None] | None = None
     # (ip, setting, height, width) -> (rows, cols) of the tiles (crops) the processor cuts an image into.
     tile_grid: Callable[[Any, Setting, int, int], tuple[int, int]] | None = None
-    # (ip, setting, height, width) -> what `countlens.layouts` needs beside the tile grid: the useful
+    # (ip, setting, height, width) -> what `countlens.model.layouts` needs beside the tile grid: the useful
     # token rows and columns (``hd_global``) or the resized image's size in pixels (``padded_tiles``).
     useful_grid: Callable[[Any, Setting, int, int], tuple[int, int]] | None = None
     # PIL image processors countlens provides, by class name: each a function returning the class
@@ -230,10 +230,10 @@ class Family:
     # function returning a working class.
     processor_classes: Mapping[str, Callable[[], type]] = field(default_factory=dict)
     # Processors whose own apply_chat_template only adds the video processor's settings: an image-only
-    # build uses the mixin's (`countlens.processors.image_only`).
+    # build uses the mixin's (`countlens.model.processors.image_only`).
     mixin_chat_template: tuple[str, ...] = ()
     # Remote-code model types of the family's checkpoints: model_type -> (the transformers
-    # conversion's model_type, an example of a converted checkpoint), refused by `countlens.loading`.
+    # conversion's model_type, an example of a converted checkpoint), refused by `countlens.model.loading`.
     remote_code: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     # (visual, grid_thw) -> the order of merge units in a windowed vision tower (``projector_order``
     # "window"), as its own code computes it.

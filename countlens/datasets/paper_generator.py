@@ -40,7 +40,7 @@ from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import PALETTE, Obj, Scene
 from countlens.datasets.tasks import TaskSample, sample_rng
 from countlens.errors import InputError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 #: The code's 18 cases, in its config's order: (position 1–4, radius letter) or dilation.
 REFERENCE_CASES: tuple[str, ...] = (

@@ -5,7 +5,7 @@ marks (0 on the prompt, 1 on an answer).
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family
 
 SPECS = (
     ArchSpec(

@@ -1,13 +1,12 @@
 """VLM: a Hugging Face vision-language model wrapped for nnsight tracing, with its processor and spec.
 
-`countlens.load` (in `countlens.loading`) resolves a name to a `VLM`, offline. `VLM.prepare` turns
+`countlens.load` (in `countlens.model.loading`) resolves a name to a `VLM`, offline. `VLM.prepare` turns
 images and questions into a `Batch`: the padded model inputs plus, per sample, where its image
 tokens are, which cell of the image-token grid each one covers, the last prompt position, the read
 position (the last one: the last prompt token, or the last of any answer tokens teacher-forced after
-it) and the answers' token sequences (`countlens.answers` says how answers are written and
-terminated).
-Everything that reads or writes activations goes through `VLM.trace` and `VLM.module`, so the
-same code runs locally and, with ``remote=True``, on NDIF.
+it) and the answers' token sequences (`countlens.model.answers` says how answers are written and
+terminated). Everything that reads or writes activations goes through `VLM.trace` and `VLM.module`, so
+the same code runs locally and, with ``remote=True``, on NDIF.
 """
 
 from __future__ import annotations
@@ -23,13 +22,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from countlens.adapt import add_missing_output_fields, bidirectional_vision, with_expert_layers, with_q_norm_layers
-from countlens.arch import Arch, resolve
 from countlens.errors import InputError
-from countlens.geometry import Geometry
-from countlens.layouts import TILED, token_cells
-from countlens.processors import render_chat, tile_grid, useful_grid
-from countlens.sizing import default_size, processed_size, refuse_partial_tokens
+from countlens.model import adapt
+from countlens.model.arch import Arch, resolve
+from countlens.model.geometry import Geometry
+from countlens.model.layouts import TILED, token_cells
+from countlens.model.processors import render_chat, tile_grid, useful_grid
+from countlens.model.sizing import default_size, processed_size, refuse_partial_tokens
 from countlens.validate import require_count
 
 IMAGE_SLOT = "<image>"
@@ -42,7 +41,7 @@ class Batch:
 
     ``image_cell[b]`` is (n_image_tokens, 2): each image token's (row, col) on the token grid of
     ``geometry[b]``, the cell its centre falls in (several tokens share a cell where the processor
-    also shows the image at a finer resolution: `countlens.layouts`); (-1, -1) for image tokens that
+    also shows the image at a finer resolution: `countlens.model.layouts`); (-1, -1) for image tokens that
     cover no single cell (row-end newline tokens).
     ``prompt_last[b]`` is the last prompt token; ``last[b]`` the read position, the same unless
     answer tokens were teacher-forced after the prompt (``forced=`` of `VLM.prepare`).
@@ -95,9 +94,10 @@ class VLM:
         self.tokenizer = processor.tokenizer
         self.name = name
         self.remote = remote
-        self.arch: Arch = with_q_norm_layers(with_expert_layers(resolve(hf_model.config), hf_model), hf_model)
-        bidirectional_vision(hf_model, self.arch.spec.vision_tower)
-        add_missing_output_fields(hf_model, self.arch.spec.missing_output_fields)
+        arch = adapt.with_expert_layers(resolve(hf_model.config), hf_model)
+        self.arch: Arch = adapt.with_q_norm_layers(arch, hf_model)
+        adapt.bidirectional_vision(hf_model, self.arch.spec.vision_tower)
+        adapt.add_missing_output_fields(hf_model, self.arch.spec.missing_output_fields)
         if envoy is None:
             from nnsight import NNsight
 
@@ -156,7 +156,7 @@ class VLM:
 
     @property
     def geometry(self) -> Geometry:
-        """The patch grid for this model's native (or default) square image size (`countlens.sizing`)."""
+        """The patch grid for this model's native (or default) square image size (`countlens.model.sizing`)."""
         h, w = default_size(self.processor.image_processor, self.arch.patch_size * self.arch.merge_size)
         return self._geometry(h, w)
 
@@ -338,8 +338,8 @@ class VLM:
     @cached_property
     def answer_end(self) -> int | None:
         """The token appended to every answer, or None for bare answers: the end-of-answer token where
-        the vocabulary writes a count as a prefix of another (`countlens.answers`)."""
-        from countlens.answers import end_of_answer_id, splits_numbers
+        the vocabulary writes a count as a prefix of another (`countlens.model.answers`)."""
+        from countlens.model.answers import end_of_answer_id, splits_numbers
 
         if not splits_numbers(self.tokenizer):
             return None

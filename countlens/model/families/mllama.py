@@ -9,7 +9,7 @@ own function).
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, CrossAttentionSpec, Family
+from countlens.model.families.spec import ArchSpec, CrossAttentionSpec, Family
 
 SPECS = (
     ArchSpec(

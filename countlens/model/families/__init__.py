@@ -1,13 +1,13 @@
 """The registry of model families: one module per family, found by ``model_type`` or by the class name
 of its image processor.
 
-A family module (``countlens/models/<family>.py``) holds everything countlens knows of that family: its
+A family module (``countlens/model/families/<family>.py``) holds everything countlens knows of that family: its
 `ArchSpec` entries (module paths and config names), its image processor's sizing rule, the tile grid
 its processor cuts, PIL image processors where transformers has only torchvision ones, processor
-fixes, and the checkpoints it refuses. It declares all of it as one `Family` (`countlens.models.spec`)
-and imports nothing of countlens but that module. The shared code — `countlens.arch` (resolving a
-spec against a config), `countlens.sizing`, `countlens.processors`, `countlens.layouts`,
-`countlens.loading` — never names a family: it asks this registry, and calls what the family gave.
+fixes, and the checkpoints it refuses. It declares all of it as one `Family` (`countlens.model.families.spec`)
+and imports nothing of countlens but that module. The shared code — `countlens.model.arch` (resolving a
+spec against a config), `countlens.model.sizing`, `countlens.model.processors`, `countlens.model.layouts`,
+`countlens.model.loading` — never names a family: it asks this registry, and calls what the family gave.
 Nothing but this module imports a family module (`tests/unit/test_layers.py` holds both rules).
 
 The grouping: a module per family of checkpoints that share their code in transformers or their
@@ -27,7 +27,7 @@ Adding an architecture: a module here with its specs and `Family` (see docs/arch
 
 from __future__ import annotations
 
-from countlens.models import (
+from countlens.model.families import (
     gemma3,
     gemma4,
     glm4v,
@@ -42,7 +42,7 @@ from countlens.models import (
     phi4_multimodal,
     qwen,
 )
-from countlens.models.spec import ArchSpec, Family, SizingRule
+from countlens.model.families.spec import ArchSpec, Family, SizingRule
 
 #: Every family, in the order countlens documents them.
 FAMILIES: tuple[Family, ...] = tuple(

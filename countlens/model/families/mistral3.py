@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from countlens.models.spec import ArchSpec, Family, SizingRule
+from countlens.model.families.spec import ArchSpec, Family, SizingRule
 
 SPECS = (
     ArchSpec(

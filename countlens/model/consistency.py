@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from countlens.errors import CheckpointError, CountlensError, ImageTokenCountError
-from countlens.processor_files import VOCABULARY_FILES
-from countlens.sizing import fixed_size
+from countlens.model.processor_files import VOCABULARY_FILES
+from countlens.model.sizing import fixed_size
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: The files that hold an image processor's settings, as the messages name them.
 IMAGE_PROCESSOR_FILES = "the image processor (preprocessor_config.json / processor_config.json)"
@@ -49,7 +49,7 @@ def check_experts(config, spec, path: str) -> None:
     layer has: transformers builds such a model, and it fails only in its first forward."""
     if spec.moe is None:
         return
-    from countlens.arch import text_config
+    from countlens.model.arch import text_config
 
     text = text_config(config, spec)
     n, k = getattr(text, spec.moe.n_experts_attr, None), getattr(text, spec.moe.top_k_attr, None)
@@ -203,7 +203,7 @@ def _check_tokens_per_image(vlm: VLM, path: str) -> None:
     if arch.spec.layout == "anyres" or no_prompt:
         return  # anyres adds crops to the base grid; without a chat template there is no prompt to try
     g = vlm.geometry
-    try:  # `countlens.layouts` checks the count against the config's grid (and the processor's tiles)
+    try:  # `countlens.model.layouts` checks the count against the config's grid (and the processor's tiles)
         vlm.prepare([Image.new("RGB", (g.image_width, g.image_height))], ["how many?"])
     except ImageTokenCountError as err:
         _check_image_token(vlm, path)

@@ -1,14 +1,14 @@
-"""Resolving a model: its family's `ArchSpec` (`countlens.models`) plus the numbers read off its config.
+"""Resolving a model: its family's `ArchSpec` (`countlens.model.families`) plus the numbers read off its config.
 
 `spec_for(config)` finds the spec of a config's ``model_type`` in the registry of families
-(`countlens.models`); `resolve(config)` turns it into an `Arch`: the spec plus the numbers read off
+(`countlens.model.families`); `resolve(config)` turns it into an `Arch`: the spec plus the numbers read off
 one model's config (layers and their kinds, heads, d_head, image token id, patch and merge size).
 `Arch` turns a layer index into module paths (`Arch.q_site`, `Arch.o_proj`, `Arch.experts` …), so
 that the rest of countlens never writes a module path. This module names no family: what differs
 between families is data in their specs.
 
 The spec types (`ArchSpec`, `CrossAttentionSpec`, `LinearAttentionSpec`, `MoESpec`) live in
-`countlens.models.spec` and are importable from here too; `SPECS` is every spec by name.
+`countlens.model.families.spec` and are importable from here too; `SPECS` is every spec by name.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from countlens.errors import CheckpointError, LayerError, UnsupportedArchitectureError
-from countlens.models import BY_MODEL_TYPE, SPECS
-from countlens.models.spec import (
+from countlens.model.families import BY_MODEL_TYPE, SPECS
+from countlens.model.families.spec import (
     ArchSpec,
     CrossAttentionSpec,
     ExpertRule,
@@ -85,12 +85,12 @@ class Arch:
     head_counts: tuple[int, ...] = ()
     head_dims: tuple[int, ...] = ()
     # Mixture-of-experts models: experts per MoE layer, experts chosen per token, and the MoE layers
-    # (found on the model by `countlens.vlm.VLM`: a spec cannot say which layers stay dense).
+    # (found on the model by `countlens.model.vlm.VLM`: a spec cannot say which layers stay dense).
     n_experts: int = 0
     experts_top_k: int = 0
     expert_layers: tuple[int, ...] = ()
     # The layers whose q-norm module exists, where only some have one (Llama 4: its RoPE layers; found
-    # on the model by `countlens.vlm.VLM`); None: every layer of a model with a q-norm.
+    # on the model by `countlens.model.vlm.VLM`); None: every layer of a model with a q-norm.
     q_norm_layers: tuple[int, ...] | None = None
     # Whether the input of layer 0 ("layer −1") carries all of the image: not with DeepStack (Qwen3-VL)
     # or per-layer inputs (Gemma 4 E2B / E4B), which add image features inside the decoder.
@@ -225,7 +225,7 @@ def spec_for(config) -> ArchSpec:
     if model_type not in BY_MODEL_TYPE:
         raise UnsupportedArchitectureError(
             f"architecture {model_type!r} ({type(config).__name__}) has no countlens spec. Supported: "
-            f"{', '.join(sorted(BY_MODEL_TYPE))}. To add one, write a family module in countlens/models/ "
+            f"{', '.join(sorted(BY_MODEL_TYPE))}. To add one, write a family module in countlens/model/families/ "
             "(its ArchSpec and Family; see docs/architectures.md) and add its tiny builder under tests/tiny_models/."
         )
     return BY_MODEL_TYPE[model_type]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from countlens.models.spec import ArchSpec, Family, MoESpec
+from countlens.model.families.spec import ArchSpec, Family, MoESpec
 
 SPECS = (
     ArchSpec(
@@ -184,7 +184,7 @@ def image_processor_class() -> type:
 
 
 def __getattr__(name: str):
-    # The class is importable by name (``from countlens.models.llama4 import ...``), built on first use.
+    # The class is importable by name (``from countlens.model.families.llama4 import ...``), built on first use.
     if name == "Llama4ImageProcessorPil":
         return image_processor_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from countlens.errors import CheckpointError, CheckpointNotFoundError, UnsupportedArchitectureError
-from countlens.models import pil_image_processor
+from countlens.model.families import pil_image_processor
 
 
 def load_processor(path: str, config):
@@ -30,7 +30,7 @@ def load_processor(path: str, config):
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     from transformers.utils import is_torchvision_available
 
-    from countlens.processors import processor_class
+    from countlens.model.processors import processor_class
 
     name = PROCESSOR_MAPPING_NAMES.get(config.model_type, "")
     placeholder = not is_torchvision_available() and type(getattr(transformers, name, None)).__name__ == "DummyObject"
@@ -56,8 +56,8 @@ def load_processor(path: str, config):
 
 def _image_only_processor(path: str, proc_cls: type, model_type: str):
     """``proc_cls`` built from the checkpoint's tokenizer, image processor, chat template and
-    settings, without a video sub-processor (`countlens.processors.image_only`)."""
-    from countlens.processors import image_only
+    settings, without a video sub-processor (`countlens.model.processors.image_only`)."""
+    from countlens.model.processors import image_only
 
     tokenizer = _tokenizer(path)
     image_processor = _load_image_processor(path)
@@ -164,7 +164,7 @@ def _load_image_processor(path: str):
         raise CheckpointError(
             f"{path}'s image processor config names no image_processor_type; copy it from the original checkpoint"
         )
-    # Prefer a PIL backend, transformers' or a family's own (`countlens.models`): the
+    # Prefer a PIL backend, transformers' or a family's own (`countlens.model.families`): the
     # torchvision-backed processors don't run without torchvision.
     pil = name.removesuffix("Pil").removesuffix("Fast") + "Pil"
     cls = getattr(transformers, pil, None)
@@ -176,7 +176,7 @@ def _load_image_processor(path: str):
         except (AttributeError, ImportError) as err:  # unknown, or a torchvision backend
             raise CheckpointNotFoundError(
                 f"{path} names the image processor {name!r}, which cannot be built here ({err}); countlens needs a "
-                "PIL image processor for it (in its family's module under countlens/models/)"
+                "PIL image processor for it (in its family's module under countlens/model/families/)"
             ) from None
     from transformers.image_processing_utils import ImageProcessingMixin
 

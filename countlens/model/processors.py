@@ -6,7 +6,7 @@ audio-feature attribute) is all that counting experiments need. The subclass kee
 `__call__` and chat handling.
 
 `tile_grid`: the grid of tiles a tiling processor cuts an image into, by that processor's own rule
-(its family's `tile_grid`, `countlens.models`), so that `countlens.layouts` can place every image
+(its family's `tile_grid`, `countlens.model.families`), so that `countlens.model.layouts` can place every image
 token; `useful_grid` what a layout needs beside it.
 
 `processor_class`: a processor class by name, or a family's working stand-in where transformers
@@ -18,8 +18,8 @@ from __future__ import annotations
 import inspect
 from functools import cache
 
-from countlens import models
 from countlens.errors import InputError
+from countlens.model import families as models
 
 #: Sub-processors an image-only build leaves out: video, and audio features (Gemma 4's). Phi-4's
 #: ``audio_processor`` stays: its processor needs it to build (countlens passes the checkpoint's).
@@ -101,7 +101,7 @@ def _settings(processor):
 
 def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:
     """(rows, cols) of the tiles (crops) ``processor`` cuts a ``height`` × ``width`` image into, by its
-    image processor's own rule (its family's, `countlens.models.spec.Family.tile_grid`) and the
+    image processor's own rule (its family's, `countlens.model.families.spec.Family.tile_grid`) and the
     settings a call uses; None for a processor countlens does not know to tile."""
     ip = processor.image_processor
     family = models.image_processor_family(type(ip).__name__)
@@ -111,7 +111,7 @@ def tile_grid(processor, height: int, width: int) -> tuple[int, int] | None:
 
 
 def useful_grid(processor, height: int, width: int) -> tuple[int, int] | None:
-    """What a tiled layout needs beside the tile grid, by the processor's family (`countlens.models.spec.
+    """What a tiled layout needs beside the tile grid, by the processor's family (`countlens.model.families.spec.
     Family.useful_grid`): the high-resolution token rows and columns that show the image (``hd_global``),
     or the image's size in pixels once resized into its tile canvas (``padded_tiles``); None for other
     processors."""

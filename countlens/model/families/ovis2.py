@@ -10,7 +10,7 @@ columns × rows, and `tile_grid` reads the grid the cut uses. The authors' remot
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family
 
 SPECS = (
     ArchSpec(

@@ -2,8 +2,8 @@
 
 Fixed-size processors resize (or centre-crop) every image, or every tile, to one size (`fixed_size`).
 Dynamic-resolution ones keep the image's aspect and choose a size by a rule of their own, each a
-multiple of the patch × merge unit. A rule is a family's (`countlens.models.spec.SizingRule`, in its
-module under `countlens.models`): found by the image processor's class name, or, for a rule that
+multiple of the patch × merge unit. A rule is a family's (`countlens.model.families.spec.SizingRule`, in its
+module under `countlens.model.families`): found by the image processor's class name, or, for a rule that
 claims processors by their settings, by the keys of its ``size``. The rules today: a **pixel
 budget** (the area between ``size["shortest_edge"]`` and ``size["longest_edge"]`` pixels, or twice
 that where two temporal frames count), the **longest edge** (shrunk until the longest side fits,
@@ -12,15 +12,15 @@ allows, each side rounded down).
 
 `processed_size` applies the processor's rule with its own settings; `default_size` is the square
 image countlens assumes when none is given; `pin_square` makes a dynamic processor keep square
-images of one side. The token grid of the result is `countlens.geometry.Geometry` (side ÷ patch ÷
+images of one side. The token grid of the result is `countlens.model.geometry.Geometry` (side ÷ patch ÷
 merge); the arch matrix checks it against each processor's own token count for several image sizes.
 """
 
 from __future__ import annotations
 
-from countlens import models
 from countlens.errors import UnsupportedArchitectureError
-from countlens.models.spec import SizingRule
+from countlens.model import families as models
+from countlens.model.families.spec import SizingRule
 
 #: Image side assumed for dynamic-resolution processors when no size is given.
 DEFAULT_DYNAMIC_SIDE = 448

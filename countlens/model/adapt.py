@@ -1,5 +1,5 @@
 """A loaded Hugging Face model made ready for countlens: per-layer facts of its `Arch` read from the
-model itself, and fixes to its forward that the spec asks for. `countlens.vlm.VLM` applies them once,
+model itself, and fixes to its forward that the spec asks for. `countlens.model.vlm.VLM` applies them once,
 when it wraps the model.
 
 - `with_expert_layers`: which layers are mixture-of-experts (a config may keep some dense);
@@ -7,14 +7,14 @@ when it wraps the model.
 - `bidirectional_vision`: a vision tower that declares itself causal made bidirectional, as ViTs are
   trained;
 - `add_missing_output_fields`: output fields a parent's forward reads but transformers does not write
-  (`countlens.models.spec.ArchSpec.missing_output_fields`), added as None by a forward hook.
+  (`countlens.model.families.spec.ArchSpec.missing_output_fields`), added as None by a forward hook.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from countlens.arch import Arch
+from countlens.model.arch import Arch
 
 
 def with_expert_layers(arch: Arch, hf_model) -> Arch:
@@ -39,7 +39,7 @@ def with_q_norm_layers(arch: Arch, hf_model) -> Arch:
 
 def add_missing_output_fields(hf_model, fields: tuple[tuple[str, str], ...]) -> None:
     """Give modules' outputs the fields their parent's forward reads but transformers does not write
-    (`countlens.models.spec.ArchSpec.missing_output_fields`), None, by a forward hook installed once."""
+    (`countlens.model.families.spec.ArchSpec.missing_output_fields`), None, by a forward hook installed once."""
     for path, name in fields:
         module = hf_model.get_submodule(path)
         if getattr(module, "_countlens_fields", None):

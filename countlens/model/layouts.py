@@ -15,7 +15,7 @@ Tokens that cover no cell (LLaVA's row-end newlines) get cell (-1, -1). A lit sq
 cell therefore changes, in every view, the tokens mapped to that cell most (`tests/unit/
 test_arch_matrix.py`).
 
-Layouts (named by `countlens.models.spec.ArchSpec.layout`):
+Layouts (named by `countlens.model.families.spec.ArchSpec.layout`):
 
 - ``grid``: the token grid in row-major order, one view.
 - ``anyres``: the base grid row-major, then the high-resolution grid row-major with a newline token
@@ -37,9 +37,9 @@ Layouts (named by `countlens.models.spec.ArchSpec.layout`):
   image's R × C tiles fill the first slots row-major, the rest are padding. Class tokens and padding
   slots get (-1, -1).
 
-R × C (tiles or crops) is the processor's own choice (`countlens.processors.tile_grid`); Phi-4's
+R × C (tiles or crops) is the processor's own choice (`countlens.model.processors.tile_grid`); Phi-4's
 useful rows and columns (the crops' padding dropped) come from the processor's padding rule
-(`countlens.processors.useful_grid`).
+(`countlens.model.processors.useful_grid`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from countlens.errors import ImageTokenCountError, InputError
-from countlens.geometry import Geometry
+from countlens.model.geometry import Geometry
 
 if TYPE_CHECKING:
     from jaxtyping import Int

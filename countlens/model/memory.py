@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from countlens.vlm import VLM
+    from countlens.model.vlm import VLM
 
 #: Rows per batch-expanded forward (replicas × samples) at most; fewer where the device's free
 #: memory holds fewer (`rows_per_forward`).

@@ -40,7 +40,7 @@ import math
 from functools import cache
 from typing import TYPE_CHECKING
 
-from countlens.models.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family
 
 if TYPE_CHECKING:
     import torch
@@ -237,7 +237,8 @@ def image_processor_class() -> type:
 
 
 def __getattr__(name: str):
-    # The class is importable by name (``from countlens.models.phi4_multimodal import ...``), built on first use.
+    # The class is importable by name (``from countlens.model.families.phi4_multimodal import ...``),
+    # built on first use.
     if name == "Phi4MultimodalImageProcessorPil":
         return image_processor_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ conversion.
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family
 
 SPECS = (
     ArchSpec(

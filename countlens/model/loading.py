@@ -21,8 +21,6 @@ except ImportError:  # an older huggingface_hub: its configs are not validated
         """Never raised: this huggingface_hub does not validate configs."""
 
 
-from countlens.arch import resolve, spec_for
-from countlens.consistency import check_experts, check_processor, check_processor_settings
 from countlens.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -30,12 +28,14 @@ from countlens.errors import (
     DeviceError,
     UnsupportedArchitectureError,
 )
-from countlens.models import REMOTE_CODE
-from countlens.organisms import ORGANISMS, is_organism
-from countlens.processor_files import load_processor
-from countlens.sizing import fixed_size, pin_square
+from countlens.model.arch import resolve, spec_for
+from countlens.model.consistency import check_experts, check_processor, check_processor_settings
+from countlens.model.families import REMOTE_CODE
+from countlens.model.processor_files import load_processor
+from countlens.model.shipped import ORGANISMS, is_organism
+from countlens.model.sizing import fixed_size, pin_square
+from countlens.model.vlm import VLM
 from countlens.validate import require_image_side
-from countlens.vlm import VLM
 
 
 def load(
@@ -48,7 +48,7 @@ def load(
 ) -> VLM:
     """Load a supported VLM offline: "toy" (the shipped organism), a planted organism ("planted-route",
     "planted-two-hop", "planted-spread", "planted-top-half", "planted-value-route":
-    `countlens.organisms.ORGANISMS`), a checkpoint directory, or a cached hub id.
+    `countlens.model.shipped.ORGANISMS`), a checkpoint directory, or a cached hub id.
 
     ``dtype`` ("bfloat16", torch.float16 …), ``device_map`` ("auto", "cuda", {…}) and
     ``attn_implementation`` ("eager", "sdpa") go to ``from_pretrained``. ``remote=True`` builds the
@@ -236,7 +236,7 @@ def _refuse_quantised(file: Path, raw: dict) -> None:
 def _refuse_remote_code(file: Path, raw: dict) -> None:
     """A checkpoint in its authors' remote-code format (``auto_map`` naming its own modules): countlens
     never runs a checkpoint's code, so it names the transformers conversion of the same weights (the
-    families' ``remote_code``, `countlens.models.REMOTE_CODE`)."""
+    families' ``remote_code``, `countlens.model.families.REMOTE_CODE`)."""
     kind = raw.get("model_type")
     if kind in REMOTE_CODE:
         native, example = REMOTE_CODE[kind]

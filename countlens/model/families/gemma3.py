@@ -4,7 +4,7 @@ at 896 px), row-major; a q-norm normalising after the transpose (batch, heads, s
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family
 
 SPECS = (
     ArchSpec(

@@ -1,7 +1,7 @@
 """Checks of the arguments that name a model and its parts: the model, its layers, a prepared batch.
 
 The checks of plain values (counts, seeds, shares, fractions, sequences) are `countlens.validate`'s;
-samples and pairs are `countlens.vlm.check_samples` / `check_pairs`. Each check names the argument,
+samples and pairs are `countlens.model.vlm.check_samples` / `check_pairs`. Each check names the argument,
 what was given and the fix, and runs before any forward.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from numbers import Integral
 
 from countlens.errors import InputError
-from countlens.vlm import VLM, Batch
+from countlens.model.vlm import VLM, Batch
 
 
 def require_vlm(vlm, what: str) -> VLM:

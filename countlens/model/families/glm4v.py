@@ -7,7 +7,7 @@ its bounds are twice the image's area (transformers' ``glm4v`` ``smart_resize``)
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family, SizingRule
+from countlens.model.families.spec import ArchSpec, Family, SizingRule
 
 SPECS = (
     ArchSpec(

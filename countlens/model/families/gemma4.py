@@ -1,5 +1,5 @@
 """Gemma 4: its full-attention layers have their own head size (a heterogeneous text config, read per
-layer by `countlens.arch`); the image at the most pooled tokens its aspect allows, row-major over the
+layer by `countlens.model.arch`); the image at the most pooled tokens its aspect allows, row-major over the
 pooled grid; the projector's output is flat (tokens of all images, d). E2B / E4B give every decoder
 layer its own input computed from the embeddings (so layer −1 does not carry all of the image) and
 let their last layers reuse an earlier layer's keys and values (so no layer below them may be skipped).
@@ -11,7 +11,7 @@ pinned to one square size.
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family, SizingRule
+from countlens.model.families.spec import ArchSpec, Family, SizingRule
 
 SPECS = (
     ArchSpec(

@@ -5,12 +5,12 @@ LLaVA-1.5's image tokens are its patch grid row-major (the CLS token dropped). N
 OneVision ("anyres") show the image twice: the base image's grid row-major, then the high-resolution
 crops stitched into one finer grid, row-major with a newline token ending each row. NeXT-Video reads
 an image exactly as NeXT does; its video pooler (``model.vision_resampler``) acts on videos only, and
-countlens builds its processor without the video processor (`countlens.processor_files`).
+countlens builds its processor without the video processor (`countlens.model.processor_files`).
 """
 
 from __future__ import annotations
 
-from countlens.models.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family
 
 _PATHS = dict(
     layers="model.language_model.layers",
