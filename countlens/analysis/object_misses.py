@@ -17,7 +17,8 @@ Reads an `countlens.circuits.object_effects` result (dims ``scene``, ``object``)
   percentile bootstrap over scenes (``n_boot`` resamples of the scenes with replacement, seed
   ``seed``; a resample's mean is Σ effect / Σ objects of the group over the drawn scenes).
 - ``missed_rate``: missed objects / objects of the group in wrongly counted scenes; its CI is
-  Wilson's score interval. NaN where the group has no such object. ``chance_rate``: the rate were
+  Wilson's score interval (`countlens.intervals.wilson`). NaN where the group has no such object.
+  ``chance_rate``: the rate were
   the missed object drawn uniformly among its scene's measured objects (Σ over wrongly counted
   scenes of the group's objects there / the scene's objects, over the group's objects there) — the
   baseline a placement must beat to be "missed more".
@@ -33,23 +34,8 @@ import numpy as np
 import xarray as xr
 
 from countlens.errors import InputError
+from countlens.intervals import wilson
 from countlens.validate import require_count, require_dataset, require_seed, require_share
-
-Z95 = 1.959963984540054
-
-
-def _wilson(k: np.ndarray, n: np.ndarray, z: float) -> tuple[np.ndarray, np.ndarray]:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = k / n
-        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-        half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return np.where(n > 0, centre - half, np.nan), np.where(n > 0, centre + half, np.nan)
-
-
-def _z(level: float) -> float:
-    from statistics import NormalDist
-
-    return NormalDist().inv_cdf(0.5 + level / 2)
 
 
 def _size_labels(size_bins) -> list[str]:
@@ -119,7 +105,6 @@ def object_misses(
     rng = np.random.default_rng(seed)
     n_scenes = effect.shape[0]
     draws = rng.multinomial(n_scenes, np.full(n_scenes, 1 / n_scenes), size=n_boot)  # scene weights per resample
-    z = _z(level)
     rows = {k: [] for k in ("n_objects", "n_scenes", "mean_effect", "effect_low", "effect_high")}
     rows.update({k: [] for k in ("n_wrong_objects", "missed", "missed_rate", "missed_low", "missed_high")})
     rows["chance_rate"] = []
@@ -141,9 +126,9 @@ def object_misses(
         rows["missed"].append(k)
         rows["missed_rate"].append(k / n if n else np.nan)
         rows["chance_rate"].append(float(((in_wrong & sel).sum(1) / per_scene).sum() / n) if n else np.nan)
-        wl, wh = _wilson(np.array(k, float), np.array(n, float), z)
-        rows["missed_low"].append(float(wl))
-        rows["missed_high"].append(float(wh))
+        wl, wh = wilson(k, n, level) if n else (np.nan, np.nan)
+        rows["missed_low"].append(wl)
+        rows["missed_high"].append(wh)
     out = xr.Dataset(
         {k: ("group", np.array(v)) for k, v in rows.items()},
         coords={

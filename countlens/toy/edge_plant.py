@@ -39,6 +39,7 @@ import torch
 from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import InputError
+from countlens.intervals import wilson
 from countlens.toy.edge_forward import EdgeForward, prepare
 from countlens.toy.plant import (
     PlantConfig,
@@ -60,7 +61,6 @@ from countlens.toy.strictness import (
     fresh_strictness,
     lost_answers,
     paired_drop,
-    wilson,
 )
 from countlens.toy.train import Collator, lr_at
 from countlens.validate import require_callback, require_count, require_path, require_seed

@@ -38,8 +38,9 @@ from countlens.datasets.prompts import make_question
 from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng
+from countlens.intervals import wilson
 from countlens.toy.plant import PlantConfig, save_organism
-from countlens.toy.strictness import FRESH_SEED, paired_drop, wilson
+from countlens.toy.strictness import FRESH_SEED, paired_drop
 from countlens.validate import require_callback, require_count, require_path, require_seed
 
 IMAGE = 192

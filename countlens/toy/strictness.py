@@ -13,8 +13,8 @@ resampled (heads over every position, as every method sees them) from three kind
 
 For each donor kind the **drop** is accuracy(clean) − accuracy(outside C resampled), a paired
 difference over the same samples; its 95 % interval is the normal one, mean ± 1.96 · sd / √n of the
-per-sample differences (each −1, 0 or 1). Accuracy's interval is Wilson's. The bar
-(`FRESH_CHECKS`, countlens's choice, the issue's "≤ 2 points"): every donor kind's drop ≤ 0.02 as a
+per-sample differences (each −1, 0 or 1). Accuracy's interval is Wilson's (`countlens.intervals.wilson`).
+The bar (`FRESH_CHECKS`, countlens's choice, the issue's "≤ 2 points"): every donor kind's drop ≤ 0.02 as a
 point estimate, the interval stated beside it. C resampled from a ``different`` donor must leave at
 most chance (1/9) plus 10 points of the clean answers, as `verify`'s check does; how often the answer
 then follows the donor's count is reported beside it. On circuits whose every node is necessary, each
@@ -31,6 +31,7 @@ import torch
 
 from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.errors import InputError
+from countlens.intervals import wilson
 from countlens.toy.planted import PlantedCircuit
 from countlens.toy.planter import Planter, pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
@@ -48,15 +49,8 @@ FRESH_CHECKS = {
     "circuit_above_chance_max": 0.10,
     "node_drop_min": 0.20,
 }
+#: The normal 95 % quantile of `paired_drop`, as its figures were computed (Wilson's uses the exact one).
 Z95 = 1.959964
-
-
-def wilson(hits: int, n: int) -> tuple[float, float]:
-    """Wilson's 95 % interval of a rate of ``hits`` in ``n``."""
-    p = hits / n
-    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
-    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
-    return centre - half, centre + half
 
 
 def paired_drop(before: torch.Tensor, after: torch.Tensor) -> dict:
