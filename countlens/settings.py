@@ -38,7 +38,7 @@ CE_ON: tuple[str, ...] = ("answer", "digits")
 #: The learning-rate schedules after the warm-up (`FinetuneConfig.schedule`).
 SCHEDULES: tuple[str, ...] = ("linear", "cosine")
 #: What a fine-tune trains (`FinetuneConfig.method`): LoRA adapters, or every language-model weight.
-METHODS: tuple[str, ...] = ("lora", "full")
+FINETUNE_KINDS: tuple[str, ...] = ("lora", "full")
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class FinetuneConfig:
         require_seed(self.seed, "seed", ConfigError)
         require_choice(self.mas_reduce, "mas_reduce", MAS_REDUCE, ConfigError)
         require_choice(self.schedule, "schedule", SCHEDULES, ConfigError)
-        require_choice(self.method, "method", METHODS, ConfigError)
+        require_choice(self.method, "method", FINETUNE_KINDS, ConfigError)
         require_choice(self.ce_on, "ce_on", CE_ON, ConfigError)
         if not isinstance(self.target_layers, (tuple, list)):
             raise ConfigError(
