@@ -97,6 +97,8 @@ class Arch:
     image_in_embeddings: bool = True
     # Last layers that reuse an earlier layer's keys and values (Gemma 4 E2B / E4B); 0 for most models.
     kv_shared_layers: int = 0
+    # Whether this model's layers have the spec's `Sandwich` norms (Gemma 2-4).
+    sandwiched: bool = False
 
     def __post_init__(self):
         n = self.n_layers
@@ -186,6 +188,62 @@ class Arch:
             return f"{self.layer(i)}.{self.spec.linear_attention.o_proj}"
         return f"{self.layer(i)}.{self.spec.o_proj}"
 
+    def q_proj(self, i: int) -> str:
+        """Layer ``i``'s q projection (a fused qkv projection where the spec has one)."""
+        return f"{self.layer(i)}.{self.spec.q_proj}"
+
+    def k_proj(self, i: int) -> str:
+        """Layer ``i``'s k projection (a fused qkv projection where the spec has one)."""
+        return f"{self.layer(i)}.{self.spec.k_proj}"
+
+    def v_proj(self, i: int) -> str:
+        """Layer ``i``'s v projection (a fused qkv projection where the spec has one)."""
+        return f"{self.layer(i)}.{self.spec.v_proj}"
+
+    def mlp(self, i: int) -> str:
+        """Layer ``i``'s MLP module (its input: the normed residual; its output: what it adds)."""
+        return f"{self.layer(i)}.{self.spec.mlp}"
+
+    def attn_norm(self, i: int) -> str:
+        """The norm before layer ``i``'s attention."""
+        return f"{self.layer(i)}.{self.spec.attn_norm}"
+
+    def mlp_norm(self, i: int) -> str:
+        """The norm before layer ``i``'s MLP."""
+        name = self.spec.sandwich.mlp_norm if self.sandwiched else self.spec.mlp_norm
+        return f"{self.layer(i)}.{name}"
+
+    def post_norms(self, i: int) -> tuple[str, ...]:
+        """The norms of layer ``i``'s attention and MLP outputs before they join the stream (Gemma 2-4's);
+        () for pre-norm layers."""
+        if not self.sandwiched:
+            self._check_layer(i)
+            return ()
+        s = self.spec.sandwich
+        return (f"{self.layer(i)}.{s.after_attention}", f"{self.layer(i)}.{s.after_mlp}")
+
+    def norms(self, i: int) -> tuple[str, ...]:
+        """Every norm of decoder layer ``i`` on the residual stream's path: before attention, before the
+        MLP, and any after them (q- and k-norms inside attention are not among them)."""
+        return (self.attn_norm(i), self.mlp_norm(i), *self.post_norms(i))
+
+    @property
+    def final_norm(self) -> str:
+        return self.spec.final_norm
+
+    @property
+    def embed(self) -> str:
+        """The token embeddings."""
+        return self.spec.embed_tokens or f"{self.spec.layers.rsplit('.', 1)[0]}.embed_tokens"
+
+    @property
+    def lm_head(self) -> str:
+        return self.spec.lm_head
+
+    def vision_block(self, i: int) -> str:
+        """Block ``i`` of the vision tower."""
+        return f"{self.spec.vision_blocks}.{i}"
+
     def experts(self, i: int) -> str:
         """Layer ``i``'s experts module (a MoE layer's)."""
         self._check_layer(i)
@@ -204,7 +262,8 @@ class Arch:
         """The attention projections' module names (LoRA's targets): q, k, v, o, or fused qkv and o."""
         if self.spec.fused_qkv:
             return (self.spec.q_proj.rsplit(".", 1)[-1], self.spec.o_proj.rsplit(".", 1)[-1])
-        return tuple(p.rsplit(".", 1)[-1] for p in (self.spec.q_proj, self.spec.k_proj, "v_proj", self.spec.o_proj))
+        names = (self.spec.q_proj, self.spec.k_proj, self.spec.v_proj, self.spec.o_proj)
+        return tuple(p.rsplit(".", 1)[-1] for p in names)
 
     def _check_layer(self, i: int) -> None:
         if not 0 <= i < self.n_layers:
@@ -279,6 +338,8 @@ def resolve(config) -> Arch:
         image_in_embeddings=not spec.deepstack
         and not (spec.per_layer_inputs_attr and getattr(text, spec.per_layer_inputs_attr, 0)),
         kv_shared_layers=int(getattr(text, spec.kv_shared_attr, 0) or 0) if spec.kv_shared_attr else 0,
+        sandwiched=spec.sandwich is not None
+        and (spec.sandwich.text_types is None or getattr(text, "model_type", None) in spec.sandwich.text_types),
         n_experts=int(getattr(text, spec.moe.n_experts_attr, 0) or 0) if spec.moe else 0,
         experts_top_k=int(getattr(text, spec.moe.top_k_attr, 0) or 0) if spec.moe else 0,
     )

@@ -102,6 +102,28 @@ def test_spec_resolves_and_paths_exist(vlm):
         arch.layer(n_layers)
 
 
+def test_the_spec_names_every_module_a_method_touches(vlm):
+    """Every layer's norms, q / k / v / o, MLP, and the embeddings, final norm, unembedding, vision blocks
+    and projector: each path the spec gives exists. A decoder layer's own norms (its children whose class
+    says Norm) are the spec's `norms`, no more (Gemma 4's per-layer-input and MoE norms aside)."""
+    arch = vlm.arch
+    for path in (arch.embed, arch.final_norm, arch.lm_head, arch.vision_block(0), arch.spec.projector):
+        vlm.hf.get_submodule(path)
+    for layer in range(arch.n_layers):
+        paths = [*arch.norms(layer), arch.mlp(layer), arch.o_proj(layer)]
+        if arch.kind(layer) in ("full", "sliding"):
+            paths += [arch.q_proj(layer), arch.k_proj(layer), arch.v_proj(layer)]
+        for path in paths:
+            vlm.hf.get_submodule(path)
+        module = vlm.hf.get_submodule(arch.layer(layer))
+        own = {f"{arch.layer(layer)}.{n}" for n, m in module.named_children() if "norm" in type(m).__name__.lower()}
+        if arch.name == "gemma4":
+            assert set(arch.norms(layer)) <= own
+        else:
+            assert set(arch.norms(layer)) == own, (arch.name, layer, sorted(own))
+    assert arch.sandwiched == (arch.name in ("gemma3", "gemma4", "glm4v", "paligemma"))  # tiny PaliGemma: Gemma 2
+
+
 # Tiny models whose vocabulary splits digits (the real Qwen one, or a trained digit BPE): tests/real_vocab.py.
 # Phi-4's real o200k vocabulary groups digits by three ("12" is one token): its answers need no end token.
 SPLITS_DIGITS = (

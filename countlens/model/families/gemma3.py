@@ -4,7 +4,7 @@ at 896 px), row-major; a q-norm normalising after the transpose (batch, heads, s
 
 from __future__ import annotations
 
-from countlens.model.families.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family, Sandwich
 
 SPECS = (
     ArchSpec(
@@ -17,6 +17,7 @@ SPECS = (
         projector="model.multi_modal_projector",
         q_norm="self_attn.q_norm",
         q_norm_layout="bhsd",
+        sandwich=Sandwich(),
         pooled_tokens_attr="mm_tokens_per_image",
     ),
 )

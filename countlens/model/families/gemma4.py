@@ -11,7 +11,7 @@ pinned to one square size.
 
 from __future__ import annotations
 
-from countlens.model.families.spec import ArchSpec, Family, SizingRule
+from countlens.model.families.spec import ArchSpec, Family, Sandwich, SizingRule
 
 SPECS = (
     ArchSpec(
@@ -26,6 +26,7 @@ SPECS = (
         merge="vision_config.pooling_kernel_size",
         per_layer_inputs_attr="hidden_size_per_layer_input",
         kv_shared_attr="num_kv_shared_layers",
+        sandwich=Sandwich(),
     ),
 )
 

@@ -7,7 +7,7 @@ its bounds are twice the image's area (transformers' ``glm4v`` ``smart_resize``)
 
 from __future__ import annotations
 
-from countlens.model.families.spec import ArchSpec, Family, SizingRule
+from countlens.model.families.spec import ArchSpec, Family, Sandwich, SizingRule
 
 SPECS = (
     ArchSpec(
@@ -20,6 +20,8 @@ SPECS = (
         projector="model.visual.merger",
         merge="vision_config.spatial_merge_size",
         rope_deltas="model.rope_deltas",
+        # GLM-4's layers norm each block's output too, under their own names.
+        sandwich=Sandwich("post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm"),
     ),
 )
 

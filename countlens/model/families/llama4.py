@@ -47,6 +47,7 @@ SPECS = (
         merge="vision_config.pixel_shuffle_ratio",
         merge_is_ratio=True,
         layout="padded_tiles",
+        mlp="feed_forward",
         missing_output_fields=(("language_model", "image_outputs"),),
         moe=MoESpec(
             experts="feed_forward.experts",

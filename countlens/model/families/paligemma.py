@@ -5,7 +5,7 @@ marks (0 on the prompt, 1 on an answer).
 
 from __future__ import annotations
 
-from countlens.model.families.spec import ArchSpec, Family
+from countlens.model.families.spec import ArchSpec, Family, Sandwich
 
 SPECS = (
     ArchSpec(
@@ -19,6 +19,7 @@ SPECS = (
         # The processor adds <bos> after the image tokens and "\n" at the end (PaliGemmaProcessor).
         plain_prompt="{image}answer en {question}",
         answer_token_type="token_type_ids",
+        sandwich=Sandwich(text_types=("gemma2", "gemma3")),
     ),
 )
 

@@ -58,6 +58,7 @@ SPECS = (
         projector="model.embed_tokens_extend.image_embed.img_projection_down",
         q_proj="self_attn.qkv_proj",
         k_proj="self_attn.qkv_proj",
+        v_proj="self_attn.qkv_proj",
         fused_qkv=True,
         loader="AutoModelForCausalLM",
         text_config="",

@@ -41,6 +41,19 @@ ProjectorOrder = Literal["grid", "window"]
 
 
 @dataclass(frozen=True)
+class Sandwich:
+    """Norms on both sides of each block (Gemma 2-4, GLM-4): the MLP's input norm, and the norms of the attention's
+    and the MLP's outputs before they join the residual stream (paths relative to a decoder layer).
+    ``text_types``: where one spec covers language models with and without them (PaliGemma 1 is Gemma,
+    PaliGemma 2 Gemma 2), the text model_types that have them; None: every model of the spec."""
+
+    mlp_norm: str = "pre_feedforward_layernorm"
+    after_attention: str = "post_attention_layernorm"
+    after_mlp: str = "post_feedforward_layernorm"
+    text_types: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class CrossAttentionSpec:
     """Where a cross-attention VLM (Llama-3.2-Vision) reads its image: some decoder layers attend
     from the text to the image states instead of to the text (paths relative to such a layer)."""
@@ -122,7 +135,19 @@ class ArchSpec:
     # One q-norm module normalises q, then k, in each forward (Llama 4's parameter-free L2 norm, on its
     # RoPE layers only): temperature scales its first output of each attention call.
     q_norm_shared_with_k: bool = False
+    # The value projection; with ``fused_qkv`` the fused projection (v is its last columns).
+    v_proj: str = "self_attn.v_proj"
     o_proj: str = "self_attn.o_proj"
+    # The MLP module (Llama 4's ``feed_forward``, a MoE block on its MoE layers): its input is the MLP's
+    # input after its norm, its output what the MLP adds to the residual stream.
+    mlp: str = "mlp"
+    # A decoder layer's norms (relative to the layer): before attention and before the MLP; or, in
+    # Gemma 2-4's "sandwich" layers, `Sandwich`: a norm before and after each block.
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    sandwich: Sandwich | None = None
+    # The token embeddings; None: ``embed_tokens`` beside `layers` (every family's language model so far).
+    embed_tokens: str | None = None
     lm_head: str = "lm_head"
     # Modules under the decoder's parent that are not the language model (a full fine-tune leaves them
     # frozen): Phi-4's image and audio embedders sit in ``model`` beside its layers.
