@@ -38,6 +38,7 @@ from countlens.circuits.edges import (
     require_graph,
 )
 from countlens.circuits.gradients import activation_gradients_only
+from countlens.circuits.integrated import IG_STEPS
 from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, first_arg, group_mask, replace_first
@@ -139,14 +140,15 @@ def _chunk(vlm: VLM, graph: EdgeGraph, rows: int, seq: int, chunk: int | None) -
     return max(1, min(seq, CHUNK_BYTES // per_position))
 
 
-METHODS: tuple[str, ...] = ("eap", "eap-ig")
+#: `edge_attribution`'s ``method`` values: EAP (the clean run's gradient) and EAP-IG (integrated).
+EDGE_VARIANTS: tuple[str, ...] = ("eap", "eap-ig")
 
 
 def edge_attribution(
     vlm: VLM,
     pairs: Sequence,
     method: str = "eap-ig",
-    steps: int = 5,
+    steps: int = IG_STEPS,
     positions: str = "all",
     batch_size: int = 16,
     chunk: int | None = None,
@@ -157,7 +159,7 @@ def edge_attribution(
     and ``node_effect`` over ``node`` (the sum of a node's outgoing edges). ``positions``: the token
     group whose positions are summed ("all", "image", "text", "last"); ``graph``: the model's
     `edge_graph`, built here if not given. See the module docstring."""
-    require_choice(method, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", METHODS)
+    require_choice(method, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", EDGE_VARIANTS)
     return edge_attributions(vlm, pairs, (method,), steps, positions, batch_size, chunk, graph)[method]
 
 
@@ -165,7 +167,7 @@ def edge_attributions(
     vlm: VLM,
     pairs: Sequence,
     methods: Sequence[str] = ("eap-ig", "eap"),
-    steps: int = 5,
+    steps: int = IG_STEPS,
     positions: str = "all",
     batch_size: int = 16,
     chunk: int | None = None,
@@ -181,9 +183,11 @@ def edge_attributions(
     require_vlm(vlm, "edge_attribution")
     check_pair_sweep(pairs, batch_size, "edge_attribution")
     if not isinstance(methods, (list, tuple)) or not methods:
-        raise InputError(f"methods must be a non-empty list of {METHODS}, e.g. ('eap-ig', 'eap'); got {methods!r}")
+        raise InputError(
+            f"methods must be a non-empty list of {EDGE_VARIANTS}, e.g. ('eap-ig', 'eap'); got {methods!r}"
+        )
     for name in methods:
-        require_choice(name, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", METHODS)
+        require_choice(name, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", EDGE_VARIANTS)
     require_count(steps, "steps")
     check_group(positions)
     graph = edge_graph(vlm) if graph is None else require_graph(vlm, graph)

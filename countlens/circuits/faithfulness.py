@@ -80,6 +80,8 @@ if TYPE_CHECKING:
 SIZES: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 ABLATIONS: tuple[str, ...] = ("patch", "mean")
 LEVELS: tuple[str, ...] = ("node", "edge")
+#: Random rankings drawn as the baseline by default (their mean and spread are reported).
+RANDOM_DRAWS = 5
 
 
 def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[Node, float]:
@@ -194,7 +196,7 @@ def faithfulness_curves(
     ablation: str = "patch",
     nodes: Sequence[str] | None = None,
     batch_size: int = 16,
-    random_draws: int = 5,
+    random_draws: int = RANDOM_DRAWS,
     seed: int = 0,
     level: str = "node",
     graph: edges.EdgeGraph | None = None,

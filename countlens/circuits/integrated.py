@@ -85,7 +85,12 @@ def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor
     }
 
 
-def node_attribution(vlm: VLM, pairs: Sequence, steps: int = 5, batch_size: int = 16) -> xr.Dataset:
+#: EAP-IG's interpolation steps by default (MIB's authors' default family of settings), on nodes and
+#: on edges (`countlens.circuits.edge_attribution`); the registry (`countlens.circuits.methods`) reads it.
+IG_STEPS = 5
+
+
+def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_size: int = 16) -> xr.Dataset:
     """EAP-IG scores of every node (see the module docstring): ``effect`` over (layer, head) for the
     heads (NaN beyond a layer's own heads), ``mlp_effect`` over layer, ``input_effect`` over the input
     groups (image, text), each normalised like the exact sweeps. ``steps`` = 1 is AtP."""

@@ -202,8 +202,8 @@ def patch_heads(
     return ds
 
 
-#: `attribution_patch`'s methods: AtP, and AtP* (`countlens.circuits.atp_star`).
-ATTRIBUTION_METHODS: tuple[str, ...] = ("atp", "atp*")
+#: `attribution_patch`'s ``method`` values: AtP, and AtP* (`countlens.circuits.atp_star`).
+ATP_VARIANTS: tuple[str, ...] = ("atp", "atp*")
 
 
 def attribution_patch(
@@ -214,7 +214,7 @@ def attribution_patch(
     ``method="atp*"``: AtP* (`countlens.circuits.atp_star.atp_star`: GradDrop on the heads' z, and the
     QK fix's per-head query, key and value estimates; magnitudes, no residual estimates)."""
     require_vlm(vlm, "attribution_patch")
-    require_choice(method, "method", ATTRIBUTION_METHODS)
+    require_choice(method, "method", ATP_VARIANTS)
     if method == "atp*":
         return atp_star(vlm, pairs, positions=positions, batch_size=batch_size)
     check_pair_sweep(pairs, batch_size, "attribution_patch")
