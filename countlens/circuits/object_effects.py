@@ -64,9 +64,7 @@ holds whole scenes, at least one, so a scene of more objects makes a larger chun
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from numbers import Integral
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -79,6 +77,7 @@ from countlens.circuits.positions import Objects
 from countlens.circuits.recorder import location, require_local
 from countlens.circuits.sites import Residual
 from countlens.datasets.contact import boundary_gap
+from countlens.datasets.tasks import count_of, fewer_answer, without_objects
 from countlens.errors import InputError, NoObjectTokensError
 from countlens.model.answers import divergence
 from countlens.model.arguments import require_vlm
@@ -110,39 +109,10 @@ def object_site(vlm: VLM, site) -> Residual:
     return site
 
 
-def count_of(sample, where: str) -> int:
-    """The scene's true count n (``meta["count"]``, else its number of objects), refused below 1."""
-    meta = getattr(sample, "meta", None) or {}
-    n = meta.get("count", len(sample.scene.objects))
-    if not isinstance(n, Integral) or n < 1:
-        raise InputError(f"{where} counts {n!r}: the metric logit(n) − logit(n − 1) needs a count n ≥ 1")
-    return int(n)
-
-
-def fewer_answer(sample, n: int, where: str) -> str:
-    """The sample's answer with its count n replaced by n − 1 (the answer had one object been missed)."""
-    answer = getattr(sample, "answer", None)
-    answer = answer if isinstance(answer, str) else ""
-    pattern = rf"(?<!\d){n}(?!\d)"
-    if len(re.findall(pattern, answer)) != 1:
-        raise InputError(
-            f"{where}'s answer {answer!r} does not name its count {n} (its meta's count, else its number of objects) "
-            "exactly once, so the answer for one object fewer cannot be written; give counting samples "
-            "whose answer is the object count (countingtricks, count_scenes, task_samples('count'))"
-        )
-    return re.sub(pattern, str(n - 1), answer)
-
-
 def _scenes(samples: Sequence, objects: Sequence[int] | None) -> list:
     """Each sample's scene, refused by name without an object list or without a chosen object."""
     chosen = Objects(0 if objects is None else objects)
     return [chosen.scene_of(s, f"sample {k}") for k, s in enumerate(samples)]
-
-
-def _sample(scene, sample, answer: str):
-    from dataclasses import replace
-
-    return replace(sample, scene=scene, answer=answer, recipe={})
 
 
 def _prepare(vlm: VLM, samples: Sequence, forced: Sequence) -> Batch:
@@ -280,13 +250,13 @@ def object_effects(
         item_ids = (ids[0][rows], ids[1][rows])
         item_clean = _prepare(vlm, [samples[s] for _, s, _ in items], [forced[r] for r, _, _ in items])
         if reference == "removed":
-            refs = [_sample(_without(scenes[s], i), samples[s], fewer[s]) for _, s, i in items]
+            refs = [without_objects(samples[s], [i]) for _, s, i in items]
             ref = _prepare(vlm, refs, [forced[r] for r, _, _ in items])
             _check_aligned(item_clean, ref, reference, torch.arange(len(items)))
             cache = cache_run(vlm, ref, [site.layer], z=False)
         else:  # one background run per scene, read by each of its objects' rows
             used = list(dict.fromkeys(r for r, _, _ in items))
-            bg = [_sample(_without(scenes[chunk[r]], None), samples[chunk[r]], fewer[chunk[r]]) for r in used]
+            bg = [without_objects(samples[chunk[r]], range(counts[chunk[r]])) for r in used]
             ref = _prepare(vlm, bg, [forced[r] for r in used])
             of = torch.tensor([used.index(r) for r, _, _ in items])
             _check_aligned(item_clean, ref, reference, of)
@@ -308,19 +278,6 @@ def object_effects(
             ld["patched"][s, i], ld["reference"][s, i] = float(patched[0, k]), float(ref_ld[k])
 
     return _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, reference, site, coverage, peak)
-
-
-def _without(scene, i: int | None):
-    """``scene`` without object ``i`` (None: without any object), drawn again on the same background and
-    noise. Not re-validated: fewer objects of a valid scene are valid, and an object hidden by design
-    (outside the image, set past `Scene`'s check) stays as it was."""
-    from copy import copy
-
-    objects = () if i is None else tuple(o for j, o in enumerate(scene.objects) if j != i)
-    out = copy(scene)
-    out.__dict__.pop("_prints", None)  # the cached footprints are the full scene's
-    object.__setattr__(out, "objects", objects)
-    return out
 
 
 def scene_chunks(counts: Sequence[int], live: Sequence, batch_size: int) -> list[list[int]]:

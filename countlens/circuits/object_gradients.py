@@ -1,12 +1,13 @@
 """Object attribution, cheap: every object of every scene scored from one gradient pass (AtP) or ``steps``.
 
 A scene's **clean** input is its image; its **reference** input is the same scene with its objects
-removed (the background: same size, colour, noise and noise seed; ``dataclasses.replace(scene,
-objects=())``), with the same question. The **metric** m is a logit difference at the read position:
-logit(n) − logit(n − 1), n the scene's true count (``sample.meta["count"]``, else its number of
-objects) and n − 1 the answer with that number lowered by one; a multi-token answer is read where
-the two answers first differ, their shared prefix ("circle:") teacher-forced
-(`countlens.circuits.pair_batch.prepare_pairs`, whose ``corrupt`` side is here the reference).
+removed (the background: same size, colour, noise and noise seed; `Scene.without` of every object,
+`countlens.datasets.tasks.without_objects`), with the same question. The **metric** m is a logit
+difference at the read position: logit(n) − logit(n − 1), n the scene's true count
+(``sample.meta["count"]``, else its number of objects) and n − 1 the answer with that number lowered
+by one; a multi-token answer is read where the two answers first differ, their shared prefix
+("circle:") teacher-forced (`countlens.circuits.pair_batch.prepare_pairs`, whose ``corrupt`` side is
+here the reference).
 
 The attributed site is x, the **input of a decoder layer**: ``site="embed"`` the input of layer 0
 (the token embeddings with the projected image tokens, `Embed` / ``Residual(-1)``), ``site=l`` the
@@ -60,12 +61,11 @@ from torch import Tensor
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.methods import IG_STEPS
 from countlens.circuits.methods import method as registry_method
-from countlens.circuits.object_effects import count_of, fewer_answer
 from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
 from countlens.circuits.positions import Objects
 from countlens.circuits.recorder import require_local
 from countlens.circuits.sites import first_arg, replace_first
-from countlens.datasets.tasks import TaskSample
+from countlens.datasets.tasks import TaskSample, count_of, without_objects
 from countlens.errors import InputError
 from countlens.model.arguments import require_vlm
 from countlens.results import provenance
@@ -89,12 +89,10 @@ class ReferencePair:
 
 
 def reference_sample(sample, where: str = "the sample") -> TaskSample:
-    """``sample``'s reference: its scene without objects, its question, its answer with n lowered to n − 1."""
-    Objects(0).scene_of(sample, where)  # refuses a scene without an object list, naming the fix
-    n = count_of(sample, where)
-    lowered = fewer_answer(sample, n, where)
-    scene = dataclasses.replace(sample.scene, objects=())
-    return TaskSample(scene, sample.question, lowered, "count", {"count": n - 1, "reference": "background"})
+    """``sample``'s reference: its scene without objects, its question, its answer with n lowered to n − 1
+    (`without_objects`; its meta's ``"reference"`` is ``"background"``)."""
+    scene = Objects(0).scene_of(sample, where)  # refuses a scene without an object list, naming the fix
+    return without_objects(sample, range(len(scene.objects)), where=where, reference="background")
 
 
 def input_layer(vlm: VLM, site) -> int:

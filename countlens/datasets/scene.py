@@ -16,8 +16,11 @@ circumscribed circle (so a circle and a triangle of one size fit the same disc).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
+from copy import copy
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from numbers import Integral
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -114,6 +117,33 @@ class Scene:
                     f"object {o} does not fit inside the {self.width}x{self.height} image; "
                     "move it inwards or make it smaller"
                 )
+
+    def without(self, indices) -> Scene:
+        """This scene without the objects at ``indices`` (an object index or a collection of them, in any
+        order; empty: an equal copy), drawn again on the same size, background and noise; the other
+        objects keep their order. Not re-validated: fewer objects of a valid scene are valid, and an
+        object placed past `Scene`'s check by design stays as it was. Refuses (`InputError`) an index
+        that is not an integer, is outside 0..n − 1, or is given twice."""
+        n = len(self.objects)
+        has = f"the scene has {n} object{'' if n == 1 else 's'}" + (f" (indices 0..{n - 1})" if n else "")
+        if isinstance(indices, Integral) and not isinstance(indices, bool):
+            indices = (indices,)
+        if isinstance(indices, (str, bytes, Mapping)) or not isinstance(indices, Iterable):
+            raise InputError(f"Scene.without takes object indices, e.g. [0, 2], got {indices!r:.60}; {has}")
+        indices = list(indices)
+        bad = [i for i in indices if not isinstance(i, Integral) or isinstance(i, (bool, np.bool_)) or not 0 <= i < n]
+        if bad:
+            raise InputError(
+                f"Scene.without: object index {bad[0]!r:.40} is not one of this scene's: {has}; give indices in range"
+            )
+        twice = sorted({int(i) for i in indices if indices.count(i) > 1})
+        if twice:
+            raise InputError(f"Scene.without: object {twice[0]} is given more than once; {has}: give each index once")
+        drop = {int(i) for i in indices}
+        out = copy(self)
+        out.__dict__.pop("_prints", None)  # the cached footprints are the full scene's
+        object.__setattr__(out, "objects", tuple(o for j, o in enumerate(self.objects) if j not in drop))
+        return out
 
     @cached_property
     def _prints(self) -> tuple[tuple[int, int, np.ndarray, tuple[int, int, int, int]], ...]:

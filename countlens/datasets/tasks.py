@@ -18,8 +18,10 @@ Tasks (answers are single words: single tokens of the organism's tokenizer; real
 from __future__ import annotations
 
 import math
+import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,6 +58,43 @@ class TaskSample:
     @property
     def image(self) -> Image.Image:
         return self.scene.render()
+
+
+def count_of(sample, where: str = "the sample") -> int:
+    """The scene's true count n (``meta["count"]``, else its number of objects), refused below 1."""
+    meta = getattr(sample, "meta", None) or {}
+    n = meta.get("count", len(sample.scene.objects))
+    if not isinstance(n, Integral) or n < 1:
+        raise InputError(f"{where} counts {n!r}: the metric logit(n) − logit(n − 1) needs a count n ≥ 1")
+    return int(n)
+
+
+def fewer_answer(sample, n: int, where: str = "the sample", count: int | None = None) -> str:
+    """The sample's answer with its count n replaced by ``count`` (None: n − 1, the answer had one
+    object been missed). The answer must name n exactly once."""
+    answer = getattr(sample, "answer", None)
+    answer = answer if isinstance(answer, str) else ""
+    pattern = rf"(?<!\d){n}(?!\d)"
+    if len(re.findall(pattern, answer)) != 1:
+        raise InputError(
+            f"{where}'s answer {answer!r} does not name its count {n} (its meta's count, else its number of objects) "
+            "exactly once, so the answer for one object fewer cannot be written; give counting samples "
+            "whose answer is the object count (countingtricks, count_scenes, task_samples('count'))"
+        )
+    return re.sub(pattern, str(n - 1 if count is None else count), answer)
+
+
+def without_objects(sample: TaskSample, indices, count: int | None = None, where: str = "the sample", **meta):
+    """``sample`` drawn again without the objects at ``indices`` (`Scene.without`): its answer the
+    sample's with its count n (`count_of`) replaced by ``count`` — None: n − 1, the answer had one
+    object been missed, the reference answer of an object's effect however many objects are removed
+    (`countlens.circuits.object_effects`, `object_gradients`) — its meta the sample's with ``"count"``
+    set to that count and ``meta`` added, its recipe empty (no generator call makes it)."""
+    n = count_of(sample, where)
+    count = n - 1 if count is None else count
+    answer = fewer_answer(sample, n, where, count)
+    scene = sample.scene.without(indices)
+    return replace(sample, scene=scene, answer=answer, meta={**(sample.meta or {}), "count": count, **meta}, recipe={})
 
 
 def sample_rng(seed: int, key: str, index: int) -> np.random.Generator:

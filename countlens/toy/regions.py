@@ -37,7 +37,7 @@ import torch
 from countlens.datasets.prompts import make_question
 from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
-from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng
+from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng, without_objects
 from countlens.intervals import wilson
 from countlens.toy.plant import PlantConfig, save_organism
 from countlens.toy.strictness import FRESH_SEED, paired_drop
@@ -79,13 +79,14 @@ def top_half_sample(seed: int, index: int) -> TaskSample:
 
 
 def without(sample: TaskSample, keep) -> TaskSample:
-    """``sample`` drawn again with only the objects ``keep(i, is_top)`` selects, its answer the new top count."""
+    """``sample`` drawn again with only the objects ``keep(i, is_top)`` selects, its answer the new top count
+    (`without_objects`)."""
     flags = sample.meta["top"]
     kept = [i for i, t in enumerate(flags) if keep(i, t)]
     n_top = sum(flags[i] for i in kept)
-    scene = replace(sample.scene, objects=tuple(sample.scene.objects[i] for i in kept))
-    meta = {**sample.meta, "count": n_top, "top": [flags[i] for i in kept], "bottom": len(kept) - n_top}
-    return replace(sample, scene=scene, answer=str(n_top), meta=meta, recipe={})
+    removed = [i for i in range(len(flags)) if i not in kept]
+    top = [flags[i] for i in kept]
+    return without_objects(sample, removed, count=n_top, top=top, bottom=len(kept) - n_top)
 
 
 def train_regions(model, steps: int = 300, seed: int = 0, batch: int = 32, lr: float = 1e-3, log=None) -> dict:

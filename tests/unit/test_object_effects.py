@@ -15,7 +15,6 @@ import xarray as xr
 
 from countlens.analysis import object_misses
 from countlens.circuits import Objects, object_effects
-from countlens.circuits.object_effects import _without
 from countlens.datasets import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.datasets.tasks import TaskSample
@@ -103,7 +102,7 @@ def test_exact_effect_equals_a_plain_torch_patch(toy, tricks, reference, layer):
         batch = toy.prepare_samples([sample])
         tokens = Objects(i).tokens(batch, 0, sample).cpu()
         assert int(ds.n_tokens[s, i]) == len(tokens) >= 1
-        ref_scene = _without(sample.scene, i if reference == "removed" else None)
+        ref_scene = sample.scene.without([i] if reference == "removed" else range(len(sample.scene.objects)))
         clean, ref, patched = _plain_ld(toy, sample, ref_scene.render(), tokens, layer)
         scale = max(abs(clean), abs(ref), abs(patched), 1.0)
         assert_close(float(ds.clean_logit_diff[s]), clean, scale=scale, what="clean LD")
@@ -116,8 +115,8 @@ def test_removing_every_object_is_the_background(toy, tricks):
     scene = tricks[0].scene
     emptied = scene
     while emptied.objects:
-        emptied = _without(emptied, len(emptied.objects) - 1)
-    assert np.array_equal(emptied.render_array(), _without(scene, None).render_array())
+        emptied = emptied.without([len(emptied.objects) - 1])
+    assert np.array_equal(emptied.render_array(), scene.without(range(len(scene.objects))).render_array())
     # A one-object scene: its removed reference is the background, so the two references agree.
     one = TaskSample(replace(scene, objects=scene.objects[:1]), tricks[0].question, "1", "count")
     removed = object_effects(toy, [one], reference="removed")
@@ -247,7 +246,7 @@ def test_misses_table_counts_the_least_object_of_wrong_scenes():
 def test_a_reference_with_another_token_layout_is_refused(toy, tricks, monkeypatch):
     module = importlib.import_module("countlens.circuits.object_effects")
     bigger = replace(tricks[0].scene, width=2 * tricks[0].scene.width, objects=())
-    monkeypatch.setattr(module, "_without", lambda scene, i: bigger)
+    monkeypatch.setattr(module, "without_objects", lambda sample, indices: replace(sample, scene=bigger))
     with pytest.raises(InputError, match="token layout"):
         object_effects(toy, tricks[:1], reference="background")
 

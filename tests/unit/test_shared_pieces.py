@@ -46,3 +46,57 @@ def test_wilson_keeps_the_shipped_figures_and_takes_a_level():
 def test_wilson_refuses_what_is_no_rate(hits, n, level, match):
     with pytest.raises(InputError, match=match):
         wilson(hits, n, level)
+
+
+def _scene():
+    from countlens.datasets.scene import Obj, Scene
+
+    objs = tuple(Obj("circle", c, 20 + 30 * k, 40, 16) for k, c in enumerate(("red", "green", "blue")))
+    return Scene(128, 96, objs, noise=3.0, noise_seed=5)
+
+
+def test_scene_without_keeps_the_rest_in_order_on_the_same_background():
+    scene = _scene()
+    out = scene.without([2, 0])
+    assert out.objects == (scene.objects[1],) and (out.width, out.height, out.noise_seed) == (128, 96, 5)
+    assert out.without([]) == out and scene.without(1).objects == scene.without([1]).objects
+    assert scene.without(range(3)).objects == () and len(scene.objects) == 3  # the scene itself unchanged
+    assert out.masks().shape == (1, 96, 128)  # the footprints are the reduced scene's, not the cached full ones
+    from dataclasses import replace
+
+    assert (out.render_array() == replace(scene, objects=out.objects).render_array()).all()
+
+
+@pytest.mark.parametrize(
+    ("indices", "match"),
+    [
+        ([3], "index 3 is not one of this scene's: the scene has 3 objects \\(indices 0..2\\)"),
+        ([-1], "index -1"),
+        ([1.0], "index 1.0"),
+        ([True], "index True"),
+        ([1, 1], "object 1 is given more than once; the scene has 3 objects .* give each index once"),
+        ("01", "takes object indices, e.g. \\[0, 2\\]"),
+        (None, "takes object indices"),
+    ],
+)
+def test_scene_without_refuses_indices_it_does_not_have(indices, match):
+    with pytest.raises(InputError, match=match):
+        _scene().without(indices)
+
+
+def test_without_objects_answers_for_one_fewer_or_the_count_given():
+    from countlens.datasets.tasks import TaskSample, without_objects
+
+    scene = _scene()
+    sample = TaskSample(scene, "how many circles?", "circle: 3", "count", {"count": 3, "case": "1A"}, {"f": "x"})
+    one = without_objects(sample, [0])
+    assert (one.answer, one.meta, one.recipe, one.task) == ("circle: 2", {"count": 2, "case": "1A"}, {}, "count")
+    assert len(one.scene.objects) == 2 and one.question == sample.question
+    bg = without_objects(sample, range(3), reference="background")  # the reference answer: still n − 1
+    assert bg.answer == "circle: 2" and bg.meta["reference"] == "background" and bg.scene.objects == ()
+    top = without_objects(sample, [1], count=1, top=[True, False])
+    assert top.answer == "circle: 1" and top.meta == {"count": 1, "case": "1A", "top": [True, False]}
+    with pytest.raises(InputError, match="does not name its count 3"):
+        without_objects(TaskSample(scene, "q", "three", "count", {"count": 3}), [0])
+    with pytest.raises(InputError, match="the scene has 3 objects"):
+        without_objects(sample, [5])
