@@ -34,7 +34,7 @@ import countlens  # noqa: E402
 from countlens.circuits import attribution_patch, compare, patch_heads  # noqa: E402
 from countlens.circuits.atp_star import atp_star  # noqa: E402
 from countlens.circuits.integrated import node_attribution  # noqa: E402
-from countlens.circuits.methods import METHODS  # noqa: E402
+from countlens.circuits.methods import METHODS, method  # noqa: E402
 from countlens.datasets import count_pairs  # noqa: E402
 
 OUT = Path(__file__).with_suffix(".json")
@@ -56,7 +56,7 @@ def main() -> None:
 
     # Every registered method (`countlens.circuits.methods.METHODS`), then the extra settings shown beside them.
     methods = {"plain forward (clean inputs)": plain}
-    methods |= {m.name: (lambda m=m: m.ranking(vlm, pairs, BATCH)) for m in METHODS if m.supports(vlm)}
+    methods |= {m.label: (lambda m=m: m.ranking(vlm, pairs, BATCH)) for m in METHODS if m.supports(vlm)}
     methods |= {
         "EAP-IG, 1 step": lambda: node_attribution(vlm, pairs, steps=1, batch_size=BATCH).effect,
         "EAP-IG, 16 steps": lambda: node_attribution(vlm, pairs, steps=16, batch_size=BATCH).effect,
@@ -71,11 +71,12 @@ def main() -> None:
             results[name] = fn()
             seconds = time.perf_counter() - t
         rows[name] = {"seconds": round(seconds, 2), "others_load_cores": load.others}
-    exact = results["exact patching"]
+    reference = method("exact").label
+    exact = results[reference]
     unit = rows["plain forward (clean inputs)"]["seconds"]
     for name, row in rows.items():
         row["forward_equivalents"] = round(row["seconds"] / unit, 1)
-        if name not in ("plain forward (clean inputs)", "exact patching"):
+        if name not in ("plain forward (clean inputs)", reference):
             score = compare(results[name], exact, k=5)
             row.update(spearman=round(score["spearman"], 3), top5_overlap=score["top_k_overlap"])
     record = {"machine": platform.processor() or platform.machine(), "pairs": len(pairs), "methods": rows}
@@ -105,11 +106,11 @@ def tiny() -> None:
         pairs = count_pairs(32, 3, 5, kind="polygons", image_size=TINY_IMAGE_SIZE[name][0], prompt="short", seed=4)
         exact = patch_heads(vlm, pairs, batch_size=8).effect
         row = {"heads": int(exact.notnull().sum())}
-        for method in ("atp", "atp*"):
+        for m in (method("atp"), method("atp_star")):  # both by attribution_patch, as its method= names them
             t = time.perf_counter()
-            estimate = attribution_patch(vlm, pairs, batch_size=8, method=method).effect
+            estimate = m.ranking(vlm, pairs, 8)
             score = compare(estimate, exact, k=5)
-            row[method] = {
+            row[m.variant] = {
                 "seconds": round(time.perf_counter() - t, 1),
                 "spearman": round(score["spearman"], 3),
                 "top5_overlap": score["top_k_overlap"],

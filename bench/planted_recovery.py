@@ -69,7 +69,7 @@ from countlens.circuits import (
 )
 from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
 from countlens.circuits.interventions import Patch
-from countlens.circuits.methods import METHODS
+from countlens.circuits.methods import METHODS, OBJECT_RANKERS, RANDOM_DRAWS, method
 from countlens.circuits.object_effects import object_effects
 from countlens.circuits.object_gradients import object_attribution
 from countlens.circuits.recovery import auroc, node_recovery, object_recovery, precision_at
@@ -85,6 +85,8 @@ from countlens.toy.strictness import FRESH_SEED
 OUT = Path(__file__).with_suffix(".json")
 #: The HeadLens classes that move or aggregate the count: the heads a class-based reading would name.
 COUNT_CLASSES = ("cross-modal routing", "counting aggregation")
+#: The registry's exact head patching: the reference the other rankings are read beside.
+EXACT = method("exact")
 #: VAP's token groups, in the route's order.
 VAP_GROUPS = ("image", "text", "last")
 
@@ -106,11 +108,11 @@ def rankings(vlm, pairs) -> tuple[dict[str, xr.DataArray], dict[str, xr.Dataset]
     """Head rankings by method — every registered method (`countlens.circuits.methods.METHODS`) the
     organism supports, then the readings that are no attribution method — and the edge methods' results
     (for their edge curves)."""
-    results = {m.name: (m, m.result(vlm, pairs)) for m in METHODS if m.supports(vlm)}
+    results = {m.label: (m, m.result(vlm, pairs)) for m in METHODS if m.supports(vlm)}
     out = {name: m.heads(vlm, result) for name, (m, result) in results.items()}
     clean = [p.clean for p in pairs]
     attention = image_attention_share(vlm, clean).mean("sample")
-    out |= {"image-attention share": attention, **headlens_rankings(vlm, clean, out["exact patching"], attention)}
+    out |= {"image-attention share": attention, **headlens_rankings(vlm, clean, out[EXACT.label], attention)}
     return out, {name: result for name, (m, result) in results.items() if m.level == "edge"}
 
 
@@ -137,15 +139,14 @@ def node_rows(vlm, pairs, circuit, results: dict) -> dict:
         return out | {f"MLP{la}": float(v) for la, v in enumerate(mlp_scores)}
 
     mlps = effect(vlm, pairs, {f"MLP{la}": [Patch(MlpOut(la))] for la in range(arch.n_layers)}).effect.values
-    scored = {"exact patching (heads + MLPs)": heads_and(results["exact patching"], mlps)}
-    from countlens.circuits.integrated import node_attribution
-
-    ig = node_attribution(vlm, pairs, steps=5)
-    scored["EAP-IG (heads + MLPs)"] = heads_and(ig.effect, ig.mlp_effect.values)
-    for name in ("EAP (edges)", "EAP-IG (edges)"):
+    scored = {f"{EXACT.label} (heads + MLPs)": heads_and(results[EXACT.label], mlps)}
+    ig_method = method("eap_ig")
+    ig = ig_method.result(vlm, pairs)
+    scored[f"{ig_method.label} (heads + MLPs)"] = heads_and(ig.effect, ig.mlp_effect.values)
+    for name in (m.label for m in METHODS if m.level == "edge"):
         if name in results:
             by = dict(zip(results[name]["node"].values.tolist(), results[name].node_effect.values.tolist()))
-            scored[f"{name} (heads + MLPs)"] = {k: by[k] for k in heads_and(results["exact patching"], mlps)}
+            scored[f"{name} (heads + MLPs)"] = {k: by[k] for k in heads_and(results[EXACT.label], mlps)}
     rows = {name: node_recovery(scores, members) for name, scores in scored.items()}
     n_nodes = len(next(iter(scored.values())))
     rows["random (expected)"] = {"auroc": 0.5, "precision": round(len(members) / n_nodes, 3)}
@@ -159,7 +160,7 @@ def edge_rows(vlm, pairs, planted, edge_results: dict) -> dict:
     labels = [str(e) for e in next(iter(edge_results.values()))["edge"].values]
     k, n = len(members), len(labels)
     rankings = {**edge_results, "planted E": {label: float(label in members) for label in labels}}
-    top = faithfulness_curves(vlm, pairs, rankings, sizes=((k + 0.5) / n,), level="edge", random_draws=5)
+    top = faithfulness_curves(vlm, pairs, rankings, sizes=((k + 0.5) / n,), level="edge", random_draws=RANDOM_DRAWS)
     f = {str(r): round(float(v), 3) for r, v in zip(top.ranking.values, top.faithfulness.isel(size=0).values)}
     rows = {}
     for name, result in edge_results.items():
@@ -177,8 +178,11 @@ def object_rows(vlm, n_scenes: int) -> dict:
     for name, run in (
         ("exact (removed)", lambda: object_effects(vlm, scenes, "removed", "embed").effect),
         ("exact (background)", lambda: object_effects(vlm, scenes, "background", "embed").effect),
-        ("AtP", lambda: object_attribution(vlm, scenes, "atp").score),
-        ("EAP-IG", lambda: object_attribution(vlm, scenes, "eap-ig").score),
+        *(
+            (r.of.label, lambda r=r: object_attribution(vlm, scenes, r.variant).score)
+            for r in OBJECT_RANKERS
+            if r.function == "object_attribution"
+        ),
     ):
         start = time.time()
         scores[name] = run()
@@ -222,13 +226,13 @@ def main() -> None:
         n_heads = vlm.arch.n_layers * vlm.arch.n_heads
         k = len(circuit.heads)
         rows = {}
-        for method, scores in ranks.items():
+        for label, scores in ranks.items():
             row = {
                 "auroc": round(auroc(scores, circuit.heads), 3),
                 f"precision@{k}": round(precision_at(scores, circuit.heads), 3),
             }
-            if method in edge_results:
-                cpr, cmd = (float(edge_curves[m].sel(ranking=method)) for m in ("cpr", "cmd"))
+            if label in edge_results:
+                cpr, cmd = (float(edge_curves[m].sel(ranking=label)) for m in ("cpr", "cmd"))
                 row |= {"cpr": round(cpr, 3), "cmd": round(cmd, 3)}
             else:
                 curve = faithfulness(vlm, pairs, scores)
@@ -238,7 +242,7 @@ def main() -> None:
                     "cpr": round(curve.attrs["cpr"], 3),
                     "cmd": round(curve.attrs["cmd"], 3),
                 }
-            rows[method] = row
+            rows[label] = row
         rows["random (expected)"] = {"auroc": 0.5, f"precision@{k}": round(k / n_heads, 3)}
         result["organisms"][name] = {
             "circuit": sorted(circuit.heads),

@@ -192,6 +192,15 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
     )
 
 
+def refusal(vlm: VLM) -> str | None:
+    """Why ``vlm``'s edges are undefined (`edge_graph`'s refusal), or None: the edge methods' refusal."""
+    try:
+        edge_graph(vlm)
+    except InputError as err:
+        return str(err)
+    return None
+
+
 def require_graph(vlm: VLM, graph: object) -> EdgeGraph:
     """``graph`` if it is ``vlm``'s `edge_graph` (built once per stage and handed to each step)."""
     if not isinstance(graph, EdgeGraph):

@@ -1,18 +1,35 @@
 """The attribution methods by name: what each scores, where it runs, what it costs.
 
-Every method that ranks a model's components for a behaviour is one `Method` entry of `METHODS`,
-in the order tables show them. An entry says what it scores (site kinds: a head's z, an MLP's output,
-the inputs; or edges), how it computes its result (``compute``) and ranks the heads over (layer,
-head) from it (``heads``; an edge method by its heads' outgoing edges summed), which families it runs
-on (``refusal``: None, or why not), and its cost per chunk of pairs as plain and gradient forwards
-(`Cost`, which `countlens plan` turns into time and memory). discover's faithfulness stage,
-`bench/attribution.py` and `bench/planted_recovery.py` iterate `METHODS`: a new method is one module
-and one entry here.
+Every method that ranks a model's components for a behaviour is one `Method` entry of `METHODS`, in
+the order tables show them, and this module is the one place a method's facts are written:
 
-``from_run`` reads the method's ranking from a discover run's results where a stage already computed
-it (exact patching in ``heads``, AtP in ``atp`` …); ``in_discover`` says whether discover's
-faithfulness stage ranks with it (computing it there when no stage did, as AtP* is). RelP is
+- ``name``: its one spelling, which `method`, ``countlens methods`` and ``countlens discover --methods``
+  take, and under which a discover run keeps the scores no stage keeps (``faithfulness.nc``'s
+  ``<name>_effect``, `Method.variable`);
+- ``label``: what tables print (the faithfulness table's rows, the benches' keys);
+- ``level`` (``"node"`` or ``"edge"``) and ``scores``, the site kinds it scores (an edge method: the
+  edges between them);
+- ``compute``: the method's own result, a Dataset; `Method.heads` reads the heads' scores over (layer,
+  head) from it (``read``; an edge method's head by its outgoing edges summed, `heads_of_edges`);
+- ``cost``: forwards per chunk of pairs, plain and with a backward (`Cost`, which `countlens plan`
+  turns into time and memory);
+- ``refusal``: None where every family runs it, else why not;
+- ``stage``: the discover stage that computes it with ``compute`` and keeps its result (``heads``,
+  ``atp`` …), None where discover's faithfulness stage computes it itself (AtP*);
+  ``in_discover``: whether that stage ranks with it;
+- ``variant``: the ``method=`` of a function that computes several (`attribution_patch`'s ``"atp"`` /
+  ``"atp*"``, `edge_attribution`'s ``"eap"`` / ``"eap-ig"``).
+
+The defaults a method runs with are written once, in its own module, and read here: EAP-IG's steps
+`IG_STEPS` (`countlens.circuits.integrated`), the random rankings' draws `RANDOM_DRAWS`
+(`countlens.circuits.faithfulness`). discover's stages, `bench/attribution.py` and
+`bench/planted_recovery.py` read `METHODS`: a new method is one module and one entry here. RelP is
 registered but not in discover, so the demo report stays as it is; bench/ measures it.
+
+`OBJECT_RANKERS` are the methods applied per object of a scene (`object_attribution`,
+`object_edge_attribution`): each names the `Method` it applies (its label, level, refusal and cost
+per chunk) and the ``method=`` its function takes. The object modules sit below this registry and
+do not import it; they take their refusal as an argument where they have one.
 """
 
 from __future__ import annotations
@@ -24,14 +41,26 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xarray as xr
 
-from countlens.circuits.sites import HeadZ, MlpOut, Residual
+from countlens.circuits.faithfulness import RANDOM_DRAWS
+from countlens.circuits.integrated import IG_STEPS
+from countlens.circuits.sites import Embed, HeadZ, MlpOut, Residual
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
 
-#: EAP-IG's interpolation steps (MIB's authors' default family of settings), on nodes and on edges.
-IG_STEPS = 5
+__all__ = [
+    "IG_STEPS",
+    "METHODS",
+    "OBJECT_RANKERS",
+    "RANDOM_DRAWS",
+    "Cost",
+    "Method",
+    "ObjectRanker",
+    "discover_methods",
+    "heads_of_edges",
+    "method",
+]
 
 
 @dataclass(frozen=True)
@@ -43,56 +72,83 @@ class Cost:
     grad: Callable[[int], int]
 
 
+def _everywhere(vlm: VLM) -> str | None:
+    return None
+
+
+def _effect(result: xr.Dataset) -> xr.DataArray:
+    return result.effect
+
+
 @dataclass(frozen=True)
 class Method:
     """One attribution method (see the module docstring)."""
 
     name: str
-    key: str  # where a run keeps its scores: results[key], or the faithfulness result's f"{key}_effect"
+    label: str
     level: str  # "node" or "edge"
     scores: tuple[type, ...]
-    compute: Callable[[VLM, Sequence, int], xr.DataArray | xr.Dataset]  # the method's own result
+    compute: Callable[..., xr.Dataset]  # (vlm, pairs, batch_size, **options[, method=variant]): its result
     cost: Cost
-    refusal: Callable[[VLM], str | None] = lambda vlm: None
-    from_run: Callable[[dict], xr.DataArray | None] = lambda results: None
+    refusal: Callable[[VLM], str | None] = _everywhere
+    read: Callable[[xr.Dataset], xr.DataArray] = _effect  # a node method's head scores from its result
+    stage: str | None = None
     in_discover: bool = False
-    stage: str | None = None  # the discover stage that computes it; None: the faithfulness stage itself
     signed: bool = True  # False: scores are magnitudes (AtP*)
-    heads: Callable[[VLM, xr.DataArray | xr.Dataset], xr.DataArray] = lambda vlm, result: result
+    variant: str | None = None
+
+    @property
+    def variable(self) -> str:
+        """Where discover's faithfulness stage keeps the scores of a method no earlier stage computes."""
+        return f"{self.name}_effect"
+
+    @property
+    def everywhere(self) -> bool:
+        """Whether every family runs it (it has no refusal)."""
+        return self.refusal is _everywhere
 
     def supports(self, vlm: VLM) -> bool:
         return self.refusal(vlm) is None
+
+    def result(self, vlm: VLM, pairs: Sequence, batch_size: int = 16, **options) -> xr.Dataset:
+        """The method's own result (an edge method's: every edge's score), refused by name where the
+        family does not support it. ``options``: the sweep's (``store``, ``progress``, ``shard``) for
+        exact patching, as discover's ``heads`` stage gives them."""
+        why = self.refusal(vlm)
+        if why is not None:
+            raise InputError(f"{self.label} does not run on {vlm.name}: {why}")
+        if self.variant is not None:
+            options["method"] = self.variant
+        return self.compute(vlm, pairs, batch_size, **options)
+
+    def heads(self, vlm: VLM, result: xr.Dataset) -> xr.DataArray:
+        """The heads' scores over (layer, head) from the method's ``result``."""
+        return heads_of_edges(vlm, result) if self.level == "edge" else self.read(result)
 
     def ranking(self, vlm: VLM, pairs: Sequence, batch_size: int = 16) -> xr.DataArray:
         """The heads' scores over (layer, head), normalised like the exact sweeps; refused by name where
         the family does not support the method."""
         return self.heads(vlm, self.result(vlm, pairs, batch_size))
 
-    def result(self, vlm: VLM, pairs: Sequence, batch_size: int = 16) -> xr.DataArray | xr.Dataset:
-        """The method's own result (an edge method's: every edge's score), refused by name where the
-        family does not support it."""
-        why = self.refusal(vlm)
-        if why is not None:
-            raise InputError(f"{self.name} does not run on {vlm.name}: {why}")
-        return self.compute(vlm, pairs, batch_size)
+    def from_run(self, results: dict) -> xr.DataArray | None:
+        """The method's head scores in a discover run's ``results`` (its stage's result, or the
+        faithfulness stage's `variable`), None where the run has none."""
+        if self.stage is not None:
+            return self.read(results[self.stage]) if self.stage in results else None
+        ds = results.get("faithfulness")
+        return ds[self.variable] if ds is not None and self.variable in ds else None
 
 
-def _exact(vlm, pairs, batch_size):
+def _exact(vlm, pairs, batch_size, **sweep):
     from countlens.circuits.patching import patch_heads
 
-    return patch_heads(vlm, pairs, batch_size=batch_size).effect
+    return patch_heads(vlm, pairs, batch_size=batch_size, **sweep)
 
 
-def _atp(vlm, pairs, batch_size):
+def _attribution(vlm, pairs, batch_size, method):
     from countlens.circuits.patching import attribution_patch
 
-    return attribution_patch(vlm, pairs, batch_size=batch_size).effect
-
-
-def _atp_star(vlm, pairs, batch_size):
-    from countlens.circuits.atp_star import atp_star
-
-    return atp_star(vlm, pairs, batch_size=batch_size).effect
+    return attribution_patch(vlm, pairs, batch_size=batch_size, method=method)
 
 
 def _atp_star_refusal(vlm) -> str | None:
@@ -106,39 +162,36 @@ def _atp_star_refusal(vlm) -> str | None:
 def _eap_ig(vlm, pairs, batch_size):
     from countlens.circuits.integrated import node_attribution
 
-    return node_attribution(vlm, pairs, steps=IG_STEPS, batch_size=batch_size).effect
+    return node_attribution(vlm, pairs, steps=IG_STEPS, batch_size=batch_size)
 
 
-def _ablation_drop(vlm, pairs, batch_size):
+def _ablation(vlm, pairs, batch_size):
     from countlens.circuits.ablation import ablation_scan
 
-    scan = ablation_scan(vlm, {"count": [p.clean for p in pairs]}, batch_size=batch_size)
-    return scan.logp_drop.sel(task="count", drop=True)
+    return ablation_scan(vlm, {"count": [p.clean for p in pairs]}, batch_size=batch_size)
 
 
-def _edges(method: str, steps: int):
-    def compute(vlm, pairs, batch_size):
-        from countlens.circuits.edge_attribution import edge_attribution
+def _count_drop(result: xr.Dataset) -> xr.DataArray:
+    return result.logp_drop.sel(task="count", drop=True)
 
-        return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size)
 
-    return compute
+def _edges(vlm, pairs, batch_size, method):
+    from countlens.circuits.edge_attribution import edge_attribution
+
+    steps = IG_STEPS if method == "eap-ig" else 1
+    return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size)
 
 
 def _edge_refusal(vlm) -> str | None:
-    from countlens.circuits.edges import edge_graph
+    from countlens.circuits.edges import refusal
 
-    try:
-        edge_graph(vlm)
-    except InputError as err:
-        return str(err)
-    return None
+    return refusal(vlm)
 
 
 def _relp(vlm, pairs, batch_size):
     from countlens.circuits.relp import relevance_patch
 
-    return relevance_patch(vlm, pairs, batch_size=batch_size).effect
+    return relevance_patch(vlm, pairs, batch_size=batch_size)
 
 
 def _relp_refusal(vlm) -> str | None:
@@ -162,98 +215,88 @@ def heads_of_edges(vlm: VLM, result: xr.Dataset) -> xr.DataArray:
     )
 
 
-def _faithfulness_result(key: str):
-    def read(results: dict):
-        ds = results.get("faithfulness")
-        return ds[f"{key}_effect"] if ds is not None and f"{key}_effect" in ds else None
-
-    return read
-
+_EDGE_SITES = (HeadZ, MlpOut, Residual)
 
 #: Every method, in the order tables show them.
 METHODS: tuple[Method, ...] = (
     Method(
+        "exact",
         "exact patching",
-        "heads",
         "node",
         (HeadZ,),
         _exact,
         Cost(lambda n_layers: 2, lambda n_layers: 0),  # plus the stacked edited copies: `patch_heads`'s plan
         stage="heads",
-        from_run=lambda results: results["heads"].effect if "heads" in results else None,
         in_discover=True,
     ),
     Method(
-        "AtP",
         "atp",
+        "AtP",
         "node",
         (HeadZ, Residual),
-        _atp,
+        _attribution,
         Cost(lambda n_layers: 1, lambda n_layers: 1),
         stage="atp",
-        from_run=lambda results: results["atp"].effect if "atp" in results else None,
         in_discover=True,
+        variant="atp",
     ),
     Method(
-        "EAP-IG",
         "eap_ig",
+        "EAP-IG",
         "node",
         (HeadZ, MlpOut, Residual),
         _eap_ig,
         Cost(lambda n_layers: 2, lambda n_layers: IG_STEPS),
         stage="eap_ig",
-        from_run=lambda results: results["eap_ig"].effect if "eap_ig" in results else None,
         in_discover=True,
     ),
     Method(
-        "mean-ablation drop",
         "ablation",
+        "mean-ablation drop",
         "node",
         (HeadZ,),
-        _ablation_drop,
+        _ablation,
         Cost(lambda n_layers: 2, lambda n_layers: 0),  # plus one edited copy per head: `ablation_scan`'s plan
+        read=_count_drop,
         stage="ablation",
-        from_run=lambda results: (
-            results["ablation"].logp_drop.sel(task="count", drop=True) if "ablation" in results else None
-        ),
         in_discover=True,
     ),
     Method(
-        "AtP*",
         "atp_star",
+        "AtP*",
         "node",
         (HeadZ,),
-        _atp_star,
+        _attribution,
         # The corrupt run, and the clean run kept for L + 1 backward passes (GradDrop).
         Cost(lambda n_layers: 1, lambda n_layers: n_layers + 1),
         refusal=_atp_star_refusal,
-        from_run=_faithfulness_result("atp_star"),
         in_discover=True,
         signed=False,
+        variant="atp*",
     ),
     Method(
-        "EAP (edges)",
         "eap_edges",
+        "EAP (edges)",
         "edge",
-        (HeadZ, MlpOut, Residual),
-        _edges("eap", 1),
+        _EDGE_SITES,
+        _edges,
         Cost(lambda n_layers: 2, lambda n_layers: 1),
         refusal=_edge_refusal,
-        heads=lambda vlm, result: heads_of_edges(vlm, result),
+        variant="eap",
     ),
     Method(
-        "EAP-IG (edges)",
         "eap_ig_edges",
+        "EAP-IG (edges)",
         "edge",
-        (HeadZ, MlpOut, Residual),
-        _edges("eap-ig", IG_STEPS),
+        _EDGE_SITES,
+        _edges,
         Cost(lambda n_layers: 2, lambda n_layers: IG_STEPS),
         refusal=_edge_refusal,
-        heads=lambda vlm, result: heads_of_edges(vlm, result),
+        variant="eap-ig",
     ),
     Method(
-        "RelP",
         "relp",
+        "RelP",
         "node",
         (HeadZ, Residual),
         _relp,
@@ -271,6 +314,57 @@ def method(name: str) -> Method:
     raise InputError(f"no attribution method {name!r}; the registered ones are {[m.name for m in METHODS]}")
 
 
-def discover_methods(vlm: VLM | None = None) -> list[Method]:
-    """The methods discover's faithfulness stage ranks with (those ``vlm`` supports, when given)."""
-    return [m for m in METHODS if m.in_discover and (vlm is None or m.supports(vlm))]
+def discover_methods(vlm: VLM | None = None, names: Sequence[str] = ()) -> list[Method]:
+    """The methods discover's faithfulness stage ranks with (those ``vlm`` supports, when given; only
+    those named in ``names``, when given), in `METHODS`' order."""
+    return [m for m in METHODS if m.in_discover and (vlm is None or m.supports(vlm)) and (not names or m.name in names)]
+
+
+def check_discover_names(names: Sequence[str], error: type[Exception] = InputError) -> tuple[str, ...]:
+    """``names`` as a tuple when each is a method discover ranks with, named once, else ``error`` naming
+    the known ones."""
+    known = [m.name for m in METHODS if m.in_discover]
+    if isinstance(names, str) or not isinstance(names, (tuple, list)):
+        raise error(f"methods={names!r}: give a tuple of method names, some of {known}")
+    for name in names:
+        if name not in known:
+            others = [m.name for m in METHODS if not m.in_discover]
+            why = " (it is registered, but discover does not rank with it)" if name in others else ""
+            raise error(
+                f"methods: {name!r} is no method discover ranks with{why}; give some of {', '.join(known)} "
+                "(`countlens methods` lists every method)"
+            )
+    if len(set(names)) != len(names):
+        raise error(f"methods={list(names)!r} names a method twice; name each once, some of {known}")
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class ObjectRanker:
+    """A registered method applied per object of a scene: ``of``'s score summed over each object's span
+    of image tokens against the scene's background, by ``function`` (``"object_attribution"``: at a
+    decoder layer's input; ``"object_edge_attribution"``: from layer 0's input to every receiver) with
+    ``method=variant``. Its label, level, refusal and cost per chunk of scenes are ``of``'s."""
+
+    name: str
+    of: Method
+    function: str
+    variant: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.of.label} per object"
+
+    @property
+    def scores(self) -> tuple[type, ...]:
+        """Each object's span of image tokens at a decoder layer's input (layer 0's: `Embed`, by default)."""
+        return (Embed,)
+
+
+#: The object rankers: each scores a scene's objects (their spans of image tokens) by the method it names.
+OBJECT_RANKERS: tuple[ObjectRanker, ...] = (
+    ObjectRanker("object_atp", method("atp"), "object_attribution", "atp"),
+    ObjectRanker("object_eap_ig", method("eap_ig"), "object_attribution", "eap-ig"),
+    ObjectRanker("object_eap_edges", method("eap_edges"), "object_edge_attribution", "eap"),
+    ObjectRanker("object_eap_ig_edges", method("eap_ig_edges"), "object_edge_attribution", "eap-ig"),
+)

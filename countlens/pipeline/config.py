@@ -47,6 +47,9 @@ class DiscoverConfig:
     probes: bool = False  # a `probes` stage: the MAS code's detection probes on its three taps
     voc: str = ""  # a local VOC2007 folder for the probes ("": COUNTINGTRICKS scenes, shapes as classes)
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
+    # The faithfulness stage's rankings: names of the registry's methods discover ranks with
+    # (`countlens.circuits.methods`); () ranks with all of them. spec.json holds it only when it names some.
+    methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -87,6 +90,13 @@ def validate_config(c: DiscoverConfig) -> None:
 
     require_choice(c.design, "design", DESIGNS, ConfigError)
     require_choice(c.attention_at, "attention_at", ("prompt", "generation"), ConfigError)
+    from countlens.circuits.methods import check_discover_names
+
+    if not isinstance(c.methods, tuple):
+        raise ConfigError(
+            f"methods {c.methods!r}: give a tuple of method names (an empty one: all discover ranks with)"
+        )
+    check_discover_names(c.methods, ConfigError)
     if not isinstance(c.probes, bool):
         raise ConfigError(f"probes={c.probes!r}: give True or False")
     if not isinstance(c.voc, str):

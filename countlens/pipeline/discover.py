@@ -80,6 +80,8 @@ def discover(
         "prompt_template": PROMPTS[prompt].template,
         "answer_form": PROMPTS[prompt].answer,
     }
+    if not c.methods:  # every discover method: the spec as runs wrote it before they could name some
+        del spec["methods"]
     shard = distributed.current()  # the launcher's variables checked before anything is written
     check_inputs(vlm, c, prompt)
     inputs = stage_inputs(vlm, c, prompt)

@@ -45,7 +45,7 @@ def test_pairs_without_a_difference_are_refused_by_every_method(organism, same_i
         "patch_layers": lambda: circuits.patch_layers(organism, same_image),
         "effect": lambda: circuits.effect(organism, same_image, circuits.Patch(circuits.Residual(1))),
         "faithfulness": lambda: circuits.faithfulness_curves(organism, same_image, {}, random_draws=1),
-        **{m.name: (lambda m=m: m.result(organism, same_image, 2)) for m in METHODS if m.name != "mean-ablation drop"},
+        **{m.name: (lambda m=m: m.result(organism, same_image, 2)) for m in METHODS if m.name != "ablation"},
     }
     for call in calls.values():
         _refused_before_any_forward(organism, call)

@@ -1,10 +1,11 @@
 """Is it a circuit of edges? Faithfulness of the top edges that EAP-IG and EAP rank.
 
 The model's edge graph (`countlens.circuits.edges`: inputs, heads and MLPs into each head's q, k and
-v, each MLP's input and the logits), built and checked once, is scored by EAP-IG (`EDGE_STEPS` steps)
-and by EAP (the clean run's gradient: EAP-IG's last, so both come from one pass), and each ranking's
-circuits at MIB's sizes keep their top edges while every other edge reads the corrupt run's value
-(`countlens.circuits.edge_ablation`); five random rankings give the baseline. On a model whose layers
+v, each MLP's input and the logits), built and checked once, is scored by the registry's edge methods
+(`countlens.circuits.methods`): EAP-IG (its `IG_STEPS` steps) and EAP (the clean run's gradient:
+EAP-IG's last, so both come from one pass), and each ranking's circuits at MIB's sizes keep their top
+edges while every other edge reads the corrupt run's value (`countlens.circuits.edge_ablation`); the
+registry's `RANDOM_DRAWS` random rankings give the baseline. On a model whose layers
 do not add their outputs to the residual stream unchanged the graph is undefined: the stage records
 why (``refused``) and the report says so. The faithfulness section shows the curves and the CPR / CMD
 table beside the head rankings'.
@@ -18,18 +19,26 @@ from countlens.circuits import edges
 from countlens.circuits.edge_ablation import edge_max_rows, edge_row_bytes
 from countlens.circuits.edge_attribution import edge_attributions
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves
+from countlens.circuits.methods import IG_STEPS, RANDOM_DRAWS, method
 from countlens.circuits.pair_batch import prepare_pairs
 from countlens.errors import InputError
 from countlens.model.memory import Widths, rows_per_forward
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import RunContext, Stage
 
-#: EAP-IG's steps on edges (the MIB authors' default family of settings; as the node stage's).
-EDGE_STEPS = 5
-#: Random edge rankings drawn as the baseline.
-RANDOM_DRAWS = 5
+#: The registry's edge methods this stage ranks with, in the report's order: each with the name of its
+#: ranking in ``edge_faithfulness.nc`` and the report, and the variable that keeps its scores there
+#: (both as runs have always written them).
+EDGE_RANKINGS: dict[str, tuple[str, str]] = {
+    "eap_ig_edges": ("EAP-IG edges", "eap_ig_effect"),
+    "eap_edges": ("EAP edges", "eap_effect"),
+}
+#: Those methods' registry entries (whose ``variant`` `edge_attributions` computes).
+METHODS_RANKED = tuple(method(name) for name in EDGE_RANKINGS)
 #: The rankings this stage evaluates, in the report's order.
-RANKINGS = ("EAP-IG edges", "EAP edges")
+RANKINGS = tuple(ranking for ranking, _ in EDGE_RANKINGS.values())
+#: The one pass both come from costs the integrated method's forwards (`countlens.circuits.methods.Cost`).
+PASS = method("eap_ig_edges")
 
 
 def _compute(run: RunContext) -> xr.Dataset:
@@ -41,23 +50,21 @@ def _compute(run: RunContext) -> xr.Dataset:
     # A circuit's rows are the chunk's pairs: where one circuit's copy of the batch would not fit,
     # the curves take fewer pairs a chunk (the same sums).
     curve_batch = max(1, min(run.batch_size, edge_max_rows(run.vlm, graph, first)))
-    scores = edge_attributions(
-        run.vlm, run.pairs, ("eap-ig", "eap"), steps=EDGE_STEPS, batch_size=run.batch_size, graph=graph
-    )
-    ig, eap = scores["eap-ig"], scores["eap"]
+    variants = tuple(m.variant for m in METHODS_RANKED)
+    scores = edge_attributions(run.vlm, run.pairs, variants, steps=IG_STEPS, batch_size=run.batch_size, graph=graph)
     ds = faithfulness_curves(
         run.vlm,
         run.pairs,
-        dict(zip(RANKINGS, (ig, eap))),
+        {ranking: scores[v] for ranking, v in zip(RANKINGS, variants, strict=True)},
         batch_size=curve_batch,
         random_draws=RANDOM_DRAWS,
         seed=run.config.seed,
         level="edge",
         graph=graph,
     )
-    ds["eap_ig_effect"] = ig.effect
-    ds["eap_effect"] = eap.effect
-    ds.attrs["steps"] = EDGE_STEPS
+    for (_, variable), v in zip(EDGE_RANKINGS.values(), variants, strict=True):
+        ds[variable] = scores[v].effect
+    ds.attrs["steps"] = IG_STEPS
     ds.attrs["curve_batch"] = curve_batch
     return ds
 
@@ -126,15 +133,16 @@ def _plan(p: Planner) -> StagePlan:
     fw = [Forward(n0, seq)]  # the additivity check
     for n, k in chunk_sizes(len(pairs), p.bs).items():
         # two recordings for the attributions
-        fw += [Forward(n, seq, count=2 * k)]
+        fw += [Forward(n, seq, count=PASS.cost.plain(w.n_layers) * k)]
+        steps = PASS.cost.grad(w.n_layers)
         fw += [
             Forward(
                 n,
                 seq,
-                count=EDGE_STEPS * k,
+                count=steps * k,
                 grad=True,
                 extra=2 * values + gradients,
-                extra_flops=attribution_flops(w, seq, n, EDGE_STEPS) / EDGE_STEPS,
+                extra_flops=attribution_flops(w, seq, n, steps) / steps,
             )
         ]
     # the curves: chunks of at most as many pairs as one circuit's rows fit (`_compute`)

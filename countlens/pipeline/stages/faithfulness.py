@@ -1,10 +1,11 @@
 """Is it a circuit? The faithfulness of the top heads of each ranking the run computed.
 
-The rankings are the registry's methods that discover ranks with (`countlens.circuits.methods`): exact
-head patching (``heads``), attribution patching (``atp``), EAP-IG (``eap_ig``), the drop in log p(gold)
-when a head is mean-ablated on counting (``ablation``) and AtP* (computed here, on the families
-`countlens.circuits.atp_star` supports; its scores are kept as ``atp_star_effect``); beside them random
-rankings. The circuit at each of MIB's sizes keeps the top heads and patches every other head's z from
+The rankings are the registry's methods that discover ranks with (`countlens.circuits.methods`;
+only those of the run's ``methods`` when it names some): exact head patching (``heads``), attribution
+patching (``atp``), EAP-IG (``eap_ig``), the drop in log p(gold) when a head is mean-ablated on
+counting (``ablation``) and AtP* (computed here, on the families `countlens.circuits.atp_star`
+supports; its scores are kept as ``atp_star_effect``); beside them random rankings (the registry's
+`RANDOM_DRAWS`). The circuit at each of MIB's sizes keeps the top heads and patches every other head's z from
 the corrupt run; f(C) says how much of the clean run's logit difference it keeps
 (`countlens.circuits.faithfulness`: the definition, the node set, CPR and CMD). The report's section
 draws the curves and tabulates CPR, CMD and the smallest circuit reaching 80 % faithfulness. These are
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 import pandas as pd
 import xarray as xr
@@ -22,51 +24,52 @@ import xarray as xr
 from countlens.analysis import plots
 from countlens.analysis.tables import finite_markdown
 from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves, smallest_faithful
-from countlens.circuits.methods import discover_methods
+from countlens.circuits.methods import RANDOM_DRAWS, discover_methods, method
 from countlens.circuits.recovery import auroc, precision_at
 from countlens.labels import head_label
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, sweep_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
-from countlens.pipeline.stages.edges import RANDOM_DRAWS as EDGE_DRAWS
 from countlens.toy.catalogue import planted_circuit_of
 
-#: Random rankings drawn as the baseline (their mean and spread are reported).
-RANDOM_DRAWS = 5
-#: The run's own head rankings: the registry's methods discover ranks with (`countlens.circuits.methods`).
-RANKINGS = len(discover_methods())
 #: The faithfulness a circuit must reach to count as carrying the behaviour in the report's table.
 LEVEL = 0.8
 
 
-def _rankings(results: dict, computed: dict[str, xr.DataArray] | None = None) -> dict[str, xr.DataArray]:
-    """The head rankings of the registry's discover methods, each a DataArray over (layer, head): read
-    from the run's results (a stage's, or this stage's own ``<key>_effect``), or from ``computed``."""
+def _rankings(
+    results: dict, names: Sequence[str] = (), computed: dict[str, xr.DataArray] | None = None
+) -> dict[str, xr.DataArray]:
+    """The head rankings of the registry's discover methods (those of ``names`` when it names some), by
+    label, each a DataArray over (layer, head): read from the run's results (a stage's, or this stage's
+    own `Method.variable`), or from ``computed`` (by method name)."""
     computed = computed or {}
     out = {}
-    for m in discover_methods():
-        ranking = computed.get(m.key)
+    for m in discover_methods(names=names):
+        ranking = computed.get(m.name)
         ranking = m.from_run(results) if ranking is None else ranking
         if ranking is not None:
-            out[m.name] = ranking
+            out[m.label] = ranking
     return out
 
 
 def _faithfulness(run: RunContext) -> xr.Dataset:
     # Methods no earlier stage computed (AtP*) are computed here, where the family supports them.
+    names = run.config.methods
     computed = {
-        m.key: m.ranking(run.vlm, run.pairs, run.batch_size) for m in discover_methods(run.vlm) if m.stage is None
+        m.name: m.ranking(run.vlm, run.pairs, run.batch_size)
+        for m in discover_methods(run.vlm, names)
+        if m.stage is None
     }
     ds = faithfulness_curves(
         run.vlm,
         run.pairs,
-        _rankings(run.results, computed),
+        _rankings(run.results, names, computed),
         nodes=("head",),
         batch_size=run.batch_size,
         random_draws=RANDOM_DRAWS,
         seed=run.config.seed,
     )
-    for key, ranking in computed.items():
-        ds[f"{key}_effect"] = ranking
+    for name, ranking in computed.items():
+        ds[method(name).variable] = ranking
     return ds
 
 
@@ -76,13 +79,14 @@ def _plan(p: Planner) -> StagePlan:
     w, b, seq = p.w, p.w.act_bytes, p.pair_seq
     pairs = p.samples("pairs")
     n0 = min(p.bs, len(pairs))
-    circuits = (RANKINGS + RANDOM_DRAWS) * len(set(circuit_sizes(w.n_layers * w.n_heads, SIZES))) + 2
+    chosen = discover_methods(names=p.c.methods)
+    circuits = (len(chosen) + RANDOM_DRAWS) * len(set(circuit_sizes(w.n_layers * w.n_heads, SIZES))) + 2
     kept = n0 * seq * w.n_layers * w.n_heads * w.d_head * b  # every layer's corrupt z
     rows = sweep_rows(w, seq, p.free, kept, 1, p.patches)
     fw = []
     for n, k in chunk_sizes(len(pairs), p.bs).items():
         per = max(1, rows // n)
-        for m in discover_methods():  # the methods this stage computes itself (no stage before it does)
+        for m in chosen:  # the methods this stage computes itself (no stage before it does)
             if m.stage is None:
                 fw += [Forward(n, seq, count=m.cost.plain(w.n_layers) * k)]
                 fw += [Forward(n, seq, count=m.cost.grad(w.n_layers) * k, grad=True)]
@@ -146,7 +150,7 @@ def _recovery(ctx: ReportContext) -> dict | None:
             "AUROC": f"{auroc(s, circuit.heads):.3f}",
             f"precision@{k}": f"{precision_at(s, circuit.heads):.3f}",
         }
-        for name, s in _rankings(ctx.results).items()
+        for name, s in _rankings(ctx.results, ctx.spec.get("methods", ())).items()
     ]
     return {
         "heads": ", ".join(head_label(h) for h in sorted(circuit.heads)),
@@ -164,7 +168,7 @@ def _edges(ctx: ReportContext) -> dict | None:
     return {
         "n_edges": int(ds.attrs["n_nodes"]),
         "steps": int(ds.attrs["steps"]),
-        "table": finite_markdown(_table(ds, "edges", EDGE_DRAWS), index=False),
+        "table": finite_markdown(_table(ds, "edges"), index=False),
         "curve": finite_markdown(_curve(ds)),
     }
 

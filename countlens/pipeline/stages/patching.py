@@ -3,7 +3,9 @@
 ``vap`` patches each layer's residual stream over one token group (image, last, text) from the
 corrupt run into the clean one; ``heads`` patches each head's z; ``atp`` estimates the head effects
 from three passes (attribution patching) and ``eap_ig`` with the gradient integrated from the corrupt
-input to the clean (`countlens.circuits.integrated`), both scored against ``heads``. ``vap`` and ``heads`` are
+input to the clean (`countlens.circuits.integrated`), both scored against ``heads``. ``heads``,
+``atp`` and ``eap_ig`` compute their registry method's result (`countlens.circuits.methods`: exact
+patching, AtP, EAP-IG at its `IG_STEPS`) and plan its `Cost`. ``vap`` and ``heads`` are
 sweeps: a sharded run splits them between its ranks, and each streams its chunks so a killed run
 resumes mid-sweep. The head effects are checked before any later stage reads them.
 """
@@ -16,7 +18,7 @@ from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.heads import check_effects, head_sites
 from countlens.analysis.tables import finite_markdown
-from countlens.circuits.integrated import node_attribution
+from countlens.circuits.methods import Method, method
 from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
@@ -28,9 +30,13 @@ def _vap(run: RunContext) -> xr.Dataset:
     )
 
 
+#: The registry's methods these stages compute.
+EXACT, ATP_METHOD, EAP_IG_METHOD = method("exact"), method("atp"), method("eap_ig")
+
+
 def _heads(run: RunContext) -> xr.Dataset:
-    return circuits.patch_heads(
-        run.vlm, run.pairs, batch_size=run.batch_size, store=run.store("heads"), progress=True, shard=run.shard
+    return EXACT.result(
+        run.vlm, run.pairs, run.batch_size, store=run.store(EXACT.stage), progress=True, shard=run.shard
     )
 
 
@@ -38,11 +44,12 @@ def _check_heads(run: RunContext, heads: xr.Dataset) -> None:
     check_effects(heads.effect, sites=head_sites(heads))  # the importance every later stage reads
 
 
-def _plan_gradients(p: Planner, name: str, recordings: int, passes: int, kept_sets: int) -> StagePlan:
-    """Per chunk of pairs: ``recordings`` plain forwards, then ``passes`` forwards with a backward pass,
-    each keeping a layer's residual and z (and their gradients) per layer; ``kept_sets`` such sets of
-    every layer held across the chunk."""
+def _plan_gradients(p: Planner, m: Method, kept_sets: int) -> StagePlan:
+    """Per chunk of pairs: ``m``'s plain forwards (recordings), then its forwards with a backward pass
+    (`Cost`), each keeping a layer's residual and z (and their gradients) per layer; ``kept_sets`` such
+    sets of every layer held across the chunk."""
     w, b, seq = p.w, p.w.act_bytes, p.pair_seq
+    recordings, passes = m.cost.plain(w.n_layers), m.cost.grad(w.n_layers)
     pairs = p.samples("pairs")
     n0 = min(p.bs, len(pairs))
     per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
@@ -52,12 +59,12 @@ def _plan_gradients(p: Planner, name: str, recordings: int, passes: int, kept_se
             Forward(n, seq, count=recordings * k),
             Forward(n, seq, count=passes * k, grad=True, extra=2 * w.n_layers * per_layer),
         ]
-    return StagePlan(name, fw, kept=kept_sets * w.n_layers * per_layer, batch=p.bs)
+    return StagePlan(m.stage, fw, kept=kept_sets * w.n_layers * per_layer, batch=p.bs)
 
 
 def _plan_atp(p: Planner) -> StagePlan:
     """The corrupt run recorded, then the clean one forward and backward."""
-    return _plan_gradients(p, "atp", recordings=1, passes=1, kept_sets=1)
+    return _plan_gradients(p, ATP_METHOD, kept_sets=1)
 
 
 VAP = Stage(
@@ -80,23 +87,21 @@ HEADS = Stage(
 ATP = Stage(
     "atp",
     inputs=("pairs",),
-    compute=lambda run: circuits.attribution_patch(run.vlm, run.pairs, batch_size=run.batch_size),
+    compute=lambda run: ATP_METHOD.result(run.vlm, run.pairs, run.batch_size),
     plan=_plan_atp,
     variables={"effect": ("layer", "head"), "resid_effect": ("layer",)},
 )
-#: EAP-IG's interpolation steps: MIB's authors' default for EAP-IG-inputs.
-EAP_IG_STEPS = 5
 
 
 def _plan_eap_ig(p: Planner) -> StagePlan:
     """Two recording forwards, then a forward and backward per step, per chunk of pairs."""
-    return _plan_gradients(p, "eap_ig", recordings=2, passes=EAP_IG_STEPS, kept_sets=4)
+    return _plan_gradients(p, EAP_IG_METHOD, kept_sets=4)
 
 
 EAP_IG = Stage(
     "eap_ig",
     inputs=("pairs",),
-    compute=lambda run: node_attribution(run.vlm, run.pairs, steps=EAP_IG_STEPS, batch_size=run.batch_size),
+    compute=lambda run: EAP_IG_METHOD.result(run.vlm, run.pairs, run.batch_size),
     plan=_plan_eap_ig,
     variables={"effect": ("layer", "head"), "mlp_effect": ("layer",), "input_effect": ("input",)},
 )
@@ -151,12 +156,16 @@ def _top_effects(effect: xr.DataArray, k: int) -> str:
     )
 
 
+def _against_exact(ctx: ReportContext, m: Method) -> dict:
+    return circuits.compare(m.from_run(ctx.results), EXACT.from_run(ctx.results), k=int(ctx.spec["top_k"]))
+
+
 def _atp_score(ctx: ReportContext) -> dict:
-    return circuits.compare(ctx.results["atp"].effect, ctx.results["heads"].effect, k=int(ctx.spec["top_k"]))
+    return _against_exact(ctx, ATP_METHOD)
 
 
 def _eap_ig_score(ctx: ReportContext) -> dict:
-    return circuits.compare(ctx.results["eap_ig"].effect, ctx.results["heads"].effect, k=int(ctx.spec["top_k"]))
+    return _against_exact(ctx, EAP_IG_METHOD)
 
 
 def _heads_values(ctx: ReportContext) -> dict:
