@@ -71,7 +71,6 @@ from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
 from countlens.circuits.interventions import Patch
 from countlens.circuits.methods import METHODS, OBJECT_RANKERS, RANDOM_DRAWS, method
 from countlens.circuits.object_effects import object_effects
-from countlens.circuits.object_gradients import object_attribution
 from countlens.circuits.recovery import auroc, node_recovery, object_recovery, precision_at
 from countlens.circuits.run import effect
 from countlens.circuits.sites import MlpOut
@@ -179,7 +178,7 @@ def object_rows(vlm, n_scenes: int) -> dict:
         ("exact (removed)", lambda: object_effects(vlm, scenes, "removed", "embed").effect),
         ("exact (background)", lambda: object_effects(vlm, scenes, "background", "embed").effect),
         *(
-            (r.of.label, lambda r=r: object_attribution(vlm, scenes, r.variant).score)
+            (r.of.label, lambda r=r: r.result(vlm, scenes).score)
             for r in OBJECT_RANKERS
             if r.function == "object_attribution"
         ),

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xarray as xr
 
+from countlens.circuits.edges import refusal as edge_refusal
 from countlens.circuits.faithfulness import RANDOM_DRAWS
 from countlens.circuits.integrated import IG_STEPS
 from countlens.circuits.sites import Embed, HeadZ, MlpOut, Residual
@@ -182,12 +183,6 @@ def _edges(vlm, pairs, batch_size, method):
     return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size)
 
 
-def _edge_refusal(vlm) -> str | None:
-    from countlens.circuits.edges import refusal
-
-    return refusal(vlm)
-
-
 def _relp(vlm, pairs, batch_size):
     from countlens.circuits.relp import relevance_patch
 
@@ -281,7 +276,7 @@ METHODS: tuple[Method, ...] = (
         _EDGE_SITES,
         _edges,
         Cost(lambda n_layers: 2, lambda n_layers: 1),
-        refusal=_edge_refusal,
+        refusal=edge_refusal,
         variant="eap",
     ),
     Method(
@@ -291,7 +286,7 @@ METHODS: tuple[Method, ...] = (
         _EDGE_SITES,
         _edges,
         Cost(lambda n_layers: 2, lambda n_layers: IG_STEPS),
-        refusal=_edge_refusal,
+        refusal=edge_refusal,
         variant="eap-ig",
     ),
     Method(
@@ -359,6 +354,15 @@ class ObjectRanker:
     def scores(self) -> tuple[type, ...]:
         """Each object's span of image tokens at a decoder layer's input (layer 0's: `Embed`, by default)."""
         return (Embed,)
+
+    def result(self, vlm: VLM, samples: Sequence, **options) -> xr.Dataset:
+        """``function``'s result on ``samples`` (scenes) with ``method=variant``, refused by its checks
+        (``of``'s refusal among them) before any forward."""
+        if self.function == "object_attribution":
+            from countlens.circuits.object_gradients import object_attribution as run
+        else:
+            from countlens.circuits.object_edges import object_edge_attribution as run
+        return run(vlm, samples, self.variant, **options)
 
 
 #: The object rankers: each scores a scene's objects (their spans of image tokens) by the method it names.

@@ -10,7 +10,7 @@ residual stream (the embeddings reach every receiver directly). Per token t and 
 g_r,t = ∂m/∂x_r,t the gradient through r alone (`countlens.circuits.edge_attribution.receiver_gradients`),
 
 - **EAP**: e_r,t = Δ_t · g_r,t at the clean input (one backward per chunk of scenes);
-- **EAP-IG** (``steps``, the registry's `IG_STEPS` by default): e_r,t = Δ_t · (1/s) Σ_{k=1..s} g_r,t
+- **EAP-IG** (``steps``, `countlens.circuits.integrated.IG_STEPS` by default): e_r,t = Δ_t · (1/s) Σ_{k=1..s} g_r,t
   at x_ref + (k/s)(x_clean − x_ref), layer 0's whole input interpolated (`edge_attribution`'s points).
 
 ``score`` of object i and receiver r is Σ_{t ∈ span_i} e_r,t; ``objects``, ``overlap`` and
@@ -47,8 +47,9 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.edge_attribution import CHUNK_BYTES, gradient_pass, receiver_gradients
+from countlens.circuits.edge_attribution import CHUNK_BYTES, EDGE_VARIANTS, gradient_pass, receiver_gradients
 from countlens.circuits.edges import EdgeGraph, check_additive, edge_graph
+from countlens.circuits.edges import refusal as edge_refusal
 from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.object_effects import count_of
 from countlens.circuits.object_gradients import check_request, spans
@@ -59,9 +60,10 @@ from countlens.results import provenance
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
 
-#: The methods and the registry entry (`countlens.circuits.methods.METHODS`) each one is: its refusal
-#: of a model (edges undefined there) is this function's.
-METHODS: dict[str, str] = {"eap": "EAP (edges)", "eap-ig": "EAP-IG (edges)"}
+# `object_edge_attribution`'s ``method`` values are `edge_attribution`'s (`EDGE_VARIANTS`: "eap", "eap-ig"),
+# refused where edges are undefined (`countlens.circuits.edges.refusal`, the registry's edge methods'
+# refusal); the registry's `countlens.circuits.methods.OBJECT_RANKERS` name the method each applies.
+
 #: Per scene, after its objects' rows: the parts summed over groups of image tokens.
 PARTS: tuple[str, ...] = ("objects", "overlap", "background")
 
@@ -136,7 +138,7 @@ def object_edge_attribution(
     batch_size: int = 16,
 ) -> xr.Dataset:
     """Every object's edges to every receiver, by EAP (``method="eap"``) or EAP-IG (``"eap-ig"``,
-    ``steps`` points, default the registry's), against the scene's background (see the module
+    ``steps`` points, default `IG_STEPS`), against the scene's background (see the module
     docstring): ``score`` over (``scene``, ``object``: the index into ``sample.scene.objects``, NaN
     beyond a scene's own objects; ``receiver``: `countlens.circuits.edges`' labels, with ``layer`` and
     ``part`` coordinates) and ``tokens`` (each span's size); per scene and receiver ``objects``,
@@ -145,9 +147,9 @@ def object_edge_attribution(
     checked, and a model whose edges are undefined refused, before any forward."""
     what = "object_edge_attribution"
     steps, _, pairs, chunks = check_request(
-        vlm, samples, method, steps, coverage, batch_size, "embed", what, METHODS, peak=peak
+        vlm, samples, method, steps, coverage, batch_size, "embed", what, EDGE_VARIANTS, peak=peak, refusal=edge_refusal
     )
-    graph = edge_graph(vlm)  # the registry's refusal above has built it once already
+    graph = edge_graph(vlm)  # the refusal above has built it once already
     n, width, n_r = len(pairs), max(len(p.clean.scene.objects) for p in pairs), len(graph.receivers)
     score = np.full((n, width, n_r), np.nan)
     tokens = np.zeros((n, width), dtype=np.int64)

@@ -14,7 +14,7 @@ The attributed site is x, the **input of a decoder layer**: ``site="embed"`` the
 residual stream after layer l (the input of layer l + 1; l < n_layers − 1). Per token t,
 
 - **AtP**: a_t = (x_clean,t − x_ref,t) · ∂m/∂x_t at the clean input (one backward per chunk of scenes);
-- **EAP-IG** (integrated gradients, the registry's `IG_STEPS` by default): a_t = (x_clean,t − x_ref,t) ·
+- **EAP-IG** (integrated gradients, `countlens.circuits.integrated.IG_STEPS` by default): a_t = (x_clean,t − x_ref,t) ·
   (1/s) Σ_{k=1..s} ∂m/∂x_t at x_ref + (k/s)(x_clean − x_ref), the whole input interpolated at once
   (right-endpoint Riemann sum; ``s`` backwards per chunk).
 
@@ -48,7 +48,7 @@ the logits included) equal its score here, AtP's for EAP and EAP-IG's at the sam
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from numbers import Integral
 from typing import TYPE_CHECKING
@@ -59,8 +59,7 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.methods import IG_STEPS
-from countlens.circuits.methods import method as registry_method
+from countlens.circuits.integrated import IG_STEPS
 from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
 from countlens.circuits.positions import Objects
 from countlens.circuits.recorder import require_local
@@ -74,8 +73,10 @@ from countlens.validate import require_choice, require_count, require_sequence, 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM, Batch
 
-#: The methods and the registry entry (`countlens.circuits.methods.METHODS`) each one is.
-METHODS: dict[str, str] = {"atp": "AtP", "eap-ig": "EAP-IG"}
+#: `object_attribution`'s ``method`` values: AtP (one gradient, the clean input's) and EAP-IG (integrated);
+#: every family runs both. The registry's `countlens.circuits.methods.OBJECT_RANKERS` name the method each
+#: applies per object (this module sits below the registry and does not import it).
+OBJECT_VARIANTS: tuple[str, ...] = ("atp", "eap-ig")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,18 +183,19 @@ def check_request(
     batch_size,
     site,
     what: str,
-    methods: dict = METHODS,
+    variants: tuple[str, ...] = OBJECT_VARIANTS,
     peak: bool = True,
+    refusal: Callable[[VLM], str | None] | None = None,
 ):
     """Every argument checked, and the scenes prepared against their references, before any forward:
-    (steps, the input layer, the pairs, their prepared chunks). ``methods``: the names ``what`` takes and
-    the registry entry each is (whose refusal of the model is reused); every one but "eap-ig" takes
-    one gradient."""
+    (steps, the input layer, the pairs, their prepared chunks). ``variants``: the ``method`` values
+    ``what`` takes, every one but "eap-ig" one gradient; ``refusal``: why the model cannot run them
+    (None: it can), as the registry's method has it (`countlens.circuits.edges.refusal` for edges)."""
     require_vlm(vlm, what)
-    require_choice(method_name, f"{what} method", tuple(methods))
-    why = registry_method(methods[method_name]).refusal(vlm)
+    require_choice(method_name, f"{what} method", variants)
+    why = None if refusal is None else refusal(vlm)
     if why is not None:
-        raise InputError(f"{what}: {methods[method_name]} does not run on {vlm.name}: {why}")
+        raise InputError(f"{what}: method={method_name!r} does not run on {vlm.name}: {why}")
     require_local(vlm, what)
     if vlm.arch.spec.cross_attention is not None:
         raise InputError(
@@ -202,7 +204,7 @@ def check_request(
         )
     if method_name != "eap-ig" and steps not in (None, 1):
         raise InputError(
-            f"{what}: {methods[method_name]} takes one gradient, the clean input's; steps={steps!r} is "
+            f"{what}: method={method_name!r} takes one gradient, the clean input's; steps={steps!r} is "
             "EAP-IG's (method='eap-ig')"
         )
     steps = 1 if method_name != "eap-ig" else IG_STEPS if steps is None else require_count(steps, "steps")
@@ -244,7 +246,7 @@ def object_attribution(
     peak: bool = True,
 ) -> xr.Dataset:
     """Every object of every scene scored by AtP (``method="atp"``) or EAP-IG (``"eap-ig"``, ``steps``
-    points, default the registry's) against the scene's background (see the module docstring):
+    points, default `IG_STEPS`) against the scene's background (see the module docstring):
     ``score`` over (``scene``, ``object``: the index into ``sample.scene.objects``; NaN beyond a scene's
     own objects) with ``tokens`` (each span's size); per scene ``objects`` (the spans' union), ``overlap``,
     ``background``, ``text``, ``image_total`` = m(clean) − m(reference), ``clean_metric``,

@@ -143,15 +143,13 @@ def test_refusals_come_before_any_forward(loaded, monkeypatch):
         object_attribution(vlm, [dataclasses.replace(samples[0], answer="many")])
 
 
-def test_a_method_the_family_refuses_is_refused(loaded, monkeypatch):
+def test_a_method_the_family_refuses_is_refused(loaded):
     vlm = loaded("toy")
-
-    class Refusing:
-        refusal = staticmethod(lambda vlm: "no gradients here")
-
-    monkeypatch.setattr(oa, "registry_method", lambda name: Refusing)
-    with pytest.raises(InputError, match="AtP does not run on .*no gradients here"):
-        object_attribution(vlm, _scenes(vlm, 1, cases=("1A",)))
+    scenes = _scenes(vlm, 1, cases=("1A",))
+    with pytest.raises(InputError, match="method='atp' does not run on .*no gradients here"):
+        oa.check_request(
+            vlm, scenes, "atp", None, 0.25, 16, "embed", "object_attribution", refusal=lambda vlm: "no gradients here"
+        )
 
 
 # Edge attribution by object span (`countlens.circuits.object_edges`): object → receiver.
@@ -297,9 +295,6 @@ def test_object_edge_refusals_come_before_any_forward(loaded, monkeypatch):
     with pytest.raises(InputError, match="exactly once"):
         object_edge_attribution(vlm, [dataclasses.replace(samples[0], answer="many")])
 
-    class Refusing:
-        refusal = staticmethod(lambda vlm: "a norm after attention")
-
-    monkeypatch.setattr(oa, "registry_method", lambda name: Refusing)
-    with pytest.raises(InputError, match=r"EAP \(edges\) does not run on .*a norm after attention"):
+    monkeypatch.setattr(oe, "edge_refusal", lambda vlm: "a norm after attention")
+    with pytest.raises(InputError, match="method='eap' does not run on .*a norm after attention"):
         object_edge_attribution(vlm, samples)
