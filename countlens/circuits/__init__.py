@@ -28,7 +28,7 @@ from countlens.circuits.object_effects import object_effects
 from countlens.circuits.object_gradients import object_attribution
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
 from countlens.circuits.positions import Cells, Group, Mask, Objects
-from countlens.circuits.recorder import mean_activation, record
+from countlens.circuits.engine.record import mean_activation, record
 from countlens.circuits.run import effect, intervene, mean_difference
 from countlens.circuits.sites import Expert, HeadZ, ImageStates, K, MlpIn, MlpOut, Q, Residual, V
 from countlens.circuits.taps import tap

@@ -176,7 +176,7 @@ class Resample(Intervention):
         require_seed(self.seed)
 
     def resolved(self, vlm: VLM) -> Resample:
-        from countlens.circuits.recorder import record
+        from countlens.circuits.engine.record import record
 
         recorded = record(vlm, vlm.prepare_samples(self.donors), [self.site])[self.site]
         order = np.random.default_rng(self.seed).permutation(len(self.donors))
@@ -221,7 +221,7 @@ class Mean(Intervention):
     def resolved(self, vlm: VLM) -> Mean:
         if isinstance(self.reference, Tensor):
             return self
-        from countlens.circuits.recorder import mean_activation
+        from countlens.circuits.engine.record import mean_activation
 
         return replace(self, reference=mean_activation(vlm, self.reference, self.site, self.positions))
 

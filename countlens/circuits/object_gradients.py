@@ -62,7 +62,7 @@ from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.integrated import IG_STEPS
 from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
 from countlens.circuits.positions import Objects
-from countlens.circuits.recorder import require_local
+from countlens.circuits.engine.record import require_local
 from countlens.circuits.sites import first_arg, replace_first
 from countlens.datasets.tasks import TaskSample, count_of, without_objects
 from countlens.errors import InputError

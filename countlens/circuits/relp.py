@@ -28,8 +28,6 @@ paper's (text models, IOI).
 
 from __future__ import annotations
 
-import copy
-import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -40,9 +38,11 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.circuits.edits import cache_run
+from countlens.circuits.engine import Hook, hooked, module_of
+from countlens.circuits.engine.freeze import frozen, frozen_ratio
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
-from countlens.circuits.sites import check_group, group_mask, heads_view, mlp_path
+from countlens.circuits.sites import check_group, first_arg, group_mask, heads_view
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 
 #: Families whose layers are RMSNorm, softmax attention and a gated MLP (the rules above).
 SUPPORTED: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
-_ATTENTION = "countlens_relp"
 #: The rewritten forward's logits may differ from the model's own by rounding only (relative to their size).
 REPRODUCES = 1e-4
 
@@ -65,104 +64,54 @@ def refusal(vlm: VLM) -> str | None:
     return None
 
 
-def _frozen_ratio(y: Tensor, x: Tensor) -> Tensor:
-    """x·(y/x) with the ratio detached: y's value, and ∂/∂x the clean ratio (0 where x = 0)."""
-    ratio = torch.where(x == 0, torch.zeros_like(y), y / torch.where(x == 0, torch.ones_like(x), x))
-    return x * ratio.detach()
-
-
 def _half(a: Tensor, b: Tensor) -> Tensor:
     """a ⊙ b whose gradient is half to each factor: 0.5·(b·da + a·db)."""
     return 0.5 * (a * b.detach() + a.detach() * b)
 
 
-def _attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's own attention with q and k detached: the probabilities are constants (AH-rule)."""
-    own = module._countlens_relp
-    if own == "eager":
-        fn = importlib.import_module(type(module).__module__).eager_attention_forward
-    else:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        fn = ALL_ATTENTION_FUNCTIONS[own]
-    return fn(module, query.detach(), key.detach(), value, attention_mask, **kwargs)
-
-
 @contextmanager
 def lrp_rules(vlm: VLM) -> Iterator[None]:
-    """Inside: every forward of ``vlm``'s language model follows the four rules (values unchanged)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    """Inside: every forward of ``vlm``'s language model follows the four rules (values unchanged): the
+    LN- and AH-rules are the engine's `frozen` (norms and attention detached), the MLP's rules hooks here."""
 
-    if _ATTENTION not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS.register(_ATTENTION, _attention)
-    arch, model = vlm.arch, vlm.hf
-    handles, swapped = [], []
-
-    def norm_hook(module, args, out):
-        return _frozen_ratio(out, args[0].to(out.dtype))
-
-    def mlp_hook(module, args, out):
-        x = args[0]
+    def mlp_hook(module, args, kwargs, out):
+        x = first_arg(args, kwargs)
         g = module.gate_proj(x)
-        a = _frozen_ratio(module.act_fn(g), g)
+        a = frozen_ratio(module.act_fn(g), g)
         return module.down_proj(_half(a, module.up_proj(x)))
 
-    try:
-        norms = [arch.spec.final_norm]
-        for layer in range(arch.n_layers):
-            base = arch.layer(layer)
-            norms += [f"{base}.input_layernorm", f"{base}.post_attention_layernorm"]
-            mlp = model.get_submodule(mlp_path(vlm, layer))
-            if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-                raise InputError(f"layer {layer}'s MLP of {vlm.name} is not a gated MLP: RelP's half-rule needs one")
-            handles.append(mlp.register_forward_hook(mlp_hook))
-            attn = model.get_submodule(arch.attention(layer))
-            own = copy.copy(attn.config)
-            own._attn_implementation = _ATTENTION
-            attn._countlens_relp = attn.config._attn_implementation
-            swapped.append((attn, attn.config))
-            attn.config = own
-        handles += [model.get_submodule(path).register_forward_hook(norm_hook) for path in norms]
+    arch = vlm.arch
+    for layer in range(arch.n_layers):
+        if not all(
+            hasattr(module_of(vlm.hf, arch.mlp(layer)), p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")
+        ):
+            raise InputError(f"layer {layer}'s MLP of {vlm.name} is not a gated MLP: RelP's half-rule needs one")
+    mlps = [Hook(arch.mlp(layer), "after", mlp_hook) for layer in range(arch.n_layers)]
+    with hooked(vlm.hf, mlps), frozen(vlm, norms="detach", attention="detach"):
         yield
-    finally:
-        for h in handles:
-            h.remove()
-        for attn, config in swapped:
-            attn.config = config
-            del attn._countlens_relp
 
 
 def _clean_pass(vlm: VLM, batch: Batch, clean_id: Tensor, corrupt_id: Tensor) -> tuple:
     """The clean run under the rules: LD, and each layer's z and output with their RelP coefficients."""
-    arch, zs, hs, handles = vlm.arch, {}, {}, []
+    arch, zs, hs = vlm.arch, {}, {}
 
     def keep_z(layer):
-        def hook(module, args):
-            z = args[0]
+        def hook(z):
             if not z.requires_grad:
                 z.requires_grad_(True)  # layer 0's z: nothing below it needs a gradient
             zs[layer] = z
 
         return hook
 
-    def keep_h(layer):
-        def hook(module, args, out):
-            hs[layer] = out[0] if isinstance(out, tuple) else out
-
-        return hook
-
-    try:
-        for layer in range(arch.n_layers):
-            handles.append(vlm.hf.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(keep_z(layer)))
-            handles.append(vlm.hf.get_submodule(arch.layer(layer)).register_forward_hook(keep_h(layer)))
-        with activation_gradients_only(vlm.hf), torch.enable_grad(), lrp_rules(vlm):
-            logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
-            ld = logit_diff(logits, clean_id, corrupt_id)
-            layers = list(range(arch.n_layers))
-            grads = torch.autograd.grad(ld.sum(), [zs[i] for i in layers] + [hs[i] for i in layers])
-    finally:
-        for h in handles:
-            h.remove()
+    hooks = [Hook(arch.o_proj(layer), "input", keep_z(layer)) for layer in range(arch.n_layers)]
+    hooks += [
+        Hook(arch.layer(layer), "output", lambda h, la=layer: hs.update({la: h})) for layer in range(arch.n_layers)
+    ]
+    with hooked(vlm.hf, hooks), activation_gradients_only(vlm.hf), torch.enable_grad(), lrp_rules(vlm):
+        logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        ld = logit_diff(logits, clean_id, corrupt_id)
+        layers = list(range(arch.n_layers))
+        grads = torch.autograd.grad(ld.sum(), [zs[i] for i in layers] + [hs[i] for i in layers])
     n = arch.n_layers
     return (
         logits.detach(),

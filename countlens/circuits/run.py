@@ -32,10 +32,11 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.circuits.edits import Edit
+from countlens.circuits.engine.hooks import Hook, hooked
+from countlens.circuits.engine.record import location, mean_activation, record, require_local, rows_seq
 from countlens.circuits.interventions import Intervention, Patch, as_interventions
 from countlens.circuits.pair_batch import PairBatch
 from countlens.circuits.positions import Frame
-from countlens.circuits.recorder import location, mean_activation, record, require_local, rows_seq, tensor_hook
 from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual
 from countlens.circuits.sweep import check_pair_sweep, sweep_pairs
 from countlens.errors import InputError
@@ -116,15 +117,10 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
 
         return act
 
-    handles = [vlm.hf.register_forward_pre_hook(frame_of, with_kwargs=True)]
-    try:
-        for item in items:
-            loc = location(vlm, item.site)
-            handles.append(tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, action(item, loc)))
+    hooks = [Hook("", "before", frame_of)]
+    hooks += [Hook((loc := location(vlm, item.site)).path, loc.io, action(item, loc)) for item in items]
+    with hooked(vlm.hf, hooks):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _donor(item: Intervention, frame: Frame, b: Tensor, s: Tensor, rows: Tensor | None = None) -> Tensor:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.engine import Hook, hooked
 from countlens.errors import InputError
 from countlens.validate import require_count, require_integer, require_tensor
 
@@ -105,7 +106,6 @@ def collect_activations(
     """Each layer's MLP input and output at the real tokens of ``samples`` (scenes, through
     `VLM.prepare_samples`) and ``texts`` (plain prompts, no image), via forward hooks on the MLPs;
     ``layers`` None: every layer."""
-    from countlens.circuits.sites.engine import mlp_path
     from countlens.model.arguments import require_layers, require_vlm
     from countlens.model.processors import render_chat
     from countlens.model.vlm import check_samples
@@ -136,12 +136,8 @@ def collect_activations(
 
         return record
 
-    handles = [
-        vlm.hf.get_submodule(mlp_path(vlm, layer)).register_forward_hook(hook(layer), with_kwargs=True)
-        for layer in layers
-    ]
     kinds: list[str] = []
-    try:
+    with hooked(vlm.hf, [Hook(vlm.arch.mlp(layer), "after", hook(layer)) for layer in layers]):
         for chunk, batch in vlm.batches(list(samples), batch_size):
             mask.append(batch.inputs["attention_mask"].bool())
             vlm.hf(**batch.inputs)
@@ -156,9 +152,6 @@ def collect_activations(
             mask.append(enc["attention_mask"].bool())
             vlm.hf(input_ids=enc["input_ids"].to(vlm.device), attention_mask=enc["attention_mask"].to(vlm.device))
             kinds += ["text"] * int(mask[-1].sum())
-    finally:
-        for h in handles:
-            h.remove()
     return Activations(
         {layer: torch.cat(v) for layer, v in got_in.items()},
         {layer: torch.cat(v) for layer, v in got_out.items()},

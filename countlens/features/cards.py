@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.engine import Hook, hooked
+from countlens.circuits.sites import first_arg, first_output
 from countlens.errors import InputError
 from countlens.labels import feature_keys, feature_label
 from countlens.validate import require_count, require_dataset, require_path
@@ -69,19 +71,12 @@ def _check(vlm, transcoders, samples, features, top) -> list[tuple[int, int]]:
 @torch.no_grad()
 def _activations(vlm, transcoders, batch, layers) -> dict[int, torch.Tensor]:
     """Per layer, the transcoder's activations (B, T, features) on ``batch``'s MLP inputs."""
-    from countlens.circuits.sites import mlp_path
-
     seen: dict[int, torch.Tensor] = {}
-    hooks = []
-    for layer in layers:
-        module = vlm.hf.get_submodule(mlp_path(vlm, layer))
-        hooks.append(module.register_forward_hook(lambda m, a, o, layer=layer: seen.__setitem__(layer, a[0].detach())))
-    try:
-        with torch.no_grad():
-            vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
-    finally:
-        for h in hooks:
-            h.remove()
+    hooks = [
+        Hook(vlm.arch.mlp(layer), "input", lambda x, layer=layer: seen.update({layer: x.detach()})) for layer in layers
+    ]
+    with hooked(vlm.hf, hooks), torch.no_grad():
+        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
     tc = {layer: transcoders.layer(layer) for layer in layers}
     return {layer: tc[layer].encode(seen[layer].to(tc[layer].dtype)).float() for layer in layers}
 
@@ -89,23 +84,17 @@ def _activations(vlm, transcoders, batch, layers) -> dict[int, torch.Tensor]:
 @torch.no_grad()
 def _ablated_logprob(vlm, transcoders, batch, layer: int, f: int) -> torch.Tensor:
     """(B,) the answer token's log-probability with feature f's write removed from layer's MLP output."""
-    from countlens.circuits.sites import first_output, mlp_path
-
     tc = transcoders.layer(layer)
 
-    def hook(_m, args, out):
+    def hook(_m, args, kwargs, out):
         y = first_output(out)
-        x = args[0].to(tc.dtype)
+        x = first_arg(args, kwargs).to(tc.dtype)
         write = tc.encode(x)[..., f : f + 1] * tc.W_dec[f]
         y = y - write.to(y.dtype)
         return (y, *out[1:]) if isinstance(out, tuple) else y
 
-    handle = vlm.hf.get_submodule(mlp_path(vlm, layer)).register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            logits = vlm.hf(**batch.inputs, use_cache=False).logits
-    finally:
-        handle.remove()
+    with hooked(vlm.hf, [Hook(vlm.arch.mlp(layer), "after", hook)]), torch.no_grad():
+        logits = vlm.hf(**batch.inputs, use_cache=False).logits
     rows = torch.arange(len(batch))
     return logits[rows, batch.last].float().log_softmax(-1)[rows, batch.answer_token]
 

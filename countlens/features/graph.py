@@ -50,6 +50,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from countlens.circuits.engine import Hook, hooked, module_of
+from countlens.circuits.engine.freeze import Clamp, frozen
+from countlens.circuits.sites import first_arg
 from countlens.errors import InputError
 from countlens.features.influence import feature_order
 from countlens.features.replacement import check_graphable
@@ -180,19 +183,7 @@ class LocalReplacement:
         self.vlm, self.transcoders, self.sample, arch, hf = vlm, transcoders, sample, vlm.arch, vlm.hf
         self.n_layers, self._batches = arch.n_layers, {}
         self.batch = self.prepared(1)
-        self._layer0 = hf.get_submodule(arch.layer(0))
-        self._qk = [
-            hf.get_submodule(f"{arch.layer(i)}.{p}")
-            for i in range(self.n_layers)
-            for p in (arch.spec.q_proj, arch.spec.k_proj)
-        ]
-        self._norms = [m for i in range(self.n_layers) for m in _norms(hf.get_submodule(arch.layer(i)))]
-        self._final = hf.get_submodule(arch.spec.final_norm)
-        self._norms.append(self._final)
-        from countlens.circuits.sites.engine import mlp_path
-
-        self._mlps = [hf.get_submodule(mlp_path(vlm, i)) for i in range(self.n_layers)]
-        self.unembed = hf.get_submodule(arch.spec.lm_head).weight.detach()
+        self.unembed = module_of(hf, arch.lm_head).weight.detach()
         self._record()
 
     def prepared(self, rows: int) -> Batch:
@@ -203,45 +194,20 @@ class LocalReplacement:
 
     @torch.no_grad()
     def _record(self) -> None:
-        qk, norm_in, mlp_in, mlp_out, embed = {}, {}, {}, {}, {}
+        arch, mlp_in, mlp_out, embed = self.vlm.arch, {}, {}, {}
 
-        def keep(store, i, value):
-            store[i] = value
-
-        handles = [
-            self._layer0.register_forward_pre_hook(lambda m, a, k: keep(embed, 0, _hidden(a, k)), with_kwargs=True)
-        ]
-        handles += [
-            m.register_forward_hook(lambda m, a, o, i=i: keep(qk, i, o.detach())) for i, m in enumerate(self._qk)
-        ]
-        handles += [
-            m.register_forward_hook(lambda m, a, o, i=i: keep(norm_in, i, (a[0], o))) for i, m in enumerate(self._norms)
-        ]
-        for i, m in enumerate(self._mlps):
-            handles.append(
-                m.register_forward_hook(
-                    lambda m, a, k, o, i=i: keep(mlp_in, i, _hidden(a, k)) or keep(mlp_out, i, o), with_kwargs=True
-                )
+        def keep_mlp(layer):
+            return lambda m, args, kwargs, out: (
+                mlp_in.update({layer: first_arg(args, kwargs)}) or mlp_out.update({layer: out})
             )
-        try:
+
+        self.clamp = Clamp()
+        hooks = [*self.clamp.hooks(self.vlm), Hook(arch.layer(0), "input", lambda x: embed.update({0: x}))]
+        hooks += [Hook(arch.mlp(layer), "after", keep_mlp(layer)) for layer in range(self.n_layers)]
+        with hooked(self.vlm.hf, hooks):
             out = self.vlm.hf(**self.batch.inputs, use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
         self.embed = embed[0].detach()
-        self._qk_clean = [qk[i] for i in range(len(self._qk))]
-        self._scales = []
-        for module, (x, o) in zip(self._norms, [norm_in[i] for i in range(len(self._norms))]):
-            eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-            if eps is None or getattr(module, "weight", None) is None:
-                raise InputError(f"{type(module).__name__} is no RMSNorm with a weight: countlens cannot freeze it")
-            s = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
-            if not torch.allclose(module.weight * (x * s), o, rtol=1e-4, atol=1e-5):
-                raise InputError(
-                    f"{type(module).__name__} is not weight · x / rms(x): attribution graphs freeze RMSNorm "
-                    "models (as the organism, Qwen2-VL) only"
-                )
-            self._scales.append(s)
+        self.clamp.close(self.vlm)
         self.x, self.y, self.pre, self.act, self.error, self.writes = {}, {}, {}, {}, {}, {}
         for layer, tc in self.transcoders.items():
             x, y = mlp_in[layer].to(tc.dtype), mlp_out[layer].to(tc.dtype)
@@ -254,45 +220,27 @@ class LocalReplacement:
 
     @contextmanager
     def _hooks(self, embed: torch.Tensor, writes: dict[int, torch.Tensor], got: dict) -> Iterator[None]:
-        rows = embed.shape[0]
-
-        def embed_hook(module, args, kwargs):
-            if args:
-                return (embed, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": embed}
-
-        def const(value):
-            return lambda m, a, o: value.expand(rows, *value.shape[1:])
-
-        def norm(scale, final):
-            def hook(m, a, o):
-                out = m.weight * (a[0] * scale)
-                if final:
-                    got["final"] = out
-                return out
-
-            return hook
+        """The frozen model (the clean run's norm scales and attention, `countlens.circuits.engine.frozen`)
+        on ``embed``, each MLP writing ``writes`` plus its skip path; the final norm's output and the MLP
+        inputs kept in ``got``."""
+        arch = self.vlm.arch
 
         def mlp(layer):
             tc = self.transcoders.layer(layer)
 
-            def hook(m, a, k, o):
-                x = _hidden(a, k)
+            def hook(m, args, kwargs, out):
+                x = first_arg(args, kwargs)
                 got.setdefault("mlp_in", {})[layer] = x
                 skip = x.to(tc.dtype) @ tc.W_skip.T if tc.W_skip is not None else 0
-                return (writes[layer] + skip).to(o.dtype)
+                return (writes[layer] + skip).to(out.dtype)
 
             return hook
 
-        handles = [self._layer0.register_forward_pre_hook(embed_hook, with_kwargs=True)]
-        handles += [m.register_forward_hook(const(v)) for m, v in zip(self._qk, self._qk_clean)]
-        handles += [m.register_forward_hook(norm(s, m is self._final)) for m, s in zip(self._norms, self._scales)]
-        handles += [m.register_forward_hook(mlp(i), with_kwargs=True) for i, m in enumerate(self._mlps)]
-        try:
+        hooks = [Hook(arch.layer(0), "input", lambda x: embed)]
+        hooks += [Hook(arch.mlp(layer), "after", mlp(layer)) for layer in range(self.n_layers)]
+        hooks.append(Hook(arch.final_norm, "output", lambda y: got.update(final=y)))  # after frozen's own hook
+        with frozen(self.vlm, norms=self.clamp, attention=self.clamp), hooked(self.vlm.hf, hooks):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def run(self, embed: torch.Tensor | None = None, writes: dict[int, torch.Tensor] | None = None) -> dict:
         """The frozen model on ``embed`` (rows, seq, d_model; default the clean one) and ``writes`` (per
@@ -471,15 +419,6 @@ def attribution_graph(
         keep[:n_f] = visited
         graph = graph.select(keep)
     return graph
-
-
-def _hidden(args, kwargs) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"] if "hidden_states" in kwargs else next(iter(kwargs.values()))
-
-
-def _norms(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    """A decoder layer's own norms (direct children whose class names say Norm)."""
-    return [m for _, m in layer.named_children() if "norm" in type(m).__name__.lower()]
 
 
 def token_positions(batch: Batch, sample, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.engine import Hook, hooked
 from countlens.errors import InputError
 from countlens.labels import head_keys
 from countlens.validate import require_count
@@ -197,24 +198,14 @@ def _record_z(
 ) -> tuple[list[float], dict[int, torch.Tensor]]:
     """The clean and the image-blind rows (image embeddings zeroed): their target values and their z
     at every layer's o_proj, (2, seq, width)."""
-    arch, hf = lr.vlm.arch, lr.vlm.hf
+    arch = lr.vlm.arch
     z: dict[int, torch.Tensor] = {}
-
-    def keep(layer):
-        def hook(m, args, kwargs):
-            z[layer] = _first(args, kwargs).detach().clone()
-
-        return hook
-
-    handles = [
-        hf.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(keep(layer), with_kwargs=True)
-        for layer in range(arch.n_layers)
+    keep = [
+        Hook(arch.o_proj(la), "input", lambda t, la=la: z.update({la: t.detach().clone()}))
+        for la in range(arch.n_layers)
     ]
-    try:
+    with hooked(lr.vlm.hf, keep):
         got = lr.run(_embeds(lr, [False, True], image_pos))
-    finally:
-        for h in handles:
-            h.remove()
     direction = lr.demeaned(torch.tensor([target]))[0]
     return (got["final"][:, -1].float() @ direction).tolist(), z
 
@@ -231,9 +222,9 @@ def _embeds(lr: LocalReplacement, blind: list[bool], image_pos: torch.Tensor) ->
 def _head_hooks(lr: LocalReplacement, rows: list[_Row], z_clean: dict[int, torch.Tensor] | None) -> Iterator[None]:
     """Forward pre-hooks on every o_proj: per row, zero its removed heads' slices of z and, for a
     frozen row, hold every other head's z at the clean run's (of the row's image setting)."""
-    arch, hf = lr.vlm.arch, lr.vlm.hf
+    arch = lr.vlm.arch
     n = len(rows)
-    handles = []
+    hooks = []
     for layer in range(arch.n_layers):
         n_heads, d_head = arch.heads(layer), arch.head_dim(layer)
         keep = torch.ones(n, n_heads)
@@ -244,22 +235,17 @@ def _head_hooks(lr: LocalReplacement, rows: list[_Row], z_clean: dict[int, torch
         frozen = torch.tensor([row.frozen for row in rows])
         source = torch.tensor([int(row.image) for row in rows])
 
-        def hook(m, args, kwargs, keep=keep, frozen=frozen, source=source, layer=layer, n_heads=n_heads, d=d_head):
-            z = _first(args, kwargs)
+        def hook(z, keep=keep, frozen=frozen, source=source, layer=layer, n_heads=n_heads, d=d_head):
             zv = z.view(*z.shape[:-1], n_heads, d)
             if frozen.any():
                 clean = z_clean[layer][source].view_as(zv)
                 zv = torch.where(frozen.view(-1, 1, 1, 1).to(z.device), clean.to(zv.dtype), zv)
             zv = zv * keep.to(z.device, z.dtype).view(n, 1, n_heads, 1)
-            new = zv.reshape(z.shape)
-            return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+            return zv.reshape(z.shape)
 
-        handles.append(hf.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(hook, with_kwargs=True))
-    try:
+        hooks.append(Hook(arch.o_proj(layer), "input", hook))
+    with hooked(lr.vlm.hf, hooks):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _values(
@@ -279,7 +265,3 @@ def _values(
             got = lr.run(_embeds(lr, [row.image for row in chunk], image_pos))
         out += (got["final"][:, -1].float() @ direction).tolist()
     return out
-
-
-def _first(args, kwargs) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"] if "hidden_states" in kwargs else next(iter(kwargs.values()))

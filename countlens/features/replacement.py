@@ -9,7 +9,7 @@ the features alone carry. Attention, norms and embeddings stay the model's own; 
 ``x`` is whatever the (already replaced) layers below produce, so errors compound with depth.
 
 `replacement` installs the swap as forward hooks on the MLP modules
-(`countlens.circuits.sites.engine.mlp_path`) for the duration of a ``with`` block; any forward inside
+(the family spec's MLP, `countlens.model.arch.Arch.mlp`) for the duration of a ``with`` block; any forward inside
 it — `VLM.forward`, scoring, generation — runs the replacement model.
 `replacement_accuracy` scores counting samples with countlens's own scoring
 (`countlens.analysis.evaluate.score`) on the original and on the replacement model, side by side.
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.engine import Hook, hooked
 from countlens.errors import InputError
 from countlens.features.transcoder import Transcoder, TranscoderSet
 
@@ -62,21 +63,13 @@ def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
     """``with replacement(vlm, transcoders): …`` — inside, each covered layer's MLP output is its
     transcoder's reconstruction (error terms dropped); the hooks go when the block ends, whatever
     happens in it. Yields ``vlm``."""
-    from countlens.circuits.sites.engine import mlp_path
     from countlens.model.arguments import require_vlm
 
     require_vlm(vlm, "replacement")
     check_fits(vlm, transcoders, "replacement")
-    handles = []
-    try:
-        for layer, tc in transcoders.items():
-            module = vlm.hf.get_submodule(mlp_path(vlm, layer))
-            handles.append(module.register_forward_hook(_swap(tc), with_kwargs=True))
-        with torch.no_grad():
-            yield vlm
-    finally:
-        for h in handles:
-            h.remove()
+    swaps = [Hook(vlm.arch.mlp(layer), "after", _swap(tc)) for layer, tc in transcoders.items()]
+    with hooked(vlm.hf, swaps), torch.no_grad():
+        yield vlm
 
 
 def check_graphable(vlm: VLM, transcoders: TranscoderSet, sample, what: str) -> None:

@@ -28,7 +28,7 @@ One transcoder per layer makes a `TranscoderSet`; all share ``d_transcoder``. It
 ``feature_input_hook`` (``mlp.hook_in``) and ``feature_output_hook`` (``mlp.hook_out``) name where
 the features read and write in circuit-tracer's (TransformerLens) terms; in a Hugging Face model they
 are the input and the output of the decoder layer's ``mlp`` module
-(`countlens.circuits.sites.engine.mlp_path`).
+(the family spec's MLP, `countlens.model.arch.Arch.mlp`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.errors import InputError
 from countlens.model.arch import text_config
 
@@ -33,24 +34,21 @@ def attention_at(vlm: VLM, layers: Sequence[int]) -> Iterator[dict[int, object]]
     text = text_config(vlm.hf.config, arch.spec)
     fast = text._attn_implementation
     captured: dict[int, object] = {}
-    handles, swapped = [], []
+    hooks, swapped = [], []
     vlm.hf.set_attn_implementation({arch.spec.text_config: "eager"})
     try:
         for layer in arch.softmax_layers:  # a linear-attention layer (Qwen3.5) has no probabilities to keep
-            attn = vlm.hf.get_submodule(arch.attention(layer))
             if layer in layers:
-                handles.append(
-                    attn.register_forward_hook(lambda m, args, out, layer=layer: captured.__setitem__(layer, out[1]))
-                )
+                hooks.append(Hook(arch.attention(layer), "weights", lambda w, layer=layer: captured.update({layer: w})))
             elif fast == "sdpa":  # SDPA takes eager's additive masks; flash attention does not
+                attn = module_of(vlm.hf, arch.attention(layer))
                 own = copy.copy(attn.config)
                 own._attn_implementation = fast
                 swapped.append((attn, attn.config))
                 attn.config = own
-        yield captured
+        with hooked(vlm.hf, hooks):
+            yield captured
     finally:
-        for h in handles:
-            h.remove()
         for attn, config in swapped:
             attn.config = config
         vlm.hf.set_attn_implementation({arch.spec.text_config: fast})

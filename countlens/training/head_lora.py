@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from countlens.circuits.engine import on_gradient
 from countlens.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def _keep(param: torch.nn.Parameter, mask: torch.Tensor) -> None:
     mask = mask.to(param.device, param.dtype)
     with torch.no_grad():
         param.mul_(mask)
-    param.register_hook(lambda grad: grad * mask)
+    on_gradient(param, lambda grad: grad * mask)
 
 
 def _layer_of(name: str, layers: str) -> int | None:

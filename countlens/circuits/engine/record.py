@@ -1,14 +1,15 @@
-"""Recording sites: any set of sites read in one forward, through plain torch hooks.
+"""Recording sites: any set of sites read in one forward, through the engine's torch hooks.
 
 `record` returns each site's value over a prepared batch, Float[Tensor, "batch seq d"]; `mean_activation`
 averages one site over samples' tokens at chosen positions (a `countlens.circuits.Mean` reference, half
-of a steering vector). The hooks here are also what `countlens.circuits.intervene` writes through:
-each site's `countlens.circuits.sites.Location` (a module, its input or output, the site's view).
+of a steering vector). `location` is where a site is read and written by a torch hook: its
+`countlens.circuits.sites.Location` (a module, its input or output, the site's view), after the site
+is checked against the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -16,15 +17,13 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.attention import eager_attention
+from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.positions import Frame, as_positions, with_samples
 from countlens.circuits.sites import (
     Expert,
     ImageStates,
     Location,
     check_site,
-    first_arg,
-    first_output,
-    replace_first,
 )
 from countlens.errors import InputError
 from countlens.model.arguments import require_batch, require_vlm
@@ -35,28 +34,6 @@ if TYPE_CHECKING:
 
     from countlens.circuits.sites import Site
     from countlens.model.vlm import VLM, Batch
-
-
-def tensor_hook(module: torch.nn.Module, io: str, action: Callable[[Tensor], Tensor | None]):
-    """A torch hook calling ``action`` on the module's first input or output tensor (or an attention
-    module's weights, read only); a tensor it returns replaces that one."""
-    if io == "weights":
-        return module.register_forward_hook(lambda mod, args, out: action(out[1]) and None)
-    if io == "output":
-
-        def post(mod, args, out):
-            new = action(first_output(out))
-            if new is None:
-                return None
-            return (new, *out[1:]) if isinstance(out, tuple) else new
-
-        return module.register_forward_hook(post)
-
-    def pre(mod, args, kwargs):
-        new = action(first_arg(args, kwargs))
-        return None if new is None else replace_first(args, kwargs, new)
-
-    return module.register_forward_pre_hook(pre, with_kwargs=True)
 
 
 def rows_seq(t: Tensor, frame: Frame) -> Tensor:
@@ -101,7 +78,6 @@ def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
     locations = {site: location(vlm, site) for site in dict.fromkeys(sites)}
     frame = Frame.of(batch)
     got: dict = {}
-    handles = []
 
     def keeper(site, loc):
         def keep(t):
@@ -110,14 +86,9 @@ def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
         return keep
 
     patterns = any(loc.io == "weights" for loc in locations.values())
-    try:
-        for site, loc in locations.items():
-            handles.append(tensor_hook(vlm.hf.get_submodule(loc.path), loc.io, keeper(site, loc)))
-        with eager_attention(vlm) if patterns else nullcontext():
-            vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
-    finally:
-        for h in handles:
-            h.remove()
+    hooks = [Hook(loc.path, loc.io, keeper(site, loc)) for site, loc in locations.items()]
+    with hooked(vlm.hf, hooks), eager_attention(vlm) if patterns else nullcontext():
+        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
     if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
         for values in got.values():
             with_samples(values, batch.samples)
