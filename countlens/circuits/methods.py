@@ -318,15 +318,15 @@ def discover_methods(vlm: VLM | None = None, names: Sequence[str] = ()) -> list[
 def check_discover_names(names: Sequence[str], error: type[Exception] = InputError) -> tuple[str, ...]:
     """``names`` as a tuple when each is a method discover ranks with, named once, else ``error`` naming
     the known ones."""
-    known = [m.name for m in METHODS if m.in_discover]
+    known = ", ".join(m.name for m in METHODS if m.in_discover)
     if isinstance(names, str) or not isinstance(names, (tuple, list)):
         raise error(f"methods={names!r}: give a tuple of method names, some of {known}")
     for name in names:
-        if name not in known:
-            others = [m.name for m in METHODS if not m.in_discover]
-            why = " (it is registered, but discover does not rank with it)" if name in others else ""
+        if name not in [m.name for m in METHODS if m.in_discover]:
+            registered = name in [m.name for m in METHODS]
+            why = " (it is registered, but discover does not rank with it)" if registered else ""
             raise error(
-                f"methods: {name!r} is no method discover ranks with{why}; give some of {', '.join(known)} "
+                f"methods: {name!r} is no method discover ranks with{why}; give some of {known} "
                 "(`countlens methods` lists every method)"
             )
     if len(set(names)) != len(names):

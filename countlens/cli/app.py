@@ -9,8 +9,9 @@ countlens …``, the command, the exception) and exit status 70, with the traceb
 --debug …`` (or ``COUNTLENS_DEBUG=1``); Ctrl-C ends with one line saying whether a rerun resumes,
 exit status 130.
 
-The commands live one group to a module (`countlens.cli.model`, `discover`, `report`, `compare`,
-`finetune`, `data`, `toy`, `features`); this module only names them, in the order ``countlens --help`` lists them.
+The commands live one group to a module (`countlens.cli.model`, `discover`, `methods`, `report`,
+`compare`, `finetune`, `data`, `toy`, `features`); this module only names them, in the order
+``countlens --help`` lists them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from countlens.cli.data import data_countingtricks
 from countlens.cli.discover import discover_cmd, plan_cmd
 from countlens.cli.features import features_graph, features_plan, features_train
 from countlens.cli.finetune import finetune_cmd
+from countlens.cli.methods import methods_cmd
 from countlens.cli.model import check_cmd, eval_cmd
 from countlens.cli.report import classify_cmd, report_cmd
 from countlens.cli.toy import toy_plant, toy_train
@@ -161,6 +163,7 @@ app.command("eval")(eval_cmd)
 app.command("discover")(discover_cmd)
 app.command("check")(check_cmd)
 app.command("plan")(plan_cmd)
+app.command("methods")(methods_cmd)
 app.command("classify")(classify_cmd)
 app.command("report")(report_cmd)
 app.command("compare")(compare_cmd)

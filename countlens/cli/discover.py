@@ -57,8 +57,18 @@ Tasks = Annotated[
 ]
 
 
+Methods = Annotated[
+    str | None,
+    typer.Option(
+        help="Comma-separated methods whose head rankings the faithfulness stage evaluates, by their registry "
+        "names (`countlens methods`), e.g. exact,atp_star; default: every method discover ranks with.",
+        show_default=False,
+    ),
+]
+
+
 def tasks_of(tasks: str | None) -> tuple[str, ...] | None:
-    """``--tasks`` as DiscoverConfig's tuple (None: not given); the names are checked there."""
+    """``--tasks`` (or ``--methods``) as DiscoverConfig's tuple (None: not given); the names are checked there."""
     return None if tasks is None else tuple(t.strip() for t in tasks.split(",") if t.strip())
 
 
@@ -78,6 +88,7 @@ def discover_cmd(
     seed: Annotated[int, typer.Option()] = DISCOVER["seed"],
     prompt: Prompt = None,
     tasks: Tasks = None,
+    methods: Methods = None,
     math: Annotated[
         Path | None, typer.Option(help="A local MathVista copy (testmini parquet / JSON) for the math task.")
     ] = None,
@@ -129,6 +140,7 @@ def discover_cmd(
         n_samples=n_samples,
         prompt=prompt,
         tasks=tasks_of(tasks),
+        methods=tasks_of(methods),
         math=None if math is None else str(math.resolve()),  # absolute: a resume from elsewhere reads it
         spatial=None if spatial is None else str(spatial.resolve()),
         evaluate=evaluate,
@@ -171,6 +183,7 @@ def plan_cmd(
     n_samples: NSamples = None,
     prompt: Prompt = None,
     tasks: Tasks = None,
+    methods: Methods = None,
     batch_size: BatchSize = DISCOVER["batch_size"],
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON here.")] = None,
 ) -> None:
@@ -203,6 +216,7 @@ def plan_cmd(
         n_samples=n_samples,
         prompt=prompt,
         tasks=tasks_of(tasks),
+        methods=tasks_of(methods),
     )
     vlm = meta_vlm(model, dtype=dtype, image_size=image_size)
     p = plan.plan(vlm, config, memory=None if memory is None else int(memory * 2**30), device=device)
