@@ -1,5 +1,11 @@
-"""Labels of model sites in results: heads as ``"L3H2"``, experts as ``"L1E0"``, transcoder features
-as ``"L1F17"``, and the largest (layer, head) cells of a result.
+"""Labels of model sites in results, one function per kind, and the largest (layer, head) cells of a result.
+
+Nodes: heads ``"L3H2"`` (`head_label`), experts ``"L1E0"`` (`expert_label`), transcoder features
+``"L1F17"`` (`feature_label`), MLPs ``"MLP1"`` (`mlp_label`; the toy once wrote ``"L1MLP"``, which
+`mlp_key` still reads), inputs ``"IN.image"`` (`input_label`) and the logits (`LOGITS`). Edge
+receivers: a head's query ``"L3H2.q"`` (`query_label`), a key-value head's key or value ``"L0K1.k"`` /
+``"L0K1.v"`` (`kv_label`), an MLP's input ``"MLP1.in"`` (`mlp_in_label`), a whole attention block's
+input ``"L1.attn"`` (`attn_in_label`). Edges: ``"L0H2→MLP1.in"`` (`edge_label`, read by `edge_key`).
 
 A result's ``head`` coordinate is an index, but tables, reports and configuration name a head by its
 label; `head_key` reads either form back (a (layer, head) pair or its label) and refuses anything
@@ -103,6 +109,76 @@ _FEATURE_LABEL = re.compile(r"L(\d+)F(\d+)")
 def feature_label(feature: tuple[int, int]) -> str:
     """The label `countlens.features.feature_cards` gives feature (layer, index): ``"L1F17"``."""
     return f"L{feature[0]}F{feature[1]}"
+
+
+_MLP_LABEL = re.compile(r"MLP(\d+)")
+#: The planted toy's former MLP spelling (``"L1MLP"``), kept in value-route's shipped planted.json: read, never written.
+_OLD_MLP_LABEL = re.compile(r"L(\d+)MLP")
+
+
+def mlp_label(layer: int) -> str:
+    """The label of layer ``layer``'s MLP (its output, a node): ``"MLP1"``."""
+    return f"MLP{layer}"
+
+
+def mlp_key(mlp) -> int:
+    """An MLP's layer from either spelling: a layer index, or its label ``"MLP1"`` (`mlp_label`; the
+    toy's former ``"L1MLP"`` is read too). Anything else is an `InputError` naming both forms."""
+    if isinstance(mlp, str):
+        match = _MLP_LABEL.fullmatch(mlp.strip()) or _OLD_MLP_LABEL.fullmatch(mlp.strip())
+        if match:
+            return int(match[1])
+    elif isinstance(mlp, Integral) and not isinstance(mlp, (bool, np.bool_)) and mlp >= 0:
+        return int(mlp)
+    raise InputError(f"MLP {mlp!r}: give its layer as an integer ≥ 0, e.g. 1, or its label, e.g. 'MLP1'")
+
+
+def query_label(head: tuple[int, int]) -> str:
+    """The label of head (layer, head)'s query, an edge receiver: ``"L3H2.q"``."""
+    return f"{head_label(head)}.q"
+
+
+def kv_label(kv_head: tuple[int, int], part: str) -> str:
+    """The label of key-value head (layer, head)'s key (``part`` "k") or value ("v"), an edge receiver:
+    ``"L0K1.k"``."""
+    if part not in ("k", "v"):
+        raise InputError(f"kv_label: part {part!r}: give 'k' (the key) or 'v' (the value)")
+    return f"L{kv_head[0]}K{kv_head[1]}.{part}"
+
+
+def mlp_in_label(layer: int) -> str:
+    """The label of layer ``layer``'s MLP input, an edge receiver: ``"MLP1.in"``."""
+    return f"{mlp_label(layer)}.in"
+
+
+def attn_in_label(layer: int) -> str:
+    """The label of layer ``layer``'s whole attention input (a fused qkv, a linear layer), an edge
+    receiver: ``"L1.attn"``."""
+    return f"L{layer}.attn"
+
+
+def input_label(part: str) -> str:
+    """The label of an input node, the model's ``part`` ("image" or "text") tokens: ``"IN.image"``."""
+    return f"IN.{part}"
+
+
+#: The label of the logits, the last edge receiver.
+LOGITS = "logits"
+_ARROW = "→"
+
+
+def edge_label(upstream: str, receiver: str) -> str:
+    """The label of the edge from node ``upstream`` into ``receiver`` (each a label): ``"L0H2→MLP1.in"``."""
+    return f"{upstream}{_ARROW}{receiver}"
+
+
+def edge_key(edge) -> tuple[str, str]:
+    """An edge label's (upstream, receiver) labels, e.g. ``("L0H2", "MLP1.in")`` from ``"L0H2→MLP1.in"``;
+    anything else is an `InputError` naming the form."""
+    upstream, arrow, receiver = edge.partition(_ARROW) if isinstance(edge, str) else ("", "", "")
+    if not (arrow and upstream.strip() and receiver.strip()) or _ARROW in receiver:
+        raise InputError(f"edge {edge!r:.60}: write an edge as 'upstream→receiver', e.g. 'L0H2→MLP1.in'")
+    return upstream.strip(), receiver.strip()
 
 
 class Spelling(NamedTuple):

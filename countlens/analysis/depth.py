@@ -38,6 +38,7 @@ import xarray as xr
 
 from countlens.analysis.heads import CLASSES
 from countlens.errors import InputError
+from countlens.labels import head_label
 
 #: The effect a token group must carry to hold the count (half the logit difference).
 LEVEL = 0.5
@@ -142,7 +143,7 @@ def top_heads(table: pd.DataFrame, n_layers: int, k: int = 3, n_bins: int = N_BI
                 {
                     "bin": label,
                     "rank": rank,
-                    "head": f"L{int(h['layer'])}H{int(h['head'])}",
+                    "head": head_label((int(h["layer"]), int(h["head"]))),
                     "layer": int(h["layer"]),
                     "head_index": int(h["head"]),
                     "depth": float(h["depth"]),

@@ -39,6 +39,7 @@ import xarray as xr
 
 from countlens.analysis.attention_metrics import grid_attention
 from countlens.errors import InputError
+from countlens.labels import head_label
 from countlens.model.layouts import TokenCells
 
 ALPHA = 0.55  # the colour map's weight over the image: objects stay visible under the strongest cell
@@ -180,10 +181,10 @@ def sample_map(ds: xr.Dataset, sample: int, layer: int, head: int | None = None,
     else:
         hit = np.flatnonzero((ds.site_layer.values == layer) & (ds.site_head.values == head))
         if not len(hit):
-            stored = [f"L{la}H{h}" for la, h in zip(ds.site_layer.values[:8], ds.site_head.values[:8])]
+            stored = [head_label((la, h)) for la, h in zip(ds.site_layer.values[:8], ds.site_head.values[:8])]
             raise InputError(
-                f"head L{layer}H{head} is not stored ({ds.attrs.get('heads', '')}; e.g. {', '.join(stored)}); "
-                "draw a stored head, or the layer's mean with head=None"
+                f"head {head_label((layer, head))} is not stored ({ds.attrs.get('heads', '')}; e.g. "
+                f"{', '.join(stored)}); draw a stored head, or the layer's mean with head=None"
             )
         weights = s.attention.isel(site=int(hit[0])).values
     n = int(s.n_tokens)
@@ -213,7 +214,7 @@ def _describe(ds: xr.Dataset, sample: int) -> str:
 
 
 def _what(layer: int, head: int | None) -> str:
-    return f"L{layer} mean of heads" if head is None else f"L{layer}H{head}"
+    return f"L{layer} mean of heads" if head is None else head_label((layer, head))
 
 
 def outline_pixels(objects: np.ndarray, scale: int = 1) -> np.ndarray:

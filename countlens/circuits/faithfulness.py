@@ -61,7 +61,7 @@ from countlens.circuits.nodes import (
 from countlens.circuits.pair_batch import logit_diff, prepare_pairs
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
-from countlens.labels import head_label
+from countlens.labels import expert_label, head_label
 from countlens.model.arguments import require_vlm
 from countlens.results import provenance
 from countlens.validate import (
@@ -102,7 +102,7 @@ def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[No
                 f"scores over {scores.dims}: give a DataArray over (layer, head) or (layer, expert), "
                 "or {node label: score}"
             )
-        label = head_label if unit == "head" else lambda le: f"L{le[0]}E{le[1]}"
+        label = head_label if unit == "head" else expert_label
         # NaN: no head there (beyond a layer's own heads, e.g. Qwen3.5's linear layers have more).
         values = {
             label((int(la), int(h))): float(scores.sel({"layer": la, unit: h}))

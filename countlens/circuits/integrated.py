@@ -35,6 +35,7 @@ from countlens.circuits.nodes import Node, image_positions, image_states_path, r
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view, mlp_path
 from countlens.circuits.sweep import check_pair_sweep
+from countlens.labels import head_label, input_label, mlp_label
 from countlens.model.arguments import require_vlm
 from countlens.validate import require_count
 
@@ -157,13 +158,11 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_siz
 
 def node_scores_of(ds: xr.Dataset) -> dict[str, float]:
     """A `node_attribution` result as {node label: score}, every node, for `faithfulness`."""
-    from countlens.labels import head_label
-
-    scores = {f"IN.{g}": float(v) for g, v in zip(ds["input"].values, ds.input_effect.values)}
+    scores = {input_label(str(g)): float(v) for g, v in zip(ds["input"].values, ds.input_effect.values)}
     for layer in ds["layer"].values:
         for head in ds["head"].values:
             value = float(ds.effect.sel(layer=layer, head=head))
             if not np.isnan(value):
                 scores[head_label((int(layer), int(head)))] = value
-        scores[f"MLP{int(layer)}"] = float(ds.mlp_effect.sel(layer=layer))
+        scores[mlp_label(int(layer))] = float(ds.mlp_effect.sel(layer=layer))
     return scores

@@ -40,6 +40,7 @@ from html import escape
 from pathlib import Path
 
 from countlens.errors import InputError
+from countlens.labels import feature_label
 
 #: The most links a page draws; a bigger graph is refused (prune it first).
 MAX_LINKS = 20_000
@@ -201,7 +202,7 @@ def _cards(cards) -> dict:
     out = {}
     for i in range(cards.sizes["card"]):
         c = cards.isel(card=i)
-        name = f"L{int(c.layer)}F{int(c.feature)}"
+        name = feature_label((int(c.layer), int(c.feature)))
         out[name] = {
             "scene": [int(s) for s in c.scene.values.ravel()],
             "max_activation": [_finite(v) for v in c.max_activation.values.ravel()],
@@ -253,7 +254,7 @@ def _page_data(data: dict, cards: dict) -> dict:
     for i, (node, kind) in enumerate(zip(nodes, kinds)):
         fields = _fields(node, kind, tokens)
         m = _FEATURE_ID.fullmatch(node["node_id"])
-        card = f"L{m.group(1)}F{m.group(2)}" if kind == "feature" and m else None
+        card = feature_label((int(m.group(1)), int(m.group(2)))) if kind == "feature" and m else None
         page_nodes.append(
             {
                 "id": node["node_id"],

@@ -10,8 +10,9 @@ tests check it against the model's forward (no edge ablated) and against countle
 **Nodes** (upstream): ``IN.image`` and ``IN.text`` (the input embeddings at image and at text
 positions), each head ``L{l}H{h}`` (its z through its columns of o_proj) and each MLP ``MLP{l}``.
 **Receivers**: each head's query ``L{l}H{h}.q``, each key-value head's key and value ``L{l}K{g}.k`` /
-``.v``, each MLP's input ``MLP{l}.in`` and ``logits`` — the labels of `countlens.circuits.edges`, so an
-edge here is named as countlens's methods name it (``IN.image→L0K1.v``).
+``.v``, each MLP's input ``MLP{l}.in`` and ``logits`` — the labels of `countlens.labels`, which
+`countlens.circuits.edges` writes too, so an edge here is named as countlens's methods name it
+(``IN.image→L0K1.v``).
 
 Ablating u → r gives receiver r the input x_r = x + Σ_{u→r ablated} (a_u − c_u): x the stream as this
 forward computes it, c_u node u's output in this forward, a_u the donor's. The donor's outputs are
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
 from countlens.errors import InputError
+from countlens.labels import LOGITS, edge_label, head_label, input_label, kv_label, mlp_in_label, mlp_label, query_label
 
 
 @dataclass(frozen=True)
@@ -76,22 +78,22 @@ class EdgeSpace:
 
     def __init__(self, layers: int, heads: int, kv_heads: int):
         self.layers, self.heads, self.kv_heads = layers, heads, kv_heads
-        self.nodes = ["IN.image", "IN.text"]
+        self.nodes = [input_label("image"), input_label("text")]
         self.receivers: list[str] = []
         self.upstream: list[int] = []  # per receiver: how many nodes (a prefix of `nodes`) it reads
         for layer in range(layers):
             attn = (
-                [f"L{layer}H{h}.q" for h in range(heads)]
-                + [f"L{layer}K{g}.k" for g in range(kv_heads)]
-                + [f"L{layer}K{g}.v" for g in range(kv_heads)]
+                [query_label((layer, h)) for h in range(heads)]
+                + [kv_label((layer, g), "k") for g in range(kv_heads)]
+                + [kv_label((layer, g), "v") for g in range(kv_heads)]
             )
             self.receivers += attn
             self.upstream += [len(self.nodes)] * len(attn)
-            self.nodes += [f"L{layer}H{h}" for h in range(heads)]
-            self.receivers.append(f"MLP{layer}.in")
+            self.nodes += [head_label((layer, h)) for h in range(heads)]
+            self.receivers.append(mlp_in_label(layer))
             self.upstream.append(len(self.nodes))
-            self.nodes.append(f"MLP{layer}")
-        self.receivers.append("logits")
+            self.nodes.append(mlp_label(layer))
+        self.receivers.append(LOGITS)
         self.upstream.append(len(self.nodes))
         self.node_index = {n: i for i, n in enumerate(self.nodes)}
         self.receiver_index = {r: i for i, r in enumerate(self.receivers)}
@@ -104,7 +106,7 @@ class EdgeSpace:
     @property
     def edges(self) -> list[str]:
         """Every edge's label, ``u→r``, receivers in forward order."""
-        return [f"{self.nodes[u]}→{r}" for r, n in zip(self.receivers, self.upstream) for u in range(n)]
+        return [edge_label(self.nodes[u], r) for r, n in zip(self.receivers, self.upstream) for u in range(n)]
 
     def valid(self) -> torch.Tensor:
         """(receivers, nodes): True where u is upstream of r (an edge)."""

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 
 from countlens.errors import InputError
+from countlens.labels import head_label, mlp_label
 
 #: Where a node is kept during strictness training: every position, the last one, or <|vision_end|>.
 POSITIONS: tuple[str, ...] = ("all", "last", "vision_end")
@@ -74,7 +75,9 @@ class PlantedNode:
 
     @property
     def label(self) -> str:
-        return f"L{self.layer}MLP" if self.is_mlp else f"L{self.layer}H{self.head}"
+        """``"L0H2"`` for a head, ``"MLP1"`` for an MLP: the labels of `countlens.labels`, as circuits
+        write them (value-route's shipped planted.json keeps the former ``"L1MLP"``; `mlp_key` reads both)."""
+        return mlp_label(self.layer) if self.is_mlp else head_label((self.layer, self.head))
 
 
 @dataclass(frozen=True)

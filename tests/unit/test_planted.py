@@ -65,7 +65,7 @@ def test_circuits_are_named_checked_and_each_names_what_is_planted():
     assert set(CIRCUITS) == {"route", "two-hop", "spread", "mlp"}
     mlp = CIRCUITS["mlp"]
     assert mlp.heads == {(0, 2)} and mlp.mlps == {0} and mlp.mlp_nodes
-    with pytest.raises(InputError, match="L1MLP.*mlp_nodes=True"):
+    with pytest.raises(InputError, match="MLP1.*mlp_nodes=True"):
         check_circuit(PlantedCircuit("x", (PlantedNode(1, None),), "-"), n_layers=6, n_heads=4)
     spread = CIRCUITS["spread"]
     assert len(spread.heads) >= 4 and len({layer for layer, _ in spread.heads}) >= 3

@@ -100,3 +100,39 @@ def test_without_objects_answers_for_one_fewer_or_the_count_given():
         without_objects(TaskSample(scene, "q", "three", "count", {"count": 3}), [0])
     with pytest.raises(InputError, match="the scene has 3 objects"):
         without_objects(sample, [5])
+
+
+def test_every_label_function_round_trips_through_its_parser():
+    from countlens import labels as lb
+
+    assert lb.head_key(lb.head_label((3, 2))) == (3, 2) and lb.head_label((3, 2)) == "L3H2"
+    assert lb.expert_key(lb.expert_label((1, 0))) == (1, 0) and lb.expert_label((1, 0)) == "L1E0"
+    assert lb.feature_keys(lb.feature_label((1, 17))) == ((1, 17),) and lb.feature_label((1, 17)) == "L1F17"
+    assert lb.mlp_key(lb.mlp_label(1)) == 1 and lb.mlp_label(1) == "MLP1"
+    assert lb.mlp_key("L1MLP") == 1 == lb.mlp_key(1)  # the toy's former spelling, kept in a shipped planted.json
+    edge = lb.edge_label(lb.head_label((0, 2)), lb.mlp_in_label(1))
+    assert edge == "L0H2→MLP1.in" and lb.edge_key(edge) == ("L0H2", "MLP1.in")
+    assert lb.edge_key(lb.edge_label(lb.input_label("image"), lb.kv_label((0, 1), "v"))) == ("IN.image", "L0K1.v")
+    assert (lb.query_label((3, 2)), lb.kv_label((0, 1), "k"), lb.attn_in_label(1)) == ("L3H2.q", "L0K1.k", "L1.attn")
+    for bad in ("MLP", "L1H2", "MLP-1", -1, True, 1.0):
+        with pytest.raises(InputError, match="e.g. 'MLP1'"):
+            lb.mlp_key(bad)
+    for bad in ("L0H2", "→MLP1.in", "L0H2→", "a→b→c", None):
+        with pytest.raises(InputError, match="upstream→receiver"):
+            lb.edge_key(bad)
+    with pytest.raises(InputError, match="'k' .* or 'v'"):
+        lb.kv_label((0, 1), "q")
+
+
+def test_sites_and_the_toy_write_the_labels_of_labels_py():
+    from countlens.circuits.sites import AttnIn, Embed, Expert, HeadZ, K, Logits, MlpIn, MlpOut, Q, V
+    from countlens.toy.edge_forward import EdgeSpace
+    from countlens.toy.planted import PlantedNode
+
+    labels = [s.label for s in (HeadZ(3, 2), Expert(1, 0), MlpOut(1), MlpIn(1), Q(3, 2), K(0, 1), V(0, 1))]
+    assert labels == ["L3H2", "L1E0", "MLP1", "MLP1.in", "L3H2.q", "L0K1.k", "L0K1.v"]
+    assert (AttnIn(1).label, Embed("image").label, Logits(2).label) == ("L1.attn", "IN.image", "logits")
+    assert PlantedNode(1, None).label == "MLP1" and PlantedNode(0, 2).label == "L0H2"  # the circuits' spelling
+    space = EdgeSpace(2, 2, 1)
+    assert {"IN.image→L0K0.k", "L0H1→MLP1.in", "MLP1→logits"} <= set(space.edges)
+    assert space.nodes[:4] == ["IN.image", "IN.text", "L0H0", "L0H1"] and space.receivers[-2:] == ["MLP1.in", "logits"]

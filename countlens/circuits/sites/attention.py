@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from countlens.circuits.sites.engine import Location, check_indices, columns, head_axis, write_at
 from countlens.errors import InputError
+from countlens.labels import attn_in_label, kv_label, query_label
 
 if TYPE_CHECKING:
     from countlens.model.arch import Arch
@@ -31,7 +32,7 @@ class Q:
 
     @property
     def label(self) -> str:
-        return f"L{self.layer}H{self.head}.q"
+        return query_label((self.layer, self.head))
 
     def width(self, arch: Arch) -> int:
         return arch.head_dim(self.layer)
@@ -68,7 +69,7 @@ class K:
 
     @property
     def label(self) -> str:
-        return f"L{self.layer}K{self.head}.{self.part_name}"
+        return kv_label((self.layer, self.head), self.part_name)
 
     def width(self, arch: Arch) -> int:
         return arch.head_dim(self.layer)
@@ -122,7 +123,7 @@ class AttnIn:
 
     @property
     def label(self) -> str:
-        return f"L{self.layer}.attn"
+        return attn_in_label(self.layer)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from countlens.circuits.sites.engine import Location, check_indices, mlp_path, whole, write_at
+from countlens.labels import mlp_in_label, mlp_label
 
 if TYPE_CHECKING:
     from countlens.model.arch import Arch
@@ -27,7 +28,7 @@ class MlpIn:
 
     @property
     def label(self) -> str:
-        return f"MLP{self.layer}.in"
+        return mlp_in_label(self.layer)
 
     def width(self, arch: Arch) -> int:
         return arch.d_model
@@ -49,7 +50,7 @@ class MlpOut:
 
     @property
     def label(self) -> str:
-        return f"MLP{self.layer}"
+        return mlp_label(self.layer)
 
     def width(self, arch: Arch) -> int:
         return arch.d_model

@@ -23,6 +23,7 @@ from countlens.circuits.sites.engine import (
 )
 from countlens.circuits.sites.groups import checked_heads
 from countlens.errors import InputError
+from countlens.labels import LOGITS, expert_label, head_label, input_label
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -86,7 +87,7 @@ class HeadZ:
 
     @property
     def label(self) -> str:
-        return f"L{self.layer}H{self.head}"
+        return head_label((self.layer, self.head))
 
     def width(self, arch: Arch) -> int:
         return arch.head_dim(self.layer)
@@ -134,7 +135,7 @@ class Expert:
 
     @property
     def label(self) -> str:
-        return f"L{self.layer}E{self.expert}"
+        return expert_label((self.layer, self.expert))
 
     def width(self, arch: Arch) -> int:
         return arch.d_model
@@ -247,7 +248,7 @@ class Embed:
 
     @property
     def label(self) -> str:
-        return f"IN.{self.part}"
+        return input_label(self.part)
 
     def width(self, arch: Arch) -> int:
         return arch.d_model
@@ -267,4 +268,4 @@ class Logits:
 
     @property
     def label(self) -> str:
-        return "logits"
+        return LOGITS

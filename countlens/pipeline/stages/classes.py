@@ -17,6 +17,7 @@ import xarray as xr
 from countlens.analysis import plots
 from countlens.analysis.heads import CLASSES, shown_columns
 from countlens.analysis.tables import finite_markdown
+from countlens.labels import head_label
 from countlens.pipeline.stages.base import ReportContext, Section
 
 
@@ -57,7 +58,8 @@ def key_head_tokens(table: pd.DataFrame, headlens: xr.Dataset, shown: int = 5) -
         # the same on every run (a set's order follows the per-process string hash).
         seen = Counter(str(t) for sample in tokens for t in dict.fromkeys(sample))
         words = ", ".join(f"{_code(t)} {n / len(tokens):.2f}" for t, n in seen.most_common(shown))
-        rows.append({"head": f"L{int(top['layer'])}H{int(top['head'])}", "class": name, "HeadLens tokens": words})
+        head = head_label((int(top["layer"]), int(top["head"])))
+        rows.append({"head": head, "class": name, "HeadLens tokens": words})
     return pd.DataFrame(rows, columns=["head", "class", "HeadLens tokens"])
 
 
