@@ -110,3 +110,21 @@ def test_a_run_names_the_methods_its_faithfulness_stage_ranks_with():
     assert len(discover_methods(names=())) == 5
     with pytest.raises(ConfigError, match="give a tuple"):
         DiscoverConfig(methods="exact")
+
+
+def test_the_faithfulness_stage_ranks_with_the_methods_a_run_names(loaded):
+    """Only AtP* named: the stage computes it (no earlier stage does) and ranks with it beside the
+    random draws, reading no other stage's result."""
+    from types import SimpleNamespace
+
+    from countlens.circuits.methods import RANDOM_DRAWS
+    from countlens.datasets.pairs import count_pairs
+    from countlens.pipeline.config import DiscoverConfig
+    from countlens.pipeline.stages.faithfulness import _faithfulness
+
+    vlm = loaded("toy")
+    pairs = count_pairs(4, 3, 5, kind="shapes", grid=vlm.geometry, prompt="short", seed=21)
+    run = SimpleNamespace(vlm=vlm, pairs=pairs, batch_size=4, results={}, config=DiscoverConfig(methods=("atp_star",)))
+    ds = _faithfulness(run)
+    assert list(ds.ranking.values) == ["AtP*", *(f"random{d}" for d in range(RANDOM_DRAWS)), "random"]
+    assert "atp_star_effect" in ds
