@@ -16,7 +16,8 @@ the order tables show them, and this module is the one place a method's facts ar
 - ``refusal``: None where every family runs it, else why not;
 - ``stage``: the discover stage that computes it with ``compute`` and keeps its result (``heads``,
   ``atp`` …), None where discover's faithfulness stage computes it itself (AtP*);
-  ``in_discover``: whether that stage ranks with it;
+- ``in_discover``: whether discover's faithfulness stage ranks with it (``signed``: False where the
+  scores are magnitudes);
 - ``variant``: the ``method=`` of a function that computes several (`attribution_patch`'s ``"atp"`` /
   ``"atp*"``, `edge_attribution`'s ``"eap"`` / ``"eap-ig"``).
 
@@ -58,6 +59,7 @@ __all__ = [
     "Cost",
     "Method",
     "ObjectRanker",
+    "check_discover_names",
     "discover_methods",
     "heads_of_edges",
     "method",
