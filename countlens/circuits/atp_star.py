@@ -53,7 +53,6 @@ reproduces each layer's z and refuses the model otherwise. Elsewhere use ``metho
 from __future__ import annotations
 
 import copy
-import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -63,11 +62,13 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.sites import HeadZ, K, Q, V, check_group, group_mask, heads_view
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
+from countlens.model.adapt import attention_function
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM, Batch
@@ -198,13 +199,7 @@ def _record(module, query, key, value, attention_mask, **kwargs):
         "mask": None if attention_mask is None else attention_mask.detach(),
         "scaling": float(kwargs.get("scaling") or query.shape[-1] ** -0.5),
     }
-    own = book["implementation"]
-    if own == "eager":
-        fn = importlib.import_module(type(module).__module__).eager_attention_forward
-    else:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        fn = ALL_ATTENTION_FUNCTIONS[own]
+    fn = attention_function(module, book["implementation"])
     return fn(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -226,11 +221,10 @@ def _recording(vlm: VLM, grad: bool, drop: dict) -> Iterator[dict]:
     arch, model = vlm.arch, vlm.hf
     got: dict = {"attn": {}, "z": {}}
     inputs: dict[int, Tensor] = {}
-    handles, swapped = [], []
+    hooks, swapped = [], []
 
     def keep_z(layer):
-        def hook(module, args):
-            z = args[0]
+        def hook(z):
             if grad and not z.requires_grad:
                 z.requires_grad_(True)  # layer 0's z: nothing below it needs a gradient
             got["z"][layer] = z
@@ -240,9 +234,9 @@ def _recording(vlm: VLM, grad: bool, drop: dict) -> Iterator[dict]:
 
     try:
         for layer in range(arch.n_layers):
-            handles.append(model.get_submodule(arch.o_proj(layer)).register_forward_pre_hook(keep_z(layer)))
+            hooks.append(Hook(arch.o_proj(layer), "input", keep_z(layer)))
             if arch.kind(layer) in SELF_ATTENTION:
-                attn = model.get_submodule(arch.attention(layer))
+                attn = module_of(model, arch.attention(layer))
                 own = copy.copy(attn.config)
                 own._attn_implementation = _RECORDER
                 fast = attn.config._attn_implementation
@@ -250,24 +244,14 @@ def _recording(vlm: VLM, grad: bool, drop: dict) -> Iterator[dict]:
                 swapped.append((attn, attn.config))
                 attn.config = own
             if grad:
-                block = model.get_submodule(arch.layer(layer))
-                handles.append(
-                    block.register_forward_pre_hook(
-                        lambda m, args, kwargs, layer=layer: inputs.__setitem__(
-                            layer, args[0] if args else kwargs["hidden_states"]
-                        ),
-                        with_kwargs=True,
-                    )
+                block = arch.layer(layer)
+                hooks.append(Hook(block, "input", lambda x, layer=layer: inputs.update({layer: x})))
+                hooks.append(
+                    Hook(block, "after", lambda m, a, k, out, layer=layer: _bypass(inputs.pop(layer), out, drop, layer))
                 )
-                handles.append(
-                    block.register_forward_hook(
-                        lambda m, args, out, layer=layer: _bypass(inputs.pop(layer), out, drop, layer)
-                    )
-                )
-        yield got
+        with hooked(model, hooks):
+            yield got
     finally:
-        for h in handles:
-            h.remove()
         for attn, config in swapped:
             attn.config = config
             del attn._countlens_atp_star

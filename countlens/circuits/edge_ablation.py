@@ -35,7 +35,8 @@ import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.edges import EdgeGraph, Receiver, hooked, o_weight, receiver_columns
+from countlens.circuits.edges import EdgeGraph, Receiver, o_weight, receiver_columns
+from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.sites import (
     INPUTS,
     AttnIn,
@@ -173,7 +174,7 @@ class _Ablator:
             stream, self.streams = v["embed"], {}
             for layer, paths in enumerate(self.graph.layers):
                 self.streams[(layer, 0)] = stream
-                o_proj = hf.get_submodule(paths.o_proj)
+                o_proj = module_of(hf, paths.o_proj)
                 z = v["z"][layer].to(o_proj.weight.dtype)
                 stream = stream + F.linear(z, o_proj.weight, o_proj.bias).to(stream.dtype)
                 self.streams[(layer, 1)] = stream
@@ -216,7 +217,7 @@ class _Ablator:
     def mlp_out(self, layer):
         u = self.starts[layer] + self.vlm.arch.heads(layer)
 
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             if u in self.slot:
                 d = self.deltas
                 delta = first_output(out).reshape(d.shape[0], *d.shape[2:])
@@ -225,7 +226,7 @@ class _Ablator:
         return hook
 
     def attn_norm(self, layer):
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             if self.busy or layer not in self.groups:
                 return None
             x = args[0]
@@ -243,7 +244,7 @@ class _Ablator:
         return hook
 
     def projection(self, layer, part: type):
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             todo = [r for r in self.normed if type(r) is part and r.layer == layer]
             if not todo:
                 return None
@@ -260,7 +261,7 @@ class _Ablator:
         """The MLP's norm applied to its own copy of the stream: the sum over the nodes before its layer
         (formed as the layer started) and over its own layer's heads."""
 
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             if self.busy or layer not in self.own:
                 return None
             x = args[0]
@@ -270,7 +271,7 @@ class _Ablator:
 
         return hook
 
-    def final_norm(self, module, args, out):
+    def final_norm(self, module, args, kwargs, out):
         """The final norm applied to the logits' own copy of the stream."""
         layer = len(self.graph.layers)
         if self.busy or layer not in self.groups:
@@ -280,23 +281,20 @@ class _Ablator:
         return self.norm_of(module, x - removed[:, 0])
 
     def hooks(self) -> list:
-        hf, graph = self.vlm.hf, self.graph
+        graph = self.graph
         if not self.groups:
             return []
-        out = [(hf.get_submodule(self.vlm.arch.layer(0)), "pre", self.embed)]
+        out = [Hook(self.vlm.arch.layer(0), "before", self.embed)]
         for layer, paths in enumerate(graph.layers):
             out += [
-                (hf.get_submodule(paths.attn_norm), "forward", self.attn_norm(layer)),
-                (hf.get_submodule(paths.o_proj), "pre", self.z(layer)),
-                (hf.get_submodule(paths.mlp_norm), "forward", self.mlp_norm(layer)),
-                (hf.get_submodule(paths.mlp), "forward", self.mlp_out(layer)),
+                Hook(paths.attn_norm, "after", self.attn_norm(layer)),
+                Hook(paths.o_proj, "before", self.z(layer)),
+                Hook(paths.mlp_norm, "after", self.mlp_norm(layer)),
+                Hook(paths.mlp, "after", self.mlp_out(layer)),
             ]
             if paths.qkv is not None:
-                out += [
-                    (hf.get_submodule(p), "forward", self.projection(layer, part))
-                    for part, p in zip((Q, K, V), paths.qkv)
-                ]
-        out.append((hf.get_submodule(graph.final_norm), "forward", self.final_norm))
+                out += [Hook(p, "after", self.projection(layer, part)) for part, p in zip((Q, K, V), paths.qkv)]
+        out.append(Hook(graph.final_norm, "after", self.final_norm))
         return out
 
 
@@ -353,7 +351,10 @@ def edge_ablated_logits(
         chunk = sets[i : i + per_pass]
         k = len(chunk)
         ablator = _Ablator(vlm, graph, _weights(graph, chunk, n), values, image, k)
-        with hooked(ablator.hooks()), vlm.trace(repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1):
+        with (
+            hooked(vlm.hf, ablator.hooks()),
+            vlm.trace(repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1),
+        ):
             if tower is not None:
                 skip_tower(vlm, tower, k)
             logits = vlm.nn.output.logits[:, -1].save()

@@ -32,11 +32,11 @@ from countlens.circuits.edges import (
     Receiver,
     check_additive,
     edge_graph,
-    hooked,
     node_deltas,
     receiver_columns,
     require_graph,
 )
+from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.integrated import IG_STEPS
 from countlens.circuits.nodes import image_positions, record_nodes
@@ -76,7 +76,7 @@ def gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -
         return replace_first(args, kwargs, leaf)
 
     def keep_out(store, layer, with_input=None):
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             out.retain_grad()
             store[layer] = out
             if with_input is not None:
@@ -89,16 +89,16 @@ def gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -
         x.retain_grad()
         got["final"] = x
 
-    hooks = [(hf.get_submodule(vlm.arch.layer(0)), "pre", set_input)]
+    hooks = [Hook(vlm.arch.layer(0), "before", set_input)]
     for layer, paths in enumerate(graph.layers):
-        hooks.append((hf.get_submodule(paths.attn_norm), "forward", keep_out(got[AttnIn], layer, got["x"])))
-        hooks.append((hf.get_submodule(paths.mlp_norm), "forward", keep_out(got[MlpIn], layer, got["mid"])))
+        hooks.append(Hook(paths.attn_norm, "after", keep_out(got[AttnIn], layer, got["x"])))
+        hooks.append(Hook(paths.mlp_norm, "after", keep_out(got[MlpIn], layer, got["mid"])))
         if paths.qkv is not None:
             for part, path in zip((Q, K, V), paths.qkv):
-                hooks.append((hf.get_submodule(path), "forward", keep_out(got[part], layer)))
-    hooks.append((hf.get_submodule(graph.final_norm), "pre", keep_final))
+                hooks.append(Hook(path, "after", keep_out(got[part], layer)))
+    hooks.append(Hook(graph.final_norm, "before", keep_final))
     with activation_gradients_only(hf):
-        with torch.enable_grad(), hooked(hooks):
+        with torch.enable_grad(), hooked(hf, hooks):
             logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
             logit_diff(logits, pb.clean_id, pb.corrupt_id).sum().backward()
     grads = {key: {la: t.grad.detach() for la, t in got[key].items()} for key in (Q, K, V, AttnIn, MlpIn)}
@@ -117,13 +117,13 @@ def receiver_gradients(vlm: VLM, graph: EdgeGraph, layer: int, g: dict, sl: slic
         if isinstance(r, AttnIn):
             cots.append(g[AttnIn][layer][:, sl])
             continue
-        projection = hf.get_submodule(paths.qkv[r.qkv])
+        projection = module_of(hf, paths.qkv[r.qkv])
         w = projection.weight
         cols = receiver_columns(graph, r, projection)
         grad = g[type(r)][layer]
         cots.append(grad[:, sl, cols] @ w[cols].to(grad.dtype))
-    out = dict(zip(mine[:-1], _norm_vjp(hf.get_submodule(paths.attn_norm), g["x"][layer][:, sl], torch.stack(cots))))
-    mlp_g = _norm_vjp(hf.get_submodule(paths.mlp_norm), g["mid"][layer][:, sl], g[MlpIn][layer][:, sl][None])
+    out = dict(zip(mine[:-1], _norm_vjp(module_of(hf, paths.attn_norm), g["x"][layer][:, sl], torch.stack(cots))))
+    mlp_g = _norm_vjp(module_of(hf, paths.mlp_norm), g["mid"][layer][:, sl], g[MlpIn][layer][:, sl][None])
     out[mine[-1]] = mlp_g[0]
     return out
 

@@ -35,8 +35,6 @@ hooks, as `countlens.circuits.atp_star` does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -44,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.nodes import Node, graph_nodes
 from countlens.circuits.sites import (
     INPUTS,
@@ -55,7 +54,6 @@ from countlens.circuits.sites import (
     V,
     first_output,
     heads_view,
-    mlp_path,
 )
 from countlens.errors import InputError
 from countlens.model.arguments import require_batch, require_vlm
@@ -68,8 +66,6 @@ if TYPE_CHECKING:
 #: orders a layer's receivers (attention 0, MLP 1), its ``part_name`` names its kind in results.
 Receiver = Q | K | V | AttnIn | MlpIn | Logits
 RECEIVERS: tuple[type, ...] = (Q, K, V, AttnIn, MlpIn, Logits)
-#: The pre-norm layer's norms: before attention, before the MLP.
-ATTN_NORM, MLP_NORM = "input_layernorm", "post_attention_layernorm"
 
 
 @dataclass(frozen=True)
@@ -129,10 +125,7 @@ def receiver_columns(graph: EdgeGraph, r: Receiver, module: torch.nn.Module) -> 
 
 
 def _module(vlm: VLM, path: str) -> torch.nn.Module | None:
-    try:
-        return vlm.hf.get_submodule(path)
-    except AttributeError:
-        return None
+    return module_of(vlm.hf, path, missing_ok=True)
 
 
 def edge_graph(vlm: VLM) -> EdgeGraph:
@@ -149,17 +142,14 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
     receivers, prefix, layers, kv = [], {}, [], []
     seen = len(INPUTS)
     for layer in range(arch.n_layers):
-        base = arch.layer(layer)
-        norms = [f"{base}.{n}" for n in (ATTN_NORM, MLP_NORM)]
+        norms = [arch.attn_norm(layer), arch.mlp_norm(layer)]
         missing = [p for p in norms if _module(vlm, p) is None]
         if missing:
             raise InputError(
                 f"layer {layer} of {vlm.name} has no {missing[0].rsplit('.', 1)[-1]}: edges need a pre-norm layer "
-                f"({ATTN_NORM} before attention, {MLP_NORM} before the MLP); use nodes "
-                "(countlens.circuits.faithfulness)"
+                "(a norm before attention, one before the MLP); use nodes (countlens.circuits.faithfulness)"
             )
-        q, k = (f"{base}.{p}" for p in (arch.spec.q_proj, arch.spec.k_proj))
-        v = k.rsplit(".", 1)[0] + ".v_proj"
+        q, k, v = arch.q_proj(layer), arch.k_proj(layer), arch.v_proj(layer)
         separate = arch.softmax(layer) and not arch.spec.fused_qkv and all(_module(vlm, p) for p in (q, k, v))
         heads = arch.heads(layer)
         n_kv = _module(vlm, k).out_features // arch.head_dim(layer) if separate else 0
@@ -176,7 +166,7 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
         prefix[mlp] = seen
         seen += 1
         receivers += [*mine, mlp]
-        layers.append(LayerPaths(*norms, arch.o_proj(layer), mlp_path(vlm, layer), (q, k, v) if separate else None))
+        layers.append(LayerPaths(*norms, arch.o_proj(layer), arch.mlp(layer), (q, k, v) if separate else None))
     logits = Logits(arch.n_layers)
     prefix[logits] = seen
     receivers.append(logits)
@@ -185,7 +175,7 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
         receivers,
         prefix,
         layers,
-        arch.spec.final_norm,
+        arch.final_norm,
         kv,
         [arch.heads(i) for i in range(arch.n_layers)],
         model=id(vlm.hf),
@@ -218,22 +208,6 @@ def checked_graph(vlm: VLM, batch: Batch) -> EdgeGraph:
     return graph
 
 
-@contextmanager
-def hooked(hooks: Sequence[tuple[torch.nn.Module, str, object]]) -> Iterator[None]:
-    """Plain torch hooks ("pre" with kwargs, or "forward"), removed on exit."""
-    handles = []
-    try:
-        for module, kind, fn in hooks:
-            if kind == "pre":
-                handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
-            else:
-                handles.append(module.register_forward_hook(fn))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def stream_shaped(t: Tensor, like: Tensor) -> Tensor:
     """A module output in the residual stream's shape: Llama 4's MoE block returns its tokens
     flattened, (rows · seq, d)."""
@@ -245,16 +219,16 @@ def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
     MLP output, and each layer reads the previous one's output (one forward of ``batch``). Checked
     element by element as each layer ends (a few roundings of the three terms' sizes), so only one
     layer's tensors are held."""
-    hf, seen, bad = vlm.hf, {}, []
+    seen, bad = {}, []
 
     def keep(name):
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             seen[name] = (args[0] if args else None, first_output(out))
 
         return hook
 
     def check(layer):
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             x, o, m = seen.pop("x")[0], seen.pop("o")[1], seen.pop("mlp")[1]
             out = first_output(out)
             m = stream_shaped(m, x)
@@ -272,20 +246,20 @@ def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
 
         return hook
 
-    def final(module, args, out):
+    def final(module, args, kwargs, out):
         if _off(args[0], seen["out"], args[0].abs()):
             bad.append((vlm.arch.n_layers, "the final norm does not read the last layer's output"))
 
     hooks = []
     for layer, paths in enumerate(graph.layers):
         hooks += [
-            (hf.get_submodule(paths.attn_norm), "forward", keep("x")),
-            (hf.get_submodule(paths.o_proj), "forward", keep("o")),
-            (hf.get_submodule(paths.mlp), "forward", keep("mlp")),
-            (hf.get_submodule(vlm.arch.layer(layer)), "forward", check(layer)),
+            Hook(paths.attn_norm, "after", keep("x")),
+            Hook(paths.o_proj, "after", keep("o")),
+            Hook(paths.mlp, "after", keep("mlp")),
+            Hook(vlm.arch.layer(layer), "after", check(layer)),
         ]
-    hooks.append((hf.get_submodule(graph.final_norm), "forward", final))
-    with torch.no_grad(), hooked(hooks):
+    hooks.append(Hook(graph.final_norm, "after", final))
+    with torch.no_grad(), hooked(vlm.hf, hooks):
         vlm.forward(batch, use_cache=False, logits_to_keep=1)
     if bad:
         layer, why = bad[0]
@@ -304,7 +278,7 @@ def _off(a: Tensor, b: Tensor, size: Tensor) -> bool:
 
 def o_weight(vlm: VLM, paths: LayerPaths, heads: int) -> Tensor:
     """o_proj's weight per head: (heads, d_model, d_head)."""
-    w = vlm.hf.get_submodule(paths.o_proj).weight
+    w = module_of(vlm.hf, paths.o_proj).weight
     return w.view(w.shape[0], heads, -1).permute(1, 0, 2)
 
 

@@ -58,12 +58,12 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.circuits.engine import Hook, hooked
+from countlens.circuits.engine.record import require_local
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.integrated import IG_STEPS
 from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
 from countlens.circuits.positions import Objects
-from countlens.circuits.engine.record import require_local
-from countlens.circuits.sites import first_arg, replace_first
 from countlens.datasets.tasks import TaskSample, count_of, without_objects
 from countlens.errors import InputError
 from countlens.model.arguments import require_vlm
@@ -119,19 +119,16 @@ def _at_input(vlm: VLM, layer: int, store: dict, value: Tensor | None):
     """Inside: layer ``layer``'s input is kept in ``store["x"]`` (made a leaf that requires a gradient when
     gradients are on) or, with ``value``, replaced by it."""
 
-    def pre(module, args, kwargs):
+    def pre(x):
         if value is not None:
             store["x"] = value
-            return replace_first(args, kwargs, value)
-        x = first_arg(args, kwargs).detach()
+            return value
+        x = x.detach()
         store["x"] = x.requires_grad_(True) if torch.is_grad_enabled() else x
-        return replace_first(args, kwargs, store["x"])
+        return store["x"]
 
-    handle = vlm.hf.get_submodule(vlm.arch.layer(layer)).register_forward_pre_hook(pre, with_kwargs=True)
-    try:
+    with hooked(vlm.hf, [Hook(vlm.arch.layer(layer), "input", pre)]):
         yield
-    finally:
-        handle.remove()
 
 
 def _metric(vlm: VLM, batch: Batch, pb: PairBatch) -> Tensor:

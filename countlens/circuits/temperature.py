@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.sites import checked_heads
 from countlens.errors import InputError
 from countlens.labels import head_label, top_sites
@@ -53,31 +54,25 @@ def head_temperature(vlm: VLM, betas: Mapping[tuple[int, int] | str, float]) -> 
         seen.add((layer, head))
         if beta != 1.0:
             by_layer.setdefault(layer, {})[head] = float(beta)
-    handles = []
-    try:
-        for layer, heads in by_layer.items():
-            module = vlm.hf.get_submodule(arch.q_site(layer))
-            layout = arch.q_layout(layer)
-            hook = _scaler(heads, arch.heads(layer), arch.head_dim(layer), layout)
-            if arch.spec.q_norm_shared_with_k and arch.q_site(layer).endswith(arch.spec.q_norm):
-                # Llama 4: one norm module normalises q, then k, in each attention call: scale its first.
-                calls = {"n": 0}
-                attention = vlm.hf.get_submodule(arch.attention(layer))
-                handles.append(attention.register_forward_pre_hook(lambda m, a, calls=calls: calls.update(n=0)))
-                hook = _first_call_only(hook, calls)
-            handles.append(module.register_forward_hook(hook))
+    hooks = []
+    for layer, heads in by_layer.items():
+        hook = _scaler(heads, arch.heads(layer), arch.head_dim(layer), arch.q_layout(layer))
+        if arch.spec.q_norm_shared_with_k and arch.q_site(layer).endswith(arch.spec.q_norm):
+            # Llama 4: one norm module normalises q, then k, in each attention call: scale its first.
+            calls = {"n": 0}
+            hooks.append(Hook(arch.attention(layer), "before", lambda m, a, k, calls=calls: calls.update(n=0)))
+            hook = _first_call_only(hook, calls)
+        hooks.append(Hook(arch.q_site(layer), "after", hook))
+    with hooked(vlm.hf, hooks):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _first_call_only(hook, calls: dict):
     """``hook`` on a module's first call since ``calls`` was reset (q before k through a shared norm)."""
 
-    def first(module, args, output):
+    def first(module, args, kwargs, output):
         calls["n"] += 1
-        return hook(module, args, output) if calls["n"] == 1 else output
+        return hook(module, args, kwargs, output) if calls["n"] == 1 else output
 
     return first
 
@@ -87,7 +82,7 @@ def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
     "bs(qkv)" (a fused projection's output: q's heads·d_head columns first, then k and v, left as
     they are), "bshd" or "bhsd" (a q-norm's output, per `ArchSpec.q_norm_layout`)."""
 
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         # β in float32: in bf16, 1.2 would become 1.203125.
         scale = torch.ones(n_heads, device=output.device, dtype=torch.float32)
         for h, beta in heads.items():

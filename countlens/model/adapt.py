@@ -71,3 +71,16 @@ def bidirectional_vision(hf_model, tower: str) -> None:
     for module in hf_model.get_submodule(tower).modules():
         if getattr(module, "is_causal", False) is True:
             module.is_causal = False
+
+
+def attention_function(module, implementation: str):
+    """The attention function ``module`` runs under ``implementation`` (its config's
+    ``_attn_implementation``): its own modelling file's ``eager_attention_forward``, or transformers'
+    registered kernel of that name."""
+    if implementation == "eager":
+        import importlib
+
+        return importlib.import_module(type(module).__module__).eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[implementation]

@@ -29,8 +29,11 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
+from countlens.circuits.engine import Hook, hooked, module_of
+from countlens.circuits.sites import first_arg
 from countlens.errors import InputError
 from countlens.labels import LOGITS, edge_label, head_label, input_label, kv_label, mlp_in_label, mlp_label, query_label
+from countlens.model.arch import resolve
 
 
 @dataclass(frozen=True)
@@ -47,26 +50,33 @@ class _Stop(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Block:
+    """One decoder layer's modules the hand-written forward calls (the family spec's)."""
+
+    attn: torch.nn.Module
+    attn_norm: torch.nn.Module
+    mlp_norm: torch.nn.Module
+    mlp: torch.nn.Module
+
+
 def prepare(model, inputs: dict) -> Prepared:
     """Run ``model`` (a HF Qwen2-VL) on ``inputs`` up to its first decoder layer and keep what it is given.
     Prompts must share one length (no padding): the forward here is causal only."""
     if int(inputs["attention_mask"].sum(1).min()) != inputs["attention_mask"].shape[1]:
         raise InputError("the edge forward needs prompts of one length (no padding)")
-    layers = model.model.language_model.layers
     seen = {}
 
     def grab(_m, args, kwargs):
-        seen["x"] = args[0] if args else kwargs["hidden_states"]
+        seen["x"] = first_arg(args, kwargs)
         seen["pe"] = kwargs["position_embeddings"]
         raise _Stop
 
-    hook = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        model.model(**inputs, use_cache=False)
+        with hooked(model, [Hook(resolve(model.config).layer(0), "before", grab)]):
+            model.model(**inputs, use_cache=False)
     except _Stop:
         pass
-    finally:
-        hook.remove()
     image = inputs["input_ids"] == model.config.image_token_id
     cos, sin = seen["pe"]
     return Prepared(seen["x"], image, cos, sin)
@@ -138,10 +148,17 @@ class EdgeForward:
     """The hand-written decoder of one HF Qwen2-VL (module docstring)."""
 
     def __init__(self, model):
-        self.model = model
-        self.lm = model.model.language_model
+        self.model, arch = model, resolve(model.config)
         self.space = EdgeSpace.of(model)
         self.valid = self.space.valid()
+        part = lambda path: module_of(model, path)  # noqa: E731 — the family spec's modules, by path
+        self.blocks = [
+            _Block(part(arch.attention(la)), part(arch.attn_norm(la)), part(arch.mlp_norm(la)), part(arch.mlp(la)))
+            for la in range(arch.n_layers)
+        ]
+        projections = (arch.q_proj, arch.k_proj, arch.v_proj, arch.o_proj)
+        self.projections = [tuple(part(p(la)) for p in projections) for la in range(arch.n_layers)]
+        self.final_norm, self.lm_head = part(arch.final_norm), part(arch.lm_head)
 
     def __call__(
         self, prep: Prepared, ablate: torch.Tensor | None = None, donor: list[torch.Tensor] | None = None
@@ -160,21 +177,20 @@ class EdgeForward:
         img = prep.image[..., None].to(x.dtype)
         outs = [x * img, x * (1 - img)]
         r = 0  # the next receiver's row
-        for block in self.lm.layers:
-            attn = block.self_attn
+        for block, projections in zip(self.blocks, self.projections):
             n_attn = sp.heads + 2 * sp.kv_heads
             xs = self._inputs(x, outs, ablate, donor, r, n_attn)
             r += n_attn
-            heads = self._heads(attn, block.input_layernorm(xs), prep)
+            heads = self._heads(block.attn, projections, block.attn_norm(xs), prep)
             x = x + heads.sum(0)
             outs += list(heads.unbind(0))
             xm = self._inputs(x, outs, ablate, donor, r, 1)[0]
             r += 1
-            mlp = block.mlp(block.post_attention_layernorm(xm))
+            mlp = block.mlp(block.mlp_norm(xm))
             x = x + mlp
             outs.append(mlp)
         xf = self._inputs(x[:, -1:], [o[:, -1:] for o in outs], ablate, donor, r, 1, last=True)[0]
-        return self.model.lm_head(self.lm.norm(xf))[:, -1], outs
+        return self.lm_head(self.final_norm(xf))[:, -1], outs
 
     def _inputs(self, x, outs, ablate, donor, row: int, n: int, last: bool = False) -> torch.Tensor:
         """(n, B, T, d): receivers row…row+n's copies of the stream."""
@@ -189,20 +205,21 @@ class EdgeForward:
         diff = torch.stack([a_u - outs[u] for a_u, u in zip(a, used)])
         return base + torch.einsum("ru,ubtd->rbtd", m[:, used].to(x.dtype), diff)
 
-    def _heads(self, attn, xs: torch.Tensor, prep: Prepared) -> torch.Tensor:
+    def _heads(self, attn, projections, xs: torch.Tensor, prep: Prepared) -> torch.Tensor:
         """(heads, B, T, d): each head's output, its q from xs[h], its kv head's k and v from xs' k and v rows."""
         sp = self.space
         h, g = sp.heads, sp.kv_heads
         d = xs.shape[-1]
         hd = attn.head_dim
-        wq = attn.q_proj.weight.view(h, hd, d)
-        wk = attn.k_proj.weight.view(g, hd, d)
-        wv = attn.v_proj.weight.view(g, hd, d)
-        q = torch.einsum("hbtd,hed->bhte", xs[:h], wq) + attn.q_proj.bias.view(1, h, 1, hd)
-        k = torch.einsum("gbtd,ged->bgte", xs[h : h + g], wk) + attn.k_proj.bias.view(1, g, 1, hd)
-        v = torch.einsum("gbtd,ged->bgte", xs[h + g :], wv) + attn.v_proj.bias.view(1, g, 1, hd)
+        q_proj, k_proj, v_proj, o_proj = projections
+        wq = q_proj.weight.view(h, hd, d)
+        wk = k_proj.weight.view(g, hd, d)
+        wv = v_proj.weight.view(g, hd, d)
+        q = torch.einsum("hbtd,hed->bhte", xs[:h], wq) + q_proj.bias.view(1, h, 1, hd)
+        k = torch.einsum("gbtd,ged->bgte", xs[h : h + g], wk) + k_proj.bias.view(1, g, 1, hd)
+        v = torch.einsum("gbtd,ged->bgte", xs[h + g :], wv) + v_proj.bias.view(1, g, 1, hd)
         q, k = apply_rotary_pos_emb(q, k, prep.cos, prep.sin)
         k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
         z = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
-        wo = attn.o_proj.weight.view(d, h, hd)
+        wo = o_proj.weight.view(d, h, hd)
         return torch.einsum("bhte,dhe->hbtd", z, wo)

@@ -1,11 +1,12 @@
-"""Resampling heads inside a Hugging Face Qwen2-VL forward, with plain torch hooks: the interventions
-planted-circuit training and its checks are made of (`countlens.toy.planted` defines the circuits).
+"""Resampling heads inside a Hugging Face Qwen2-VL forward, through the engine's torch hooks: the
+interventions planted-circuit training and its checks are made of (`countlens.toy.planted` defines the
+circuits).
 
 A head's z is its slice of the attention output projection's input; resampling it replaces that slice,
 at chosen positions, with a *source* run's — another sample of the same batch, recorded first
 (`recorded`, then `swap_source`). A layer made blind to the image takes its keys and values at the
 image positions from the source too. These hooks act on the model being trained, outside nnsight, so
-that the losses' gradients flow through them.
+that the losses' gradients flow through them; the modules are the family spec's (`resolve`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
+from countlens.circuits.engine import Hook, hooked
 from countlens.errors import InputError
+from countlens.model.arch import resolve
 from countlens.toy.planted import PlantedNode
 
 #: Donors of a resampled head (`countlens.toy.strictness`): the pair's partner (the same objects,
@@ -23,47 +26,30 @@ from countlens.toy.planted import PlantedNode
 DONORS: tuple[str, ...] = ("partner", "different", "same")
 
 
-def _attn(model, layer: int):
-    return model.model.language_model.layers[layer].self_attn
-
-
-def _mlp(model, layer: int):
-    return model.model.language_model.layers[layer].mlp
-
-
 @contextmanager
 def recorded(model) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Record every layer's z (o_proj's input), pre-RoPE keys and values, and MLP output during the
     forwards inside."""
-    n = len(model.model.language_model.layers)
+    arch = resolve(model.config)
+    n = arch.n_layers
     rec: dict[str, list] = {"z": [None] * n, "k": [None] * n, "v": [None] * n, "mlp": [None] * n}
+
+    def keep(name, layer):
+        def hook(t):
+            rec[name][layer] = t.detach()
+
+        return hook
+
     hooks = []
     for layer in range(n):
-        a = _attn(model, layer)
-
-        def mlp_hook(_m, _args, out, layer=layer):
-            rec["mlp"][layer] = out.detach()
-
-        def z_hook(_m, args, layer=layer):
-            rec["z"][layer] = args[0].detach()
-
-        def kv_hook(name, layer):
-            def hook(_m, _args, out):
-                rec[name][layer] = out.detach()
-
-            return hook
-
         hooks += [
-            _mlp(model, layer).register_forward_hook(mlp_hook),
-            a.o_proj.register_forward_pre_hook(z_hook),
-            a.k_proj.register_forward_hook(kv_hook("k", layer)),
-            a.v_proj.register_forward_hook(kv_hook("v", layer)),
+            Hook(arch.mlp(layer), "output", keep("mlp", layer)),
+            Hook(arch.o_proj(layer), "input", keep("z", layer)),
+            Hook(arch.k_proj(layer), "output", keep("k", layer)),
+            Hook(arch.v_proj(layer), "output", keep("v", layer)),
         ]
-    try:
+    with hooked(model, hooks):
         yield rec
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def position_masks(input_ids: torch.Tensor, image_id: int, vision_end_id: int) -> dict[str, torch.Tensor]:
@@ -111,44 +97,29 @@ def resampled(
     """Forwards inside take each head's z from ``source`` where ``take_source`` (layers, B, T, heads) is
     True, each MLP's output where ``take_mlp`` (layers, B, T) is; layers in ``blind`` take their keys
     and values from ``source`` at the (B, T) mask given."""
-    hooks = []
+    arch, hooks = resolve(model.config), []
+
+    def take(name, layer, where):
+        return lambda out: torch.where(where[..., None], source[name][layer], out)
+
     for layer in range(take_source.shape[0]):
-        a = _attn(model, layer)
         if take_mlp is not None and take_mlp[layer].any():
-
-            def mlp_hook(_m, _args, out, layer=layer, where=take_mlp[layer]):
-                return torch.where(where[..., None], source["mlp"][layer], out)
-
-            hooks.append(_mlp(model, layer).register_forward_hook(mlp_hook))
+            hooks.append(Hook(arch.mlp(layer), "output", take("mlp", layer, take_mlp[layer])))
         mask = take_source[layer]
         if mask.any():
 
-            def z_hook(_m, args, layer=layer, mask=mask):
-                z = args[0]
+            def z_hook(z, layer=layer, mask=mask):
                 b, t, d = z.shape
                 h = mask.shape[-1]
                 mixed = torch.where(mask[..., None], source["z"][layer].view(b, t, h, -1), z.view(b, t, h, -1))
-                return (mixed.reshape(b, t, d), *args[1:])
+                return mixed.reshape(b, t, d)
 
-            hooks.append(a.o_proj.register_forward_pre_hook(z_hook))
+            hooks.append(Hook(arch.o_proj(layer), "input", z_hook))
         if blind and layer in blind:
-            where = blind[layer]
-
-            def kv_hook(name, layer, where):
-                def hook(_m, _args, out):
-                    return torch.where(where[..., None], source[name][layer], out)
-
-                return hook
-
-            hooks += [
-                a.k_proj.register_forward_hook(kv_hook("k", layer, where)),
-                a.v_proj.register_forward_hook(kv_hook("v", layer, where)),
-            ]
-    try:
+            hooks += [Hook(arch.k_proj(layer), "output", take("k", layer, blind[layer]))]
+            hooks += [Hook(arch.v_proj(layer), "output", take("v", layer, blind[layer]))]
+    with hooked(model, hooks):
         yield
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def swap_source(rec: dict[str, list[torch.Tensor]], order: torch.Tensor) -> dict[str, list[torch.Tensor]]:

@@ -317,8 +317,16 @@ def _reference_ablated(vlm, graph, batch, ablate: frozenset, values, image):
         if paths.qkv is not None:
             hooks += [(hf.get_submodule(p), "forward", project(layer, part)) for part, p in zip((Q, K, V), paths.qkv)]
     hooks.append((hf.get_submodule(graph.final_norm), "forward", norm_for([graph.receivers[-1]])))
-    with torch.no_grad(), edges.hooked(hooks):
-        return vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+    handles = [  # plain torch hooks: the reference shares none of the engine's code
+        m.register_forward_pre_hook(fn, with_kwargs=True) if kind == "pre" else m.register_forward_hook(fn)
+        for m, kind, fn in hooks
+    ]
+    try:
+        with torch.no_grad():
+            return vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @pytest.mark.numeric

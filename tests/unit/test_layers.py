@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "settings": 1,
     "files": 1,
     "labels": 1,
+    "intervals": 1,
     "html_page": 1,
     "datasets": 2,
     "results": 3,
@@ -41,7 +42,7 @@ LAYERS: dict[str, int] = {
     "model.families": 2,
     "model.arch": 2,
     "model": 3,
-    "toy": 3,
+    "toy": 5,  # on the engine: its planting and checks resample through circuits.engine
     "circuits": 4,
     "analysis": 5,
     "features": 5,

@@ -41,9 +41,19 @@ class Hook(NamedTuple):
     fn: Callable
 
 
-def module_of(model: torch.nn.Module, module: str | torch.nn.Module) -> torch.nn.Module:
-    """The module a path names in ``model`` (``""``: the model itself), or the module given."""
-    return module if isinstance(module, torch.nn.Module) else model.get_submodule(module)
+def module_of(
+    model: torch.nn.Module, module: str | torch.nn.Module, missing_ok: bool = False
+) -> torch.nn.Module | None:
+    """The module a path names in ``model`` (``""``: the model itself), or the module given; with
+    ``missing_ok``, None where the model has no such module."""
+    if isinstance(module, torch.nn.Module):
+        return module
+    try:
+        return model.get_submodule(module)
+    except AttributeError:
+        if missing_ok:
+            return None
+        raise
 
 
 def attach(model: torch.nn.Module, hook: Hook):

@@ -19,7 +19,7 @@ SPECS = (
         # The processor adds <bos> after the image tokens and "\n" at the end (PaliGemmaProcessor).
         plain_prompt="{image}answer en {question}",
         answer_token_type="token_type_ids",
-        sandwich=Sandwich(text_types=("gemma2", "gemma3")),
+        sandwich=Sandwich(text_types=("gemma2",)),  # PaliGemma 2; PaliGemma 1 is Gemma (pre-norm)
     ),
 )
 
