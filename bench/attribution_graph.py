@@ -40,7 +40,6 @@ import torch
 from scipy.stats import spearmanr
 
 import countlens
-from countlens.circuits.sites.engine import mlp_path
 from countlens.datasets.tasks import task_samples
 from countlens.features import (
     attribution_graph,
@@ -96,7 +95,7 @@ def replacement_hooks(vlm, tcs, lr: LocalReplacement, ablate: tuple[int, int, in
 
         return swap
 
-    return [(mlp_path(vlm, layer), hook(layer)) for layer in tcs.layers]
+    return [(vlm.arch.mlp(layer), hook(layer)) for layer in tcs.layers]
 
 
 def steer_hook(vlm, tcs, layer: int, pos: int, f: int, alpha: float):
@@ -107,7 +106,7 @@ def steer_hook(vlm, tcs, layer: int, pos: int, f: int, alpha: float):
         output[:, pos] += vector.to(output.dtype)
         return output
 
-    return [(mlp_path(vlm, layer), add)]
+    return [(vlm.arch.mlp(layer), add)]
 
 
 def scene(vlm, tcs, sample, count: int) -> dict:

@@ -10,6 +10,7 @@ from countlens.circuits.ablation import ablate, ablation_scan, group_means, jacc
 from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
 from countlens.circuits.edge_attribution import edge_attribution, edge_attributions
 from countlens.circuits.edges import checked_graph, edge_graph
+from countlens.circuits.engine.record import mean_activation, record
 from countlens.circuits.experts import (
     ablate_experts,
     expert_ablation_scan,
@@ -28,7 +29,6 @@ from countlens.circuits.object_effects import object_effects
 from countlens.circuits.object_gradients import object_attribution
 from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
 from countlens.circuits.positions import Cells, Group, Mask, Objects
-from countlens.circuits.engine.record import mean_activation, record
 from countlens.circuits.run import effect, intervene, mean_difference
 from countlens.circuits.sites import Expert, HeadZ, ImageStates, K, MlpIn, MlpOut, Q, Residual, V
 from countlens.circuits.taps import tap

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.circuits.engine.writes import Placed, write
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.sites import Placed, Site, repeat_inputs, repeat_output, skip_tower
+from countlens.circuits.sites import Site, repeat_inputs, repeat_output, skip_tower
 from countlens.errors import InputError
 from countlens.model import memory
 
@@ -160,7 +161,7 @@ def run_edits(
             # kinds by stage; each kind writes its edits at a layer together.
             for key in sorted(writes):
                 group = writes[key]
-                type(group[0].site).write(vlm, group, cache, n, seq)
+                write(vlm, group, cache, n, seq)
             logits = (vlm.nn.output.logits[:, -1] if keep == 1 else vlm.nn.output.logits[:, -keep:]).save()
         for r, i in enumerate(chunk):
             rows = logits[r * n : (r + 1) * n].float()

@@ -33,7 +33,7 @@ import xarray as xr
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
-from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view, mlp_path
+from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view
 from countlens.circuits.sweep import check_pair_sweep
 from countlens.labels import head_label, input_label, mlp_label
 from countlens.model.arguments import require_vlm
@@ -69,7 +69,7 @@ def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor
                 z = vlm.module(arch.o_proj(layer)).input
                 z.requires_grad_(True)
                 zs.append(z.save())
-                out = first_output(vlm.module(mlp_path(vlm, layer)).output)
+                out = first_output(vlm.module(vlm.arch.mlp(layer)).output)
                 out.requires_grad_(True)
                 mlps.append(out.save())
             logits = vlm.nn.output.logits[:, -1].float()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.circuits.engine.writes import Placed, write_experts
 from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.sites import (
     INPUTS,
@@ -26,10 +27,8 @@ from countlens.circuits.sites import (
     Expert,
     HeadZ,
     MlpOut,
-    Placed,
     first_output,
     group_mask,
-    mlp_path,
     repeat_inputs,
     skip_tower,
     tower_output,
@@ -117,7 +116,7 @@ def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node], logits: bool = F
             if layer in by_kind["expert"]:
                 got["experts"][layer] = expert_rule(vlm.arch).record(vlm.module(vlm.arch.experts(layer)))
             if layer in by_kind["mlp"]:
-                got["mlp"][layer] = first_output(vlm.module(mlp_path(vlm, layer)).output).save()
+                got["mlp"][layer] = first_output(vlm.module(vlm.arch.mlp(layer)).output).save()
         if logits:
             got["logits"] = vlm.nn.output.logits[:, -1].save()
     if logits:
@@ -197,7 +196,7 @@ def _write_experts(vlm: VLM, layer: int, ablated: list[tuple[int, int]], values:
     b, s = torch.ones(n, seq, dtype=torch.bool).nonzero(as_tuple=True)
     mask = torch.ones(n, seq, dtype=torch.bool)
     placed = [Placed(r, Expert(layer, e), mask, None, b, s) for r, e in ablated]
-    Expert.write(vlm, placed, {"experts": values["experts"]}, n, seq)
+    write_experts(vlm, placed, {"experts": values["experts"]}, n, seq)
 
 
 @torch.no_grad()
@@ -246,7 +245,7 @@ def ablated_logits(
                 if layer in masks["experts"]:
                     _write_experts(vlm, layer, masks["experts"][layer], values, batch)
                 if layer in masks["mlp"]:
-                    mo = first_output(vlm.module(mlp_path(vlm, layer)).output)
+                    mo = first_output(vlm.module(vlm.arch.mlp(layer)).output)
                     fill = torch.cat([values["mlp"][layer]] * k).to(mo.device, mo.dtype)
                     where = masks["mlp"][layer]
                     if mo.ndim == 2:  # flattened tokens, rows · seq of them (Llama 4's MoE block)

@@ -72,9 +72,9 @@ import torch
 import xarray as xr
 
 from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.engine.record import location, require_local
 from countlens.circuits.pair_batch import logit_diff
 from countlens.circuits.positions import Objects
-from countlens.circuits.engine.record import location, require_local
 from countlens.circuits.sites import Residual
 from countlens.datasets.contact import boundary_gap
 from countlens.datasets.tasks import count_of, fewer_answer, without_objects

@@ -226,7 +226,6 @@ def test_fvu_of_a_perfect_reconstruction_is_zero_and_of_the_mean_one():
 
 @pytest.mark.numeric
 def test_replacement_writes_the_transcoders_reconstruction(loaded):
-    from countlens.circuits.sites.engine import mlp_path
     from countlens.datasets.tasks import task_samples
 
     vlm = loaded("toy")
@@ -234,7 +233,7 @@ def test_replacement_writes_the_transcoders_reconstruction(loaded):
     samples = task_samples("count", 2, seed=0)
     batch = vlm.prepare_samples(samples)
     seen = {}
-    module = vlm.hf.get_submodule(mlp_path(vlm, 3))
+    module = vlm.hf.get_submodule(vlm.arch.mlp(3))
 
     def record(mod, args, output):
         seen["x"], seen["y"] = args[0].detach().clone(), output.detach().clone()

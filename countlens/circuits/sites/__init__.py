@@ -1,9 +1,10 @@
 """Sites: where circuits read and write, each a small frozen type, and the token groups they act on.
 
-A site says three things: how it is **read** from a `countlens.circuits.edits.cache_run` result (the
-value a patch copies), how it is **written** inside a traced forward (at an edit's masked positions,
-in one replica of a stacked batch: `countlens.circuits.edits.run_edits`), and its **width** (the last
-axis of a value written there).
+Every site has a **location** (`Location`: the module, its input or output, and the site's view of that
+tensor, from the family spec), a **width** (the last axis of a value written there) and a **label**. The
+engine (`countlens.circuits.engine`) reads, writes, records and freezes a site through its location; a
+site also says how it is **read** from a `countlens.circuits.edits.cache_run` result (the value a patch
+copies).
 
 - `Residual` — the residual stream after decoder layer ``l`` (the layer's output tensor); layer −1 is
   the input of layer 0 (the token embeddings with the projected image tokens).
@@ -22,7 +23,7 @@ axis of a value written there).
   reads; at a cross-attention layer ``l`` the states that layer alone reads (its k and v input). An
   edit's mask there is Bool[Tensor, "batch n_states"]: the states are its positions.
 
-Sites of one kind at one layer are written together (each kind's ``write`` takes them all), and the
+Sites of one kind at one layer are written together (`countlens.circuits.engine.writes.write`), and the
 kinds in the order the forward reaches them (``stage``: image states, z, experts, the layer's
 output), because nnsight enters each module once, in execution order.
 
@@ -39,24 +40,18 @@ A cross-attention model has no image tokens; its image is the ``image_states`` g
 """
 
 from countlens.circuits.sites.attention import AttnIn, K, Pattern, Q, V
-from countlens.circuits.sites.engine import (
+from countlens.circuits.sites.groups import GROUPS, STATES, check_group, checked_heads, group_mask
+from countlens.circuits.sites.location import (
     Location,
-    Placed,
     check_indices,
     check_site,
     columns,
     first_arg,
     first_output,
     head_axis,
-    mlp_path,
-    refuse_ops,
     replace_first,
-    source,
     whole,
-    write_at,
-    written,
 )
-from countlens.circuits.sites.groups import GROUPS, STATES, check_group, checked_heads, group_mask
 from countlens.circuits.sites.mlp import MlpIn, MlpOut
 from countlens.circuits.sites.stacking import (
     head_contributions,
@@ -88,7 +83,6 @@ __all__ = [
     "MlpIn",
     "MlpOut",
     "Pattern",
-    "Placed",
     "Q",
     "Residual",
     "Site",
@@ -105,16 +99,11 @@ __all__ = [
     "head_axis",
     "head_contributions",
     "heads_view",
-    "mlp_path",
     "o_proj_weight",
-    "refuse_ops",
     "repeat_inputs",
     "repeat_output",
     "replace_first",
     "skip_tower",
-    "source",
     "tower_output",
     "whole",
-    "write_at",
-    "written",
 ]

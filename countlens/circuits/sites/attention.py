@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from countlens.circuits.sites.engine import Location, check_indices, columns, head_axis, write_at
+from countlens.circuits.sites.location import Location, check_indices, columns, head_axis
 from countlens.errors import InputError
 from countlens.labels import attn_in_label, kv_label, query_label
 
@@ -22,7 +22,6 @@ class Q:
     layer: int
     head: int
     stage: ClassVar[float] = 0.5
-    write = staticmethod(write_at)
     block: ClassVar[int] = 0  # as an edge receiver: the layer's attention
     qkv: ClassVar[int] = 0  # its place among q, k and v
     part_name: ClassVar[str] = "q"
@@ -59,7 +58,6 @@ class K:
     layer: int
     head: int
     stage: ClassVar[float] = 0.6
-    write = staticmethod(write_at)
     block: ClassVar[int] = 0
     qkv: ClassVar[int] = 1
     part_name: ClassVar[str] = "k"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from countlens.circuits.sites.engine import Location, check_indices, mlp_path, whole, write_at
+from countlens.circuits.sites.location import Location, check_indices, whole
 from countlens.labels import mlp_in_label, mlp_label
 
 if TYPE_CHECKING:
@@ -19,7 +19,6 @@ class MlpIn:
 
     layer: int
     stage: ClassVar[float] = 1.5
-    write = staticmethod(write_at)
     block: ClassVar[int] = 1  # as an edge receiver: the layer's MLP, after its attention
     part_name: ClassVar[str] = "mlp"
 
@@ -34,7 +33,7 @@ class MlpIn:
         return arch.d_model
 
     def location(self, vlm: VLM) -> Location:
-        return Location(mlp_path(vlm, self.layer), "input", whole)
+        return Location(vlm.arch.mlp(self.layer), "input", whole)
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,6 @@ class MlpOut:
 
     layer: int
     stage: ClassVar[float] = 2.5
-    write = staticmethod(write_at)
 
     def __post_init__(self):
         check_indices(self, layer=0)
@@ -56,4 +54,4 @@ class MlpOut:
         return arch.d_model
 
     def location(self, vlm: VLM) -> Location:
-        return Location(mlp_path(vlm, self.layer), "output", whole)
+        return Location(vlm.arch.mlp(self.layer), "output", whole)

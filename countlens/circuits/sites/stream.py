@@ -3,7 +3,6 @@ each with its own write inside a traced forward (the engine's fast path: `countl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -11,17 +10,13 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.sites.engine import (
+from countlens.circuits.sites.groups import checked_heads
+from countlens.circuits.sites.location import (
     Location,
-    Placed,
     check_indices,
     columns,
-    refuse_ops,
-    source,
     whole,
-    written,
 )
-from countlens.circuits.sites.groups import checked_heads
 from countlens.errors import InputError
 from countlens.labels import LOGITS, expert_label, head_label, input_label
 
@@ -59,16 +54,6 @@ class Residual:
             return Location(vlm.arch.layer(0), "input", whole)
         return Location(vlm.arch.layer(self.layer), "output", whole)
 
-    @staticmethod
-    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
-        """Inside a trace: the residual at one layer, every replica's entries."""
-        layer = placed[0].site.layer
-        module = vlm.module(vlm.arch.layer(max(layer, 0)))
-        hid = module.input if layer == -1 else module.output
-        for p in placed:
-            b, s = p.b.to(hid.device) + p.replica * n, p.s.to(hid.device)
-            hid[b, s] = written(vlm, p, cache, hid[b, s]).to(hid.dtype)
-
 
 @dataclass(frozen=True)
 class HeadZ:
@@ -104,15 +89,6 @@ class HeadZ:
         self.check(vlm)
         return Location(vlm.arch.o_proj(self.layer), "input", columns(self.columns(vlm.arch)))
 
-    @staticmethod
-    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
-        """Inside a trace: heads' z at one layer, every replica's entries."""
-        zin = vlm.module(vlm.arch.o_proj(placed[0].site.layer)).input
-        for p in placed:
-            cols = p.site.columns(vlm.arch)
-            b, s = p.b.to(zin.device) + p.replica * n, p.s.to(zin.device)
-            zin[b, s, cols] = written(vlm, p, cache, zin[b, s, cols]).to(zin.dtype)
-
 
 @dataclass(frozen=True)
 class Expert:
@@ -143,18 +119,6 @@ class Expert:
     def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
         module = vlm.hf.get_submodule(vlm.arch.experts(self.layer))
         return expert_rule(vlm.arch).cached(module, cache["experts"][self.layer], self.expert, b, s, device)
-
-    @staticmethod
-    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
-        """Inside a trace: experts' contributions at one MoE layer, every replica's entries (the
-        experts module sees the tokens flattened: row · seq + position)."""
-        path = vlm.arch.experts(placed[0].site.layer)
-        refuse_ops(placed, "an expert's contribution")
-        writes = [
-            ((p.b + p.replica * n) * seq + p.s, p.site.expert, lambda device, p=p: source(vlm, p, cache, device))
-            for p in placed
-        ]
-        expert_rule(vlm.arch).write(vlm.hf.get_submodule(path), vlm.module(path), vlm.arch.n_experts, writes)
 
 
 @dataclass(frozen=True)
@@ -195,38 +159,6 @@ class ImageStates:
     def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
         states = cache["states"]
         return states[b.to(states.device), s.to(states.device)].to(device)
-
-    @staticmethod
-    def write(vlm: VLM, placed: Sequence[Placed], cache: dict | None, n: int, seq: int) -> None:
-        """Inside a trace: image states at one layer, every replica's entries — the projector's output
-        written in place, or a patched copy passed to the cross-attention layer in place of the
-        states every cross-attention layer shares."""
-        layer, cross = placed[0].site.layer, vlm.arch.spec.cross_attention
-        refuse_ops(placed, "the image states")
-        n_states = placed[0].mask.shape[1]
-
-        def per_row(states: Tensor) -> Tensor:
-            if states.numel() % (n_states * states.shape[-1]):
-                raise InputError(
-                    f"the image states {tuple(states.shape)} are not rows of {n_states} states: the edit's "
-                    "mask was made for another batch (build it from the batch that runs)"
-                )
-            return states.view(-1, n_states, states.shape[-1])
-
-        if layer == -1:
-            rows = per_row(vlm.module(cross.states).output)  # (rows, images, tiles, patches, d): in place
-        else:
-            if vlm.arch.kind(layer) != "cross":
-                raise ValueError(f"layer {layer} is not a cross-attention layer; its attention reads no image states")
-            attn = vlm.module(f"{vlm.arch.layer(layer)}.{cross.attn}")
-            args, kwargs = attn.inputs
-            states = kwargs[cross.states_kwarg].clone()  # (rows · images · tiles, patches, d)
-            rows = per_row(states)
-        for p in placed:
-            src = source(vlm, p, cache, rows.device)
-            rows[p.b.to(rows.device) + p.replica * n, p.s.to(rows.device)] = src.to(rows.device, rows.dtype)
-        if layer != -1:
-            attn.inputs = (args, {**kwargs, cross.states_kwarg: states})
 
 
 #: The input parts: the image tokens' embeddings and every other token's.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from countlens.circuits.sites.engine import Location, check_indices, whole
+from countlens.circuits.sites.location import Location, check_indices, whole
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
