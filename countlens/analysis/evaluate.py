@@ -34,6 +34,7 @@ from torch import Tensor
 from countlens.analysis.benchmark_answers import has_rule, read_answer
 from countlens.analysis.parse import PARSERS, parse_count, parse_shape_count
 from countlens.errors import InputError
+from countlens.model.adapt import module_of
 from countlens.model.arguments import require_vlm
 from countlens.model.vlm import check_samples
 from countlens.reference.counting_to_four.parse import parse_count_as_reference
@@ -334,7 +335,7 @@ def _cached_rows(vlm: VLM, chunk: Sequence[Sample], js: list[int], prefixes: lis
     kwargs = {}
     if vlm.arch.spec.rope_deltas is not None:  # Qwen: 3-D positions continue from the prefill's offsets
         owner, _, attr = vlm.arch.spec.rope_deltas.rpartition(".")
-        deltas = getattr(vlm.hf.get_submodule(owner), attr).repeat_interleave(per, 0)
+        deltas = getattr(module_of(vlm.hf, owner), attr).repeat_interleave(per, 0)
         pos = mask.shape[1] + torch.arange(width, device=deltas.device)[None] + deltas
         kwargs["position_ids"] = pos[None].expand(3, -1, -1)
     # transformers ≥ 5.40 names the argument `cache` (and warns on `past_key_values`).

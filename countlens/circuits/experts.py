@@ -45,6 +45,7 @@ from countlens.circuits.sweep import check_pair_sweep, pairs_store
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.labels import expert_key, expert_label, is_head_pair
+from countlens.model.adapt import module_of
 from countlens.model.answers import answer_window
 from countlens.model.arguments import require_batch, require_layers, require_vlm
 from countlens.model.vlm import check_samples
@@ -185,7 +186,7 @@ def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Ten
         masks = group_masks(batch)
         recorded = cache_run(vlm, batch, layers, resid=False, z=False, experts=True)["experts"]
         for i, layer in enumerate(layers):
-            module = vlm.hf.get_submodule(arch.experts(layer))
+            module = module_of(vlm.hf, arch.experts(layer))
             for g, m in enumerate(masks):
                 rule.add_group_sum(module, recorded[layer], m, sums[i, g])
         counts += torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64)

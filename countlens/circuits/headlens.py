@@ -35,6 +35,7 @@ from torch import Tensor
 
 from countlens.circuits.sites import head_contributions
 from countlens.errors import InputError
+from countlens.model.adapt import module_of
 from countlens.model.arguments import require_layers, require_vlm
 from countlens.model.vlm import check_samples
 from countlens.results import provenance
@@ -149,9 +150,8 @@ class HeadLens:
         i = self.layers.index(layer)
         contrib = head_contributions(vlm, layer, z.float().to(self.A.device))  # ... heads d_model
         mapped = contrib @ self.A[i].T + (self.b[i] if bias else 0.0)
-        spec = vlm.arch.spec
-        norm = vlm.hf.get_submodule(spec.final_norm)
-        head = vlm.hf.get_submodule(spec.lm_head)
+        norm = module_of(vlm.hf, vlm.arch.final_norm)
+        head = module_of(vlm.hf, vlm.arch.lm_head)
         dtype = head.weight.dtype
         return head(norm(mapped.to(head.weight.device, dtype))).float()
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from countlens.circuits.sites import ImageStates, Residual, VisionBlock
 from countlens.errors import InputError
+from countlens.model.adapt import module_of
 from countlens.model.arguments import require_vlm
 from countlens.model.families import family_of
 from countlens.model.geometry import Geometry
@@ -90,7 +91,7 @@ def _grid_map(acts: Tensor, positions: Sequence[Tensor], cells: Sequence[Tensor]
 
 def _window_index(vlm: VLM, grid_thw: Tensor) -> Tensor:
     """The order of merge units inside a windowed tower's blocks, by its family's own rule."""
-    visual = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks.rsplit(".", 1)[0])
+    visual = module_of(vlm.hf, vlm.arch.spec.vision_blocks.rsplit(".", 1)[0])
     return family_of(vlm.arch.spec).window_index(visual, grid_thw)
 
 

@@ -38,6 +38,7 @@ from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.sites import first_arg, first_output
 from countlens.errors import InputError
 from countlens.labels import feature_keys, feature_label
+from countlens.model.adapt import module_of
 from countlens.validate import require_count, require_dataset, require_path
 
 if TYPE_CHECKING:
@@ -110,11 +111,11 @@ def _answer_logprob(vlm, batch) -> torch.Tensor:
 def _direct(vlm, transcoders, layer: int, f: int) -> np.ndarray:
     """The virtual weight of feature f's decoder row to each count word's logit, minus their mean."""
     ids = [vlm.answer_ids(w)[0] for w in COUNT_WORDS]
-    gamma = getattr(vlm.hf.get_submodule(vlm.arch.spec.final_norm), "weight", None)
+    gamma = getattr(module_of(vlm.hf, vlm.arch.final_norm), "weight", None)
     row = transcoders.layer(layer).W_dec[f].float()
     if gamma is not None:
         row = row * gamma.float().to(row.device)
-    w_u = vlm.hf.get_submodule(vlm.arch.spec.lm_head).weight[ids].float().to(row.device)
+    w_u = module_of(vlm.hf, vlm.arch.lm_head).weight[ids].float().to(row.device)
     v = (w_u @ row).cpu().numpy()
     return v - v.mean()
 

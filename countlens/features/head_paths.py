@@ -51,6 +51,7 @@ import xarray as xr
 from countlens.circuits.engine import Hook, hooked
 from countlens.errors import InputError
 from countlens.labels import head_keys
+from countlens.model.adapt import module_of
 from countlens.validate import require_count
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def head_shares(
     if not len(prepared.image_pos[0]):
         raise InputError("head_shares splits the image tokens' attribution: the sample has no image tokens")
     if target is not None:
-        vocab = vlm.hf.get_submodule(vlm.arch.spec.lm_head).weight.shape[0]
+        vocab = module_of(vlm.hf, vlm.arch.lm_head).weight.shape[0]
         if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= int(target) < vocab:
             raise InputError(f"target takes a vocab id 0 … {vocab - 1}, got {target!r}")
     if graph is not None:

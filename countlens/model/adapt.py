@@ -54,12 +54,22 @@ def add_missing_output_fields(hf_model, fields: tuple[tuple[str, str], ...]) -> 
         module._countlens_fields = True
 
 
-def _has_module(root, path: str) -> bool:
+def module_of(model, module, missing_ok: bool = False):
+    """The module a path (from the family spec) names in ``model`` (``""``: the model itself), or the module
+    given; with ``missing_ok``, None where the model has no such module. Outside the model layer and the
+    engine, code reaches a torch module only through this."""
+    if not isinstance(module, str):
+        return module
     try:
-        root.get_submodule(path)
+        return model.get_submodule(module)
     except AttributeError:
-        return False
-    return True
+        if missing_ok:
+            return None
+        raise
+
+
+def _has_module(root, path: str) -> bool:
+    return module_of(root, path, missing_ok=True) is not None
 
 
 def bidirectional_vision(hf_model, tower: str) -> None:

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from countlens.errors import CountlensError
+from countlens.model.adapt import module_of
 from countlens.pipeline.config import default_prompt
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def spec(vlm: VLM) -> list[CheckRow]:
         paths += [arch.q_site(layer)] if arch.softmax(layer) else []  # a linear-attention layer has no q
     for path in paths:
         try:
-            vlm.hf.get_submodule(path)
+            module_of(vlm.hf, path)
         except AttributeError:
             missing.append(path)
     rows.append(
@@ -86,11 +87,11 @@ def spec(vlm: VLM) -> list[CheckRow]:
     )
     if not missing:
         for layer in range(arch.n_layers):
-            o = vlm.hf.get_submodule(arch.o_proj(layer))
+            o = module_of(vlm.hf, arch.o_proj(layer))
             h, d = arch.heads(layer), arch.head_dim(layer)
             if getattr(o, "in_features", h * d) != h * d:
                 shapes.append(f"layer {layer} ({arch.kind(layer)}) o_proj takes {o.in_features}, not {h}×{d}")
-        head_rows = vlm.hf.get_submodule(arch.spec.lm_head).weight.shape[0]
+        head_rows = module_of(vlm.hf, arch.lm_head).weight.shape[0]
         try:
             top = max(i for n in COUNTS for i in vlm.answer_ids(str(n)))
         except CountlensError:  # answers that cannot be written: the end-of-answer row says why
@@ -411,7 +412,7 @@ def _head_shapes(arch) -> str:
 
 def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
     """Each head's z times its columns of o_proj, plus the bias, is o_proj's output."""
-    o = vlm.hf.get_submodule(vlm.arch.o_proj(layer))
+    o = module_of(vlm.hf, vlm.arch.o_proj(layer))
     with torch.no_grad(), vlm.read(batch):
         z = vlm.module(vlm.arch.o_proj(layer)).input.save()
         y = vlm.module(vlm.arch.o_proj(layer)).output.save()

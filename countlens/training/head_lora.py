@@ -56,7 +56,7 @@ def restrict_to_heads(vlm: VLM, model, heads: Sequence[tuple[int, int]]) -> int:
     parts = {spec.q_proj.rsplit(".", 1)[-1]: "qkv" if spec.fused_qkv else "q", spec.o_proj.rsplit(".", 1)[-1]: "o"}
     if not spec.fused_qkv:
         parts[spec.k_proj.rsplit(".", 1)[-1]] = "k"
-        parts["v_proj"] = "v"
+        parts[spec.v_proj.rsplit(".", 1)[-1]] = "v"
     restricted = 0
     for name, module in model.named_modules():
         if not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.sites import first_arg, first_output, replace_first
+from countlens.model.adapt import module_of
 
 Kind = Literal["input", "output", "weights", "before", "after"]
 KINDS: tuple[str, ...] = ("input", "output", "weights", "before", "after")
@@ -39,21 +40,6 @@ class Hook(NamedTuple):
     module: str | torch.nn.Module
     kind: Kind
     fn: Callable
-
-
-def module_of(
-    model: torch.nn.Module, module: str | torch.nn.Module, missing_ok: bool = False
-) -> torch.nn.Module | None:
-    """The module a path names in ``model`` (``""``: the model itself), or the module given; with
-    ``missing_ok``, None where the model has no such module."""
-    if isinstance(module, torch.nn.Module):
-        return module
-    try:
-        return model.get_submodule(module)
-    except AttributeError:
-        if missing_ok:
-            return None
-        raise
 
 
 def attach(model: torch.nn.Module, hook: Hook):

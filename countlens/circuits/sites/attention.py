@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 from countlens.circuits.sites.location import Location, check_indices, columns, head_axis
 from countlens.errors import InputError
 from countlens.labels import attn_in_label, kv_label, query_label
+from countlens.model.adapt import module_of
 
 if TYPE_CHECKING:
     from countlens.model.arch import Arch
@@ -80,15 +81,14 @@ class K:
                 f"layer {self.layer} of {arch.name} is a cross-attention layer: its keys and values are the "
                 "image states' (the ImageStates site), not the text's"
             )
-        d, base = arch.head_dim(self.layer), arch.layer(self.layer)
+        d = arch.head_dim(self.layer)
         if arch.spec.fused_qkv:
-            path = f"{base}.{arch.spec.q_proj}"
-            n_kv = (vlm.hf.get_submodule(path).out_features // d - arch.heads(self.layer)) // 2
+            path = arch.q_proj(self.layer)
+            n_kv = (module_of(vlm.hf, path).out_features // d - arch.heads(self.layer)) // 2
             start = arch.heads(self.layer) * d + (self.qkv - 1) * n_kv * d
         else:
-            k = f"{base}.{arch.spec.k_proj}"
-            path = k if self.qkv == 1 else k.rsplit(".", 1)[0] + ".v_proj"
-            n_kv, start = vlm.hf.get_submodule(path).out_features // d, 0
+            path = arch.k_proj(self.layer) if self.qkv == 1 else arch.v_proj(self.layer)
+            n_kv, start = module_of(vlm.hf, path).out_features // d, 0
         _check_head(arch, self.layer, self.head, n_kv, "key-value head")
         return Location(path, "output", columns(slice(start + self.head * d, start + (self.head + 1) * d)))
 

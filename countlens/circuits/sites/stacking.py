@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from countlens.model.adapt import module_of
+
 if TYPE_CHECKING:
     from jaxtyping import Float
 
@@ -60,7 +62,7 @@ def heads_view(z: Float[Tensor, "batch seq n_heads*d_head"], n_heads: int) -> Fl
 
 def o_proj_weight(vlm: VLM, layer: int) -> Float[Tensor, "d_model n_heads*d_head"]:
     """o_proj's weight at ``layer``."""
-    return vlm.hf.get_submodule(vlm.arch.o_proj(layer)).weight
+    return module_of(vlm.hf, vlm.arch.o_proj(layer)).weight
 
 
 def head_contributions(

@@ -19,6 +19,7 @@ from countlens.circuits.sites.location import (
 )
 from countlens.errors import InputError
 from countlens.labels import LOGITS, expert_label, head_label, input_label
+from countlens.model.adapt import module_of
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -117,7 +118,7 @@ class Expert:
         return arch.d_model
 
     def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
-        module = vlm.hf.get_submodule(vlm.arch.experts(self.layer))
+        module = module_of(vlm.hf, vlm.arch.experts(self.layer))
         return expert_rule(vlm.arch).cached(module, cache["experts"][self.layer], self.expert, b, s, device)
 
 

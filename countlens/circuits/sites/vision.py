@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from countlens.circuits.sites.location import Location, check_indices, whole
 from countlens.errors import InputError
+from countlens.model.adapt import module_of
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -22,7 +23,7 @@ class VisionBlock:
         check_indices(self, index=0)
 
     def location(self, vlm: VLM) -> Location:
-        blocks = vlm.hf.get_submodule(vlm.arch.spec.vision_blocks)
+        blocks = module_of(vlm.hf, vlm.arch.spec.vision_blocks)
         if not 0 <= self.index < len(blocks):
             raise InputError(f"vision block {self.index} out of range 0..{len(blocks) - 1}")
         return Location(f"{vlm.arch.spec.vision_blocks}.{self.index}", "output", whole)

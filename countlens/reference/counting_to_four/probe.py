@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from countlens.errors import InputError
+from countlens.model.adapt import module_of
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -312,5 +313,5 @@ def reference_taps(vlm: VLM) -> tuple[tuple[str, int | None], ...]:
     `countlens.circuits.taps.tap`: the vision encoder's second-to-last block, the projector's output
     and the decoder's second-to-last layer (which the code reads after the final norm; countlens reads
     the residual stream)."""
-    blocks = len(vlm.hf.get_submodule(vlm.arch.spec.vision_blocks))
+    blocks = len(module_of(vlm.hf, vlm.arch.spec.vision_blocks))
     return (("vision", blocks - 2), ("projector", None), ("llm", vlm.arch.n_layers - 2))
