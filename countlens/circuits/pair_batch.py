@@ -46,6 +46,11 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     both sides, and ``clean_id`` / ``corrupt_id`` are the two tokens read at the position after it.
     """
     check_pairs(pairs, "prepare_pairs")
+    return batch_pairs(vlm, pairs)
+
+
+def batch_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
+    """`prepare_pairs` of pairs a public function already checked at its door (a sweep's chunks)."""
     from countlens.model.answers import divergence
 
     split = [

@@ -7,11 +7,14 @@ already finished instead of recomputing them, so a killed sweep resumes where it
 as several processes, every rank waits until all chunks are in the store and returns all of them:
 every rank then holds the whole sweep, as one process would.
 
-`sweep_pairs` is the patching sweep on this driver: per chunk of pairs it records the corrupt run
-(`countlens.circuits.edits.cache_run`), runs one edit per site of a grid on the clean batch
-(`countlens.circuits.edits.run_edits`), and keeps each site's per-pair logit difference; the chunks
-together give each site's normalised ``effect`` and ``overwrite`` rate
-(`countlens.circuits.patching`). Head, layer and expert patching differ only in their edits.
+`sweep_pairs` is the patching sweep on this driver, persistence wrapped around a computation: each
+chunk is a pure function of its pairs (`patched_chunk`: it records the corrupt run,
+`countlens.circuits.edits.cache_run`, runs one edit per site of a grid on the clean batch,
+`countlens.circuits.edits.run_edits`, and keeps each site's per-pair logit difference); the runner names
+the chunks, stores, shards and resumes them (`run_chunks`), and the chunks together give each site's
+normalised ``effect`` and ``overwrite`` rate (`countlens.circuits.patching`) with the pairs' provenance.
+Head, layer and expert patching differ only in their edits; their pairs are checked once, at the public
+function's door (`check_pair_sweep`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.pair_batch import PairBatch, logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.pair_batch import PairBatch, batch_pairs, logit_diff, normaliser, pairs_provenance
 from countlens.distributed import Shard
 from countlens.model.vlm import check_pairs
 from countlens.sweep_store import SweepStore, samples_digest
@@ -100,19 +103,42 @@ def sweep_pairs(
     """Run ``make_edits(pair_batch)`` (one edit per site of the ``coords`` grid, in order; None for a
     slot that is no site: NaN there) over chunks of pairs; per-pair logit diffs (site…, pair).
     ``experts``: the corrupt cache records the MoE layers' experts inputs (expert edits copy from them).
-    Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store."""
-    check_pair_sweep(pairs, batch_size)
+    Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store.
+
+    The runner around the computation: ``pairs`` and ``batch_size`` were checked at the public function's
+    door (`check_pair_sweep`); here the chunks are named, run or read back (`run_chunks`: store, shards,
+    resume), summarised and given their provenance. Each chunk is `patched_chunk`'s pure function."""
     shard = distributed.resolve(shard, store, "this patching sweep")
-    shape = tuple(len(v) for v in coords.values())
-    dims = tuple(coords)
-    starts = {
-        f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}": start
+    chunks = {
+        f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}": (start, pairs[start : start + batch_size])
         for start in range(0, len(pairs), batch_size)
     }
+    compute = patched_chunk(vlm, make_edits, coords, experts)
+    parts = run_chunks(chunks, compute, store, shard, f"patching {len(pairs)} pairs" if progress else None)
+    ds = xr.concat(parts, dim="pair", data_vars="minimal")
+    dims = tuple(coords)
+    ld, clean_ld, corrupt_ld = (
+        torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")
+    )
+    effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
+    overwrite = overwrite.masked_fill(effect.isnan(), float("nan"))  # no site: no overwrite either
+    ds["effect"] = (dims, effect.numpy())
+    ds["overwrite"] = (dims, overwrite.numpy())
+    ds.attrs.update(pairs_provenance(vlm, pairs))
+    return ds
 
-    def chunk_result(start: int) -> xr.Dataset:
-        chunk = pairs[start : start + batch_size]
-        pb = prepare_pairs(vlm, chunk)
+
+def patched_chunk(
+    vlm: VLM, make_edits: Callable[[PairBatch], Sequence[Edit | None]], coords: dict, experts: bool
+) -> Callable[[tuple[int, Sequence]], xr.Dataset]:
+    """One chunk of a patching sweep as a pure function: (first pair's index, the chunk's pairs) → its
+    per-pair logit diffs on the ``coords`` grid (corrupt run recorded, one edit per site on the clean batch)."""
+    shape = tuple(len(v) for v in coords.values())
+    dims = tuple(coords)
+
+    def chunk_result(chunk: tuple[int, Sequence]) -> xr.Dataset:
+        start, chunk = chunk
+        pb = batch_pairs(vlm, chunk)
         edits = make_edits(pb)  # before any forward: positions that a sample lacks are refused here
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers), experts=experts)
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
@@ -140,17 +166,7 @@ def sweep_pairs(
             coords={**coords, "pair": pair},
         )
 
-    parts = run_chunks(starts, chunk_result, store, shard, f"patching {len(pairs)} pairs" if progress else None)
-    ds = xr.concat(parts, dim="pair", data_vars="minimal")
-    ld, clean_ld, corrupt_ld = (
-        torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")
-    )
-    effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
-    overwrite = overwrite.masked_fill(effect.isnan(), float("nan"))  # no site: no overwrite either
-    ds["effect"] = (dims, effect.numpy())
-    ds["overwrite"] = (dims, overwrite.numpy())
-    ds.attrs.update(pairs_provenance(vlm, pairs))
-    return ds
+    return chunk_result
 
 
 def pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:

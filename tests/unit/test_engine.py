@@ -1,0 +1,120 @@
+"""The engine under the sites (`countlens.circuits.engine`): its hook backend, its one freeze, and the
+sweeps' runner checking pairs once at the door. Each against plain torch or the model's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerance import assert_close
+
+import countlens.circuits.pair_batch as pair_batch
+from countlens.circuits.engine import Hook, hooked
+from countlens.circuits.engine.freeze import Clamp, frozen, norm_paths, qk_paths
+from countlens.circuits.patching import patch_heads
+from countlens.datasets.pairs import count_pairs
+from countlens.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def organism(loaded):
+    return loaded("toy")
+
+
+@pytest.fixture(scope="module")
+def batch(organism):
+    pairs = count_pairs(2, seed=5, grid=organism.geometry)
+    return organism.prepare_samples([p.clean for p in pairs])
+
+
+def _hooks_on(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_hooked_reads_and_writes_as_a_plain_hook_does_and_always_removes_its_hooks(organism, batch):
+    arch, hf = organism.arch, organism.hf
+    before = _hooks_on(hf)
+    seen = {}
+    plain = hf.get_submodule(arch.o_proj(0)).register_forward_pre_hook(lambda m, a: seen.update(plain=a[0].clone()))
+    try:
+        with torch.no_grad(), hooked(hf, [Hook(arch.o_proj(0), "input", lambda z: seen.update(engine=z.clone()))]):
+            hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        plain.remove()
+    assert torch.equal(seen["engine"], seen["plain"])  # one tensor read twice
+    with torch.no_grad(), hooked(hf, [Hook(arch.layer(0), "output", torch.zeros_like)]):
+        zeroed = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits
+    with torch.no_grad():
+        ref = hf.get_submodule(arch.layer(0)).register_forward_hook(lambda m, a, o: torch.zeros_like(o))
+        try:
+            expected = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits
+        finally:
+            ref.remove()
+    assert torch.equal(zeroed, expected)  # one computation, two ways of hooking it
+    with (
+        pytest.raises(AttributeError),
+        hooked(hf, [Hook(arch.layer(0), "output", print), Hook("no.such", "output", print)]),
+    ):
+        pass
+    with pytest.raises(RuntimeError, match="inside"), hooked(hf, [Hook(arch.layer(0), "output", print)]):
+        raise RuntimeError("inside")
+    assert _hooks_on(hf) == before
+
+
+def test_frozen_detach_keeps_the_forward_and_a_clamp_of_the_run_replays_it(organism, batch):
+    hf = organism.hf
+    with torch.no_grad():
+        plain = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits.float()
+        with frozen(organism, norms="detach", attention="detach"):
+            held = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits.float()
+        clamp = Clamp()
+        with hooked(hf, clamp.hooks(organism)):
+            hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+        clamp.close(organism)
+        with frozen(organism, norms=clamp, attention=clamp):
+            replayed = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits.float()
+    assert_close(held, plain, what="logits with norms and attention detached")
+    assert_close(replayed, plain, what="logits with the clean run's norm scales and q, k replayed")
+    assert set(clamp.scales) == set(norm_paths(organism)) and set(clamp.qk) == set(qk_paths(organism))
+
+
+def test_frozen_attention_holds_q_and_k_out_of_the_gradient(organism, batch):
+    """In a forward whose stream carries a gradient, q and k carry none under frozen attention (v does)."""
+    arch, hf = organism.arch, organism.hf
+    got = {}
+
+    def leaf(x):
+        return x.detach().requires_grad_(True)
+
+    def seen(name):
+        return lambda t: got.update({name: t.requires_grad})
+
+    probes = [Hook(arch.layer(0), "input", leaf)]
+    probes += [Hook(p(1), "output", seen(p.__name__)) for p in (arch.q_proj, arch.k_proj, arch.v_proj)]
+    with torch.enable_grad(), frozen(organism, attention="detach"), hooked(hf, probes):
+        hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+    assert got == {"q_proj": False, "k_proj": False, "v_proj": True}
+    with torch.enable_grad(), hooked(hf, probes):
+        hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+    assert got == {"q_proj": True, "k_proj": True, "v_proj": True}
+
+
+def test_frozen_refuses_what_it_cannot_hold(organism, loaded):
+    with pytest.raises(InputError, match="'detach' or a Clamp"), frozen(organism, norms="scale"):
+        pass
+    hybrid = loaded("qwen3_5")
+    with pytest.raises(InputError, match="softmax self-attention only"), frozen(hybrid, attention="detach"):
+        pass
+
+
+def test_a_sweep_checks_its_pairs_once_at_the_door(organism, monkeypatch):
+    """patch_heads over 3 chunks: the pairs are checked once, not once more per call layer and per chunk."""
+    pairs = count_pairs(3, seed=2, grid=organism.geometry)
+    calls = []
+    real = pair_batch.check_pairs
+    monkeypatch.setattr(pair_batch, "check_pairs", lambda *a: calls.append("prepare") or real(*a))
+    import countlens.circuits.sweep as sweep
+
+    real_sweep = sweep.check_pairs
+    monkeypatch.setattr(sweep, "check_pairs", lambda *a: calls.append("door") or real_sweep(*a))
+    patch_heads(organism, pairs, batch_size=1)
+    assert calls == ["door"]
