@@ -10,7 +10,9 @@ from tolerance import assert_close
 import countlens.circuits.pair_batch as pair_batch
 from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.engine.freeze import Clamp, frozen, norm_paths, qk_paths
+from countlens.circuits.engine.record import record
 from countlens.circuits.patching import patch_heads
+from countlens.circuits.sites import HeadZ, MlpOut, Residual
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 
@@ -118,3 +120,56 @@ def test_a_sweep_checks_its_pairs_once_at_the_door(organism, monkeypatch):
     monkeypatch.setattr(sweep, "check_pairs", lambda *a: calls.append("door") or real_sweep(*a))
     patch_heads(organism, pairs, batch_size=1)
     assert calls == ["door"]
+
+
+def test_record_keys_by_site_and_label_and_its_gradients_equal_plain_autograd(organism, batch):
+    """`record` with a metric: each site's gradient of Σ rows metric(logits), against a plain-torch pass that
+    makes the same tensors require a gradient and asks autograd for them."""
+    arch, hf = organism.arch, organism.hf
+    ids = torch.tensor([3, 5])
+
+    def metric(logits):
+        return logits[torch.arange(len(logits)), ids] - logits.logsumexp(-1)
+
+    sites = [HeadZ(1, 0), HeadZ(1, 2), Residual(0), Residual(-1), MlpOut(1)]
+    cache = record(organism, batch, sites, metric=metric)
+    assert torch.equal(cache["L1H0"], cache[HeadZ(1, 0)]) and cache.heads(1).shape[0] == 2
+    seen = {}
+
+    def leaf(m, args, kwargs):
+        x = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
+        seen["embed"] = x
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    handles = [
+        hf.get_submodule(arch.layer(0)).register_forward_pre_hook(leaf, with_kwargs=True),
+        hf.get_submodule(arch.o_proj(1)).register_forward_pre_hook(lambda m, a: seen.update(z=a[0])),
+        hf.get_submodule(arch.layer(0)).register_forward_hook(lambda m, a, o: seen.update(h=o)),
+        hf.get_submodule(arch.mlp(1)).register_forward_hook(lambda m, a, o: seen.update(mlp=o)),
+    ]
+    try:
+        for p in hf.parameters():
+            p.requires_grad_(False)
+        with torch.enable_grad():
+            logits = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+            gz, gh, ge, gm = torch.autograd.grad(
+                metric(logits).sum(), [seen["z"], seen["h"], seen["embed"], seen["mlp"]]
+            )
+    finally:
+        for p in hf.parameters():
+            p.requires_grad_(True)
+        for h in handles:
+            h.remove()
+    d = arch.head_dim(1)
+    for got, want in [
+        (cache.grad[HeadZ(1, 0)], gz[..., :d]),
+        (cache.grad[HeadZ(1, 2)], gz[..., 2 * d : 3 * d]),
+        (cache.grad[Residual(0)], gh),
+        (cache.grad[Residual(-1)], ge),
+        (cache.grad[MlpOut(1)], gm),
+    ]:
+        assert_close(got, want.float(), what="record's gradient against plain autograd")
+    with pytest.raises(InputError, match="metric is a function"):
+        record(organism, batch, sites, metric=3)
+    with pytest.raises(KeyError, match="no recorded site is labelled 'L9H9'"):
+        cache["L9H9"]

@@ -1,6 +1,7 @@
 """Recording sites: any set of sites read in one forward, through the engine's torch hooks.
 
-`record` returns each site's value over a prepared batch, Float[Tensor, "batch seq d"]; `mean_activation`
+`record` returns each site's value over a prepared batch, Float[Tensor, "batch seq d"], and with a metric
+its gradient there, in the engine's one `Cache`; `mean_activation`
 averages one site over samples' tokens at chosen positions (a `countlens.circuits.Mean` reference, half
 of a steering vector). `location` is where a site is read and written by a torch hook: its
 `countlens.circuits.sites.Location` (a module, its input or output, the site's view), after the site
@@ -9,7 +10,7 @@ is checked against the model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,9 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.attention import eager_attention
+from countlens.circuits.engine.cache import Cache
 from countlens.circuits.engine.hooks import Hook, hooked
+from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.positions import Frame, as_positions, with_samples
 from countlens.circuits.sites import (
     Expert,
@@ -64,35 +67,62 @@ def require_local(vlm: VLM, what: str) -> None:
         raise InputError(f"{what} runs torch hooks on a local model; {vlm.name} is remote (NDIF): use vlm.trace")
 
 
-@torch.no_grad()
-def record(vlm: VLM, batch: Batch, sites: Sequence[Site]) -> dict:
-    """One forward of a prepared ``batch``: each site's value, Float[Tensor, "batch seq d"] on the CPU (a
-    `Pattern`'s: Float[Tensor, "batch query key"]), marked with the samples of its rows where the batch
-    has them (`VLM.prepare_samples`; `countlens.circuits.positions.samples_of`)."""
+def record(vlm: VLM, batch: Batch, sites: Sequence[Site], metric: Callable[[Tensor], Tensor] | None = None) -> Cache:
+    """One forward of a prepared ``batch``: a `Cache` of each site's value, Float[Tensor, "batch seq d"] on
+    the CPU (a `Pattern`'s: Float[Tensor, "batch query key"]), marked with the samples of its rows where
+    the batch has them (`VLM.prepare_samples`; `countlens.circuits.positions.samples_of`).
+
+    With ``metric`` (the read position's logits, Float[Tensor, "batch vocab"] → one value per row), also
+    each site's gradient of the metric's sum over rows, ``cache.grad[site]``, shaped like its value: rows
+    do not interact, so a row's gradient is its own metric's. The forward then runs with the embeddings
+    as a leaf and no parameter requiring a gradient (`activation_gradients_only`)."""
     require_vlm(vlm, "record")
     require_batch(batch, "record")
     require_local(vlm, "record")
     sites = require_sequence(sites, "sites", example="[Residual(3), HeadZ(0, 1)]")
+    if metric is not None and not callable(metric):
+        raise InputError(f"record's metric is a function of the logits (batch, vocab) → (batch,), not {metric!r:.60}")
     for site in sites:
         location(vlm, site)  # refuses what is no site before anything is hashed or run
     locations = {site: location(vlm, site) for site in dict.fromkeys(sites)}
+    if metric is not None and any(loc.io == "weights" for loc in locations.values()):
+        raise InputError("record takes no metric with a Pattern: attention weights are read, not differentiated")
     frame = Frame.of(batch)
     got: dict = {}
 
     def keeper(site, loc):
         def keep(t):
-            got[site] = loc.view(rows_seq(t, frame)).detach().float().cpu().clone()
+            got[site] = (t, loc.view(rows_seq(t, frame)))
 
         return keep
 
     patterns = any(loc.io == "weights" for loc in locations.values())
     hooks = [Hook(loc.path, loc.io, keeper(site, loc)) for site, loc in locations.items()]
-    with hooked(vlm.hf, hooks), eager_attention(vlm) if patterns else nullcontext():
-        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+    if metric is not None:
+        hooks.insert(0, Hook(vlm.arch.layer(0), "input", lambda x: x.detach().requires_grad_(True)))
+    grad = metric is not None
+    with (
+        torch.set_grad_enabled(grad),
+        activation_gradients_only(vlm.hf) if grad else nullcontext(),
+        hooked(vlm.hf, hooks),
+        eager_attention(vlm) if patterns else nullcontext(),
+    ):
+        logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1]
+        if grad:
+            total = metric(logits.float()).sum()
+            whole = list(dict.fromkeys(id(t) for t, _ in got.values()))
+            tensors = {id(t): t for t, _ in got.values()}
+            grads = dict(zip(whole, torch.autograd.grad(total, [tensors[i] for i in whole], allow_unused=True)))
+    cache = Cache({site: view.detach().float().cpu().clone() for site, (_, view) in got.items()})
+    if grad:
+        for site, (t, _) in got.items():
+            g = grads[id(t)]
+            g = torch.zeros_like(t) if g is None else g
+            cache.grad[site] = locations[site].view(rows_seq(g, frame)).detach().float().cpu().clone()
     if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
-        for values in got.values():
+        for values in cache.values():
             with_samples(values, batch.samples)
-    return got
+    return cache
 
 
 @torch.no_grad()
