@@ -22,7 +22,18 @@ from countlens.circuits.experts import (
 from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
 from countlens.circuits.headlens import HeadLens
 from countlens.circuits.integrated import node_attribution
-from countlens.circuits.interventions import Add, Apply, Intervention, Mean, Patch, Resample, Scale, Zero
+from countlens.circuits.interventions import (
+    Add,
+    Apply,
+    Block,
+    Intervention,
+    Mean,
+    Patch,
+    Replace,
+    Resample,
+    Scale,
+    Zero,
+)
 from countlens.circuits.lens import logit_lens
 from countlens.circuits.object_edges import object_edge_attribution
 from countlens.circuits.object_effects import object_effects
@@ -37,6 +48,7 @@ from countlens.circuits.temperature import beta_from_importance, head_temperatur
 __all__ = [
     "Add",
     "Apply",
+    "Block",
     "Cells",
     "Expert",
     "Group",
@@ -52,6 +64,7 @@ __all__ = [
     "Objects",
     "Patch",
     "Q",
+    "Replace",
     "Resample",
     "Residual",
     "Scale",

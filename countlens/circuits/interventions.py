@@ -18,6 +18,13 @@ has at each chosen position (Float[Tensor, "k d"], d the site's width):
 - `Add` — x + α·v (steering; `countlens.circuits.mean_difference` gives v).
 - `Scale` — β·x (on `Q`, head temperature: β scales the head's attention logits).
 - `Apply` — fn(x), any function of Float[Tensor, "k d"] to the same shape, finite where x is.
+- `Replace` — fn(what other sites hold in this same forward): ``reads=`` names them, each computed
+  before the site (`MlpIn` of the layer for its `MlpOut`: a transcoder in place of the MLP), or the
+  site itself (its value before the write). Under `countlens.circuits.intervene` only.
+
+One intervention has no site: `Block` (attention knockout) removes the attention from chosen query
+positions to chosen key positions at one layer (one head, or every head), by adding −inf to those
+attention logits before the softmax. Under `countlens.circuits.intervene` only.
 
 A list of interventions applies together, in the forward's order. Patch and Resample write a
 donor's values, so they never act on tokens generated after the prompt (no donor has them); the
@@ -48,13 +55,18 @@ from countlens.circuits.positions import (
     samples_of,
 )
 from countlens.circuits.sites import Site, check_site
-from countlens.errors import InputError
-from countlens.validate import require_seed
+from countlens.errors import InputError, LayerError
+from countlens.model.arch import text_config
+from countlens.validate import require_integer, require_seed
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
 
 SITE_KINDS = ("Residual", "HeadZ", "Q", "K", "V", "MlpIn", "MlpOut", "Expert", "ImageStates")
+#: The sites a `Replace` reads: those a torch hook records at a module's input or output.
+READ_KINDS = ("Residual", "HeadZ", "Q", "K", "V", "MlpIn", "MlpOut")
+#: Every intervention, as error messages name them.
+NAMES = "Patch, Resample, Mean, Zero, Add, Scale, Apply, Replace or Block"
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,19 +288,137 @@ class Apply(Intervention):
         fn, where = self.fn, f"Apply at {self.site} ({getattr(self.fn, '__name__', repr(self.fn))})"
 
         def apply(x: Tensor) -> Tensor:
-            out = fn(x)
-            if not isinstance(out, Tensor) or out.shape != x.shape:
-                got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-                raise InputError(
-                    f"{where}: the function returned {got} for values of shape {tuple(x.shape)}; keep the shape"
-                )
-            if out.is_floating_point() and bool((torch.isfinite(x) & ~torch.isfinite(out)).any()):
-                raise InputError(
-                    f"{where}: the function returned NaN or ±inf where its input was finite; return finite values"
-                )
-            return out
+            return checked_result(where, fn(x), tuple(x.shape), torch.isfinite(x))
 
         return apply
+
+
+def checked_result(where: str, out, shape: tuple, finite: Tensor) -> Tensor:
+    """``out``, a function's result, refused unless it is a tensor of ``shape`` that is finite where
+    ``finite`` (Bool, broadcast to ``shape``: where its inputs were) holds."""
+    if not isinstance(out, Tensor) or tuple(out.shape) != shape:
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise InputError(f"{where}: the function returned {got}; {shape} is written there (the positions × the width)")
+    if out.is_floating_point() and bool((finite & ~torch.isfinite(out)).any()):
+        raise InputError(f"{where}: the function returned NaN or ±inf where its input was finite; return finite values")
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Replace(Intervention):
+    """Write fn(the values of ``reads`` in this same forward) at the site's positions. ``reads`` is a
+    site or a tuple of sites (`READ_KINDS`), each computed before ``site`` in the forward — a lower
+    layer, or in one layer q, k, v → z → the MLP's input → its output → the layer's output (each site's
+    ``stage``) — or ``site`` itself (its value before this write). ``fn`` takes one Float[Tensor,
+    "k d_read"] per read (the k chosen positions) and returns Float[Tensor, "k d"], d the site's width,
+    finite where the reads are. It is called once before any forward, on random rows, so that a wrong
+    width or a NaN is refused up front. ``Replace(MlpOut(l), transcoder, reads=MlpIn(l))``: the MLP's
+    output rewritten from its input."""
+
+    fn: Callable[..., Tensor] | None = field(default=None, repr=False)
+    reads: Any = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        reads = tuple(self.reads) if isinstance(self.reads, (tuple, list)) else (self.reads,)
+        if self.reads is None or not reads:
+            raise InputError(
+                f"Replace at {self.site} takes reads=: the site(s) fn reads, e.g. Replace(MlpOut(3), fn, "
+                "reads=MlpIn(3)); to rewrite a site from its own value use Apply"
+            )
+        for read in reads:
+            if type(read).__name__ not in READ_KINDS:
+                raise InputError(f"Replace reads sites ({', '.join(READ_KINDS)} from countlens.circuits), got {read!r}")
+            if read == self.site or type(self.site).__name__ not in READ_KINDS:
+                continue
+            here, there = (self.site.layer, self.site.stage), (read.layer, read.stage)
+            if there >= here:
+                when = "at the same step as" if there == here else "after"
+                raise InputError(
+                    f"Replace at {self.site} reads {read}, which the forward computes {when} {self.site}: a site "
+                    "reads only what comes before it in the same forward (a lower layer; within a layer q, k, v, "
+                    "then z, the MLP's input, its output, the layer's output); read an earlier site"
+                )
+        object.__setattr__(self, "reads", reads)
+
+    def check_values(self, vlm: VLM) -> None:
+        if not callable(self.fn):
+            raise InputError(f"Replace takes a function of the reads' values, got {type(self.fn).__name__}")
+        for read in self.reads:
+            check_site(vlm, read)
+        # One call on random rows before any forward: a wrong width or a NaN is refused here.
+        gen, device, dtype = torch.Generator().manual_seed(0), vlm.device, vlm.hf.dtype
+        probes = [torch.randn(2, read.width(vlm.arch), generator=gen).to(device, dtype) for read in self.reads]
+        with torch.no_grad():
+            self.written(probes, self.site.width(vlm.arch))
+
+    def written(self, values: Sequence[Tensor], width: int) -> Tensor:
+        """fn(*values), refused unless it is (k, ``width``) and finite where every read's row is."""
+        where = f"Replace at {self.site} ({getattr(self.fn, '__name__', repr(self.fn))})"
+        try:
+            out = self.fn(*values)
+        except InputError:
+            raise
+        except Exception as err:
+            shapes = ", ".join(str(tuple(v.shape)) for v in values)
+            raise InputError(f"{where}: the function failed on values of shapes {shapes}: {err}") from err
+        finite = torch.stack([torch.isfinite(v).all(-1) for v in values]).all(0)[:, None].to(out.device)
+        return checked_result(where, out, (values[0].shape[0], width), finite)
+
+    def op(self):
+        raise InputError(f"{self!r} reads other sites in the same forward: run it under intervene")
+
+
+@dataclass(frozen=True, eq=False, init=False, repr=False)
+class Block(Intervention):
+    """Attention knockout: at ``layer`` (head ``head``; None: every head) the attention from the
+    ``queries`` positions to the ``keys`` positions is removed — those attention logits are set to −inf
+    before the softmax, so each query's probabilities renormalise over the keys it still sees. A
+    softmax self-attention layer under eager or sdpa attention; a query left no key is refused. Under a
+    KV cache (generation) the keys are the prompt's and the new tokens' (a new token is a key of
+    ``last`` and ``all``)."""
+
+    layer: int = 0
+    head: int | None = None
+    keys: Any = None
+
+    def __init__(self, layer: int, head: int | None = None, *, queries, keys):
+        object.__setattr__(self, "site", None)
+        object.__setattr__(self, "layer", require_integer(layer, "Block's layer", low=0))
+        object.__setattr__(self, "head", None if head is None else require_integer(head, "Block's head", low=0))
+        object.__setattr__(self, "positions", as_positions(queries))
+        object.__setattr__(self, "keys", as_positions(keys))
+
+    @property
+    def queries(self):
+        return self.positions
+
+    def __repr__(self) -> str:
+        return f"Block(layer={self.layer}, head={self.head}, queries={self.positions!r}, keys={self.keys!r})"
+
+    def check(self, vlm: VLM) -> None:
+        arch, layer = vlm.arch, self.layer
+        arch.layer(layer)  # a LayerError naming the model's layers
+        try:
+            arch.require_softmax(layer, "Block (attention knockout)")
+        except LayerError as err:
+            raise InputError(str(err)) from err
+        if arch.kind(layer) == "cross":
+            raise InputError(
+                f"layer {layer} of {arch.name} is a cross-attention layer: its keys are the image states, not "
+                f"positions of the sequence; Block a self-attention layer ({arch.softmax_layers})"
+            )
+        n = arch.heads(layer)
+        if self.head is not None and self.head >= n:
+            raise InputError(f"head {self.head} out of range: layer {layer} of {arch.name} has heads 0..{n - 1}")
+        kernel = text_config(vlm.hf.config, arch.spec)._attn_implementation
+        if kernel not in ("eager", "sdpa"):
+            raise InputError(
+                f"Block adds −inf to the attention mask that eager and sdpa attention read; {vlm.name} runs "
+                f"{kernel!r} attention: load it with attn_implementation='sdpa'"
+            )
+        self.positions.check(vlm)
+        self.keys.check(vlm)
 
 
 def _finite(value, name: str) -> float:
@@ -306,11 +436,10 @@ def as_interventions(vlm: VLM, interventions) -> list[Intervention]:
     items = [interventions] if isinstance(interventions, Intervention) else interventions
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items:
         raise InputError(
-            "give an intervention or a non-empty list of them (Patch, Resample, Mean, Zero, Add, Scale, Apply "
-            f"from countlens.circuits); got {interventions!r}"
+            f"give an intervention or a non-empty list of them ({NAMES} from countlens.circuits); got {interventions!r}"
         )
     for item in items:
         if not isinstance(item, Intervention):
-            raise InputError(f"{item!r} is no intervention; use Patch, Resample, Mean, Zero, Add, Scale or Apply")
+            raise InputError(f"{item!r} is no intervention; use {NAMES}")
         item.check(vlm)
     return list(items)

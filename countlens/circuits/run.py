@@ -14,7 +14,9 @@ Two entry points take the same interventions (`countlens.circuits.interventions`
   per forward (`countlens.circuits.positions`), so any batch size works, and so do the new tokens of
   generation; a `Patch`'s values and a `Mask` know the samples of their rows, so each forward's row
   takes its own sample's row, in any batching and order. It runs on plain torch hooks on the HF
-  modules, so it holds for a model with a LoRA adapter too; local models only.
+  modules, so it holds for a model with a LoRA adapter too; local models only. Two interventions run
+  here alone: `Replace` (a site rewritten from other sites of the same forward, recorded there by a
+  hook) and `Block` (attention knockout: a hook before the layer's attention adds −inf to its mask).
 
 Helpers: `record` reads any set of sites in one forward; `mean_activation` and `mean_difference`
 (a steering vector: the mean of a site over one set of samples minus its mean over another).
@@ -34,10 +36,10 @@ from torch import Tensor
 from countlens.circuits.edits import Edit
 from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.engine.record import location, mean_activation, record, require_local, rows_seq
-from countlens.circuits.interventions import Intervention, Patch, as_interventions
+from countlens.circuits.interventions import Block, Intervention, Patch, Replace, as_interventions
 from countlens.circuits.pair_batch import PairBatch
 from countlens.circuits.positions import Frame
-from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual
+from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual, first_arg
 from countlens.circuits.sweep import check_pair_sweep, sweep_pairs
 from countlens.errors import InputError
 from countlens.model.arguments import require_vlm
@@ -74,14 +76,16 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
     require_local(vlm, "intervene")
     items = as_interventions(vlm, interventions)
     for item in items:
-        location(vlm, item.site)
+        for site in () if isinstance(item, Block) else (item.site, *getattr(item, "reads", ())):
+            location(vlm, site)
         if isinstance(item, Patch) and item.values is None:
             raise InputError(
                 f"under intervene, {item!r} needs values=: record(vlm, donor_batch, [site])[site] — or run "
                 "effect(vlm, pairs, ...), where a Patch copies each pair's corrupt run"
             )
     items = [item.resolved(vlm) for item in items]  # forwards of reference or donor samples, unedited
-    state: dict = {}
+    blocks = [item for item in items if isinstance(item, Block)]
+    state: dict = {"keys": {}}
 
     def frame_of(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -94,10 +98,13 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
         frame = Frame(ids, attn, batch, new)
         masks = {id(i.positions): i.positions.mask(vlm, frame) for i in items}  # refusals before any layer runs
         rows = {} if new else {id(i): i.rows_for(frame) for i in items if i.donor}
-        state.update(frame=frame, masks=masks, rows=rows)
+        state.update(frame=frame, masks=masks, rows=rows, read={})
+        for item in blocks:
+            state["keys"][id(item)] = _block_keys(vlm, item, frame, state["keys"].get(id(item)))
+            _keys_left(item, frame, masks[id(item.positions)], state["keys"][id(item)])
 
     def action(item: Intervention, loc: Location):
-        op = item.op()
+        op = None if isinstance(item, Replace) else item.op()
 
         def act(t: Tensor) -> Tensor | None:
             frame = state["frame"]
@@ -109,7 +116,10 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
             if tuple(view.shape[:2]) != tuple(mask.shape):
                 raise InputError(f"{item.site} is shaped {tuple(view.shape)} here, the tokens {tuple(mask.shape)}")
             b, s = mask.to(view.device).nonzero(as_tuple=True)
-            if op is not None:
+            if isinstance(item, Replace):
+                values = [view[b, s] if r == item.site else _read(state, r, b, s, view.device) for r in item.reads]
+                view[b, s] = item.written(values, view.shape[-1]).to(view.dtype)
+            elif op is not None:
                 view[b, s] = op(view[b, s]).to(view.dtype)
             else:
                 view[b, s] = _donor(item, frame, b, s, state["rows"][id(item)]).to(view.device, view.dtype)
@@ -117,10 +127,94 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
 
         return act
 
+    def keeper(site: Site, loc: Location):
+        def keep(t: Tensor) -> None:
+            state["read"][site] = loc.view(rows_seq(t, state["frame"])).clone()
+
+        return keep
+
     hooks = [Hook("", "before", frame_of)]
-    hooks += [Hook((loc := location(vlm, item.site)).path, loc.io, action(item, loc)) for item in items]
+    hooks += [Hook(vlm.arch.attention(i.layer), "before", _knockout(vlm, i, state)) for i in blocks]
+    edits = [i for i in items if not isinstance(i, Block)]
+    hooks += [Hook((loc := location(vlm, item.site)).path, loc.io, action(item, loc)) for item in edits]
+    # The reads are recorded after every edit at their module: a Replace reads what the forward has there.
+    reads = dict.fromkeys(r for i in edits if isinstance(i, Replace) for r in i.reads if r != i.site)
+    hooks += [Hook((loc := location(vlm, site)).path, loc.io, keeper(site, loc)) for site in reads]
     with hooked(vlm.hf, hooks):
         yield
+
+
+def _read(state: dict, site: Site, b: Tensor, s: Tensor, device: torch.device) -> Tensor:
+    """What ``site`` held at rows ``b``, positions ``s`` earlier in this forward (a `Replace`'s read)."""
+    got = state["read"].get(site)
+    if got is None:
+        raise InputError(f"{site} did not run before the site that reads it in this forward; read an earlier site")
+    return got[b.to(got.device), s.to(got.device)].to(device)
+
+
+def _block_keys(vlm: VLM, item: Block, frame: Frame, before: Tensor | None) -> Tensor:
+    """A `Block`'s key positions over every key column of this forward: the prompt's, and after a KV
+    cache those of the earlier forwards (``before``) followed by the new tokens'."""
+    now = item.keys.mask(vlm, frame)
+    if not frame.new:
+        return now
+    width = frame.attention_mask.shape[1]
+    if before is None or before.shape[0] != now.shape[0] or before.shape[1] + now.shape[1] != width:
+        raise InputError(
+            f"{item!r}: a forward after a KV cache attends to keys of earlier forwards this intervene has not "
+            "seen; run the prompt's forward inside the same intervene (generate does)"
+        )
+    return torch.cat([before, now.to(before.device)], 1)
+
+
+def _keys_left(item: Block, frame: Frame, queries: Tensor, keys: Tensor) -> None:
+    """Refuse, before any layer runs, a `Block` that leaves a real query no key (causal attention:
+    the real keys up to its own position)."""
+    real = frame.attention_mask.bool().to(queries.device)
+    n = queries.shape[1]
+    seen = real.cumsum(1)[:, -n:]  # the real keys each query sees
+    cut = (real & keys.to(real.device)).cumsum(1)[:, -n:]  # those Block takes away from a chosen query
+    bad = (queries.bool() & real[:, -n:] & (seen == cut)).nonzero()
+    if len(bad):
+        b, q = bad[0].tolist()
+        raise InputError(
+            f"{item!r} leaves the query at position {q} of row {b} no key to attend to (all {int(seen[b, q])} it "
+            "sees are blocked); leave at least one out of keys (e.g. its own position)"
+        )
+
+
+def _knockout(vlm: VLM, item: Block, state: dict):
+    """The hook before ``item``'s attention: its mask with −inf (False) from the chosen queries to the
+    chosen keys, at one head or all; the mask as it was where nothing is blocked."""
+    heads = vlm.arch.heads(item.layer)
+
+    def before(module, args, kwargs):
+        queries, keys = state["masks"][id(item.positions)], state["keys"][id(item)]
+        if not (queries.any() and keys.any()):
+            return None
+        hidden = first_arg(args, kwargs)
+        positional = "attention_mask" not in kwargs and len(args) > 1
+        mask = args[1] if positional else kwargs.get("attention_mask")
+        rows, n, kv = queries.shape[0], queries.shape[1], keys.shape[1]
+        if mask is not None and (not isinstance(mask, Tensor) or mask.ndim != 4 or mask.shape[-2] != n):
+            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise InputError(f"{item!r} edits a (batch, heads, query, key) attention mask; this layer got {got}")
+        width = kv if mask is None else mask.shape[-1]
+        if width < kv:
+            raise InputError(f"{item!r}: this layer's attention sees {width} keys, the forward has {kv} positions")
+        device = hidden.device if mask is None else mask.device
+        cut = torch.zeros(rows, 1 if item.head is None else heads, n, width, dtype=torch.bool, device=device)
+        pairs = queries.to(device)[:, :, None] & keys.to(device)[:, None, :]
+        cut[:, 0 if item.head is None else item.head, :, :kv] = pairs
+        if mask is None:  # sdpa's causal default, written out: query i sees the keys up to its position
+            allowed = torch.arange(width, device=device) <= torch.arange(n, device=device)[:, None] + width - n
+            mask = torch.zeros(n, width, dtype=hidden.dtype, device=device).masked_fill(~allowed, float("-inf"))
+        new = mask & ~cut if mask.dtype == torch.bool else torch.where(cut, float("-inf"), mask)
+        if positional:
+            return (args[0], new, *args[2:]), kwargs
+        return args, {**kwargs, "attention_mask": new}
+
+    return before
 
 
 def _donor(item: Intervention, frame: Frame, b: Tensor, s: Tensor, rows: Tensor | None = None) -> Tensor:
@@ -210,6 +304,11 @@ def effect(vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progr
     sets = {str(k): as_interventions(vlm, v) for k, v in (grid or {"": interventions}).items()}
     for items in sets.values():
         for item in items:
+            if isinstance(item, (Replace, Block)):
+                raise InputError(
+                    f"{item!r} runs under intervene only (effect's stacked forward writes each site from its own "
+                    "value or a donor's): with intervene(vlm, [...]): compare vlm.forward(batch) or score(vlm, ...)"
+                )
             item.check_samples(pairs)
     resolved = [[item.resolved(vlm) for item in items] for items in sets.values()]
     ds = effect_grid(vlm, pairs, resolved, {"intervention": list(sets)}, batch_size, progress=progress)

@@ -35,7 +35,9 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine import Hook, hooked
-from countlens.circuits.sites import first_arg, first_output
+from countlens.circuits.interventions import Replace
+from countlens.circuits.run import intervene
+from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.errors import InputError
 from countlens.labels import feature_keys, feature_label
 from countlens.model.adapt import module_of
@@ -87,14 +89,12 @@ def _ablated_logprob(vlm, transcoders, batch, layer: int, f: int) -> torch.Tenso
     """(B,) the answer token's log-probability with feature f's write removed from layer's MLP output."""
     tc = transcoders.layer(layer)
 
-    def hook(_m, args, kwargs, out):
-        y = first_output(out)
-        x = first_arg(args, kwargs).to(tc.dtype)
-        write = tc.encode(x)[..., f : f + 1] * tc.W_dec[f]
-        y = y - write.to(y.dtype)
-        return (y, *out[1:]) if isinstance(out, tuple) else y
+    def without_feature(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        write = tc.encode(x.to(tc.dtype))[..., f : f + 1] * tc.W_dec[f]
+        return y - write.to(y.dtype)
 
-    with hooked(vlm.hf, [Hook(vlm.arch.mlp(layer), "after", hook)]), torch.no_grad():
+    ablation = Replace(MlpOut(layer), without_feature, reads=(MlpIn(layer), MlpOut(layer)))
+    with intervene(vlm, ablation), torch.no_grad():
         logits = vlm.hf(**batch.inputs, use_cache=False).logits
     rows = torch.arange(len(batch))
     return logits[rows, batch.last].float().log_softmax(-1)[rows, batch.answer_token]

@@ -8,9 +8,10 @@ prompt), the replacement model here drops it, so its outputs show how much of th
 the features alone carry. Attention, norms and embeddings stay the model's own; an MLP's input
 ``x`` is whatever the (already replaced) layers below produce, so errors compound with depth.
 
-`replacement` installs the swap as forward hooks on the MLP modules
-(the family spec's MLP, `countlens.model.arch.Arch.mlp`) for the duration of a ``with`` block; any forward inside
-it — `VLM.forward`, scoring, generation — runs the replacement model.
+`replacement` installs the swap for the duration of a ``with`` block, in the interventions' vocabulary:
+``Replace(MlpOut(l), transcoder, reads=MlpIn(l))`` per covered layer under `countlens.circuits.intervene`
+(at every real token; a padding position keeps the MLP's own output, which no real token reads); any
+forward inside it — `VLM.forward`, scoring, generation — runs the replacement model.
 `replacement_accuracy` scores counting samples with countlens's own scoring
 (`countlens.analysis.evaluate.score`) on the original and on the replacement model, side by side.
 """
@@ -25,7 +26,9 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.engine import Hook, hooked
+from countlens.circuits.interventions import Replace
+from countlens.circuits.run import intervene
+from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.errors import InputError
 from countlens.features.transcoder import Transcoder, TranscoderSet
 
@@ -50,12 +53,13 @@ def check_fits(vlm: VLM, transcoders: TranscoderSet, what: str) -> None:
         raise InputError(f"{what}: the set covers layers {outside}, but {name} has layers 0 … {vlm.arch.n_layers - 1}")
 
 
-def _swap(tc: Transcoder):
-    def hook(module, args, kwargs, output):
-        x = args[0] if args else next(iter(kwargs.values()))
-        return tc(x.to(tc.dtype)).to(output.dtype)
+def reconstruction(tc: Transcoder):
+    """x ↦ ``tc``'s reconstruction of the MLP's output from its input x (in the transcoder's dtype)."""
 
-    return hook
+    def transcoder(x: torch.Tensor) -> torch.Tensor:
+        return tc(x.to(tc.dtype))
+
+    return transcoder
 
 
 @contextmanager
@@ -67,8 +71,8 @@ def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
 
     require_vlm(vlm, "replacement")
     check_fits(vlm, transcoders, "replacement")
-    swaps = [Hook(vlm.arch.mlp(layer), "after", _swap(tc)) for layer, tc in transcoders.items()]
-    with hooked(vlm.hf, swaps), torch.no_grad():
+    swaps = [Replace(MlpOut(layer), reconstruction(tc), reads=MlpIn(layer)) for layer, tc in transcoders.items()]
+    with intervene(vlm, swaps), torch.no_grad():
         yield vlm
 
 

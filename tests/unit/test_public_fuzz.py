@@ -429,6 +429,8 @@ def _class_calls(vlm) -> dict:
         Add=dict(at, vector=torch.zeros(vlm.arch.d_model), alpha=1.0),
         Scale=dict(at, beta=0.5),
         Apply=dict(at, fn=lambda x: x * 0.5),
+        Replace=dict(site=circuits.MlpOut(1), positions="last", fn=lambda x: x * 0.5, reads=circuits.MlpIn(1)),
+        Block=dict(layer=1, head=None, queries="last", keys="image"),
     )
 
     def patched(intervention):
@@ -448,6 +450,8 @@ def _class_calls(vlm) -> dict:
         | {name: lambda i: circuits.effect(vlm, pairs, i) for name in interventions}
         | {
             "Patch": patched,
+            "Replace": patched,  # Replace and Block run under intervene only
+            "Block": patched,
             "HeadLens": lambda lens: lens.decode(vlm, samples, top_k=2),
             "HeadThresholds": lambda t: analysis.classify_heads(**{**VALID["classify_heads"], "thresholds": t}),
             "Transcoder": lambda tc: features.fidelity(
