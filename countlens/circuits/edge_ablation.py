@@ -237,7 +237,10 @@ class _Ablator:
             if not mine:
                 return None
             removed = self._complement(removed, x, (layer, 0))
-            copies = self.norm_of(module, torch.sub(x[:, None], removed, out=removed))  # every receiver's at once
+            if removed.requires_grad:  # with gradients (out= has none)
+                copies = self.norm_of(module, x[:, None] - removed)
+            else:  # every receiver's at once, in place
+                copies = self.norm_of(module, torch.sub(x[:, None], removed, out=removed))
             self.normed = {r: copies[:, i] for i, r in enumerate(mine)}
             return self.normed[mine[0]] if isinstance(mine[0], AttnIn) else None
 
@@ -335,28 +338,45 @@ def edge_max_rows(vlm: VLM, graph: EdgeGraph, batch: Batch) -> int:
     return memory.rows_per_forward(w, seq, free, 1, batch.patches(w.merge), extra=edge_row_bytes(w, seq, receivers))
 
 
-@torch.no_grad()
 def edge_ablated_logits(
-    vlm: VLM, graph: EdgeGraph, batch: Batch, sets: Sequence[frozenset], values: dict, image: Tensor, max_rows=None
+    vlm: VLM,
+    graph: EdgeGraph,
+    batch: Batch | dict,
+    sets: Sequence[frozenset],
+    values: dict,
+    image: Tensor,
+    max_rows=None,
+    grad: bool = False,
 ) -> torch.Tensor:
     """Last-position logits of ``batch`` once per set of edge indices in ``sets`` (circuits × batch ×
     vocab), those edges ablated to ``values`` (a `record_nodes` recording of the same batch's shape),
-    as many sets a stacked forward as memory holds."""
-    n = len(batch)
-    max_rows = edge_max_rows(vlm, graph, batch) if max_rows is None else max_rows
+    as many sets a stacked forward as memory holds. ``batch``: a prepared `Batch`, or the model's
+    inputs (then give ``max_rows``); one set a forward runs on them as they are, not copied.
+
+    Without ``grad``, no gradients, and the logits come back on the CPU. With it (opt-in: training,
+    `countlens.toy.edge_plant`) the logits keep their graph, into the weights and into ``values`` (a
+    `record_nodes` recording made with ``grad``), and stay on the model's device."""
+    inputs = batch if isinstance(batch, dict) else batch.inputs
+    if max_rows is None:
+        if isinstance(batch, dict):
+            raise InputError("edge_ablated_logits of an inputs dict needs max_rows: give it, or a prepared Batch")
+        max_rows = edge_max_rows(vlm, graph, batch)
+    n = int(inputs["input_ids"].shape[0])
     per_pass = max(1, max_rows // n)
-    tower = tower_output(vlm, batch) if len(sets) > 1 else None
-    out = []
-    for i in range(0, len(sets), per_pass):
-        chunk = sets[i : i + per_pass]
-        k = len(chunk)
-        ablator = _Ablator(vlm, graph, _weights(graph, chunk, n), values, image, k)
-        with (
-            hooked(vlm.hf, ablator.hooks()),
-            vlm.trace(repeat_inputs(batch.inputs, k), use_cache=False, logits_to_keep=1),
-        ):
-            if tower is not None:
-                skip_tower(vlm, tower, k)
-            logits = vlm.nn.output.logits[:, -1].save()
-        out.append(logits.float().view(k, n, -1).cpu())
-    return torch.cat(out)
+    with torch.set_grad_enabled(grad):
+        tower = tower_output(vlm, inputs) if len(sets) > 1 else None
+        out = []
+        for i in range(0, len(sets), per_pass):
+            chunk = sets[i : i + per_pass]
+            k = len(chunk)
+            ablator = _Ablator(vlm, graph, _weights(graph, chunk, n), values, image, k)
+            with (
+                hooked(vlm.hf, ablator.hooks()),
+                vlm.trace(inputs if k == 1 else repeat_inputs(inputs, k), use_cache=False, logits_to_keep=1),
+            ):
+                if tower is not None:
+                    skip_tower(vlm, tower, k)
+                logits = vlm.nn.output.logits[:, -1].save()
+            logits = logits.float().view(k, n, -1)
+            out.append(logits if grad else logits.cpu())
+        return torch.cat(out)

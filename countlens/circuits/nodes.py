@@ -95,12 +95,19 @@ def image_states_path(vlm: VLM) -> str | None:
     return None if cross is None else cross.states
 
 
-@torch.no_grad()
-def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node], logits: bool = False) -> dict:
-    """The outputs of ``nodes``' sites in one forward of ``batch``: ``z[layer]``, ``mlp[layer]``,
-    ``embed`` (layer 0's input) and ``states`` (a cross-attention model's image states); with
-    ``logits``, the same forward's last-position logits too (float32), so that a method's normalising
-    logit differences cost no forward of their own."""
+def record_nodes(
+    vlm: VLM, batch: Batch | dict, nodes: Sequence[Node], logits: bool = False, grad: bool = False
+) -> dict:
+    """The outputs of ``nodes``' sites in one forward of ``batch`` (a `Batch` or the model's inputs):
+    ``z[layer]``, ``mlp[layer]``, ``embed`` (layer 0's input) and ``states`` (a cross-attention model's
+    image states); with ``logits``, the same forward's last-position logits too (float32), so that a
+    method's normalising logit differences cost no forward of their own. With ``grad`` (opt-in) the
+    forward keeps its graph: the recording can be ablation values that train (`countlens.toy.edge_plant`)."""
+    with torch.set_grad_enabled(grad):
+        return _record(vlm, batch, nodes, logits)
+
+
+def _record(vlm: VLM, batch: Batch | dict, nodes: Sequence[Node], logits: bool) -> dict:
     by_kind = {kind: {n.layer for n in nodes if isinstance(n, site)} for kind, site in NODE_SITES.items()}
     inputs = bool(by_kind["input"])
     states_path = image_states_path(vlm)
@@ -121,7 +128,7 @@ def record_nodes(vlm: VLM, batch: Batch, nodes: Sequence[Node], logits: bool = F
             got["logits"] = vlm.nn.output.logits[:, -1].save()
     if logits:
         got["logits"] = got["logits"].float()
-    rows, seq = batch.inputs["input_ids"].shape
+    rows, seq = (batch if isinstance(batch, dict) else batch.inputs)["input_ids"].shape
     got["experts"] = {
         layer: expert_rule(vlm.arch).per_token(saved, rows, seq, vlm.arch.n_experts)
         for layer, saved in got["experts"].items()

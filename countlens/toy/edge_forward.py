@@ -1,85 +1,81 @@
-"""A differentiable forward of the organism's language model in which chosen edges carry a donor's values.
+"""The organism's edge forward: countlens's edge engine (`countlens.circuits.edge_ablation`), with gradients.
 
-Planting a circuit of edges (`countlens.toy.edge_plant`) needs what `countlens.circuits.edge_ablation`
-computes — every receiver reading its own copy of the residual stream, some of its upstream terms
-taken from another run — but inside training, with gradients into the weights, on the organism's
-Qwen2-VL only. So this module writes the decoder out by hand from the model's own weights; the
-tests check it against the model's forward (no edge ablated) and against countlens's edge engine
-(edges ablated).
+Planting a circuit of edges (`countlens.toy.edge_plant`) trains what `countlens.circuits.edge_ablation`
+computes: every receiver r reading its own copy of the residual stream, x_r = x − Σ_{u→r ablated}
+(c_u − a_u), x the stream of this forward, c_u node u's output in it, a_u another run's. There is one
+implementation of that forward, the engine's; this module puts it in the toy's terms:
 
-**Nodes** (upstream): ``IN.image`` and ``IN.text`` (the input embeddings at image and at text
-positions), each head ``L{l}H{h}`` (its z through its columns of o_proj) and each MLP ``MLP{l}``.
-**Receivers**: each head's query ``L{l}H{h}.q``, each key-value head's key and value ``L{l}K{g}.k`` /
-``.v``, each MLP's input ``MLP{l}.in`` and ``logits`` — the labels of `countlens.labels`, which
-`countlens.circuits.edges` writes too, so an edge here is named as countlens's methods name it
-(``IN.image→L0K1.v``).
+- **Edges**: `EdgeSpace` names the nodes, receivers and edges of `countlens.circuits.edges.edge_graph`
+  (the labels of `countlens.labels`, in forward order: ``IN.image→L0K1.v``) without a model, and gives
+  masks over them, (receivers × nodes) bool; `EdgeForward` refuses a model whose graph differs.
+- **Node outputs** (`EdgeForward.__call__`'s second result): the engine's recording (`record_nodes`)
+  as a list in `EdgeSpace.nodes` order — ``IN.image`` / ``IN.text`` the input embeddings at image /
+  other positions, a head its z (its slice of o_proj's input), an MLP its output. A **donor** is such
+  a list reordered over the batch, and becomes the ablated edges' values a_u.
+- **Gradients** wherever torch's grad mode is on: the engine's opt-in ``grad`` (`record_nodes`,
+  `edge_ablated_logits`). In training the donor's values keep theirs too, so a strictness loss also
+  trains the model not to carry the count where the donor's values stand in. Under ``no_grad``
+  (`countlens.toy.edge_plant.fresh_edge_strictness`) it is the engine's fast path.
 
-Ablating u → r gives receiver r the input x_r = x + Σ_{u→r ablated} (a_u − c_u): x the stream as this
-forward computes it, c_u node u's output in this forward, a_u the donor's. The donor's outputs are
-another forward's (`EdgeForward.__call__` returns them), reordered over the batch, and keep their
-gradient: a strictness loss then also trains the model not to carry the count where the donor's
-values stand in.
+What planting needs beyond the engine's other callers, and where the engine gives it: gradients (the
+``grad`` above; the receivers' copies of the stream are formed in place only without them); a
+Hugging Face model in training rather than a loaded `VLM` (`organism_vlm` wraps it, nnsight's trace
+keeping the graph); the model's inputs dict rather than a `Batch` (both functions take it); the vision
+tower run once per batch (a one-set forward runs on the inputs as given, so
+`countlens.toy.resample.image_features_once`, keyed on the pixel tensor, serves every forward of it).
+
+It replaced a hand-written decoder of the organism (now the reference in
+``tests/unit/test_one_edge_forward.py``, which holds planting's losses and their gradients equal through
+both). What differs is arithmetic only, equal up to rounding: the attention is the model's own (its
+attention implementation and rotary module) rather than SDPA on cached cos/sin; a head's c_u − a_u is
+taken on z and then mapped through its columns of o_proj rather than taken on its mapped output; a
+receiver with more edges ablated than kept reads the complement, the donor's own stream plus its kept
+edges' differences.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
-from countlens.circuits.engine import Hook, hooked, module_of
-from countlens.circuits.sites import first_arg
+from countlens.circuits.edge_ablation import edge_ablated_logits
+from countlens.circuits.edges import edge_graph
+from countlens.circuits.nodes import record_nodes
+from countlens.circuits.sites import heads_view
 from countlens.errors import InputError
 from countlens.labels import LOGITS, edge_label, head_label, input_label, kv_label, mlp_in_label, mlp_label, query_label
-from countlens.model.arch import resolve
+
+if TYPE_CHECKING:
+    from countlens.model.vlm import VLM
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """What every forward of one batch shares: the input embeddings, the image positions, RoPE's cos/sin."""
+    """One batch as every forward of it reads it: the model's inputs and where the image tokens sit."""
 
-    embeds: torch.Tensor  # (B, T, d)
+    inputs: dict
     image: torch.Tensor  # (B, T) bool
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-class _Stop(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Block:
-    """One decoder layer's modules the hand-written forward calls (the family spec's)."""
-
-    attn: torch.nn.Module
-    attn_norm: torch.nn.Module
-    mlp_norm: torch.nn.Module
-    mlp: torch.nn.Module
 
 
 def prepare(model, inputs: dict) -> Prepared:
-    """Run ``model`` (a HF Qwen2-VL) on ``inputs`` up to its first decoder layer and keep what it is given.
-    Prompts must share one length (no padding): the forward here is causal only."""
+    """``inputs`` (a batch of ``model``'s, a HF Qwen2-VL) for `EdgeForward`. Prompts must share one length
+    (no padding): a donor's node outputs are taken position by position from another sample."""
     if int(inputs["attention_mask"].sum(1).min()) != inputs["attention_mask"].shape[1]:
-        raise InputError("the edge forward needs prompts of one length (no padding)")
-    seen = {}
+        raise InputError(
+            "the edge forward needs prompts of one length (no padding): a donor's outputs are read position by "
+            "position; batch prompts of one length (the short prompt, one-word shapes)"
+        )
+    return Prepared(inputs, inputs["input_ids"] == model.config.image_token_id)
 
-    def grab(_m, args, kwargs):
-        seen["x"] = first_arg(args, kwargs)
-        seen["pe"] = kwargs["position_embeddings"]
-        raise _Stop
 
-    try:
-        with hooked(model, [Hook(resolve(model.config).layer(0), "before", grab)]):
-            model.model(**inputs, use_cache=False)
-    except _Stop:
-        pass
-    image = inputs["input_ids"] == model.config.image_token_id
-    cos, sin = seen["pe"]
-    return Prepared(seen["x"], image, cos, sin)
+def organism_vlm(model) -> VLM:
+    """``model`` (the organism's HF model, in training or not) as a `VLM`, its processor the organism's."""
+    from countlens.model.vlm import VLM
+    from countlens.toy.recipe import ToyConfig, build_processor
+
+    return VLM(model, build_processor(ToyConfig()), name=str(getattr(model.config, "_name_or_path", "") or "toy"))
 
 
 class EdgeSpace:
@@ -145,26 +141,25 @@ class EdgeSpace:
 
 
 class EdgeForward:
-    """The hand-written decoder of one HF Qwen2-VL (module docstring)."""
+    """The engine's edge-ablated forward of one organism (module docstring), with gradients where torch's
+    grad mode is on."""
 
     def __init__(self, model):
-        self.model, arch = model, resolve(model.config)
+        self.model, self.vlm = model, organism_vlm(model)
+        self.graph = edge_graph(self.vlm)
         self.space = EdgeSpace.of(model)
+        if self.graph.labels() != self.space.edges:
+            raise InputError(
+                f"{self.vlm.name}'s edge graph is not the organism's decoder (layers × heads × kv heads of its "
+                "text config): plant edges into a Qwen2-VL organism (countlens.toy)"
+            )
         self.valid = self.space.valid()
-        part = lambda path: module_of(model, path)  # noqa: E731 — the family spec's modules, by path
-        self.blocks = [
-            _Block(part(arch.attention(la)), part(arch.attn_norm(la)), part(arch.mlp_norm(la)), part(arch.mlp(la)))
-            for la in range(arch.n_layers)
-        ]
-        projections = (arch.q_proj, arch.k_proj, arch.v_proj, arch.o_proj)
-        self.projections = [tuple(part(p(la)) for p in projections) for la in range(arch.n_layers)]
-        self.final_norm, self.lm_head = part(arch.final_norm), part(arch.lm_head)
 
     def __call__(
         self, prep: Prepared, ablate: torch.Tensor | None = None, donor: list[torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(last-position logits (B, vocab), every node's output (B, T, d) in `EdgeSpace.nodes` order).
-        ``ablate`` (receivers × nodes, `EdgeSpace.mask`) edges take ``donor``'s node outputs."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """(last-position logits (B, vocab), the run's node outputs in `EdgeSpace.nodes` order — None with
+        edges ablated). ``ablate`` (receivers × nodes, `EdgeSpace.mask`) edges take ``donor``'s node outputs."""
         if ablate is not None and bool(ablate.any()):
             if donor is None or len(donor) != len(self.space.nodes):
                 raise InputError("an edge forward with ablated edges needs the donor's output of every node")
@@ -172,54 +167,33 @@ class EdgeForward:
                 raise InputError("the ablation mask names a node that is not upstream of its receiver")
         else:
             ablate = None
-        sp = self.space
-        x = prep.embeds
-        img = prep.image[..., None].to(x.dtype)
-        outs = [x * img, x * (1 - img)]
-        r = 0  # the next receiver's row
-        for block, projections in zip(self.blocks, self.projections):
-            n_attn = sp.heads + 2 * sp.kv_heads
-            xs = self._inputs(x, outs, ablate, donor, r, n_attn)
-            r += n_attn
-            heads = self._heads(block.attn, projections, block.attn_norm(xs), prep)
-            x = x + heads.sum(0)
-            outs += list(heads.unbind(0))
-            xm = self._inputs(x, outs, ablate, donor, r, 1)[0]
-            r += 1
-            mlp = block.mlp(block.mlp_norm(xm))
-            x = x + mlp
-            outs.append(mlp)
-        xf = self._inputs(x[:, -1:], [o[:, -1:] for o in outs], ablate, donor, r, 1, last=True)[0]
-        return self.lm_head(self.final_norm(xf))[:, -1], outs
-
-    def _inputs(self, x, outs, ablate, donor, row: int, n: int, last: bool = False) -> torch.Tensor:
-        """(n, B, T, d): receivers row…row+n's copies of the stream."""
-        base = x.expand(n, *x.shape)
+        grad = torch.is_grad_enabled()
         if ablate is None:
-            return base
-        m = ablate[row : row + n, : len(outs)]
-        used = m.any(0).nonzero().flatten().tolist()
-        if not used:
-            return base
-        a = [donor[u][:, -1:] if last else donor[u] for u in used]
-        diff = torch.stack([a_u - outs[u] for a_u, u in zip(a, used)])
-        return base + torch.einsum("ru,ubtd->rbtd", m[:, used].to(x.dtype), diff)
+            rec = record_nodes(self.vlm, prep.inputs, self.graph.nodes, logits=True, grad=grad)
+            return rec["logits"], self._outputs(rec, prep.image)
+        edges = frozenset(ablate[self.valid].nonzero().flatten().tolist())  # mask[valid] lists edges in order
+        n = len(prep.image)
+        logits = edge_ablated_logits(
+            self.vlm, self.graph, prep.inputs, [edges], self._values(donor), prep.image, n, grad
+        )
+        return logits[0], None
 
-    def _heads(self, attn, projections, xs: torch.Tensor, prep: Prepared) -> torch.Tensor:
-        """(heads, B, T, d): each head's output, its q from xs[h], its kv head's k and v from xs' k and v rows."""
-        sp = self.space
-        h, g = sp.heads, sp.kv_heads
-        d = xs.shape[-1]
-        hd = attn.head_dim
-        q_proj, k_proj, v_proj, o_proj = projections
-        wq = q_proj.weight.view(h, hd, d)
-        wk = k_proj.weight.view(g, hd, d)
-        wv = v_proj.weight.view(g, hd, d)
-        q = torch.einsum("hbtd,hed->bhte", xs[:h], wq) + q_proj.bias.view(1, h, 1, hd)
-        k = torch.einsum("gbtd,ged->bgte", xs[h : h + g], wk) + k_proj.bias.view(1, g, 1, hd)
-        v = torch.einsum("gbtd,ged->bgte", xs[h + g :], wv) + v_proj.bias.view(1, g, 1, hd)
-        q, k = apply_rotary_pos_emb(q, k, prep.cos, prep.sin)
-        k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
-        z = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
-        wo = o_proj.weight.view(d, h, hd)
-        return torch.einsum("bhte,dhe->hbtd", z, wo)
+    def _outputs(self, rec: dict, image: torch.Tensor) -> list[torch.Tensor]:
+        """A `record_nodes` recording as node outputs in `EdgeSpace.nodes` order."""
+        embed = rec["embed"]
+        img = image[..., None].to(embed.dtype)
+        outs = [embed * img, embed * (1 - img)]
+        for layer in range(self.space.layers):
+            outs += list(heads_view(rec["z"][layer], self.space.heads).unbind(-2))
+            outs.append(rec["mlp"][layer])
+        return outs
+
+    def _values(self, donor: list[torch.Tensor]) -> dict:
+        """Node outputs (`_outputs`, reordered) as the engine's ablation values."""
+        h = self.space.heads
+        z, mlp = {}, {}
+        for layer in range(self.space.layers):
+            at = 2 + layer * (h + 1)
+            z[layer] = torch.cat(donor[at : at + h], -1)
+            mlp[layer] = donor[at + h]
+        return {"embed": donor[0] + donor[1], "z": z, "mlp": mlp}

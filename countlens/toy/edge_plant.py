@@ -75,11 +75,9 @@ def train_edges(model, circuit: EdgeCircuit, pc: PlantConfig, log=None, high_cou
     torch.set_num_threads(pc.threads)
     collate = Collator(ToyConfig())
     fwd = EdgeForward(model.train())
-    strict_mask = fwd.space.all_but(circuit.edges)
     swaps = [fwd.space.mask(circuit.edges)] + [fwd.space.mask([e]) for e in circuit.swapped]
     trained, opt = decoder_optimizer(model, pc)
     gen = torch.Generator().manual_seed(pc.seed)
-    ce = torch.nn.functional.cross_entropy
     start, row = time.time(), {}
     for step in range(pc.steps):
         for group in opt.param_groups:
@@ -87,21 +85,32 @@ def train_edges(model, circuit: EdgeCircuit, pc: PlantConfig, log=None, high_cou
         inputs, answers, partner = pair_batch(
             collate, pairs_at(TRAIN_SEED_BASE + pc.seed, step * pc.batch_pairs, pc.batch_pairs, high_counts)
         )
-        with image_features_once(model):
-            prep = prepare(model, inputs)
+        swap_mask = swaps[0] if step % 2 == 0 else swaps[1 + (step // 2) % len(circuit.swapped)]
+        clean, losses, swap = edge_losses(fwd, prepare(model, inputs), answers, partner, circuit, swap_mask, gen, pc)
+        row = optimizer_step(opt, trained, pc, step, clean, losses, swap, start, log) or row
+    return row
+
+
+def edge_losses(
+    fwd: EdgeForward, prep, answers, partner, circuit: EdgeCircuit, swap_mask, gen: torch.Generator, pc: PlantConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """One step's (clean, strictness (and invariance) losses by name, interchange) on one batch (module
+    docstring): the clean run, then per strictness source every edge outside E ablated from that donor,
+    then ``swap_mask``'s edges from the partner. The vision tower runs once for all of them."""
+    ce = torch.nn.functional.cross_entropy
+    strict_mask = fwd.space.all_but(circuit.edges)
+    with image_features_once(fwd.model):
         logits, outs = fwd(prep)
         clean = ce(logits, answers)
         resampled = {}
         for kind in circuit.strict_sources:
             order = donor_order(answers, partner, kind, gen)[0]
             resampled[kind] = fwd(prep, strict_mask, [o[order] for o in outs])[0]
-        swap_mask = swaps[0] if step % 2 == 0 else swaps[1 + (step // 2) % len(circuit.swapped)]
         swap = ce(fwd(prep, swap_mask, [o[partner] for o in outs])[0], answers[partner])
-        losses = {f"strict_{k}": ce(v, answers) for k, v in resampled.items()}
-        if pc.invariance_weight:
-            losses["invariance"] = invariance(logits, resampled.values())
-        row = optimizer_step(opt, trained, pc, step, clean, losses, swap, start, log) or row
-    return row
+    losses = {f"strict_{k}": ce(v, answers) for k, v in resampled.items()}
+    if pc.invariance_weight:
+        losses["invariance"] = invariance(logits, resampled.values())
+    return clean, losses, swap
 
 
 @torch.no_grad()
@@ -125,23 +134,23 @@ def fresh_edge_strictness(
     n_pairs = n_samples // 2
     for start in range(0, n_pairs, batch_pairs):
         inputs, answers, partner = pair_batch(collate, pairs_at(seed, start, min(batch_pairs, n_pairs - start)))
-        with image_features_once(model):
-            prep = prepare(model, inputs)
-        logits, outs = fwd(prep)
-        hits.setdefault("clean", []).append(logits.argmax(-1) == answers)
-        for kind in DONORS:
-            order = donor_order(answers, partner, kind, gen)[0]
-            donor = [o[order] for o in outs]
-            answer = fwd(prep, strict_mask, donor)[0].argmax(-1)
-            hits.setdefault(kind, []).append(answer == answers)
-            if kind == "different":
-                moved.append(torch.stack([logits.argmax(-1), answer, answers, answers[order]]))
-                swapped = fwd(prep, all_e, donor)[0].argmax(-1)
-                hits.setdefault("circuit", []).append(swapped == answers)
-                hits.setdefault("follows", []).append(swapped == answers[order])
-                for e in circuit.edges:
-                    alone = fwd(prep, fwd.space.mask([e]), donor)[0].argmax(-1)
-                    hits.setdefault(f"edge/{e}", []).append(alone == answers)
+        prep = prepare(model, inputs)
+        with image_features_once(model):  # the tower once for the batch's forwards
+            logits, outs = fwd(prep)
+            hits.setdefault("clean", []).append(logits.argmax(-1) == answers)
+            for kind in DONORS:
+                order = donor_order(answers, partner, kind, gen)[0]
+                donor = [o[order] for o in outs]
+                answer = fwd(prep, strict_mask, donor)[0].argmax(-1)
+                hits.setdefault(kind, []).append(answer == answers)
+                if kind == "different":
+                    moved.append(torch.stack([logits.argmax(-1), answer, answers, answers[order]]))
+                    swapped = fwd(prep, all_e, donor)[0].argmax(-1)
+                    hits.setdefault("circuit", []).append(swapped == answers)
+                    hits.setdefault("follows", []).append(swapped == answers[order])
+                    for e in circuit.edges:
+                        alone = fwd(prep, fwd.space.mask([e]), donor)[0].argmax(-1)
+                        hits.setdefault(f"edge/{e}", []).append(alone == answers)
     h = {k: torch.cat(v) for k, v in hits.items()}
     n, acc = len(h["clean"]), int(h["clean"].sum())
 

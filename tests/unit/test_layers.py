@@ -203,10 +203,6 @@ FAMILY_NAMES_ELSEWHERE: dict[tuple[str, str], str] = {
         "the planted organisms are the Qwen2-VL organism trained further: it loads and saves that HF class "
         "(a user of the family, like countlens/toy/recipe.py)"
     ),
-    ("countlens/toy/edge_forward.py", "qwen"): (
-        "the edge organism's training writes the organism's own Qwen2-VL decoder out by hand (RoPE from that "
-        "family's module), on the organism only; countlens's edge engine is the family-independent one"
-    ),
     ("countlens/toy/regions.py", "qwen"): (
         "the top-half organism is the Qwen2-VL organism trained further: it loads and saves that HF class "
         "(a user of the family, like countlens/toy/plant.py)"
