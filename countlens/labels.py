@@ -157,6 +157,27 @@ def attn_in_label(layer: int) -> str:
     return f"L{layer}.attn"
 
 
+def resid_label(layer: int) -> str:
+    """The label of the residual stream after decoder layer ``layer`` (−1: layer 0's input): ``"L3.resid"``."""
+    return f"L{layer}.resid"
+
+
+def states_label(layer: int) -> str:
+    """The label of a cross-attention model's image states read at ``layer`` (−1: the projector's output):
+    ``"L-1.states"``."""
+    return f"L{layer}.states"
+
+
+def pattern_label(head: tuple[int, int]) -> str:
+    """The label of head (layer, head)'s attention pattern: ``"L3H2.pattern"``."""
+    return f"{head_label(head)}.pattern"
+
+
+def vision_label(index: int) -> str:
+    """The label of vision block ``index``'s output: ``"V5"``."""
+    return f"V{index}"
+
+
 def input_label(part: str) -> str:
     """The label of an input node, the model's ``part`` ("image" or "text") tokens: ``"IN.image"``."""
     return f"IN.{part}"

@@ -173,3 +173,38 @@ def test_record_keys_by_site_and_label_and_its_gradients_equal_plain_autograd(or
         record(organism, batch, sites, metric=3)
     with pytest.raises(KeyError, match="no recorded site is labelled 'L9H9'"):
         cache["L9H9"]
+
+
+def test_every_site_kind_has_one_interface_and_says_which_backends_serve_it(organism, batch):
+    """Location, width, label and backends on every kind; the engine's torch hooks read exactly the kinds
+    whose backends name them (the others are refused naming the way that serves them)."""
+    import typing
+
+    from countlens.circuits import sites
+
+    kinds = [*typing.get_args(sites.Site), sites.VisionBlock]
+    examples = {
+        sites.Residual: sites.Residual(1),
+        sites.HeadZ: sites.HeadZ(1, 0),
+        sites.Q: sites.Q(1, 0),
+        sites.K: sites.K(1, 0),
+        sites.V: sites.V(1, 0),
+        sites.MlpIn: sites.MlpIn(1),
+        sites.MlpOut: sites.MlpOut(1),
+        sites.Pattern: sites.Pattern(1, 0),
+        sites.Logits: sites.Logits(organism.arch.n_layers),
+        sites.AttnIn: sites.AttnIn(1),
+        sites.Embed: sites.Embed("image"),
+        sites.VisionBlock: sites.VisionBlock(0),
+    }
+    for kind in kinds:
+        for part in ("location", "width", "label", "backends"):
+            assert hasattr(kind, part), f"{kind.__name__} has no {part}"
+    labels = [site.label for site in examples.values()]
+    assert len(set(labels)) == len(labels), labels
+    for site in examples.values():
+        if "hooks" in site.backends:
+            assert site in record(organism, batch, [site])
+        else:
+            with pytest.raises(InputError, match="patch it through effect"):
+                record(organism, batch, [site])

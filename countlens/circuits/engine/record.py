@@ -22,12 +22,8 @@ from countlens.circuits.engine.cache import Cache
 from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.positions import Frame, as_positions, with_samples
-from countlens.circuits.sites import (
-    Expert,
-    ImageStates,
-    Location,
-    check_site,
-)
+from countlens.circuits.sites import Location, check_site
+from countlens.circuits.sites.location import HOOKS
 from countlens.errors import InputError
 from countlens.model.arguments import require_batch, require_vlm
 from countlens.validate import require_count, require_sequence
@@ -54,10 +50,11 @@ def location(vlm: VLM, site: Site) -> Location:
             "V, MlpIn, MlpOut or Pattern"
         )
     check_site(vlm, site)
-    if isinstance(site, (Expert, ImageStates)):
+    if HOOKS not in getattr(site, "backends", ()):
         raise InputError(
-            f"{site} is written inside the experts or cross-attention modules: patch it through effect() or "
-            "patch_experts / patch_layers; intervene and record take Residual, HeadZ, Q, K, V, MlpIn and MlpOut"
+            f"{site} is written inside the experts or cross-attention modules, or is an edge node: patch it through "
+            "effect() or patch_experts / patch_layers; intervene and record take Residual, HeadZ, Q, K, V, MlpIn, "
+            "MlpOut, Logits and Pattern (read only)"
         )
     return site.location(vlm)
 
@@ -121,7 +118,8 @@ def record(vlm: VLM, batch: Batch, sites: Sequence[Site], metric: Callable[[Tens
             cache.grad[site] = locations[site].view(rows_seq(g, frame)).detach().float().cpu().clone()
     if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
         for values in cache.values():
-            with_samples(values, batch.samples)
+            if len(values) == len(batch.samples):  # a vision block's rows are the tower's patches, not samples
+                with_samples(values, batch.samples)
     return cache
 
 

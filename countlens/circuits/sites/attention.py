@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from countlens.circuits.sites.location import Location, check_indices, columns, head_axis
+from countlens.circuits.sites.location import HOOKS, TRACE, Location, check_indices, columns, head_axis, whole
 from countlens.errors import InputError
-from countlens.labels import attn_in_label, kv_label, query_label
+from countlens.labels import attn_in_label, kv_label, pattern_label, query_label
 from countlens.model.adapt import module_of
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ class Q:
     block: ClassVar[int] = 0  # as an edge receiver: the layer's attention
     qkv: ClassVar[int] = 0  # its place among q, k and v
     part_name: ClassVar[str] = "q"
+    backends: ClassVar[tuple[str, ...]] = (TRACE, HOOKS)
 
     def __post_init__(self):
         check_indices(self, layer=0, head=0)
@@ -62,6 +63,7 @@ class K:
     block: ClassVar[int] = 0
     qkv: ClassVar[int] = 1
     part_name: ClassVar[str] = "k"
+    backends: ClassVar[tuple[str, ...]] = (TRACE, HOOKS)
 
     def __post_init__(self):
         check_indices(self, layer=0, head=0)
@@ -115,6 +117,7 @@ class AttnIn:
     layer: int
     block: ClassVar[int] = 0
     part_name: ClassVar[str] = "attn"
+    backends: ClassVar[tuple[str, ...]] = (TRACE,)
 
     def __post_init__(self):
         check_indices(self, layer=0)
@@ -122,6 +125,13 @@ class AttnIn:
     @property
     def label(self) -> str:
         return attn_in_label(self.layer)
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def location(self, vlm: VLM) -> Location:
+        """The attention module's input (the normed stream)."""
+        return Location(vlm.arch.attention(self.layer), "input", whole)
 
 
 @dataclass(frozen=True)
@@ -131,9 +141,18 @@ class Pattern:
 
     layer: int
     head: int
+    backends: ClassVar[tuple[str, ...]] = (HOOKS,)  # read only
 
     def __post_init__(self):
         check_indices(self, layer=0, head=0)
+
+    @property
+    def label(self) -> str:
+        return pattern_label((self.layer, self.head))
+
+    def width(self, arch: Arch) -> None:
+        """None: a pattern's last axis is the keys, as long as the sequence."""
+        return None
 
     def location(self, vlm: VLM) -> Location:
         arch = vlm.arch

@@ -39,11 +39,17 @@ def check_site(vlm: VLM, site) -> None:
     check(vlm)
 
 
+#: The backends that serve a site (`countlens.circuits.engine`): nnsight's trace (the sweeps' stacked
+#: edits, remote runs) and the engine's torch hooks (record, intervene, local runs).
+TRACE, HOOKS = "trace", "hooks"
+
+
 class Location(NamedTuple):
     """Where a site lives in the HF model: a module, whether the site is its ``input`` (first
-    argument), its ``output`` (first element) or an attention module's ``weights`` (its second output,
-    read only), and ``view``: the site's (batch, seq, width) view of that tensor (in place: writing into
-    the view writes the tensor)."""
+    argument), its ``output`` (first element), an attention module's ``weights`` (its second output,
+    read only) or ``inside`` its computation (an expert's share of the experts module's output: written
+    by its kind's own writer, `countlens.circuits.engine.writes.WRITERS`), and ``view``: the site's
+    (batch, seq, width) view of that tensor (in place: writing into the view writes the tensor)."""
 
     path: str
     io: str

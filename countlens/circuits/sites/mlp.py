@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from countlens.circuits.sites.location import Location, check_indices, whole
+from countlens.circuits.sites.location import HOOKS, TRACE, Location, check_indices, whole
 from countlens.labels import mlp_in_label, mlp_label
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ class MlpIn:
     stage: ClassVar[float] = 1.5
     block: ClassVar[int] = 1  # as an edge receiver: the layer's MLP, after its attention
     part_name: ClassVar[str] = "mlp"
+    backends: ClassVar[tuple[str, ...]] = (TRACE, HOOKS)
 
     def __post_init__(self):
         check_indices(self, layer=0)
@@ -42,6 +43,7 @@ class MlpOut:
 
     layer: int
     stage: ClassVar[float] = 2.5
+    backends: ClassVar[tuple[str, ...]] = (TRACE, HOOKS)
 
     def __post_init__(self):
         check_indices(self, layer=0)

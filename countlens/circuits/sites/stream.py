@@ -12,13 +12,15 @@ from torch import Tensor
 from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.sites.groups import checked_heads
 from countlens.circuits.sites.location import (
+    HOOKS,
+    TRACE,
     Location,
     check_indices,
     columns,
     whole,
 )
 from countlens.errors import InputError
-from countlens.labels import LOGITS, expert_label, head_label, input_label
+from countlens.labels import LOGITS, expert_label, head_label, input_label, resid_label, states_label
 from countlens.model.adapt import module_of
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ class Residual:
 
     layer: int
     stage: ClassVar[int] = 3  # a layer's output: the last thing of the layer the forward reaches
+    backends: ClassVar[tuple[str, ...]] = (TRACE, HOOKS)
 
     def __post_init__(self):
         check_indices(self, layer=-1)
@@ -42,6 +45,10 @@ class Residual:
         """Refuse a layer the model lacks (a `LayerError` naming its layers)."""
         if self.layer != -1:
             vlm.arch.layer(self.layer)
+
+    @property
+    def label(self) -> str:
+        return resid_label(self.layer)
 
     def width(self, arch: Arch) -> int:
         return arch.d_model
@@ -63,6 +70,7 @@ class HeadZ:
     layer: int
     head: int
     stage: ClassVar[int] = 1
+    backends: ClassVar[tuple[str, ...]] = (TRACE, HOOKS)
 
     def __post_init__(self):
         check_indices(self, layer=0, head=0)
@@ -98,6 +106,7 @@ class Expert:
     layer: int
     expert: int
     stage: ClassVar[int] = 2
+    backends: ClassVar[tuple[str, ...]] = (TRACE,)  # inside the experts module: the sweeps' writer
 
     def __post_init__(self):
         check_indices(self, layer=0, expert=0)
@@ -117,6 +126,11 @@ class Expert:
     def width(self, arch: Arch) -> int:
         return arch.d_model
 
+    def location(self, vlm: VLM) -> Location:
+        """Inside layer ``layer``'s experts module (its share of that module's output)."""
+        self.check(vlm)
+        return Location(vlm.arch.experts(self.layer), "inside", whole)
+
     def read(self, vlm: VLM, cache: dict, b: Tensor, s: Tensor, device: torch.device) -> Float[Tensor, "k d_model"]:
         module = module_of(vlm.hf, vlm.arch.experts(self.layer))
         return expert_rule(vlm.arch).cached(module, cache["experts"][self.layer], self.expert, b, s, device)
@@ -129,6 +143,7 @@ class ImageStates:
 
     layer: int
     stage: ClassVar[int] = 0  # the projector's output, or a cross-attention layer's input
+    backends: ClassVar[tuple[str, ...]] = (TRACE,)  # a layer's own states: inside its cross-attention
 
     def __post_init__(self):
         check_indices(self, layer=-1)
@@ -143,6 +158,10 @@ class ImageStates:
                 f"layer {self.layer} of {vlm.arch.name} reads no image states; ImageStates takes one of {list(reads)} "
                 "(−1: the projector's output, else a cross-attention layer)"
             )
+
+    @property
+    def label(self) -> str:
+        return states_label(self.layer)
 
     def location(self, vlm: VLM) -> Location:
         """Where the states every cross-attention layer reads are (layer −1: the projector's output)."""
@@ -174,10 +193,15 @@ class Embed:
 
     part: str
     layer: ClassVar[int] = -1
+    backends: ClassVar[tuple[str, ...]] = (TRACE,)  # an edge node: layer 0's input split by positions
 
     def __post_init__(self):
         if self.part not in INPUTS:
             raise InputError(f"Embed part {self.part!r}: use one of {INPUTS}")
+
+    def location(self, vlm: VLM) -> Location:
+        """Layer 0's input (its ``part``'s positions of it)."""
+        return Location(vlm.arch.layer(0), "input", whole)
 
     @property
     def label(self) -> str:
@@ -195,6 +219,7 @@ class Logits:
     layer: int
     block: ClassVar[int] = 0
     part_name: ClassVar[str] = "logits"
+    backends: ClassVar[tuple[str, ...]] = (TRACE, HOOKS)
 
     def __post_init__(self):
         check_indices(self, layer=0)
@@ -202,3 +227,10 @@ class Logits:
     @property
     def label(self) -> str:
         return LOGITS
+
+    def width(self, arch: Arch) -> int:
+        return arch.d_model
+
+    def location(self, vlm: VLM) -> Location:
+        """The final norm's input: the stream the unembedding reads."""
+        return Location(vlm.arch.final_norm, "input", whole)
