@@ -73,7 +73,7 @@ from countlens.circuits.methods import METHODS, OBJECT_RANKERS, RANDOM_DRAWS, me
 from countlens.circuits.object_effects import object_effects
 from countlens.circuits.recovery import auroc, node_recovery, object_recovery, precision_at
 from countlens.circuits.run import effect
-from countlens.circuits.sites import MlpOut
+from countlens.circuits.sites import MlpOut, Residual
 from countlens.datasets.pairs import count_pair
 from countlens.labels import head_label
 from countlens.model.shipped import SHIPPED_EDGES, SHIPPED_OBJECTS, SHIPPED_PLANTED
@@ -175,8 +175,8 @@ def object_rows(vlm, n_scenes: int) -> dict:
     scenes = [top_half_sample(FRESH_SEED, i) for i in range(n_scenes)]
     scores, seconds = {}, {}
     for name, run in (
-        ("exact (removed)", lambda: object_effects(vlm, scenes, "removed", "embed").effect),
-        ("exact (background)", lambda: object_effects(vlm, scenes, "background", "embed").effect),
+        ("exact (removed)", lambda: object_effects(vlm, scenes, "removed", Residual(-1)).effect),
+        ("exact (background)", lambda: object_effects(vlm, scenes, "background", Residual(-1)).effect),
         *(
             (r.of.label, lambda r=r: r.result(vlm, scenes).score)
             for r in OBJECT_RANKERS

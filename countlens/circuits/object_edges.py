@@ -54,7 +54,7 @@ from countlens.circuits.nodes import image_positions, record_nodes
 from countlens.circuits.object_effects import count_of
 from countlens.circuits.object_gradients import check_request, spans
 from countlens.circuits.pair_batch import PairBatch, logit_diff
-from countlens.circuits.sites import Embed
+from countlens.circuits.sites import Embed, Residual
 from countlens.results import provenance
 
 if TYPE_CHECKING:
@@ -147,7 +147,17 @@ def object_edge_attribution(
     checked, and a model whose edges are undefined refused, before any forward."""
     what = "object_edge_attribution"
     steps, _, pairs, chunks = check_request(
-        vlm, samples, method, steps, coverage, batch_size, "embed", what, EDGE_VARIANTS, peak=peak, refusal=edge_refusal
+        vlm,
+        samples,
+        method,
+        steps,
+        coverage,
+        batch_size,
+        Residual(-1),
+        what,
+        EDGE_VARIANTS,
+        peak=peak,
+        refusal=edge_refusal,
     )
     graph = edge_graph(vlm)  # the refusal above has built it once already
     n, width, n_r = len(pairs), max(len(p.clean.scene.objects) for p in pairs), len(graph.receivers)
@@ -195,7 +205,7 @@ def object_edge_attribution(
             steps=steps,
             coverage=float(coverage),
             peak=bool(peak),
-            site="embed",
+            site=Residual(-1).label,
             upstream="the object's image tokens at layer 0's input",
             reference="background",
             metric="logit(n) - logit(n - 1) at the read position",

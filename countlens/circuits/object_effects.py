@@ -22,9 +22,9 @@ Definitions (enough to re-implement the numbers):
   noise; one object fewer), one run per (scene, object); ``"background"``: the scene with no object,
   one run per scene. Both are prepared like the scene (same question and teacher-forced prefix) and
   must give the same token layout (same image size), else an `InputError`.
-- **Site**: ``"embed"`` (or −1): the input of decoder layer 0 at the object's image tokens — the
-  projected image-token embeddings (`Residual`(−1), the `Embed` "image" node at those positions); an
-  integer L or ``Residual(L)``: the residual stream after decoder layer L.
+- **Site**: ``Residual(-1)`` (the default; or ``Embed("image")``, the same node): the input of decoder
+  layer 0 at the object's image tokens — the projected image-token embeddings; ``Residual(L)``: the
+  residual stream after decoder layer L. Results store the site's label (``"L-1.resid"``).
 - **Effect** of object i: ``effect`` = LD(clean) − LD(clean with i's tokens patched from the
   reference run): positive when the object's tokens carry the count. ``normalised`` = effect /
   (LD(clean) − LD(reference run)): the share of the reference run's whole change that i's tokens
@@ -75,7 +75,7 @@ from countlens.circuits.edits import Edit, cache_run, run_edits
 from countlens.circuits.engine.record import location, require_local
 from countlens.circuits.pair_batch import logit_diff
 from countlens.circuits.positions import Objects
-from countlens.circuits.sites import Residual
+from countlens.circuits.sites import Embed, Residual
 from countlens.datasets.contact import boundary_gap
 from countlens.datasets.tasks import count_of, fewer_answer, without_objects
 from countlens.errors import InputError, NoObjectTokensError
@@ -95,15 +95,17 @@ TOUCH_PX = 1e-6
 
 
 def object_site(vlm: VLM, site) -> Residual:
-    """``site`` as the Residual it patches: "embed" or −1 the input of layer 0, L or Residual(L)."""
-    if isinstance(site, str) and site == "embed":
+    """``site`` as the Residual an object method reads there: a `Residual` (−1: layer 0's input, the
+    projected image-token embeddings), or ``Embed("image")`` (the same, named as the input node)."""
+    if isinstance(site, Embed) and site.part == "image":
         site = Residual(-1)
-    elif isinstance(site, (int, np.integer)) and not isinstance(site, bool):
-        site = Residual(int(site))
     if not isinstance(site, Residual):
+        said = {"embed": "Residual(-1) (or Embed('image'))"}.get(site) if isinstance(site, str) else None
+        if isinstance(site, (int, np.integer)) and not isinstance(site, bool):
+            said = f"Residual({int(site)})"
         raise InputError(
-            f"object_effects patches the residual stream: site='embed' (the image-token embeddings), a layer "
-            f"index or Residual(layer); got {site!r:.60}"
+            f"the object methods take a site of the residual stream, Residual(layer) (−1: the image-token "
+            f"embeddings, layer 0's input) or Embed('image'); got {site!r:.60}" + (f": write {said}" if said else "")
         )
     location(vlm, site)  # a LayerError naming the model's layers
     return site
@@ -190,7 +192,7 @@ def object_effects(
     vlm: VLM,
     samples: Sequence,
     reference: str = "removed",
-    site="embed",
+    site: Residual | Embed = Residual(-1),
     coverage: float = 0.25,
     peak: bool = True,
     batch_size: int = 16,
@@ -198,9 +200,9 @@ def object_effects(
 ) -> xr.Dataset:
     """Each object's exact effect on the count answer: its image tokens patched from the ``reference``
     run ("removed": the scene without it; "background": the scene without any object) at ``site``
-    ("embed", a layer or Residual(layer)). ``objects``: the object indices to measure in every scene
-    (None: all; the others are NaN, their spans still reported). Dataset over (scene, object); the
-    module docstring defines every variable."""
+    (Residual(layer), −1 the image-token embeddings; or Embed("image")). ``objects``: the object indices
+    to measure in every scene (None: all; the others are NaN, their spans still reported). Dataset over
+    (scene, object); the module docstring defines every variable."""
     require_vlm(vlm, "object_effects")
     require_local(vlm, "object_effects")
     if vlm.arch.spec.cross_attention is not None:
@@ -339,7 +341,6 @@ def _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, 
     for key in ("anchor", "placement", "token_placement", "shape"):
         data[key] = (so, per_object(key, "", object).astype(str))
     ds = xr.Dataset(data, coords={"scene": np.arange(n_scenes), "object": np.arange(width), "token": np.arange(T)})
-    label = "embed" if site.layer == -1 else f"resid{site.layer}"
     ds.attrs.update(
         provenance(
             vlm.name,
@@ -348,7 +349,7 @@ def _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, 
             samples=samples,
             method="object_effects",
             reference=reference,
-            site=label,
+            site=site.label,
             coverage=float(coverage),
             peak=bool(peak),
             metric="LD = logit(answer n) - logit(answer n-1) at the read position; "

@@ -9,9 +9,10 @@ by one; a multi-token answer is read where the two answers first differ, their s
 ("circle:") teacher-forced (`countlens.circuits.pair_batch.prepare_pairs`, whose ``corrupt`` side is
 here the reference).
 
-The attributed site is x, the **input of a decoder layer**: ``site="embed"`` the input of layer 0
-(the token embeddings with the projected image tokens, `Embed` / ``Residual(-1)``), ``site=l`` the
-residual stream after layer l (the input of layer l + 1; l < n_layers − 1). Per token t,
+The attributed site is x, the **input of a decoder layer**: ``site=Residual(-1)`` (the default; or
+``Embed("image")``) the input of layer 0 (the token embeddings with the projected image tokens),
+``site=Residual(l)`` the residual stream after layer l (the input of layer l + 1; l < n_layers − 1). Per
+token t,
 
 - **AtP**: a_t = (x_clean,t − x_ref,t) · ∂m/∂x_t at the clean input (one backward per chunk of scenes);
 - **EAP-IG** (integrated gradients, `countlens.circuits.integrated.IG_STEPS` by default): a_t = (x_clean,t − x_ref,t) ·
@@ -41,7 +42,7 @@ also enters inside the decoder (Qwen3-VL's DeepStack) those additions are not in
 Edge attribution by span (object → receiver: a head's q / k / v, an MLP, the logits) is
 `countlens.circuits.object_edges.object_edge_attribution` (EAP, EAP-IG): this gradient taken at each
 receiver's own copy of the residual stream (`countlens.circuits.edge_attribution.receiver_gradients`),
-summed over the span. At ``site="embed"`` an object's edges summed over every receiver (every layer's,
+summed over the span. At ``site=Residual(-1)`` an object's edges summed over every receiver (every layer's,
 the logits included) equal its score here, AtP's for EAP and EAP-IG's at the same ``steps`` (tested).
 """
 
@@ -50,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from numbers import Integral
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,8 +62,10 @@ from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.engine.record import require_local
 from countlens.circuits.gradients import activation_gradients_only
 from countlens.circuits.integrated import IG_STEPS
+from countlens.circuits.object_effects import object_site
 from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
 from countlens.circuits.positions import Objects
+from countlens.circuits.sites import Embed, Residual
 from countlens.datasets.tasks import TaskSample, count_of, without_objects
 from countlens.errors import InputError
 from countlens.model.arguments import require_vlm
@@ -97,16 +99,16 @@ def reference_sample(sample, where: str = "the sample") -> TaskSample:
 
 
 def input_layer(vlm: VLM, site) -> int:
-    """The decoder layer whose input is the attributed site: 0 for ``"embed"`` (or −1), l + 1 for layer l."""
-    if site == "embed" or (isinstance(site, Integral) and not isinstance(site, bool) and site == -1):
-        return 0
+    """The decoder layer whose input is the attributed site (`object_site`): 0 for Residual(−1) or
+    Embed("image"), l + 1 for Residual(l)."""
+    site = object_site(vlm, site)
     last = vlm.arch.n_layers - 2
-    if not isinstance(site, Integral) or isinstance(site, bool) or not 0 <= site <= last:
+    if site.layer > last:
         raise InputError(
-            f"site={site!r}: use 'embed' (layer 0's input) or a layer 0..{last} (the residual after it; after "
-            f"the last layer an image token reaches no other position)"
+            f"site={site}: use Residual(-1) (layer 0's input) or Residual(l) for a layer l in 0..{last} (after the "
+            "last layer an image token reaches no other position)"
         )
-    return int(site) + 1
+    return site.layer + 1
 
 
 def spans(batch: Batch, b: int, sample, coverage: float, peak: bool) -> list[Tensor]:
@@ -239,7 +241,7 @@ def object_attribution(
     steps: int | None = None,
     coverage: float = 0.25,
     batch_size: int = 16,
-    site: str | int = "embed",
+    site: Residual | Embed = Residual(-1),
     peak: bool = True,
 ) -> xr.Dataset:
     """Every object of every scene scored by AtP (``method="atp"``) or EAP-IG (``"eap-ig"``, ``steps``
@@ -302,7 +304,7 @@ def object_attribution(
             steps=steps,
             coverage=float(coverage),
             peak=bool(peak),
-            site=str(site),
+            site=object_site(vlm, site).label,
             reference="background",
             metric="logit(n) - logit(n - 1) at the read position",
             forward_equivalents=(plain + 3 * grad) * len(chunks),

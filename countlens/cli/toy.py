@@ -122,6 +122,7 @@ def plant_top_half(out: Path, seed: int, steps: int | None) -> dict:
     import countlens
     from countlens.circuits.object_effects import object_effects
     from countlens.circuits.recovery import object_recovery
+    from countlens.circuits.sites import Residual
     from countlens.toy.regions import REGION_RECIPE, plant_regions, region_checks, top_half_sample
     from countlens.toy.strictness import FRESH_SEED
 
@@ -129,7 +130,7 @@ def plant_top_half(out: Path, seed: int, steps: int | None) -> dict:
     record = plant_regions(out, steps=steps, seed=seed, progress=lambda row: typer.echo(json.dumps(row)))
     vlm = countlens.load(str(out))
     scenes = [top_half_sample(FRESH_SEED, i) for i in range(64)]
-    record["fresh"]["objects"] = object_recovery(object_effects(vlm, scenes, "removed", "embed").effect, scenes)
+    record["fresh"]["objects"] = object_recovery(object_effects(vlm, scenes, "removed", Residual(-1)).effect, scenes)
     record["fresh_checks"] = region_checks(record["fresh"])
     (out / "planted.json").write_text(json.dumps(record, indent=2) + "\n")
     return record

@@ -24,7 +24,7 @@ import numpy as np
 
 import countlens
 from countlens.analysis import object_misses
-from countlens.circuits import object_effects
+from countlens.circuits import Residual, object_effects
 from countlens.datasets import countingtricks
 
 CASES = ["1A", "2A", "3A", "4A"]
@@ -36,7 +36,7 @@ def main(n_per_case: int = 12) -> dict:
     out: dict = {"model": "toy", "cases": CASES, "n_per_case": n_per_case, "site": "embed", "references": {}}
     for reference in ("removed", "background"):
         t0 = time.perf_counter()
-        ds = object_effects(vlm, samples, reference=reference, site="embed", batch_size=32)
+        ds = object_effects(vlm, samples, reference=reference, site=Residual(-1), batch_size=32)
         seconds = time.perf_counter() - t0
         table = object_misses(ds, seed=0)
         live = ds.exists & (ds.n_tokens > 0)

@@ -66,6 +66,7 @@ def test_a_planted_organism_loads_by_name_and_its_circuit_is_still_planted(name)
 def test_an_object_organism_still_counts_only_its_objects(name):
     from countlens.circuits.object_effects import object_effects
     from countlens.circuits.recovery import object_recovery
+    from countlens.circuits.sites import Residual
     from countlens.toy.regions import region_checks, top_half_sample, verify_regions
 
     folder = ORGANISMS[name]
@@ -75,7 +76,7 @@ def test_an_object_organism_still_counts_only_its_objects(name):
     vlm = countlens.load(name)
     figures = verify_regions(vlm.hf.float())
     scenes = [top_half_sample(record["fresh"]["seed"], i) for i in range(64)]
-    figures["objects"] = object_recovery(object_effects(vlm, scenes, "removed", "embed").effect, scenes)
+    figures["objects"] = object_recovery(object_effects(vlm, scenes, "removed", Residual(-1)).effect, scenes)
     assert all(region_checks(figures).values()), figures
     measured, recorded = _rates(figures), _rates(record["fresh"])
     for key in ("accuracy", "bottom_removed/accuracy", "top_one_removed_follows"):

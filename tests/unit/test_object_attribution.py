@@ -18,6 +18,7 @@ from tolerance import assert_close
 import countlens.circuits.object_edges as oe
 import countlens.circuits.object_gradients as oa
 from countlens.circuits import Objects, edge_attribution, edge_graph, object_attribution, object_edge_attribution
+from countlens.circuits.sites import Residual
 from countlens.datasets import countingtricks
 from countlens.errors import InputError
 
@@ -113,8 +114,8 @@ def test_integrated_gradients_are_complete(loaded):
 
 def test_a_later_layer_attributes_the_text_too(loaded):
     vlm = loaded("toy")
-    ds = object_attribution(vlm, _scenes(vlm, 1, cases=("1A",)), method="eap-ig", steps=2, site=2)
-    assert ds.attrs["site"] == "2" and float(abs(ds.text).max()) > 0
+    ds = object_attribution(vlm, _scenes(vlm, 1, cases=("1A",)), method="eap-ig", steps=2, site=Residual(2))
+    assert ds.attrs["site"] == "L2.resid" and float(abs(ds.text).max()) > 0
 
 
 def test_refusals_come_before_any_forward(loaded, monkeypatch):
@@ -131,7 +132,9 @@ def test_refusals_come_before_any_forward(loaded, monkeypatch):
         "steps": dict(method="eap-ig", steps=0),
         "coverage": dict(coverage=1.5),
         "batch_size": dict(batch_size=0),
-        "use 'embed'": dict(site=vlm.arch.n_layers - 1),
+        "after the last layer": dict(site=Residual(vlm.arch.n_layers - 1)),
+        "write Residual\\(-1\\)": dict(site="embed"),
+        "write Residual\\(2\\)": dict(site=2),
     }
     for match, kw in refused.items():
         with pytest.raises(InputError, match=match):
@@ -148,7 +151,15 @@ def test_a_method_the_family_refuses_is_refused(loaded):
     scenes = _scenes(vlm, 1, cases=("1A",))
     with pytest.raises(InputError, match="method='atp' does not run on .*no gradients here"):
         oa.check_request(
-            vlm, scenes, "atp", None, 0.25, 16, "embed", "object_attribution", refusal=lambda vlm: "no gradients here"
+            vlm,
+            scenes,
+            "atp",
+            None,
+            0.25,
+            16,
+            Residual(-1),
+            "object_attribution",
+            refusal=lambda vlm: "no gradients here",
         )
 
 

@@ -15,6 +15,7 @@ import xarray as xr
 
 from countlens.analysis import object_misses
 from countlens.circuits import Objects, object_effects
+from countlens.circuits.sites import Residual
 from countlens.datasets import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.datasets.tasks import TaskSample
@@ -96,7 +97,7 @@ def _plain_ld(vlm, sample, ref_image, tokens: torch.Tensor, layer: int) -> tuple
 @pytest.mark.parametrize(("reference", "layer"), [("removed", -1), ("background", 1)])
 def test_exact_effect_equals_a_plain_torch_patch(toy, tricks, reference, layer):
     samples = tricks[:2]
-    ds = object_effects(toy, samples, reference=reference, site="embed" if layer == -1 else layer, batch_size=4)
+    ds = object_effects(toy, samples, reference=reference, site=Residual(layer), batch_size=4)
     for s, i in [(0, 0), (1, 2)]:
         sample = samples[s]
         batch = toy.prepare_samples([sample])

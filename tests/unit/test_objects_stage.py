@@ -70,7 +70,7 @@ def test_the_stage_measures_the_picked_scenes_stores_them_and_resumes(run_dir):
     index = first["index"].values
     assert index.tolist() == stage.pick([s.meta["case"] for s in samples]).tolist() and len(index) == 32
     assert (first.answered_right.values == cases.correct.values[index]).all()
-    assert first.attrs["reference"] == "removed" and first.attrs["site"] == "embed"
+    assert first.attrs["reference"] == "removed" and first.attrs["site"] == "L-1.resid"
     assert int(first["count"].sum()) == sum(len(samples[i].scene.objects) for i in index)
     drawn = first["drawn_scene"].values
     right = first.answered_right.values[drawn]

@@ -3,7 +3,7 @@
 ``objects`` takes up to `PER_CASE` of the run's COUNTINGTRICKS scenes per case (the ``cases`` stage's
 samples, at evenly spaced positions of each case's samples: `pick`, so the plan knows them before any
 answer) and measures every object's effect with `countlens.circuits.object_effects` at the input of
-layer 0 (``site="embed"``: the projected image-token embeddings, before any layer has mixed the
+layer 0 (``site=Residual(-1)``: the projected image-token embeddings, before any layer has mixed the
 tokens) against the scene drawn again without that object (``reference="removed"``: one object
 fewer, so the patch asks what that object's own tokens carry, not what the empty image does). It
 stores the effects beside the run's own answers on those scenes (section 1's ``correct``: right or
@@ -29,6 +29,7 @@ from countlens.analysis.attention_maps import downsampled
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses, shown_rows
 from countlens.analysis.tables import finite_markdown
 from countlens.circuits.object_effects import object_effects, scene_chunks
+from countlens.circuits.sites import Residual
 from countlens.errors import NoObjectTokensError
 from countlens.pipeline.costs import Forward, Planner, StagePlan
 from countlens.pipeline.stages.attention_maps import choose
@@ -39,7 +40,7 @@ from countlens.pipeline.stages.cases import answered_cases
 PER_CASE = 4
 #: Scenes drawn per outcome (answered right, answered wrong) in the report's figure.
 PER_OUTCOME = 4
-REFERENCE, SITE = "removed", "embed"
+REFERENCE, SITE = "removed", Residual(-1)
 
 
 def pick(cases: Sequence[str], per_case: int = PER_CASE, usable: Sequence[bool] | None = None) -> np.ndarray:
