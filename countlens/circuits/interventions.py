@@ -81,7 +81,8 @@ class Intervention:
         if type(self.site).__name__ == "Pattern":
             raise InputError(
                 f"{self.site} is read only (record(vlm, batch, [Pattern(layer, head)])); to change a head's "
-                "attention, Scale its Q (head temperature) or write its Q / K"
+                "attention, Scale its Q (head temperature), write its Q / K, or knock out attention from some "
+                "positions to others with Block(layer, head, queries=..., keys=...)"
             )
         if type(self.site).__name__ not in SITE_KINDS:
             raise InputError(
