@@ -21,6 +21,10 @@ d_model multiply-adds per layer and position (`countlens.pipeline.stages.edges.e
 A circuit that ablates more edges than it keeps reads the complement, x_r = x_a + Σ_{kept u → r}
 (c_u − a_u), x_a the ablation values' own stream (their embeddings, o_proj outputs and MLP outputs
 summed, as the residual stream adds them), so only the nodes some circuit's sum reads are kept.
+
+**Gradients** (opt-in, ``grad``): the same forward keeps its graph, into the weights and into the
+ablation values (a `record_nodes` recording made with ``grad``); planting an edge circuit trains through
+it (`countlens.toy.edge_forward`). The default is the no-grad path above.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ circuit is a set E of edges (`countlens.toy.edge_forward` names them as countlen
   Its nodes — L0H2 and MLP1 — make it the organism whose circuit holds an MLP.
 
 **Training** (`train_edges`) starts from the planted-route organism (L0H2 already routes the count;
-`START`), its vision tower frozen, and minimises per step, like `countlens.toy.plant` but on edges:
+`START`), its vision tower frozen, and minimises per step (`edge_losses`), like `countlens.toy.plant` but on
+edges, each ablated forward countlens's edge ablation with gradients (`countlens.toy.edge_forward`):
 - *clean*: the answer's cross-entropy on the plain run;
 - *strictness*: every edge outside E ablated (its upstream node's output taken from a donor, the donor
   being the partner and another scene of a different count, one term each) — against the clean label;

@@ -1,6 +1,8 @@
-"""Planting a circuit of edges: the hand-written edge forward against the model's own forward and against
-countlens's edge engine (two independent implementations of the same ablation), its refusals, and the
-training recipe's determinism on a short run."""
+"""Planting a circuit of edges: the toy's edge forward (countlens's edge engine in the toy's terms, masks and
+donor lists) against the model's own forward and against the engine called as its other callers call it
+(`record_nodes` of the corrupts, image positions from the batch), its refusals, and the training recipe's
+determinism on a short run. Planting's losses and gradients against the hand-written decoder it replaced:
+``tests/unit/test_one_edge_forward.py``."""
 
 from __future__ import annotations
 
