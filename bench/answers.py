@@ -60,7 +60,7 @@ def counting(counts, side: int, seed: int = 3):
 def main(repeats: int = 5) -> dict:
     from countlens.analysis.evaluate import score
     from countlens.circuits import patch_layers
-    from countlens.circuits.patching import prepare_pairs
+    from countlens.circuits.methods.patching import prepare_pairs
     from countlens.circuits.sites import repeat_inputs
     from countlens.datasets.pairs import count_pairs
     from countlens.datasets.tasks import task_samples

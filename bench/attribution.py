@@ -5,7 +5,7 @@
 
 On the organism with the demo's 128 pairs (`countlens discover`'s defaults: ``count_pairs(128,
 kind="shapes", seed=0, prompt="short", counts=1–9)``), in one process: every method of the registry
-(`countlens.circuits.methods.METHODS`: exact head patching, AtP, EAP-IG on nodes (5 steps), the
+(`countlens.circuits.methods.registry.METHODS`: exact head patching, AtP, EAP-IG on nodes (5 steps), the
 mean-ablation drop, AtP*, EAP and EAP-IG on edges (a head's score is its outgoing edges' sum), RelP),
 and beside them EAP-IG at 1 and 16 steps. For each: wall seconds (one run each, after one warm-up of a
 small chunk; the machine's other load recorded), that cost in "forward-equivalents" (the method's
@@ -14,7 +14,7 @@ overlap of |effect| against exact patching (`countlens.circuits.compare`).
 
 One more row is no countlens ranking: the QK fix's query, key and value estimates of each head
 (`atp_star(..., graddrop=False)`) summed, what a head's estimate would be if it were scored through
-its parts: the figure `countlens.circuits.atp_star`'s docstring cites for not doing so.
+its parts: the figure `countlens.circuits.methods.atp_star`'s docstring cites for not doing so.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from _timing import Load  # noqa: E402
 
 import countlens  # noqa: E402
 from countlens.circuits import attribution_patch, compare, patch_heads  # noqa: E402
-from countlens.circuits.atp_star import atp_star  # noqa: E402
-from countlens.circuits.integrated import node_attribution  # noqa: E402
-from countlens.circuits.methods import METHODS, method  # noqa: E402
+from countlens.circuits.graph.integrated import node_attribution  # noqa: E402
+from countlens.circuits.methods.atp_star import atp_star  # noqa: E402
+from countlens.circuits.methods.registry import METHODS, method  # noqa: E402
 from countlens.datasets import count_pairs  # noqa: E402
 
 OUT = Path(__file__).with_suffix(".json")
@@ -54,7 +54,8 @@ def main() -> None:
                 batch = vlm.prepare([p.clean.image for p in chunk], [p.clean.question for p in chunk])
                 vlm.hf(**batch.inputs)
 
-    # Every registered method (`countlens.circuits.methods.METHODS`), then the extra settings shown beside them.
+    # Every registered method (`countlens.circuits.methods.registry.METHODS`), then the extra settings shown
+    # beside them.
     methods = {"plain forward (clean inputs)": plain}
     methods |= {m.label: (lambda m=m: m.ranking(vlm, pairs, BATCH)) for m in METHODS if m.supports(vlm)}
     methods |= {

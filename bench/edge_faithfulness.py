@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 .venv/bin/python bench/edge_faithfulness.py   # writes bench/edge_faithfulness.json
 
 32 shape pairs at the organism's geometry (counts 2–6, seed 4), every edge of its graph
-(`countlens.circuits.edges`: inputs, heads and MLPs into q / k / v per head, MLP inputs and the
+(`countlens.circuits.graph.edges`: inputs, heads and MLPs into q / k / v per head, MLP inputs and the
 logits); EAP (one gradient) and EAP-IG (5 steps) scores, then `faithfulness_curves(level="edge")` at
 MIB's sizes with counterfactual patching and 5 random rankings. Reported: CPR, CMD, the smallest
 fraction of edges reaching 80 % faithfulness, each curve, and the seconds of each step on this CPU.
@@ -19,8 +19,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import countlens
-from countlens.circuits.edge_attribution import edge_attribution
-from countlens.circuits.faithfulness import faithfulness_curves, smallest_faithful
+from countlens.circuits.graph.edge_attribution import edge_attribution
+from countlens.circuits.graph.faithfulness import faithfulness_curves, smallest_faithful
 from countlens.datasets.pairs import count_pairs
 
 

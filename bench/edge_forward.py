@@ -41,10 +41,10 @@ from wide_model import build, interleaved  # noqa: E402
 
 def measure(vlm, pairs, repeats: int, device: str = "cpu", warmup: bool = True) -> dict:
     """The plain and the edge-ablated forward of ``pairs``' clean batch, interleaved (module docstring)."""
-    from countlens.circuits.edge_ablation import edge_ablated_logits
-    from countlens.circuits.edges import checked_graph
-    from countlens.circuits.nodes import image_positions, record_nodes
-    from countlens.circuits.pair_batch import prepare_pairs
+    from countlens.circuits.engine.pair_batch import prepare_pairs
+    from countlens.circuits.graph.edge_ablation import edge_ablated_logits
+    from countlens.circuits.graph.edges import checked_graph
+    from countlens.circuits.graph.nodes import image_positions, record_nodes
     from countlens.model.memory import widths
     from countlens.pipeline.costs import Forward, forward_flops
     from countlens.pipeline.stages.edges import edge_forward_flops

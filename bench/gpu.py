@@ -65,8 +65,8 @@ def run(
     warmup: bool = True,
     tiled_init: bool = False,
 ) -> dict:
-    from countlens.circuits.edits import Edit, cache_run, run_edits
-    from countlens.circuits.patching import patch_heads, patch_layers, prepare_pairs
+    from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+    from countlens.circuits.methods.patching import patch_heads, patch_layers, prepare_pairs
     from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
     from countlens.pipeline.selfcheck import as_json, check

@@ -6,7 +6,7 @@ On the organism (``countlens.load("toy")``), 48 COUNTINGTRICKS scenes: the posit
 each, on the organism's geometry (``countingtricks(["1A", "2A", "3A", "4A"], 12, grid=vlm.geometry,
 seed=0, prompt="short")``: counts 3–12). Each object's score by `countlens.circuits.object_attribution`
 (AtP; EAP-IG at the registry's 5 steps and at 16) against its exact effect by
-`countlens.circuits.object_effects(reference="background")`: the object's image-token embeddings
+`countlens.circuits.objects.effects(reference="background")`: the object's image-token embeddings
 patched from the scene's background, LD(clean) − LD(patched), the same metric (logit(n) −
 logit(n − 1)), reference, tokens (coverage 0.25, peak) and sign as the estimates. Per scene, over its
 objects with at least one token: Spearman ρ (the mean over scenes where both sides vary; also pooled over
@@ -18,7 +18,7 @@ as its median |error| over |m(clean) − m(background)|.
 Cost: wall seconds (one run each after a warm-up on 4 scenes, in one process, the machine's other
 load recorded), and those seconds in forward-equivalents as bench/attribution.py counts them: over
 one plain forward of the 48 clean scenes in the same batches of 16. Beside it the planned count
-(`countlens.circuits.methods.Cost`'s convention, a backward two forwards): AtP 1 + 3 per chunk, EAP-IG
+(`countlens.circuits.methods.registry.Cost`'s convention, a backward two forwards): AtP 1 + 3 per chunk, EAP-IG
 2 + 3·steps, exact patching one clean, one background and one patched run per object, in rows.
 One torch thread: the machine is shared.
 """
@@ -39,7 +39,7 @@ from _timing import Load  # noqa: E402
 
 import countlens  # noqa: E402
 from countlens.circuits import object_attribution, object_effects  # noqa: E402
-from countlens.circuits.patching import spearman  # noqa: E402
+from countlens.circuits.methods.patching import spearman  # noqa: E402
 from countlens.datasets import countingtricks  # noqa: E402
 
 OUT = Path(__file__).with_suffix(".json")

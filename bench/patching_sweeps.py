@@ -78,10 +78,10 @@ import xarray as xr  # noqa: E402
 from _timing import Load, interleaved, measured  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 import countlens  # noqa: E402
-import countlens.circuits.edits as edits_module  # noqa: E402
-from countlens.circuits.edits import Edit, cache_run  # noqa: E402
-from countlens.circuits.pair_batch import prepare_pairs  # noqa: E402
-from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers  # noqa: E402
+import countlens.circuits.engine.edits as edits_module  # noqa: E402
+from countlens.circuits.engine.edits import Edit, cache_run  # noqa: E402
+from countlens.circuits.engine.pair_batch import prepare_pairs  # noqa: E402
+from countlens.circuits.methods.patching import attribution_patch, compare, patch_heads, patch_layers  # noqa: E402
 from countlens.circuits.sites import HeadZ, Residual, group_mask, repeat_inputs  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
 from countlens.model.memory import MAX_ROWS  # noqa: E402
@@ -91,7 +91,8 @@ PAIRS_KW = dict(kind="shapes", prompt="short", counts=range(2, 9), seed=0)
 
 
 def run_edits(vlm, pb, cache, edits, max_rows=MAX_ROWS):
-    """`countlens.circuits.edits.run_edits` under either signature: (vlm, pb: PairBatch, …) or (vlm, batch, …)."""
+    """`countlens.circuits.engine.edits.run_edits` under either signature: (vlm, pb: PairBatch, …) or
+    (vlm, batch, …)."""
     second = list(inspect.signature(edits_module.run_edits).parameters)[1]
     return edits_module.run_edits(vlm, pb if second == "pb" else pb.clean, cache, edits, max_rows=max_rows)
 
@@ -100,12 +101,12 @@ def source_digest() -> dict:
     """sha256 (first 12) of the library files measured, to tie figures to the code they ran."""
     root = Path(countlens.__file__).parent
     files = (
-        "circuits/patching.py",
+        "circuits/methods/patching.py",
         "circuits/sites/__init__.py",
-        "circuits/edits.py",
-        "circuits/sweep.py",
-        "circuits/pair_batch.py",
-        "circuits/expert_rules.py",
+        "circuits/engine/edits.py",
+        "circuits/engine/sweep.py",
+        "circuits/engine/pair_batch.py",
+        "circuits/sites/expert_rules.py",
         "model/vlm.py",
     )
     return {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12] for f in files}

@@ -5,7 +5,7 @@
 
 For each shipped planted organism (`countlens.model.shipped.SHIPPED_PLANTED`, loaded by name), on discover's
 own pairs ("shapes" pairs under seed 0, the short prompt, counts 1–9), each method ranks the 24 heads:
-- every method of the registry (`countlens.circuits.methods.METHODS`) the organism supports: exact head
+- every method of the registry (`countlens.circuits.methods.registry.METHODS`) the organism supports: exact head
   patching of z, AtP, EAP-IG on nodes (5 steps), the drop in log p(gold) when a head is mean-ablated
   (on the pairs' clean scenes), AtP*, EAP and EAP-IG (5 steps) on edges — a head's score is the sum of
   its outgoing edges' (``node_effect``), and the faithfulness columns of these rows are the *edge*
@@ -18,9 +18,9 @@ own pairs ("shapes" pairs under seed 0, the short prompt, counts 1–9), each me
   its classes (`countlens.analysis.heads.classify_heads`, default thresholds, exact patching's effect
   as importance) as a 0 / 1 ranking — the heads classed cross-modal routing or counting aggregation first;
 - a random ranking, as its expectation: AUROC 0.5, precision@|C| = |C| / 24.
-Scored against the planted heads C (`countlens.circuits.recovery`): AUROC and precision@|C|; and the
+Scored against the planted heads C (`countlens.circuits.graph.recovery`): AUROC and precision@|C|; and the
 faithfulness f of the method's top |C| heads (every other head's z patched from the corrupt run,
-`countlens.circuits.faithfulness`) with the CPR / CMD of its whole curve over MIB's sizes.
+`countlens.circuits.graph.faithfulness`) with the CPR / CMD of its whole curve over MIB's sizes.
 
 VAP (`patch_layers`) patches the residual stream by layer and token group, so it ranks no heads; it
 is shown as the route it measures: per layer, the effect of patching the image tokens, the other
@@ -34,7 +34,7 @@ precision |C| / 30. Its head rows score against C's heads only.
 
 On the top-half organism (``planted-top-half``, `countlens.toy.regions`: only objects in the top half
 count), the ground truth is objects: 48 of its fresh scenes (seed 2), every object scored by exact
-object effects (`countlens.circuits.object_effects`: removed and background references, at the input)
+object effects (`countlens.circuits.objects.effects`: removed and background references, at the input)
 and by AtP and EAP-IG per object (`countlens.circuits.object_attribution`, against the background),
 against the objects it counts (`object_recovery`: AUROC of |score|, precision@|counted|, objects
 pooled over scenes); random: AUROC 0.5, precision = the counted share.
@@ -67,12 +67,12 @@ from countlens.circuits import (
     image_attention_share,
     patch_layers,
 )
-from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
-from countlens.circuits.interventions import Patch
-from countlens.circuits.methods import METHODS, OBJECT_RANKERS, RANDOM_DRAWS, method
-from countlens.circuits.object_effects import object_effects
-from countlens.circuits.recovery import auroc, node_recovery, object_recovery, precision_at
-from countlens.circuits.run import effect
+from countlens.circuits.engine.interventions import Patch
+from countlens.circuits.engine.run import effect
+from countlens.circuits.graph.faithfulness import faithfulness, faithfulness_curves
+from countlens.circuits.graph.recovery import auroc, node_recovery, object_recovery, precision_at
+from countlens.circuits.methods.registry import METHODS, OBJECT_RANKERS, RANDOM_DRAWS, method
+from countlens.circuits.objects.effects import object_effects
 from countlens.circuits.sites import MlpOut, Residual
 from countlens.datasets.pairs import count_pair
 from countlens.labels import head_label
@@ -104,7 +104,7 @@ def headlens_rankings(vlm, samples, importance: xr.DataArray, attention: xr.Data
 
 
 def rankings(vlm, pairs) -> tuple[dict[str, xr.DataArray], dict[str, xr.Dataset]]:
-    """Head rankings by method — every registered method (`countlens.circuits.methods.METHODS`) the
+    """Head rankings by method — every registered method (`countlens.circuits.methods.registry.METHODS`) the
     organism supports, then the readings that are no attribution method — and the edge methods' results
     (for their edge curves)."""
     results = {m.label: (m, m.result(vlm, pairs)) for m in METHODS if m.supports(vlm)}

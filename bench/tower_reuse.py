@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/tower_reuse.py   # writes bench/tower_reuse.json
 
-`countlens.circuits.nodes.ablated_logits` and `countlens.circuits.edge_ablation.edge_ablated_logits`
+`countlens.circuits.graph.nodes.ablated_logits` and `countlens.circuits.graph.edge_ablation.edge_ablated_logits`
 stack one copy of the batch per circuit; every copy shows the same images, so the tower's output is
 computed once (`countlens.circuits.sites.tower_output`) and fed to every copy (`skip_tower`). Timed
 here against the same calls with that reuse turned off (the tower then runs on every copy), on the
@@ -29,10 +29,10 @@ import torch  # noqa: E402
 from _timing import Load, interleaved  # noqa: E402
 
 import countlens  # noqa: E402
-from countlens.circuits import edge_ablation, nodes  # noqa: E402
-from countlens.circuits.edges import edge_graph  # noqa: E402
-from countlens.circuits.nodes import ablated_logits, graph_nodes, image_positions, record_nodes  # noqa: E402
-from countlens.circuits.patching import prepare_pairs  # noqa: E402
+from countlens.circuits.graph import edge_ablation, nodes  # noqa: E402
+from countlens.circuits.graph.edges import edge_graph  # noqa: E402
+from countlens.circuits.graph.nodes import ablated_logits, graph_nodes, image_positions, record_nodes  # noqa: E402
+from countlens.circuits.methods.patching import prepare_pairs  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
 
 CIRCUITS = 16

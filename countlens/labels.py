@@ -12,7 +12,7 @@ label; `head_key` reads either form back (a (layer, head) pair or its label) and
 else with the form to use. Experts of a mixture-of-experts layer are labelled the same way.
 
 Where an API takes a *selection* of heads (a fine-tune's ``target_heads``, a circuit scored by
-`countlens.circuits.recovery`) it reads it with `head_keys`, and a selection of transcoder features
+`countlens.circuits.graph.recovery`) it reads it with `head_keys`, and a selection of transcoder features
 with `feature_keys`: one parser for every spelling. Each takes one pair or a collection of pairs,
 nested or not — tuples, lists, numpy integers, a numpy array of shape (2,) or (n, 2) — and labels;
 it refuses non-integers (a float is never rounded to a head it may not mean), bools, negative

@@ -4,7 +4,7 @@ recomputing any, and `samples_digest`, which records the samples a stored result
 Each finished unit of a long sweep (a layer, a case, a shard's key) is `countlens.results.save`d as
 its own netCDF chunk, written atomically (`countlens.files.atomic_path`); `SweepStore.todo` lists
 what is left, and `SweepStore.assemble` joins the chunks into one result. The driver of long sweeps
-(chunks, shards, resume) is `countlens.circuits.sweep`; this module is its storage.
+(chunks, shards, resume) is `countlens.circuits.engine.sweep`; this module is its storage.
 
     from countlens.sweep_store import SweepStore
     store = SweepStore("runs/sweep", spec={"model": "toy", "keys": keys})

@@ -5,8 +5,8 @@ per (layer, head), and keeps beside it everything a drawing needs: the image (as
 model, downsampled to at most `MAX_SIDE` px a side), its objects as a label image, and each image
 token's base-grid cell and view (`countlens.model.layouts`). `countlens.analysis.overlays` draws it.
 
-The attention is `countlens.circuits.attention.last_token_attention` (eager attention for that call
-only) at the image keys of `countlens.circuits.attention.image_keys` — the rows MAS, VRA and
+The attention is `countlens.circuits.engine.attention.last_token_attention` (eager attention for that call
+only) at the image keys of `countlens.circuits.engine.attention.image_keys` — the rows MAS, VRA and
 Attention-IoU read (`countlens.analysis.attention_metrics`) — not a second reading.
 
 **Size rule.** Every head is stored when layers × heads × tokens × samples ≤ ``max_values``
@@ -116,7 +116,7 @@ def attention_maps(
     the images, their objects and the tokens' cells and views (see the module docstring).
     ``labels``: per-sample values stored alongside (one per sample each); ``ranking``: the order in
     which heads are kept when not all fit in ``max_values``."""
-    from countlens.circuits.attention import image_keys, last_token_attention
+    from countlens.circuits.engine.attention import image_keys, last_token_attention
 
     if len(samples) == 0:
         raise InputError("no samples given; pass a few samples with an image (e.g. COUNTINGTRICKS scenes)")

@@ -248,15 +248,15 @@ def attention_metrics(
     the object pixels (`pixel_attention_iou`). Per sample: ``correct`` (`countlens.analysis.evaluate.score`),
     ``object_share`` (the share of cells that are object cells: VRA's value under uniform
     attention), ``case``, ``count``, ``task``. On a cross-attention model (Llama-3.2-Vision) the image
-    is its states (`countlens.circuits.attention.image_keys`): MAS is 0 at self-attention layers and 1
+    is its states (`countlens.circuits.engine.attention.image_keys`): MAS is 0 at self-attention layers and 1
     at cross-attention layers by construction, and VRA, Attn-IoU and ARS say where on the image the
     cross-attention looks — countlens's definitions, the papers define none there. Attention comes from
-    `countlens.circuits.attention.last_token_attention` (eager attention for that call only).
+    `countlens.circuits.engine.attention.last_token_attention` (eager attention for that call only).
     """
     require_vlm(vlm, "attention_metrics")
     from countlens.analysis.evaluate import score
     from countlens.analysis.parse import parse_shape_count
-    from countlens.circuits.attention import image_keys, last_token_attention
+    from countlens.circuits.engine.attention import image_keys, last_token_attention
     from countlens.reference.counting_to_four import attention as reference_attention
 
     _check(samples, batch_size)

@@ -275,7 +275,7 @@ FAITHFULNESS_COLUMNS += [f"smallest f ≥ {FAITHFUL} (heads)"]
 def faithfulness_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     """CPR, CMD and the smallest circuit reaching `FAITHFUL` per (model, ranking); the random rankings
     as their mean (``random``), as the report shows them."""
-    from countlens.circuits.faithfulness import smallest_faithful
+    from countlens.circuits.graph.faithfulness import smallest_faithful
 
     rows, notes = [], []
     for run in runs:

@@ -192,7 +192,7 @@ def head_table(
     task's mean drop in log p(gold) (nats) when the head is mean-ablated: a second measure, not
     mixed into the first. ``alignment``: the share of counting samples whose top-1 decoded token is
     the first token of their count; ``difficulty``: HeadLens's difficulty-word share. Both come from
-    the HeadLens results (`countlens.circuits.headlens.HeadLens.decode` writes ``count_token`` and
+    the HeadLens results (`countlens.circuits.lenses.headlens.HeadLens.decode` writes ``count_token`` and
     ``difficulty``)."""
     check_dims("heads", heads)
     missing = [name for name in ("count_token", "difficulty") if name not in hl]

@@ -1,7 +1,7 @@
 """Misses: on wrongly counted scenes, which object carries least of the answer — by placement, size
 and contact, with 95 % confidence intervals.
 
-Reads an `countlens.circuits.object_effects` result (dims ``scene``, ``object``). Definitions:
+Reads an `countlens.circuits.objects.effects` result (dims ``scene``, ``object``). Definitions:
 
 - **Wrongly counted**: a scene whose ``clean_correct`` is False (the arg-max at the read position is
   not the true answer's token), unless ``wrong`` (Bool over ``scene``) says otherwise.

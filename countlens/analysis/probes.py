@@ -1,7 +1,7 @@
 """Detection probes: how well can a tiny YOLO head find the objects in one tap of the model?
 
 Following "Counting to Four is still a Chore for VLMs", a frozen model's activations at a tap
-(`countlens.circuits.taps`: a vision block, the projector output, or a decoder layer at the image
+(`countlens.circuits.lenses.taps`: a vision block, the projector output, or a decoder layer at the image
 tokens) are laid out as a feature map Float[Tensor, "sample d rows cols"], and the *same* small
 detector is trained on every tap: a 1×1 convolution down to ``config.hidden`` channels (the only
 part whose size depends on the tap's width d), GroupNorm, SiLU, then a YOLO-style head (3×3 conv
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
     from countlens.model.vlm import VLM
 
-#: A tap: (kind, index), as `countlens.circuits.taps.tap` takes them.
+#: A tap: (kind, index), as `countlens.circuits.lenses.taps.tap` takes them.
 Tap = tuple[str, int | None]
 DEFAULT_TAPS: tuple[Tap, ...] = (("vision", 0), ("vision", 1), ("projector", None), ("llm", 0), ("llm", 2), ("llm", 5))
 
@@ -350,7 +350,7 @@ def _probe_one(
     by_case: bool,
 ) -> dict:
     """Extract one tap's features (train and test in one pass), fit a probe, score it; a row of results."""
-    from countlens.circuits.taps import tap as read_tap
+    from countlens.circuits.lenses.taps import tap as read_tap
 
     start = time.perf_counter()
     feats = read_tap(vlm, list(train_samples) + list(test_samples), tap[0], tap[1], batch_size=batch_size)
@@ -374,7 +374,7 @@ def _reference_probe_one(
     vlm: VLM, train_samples: Sequence, test_samples: Sequence, tap: Tap, seed: int, batch_size: int
 ):
     """One tap under the code's recipe (`countlens.reference.counting_to_four.probe`): a results row."""
-    from countlens.circuits.taps import tap as read_tap
+    from countlens.circuits.lenses.taps import tap as read_tap
     from countlens.reference.counting_to_four import probe as reference_probe
 
     start = time.perf_counter()

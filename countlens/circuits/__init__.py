@@ -6,23 +6,8 @@ Every function takes a `countlens.VLM` and prepared data (pairs or samples) and 
 xarray results; module paths come from `countlens.model.arch` only.
 """
 
-from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
-from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
-from countlens.circuits.edge_attribution import edge_attribution, edge_attributions
-from countlens.circuits.edges import checked_graph, edge_graph
-from countlens.circuits.engine.record import mean_activation, record
-from countlens.circuits.experts import (
-    ablate_experts,
-    expert_ablation_scan,
-    expert_means,
-    expert_usage,
-    patch_experts,
-    routing,
-)
-from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
-from countlens.circuits.headlens import HeadLens
-from countlens.circuits.integrated import node_attribution
-from countlens.circuits.interventions import (
+from countlens.circuits.engine.attention import eager_attention, image_attention_share, last_token_attention
+from countlens.circuits.engine.interventions import (
     Add,
     Apply,
     Block,
@@ -34,16 +19,31 @@ from countlens.circuits.interventions import (
     Scale,
     Zero,
 )
-from countlens.circuits.lens import logit_lens
-from countlens.circuits.object_edges import object_edge_attribution
-from countlens.circuits.object_effects import object_effects
-from countlens.circuits.object_gradients import object_attribution
-from countlens.circuits.patching import attribution_patch, compare, patch_heads, patch_layers
-from countlens.circuits.positions import Cells, Group, Mask, Objects
-from countlens.circuits.run import effect, intervene, mean_difference
+from countlens.circuits.engine.record import mean_activation, record
+from countlens.circuits.engine.run import effect, intervene, mean_difference
+from countlens.circuits.engine.temperature import beta_from_importance, head_temperature
+from countlens.circuits.graph.edge_attribution import edge_attribution, edge_attributions
+from countlens.circuits.graph.edges import checked_graph, edge_graph
+from countlens.circuits.graph.faithfulness import faithfulness, faithfulness_curves
+from countlens.circuits.graph.integrated import node_attribution
+from countlens.circuits.lenses.headlens import HeadLens
+from countlens.circuits.lenses.lens import logit_lens
+from countlens.circuits.lenses.taps import tap
+from countlens.circuits.methods.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
+from countlens.circuits.methods.experts import (
+    ablate_experts,
+    expert_ablation_scan,
+    expert_means,
+    expert_usage,
+    patch_experts,
+    routing,
+)
+from countlens.circuits.methods.patching import attribution_patch, compare, patch_heads, patch_layers
+from countlens.circuits.objects.edges import object_edge_attribution
+from countlens.circuits.objects.effects import object_effects
+from countlens.circuits.objects.gradients import object_attribution
 from countlens.circuits.sites import Expert, HeadZ, ImageStates, K, MlpIn, MlpOut, Q, Residual, V
-from countlens.circuits.taps import tap
-from countlens.circuits.temperature import beta_from_importance, head_temperature
+from countlens.circuits.sites.positions import Cells, Group, Mask, Objects
 
 __all__ = [
     "Add",

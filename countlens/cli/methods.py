@@ -1,4 +1,4 @@
-"""``countlens methods``: the attribution methods of the registry (`countlens.circuits.methods`), one
+"""``countlens methods``: the attribution methods of the registry (`countlens.circuits.methods.registry`), one
 row each: its name (what ``countlens discover --methods`` takes), label, level, what it scores, on
 which families it runs, whether discover ranks with it, and its forwards per chunk of pairs (plain +
 with a backward), as a formula in the layer count L or at ``--layers``. The object rankers follow,
@@ -40,7 +40,7 @@ def methods_cmd(
     """
     import pandas as pd
 
-    from countlens.circuits.methods import METHODS, OBJECT_RANKERS
+    from countlens.circuits.methods.registry import METHODS, OBJECT_RANKERS
 
     check_positive(layers=layers)
     rows = []

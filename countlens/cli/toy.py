@@ -120,8 +120,8 @@ def plant_top_half(out: Path, seed: int, steps: int | None) -> dict:
     import json
 
     import countlens
-    from countlens.circuits.object_effects import object_effects
-    from countlens.circuits.recovery import object_recovery
+    from countlens.circuits.graph.recovery import object_recovery
+    from countlens.circuits.objects.effects import object_effects
     from countlens.circuits.sites import Residual
     from countlens.toy.regions import REGION_RECIPE, plant_regions, region_checks, top_half_sample
     from countlens.toy.strictness import FRESH_SEED

@@ -88,7 +88,7 @@ def without_objects(sample: TaskSample, indices, count: int | None = None, where
     """``sample`` drawn again without the objects at ``indices`` (`Scene.without`): its answer the
     sample's with its count n (`count_of`) replaced by ``count`` — None: n − 1, the answer had one
     object been missed, the reference answer of an object's effect however many objects are removed
-    (`countlens.circuits.object_effects`, `object_gradients`) — its meta the sample's with ``"count"``
+    (`countlens.circuits.objects.effects`, `object_gradients`) — its meta the sample's with ``"count"``
     set to that count and ``meta`` added, its recipe empty (no generator call makes it)."""
     n = count_of(sample, where)
     count = n - 1 if count is None else count

@@ -7,7 +7,7 @@ token t: its encoder applied to the MLP's input there. Its **card** gathers, ove
   with the activation at every image token (one value per token-grid cell: the map `draw_card` draws
   over the image) and the position of the maximum (an image token, or a text position);
 - **the objects it fires on**: per top scene, each object's largest activation over its image tokens
-  (`countlens.circuits.positions.Objects`: the cells it covers by ≥ 25 %, or its peak cell); an object
+  (`countlens.circuits.sites.positions.Objects`: the cells it covers by ≥ 25 %, or its peak cell); an object
   counts as fired on where that is > 0, and ``fires_on_objects`` is the share of objects of the top
   scenes fired on;
 - **its effect on the count logits**, two ways:
@@ -35,8 +35,8 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine import Hook, hooked
-from countlens.circuits.interventions import Replace
-from countlens.circuits.run import intervene
+from countlens.circuits.engine.interventions import Replace
+from countlens.circuits.engine.run import intervene
 from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.errors import InputError
 from countlens.labels import feature_keys, feature_label
@@ -134,7 +134,7 @@ def feature_cards(
     `countlens.datasets.tasks.task_samples("count", 64, seed)`): per card the ``top`` scenes by maximum
     activation, their image-token activations and cells, each object's largest activation, the direct
     effect on each count word's logit and the ablated change of the answer's log-probability."""
-    from countlens.circuits.positions import Objects
+    from countlens.circuits.sites.positions import Objects
     from countlens.results import provenance
 
     chosen = _check(vlm, transcoders, samples, features, top)

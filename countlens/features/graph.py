@@ -423,9 +423,9 @@ def attribution_graph(
 
 def token_positions(batch: Batch, sample, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: the image token's cell (row, col), and the object it belongs to
-    (`countlens.circuits.positions.Objects`: coverage ≥ 0.25 of the cell, or the object's peak cell;
+    (`countlens.circuits.sites.positions.Objects`: coverage ≥ 0.25 of the cell, or the object's peak cell;
     where several objects claim a token, the lowest index); −1 elsewhere."""
-    from countlens.circuits.positions import Objects
+    from countlens.circuits.sites.positions import Objects
 
     cells = torch.full((seq, 2), -1, dtype=torch.long)
     objects = torch.full((seq,), -1, dtype=torch.long)

@@ -30,7 +30,7 @@ Quantities, for one target logit (the graph's first logit node, else the most pr
 - **share** = image / image_total: the share of the image's attribution that runs through h. On an
   organism whose count is carried by known heads (``planted-route``: L0H2), the planted heads should
   hold the large shares; `planted_path_recovery` scores the ranking of |share| against them (AUROC,
-  precision@|C|, `countlens.circuits.recovery`).
+  precision@|C|, `countlens.circuits.graph.recovery`).
 
 Computation: one frozen forward (``LocalReplacement.run``) per row, rows batched ``batch_size`` at a
 time; a forward pre-hook on each layer's ``o_proj`` zeroes (or freezes) each row's heads. Heads beyond
@@ -163,7 +163,7 @@ def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Coll
     """AUROC and precision@|C| of |share| (a `head_shares` Dataset — its ``share`` — or any (layer,
     head) DataArray, e.g. a mean over scenes) against the planted heads ``circuit_heads`` (a set of
     (layer, head), `countlens.toy.catalogue.planted_circuit_of(name).heads`, or labels such as "L0H2")."""
-    from countlens.circuits.recovery import auroc, precision_at
+    from countlens.circuits.graph.recovery import auroc, precision_at
 
     if isinstance(shares, xr.Dataset):
         if "share" not in shares:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.interventions import Replace
-from countlens.circuits.run import intervene
+from countlens.circuits.engine.interventions import Replace
+from countlens.circuits.engine.run import intervene
 from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.errors import InputError
 from countlens.features.transcoder import Transcoder, TranscoderSet

@@ -4,7 +4,7 @@ A scene rendered at any size is cut into the token grid's cells with integer edg
 axis of n pixels and m cells spans round(k·n/m) … round((k+1)·n/m)); a cell's *coverage* by an
 object is the share of the cell's pixels the object's mask covers. Attention metrics
 (`countlens.analysis.attention_metrics.object_cells`) and object positions
-(`countlens.circuits.positions.Objects`) read the same cells from here.
+(`countlens.circuits.sites.positions.Objects`) read the same cells from here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What fits: free device memory, the bytes one stacked row costs, and rows per forward.
 
-Every batch-expanded sweep (`countlens.circuits.edits.run_edits`) sizes its stacked forwards here
+Every batch-expanded sweep (`countlens.circuits.engine.edits.run_edits`) sizes its stacked forwards here
 instead of from a constant, and the planner of discover's stages (`countlens.pipeline.plan`) builds
 its estimates on the same `Widths`. A decoder forward of R rows × S tokens holds about
 R·S·(3·d_ff + 4·d_model) activations at once (the MLP's three d_ff-wide tensors beside the residual

@@ -287,7 +287,7 @@ class VLM:
     def prepared(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> Batch | None:
         """The batch most recently prepared whose tokens (and pixels, where given) these are, or k
         copies of it stacked (a batch-expanded forward), if it is still alive; else None. Positions
-        that need a sample's image cells or objects (`countlens.circuits.positions`) find it here."""
+        that need a sample's image cells or objects (`countlens.circuits.sites.positions`) find it here."""
 
         def stacks(mine: torch.Tensor | None, given: torch.Tensor | None, k: int) -> bool:
             if mine is None or given is None:

@@ -48,7 +48,7 @@ class DiscoverConfig:
     voc: str = ""  # a local VOC2007 folder for the probes ("": COUNTINGTRICKS scenes, shapes as classes)
     preset: str = ""  # a `countlens.pipeline.presets` name whose values these are ("": none)
     # The faithfulness stage's rankings: names of the registry's methods discover ranks with
-    # (`countlens.circuits.methods`); () ranks with all of them. spec.json holds it only when it names some.
+    # (`countlens.circuits.methods.registry`); () ranks with all of them. spec.json holds it only when it names some.
     methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -90,7 +90,7 @@ def validate_config(c: DiscoverConfig) -> None:
 
     require_choice(c.design, "design", DESIGNS, ConfigError)
     require_choice(c.attention_at, "attention_at", ("prompt", "generation"), ConfigError)
-    from countlens.circuits.methods import check_discover_names
+    from countlens.circuits.methods.registry import check_discover_names
 
     if not isinstance(c.methods, tuple):
         raise ConfigError(

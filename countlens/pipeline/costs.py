@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from countlens.analysis.evaluate import candidate_sets
-from countlens.circuits.pair_batch import prepare_pairs
+from countlens.circuits.engine.pair_batch import prepare_pairs
 from countlens.errors import ConfigError, CountlensError
 from countlens.model.answers import read_rows
 from countlens.model.memory import MAX_ROWS, Widths, logit_bytes, replica_copy_bytes, rows_per_forward, widths

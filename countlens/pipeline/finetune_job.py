@@ -209,7 +209,7 @@ def before_after(
     ``extra_sets``: more evaluation columns, e.g. ``{"mine": samples}``, scored by generation."""
     import countlens
     from countlens import distributed
-    from countlens.circuits.temperature import beta_from_importance, head_temperature
+    from countlens.circuits.engine.temperature import beta_from_importance, head_temperature
     from countlens.pipeline.presets import recipe as preset_recipe
 
     # Data parallel (accelerate launch / torchrun): every rank trains each variant with the others;

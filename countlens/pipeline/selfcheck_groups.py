@@ -304,9 +304,9 @@ def answers(vlm: VLM) -> list[CheckRow]:
 
 def interventions(vlm: VLM) -> list[CheckRow]:
     from countlens import circuits
-    from countlens.circuits.edits import Edit, cache_run, run_edits
-    from countlens.circuits.pair_batch import prepare_pairs
-    from countlens.circuits.patching import image_group
+    from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+    from countlens.circuits.engine.pair_batch import prepare_pairs
+    from countlens.circuits.methods.patching import image_group
     from countlens.circuits.sites import HeadZ, Residual, group_mask
     from countlens.datasets.pairs import count_pairs
 
@@ -438,8 +438,8 @@ def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
 
 
 def memory(vlm: VLM) -> list[CheckRow]:
-    from countlens.circuits.edits import Edit, cache_run, run_edits
-    from countlens.circuits.pair_batch import prepare_pairs
+    from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+    from countlens.circuits.engine.pair_batch import prepare_pairs
     from countlens.circuits.sites import HeadZ, group_mask
     from countlens.datasets.pairs import count_pairs
     from countlens.model import memory as mem

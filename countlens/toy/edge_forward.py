@@ -1,11 +1,11 @@
-"""The organism's edge forward: countlens's edge engine (`countlens.circuits.edge_ablation`), with gradients.
+"""The organism's edge forward: countlens's edge engine (`countlens.circuits.graph.edge_ablation`), with gradients.
 
-Planting a circuit of edges (`countlens.toy.edge_plant`) trains what `countlens.circuits.edge_ablation`
+Planting a circuit of edges (`countlens.toy.edge_plant`) trains what `countlens.circuits.graph.edge_ablation`
 computes: every receiver r reading its own copy of the residual stream, x_r = x − Σ_{u→r ablated}
 (c_u − a_u), x the stream of this forward, c_u node u's output in it, a_u another run's. There is one
 implementation of that forward, the engine's; this module puts it in the toy's terms:
 
-- **Edges**: `EdgeSpace` names the nodes, receivers and edges of `countlens.circuits.edges.edge_graph`
+- **Edges**: `EdgeSpace` names the nodes, receivers and edges of `countlens.circuits.graph.edges.edge_graph`
   (the labels of `countlens.labels`, in forward order: ``IN.image→L0K1.v``) without a model, and gives
   masks over them, (receivers × nodes) bool; `EdgeForward` refuses a model whose graph differs.
 - **Node outputs** (`EdgeForward.__call__`'s second result): the engine's recording (`record_nodes`)
@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from countlens.circuits.edge_ablation import edge_ablated_logits
-from countlens.circuits.edges import edge_graph
-from countlens.circuits.nodes import record_nodes
+from countlens.circuits.graph.edge_ablation import edge_ablated_logits
+from countlens.circuits.graph.edges import edge_graph
+from countlens.circuits.graph.nodes import record_nodes
 from countlens.circuits.sites import heads_view
 from countlens.errors import InputError
 from countlens.labels import LOGITS, edge_label, head_label, input_label, kv_label, mlp_in_label, mlp_label, query_label

@@ -19,8 +19,8 @@ cross-entropy with AdamW, warmup and cosine decay (the organism's schedule), on 
 - ``bottom_removed``: the same scenes drawn without their bottom objects — the answer must not move
   (paired drop and interval; bar: |drop| ≤ 2 points, either way);
 - ``top_shifted``: one top object removed — the answer must follow (accuracy against count − 1);
-- at object level (`countlens.circuits.recovery.object_recovery`): exact object effects
-  (`countlens.circuits.object_effects`, reference "removed", at the input) must separate the top
+- at object level (`countlens.circuits.graph.recovery.object_recovery`): exact object effects
+  (`countlens.circuits.objects.effects`, reference "removed", at the input) must separate the top
   objects (the ground truth C, ``meta["top"]``) from the bottom ones: AUROC of |effect|.
 `REGION_CHECKS` are countlens's bars, chosen here (no paper defines this organism).
 """
@@ -135,7 +135,7 @@ def _answers(model, collate, samples: list, batch: int = 64) -> torch.Tensor:
 
 def verify_regions(model, n_samples: int = 1024, seed: int = FRESH_SEED) -> dict:
     """The top-half organism's answer figures (module docstring) on fresh samples; the object-level
-    figures are `countlens.circuits.recovery.object_recovery`'s on `object_effects`."""
+    figures are `countlens.circuits.graph.recovery.object_recovery`'s on `object_effects`."""
     from countlens.toy.recipe import ToyConfig
     from countlens.toy.train import Collator
 

@@ -11,7 +11,7 @@ from tolerance import assert_effect, logit_scale
 from typer.testing import CliRunner
 
 import countlens
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.methods.patching import prepare_pairs
 from countlens.cli import app
 from countlens.datasets.pairs import count_pairs
 

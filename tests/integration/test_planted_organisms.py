@@ -64,8 +64,8 @@ def test_a_planted_organism_loads_by_name_and_its_circuit_is_still_planted(name)
 @pytest.mark.slow  # about 30 s: 1,024 fresh scenes three ways, exact object effects on 64
 @pytest.mark.parametrize("name", [f"planted-{name}" for name in SHIPPED_OBJECTS])
 def test_an_object_organism_still_counts_only_its_objects(name):
-    from countlens.circuits.object_effects import object_effects
-    from countlens.circuits.recovery import object_recovery
+    from countlens.circuits.graph.recovery import object_recovery
+    from countlens.circuits.objects.effects import object_effects
     from countlens.circuits.sites import Residual
     from countlens.toy.regions import region_checks, top_half_sample, verify_regions
 

@@ -17,7 +17,8 @@ from countlens import circuits
 from countlens.analysis.evaluate import generate, score
 from countlens.analysis.metrics import summary
 from countlens.analysis.parse import parse_shape_count
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.lenses.headlens import is_number
+from countlens.circuits.methods.patching import prepare_pairs
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.tasks import TaskSample
@@ -247,7 +248,7 @@ def test_headlens_decodes_heads_on_the_real_vocabulary(qwen):
     dec = hl.decode(qwen, samples[:4], top_k=5)
     assert dec.token.shape == (qwen.arch.n_layers, qwen.arch.n_heads, 4, 5)
     assert ((dec.cter >= 0) & (dec.cter <= 1)).all() and int(dec.token_id.max()) < QWEN_VOCAB
-    assert circuits.headlens.is_number("1") and circuits.headlens.is_number("Ġ7")
+    assert is_number("1") and is_number("Ġ7")
 
 
 def test_generation_reports_unparsed_answers_and_refuses_a_short_budget(qwen):

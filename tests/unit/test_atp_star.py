@@ -1,4 +1,4 @@
-"""AtP* (countlens.circuits.atp_star) against an independent plain-torch computation on the organism.
+"""AtP* (countlens.circuits.methods.atp_star) against an independent plain-torch computation on the organism.
 
 The reference here never calls the module: it reads q_proj/k_proj/v_proj and o_proj's input with its
 own hooks, applies rotary embedding itself (q·cos + rotate_half(q)·sin), builds the causal and padding
@@ -18,9 +18,9 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_normalised, logit_scale
 
 import countlens
-from countlens.circuits.atp_star import SUPPORTED, atp_star, key_shift
-from countlens.circuits.pair_batch import logit_diff, prepare_pairs
-from countlens.circuits.patching import attribution_patch
+from countlens.circuits.engine.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.methods.atp_star import SUPPORTED, atp_star, key_shift
+from countlens.circuits.methods.patching import attribution_patch
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 

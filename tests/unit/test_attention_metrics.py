@@ -20,7 +20,7 @@ from countlens.analysis.attention_metrics import (
     pixel_attention_iou,
     region_share,
 )
-from countlens.circuits.attention import last_token_attention
+from countlens.circuits.engine.attention import last_token_attention
 from countlens.datasets.countingtricks import countingtricks
 from countlens.datasets.scene import Obj, Scene
 from countlens.errors import InputError, LayerError

@@ -12,8 +12,8 @@ from tolerance import assert_close, assert_effect, logit_scale
 
 from countlens import circuits
 from countlens.analysis.evaluate import score
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.methods.patching import prepare_pairs
 from countlens.circuits.sites import HeadZ, ImageStates, Residual, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples

@@ -10,8 +10,8 @@ import pytest
 import torch
 from tolerance import assert_close
 
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.methods.patching import prepare_pairs
 from countlens.circuits.sites import ImageStates
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.scene import Scene

@@ -35,10 +35,10 @@ def toy_batch(loaded):
 
 
 def test_the_edge_forward_is_the_models_forward_and_countlens_edge_ablation(toy_batch):
-    from countlens.circuits.edge_ablation import edge_ablated_logits
-    from countlens.circuits.edges import edge_graph
-    from countlens.circuits.nodes import image_positions, record_nodes
-    from countlens.circuits.pair_batch import prepare_pairs
+    from countlens.circuits.engine.pair_batch import prepare_pairs
+    from countlens.circuits.graph.edge_ablation import edge_ablated_logits
+    from countlens.circuits.graph.edges import edge_graph
+    from countlens.circuits.graph.nodes import image_positions, record_nodes
 
     vlm, pairs, inputs, _, partner = toy_batch
     model = vlm.hf

@@ -11,12 +11,12 @@ import torch
 from tiny_models import BUILDERS, TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_normalised, logit_scale, scale_of
 
-from countlens.circuits import edge_ablation, edges
-from countlens.circuits.edge_attribution import edge_attribution
-from countlens.circuits.faithfulness import faithfulness, faithfulness_curves
-from countlens.circuits.integrated import node_attribution, node_scores_of
-from countlens.circuits.nodes import ablated_logits, image_positions, record_nodes
-from countlens.circuits.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.engine.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.graph import edge_ablation, edges
+from countlens.circuits.graph.edge_attribution import edge_attribution
+from countlens.circuits.graph.faithfulness import faithfulness, faithfulness_curves
+from countlens.circuits.graph.integrated import node_attribution, node_scores_of
+from countlens.circuits.graph.nodes import ablated_logits, image_positions, record_nodes
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 
@@ -387,7 +387,7 @@ def test_one_pass_gives_both_attributions_and_a_graph_is_handed_down(loaded):
     or a graph at the node level is refused."""
     from unittest import mock
 
-    from countlens.circuits.edge_attribution import edge_attributions
+    from countlens.circuits.graph.edge_attribution import edge_attributions
 
     vlm = loaded("toy")
     pairs = _pairs(vlm, "toy")
@@ -395,7 +395,7 @@ def test_one_pass_gives_both_attributions_and_a_graph_is_handed_down(loaded):
     twice = AssertionError("checked twice")
     with (
         mock.patch.object(edges, "check_additive", side_effect=twice),
-        mock.patch("countlens.circuits.edge_attribution.check_additive", side_effect=twice),
+        mock.patch("countlens.circuits.graph.edge_attribution.check_additive", side_effect=twice),
     ):
         both = edge_attributions(vlm, pairs, ("eap-ig", "eap"), steps=3, batch_size=2, graph=graph)
         faithfulness_curves(

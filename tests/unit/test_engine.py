@@ -7,11 +7,11 @@ import pytest
 import torch
 from tolerance import assert_close
 
-import countlens.circuits.pair_batch as pair_batch
+import countlens.circuits.engine.pair_batch as pair_batch
 from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.engine.freeze import Clamp, frozen, norm_paths, qk_paths
 from countlens.circuits.engine.record import record
-from countlens.circuits.patching import patch_heads
+from countlens.circuits.methods.patching import patch_heads
 from countlens.circuits.sites import HeadZ, MlpOut, Residual
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
@@ -114,7 +114,7 @@ def test_a_sweep_checks_its_pairs_once_at_the_door(organism, monkeypatch):
     calls = []
     real = pair_batch.check_pairs
     monkeypatch.setattr(pair_batch, "check_pairs", lambda *a: calls.append("prepare") or real(*a))
-    import countlens.circuits.sweep as sweep
+    import countlens.circuits.engine.sweep as sweep
 
     real_sweep = sweep.check_pairs
     monkeypatch.setattr(sweep, "check_pairs", lambda *a: calls.append("door") or real_sweep(*a))

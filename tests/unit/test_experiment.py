@@ -34,8 +34,8 @@ from countlens.circuits import (
     patch_layers,
     record,
 )
-from countlens.circuits.edits import cache_run
-from countlens.circuits.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.engine.edits import cache_run
+from countlens.circuits.engine.pair_batch import logit_diff, prepare_pairs
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import CountlensError, InputError
 
@@ -113,7 +113,7 @@ def test_record_reads_what_the_cache_reads(organism, pairs):
 
 @pytest.mark.numeric
 def test_record_reads_attention_patterns(organism, pairs):
-    from countlens.circuits.attention import last_token_attention
+    from countlens.circuits.engine.attention import last_token_attention
     from countlens.circuits.sites import Pattern
 
     batch = prepare_pairs(organism, pairs).clean
@@ -208,7 +208,7 @@ def test_object_positions_are_the_scene_s_tokens(organism, pairs):
     h, w = scene.height // rows, scene.width // cols
     share = masks.reshape(len(masks), rows, h, cols, w).mean((2, 4))
     for coverage in (0.25, 0.0):
-        from countlens.circuits.positions import Frame
+        from countlens.circuits.sites.positions import Frame
 
         got = Objects([4], coverage=coverage).mask(organism, Frame.of(batch))[0]
         covered = share[4] >= coverage if coverage else share[4] > 0

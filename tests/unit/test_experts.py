@@ -11,9 +11,9 @@ import torch
 from tolerance import assert_close, scale_of
 
 from countlens import circuits
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.expert_rules import expert_contribution
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.sites.expert_rules import expert_contribution
+from countlens.circuits.methods.patching import prepare_pairs
 from countlens.circuits.sites import Expert, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples

@@ -9,8 +9,8 @@ import torch
 from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, logit_scale, scale_of
 
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.faithfulness import (
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.graph.faithfulness import (
     areas,
     circuit_sizes,
     faithfulness,
@@ -18,8 +18,8 @@ from countlens.circuits.faithfulness import (
     node_scores,
     smallest_faithful,
 )
-from countlens.circuits.nodes import ablated_logits, graph_nodes, image_positions, record_nodes
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.graph.nodes import ablated_logits, graph_nodes, image_positions, record_nodes
+from countlens.circuits.methods.patching import prepare_pairs
 from countlens.circuits.sites import Expert, HeadZ, MlpOut, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tolerance import assert_close, scale_of
 
-from countlens.circuits.positions import Objects
+from countlens.circuits.sites.positions import Objects
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError
 from countlens.features import train_transcoders

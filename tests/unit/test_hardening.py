@@ -10,8 +10,8 @@ import pytest
 
 import countlens as cl
 from countlens import circuits
-from countlens.circuits.methods import METHODS
-from countlens.circuits.pair_batch import normaliser
+from countlens.circuits.engine.pair_batch import normaliser
+from countlens.circuits.methods.registry import METHODS
 from countlens.datasets.pairs import CountPair, count_pairs
 from countlens.errors import CheckpointNotFoundError, InputError, RunDirError
 from countlens.files import claim_directory, directory_lock

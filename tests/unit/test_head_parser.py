@@ -137,7 +137,7 @@ def test_target_heads_take_a_bare_pair_numpy_integers_and_labels():
 
 
 def test_recovery_takes_head_labels_and_a_bare_pair():
-    from countlens.circuits.recovery import auroc, precision_at
+    from countlens.circuits.graph.recovery import auroc, precision_at
     from countlens.features.head_paths import planted_path_recovery
 
     r = _ranking([[4.0, -3.0], [2.0, 1.0]])
@@ -163,7 +163,7 @@ def test_feature_cards_never_rounds_a_float_to_a_feature(loaded):
 
 
 def test_recovery_refuses_an_infinite_score_naming_the_cell():
-    from countlens.circuits.recovery import auroc, node_recovery, object_recovery, precision_at
+    from countlens.circuits.graph.recovery import auroc, node_recovery, object_recovery, precision_at
 
     r = _ranking([[4.0, -3.0], [np.inf, 1.0]])
     with pytest.raises(InputError, match="L1H0"):

@@ -9,8 +9,8 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, scale_of
 
 import countlens
-from countlens.circuits.attention import eager_attention, image_attention_share, last_token_attention
-from countlens.circuits.headlens import HeadLens, is_number
+from countlens.circuits.engine.attention import eager_attention, image_attention_share, last_token_attention
+from countlens.circuits.lenses.headlens import HeadLens, is_number
 from countlens.circuits.sites import head_contributions
 from countlens.datasets.tasks import task_samples
 

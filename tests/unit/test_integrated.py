@@ -10,10 +10,10 @@ from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_effect, logit_scale
 
 from countlens.circuits import attribution_patch
-from countlens.circuits.faithfulness import faithfulness
-from countlens.circuits.integrated import node_attribution, node_scores_of
-from countlens.circuits.nodes import graph_nodes
-from countlens.circuits.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.engine.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.graph.faithfulness import faithfulness
+from countlens.circuits.graph.integrated import node_attribution, node_scores_of
+from countlens.circuits.graph.nodes import graph_nodes
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 

@@ -25,7 +25,7 @@ from countlens.circuits import (
     intervene,
     record,
 )
-from countlens.circuits.attention import eager_attention
+from countlens.circuits.engine.attention import eager_attention
 from countlens.circuits.sites import Pattern, group_mask
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import CountlensError, InputError

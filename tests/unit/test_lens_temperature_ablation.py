@@ -9,9 +9,9 @@ import xarray as xr
 from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, bound, scale_of
 
-from countlens.circuits.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
-from countlens.circuits.lens import logit_lens
-from countlens.circuits.temperature import beta_from_importance, head_temperature
+from countlens.circuits.engine.temperature import beta_from_importance, head_temperature
+from countlens.circuits.lenses.lens import logit_lens
+from countlens.circuits.methods.ablation import ablate, ablation_scan, group_means, jaccard, top_heads
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError
 
@@ -98,7 +98,7 @@ def test_beta_from_importance(loaded):
 
 def _hook_ablation_logits(vlm, samples, heads, means):
     """Plain-torch reimplementation of joint mean ablation: o_proj pre-hooks write the group means."""
-    from countlens.circuits.ablation import ABLATION_GROUPS
+    from countlens.circuits.methods.ablation import ABLATION_GROUPS
     from countlens.circuits.sites import group_mask
 
     batch = _batch(vlm, samples)
@@ -151,7 +151,7 @@ def test_ablation_scan_single_heads_match_joint_ablation_of_one_head(organism):
 
 
 def test_ablation_scan_streams_chunks_and_resumes_without_recomputing(organism, tmp_path, monkeypatch):
-    from countlens.circuits import ablation
+    from countlens.circuits.methods import ablation
 
     tasks = {"count": task_samples("count", 6, 3), "color": task_samples("color", 4, 3)}
     plain = ablation_scan(organism, tasks, batch_size=4)

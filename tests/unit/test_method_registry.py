@@ -1,4 +1,4 @@
-"""The method registry (`countlens.circuits.methods`) is the single source of method facts: the only
+"""The method registry (`countlens.circuits.methods.registry`) is the single source of method facts: the only
 module-level ``METHODS``, one name per method (listed by ``countlens methods``, taken by ``countlens
 discover --methods``), each default written once, and imports that point down to the methods."""
 
@@ -36,14 +36,14 @@ def test_the_registry_is_the_only_module_named_methods_and_each_default_is_writt
         for name in _module_names(path) & {"METHODS", "IG_STEPS", "EAP_IG_STEPS", "EDGE_STEPS", "RANDOM_DRAWS"}:
             written.setdefault(name, []).append(path.relative_to(PACKAGE).as_posix())
     assert written == {
-        "METHODS": ["circuits/methods.py"],
-        "IG_STEPS": ["circuits/integrated.py"],
-        "RANDOM_DRAWS": ["circuits/faithfulness.py"],
+        "METHODS": ["circuits/methods/registry.py"],
+        "IG_STEPS": ["circuits/graph/integrated.py"],
+        "RANDOM_DRAWS": ["circuits/graph/faithfulness.py"],
     }
     # (by module path: the package exports functions of the same names)
     edge_attribution, faithfulness, integrated, methods = (
         importlib.import_module(f"countlens.circuits.{m}")
-        for m in ("edge_attribution", "faithfulness", "integrated", "methods")
+        for m in ("graph.edge_attribution", "graph.faithfulness", "graph.integrated", "methods.registry")
     )
 
     assert methods.IG_STEPS is integrated.IG_STEPS and methods.RANDOM_DRAWS is faithfulness.RANDOM_DRAWS
@@ -56,10 +56,10 @@ def test_the_registry_is_the_only_module_named_methods_and_each_default_is_writt
 
 
 def test_each_method_has_one_name_and_its_facts_agree_with_the_modules_below():
-    from countlens.circuits.edge_attribution import EDGE_VARIANTS
-    from countlens.circuits.methods import METHODS, OBJECT_RANKERS
-    from countlens.circuits.object_gradients import OBJECT_VARIANTS
-    from countlens.circuits.patching import ATP_VARIANTS
+    from countlens.circuits.graph.edge_attribution import EDGE_VARIANTS
+    from countlens.circuits.methods.patching import ATP_VARIANTS
+    from countlens.circuits.methods.registry import METHODS, OBJECT_RANKERS
+    from countlens.circuits.objects.gradients import OBJECT_VARIANTS
     from countlens.pipeline.stages import STAGES
 
     names = [m.name for m in METHODS] + [r.name for r in OBJECT_RANKERS]
@@ -69,14 +69,14 @@ def test_each_method_has_one_name_and_its_facts_agree_with_the_modules_below():
     for r in OBJECT_RANKERS:
         assert r.variant in (OBJECT_VARIANTS if r.function == "object_attribution" else EDGE_VARIANTS), r.name
     # The object modules sit below the registry: they never import it.
-    for module in ("object_gradients", "object_edges"):
-        tree = ast.parse((PACKAGE / "circuits" / f"{module}.py").read_text())
+    for module in ("gradients", "edges"):
+        tree = ast.parse((PACKAGE / "circuits" / "objects" / f"{module}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "countlens.circuits.methods" not in imported, module
+        assert "countlens.circuits.methods.registry" not in imported, module
 
 
 def test_countlens_methods_lists_every_registered_name():
-    from countlens.circuits.methods import METHODS, OBJECT_RANKERS
+    from countlens.circuits.methods.registry import METHODS, OBJECT_RANKERS
 
     result = runner.invoke(app, ["methods"])
     assert result.exit_code == 0, result.output
@@ -101,7 +101,7 @@ def test_discover_refuses_a_method_it_does_not_rank_with_before_anything_runs(gi
 
 
 def test_a_run_names_the_methods_its_faithfulness_stage_ranks_with():
-    from countlens.circuits.methods import discover_methods
+    from countlens.circuits.methods.registry import discover_methods
     from countlens.errors import ConfigError
     from countlens.pipeline.config import DiscoverConfig
 
@@ -117,7 +117,7 @@ def test_the_faithfulness_stage_ranks_with_the_methods_a_run_names(loaded):
     random draws, reading no other stage's result."""
     from types import SimpleNamespace
 
-    from countlens.circuits.methods import RANDOM_DRAWS
+    from countlens.circuits.methods.registry import RANDOM_DRAWS
     from countlens.datasets.pairs import count_pairs
     from countlens.pipeline.config import DiscoverConfig
     from countlens.pipeline.stages.faithfulness import _faithfulness

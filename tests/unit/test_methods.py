@@ -8,9 +8,9 @@ import pytest
 import torch
 from tolerance import assert_close
 
-from countlens.circuits.methods import METHODS, discover_methods, method
-from countlens.circuits.pair_batch import prepare_pairs
-from countlens.circuits.relp import lrp_rules, relevance_patch
+from countlens.circuits.engine.pair_batch import prepare_pairs
+from countlens.circuits.methods.registry import METHODS, discover_methods, method
+from countlens.circuits.methods.relp import lrp_rules, relevance_patch
 from countlens.datasets.pairs import count_pairs
 from countlens.errors import InputError
 

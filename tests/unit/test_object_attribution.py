@@ -1,7 +1,7 @@
-"""Object attribution (`countlens.circuits.object_gradients`): AtP per object is (x_clean − x_background) ·
+"""Object attribution (`countlens.circuits.objects.gradients`): AtP per object is (x_clean − x_background) ·
 ∂LD/∂x summed over the object's tokens, as plain torch autograd computes it; EAP-IG's objects, background
 and text add up to the whole image's change (completeness), closer as the steps grow; refusals come
-before any forward. Edges by object span (`countlens.circuits.object_edges`): EAP per (object,
+before any forward. Edges by object span (`countlens.circuits.objects.edges`): EAP per (object,
 receiver) is the difference times the gradient through that receiver alone, as plain torch computes it
 with a zero leaf on each receiver's copy of the stream; an object's edges over every receiver add up
 to its node score, and the spans with the background to the whole image's edge of `edge_attribution`."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 from tolerance import assert_close
 
-import countlens.circuits.object_edges as oe
-import countlens.circuits.object_gradients as oa
+import countlens.circuits.objects.edges as oe
+import countlens.circuits.objects.gradients as oa
 from countlens.circuits import Objects, edge_attribution, edge_graph, object_attribution, object_edge_attribution
 from countlens.circuits.sites import Residual
 from countlens.datasets import countingtricks
@@ -163,7 +163,7 @@ def test_a_method_the_family_refuses_is_refused(loaded):
         )
 
 
-# Edge attribution by object span (`countlens.circuits.object_edges`): object → receiver.
+# Edge attribution by object span (`countlens.circuits.objects.edges`): object → receiver.
 
 
 def _receiver_gradients_by_hand(vlm, image, ask, leaf):

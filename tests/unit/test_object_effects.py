@@ -182,7 +182,7 @@ def test_refusals_come_before_any_forward(toy, tricks, monkeypatch):
     def no_forward(*a, **k):
         raise AssertionError("a forward ran before the refusal")
 
-    monkeypatch.setattr(importlib.import_module("countlens.circuits.object_effects"), "cache_run", no_forward)
+    monkeypatch.setattr(importlib.import_module("countlens.circuits.objects.effects"), "cache_run", no_forward)
     with pytest.raises(InputError, match="no object 7"):
         object_effects(toy, tricks[:1], objects=[7])
     loaded_image = SimpleNamespace(image=tricks[0].image, question=tricks[0].question, answer="3", scene=None)
@@ -245,7 +245,7 @@ def test_misses_table_counts_the_least_object_of_wrong_scenes():
 
 
 def test_a_reference_with_another_token_layout_is_refused(toy, tricks, monkeypatch):
-    module = importlib.import_module("countlens.circuits.object_effects")
+    module = importlib.import_module("countlens.circuits.objects.effects")
     bigger = replace(tricks[0].scene, width=2 * tricks[0].scene.width, objects=())
     monkeypatch.setattr(module, "without_objects", lambda sample, indices: replace(sample, scene=bigger))
     with pytest.raises(InputError, match="token layout"):

@@ -177,9 +177,9 @@ def test_plantings_losses_and_gradients_are_the_hand_written_decoders(toy_pairs)
 def test_the_engines_gradients_are_opt_in(toy_pairs):
     """edge_ablated_logits without grad: no graph, on the CPU; with it, the same numbers with a graph; an
     inputs dict without max_rows is refused before any forward."""
-    from countlens.circuits.edge_ablation import edge_ablated_logits
-    from countlens.circuits.edges import edge_graph
-    from countlens.circuits.nodes import record_nodes
+    from countlens.circuits.graph.edge_ablation import edge_ablated_logits
+    from countlens.circuits.graph.edges import edge_graph
+    from countlens.circuits.graph.nodes import record_nodes
 
     vlm, inputs, _, partner = toy_pairs
     graph = edge_graph(vlm)

@@ -4,7 +4,7 @@ TransformerLens' `TransformerBridge` wraps a second, independently loaded copy o
 full multimodal model: pixel_values go through the HF vision tower and projector inside the bridge).
 Each head's z is patched through TL's own hook, ``blocks.{l}.attn.hook_z`` (batch, seq, n_heads,
 d_head), from the corrupt run into the clean run at the image tokens; the logit differences must match
-`countlens.circuits.patching.patch_heads(..., positions="image")`.
+`countlens.circuits.methods.patching.patch_heads(..., positions="image")`.
 
 The bridge is built with `build_bridge_from_module` around a preloaded model, never with
 `TransformerBridge.boot_transformers`: booting offline can reach transformer-lens 4.3's
@@ -29,7 +29,7 @@ tl = pytest.importorskip("transformer_lens")
 from tiny_models import TINY_IMAGE_SIZE  # noqa: E402
 from tolerance import F32_REL, assert_close, scale_of  # noqa: E402
 
-from countlens.circuits.patching import patch_heads, prepare_pairs  # noqa: E402
+from countlens.circuits.methods.patching import patch_heads, prepare_pairs  # noqa: E402
 from countlens.circuits.sites import group_mask  # noqa: E402
 from countlens.datasets.pairs import count_pairs  # noqa: E402
 

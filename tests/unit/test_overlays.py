@@ -21,7 +21,7 @@ from tolerance import assert_close
 from countlens import results
 from countlens.analysis import overlays
 from countlens.analysis.attention_maps import attention_maps
-from countlens.circuits.attention import eager_attention
+from countlens.circuits.engine.attention import eager_attention
 from countlens.datasets.countingtricks import countingtricks
 from countlens.errors import InputError
 from countlens.model.geometry import Geometry
@@ -262,7 +262,7 @@ def test_a_tiled_models_tokens_are_stored_with_their_views(loaded, name):
     that view's share of the head's attention."""
     from tiny_models import TINY_IMAGE_SIZE
 
-    from countlens.circuits.attention import image_keys, last_token_attention
+    from countlens.circuits.engine.attention import image_keys, last_token_attention
     from countlens.datasets import task_samples
 
     vlm = loaded(name)

@@ -8,8 +8,8 @@ import torch
 from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close, assert_effect, logit_scale, scale_of
 
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.patching import (
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.methods.patching import (
     attribution_patch,
     compare,
     patch_heads,
@@ -184,7 +184,7 @@ def test_a_killed_sweep_resumes_from_its_store(organism, tmp_path):
         calls.append(1)
         return real(*args, **kw)
 
-    import countlens.circuits.sweep as sweep
+    import countlens.circuits.engine.sweep as sweep
 
     sweep.run_edits = crash_after_one
     try:
@@ -235,7 +235,7 @@ def test_pairs_must_share_the_token_grid_not_only_the_token_count(loaded):
 def test_spearman_is_scipys_with_ties_and_nan_when_constant():
     from scipy.stats import spearmanr
 
-    from countlens.circuits.patching import spearman
+    from countlens.circuits.methods.patching import spearman
 
     rng = np.random.default_rng(0)
     for n in (2, 5, 40):

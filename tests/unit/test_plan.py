@@ -11,7 +11,7 @@ from tolerance import assert_effect, logit_scale
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
-from countlens.circuits.patching import patch_heads, prepare_pairs
+from countlens.circuits.methods.patching import patch_heads, prepare_pairs
 from countlens.cli import app
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples

@@ -10,7 +10,7 @@ import pytest
 import torch
 import xarray as xr
 
-from countlens.circuits.recovery import auroc, precision_at
+from countlens.circuits.graph.recovery import auroc, precision_at
 from countlens.errors import ConfigError, InputError
 from countlens.model.shipped import TOY_DIR
 from countlens.toy.plant import PlantConfig, invariance, swapped_nodes, train_planted, train_stages

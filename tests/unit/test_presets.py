@@ -260,7 +260,7 @@ def test_a_spec_json_that_lacks_fields_is_refused_naming_them(tmp_path):
 def test_the_full_rows_temperature_sharpens_the_classes_the_recipe_names(tmp_path):
     import pandas as pd
 
-    from countlens.circuits.temperature import beta_from_importance
+    from countlens.circuits.engine.temperature import beta_from_importance
     from countlens.pipeline.finetune_job import importance_from
 
     pd.DataFrame(

@@ -14,8 +14,8 @@ from scipy import ndimage
 from tolerance import assert_close, assert_effect, logit_scale
 
 from countlens import circuits
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.patching import prepare_pairs
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.methods.patching import prepare_pairs
 from countlens.circuits.sites import GROUPS, HeadZ, Residual, group_mask, head_contributions
 from countlens.datasets.contact import boundary_gap
 from countlens.datasets.countingtricks import CASES, trick_sample

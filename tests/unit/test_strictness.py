@@ -118,7 +118,7 @@ def test_region_checks_name_each_bar():
 def test_node_and_object_recovery_on_hand_worked_scores():
     import xarray as xr
 
-    from countlens.circuits.recovery import node_recovery, object_recovery
+    from countlens.circuits.graph.recovery import node_recovery, object_recovery
 
     scores = {"L0H2": 0.9, "MLP1": -0.5, "L0H0": 0.5, "L1H1": 0.1, "MLP2": float("nan")}
     # C = {L0H2, MLP1}: of the 2 × 2 (inside, outside) pairs, L0H2 beats both, MLP1 ties L0H0 and beats L1H1;

@@ -7,7 +7,7 @@ import torch
 from tiny_models import TINY_IMAGE_SIZE
 from tolerance import assert_close
 
-from countlens.circuits.taps import tap
+from countlens.circuits.lenses.taps import tap
 from countlens.datasets.scene import Obj, Scene
 from countlens.datasets.tasks import TaskSample
 from countlens.errors import InputError

@@ -1,7 +1,7 @@
 """Values know their rows: what the intervention vocabulary writes over a batch's rows is written by
 sample, never by row number.
 
-`record`'s values and a `Mask` carry the samples of their rows (`countlens.circuits.positions`:
+`record`'s values and a `Mask` carry the samples of their rows (`countlens.circuits.sites.positions`:
 `with_samples`, `sample_key`, `row_index`), so a `Patch` under `intervene` writes each forward's row
 from its own sample's row at any batch size and order, proven here against each sample patched alone by
 a plain torch hook; a forward of other samples, or a plain tensor of other rows, is refused. The same
@@ -37,8 +37,8 @@ from countlens.circuits import (
     mean_difference,
     record,
 )
-from countlens.circuits.object_effects import object_effects
-from countlens.circuits.pair_batch import prepare_pairs
+from countlens.circuits.engine.pair_batch import prepare_pairs
+from countlens.circuits.objects.effects import object_effects
 from countlens.circuits.sites import Expert, ImageStates, Pattern, group_mask
 from countlens.datasets import task_samples
 from countlens.datasets.pairs import count_pairs
@@ -252,6 +252,6 @@ def test_resample_draws_each_samples_donor_by_sample_not_by_row(toy, scenes):
 
 
 def _frame_of(vlm, samples):
-    from countlens.circuits.positions import Frame
+    from countlens.circuits.sites.positions import Frame
 
     return Frame.of(vlm.prepare_samples(samples))

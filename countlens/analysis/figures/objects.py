@@ -1,6 +1,6 @@
 """Which objects does the model count? The object-effect figures of a discover run's ``objects`` stage.
 
-Both read the stage's stored result (``results/objects.nc``: an `countlens.circuits.object_effects`
+Both read the stage's stored result (``results/objects.nc``: an `countlens.circuits.objects.effects`
 result over (scene, object), with the run's own answers per scene and, for a few drawn scenes, their
 images and object labels), never a model.
 
@@ -27,7 +27,7 @@ from countlens.errors import InputError
 
 #: The diverging colour map of the object outlines (red: positive effect, blue: negative).
 CMAP = "RdBu_r"
-#: Placement classes (`countlens.circuits.object_effects.CLASSES`) in the figures' order, with colours.
+#: Placement classes (`countlens.circuits.objects.effects.CLASSES`) in the figures' order, with colours.
 PLACEMENTS: dict[str, str] = {"centred": "tab:green", "edge": "tab:orange", "intersection": "tab:purple"}
 HIDDEN = "0.55"  # an object that covers no token: outlined in grey, dashed
 

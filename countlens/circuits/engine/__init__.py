@@ -10,7 +10,7 @@ model goes through here:
   norms' scales and attention patterns constant (RelP, the attribution graph's local replacement model).
 
 **Two backends, one rule.** nnsight's trace (`countlens.model.vlm.VLM.trace`) is used where a run may be
-remote (NDIF): the sweeps' stacked edits (`countlens.circuits.edits`) write sites there, through
+remote (NDIF): the sweeps' stacked edits (`countlens.circuits.engine.edits`) write sites there, through
 `countlens.circuits.engine.writes`. Torch hooks (`hooks`) are used for local runs, and where modules run
 on stacked copies inside one forward (the edge forward). Both write a site through its `Location`.
 """

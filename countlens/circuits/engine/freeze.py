@@ -10,7 +10,7 @@ projection's q and k columns). Each argument is one of:
 - ``None``: not frozen;
 - ``"detach"``: held at this forward's own values. The forward computes what it would; gradients see
   the held quantities as constants: a norm's output is y = x · (y / x) with the ratio detached (0 where
-  x = 0), q and k are detached. RelP's rules (`countlens.circuits.relp`) use it.
+  x = 0), q and k are detached. RelP's rules (`countlens.circuits.methods.relp`) use it.
 - a `Clamp` recorded during a clean run (`Clamp.hooks` in that forward, then `Clamp.close`): held at
   that run's values in any later forward, on any input: an RMSNorm's output is w ⊙ (x · s_clean), q and
   k the clean run's (repeated over the rows). The attribution graph's local replacement model

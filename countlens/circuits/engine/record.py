@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from countlens.circuits.attention import eager_attention
+from countlens.circuits.engine.attention import eager_attention
 from countlens.circuits.engine.cache import Cache
+from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.hooks import Hook, hooked
-from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.positions import Frame, as_positions, with_samples
 from countlens.circuits.sites import Location, check_site
 from countlens.circuits.sites.location import HOOKS
+from countlens.circuits.sites.positions import Frame, as_positions, with_samples
 from countlens.errors import InputError
 from countlens.model.arguments import require_batch, require_vlm
 from countlens.validate import require_count, require_sequence
@@ -67,7 +67,7 @@ def require_local(vlm: VLM, what: str) -> None:
 def record(vlm: VLM, batch: Batch, sites: Sequence[Site], metric: Callable[[Tensor], Tensor] | None = None) -> Cache:
     """One forward of a prepared ``batch``: a `Cache` of each site's value, Float[Tensor, "batch seq d"] on
     the CPU (a `Pattern`'s: Float[Tensor, "batch query key"]), marked with the samples of its rows where
-    the batch has them (`VLM.prepare_samples`; `countlens.circuits.positions.samples_of`).
+    the batch has them (`VLM.prepare_samples`; `countlens.circuits.sites.positions.samples_of`).
 
     With ``metric`` (the read position's logits, Float[Tensor, "batch vocab"] → one value per row), also
     each site's gradient of the metric's sum over rows, ``cache.grad[site]``, shaped like its value: rows

@@ -1,4 +1,4 @@
-"""How the engine writes sites inside a traced forward (the sweeps' stacked edits, `countlens.circuits.edits`).
+"""How the engine writes sites inside a traced forward (the sweeps' stacked edits, `countlens.circuits.engine.edits`).
 
 An edit placed in a stacked batch (`Placed`): replica r (rows r·n … of the stacked batch) gets a value, or
 a cached run's, or a function of what the forward has there (`written`), at its mask's entries. `write`
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.sites import Expert, ImageStates, first_output
+from countlens.circuits.sites.expert_rules import expert_rule
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class Placed(NamedTuple):
     """An edit placed in a stacked forward: replica ``replica`` (rows replica·n … of the stacked
     batch) gets ``value``, or else the cached run's, at the mask's entries — rows b, positions s; or,
-    with ``op``, op(what the forward has there) (`countlens.circuits.interventions`)."""
+    with ``op``, op(what the forward has there) (`countlens.circuits.engine.interventions`)."""
 
     replica: int
     site: Any  # a `countlens.circuits.sites.Site`

@@ -3,7 +3,7 @@
 Every site has a **location** (`Location`: the module, its input or output, and the site's view of that
 tensor, from the family spec), a **width** (the last axis of a value written there) and a **label**. The
 engine (`countlens.circuits.engine`) reads, writes, records and freezes a site through its location; a
-site also says how it is **read** from a `countlens.circuits.edits.cache_run` result (the value a patch
+site also says how it is **read** from a `countlens.circuits.engine.edits.cache_run` result (the value a patch
 copies).
 
 - `Residual` — the residual stream after decoder layer ``l`` (the layer's output tensor); layer −1 is
@@ -17,7 +17,7 @@ copies).
 - `Expert` — mixture-of-experts layers: expert e's share of the experts module's output at token t,
   w_e(t)·E_e(x_t) (zero where the router did not choose e); a token's chosen experts' contributions
   sum to that output. Where that share can be seen depends on the layer's rule
-  (`countlens.circuits.expert_rules`).
+  (`countlens.circuits.sites.expert_rules`).
 - `ImageStates` — cross-attention VLMs (Llama-3.2-Vision) only: the image states, which never enter
   the residual stream. At "layer −1" the projector's output, which every cross-attention layer
   reads; at a cross-attention layer ``l`` the states that layer alone reads (its k and v input). An
@@ -36,7 +36,7 @@ Token groups (boolean masks over the padded batch): ``image`` (image tokens), ``
 answer is read: the last prompt token, and any answer tokens teacher-forced after it up to the read
 position — see `countlens.model.answers`), ``text`` (every other real token), ``all`` (all real tokens).
 A cross-attention model has no image tokens; its image is the ``image_states`` group of
-`countlens.circuits.patching.patch_layers` (a site, not positions in the sequence).
+`countlens.circuits.methods.patching.patch_layers` (a site, not positions in the sequence).
 """
 
 from countlens.circuits.sites.attention import AttnIn, K, Pattern, Q, V

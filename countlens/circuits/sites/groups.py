@@ -3,7 +3,7 @@
 ``image`` (image tokens), ``last`` (where the answer is read: the last prompt token, and any answer
 tokens teacher-forced after it up to the read position — see `countlens.model.answers`), ``text`` (every
 other real token), ``all`` (all real tokens). A cross-attention model has no image tokens; its image
-is the ``image_states`` group of `countlens.circuits.patching.patch_layers` (a site, not positions).
+is the ``image_states`` group of `countlens.circuits.methods.patching.patch_layers` (a site, not positions).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Sites of the residual stream and the heads' outputs: `Residual`, `HeadZ`, `Expert`, `ImageStates`,
-each with its own write inside a traced forward (the engine's fast path: `countlens.circuits.edits`)."""
+each with its own write inside a traced forward (the engine's fast path: `countlens.circuits.engine.edits`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from countlens.circuits.expert_rules import expert_rule
+from countlens.circuits.sites.expert_rules import expert_rule
 from countlens.circuits.sites.groups import checked_heads
 from countlens.circuits.sites.location import (
     HOOKS,

@@ -47,7 +47,7 @@ class RunContext:
         return self.config.batch_size
 
     def store(self, name: str) -> Path:
-        """Where the sweep ``name`` streams its chunks (`countlens.circuits.sweep`)."""
+        """Where the sweep ``name`` streams its chunks (`countlens.circuits.engine.sweep`)."""
         return self.out / "results" / "sweeps" / name
 
     def answers(self, samples: list, progress: bool = False) -> xr.Dataset:

@@ -1,10 +1,10 @@
 """Is it a circuit of edges? Faithfulness of the top edges that EAP-IG and EAP rank.
 
-The model's edge graph (`countlens.circuits.edges`: inputs, heads and MLPs into each head's q, k and
+The model's edge graph (`countlens.circuits.graph.edges`: inputs, heads and MLPs into each head's q, k and
 v, each MLP's input and the logits), built and checked once, is scored by the registry's edge methods
-(`countlens.circuits.methods`): EAP-IG (its `IG_STEPS` steps) and EAP (the clean run's gradient:
+(`countlens.circuits.methods.registry`): EAP-IG (its `IG_STEPS` steps) and EAP (the clean run's gradient:
 EAP-IG's last, so both come from one pass), and each ranking's circuits at MIB's sizes keep their top
-edges while every other edge reads the corrupt run's value (`countlens.circuits.edge_ablation`); the
+edges while every other edge reads the corrupt run's value (`countlens.circuits.graph.edge_ablation`); the
 registry's `RANDOM_DRAWS` random rankings give the baseline. On a model whose layers
 do not add their outputs to the residual stream unchanged the graph is undefined: the stage records
 why (``refused``) and the report says so. The faithfulness section shows the curves and the CPR / CMD
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import xarray as xr
 
-from countlens.circuits import edges
-from countlens.circuits.edge_ablation import edge_max_rows, edge_row_bytes
-from countlens.circuits.edge_attribution import edge_attributions
-from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves
-from countlens.circuits.methods import IG_STEPS, RANDOM_DRAWS, method
-from countlens.circuits.pair_batch import prepare_pairs
+from countlens.circuits.engine.pair_batch import prepare_pairs
+from countlens.circuits.graph import edges
+from countlens.circuits.graph.edge_ablation import edge_max_rows, edge_row_bytes
+from countlens.circuits.graph.edge_attribution import edge_attributions
+from countlens.circuits.graph.faithfulness import SIZES, circuit_sizes, faithfulness_curves
+from countlens.circuits.methods.registry import IG_STEPS, RANDOM_DRAWS, method
 from countlens.errors import InputError
 from countlens.model.memory import Widths, rows_per_forward
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
@@ -37,7 +37,7 @@ EDGE_RANKINGS: dict[str, tuple[str, str]] = {
 METHODS_RANKED = tuple(method(name) for name in EDGE_RANKINGS)
 #: The rankings this stage evaluates, in the report's order.
 RANKINGS = tuple(ranking for ranking, _ in EDGE_RANKINGS.values())
-#: The one pass both come from costs the integrated method's forwards (`countlens.circuits.methods.Cost`).
+#: The one pass both come from costs the integrated method's forwards (`countlens.circuits.methods.registry.Cost`).
 PASS = method("eap_ig_edges")
 
 
@@ -70,7 +70,7 @@ def _compute(run: RunContext) -> xr.Dataset:
 
 
 def edge_count(n_layers: int, heads: int, kv_heads: int) -> int:
-    """Edges of a model of uniform layers with separate q, k and v (`countlens.circuits.edges`)."""
+    """Edges of a model of uniform layers with separate q, k and v (`countlens.circuits.graph.edges`)."""
     total, upstream = 0, 2
     for _ in range(n_layers):
         total += (heads + 2 * kv_heads) * upstream
@@ -89,7 +89,7 @@ def _uniform(w: Widths) -> tuple[int, int, list[int]]:
 
 def edge_forward_flops(w: Widths, seq: int, rows: int) -> float:
     """FLOPs an edge-ablated forward of ``rows`` × ``seq`` tokens adds to a plain one, every node live
-    (`countlens.circuits.edge_ablation`): each layer's heads' differences mapped to the residual stream
+    (`countlens.circuits.graph.edge_ablation`): each layer's heads' differences mapped to the residual stream
     (an o_proj), the masked sums of its attention receivers and of its MLP over the nodes upstream,
     the receivers' q, k and v columns recomputed from their own normed copies, and the logits' sum."""
     receivers, nodes, prefixes = _uniform(w)

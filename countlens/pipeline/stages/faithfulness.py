@@ -1,13 +1,13 @@
 """Is it a circuit? The faithfulness of the top heads of each ranking the run computed.
 
-The rankings are the registry's methods that discover ranks with (`countlens.circuits.methods`;
+The rankings are the registry's methods that discover ranks with (`countlens.circuits.methods.registry`;
 only those of the run's ``methods`` when it names some): exact head patching (``heads``), attribution
 patching (``atp``), EAP-IG (``eap_ig``), the drop in log p(gold) when a head is mean-ablated on
-counting (``ablation``) and AtP* (computed here, on the families `countlens.circuits.atp_star`
+counting (``ablation``) and AtP* (computed here, on the families `countlens.circuits.methods.atp_star`
 supports; its scores are kept as ``atp_star_effect``); beside them random rankings (the registry's
 `RANDOM_DRAWS`). The circuit at each of MIB's sizes keeps the top heads and patches every other head's z from
 the corrupt run; f(C) says how much of the clean run's logit difference it keeps
-(`countlens.circuits.faithfulness`: the definition, the node set, CPR and CMD). The report's section
+(`countlens.circuits.graph.faithfulness`: the definition, the node set, CPR and CMD). The report's section
 draws the curves and tabulates CPR, CMD and the smallest circuit reaching 80 % faithfulness. These are
 countlens's own measurements on the run's pairs: no paper's figure is comparable with them.
 """
@@ -23,9 +23,9 @@ import xarray as xr
 
 from countlens.analysis import plots
 from countlens.analysis.tables import finite_markdown
-from countlens.circuits.faithfulness import SIZES, circuit_sizes, faithfulness_curves, smallest_faithful
-from countlens.circuits.methods import RANDOM_DRAWS, discover_methods, method
-from countlens.circuits.recovery import auroc, precision_at
+from countlens.circuits.graph.faithfulness import SIZES, circuit_sizes, faithfulness_curves, smallest_faithful
+from countlens.circuits.graph.recovery import auroc, precision_at
+from countlens.circuits.methods.registry import RANDOM_DRAWS, discover_methods, method
 from countlens.labels import head_label
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, sweep_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage

@@ -2,7 +2,7 @@
 
 ``objects`` takes up to `PER_CASE` of the run's COUNTINGTRICKS scenes per case (the ``cases`` stage's
 samples, at evenly spaced positions of each case's samples: `pick`, so the plan knows them before any
-answer) and measures every object's effect with `countlens.circuits.object_effects` at the input of
+answer) and measures every object's effect with `countlens.circuits.objects.effects` at the input of
 layer 0 (``site=Residual(-1)``: the projected image-token embeddings, before any layer has mixed the
 tokens) against the scene drawn again without that object (``reference="removed"``: one object
 fewer, so the patch asks what that object's own tokens carry, not what the empty image does). It
@@ -28,7 +28,7 @@ from countlens.analysis import plots
 from countlens.analysis.attention_maps import downsampled
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses, shown_rows
 from countlens.analysis.tables import finite_markdown
-from countlens.circuits.object_effects import object_effects, scene_chunks
+from countlens.circuits.objects.effects import object_effects, scene_chunks
 from countlens.circuits.sites import Residual
 from countlens.errors import NoObjectTokensError
 from countlens.pipeline.costs import Forward, Planner, StagePlan

@@ -3,8 +3,8 @@
 ``vap`` patches each layer's residual stream over one token group (image, last, text) from the
 corrupt run into the clean one; ``heads`` patches each head's z; ``atp`` estimates the head effects
 from three passes (attribution patching) and ``eap_ig`` with the gradient integrated from the corrupt
-input to the clean (`countlens.circuits.integrated`), both scored against ``heads``. ``heads``,
-``atp`` and ``eap_ig`` compute their registry method's result (`countlens.circuits.methods`: exact
+input to the clean (`countlens.circuits.graph.integrated`), both scored against ``heads``. ``heads``,
+``atp`` and ``eap_ig`` compute their registry method's result (`countlens.circuits.methods.registry`: exact
 patching, AtP, EAP-IG at its `IG_STEPS`) and plan its `Cost`. ``vap`` and ``heads`` are
 sweeps: a sharded run splits them between its ranks, and each streams its chunks so a killed run
 resumes mid-sweep. The head effects are checked before any later stage reads them.
@@ -18,7 +18,7 @@ from countlens import circuits
 from countlens.analysis import plots
 from countlens.analysis.heads import check_effects, head_sites
 from countlens.analysis.tables import finite_markdown
-from countlens.circuits.methods import Method, method
+from countlens.circuits.methods.registry import Method, method
 from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage

@@ -25,7 +25,7 @@ holds — answered with the paper's recipe instead of countlens's, written from 
   else a false positive (no second choice) — then all images pooled by score.
 
 Departures, countlens's: the bottleneck's initialisation and the batch order are seeded; a tap's
-tokens are laid out on its grid in raster order (`countlens.circuits.taps`) and not z-scored (the
+tokens are laid out on its grid in raster order (`countlens.circuits.lenses.taps`) and not z-scored (the
 code standardises its vision tap over the whole tensor of each image), where the code reshapes
 Qwen2.5-VL's window-ordered tokens as they come (scrambled within bands of 4 token rows) and pads
 its LLM tap with zeros; the last epoch's AP is reported, as the code's ``final_ap``.
@@ -310,7 +310,7 @@ def sample_targets(samples: Sequence) -> tuple[list[np.ndarray], list[np.ndarray
 
 def reference_taps(vlm: VLM) -> tuple[tuple[str, int | None], ...]:
     """The MAS paper's code's three taps (``models_probing/adapters/qwen25vl.py``), as (kind, index) for
-    `countlens.circuits.taps.tap`: the vision encoder's second-to-last block, the projector's output
+    `countlens.circuits.lenses.taps.tap`: the vision encoder's second-to-last block, the projector's output
     and the decoder's second-to-last layer (which the code reads after the final norm; countlens reads
     the residual stream)."""
     blocks = len(module_of(vlm.hf, vlm.arch.spec.vision_blocks))

@@ -1,6 +1,6 @@
 """AtP*: attribution patching with the QK fix and GradDrop (Kramár, Lieberum, Shah & Nanda 2024).
 
-Attribution patching (AtP, `countlens.circuits.patching.attribution_patch`) estimates the effect of
+Attribution patching (AtP, `countlens.circuits.methods.patching.attribution_patch`) estimates the effect of
 patching a node n from the corrupt run into the clean one as Î(n) = (n_corrupt − n_clean)·∂LD/∂n, the
 gradient taken at the clean run. AtP* (arXiv 2403.00745) fixes its two false-negative modes:
 
@@ -63,10 +63,10 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked, module_of
-from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.gradients import activation_gradients_only
+from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.sites import HeadZ, K, Q, V, check_group, group_mask, heads_view
-from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.model.adapt import attention_function
 

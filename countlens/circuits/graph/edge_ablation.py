@@ -1,6 +1,6 @@
 """Circuits of edges: a forward in which chosen edges carry another run's values.
 
-Ablating edge u → r (`countlens.circuits.edges`) replaces u's output by the ablation value a_u (the
+Ablating edge u → r (`countlens.circuits.graph.edges`) replaces u's output by the ablation value a_u (the
 corrupt run's, or a mean) in receiver r's copy of the residual stream only. In one forward of the
 clean input, every receiver reads
 
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.edges import EdgeGraph, Receiver, o_weight, receiver_columns
 from countlens.circuits.engine import Hook, hooked, module_of
+from countlens.circuits.graph.edges import EdgeGraph, Receiver, o_weight, receiver_columns
 from countlens.circuits.sites import (
     INPUTS,
     AttnIn,

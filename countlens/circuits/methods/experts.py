@@ -3,11 +3,11 @@
 A mixture-of-experts (MoE) MLP sends each token to its router's top-k experts and adds their
 outputs, each times its routing weight: out(x_t) = Σ_j w_j(t) · E_{i_j(t)}(x_t). Expert e's
 **contribution** to token t is w_e(t) · E_e(x_t), zero where the router did not choose e; a token's
-contributions sum to the experts' output (`countlens.circuits.expert_rules.expert_contribution`).
+contributions sum to the experts' output (`countlens.circuits.sites.expert_rules.expert_contribution`).
 Llama 4 scales the expert's input instead, E_e(w_e(t) · x_t), running every expert on every token:
 its contribution is the experts module's own row for (e, t); its shared expert, which every token
 passes through, is not one of them. How each rule is recorded, read and written lives in
-`countlens.circuits.expert_rules`. So an expert is a site (`countlens.circuits.sites.Expert`) as a
+`countlens.circuits.sites.expert_rules`. So an expert is a site (`countlens.circuits.sites.Expert`) as a
 head is:
 
 - `routing` reads the router's choice per token (top-k experts and their weights), and
@@ -15,10 +15,10 @@ head is:
 - `patch_experts` copies, expert by expert, the corrupt run's contribution into the clean run at a
   token group (zero where the corrupt run did not choose that expert; the clean run's own routing is
   left as it is elsewhere): ``effect`` / ``overwrite`` over (layer, expert), normalised like
-  `countlens.circuits.patching.patch_heads`;
+  `countlens.circuits.methods.patching.patch_heads`;
 - `expert_means` and `ablate_experts` mean-ablate experts: each contribution replaced by its mean
   over a reference set per token group (image, last, other text), as heads are
-  (`countlens.circuits.ablation`); `expert_ablation_scan` ablates each expert alone.
+  (`countlens.circuits.methods.ablation`); `expert_ablation_scan` ablates each expert alone.
 
 Routing is read, not changed: a patched or ablated expert changes the tokens' later layers, which
 route again by their own (now changed) inputs. countlens defines these sites; the papers, which
@@ -35,13 +35,13 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.expert_rules import expert_rule
-from countlens.circuits.interventions import Patch
-from countlens.circuits.run import effect_grid
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.engine.interventions import Patch
+from countlens.circuits.engine.run import effect_grid
+from countlens.circuits.engine.sweep import check_pair_sweep, pairs_store
+from countlens.circuits.methods.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.sites import Expert, check_group, group_mask
-from countlens.circuits.sweep import check_pair_sweep, pairs_store
+from countlens.circuits.sites.expert_rules import expert_rule
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.labels import expert_key, expert_label, is_head_pair
@@ -140,7 +140,7 @@ def patch_experts(
 ) -> xr.Dataset:
     """Expert patching: each expert's contribution at ``positions`` copied from the corrupt run into
     the clean run, one (layer, expert) at a time; ``effect`` / ``overwrite`` over (layer, expert), per
-    pair ``logit_diff`` over (layer, expert, pair), as `countlens.circuits.patching.patch_heads`."""
+    pair ``logit_diff`` over (layer, expert, pair), as `countlens.circuits.methods.patching.patch_heads`."""
     require_vlm(vlm, "patch_experts")
     check_pair_sweep(pairs, batch_size, "patch_experts")
     check_group(positions)
@@ -173,7 +173,7 @@ def patch_experts(
 
 @torch.no_grad()
 def expert_means(vlm: VLM, samples: Sequence, batch_size: int = 16) -> Float[Tensor, "moe_layer group expert d_model"]:
-    """Each expert's mean contribution per token group (`countlens.circuits.ablation.ABLATION_GROUPS`)
+    """Each expert's mean contribution per token group (`countlens.circuits.methods.ablation.ABLATION_GROUPS`)
     over a reference set, MoE layers in order; zero counts where the expert was not chosen."""
     require_vlm(vlm, "expert_means")
     check_samples(samples, "expert_means")
@@ -233,7 +233,7 @@ def ablate_experts(
 ) -> xr.Dataset:
     """Mean-ablate ``experts`` jointly — each (layer, expert) or the label results give it, such as
     "L1E0" — : per sample ``correct`` and ``logp`` before and after (``base_correct``,
-    ``base_logp``), as `countlens.circuits.ablation.ablate`."""
+    ``base_logp``), as `countlens.circuits.methods.ablation.ablate`."""
     require_vlm(vlm, "ablate_experts")
     check_samples(samples, "ablate_experts")
     require_count(batch_size, "batch_size")
@@ -256,7 +256,7 @@ def ablate_experts(
 
 def expert_ablation_scan(vlm: VLM, samples: Sequence, means: Tensor | None = None, batch_size: int = 16) -> xr.Dataset:
     """Mean-ablate each expert alone: ``acc_drop`` and ``logp_drop`` over (layer, expert), MoE layers
-    only (replicas stacked in one forward, as `countlens.circuits.ablation.ablation_scan`)."""
+    only (replicas stacked in one forward, as `countlens.circuits.methods.ablation.ablation_scan`)."""
     require_vlm(vlm, "expert_ablation_scan")
     check_samples(samples, "expert_ablation_scan")
     require_count(batch_size, "batch_size")

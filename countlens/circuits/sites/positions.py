@@ -17,7 +17,7 @@ forward, and the new tokens of generation:
 - `Mask` — any Bool[Tensor, "batch seq"] over a prepared batch.
 
 **Rows know their samples.** A value made over a batch's rows (a `Mask`; a `Patch`'s recorded values,
-`countlens.circuits.interventions`) is written into a forward by sample, never by row number: each
+`countlens.circuits.engine.interventions`) is written into a forward by sample, never by row number: each
 row's sample is identified by `sample_key` (a frozen sample by its value — scene, question, answer —
 else its image and question). `countlens.circuits.record` marks the tensors it returns with the
 samples of their rows (`with_samples`, read back by `samples_of`); a forward of batches prepared with

@@ -8,7 +8,7 @@ embeddings (the input of layer 0 at those positions; on a cross-attention model 
 the image states every cross-attention layer reads, `CrossAttentionSpec.states`). A node set is
 chosen by kind names (`NODE_KINDS`), each naming one site kind. `record_nodes` records their outputs in
 one forward; `ablated_logits` runs a batch once per set of nodes, each set's nodes overwritten by
-recorded values (`countlens.circuits.faithfulness` defines the circuits and the metric).
+recorded values (`countlens.circuits.graph.faithfulness` defines the circuits and the metric).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.engine.writes import Placed, write_experts
-from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.sites import (
     INPUTS,
     Embed,
@@ -33,6 +32,7 @@ from countlens.circuits.sites import (
     skip_tower,
     tower_output,
 )
+from countlens.circuits.sites.expert_rules import expert_rule
 from countlens.errors import InputError
 from countlens.model import memory
 from countlens.validate import require_choice

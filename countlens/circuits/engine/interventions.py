@@ -1,7 +1,7 @@
 """Interventions as values: what is written at a site, at which positions.
 
 Each intervention names a site (`countlens.circuits.sites`: `Residual`, `HeadZ`, `Q` / `K` / `V`,
-`MlpIn`, `MlpOut`, `Expert`, `ImageStates`), positions (`countlens.circuits.positions`: a token
+`MlpIn`, `MlpOut`, `Expert`, `ImageStates`), positions (`countlens.circuits.sites.positions`: a token
 group's name, `Cells`, `Objects`, a `Mask`) and what it writes there, given the value x the forward
 has at each chosen position (Float[Tensor, "k d"], d the site's width):
 
@@ -9,7 +9,7 @@ has at each chosen position (Float[Tensor, "k d"], d the site's width):
   run; under `countlens.circuits.intervene` the ``values`` given (Float[Tensor, "batch seq d"], from
   `countlens.circuits.record`, which marks each row with its sample; ``into=`` names the samples the
   rows are written into). Each forward's row takes its own sample's row, whatever the batching and
-  order (`countlens.circuits.positions.row_index`).
+  order (`countlens.circuits.sites.positions.row_index`).
 - `Resample` — the value a donor sample has there, a random one of ``donors`` (samples, recorded once)
   per row: drawn from the seed and the row's sample, so the same at any batching and order.
 - `Mean` — the mean of x over a reference set: ``reference`` samples (the mean at the same positions
@@ -28,7 +28,7 @@ attention logits before the softmax. Under `countlens.circuits.intervene` only.
 
 A list of interventions applies together, in the forward's order. Patch and Resample write a
 donor's values, so they never act on tokens generated after the prompt (no donor has them); the
-others act wherever their positions reach (`countlens.circuits.positions` says where new tokens
+others act wherever their positions reach (`countlens.circuits.sites.positions` says where new tokens
 belong).
 """
 
@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from countlens.circuits.positions import (
+from countlens.circuits.sites import Site, check_site
+from countlens.circuits.sites.positions import (
     AS_POSITIONS,
     Frame,
     Objects,
@@ -54,7 +55,6 @@ from countlens.circuits.positions import (
     sample_keys,
     samples_of,
 )
-from countlens.circuits.sites import Site, check_site
 from countlens.errors import InputError, LayerError
 from countlens.model.arch import text_config
 from countlens.validate import require_integer, require_seed
@@ -133,7 +133,7 @@ class Patch(Intervention):
     `intervene`. Values know their rows' samples (`record` marks them; ``into`` says them: row i of
     ``values`` is written into sample ``into[i]``), and each forward's row takes its own sample's row,
     at any batch size and order; a forward of a sample they lack is refused
-    (`countlens.circuits.positions.row_index`). Values without samples have exactly the forward's rows,
+    (`countlens.circuits.sites.positions.row_index`). Values without samples have exactly the forward's rows,
     or one row for every row."""
 
     values: Tensor | None = field(default=None, repr=False)

@@ -5,7 +5,7 @@ residual stream, and the attention output is the sum of its heads' contributions
 what any component reads is a sum over everything upstream of it: the input embeddings, each earlier
 head's contribution and each earlier MLP's output (o_proj's bias, where there is one, is the same in
 every run and drops out of every difference). An **edge** u → r is one term of that sum: upstream node
-u (a node of `countlens.circuits.faithfulness`: ``IN.image``, ``IN.text``, a head, an MLP) to the input
+u (a node of `countlens.circuits.graph.faithfulness`: ``IN.image``, ``IN.text``, a head, an MLP) to the input
 of a **receiver** r, itself a site (`countlens.circuits.sites`: `Q`, `K`, `V`, `AttnIn`, `MlpIn`, `Logits`):
 
 - a head's query (``L2H1.q``), and a key / value head's key and value (``L2K0.k``, ``L2K0.v``;
@@ -19,18 +19,18 @@ of a **receiver** r, itself a site (`countlens.circuits.sites`: `Q`, `K`, `V`, `
 A receiver reads norm(x_r), x_r its own copy of the residual stream. Keeping or ablating an edge
 decides which version of u's output that copy holds.
 
-`countlens.circuits.edge_attribution` scores edges (EAP, EAP-IG); `countlens.circuits.edge_ablation`
-runs circuits of edges for `countlens.circuits.faithfulness`.
+`countlens.circuits.graph.edge_attribution` scores edges (EAP, EAP-IG); `countlens.circuits.graph.edge_ablation`
+runs circuits of edges for `countlens.circuits.graph.faithfulness`.
 
 Supported: models whose layers add exactly their attention output and MLP output to the residual
 stream, and nothing enters between layers. `edge_graph` refuses gated cross-attention layers and
 layers without the two pre-norms; `check_additive` then checks the rest element by element on the
 first batch and refuses, naming the layer and why (Gemma's norms after attention and MLP, Qwen3-VL's
-DeepStack); their nodes remain (`countlens.circuits.faithfulness`).
+DeepStack); their nodes remain (`countlens.circuits.graph.faithfulness`).
 
 Countlens calls the layers' own norm modules (and the projections' weights) on its copies of the
 residual stream inside the forward, which nnsight's trace does not allow: edges run on plain torch
-hooks, as `countlens.circuits.atp_star` does.
+hooks, as `countlens.circuits.methods.atp_star` does.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked, module_of
-from countlens.circuits.nodes import Node, graph_nodes
+from countlens.circuits.graph.nodes import Node, graph_nodes
 from countlens.circuits.sites import (
     INPUTS,
     AttnIn,
@@ -136,7 +136,8 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
     if arch.cross_layers:
         raise InputError(
             f"{vlm.name} has gated cross-attention layers {list(arch.cross_layers)}: their output is not a sum of "
-            "heads added to the residual stream, so edges are undefined; use nodes (countlens.circuits.faithfulness)"
+            "heads added to the residual stream, so edges are undefined; use nodes "
+            "(countlens.circuits.graph.faithfulness)"
         )
     nodes = graph_nodes(vlm)
     receivers, prefix, layers, kv = [], {}, [], []
@@ -147,7 +148,7 @@ def edge_graph(vlm: VLM) -> EdgeGraph:
         if missing:
             raise InputError(
                 f"layer {layer} of {vlm.name} has no {missing[0].rsplit('.', 1)[-1]}: edges need a pre-norm layer "
-                "(a norm before attention, one before the MLP); use nodes (countlens.circuits.faithfulness)"
+                "(a norm before attention, one before the MLP); use nodes (countlens.circuits.graph.faithfulness)"
             )
         q, k, v = arch.q_proj(layer), arch.k_proj(layer), arch.v_proj(layer)
         separate = arch.softmax(layer) and not arch.spec.fused_qkv and all(_module(vlm, p) for p in (q, k, v))
@@ -265,7 +266,7 @@ def check_additive(vlm: VLM, graph: EdgeGraph, batch: Batch) -> None:
         layer, why = bad[0]
         raise InputError(
             f"{vlm.name}'s layer {layer}: {why} (a norm after attention or the MLP, or image features added "
-            "between layers): edges are undefined here; use nodes (countlens.circuits.faithfulness)"
+            "between layers): edges are undefined here; use nodes (countlens.circuits.graph.faithfulness)"
         )
     graph.checked = True
 

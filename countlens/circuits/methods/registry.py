@@ -22,8 +22,8 @@ the order tables show them, and this module is the one place a method's facts ar
   ``"atp*"``, `edge_attribution`'s ``"eap"`` / ``"eap-ig"``).
 
 The defaults a method runs with are written once, in its own module, and read here: EAP-IG's steps
-`IG_STEPS` (`countlens.circuits.integrated`), the random rankings' draws `RANDOM_DRAWS`
-(`countlens.circuits.faithfulness`). discover's stages, `bench/attribution.py` and
+`IG_STEPS` (`countlens.circuits.graph.integrated`), the random rankings' draws `RANDOM_DRAWS`
+(`countlens.circuits.graph.faithfulness`). discover's stages, `bench/attribution.py` and
 `bench/planted_recovery.py` read `METHODS`: a new method is one module and one entry here. RelP is
 registered but not in discover, so the demo report stays as it is; bench/ measures it.
 
@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xarray as xr
 
-from countlens.circuits.edges import refusal as edge_refusal
-from countlens.circuits.faithfulness import RANDOM_DRAWS
-from countlens.circuits.integrated import IG_STEPS
+from countlens.circuits.graph.edges import refusal as edge_refusal
+from countlens.circuits.graph.faithfulness import RANDOM_DRAWS
+from countlens.circuits.graph.integrated import IG_STEPS
 from countlens.circuits.sites import Embed, HeadZ, MlpOut, Residual
 from countlens.errors import InputError
 
@@ -143,19 +143,19 @@ class Method:
 
 
 def _exact(vlm, pairs, batch_size, **sweep):
-    from countlens.circuits.patching import patch_heads
+    from countlens.circuits.methods.patching import patch_heads
 
     return patch_heads(vlm, pairs, batch_size=batch_size, **sweep)
 
 
 def _attribution(vlm, pairs, batch_size, method):
-    from countlens.circuits.patching import attribution_patch
+    from countlens.circuits.methods.patching import attribution_patch
 
     return attribution_patch(vlm, pairs, batch_size=batch_size, method=method)
 
 
 def _atp_star_refusal(vlm) -> str | None:
-    from countlens.circuits.atp_star import SUPPORTED
+    from countlens.circuits.methods.atp_star import SUPPORTED
 
     if vlm.arch.name not in SUPPORTED:
         return f"AtP*'s attention recomputation supports {', '.join(SUPPORTED)}, not {vlm.arch.name}"
@@ -163,13 +163,13 @@ def _atp_star_refusal(vlm) -> str | None:
 
 
 def _eap_ig(vlm, pairs, batch_size):
-    from countlens.circuits.integrated import node_attribution
+    from countlens.circuits.graph.integrated import node_attribution
 
     return node_attribution(vlm, pairs, steps=IG_STEPS, batch_size=batch_size)
 
 
 def _ablation(vlm, pairs, batch_size):
-    from countlens.circuits.ablation import ablation_scan
+    from countlens.circuits.methods.ablation import ablation_scan
 
     return ablation_scan(vlm, {"count": [p.clean for p in pairs]}, batch_size=batch_size)
 
@@ -179,20 +179,20 @@ def _count_drop(result: xr.Dataset) -> xr.DataArray:
 
 
 def _edges(vlm, pairs, batch_size, method):
-    from countlens.circuits.edge_attribution import edge_attribution
+    from countlens.circuits.graph.edge_attribution import edge_attribution
 
     steps = IG_STEPS if method == "eap-ig" else 1
     return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size)
 
 
 def _relp(vlm, pairs, batch_size):
-    from countlens.circuits.relp import relevance_patch
+    from countlens.circuits.methods.relp import relevance_patch
 
     return relevance_patch(vlm, pairs, batch_size=batch_size)
 
 
 def _relp_refusal(vlm) -> str | None:
-    from countlens.circuits.relp import refusal
+    from countlens.circuits.methods.relp import refusal
 
     return refusal(vlm)
 
@@ -361,9 +361,9 @@ class ObjectRanker:
         """``function``'s result on ``samples`` (scenes) with ``method=variant``, refused by its checks
         (``of``'s refusal among them) before any forward."""
         if self.function == "object_attribution":
-            from countlens.circuits.object_gradients import object_attribution as run
+            from countlens.circuits.objects.gradients import object_attribution as run
         else:
-            from countlens.circuits.object_edges import object_edge_attribution as run
+            from countlens.circuits.objects.edges import object_edge_attribution as run
         return run(vlm, samples, self.variant, **options)
 
 

@@ -1,17 +1,17 @@
 """Your own experiment: interventions under any measurement, and their effect over count pairs.
 
-Two entry points take the same interventions (`countlens.circuits.interventions`):
+Two entry points take the same interventions (`countlens.circuits.engine.interventions`):
 
 - ``effect(vlm, pairs, interventions)`` → xr.Dataset: the interventions applied to each pair's clean
   run (a `Patch` copies the pair's corrupt run), and the normalised logit-difference change
   ``effect`` = (Σ LD_edited − Σ LD_clean) / (Σ LD_corrupt − Σ LD_clean) with the ``overwrite`` rate
-  (`countlens.circuits.patching` defines both), per pair too. A mapping {label: interventions} is a
+  (`countlens.circuits.methods.patching` defines both), per pair too. A mapping {label: interventions} is a
   grid over the ``intervention`` dim; `patch_layers`, `patch_heads` and `patch_experts` are such grids
   (`effect_grid`), so every patching number comes from this one normalisation.
 - ``with intervene(vlm, interventions): ...`` — every forward inside runs edited: teacher-forced
   scoring (`countlens.analysis.score`), generation (`countlens.analysis.generate`, ``vlm.hf.generate``),
   ``vlm.trace`` and raw nnsight, HeadLens decoding, a fine-tune's evaluation. Positions are resolved
-  per forward (`countlens.circuits.positions`), so any batch size works, and so do the new tokens of
+  per forward (`countlens.circuits.sites.positions`), so any batch size works, and so do the new tokens of
   generation; a `Patch`'s values and a `Mask` know the samples of their rows, so each forward's row
   takes its own sample's row, in any batching and order. It runs on plain torch hooks on the HF
   modules, so it holds for a model with a LoRA adapter too; local models only. Two interventions run
@@ -33,14 +33,14 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.edits import Edit
+from countlens.circuits.engine.edits import Edit
 from countlens.circuits.engine.hooks import Hook, hooked
+from countlens.circuits.engine.interventions import Block, Intervention, Patch, Replace, as_interventions
+from countlens.circuits.engine.pair_batch import PairBatch
 from countlens.circuits.engine.record import location, mean_activation, record, require_local, rows_seq
-from countlens.circuits.interventions import Block, Intervention, Patch, Replace, as_interventions
-from countlens.circuits.pair_batch import PairBatch
-from countlens.circuits.positions import Frame
+from countlens.circuits.engine.sweep import check_pair_sweep, sweep_pairs
 from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual, first_arg
-from countlens.circuits.sweep import check_pair_sweep, sweep_pairs
+from countlens.circuits.sites.positions import Frame
 from countlens.errors import InputError
 from countlens.model.arguments import require_vlm
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from countlens.circuits.sites import Site
     from countlens.model.vlm import VLM
 
-#: Sites `effect` patches from the corrupt run's cache (`countlens.circuits.edits.cache_run`); the
+#: Sites `effect` patches from the corrupt run's cache (`countlens.circuits.engine.edits.cache_run`); the
 #: others are recorded from the corrupt run when a Patch asks for them.
 CACHED = (Residual, HeadZ, Expert, ImageStates)
 
@@ -71,7 +71,7 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
     """``with intervene(vlm, [Add(Residual(2), v, alpha=4.0), ...]):`` — every forward of ``vlm`` inside
     runs with the interventions; on exit the model is as it was. A `Patch` takes ``values`` here
     (`record` of a donor batch): each forward's row reads its own sample's row of them, at any batch
-    size and order (`countlens.circuits.positions.row_index`); a forward of other samples is refused."""
+    size and order (`countlens.circuits.sites.positions.row_index`); a forward of other samples is refused."""
     require_vlm(vlm, "intervene")
     require_local(vlm, "intervene")
     items = as_interventions(vlm, interventions)
@@ -267,7 +267,7 @@ def effect_grid(
     shard=None,
 ) -> xr.Dataset:
     """The effect of each set of interventions (None: no site, NaN), laid out on the ``coords`` grid in
-    order; the engine of `effect` and of the patching sweeps (`countlens.circuits.sweep.sweep_pairs`)."""
+    order; the engine of `effect` and of the patching sweeps (`countlens.circuits.engine.sweep.sweep_pairs`)."""
     live = [items for items in sets if items is not None]
     experts = any(isinstance(i.site, Expert) for items in live for i in items)
     recorded = [i.site for items in live for i in items if _from_corrupt(i) and not isinstance(i.site, CACHED)]

@@ -3,7 +3,7 @@
 An `Edit` is a site (`countlens.circuits.sites`: a layer's residual, a head's z, q / k / v, an MLP's
 input or output, an expert's contribution, the image states), a mask of the positions it overwrites,
 and the value written there — or, without one, the value a cached run had there; or a function of
-the value the forward has there (`countlens.circuits.interventions` lowers to these). `cache_run`
+the value the forward has there (`countlens.circuits.engine.interventions` lowers to these). `cache_run`
 records those cached values.
 
 `run_edits` is the engine under patching and ablation. Many edited copies ("replicas") of one
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from countlens.circuits.engine.writes import Placed, write
-from countlens.circuits.expert_rules import expert_rule
 from countlens.circuits.sites import Site, repeat_inputs, repeat_output, skip_tower
+from countlens.circuits.sites.expert_rules import expert_rule
 from countlens.errors import InputError
 from countlens.model import memory
 
@@ -41,7 +41,7 @@ def cache_run(
     ``resid[-1]`` is the input of layer 0 (token embeddings with the projected image tokens). A
     cross-attention model's image states come too, as ``states``: Float[Tensor, "batch n_states d"].
     With ``experts``, ``experts[l]`` for every MoE layer asked: what the layer's rule reads expert
-    contributions from, per token (`countlens.circuits.expert_rules`: the experts module's input and
+    contributions from, per token (`countlens.circuits.sites.expert_rules`: the experts module's input and
     the router's choice, or every expert's contribution)."""
     out: dict = {"resid": {}, "z": {}, "experts": {}}
     moe = set(vlm.arch.expert_layers) if experts else set()

@@ -6,7 +6,7 @@ removed (the background: same size, colour, noise and noise seed; `Scene.without
 difference at the read position: logit(n) − logit(n − 1), n the scene's true count
 (``sample.meta["count"]``, else its number of objects) and n − 1 the answer with that number lowered
 by one; a multi-token answer is read where the two answers first differ, their shared prefix
-("circle:") teacher-forced (`countlens.circuits.pair_batch.prepare_pairs`, whose ``corrupt`` side is
+("circle:") teacher-forced (`countlens.circuits.engine.pair_batch.prepare_pairs`, whose ``corrupt`` side is
 here the reference).
 
 The attributed site is x, the **input of a decoder layer**: ``site=Residual(-1)`` (the default; or
@@ -15,11 +15,12 @@ The attributed site is x, the **input of a decoder layer**: ``site=Residual(-1)`
 token t,
 
 - **AtP**: a_t = (x_clean,t − x_ref,t) · ∂m/∂x_t at the clean input (one backward per chunk of scenes);
-- **EAP-IG** (integrated gradients, `countlens.circuits.integrated.IG_STEPS` by default): a_t = (x_clean,t − x_ref,t) ·
+- **EAP-IG** (integrated gradients, `countlens.circuits.graph.integrated.IG_STEPS` by default):
+  a_t = (x_clean,t − x_ref,t) ·
   (1/s) Σ_{k=1..s} ∂m/∂x_t at x_ref + (k/s)(x_clean − x_ref), the whole input interpolated at once
   (right-endpoint Riemann sum; ``s`` backwards per chunk).
 
-Object i's **span** is its image tokens by `countlens.circuits.positions.Objects` (coverage ≥
+Object i's **span** is its image tokens by `countlens.circuits.sites.positions.Objects` (coverage ≥
 ``coverage`` of the token's cell, or the object's peak cell); its ``score`` is Σ_{t ∈ span_i} a_t. All
 objects of a chunk come from the same gradients: one pass, not one per object. A token two objects
 share counts in each object's score; ``overlap`` = Σ_t (k_t − 1)·a_t over tokens owned by k_t ≥ 2
@@ -34,14 +35,14 @@ difference. AtP is a first-order estimate and has no completeness: its sum is no
 logit(n) over logit(n − 1). Their counterpart by exact patching puts the reference's values at the
 object's tokens into the clean run, m(clean) − m(patched).
 
-Cost per chunk of scenes, as `countlens.circuits.methods.Cost` counts (a backward ≈ two forwards):
+Cost per chunk of scenes, as `countlens.circuits.methods.registry.Cost` counts (a backward ≈ two forwards):
 AtP one plain forward (the reference) and one forward with a backward, 1 + 3 forward-equivalents;
 EAP-IG two plain (both inputs recorded) and ``steps`` with a backward, 2 + 3·steps. Where the image
 also enters inside the decoder (Qwen3-VL's DeepStack) those additions are not interpolated.
 
 Edge attribution by span (object → receiver: a head's q / k / v, an MLP, the logits) is
-`countlens.circuits.object_edges.object_edge_attribution` (EAP, EAP-IG): this gradient taken at each
-receiver's own copy of the residual stream (`countlens.circuits.edge_attribution.receiver_gradients`),
+`countlens.circuits.objects.edges.object_edge_attribution` (EAP, EAP-IG): this gradient taken at each
+receiver's own copy of the residual stream (`countlens.circuits.graph.edge_attribution.receiver_gradients`),
 summed over the span. At ``site=Residual(-1)`` an object's edges summed over every receiver (every layer's,
 the logits included) equal its score here, AtP's for EAP and EAP-IG's at the same ``steps`` (tested).
 """
@@ -59,13 +60,13 @@ import xarray as xr
 from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked
+from countlens.circuits.engine.gradients import activation_gradients_only
+from countlens.circuits.engine.pair_batch import PairBatch, logit_diff, prepare_pairs
 from countlens.circuits.engine.record import require_local
-from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.integrated import IG_STEPS
-from countlens.circuits.object_effects import object_site
-from countlens.circuits.pair_batch import PairBatch, logit_diff, prepare_pairs
-from countlens.circuits.positions import Objects
+from countlens.circuits.graph.integrated import IG_STEPS
+from countlens.circuits.objects.effects import object_site
 from countlens.circuits.sites import Embed, Residual
+from countlens.circuits.sites.positions import Objects
 from countlens.datasets.tasks import TaskSample, count_of, without_objects
 from countlens.errors import InputError
 from countlens.model.arguments import require_vlm
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
     from countlens.model.vlm import VLM, Batch
 
 #: `object_attribution`'s ``method`` values: AtP (one gradient, the clean input's) and EAP-IG (integrated);
-#: every family runs both. The registry's `countlens.circuits.methods.OBJECT_RANKERS` name the method each
+#: every family runs both. The registry's `countlens.circuits.methods.registry.OBJECT_RANKERS` name the method each
 #: applies per object (this module sits below the registry and does not import it).
 OBJECT_VARIANTS: tuple[str, ...] = ("atp", "eap-ig")
 
@@ -189,7 +190,7 @@ def check_request(
     """Every argument checked, and the scenes prepared against their references, before any forward:
     (steps, the input layer, the pairs, their prepared chunks). ``variants``: the ``method`` values
     ``what`` takes, every one but "eap-ig" one gradient; ``refusal``: why the model cannot run them
-    (None: it can), as the registry's method has it (`countlens.circuits.edges.refusal` for edges)."""
+    (None: it can), as the registry's method has it (`countlens.circuits.graph.edges.refusal` for edges)."""
     require_vlm(vlm, what)
     require_choice(method_name, f"{what} method", variants)
     why = None if refusal is None else refusal(vlm)

@@ -9,7 +9,7 @@ organism whose circuit C is known (`countlens.toy.planted`), its ranking is scor
   a random one.
 - **precision@k**: the share of C among the top k heads by |score| (k = |C| by default, where
   precision and recall coincide). Ties at the k-th score are broken by head order, as
-  `countlens.circuits.faithfulness` ranks nodes.
+  `countlens.circuits.graph.faithfulness` ranks nodes.
 
 Heads that do not exist (NaN beyond a layer's own heads) are left out of both; a ±inf score is
 refused, naming its cell, as it would rank first whatever it means. The circuit's heads are read

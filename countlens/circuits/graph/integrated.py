@@ -12,7 +12,7 @@ as integrated gradients do:
 — "EAP-IG-inputs": the interpolation is of the model's inputs, here the input of decoder layer 0 (the
 token embeddings with the projected image tokens in place) and, on a cross-attention model, the image
 states. With m = 1 the one point is the clean input, and the score is AtP's. Nodes are those of
-`countlens.circuits.faithfulness` (heads' z, MLP blocks, the image and text inputs); a node's score
+`countlens.circuits.graph.faithfulness` (heads' z, MLP blocks, the image and text inputs); a node's score
 sums over every position, as MIB sums them, and is normalised like the exact sweeps: divided by
 Σ LD_corrupt − Σ LD_clean, so 1 means "as much as patching everything". Where the image also enters
 inside the decoder (Qwen3-VL's DeepStack, Gemma 4's per-layer inputs) those additions are not
@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.nodes import Node, image_positions, image_states_path, record_nodes
-from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.gradients import activation_gradients_only
+from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.sweep import check_pair_sweep
+from countlens.circuits.graph.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view
-from countlens.circuits.sweep import check_pair_sweep
 from countlens.labels import head_label, input_label, mlp_label
 from countlens.model.arguments import require_vlm
 from countlens.validate import require_count
@@ -87,7 +87,8 @@ def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor
 
 
 #: EAP-IG's interpolation steps by default (MIB's authors' default family of settings), on nodes and
-#: on edges (`countlens.circuits.edge_attribution`); the registry (`countlens.circuits.methods`) reads it.
+#: on edges (`countlens.circuits.graph.edge_attribution`); the registry (`countlens.circuits.methods.registry`)
+#: reads it.
 IG_STEPS = 5
 
 

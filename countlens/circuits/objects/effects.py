@@ -10,10 +10,10 @@ Definitions (enough to re-implement the numbers):
   may count only some objects), else ``len(scene.objects)``; its answer is the sample's, and the
   answer for n − 1 is the same text with the number n replaced by n − 1.
 - **Metric**: LD = logit(answer n) − logit(answer n − 1) at the read position, read as countlens's
-  patching reads a pair (`countlens.circuits.pair_batch`): where the two answers' tokens first differ
+  patching reads a pair (`countlens.circuits.engine.pair_batch`): where the two answers' tokens first differ
   (`countlens.model.answers.divergence`), their shared prefix teacher-forced. LD is the model's preference
   for the true count over the count it would give had it missed one object.
-- **Object tokens**: `countlens.circuits.positions.Objects` (``tokens(batch, b, sample)``): image token
+- **Object tokens**: `countlens.circuits.sites.positions.Objects` (``tokens(batch, b, sample)``): image token
   t is object i's when i covers ≥ ``coverage`` of the pixels of t's token cell, or, with ``peak``, when
   t's cell holds the largest share of i (`countlens.model.cells.object_cells`). Cells are the *token* cells
   the language model sees (the organism's merged 2×2 patches). A token two objects both claim is in
@@ -71,11 +71,11 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.edits import Edit, cache_run, run_edits
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.engine.pair_batch import logit_diff
 from countlens.circuits.engine.record import location, require_local
-from countlens.circuits.pair_batch import logit_diff
-from countlens.circuits.positions import Objects
 from countlens.circuits.sites import Embed, Residual
+from countlens.circuits.sites.positions import Objects
 from countlens.datasets.contact import boundary_gap
 from countlens.datasets.tasks import count_of, fewer_answer, without_objects
 from countlens.errors import InputError, NoObjectTokensError

@@ -1,4 +1,4 @@
-"""EAP and EAP-IG: attribution scores of every edge of `countlens.circuits.edges`' graph.
+"""EAP and EAP-IG: attribution scores of every edge of `countlens.circuits.graph.edges`' graph.
 
 Patching edge u → r alone changes x_r by Δ_u = c_u(corrupt) − c_u(clean), so attribution patching
 estimates its effect as Δ_u · ∂LD/∂x_r, summed over positions
@@ -7,7 +7,7 @@ r alone: the norm's vector-Jacobian product at x_r of what r's projection sends 
 q, the gradient of q_proj's output at that head's columns times their weights). EAP takes the
 gradient at the clean run; EAP-IG (``steps`` = m > 1) averages it over m points of the straight path
 from the corrupt input to the clean one, interpolating the input of decoder layer 0 as
-`countlens.circuits.integrated` does for nodes. Scores are normalised like the exact sweeps: divided
+`countlens.circuits.graph.integrated` does for nodes. Scores are normalised like the exact sweeps: divided
 by Σ LD_corrupt − Σ LD_clean. Since a node's output reaches the metric only through the receivers
 downstream of it, a node's score is the sum of its outgoing edges' (``node_effect``): EAP's node
 scores are AtP's and EAP-IG's are `node_attribution`'s.
@@ -27,7 +27,11 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.edges import (
+from countlens.circuits.engine import Hook, hooked, module_of
+from countlens.circuits.engine.gradients import activation_gradients_only
+from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.sweep import check_pair_sweep
+from countlens.circuits.graph.edges import (
     EdgeGraph,
     Receiver,
     check_additive,
@@ -36,13 +40,9 @@ from countlens.circuits.edges import (
     receiver_columns,
     require_graph,
 )
-from countlens.circuits.engine import Hook, hooked, module_of
-from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.integrated import IG_STEPS
-from countlens.circuits.nodes import image_positions, record_nodes
-from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.graph.integrated import IG_STEPS
+from countlens.circuits.graph.nodes import image_positions, record_nodes
 from countlens.circuits.sites import AttnIn, K, MlpIn, Q, V, check_group, first_arg, group_mask, replace_first
-from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.model.arguments import require_vlm
 from countlens.validate import require_choice, require_count
@@ -68,7 +68,7 @@ def gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -
     like it; a copy is taken), LD = logit(``pb.clean_id``) − logit(``pb.corrupt_id``) at the last
     position summed over rows: each layer's norm inputs and the gradients of LD's sum at the receivers'
     projections, which `receiver_gradients` turns into each receiver's ∂LD/∂x_r. Rows do not interact,
-    so a row's gradients are its own LD's. Also `countlens.circuits.object_edges`' pass."""
+    so a row's gradients are its own LD's. Also `countlens.circuits.objects.edges`' pass."""
     hf, got = vlm.hf, {"x": {}, "mid": {}, **{kind: {} for kind in (Q, K, V, AttnIn, MlpIn)}}
     leaf = embed.detach().clone().requires_grad_(True)
 

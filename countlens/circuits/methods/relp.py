@@ -37,13 +37,13 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.edits import cache_run
 from countlens.circuits.engine import Hook, hooked, module_of
+from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.freeze import frozen, frozen_ratio
-from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.gradients import activation_gradients_only
+from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.sites import check_group, first_arg, group_mask, heads_view
-from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ last prompt token.
   `countlens.circuits.sites.HeadZ`.
 - `attribution_patch` (AtP): the first-order estimate (z_corrupt − z_clean)·∂LD/∂z for every head
   and layer at once, from three passes (corrupt forward, clean forward and backward); with
-  ``method="atp*"``, AtP* (`countlens.circuits.atp_star`: the QK fix and GradDrop).
+  ``method="atp*"``, AtP* (`countlens.circuits.methods.atp_star`: the QK fix and GradDrop).
 
 Architecture note: Qwen3-VL's DeepStack adds image features to the residual stream inside its first
 decoder layers, so there patching the embeddings (layer −1) or an early layer does not carry all
@@ -27,7 +27,7 @@ the image's information — the image also enters below the patched site.
 
 Speed: many sites are patched in one forward by *batch expansion* — the clean batch is stacked k
 times and replica r receives site r's patch — so an L×H sweep costs about L·H/k forwards.
-The two exact sweeps are a grid of edits handed to `countlens.circuits.sweep.sweep_pairs`, which
+The two exact sweeps are a grid of edits handed to `countlens.circuits.engine.sweep.sweep_pairs`, which
 streams each chunk of pairs to a `countlens.sweep_store.SweepStore` and resumes from it; launched as
 several processes they split the chunks between them (`countlens.distributed`).
 """
@@ -41,12 +41,13 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.atp_star import atp_star
-from countlens.circuits.edits import cache_run
-from countlens.circuits.gradients import activation_gradients_only
-from countlens.circuits.interventions import Patch
-from countlens.circuits.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
-from countlens.circuits.run import effect_grid
+from countlens.circuits.engine.edits import cache_run
+from countlens.circuits.engine.gradients import activation_gradients_only
+from countlens.circuits.engine.interventions import Patch
+from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.run import effect_grid
+from countlens.circuits.engine.sweep import check_pair_sweep, pairs_store
+from countlens.circuits.methods.atp_star import atp_star
 from countlens.circuits.sites import (
     GROUPS,
     STATES,
@@ -57,7 +58,6 @@ from countlens.circuits.sites import (
     group_mask,
     heads_view,
 )
-from countlens.circuits.sweep import check_pair_sweep, pairs_store
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.model.arguments import require_layers, require_vlm
@@ -202,7 +202,7 @@ def patch_heads(
     return ds
 
 
-#: `attribution_patch`'s ``method`` values: AtP, and AtP* (`countlens.circuits.atp_star`).
+#: `attribution_patch`'s ``method`` values: AtP, and AtP* (`countlens.circuits.methods.atp_star`).
 ATP_VARIANTS: tuple[str, ...] = ("atp", "atp*")
 
 
@@ -211,7 +211,7 @@ def attribution_patch(
 ) -> xr.Dataset:
     """AtP: first-order estimates of head patching (``effect`` over (layer, head)) and of residual
     patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps.
-    ``method="atp*"``: AtP* (`countlens.circuits.atp_star.atp_star`: GradDrop on the heads' z, and the
+    ``method="atp*"``: AtP* (`countlens.circuits.methods.atp_star.atp_star`: GradDrop on the heads' z, and the
     QK fix's per-head query, key and value estimates; magnitudes, no residual estimates)."""
     require_vlm(vlm, "attribution_patch")
     require_choice(method, "method", ATP_VARIANTS)

@@ -1,16 +1,17 @@
 """Edge attribution by object span: the edge from each object's image tokens to every receiver.
 
 The scenes, their references (the scene without its objects), the metric m = logit(n) − logit(n − 1)
-and the spans are `countlens.circuits.object_gradients`'; the receivers are
-`countlens.circuits.edges`' (a head's ``q``, a key / value head's ``k`` and ``v``, a fused block's
+and the spans are `countlens.circuits.objects.gradients`'; the receivers are
+`countlens.circuits.graph.edges`' (a head's ``q``, a key / value head's ``k`` and ``v``, a fused block's
 ``attn``, an MLP's ``in``, the ``logits``), named as there. The upstream node is the input of decoder
 layer 0 (the token embeddings with the projected image tokens) at the object's span: the edge
 object i → r carries Δ_t = x_clean,t − x_ref,t at the span's positions into r's own copy of the
 residual stream (the embeddings reach every receiver directly). Per token t and receiver r, with
-g_r,t = ∂m/∂x_r,t the gradient through r alone (`countlens.circuits.edge_attribution.receiver_gradients`),
+g_r,t = ∂m/∂x_r,t the gradient through r alone (`countlens.circuits.graph.edge_attribution.receiver_gradients`),
 
 - **EAP**: e_r,t = Δ_t · g_r,t at the clean input (one backward per chunk of scenes);
-- **EAP-IG** (``steps``, `countlens.circuits.integrated.IG_STEPS` by default): e_r,t = Δ_t · (1/s) Σ_{k=1..s} g_r,t
+- **EAP-IG** (``steps``, `countlens.circuits.graph.integrated.IG_STEPS` by default):
+  e_r,t = Δ_t · (1/s) Σ_{k=1..s} g_r,t
   at x_ref + (k/s)(x_clean − x_ref), layer 0's whole input interpolated (`edge_attribution`'s points).
 
 ``score`` of object i and receiver r is Σ_{t ∈ span_i} e_r,t; ``objects``, ``overlap`` and
@@ -19,7 +20,7 @@ tokens counted more than once, the image tokens in no span); the text's edges ar
 in both inputs). Scores are signed logit units, not normalised: > 0 raises logit(n) over logit(n − 1).
 
 **Identities** (tested). On a model whose layers add exactly their attention and MLP outputs to the
-residual stream (`countlens.circuits.edges.check_additive`, run here on the first chunk), layer 0's
+residual stream (`countlens.circuits.graph.edges.check_additive`, run here on the first chunk), layer 0's
 input reaches m only through the receivers' copies, each of which holds it plus upstream outputs, so
 ∂m/∂x_t = Σ_r g_r,t over **every** receiver of every layer, the logits included, at the same point.
 Hence an object's edges summed over all receivers equal its node score, Σ_r score[i, r] =
@@ -47,13 +48,13 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.edge_attribution import CHUNK_BYTES, EDGE_VARIANTS, gradient_pass, receiver_gradients
-from countlens.circuits.edges import EdgeGraph, check_additive, edge_graph
-from countlens.circuits.edges import refusal as edge_refusal
-from countlens.circuits.nodes import image_positions, record_nodes
-from countlens.circuits.object_effects import count_of
-from countlens.circuits.object_gradients import check_request, spans
-from countlens.circuits.pair_batch import PairBatch, logit_diff
+from countlens.circuits.engine.pair_batch import PairBatch, logit_diff
+from countlens.circuits.graph.edge_attribution import CHUNK_BYTES, EDGE_VARIANTS, gradient_pass, receiver_gradients
+from countlens.circuits.graph.edges import EdgeGraph, check_additive, edge_graph
+from countlens.circuits.graph.edges import refusal as edge_refusal
+from countlens.circuits.graph.nodes import image_positions, record_nodes
+from countlens.circuits.objects.effects import count_of
+from countlens.circuits.objects.gradients import check_request, spans
 from countlens.circuits.sites import Embed, Residual
 from countlens.results import provenance
 
@@ -61,8 +62,8 @@ if TYPE_CHECKING:
     from countlens.model.vlm import VLM
 
 # `object_edge_attribution`'s ``method`` values are `edge_attribution`'s (`EDGE_VARIANTS`: "eap", "eap-ig"),
-# refused where edges are undefined (`countlens.circuits.edges.refusal`, the registry's edge methods'
-# refusal); the registry's `countlens.circuits.methods.OBJECT_RANKERS` name the method each applies.
+# refused where edges are undefined (`countlens.circuits.graph.edges.refusal`, the registry's edge methods'
+# refusal); the registry's `countlens.circuits.methods.registry.OBJECT_RANKERS` name the method each applies.
 
 #: Per scene, after its objects' rows: the parts summed over groups of image tokens.
 PARTS: tuple[str, ...] = ("objects", "overlap", "background")
@@ -140,7 +141,7 @@ def object_edge_attribution(
     """Every object's edges to every receiver, by EAP (``method="eap"``) or EAP-IG (``"eap-ig"``,
     ``steps`` points, default `IG_STEPS`), against the scene's background (see the module
     docstring): ``score`` over (``scene``, ``object``: the index into ``sample.scene.objects``, NaN
-    beyond a scene's own objects; ``receiver``: `countlens.circuits.edges`' labels, with ``layer`` and
+    beyond a scene's own objects; ``receiver``: `countlens.circuits.graph.edges`' labels, with ``layer`` and
     ``part`` coordinates) and ``tokens`` (each span's size); per scene and receiver ``objects``,
     ``overlap`` and ``background``; per scene ``image_total`` = m(clean) − m(reference),
     ``clean_metric``, ``reference_metric`` and, for EAP-IG, ``completeness_error``. Every argument is

@@ -30,9 +30,9 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import distributed
-from countlens.circuits.edits import Edit, run_edits
+from countlens.circuits.engine.edits import Edit, run_edits
+from countlens.circuits.engine.sweep import open_store, run_chunks
 from countlens.circuits.sites import HeadZ, checked_heads, group_mask
-from countlens.circuits.sweep import open_store, run_chunks
 from countlens.distributed import Shard
 from countlens.errors import InputError
 from countlens.labels import head_label, top_sites

@@ -9,10 +9,10 @@ every rank then holds the whole sweep, as one process would.
 
 `sweep_pairs` is the patching sweep on this driver, persistence wrapped around a computation: each
 chunk is a pure function of its pairs (`patched_chunk`: it records the corrupt run,
-`countlens.circuits.edits.cache_run`, runs one edit per site of a grid on the clean batch,
-`countlens.circuits.edits.run_edits`, and keeps each site's per-pair logit difference); the runner names
+`countlens.circuits.engine.edits.cache_run`, runs one edit per site of a grid on the clean batch,
+`countlens.circuits.engine.edits.run_edits`, and keeps each site's per-pair logit difference); the runner names
 the chunks, stores, shards and resumes them (`run_chunks`), and the chunks together give each site's
-normalised ``effect`` and ``overwrite`` rate (`countlens.circuits.patching`) with the pairs' provenance.
+normalised ``effect`` and ``overwrite`` rate (`countlens.circuits.methods.patching`) with the pairs' provenance.
 Head, layer and expert patching differ only in their edits; their pairs are checked once, at the public
 function's door (`check_pair_sweep`).
 """
@@ -28,8 +28,8 @@ import xarray as xr
 from torch import Tensor
 
 from countlens import distributed
-from countlens.circuits.edits import Edit, cache_run, run_edits
-from countlens.circuits.pair_batch import PairBatch, batch_pairs, logit_diff, normaliser, pairs_provenance
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, logit_diff, normaliser, pairs_provenance
 from countlens.distributed import Shard
 from countlens.model.vlm import check_pairs
 from countlens.sweep_store import SweepStore, samples_digest

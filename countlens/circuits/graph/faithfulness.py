@@ -46,8 +46,10 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits import edge_ablation, edges
-from countlens.circuits.nodes import (
+from countlens.circuits.engine.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.engine.sweep import check_pair_sweep
+from countlens.circuits.graph import edge_ablation, edges
+from countlens.circuits.graph.nodes import (
     NODE_KINDS,
     Node,
     ablated_logits,
@@ -58,8 +60,6 @@ from countlens.circuits.nodes import (
     node_key,
     record_nodes,
 )
-from countlens.circuits.pair_batch import logit_diff, prepare_pairs
-from countlens.circuits.sweep import check_pair_sweep
 from countlens.errors import InputError
 from countlens.labels import expert_label, head_label
 from countlens.model.arguments import require_vlm
