@@ -1,9 +1,22 @@
-"""The intervention layer over nnsight: sites, positions and interventions (your own experiment:
-`effect` over pairs, `intervene` under any measurement), patching, attribution (AtP, EAP-IG on nodes and edges),
-faithfulness of a circuit, lenses, HeadLens, ablation, head temperature, and the experts of mixture-of-experts models.
+"""The intervention layer: sites are the only door to the model, and one engine opens it.
+
+Read it in this order, each room importing only the rooms before it:
+
+- `countlens.circuits.sites`: where you can look — every site kind (a head's z, q / k / v, the residual,
+  the MLP, experts, image states, patterns) with one interface: its location (from the family spec), width,
+  label and the backends that serve it; positions (groups, cells, objects) say where in the sequence.
+- `countlens.circuits.engine`: how you look — the one hook backend, `record` (values and gradients into
+  one `Cache`), `frozen` (norms and attention held), the interventions (`Patch` … `Replace`, `Block`),
+  `effect` over pairs and `intervene` under any measurement, the stacked edits and the sweeps' runner.
+- `countlens.circuits.lenses`: the logit lens, HeadLens, taps.
+- `countlens.circuits.graph`: nodes and edges, attribution on them (EAP-IG on nodes, EAP / EAP-IG on
+  edges), the edge-ablated forward, faithfulness of a circuit and recovery of a planted one.
+- `countlens.circuits.objects`: which objects were counted.
+- `countlens.circuits.methods`: one module per method (patching, AtP, AtP*, RelP, ablation, experts) and
+  the registry on top, the single source of method facts.
 
 Every function takes a `countlens.VLM` and prepared data (pairs or samples) and returns labelled
-xarray results; module paths come from `countlens.model.arch` only.
+xarray results; module paths come from the family spec (`countlens.model`) only.
 """
 
 from countlens.circuits.engine.attention import eager_attention, image_attention_share, last_token_attention
