@@ -15,7 +15,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from countlens.settings import SYNTHETIC_EVALUATION
+from countlens.analysis.benchmark_answers import writes_a_letter
+from countlens.analysis.evaluate import generate, score
+from countlens.analysis.metrics import summary
+from countlens.datasets import loaders
+from countlens.datasets.countingtricks import CASES, countingtricks
+from countlens.datasets.loaders import load_fsc147, load_pixmo_count
+from countlens.datasets.pairs import count_scenes
+from countlens.datasets.tasks import task_samples
+from countlens.errors import ConfigError, InputError
+from countlens.settings import DEFAULT_RECIPE, SYNTHETIC_EVALUATION
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -41,9 +50,6 @@ TRAIN_SEED = 1000  # training scenes come from seeds ≥ 1000; evaluation scenes
 
 def default_training_data(grid, n: int = 2048, prompt: str = "short", seed: int = TRAIN_SEED) -> list:
     """Half COUNTINGTRICKS (all 32 cases), half counting task scenes; training seeds only."""
-    from countlens.datasets.countingtricks import CASES, countingtricks
-    from countlens.datasets.tasks import task_samples
-
     per_case = max(1, n // (2 * len(CASES)))
     tricks = countingtricks(None, per_case, grid, seed=seed, prompt=prompt, color=("red", "green", "blue"))
     if n <= len(tricks):  # small n: n scenes, spread over the cases (not one per case beyond what was asked)
@@ -54,17 +60,12 @@ def default_training_data(grid, n: int = 2048, prompt: str = "short", seed: int 
 def training_data(recipe, grid, prompt: str, local: dict | None = None, n: int | None = None) -> list:
     """The recipe's training scenes: ``countingtricks`` (`default_training_data`), ``syn`` (SynDot and
     SynPoly-style scenes alternating, counts 1–10) or ``fsc147`` (the train split of ``local["fsc147"]``)."""
-    from countlens.datasets.pairs import count_scenes
-    from countlens.errors import InputError
-
     n = recipe.n_train if n is None else n
     check_training_source(recipe, local)
     if recipe.training == "countingtricks":
         return default_training_data(grid, n or 2048, prompt=prompt)
     if recipe.training == "syn":
         return count_scenes(n or 8000, "dots+polygons", grid, seed=TRAIN_SEED, prompt=prompt)
-    from countlens.datasets.loaders import load_fsc147
-
     train = load_fsc147(local["fsc147"], split="train", limit=n)
     if not train:
         raise InputError(f"{local['fsc147']}: FSC-147's train split lists no images; pass a complete copy")
@@ -94,8 +95,6 @@ LOCAL_DEFAULT_SET: dict[str, str] = {
 
 def load_reasoning(key: str, path, limit=None, log=None) -> list:
     """The questions of a general-reasoning copy (``local``'s key: mmmu, realworldqa or mathvista)."""
-    from countlens.datasets import loaders
-
     if key == "mmmu":
         return loaders.load_mmmu(path, limit=limit, log=log)
     return (loaders.load_realworldqa if key == "realworldqa" else loaders.load_mathvista)(path, limit=limit)
@@ -116,8 +115,6 @@ def evaluation_names(recipe, local: dict | None = None) -> tuple[str, ...]:
 
 def check_training_source(recipe, local: dict | None) -> None:
     """Refuse a recipe whose training source is unknown, or FSC-147 without its local copy."""
-    from countlens.errors import ConfigError
-
     if recipe.training not in TRAINING:
         raise ConfigError(f"Recipe.training={recipe.training!r}: use one of {TRAINING}")
     if recipe.training == "fsc147" and not (local or {}).get("fsc147"):
@@ -139,12 +136,6 @@ def evaluation_sets(
     """The evaluation columns ``names`` (default: countlens's own, `DEFAULT_RECIPE.evaluation`), ``n``
     scenes each (COUNTINGTRICKS families: n/8 per case; colour, shape: n/2). A local benchmark's column
     (`LOCAL_SETS`) comes from ``local`` and is left out, with a line in the log, when no copy is given."""
-    from countlens.datasets.countingtricks import CASES, countingtricks
-    from countlens.datasets.pairs import count_scenes
-    from countlens.datasets.tasks import task_samples
-    from countlens.errors import ConfigError
-    from countlens.settings import DEFAULT_RECIPE
-
     names = DEFAULT_RECIPE.evaluation if names is None else names
     size, local, colors = grid.image_height, local or {}, ("red", "green", "blue")
 
@@ -153,13 +144,9 @@ def evaluation_sets(
         return countingtricks(cases, max(1, n // 8), grid, seed=seed, prompt=prompt, color=colors)
 
     def fsc(split: str):
-        from countlens.datasets.loaders import load_fsc147
-
         return lambda: load_fsc147(local["fsc147"], split=split, limit=n)
 
     def pixmo():
-        from countlens.datasets.loaders import load_pixmo_count
-
         return load_pixmo_count(local["pixmo"], limit=n)
 
     makers = {
@@ -201,9 +188,6 @@ def evaluation_metrics(
     """Accuracy per set, and MAE (|predicted − true count| over parsed answers) per counting set:
     scoring (`score`) or, for the sets in ``generated`` (real benchmarks), greedy generation + parsing;
     a general-reasoning set (`REASONING_SETS`) both ways (`_reasoning_metrics`)."""
-    from countlens.analysis.evaluate import generate, score
-    from countlens.analysis.metrics import summary
-
     out = {}
     for name, samples in sets.items():
         if name in REASONING_SETS:
@@ -223,9 +207,6 @@ def _reasoning_metrics(vlm: VLM, name: str, samples: list, batch_size: int) -> d
     multiple-choice questions; NaN when there are none or the model's vocabulary cannot write every
     option, as the organism's cannot write letters) and ``name unparsed`` (generated answers the rule
     could not read)."""
-    from countlens.analysis.benchmark_answers import writes_a_letter
-    from countlens.analysis.evaluate import generate, score
-
     lengths = [_written_length(vlm, s.answer) for s in samples if not writes_a_letter(s)]
     ds = generate(vlm, samples, max_new_tokens=max([REASONING_NEW_TOKENS, *lengths]), batch_size=batch_size)
     options = [s for s in samples if getattr(s, "choices", None)]
@@ -240,8 +221,6 @@ def _reasoning_metrics(vlm: VLM, name: str, samples: list, batch_size: int) -> d
 
 def _written_length(vlm: VLM, text: str) -> int:
     """The tokens ``text`` takes as the model writes it; 0 when its vocabulary cannot write it."""
-    from countlens.errors import InputError
-
     try:
         return len(vlm.answer_ids(str(text)))
     except InputError:
