@@ -38,7 +38,7 @@ from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.engine.interventions import Block, Intervention, Patch, Replace, as_interventions
 from countlens.circuits.engine.pair_batch import PairBatch
 from countlens.circuits.engine.record import location, mean_activation, record, require_local, rows_seq
-from countlens.circuits.engine.sweep import check_pair_sweep, sweep_pairs
+from countlens.circuits.engine.sweep import check_pair_sweep, pairs_store, sweep_pairs
 from countlens.circuits.sites import Expert, HeadZ, ImageStates, Location, Residual, first_arg
 from countlens.circuits.sites.positions import Frame
 from countlens.errors import InputError
@@ -282,6 +282,15 @@ def effect_grid(
         return [None if items is None else [lower(vlm, i, frame, donors, masks) for i in items] for items in sets]
 
     return sweep_pairs(vlm, pairs, make_edits, coords, batch_size, store, progress, shard, experts=experts)
+
+
+def effect_sweep(
+    vlm: VLM, pairs: Sequence, sets, coords: dict, sweep: str, spec: dict, batch_size: int, store, progress, shard
+) -> xr.Dataset:
+    """`effect_grid` of a named sweep that may be stored: the store's spec is the sweep's name, the model,
+    ``spec`` (whatever else fixes its results) and the pairs' count and batch size, with a digest of the pairs."""
+    full = {"sweep": sweep, "model": vlm.name, **spec, "pairs": len(pairs), "batch_size": batch_size}
+    return effect_grid(vlm, pairs, sets, coords, batch_size, pairs_store(store, full, pairs), progress, shard)
 
 
 def effect(vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progress: bool = False) -> xr.Dataset:

@@ -37,8 +37,8 @@ from torch import Tensor
 
 from countlens.circuits.engine.edits import Edit, cache_run, run_edits
 from countlens.circuits.engine.interventions import Patch
-from countlens.circuits.engine.run import effect_grid
-from countlens.circuits.engine.sweep import check_pair_sweep, pairs_store
+from countlens.circuits.engine.run import effect_sweep
+from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.methods.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
 from countlens.circuits.sites import Expert, check_group, group_mask
 from countlens.circuits.sites.expert_rules import expert_rule
@@ -149,24 +149,9 @@ def patch_experts(
 
     sets = [[Patch(Expert(layer, e), positions=positions)] for layer in layers for e in experts]
 
-    spec = {
-        "sweep": "patch_experts",
-        "model": vlm.name,
-        "layers": layers,
-        "positions": positions,
-        "pairs": len(pairs),
-        "batch_size": batch_size,
-    }
-    ds = effect_grid(
-        vlm,
-        pairs,
-        sets,
-        {"layer": layers, "expert": experts},
-        batch_size,
-        pairs_store(store, spec, pairs),
-        progress,
-        shard,
-    )
+    spec = {"layers": layers, "positions": positions}
+    coords = {"layer": layers, "expert": experts}
+    ds = effect_sweep(vlm, pairs, sets, coords, "patch_experts", spec, batch_size, store, progress, shard)
     ds.attrs.update(method="patch_experts", positions=positions)
     return ds
 

@@ -45,8 +45,8 @@ from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.interventions import Patch
 from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
-from countlens.circuits.engine.run import effect_grid
-from countlens.circuits.engine.sweep import check_pair_sweep, pairs_store
+from countlens.circuits.engine.run import effect_sweep
+from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.methods.atp_star import atp_star
 from countlens.circuits.sites import (
     GROUPS,
@@ -122,24 +122,9 @@ def patch_layers(
         for g in groups
     ]
 
-    spec = {
-        "sweep": "patch_layers",
-        "model": vlm.name,
-        "layers": layers,
-        "groups": list(groups),
-        "pairs": len(pairs),
-        "batch_size": batch_size,
-    }
-    ds = effect_grid(
-        vlm,
-        pairs,
-        sets,
-        {"layer": layers, "group": list(groups)},
-        batch_size,
-        pairs_store(store, spec, pairs),
-        progress,
-        shard,
-    )
+    coords = {"layer": layers, "group": list(groups)}
+    spec = {"layers": layers, "groups": list(groups)}
+    ds = effect_sweep(vlm, pairs, sets, coords, "patch_layers", spec, batch_size, store, progress, shard)
     if STATES in groups:
         unread = xr.DataArray([layer not in reads_states for layer in layers], coords={"layer": layers})
         here = unread & (ds.group == STATES)
@@ -178,24 +163,9 @@ def patch_heads(
         for head in heads
     ]
 
-    spec = {
-        "sweep": "patch_heads",
-        "model": vlm.name,
-        "layers": layers,
-        "positions": positions,
-        "pairs": len(pairs),
-        "batch_size": batch_size,
-    }
-    ds = effect_grid(
-        vlm,
-        pairs,
-        sets,
-        {"layer": layers, "head": heads},
-        batch_size,
-        pairs_store(store, spec, pairs),
-        progress,
-        shard,
-    )
+    spec = {"layers": layers, "positions": positions}
+    coords = {"layer": layers, "head": heads}
+    ds = effect_sweep(vlm, pairs, sets, coords, "patch_heads", spec, batch_size, store, progress, shard)
     # Each layer's kind: full, sliding or chunked self-attention, linear attention, or cross-attention.
     ds = ds.assign_coords(kind=("layer", [vlm.arch.kind(layer) for layer in layers]))
     ds.attrs.update(method="patch_heads", positions=positions)

@@ -54,9 +54,8 @@ from countlens.circuits.graph.edges import EdgeGraph, check_additive, edge_graph
 from countlens.circuits.graph.edges import refusal as edge_refusal
 from countlens.circuits.graph.nodes import image_positions, record_nodes
 from countlens.circuits.objects.effects import count_of
-from countlens.circuits.objects.gradients import check_request, spans
+from countlens.circuits.objects.gradients import check_request, object_provenance, spans
 from countlens.circuits.sites import Embed, Residual
-from countlens.results import provenance
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -197,19 +196,15 @@ def object_edge_attribution(
             "part": ("receiver", [r.part_name for r in graph.receivers]),
             "count": ("scene", [count_of(p.clean, "") for p in pairs]),
         },
-        attrs=provenance(
-            vlm.name,
-            vlm.arch.name,
-            dataset={"scenes": n},
-            samples=[p.clean for p in pairs],
-            method=method,
-            steps=steps,
-            coverage=float(coverage),
-            peak=bool(peak),
-            site=Residual(-1).label,
+        attrs=object_provenance(
+            vlm,
+            pairs,
+            method,
+            steps,
+            coverage,
+            peak,
+            Residual(-1),
             upstream="the object's image tokens at layer 0's input",
-            reference="background",
-            metric="logit(n) - logit(n - 1) at the read position",
             forward_equivalents=(2 + 3 * steps) * len(chunks) + 1,
         ),
     )

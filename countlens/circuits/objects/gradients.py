@@ -99,6 +99,25 @@ def reference_sample(sample, where: str = "the sample") -> TaskSample:
     return without_objects(sample, range(len(scene.objects)), where=where, reference="background")
 
 
+def object_provenance(vlm: VLM, pairs: Sequence, method, steps, coverage, peak, site: Residual, **more) -> dict:
+    """The provenance of an object ranking: the model, the scenes, the method and its settings, the site
+    (its label) and the metric, against the scenes' backgrounds; ``more`` beside them."""
+    return provenance(
+        vlm.name,
+        vlm.arch.name,
+        dataset={"scenes": len(pairs)},
+        samples=[p.clean for p in pairs],
+        method=method,
+        steps=steps,
+        coverage=float(coverage),
+        peak=bool(peak),
+        site=site.label,
+        reference="background",
+        metric="logit(n) - logit(n - 1) at the read position",
+        **more,
+    )
+
+
 def input_layer(vlm: VLM, site) -> int:
     """The decoder layer whose input is the attributed site (`object_site`): 0 for Residual(−1) or
     Embed("image"), l + 1 for Residual(l)."""
@@ -296,18 +315,14 @@ def object_attribution(
             "object": np.arange(width),
             "count": ("scene", [count_of(p.clean, "") for p in pairs]),
         },
-        attrs=provenance(
-            vlm.name,
-            vlm.arch.name,
-            dataset={"scenes": n},
-            samples=[p.clean for p in pairs],
-            method=method,
-            steps=steps,
-            coverage=float(coverage),
-            peak=bool(peak),
-            site=object_site(vlm, site).label,
-            reference="background",
-            metric="logit(n) - logit(n - 1) at the read position",
+        attrs=object_provenance(
+            vlm,
+            pairs,
+            method,
+            steps,
+            coverage,
+            peak,
+            object_site(vlm, site),
             forward_equivalents=(plain + 3 * grad) * len(chunks),
         ),
     )
