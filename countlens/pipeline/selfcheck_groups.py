@@ -13,9 +13,23 @@ import numpy as np
 import torch
 from PIL import Image
 
+from countlens import circuits
+from countlens.analysis.evaluate import score
+from countlens.circuits.engine.edits import Edit, cache_run, run_edits
+from countlens.circuits.engine.pair_batch import prepare_pairs
+from countlens.circuits.methods.patching import image_group
+from countlens.circuits.sites import HeadZ, Residual, group_mask
+from countlens.datasets.pairs import count_pairs
+from countlens.datasets.tasks import task_samples
 from countlens.errors import CountlensError
+from countlens.model import memory as mem
 from countlens.model.adapt import module_of
+from countlens.model.answers import sequence_scores
+from countlens.model.consistency import check_processor
+from countlens.model.layouts import token_cells
+from countlens.model.processors import useful_grid
 from countlens.pipeline.config import default_prompt
+from countlens.pipeline.costs import Forward, forward_bytes
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -61,8 +75,6 @@ def _prompt(vlm: VLM) -> str:
 
 
 def spec(vlm: VLM) -> list[CheckRow]:
-    from countlens.model.consistency import check_processor
-
     arch, rows = vlm.arch, []
     missing, shapes = [], []
     paths = [arch.spec.final_norm, arch.spec.lm_head, arch.spec.vision_blocks, arch.spec.vision_tower]
@@ -185,9 +197,6 @@ def _image_features(vlm: VLM, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def image(vlm: VLM) -> list[CheckRow]:
-    from countlens.model.layouts import token_cells
-    from countlens.model.processors import useful_grid
-
     g = vlm.geometry
     rows, cols = g.token_grid
     h, w = g.image_height, g.image_width
@@ -256,10 +265,6 @@ def image(vlm: VLM) -> list[CheckRow]:
 
 
 def answers(vlm: VLM) -> list[CheckRow]:
-    from countlens.analysis.evaluate import score
-    from countlens.datasets.tasks import task_samples
-    from countlens.model.answers import sequence_scores
-
     bad = []
     for n in COUNTS:
         ids = vlm.answer_ids(str(n))
@@ -303,13 +308,6 @@ def answers(vlm: VLM) -> list[CheckRow]:
 
 
 def interventions(vlm: VLM) -> list[CheckRow]:
-    from countlens import circuits
-    from countlens.circuits.engine.edits import Edit, cache_run, run_edits
-    from countlens.circuits.engine.pair_batch import prepare_pairs
-    from countlens.circuits.methods.patching import image_group
-    from countlens.circuits.sites import HeadZ, Residual, group_mask
-    from countlens.datasets.pairs import count_pairs
-
     side = vlm.geometry.image_height
     pairs = count_pairs(1, 3, 5, kind="polygons", image_size=side, prompt=_prompt(vlm), seed=0)
     pb = prepare_pairs(vlm, pairs)
@@ -438,13 +436,6 @@ def _heads_sum(vlm: VLM, batch, layer: int) -> CheckRow:
 
 
 def memory(vlm: VLM) -> list[CheckRow]:
-    from countlens.circuits.engine.edits import Edit, cache_run, run_edits
-    from countlens.circuits.engine.pair_batch import prepare_pairs
-    from countlens.circuits.sites import HeadZ, group_mask
-    from countlens.datasets.pairs import count_pairs
-    from countlens.model import memory as mem
-    from countlens.pipeline.costs import Forward, forward_bytes
-
     name = "one stacked sweep forward fits the plan"
     if vlm.device.type != "cuda":
         return [CheckRow("memory", name, None, f"no device memory counter on {vlm.device.type}")]
