@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.engine.interventions import Replace
+from countlens.circuits.engine.record import record
 from countlens.circuits.engine.run import intervene
 from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.errors import InputError
@@ -74,14 +74,9 @@ def _check(vlm, transcoders, samples, features, top) -> list[tuple[int, int]]:
 @torch.no_grad()
 def _activations(vlm, transcoders, batch, layers) -> dict[int, torch.Tensor]:
     """Per layer, the transcoder's activations (B, T, features) on ``batch``'s MLP inputs."""
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [
-        Hook(vlm.arch.mlp(layer), "input", lambda x, layer=layer: seen.update({layer: x.detach()})) for layer in layers
-    ]
-    with hooked(vlm.hf, hooks), torch.no_grad():
-        vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+    seen = record(vlm, batch, [MlpIn(layer) for layer in layers], on_device=True)
     tc = {layer: transcoders.layer(layer) for layer in layers}
-    return {layer: tc[layer].encode(seen[layer].to(tc[layer].dtype)).float() for layer in layers}
+    return {layer: tc[layer].encode(seen[MlpIn(layer)].to(tc[layer].dtype)).float() for layer in layers}
 
 
 @torch.no_grad()

@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 class Cache(dict):
     """Values keyed by site (see the module docstring); ``grad``: gradients keyed alike (empty when no
-    metric was asked for)."""
+    metric was asked for); ``logits``: the recorded forward's logits at the read position."""
 
-    def __init__(self, values: dict | None = None, grad: dict | None = None):
+    def __init__(self, values: dict | None = None, grad: dict | None = None, logits: Tensor | None = None):
         super().__init__(values or {})
         self.grad: dict = dict(grad or {})
+        self.logits = logits  # the read position's logits of the recorded forward, (batch, vocab)
 
     def site(self, key: Site | str) -> Site:
         """The recorded site ``key`` names: the site itself, or its label."""

@@ -64,10 +64,19 @@ def require_local(vlm: VLM, what: str) -> None:
         raise InputError(f"{what} runs torch hooks on a local model; {vlm.name} is remote (NDIF): use vlm.trace")
 
 
-def record(vlm: VLM, batch: Batch, sites: Sequence[Site], metric: Callable[[Tensor], Tensor] | None = None) -> Cache:
+def record(
+    vlm: VLM,
+    batch: Batch,
+    sites: Sequence[Site],
+    metric: Callable[[Tensor], Tensor] | None = None,
+    on_device: bool = False,
+) -> Cache:
     """One forward of a prepared ``batch``: a `Cache` of each site's value, Float[Tensor, "batch seq d"] on
     the CPU (a `Pattern`'s: Float[Tensor, "batch query key"]), marked with the samples of its rows where
-    the batch has them (`VLM.prepare_samples`; `countlens.circuits.sites.positions.samples_of`).
+    the batch has them (`VLM.prepare_samples`; `countlens.circuits.sites.positions.samples_of`), and the
+    read position's logits (``cache.logits``). ``on_device``: values and gradients stay where the model
+    computed them, in its dtype (for methods that go on computing there), instead of float32 copies on
+    the CPU.
 
     With ``metric`` (the read position's logits, Float[Tensor, "batch vocab"] → one value per row), also
     each site's gradient of the metric's sum over rows, ``cache.grad[site]``, shaped like its value: rows
@@ -110,12 +119,16 @@ def record(vlm: VLM, batch: Batch, sites: Sequence[Site], metric: Callable[[Tens
             whole = list(dict.fromkeys(id(t) for t, _ in got.values()))
             tensors = {id(t): t for t, _ in got.values()}
             grads = dict(zip(whole, torch.autograd.grad(total, [tensors[i] for i in whole], allow_unused=True)))
-    cache = Cache({site: view.detach().float().cpu().clone() for site, (_, view) in got.items()})
+
+    def kept(t: Tensor) -> Tensor:
+        return t.detach() if on_device else t.detach().float().cpu().clone()
+
+    cache = Cache({site: kept(view) for site, (_, view) in got.items()}, logits=logits.detach())
     if grad:
         for site, (t, _) in got.items():
             g = grads[id(t)]
             g = torch.zeros_like(t) if g is None else g
-            cache.grad[site] = locations[site].view(rows_seq(g, frame)).detach().float().cpu().clone()
+            cache.grad[site] = kept(locations[site].view(rows_seq(g, frame)))
     if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
         for values in cache.values():
             if len(values) == len(batch.samples):  # a vision block's rows are the tower's patches, not samples

@@ -40,10 +40,10 @@ from torch import Tensor
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.freeze import frozen, frozen_ratio
-from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.record import record
 from countlens.circuits.engine.sweep import check_pair_sweep
-from countlens.circuits.sites import check_group, first_arg, group_mask, heads_view
+from countlens.circuits.sites import HeadZ, Residual, check_group, first_arg, group_mask, heads_view
 from countlens.errors import InputError
 
 if TYPE_CHECKING:
@@ -92,34 +92,31 @@ def lrp_rules(vlm: VLM) -> Iterator[None]:
 
 
 def _clean_pass(vlm: VLM, batch: Batch, clean_id: Tensor, corrupt_id: Tensor) -> tuple:
-    """The clean run under the rules: LD, and each layer's z and output with their RelP coefficients."""
-    arch, zs, hs = vlm.arch, {}, {}
+    """The clean run under the rules (`record` with LD as its metric): LD, and each layer's z and output with
+    their RelP coefficients."""
+    arch = vlm.arch
+    layers = range(arch.n_layers)
+    heads = [HeadZ(layer, h) for layer in layers for h in range(arch.heads(layer))]
+    with lrp_rules(vlm):
+        cache = record(
+            vlm,
+            batch,
+            heads + [Residual(layer) for layer in layers],
+            lambda lg: logit_diff(lg, clean_id, corrupt_id),
+            on_device=True,
+        )
 
-    def keep_z(layer):
-        def hook(z):
-            if not z.requires_grad:
-                z.requires_grad_(True)  # layer 0's z: nothing below it needs a gradient
-            zs[layer] = z
+    def z(values: dict, layer: int) -> Tensor:  # a layer's heads side by side again: o_proj's input
+        return torch.cat([values[HeadZ(layer, h)] for h in range(arch.heads(layer))], -1)
 
-        return hook
-
-    hooks = [Hook(arch.o_proj(layer), "input", keep_z(layer)) for layer in range(arch.n_layers)]
-    hooks += [
-        Hook(arch.layer(layer), "output", lambda h, la=layer: hs.update({la: h})) for layer in range(arch.n_layers)
-    ]
-    with hooked(vlm.hf, hooks), activation_gradients_only(vlm.hf), torch.enable_grad(), lrp_rules(vlm):
-        logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
-        ld = logit_diff(logits, clean_id, corrupt_id)
-        layers = list(range(arch.n_layers))
-        grads = torch.autograd.grad(ld.sum(), [zs[i] for i in layers] + [hs[i] for i in layers])
-    n = arch.n_layers
+    logits = cache.logits.float()
     return (
-        logits.detach(),
-        ld.detach(),
-        [z.detach() for z in zs.values()],
-        [h.detach() for h in hs.values()],
-        grads[:n],
-        grads[n:],
+        logits,
+        logit_diff(logits, clean_id, corrupt_id),
+        [z(cache, layer) for layer in layers],
+        [cache[Residual(layer)] for layer in layers],
+        [z(cache.grad, layer) for layer in layers],
+        [cache.grad[Residual(layer)] for layer in layers],
     )
 
 
