@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from countlens.errors import ConfigError
+from countlens.errors import ConfigError, InputError
 from countlens.model.shipped import is_organism
-from countlens.validate import require_count, require_positive, require_seed
+from countlens.validate import require_choice, require_count, require_distinct, require_positive, require_seed
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -61,7 +61,6 @@ def validate_config(c: DiscoverConfig) -> None:
     checked when it is made."""
     from countlens.datasets.pairs import check_kind
     from countlens.datasets.prompts import PAIR_PROMPTS
-    from countlens.errors import InputError
 
     for name in ("n_per_case", "n_pairs", "n_samples", "batch_size", "top_k", "jaccard_k"):
         require_count(getattr(c, name), name, ConfigError)
@@ -74,7 +73,6 @@ def validate_config(c: DiscoverConfig) -> None:
         raise ConfigError(f"pair_kind: {err}") from None
     require_positive(c.alpha, "alpha (head temperature)", ConfigError)
     from countlens.datasets.tasks import REASONING_TASKS, TASKS
-    from countlens.validate import require_choice, require_distinct
 
     if not isinstance(c.tasks, tuple) or not c.tasks or c.tasks[0] != "count":
         raise ConfigError(f"tasks {c.tasks!r}: give a tuple of task names that starts with 'count'")

@@ -39,12 +39,15 @@ from typing import TYPE_CHECKING
 
 from countlens import distributed, files
 from countlens.analysis.heads import export_heads, head_table
+from countlens.datasets.prompts import PROMPTS
+from countlens.errors import ConfigError, CountlensError
 from countlens.pipeline import presets
 from countlens.pipeline.config import DiscoverConfig, resolved_prompt
 from countlens.pipeline.inputs import stage_inputs
 from countlens.pipeline.report import write_report
 from countlens.pipeline.rundir import Stages, check_run_dir
 from countlens.pipeline.stages import STAGES, RunContext, Stage
+from countlens.reference.counting_to_four.attention import chatml_sets
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -68,8 +71,6 @@ def discover(
     check_preset(c)  # before anything is written: a refused run leaves no spec behind
     prompt = resolved_prompt(vlm, c)
     # The resolved prompt, not "auto": reports re-rendered from spec.json name what ran.
-    from countlens.datasets.prompts import PROMPTS
-
     # The template and answer form too, not only the style's name: the same name with other text or
     # another answer form asks the model another question, so it is another spec.
     spec = {
@@ -142,9 +143,6 @@ def check_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> None:
     if c.probes and c.voc:  # every VOC image and annotation the probes will read
         stage_inputs(vlm, c, prompt)["probes"]()
     if c.attention_at == "generation":  # the MAS code's 4-way share reads ChatML turns: refuse other prompts now
-        from countlens.errors import ConfigError, CountlensError
-        from countlens.reference.counting_to_four.attention import chatml_sets
-
         if vlm.arch.spec.cross_attention is not None:
             raise ConfigError(
                 f"attention_at='generation' reads the MAS code's diagnostics of image tokens; {vlm.arch.name} has "

@@ -30,8 +30,15 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import xarray as xr
 
+import countlens
+from countlens import distributed
+from countlens.analysis.heads import CLASSES, read_heads
+from countlens.circuits.engine.temperature import beta_from_importance, head_temperature
+from countlens.datasets.loaders import load_fsc147
+from countlens.errors import ConfigError, RunDirError
 from countlens.files import read_json, write_text
 from countlens.labels import head_label
+from countlens.model.arch import SOFTMAX_KINDS
 from countlens.pipeline.config import default_prompt
 from countlens.pipeline.finetune_sets import (
     EVALUATION,
@@ -46,6 +53,7 @@ from countlens.pipeline.finetune_sets import (
     load_reasoning,
     training_data,
 )
+from countlens.pipeline.presets import recipe as preset_recipe
 from countlens.progress import Bar
 from countlens.sweep_store import samples_digest
 from countlens.training.finetune import (
@@ -81,9 +89,6 @@ def check_recipe(
     """Refuse a recipe no run can finish, naming the field, before any model loads: its fields, the
     local copies (a general-reasoning copy's first ``n_eval`` records) and, for a recipe that trains on
     FSC-147, its train split (every image there)."""
-    from countlens.analysis.heads import CLASSES
-    from countlens.errors import ConfigError
-
     _check_fields({**recipe.config, **(overrides or {})}, "Recipe.config / overrides")
     FinetuneConfig(**{**recipe.config, **(overrides or {})})  # every field's range (FinetuneConfig.__post_init__)
     bad_classes = [c for c in recipe.temperature_classes if c not in CLASSES]
@@ -116,8 +121,6 @@ def check_recipe(
     if train is None:
         check_training_source(recipe, local)
         if recipe.training == "fsc147":
-            from countlens.datasets.loaders import load_fsc147
-
             load_fsc147(local["fsc147"], split="train", limit=recipe.n_train if n_train is None else n_train)
 
 
@@ -145,9 +148,6 @@ def importance_from(circuit, classes: Sequence[str] = ()) -> xr.DataArray:
     """The circuit's per-head importance (layer, head) from its ``heads.csv``; with ``classes``, zero
     outside the heads of those classes (all heads when none has one of them). Heads of layers without
     softmax (a ``kind`` column saying "linear": Qwen3.5) have no temperature: NaN, no candidates."""
-    from countlens.analysis.heads import read_heads
-    from countlens.model.arch import SOFTMAX_KINDS
-
     table = read_heads(circuit)
     if "kind" in table:
         table = table.assign(importance=table["importance"].where(table["kind"].isin(SOFTMAX_KINDS)))
@@ -172,8 +172,6 @@ def recipe_config(recipe, n_train: int, **given) -> FinetuneConfig:
 
 def _check_fields(values: dict, what: str) -> None:
     from dataclasses import fields
-
-    from countlens.errors import ConfigError
 
     known = {f.name for f in fields(FinetuneConfig)}
     unknown = sorted(set(values) - known)
@@ -207,11 +205,6 @@ def before_after(
     ``local``: local benchmark copies, ``{"fsc147": ROOT, "pixmo": FILE}``, for the recipe's columns
     and FSC-147 training data.
     ``extra_sets``: more evaluation columns, e.g. ``{"mine": samples}``, scored by generation."""
-    import countlens
-    from countlens import distributed
-    from countlens.circuits.engine.temperature import beta_from_importance, head_temperature
-    from countlens.pipeline.presets import recipe as preset_recipe
-
     # Data parallel (accelerate launch / torchrun): every rank trains each variant with the others;
     # rank 0 alone evaluates and writes, and the other ranks return None.
     lead = distributed.check_process_group().rank == 0
@@ -314,8 +307,6 @@ def before_after(
 def _no_betas(circuit, recipe, alpha: float) -> None:
     """Refuse a temperature row that would sharpen no head, saying why: it would be the +SFT+focus row
     again, reported as a result."""
-    from countlens.errors import ConfigError, RunDirError
-
     if alpha < 1:
         raise ConfigError(f"alpha {alpha} < 1: head temperature sharpens (β ≥ 1) and β = α·γ ≤ α; give alpha ≥ 1")
     chosen = f"the heads of classes {list(recipe.temperature_classes)}" if recipe.temperature_classes else "every head"

@@ -53,14 +53,13 @@ on the host whatever the model's device (graph.py's arrays are CPU tensors), so 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+from countlens.datasets.tasks import MIN_OBJECT_SIZE, count_task_sample, object_sizes
 from countlens.errors import InputError
-from countlens.model.memory import Widths
+from countlens.model.memory import Widths, widths
+from countlens.model.vlm import VLM
+from countlens.pipeline.costs import Forward, forward_flops
 from countlens.validate import require_count
-
-if TYPE_CHECKING:
-    from countlens.model.vlm import VLM
 
 #: Bytes of one adjacency entry: graph.py builds every row and the square in float32.
 ADJACENCY_BYTES = 4
@@ -124,8 +123,6 @@ def graph_cost(
     if not (isinstance(flops_per_second, (int, float)) and math.isfinite(flops_per_second) and flops_per_second > 0):
         raise InputError(f"flops_per_second must be a finite number > 0, got {flops_per_second!r}")
     from dataclasses import replace
-
-    from countlens.pipeline.costs import Forward, forward_flops
 
     w = replace(w, act_bytes=dtype_bytes)
     L, d, b, a = w.n_layers, w.d_model, dtype_bytes, ADJACENCY_BYTES
@@ -200,8 +197,6 @@ def min_scene_side() -> int:
     """The smallest image side (px) a graph's counting scene can be seen at: its objects scale with the
     image (`countlens.datasets.tasks.object_sizes`) and must keep `MIN_OBJECT_SIZE` px (32 px), so a
     plan at a smaller ``--image-size`` is of a graph that cannot be built."""
-    from countlens.datasets.tasks import MIN_OBJECT_SIZE, object_sizes
-
     return math.ceil(MIN_OBJECT_SIZE / object_sizes(1)[0])
 
 
@@ -209,8 +204,6 @@ def prompt_length(vlm: VLM, count: int = 3, seed: int = 0) -> tuple[int, int]:
     """(tokens, vision patches) of the counting scene ``countlens features graph`` draws
     (`countlens.datasets.tasks.count_task_sample`), prepared by ``vlm``'s own processor — a meta model's
     too, so a plan reads a real checkpoint's sequence length at its image size without weights."""
-    from countlens.datasets.tasks import count_task_sample
-
     batch = vlm.prepare_samples([count_task_sample(count, seed)])
     return int(batch.inputs["input_ids"].shape[1]), int(batch.patches(vlm.arch.merge_size))
 
@@ -218,9 +211,6 @@ def prompt_length(vlm: VLM, count: int = 3, seed: int = 0) -> tuple[int, int]:
 def _widths(widths_or_vlm) -> Widths:
     if isinstance(widths_or_vlm, Widths):
         return widths_or_vlm
-    from countlens.model.memory import widths
-    from countlens.model.vlm import VLM
-
     if isinstance(widths_or_vlm, VLM):
         return widths(widths_or_vlm)
     raise InputError(

@@ -22,6 +22,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.analysis.heads import CLASSES, shown_columns
+from countlens.analysis.overlays import head_overlays_png
 from countlens.labels import head_label
 from countlens.pipeline import presets
 from countlens.pipeline.stages.base import ReportContext
@@ -47,8 +48,6 @@ def head_images(maps: xr.Dataset | None, layer: int, head: int) -> list[tuple[st
     if not stored.any():  # a large model's run keeps only its top heads' maps (the stage's size rule)
         return []
     # The one place the attention-maps stage is wired in: its overlays of this head's maps on the samples.
-    from countlens.analysis.overlays import head_overlays_png
-
     return head_overlays_png(maps, layer, head)
 
 

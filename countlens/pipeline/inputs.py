@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from countlens.datasets.countingtricks import CASES, countingtricks
+from countlens.datasets.loaders import load_clevr, load_mathvista, load_voc2007
+from countlens.datasets.pairs import count_pairs
+from countlens.datasets.tasks import task_samples
 from countlens.pipeline.config import DiscoverConfig, conflict_styles
 
 if TYPE_CHECKING:
@@ -21,10 +25,6 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
     patching, ``tasks`` ({task: samples}) for the lens, attention and ablation, and the samples of
     ``cases``, ``conflict_std`` / ``conflict``, ``headlens_fit``, ``attention_metrics`` and
     ``temperature``."""
-    from countlens.datasets.countingtricks import CASES, countingtricks
-    from countlens.datasets.pairs import count_pairs
-    from countlens.datasets.tasks import task_samples
-
     grid = vlm.geometry
     size = grid.image_height
     colors = ("red", "green", "blue")
@@ -33,12 +33,8 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
         """A task's samples: from a local copy where the config names one (math: MathVista, spatial:
         CLEVR; its first n_samples), else procedural."""
         if name == "math" and c.math:
-            from countlens.datasets.loaders import load_mathvista
-
             return load_mathvista(c.math, limit=c.n_samples)
         if name == "spatial" and c.spatial:
-            from countlens.datasets.loaders import load_clevr
-
             return load_clevr(c.spatial, limit=c.n_samples)
         return task_samples(name, c.n_samples, c.seed + seed_offset, image_size=size)
 
@@ -49,8 +45,6 @@ def stage_inputs(vlm: VLM, c: DiscoverConfig, prompt: str) -> dict[str, Callable
         """The probes' (train, test): VOC2007's trainval and test lists (first n_samples each) when a
         copy is given, else COUNTINGTRICKS scenes of the run's design (its own seeds)."""
         if c.voc:
-            from countlens.datasets.loaders import load_voc2007
-
             return load_voc2007(c.voc, "trainval", limit=c.n_samples), load_voc2007(c.voc, "test", limit=c.n_samples)
         per_case = max(1, c.n_samples // 16)
         design = {"design": "paper-code"} if c.design == "paper-code" else {"color": colors}

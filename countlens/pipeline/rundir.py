@@ -16,6 +16,7 @@ import xarray as xr
 
 from countlens import files, results
 from countlens.analysis.runs import MEASURED
+from countlens.datasets.prompts import PROMPTS
 from countlens.errors import RunDirError
 from countlens.pipeline.stages import REQUIRED, STAGES
 from countlens.validate import require_count, require_finite_tensor
@@ -110,8 +111,6 @@ def check_report_spec(spec: dict, out: Path) -> None:
     )
     if missing:
         raise RunDirError(f"{path} lacks {missing}, which the report reads; {fix}")
-    from countlens.datasets.prompts import PROMPTS
-
     if spec["prompt"] not in PROMPTS:
         raise RunDirError(f"{path}: prompt {spec['prompt']!r} is no prompt style ({', '.join(PROMPTS)}); {fix}")
     for key in ("top_k", "jaccard_k"):

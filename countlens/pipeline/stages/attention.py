@@ -24,6 +24,7 @@ from countlens.labels import head_label, top_sites
 from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 from countlens.pipeline.stages.probes import summary as probes_summary
+from countlens.reference.counting_to_four.attention import modality_shares as reference_shares
 
 
 def _headlens(run: RunContext) -> xr.Dataset:
@@ -110,9 +111,7 @@ def _reference_attention(am: xr.Dataset) -> dict | None:
         return None
     import torch
 
-    from countlens.reference.counting_to_four.attention import modality_shares
-
-    shares = modality_shares(torch.tensor(am.sets.transpose("sample", "layer", "set").values))
+    shares = reference_shares(torch.tensor(am.sets.transpose("sample", "layer", "set").values))
     right = am.correct.values.astype(bool)
 
     def by_outcome(name: str) -> str:
@@ -139,8 +138,6 @@ def modality_shares(am: xr.Dataset) -> pd.DataFrame:
     rows = {}
     if "sets" in am:
         import torch
-
-        from countlens.reference.counting_to_four.attention import modality_shares as reference_shares
 
         sums = torch.tensor(am.sets.transpose("sample", "layer", "set").values)
         for label, mask in (("correct", right), ("wrong", ~right)):

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from countlens.analysis.evaluate import generate, score
+
 if TYPE_CHECKING:
     import pandas as pd
     import xarray as xr
@@ -53,8 +55,6 @@ class RunContext:
     def answers(self, samples: list, progress: bool = False) -> xr.Dataset:
         """The model's answers on ``samples`` as the run's ``evaluate`` reads them: candidates scored, or
         greedy generations parsed (`countlens.analysis.evaluate`)."""
-        from countlens.analysis.evaluate import generate, score
-
         c = self.config
         if c.evaluate == "generate":
             return generate(

@@ -18,6 +18,7 @@ from countlens.analysis import plots
 from countlens.analysis.heads import CLASSES, shown_columns
 from countlens.analysis.tables import finite_markdown
 from countlens.labels import head_label
+from countlens.pipeline import presets
 from countlens.pipeline.stages.base import ReportContext, Section
 
 
@@ -25,8 +26,6 @@ def preset_summary(spec: dict) -> dict | None:
     """The preset a run was set to, with the values it set (None: no preset)."""
     if not spec.get("preset"):
         return None
-    from countlens.pipeline import presets
-
     chosen = presets.get(spec["preset"])
     values = {**chosen.discover, **chosen.thresholds}
     return {

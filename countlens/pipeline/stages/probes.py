@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import xarray as xr
 
+from countlens.analysis.probes import ProbeConfig, probe_taps
 from countlens.pipeline.stages.base import RunContext, Stage
+from countlens.reference.counting_to_four.probe import reference_taps
 
 
 def _probes(run: RunContext) -> xr.Dataset:
-    from countlens.analysis.probes import ProbeConfig, probe_taps
-    from countlens.reference.counting_to_four.probe import reference_taps
-
     train, test = run.inputs["probes"]()
     config = ProbeConfig(seed=run.config.seed)
     return probe_taps(
