@@ -33,7 +33,11 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine import Hook, hooked
+from countlens.datasets.tasks import TASKS, task_sample, task_samples
 from countlens.errors import InputError
+from countlens.model.arguments import require_layers, require_vlm
+from countlens.model.processors import render_chat
+from countlens.model.vlm import check_samples
 from countlens.validate import require_count, require_integer, require_tensor
 
 if TYPE_CHECKING:
@@ -72,8 +76,6 @@ def held_out_mix(mix: Mapping[str, int], share: float) -> dict[str, int]:
 
 def mix_samples(mix: Mapping[str, int], seed: int, start: Mapping[str, int] | None = None) -> tuple[list, list[str]]:
     """(scene samples, text prompts) of a mix under ``seed``, each kind from index ``start[kind]``."""
-    from countlens.datasets.tasks import TASKS, task_sample, task_samples
-
     start = start or {}
     data_seed = DATA_SEED_BASE + seed
     scenes = [
@@ -106,10 +108,6 @@ def collect_activations(
     """Each layer's MLP input and output at the real tokens of ``samples`` (scenes, through
     `VLM.prepare_samples`) and ``texts`` (plain prompts, no image), via forward hooks on the MLPs;
     ``layers`` None: every layer."""
-    from countlens.model.arguments import require_layers, require_vlm
-    from countlens.model.processors import render_chat
-    from countlens.model.vlm import check_samples
-
     require_vlm(vlm, "collect_activations")
     layers = require_layers(vlm, layers, "collect_activations")
     layers = list(range(vlm.arch.n_layers)) if layers is None else layers

@@ -38,9 +38,13 @@ from countlens.circuits.engine.interventions import Replace
 from countlens.circuits.engine.record import record
 from countlens.circuits.engine.run import intervene
 from countlens.circuits.sites import MlpIn, MlpOut
+from countlens.circuits.sites.positions import Objects
 from countlens.errors import InputError
 from countlens.labels import feature_keys, feature_label
 from countlens.model.adapt import module_of
+from countlens.model.arguments import require_vlm
+from countlens.model.vlm import check_samples
+from countlens.results import provenance
 from countlens.validate import require_count, require_dataset, require_path
 
 if TYPE_CHECKING:
@@ -52,8 +56,6 @@ COUNT_WORDS = tuple(str(i) for i in range(10))
 
 def _check(vlm, transcoders, samples, features, top) -> list[tuple[int, int]]:
     from countlens.features.replacement import check_fits
-    from countlens.model.arguments import require_vlm
-    from countlens.model.vlm import check_samples
 
     require_vlm(vlm, "feature_cards")
     check_fits(vlm, transcoders, "feature_cards")
@@ -129,9 +131,6 @@ def feature_cards(
     `countlens.datasets.tasks.task_samples("count", 64, seed)`): per card the ``top`` scenes by maximum
     activation, their image-token activations and cells, each object's largest activation, the direct
     effect on each count word's logit and the ablated change of the answer's log-probability."""
-    from countlens.circuits.sites.positions import Objects
-    from countlens.results import provenance
-
     chosen = _check(vlm, transcoders, samples, features, top)
     require_count(batch_size, "batch_size")
     layers = sorted({layer for layer, _ in chosen})
@@ -227,8 +226,6 @@ def draw_card(cards: xr.Dataset, card: str, samples: Sequence, path: str | Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Circle, Rectangle
-
-    from countlens.model.vlm import check_samples
 
     require_dataset(cards, "draw_card's cards (feature_cards' result)", CARD_VARIABLES)
     path = require_path(path, "draw_card's path", example="'card.png'")

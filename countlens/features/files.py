@@ -48,6 +48,7 @@ from countlens.features.transcoder import (
     require_float_dtype,
 )
 from countlens.files import writer_id
+from countlens.model.arguments import require_vlm
 from countlens.validate import require_finite_tensor, require_path, require_text
 
 if TYPE_CHECKING:
@@ -260,8 +261,6 @@ def load_transcoders(folder: str | Path, vlm: VLM | None = None, *, dtype: torch
     unless ``dtype`` is given, so a save → load round trip is bit for bit."""
     folder = require_path(folder, "folder", example="'transcoders'")
     if vlm is not None:
-        from countlens.model.arguments import require_vlm
-
         require_vlm(vlm, "load_transcoders")
     if dtype is not None:
         require_float_dtype(dtype, "dtype")

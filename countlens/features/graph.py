@@ -53,6 +53,7 @@ import torch
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.freeze import Clamp, frozen
 from countlens.circuits.sites import first_arg
+from countlens.circuits.sites.positions import Objects
 from countlens.errors import InputError
 from countlens.features.influence import feature_order
 from countlens.features.replacement import check_graphable
@@ -425,8 +426,6 @@ def token_positions(batch: Batch, sample, seq: int) -> tuple[torch.Tensor, torch
     """Per position: the image token's cell (row, col), and the object it belongs to
     (`countlens.circuits.sites.positions.Objects`: coverage ≥ 0.25 of the cell, or the object's peak cell;
     where several objects claim a token, the lowest index); −1 elsewhere."""
-    from countlens.circuits.sites.positions import Objects
-
     cells = torch.full((seq, 2), -1, dtype=torch.long)
     objects = torch.full((seq,), -1, dtype=torch.long)
     pos = batch.image_pos[0]

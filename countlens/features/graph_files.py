@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from countlens.errors import InputError
+from countlens.files import atomic_path
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -203,8 +204,6 @@ def graph_json(graph: AttributionGraph, slug: str, scan: str | None = None, prom
 
 def save_graph(graph: AttributionGraph, path: str | Path, slug: str | None = None) -> Path:
     """Write `graph_json` to ``path`` (slug default: the file's stem); returns the path."""
-    from countlens.files import atomic_path
-
     _check(graph, "save_graph")
     if not isinstance(path, (str, Path)) or not str(path):
         raise InputError(f"save_graph takes a file path, e.g. 'graph.json'; got {path!r}")

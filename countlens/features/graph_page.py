@@ -40,6 +40,10 @@ from html import escape
 from pathlib import Path
 
 from countlens.errors import InputError
+from countlens.features.graph import AttributionGraph
+from countlens.features.graph_files import graph_json
+from countlens.files import refuse_output_over_input, write_text
+from countlens.html_page import BASE_CSS, json_script
 from countlens.labels import feature_label
 
 #: The most links a page draws; a bigger graph is refused (prune it first).
@@ -68,8 +72,6 @@ def graph_page(graph_or_json, path, title: str | None = None, cards=None) -> Pat
     `feature_cards` Dataset shown on the panel of the features it covers.
 
     Every argument is checked before anything is written; the file is written whole or not at all."""
-    from countlens.files import refuse_output_over_input, write_text
-
     if title is not None and (not isinstance(title, str) or not title.strip()):
         raise InputError(f"title must be a non-empty string (or None for the graph's slug), got {title!r}")
     target = _check_path(path)
@@ -103,9 +105,6 @@ def _too_big(n_links: int, pruned: bool) -> InputError:
 def _viewer_json(graph_or_json, title: str | None) -> dict:
     """The viewer JSON of ``graph_or_json``, checked: nodes with known kinds and unique ids, links
     between them with finite weights, at most `MAX_LINKS` links."""
-    from countlens.features.graph import AttributionGraph
-    from countlens.features.graph_files import graph_json
-
     if isinstance(graph_or_json, AttributionGraph):
         if graph_or_json.n_edges > MAX_LINKS:
             raise _too_big(graph_or_json.n_edges, graph_or_json.node_threshold is not None)
@@ -321,8 +320,6 @@ def _fields(node: dict, kind: str, tokens: list[str]) -> list[list[str]]:
 
 
 def _html(page: dict, title: str) -> str:
-    from countlens.html_page import BASE_CSS, json_script
-
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'

@@ -49,6 +49,7 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine import Hook, hooked
+from countlens.circuits.graph.recovery import auroc, precision_at
 from countlens.errors import InputError
 from countlens.labels import head_keys
 from countlens.model.adapt import module_of
@@ -163,8 +164,6 @@ def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Coll
     """AUROC and precision@|C| of |share| (a `head_shares` Dataset — its ``share`` — or any (layer,
     head) DataArray, e.g. a mean over scenes) against the planted heads ``circuit_heads`` (a set of
     (layer, head), `countlens.toy.catalogue.planted_circuit_of(name).heads`, or labels such as "L0H2")."""
-    from countlens.circuits.graph.recovery import auroc, precision_at
-
     if isinstance(shares, xr.Dataset):
         if "share" not in shares:
             raise InputError(f"a Dataset of shares has a 'share' variable (head_shares); got {list(shares)}")

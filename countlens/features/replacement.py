@@ -26,11 +26,16 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.analysis.evaluate import score
 from countlens.circuits.engine.interventions import Replace
 from countlens.circuits.engine.run import intervene
 from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.errors import InputError
 from countlens.features.transcoder import Transcoder, TranscoderSet
+from countlens.model.arguments import require_vlm
+from countlens.model.vlm import check_samples
+from countlens.results import provenance
+from countlens.validate import require_count
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -67,8 +72,6 @@ def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
     """``with replacement(vlm, transcoders): …`` — inside, each covered layer's MLP output is its
     transcoder's reconstruction (error terms dropped); the hooks go when the block ends, whatever
     happens in it. Yields ``vlm``."""
-    from countlens.model.arguments import require_vlm
-
     require_vlm(vlm, "replacement")
     check_fits(vlm, transcoders, "replacement")
     swaps = [Replace(MlpOut(layer), reconstruction(tc), reads=MlpIn(layer)) for layer, tc in transcoders.items()]
@@ -79,9 +82,6 @@ def replacement(vlm: VLM, transcoders: TranscoderSet) -> Iterator[VLM]:
 def check_graphable(vlm: VLM, transcoders: TranscoderSet, sample, what: str) -> None:
     """Refuse, before any forward, what the local replacement model cannot be built for: a set without a
     transcoder for every layer, a remote model, fused / cross / expert / linear attention, a list of samples."""
-    from countlens.model.arguments import require_vlm
-    from countlens.model.vlm import check_samples
-
     require_vlm(vlm, what)
     check_fits(vlm, transcoders, what)
     if transcoders.layers != tuple(range(vlm.arch.n_layers)):
@@ -109,12 +109,6 @@ def replacement_accuracy(
     `countlens.analysis.evaluate.score`): an `xr.Dataset` with ``accuracy`` over ``model``
     (original, replacement), ``correct`` and ``pred`` over (``model``, ``sample``), and ``agreement``
     (the share of samples whose predicted answer is the same in both)."""
-    from countlens.analysis.evaluate import score
-    from countlens.model.arguments import require_vlm
-    from countlens.model.vlm import check_samples
-    from countlens.results import provenance
-    from countlens.validate import require_count
-
     require_vlm(vlm, "replacement_accuracy")
     check_fits(vlm, transcoders, "replacement_accuracy")
     check_samples(samples, "replacement_accuracy")

@@ -49,6 +49,10 @@ from countlens.features.activations import (
     mix_samples,
 )
 from countlens.features.transcoder import Transcoder, TranscoderSet
+from countlens.files import atomic_path, machine_errors, settings_changes
+from countlens.model.arguments import require_vlm
+from countlens.progress import Bar
+from countlens.results import provenance
 from countlens.validate import require_count, require_path, require_positive, require_seed, require_share
 
 if TYPE_CHECKING:
@@ -117,8 +121,6 @@ def _init(tc: Transcoder, y_mean: torch.Tensor, generator: torch.Generator) -> N
 
 
 def _save(path: Path, state: dict) -> None:
-    from countlens.files import atomic_path
-
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
 
@@ -148,8 +150,6 @@ def train_transcoders(
     the training samples, for the fidelity table. ``out``: a folder for the checkpoint and the result;
     with ``resume`` (default) a checkpoint there of the same call is continued, without it replaced.
     Returns `Training` (the set, and its fidelity over ``layer``)."""
-    from countlens.model.arguments import require_vlm
-
     require_vlm(vlm, "train_transcoders")
     layers = _check_layers(vlm, layers)
     require_count(width, "width")
@@ -214,8 +214,6 @@ def train_transcoders(
 
         if result.layers == tuple(range(vlm.arch.n_layers)):
             save_transcoders(result, Path(out) / "transcoders")
-        from countlens.files import atomic_path, machine_errors
-
         fidelity_file = Path(out) / "fidelity.nc"
         with atomic_path(fidelity_file) as tmp, machine_errors(fidelity_file, table.nbytes):
             table.to_netcdf(tmp)  # whole or not at all; a full disk reported as the disk's fault
@@ -233,8 +231,6 @@ def _resumed(path: Path, spec: dict) -> dict | None:
         ) from None
     saved = state.get("spec") if isinstance(state, dict) else None
     if saved != spec:
-        from countlens.files import settings_changes
-
         raise InputError(
             f"{path} is the checkpoint of another training, with other settings: {settings_changes(saved, spec)} "
             f"(old → new); rerun with the old settings to resume it, give another out folder (--out), or delete "
@@ -268,8 +264,6 @@ def _train_layer(
         _init(tc, y.mean(0), generator)
     bar = None
     if progress:
-        from countlens.progress import Bar
-
         bar = Bar(f"transcoder layer {layer}", spec["steps"]).__enter__()
     try:
         for step in range(start + 1, spec["steps"] + 1):
@@ -298,8 +292,6 @@ def _train_layer(
 
 
 def _provenance(vlm: VLM, spec: dict, held: dict, train: Activations, test: Activations) -> dict:
-    from countlens.results import provenance
-
     counts = {
         split: {kind: int((data.kinds == kind).sum()) for kind in spec["mix"]}
         for split, data in (("train", train), ("held_out", test))
