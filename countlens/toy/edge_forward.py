@@ -36,7 +36,6 @@ edges' differences.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,9 +45,8 @@ from countlens.circuits.graph.nodes import record_nodes
 from countlens.circuits.sites import heads_view
 from countlens.errors import InputError
 from countlens.labels import LOGITS, edge_label, head_label, input_label, kv_label, mlp_in_label, mlp_label, query_label
-
-if TYPE_CHECKING:
-    from countlens.model.vlm import VLM
+from countlens.model.vlm import VLM
+from countlens.toy.recipe import ToyConfig, build_processor
 
 
 @dataclass(frozen=True)
@@ -72,9 +70,6 @@ def prepare(model, inputs: dict) -> Prepared:
 
 def organism_vlm(model) -> VLM:
     """``model`` (the organism's HF model, in training or not) as a `VLM`, its processor the organism's."""
-    from countlens.model.vlm import VLM
-    from countlens.toy.recipe import ToyConfig, build_processor
-
     return VLM(model, build_processor(ToyConfig()), name=str(getattr(model.config, "_name_or_path", "") or "toy"))
 
 

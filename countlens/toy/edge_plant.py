@@ -40,7 +40,9 @@ import torch
 from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import InputError
+from countlens.files import claim_directory, directory_lock
 from countlens.intervals import wilson
+from countlens.model.shipped import ORGANISMS
 from countlens.toy.edge_forward import EdgeForward, prepare
 from countlens.toy.plant import (
     PlantConfig,
@@ -175,9 +177,6 @@ def fresh_edge_strictness(
 def plant_edges(out: Path, circuit: EdgeCircuit, pc: PlantConfig | None = None, progress=None) -> dict:
     """Train ``circuit`` into ``out`` (from `START`'s weights), then write planted.json with the edge-level
     and node-level fresh figures and checks. Returns planted.json's content."""
-    from countlens.files import claim_directory, directory_lock
-    from countlens.model.shipped import ORGANISMS
-
     out, progress = require_path(out, "out", example="'organisms/value-route'"), require_callback(progress)
     pc = PlantConfig(steps=circuit.steps) if pc is None else pc
     check_plant(circuit, pc)  # every argument before the folder is claimed

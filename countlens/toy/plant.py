@@ -34,6 +34,7 @@ from countlens.datasets.pairs import DEFAULT_COUNTS
 from countlens.datasets.tasks import TRAIN_SEED_BASE
 from countlens.errors import ConfigError
 from countlens.files import claim_directory, directory_lock
+from countlens.model.shipped import TOY_DIR
 from countlens.toy.planted import (
     EdgeCircuit,
     PlantedCircuit,
@@ -357,8 +358,6 @@ def train_and_save(start: Path, out: Path, train, progress) -> tuple:
 
 def _plant(out: Path, circuit: PlantedCircuit, pc: PlantConfig, progress) -> dict:
     """`plant`'s training and verification, by the process that holds ``out``'s lock."""
-    from countlens.model.shipped import TOY_DIR
-
     saved, seconds = train_and_save(TOY_DIR, out, lambda model, log: train_stages(model, circuit, pc, log), progress)
     figures = verify(saved, circuit)
     fresh = fresh_strictness(saved, circuit)

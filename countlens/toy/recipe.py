@@ -14,6 +14,8 @@ from pathlib import Path
 
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES
 from countlens.errors import ConfigError
+from countlens.model.geometry import Geometry
+from countlens.model.processors import image_only
 from countlens.toy.schedule import TrainConfig
 from countlens.validate import require_count, require_image_side, require_integer, require_positive
 
@@ -129,8 +131,6 @@ class ToyConfig:
 
     @property
     def geometry(self):
-        from countlens.model.geometry import Geometry
-
         return Geometry.square(self.image_size, self.patch_size, self.merge_size)
 
     def to_dict(self) -> dict:
@@ -170,8 +170,6 @@ def build_image_processor(cfg: ToyConfig):
 
 def build_processor(cfg: ToyConfig, tokenizer=None, image_processor=None):
     from transformers import Qwen2VLProcessor
-
-    from countlens.model.processors import image_only
 
     return image_only(Qwen2VLProcessor)(
         image_processor=image_processor or build_image_processor(cfg),

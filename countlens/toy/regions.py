@@ -38,9 +38,14 @@ from countlens.datasets.prompts import make_question
 from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.datasets.tasks import SIZE_RANGE, TRAIN_SEED_BASE, TaskSample, sample_rng, without_objects
+from countlens.files import claim_directory, directory_lock
 from countlens.intervals import wilson
+from countlens.model.shipped import TOY_DIR
 from countlens.toy.plant import PlantConfig, save_organism
+from countlens.toy.recipe import ToyConfig
+from countlens.toy.resample import image_features_once
 from countlens.toy.strictness import FRESH_SEED, paired_drop
+from countlens.toy.train import Collator, lr_at
 from countlens.validate import require_callback, require_count, require_path, require_seed
 
 IMAGE = 192
@@ -91,10 +96,6 @@ def without(sample: TaskSample, keep) -> TaskSample:
 
 def train_regions(model, steps: int = 300, seed: int = 0, batch: int = 32, lr: float = 1e-3, log=None) -> dict:
     """Train ``model`` (in place) to count the top half; returns the last log row."""
-    from countlens.toy.recipe import ToyConfig
-    from countlens.toy.resample import image_features_once
-    from countlens.toy.train import Collator, lr_at
-
     require_count(steps, "steps")
     schedule = PlantConfig(seed=seed, steps=steps, lr=lr)  # the planting recipe's warmup and cosine decay
     torch.manual_seed(seed)
@@ -136,9 +137,6 @@ def _answers(model, collate, samples: list, batch: int = 64) -> torch.Tensor:
 def verify_regions(model, n_samples: int = 1024, seed: int = FRESH_SEED) -> dict:
     """The top-half organism's answer figures (module docstring) on fresh samples; the object-level
     figures are `countlens.circuits.graph.recovery.object_recovery`'s on `object_effects`."""
-    from countlens.toy.recipe import ToyConfig
-    from countlens.toy.train import Collator
-
     collate = Collator(ToyConfig())
     model.eval()
     samples = [top_half_sample(seed, i) for i in range(n_samples)]
@@ -187,9 +185,6 @@ def plant_regions(out: Path, steps: int = 1200, seed: int = 0, progress=None) ->
     recipe = {**REGION_RECIPE, "steps": steps, "seed": seed}
     PlantConfig(seed=seed, steps=steps, lr=recipe["lr"])  # its ranges checked before the folder is claimed
     from transformers import Qwen2VLForConditionalGeneration
-
-    from countlens.files import claim_directory, directory_lock
-    from countlens.model.shipped import TOY_DIR
 
     claim_directory(out, "countlens toy plant", {"circuit": "top-half", "recipe": recipe})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):

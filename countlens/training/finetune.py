@@ -34,22 +34,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+import countlens
 from countlens.analysis.heads import read_heads
+from countlens.circuits.sites import group_mask
 from countlens.errors import ConfigError, InputError, RunDirError
 from countlens.files import read_json, refuse_older_spec, settings_changes, write_text
+from countlens.model.arch import SOFTMAX_KINDS
 from countlens.model.arguments import require_vlm
+from countlens.model.vlm import VLM
 from countlens.settings import FinetuneConfig
+from countlens.sweep_store import samples_digest
 from countlens.training.collate import digit_mask
 from countlens.training.head_lora import check_heads, restrict_to_heads
 from countlens.validate import require_count, require_sequence
-
-if TYPE_CHECKING:
-    from countlens.model.vlm import VLM
 
 FULL_WEIGHTS = "model.safetensors"  # a full fine-tune's trained weights, in a checkpoint and in out/adapter
 FULL_MARKER = "full_finetune.json"  # marks out/adapter as a full fine-tune's weights (not a LoRA adapter)
@@ -64,8 +65,6 @@ def target_layers_from(
 
     ``circuit``: a `countlens discover` run directory (its ``heads.csv``) or a head table DataFrame."""
     import pandas as pd
-
-    from countlens.model.arch import SOFTMAX_KINDS
 
     if isinstance(circuit, (str, Path)):
         circuit = read_heads(circuit)
@@ -238,8 +237,6 @@ def finetune(
     if out.exists() and not out.is_dir():
         raise RunDirError(f"output {out} is a file; give a directory")
     check_variant(vlm, samples, config)
-    from countlens.sweep_store import samples_digest
-
     spec_file = out / "finetune.json"
     spec = {
         "model": vlm.name,
@@ -329,7 +326,6 @@ def _train(
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from countlens.circuits.sites import group_mask
     from countlens.training.capture import attention_at
     from countlens.training.collate import IGNORE, training_batch
     from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior, wrong_answers
@@ -433,9 +429,6 @@ def with_adapter(name_or_path: str, adapter: str | Path, **load_kw) -> VLM:
     """A fresh `VLM` of ``name_or_path`` with the LoRA ``adapter`` merged into its weights, or with a
     full fine-tune's weights (``method="full"``) loaded over them."""
     from peft import PeftModel
-
-    import countlens
-    from countlens.model.vlm import VLM
 
     adapter = Path(adapter)
     if (adapter / FULL_MARKER).exists():  # a full fine-tune's weights, loaded over a fresh model

@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from countlens.analysis.heads import read_heads
 from countlens.circuits.engine import on_gradient
 from countlens.errors import ConfigError
+from countlens.labels import head_label, top_sites
+from countlens.validate import require_count, require_sequence
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -121,10 +124,6 @@ def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) ->
     import pandas as pd
     import xarray as xr
 
-    from countlens.analysis.heads import read_heads
-    from countlens.labels import top_sites
-    from countlens.validate import require_count, require_sequence
-
     require_count(k, "k")
     if isinstance(circuit, xr.DataArray):
         if set(circuit.dims) != {"layer", "head"} or classes is not None:
@@ -168,8 +167,6 @@ def top_heads_from(circuit, k: int = 5, classes: Sequence[str] | None = None) ->
 def _require_ranked(cells: list[tuple[int, int]], values, what: str) -> None:
     """A `ConfigError` where ``values`` (one per head of ``cells``) hold ±inf, or no finite value."""
     import numpy as np
-
-    from countlens.labels import head_label
 
     infinite = [head_label(c) for c, v in zip(cells, values, strict=True) if np.isinf(v)]
     if infinite:
