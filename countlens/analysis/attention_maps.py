@@ -38,7 +38,10 @@ import numpy as np
 import torch
 import xarray as xr
 
+from countlens.circuits.engine.attention import image_keys, last_token_attention
 from countlens.errors import InputError
+from countlens.model.layouts import token_cells
+from countlens.model.processors import useful_grid
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM, Batch
@@ -52,9 +55,6 @@ MAX_VALUES = 2**20
 def _views(vlm: VLM, batch: Batch, b: int, image, n: int) -> np.ndarray:
     """Each image key's view, from the layout countlens already maps the keys' cells with
     (`countlens.model.layouts.token_cells`, as `VLM.prepare` calls it)."""
-    from countlens.model.layouts import token_cells
-    from countlens.model.processors import useful_grid
-
     spec, geom, tiles = vlm.arch.spec, batch.geometry[b], batch.tile_grids[b] if batch.tile_grids else None
     if batch.state_cells:  # a cross-attention model's image states
         return token_cells(spec.layout, geom, n, b, tiles).views.numpy()
@@ -116,8 +116,6 @@ def attention_maps(
     the images, their objects and the tokens' cells and views (see the module docstring).
     ``labels``: per-sample values stored alongside (one per sample each); ``ranking``: the order in
     which heads are kept when not all fit in ``max_values``."""
-    from countlens.circuits.engine.attention import image_keys, last_token_attention
-
     if len(samples) == 0:
         raise InputError("no samples given; pass a few samples with an image (e.g. COUNTINGTRICKS scenes)")
     labels = dict(labels or {})

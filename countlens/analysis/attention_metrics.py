@@ -43,11 +43,13 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.circuits.engine.attention import image_keys, last_token_attention
 from countlens.errors import InputError
 from countlens.model.arguments import require_layers, require_vlm
 from countlens.model.cells import cell_edges, cell_sums
 from countlens.model.geometry import Geometry
 from countlens.model.vlm import check_samples
+from countlens.reference.counting_to_four import attention as reference_attention
 from countlens.results import provenance
 from countlens.validate import require_count
 
@@ -256,8 +258,6 @@ def attention_metrics(
     require_vlm(vlm, "attention_metrics")
     from countlens.analysis.evaluate import score
     from countlens.analysis.parse import parse_shape_count
-    from countlens.circuits.engine.attention import image_keys, last_token_attention
-    from countlens.reference.counting_to_four import attention as reference_attention
 
     _check(samples, batch_size)
     if at not in ("prompt", "generation"):

@@ -41,7 +41,10 @@ from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoid
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses
 from countlens.analysis.runs import MEASURED, StoredRun
 from countlens.analysis.tables import FAMILIES, OVERALL, case_families, family_row
+from countlens.circuits.graph.faithfulness import smallest_faithful
 from countlens.errors import RunDirError
+from countlens.reference.counting_to_four.attention import SETS, modality_shares
+from countlens.validate import require_finite_tensor
 
 #: The faithfulness a circuit must reach in `faithfulness_table` (the report's level).
 FAITHFUL = 0.8
@@ -74,8 +77,6 @@ def check_reads(runs: list[StoredRun]) -> None:
     """Refuse a run whose stored result lacks a variable the tables read (`READS`), holds it over other
     dims, or holds NaN where a number is measured (`MEASURED`): a `RunDirError` naming the file and the
     fix, before anything is written."""
-    from countlens.validate import require_finite_tensor
-
     for run in runs:
         for stage, wanted in READS.items():
             ds = run.get(stage)
@@ -205,7 +206,6 @@ MAS_COLUMNS = ["MAS (all)", "MAS (correct)", "MAS (wrong)", "n (correct)", "n (w
 def mas_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     """MAS per model for all, right and wrong answers, and the MAS code's 4-way share where stored."""
     from countlens.analysis.attention_metrics import aggregate
-    from countlens.reference.counting_to_four.attention import SETS, modality_shares
 
     columns = MAS_COLUMNS + [f"{name} share (MAS code)" for name in SETS]  # the code's sets, in its order
 
@@ -275,8 +275,6 @@ FAITHFULNESS_COLUMNS += [f"smallest f ≥ {FAITHFUL} (heads)"]
 def faithfulness_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     """CPR, CMD and the smallest circuit reaching `FAITHFUL` per (model, ranking); the random rankings
     as their mean (``random``), as the report shows them."""
-    from countlens.circuits.graph.faithfulness import smallest_faithful
-
     rows, notes = [], []
     for run in runs:
         ds = run.get("faithfulness")

@@ -35,9 +35,13 @@ from countlens.analysis.benchmark_answers import has_rule, read_answer
 from countlens.analysis.parse import PARSERS, parse_count, parse_shape_count
 from countlens.errors import InputError
 from countlens.model.adapt import module_of
+from countlens.model.answers import read_rows
 from countlens.model.arguments import require_vlm
+from countlens.model.memory import MAX_ROWS
 from countlens.model.vlm import check_samples
+from countlens.progress import track
 from countlens.reference.counting_to_four.parse import parse_count_as_reference
+from countlens.results import provenance
 from countlens.validate import require_count
 
 if TYPE_CHECKING:
@@ -76,16 +80,12 @@ def _meta_vars(samples: Sequence[Sample]) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def _provenance(vlm: VLM, samples: Sequence[Sample]) -> dict:
-    from countlens.results import provenance
-
     return provenance(vlm.name, vlm.arch.name, dataset={"samples": len(samples)}, samples=samples)
 
 
 def _steps(n: int, batch_size: int, progress: bool, what: str):
     steps = range(0, n, batch_size)
     if progress:
-        from countlens.progress import track
-
         steps = track(steps, description=f"{what} {n} samples")
     return steps
 
@@ -229,8 +229,6 @@ def candidate_sets(samples: Sequence[Sample], candidates: Sequence[str] | None) 
 def _score_candidates(
     vlm: VLM, samples: Sequence[Sample], sets: list[dict[str, int]], batch_size: int, progress: bool
 ) -> xr.Dataset:
-    from countlens.model.answers import read_rows
-
     if vlm.remote:
         raise InputError(f"{vlm.name} is a remote (NDIF) model; candidate scoring runs local models only")
     pred, logp_gold, pred_count, correct, mass = [], [], [], [], []
@@ -303,8 +301,6 @@ def _forced_logprobs(vlm: VLM, samples: Sequence[Sample], rows: list[tuple[int, 
         by_sample.setdefault(j, []).append(prefix)
     found: dict[int, dict] = {}
     order = list(by_sample)
-    from countlens.model.memory import MAX_ROWS
-
     # Each sample's KV cache is repeated once per row: bound the continuation batch by MAX_ROWS rows.
     step = max(1, min(batch_size, MAX_ROWS // max(len(v) for v in by_sample.values())))
     for c in range(0, len(order), step):

@@ -44,9 +44,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from countlens.analysis.detection import average_precision, giou, nms
+from countlens.circuits.lenses.taps import tap as read_tap
 from countlens.errors import ConfigError, InputError
 from countlens.model.arguments import require_vlm
 from countlens.model.vlm import check_samples
+from countlens.reference.counting_to_four import probe as reference_probe
+from countlens.results import provenance
 from countlens.validate import (
     require_count,
     require_nonnegative,
@@ -350,8 +353,6 @@ def _probe_one(
     by_case: bool,
 ) -> dict:
     """Extract one tap's features (train and test in one pass), fit a probe, score it; a row of results."""
-    from countlens.circuits.lenses.taps import tap as read_tap
-
     start = time.perf_counter()
     feats = read_tap(vlm, list(train_samples) + list(test_samples), tap[0], tap[1], batch_size=batch_size)
     tap_seconds = time.perf_counter() - start
@@ -374,9 +375,6 @@ def _reference_probe_one(
     vlm: VLM, train_samples: Sequence, test_samples: Sequence, tap: Tap, seed: int, batch_size: int
 ):
     """One tap under the code's recipe (`countlens.reference.counting_to_four.probe`): a results row."""
-    from countlens.circuits.lenses.taps import tap as read_tap
-    from countlens.reference.counting_to_four import probe as reference_probe
-
     start = time.perf_counter()
     feats = read_tap(vlm, list(train_samples) + list(test_samples), tap[0], tap[1], batch_size=batch_size)
     tap_seconds = time.perf_counter() - start
@@ -425,8 +423,6 @@ def probe_taps(
     require_vlm(vlm, "probe_taps")
     if recipe not in RECIPES:
         raise InputError(f"unknown probe recipe {recipe!r}; use one of {RECIPES}")
-    from countlens.results import provenance
-
     check_samples(train_samples, "probe_taps (train_samples)")
     check_samples(test_samples, "probe_taps (test_samples)")
     if not isinstance(config, ProbeConfig):

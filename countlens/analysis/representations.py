@@ -35,6 +35,7 @@ from torch import Tensor
 from countlens.errors import InputError
 from countlens.model.arguments import require_layers, require_vlm
 from countlens.model.vlm import check_samples
+from countlens.results import provenance
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -275,8 +276,6 @@ def representation_view(
         perplexity = min(30.0, (len(samples) - 1) / 3)
         maps = [tsne(s, k, perplexity=perplexity, seed=seed) for s in states]
         data["tsne"] = (("layer", "sample", "pc"), torch.stack(maps).numpy())
-    from countlens.results import provenance
-
     cases = [str(s.meta.get("case", s.task)) for s in samples]
     coords = {
         "layer": layers,

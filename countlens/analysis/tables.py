@@ -18,6 +18,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens.datasets.countingtricks import CASES
+from countlens.datasets.paper_generator import DILATION, REFERENCE_CASES
 from countlens.errors import InputError
 from countlens.validate import require_dataset
 
@@ -30,8 +31,6 @@ def case_families(design: str = "countlens") -> pd.Series:
     design's order: countlens's 32 cases, or the MAS paper's code's 18 circle cases (``design="paper-code"``,
     no adjacency)."""
     if design == "paper-code":
-        from countlens.datasets.paper_generator import DILATION, REFERENCE_CASES
-
         return pd.Series({n: "dilation" if n in DILATION else "position" for n in REFERENCE_CASES}, dtype=object)
     return pd.Series({n: c.family for n, c in CASES.items()}, dtype=object)
 
