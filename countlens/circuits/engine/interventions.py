@@ -57,6 +57,7 @@ from countlens.circuits.sites.positions import (
 )
 from countlens.errors import InputError, LayerError
 from countlens.model.arch import text_config
+from countlens.model.vlm import check_samples
 from countlens.validate import require_integer, require_seed
 
 if TYPE_CHECKING:
@@ -147,8 +148,6 @@ class Patch(Intervention):
             raise InputError("Patch's into= names the samples of its values' rows; give values= too")
         samples = samples_of(self.values) if self.into is None else self.into
         if samples is not None:
-            from countlens.model.vlm import check_samples
-
             check_samples(samples, "Patch into")
             keys = sample_keys(samples) if self.into is None else given_sample_keys(samples, "Patch into=")
             object.__setattr__(self, "keys", keys)
@@ -183,8 +182,6 @@ class Resample(Intervention):
     donor: ClassVar[bool] = True
 
     def check_values(self, vlm: VLM) -> None:
-        from countlens.model.vlm import check_samples
-
         check_samples(self.donors, "Resample donors")
         require_seed(self.seed)
 
@@ -227,8 +224,6 @@ class Mean(Intervention):
             if self.reference.ndim != 1:
                 raise InputError(f"Mean's reference vector is (d,), got shape {tuple(self.reference.shape)}")
         else:
-            from countlens.model.vlm import check_samples
-
             check_samples(self.reference, "Mean reference")
 
     def resolved(self, vlm: VLM) -> Mean:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.model.answers import divergence
 from countlens.model.vlm import check_pairs
 from countlens.results import provenance
 
@@ -51,8 +52,6 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
 
 def batch_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     """`prepare_pairs` of pairs a public function already checked at its door (a sweep's chunks)."""
-    from countlens.model.answers import divergence
-
     split = [
         divergence(vlm.answer_ids(p.clean.answer), vlm.answer_ids(p.corrupt.answer), (p.clean.answer, p.corrupt.answer))
         for p in pairs

@@ -32,6 +32,7 @@ from countlens.circuits.engine.edits import Edit, cache_run, run_edits
 from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, logit_diff, normaliser, pairs_provenance
 from countlens.distributed import Shard
 from countlens.model.vlm import check_pairs
+from countlens.progress import track
 from countlens.sweep_store import SweepStore, samples_digest
 from countlens.validate import require_count
 
@@ -64,8 +65,6 @@ def run_chunks(
     mine = set(shard.mine(keys))
     todo = [key for key in keys if key in mine]
     if description is not None:
-        from countlens.progress import track
-
         suffix = f" (rank {shard.rank} of {shard.world})" if shard.sharded else ""
         todo = track(todo, description=description + suffix)
     parts = []

@@ -24,6 +24,7 @@ import xarray as xr
 
 from countlens.model.arguments import require_layers, require_vlm
 from countlens.model.vlm import check_samples
+from countlens.results import provenance
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -57,8 +58,6 @@ def logit_lens(vlm: VLM, samples: Sequence, layers: Sequence[int] | None = None,
         ranks.append(torch.stack([torch.stack([x.max() for x in r.cpu().split(lengths)]) for r in r_l]))
         probs.append(torch.stack([torch.stack([x.prod() for x in p.cpu().split(lengths)]) for p in p_l]))
         tops.append(torch.stack([t.cpu()[first] for t in t_l]))
-    from countlens.results import provenance
-
     return xr.Dataset(
         {
             "rank": (("layer", "sample"), torch.cat(ranks, 1).numpy()),

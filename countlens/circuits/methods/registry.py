@@ -42,11 +42,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xarray as xr
 
+from countlens.circuits.graph.edge_attribution import edge_attribution
 from countlens.circuits.graph.edges import refusal as edge_refusal
 from countlens.circuits.graph.faithfulness import RANDOM_DRAWS
-from countlens.circuits.graph.integrated import IG_STEPS
+from countlens.circuits.graph.integrated import IG_STEPS, node_attribution
+from countlens.circuits.methods.ablation import ablation_scan
+from countlens.circuits.methods.atp_star import SUPPORTED
+from countlens.circuits.methods.patching import attribution_patch, patch_heads
+from countlens.circuits.methods.relp import refusal as relp_refusal
+from countlens.circuits.methods.relp import relevance_patch
+from countlens.circuits.objects.edges import object_edge_attribution
+from countlens.circuits.objects.gradients import object_attribution
 from countlens.circuits.sites import Embed, HeadZ, MlpOut, Residual
 from countlens.errors import InputError
+from countlens.labels import head_label
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -143,34 +152,24 @@ class Method:
 
 
 def _exact(vlm, pairs, batch_size, **sweep):
-    from countlens.circuits.methods.patching import patch_heads
-
     return patch_heads(vlm, pairs, batch_size=batch_size, **sweep)
 
 
 def _attribution(vlm, pairs, batch_size, method):
-    from countlens.circuits.methods.patching import attribution_patch
-
     return attribution_patch(vlm, pairs, batch_size=batch_size, method=method)
 
 
 def _atp_star_refusal(vlm) -> str | None:
-    from countlens.circuits.methods.atp_star import SUPPORTED
-
     if vlm.arch.name not in SUPPORTED:
         return f"AtP*'s attention recomputation supports {', '.join(SUPPORTED)}, not {vlm.arch.name}"
     return "a remote model: AtP* runs the model locally" if vlm.remote else None
 
 
 def _eap_ig(vlm, pairs, batch_size):
-    from countlens.circuits.graph.integrated import node_attribution
-
     return node_attribution(vlm, pairs, steps=IG_STEPS, batch_size=batch_size)
 
 
 def _ablation(vlm, pairs, batch_size):
-    from countlens.circuits.methods.ablation import ablation_scan
-
     return ablation_scan(vlm, {"count": [p.clean for p in pairs]}, batch_size=batch_size)
 
 
@@ -179,28 +178,16 @@ def _count_drop(result: xr.Dataset) -> xr.DataArray:
 
 
 def _edges(vlm, pairs, batch_size, method):
-    from countlens.circuits.graph.edge_attribution import edge_attribution
-
     steps = IG_STEPS if method == "eap-ig" else 1
     return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size)
 
 
 def _relp(vlm, pairs, batch_size):
-    from countlens.circuits.methods.relp import relevance_patch
-
     return relevance_patch(vlm, pairs, batch_size=batch_size)
-
-
-def _relp_refusal(vlm) -> str | None:
-    from countlens.circuits.methods.relp import refusal
-
-    return refusal(vlm)
 
 
 def heads_of_edges(vlm: VLM, result: xr.Dataset) -> xr.DataArray:
     """A head's edge score: the sum of its outgoing edges' (``node_effect``), over (layer, head)."""
-    from countlens.labels import head_label
-
     by_label = dict(zip(result["node"].values.tolist(), result.node_effect.values.tolist(), strict=True))
     arch = vlm.arch
     grid = np.full((arch.n_layers, arch.n_heads), np.nan)
@@ -298,7 +285,7 @@ METHODS: tuple[Method, ...] = (
         (HeadZ, Residual),
         _relp,
         Cost(lambda n_layers: 1, lambda n_layers: 1),
-        refusal=_relp_refusal,
+        refusal=relp_refusal,
     ),
 )
 
@@ -360,10 +347,7 @@ class ObjectRanker:
     def result(self, vlm: VLM, samples: Sequence, **options) -> xr.Dataset:
         """``function``'s result on ``samples`` (scenes) with ``method=variant``, refused by its checks
         (``of``'s refusal among them) before any forward."""
-        if self.function == "object_attribution":
-            from countlens.circuits.objects.gradients import object_attribution as run
-        else:
-            from countlens.circuits.objects.edges import object_edge_attribution as run
+        run = object_attribution if self.function == "object_attribution" else object_edge_attribution
         return run(vlm, samples, self.variant, **options)
 
 
