@@ -32,6 +32,7 @@ import xarray as xr
 
 from countlens.errors import CountlensError
 from countlens.files import atomic_path, machine_errors
+from countlens.validate import require_finite_tensor
 
 __all__ = [
     "ResultError",
@@ -268,8 +269,6 @@ def _check_finite(dataset: xr.Dataset, path: Path, fix: str = READ_FIX) -> None:
     """Refuse ±inf in a result, on save and on read: results are read back as scores, rankings and
     weights, where an inf ranks first whatever it means. NaN stays legal (no value there: a layer's
     absent head)."""
-    from countlens.validate import require_finite_tensor
-
     for name, variable in dataset.variables.items():
         shown = "the result" if name == DATAARRAY_VAR else f"variable {name!r}"
         require_finite_tensor(variable.values, f"{path}: {shown}", ResultError, nan=True, fix=fix)

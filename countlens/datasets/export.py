@@ -28,6 +28,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from countlens.datasets.countingtricks import CASES, DESIGNS, case, resolve_counts, trick_sample
+from countlens.datasets.paper_generator import REFERENCE_CASES, case_params, check_capacity, reference_sample
 from countlens.datasets.png import indexed_png
 from countlens.datasets.scene import PALETTE, Obj
 from countlens.datasets.tasks import TaskSample
@@ -57,8 +58,6 @@ def sample_record(s: TaskSample, file: str | None = None) -> dict:
 
 def _case_params(meta: dict) -> dict:
     if meta.get("design") == "paper-code":
-        from countlens.datasets.paper_generator import case_params
-
         return case_params(meta["case"])
     return CASES[meta["case"]].params
 
@@ -67,8 +66,6 @@ def _sample(name: str, seed: int, index: int, grid: Geometry, kw: dict) -> TaskS
     """One sample of the export's design: countlens's (`trick_sample`) or the paper code's (`reference_sample`)."""
     options = dict(kw)
     if options.pop("design", "countlens") == "paper-code":
-        from countlens.datasets.paper_generator import reference_sample
-
         return reference_sample(name, seed, index, grid, **options)
     return trick_sample(name, seed, index, grid, **options)
 
@@ -116,9 +113,7 @@ def _export_spec(names: list[str], n: int, grid: Geometry, seed: int, kw: dict) 
     same export asked for in other words (from the API or the command line) is the same spec."""
     import inspect
 
-    maker = trick_sample
-    if kw.get("design") == "paper-code":
-        from countlens.datasets.paper_generator import reference_sample as maker
+    maker = reference_sample if kw.get("design") == "paper-code" else trick_sample
     options = {
         p.name: p.default
         for p in inspect.signature(maker).parameters.values()
@@ -224,8 +219,6 @@ def check_export(
     if design not in DESIGNS:
         raise InputError(f"unknown design {design!r}; use one of {DESIGNS}")
     if design == "paper-code":
-        from countlens.datasets.paper_generator import REFERENCE_CASES
-
         names = list(REFERENCE_CASES) if cases is None else [str(c).upper() for c in cases]
         bad = [c for c in names if c not in REFERENCE_CASES]
         if bad:
@@ -246,8 +239,6 @@ def check_export(
     for name in names if design == "countlens" else ():
         resolve_counts(name, grid, kw.get("counts"))
     if design == "paper-code":  # cases the grid cannot hold refused, those it holds short of 10 said
-        from countlens.datasets.paper_generator import check_capacity
-
         check_capacity(names, grid)
     try:
         _sample(names[0], seed, 0, grid, kw)

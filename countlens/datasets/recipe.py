@@ -26,6 +26,7 @@ from typing import Any
 
 from countlens import __version__
 from countlens.errors import CountlensError, InputError
+from countlens.model.geometry import Geometry
 
 #: The recipe format: what `recorded` writes beside the generator's arguments. Raised when that changes.
 RECIPE_SCHEMA = 1
@@ -200,8 +201,6 @@ def _arguments(generator: str, fn, args: dict) -> dict:
                 "plain JSON data (strings, finite numbers, booleans, null, lists, objects)"
             )
     if isinstance(args.get("grid"), dict):
-        from countlens.model.geometry import Geometry
-
         names = {f.name for f in fields(Geometry)}
         extra = sorted(set(args["grid"]) - names)
         if extra:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from countlens.errors import CheckpointError, CountlensError, ImageTokenCountError
+from countlens.model.arch import text_config
 from countlens.model.processor_files import VOCABULARY_FILES
 from countlens.model.sizing import fixed_size
 
@@ -49,8 +50,6 @@ def check_experts(config, spec, path: str) -> None:
     layer has: transformers builds such a model, and it fails only in its first forward."""
     if spec.moe is None:
         return
-    from countlens.model.arch import text_config
-
     text = text_config(config, spec)
     n, k = getattr(text, spec.moe.n_experts_attr, None), getattr(text, spec.moe.top_k_attr, None)
     if isinstance(n, int) and isinstance(k, int) and not 0 < k <= n:

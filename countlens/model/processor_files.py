@@ -16,6 +16,7 @@ from pathlib import Path
 
 from countlens.errors import CheckpointError, CheckpointNotFoundError, UnsupportedArchitectureError
 from countlens.model.families import pil_image_processor
+from countlens.model.processors import image_only, processor_class
 
 
 def load_processor(path: str, config):
@@ -29,8 +30,6 @@ def load_processor(path: str, config):
     from transformers import AutoProcessor
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     from transformers.utils import is_torchvision_available
-
-    from countlens.model.processors import processor_class
 
     name = PROCESSOR_MAPPING_NAMES.get(config.model_type, "")
     placeholder = not is_torchvision_available() and type(getattr(transformers, name, None)).__name__ == "DummyObject"
@@ -57,8 +56,6 @@ def load_processor(path: str, config):
 def _image_only_processor(path: str, proc_cls: type, model_type: str):
     """``proc_cls`` built from the checkpoint's tokenizer, image processor, chat template and
     settings, without a video sub-processor (`countlens.model.processors.image_only`)."""
-    from countlens.model.processors import image_only
-
     tokenizer = _tokenizer(path)
     image_processor = _load_image_processor(path)
     template_file = Path(path) / "chat_template.jinja"

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from countlens.errors import InputError
+from countlens.model.answers import end_of_answer_id
 
 if TYPE_CHECKING:
     from jaxtyping import Bool, Float
@@ -117,8 +118,6 @@ def generation_batches(
 ) -> Iterator[tuple[Sequence, Batch, list[list[int]]]]:
     """(chunk, the batch whose read position is each sample's last generation step, the generated ids):
     greedy decoding, then the prompt with every generated token but the last teacher-forced after it."""
-    from countlens.model.answers import end_of_answer_id
-
     eos = vlm.hf.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     end = end_of_answer_id(vlm.processor)

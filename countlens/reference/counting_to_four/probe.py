@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from countlens.datasets.scene import SHAPES
 from countlens.errors import InputError
 from countlens.model.adapt import module_of
 
@@ -288,8 +289,6 @@ def reference_ap50(preds: Sequence[np.ndarray], gt_boxes: Sequence[np.ndarray], 
 def sample_targets(samples: Sequence) -> tuple[list[np.ndarray], list[np.ndarray], int]:
     """Boxes (image fractions), class indices and the number of classes of the samples: a VOC
     `DetectionSample`'s own (20 classes), or a scene's objects with their shapes as classes (`SHAPES`)."""
-    from countlens.datasets.scene import SHAPES
-
     boxes, labels, classes = [], [], set()
     for s in samples:
         if hasattr(s, "labels"):  # a DetectionSample: boxes in its letterboxed pixels
