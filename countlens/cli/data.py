@@ -9,17 +9,17 @@ from typing import Annotated
 
 import typer
 
+import countlens
 from countlens.cli.options import check_positive
 from countlens.cli.paths import check_out
 from countlens.errors import ConfigError
+from countlens.model.geometry import Geometry
 from countlens.model.shipped import is_organism
 from countlens.validate import require_image_side
 
 
 def grid_of(model: str, image_size: int | None, patch_size: int | None):
     """The patch grid from plain numbers, the organism's recipe (no weights needed) or a loaded model."""
-    from countlens.model.geometry import Geometry
-
     if (image_size is None) != (patch_size is None):
         raise ConfigError("give both --image-size and --patch-size, or neither (the model's grid)")
     if image_size is not None:
@@ -33,8 +33,6 @@ def grid_of(model: str, image_size: int | None, patch_size: int | None):
         from countlens.toy.recipe import ToyConfig
 
         return ToyConfig().geometry
-    import countlens
-
     return countlens.load(model).geometry
 
 

@@ -9,9 +9,12 @@ from typing import Annotated
 
 import typer
 
+import countlens
+from countlens import distributed
 from countlens.cli.options import DISCOVER, Device, Dtype, Model, check_positive, given, shown
 from countlens.cli.paths import check_file_out, check_out
 from countlens.errors import ConfigError
+from countlens.pipeline.config import DiscoverConfig
 from countlens.validate import require_image_side
 
 
@@ -19,7 +22,6 @@ def discover_config(preset: str | None, **values):
     """A DiscoverConfig from the flags given (None: not given): over the preset's values, if any,
     else over the defaults."""
     from countlens.pipeline import presets
-    from countlens.pipeline.config import DiscoverConfig
 
     fields_given = given(**values)
     return presets.discover_config(preset, **fields_given) if preset else DiscoverConfig(**fields_given)
@@ -119,8 +121,6 @@ def discover_cmd(
 
     Example: countlens discover --model toy --out runs/toy
     """
-    import countlens
-    from countlens import distributed
     from countlens.datasets.prompts import PAIR_PROMPTS
     from countlens.pipeline.discover import check_preset, discover
     from countlens.pipeline.rundir import check_run_dir

@@ -17,9 +17,11 @@ from typing import Annotated
 
 import typer
 
+import countlens
 from countlens.cli.options import Device, Dtype, Model, check_positive
 from countlens.cli.paths import check_out
 from countlens.errors import ConfigError
+from countlens.files import refuse_output_over_input
 
 
 def features_train(
@@ -39,7 +41,6 @@ def features_train(
 
     Example: countlens features train --model toy --out runs/transcoders
     """
-    import countlens
     from countlens.datasets.tasks import task_samples
     from countlens.features import replacement_accuracy, train_transcoders
 
@@ -114,10 +115,7 @@ def features_graph(
     if seed < 0:
         raise ConfigError(f"--seed must be ≥ 0, got {seed}")
     check_out(out)
-    from countlens.files import refuse_output_over_input
-
     refuse_output_over_input(out, {"--transcoders": transcoders}, "--out")  # its files would join the set's
-    import countlens
     from countlens.features import load_transcoders
 
     tcs = load_transcoders(transcoders)  # the folder's format, checked before the model loads

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+import countlens
 from countlens.cli.options import Device, Dtype, Model, check_positive
 from countlens.cli.paths import check_file_out, check_out
 from countlens.errors import ConfigError
@@ -29,7 +30,6 @@ def eval_cmd(
 
     Example: countlens eval --model toy --out runs/eval
     """
-    import countlens
     from countlens.datasets.tasks import TRAIN_SEED_BASE
     from countlens.pipeline.held_out import accuracy_report, held_out_scores, write_held_out
 
@@ -62,7 +62,6 @@ def check_cmd(
     """
     import json
 
-    import countlens
     from countlens.pipeline.selfcheck import as_json, check, failed, table
 
     check_file_out(json_out, "--json")

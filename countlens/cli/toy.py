@@ -8,8 +8,10 @@ from typing import Annotated
 
 import typer
 
+import countlens
 from countlens.cli.options import TOY_TRAIN, shown
 from countlens.cli.paths import check_out
+from countlens.errors import ConfigError
 
 
 def toy_train(
@@ -84,7 +86,6 @@ def toy_plant(
     import json
     from dataclasses import replace
 
-    from countlens.errors import ConfigError
     from countlens.toy.plant import PlantConfig, plant
     from countlens.toy.planted import CIRCUITS, EDGE_CIRCUITS
 
@@ -119,7 +120,6 @@ def plant_top_half(out: Path, seed: int, steps: int | None) -> dict:
     scenes scored against the objects it counts by design."""
     import json
 
-    import countlens
     from countlens.circuits.graph.recovery import object_recovery
     from countlens.circuits.objects.effects import object_effects
     from countlens.circuits.sites import Residual
