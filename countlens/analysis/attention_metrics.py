@@ -43,6 +43,8 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.analysis.evaluate import score
+from countlens.analysis.parse import parse_shape_count
 from countlens.circuits.engine.attention import image_keys, last_token_attention
 from countlens.errors import InputError
 from countlens.model.arguments import require_layers, require_vlm
@@ -256,9 +258,6 @@ def attention_metrics(
     `countlens.circuits.engine.attention.last_token_attention` (eager attention for that call only).
     """
     require_vlm(vlm, "attention_metrics")
-    from countlens.analysis.evaluate import score
-    from countlens.analysis.parse import parse_shape_count
-
     _check(samples, batch_size)
     if at not in ("prompt", "generation"):
         raise InputError(f"at={at!r}: read attention at the 'prompt' (its last token) or at the last 'generation' step")

@@ -37,6 +37,7 @@ import math
 import pandas as pd
 
 from countlens.analysis import depth
+from countlens.analysis.attention_metrics import aggregate
 from countlens.analysis.metrics import accuracy, digit_in_conflict, number_avoidance, summary
 from countlens.analysis.object_misses import PLACEMENT_ROWS, run_misses
 from countlens.analysis.runs import MEASURED, StoredRun
@@ -205,8 +206,6 @@ MAS_COLUMNS = ["MAS (all)", "MAS (correct)", "MAS (wrong)", "n (correct)", "n (w
 
 def mas_table(runs: list[StoredRun]) -> tuple[pd.DataFrame, list[str]]:
     """MAS per model for all, right and wrong answers, and the MAS code's 4-way share where stored."""
-    from countlens.analysis.attention_metrics import aggregate
-
     columns = MAS_COLUMNS + [f"{name} share (MAS code)" for name in SETS]  # the code's sets, in its order
 
     def row_of(run: StoredRun, am) -> dict:

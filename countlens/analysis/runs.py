@@ -24,6 +24,7 @@ import pandas as pd
 import xarray as xr
 
 from countlens import files, results
+from countlens.analysis.heads import read_heads
 from countlens.errors import ConfigError, RunDirError
 
 #: The spec.json keys two runs must share to be compared side by side, and ``counts``: the distinct
@@ -114,8 +115,6 @@ def read_run(path: str | Path) -> StoredRun:
     found = {p.stem: results.load(p) for p in sorted((path / "results").glob("*.nc"))}
     heads = None
     if (path / "heads.csv").exists():
-        from countlens.analysis.heads import read_heads
-
         heads = read_heads(path)
     return StoredRun(path, spec, found, heads, label=model_label(spec["model"]))
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from countlens.circuits.engine.record import mean_activation, record
 from countlens.circuits.sites import Site, check_site
 from countlens.circuits.sites.positions import (
     AS_POSITIONS,
@@ -186,8 +187,6 @@ class Resample(Intervention):
         require_seed(self.seed)
 
     def resolved(self, vlm: VLM) -> Resample:
-        from countlens.circuits.engine.record import record
-
         recorded = record(vlm, vlm.prepare_samples(self.donors), [self.site])[self.site]
         order = np.random.default_rng(self.seed).permutation(len(self.donors))
         return replace(self, values=recorded[torch.from_numpy(order)])
@@ -229,8 +228,6 @@ class Mean(Intervention):
     def resolved(self, vlm: VLM) -> Mean:
         if isinstance(self.reference, Tensor):
             return self
-        from countlens.circuits.engine.record import mean_activation
-
         return replace(self, reference=mean_activation(vlm, self.reference, self.site, self.positions))
 
     def op(self):
