@@ -41,6 +41,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from countlens.datasets.arrangements import chain, cluster, ring, split_count, tiling
+from countlens.datasets.paper_generator import REFERENCE_CASES, check_capacity, reference_grid, reference_sample
 from countlens.datasets.prompts import PROMPTS, answer_text, make_question
 from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, check_visible
@@ -422,13 +423,6 @@ def countingtricks(
     require_count(n_per_case, "n_per_case")
     require_seed(seed)
     if design == "paper-code":
-        from countlens.datasets.paper_generator import (
-            REFERENCE_CASES,
-            check_capacity,
-            reference_grid,
-            reference_sample,
-        )
-
         names = list(REFERENCE_CASES) if cases is None else [str(n).upper() for n in cases]
         require_distinct(names, "cases")
         allowed = {"prompt", "color", "background"}

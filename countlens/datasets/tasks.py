@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from countlens.datasets import reasoning
 from countlens.datasets.recipe import recorded
 from countlens.datasets.scene import OBJECT_COLORS, SHAPES, Scene, place_objects
 from countlens.errors import CountlensError, InputError
@@ -137,8 +138,6 @@ def task_sample(
         )
     rng = sample_rng(seed, task, index)
     if task in REASONING_TASKS:
-        from countlens.datasets import reasoning
-
         make = reasoning.math_sample if task == "math" else reasoning.spatial_sample
         scene, question, answer, meta = make(rng, image_size, size_range)
         return TaskSample(scene, question, answer, task, meta)
