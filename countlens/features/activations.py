@@ -35,13 +35,13 @@ import xarray as xr
 from countlens.circuits.engine import Hook, hooked
 from countlens.datasets.tasks import TASKS, task_sample, task_samples
 from countlens.errors import InputError
+from countlens.features.transcoder import TranscoderSet
 from countlens.model.arguments import require_layers, require_vlm
 from countlens.model.processors import render_chat
 from countlens.model.vlm import check_samples
 from countlens.validate import require_count, require_integer, require_tensor
 
 if TYPE_CHECKING:
-    from countlens.features.transcoder import TranscoderSet
     from countlens.model.vlm import VLM
 
 #: The mix's kinds: the organism's three tasks (scenes) and plain text prompts.
@@ -176,8 +176,6 @@ def fvu(y: torch.Tensor, y_hat: torch.Tensor) -> float:
 def fidelity(transcoders: TranscoderSet, activations: Activations, chunk: int = 4096) -> xr.Dataset:
     """FVU, L0 and dead features of each layer's transcoder on ``activations`` (the held-out split):
     an `xr.Dataset` over ``layer`` with ``fvu``, ``l0``, ``dead`` and ``dead_share``."""
-    from countlens.features.transcoder import TranscoderSet
-
     if not isinstance(transcoders, TranscoderSet):
         raise InputError(
             f"fidelity takes a TranscoderSet (train_transcoders, load_transcoders), got {transcoders!r:.60}"

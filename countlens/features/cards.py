@@ -40,6 +40,7 @@ from countlens.circuits.engine.run import intervene
 from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.circuits.sites.positions import Objects
 from countlens.errors import InputError
+from countlens.features.replacement import check_fits
 from countlens.labels import feature_keys, feature_label
 from countlens.model.adapt import module_of
 from countlens.model.arguments import require_vlm
@@ -55,8 +56,6 @@ COUNT_WORDS = tuple(str(i) for i in range(10))
 
 
 def _check(vlm, transcoders, samples, features, top) -> list[tuple[int, int]]:
-    from countlens.features.replacement import check_fits
-
     require_vlm(vlm, "feature_cards")
     check_fits(vlm, transcoders, "feature_cards")
     check_samples(samples, "feature_cards")

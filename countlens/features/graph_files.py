@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from countlens.errors import InputError
+from countlens.features.graph import AttributionGraph
+from countlens.features.prune import cumulative_share, node_influence
 from countlens.files import atomic_path
 
 if TYPE_CHECKING:
     import xarray as xr
-
-    from countlens.features.graph import AttributionGraph
 
 
 def cantor(a: int, b: int) -> int:
@@ -55,8 +55,6 @@ def cantor(a: int, b: int) -> int:
 
 
 def _check(graph, what: str) -> AttributionGraph:
-    from countlens.features.graph import AttributionGraph
-
     if not isinstance(graph, AttributionGraph):
         raise InputError(f"{what} takes an AttributionGraph (attribution_graph(...)), got {type(graph).__name__}")
     return graph
@@ -130,8 +128,6 @@ def _node_rows(graph: AttributionGraph) -> list[dict]:
 
 
 def _influence(graph: AttributionGraph) -> np.ndarray:
-    from countlens.features.prune import cumulative_share, node_influence
-
     if graph.influence is not None:
         return graph.influence.numpy()
     return cumulative_share(node_influence(graph)).numpy()

@@ -51,12 +51,13 @@ import xarray as xr
 from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.graph.recovery import auroc, precision_at
 from countlens.errors import InputError
+from countlens.features.graph import AttributionGraph, LocalReplacement, token_positions
+from countlens.features.replacement import check_graphable
 from countlens.labels import head_keys
 from countlens.model.adapt import module_of
 from countlens.validate import require_count
 
 if TYPE_CHECKING:
-    from countlens.features.graph import AttributionGraph, LocalReplacement
     from countlens.features.transcoder import TranscoderSet
     from countlens.model.vlm import VLM
 
@@ -90,8 +91,6 @@ def head_shares(
     with a ``graph``, ``graph_image`` (its logit row summed over the image embedding nodes, which
     equals ``image_total``). ``graph``: the sample's attribution graph; ``target`` defaults to its
     first logit node (without a graph, the most probable token). ``batch_size``: rows per forward."""
-    from countlens.features.graph import AttributionGraph, LocalReplacement, token_positions
-
     _check(vlm, transcoders, sample)
     require_count(batch_size, "batch_size")
     prepared = vlm.prepare_samples([sample])
@@ -179,8 +178,6 @@ def planted_path_recovery(shares: xr.Dataset | xr.DataArray, circuit_heads: Coll
 
 def _check(vlm, transcoders, sample) -> None:
     """attribution_graph's refusals, before any forward."""
-    from countlens.features.replacement import check_graphable
-
     check_graphable(vlm, transcoders, sample, "head_shares")
 
 

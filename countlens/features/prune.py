@@ -34,16 +34,12 @@ indirect) effect along every path, in the graph's linear world.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from countlens.errors import InputError
+from countlens.features.graph import AttributionGraph
 from countlens.features.influence import MAX_ITERATIONS, influence, normalized
 from countlens.validate import require_integer, require_share
-
-if TYPE_CHECKING:
-    from countlens.features.graph import AttributionGraph
 
 
 def logit_weights(graph: AttributionGraph) -> torch.Tensor:
@@ -55,8 +51,6 @@ def logit_weights(graph: AttributionGraph) -> torch.Tensor:
 
 def node_influence(graph: AttributionGraph) -> torch.Tensor:
     """(n,) each node's influence on the logits, ``w @ (Â + Â² + …)``."""
-    from countlens.features.graph import AttributionGraph
-
     if not isinstance(graph, AttributionGraph):
         raise InputError(f"node_influence takes an AttributionGraph (attribution_graph(...)), got {graph!r:.60}")
     return influence(normalized(graph.adjacency), logit_weights(graph))
@@ -81,8 +75,6 @@ def threshold_of(scores: torch.Tensor, share: float) -> torch.Tensor:
 def prune(graph: AttributionGraph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> AttributionGraph:
     """The graph pruned by influence (see the module's docstring): the kept nodes, their kept edges,
     and each node's ``influence`` (cumulative share at its rank); the thresholds are recorded."""
-    from countlens.features.graph import AttributionGraph
-
     if not isinstance(graph, AttributionGraph):
         raise InputError(f"prune takes an AttributionGraph (attribution_graph(...)), got {type(graph).__name__}")
     if graph.node_threshold is not None:
@@ -120,8 +112,6 @@ def prune(graph: AttributionGraph, node_threshold: float = 0.8, edge_threshold: 
 def removal_effects(graph: AttributionGraph, logit: int | None = None) -> torch.Tensor:
     """(n_features,) the graph's predicted change of logit node ``logit``'s value (default: the most
     probable) when each feature is zero-ablated, direct and indirect (see the module's docstring)."""
-    from countlens.features.graph import AttributionGraph
-
     if not isinstance(graph, AttributionGraph):
         raise InputError(f"removal_effects takes an AttributionGraph, got {type(graph).__name__}")
     if logit is not None:

@@ -48,6 +48,7 @@ from countlens.features.activations import (
     held_out_mix,
     mix_samples,
 )
+from countlens.features.files import save_transcoders
 from countlens.features.transcoder import Transcoder, TranscoderSet
 from countlens.files import atomic_path, machine_errors, settings_changes
 from countlens.model.arguments import require_vlm
@@ -210,8 +211,6 @@ def train_transcoders(
     table = fidelity(result, test_data)
     table.attrs.update(_provenance(vlm, spec, held, train_data, test_data))
     if out is not None:
-        from countlens.features.files import save_transcoders
-
         if result.layers == tuple(range(vlm.arch.n_layers)):
             save_transcoders(result, Path(out) / "transcoders")
         fidelity_file = Path(out) / "fidelity.nc"

@@ -48,8 +48,10 @@ from countlens.model.arguments import require_vlm
 from countlens.model.vlm import VLM
 from countlens.settings import FinetuneConfig
 from countlens.sweep_store import samples_digest
-from countlens.training.collate import digit_mask
+from countlens.training.capture import attention_at
+from countlens.training.collate import IGNORE, digit_mask, training_batch
 from countlens.training.head_lora import check_heads, restrict_to_heads
+from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior, wrong_answers
 from countlens.validate import require_count, require_sequence
 
 FULL_WEIGHTS = "model.safetensors"  # a full fine-tune's trained weights, in a checkpoint and in out/adapter
@@ -325,10 +327,6 @@ def _train(
 ) -> Path:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-
-    from countlens.training.capture import attention_at
-    from countlens.training.collate import IGNORE, training_batch
-    from countlens.training.losses import answer_ce, focus_loss, mas_loss, object_prior, wrong_answers
 
     attn_terms = config.focus > 0 or config.mas > 0
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
