@@ -59,6 +59,8 @@ def validate_config(c: DiscoverConfig) -> None:
     """Refuse settings no stage can run with, naming the setting (the preset's name is checked
     where the presets are known: `countlens.pipeline.presets.get`). Every `DiscoverConfig` is
     checked when it is made."""
+    # The names checked here are imported here, not at the top: the CLI imports this module at start-up
+    # (its options' defaults), and the datasets (numpy), parsers and method registry (torch) stay unloaded.
     from countlens.datasets.pairs import check_kind
     from countlens.datasets.prompts import PAIR_PROMPTS
 
