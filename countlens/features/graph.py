@@ -221,7 +221,7 @@ class LocalReplacement:
 
     @contextmanager
     def _hooks(self, embed: torch.Tensor, writes: dict[int, torch.Tensor], got: dict) -> Iterator[None]:
-        """The frozen model (the clean run's norm scales and attention, `countlens.circuits.engine.frozen`)
+        """The frozen model (the clean run's norm scales and attention, `countlens.circuits.engine.freeze.frozen`)
         on ``embed``, each MLP writing ``writes`` plus its skip path; the final norm's output and the MLP
         inputs kept in ``got``."""
         arch = self.vlm.arch

@@ -4,7 +4,8 @@ Read it in this order:
 
 - `countlens.model.families`: one module per model family. A family's `ArchSpec` names every module a
   method touches (attention and its projections, norms, the MLP, embeddings, unembedding, the vision
-  tower and projector); nothing outside this package writes a module path.
+  tower and projector); nothing outside this package writes a module path literal (code elsewhere
+  names modules through the spec's paths, `vlm.arch.o_proj(l)`).
 - `countlens.model.arch`: a family's spec resolved against a config (layers, heads, widths);
   `countlens.model.adapt`: the facts read off the loaded model itself.
 - `countlens.model.vlm`: `VLM`, the loaded model with its processor and spec, and `Batch`, a prepared

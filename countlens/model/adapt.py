@@ -7,7 +7,9 @@ when it wraps the model.
 - `bidirectional_vision`: a vision tower that declares itself causal made bidirectional, as ViTs are
   trained;
 - `add_missing_output_fields`: output fields a parent's forward reads but transformers does not write
-  (`countlens.model.families.spec.ArchSpec.missing_output_fields`), added as None by a forward hook.
+  (`countlens.model.families.spec.ArchSpec.missing_output_fields`), added as None by a forward hook;
+- `module_of`: the torch module a spec path names (the one door to one outside this package and the
+  engine); `attention_function`: the attention function a module runs under its implementation.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def add_missing_output_fields(hf_model, fields: tuple[tuple[str, str], ...]) -> 
 def module_of(model, module, missing_ok: bool = False):
     """The module a path (from the family spec) names in ``model`` (``""``: the model itself), or the module
     given; with ``missing_ok``, None where the model has no such module. Outside the model layer and the
-    engine, code reaches a torch module only through this."""
+    engine, code reaches a torch module through this (or nnsight's envoy, `VLM.module`), never by
+    `get_submodule`."""
     if not isinstance(module, str):
         return module
     try:

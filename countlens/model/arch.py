@@ -244,6 +244,11 @@ class Arch:
         """Block ``i`` of the vision tower."""
         return f"{self.spec.vision_blocks}.{i}"
 
+    @property
+    def vision_encoder(self) -> str:
+        """The module that holds the vision blocks (a windowed tower's own ordering rule reads it)."""
+        return self.spec.vision_blocks.rsplit(".", 1)[0]
+
     def experts(self, i: int) -> str:
         """Layer ``i``'s experts module (a MoE layer's)."""
         self._check_layer(i)

@@ -5,10 +5,11 @@
 Draws ``n_per_case`` scenes of each position case 1A–4A (size-p circles centred in a cell, on a
 vertical line, on a horizontal line, on an intersection; counts 3–12 cycled by index) on the
 organism's geometry (192 px, 16 px patches, 2×2 merge: 32 px token cells), measures every object's
-effect at the input (site "embed") against both references ("removed": the scene without the
-object; "background": the empty scene) with `countlens.circuits.objects.effects`, and the misses
-table by placement, size and contact with `countlens.analysis.object_misses` (bootstrap over scenes,
-2,000 resamples, seed 0; Wilson for the missed rate). Writes docs/organism/object_placement.json
+effect at the input (site Residual(-1), stored as "embed" in the figures below) against both
+references ("removed": the scene without the object; "background": the empty scene) with
+`countlens.circuits.objects.effects`, and the misses table by placement, size and contact with
+`countlens.analysis.object_misses` (bootstrap over scenes, 2,000 resamples, seed 0; Wilson for the missed rate).
+Writes docs/organism/object_placement.json
 beside this file: per reference the table rows, the accuracy by case (``clean_correct``: the arg-max
 at the read position is the true count's token) and the timings.
 """

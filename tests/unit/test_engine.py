@@ -208,3 +208,13 @@ def test_every_site_kind_has_one_interface_and_says_which_backends_serve_it(orga
         else:
             with pytest.raises(InputError, match="patch it through effect"):
                 record(organism, batch, [site])
+
+
+def test_gradients_read_by_label_and_a_site_before_layer_0_takes_no_metric(organism, batch):
+    from countlens.circuits.sites import VisionBlock
+
+    cache = record(organism, batch, [HeadZ(1, 0)], metric=lambda logits: logits[:, 0])
+    assert torch.equal(cache.grad["L1H0"], cache.grad[HeadZ(1, 0)]) and cache.get("L9H9") is None
+    assert cache.logits.device.type == "cpu" and cache.logits.dtype == torch.float32
+    with pytest.raises(InputError, match="runs before it"):
+        record(organism, batch, [VisionBlock(0)], metric=lambda logits: logits[:, 0])

@@ -12,9 +12,9 @@ from tolerance import assert_close, scale_of
 
 from countlens import circuits
 from countlens.circuits.engine.edits import Edit, cache_run, run_edits
-from countlens.circuits.sites.expert_rules import expert_contribution
 from countlens.circuits.methods.patching import prepare_pairs
 from countlens.circuits.sites import Expert, group_mask
+from countlens.circuits.sites.expert_rules import expert_contribution
 from countlens.datasets.pairs import count_pairs
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError, LayerError

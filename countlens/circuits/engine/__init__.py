@@ -2,12 +2,16 @@
 
 A site (`countlens.circuits.sites`) names a component and says where it lives (its `Location`: a module,
 its input or output, the site's view of that tensor, from the family spec). Everything that touches the
-model goes through here:
+model goes through here (the traced sweeps' recorders, the lenses and LoRA's target list still name
+modules by the spec's paths through `VLM.module` or the spec itself):
 
 - `countlens.circuits.engine.hooks`: the torch-hook backend, the one place a hook is registered.
 - `countlens.circuits.engine.record`: `record` (any sites' values in one forward) and `mean_activation`.
 - `countlens.circuits.engine.freeze`: `frozen(vlm, norms=..., attention=...)`, the one way a method holds
   norms' scales and attention patterns constant (RelP, the attribution graph's local replacement model).
+- `cache` (the `Cache` by site), `writes` (the traced sweeps' writer), `interventions` (`Patch` …
+  `Replace`, `Block`), `run` (`effect`, `intervene`), `edits` and `sweep` (stacked edits, the sweeps'
+  runner), `pair_batch`, `attention` (eager attention), `temperature` (head temperature).
 
 **Two backends, one rule.** nnsight's trace (`countlens.model.vlm.VLM.trace`) is used where a run may be
 remote (NDIF): the sweeps' stacked edits (`countlens.circuits.engine.edits`) write sites there, through

@@ -29,7 +29,7 @@ class Cache(dict):
 
     def __init__(self, values: dict | None = None, grad: dict | None = None, logits: Tensor | None = None):
         super().__init__(values or {})
-        self.grad: dict = dict(grad or {})
+        self.grad: dict = grad if isinstance(grad, Cache) else _Grads(grad or {})
         self.logits = logits  # the read position's logits of the recorded forward, (batch, vocab)
 
     def site(self, key: Site | str) -> Site:
@@ -46,10 +46,13 @@ class Cache(dict):
 
     def __contains__(self, key) -> bool:
         try:
-            self.site(key)
+            site = self.site(key)
         except KeyError:
             return False
-        return super().__contains__(self.site(key))
+        return super().__contains__(site)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
 
     @property
     def labels(self) -> list[str]:
@@ -63,3 +66,12 @@ class Cache(dict):
                 f"no head of layer {layer} was recorded; record HeadZ({layer}, h) for the heads you want stacked"
             )
         return torch.stack([super(Cache, self).__getitem__(s) for s in mine])
+
+
+class _Grads(Cache):
+    """A `Cache`'s gradients: keyed by site, readable by label, with no gradients of their own."""
+
+    def __init__(self, values: dict):
+        dict.__init__(self, values)
+        self.grad = {}
+        self.logits = None

@@ -129,23 +129,28 @@ def _norm_hooks(vlm: VLM, norms) -> list[Hook]:
 def _attention_hooks(vlm: VLM, attention) -> list[Hook]:
     if attention is None:
         return []
-    paths = qk_paths(vlm)
-    if isinstance(attention, Clamp):
+    paths, arch = qk_paths(vlm), vlm.arch
+    if not arch.spec.fused_qkv:
+        if isinstance(attention, Clamp):
 
-        def clamp(value):
-            return lambda y: value.expand(y.shape[0], *value.shape[1:])
+            def clamp(value):
+                return lambda y: value.expand(y.shape[0], *value.shape[1:])
 
-        return [Hook(p, "output", clamp(attention.qk[p])) for p in paths]
-    if not vlm.arch.spec.fused_qkv:
+            return [Hook(p, "output", clamp(attention.qk[p])) for p in paths]
         return [Hook(p, "output", lambda y: y.detach()) for p in paths]
-    arch = vlm.arch
 
-    def fused(layer):  # q, then k, then v columns: q and k detached, v kept
+    def fused(layer):  # q, then k, then v columns: q and k held (detached, or the clean run's), v live
         q = arch.heads(layer) * arch.head_dim(layer)
+        clean = attention.qk[arch.q_proj(layer)] if isinstance(attention, Clamp) else None
 
         def hook(y):
             k = (y.shape[-1] - q) // 2
-            return torch.cat([y[..., : q + k].detach(), y[..., q + k :]], -1)
+            held = (
+                y[..., : q + k].detach()
+                if clean is None
+                else clean[..., : q + k].expand(y.shape[0], *y.shape[1:-1], -1)
+            )
+            return torch.cat([held.to(y.dtype), y[..., q + k :]], -1)
 
         return hook
 

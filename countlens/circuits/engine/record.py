@@ -93,6 +93,12 @@ def record(
     locations = {site: location(vlm, site) for site in dict.fromkeys(sites)}
     if metric is not None and any(loc.io == "weights" for loc in locations.values()):
         raise InputError("record takes no metric with a Pattern: attention weights are read, not differentiated")
+    before = [site for site in locations if not hasattr(site, "layer")]  # a vision block runs before layer 0
+    if metric is not None and before:
+        raise InputError(
+            f"record's metric is differentiated from layer 0's input on; {before[0]} runs before it: record it "
+            "without a metric, or take the gradient at Residual(-1)"
+        )
     frame = Frame.of(batch)
     got: dict = {}
 
@@ -123,12 +129,12 @@ def record(
     def kept(t: Tensor) -> Tensor:
         return t.detach() if on_device else t.detach().float().cpu().clone()
 
-    cache = Cache({site: kept(view) for site, (_, view) in got.items()}, logits=logits.detach())
+    cache = Cache({site: kept(view) for site, (_, view) in got.items()}, logits=kept(logits))
     if grad:
         for site, (t, _) in got.items():
             g = grads[id(t)]
             g = torch.zeros_like(t) if g is None else g
-            cache.grad[site] = kept(locations[site].view(rows_seq(g, frame)))
+            cache.grad[site] = kept(locations[site].view(rows_seq(g, frame)))  # a Cache too: label access
     if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
         for values in cache.values():
             if len(values) == len(batch.samples):  # a vision block's rows are the tower's patches, not samples

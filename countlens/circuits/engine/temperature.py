@@ -98,7 +98,8 @@ def _scaler(heads: dict[int, float], n_heads: int, d_head: int, layout: str):
             return (output.float() * scale[:, None, None]).to(output.dtype)
         raise InputError(
             f"unexpected q shape {tuple(output.shape)} at {module.__class__.__name__} for layout "
-            f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in countlens/model/arch.py"
+            f"{layout!r} ({n_heads} heads of {d_head}); fix q_norm_layout in the family's spec "
+            "(countlens/model/families/)"
         )
 
     return hook

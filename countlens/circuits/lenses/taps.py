@@ -91,7 +91,7 @@ def _grid_map(acts: Tensor, positions: Sequence[Tensor], cells: Sequence[Tensor]
 
 def _window_index(vlm: VLM, grid_thw: Tensor) -> Tensor:
     """The order of merge units inside a windowed tower's blocks, by its family's own rule."""
-    visual = module_of(vlm.hf, vlm.arch.spec.vision_blocks.rsplit(".", 1)[0])
+    visual = module_of(vlm.hf, vlm.arch.vision_encoder)
     return family_of(vlm.arch.spec).window_index(visual, grid_thw)
 
 

@@ -188,8 +188,9 @@ INPUTS: tuple[str, ...] = ("image", "text")
 @dataclass(frozen=True)
 class Embed:
     """The input embeddings of the image tokens (``part`` "image") or of every other token ("text"): the
-    input of layer 0 at those positions (`Residual` −1, split by positions). A cross-attention model's
-    image part is its image states every cross-attention layer reads (`ImageStates` −1)."""
+    input of layer 0 at those positions (`Residual` −1, split by positions; its `location` is that input,
+    whole). A cross-attention model has no image tokens: the edge methods that read this node refuse it,
+    and its image is `ImageStates` −1."""
 
     part: str
     layer: ClassVar[int] = -1

@@ -37,4 +37,4 @@ class VisionBlock:
         blocks = module_of(vlm.hf, vlm.arch.spec.vision_blocks)
         if not 0 <= self.index < len(blocks):
             raise InputError(f"vision block {self.index} out of range 0..{len(blocks) - 1}")
-        return Location(f"{vlm.arch.spec.vision_blocks}.{self.index}", "output", whole)
+        return Location(vlm.arch.vision_block(self.index), "output", whole)
