@@ -218,3 +218,42 @@ def test_gradients_read_by_label_and_a_site_before_layer_0_takes_no_metric(organ
     assert cache.logits.device.type == "cpu" and cache.logits.dtype == torch.float32
     with pytest.raises(InputError, match="runs before it"):
         record(organism, batch, [VisionBlock(0)], metric=lambda logits: logits[:, 0])
+
+
+def test_frozen_holds_a_fused_qkv_projections_q_and_k_only(loaded):
+    """Phi-4's one qkv projection: detached or clamped, q and k are held and v stays live; the forward is
+    the model's own either way."""
+    from tiny_models import TINY_IMAGE_SIZE
+
+    from countlens.datasets.tasks import task_samples
+
+    vlm = loaded("phi4_multimodal")
+    samples = task_samples("count", 2, seed=1, image_size=TINY_IMAGE_SIZE["phi4_multimodal"][0])
+    batch = vlm.prepare_samples(samples)
+    hf = vlm.hf
+    with torch.no_grad():
+        plain = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits.float()
+        clamp = Clamp()
+        with hooked(hf, clamp.hooks(vlm)):
+            hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+        clamp.close(vlm)
+        for attention in ("detach", clamp):
+            with frozen(vlm, attention=attention):
+                held = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits.float()
+            assert_close(held, plain, what=f"a fused model's logits with attention held ({attention!r:.20})")
+    got = {}
+
+    def leaf(x):
+        got["x"] = x.detach().requires_grad_(True)
+        return got["x"]
+
+    probes = [Hook(vlm.arch.layer(0), "input", leaf), Hook(vlm.arch.q_proj(0), "output", lambda y: got.update(y=y))]
+    with torch.enable_grad(), frozen(vlm, attention="detach"), hooked(hf, probes):
+        hf(**batch.inputs, use_cache=False, logits_to_keep=1)
+        qk = vlm.arch.heads(0) * vlm.arch.head_dim(0)
+        qk += (got["y"].shape[-1] - qk) // 2
+        held, live = got["y"][..., :qk].sum(), got["y"][..., qk:].sum()
+        (g_held,) = torch.autograd.grad(held, got["x"], retain_graph=True, allow_unused=True)
+        (g_live,) = torch.autograd.grad(live, got["x"])
+    assert g_held is None or float(g_held.abs().sum()) == 0  # q and k carry no gradient
+    assert float(g_live.abs().sum()) > 0  # v still does
