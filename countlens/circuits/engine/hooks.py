@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from countlens.circuits.sites import first_arg, first_output, replace_first
 from countlens.model.adapt import module_of
 
 Kind = Literal["input", "output", "weights", "before", "after"]
-KINDS: tuple[str, ...] = ("input", "output", "weights", "before", "after")
+KINDS: tuple[str, ...] = get_args(Kind)
 
 
 class Hook(NamedTuple):

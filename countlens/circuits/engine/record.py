@@ -122,9 +122,8 @@ def record(
         logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1]
         if grad:
             total = metric(logits.float()).sum()
-            whole = list(dict.fromkeys(id(t) for t, _ in got.values()))
-            tensors = {id(t): t for t, _ in got.values()}
-            grads = dict(zip(whole, torch.autograd.grad(total, [tensors[i] for i in whole], allow_unused=True)))
+            tensors = {id(t): t for t, _ in got.values()}  # each module tensor once, however many sites view it
+            grads = dict(zip(tensors, torch.autograd.grad(total, list(tensors.values()), allow_unused=True)))
 
     def kept(t: Tensor) -> Tensor:
         return t.detach() if on_device else t.detach().float().cpu().clone()

@@ -100,7 +100,7 @@ def object_site(vlm: VLM, site) -> Residual:
     if isinstance(site, Embed) and site.part == "image":
         site = Residual(-1)
     if not isinstance(site, Residual):
-        said = {"embed": "Residual(-1) (or Embed('image'))"}.get(site) if isinstance(site, str) else None
+        said = "Residual(-1) (or Embed('image'))" if isinstance(site, str) and site == "embed" else None
         if isinstance(site, (int, np.integer)) and not isinstance(site, bool):
             said = f"Residual({int(site)})"
         raise InputError(
