@@ -19,6 +19,7 @@ Every function takes a `countlens.VLM` and prepared data (pairs or samples) and 
 xarray results; module paths come from the family spec (`countlens.model`) only.
 """
 
+from countlens.circuits.engine import metrics
 from countlens.circuits.engine.attention import eager_attention, image_attention_share, last_token_attention
 from countlens.circuits.engine.interventions import (
     Add,
@@ -32,6 +33,8 @@ from countlens.circuits.engine.interventions import (
     Scale,
     Zero,
 )
+from countlens.circuits.engine.metrics import Metric
+from countlens.circuits.engine.pair_batch import prepare_pairs, tolerate_noise
 from countlens.circuits.engine.record import mean_activation, record
 from countlens.circuits.engine.run import effect, intervene, mean_difference
 from countlens.circuits.engine.temperature import beta_from_importance, head_temperature
@@ -59,6 +62,7 @@ from countlens.circuits.sites import Expert, HeadZ, ImageStates, K, MlpIn, MlpOu
 from countlens.circuits.sites.positions import Cells, Group, Mask, Objects
 
 __all__ = [
+    "metrics",
     "Add",
     "Apply",
     "Block",
@@ -72,6 +76,7 @@ __all__ = [
     "K",
     "Mask",
     "Mean",
+    "Metric",
     "MlpIn",
     "MlpOut",
     "Objects",
@@ -116,8 +121,10 @@ __all__ = [
     "patch_experts",
     "patch_heads",
     "patch_layers",
+    "prepare_pairs",
     "record",
     "routing",
     "tap",
+    "tolerate_noise",
     "top_heads",
 ]

@@ -11,7 +11,9 @@ the corrupt answer's there.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +39,8 @@ class PairBatch:
     corrupt: Batch
     clean_id: Int[Tensor, " pairs"]  # a leading space: one named dim (jaxtyping's spelling that linters accept)
     corrupt_id: Int[Tensor, " pairs"]
+    forced: list = field(default_factory=list)  # each pair's shared answer prefix (token ids), teacher-forced
+    clean_logits: Tensor | None = None  # the clean run's logits at the read positions, for a metric that reads them
 
 
 def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
@@ -110,7 +114,8 @@ def batch_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
                 f"vs {p.corrupt.question!r}); patching measures what the image changes, so each pair "
                 "must share its question: build both sides with one prompt (count_pairs does)"
             )
-    return PairBatch(clean, corrupt, torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split]))
+    clean_id, corrupt_id = torch.tensor([c for _, c, _ in split]), torch.tensor([d for _, _, d in split])
+    return PairBatch(clean, corrupt, clean_id, corrupt_id, forced=[list(f) for f in forced])
 
 
 def logit_diff(
@@ -121,17 +126,55 @@ def logit_diff(
     return logits[rows, clean_id.to(logits.device)] - logits[rows, corrupt_id.to(logits.device)]
 
 
-def normaliser(clean_sum: float, corrupt_sum: float) -> float:
-    """Σ LD_corrupt − Σ LD_clean, the denominator of every patching effect; refused where it is zero or
-    not finite (the pairs' two sides read alike, or a logit overflowed), so no effect is NaN or ±inf."""
+#: The noise rule's k: a normaliser Σ (M_corrupt − M_clean) smaller in magnitude than k standard errors of
+#: that sum (√n · the per-pair differences' standard deviation) is noise, not a denominator.
+NOISE_K = 2.0
+
+_TOLERATE_NOISE: ContextVar[bool] = ContextVar("tolerate_noise", default=False)
+
+
+@contextmanager
+def tolerate_noise():
+    """Inside, a normaliser below the noise rule is marked in the result (``attrs["normaliser_noisy"]``)
+    instead of refused: what a report does, where one noisy stage should not stop the others."""
+    token = _TOLERATE_NOISE.set(True)
+    try:
+        yield
+    finally:
+        _TOLERATE_NOISE.reset(token)
+
+
+def normaliser(clean_sum: float, corrupt_sum: float, differences=None, metric: str = "logit_diff") -> float:
+    """Σ M_corrupt − Σ M_clean, the denominator of every patching effect. Refused where it is zero or not
+    finite (the pairs' two sides read alike, or a logit overflowed), and, given each pair's difference
+    M_corrupt − M_clean (``differences``, two pairs or more), where its magnitude is below `NOISE_K`
+    standard errors of the sum: the pairs' sides then differ by less than their own noise, and every effect
+    would divide by noise (under `tolerate_noise`, `normaliser_stats` marks it instead)."""
     denom = float(corrupt_sum) - float(clean_sum)
     if not np.isfinite(denom) or denom == 0:
         raise InputError(
-            f"the pairs' corrupt and clean runs give the same summed logit difference (Σ LD_corrupt − Σ LD_clean "
+            f"the pairs' corrupt and clean runs give the same summed {metric} (Σ M_corrupt − Σ M_clean "
             f"= {denom}), so no effect can be normalised: the model reads the two sides of these pairs alike. "
             "Give pairs the model tells apart (e.g. counts further apart), or more pairs"
         )
+    stats = normaliser_stats(denom, differences)
+    if stats["normaliser_noisy"] and not _TOLERATE_NOISE.get():
+        raise InputError(
+            f"the normaliser Σ (M_corrupt − M_clean) of {metric} is {denom:.4g}, within {NOISE_K:g} standard "
+            f"errors ({stats['normaliser_se']:.4g} each) of zero over {len(differences)} pairs: the two sides "
+            "differ by less than the pairs' own noise, so every effect would be noise divided by noise. Give "
+            "more pairs, pairs the model tells apart (counts further apart), or a model that reads the counts"
+        )
     return denom
+
+
+def normaliser_stats(denom: float, differences=None) -> dict:
+    """The normaliser, the standard error of that sum from the per-pair ``differences`` (NaN under two
+    pairs: no noise estimate), and whether it is below the noise rule: attrs for a result."""
+    d = np.asarray([] if differences is None else differences, dtype=np.float64).ravel()
+    se = float(np.std(d, ddof=1) * np.sqrt(len(d))) if len(d) >= 2 else float("nan")
+    noisy = bool(np.isfinite(se) and abs(denom) < NOISE_K * se)
+    return {"normaliser": float(denom), "normaliser_se": se, "normaliser_noisy": int(noisy)}
 
 
 def pairs_provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from itertools import product
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,7 @@ from torch import Tensor
 from countlens.circuits.engine.edits import Edit
 from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.engine.interventions import Block, Intervention, Patch, Replace, as_interventions
+from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for
 from countlens.circuits.engine.pair_batch import PairBatch
 from countlens.circuits.engine.record import location, mean_activation, record, require_local, rows_seq
 from countlens.circuits.engine.sweep import check_pair_sweep, pairs_store, sweep_pairs
@@ -265,9 +267,11 @@ def effect_grid(
     store=None,
     progress: bool = False,
     shard=None,
+    metric: Metric | None = None,
 ) -> xr.Dataset:
     """The effect of each set of interventions (None: no site, NaN), laid out on the ``coords`` grid in
-    order; the engine of `effect` and of the patching sweeps (`countlens.circuits.engine.sweep.sweep_pairs`)."""
+    order, under ``metric`` (bound; None: the logit difference); the engine of `effect` and of the patching
+    sweeps (`countlens.circuits.engine.sweep.sweep_pairs`)."""
     live = [items for items in sets if items is not None]
     experts = any(isinstance(i.site, Expert) for items in live for i in items)
     recorded = [i.site for items in live for i in items if _from_corrupt(i) and not isinstance(i.site, CACHED)]
@@ -281,37 +285,53 @@ def effect_grid(
         donors = record(vlm, pb.corrupt, recorded) if recorded else {}
         return [None if items is None else [lower(vlm, i, frame, donors, masks) for i in items] for items in sets]
 
-    return sweep_pairs(vlm, pairs, make_edits, coords, batch_size, store, progress, shard, experts=experts)
+    return sweep_pairs(
+        vlm, pairs, make_edits, coords, batch_size, store, progress, shard, experts=experts, metric=metric
+    )
 
 
 def effect_sweep(
-    vlm: VLM, pairs: Sequence, sets, coords: dict, sweep: str, spec: dict, batch_size: int, store, progress, shard
+    vlm: VLM,
+    pairs: Sequence,
+    sets,
+    coords: dict,
+    sweep: str,
+    spec: dict,
+    batch_size: int,
+    store,
+    progress,
+    shard,
+    metric: Metric | None = None,
 ) -> xr.Dataset:
     """`effect_grid` of a named sweep that may be stored: the store's spec is the sweep's name, the model,
-    ``spec`` (whatever else fixes its results) and the pairs' count and batch size, with a digest of the pairs."""
-    full = {"sweep": sweep, "model": vlm.name, **spec, "pairs": len(pairs), "batch_size": batch_size}
-    return effect_grid(vlm, pairs, sets, coords, batch_size, pairs_store(store, full, pairs), progress, shard)
+    ``spec`` (whatever else fixes its results), the metric and the pairs' count and batch size, with a
+    digest of the pairs."""
+    metric = logit_diff() if metric is None else metric
+    full = {"sweep": sweep, "model": vlm.name, **spec, "metric": metric.provenance()}
+    full.update(pairs=len(pairs), batch_size=batch_size)
+    store = pairs_store(store, full, pairs)
+    return effect_grid(vlm, pairs, sets, coords, batch_size, store, progress, shard, metric)
 
 
-def effect(vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progress: bool = False) -> xr.Dataset:
-    """The interventions' effect on each pair's clean run: ``effect`` and ``overwrite`` (scalars), per pair
-    ``logit_diff`` / ``to_corrupt`` beside the clean and corrupt runs'; a `Patch` copies the corrupt run.
-    ``interventions``: one, a list (applied together), or {label: list} (a grid over ``intervention``)."""
+def effect(
+    vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progress: bool = False, metric=None
+) -> xr.Dataset:
+    """The interventions' effect on each pair's clean run under ``metric`` (`countlens.circuits.metrics`;
+    default the logit difference): ``effect`` and ``overwrite``, per pair the metric (named after it, e.g.
+    ``logit_diff``) and ``to_corrupt`` beside the clean and corrupt runs'; a `Patch` copies the corrupt run.
+
+    ``interventions``: one, a list (applied together), or a grid of sets:
+
+    - {label: list}: a grid over one ``intervention`` dim;
+    - {dim: {coord: list}} or {(dim, dim, ...): {(coord, coord, ...): list}}: a grid over those named
+      dims, e.g. ``{("layer", "alpha"): {(l, a): [Add(Residual(l), v, alpha=a)] ...}}``; a cell left out
+      is NaN;
+    - an ``xr.DataArray`` of sets (object dtype): its dims and coords."""
     require_vlm(vlm, "effect")
     check_pair_sweep(pairs, batch_size, "effect")
-    grid = dict(interventions) if isinstance(interventions, Mapping) else None
-    if grid is not None and not grid:
-        raise InputError("give at least one set of interventions in the mapping")
-    labels: dict = {}
-    for key in grid or {"": None}:
-        if str(key) in labels:
-            raise InputError(
-                f"the labels {labels[str(key)]!r} and {key!r} of the mapping are both {str(key)!r} on the "
-                "intervention dim, so one set would hide the other; give each set a distinct label"
-            )
-        labels[str(key)] = key
-    sets = {str(k): as_interventions(vlm, v) for k, v in (grid or {"": interventions}).items()}
-    for items in sets.values():
+    coords, cells = _grid(interventions)
+    sets = [None if cell is None else as_interventions(vlm, cell) for cell in cells]
+    for items in (s for s in sets if s is not None):
         for item in items:
             if isinstance(item, (Replace, Block)):
                 raise InputError(
@@ -319,7 +339,56 @@ def effect(vlm: VLM, pairs: Sequence, interventions, batch_size: int = 16, progr
                     "value or a donor's): with intervene(vlm, [...]): compare vlm.forward(batch) or score(vlm, ...)"
                 )
             item.check_samples(pairs)
-    resolved = [[item.resolved(vlm) for item in items] for items in sets.values()]
-    ds = effect_grid(vlm, pairs, resolved, {"intervention": list(sets)}, batch_size, progress=progress)
-    ds.attrs.update(method="effect", interventions=json.dumps({k: [repr(i) for i in v] for k, v in sets.items()}))
-    return ds if grid is not None else ds.isel(intervention=0, drop=True)
+    metric = metric_for(vlm, pairs, metric, "effect")
+    resolved = [None if items is None else [item.resolved(vlm) for item in items] for items in sets]
+    grid = coords or {"intervention": [""]}
+    ds = effect_grid(vlm, pairs, resolved, grid, batch_size, progress=progress, metric=metric)
+    shown = {" ".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in _labelled(coords, sets)}
+    ds.attrs.update(method="effect", interventions=json.dumps(shown))
+    return ds if coords else ds.isel(intervention=0, drop=True)
+
+
+def _labelled(coords: dict, sets: list) -> list:
+    """(cell label, [repr of each intervention]) of every set of a grid, in order; a scalar's label is ""."""
+    cells = list(product(*coords.values())) if coords else [("",)]
+    return [(c[0] if len(c) == 1 else c, [repr(i) for i in s]) for c, s in zip(cells, sets) if s is not None]
+
+
+def _grid(interventions) -> tuple[dict, list]:
+    """(coords, cells in C order) of ``interventions``: {} and one cell for a set; a grid's dims otherwise
+    (a cell that a mapping leaves out is None: NaN)."""
+    if isinstance(interventions, xr.DataArray):
+        if interventions.dtype != object:
+            raise InputError("an xr.DataArray of interventions holds sets of them (dtype object), one per cell")
+        coords = {d: [v.item() for v in interventions[d].values] for d in interventions.dims}
+        return coords, list(interventions.values.ravel())
+    if not isinstance(interventions, Mapping):
+        return {}, [interventions]
+    grid = dict(interventions)
+    if not grid:
+        raise InputError("give at least one set of interventions in the mapping")
+    named = len(grid) == 1 and isinstance(next(iter(grid.values())), Mapping)
+    if not named:  # {label: set}: one `intervention` dim
+        labels: dict = {}
+        for key in grid:
+            if str(key) in labels:
+                raise InputError(
+                    f"the labels {labels[str(key)]!r} and {key!r} of the mapping are both {str(key)!r} on the "
+                    "intervention dim, so one set would hide the other; give each set a distinct label"
+                )
+            labels[str(key)] = key
+        return {"intervention": list(labels)}, list(grid.values())
+    ((dims, cells),) = grid.items()
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    if not dims or not all(isinstance(d, str) and d.isidentifier() for d in dims) or len(set(dims)) < len(dims):
+        raise InputError(f"a named grid's dims {dims!r} must be distinct names, e.g. ('layer', 'alpha')")
+    keyed = {}
+    for key, cell in cells.items():
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) != len(dims):
+            raise InputError(f"the grid cell {key!r} has {len(key)} coords for the dims {dims}; give one per dim")
+        keyed[key] = cell
+    if not keyed:
+        raise InputError(f"the grid over {dims} has no cells; give at least one set of interventions")
+    coords = {d: list(dict.fromkeys(k[i] for k in keyed)) for i, d in enumerate(dims)}
+    return coords, [keyed.get(c) for c in product(*coords.values())]

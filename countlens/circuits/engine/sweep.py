@@ -20,6 +20,7 @@ function's door (`check_pair_sweep`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -29,7 +30,8 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.circuits.engine.edits import Edit, cache_run, run_edits
-from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, logit_diff, normaliser, pairs_provenance
+from countlens.circuits.engine.metrics import Metric, logit_diff
+from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, normaliser, normaliser_stats, pairs_provenance
 from countlens.distributed import Shard
 from countlens.model.vlm import check_pairs
 from countlens.progress import track
@@ -98,9 +100,11 @@ def sweep_pairs(
     progress: bool,
     shard: Shard | None = None,
     experts: bool = False,
+    metric: Metric | None = None,
 ) -> xr.Dataset:
     """Run ``make_edits(pair_batch)`` (one edit per site of the ``coords`` grid, in order; None for a
-    slot that is no site: NaN there) over chunks of pairs; per-pair logit diffs (site…, pair).
+    slot that is no site: NaN there) over chunks of pairs; per-pair values of ``metric`` (a bound `Metric`;
+    None: the logit difference) on the grid (site…, pair).
     ``experts``: the corrupt cache records the MoE layers' experts inputs (expert edits copy from them).
     Sharded (`countlens.distributed`): this rank's chunks, then every rank's, read from the store.
 
@@ -108,30 +112,36 @@ def sweep_pairs(
     door (`check_pair_sweep`); here the chunks are named, run or read back (`run_chunks`: store, shards,
     resume), summarised and given their provenance. Each chunk is `patched_chunk`'s pure function."""
     shard = distributed.resolve(shard, store, "this patching sweep")
+    metric = logit_diff() if metric is None else metric
     chunks = {
         f"pairs_{start:06d}_{min(start + batch_size, len(pairs)):06d}": (start, pairs[start : start + batch_size])
         for start in range(0, len(pairs), batch_size)
     }
-    compute = patched_chunk(vlm, make_edits, coords, experts)
+    compute = patched_chunk(vlm, make_edits, coords, experts, metric)
     parts = run_chunks(chunks, compute, store, shard, f"patching {len(pairs)} pairs" if progress else None)
     ds = xr.concat(parts, dim="pair", data_vars="minimal")
     dims = tuple(coords)
-    ld, clean_ld, corrupt_ld = (
-        torch.from_numpy(ds[v].values) for v in ("logit_diff", "clean_logit_diff", "corrupt_logit_diff")
-    )
-    effect, overwrite = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld)
+    name = metric.name
+    ld, clean_ld, corrupt_ld = (torch.from_numpy(ds[v].values) for v in (name, f"clean_{name}", f"corrupt_{name}"))
+    effect, overwrite, stats = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld, name)
     overwrite = overwrite.masked_fill(effect.isnan(), float("nan"))  # no site: no overwrite either
     ds["effect"] = (dims, effect.numpy())
     ds["overwrite"] = (dims, overwrite.numpy())
-    ds.attrs.update(pairs_provenance(vlm, pairs))
+    ds.attrs.update(pairs_provenance(vlm, pairs, metric=metric.provenance(), **stats))
     return ds
 
 
 def patched_chunk(
-    vlm: VLM, make_edits: Callable[[PairBatch], Sequence[Edit | None]], coords: dict, experts: bool
+    vlm: VLM,
+    make_edits: Callable[[PairBatch], Sequence[Edit | None]],
+    coords: dict,
+    experts: bool,
+    metric: Metric | None = None,
 ) -> Callable[[tuple[int, Sequence]], xr.Dataset]:
     """One chunk of a patching sweep as a pure function: (first pair's index, the chunk's pairs) → its
-    per-pair logit diffs on the ``coords`` grid (corrupt run recorded, one edit per site on the clean batch)."""
+    per-pair ``metric`` values (a bound `Metric`; None: the logit difference) on the ``coords`` grid
+    (corrupt run recorded, one edit per site on the clean batch)."""
+    metric = logit_diff() if metric is None else metric
     shape = tuple(len(v) for v in coords.values())
     dims = tuple(coords)
 
@@ -141,12 +151,13 @@ def patched_chunk(
         edits = make_edits(pb)  # before any forward: positions that a sample lacks are refused here
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers), experts=experts)
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
+        pb = replace(pb, clean_logits=clean) if metric.reads_clean else pb
 
-        # Per replica only (LD, arg-max is the corrupt answer): the full logits of an L×H sweep would be
-        # L·H·pairs·vocab floats (28·28·16·152k ≈ 7.6 GB at 7B).
+        # Per replica only (the metric, arg-max is the corrupt answer): the full logits of an L×H sweep would
+        # be L·H·pairs·vocab floats (28·28·16·152k ≈ 7.6 GB at 7B).
         def read(rows: Tensor) -> Tensor:
             to_corrupt = (rows.argmax(-1) == pb.corrupt_id.to(rows.device)).float()
-            return torch.stack([logit_diff(rows, pb.clean_id, pb.corrupt_id), to_corrupt])
+            return torch.stack([metric(rows, pb).float(), to_corrupt])
 
         live = [i for i, e in enumerate(edits) if e is not None]  # None: a slot with no site (NaN)
         ran = run_edits(vlm, pb.clean, cache, [edits[i] for i in live], reduce=read)
@@ -154,12 +165,13 @@ def patched_chunk(
         out[live] = ran
         ld, pred = out[:, 0].contiguous(), out[:, 1] == 1
         pair = np.arange(start, start + len(chunk))
+        name = metric.name
         return xr.Dataset(
             {
-                "logit_diff": (dims + ("pair",), ld.view(*shape, len(chunk)).numpy()),
+                name: (dims + ("pair",), ld.view(*shape, len(chunk)).numpy()),
                 "to_corrupt": (dims + ("pair",), pred.view(*shape, len(chunk)).numpy()),
-                "clean_logit_diff": ("pair", logit_diff(clean.cpu(), pb.clean_id, pb.corrupt_id).numpy()),
-                "corrupt_logit_diff": ("pair", logit_diff(cache["logits"].cpu(), pb.clean_id, pb.corrupt_id).numpy()),
+                f"clean_{name}": ("pair", metric(clean.cpu(), _on_cpu(pb)).numpy()),
+                f"corrupt_{name}": ("pair", metric(cache["logits"].cpu(), _on_cpu(pb)).numpy()),
                 "clean_correct": ("pair", (clean.argmax(-1).cpu() == pb.clean_id).numpy()),
             },
             coords={**coords, "pair": pair},
@@ -175,8 +187,16 @@ def pairs_store(store, spec: dict, pairs: Sequence) -> SweepStore | None:
     )
 
 
-def _summarise(patched_ld: Tensor, pred_corrupt: Tensor, clean_ld: Tensor, corrupt_ld: Tensor) -> tuple:
-    """Per site (effect, overwrite rate) from per-pair (site…, pair) logit diffs and corrupt predictions."""
-    denom = normaliser(float(clean_ld.sum()), float(corrupt_ld.sum()))
-    effect = (patched_ld.sum(-1) - clean_ld.sum()) / denom
-    return effect, pred_corrupt.float().mean(-1)
+def _on_cpu(pb: PairBatch) -> PairBatch:
+    """``pb`` with the clean logits (if any) on the CPU, where a chunk's summary values are read."""
+    return pb if pb.clean_logits is None else replace(pb, clean_logits=pb.clean_logits.cpu())
+
+
+def _summarise(
+    patched: Tensor, pred_corrupt: Tensor, clean: Tensor, corrupt: Tensor, metric: str = "logit_diff"
+) -> tuple:
+    """Per site (effect, overwrite rate) from per-pair (site…, pair) metric values and corrupt predictions,
+    and the normaliser's attrs (`normaliser_stats`)."""
+    denom = normaliser(float(clean.sum()), float(corrupt.sum()), (corrupt - clean).numpy(), metric)
+    effect = (patched.sum(-1) - clean.sum()) / denom
+    return effect, pred_corrupt.float().mean(-1), normaliser_stats(denom, (corrupt - clean).numpy())

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from countlens.circuits.engine.edits import Edit, cache_run, run_edits
 from countlens.circuits.engine.interventions import Patch
+from countlens.circuits.engine.metrics import metric_for
 from countlens.circuits.engine.run import effect_sweep
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.methods.ablation import ABLATION_GROUPS, gold_scores, group_masks, group_values, joint_ablation
@@ -137,12 +138,14 @@ def patch_experts(
     store=None,
     progress: bool = False,
     shard: Shard | None = None,
+    metric=None,
 ) -> xr.Dataset:
     """Expert patching: each expert's contribution at ``positions`` copied from the corrupt run into
     the clean run, one (layer, expert) at a time; ``effect`` / ``overwrite`` over (layer, expert), per
     pair ``logit_diff`` over (layer, expert, pair), as `countlens.circuits.methods.patching.patch_heads`."""
     require_vlm(vlm, "patch_experts")
     check_pair_sweep(pairs, batch_size, "patch_experts")
+    metric = metric_for(vlm, pairs, metric, "patch_experts")
     check_group(positions)
     layers = _layers(vlm, layers, "patch_experts")
     experts = list(range(vlm.arch.n_experts))
@@ -151,7 +154,7 @@ def patch_experts(
 
     spec = {"layers": layers, "positions": positions}
     coords = {"layer": layers, "expert": experts}
-    ds = effect_sweep(vlm, pairs, sets, coords, "patch_experts", spec, batch_size, store, progress, shard)
+    ds = effect_sweep(vlm, pairs, sets, coords, "patch_experts", spec, batch_size, store, progress, shard, metric)
     ds.attrs.update(method="patch_experts", positions=positions)
     return ds
 

@@ -44,6 +44,7 @@ import xarray as xr
 from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.interventions import Patch
+from countlens.circuits.engine.metrics import metric_for
 from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.run import effect_sweep
 from countlens.circuits.engine.sweep import check_pair_sweep
@@ -81,6 +82,7 @@ def patch_layers(
     store=None,
     progress: bool = False,
     shard: Shard | None = None,
+    metric=None,
 ) -> xr.Dataset:
     """Visual activation patching: xr.Dataset with ``effect`` and ``overwrite`` over (layer, group)
     and per-pair ``logit_diff`` / ``to_corrupt`` over (layer, group, pair). Layers default to −1
@@ -93,6 +95,7 @@ def patch_layers(
     alone reads. Self-attention layers read no image states: NaN effect there."""
     require_vlm(vlm, "patch_layers")
     check_pair_sweep(pairs, batch_size, "patch_layers")
+    metric = metric_for(vlm, pairs, metric, "patch_layers")
     layers = require_layers(vlm, layers, "patch_layers", embeddings=True) or list(range(-1, vlm.arch.n_layers))
     groups = (image_group(vlm), "last", "text") if groups is None else tuple(groups)
     for layer in layers:
@@ -124,11 +127,11 @@ def patch_layers(
 
     coords = {"layer": layers, "group": list(groups)}
     spec = {"layers": layers, "groups": list(groups)}
-    ds = effect_sweep(vlm, pairs, sets, coords, "patch_layers", spec, batch_size, store, progress, shard)
+    ds = effect_sweep(vlm, pairs, sets, coords, "patch_layers", spec, batch_size, store, progress, shard, metric)
     if STATES in groups:
         unread = xr.DataArray([layer not in reads_states for layer in layers], coords={"layer": layers})
         here = unread & (ds.group == STATES)
-        for name in ("effect", "overwrite", "logit_diff"):
+        for name in ("effect", "overwrite", metric.name):
             ds[name] = ds[name].where(~here)
     ds.attrs["method"] = "patch_layers"
     return ds
@@ -143,12 +146,14 @@ def patch_heads(
     store=None,
     progress: bool = False,
     shard: Shard | None = None,
+    metric=None,
 ) -> xr.Dataset:
     """Head patching of z: ``effect`` / ``overwrite`` over (layer, head); per pair over (layer, head, pair).
     ``positions``: the token group whose z is patched ("all", "image", "last" or "text"). Every layer
     kind's heads (`countlens.model.arch.LayerKind`: the ``kind`` coordinate); NaN beyond a layer's own heads."""
     require_vlm(vlm, "patch_heads")
     check_pair_sweep(pairs, batch_size, "patch_heads")
+    metric = metric_for(vlm, pairs, metric, "patch_heads")
     check_group(positions)  # before the store's spec.json is written
     layers = require_layers(vlm, layers, "patch_heads") or list(range(vlm.arch.n_layers))
     for layer in layers:
@@ -165,7 +170,7 @@ def patch_heads(
 
     spec = {"layers": layers, "positions": positions}
     coords = {"layer": layers, "head": heads}
-    ds = effect_sweep(vlm, pairs, sets, coords, "patch_heads", spec, batch_size, store, progress, shard)
+    ds = effect_sweep(vlm, pairs, sets, coords, "patch_heads", spec, batch_size, store, progress, shard, metric)
     # Each layer's kind: full, sliding or chunked self-attention, linear attention, or cross-attention.
     ds = ds.assign_coords(kind=("layer", [vlm.arch.kind(layer) for layer in layers]))
     ds.attrs.update(method="patch_heads", positions=positions)

@@ -1,0 +1,260 @@
+"""What a patching number measures: a metric of each pair's logits at its read position.
+
+Every effect, grid, faithfulness curve and attribution in countlens reads a pair's run through one
+scalar per pair, the **metric** M. The patching effect of an edit is then
+
+    effect = (Σ M_edited − Σ M_clean) / (Σ M_corrupt − Σ M_clean)
+
+over the pairs: 0 where the edit changes nothing, 1 where it moves the clean run as far as the
+corrupt run is. A pair is read at one position: after the prompt and the two answers' shared prefix
+(`countlens.model.answers.divergence`), where the clean and corrupt answers' tokens first differ
+(`PairBatch.clean_id`, `PairBatch.corrupt_id`). A metric maps that position's logits ``(pairs, vocab)``
+and the `PairBatch` to ``(pairs,)``.
+
+Built in (each a `Metric`, by name or called with its parameters):
+
+- ``logit_diff()`` — the clean answer's logit minus the corrupt answer's (the default). Linear in the
+  logits.
+- ``log_prob(answer="clean")`` — the log-probability of the clean (or corrupt) answer's token there,
+  given the shared prefix.
+- ``prob_mass(answers)`` — the probability that the next token begins one of ``answers`` (strings,
+  e.g. the counts ≥ 5), given the pair's shared prefix. An answer of several tokens counts by its token
+  after that prefix; answers the prefix rules out count zero. *countlens defines this* (the papers use the
+  logit difference only): it is the answers' exact probability mass where each such token begins answers
+  of the set only, which is checked against every count 0–20 and refused otherwise.
+- ``kl()`` — KL(p_clean ‖ p_edited) over the vocabulary at the read position: 0 on the clean run.
+
+Any callable ``f(logits, pair_batch) -> (pairs,)`` is a metric too (its ``__name__`` names it; wrap it in
+`Metric` for a name, parameters or its properties). A metric's name and parameters go into every
+result's provenance (``attrs["metric"]``). Two properties gate the methods that rely on them:
+``linear`` (RelP's relevance is conserved only for a metric linear in the logits) and ``stationary``
+(a metric whose gradient vanishes at the clean run, like KL from it, gives a first-order method such as
+AtP nothing but zeros).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import Tensor
+
+from countlens.circuits.engine.pair_batch import batch_pairs
+from countlens.circuits.engine.pair_batch import logit_diff as pair_logit_diff
+from countlens.errors import InputError
+from countlens.model.adapt import module_of
+from countlens.model.answers import CHECKED_COUNTS
+
+if TYPE_CHECKING:
+    from jaxtyping import Float
+
+    from countlens.circuits.engine.pair_batch import PairBatch
+    from countlens.model.vlm import VLM
+
+#: Names a metric cannot take: a result's other variables (the per-pair values are named after the metric).
+RESERVED = ("effect", "overwrite", "to_corrupt", "clean_correct", "pair")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A scalar per pair from its read position's logits: ``fn(logits, pair_batch) -> (pairs,)``.
+
+    ``name`` names the result's per-pair variables (``logit_diff``, ``clean_logit_diff``, …);
+    ``params`` (JSON-able) go into provenance with it. ``linear``: linear in the logits. ``stationary``:
+    its gradient is zero at the clean run. ``reads_clean``: it reads ``pair_batch.clean_logits``."""
+
+    name: str
+    fn: Callable[[Tensor, PairBatch], Tensor] = field(repr=False, compare=False)
+    params: Mapping = field(default_factory=dict)
+    linear: bool = False
+    stationary: bool = False
+    reads_clean: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name in RESERVED:
+            raise InputError(
+                f"metric name {self.name!r} must be a Python identifier other than {', '.join(RESERVED)} "
+                "(it names the result's per-pair variables); give Metric(name=...)"
+            )
+        if not callable(self.fn):
+            raise InputError(f"metric {self.name!r}: fn must be a callable (logits, pair_batch) -> (pairs,)")
+        try:
+            json.dumps(dict(self.params))
+        except (TypeError, ValueError) as e:
+            raise InputError(f"metric {self.name!r}: its params must be JSON data for provenance ({e})") from None
+
+    def bind(self, vlm: VLM) -> Metric:
+        """This metric for ``vlm`` (a built-in that reads the tokenizer binds here); most return themselves."""
+        return self
+
+    def __call__(self, logits: Float[Tensor, "pairs vocab"], pb: PairBatch) -> Float[Tensor, " pairs"]:
+        """The metric per pair, checked: one finite value per pair, else an error naming the metric."""
+        out = self.fn(logits, pb)
+        n = len(logits)
+        if not isinstance(out, Tensor) or tuple(out.shape) != (n,):
+            shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise InputError(
+                f"metric {self.name!r} returned {shape} for {n} pairs; a metric gives one value per pair, "
+                "a tensor shaped (pairs,)"
+            )
+        bad = ~torch.isfinite(out)
+        if bool(bad.any()):
+            k = int(bad.nonzero()[0, 0])
+            raise InputError(
+                f"metric {self.name!r} gave {float(out[k])} for pair {k}; a metric must be finite on every pair "
+                "(a log of a zero probability? clamp it, or read log-probabilities with log_softmax)"
+            )
+        return out
+
+    def probe(self, vlm: VLM, pb: PairBatch) -> None:
+        """Refuse a metric that gives the wrong shape or a non-finite value, on uniform logits, before any
+        forward (a broken metric is refused before the model runs, not after a sweep)."""
+        vocab = module_of(vlm.hf, vlm.arch.lm_head).weight.shape[0]
+        zeros = torch.zeros(len(pb.clean_id), vocab)
+        self(zeros, replace(pb, clean_logits=zeros) if self.reads_clean else pb)
+
+    def require(self, method: str, *, linear: bool = False, moving: bool = False) -> None:
+        """Refuse this metric for ``method`` if the method needs a ``linear`` metric, or one that is not
+        ``stationary`` at the clean run (``moving``: a first-order estimate taken there)."""
+        if linear and not self.linear:
+            raise InputError(
+                f"{method} needs a metric linear in the logits (its relevance is conserved from the metric "
+                f"down only then), and {self.name!r} is not; use metric='logit_diff', or measure {self.name!r} "
+                "with the exact patching methods (effect, patch_heads)"
+            )
+        if moving and self.stationary:
+            raise InputError(
+                f"{method} takes the metric's gradient at the clean run, where {self.name!r} is at its minimum "
+                "(its gradient there is zero), so every estimate would be 0; use eap_ig (it integrates from the "
+                "corrupt run) or the exact patching methods for it"
+            )
+
+    def provenance(self) -> str:
+        """The metric as provenance: its name and parameters, as JSON."""
+        return json.dumps({"name": self.name, **dict(self.params)}, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+
+def _logit_diff(logits: Tensor, pb: PairBatch) -> Tensor:
+    return pair_logit_diff(logits, pb.clean_id, pb.corrupt_id)
+
+
+def logit_diff() -> Metric:
+    """The clean answer's logit minus the corrupt answer's at the read position (the default)."""
+    return Metric("logit_diff", _logit_diff, linear=True)
+
+
+def log_prob(answer: Literal["clean", "corrupt"] = "clean") -> Metric:
+    """The log-probability of the ``answer`` side's token at the read position, given the shared prefix."""
+    if answer not in ("clean", "corrupt"):
+        raise InputError(f"log_prob(answer={answer!r}): give 'clean' or 'corrupt'")
+
+    def fn(logits: Tensor, pb: PairBatch) -> Tensor:
+        ids = (pb.clean_id if answer == "clean" else pb.corrupt_id).to(logits.device)
+        return torch.log_softmax(logits.float(), -1)[torch.arange(len(logits)), ids]
+
+    return Metric("log_prob", fn, {"answer": answer})
+
+
+def kl() -> Metric:
+    """KL(p_clean ‖ p_edited) at the read position, in nats: 0 on the clean run, its minimum."""
+
+    def fn(logits: Tensor, pb: PairBatch) -> Tensor:
+        if pb.clean_logits is None:
+            raise InputError("metric 'kl' reads the clean run's logits, and this pair batch has none")
+        p = torch.log_softmax(pb.clean_logits.to(logits.device).float(), -1)
+        q = torch.log_softmax(logits.float(), -1)
+        return (p.exp() * (p - q)).sum(-1)
+
+    return Metric("kl", fn, {"from": "clean"}, stationary=True, reads_clean=True)
+
+
+@dataclass(frozen=True)
+class ProbMass(Metric):
+    """`prob_mass`: bound to a model, it knows each answer's tokens."""
+
+    answers: tuple = ()
+    tokens: Mapping = field(default_factory=dict, compare=False, repr=False)  # answer → token ids
+
+    def bind(self, vlm: VLM) -> Metric:
+        tokens = {a: tuple(vlm.answer_ids(a)) for a in self.answers}
+        others = {str(n): tuple(vlm.answer_ids(str(n))) for n in CHECKED_COUNTS if str(n) not in tokens}
+        return replace(self, tokens=tokens, fn=_mass_fn(tokens, others))
+
+
+def _mass_fn(tokens: Mapping, others: Mapping) -> Callable[[Tensor, PairBatch], Tensor]:
+    def next_tokens(prefix: tuple) -> list[int]:
+        def after(ids: tuple) -> int | None:
+            return ids[len(prefix)] if len(ids) > len(prefix) and ids[: len(prefix)] == prefix else None
+
+        mine = {t for ids in tokens.values() if (t := after(ids)) is not None}
+        for answer, ids in others.items():
+            if after(ids) in mine:
+                raise InputError(
+                    f"prob_mass: after the prefix {list(prefix)}, the token {after(ids)} begins both an answer of "
+                    f"the set and {answer!r}, so its probability cannot be split between them; give a set that "
+                    f"includes {answer!r}, or pairs whose shared prefix tells them apart"
+                )
+        return sorted(mine)
+
+    def fn(logits: Tensor, pb: PairBatch) -> Tensor:
+        probs = torch.softmax(logits.float(), -1)
+        rows = [probs[k, next_tokens(tuple(prefix))].sum() for k, prefix in enumerate(pb.forced)]
+        return torch.stack(rows)
+
+    return fn
+
+
+def prob_mass(answers: Sequence[str]) -> Metric:
+    """The probability that the next token begins one of ``answers`` (strings), given the pair's shared
+    prefix: e.g. ``prob_mass([str(n) for n in range(5, 10)])``, P(count ≥ 5) on counts up to 9."""
+    if isinstance(answers, str) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+        raise InputError(f"prob_mass({answers!r}): give a non-empty list of answer strings, e.g. ['5', '6']")
+    answers = tuple(dict.fromkeys(answers))
+
+    def unbound(logits: Tensor, pb: PairBatch) -> Tensor:
+        raise InputError("prob_mass must be bound to a model first (metric.bind(vlm)); the methods do it")
+
+    return ProbMass("prob_mass", unbound, {"answers": list(answers)}, answers=answers)
+
+
+#: The built-ins by name (``metric="log_prob"``: each with its default parameters).
+BUILT_IN: dict[str, Callable[[], Metric]] = {"logit_diff": logit_diff, "log_prob": log_prob, "kl": kl}
+
+
+def as_metric(vlm: VLM, metric, method: str) -> Metric:
+    """``metric`` as a `Metric` bound to ``vlm``: None (the logit difference), a built-in's name, a
+    `Metric`, or a callable ``(logits, pair_batch) -> (pairs,)``; anything else is refused for ``method``."""
+    if metric is None:
+        return logit_diff()
+    if isinstance(metric, str):
+        if metric not in BUILT_IN:
+            raise InputError(
+                f"{method}: no metric {metric!r}; give one of {', '.join(BUILT_IN)}, "
+                "countlens.circuits.metrics.prob_mass([...]), or a callable (logits, pair_batch) -> (pairs,)"
+            )
+        return BUILT_IN[metric]()
+    if isinstance(metric, Metric):
+        return metric.bind(vlm)
+    if callable(metric):
+        return Metric(getattr(metric, "__name__", "metric").strip("<>") or "metric", metric)
+    raise InputError(
+        f"{method}: metric={metric!r} is not a metric; give a name ({', '.join(BUILT_IN)}), a Metric, or a "
+        "callable (logits, pair_batch) -> (pairs,)"
+    )
+
+
+def metric_for(vlm: VLM, pairs: Sequence, metric, method: str, *, linear: bool = False, moving: bool = False) -> Metric:
+    """The door of a method that reads ``metric`` over checked ``pairs``: the metric bound to ``vlm``,
+    refused where ``method`` needs it ``linear`` or ``moving`` (`Metric.require`), and probed on the first
+    pair's batch (prepared, no forward) so that a wrong shape or NaN is refused before the model runs."""
+    bound = as_metric(vlm, metric, method)
+    bound.require(method, linear=linear, moving=moving)
+    if bound.fn is not _logit_diff:  # the default needs no probe: it is two logits
+        bound.probe(vlm, batch_pairs(vlm, pairs[:1]))
+    return bound
