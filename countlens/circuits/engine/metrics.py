@@ -21,7 +21,8 @@ Built in (each a `Metric`, by name or called with its parameters):
   e.g. the counts ≥ 5), given the pair's shared prefix. An answer of several tokens counts by its token
   after that prefix; answers the prefix rules out count zero. *countlens defines this* (the papers use the
   logit difference only): it is the answers' exact probability mass where each such token begins answers
-  of the set only, which is checked against every count 0–20 and refused otherwise.
+  of the set only, which is checked against every count 0–20 and the pairs' own answers, and refused
+  otherwise. Write the answers as the model writes them (the samples' answer format, e.g. "circle: 5").
 - ``kl()`` — KL(p_clean ‖ p_edited) over the vocabulary at the read position: 0 on the clean run.
 
 Any callable ``f(logits, pair_batch) -> (pairs,)`` is a metric too (its ``__name__`` names it; wrap it in
@@ -179,33 +180,51 @@ class ProbMass(Metric):
     """`prob_mass`: bound to a model, it knows each answer's tokens."""
 
     answers: tuple = ()
-    tokens: Mapping = field(default_factory=dict, compare=False, repr=False)  # answer → token ids
 
     def bind(self, vlm: VLM) -> Metric:
-        tokens = {a: tuple(vlm.answer_ids(a)) for a in self.answers}
-        others = {str(n): tuple(vlm.answer_ids(str(n))) for n in CHECKED_COUNTS if str(n) not in tokens}
-        return replace(self, tokens=tokens, fn=_mass_fn(tokens, others))
+        return replace(self, fn=_mass_fn(self.answers, vlm.answer_ids))
 
 
-def _mass_fn(tokens: Mapping, others: Mapping) -> Callable[[Tensor, PairBatch], Tensor]:
-    def next_tokens(prefix: tuple) -> list[int]:
-        def after(ids: tuple) -> int | None:
-            return ids[len(prefix)] if len(ids) > len(prefix) and ids[: len(prefix)] == prefix else None
+def _mass_fn(answers: tuple, answer_ids: Callable[[str], list[int]]) -> Callable[[Tensor, PairBatch], Tensor]:
+    """The mass of the tokens that begin an answer of ``answers`` after each pair's prefix; a token that also
+    begins another answer (a count 0–20, or a pair's own answer) is refused: its probability cannot be split."""
+    ids: dict[str, tuple] = {}
 
-        mine = {t for ids in tokens.values() if (t := after(ids)) is not None}
-        for answer, ids in others.items():
-            if after(ids) in mine:
+    def tokens(answer: str) -> tuple:
+        if answer not in ids:
+            ids[answer] = tuple(answer_ids(answer))
+        return ids[answer]
+
+    def next_tokens(prefix: tuple, others: set) -> list[int]:
+        def after(seq: tuple) -> int | None:
+            return seq[len(prefix)] if len(seq) > len(prefix) and seq[: len(prefix)] == prefix else None
+
+        mine = {t for a in answers if (t := after(tokens(a))) is not None}
+        for other in sorted(others - set(answers)):
+            try:
+                seq = tokens(other)
+            except InputError:  # a count this vocabulary cannot write: no token of it to share
+                continue
+            if after(seq) in mine:
                 raise InputError(
-                    f"prob_mass: after the prefix {list(prefix)}, the token {after(ids)} begins both an answer of "
-                    f"the set and {answer!r}, so its probability cannot be split between them; give a set that "
-                    f"includes {answer!r}, or pairs whose shared prefix tells them apart"
+                    f"prob_mass: after the prefix {list(prefix)}, the token {after(seq)} begins both an "
+                    f"answer of the set and {other!r}, so its probability cannot be split between them; give a set "
+                    f"that includes {other!r}, or pairs whose shared prefix tells them apart"
                 )
         return sorted(mine)
 
     def fn(logits: Tensor, pb: PairBatch) -> Tensor:
+        said = [s.answer for side in (pb.clean, pb.corrupt) for s in (getattr(side, "samples", None) or [])]
+        others = {str(n) for n in CHECKED_COUNTS} | set(said)
+        chosen = [next_tokens(tuple(prefix), others) for prefix in pb.forced]
+        if not any(chosen):
+            example = f" (pair 0's clean answer reads {said[0]!r})" if said else ""
+            raise InputError(
+                f"prob_mass({list(answers)}): no answer of the set can follow any pair's shared prefix{example}, so "
+                "the mass is 0 on every pair; write the answers as the model writes them (the samples' answer format)"
+            )
         probs = torch.softmax(logits.float(), -1)
-        rows = [probs[k, next_tokens(tuple(prefix))].sum() for k, prefix in enumerate(pb.forced)]
-        return torch.stack(rows)
+        return torch.stack([probs[k, c].sum() for k, c in enumerate(chosen)])
 
     return fn
 
