@@ -44,11 +44,22 @@ class PairBatch:
 
 
 def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
-    """Prepare clean and corrupt batches and check that their token positions line up.
+    """The pairs as a `PairBatch`, the batches `effect`, the patching grids and the attribution methods run:
+    ``clean`` and ``corrupt`` (`countlens.model.vlm.Batch`, one row per pair, positions checked to line up:
+    the same token count, image grid and tiles on both sides), ``clean_id`` / ``corrupt_id`` (per pair the
+    clean and the corrupt answer's token where the two answers first differ: the metric reads the logits
+    there) and ``forced`` (per pair the token ids of the shared answer prefix).
 
-    Each pair's answers are compared where their token sequences first differ
-    (`countlens.model.answers.divergence`): the shared prefix (e.g. "1" of 10 and 12) is teacher-forced on
-    both sides, and ``clean_id`` / ``corrupt_id`` are the two tokens read at the position after it.
+    The forced prefix: answers are compared as token sequences (`countlens.model.answers.divergence`), and
+    the tokens the two answers share before they differ are teacher-forced after the prompt on both sides,
+    so the next token is the first that tells them apart. "10" and "12" share "1" where digits split;
+    "circle: 3" and "circle: 5" share "circle", ":" and a tokenizer's word mark ("▁" in a SentencePiece
+    vocabulary such as Gemma's). Both batches are then longer than the prompt by that prefix: values
+    recorded on ``vlm.prepare_samples(...)`` of the same samples do not line up with them. Let a `Patch`
+    without ``values=`` copy each pair's corrupt run, or record the donor on the prepared batch itself:
+    ``Patch(site, values=record(vlm, pb.corrupt, [site])[site], into=[p.clean for p in pairs])`` with
+    ``pb = prepare_pairs(vlm, pairs)``. Answers that tokenise identically, or one a prefix of the other,
+    are refused (no token tells them apart). Nothing runs the model.
     """
     check_pairs(pairs, "prepare_pairs")
     return batch_pairs(vlm, pairs)
