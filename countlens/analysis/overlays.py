@@ -10,8 +10,13 @@ Three steps, each its own function:
    metrics measure with.
 2. `upsample` / `blend`: each pixel takes its cell's value (nearest: a token's cell is what the model
    resolves, so the map is drawn blocky rather than smoothed into detail it does not have), coloured
-   by a colour map scaled to the map's peak, over the image.
-3. `overlay` draws that on matplotlib axes with the objects' outlines and a colour scale;
+   by a colour map scaled to the map's peak, over the image. A **signed** map (any value below 0: an
+   input × gradient, an effect) is drawn on a diverging scale centred at 0, from −m to m with m its
+   largest magnitude (`DIVERGING`: blue below 0, red above), so a negative value is never drawn as 0.
+3. `overlay` draws that on matplotlib axes with the objects' outlines and a colour scale named after
+   what is drawn (``label=``; a DataArray's ``long_name`` or name; "attention" for a bare array);
+   `cell_map` turns any per-token DataArray that carries its tokens' cells (a
+   `countlens.circuits.engine.site_gradients.gradients` variable of one sample) into such a map;
    `head_overlays_png` renders one PNG per stored sample for one head (or a layer's mean) as pixels
    (the image's, × ``scale``, outlines from `outline_pixels`); `plot_attention_on_image` draws the
    report's grid of samples × heads.
@@ -44,6 +49,7 @@ from countlens.model.layouts import TokenCells
 
 ALPHA = 0.55  # the colour map's weight over the image: objects stay visible under the strongest cell
 CMAP = "inferno"
+DIVERGING = "RdBu_r"  # signed maps: white at 0, so a cell of no weight leaves the image as it is
 OUTLINE = "cyan"  # far from every colour of the inferno map, and from the scenes' red, green and blue
 
 
@@ -93,19 +99,46 @@ def _peak(grid_map: np.ndarray) -> float:
     return float(finite.max()) if finite.size else float("nan")
 
 
+def is_signed(grid_map) -> bool:
+    """Whether ``grid_map`` has a value below 0 (then it is drawn on the diverging scale)."""
+    values = np.asarray(grid_map, np.float64)
+    return bool((values[np.isfinite(values)] < 0).any())
+
+
+def limits(grid_map, vmax: float | None = None, signed: bool | None = None) -> tuple[float, float]:
+    """The colour scale's (low, high) for ``grid_map``: (0, ``vmax`` or the map's peak) for an unsigned
+    map; (−m, m) for a signed one (``signed``: None decides by `is_signed`), m ``vmax`` or the map's
+    largest magnitude. NaN where the map has no finite value."""
+    values = np.asarray(grid_map, np.float64)
+    if not (is_signed(values) if signed is None else signed):
+        return 0.0, _peak(values) if vmax is None else float(vmax)
+    m = _peak(np.abs(values)) if vmax is None else abs(float(vmax))
+    return -m, m
+
+
 def blend(
-    image: np.ndarray, grid_map: np.ndarray, vmax: float | None = None, alpha: float = ALPHA, cmap: str = CMAP
+    image: np.ndarray,
+    grid_map: np.ndarray,
+    vmax: float | None = None,
+    alpha: float = ALPHA,
+    cmap: str | None = None,
+    signed: bool | None = None,
 ) -> np.ndarray:
     """Uint8[ndarray, "height width 3"]: ``grid_map`` upsampled to ``image`` (uint8 RGB), coloured by
-    ``cmap`` from 0 to ``vmax`` (default: the map's peak) and laid over the image with weight
-    ``alpha``. A map without values (NaN: no probabilities there) leaves the image greyed."""
+    ``cmap`` over `limits` — from 0 to ``vmax`` (default: the map's peak) in `CMAP`, or for a signed map
+    from −m to m in `DIVERGING` — and laid over the image with weight ``alpha``. A map without values
+    (NaN: no probabilities there) leaves the image greyed."""
     from matplotlib import colormaps
 
+    grid_map = np.asarray(grid_map, np.float64)
     base = np.asarray(image, np.float64)[..., :3]
-    peak = _peak(grid_map) if vmax is None else vmax
-    if not np.isfinite(peak):
+    signed = is_signed(grid_map) if signed is None else signed
+    _, high = limits(grid_map, vmax, signed)
+    if not np.isfinite(high):
         return (0.5 * base + 0.5 * base.mean(-1, keepdims=True)).round().astype(np.uint8)
-    scaled = np.clip(upsample(np.nan_to_num(grid_map), base.shape[:2]) / (peak or 1.0), 0.0, 1.0)
+    cmap = cmap or (DIVERGING if signed else CMAP)
+    up = upsample(np.nan_to_num(grid_map), base.shape[:2])
+    scaled = np.clip(0.5 + 0.5 * up / (high or 1.0) if signed else up / (high or 1.0), 0.0, 1.0)
     colour = colormaps[cmap](scaled)[..., :3] * 255.0
     return ((1 - alpha) * base + alpha * colour).round().astype(np.uint8)
 
@@ -137,34 +170,83 @@ def outline(ax, objects, color: str = OUTLINE, width: float = 0.9) -> None:
 
 def overlay(
     image: np.ndarray,
-    grid_map: np.ndarray,
+    grid_map: np.ndarray | xr.DataArray,
     outlines: np.ndarray | list[np.ndarray] | None = None,
     ax=None,
     vmax: float | None = None,
     title: str | None = None,
     colorbar: bool = True,
+    label: str | None = None,
+    signed: bool | None = None,
 ):
-    """Draw ``grid_map`` (rows, cols) over ``image`` (uint8 RGB) on ``ax`` (a new figure's when None),
-    with the objects of ``outlines`` (a label image of the image's size, or its `outline_lines`) and a
-    colour scale from 0 to ``vmax`` (default: the map's peak). Returns the axes."""
+    """Draw ``grid_map`` (rows, cols; an array or a DataArray such as `cell_map`'s) over ``image`` (uint8
+    RGB) on ``ax`` (a new figure's when None), with the objects of ``outlines`` (a label image of the
+    image's size, or its `outline_lines`) and a colour scale: from 0 to ``vmax`` (default: the map's
+    peak), or for a signed map (any value < 0; ``signed`` forces either) a diverging one from −m to m
+    (m: ``vmax`` or the largest magnitude). The colour bar is named ``label``: by default the
+    DataArray's ``long_name``, else its name, else "attention". Returns the axes."""
+    if label is None:
+        label = _name_of(grid_map)
+    elif not isinstance(label, str):
+        raise InputError(f"label= names what the colour bar shows, a string such as 'input × gradient'; got {label!r}")
+    grid_map = np.asarray(grid_map, np.float64)
+    if grid_map.ndim != 2:
+        raise InputError(
+            f"overlay draws a (rows, cols) map; got shape {grid_map.shape}: map per-token values onto the "
+            "grid first (token_map, or cell_map for a DataArray of one sample)"
+        )
+    signed = is_signed(grid_map) if signed is None else signed
     plt = _pyplot()
     if ax is None:
         _, ax = plt.subplots(figsize=(4.0, 3.4), dpi=110)
-    ax.imshow(blend(image, grid_map, vmax), interpolation="nearest")
+    ax.imshow(blend(image, grid_map, vmax, signed=signed), interpolation="nearest")
     if outlines is not None:
         outline(ax, outlines)
     ax.set_axis_off()
     if title:
         ax.set_title(title, fontsize=7)
-    peak = _peak(grid_map) if vmax is None else vmax
-    if colorbar and np.isfinite(peak):
+    _, high = limits(grid_map, vmax, signed)
+    if colorbar and np.isfinite(high):
         from matplotlib.cm import ScalarMappable
         from matplotlib.colors import Normalize
 
-        bar = ax.figure.colorbar(ScalarMappable(Normalize(0, peak or 1.0), CMAP), ax=ax, fraction=0.046, pad=0.03)
+        m = high or 1.0
+        norm = Normalize(-m, m) if signed else Normalize(0, m)
+        bar = ax.figure.colorbar(ScalarMappable(norm, DIVERGING if signed else CMAP), ax=ax, fraction=0.046, pad=0.03)
         bar.ax.tick_params(labelsize=6)
-        bar.set_label("attention", fontsize=7)
+        bar.set_label(label, fontsize=7)
     return ax
+
+
+def _name_of(grid_map) -> str:
+    """What a map shows: a DataArray's ``long_name`` or name; "attention" for a bare array."""
+    if isinstance(grid_map, xr.DataArray):
+        name = grid_map.attrs.get("long_name") or grid_map.name
+        if name:
+            return str(name)
+    return "attention"
+
+
+def cell_map(values: xr.DataArray) -> xr.DataArray:
+    """One sample's per-token ``values`` (over ``position``, with the coords ``cell_row``, ``cell_col``,
+    ``grid_rows``, ``grid_cols``: a `countlens.circuits.engine.site_gradients.gradients` variable of one
+    site and sample) summed into its image-token grid (`token_map`): a (row, col) DataArray named and
+    attributed as ``values``, for `overlay`. Tokens of no cell (text, a row-end newline) and NaN
+    (padding beyond the sample's positions) are left out; a cell of no token is 0."""
+    need = ("cell_row", "cell_col", "grid_rows", "grid_cols")
+    one = isinstance(values, xr.DataArray) and values.dims == ("position",)
+    if not one or any(c not in values.coords for c in need):
+        dims = values.dims if isinstance(values, xr.DataArray) else type(values).__name__
+        raise InputError(
+            f"cell_map takes one sample's values over position with the coords {', '.join(need)} (got {dims}): "
+            "e.g. gradients(...).input_x_gradient.sel(site='L-1.resid').isel(sample=0)"
+        )
+    v = values.values.astype(np.float64)
+    cells = np.stack([values.cell_row.values, values.cell_col.values], -1)
+    keep = np.isfinite(v) & (cells >= 0).all(-1)
+    grid = (int(values.grid_rows), int(values.grid_cols))
+    drawn = token_map(v[keep], cells[keep], grid) if keep.any() else np.zeros(grid)
+    return xr.DataArray(drawn, dims=("row", "col"), name=values.name, attrs=dict(values.attrs))
 
 
 # ----------------------------------------------------------------------------- stored results
