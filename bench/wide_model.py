@@ -39,7 +39,8 @@ def _tokenizer(real_vocab: bool):
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from real_vocab import qwen_tokenizer
-    from tiny_models.qwen import QWEN2_TEMPLATE
+
+    from countlens.model.tiny_models.qwen import QWEN2_TEMPLATE
 
     tok = qwen_tokenizer()
     tok.chat_template = QWEN2_TEMPLATE

@@ -32,6 +32,7 @@ SOURCES = (
     TESTS / "conftest.py",  # _save_tiny
     *sorted((TESTS / "tiny_models").glob("*.py")),
     TESTS / "real_vocab.py",
+    *sorted((ROOT / "countlens" / "model" / "tiny_models").glob("*.py")),  # the builders and vocabularies
     ROOT / "countlens" / "model" / "processors.py",
     *sorted((ROOT / "countlens" / "model" / "families").glob("*.py")),
     ROOT / "countlens" / "toy" / "recipe.py",

@@ -9,7 +9,7 @@ countlens …``, the command, the exception) and exit status 70, with the traceb
 --debug …`` (or ``COUNTLENS_DEBUG=1``); Ctrl-C ends with one line saying whether a rerun resumes,
 exit status 130.
 
-The commands live one group to a module (`countlens.cli.model`, `discover`, `methods`, `report`,
+The commands live one group to a module (`countlens.cli.model`, with ``model tiny``, `discover`, `methods`, `report`,
 `compare`, `finetune`, `data`, `toy`, `features`); this module only names them, in the order
 ``countlens --help`` lists them.
 """
@@ -28,7 +28,7 @@ from countlens.cli.discover import discover_cmd, plan_cmd
 from countlens.cli.features import features_graph, features_plan, features_train
 from countlens.cli.finetune import finetune_cmd
 from countlens.cli.methods import methods_cmd
-from countlens.cli.model import check_cmd, eval_cmd
+from countlens.cli.model import check_cmd, eval_cmd, tiny_cmd
 from countlens.cli.report import classify_cmd, report_cmd
 from countlens.cli.toy import toy_plant, toy_train
 from countlens.errors import CountlensError
@@ -180,6 +180,11 @@ app.add_typer(features_app, name="features")
 features_app.command("train")(features_train)
 features_app.command("graph")(features_graph)
 features_app.command("plan")(features_plan)
+model_app = typer.Typer(
+    cls=CountlensGroup, no_args_is_help=True, help="Models to try countlens on: tiny random-init ones of every family."
+)
+app.add_typer(model_app, name="model")
+model_app.command("tiny")(tiny_cmd)
 
 
 @app.callback()

@@ -1,6 +1,7 @@
 """The commands that read a model as it is: ``countlens eval`` scores it on held-out scenes
 (`countlens.pipeline.held_out`), ``countlens check`` proves countlens reads it right
-(`countlens.pipeline.selfcheck`)."""
+(`countlens.pipeline.selfcheck`); and ``countlens model tiny`` writes a tiny random-init model of a
+family to try them on (`countlens.model.tiny_models`)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,31 @@ def check_cmd(
     typer.echo(f"{len(rows) - len(bad)} of {len(rows)} checks passed or skipped; {len(bad)} failed")
     if bad:
         raise typer.Exit(1)
+
+
+def tiny_cmd(
+    family: Annotated[
+        str,
+        typer.Option(
+            help="The tiny model to write: a name of the registry (e.g. gemma3, qwen2_5_vl, llava_next; "
+            "a name it lacks is refused with the list)."
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option(help="Folder to write the checkpoint into (new or empty); countlens.load(OUT) opens it.")
+    ],
+) -> None:
+    """Write a tiny random-init model of a family as a checkpoint folder, to try the family offline
+    (random weights: its shapes, layout, tokenizer and code paths, not its answers). Seconds on a CPU.
+
+    Example: countlens model tiny --family gemma3 --out runs/tiny-gemma3
+    """
+    from countlens.model.tiny_models import check_name, save
+
+    check_name(family)
+    check_out(out)
+    folder = save(family, out)
+    typer.echo(
+        f"wrote a tiny random-init {family} to {folder}: countlens.load({str(folder)!r}) opens it, "
+        f"countlens check --model {folder} checks it"
+    )

@@ -290,7 +290,8 @@ def spec_for(config) -> ArchSpec:
         raise UnsupportedArchitectureError(
             f"architecture {model_type!r} ({type(config).__name__}) has no countlens spec. Supported: "
             f"{', '.join(sorted(BY_MODEL_TYPE))}. To add one, write a family module in countlens/model/families/ "
-            "(its ArchSpec and Family; see docs/architectures.md) and add its tiny builder under tests/tiny_models/."
+            "(its ArchSpec and Family; see docs/architectures.md) and add its tiny builder under "
+            "countlens/model/tiny_models/."
         )
     return BY_MODEL_TYPE[model_type]
 

@@ -88,6 +88,7 @@ def _argv(path: tuple[str, ...], opt: str, value: str | None, places: dict[str, 
         "--run": places["<run>"],
         "--circuit": places["<run>"],
         "--transcoders": places["<dir>"],
+        "--family": "gemma3",
     }
     command = COMMANDS[path]
     args = [*path]
@@ -106,10 +107,11 @@ def _listing(root: Path) -> dict[str, int]:
 @pytest.fixture
 def stubs(monkeypatch):
     """Each command's work replaced by `Reached`: loading a model (or its config), exporting, training,
-    planning."""
+    planning, building a tiny model."""
     import countlens
     import countlens.datasets.export
     import countlens.model.loading
+    import countlens.model.tiny_models
     import countlens.pipeline.plan
     import countlens.toy.train
 
@@ -118,6 +120,7 @@ def stubs(monkeypatch):
     monkeypatch.setattr(countlens.toy.train, "train", _stub)
     monkeypatch.setattr(countlens.pipeline.plan, "plan", _stub)
     monkeypatch.setattr(countlens.model.loading, "meta_vlm", _stub)
+    monkeypatch.setattr(countlens.model.tiny_models, "save", _stub)
     for name in ("RANK", "WORLD_SIZE", "COUNTLENS_DEBUG"):
         monkeypatch.delenv(name, raising=False)
 

@@ -3,7 +3,15 @@ and a language model."""
 
 from __future__ import annotations
 
-from tiny_models.common import HEAD_DIM, SMALL_VISION, V_HIDDEN, chat, seeded, text_settings, word_tokenizer
+from countlens.model.tiny_models.common import (
+    HEAD_DIM,
+    SMALL_VISION,
+    V_HIDDEN,
+    chat,
+    seeded,
+    text_settings,
+    word_tokenizer,
+)
 
 LLAVA_PATCH = 8
 LLAVA_TILE = 32  # px: the vision tower's input size (4×4 patches)
@@ -27,8 +35,9 @@ def _clip_vision() -> dict:
 def _llava():
     """LLaVA-1.5 style: CLIP ViT (CLS + patches, CLS dropped), 2-layer MLP projector, Llama text."""
     import transformers as tf
-    from real_vocab import digit_bpe
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from countlens.model.tiny_models.vocab import digit_bpe
 
     specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
     template = chat("{{ message['role'].upper() }}: ", "<image>\n", " ", "ASSISTANT:")
@@ -103,12 +112,12 @@ def _llava_next(video: bool = False):
 def _llava_onevision():
     """LLaVA-OneVision: SigLIP (no CLS) with anyres_max_9 tiling, Qwen2 text."""
     import transformers as tf
-    from real_vocab import ONEVISION_SPECIALS, qwen_tokenizer
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
     )
 
     from countlens.model.processors import image_only
+    from countlens.model.tiny_models.vocab import ONEVISION_SPECIALS, qwen_tokenizer
 
     template = chat("<|im_start|>{{ message['role'] }}\n", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(ONEVISION_SPECIALS, image_token="<image>", video_token="<video>")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import HEAD_DIM, SMALL_VISION, chat, seeded, text_settings
+from countlens.model.tiny_models.common import HEAD_DIM, SMALL_VISION, chat, seeded, text_settings
 
 INTERNVL_TILE = 32
 INTERNVL_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 0.5 → 4×4 tokens per tile
@@ -12,10 +12,10 @@ def _internvl(text_model: str = "qwen2", tile: int = INTERNVL_TILE):
     """InternVL3 (Qwen2.5 language model; ``text_model="qwen3"``: InternVL3.5's Qwen3) with the real
     Qwen vocabulary and InternVL3's added tokens at their real ids (`<IMG_CONTEXT>` 151,667)."""
     import transformers as tf
-    from real_vocab import INTERNVL3_SPECIALS, INTERNVL3_VOCAB, qwen_tokenizer
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     from countlens.model.processors import image_only
+    from countlens.model.tiny_models.vocab import INTERNVL3_SPECIALS, INTERNVL3_VOCAB, qwen_tokenizer
 
     template = chat("<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import (
+from countlens.model.tiny_models.common import (
     HEAD_DIM,
     V_HEADS,
     V_HIDDEN,
@@ -40,10 +40,10 @@ def _gemma4():
     turn layout; Gemma's digit-splitting rule on a small BPE with Gemma 4's image and audio tokens."""
     import torch
     import transformers as tf
-    from real_vocab import digit_bpe
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from countlens.model.processors import image_only
+    from countlens.model.tiny_models.vocab import digit_bpe
 
     template = chat(
         "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n",

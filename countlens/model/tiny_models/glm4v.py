@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import (
+from countlens.model.tiny_models.common import (
     HIDDEN,
     V_HEADS,
     V_HIDDEN,
@@ -13,7 +13,7 @@ from tiny_models.common import (
     special_ids,
     text_settings,
 )
-from tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
+from countlens.model.tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
 
 IMAGE_SIDE = 64  # px: the square image the processor pins by default
 
@@ -43,10 +43,10 @@ def _glm4v(image_side: int | None = None):
     `<|image|>` 151,343), on a small BPE with GLM-4's digit rule (groups of up to three digits: counts
     are whole tokens). Its pixel budget counts two frames: 2 · side² pins a square image."""
     import transformers as tf
-    from real_vocab import digit_bpe
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
     from countlens.model.processors import image_only
+    from countlens.model.tiny_models.vocab import digit_bpe
 
     template = chat(
         "<|{{ message['role'] }}|>\n",

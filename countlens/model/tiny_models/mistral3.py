@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from tiny_models.common import HEAD_DIM, V_HEADS, V_HIDDEN, V_INTERMEDIATE, V_LAYERS, chat, seeded, text_settings
-from tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
+from countlens.model.tiny_models.common import (
+    HEAD_DIM,
+    V_HEADS,
+    V_HIDDEN,
+    V_INTERMEDIATE,
+    V_LAYERS,
+    chat,
+    seeded,
+    text_settings,
+)
+from countlens.model.tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
 
 #: Tekken's first specials in id order ([IMG] 10, [IMG_BREAK] 12, [IMG_END] 13: Mistral3Config's image token 10).
 MISTRAL3_SPECIALS = [
@@ -31,10 +40,10 @@ def _mistral3(tile: int = MISTRAL3_LONGEST):
     [IMG_BREAK] after each row ([IMG_END] after the last); a small digit-splitting BPE (Tekken splits
     digits) with Tekken's first specials at their ids."""
     import transformers as tf
-    from real_vocab import digit_bpe
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     from countlens.model.processors import processor_class
+    from countlens.model.tiny_models.vocab import digit_bpe
 
     template = chat(
         "{% if message['role'] == 'user' %}[INST]{% endif %}",

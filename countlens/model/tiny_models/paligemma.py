@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import HEAD_DIM, HIDDEN, SMALL_VISION, seeded, text_settings
+from countlens.model.tiny_models.common import HEAD_DIM, HIDDEN, SMALL_VISION, seeded, text_settings
 
 PALIGEMMA_IMAGE = 32
 PALIGEMMA_PATCH = 8  # 4×4 patches, no pooling → 16 image tokens (real: 224 / 14 → 256)
@@ -15,8 +15,9 @@ def _paligemma(tile: int = PALIGEMMA_IMAGE):
     processor's 1,024 <loc> and 128 <seg> tokens added after its own (real: Gemma's 256,000, then
     those, <image> at 257,152)."""
     import transformers as tf
-    from real_vocab import digit_bpe
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    from countlens.model.tiny_models.vocab import digit_bpe
 
     tok = digit_bpe(
         ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"],

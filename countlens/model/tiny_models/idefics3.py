@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import SMALL_VISION, chat, seeded, text_settings
+from countlens.model.tiny_models.common import SMALL_VISION, chat, seeded, text_settings
 
 IDEFICS_TILE = 32
 IDEFICS_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 2 → 4×4 tokens per tile
@@ -19,10 +19,11 @@ def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
     from countlens.model.processors import image_only
 
     if family == "idefics3":
-        from real_vocab import LLAMA32_SPECIALS, llama3_tokenizer
         from transformers.models.idefics3.image_processing_pil_idefics3 import (
             Idefics3ImageProcessorPil as ImageProcessor,
         )
+
+        from countlens.model.tiny_models.vocab import LLAMA32_SPECIALS, llama3_tokenizer
 
         # The real template: the tokenizer writes <|begin_of_text|> itself (add_bos_token).
         template = chat("{{ message['role'] | capitalize }}:", "<image>", "<end_of_utterance>\n", "Assistant:")
@@ -30,8 +31,9 @@ def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
         tok.chat_template = template
         proc_cls, model_cls, config_cls = tf.Idefics3Processor, tf.Idefics3ForConditionalGeneration, tf.Idefics3Config
     else:
-        from real_vocab import digit_bpe
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as ImageProcessor
+
+        from countlens.model.tiny_models.vocab import digit_bpe
 
         template = chat(
             "<|im_start|>{{ message['role'] | capitalize }}:",

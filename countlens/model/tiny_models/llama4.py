@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import (
+from countlens.model.tiny_models.common import (
     HEAD_DIM,
     HIDDEN,
     INTERMEDIATE,
@@ -41,9 +41,9 @@ def _llama4(tile: int = LLAMA4_TILE):
     torchvision); Llama 4's chat layout on a small BPE with its digit rule (o200k's: groups of three)."""
     import torch
     import transformers as tf
-    from real_vocab import digit_bpe
 
     from countlens.model.families.llama4 import Llama4ImageProcessorPil
+    from countlens.model.tiny_models.vocab import digit_bpe
 
     template = chat(
         "<|header_start|>{{ message['role'] }}<|header_end|>\n\n",

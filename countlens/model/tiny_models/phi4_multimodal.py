@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import SMALL_VISION, chat, seeded, special_ids, text_settings
+from countlens.model.tiny_models.common import SMALL_VISION, chat, seeded, special_ids, text_settings
 
 PHI4_CROP = 32
 PHI4_VOCAB = 200_064  # Phi-4-multimodal-instruct's embedding rows (o200k's 199,998 ranks, specials, unused rows)
@@ -15,9 +15,9 @@ def _phi4_multimodal(tile: int = PHI4_CROP):
     the prompt layout `<|user|><|endoftext10|>…<|end|><|assistant|>`."""
     import torch
     import transformers as tf
-    from real_vocab import PHI4MM_NAMED, o200k_tokenizer
 
     from countlens.model.families.phi4_multimodal import Phi4MultimodalImageProcessorPil
+    from countlens.model.tiny_models.vocab import PHI4MM_NAMED, o200k_tokenizer
 
     # The remote-code checkpoint's template writes '<|' + role + '|>' + content + '<|end|>', the user
     # writing <|image_1|>, which became <|endoftext10|>; transformers' processor expands the

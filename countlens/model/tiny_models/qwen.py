@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_models.common import (
+from countlens.model.tiny_models.common import (
     HEAD_DIM,
     HEADS,
     HIDDEN,
@@ -47,14 +47,14 @@ QWEN_VOCAB = 151_936  # Qwen2-VL-2B, Qwen2.5-VL-3B, Qwen3-VL: the BPE ranks, the
 
 def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
     import transformers as tf
-    from real_vocab import qwen_tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from countlens.model.processors import image_only
+    from countlens.model.tiny_models.vocab import qwen_tokenizer
 
     template = QWEN2_TEMPLATE if name in ("qwen2_vl", "qwen2_5_vl") else QWEN3_TEMPLATE
     if name in ("qwen3_5", "qwen3_5_moe"):  # its own vocabulary; the real template opens the answer with an empty think
-        from real_vocab import QWEN3_5_VOCAB, qwen3_5_tokenizer
+        from countlens.model.tiny_models.vocab import QWEN3_5_VOCAB, qwen3_5_tokenizer
 
         template = template.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
         tok = qwen3_5_tokenizer(image_token="<|image_pad|>", video_token="<|video_pad|>")

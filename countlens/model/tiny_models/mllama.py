@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from tiny_models.common import V_HEADS, V_HIDDEN, V_INTERMEDIATE, chat, seeded, special_ids, text_settings
+from countlens.model.tiny_models.common import (
+    V_HEADS,
+    V_HIDDEN,
+    V_INTERMEDIATE,
+    chat,
+    seeded,
+    special_ids,
+    text_settings,
+)
 
 MLLAMA_TILE = 32
 MLLAMA_PATCH = 8  # 4×4 patches and a class token per tile: 17 image states per tile slot, 4 slots
@@ -17,9 +25,10 @@ def _mllama(tile: int = MLLAMA_TILE):
     Llama-3 vocabulary with Llama-3.2-Vision's specials at their ids."""
     import torch
     import transformers as tf
-    from real_vocab import llama3_tokenizer
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
     from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    from countlens.model.tiny_models.vocab import llama3_tokenizer
 
     template = chat(
         "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n",

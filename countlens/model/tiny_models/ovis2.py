@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tiny_models.common import HIDDEN, SMALL_VISION, chat, seeded, special_ids, text_settings
-from tiny_models.qwen import QWEN_VOCAB
+from countlens.model.tiny_models.common import HIDDEN, SMALL_VISION, chat, seeded, special_ids, text_settings
+from countlens.model.tiny_models.qwen import QWEN_VOCAB
 
 OVIS2_TILE = 32
 OVIS2_PATCH = 4  # 8×8 patches per tile; hidden_stride 2 concatenates 2×2 → 4×4 tokens per tile
@@ -13,8 +13,9 @@ OVIS2_VISUAL_VOCAB = 48  # real: a visual vocabulary of 16k-65k rows (unconfirme
 def _ovis2(tile: int = OVIS2_TILE):
     """Ovis2 (Qwen2.5 language model) with the real Qwen vocabulary and the Ovis2-hf tokens at their ids."""
     import transformers as tf
-    from real_vocab import OVIS2_SPECIALS, qwen_tokenizer
     from transformers.models.ovis2.image_processing_pil_ovis2 import Ovis2ImageProcessorPil
+
+    from countlens.model.tiny_models.vocab import OVIS2_SPECIALS, qwen_tokenizer
 
     # The converted checkpoints' chat template: a fixed system turn, "<image>\n" per image (plain text
     # that the processor expands into <IMG_START> atoms… <IMG_END>).
