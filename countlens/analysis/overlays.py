@@ -182,9 +182,12 @@ def overlay(
     """Draw ``grid_map`` (rows, cols; an array or a DataArray such as `cell_map`'s) over ``image`` (uint8
     RGB) on ``ax`` (a new figure's when None), with the objects of ``outlines`` (a label image of the
     image's size, or its `outline_lines`) and a colour scale: from 0 to ``vmax`` (default: the map's
-    peak), or for a signed map (any value < 0; ``signed`` forces either) a diverging one from −m to m
-    (m: ``vmax`` or the largest magnitude). The colour bar is named ``label``: by default the
+    peak), or for a signed map (any value < 0, or a DataArray whose ``attrs["signed"]`` says so, as
+    `gradients`' do; ``signed`` forces either) a diverging one from −m to m (m: ``vmax`` or the largest
+    magnitude). The colour bar is named ``label``: by default the
     DataArray's ``long_name``, else its name, else "attention". Returns the axes."""
+    if signed is None and isinstance(grid_map, xr.DataArray) and "signed" in grid_map.attrs:
+        signed = bool(grid_map.attrs["signed"])  # a gradient is signed even where one sample's map is not
     if label is None:
         label = _name_of(grid_map)
     elif not isinstance(label, str):

@@ -153,9 +153,13 @@ def test_bad_input_is_refused_before_any_forward(organism, samples, pairs, monke
 
 
 def _bar(ax):
-    """The colour bar's axes of a single overlay's figure: (its limits, its label)."""
+    """The colour bar's axes of a single overlay's figure: (its limits, its label); the figure closed."""
+    import matplotlib.pyplot as plt
+
     cax = ax.figure.axes[-1]
-    return cax.get_ylim(), cax.get_ylabel()
+    drawn = cax.get_ylim(), cax.get_ylabel()
+    plt.close(ax.figure)
+    return drawn
 
 
 def test_overlay_draws_a_signed_map_on_a_symmetric_diverging_scale_named_after_what_it_draws():
@@ -174,9 +178,6 @@ def test_overlay_draws_a_signed_map_on_a_symmetric_diverging_scale_named_after_w
     drawn = overlays.blend(np.zeros((2, 2, 3), np.uint8), np.array([[-1.0, 0.0], [0.0, 1.0]]), alpha=1.0)
     assert drawn[0, 0, 2] > drawn[0, 0, 0] and drawn[1, 1, 0] > drawn[1, 1, 2]  # blue below 0, red above
     assert np.ptp(drawn[0, 1]) < 10  # 0 is white-grey, not the bottom of the scale
-    import matplotlib.pyplot as plt
-
-    plt.close("all")
 
 
 def test_cell_map_puts_one_samples_values_on_its_image_grid(organism, samples):
@@ -184,6 +185,8 @@ def test_cell_map_puts_one_samples_values_on_its_image_grid(organism, samples):
     one = ds.input_x_gradient.sel(site="L-1.resid").isel(sample=0)
     grid = overlays.cell_map(one)
     assert grid.shape == (int(one.grid_rows), int(one.grid_cols)) and grid.name == "input_x_gradient"
+    (low, high), label = _bar(overlays.overlay(np.zeros((60, 60, 3), np.uint8), abs(grid).assign_attrs(grid.attrs)))
+    assert low == -high and label == "input × gradient of log_prob"  # a gradient's map is signed by its attrs
     assert float(grid.sum()) == pytest.approx(float(one.sum()), rel=1e-6, abs=1e-9)
     assert float(grid[int(one.cell_row[0]), int(one.cell_col[0])]) == pytest.approx(float(one[0]), rel=1e-6)
     with pytest.raises(CountlensError, match="one sample's values over position"):

@@ -252,6 +252,6 @@ def _dataset(vlm: VLM, data, sites: list, bound: Metric, where, rows: dict, pair
         },
         attrs=attrs,
     )
-    ds["input_x_gradient"].attrs["long_name"] = f"input × gradient of {bound.name}"
-    ds["gradient"].attrs["long_name"] = f"gradient of {bound.name}"
+    for name, long_name in (("input_x_gradient", "input × gradient"), ("gradient", "gradient")):
+        ds[name].attrs.update(long_name=f"{long_name} of {bound.name}", signed=1)  # overlays: a diverging scale
     return ds
