@@ -6,7 +6,8 @@ model goes through here (the traced sweeps' recorders, the lenses and LoRA's tar
 modules by the spec's paths through `VLM.module` or the spec itself):
 
 - `countlens.circuits.engine.hooks`: the torch-hook backend, the one place a hook is registered.
-- `countlens.circuits.engine.record`: `record` (any sites' values in one forward) and `mean_activation`.
+- `countlens.circuits.engine.record`: `record` (any sites' values in one forward) and `mean_activation`;
+  `site_gradients`: `gradients` (values, gradients and input × gradient at any sites and positions).
 - `countlens.circuits.engine.freeze`: `frozen(vlm, norms=..., attention=...)`, the one way a method holds
   norms' scales and attention patterns constant (RelP, the attribution graph's local replacement model).
 - `cache` (the `Cache` by site), `writes` (the traced sweeps' writer), `interventions` (`Patch` …
