@@ -76,6 +76,7 @@ UNFUZZED = {
     "compare_runs": "reads discover run folders from disk; refused in tests/unit/test_compare.py",
     "export_heads": "writes files; its table and folder are refused in tests/unit/test_bad_inputs.py",
     "eager_attention": "a context manager whose only argument is the model",
+    "tolerate_noise": "a context manager without arguments (tests/unit/test_metrics.py runs it)",
     "edge_graph": "takes the model alone; a model it cannot graph is refused in tests/unit/test_edges.py",
     "Intervention": "the base of the interventions, each fuzzed here (its site and positions checks are theirs)",
     "Activations": "a result (collect_activations returns it); fuzzed as the argument of fidelity",
@@ -229,6 +230,7 @@ def _valid_calls(loaded) -> dict:
         "edge_attributions": dict(vlm=vlm, pairs=pairs, methods=("eap",), steps=1),
         "checked_graph": dict(vlm=vlm, batch=batch),
         "effect": dict(vlm=vlm, pairs=pairs, interventions=circuits.Patch(circuits.Residual(1), positions="last")),
+        "prepare_pairs": dict(vlm=vlm, pairs=pairs),
         "faithfulness": dict(vlm=vlm, pairs=pairs, scores=heads, sizes=[0.5, 1.0]),
         "faithfulness_curves": dict(vlm=vlm, pairs=pairs, rankings={"exact": heads}, sizes=[0.5, 1.0]),
         "group_means": dict(vlm=vlm, samples=samples),
@@ -467,9 +469,16 @@ def _class_calls(vlm) -> dict:
             "Sharpening": planted_with,
             "PlantedCircuit": lambda c: plant(FRESH(), c, PlantConfig(steps=1)),
             "EdgeCircuit": lambda c: plant_edges(FRESH(), c, PlantConfig(steps=1)),
+            "Metric": lambda m: circuits.effect(vlm, pairs, circuits.Patch(circuits.Residual(1), "last"), metric=m),
         }
     )
-    return sites | positions | interventions | {"HeadLens": dict(vlm=vlm, samples=samples, layers=[0, 1])}
+    metric = dict(name="gap", fn=lambda logits, pb: logits[:, 0] - logits[:, 1], params={"rows": [0, 1]})
+    return (
+        sites
+        | positions
+        | interventions
+        | {"HeadLens": dict(vlm=vlm, samples=samples, layers=[0, 1]), "Metric": metric}
+    )
 
 
 def _complete(name: str, kwargs: dict) -> dict:

@@ -82,6 +82,9 @@ class Metric:
             )
         if not callable(self.fn):
             raise InputError(f"metric {self.name!r}: fn must be a callable (logits, pair_batch) -> (pairs,)")
+        for flag in ("linear", "stationary", "reads_clean"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InputError(f"metric {self.name!r}: {flag} must be True or False, not {getattr(self, flag)!r}")
         try:
             json.dumps(dict(self.params))
         except (TypeError, ValueError) as e:

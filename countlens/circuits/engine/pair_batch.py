@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from countlens.datasets.pairs import count_table
 from countlens.errors import InputError
 from countlens.model.answers import divergence
 from countlens.model.vlm import check_pairs
@@ -189,6 +190,16 @@ def normaliser_stats(denom: float, differences=None) -> dict:
 
 
 def pairs_provenance(vlm: VLM, pairs: Sequence, **extra) -> dict:
-    """A result's provenance: the model, and how many pairs of which kinds it read."""
+    """A result's provenance: the model, how many pairs of which kinds it read, and the counts they cover
+    (``counts``: {"clean->corrupt": pairs}, from `countlens.datasets.pairs.count_table`, where the pairs
+    carry their counts)."""
     kinds = sorted({getattr(p, "kind", "?") for p in pairs})
-    return provenance(vlm.name, vlm.arch.name, dataset={"pairs": len(pairs), "kinds": kinds}, samples=pairs, **extra)
+    dataset: dict = {"pairs": len(pairs), "kinds": kinds}
+    try:
+        table = count_table(pairs)
+    except InputError:  # loaded pairs without counts: nothing to tabulate
+        table = None
+    if table is not None:
+        cells = table.stack(cell=("clean", "corrupt"))
+        dataset["counts"] = {f"{c}->{d}": int(n) for (c, d), n in zip(cells.cell.values, cells.values) if n}
+    return provenance(vlm.name, vlm.arch.name, dataset=dataset, samples=pairs, **extra)
