@@ -42,6 +42,7 @@ from countlens.circuits.graph.edge_attribution import edge_attribution, edge_att
 from countlens.circuits.graph.edges import checked_graph, edge_graph
 from countlens.circuits.graph.faithfulness import faithfulness, faithfulness_curves
 from countlens.circuits.graph.integrated import node_attribution
+from countlens.circuits.graph.paths import ablate_edges, keep_edges, path_patch
 from countlens.circuits.lenses.headlens import HeadLens
 from countlens.circuits.lenses.lens import logit_lens
 from countlens.circuits.lenses.taps import tap
@@ -62,6 +63,9 @@ from countlens.circuits.sites import Expert, HeadZ, ImageStates, K, MlpIn, MlpOu
 from countlens.circuits.sites.positions import Cells, Group, Mask, Objects
 
 __all__ = [
+    "ablate_edges",
+    "keep_edges",
+    "path_patch",
     "metrics",
     "Add",
     "Apply",
