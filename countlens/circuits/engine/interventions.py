@@ -51,6 +51,7 @@ from countlens.circuits.sites.positions import (
     Objects,
     as_positions,
     given_sample_keys,
+    layout_of,
     row_index,
     sample_digest,
     sample_keys,
@@ -120,6 +121,11 @@ class Intervention:
         """What is written, as a function of what the forward has there; None: a donor's values."""
         return None
 
+    def donor_layout(self) -> tuple[Frame, Tensor | None] | None:
+        """A donor's: the `Frame` of the batch its values were recorded on, with each values row's row of
+        that batch (None: the same rows), or None where unknown (`countlens.circuits.engine.donors`)."""
+        return None
+
     def _width(self, vlm: VLM, value: Tensor, what: str) -> None:
         width = self.site.width(vlm.arch)
         if not isinstance(value, Tensor) or value.ndim == 0 or value.shape[-1] != width:
@@ -136,7 +142,13 @@ class Patch(Intervention):
     ``values`` is written into sample ``into[i]``), and each forward's row takes its own sample's row,
     at any batch size and order; a forward of a sample they lack is refused
     (`countlens.circuits.sites.positions.row_index`). Values without samples have exactly the forward's rows,
-    or one row for every row."""
+    or one row for every row.
+
+    Values recorded on a batch of another token layout (another prompt length or task: the colour task's
+    49 tokens into the count task's 52) are written by position name: ``last``, a token group, `Cells` or
+    `Objects` resolved in each run (the donor's in the batch `record` marks them with), position by
+    position in order; a row whose donor holds another number of those positions, or lacks them, is
+    refused naming both (`countlens.circuits.engine.donors`)."""
 
     values: Tensor | None = field(default=None, repr=False)
     into: Sequence | None = field(default=None, repr=False)
@@ -168,6 +180,10 @@ class Patch(Intervention):
         """Each of ``frame``'s rows' row of ``values``: by sample (`row_index`)."""
         return row_index(frame, self.keys, self.values.shape[0], f"{self.site}'s Patch values")
 
+    def donor_layout(self) -> tuple[Frame, None] | None:
+        frame = layout_of(self.values)
+        return None if frame is None or len(frame.input_ids) != len(self.values) else (frame, None)
+
 
 @dataclass(frozen=True, eq=False)
 class Resample(Intervention):
@@ -175,11 +191,13 @@ class Resample(Intervention):
     (batches from `VLM.prepare_samples`: `score`, `generate`, `effect`), each sample's donor is drawn
     from ``seed`` and the sample's content alone, so a sample gets the same donor at any batch size, in
     any order, and chunks of a long run draw from every donor. Elsewhere (a batch prepared by hand) row b
-    takes donor ``order[b mod n]``, a permutation drawn from ``seed``."""
+    takes donor ``order[b mod n]``, a permutation drawn from ``seed``. Donors of another token layout are
+    written by position name, as a `Patch`'s recorded values are."""
 
     donors: Sequence = ()
     seed: int = 0
     values: Tensor | None = field(default=None, repr=False)
+    recorded_on: tuple | None = field(default=None, repr=False)  # (the donors' batch's Frame, each row's row of it)
     donor: ClassVar[bool] = True
 
     def check_values(self, vlm: VLM) -> None:
@@ -188,8 +206,11 @@ class Resample(Intervention):
 
     def resolved(self, vlm: VLM) -> Resample:
         recorded = record(vlm, vlm.prepare_samples(self.donors), [self.site])[self.site]
-        order = np.random.default_rng(self.seed).permutation(len(self.donors))
-        return replace(self, values=recorded[torch.from_numpy(order)])
+        order = torch.from_numpy(np.random.default_rng(self.seed).permutation(len(self.donors)))
+        return replace(self, values=recorded[order], recorded_on=(layout_of(recorded), order))
+
+    def donor_layout(self) -> tuple[Frame, Tensor] | None:
+        return None if self.recorded_on is None or self.recorded_on[0] is None else self.recorded_on
 
     def rows_for(self, frame: Frame) -> Tensor:
         """Each row's donor (a random draw by design, not a sample's own row): by the row's sample where

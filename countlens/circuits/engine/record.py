@@ -23,7 +23,7 @@ from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.sites import Location, check_site
 from countlens.circuits.sites.location import HOOKS
-from countlens.circuits.sites.positions import Frame, as_positions, with_samples
+from countlens.circuits.sites.positions import Frame, as_positions, with_layout, with_samples
 from countlens.errors import InputError
 from countlens.model.arguments import require_batch, require_vlm
 from countlens.validate import require_count, require_sequence
@@ -73,7 +73,8 @@ def record(
 ) -> Cache:
     """One forward of a prepared ``batch``: a `Cache` of each site's value, Float[Tensor, "batch seq d"] on
     the CPU (a `Pattern`'s: Float[Tensor, "batch query key"]), marked with the samples of its rows where
-    the batch has them (`VLM.prepare_samples`; `countlens.circuits.sites.positions.samples_of`), and the
+    the batch has them (`VLM.prepare_samples`; `countlens.circuits.sites.positions.samples_of`) and with the
+    batch itself (`countlens.circuits.sites.positions.layout_of`: a donor of another layout), and the
     read position's logits (``cache.logits``). ``on_device``: values and gradients stay where the model
     computed them, in its dtype (for methods that go on computing there), instead of float32 copies on
     the CPU.
@@ -134,9 +135,10 @@ def record(
             g = grads[id(t)]
             g = torch.zeros_like(t) if g is None else g
             cache.grad[site] = kept(locations[site].view(rows_seq(g, frame)))  # a Cache too: label access
-    if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
-        for values in cache.values():
-            if len(values) == len(batch.samples):  # a vision block's rows are the tower's patches, not samples
+    for values in cache.values():
+        if len(values) == len(batch):  # a vision block's rows are the tower's patches, not samples
+            with_layout(values, batch)  # a donor of another layout: positions resolved in its own frame
+            if batch.samples is not None:  # each row knows its sample: a Patch writes it into that sample's row
                 with_samples(values, batch.samples)
     return cache
 

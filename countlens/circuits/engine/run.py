@@ -34,6 +34,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from countlens.circuits.engine.donors import DonorRows, donor_rows
 from countlens.circuits.engine.edits import Edit
 from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.engine.interventions import Block, Intervention, Patch, Replace, as_interventions
@@ -99,7 +100,7 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
         batch = None if new else vlm.prepared(ids, kwargs.get("pixel_values"))
         frame = Frame(ids, attn, batch, new)
         masks = {id(i.positions): i.positions.mask(vlm, frame) for i in items}  # refusals before any layer runs
-        rows = {} if new else {id(i): i.rows_for(frame) for i in items if i.donor}
+        rows = {} if new else {id(i): donor_rows(vlm, i, frame, masks[id(i.positions)]) for i in items if i.donor}
         state.update(frame=frame, masks=masks, rows=rows, read={})
         for item in blocks:
             state["keys"][id(item)] = _block_keys(vlm, item, frame, state["keys"].get(id(item)))
@@ -219,17 +220,10 @@ def _knockout(vlm: VLM, item: Block, state: dict):
     return before
 
 
-def _donor(item: Intervention, frame: Frame, b: Tensor, s: Tensor, rows: Tensor | None = None) -> Tensor:
-    """A donor's values (a Patch's, a Resample's) at the forward's rows ``b``, positions ``s``: each row's
-    own row of the values (``rows``, else `Patch.rows_for`: by sample), never a row number modulo theirs."""
-    values, seq = item.values, frame.input_ids.shape[1]
-    if values.shape[1] != seq:
-        raise InputError(
-            f"{type(item).__name__} at {item.site}: the donor values cover {values.shape[1]} positions, this "
-            f"forward {seq}; donors must be prepared like the edited batch (same image size and question)"
-        )
-    rows = item.rows_for(frame) if rows is None else rows
-    return values[rows[b.cpu()], s.cpu()]
+def _donor(item: Intervention, frame: Frame, b: Tensor, s: Tensor, rows: DonorRows) -> Tensor:
+    """A donor's values (a Patch's, a Resample's) at the forward's rows ``b``, positions ``s``, from where
+    ``rows`` says (`countlens.circuits.engine.donors.donor_rows`: by sample, by position name for another layout)."""
+    return rows.take(item.values, b, s)
 
 
 # ----------------------------------------------------------------------------- effect over pairs
@@ -248,8 +242,7 @@ def lower(vlm: VLM, item: Intervention, frame: Frame, donors: dict, masks: dict)
     if _from_corrupt(item):
         return Edit(item.site, mask, donors.get(item.site))
     if item.donor:  # a Resample's donors, or a Patch's own values
-        b, s = torch.meshgrid(torch.arange(mask.shape[0]), torch.arange(mask.shape[1]), indexing="ij")
-        return Edit(item.site, mask, _donor(item, frame, b.flatten(), s.flatten()).view(*mask.shape, -1))
+        return Edit(item.site, mask, donor_rows(vlm, item, frame, mask).full(item.values, mask))
     return Edit(item.site, mask, op=item.op())
 
 

@@ -25,7 +25,9 @@ samples of their rows (`with_samples`, read back by `samples_of`); a forward of 
 row r takes the value's row of the same sample, at any batch size and in any order (`row_index`). A
 forward with a sample the value lacks, or whose rows' samples are unknown, is refused. A value without
 samples must have exactly the forward's rows (or the rows of the batch that a stacked forward repeats),
-or one row, which every row shares.
+or one row, which every row shares. `record` marks them with the batch they were recorded on too
+(`with_layout`, read back by `layout_of`): a donor of another token layout has its positions resolved in
+its own frame (`countlens.circuits.engine.interventions.donor_rows`).
 
 **New tokens** (generation after the prompt, fed one at a time after a KV cache) belong to ``last``
 and ``all`` — each new token is where the next answer token is read — and to no other set: they are
@@ -104,6 +106,7 @@ class Frame(NamedTuple):
 # ----------------------------------------------------------------------------- rows and their samples
 
 _SAMPLES = "countlens_samples"  # the attribute of a tensor that `with_samples` marks
+_LAYOUT = "countlens_layout"  # … and `with_layout`
 
 
 def sample_key(sample) -> Hashable:
@@ -162,6 +165,24 @@ def samples_of(values) -> tuple | None:
     """The samples of ``values``' rows (`with_samples`: `countlens.circuits.record` marks what it
     returns), or None."""
     return getattr(values, _SAMPLES, None)
+
+
+def with_layout(values: Tensor, batch: Batch) -> Tensor:
+    """``values`` (its first axis: one row per row of ``batch``) marked with the prepared batch they were
+    recorded on — its tokens, image cells and scenes — so that positions are resolved in the donor's own
+    frame when it is written into a forward of another layout (another prompt length, another task:
+    `countlens.circuits.engine.interventions.donor_rows`); returns ``values``. Like `with_samples`, a new
+    tensor made from it is unmarked."""
+    if len(batch) != values.shape[0]:
+        raise InputError(f"a batch of {len(batch)} rows for values of {values.shape[0]} rows; give one row per row")
+    setattr(values, _LAYOUT, Frame.of(batch))
+    return values
+
+
+def layout_of(values) -> Frame | None:
+    """The `Frame` of the batch ``values`` were recorded on (`with_layout`: `countlens.circuits.record`
+    marks what it returns), or None."""
+    return getattr(values, _LAYOUT, None)
 
 
 def row_index(frame: Frame, keys: tuple | None, n: int, what: str) -> Tensor:
