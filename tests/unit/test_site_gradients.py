@@ -12,7 +12,7 @@ from tolerance import assert_close
 
 import countlens.circuits.engine.site_gradients as site_gradients
 from countlens.analysis import overlays
-from countlens.circuits.engine.metrics import Metric, kl, log_prob
+from countlens.circuits.engine.metrics import Metric, kl, log_prob, prob_mass
 from countlens.circuits.engine.pair_batch import prepare_pairs
 from countlens.circuits.engine.site_gradients import gradients
 from countlens.circuits.sites import HeadZ, Pattern, Residual, VisionBlock
@@ -85,6 +85,9 @@ def test_samples_gradient_at_residual_and_head_and_input_x_gradient_over_one_obj
     with torch.no_grad():
         logits = organism.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
     assert_close(ds.log_prob.values, metric(logits), what="the metric per sample")
+    mass = gradients(organism, samples, [Residual(2)], metric=prob_mass(["2", "3"]), positions="last")
+    first = [organism.answer_ids(a)[0] for a in ("2", "3")]
+    assert_close(mass.prob_mass.values, torch.softmax(logits, -1)[:, first].sum(-1), what="prob_mass on samples")
     for b, sample in enumerate(samples):
         tokens = where.tokens(batch, b, sample)
         n = int(ds.n_positions[b])
@@ -140,7 +143,12 @@ def test_bad_input_is_refused_before_any_forward(organism, samples, pairs, monke
         (samples, [Residual(1)], {"metric": "logit_diff"}, "samples have one answer each"),
         (samples, [Residual(1)], {"metric": log_prob(answer="corrupt")}, "reads a corrupt answer"),
         (samples, [Residual(1)], {"metric": kl()}, "'kl' compares the run with a clean run"),
-        (samples, [Residual(1)], {"metric": reads_corrupt}, "no corrupt side"),
+        (
+            samples,
+            [Residual(1)],
+            {"metric": reads_corrupt},
+            "read pair_batch.corrupt_id, and samples have no corrupt answer",
+        ),
         (samples, [Residual(1)], {"metric": Metric("value", log_prob().fn)}, "rename it"),
         (pairs, [Residual(1)], {"metric": "kl"}, "its gradient there is zero"),
         (pairs, ["L0H0"], {}, "is no site"),

@@ -75,12 +75,12 @@ VARIABLES += ("n_positions", "site", "site_width", "sample", "position", "width"
 
 class SampleBatch(PairBatch):
     """A `PairBatch` of samples: their batch as its clean side, each answer's first token as ``clean_id``.
-    It has no corrupt side: a metric that reads ``corrupt`` or ``corrupt_id`` is refused, naming them."""
+    It has no corrupt side: ``corrupt`` is None, and a metric that reads ``corrupt_id`` is refused."""
 
     def __getattribute__(self, name: str):
-        if name in ("corrupt", "corrupt_id"):
+        if name == "corrupt_id":
             raise InputError(
-                f"a metric read pair_batch.{name}, and samples have no corrupt side (each sample's own answer is "
+                "a metric read pair_batch.corrupt_id, and samples have no corrupt answer (each sample's own answer is "
                 "its clean_id): give count pairs (count_pairs) for a metric of two answers, or a metric of each "
                 "sample's own answer: log_prob(), prob_mass([...])"
             )
