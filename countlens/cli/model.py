@@ -81,8 +81,8 @@ def tiny_cmd(
     family: Annotated[
         str,
         typer.Option(
-            help="The tiny model to write: a name of the registry (e.g. gemma3, qwen2_5_vl, llava_next; "
-            "a name it lacks is refused with the list)."
+            help="The tiny model to write: a name of the registry, as the example below (a name it lacks is "
+            "refused with the list of all)."
         ),
     ],
     out: Annotated[

@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 from countlens.model.tiny_models.common import HEAD_DIM, SMALL_VISION, chat, seeded, text_settings
+from countlens.model.tiny_models.qwen import QWEN2_5_SPECIALS
 
 INTERNVL_TILE = 32
 INTERNVL_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 0.5 → 4×4 tokens per tile
+
+
+#: InternVL3-hf (Qwen2.5 language model): `<img>` 151,665, `</img>` 151,666, `<IMG_CONTEXT>` 151,667 (the
+#: image token of OpenGVLab/InternVL3-*-hf configs), then the grounding tokens; text vocabulary 151,674.
+#: `<video>` is not in that vocabulary (the processor needs a video token): here it is id 151,674.
+INTERNVL3_SPECIALS: tuple[str, ...] = (
+    *QWEN2_5_SPECIALS,
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<video>",
+)
+INTERNVL3_VOCAB = 151_674
 
 
 def _internvl(text_model: str = "qwen2", tile: int = INTERNVL_TILE):
@@ -15,7 +35,7 @@ def _internvl(text_model: str = "qwen2", tile: int = INTERNVL_TILE):
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     from countlens.model.processors import image_only
-    from countlens.model.tiny_models.vocab import INTERNVL3_SPECIALS, INTERNVL3_VOCAB, qwen_tokenizer
+    from countlens.model.tiny_models.vocab import qwen_tokenizer
 
     template = chat("<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(

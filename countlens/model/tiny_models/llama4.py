@@ -42,7 +42,7 @@ def _llama4(tile: int = LLAMA4_TILE):
     import torch
     import transformers as tf
 
-    from countlens.model.families.llama4 import Llama4ImageProcessorPil
+    from countlens.model.families import pil_image_processor
     from countlens.model.tiny_models.vocab import digit_bpe
 
     template = chat(
@@ -94,7 +94,8 @@ def _llama4(tile: int = LLAMA4_TILE):
         eoi_token_index=ids["<|image_end|>"],
         tie_word_embeddings=False,
     )
-    image_processor = Llama4ImageProcessorPil(size={"height": tile, "width": tile}, max_patches=4)
+    image_class = pil_image_processor("Llama4ImageProcessorPil")
+    image_processor = image_class(size={"height": tile, "width": tile}, max_patches=4)
     processor = tf.Llama4Processor(
         image_processor=image_processor,
         tokenizer=tok,

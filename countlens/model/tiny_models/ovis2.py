@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 from countlens.model.tiny_models.common import HIDDEN, SMALL_VISION, chat, seeded, special_ids, text_settings
-from countlens.model.tiny_models.qwen import QWEN_VOCAB
+from countlens.model.tiny_models.qwen import QWEN2_5_SPECIALS, QWEN_VOCAB
 
 OVIS2_TILE = 32
 OVIS2_PATCH = 4  # 8×8 patches per tile; hidden_stride 2 concatenates 2×2 → 4×4 tokens per tile
 OVIS2_VISUAL_VOCAB = 48  # real: a visual vocabulary of 16k-65k rows (unconfirmed); 5 are indicators
+
+
+#: Ovis2-*-hf (Qwen2.5 language models): the tokens transformers' conversion adds, in its order:
+#: `<IMG_ATOM>` 151,665 (the image token), then START, GRID, COL, ROW, END (the visual indicators).
+OVIS2_SPECIALS: tuple[str, ...] = (
+    *QWEN2_5_SPECIALS,
+    "<IMG_ATOM>",
+    "<IMG_START>",
+    "<IMG_GRID>",
+    "<IMG_COL>",
+    "<IMG_ROW>",
+    "<IMG_END>",
+)
 
 
 def _ovis2(tile: int = OVIS2_TILE):
@@ -15,7 +28,7 @@ def _ovis2(tile: int = OVIS2_TILE):
     import transformers as tf
     from transformers.models.ovis2.image_processing_pil_ovis2 import Ovis2ImageProcessorPil
 
-    from countlens.model.tiny_models.vocab import OVIS2_SPECIALS, qwen_tokenizer
+    from countlens.model.tiny_models.vocab import qwen_tokenizer
 
     # The converted checkpoints' chat template: a fixed system turn, "<image>\n" per image (plain text
     # that the processor expands into <IMG_START> atoms… <IMG_END>).

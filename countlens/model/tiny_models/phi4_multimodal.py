@@ -9,6 +9,24 @@ PHI4_VOCAB = 200_064  # Phi-4-multimodal-instruct's embedding rows (o200k's 199,
 PHI4_PATCH = 4  # 8×8 patches per crop, 2×2 average-pooled → 4×4 tokens per crop
 
 
+#: Phi-4-multimodal-instruct's added tokens and their ids (its tokenizer_config ``added_tokens_decoder``).
+#: 200,000-200,009 and 200,012-200,017 are not tokens there and stay empty here.
+PHI4MM_SPECIALS: dict[str, int] = {
+    "<|endoftext|>": 199_999,
+    "<|endoftext10|>": 200_010,  # image placeholder (Phi4MultimodalConfig.image_token_id)
+    "<|endoftext11|>": 200_011,  # audio placeholder (audio_token_id)
+    "<|endofprompt|>": 200_018,
+    "<|assistant|>": 200_019,
+    "<|end|>": 200_020,
+    "<|user|>": 200_021,
+    "<|system|>": 200_022,
+}
+#: Phi-4-multimodal's chat tokens are ``rstrip`` added tokens (they take the whitespace after them).
+PHI4MM_RSTRIP = frozenset({"<|assistant|>", "<|end|>", "<|user|>", "<|system|>"})
+#: The attribute names HF's Phi-4-multimodal conversion gives them (``extra_special_tokens``), for ``**named``.
+PHI4MM_NAMED: dict[str, str] = {"image_token": "<|endoftext10|>", "audio_token": "<|endoftext11|>"}
+
+
 def _phi4_multimodal(tile: int = PHI4_CROP):
     """Phi-4-multimodal: one flat config, fused qkv, countlens's PIL image processor, a tiny audio tower
     (always built, never run here), the real o200k vocabulary with Phi-4's specials at their ids, and
@@ -16,14 +34,14 @@ def _phi4_multimodal(tile: int = PHI4_CROP):
     import torch
     import transformers as tf
 
-    from countlens.model.families.phi4_multimodal import Phi4MultimodalImageProcessorPil
-    from countlens.model.tiny_models.vocab import PHI4MM_NAMED, o200k_tokenizer
+    from countlens.model.families import pil_image_processor
+    from countlens.model.tiny_models.vocab import o200k_tokenizer
 
     # The remote-code checkpoint's template writes '<|' + role + '|>' + content + '<|end|>', the user
     # writing <|image_1|>, which became <|endoftext10|>; transformers' processor expands the
     # tokenizer's image token where it stands, so the template writes that token itself.
     template = chat("<|{{ message['role'] }}|>", "<|endoftext10|>", "<|end|>", "<|assistant|>")
-    tok = o200k_tokenizer(**PHI4MM_NAMED)
+    tok = o200k_tokenizer(PHI4MM_SPECIALS, rstrip=PHI4MM_RSTRIP, **PHI4MM_NAMED)
     tok.chat_template = template
     end_of_text, end = special_ids(tok, "<|endoftext|>", "<|end|>")
     text = text_settings("phi4_multimodal", tok, vocab=PHI4_VOCAB)
@@ -54,7 +72,7 @@ def _phi4_multimodal(tile: int = PHI4_CROP):
             audio_token_id=tok.audio_token_id,
         ),
     )
-    image_processor = Phi4MultimodalImageProcessorPil(
+    image_processor = pil_image_processor("Phi4MultimodalImageProcessorPil")(
         size={"height": tile, "width": tile}, patch_size=PHI4_PATCH, dynamic_hd=36
     )
     processor = tf.Phi4MultimodalProcessor(

