@@ -46,6 +46,7 @@ from countlens.analysis.attention_metrics import grid_attention
 from countlens.errors import InputError
 from countlens.labels import head_label
 from countlens.model.layouts import TokenCells
+from countlens.validate import require_bool
 
 ALPHA = 0.55  # the colour map's weight over the image: objects stay visible under the strongest cell
 CMAP = "inferno"
@@ -184,9 +185,11 @@ def overlay(
     image's size, or its `outline_lines`) and a colour scale: from 0 to ``vmax`` (default: the map's
     peak), or for a signed map (any value < 0, or a DataArray whose ``attrs["signed"]`` says so, as
     `gradients`' do; ``signed`` forces either) a diverging one from −m to m (m: ``vmax`` or the largest
-    magnitude). The colour bar is named ``label``: by default the
-    DataArray's ``long_name``, else its name, else "attention". Returns the axes."""
-    if signed is None and isinstance(grid_map, xr.DataArray) and "signed" in grid_map.attrs:
+    magnitude). The colour bar is named ``label``: by default the DataArray's ``long_name``, else its
+    name, else "attention". Returns the axes."""
+    if signed is not None:
+        signed = require_bool(signed, "overlay's signed")
+    elif isinstance(grid_map, xr.DataArray) and "signed" in grid_map.attrs:
         signed = bool(grid_map.attrs["signed"])  # a gradient is signed even where one sample's map is not
     if label is None:
         label = _name_of(grid_map)

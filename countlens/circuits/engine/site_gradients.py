@@ -135,7 +135,7 @@ def gradient_sites(vlm: VLM, sites) -> list:
     model lacks, or one with no gradient (read only)."""
     if hasattr(sites, "location") and not isinstance(sites, type):
         sites = [sites]
-    sites = list(dict.fromkeys(require_sequence(sites, "sites", example="[Residual(3), HeadZ(0, 1)]")))
+    sites = require_sequence(sites, "sites", example="[Residual(3), HeadZ(0, 1)]")
     for site in sites:
         loc = location(vlm, site)  # no site, or one the model lacks / hooks cannot reach
         if loc.io == "weights" or not hasattr(site, "layer"):
@@ -145,6 +145,7 @@ def gradient_sites(vlm: VLM, sites) -> list:
                 "it has no gradient of its own. Take gradients at Residual, HeadZ, Q, K, V, MlpIn, MlpOut or Logits "
                 "(for attention, at the head's Q or K)"
             )
+    sites = list(dict.fromkeys(sites))  # sites are frozen dataclasses: a repeat is kept once
     labels = [site.label for site in sites]
     twice = sorted({label for label in labels if labels.count(label) > 1})
     if twice:
