@@ -1,9 +1,9 @@
 """Donors of another layout: a `Patch`'s values recorded on a batch of another token layout (the colour
-task's 49-token prompt, the count task's 52; another padding) are written by position name — ``last``,
-``image``, an object's tokens in the donor's own scene — position by position, under `intervene` and in
-`effect`, equal to plain torch hooks; a position the donor lacks, or holds another number of, is refused
-naming it before any forward; a donor of the same layout is written column for column as before
-(`countlens.circuits.engine.donors`)."""
+task's 49-token prompt, the count task's 52; another padding), and a `Resample`'s donors, are written by
+position name — ``last``, ``image``, an object's tokens in the donor's own scene — position by position,
+under `intervene` and in `effect`, equal to plain torch hooks; a position the donor lacks, or holds
+another number of, is refused naming it before any forward; a donor of the same layout is written column
+for column as before (`countlens.circuits.engine.donors`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from tolerance import assert_close
 
-from countlens.circuits import HeadZ, Objects, Patch, effect, intervene, record
+from countlens.circuits import HeadZ, Objects, Patch, Resample, effect, intervene, record
 from countlens.circuits.engine.pair_batch import prepare_pairs
 from countlens.circuits.sites.positions import Frame
 from countlens.datasets import task_samples
@@ -38,10 +38,11 @@ def pb(toy, pairs):
 
 @pytest.fixture(scope="module")
 def colour(toy):
-    """Two colour-task samples (49-token prompts), their batch and their HeadZ(0, 0) values."""
+    """Two colour-task samples (49-token prompts), their batch, their HeadZ(0, 0) values as `record` gives
+    them, and layer 0's o_proj input read by a plain torch hook."""
     samples = task_samples("color", 2, seed=3)
     batch = toy.prepare_samples(samples)
-    return samples, batch, record(toy, batch, [SITE])[SITE]
+    return samples, batch, record(toy, batch, [SITE])[SITE], _plain_z(toy, batch)
 
 
 def _z_hook(toy, fn):
@@ -92,10 +93,9 @@ def _positions(toy, batch, positions) -> list:
 
 
 def test_a_colour_task_donor_is_patched_at_last_and_at_an_objects_tokens_as_plain_torch(toy, pairs, pb, colour):
-    samples, cb, values = colour
+    samples, cb, values, donor_z = colour
     clean = [p.clean for p in pairs]
     assert cb.inputs["input_ids"].shape[1] != pb.clean.inputs["input_ids"].shape[1]  # 49 against 52 tokens
-    donor_z = _plain_z(toy, cb)
     lasts = [pb.clean.last[b : b + 1] for b in range(len(pairs))]
     expected = _plain_patched(toy, pb.clean, lasts, donor_z, [cb.last[b : b + 1] for b in range(len(pairs))])
     with intervene(toy, Patch(SITE, positions="last", values=values, into=clean)):
@@ -127,7 +127,7 @@ def test_a_colour_task_donor_is_patched_at_last_and_at_an_objects_tokens_as_plai
 
 
 def test_a_position_the_donor_lacks_or_holds_another_number_of_is_refused_before_any_forward(toy, pairs, pb, colour):
-    samples, cb, values = colour
+    samples, cb, values, donor_z = colour
     corrupt, clean = [p.corrupt for p in pairs], [p.clean for p in pairs]
     assert max(len(s.scene.objects) for s in samples) <= 4 < min(len(p.corrupt.scene.objects) for p in pairs)
     seq = pb.clean.inputs["input_ids"].shape[1]
@@ -186,3 +186,14 @@ def test_a_donor_of_the_same_layout_is_written_column_for_column_as_before(toy, 
             got = toy.forward(pb.clean).logits[:, -1]
         with intervene(toy, Patch(SITE, positions=positions, values=plain, into=clean)):
             assert torch.equal(got, toy.forward(pb.clean).logits[:, -1]), positions
+
+
+def test_resample_donors_of_another_layout_are_written_by_name(toy, pairs, pb, colour):
+    samples, cb, _, donor_z = colour
+    item = Resample(SITE, samples, seed=1, positions="last").resolved(toy)  # colour donors, count samples
+    lay = item.recorded_on[1][item.rows_for(Frame.of(pb.clean))]  # each row's drawn donor
+    here = [pb.clean.last[b : b + 1] for b in range(len(pairs))]
+    expected = _plain_patched(toy, pb.clean, here, donor_z[lay], [cb.last[d : d + 1] for d in lay])
+    with intervene(toy, item):
+        got = toy.forward(pb.clean).logits[:, -1].float()
+    assert_close(got, expected, what="Resample of colour-task donors at last vs plain torch")
