@@ -37,6 +37,7 @@ from countlens.circuits.engine.metrics import Metric
 from countlens.circuits.engine.pair_batch import prepare_pairs, tolerate_noise
 from countlens.circuits.engine.record import mean_activation, record
 from countlens.circuits.engine.run import effect, intervene, mean_difference
+from countlens.circuits.engine.site_gradients import gradients
 from countlens.circuits.engine.temperature import beta_from_importance, head_temperature
 from countlens.circuits.graph.edge_attribution import edge_attribution, edge_attributions
 from countlens.circuits.graph.edges import checked_graph, edge_graph
@@ -109,6 +110,7 @@ __all__ = [
     "expert_usage",
     "faithfulness",
     "faithfulness_curves",
+    "gradients",
     "group_means",
     "head_temperature",
     "image_attention_share",

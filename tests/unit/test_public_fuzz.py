@@ -231,6 +231,7 @@ def _valid_calls(loaded) -> dict:
         "checked_graph": dict(vlm=vlm, batch=batch),
         "effect": dict(vlm=vlm, pairs=pairs, interventions=circuits.Patch(circuits.Residual(1), positions="last")),
         "prepare_pairs": dict(vlm=vlm, pairs=pairs),
+        "gradients": dict(vlm=vlm, data=samples, sites=[circuits.Residual(1)], positions="last"),
         "path_patch": dict(vlm=vlm, pairs=pairs, senders="L0H0", receivers="logits"),
         "ablate_edges": dict(vlm=vlm, pairs=pairs, edges=[("L0H0", "logits")]),
         "keep_edges": dict(vlm=vlm, pairs=pairs, edges=[("L0H0", "logits")]),
