@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -175,7 +175,8 @@ def with_layout(values: Tensor, batch: Batch) -> Tensor:
     tensor made from it is unmarked."""
     if len(batch) != values.shape[0]:
         raise InputError(f"a batch of {len(batch)} rows for values of {values.shape[0]} rows; give one row per row")
-    setattr(values, _LAYOUT, Frame.of(batch))
+    tokens = {key: batch.inputs[key] for key in ("input_ids", "attention_mask")}  # no pixels kept alive
+    setattr(values, _LAYOUT, Frame.of(replace(batch, inputs=tokens)))
     return values
 
 
