@@ -33,7 +33,13 @@ NPerCase = Annotated[
     int | None, typer.Option(help="COUNTINGTRICKS samples per case.", show_default=shown(DISCOVER["n_per_case"]))
 ]
 NPairs = Annotated[
-    int | None, typer.Option(help="Clean/corrupt pairs for patching.", show_default=shown(DISCOVER["n_pairs"]))
+    int | None,
+    typer.Option(
+        help="Clean/corrupt pairs for patching, drawn stratified over the 72 ordered pairs of counts 1–9 "
+        "(seeded by --seed): each gets ⌊n/72⌋ or ⌈n/72⌉ pairs and the clean counts are as even as n allows; "
+        "the report gives the clean × corrupt table.",
+        show_default=shown(DISCOVER["n_pairs"]),
+    ),
 ]
 NSamples = Annotated[
     int | None,

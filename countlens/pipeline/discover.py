@@ -21,7 +21,8 @@ stream their chunks to ``results/sweeps/``:
    default; the counting-circuits preset: counting, math, spatial, colour); Jaccard;
 7. ``temperature`` — counting accuracy with the most important heads sharpened (β = α·γ);
 8. ``probes`` (with ``probes=True``) — the MAS paper's detection probes on its three taps;
-then the head table (``heads.csv`` / ``.md`` / ``.tex``), plots and ``report.md``.
+then the head table (``heads.csv`` / ``.md`` / ``.tex``), plots and ``report.md``. The stages run under
+`countlens.circuits.tolerate_noise`: a normaliser below the noise rule is marked in the report, not refused.
 
 Launched as several processes (``torchrun --nproc_per_node N -m countlens.cli discover …`` or
 ``accelerate launch``; `countlens.distributed`), every rank first takes its share of the three
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from countlens import distributed, files
 from countlens.analysis.heads import export_heads, head_table
+from countlens.circuits.engine.pair_batch import tolerate_noise
 from countlens.datasets.prompts import PROMPTS
 from countlens.errors import ConfigError, CountlensError
 from countlens.pipeline import presets
@@ -90,7 +92,9 @@ def discover(
     # second discover into the same --out is refused while the first runs; a killed run leaves no lock.
     out.mkdir(parents=True, exist_ok=True)
     lock = nullcontext() if shard.sharded else files.directory_lock(out, LOCK, "discover", "give another --out")
-    with lock:
+    # A stage whose normaliser is below the noise rule is marked (its result's ``normaliser_noisy``, shown
+    # beside its figures in the report), not refused: one noisy stage does not stop the others.
+    with lock, tolerate_noise():
         return _run(vlm, c, prompt, inputs, out, shard, log, spec)
 
 

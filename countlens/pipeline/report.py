@@ -4,7 +4,10 @@ Nothing here runs a model: `write_report` loads ``results/*.nc`` (`countlens.pip
 section of the registry (`countlens.pipeline.stages.SECTIONS`) measures what it states (accuracies,
 the patching transition, AtP's rank agreement, the Jaccard overlaps) and draws its figures; the text
 is rendered from ``templates/header.md.j2`` and ``templates/sections/`` (Jinja2: the prose is there,
-the values are computed in the stage modules). ``countlens report RUN`` re-renders it.
+the values are computed in the stage modules). The header gives the pairs' clean × corrupt count
+table, and a section whose stage divided by a normaliser below the noise rule is marked under its
+heading (``templates/noise.md.j2``; `countlens.pipeline.report_notes`). ``countlens report RUN``
+re-renders it.
 ``report.html`` beside it is the same report as one self-contained page with an interactive head grid
 (`countlens.pipeline.html_report`). `countlens finetune` puts its before/after table into the report
 (`add_finetune_section`, both files); that section (`FINETUNE_SECTION`) is kept when the report is
@@ -21,6 +24,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from countlens.analysis.heads import read_heads
 from countlens.analysis.metrics import unanswered
 from countlens.pipeline.html_report import write_html
+from countlens.pipeline.report_notes import noisy_stages, pairs_values, with_mark
 from countlens.pipeline.rundir import load_run, read_spec
 from countlens.pipeline.stages import SECTIONS, ReportContext
 from countlens.pipeline.stages.classes import preset_summary
@@ -47,17 +51,15 @@ def write_report(
     table = read_heads(out) if table is None else table  # checked before anything is drawn or written
     ctx = ReportContext(model, arch, out, read_spec(out), load_run(out), table)
     values = [section.values(ctx) for section in SECTIONS]  # every check passes before anything is drawn
+    pairs = pairs_values(ctx.results)
     for section in SECTIONS:
         section.draw(ctx)
-    header = _TEMPLATES.get_template("header.md.j2").render(
-        model=model,
-        arch=arch,
-        prompt=prompt or ctx.spec["prompt"],
-        warning=unanswered(ctx.results["cases"]),
-        preset=preset_summary(ctx.spec),
-    )
+    header = header_text(ctx, prompt or ctx.spec["prompt"], pairs)
     parts = [header] + [
-        _TEMPLATES.get_template(f"sections/{section.template}").render(number=number, **v)
+        with_mark(
+            _TEMPLATES.get_template(f"sections/{section.template}").render(number=number, **v),
+            noise_mark(ctx.results, section.stages),
+        )
         for number, (section, v) in enumerate(zip(SECTIONS, values), start=1)
     ]
     text = "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
@@ -68,6 +70,28 @@ def write_report(
     path.write_text(text)
     write_html(ctx, text)
     return path
+
+
+def header_text(ctx: ReportContext, prompt: str, pairs: dict | None) -> str:
+    """The report's header: title, prompt, preset, the pairs' count table (``pairs``: `pairs_values`),
+    and the mark of any noisy stage that no section shows (so none goes unsaid)."""
+    header = _TEMPLATES.get_template("header.md.j2").render(
+        model=ctx.model,
+        arch=ctx.arch,
+        prompt=prompt,
+        warning=unanswered(ctx.results["cases"]),
+        preset=preset_summary(ctx.spec),
+        pairs=pairs,
+    )
+    placed = {s for section in SECTIONS for s in section.stages}
+    unplaced = noise_mark(ctx.results, sorted(set(ctx.results) - placed))
+    return header.rstrip("\n") + "\n\n" + unplaced if unplaced else header
+
+
+def noise_mark(results: dict, stages) -> str:
+    """The mark (``templates/noise.md.j2``) of each of ``stages`` whose normaliser is below the noise
+    rule, as markdown; "" when none is."""
+    return _TEMPLATES.get_template("noise.md.j2").render(noisy=noisy_stages(results, stages)).strip()
 
 
 def splice_finetune_section(report: str, section: str) -> str:

@@ -109,8 +109,11 @@ class ReportContext:
 class Section:
     """One numbered section of ``report.md``: ``values`` computes what its template shows (every
     check that can refuse a run directory belongs here, so nothing is drawn before all have passed);
-    ``draw`` writes its figures."""
+    ``draw`` writes its figures. ``stages``: the results it shows that divide by a patching normaliser;
+    one whose normaliser is below the noise rule is marked under the section's heading
+    (`countlens.pipeline.report_notes`)."""
 
     template: str
     values: Callable[[ReportContext], dict[str, Any]]
     draw: Callable[[ReportContext], None] = lambda ctx: None
+    stages: tuple[str, ...] = ()

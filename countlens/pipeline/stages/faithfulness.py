@@ -197,4 +197,4 @@ def _draw(ctx: ReportContext) -> None:
         )
 
 
-SECTION = Section("faithfulness.md.j2", _values, _draw)
+SECTION = Section("faithfulness.md.j2", _values, _draw, stages=("faithfulness", "edge_faithfulness"))

@@ -170,4 +170,4 @@ def _draw(ctx: ReportContext) -> None:
     plots.plot_effect_by_offset(ds, ctx.figures / "object_offset.png")
 
 
-SECTION = Section("objects.md.j2", _values, _draw)
+SECTION = Section("objects.md.j2", _values, _draw, stages=("objects",))

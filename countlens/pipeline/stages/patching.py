@@ -193,5 +193,5 @@ def _draw_heads(ctx: ReportContext) -> None:
     )
 
 
-VAP_SECTION = Section("vap.md.j2", _vap_values, _draw_vap)
-HEADS_SECTION = Section("heads.md.j2", _heads_values, _draw_heads)
+VAP_SECTION = Section("vap.md.j2", _vap_values, _draw_vap, stages=("vap",))
+HEADS_SECTION = Section("heads.md.j2", _heads_values, _draw_heads, stages=("heads", "atp", "eap_ig"))
