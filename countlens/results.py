@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from countlens.errors import CountlensError
+from countlens.errors import CountlensError, InputError
 from countlens.files import atomic_path, machine_errors
 from countlens.validate import require_finite_tensor
 
@@ -41,6 +41,9 @@ __all__ = [
     "load",
     "load_all",
     "provenance",
+    "rebuild_samples",
+    "recipe_of",
+    "sample_recipes",
     "save",
     "save_all",
 ]
@@ -108,7 +111,8 @@ def recipe_of(samples) -> list[dict]:
     """The recipes of ``samples`` (or of pairs: their clean sides, whose recipe names both counts),
     folded: samples whose generator calls differ only in ``index`` form one entry with their indices
     as ``[first, last]`` runs, in order; loaded samples (no recipe) are counted as ``{"loaded": n}``.
-    `countlens.datasets.recipe.rebuild` makes each sample again from its unfolded recipe."""
+    What `provenance` stores as a result's ``data_recipe``; `sample_recipes` unfolds it (one recipe a
+    sample), `rebuild_samples` makes the samples again."""
     groups: dict[str, dict] = {}
     loaded = 0
     for s in samples:
@@ -126,6 +130,107 @@ def recipe_of(samples) -> list[dict]:
         else:
             runs.append([i, i])
     return [*groups.values(), *([{"loaded": loaded}] if loaded else [])]
+
+
+#: The most samples a ``data_recipe`` may unfold to: a larger count is an edited file, not a data set.
+MAX_UNFOLDED = 10_000_000
+
+
+def sample_recipes(result) -> list[dict]:
+    """The recipe of each sample (or pair) behind ``result``, unfolded from its ``data_recipe`` attr (the
+    entries `recipe_of` folded): one dict per sample, entry by entry and each entry's samples in index
+    order, each one `countlens.datasets.rebuild` makes again. A sample loaded from a data set has no
+    recipe: it appears as ``{"loaded": 1}`` (which `rebuild` refuses, saying why).
+
+    ``result``: a `xarray.Dataset` / `xarray.DataArray` carrying ``data_recipe`` (every result made from
+    samples does), the path of a stored result (read with `load`), or `recipe_of`'s list itself. What is
+    read is data and is checked: entries must be objects, index runs ``[first, last]`` pairs of
+    integers; anything else is an `InputError` naming the entry. The recipes' own checks (generator,
+    arguments, version) are `rebuild`'s (`countlens.datasets.recipe.check_recipe`)."""
+    entries = _folded(result)
+    out: list[dict] = []
+    for k, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise InputError(f"data_recipe entry {k} is {entry!r:.80}, not an object; {_EDITED}")
+        if "loaded" in entry:
+            n = entry["loaded"]
+            if set(entry) != {"loaded"} or not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise InputError(f"data_recipe entry {k} ({entry!r:.80}) is no count of loaded samples; {_EDITED}")
+            if len(out) + n > MAX_UNFOLDED:
+                raise InputError(f"data_recipe unfolds to over {MAX_UNFOLDED:,} samples; {_EDITED}")
+            out += [{"loaded": 1} for _ in range(n)]
+        else:
+            rest = {key: v for key, v in entry.items() if key != "index"}
+            runs = _runs(entry.get("index"), k)
+            if len(out) + sum(1 if a is None else b - a + 1 for a, b in runs) > MAX_UNFOLDED:  # counted first
+                raise InputError(f"data_recipe unfolds to over {MAX_UNFOLDED:,} samples; {_EDITED}")
+            for first, last in runs:
+                out += [rest] if first is None else [{**rest, "index": i} for i in range(first, last + 1)]
+    return out
+
+
+def rebuild_samples(result) -> list:
+    """The samples (or pairs) behind ``result`` made again from their recipes, in `sample_recipes`' order:
+    ``result`` as there. Every recipe is checked (`countlens.datasets.recipe.check_recipe`) before any
+    sample is made; samples loaded from a data set (no recipe) are refused, with their count."""
+    from countlens.datasets.recipe import check_recipe, rebuild
+
+    recipes = sample_recipes(result)
+    loaded = sum(1 for r in recipes if set(r) == {"loaded"})
+    if loaded:
+        raise InputError(
+            f"{loaded} of the {len(recipes)} samples behind this result were loaded from a data set and have no "
+            "recipe: load that data set again (sample_recipes(result) gives the recipes of the others)"
+        )
+    for recipe in recipes:
+        check_recipe(recipe)
+    return [rebuild(recipe) for recipe in recipes]
+
+
+_EDITED = "a data_recipe is written by countlens (recipe_of): the file was edited, or written by another program"
+
+
+def _folded(result) -> list:
+    """The folded entries of ``result``'s ``data_recipe`` (a result, a stored result's path, or the list)."""
+    if isinstance(result, list):
+        return result
+    if isinstance(result, (str, os.PathLike)):
+        result = load(result)
+    if not isinstance(result, (xr.DataArray, xr.Dataset)):
+        raise InputError(
+            f"give a result (a Dataset or DataArray), the path of a stored one, or recipe_of's list; "
+            f"got {type(result).__name__} {result!r:.80}"
+        )
+    text = result.attrs.get("data_recipe")
+    if text is None:
+        raise InputError(
+            "this result carries no data_recipe attr: it was made without its samples (provenance(..., "
+            "samples=...) records them); rebuild from the samples' own .recipe instead"
+        )
+    try:
+        entries = json.loads(text) if isinstance(text, str) else None
+    except ValueError as err:
+        raise InputError(f"the data_recipe attr is not JSON ({err}); {_EDITED}") from None
+    if not isinstance(entries, list):
+        raise InputError(f"the data_recipe attr is {text!r:.80}, not a JSON list of recipes; {_EDITED}")
+    return entries
+
+
+def _runs(index, k: int) -> list[tuple]:
+    """The ``[first, last]`` runs of entry ``k``'s index, checked (``[None, None]``: one sample without one)."""
+    ok = isinstance(index, list) and all(
+        isinstance(run, list)
+        and len(run) == 2
+        and (
+            run == [None, None]
+            or all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in run)
+            and run[0] <= run[1]
+        )
+        for run in index
+    )
+    if not ok:
+        raise InputError(f"data_recipe entry {k}'s index {index!r:.80} is no list of [first, last] runs; {_EDITED}")
+    return [tuple(run) for run in index]
 
 
 def _countlens_version() -> str:

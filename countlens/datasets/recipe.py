@@ -6,7 +6,9 @@ sample it returns carries ``recipe``, a plain JSON dict of the generator's dotte
 of the call with its defaults filled in (a `Geometry` as its fields), the countlens version that made
 it and the recipe schema (`RECIPE_SCHEMA`). Generators are pure functions of their arguments, so
 `rebuild` gives the sample again. `countlens.results.recipe_of` folds many samples' recipes into the
-``data_recipe`` attr every result carries, so a recipe travels in every saved file.
+``data_recipe`` attr every result carries, so a recipe travels in every saved file;
+`countlens.results.sample_recipes` unfolds it again (one recipe per sample) and
+`countlens.results.rebuild_samples` makes a result's samples again.
 
 A recipe read from a file is data: `rebuild` calls only a generator of `GENERATORS`, the allow-list
 kept here beside the `recorded` wrapper (a function wrapped by `recorded` that is not on it fails at
@@ -99,21 +101,45 @@ def recorded(fn):
 def rebuild(recipe: dict):
     """The sample (or pair) that ``recipe`` describes, made again by its generator.
 
-    ``recipe``: a sample's ``.recipe``, or one entry of a result's ``data_recipe`` attr
-    (`countlens.results.recipe_of`) with ``index`` set to one sample's index::
+    ``recipe``: a sample's ``.recipe``, or one of the recipes a result's ``data_recipe`` attr unfolds to
+    (`countlens.results.sample_recipes`; `countlens.results.rebuild_samples` rebuilds them all)::
 
         from countlens.datasets import rebuild, task_samples
+        from countlens.results import rebuild_samples, sample_recipes
         s = task_samples("count", 3, seed=4)[2]
         assert rebuild(s.recipe).scene == s.scene
 
-        entry = json.loads(result.attrs["data_recipe"])[0]    # indices as [first, last] runs
-        sample = rebuild({**entry, "index": entry["index"][0][0]})
+        sample = rebuild(sample_recipes(result)[0])   # result: a Dataset / DataArray, or a stored one's path
+        samples = rebuild_samples("runs/demo/heads.nc")
 
     The recipe is data: its generator must be one of `GENERATORS` (data generators that write
     nothing), its arguments names in that generator's signature with plain JSON values, and it must
     have been written by this countlens version and recipe schema. Anything else is an `InputError`
     naming what differs, before any generator runs.
     """
+    generator, fn, args = _checked(recipe)
+    try:
+        return fn(**args)
+    except CountlensError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError) as err:  # a value of the wrong kind for the generator
+        raise InputError(
+            f"the recipe of {generator} cannot be made again ({type(err).__name__}: {err}); its arguments "
+            f"{args!r:.200} are not what this generator takes: rebuild from a recipe countlens wrote"
+        ) from err  # chained: where a generator's own bug raised it, the traceback shows where
+
+
+def check_recipe(recipe: dict) -> None:
+    """Refuse ``recipe`` as `rebuild` would, without making the sample: an `InputError` naming what is
+    wrong (a generator off the allow-list, arguments its generator does not take or that are not plain
+    JSON data, another countlens version or recipe schema, a loaded sample's count). Nothing runs but
+    the import of an allow-listed generator's module. `countlens.results.rebuild_samples` checks every
+    recipe of a result with it before it makes any sample."""
+    _checked(recipe)
+
+
+def _checked(recipe: dict) -> tuple[str, Any, dict]:
+    """(generator name, the recorded generator, its arguments) of a recipe that passes every check."""
     if not isinstance(recipe, dict):
         raise InputError(
             f"rebuild takes a recipe dict (a sample's .recipe, or an entry of a result's data_recipe), "
@@ -134,16 +160,7 @@ def rebuild(recipe: dict):
     _check_version(recipe)
     fn = _generator(generator)
     args = {k: v for k, v in recipe.items() if k not in (GENERATOR_KEY, VERSION_KEY, SCHEMA_KEY)}
-    args = _arguments(generator, fn, args)
-    try:
-        return fn(**args)
-    except CountlensError:
-        raise
-    except (TypeError, ValueError, KeyError, IndexError) as err:  # a value of the wrong kind for the generator
-        raise InputError(
-            f"the recipe of {generator} cannot be made again ({type(err).__name__}: {err}); its arguments "
-            f"{args!r:.200} are not what this generator takes: rebuild from a recipe countlens wrote"
-        ) from err  # chained: where a generator's own bug raised it, the traceback shows where
+    return generator, fn, _arguments(generator, fn, args)
 
 
 def _check_version(recipe: dict) -> None:
