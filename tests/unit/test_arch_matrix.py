@@ -124,7 +124,7 @@ def test_the_spec_names_every_module_a_method_touches(vlm):
     assert arch.sandwiched == (arch.name in ("gemma3", "gemma4", "glm4v", "paligemma"))  # tiny PaliGemma: Gemma 2
 
 
-# Tiny models whose vocabulary splits digits (the real Qwen one, or a trained digit BPE): tests/real_vocab.py.
+# Tiny models whose vocabulary splits digits (the real Qwen one, or a trained digit BPE): tiny_models/vocab.py.
 # Phi-4's real o200k vocabulary groups digits by three ("12" is one token): its answers need no end token.
 SPLITS_DIGITS = (
     "qwen2_vl",
