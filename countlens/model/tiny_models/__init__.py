@@ -133,17 +133,16 @@ def build(name: str, **kw):
 
 
 def save(name: str, out: str | os.PathLike, **kw) -> Path:
-    """Build the tiny ``name`` (`build` keywords) and write it to the folder ``out`` (made if missing; it must
-    hold no checkpoint yet) as a released checkpoint is laid out: config, safetensors weights, processor and
+    """Build the tiny ``name`` (`build` keywords) and write it to the folder ``out`` (made if missing, else
+    empty: nothing is overwritten) as a released checkpoint is laid out: config, safetensors weights, processor and
     tokenizer files (with ``added_tokens_decoder``). Returns the folder; `countlens.load(out)` opens it."""
     check_name(name)
     folder = Path(out).expanduser()
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--out {str(folder)!r} is a file; give a folder to write the tiny checkpoint into")
-    if (folder / "config.json").exists():
-        raise ConfigError(
-            f"{str(folder)!r} already holds a checkpoint (config.json); give an empty or new folder, or remove it"
-        )
+    if folder.is_dir() and any(folder.iterdir()):
+        what = "a checkpoint (config.json)" if (folder / "config.json").exists() else "files"
+        raise ConfigError(f"{str(folder)!r} already holds {what}; give an empty or new folder")
     model, processor = build(name, **kw)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
