@@ -18,6 +18,7 @@ import xarray as xr
 from countlens.circuits.engine.pair_batch import NOISE_K
 from countlens.datasets.pairs import count_table, pair_counts
 from countlens.errors import CountlensError, RunDirError
+from countlens.results import sample_recipes
 
 #: The stages whose pairs the report's table shows: the first of these the run holds with a recipe.
 PAIR_STAGES: tuple[str, ...] = ("vap", "heads")
@@ -28,22 +29,19 @@ COUNT_ARGS: tuple[str, ...] = ("seed", "kind", "clean", "corrupt", "counts", "or
 
 def recipe_counts(entries: Sequence) -> tuple[list[tuple[int, int]], set[str], int]:
     """The (clean, corrupt) counts of the pairs a ``data_recipe`` (`countlens.results.recipe_of`)
-    describes, in order; the orders they were drawn in ("stratified", "cycle", or "fixed" for a given
-    pair); and how many pairs it holds that `count_pair` did not draw (their counts are not recorded)."""
+    describes, in order (unfolded by `countlens.results.sample_recipes`); the orders they were drawn in
+    ("stratified", "cycle", or "fixed" for a given pair); and how many pairs it holds that `count_pair`
+    did not draw (their counts are not recorded)."""
     got: list[tuple[int, int]] = []
     orders: set[str] = set()
     other = 0
-    for entry in entries:
-        runs = [range(a, b + 1) for a, b in entry.get("index") or []]
-        if entry.get("generator") != COUNT_PAIR:
-            other += sum(len(r) for r in runs) if runs else int(entry.get("loaded", 0))
+    for recipe in sample_recipes(list(entries)):
+        if recipe.get("generator") != COUNT_PAIR:
+            other += 1
             continue
-        args = {k: entry[k] for k in COUNT_ARGS if k in entry}  # a recipe older than `order` cycled
-        if args.get("clean") is not None:
-            orders.add("fixed")
-        else:
-            orders.add(args.get("order", "cycle"))
-        got += [pair_counts(index=i, **args) for r in runs for i in r]
+        args = {k: recipe[k] for k in COUNT_ARGS if k in recipe}  # a recipe older than `order` cycled
+        orders.add("fixed" if args.get("clean") is not None else args.get("order", "cycle"))
+        got.append(pair_counts(index=recipe["index"], **args))
     return got, orders, other
 
 

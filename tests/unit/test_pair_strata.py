@@ -9,7 +9,7 @@ from itertools import permutations
 import pytest
 
 from countlens.datasets.pairs import count_pair, count_pairs, count_table, pair_counts
-from countlens.errors import InputError
+from countlens.errors import InputError, RunDirError
 
 COUNTS = tuple(range(1, 10))
 K = len(COUNTS) * (len(COUNTS) - 1)  # 72 ordered pairs of distinct counts
@@ -99,6 +99,10 @@ def test_the_report_header_gives_the_pairs_count_table_from_the_results_recipe(t
     header = header_text(ReportContext("toy", "qwen2_vl", tmp_path, {}, _results(pairs), None), "short", values)
     assert "**Pairs.** The patching stages read 16 count pairs, drawn stratified over the 72 ordered pairs" in header
     assert values["table"] in header and "clean \\ corrupt" in values["table"]
+    damaged = _results(pairs)
+    damaged["heads"].attrs["data_recipe"] = "[{not json"
+    with pytest.raises(RunDirError, match=r"results/heads.nc records a data_recipe the report cannot read"):
+        pairs_values(damaged)
     # A run made before the stratified order (its recipe names no order) is told as it ran: in order.
     old = [{k: v for k, v in entry.items() if k != "order"} for entry in recipe_of(pairs)]
     assert recipe_counts(old) == (
