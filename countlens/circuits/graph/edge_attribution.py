@@ -7,7 +7,9 @@ r alone: the norm's vector-Jacobian product at x_r of what r's projection sends 
 q, the gradient of q_proj's output at that head's columns times their weights). EAP takes the
 gradient at the clean run; EAP-IG (``steps`` = m > 1) averages it over m points of the straight path
 from the corrupt input to the clean one, interpolating the input of decoder layer 0 as
-`countlens.circuits.graph.integrated` does for nodes. Scores are normalised like the exact sweeps: divided
+`countlens.circuits.graph.integrated` does for nodes. LD is the metric (`countlens.circuits.metrics`;
+default the logit difference): EAP refuses one whose gradient vanishes at the clean run (``kl``), which
+EAP-IG, integrating from the corrupt input, takes. Scores are normalised like the exact sweeps: divided
 by Σ LD_corrupt − Σ LD_clean. Since a node's output reaches the metric only through the receivers
 downstream of it, a node's score is the sum of its outgoing edges' (``node_effect``): EAP's node
 scores are AtP's and EAP-IG's are `node_attribution`'s.
@@ -20,6 +22,7 @@ prompt's cost in memory is a chunk's, not the sequence's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +32,8 @@ from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.gradients import activation_gradients_only
-from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for
+from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.edges import (
     EdgeGraph,
@@ -63,12 +67,14 @@ def _norm_vjp(norm: torch.nn.Module, x: Tensor, cot: Tensor) -> Tensor:
     return g
 
 
-def gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -> dict:
+def gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb, metric: Metric | None = None) -> dict:
     """One forward and backward of ``batch`` with layer 0's input replaced by ``embed`` (a tensor shaped
-    like it; a copy is taken), LD = logit(``pb.clean_id``) − logit(``pb.corrupt_id``) at the last
-    position summed over rows: each layer's norm inputs and the gradients of LD's sum at the receivers'
-    projections, which `receiver_gradients` turns into each receiver's ∂LD/∂x_r. Rows do not interact,
-    so a row's gradients are its own LD's. Also `countlens.circuits.objects.edges`' pass."""
+    like it; a copy is taken), LD = ``metric`` (bound; None: the logit difference, logit(``pb.clean_id``) −
+    logit(``pb.corrupt_id``)) at the last position summed over rows: each layer's norm inputs and the
+    gradients of LD's sum at the receivers' projections, which `receiver_gradients` turns into each
+    receiver's ∂LD/∂x_r. Rows do not interact, so a row's gradients are its own LD's. A metric that reads
+    the clean run's logits reads ``pb.clean_logits``. Also `countlens.circuits.objects.edges`' pass."""
+    metric = logit_diff() if metric is None else metric
     hf, got = vlm.hf, {"x": {}, "mid": {}, **{kind: {} for kind in (Q, K, V, AttnIn, MlpIn)}}
     leaf = embed.detach().clone().requires_grad_(True)
 
@@ -100,7 +106,7 @@ def gradient_pass(vlm: VLM, graph: EdgeGraph, batch: Batch, embed: Tensor, pb) -
     with activation_gradients_only(hf):
         with torch.enable_grad(), hooked(hf, hooks):
             logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
-            logit_diff(logits, pb.clean_id, pb.corrupt_id).sum().backward()
+            metric(logits, pb).sum().backward()
     grads = {key: {la: t.grad.detach() for la, t in got[key].items()} for key in (Q, K, V, AttnIn, MlpIn)}
     return {**grads, "x": got["x"], "mid": got["mid"], "final": got["final"].grad.detach()}
 
@@ -153,14 +159,17 @@ def edge_attribution(
     batch_size: int = 16,
     chunk: int | None = None,
     graph: EdgeGraph | None = None,
+    metric=None,
 ) -> xr.Dataset:
     """EAP (``method="eap"``: one gradient, the clean run's) or EAP-IG (``steps`` points) scores of
     every edge: ``effect`` over ``edge`` (with ``upstream``, ``receiver`` and ``part`` coordinates),
     and ``node_effect`` over ``node`` (the sum of a node's outgoing edges). ``positions``: the token
     group whose positions are summed ("all", "image", "text", "last"); ``graph``: the model's
-    `edge_graph`, built here if not given. See the module docstring."""
+    `edge_graph`, built here if not given; ``metric``: `countlens.circuits.metrics` (default the logit
+    difference; EAP refuses one stationary at the clean run, such as ``kl``, which EAP-IG takes). See the
+    module docstring."""
     require_choice(method, "method ('eap': the clean run's gradient; 'eap-ig': integrated)", EDGE_VARIANTS)
-    return edge_attributions(vlm, pairs, (method,), steps, positions, batch_size, chunk, graph)[method]
+    return edge_attributions(vlm, pairs, (method,), steps, positions, batch_size, chunk, graph, metric)[method]
 
 
 def edge_attributions(
@@ -172,6 +181,7 @@ def edge_attributions(
     batch_size: int = 16,
     chunk: int | None = None,
     graph: EdgeGraph | None = None,
+    metric=None,
 ) -> dict[str, xr.Dataset]:
     """`edge_attribution`'s result per method of ``methods``, from one pass: EAP's gradient is EAP-IG's
     last point (the clean input), so both cost EAP-IG's ``steps`` gradients, and both come from the
@@ -191,6 +201,9 @@ def edge_attributions(
     require_count(steps, "steps")
     check_group(positions)
     graph = edge_graph(vlm) if graph is None else require_graph(vlm, graph)
+    first_order = "eap" in methods
+    who = "EAP (edge_attribution, method='eap')" if first_order else "EAP-IG (edge_attribution)"
+    metric = metric_for(vlm, pairs, metric, who, moving=first_order)
     m = steps if "eap-ig" in methods else 1
     # which gradients each method averages: EAP-IG all m, EAP the last (the clean input)
     divisor = {"eap-ig": [m] * m, "eap": [0] * (m - 1) + [1]}
@@ -198,13 +211,17 @@ def edge_attributions(
     n_edges = sum(graph.prefix.values())
     scores = {method: torch.zeros(n_edges, dtype=torch.float64) for method in methods}
     clean_sum = corrupt_sum = 0.0
+    differences = []  # per pair: M_corrupt − M_clean, for the normaliser's noise rule
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
         if not graph.checked:
             check_additive(vlm, graph, pb.clean)
         corrupt, clean = (record_nodes(vlm, b, graph.nodes, logits=True) for b in (pb.corrupt, pb.clean))
-        clean_sum += float(logit_diff(clean["logits"], pb.clean_id, pb.corrupt_id).sum())
-        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
+        pb = replace(pb, clean_logits=clean["logits"]) if metric.reads_clean else pb
+        clean_m, corrupt_m = metric(clean["logits"], pb), metric(corrupt["logits"], pb)
+        clean_sum += float(clean_m.sum())
+        corrupt_sum += float(corrupt_m.sum())
+        differences.append((corrupt_m.double() - clean_m.double()).cpu().numpy())
         image = image_positions(vlm, pb.clean)
         where = group_mask(pb.clean, positions)
         seq = int(where.shape[1])
@@ -215,7 +232,7 @@ def edge_attributions(
             if not used:
                 continue
             embed = corrupt["embed"] + (k / m) * (clean["embed"] - corrupt["embed"])
-            g = gradient_pass(vlm, graph, pb.clean, embed, pb)
+            g = gradient_pass(vlm, graph, pb.clean, embed, pb, metric)
             with torch.no_grad():
                 for p0 in range(0, seq, step):
                     sl = slice(p0, min(seq, p0 + step))
@@ -235,10 +252,12 @@ def edge_attributions(
                                 for method, wt in used:
                                     scores[method][offsets[r] : offsets[r] + p] += row / wt
             del g
-    denom = normaliser(clean_sum, corrupt_sum)
+    differences = np.concatenate(differences)
+    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
+    attrs = {"metric": metric.provenance(), **normaliser_stats(denom, differences)}
     return {
         method: _result(
-            vlm, pairs, graph, (scores[method] / denom).numpy(), method, 1 if method == "eap" else m, positions
+            vlm, pairs, graph, (scores[method] / denom).numpy(), method, 1 if method == "eap" else m, positions, attrs
         )
         for method in methods
     }
@@ -251,7 +270,7 @@ def _masked_deltas(vlm: VLM, graph: EdgeGraph, corrupt: dict, clean: dict, image
 
 
 def _result(
-    vlm: VLM, pairs, graph: EdgeGraph, effect: np.ndarray, method: str, steps: int, positions: str
+    vlm: VLM, pairs, graph: EdgeGraph, effect: np.ndarray, method: str, steps: int, positions: str, attrs: dict
 ) -> xr.Dataset:
     edges = graph.edges
     node_effect = np.zeros(len(graph.nodes))
@@ -267,5 +286,5 @@ def _result(
             "part": ("edge", [r.part_name for _, r in edges]),
             "node": [u.label for u in graph.nodes],
         },
-        attrs={**pairs_provenance(vlm, pairs), "method": method, "steps": steps, "positions": positions},
+        attrs={**pairs_provenance(vlm, pairs, **attrs), "method": method, "steps": steps, "positions": positions},
     )

@@ -20,13 +20,15 @@ its mean over the clean and corrupt inputs of the pairs in the same chunk, per p
 (``ablation="mean"``, countlens's choice of reference set). Nodes of C are recomputed in that forward
 from what reaches them. Components outside N (e.g. the MLPs when N is the heads) are never ablated.
 
-**The metric.** m = Σ over pairs of the logit difference LD = logit(clean answer) − logit(corrupt
-answer) at the read position (`patching`: the first token where the two answers differ).
-f(C) = (m(C) − m(∅)) / (m(N) − m(∅)): m(N) is the clean run, m(∅) the forward with every node of N
-ablated. So f = 1 with every node kept and f = 0 with none, by construction; with N every node kind
-and counterfactual patching, m(∅) is the corrupt run itself (every component's output is the corrupt
-one), except where the image also enters inside the decoder (Qwen3-VL's DeepStack, Gemma 4's
-per-layer inputs), which no node here covers.
+**The metric.** m = Σ over pairs of the metric M (`countlens.circuits.metrics`; default the logit
+difference LD = logit(clean answer) − logit(corrupt answer)) at the read position (`patching`: the first
+token where the two answers differ). f(C) = (m(C) − m(∅)) / (m(N) − m(∅)): m(N) is the clean run, m(∅)
+the forward with every node of N ablated. So f = 1 with every node kept and f = 0 with none, by
+construction; with N every node kind and counterfactual patching, m(∅) is the corrupt run itself (every
+component's output is the corrupt one), except where the image also enters inside the decoder
+(Qwen3-VL's DeepStack, Gemma 4's per-layer inputs), which no node here covers. Any metric applies: KL
+from the clean run reads the clean run's logits, those of the forward that ablates nothing (m(N) = 0
+there). m(N) − m(∅) is refused where it is within the pairs' own noise (`normaliser`'s rule).
 
 **Areas.** Over the sizes (default MIB's 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100 % of N), with x the
 fraction of N kept (⌊s·|N|⌋ / |N|) on a linear axis, trapezoids: CPR = ∫ f dx (higher is better),
@@ -40,13 +42,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.engine.pair_batch import logit_diff, prepare_pairs
+from countlens.circuits.engine.metrics import metric_for
+from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph import edge_ablation, edges
 from countlens.circuits.graph.nodes import (
@@ -82,6 +86,17 @@ ABLATIONS: tuple[str, ...] = ("patch", "mean")
 LEVELS: tuple[str, ...] = ("node", "edge")
 #: Random rankings drawn as the baseline by default (their mean and spread are reported).
 RANDOM_DRAWS = 5
+#: A curve result's own variables: the per-pair values, named after the metric, take none of these names.
+CURVE_VARIABLES: tuple[str, ...] = (
+    "faithfulness",
+    "metric",
+    "cpr",
+    "cmd",
+    "cpr_std",
+    "cmd_std",
+    "kept",
+    "kept_fraction",
+)
 
 
 def node_scores(vlm: VLM, scores, kinds: Sequence[str] | None = None) -> dict[Node, float]:
@@ -175,13 +190,15 @@ def faithfulness(
     nodes: Sequence[str] | None = None,
     batch_size: int = 16,
     level: str = "node",
+    metric=None,
 ) -> xr.Dataset:
     """The faithfulness curve of one ranking (see the module docstring for the definition):
-    ``faithfulness`` and ``metric`` over ``size``, with ``kept`` / ``kept_fraction`` and per-pair
-    ``logit_diff``; ``cpr`` and ``cmd`` in its attrs. One ranking of `faithfulness_curves`."""
+    ``faithfulness`` and ``metric`` over ``size``, with ``kept`` / ``kept_fraction`` and per pair the
+    ``metric``'s values (`countlens.circuits.metrics`, named after it: ``logit_diff`` by default);
+    ``cpr`` and ``cmd`` in its attrs. One ranking of `faithfulness_curves`."""
     require_vlm(vlm, "faithfulness")
     ds = faithfulness_curves(
-        vlm, pairs, {"scores": scores}, sizes, ablation, nodes, batch_size, random_draws=0, level=level
+        vlm, pairs, {"scores": scores}, sizes, ablation, nodes, batch_size, random_draws=0, level=level, metric=metric
     )
     out = ds.sel(ranking="scores", drop=True)
     out.attrs.update(cpr=float(out.cpr), cmd=float(out.cmd))
@@ -200,6 +217,7 @@ def faithfulness_curves(
     seed: int = 0,
     level: str = "node",
     graph: edges.EdgeGraph | None = None,
+    metric=None,
 ) -> xr.Dataset:
     """Faithfulness curves of several rankings over one node set (``level="node"``) or over every
     edge (``level="edge"``: rankings are `edge_attribution` results or {edge label: score}; ``nodes``
@@ -207,8 +225,10 @@ def faithfulness_curves(
     (ranking × size), ``cpr`` / ``cmd`` per ranking. With ``random_draws`` > 0, that many random
     rankings (a permutation each, seeded by ``seed``) as rankings ``random0`` …, and ``random`` =
     their mean curve (its CPR / CMD the draws' mean; their standard deviation in ``cpr_std`` /
-    ``cmd_std``; per-pair logit differences are then left out). ``graph``: at ``level="edge"``, the
-    model's `edge_graph` when the caller has built (and checked) it already."""
+    ``cmd_std``; per-pair values are then left out). ``graph``: at ``level="edge"``, the model's
+    `edge_graph` when the caller has built (and checked) it already. ``metric``: what m sums
+    (`countlens.circuits.metrics`; default the logit difference), any metric; the per-pair values are named
+    after it."""
     require_vlm(vlm, "faithfulness_curves")
     check_pair_sweep(pairs, batch_size, "faithfulness")
     require_choice(ablation, "ablation", ABLATIONS, InputError)
@@ -222,6 +242,12 @@ def faithfulness_curves(
         raise InputError("no ranking to evaluate: give rankings={name: scores} or random_draws > 0")
     if graph is not None and level != "edge":
         raise InputError("graph= is the edge graph of level='edge'; at level='node' leave it unset")
+    metric = metric_for(vlm, pairs, metric, "faithfulness")
+    if metric.name in CURVE_VARIABLES:
+        raise InputError(
+            f"faithfulness: a metric named {metric.name!r} would hide the result's own {metric.name!r}; name it "
+            "otherwise, e.g. Metric(name='my_metric', fn=...)"
+        )
     if level == "edge":
         if nodes is not None:
             raise InputError("nodes= chooses a node set; at level='edge' every edge is ranked: leave nodes unset")
@@ -240,7 +266,7 @@ def faithfulness_curves(
                 )
         unit = ",".join(dict.fromkeys(kind_of(node) for node in items))
         run = _node_chunk(vlm, items, ablation)
-    ds = _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run)
+    ds = _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run, metric)
     ds.attrs.update(ablation=ablation, level=level, nodes=unit)
     if level == "edge":
         ds.attrs["x_axis"] = "fraction of the edges kept, linear"
@@ -276,9 +302,9 @@ def _edge_chunk(vlm: VLM, graph, ablation: str) -> ChunkRun:
     return run
 
 
-def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run: ChunkRun) -> xr.Dataset:
+def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, run: ChunkRun, metric) -> xr.Dataset:
     """The curves of ``scored`` rankings over ``items`` (nodes or edge indices), ``run`` ablating sets of
-    them in each chunk of pairs."""
+    them in each chunk of pairs, under ``metric`` (bound)."""
     n = len(items)
     position = {item: i for i, item in enumerate(items)}
     kept = circuit_sizes(n, sizes)
@@ -300,7 +326,9 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         # The full and empty circuits, then every other distinct circuit, in stacked forwards (the sets
         # each ablates); a circuit of every item or of none is the full or empty run itself.
         logits = run(pb, [frozenset(), every, *(every - c for c in middle)])
-        ld = [logit_diff(rows, pb.clean_id, pb.corrupt_id).cpu() for rows in logits]
+        # A metric that reads the clean run's logits reads those of the forward that ablates nothing.
+        pb = replace(pb, clean_logits=logits[0]) if metric.reads_clean else pb
+        ld = [metric(rows, pb).cpu() for rows in logits]
         full_ld.append(ld[0])
         empty_ld.append(ld[1])
         for c in distinct:
@@ -309,13 +337,16 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
     m_full, m_empty = (float(torch.cat(ld).double().sum()) for ld in (full_ld, empty_ld))
     if m_full == m_empty:
         raise InputError(
-            "ablating everything changes no logit difference (m(N) = m(∅)): the set carries nothing of "
+            f"ablating everything changes no {metric.name} (m(N) = m(∅)): the set carries nothing of "
             "these pairs; give pairs whose answers differ, or a larger node set"
         )
+    # m(N) − m(∅) is this curve's normaliser: refused below the pairs' noise (`normaliser`'s rule).
+    differences = (torch.cat(full_ld).double() - torch.cat(empty_ld).double()).numpy()
+    normaliser(m_empty, m_full, differences, metric.name)
     methods = list(orders)
     per_pair = np.stack([[torch.cat(lds[circuits[(m, k)]]).numpy() for k in kept] for m in methods])
-    metric = per_pair.astype(np.float64).sum(-1)
-    faith = (metric - m_empty) / (m_full - m_empty)
+    summed = per_pair.astype(np.float64).sum(-1)
+    faith = (summed - m_empty) / (m_full - m_empty)
     # The end points are definitions, not measurements: every item kept is the clean run itself (f = 1),
     # none kept the run with every item ablated (f = 0). Dividing a sum by itself is 1 only where both sums
     # run the same reduction; another CPU's kernels may round one of them otherwise.
@@ -326,8 +357,8 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
     ds = xr.Dataset(
         {
             "faithfulness": (("ranking", "size"), faith),
-            "metric": (("ranking", "size"), metric),
-            "logit_diff": (("ranking", "size", "pair"), per_pair),
+            "metric": (("ranking", "size"), summed),
+            metric.name: (("ranking", "size", "pair"), per_pair),
             "cpr": ("ranking", np.asarray(cpr)),
             "cmd": ("ranking", np.asarray(cmd)),
             "kept": ("size", np.asarray(kept)),
@@ -338,7 +369,7 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
     if random_draws > 0:
         draws = ds.sel(ranking=[f"random{d}" for d in range(random_draws)])
         mean = draws[["faithfulness", "metric", "cpr", "cmd"]].mean("ranking").expand_dims(ranking=["random"])
-        ds = xr.concat([ds.drop_vars("logit_diff"), mean], dim="ranking", data_vars="minimal")
+        ds = xr.concat([ds.drop_vars(metric.name), mean], dim="ranking", data_vars="minimal")
         ds["cpr_std"] = xr.full_like(ds.cpr, np.nan).where(ds.ranking != "random", float(draws.cpr.std()))
         ds["cmd_std"] = xr.full_like(ds.cmd, np.nan).where(ds.ranking != "random", float(draws.cmd.std()))
     ds.attrs.update(
@@ -347,6 +378,8 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         n_nodes=n,
         metric_full=m_full,
         metric_empty=m_empty,
+        metric=metric.provenance(),
+        **normaliser_stats(m_full - m_empty, differences),
         x_axis="fraction of the node set kept, linear",
     )
     return ds

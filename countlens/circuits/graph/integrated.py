@@ -1,11 +1,13 @@
 """EAP-IG on nodes: attribution patching with the gradient integrated from the corrupt input to the clean.
 
 Attribution patching (AtP, `attribution_patch`) estimates the effect of patching a node's corrupt
-activation into the clean run as (a_corrupt − a_clean) · ∂LD/∂a, the gradient taken at the clean run.
+activation into the clean run as (a_corrupt − a_clean) · ∂LD/∂a, the gradient taken at the clean run, LD
+the metric (`countlens.circuits.metrics`; default the logit difference).
 Where the metric is not linear in a between the two runs (a saturated softmax, a gate), one gradient
 misjudges the change. EAP-IG (Hanna et al. 2024, "Have faith in faithfulness"; the MIB benchmark's
 recommended default) averages the gradient over m points of the straight path between the two inputs,
-as integrated gradients do:
+as integrated gradients do (any metric: KL from the clean run too, whose gradient at the clean run
+alone is zero):
 
     score(a) = (a_corrupt − a_clean) · (1/m) Σ_{k=1..m} ∂LD/∂a |_{x_k},   x_k = x_corrupt + (k/m)(x_clean − x_corrupt)
 
@@ -24,6 +26,7 @@ Cost: two recording forwards and m forward-and-backward passes per chunk of pair
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +34,8 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine.gradients import activation_gradients_only
-from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import Metric, metric_for
+from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view
@@ -52,9 +56,9 @@ def _every_node(vlm: VLM) -> list[Node]:
     return nodes
 
 
-def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor | None, pb) -> dict:
+def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor | None, pb, metric: Metric) -> dict:
     """One forward and backward of ``batch`` with layer 0's input (and a cross-attention model's image
-    states) replaced by the given tensors: the gradient of Σ LD with respect to every node's output."""
+    states) replaced by the given tensors: the gradient of Σ ``metric`` with respect to every node's output."""
     arch = vlm.arch
     embed = embed.detach().clone().requires_grad_(True)
     if states is not None:
@@ -73,7 +77,7 @@ def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor
                 out.requires_grad_(True)
                 mlps.append(out.save())
             logits = vlm.nn.output.logits[:, -1].float()
-            ld = logit_diff(logits, pb.clean_id, pb.corrupt_id)
+            ld = metric(logits, pb)
             with ld.sum().backward():
                 for layer in reversed(range(arch.n_layers)):
                     gm.append(mlps[layer].grad.save())
@@ -92,13 +96,17 @@ def _gradients(vlm: VLM, batch: Batch, embed: torch.Tensor, states: torch.Tensor
 IG_STEPS = 5
 
 
-def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_size: int = 16) -> xr.Dataset:
+def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_size: int = 16, metric=None) -> xr.Dataset:
     """EAP-IG scores of every node (see the module docstring): ``effect`` over (layer, head) for the
     heads (NaN beyond a layer's own heads), ``mlp_effect`` over layer, ``input_effect`` over the input
-    groups (image, text), each normalised like the exact sweeps. ``steps`` = 1 is AtP."""
+    groups (image, text), each normalised like the exact sweeps. ``steps`` = 1 is AtP. ``metric``:
+    `countlens.circuits.metrics` (default the logit difference); any metric with ``steps`` > 1 (``kl``
+    too), one whose gradient at the clean run is not zero with ``steps`` = 1."""
     require_vlm(vlm, "node_attribution")
     check_pair_sweep(pairs, batch_size, "node_attribution")
     require_count(steps, "steps")
+    who = "EAP-IG (node_attribution)" if steps > 1 else "node_attribution with steps=1 (AtP)"
+    metric = metric_for(vlm, pairs, metric, who, moving=steps == 1)
     arch = vlm.arch
     nodes = _every_node(vlm)
     cross = image_states_path(vlm) is not None
@@ -106,15 +114,17 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_siz
     mlp = torch.zeros(arch.n_layers, dtype=torch.float64)
     inputs = torch.zeros(len(INPUTS), dtype=torch.float64)
     clean_sum = corrupt_sum = 0.0
+    differences = []  # per pair: M_corrupt − M_clean, for the normaliser's noise rule
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
         corrupt, clean = (record_nodes(vlm, b, nodes, logits=True) for b in (pb.corrupt, pb.clean))
+        pb = replace(pb, clean_logits=clean["logits"]) if metric.reads_clean else pb
         grads: dict = {}
         for k in range(1, steps + 1):
             alpha = k / steps
             embed = corrupt["embed"] + alpha * (clean["embed"] - corrupt["embed"])
             states = corrupt["states"] + alpha * (clean["states"] - corrupt["states"]) if cross else None
-            got = _gradients(vlm, pb.clean, embed, states, pb)
+            got = _gradients(vlm, pb.clean, embed, states, pb, metric)
             for key in ("z", "mlp"):
                 for layer, g in got[key].items():
                     grads.setdefault(key, {})[layer] = grads.get(key, {}).get(layer, 0) + g.double() / steps
@@ -136,9 +146,13 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_siz
             inputs[0] += float(de[image].sum())
             inputs[1] += float(de[~image].sum())
         # the normaliser from the recordings' own forwards
-        clean_sum += float(logit_diff(clean["logits"], pb.clean_id, pb.corrupt_id).sum())
-        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
-    denom = normaliser(clean_sum, corrupt_sum)
+        clean_m, corrupt_m = metric(clean["logits"], pb), metric(corrupt["logits"], pb)
+        clean_sum += float(clean_m.sum())
+        corrupt_sum += float(corrupt_m.sum())
+        differences.append((corrupt_m.double() - clean_m.double()).cpu().numpy())
+    differences = np.concatenate(differences)
+    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
+    stats = normaliser_stats(denom, differences)
     for layer in range(arch.n_layers):  # beyond a layer's own heads: no node
         heads[layer, arch.heads(layer) :] = float("nan")
     return xr.Dataset(
@@ -153,7 +167,11 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_siz
             "input": list(INPUTS),
             "kind": ("layer", [arch.kind(layer) for layer in range(arch.n_layers)]),
         },
-        attrs={**pairs_provenance(vlm, pairs), "method": "eap-ig" if steps > 1 else "atp", "steps": steps},
+        attrs={
+            **pairs_provenance(vlm, pairs, metric=metric.provenance(), **stats),
+            "method": "eap-ig" if steps > 1 else "atp",
+            "steps": steps,
+        },
     )
 
 

@@ -1,7 +1,8 @@
 """Edge attribution by object span: the edge from each object's image tokens to every receiver.
 
-The scenes, their references (the scene without its objects), the metric m = logit(n) − logit(n − 1)
-and the spans are `countlens.circuits.objects.gradients`'; the receivers are
+The scenes, their references (the scene without its objects), the metric m (default logit(n) −
+logit(n − 1); any of `countlens.circuits.metrics`, EAP refusing ``kl``) and the spans are
+`countlens.circuits.objects.gradients`'; the receivers are
 `countlens.circuits.graph.edges`' (a head's ``q``, a key / value head's ``k`` and ``v``, a fused block's
 ``attn``, an MLP's ``in``, the ``logits``), named as there. The upstream node is the input of decoder
 layer 0 (the token embeddings with the projected image tokens) at the object's span: the edge
@@ -41,6 +42,7 @@ The receiver products are formed a chunk of image positions at a time (`CHUNK_BY
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,7 +50,8 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.engine.pair_batch import PairBatch, logit_diff
+from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for
+from countlens.circuits.engine.pair_batch import PairBatch
 from countlens.circuits.graph.edge_attribution import CHUNK_BYTES, EDGE_VARIANTS, gradient_pass, receiver_gradients
 from countlens.circuits.graph.edges import EdgeGraph, check_additive, edge_graph
 from countlens.circuits.graph.edges import refusal as edge_refusal
@@ -97,12 +100,14 @@ def _positions(vlm: VLM, graph: EdgeGraph, rows: int) -> int:
 
 
 def span_edges(
-    vlm: VLM, graph: EdgeGraph, pb: PairBatch, weights: Tensor, method: str, steps: int
+    vlm: VLM, graph: EdgeGraph, pb: PairBatch, weights: Tensor, method: str, steps: int, metric: Metric | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(Σ_t weights[b, g, t] · e_r,t over (receivers, rows, groups), m(clean), m(reference)) for one chunk,
-    float64 on the CPU (see the module docstring)."""
+    float64 on the CPU (see the module docstring), m the bound ``metric`` (None: the logit difference)."""
+    metric = logit_diff() if metric is None else metric
     ref, clean = (record_nodes(vlm, b, [Embed("image")], logits=True) for b in (pb.corrupt, pb.clean))
-    m_ref, m_clean = (logit_diff(r["logits"], pb.clean_id, pb.corrupt_id) for r in (ref, clean))
+    pb = replace(pb, clean_logits=clean["logits"]) if metric.reads_clean else pb
+    m_ref, m_clean = (metric(r["logits"], pb) for r in (ref, clean))
     x_ref, x_clean = ref["embed"], clean["embed"]
     image = image_positions(vlm, pb.clean).to(x_clean.device)
     delta = (x_clean.double() - x_ref.double()) * image[..., None]
@@ -114,7 +119,7 @@ def span_edges(
     out = torch.zeros(len(graph.receivers), weights.shape[0], weights.shape[1], dtype=torch.float64)
     for k in range(1, steps + 1):
         point = x_clean if method == "eap" else x_ref + (k / steps) * (x_clean - x_ref)
-        g = gradient_pass(vlm, graph, pb.clean, point, pb)
+        g = gradient_pass(vlm, graph, pb.clean, point, pb, metric)
         with torch.no_grad():
             for p0 in range(lo, hi, size):
                 sl = slice(p0, min(hi, p0 + size))
@@ -136,15 +141,18 @@ def object_edge_attribution(
     coverage: float = 0.25,
     peak: bool = True,
     batch_size: int = 16,
+    metric=None,
 ) -> xr.Dataset:
     """Every object's edges to every receiver, by EAP (``method="eap"``) or EAP-IG (``"eap-ig"``,
-    ``steps`` points, default `IG_STEPS`), against the scene's background (see the module
-    docstring): ``score`` over (``scene``, ``object``: the index into ``sample.scene.objects``, NaN
-    beyond a scene's own objects; ``receiver``: `countlens.circuits.graph.edges`' labels, with ``layer`` and
-    ``part`` coordinates) and ``tokens`` (each span's size); per scene and receiver ``objects``,
-    ``overlap`` and ``background``; per scene ``image_total`` = m(clean) − m(reference),
-    ``clean_metric``, ``reference_metric`` and, for EAP-IG, ``completeness_error``. Every argument is
-    checked, and a model whose edges are undefined refused, before any forward."""
+    ``steps`` points, default `IG_STEPS`), against the scene's background, of ``metric``
+    (`countlens.circuits.metrics`; default the logit difference; EAP refuses one stationary at the clean
+    run, such as ``kl``, which EAP-IG takes) (see the module docstring): ``score`` over (``scene``,
+    ``object``: the index into ``sample.scene.objects``, NaN beyond a scene's own objects; ``receiver``:
+    `countlens.circuits.graph.edges`' labels, with ``layer`` and ``part`` coordinates) and ``tokens``
+    (each span's size); per scene and receiver ``objects``, ``overlap`` and ``background``; per scene
+    ``image_total`` = m(clean) − m(reference), ``clean_metric``, ``reference_metric`` and, for EAP-IG,
+    ``completeness_error``. Every argument is checked, and a model whose edges are undefined refused,
+    before any forward."""
     what = "object_edge_attribution"
     steps, _, pairs, chunks = check_request(
         vlm,
@@ -159,30 +167,31 @@ def object_edge_attribution(
         peak=peak,
         refusal=edge_refusal,
     )
+    metric = metric_for(vlm, pairs, metric, f"{what} (method={method!r})", moving=method == "eap")
     graph = edge_graph(vlm)  # the refusal above has built it once already
     n, width, n_r = len(pairs), max(len(p.clean.scene.objects) for p in pairs), len(graph.receivers)
     score = np.full((n, width, n_r), np.nan)
     tokens = np.zeros((n, width), dtype=np.int64)
     parts = {k: np.zeros((n, n_r)) for k in PARTS}
-    metric = {k: np.zeros(n) for k in ("clean_metric", "reference_metric")}
+    measured = {k: np.zeros(n) for k in ("clean_metric", "reference_metric")}
     row = 0
     for pb in chunks:
         if not graph.checked:
             check_additive(vlm, graph, pb.clean)
         weights, counts = span_weights(pb, vlm, width, coverage, peak)
-        got, m_clean, m_ref = span_edges(vlm, graph, pb, weights, method, steps)
+        got, m_clean, m_ref = span_edges(vlm, graph, pb, weights, method, steps, metric)
         for b, count in enumerate(counts):
             score[row, :count] = got[:, b, :count].T.numpy()
             tokens[row, :count] = weights[b, :count].sum(-1).long().numpy()
             for j, part in enumerate(PARTS):
                 parts[part][row] = got[:, b, width + j].numpy()
-            metric["clean_metric"][row], metric["reference_metric"][row] = float(m_clean[b]), float(m_ref[b])
+            measured["clean_metric"][row], measured["reference_metric"][row] = float(m_clean[b]), float(m_ref[b])
             row += 1
     score[tokens == 0] = np.nan  # an object that owns no token (hidden) has no edge, as in object_effects
-    total = metric["clean_metric"] - metric["reference_metric"]
+    total = measured["clean_metric"] - measured["reference_metric"]
     data = {"score": (("scene", "object", "receiver"), score), "tokens": (("scene", "object"), tokens)}
     data |= {k: (("scene", "receiver"), v) for k, v in parts.items()}
-    data |= {k: ("scene", v) for k, v in metric.items()} | {"image_total": ("scene", total)}
+    data |= {k: ("scene", v) for k, v in measured.items()} | {"image_total": ("scene", total)}
     if method == "eap-ig":
         summed = (parts["objects"] + parts["background"]).sum(-1)
         data["completeness_error"] = ("scene", summed - total)
@@ -204,6 +213,7 @@ def object_edge_attribution(
             coverage,
             peak,
             Residual(-1),
+            metric,
             upstream="the object's image tokens at layer 0's input",
             forward_equivalents=(2 + 3 * steps) * len(chunks) + 1,
         ),

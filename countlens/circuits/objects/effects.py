@@ -9,10 +9,14 @@ Definitions (enough to re-implement the numbers):
   has none and is refused). Its count n is ``meta["count"]`` where the sample has one (an organism
   may count only some objects), else ``len(scene.objects)``; its answer is the sample's, and the
   answer for n − 1 is the same text with the number n replaced by n − 1.
-- **Metric**: LD = logit(answer n) − logit(answer n − 1) at the read position, read as countlens's
-  patching reads a pair (`countlens.circuits.engine.pair_batch`): where the two answers' tokens first differ
-  (`countlens.model.answers.divergence`), their shared prefix teacher-forced. LD is the model's preference
-  for the true count over the count it would give had it missed one object.
+- **Metric**: LD = the metric (`countlens.circuits.metrics`; default the logit difference logit(answer
+  n) − logit(answer n − 1)) at the read position, read as countlens's patching reads a pair, the answer n
+  its clean side and n − 1 its corrupt side (`countlens.circuits.engine.pair_batch`): where the two
+  answers' tokens first differ (`countlens.model.answers.divergence`), their shared prefix
+  teacher-forced. The default is the model's preference for the true count over the count it would give
+  had it missed one object. The effect is exact, so any metric applies (``kl`` reads the scene's own
+  run as the clean one). The per-scene and per-object variables below are named after the metric
+  (``clean_logit_diff`` by default, ``clean_log_prob`` under ``log_prob``).
 - **Object tokens**: `countlens.circuits.sites.positions.Objects` (``tokens(batch, b, sample)``): image token
   t is object i's when i covers ≥ ``coverage`` of the pixels of t's token cell, or, with ``peak``, when
   t's cell holds the largest share of i (`countlens.model.cells.object_cells`). Cells are the *token* cells
@@ -72,7 +76,8 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine.edits import Edit, cache_run, run_edits
-from countlens.circuits.engine.pair_batch import logit_diff
+from countlens.circuits.engine.metrics import Metric, as_metric
+from countlens.circuits.engine.pair_batch import PairBatch
 from countlens.circuits.engine.record import location, require_local
 from countlens.circuits.sites import Embed, Residual
 from countlens.circuits.sites.positions import Objects
@@ -197,12 +202,14 @@ def object_effects(
     peak: bool = True,
     batch_size: int = 16,
     objects: Sequence[int] | None = None,
+    metric=None,
 ) -> xr.Dataset:
     """Each object's exact effect on the count answer: its image tokens patched from the ``reference``
     run ("removed": the scene without it; "background": the scene without any object) at ``site``
     (Residual(layer), −1 the image-token embeddings; or Embed("image")). ``objects``: the object indices
-    to measure in every scene (None: all; the others are NaN, their spans still reported). Dataset over
-    (scene, object); the module docstring defines every variable."""
+    to measure in every scene (None: all; the others are NaN, their spans still reported). ``metric``:
+    `countlens.circuits.metrics` (default the logit difference), any metric. Dataset over (scene,
+    object); the module docstring defines every variable."""
     require_vlm(vlm, "object_effects")
     require_local(vlm, "object_effects")
     if vlm.arch.spec.cross_attention is not None:
@@ -225,6 +232,7 @@ def object_effects(
     true = [count_of(s, f"sample {k}") for k, s in enumerate(samples)]
     fewer = [fewer_answer(s, n, f"sample {k}") for k, (s, n) in enumerate(zip(samples, true))]
     split = [divergence(vlm.answer_ids(s.answer), vlm.answer_ids(f), (s.answer, f)) for s, f in zip(samples, fewer)]
+    metric = _scene_metric(vlm, metric, "object_effects", _prepare(vlm, samples[:1], [split[0][0]]), split[0])
     layout = _layout(vlm, samples, scenes, coverage, bool(peak), batch_size)
     chosen = set(range(max(counts))) if objects is None else set(Objects(objects).objects)
     live = [[bool(sp[i].any()) and i in chosen for i in range(n)] for sp, n in zip(layout["spans"], counts)]
@@ -243,7 +251,10 @@ def object_effects(
         ids = (torch.tensor([split[s][1] for s in chunk]), torch.tensor([split[s][2] for s in chunk]))
         clean = _prepare(vlm, [samples[s] for s in chunk], forced)
         logits = cache_run(vlm, clean, [], resid=False, z=False)["logits"].cpu()
-        clean_ld[chunk] = logit_diff(logits, *ids).numpy()
+        # The chunk's scenes as pairs (answer n clean, n − 1 corrupt); both sides hold the scene's batch.
+        reads = metric.reads_clean
+        pb = PairBatch(clean, clean, *ids, forced=[list(f) for f in forced], clean_logits=logits if reads else None)
+        clean_ld[chunk] = metric(logits, pb).numpy()
         correct[chunk] = (logits.argmax(-1) == ids[0]).numpy()
         items = [(r, s, i) for r, s in enumerate(chunk) for i in range(counts[s]) if live[s][i]]
         if not items:
@@ -272,14 +283,33 @@ def object_effects(
         for k, (_, s, i) in enumerate(items):
             pos = item_clean.image_pos[k]
             mask[k, pos[torch.from_numpy(layout["spans"][s][i])]] = True
-        patched = run_edits(
-            vlm, item_clean, cache, [Edit(site, mask)], reduce=lambda x, ids=item_ids: logit_diff(x, *ids)
+        item_pb = PairBatch(
+            item_clean,
+            item_clean,
+            *item_ids,
+            forced=[pb.forced[r] for r, _, _ in items],
+            clean_logits=logits[rows] if reads else None,
         )
-        ref_ld = logit_diff(cache["logits"].cpu(), *item_ids)
+        patched = run_edits(vlm, item_clean, cache, [Edit(site, mask)], reduce=lambda x, at=item_pb: metric(x, at))
+        ref_ld = metric(cache["logits"].cpu(), item_pb)
         for k, (_, s, i) in enumerate(items):
             ld["patched"][s, i], ld["reference"][s, i] = float(patched[0, k]), float(ref_ld[k])
 
-    return _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, reference, site, coverage, peak)
+    ds = _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, reference, site, coverage, peak)
+    if metric.name != "logit_diff":
+        ds = ds.rename({f"{k}_logit_diff": f"{k}_{metric.name}" for k in ("patched", "reference", "clean")})
+    ds.attrs["metric"] = metric.provenance()
+    return ds
+
+
+def _scene_metric(vlm: VLM, metric, method: str, batch: Batch, split: tuple) -> Metric:
+    """``metric`` bound to ``vlm`` and probed (`countlens.circuits.engine.metrics.metric_for`'s door, for
+    scenes rather than pairs) on the first scene's prepared ``batch`` read at its answers' divergence
+    ``split`` (prefix, n's token, n − 1's): no forward."""
+    bound = as_metric(vlm, metric, method)
+    prefix, clean_id, corrupt_id = split
+    bound.probe(vlm, PairBatch(batch, batch, torch.tensor([clean_id]), torch.tensor([corrupt_id]), [list(prefix)]))
+    return bound
 
 
 def scene_chunks(counts: Sequence[int], live: Sequence, batch_size: int) -> list[list[int]]:
@@ -352,7 +382,7 @@ def _dataset(vlm, samples, scenes, counts, true, layout, ld, clean_ld, correct, 
             site=site.label,
             coverage=float(coverage),
             peak=bool(peak),
-            metric="LD = logit(answer n) - logit(answer n-1) at the read position; "
+            definition="LD = the metric at the read position (answer n against answer n-1); "
             "effect = LD_clean - LD_patched; normalised = effect / (LD_clean - LD_reference)",
             no_tokens="objects covering no token (n_tokens 0) are not patched: their effect is NaN",
         )

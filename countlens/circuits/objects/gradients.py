@@ -5,7 +5,9 @@ removed (the background: same size, colour, noise and noise seed; `Scene.without
 `countlens.datasets.tasks.without_objects`), with the same question. The **metric** m is a logit
 difference at the read position: logit(n) − logit(n − 1), n the scene's true count
 (``sample.meta["count"]``, else its number of objects) and n − 1 the answer with that number lowered
-by one; a multi-token answer is read where the two answers first differ, their shared prefix
+by one, or any metric of `countlens.circuits.metrics` with n's answer its clean side and n − 1's its
+corrupt side (``metric``; the logit difference by default; AtP refuses ``kl``, whose gradient at the clean
+input is zero); a multi-token answer is read where the two answers first differ, their shared prefix
 ("circle:") teacher-forced (`countlens.circuits.engine.pair_batch.prepare_pairs`, whose ``corrupt`` side is
 here the reference).
 
@@ -61,7 +63,8 @@ from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked
 from countlens.circuits.engine.gradients import activation_gradients_only
-from countlens.circuits.engine.pair_batch import PairBatch, logit_diff, prepare_pairs
+from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for
+from countlens.circuits.engine.pair_batch import PairBatch, prepare_pairs
 from countlens.circuits.engine.record import require_local
 from countlens.circuits.graph.integrated import IG_STEPS
 from countlens.circuits.objects.effects import object_site
@@ -99,9 +102,11 @@ def reference_sample(sample, where: str = "the sample") -> TaskSample:
     return without_objects(sample, range(len(scene.objects)), where=where, reference="background")
 
 
-def object_provenance(vlm: VLM, pairs: Sequence, method, steps, coverage, peak, site: Residual, **more) -> dict:
+def object_provenance(
+    vlm: VLM, pairs: Sequence, method, steps, coverage, peak, site: Residual, metric: Metric, **more
+) -> dict:
     """The provenance of an object ranking: the model, the scenes, the method and its settings, the site
-    (its label) and the metric, against the scenes' backgrounds; ``more`` beside them."""
+    (its label) and the metric (its provenance), against the scenes' backgrounds; ``more`` beside them."""
     return provenance(
         vlm.name,
         vlm.arch.name,
@@ -113,7 +118,8 @@ def object_provenance(vlm: VLM, pairs: Sequence, method, steps, coverage, peak, 
         peak=bool(peak),
         site=site.label,
         reference="background",
-        metric="logit(n) - logit(n - 1) at the read position",
+        metric=metric.provenance(),
+        read="the metric at the read position, answer n against answer n - 1",
         **more,
     )
 
@@ -153,42 +159,56 @@ def _at_input(vlm: VLM, layer: int, store: dict, value: Tensor | None):
         yield
 
 
-def _metric(vlm: VLM, batch: Batch, pb: PairBatch) -> Tensor:
+def _metric(vlm: VLM, batch: Batch, pb: PairBatch, metric: Metric) -> tuple[Tensor, Tensor]:
+    """(m per row, the read position's logits) of one forward of ``batch``. A metric that reads the clean
+    run's logits reads ``pb.clean_logits``, and before they are known (the clean run itself) its own."""
     logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float()
-    return logit_diff(logits, pb.clean_id, pb.corrupt_id)
+    if metric.reads_clean and pb.clean_logits is None:
+        pb = dataclasses.replace(pb, clean_logits=logits.detach())
+    return metric(logits, pb), logits.detach()
 
 
 @torch.no_grad()
-def _record(vlm: VLM, batch: Batch, layer: int, pb: PairBatch) -> tuple[Tensor, Tensor]:
-    """(layer ``layer``'s input, m per row) in one plain forward."""
+def _record(vlm: VLM, batch: Batch, layer: int, pb: PairBatch, metric: Metric) -> tuple[Tensor, Tensor, Tensor]:
+    """(layer ``layer``'s input, m per row, the logits) in one plain forward."""
     store: dict = {}
     with _at_input(vlm, layer, store, None):
-        m = _metric(vlm, batch, pb)
-    return store["x"], m
+        m, logits = _metric(vlm, batch, pb, metric)
+    return store["x"], m, logits
 
 
-def _gradient(vlm: VLM, batch: Batch, layer: int, pb: PairBatch, value: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(the input, ∂Σm/∂input, m per row) from one forward and backward, the input ``value`` or the batch's own."""
+def _gradient(
+    vlm: VLM, batch: Batch, layer: int, pb: PairBatch, value: Tensor | None, metric: Metric
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(the input, ∂Σm/∂input, m per row, the logits) from one forward and backward, the input ``value``
+    or the batch's own."""
     store: dict = {}
     leaf = None if value is None else value.detach().clone().requires_grad_(True)
     with activation_gradients_only(vlm.hf), torch.enable_grad(), _at_input(vlm, layer, store, leaf):
-        m = _metric(vlm, batch, pb)
+        m, logits = _metric(vlm, batch, pb, metric)
         (grad,) = torch.autograd.grad(m.sum(), store["x"])
-    return store["x"].detach(), grad, m.detach()
+    return store["x"].detach(), grad, m.detach(), logits
 
 
-def per_token(vlm: VLM, pb: PairBatch, layer: int, method: str, steps: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(a_t over (rows, seq) in float64, m(clean), m(reference)) for one chunk (see the module docstring)."""
-    x_ref, m_ref = _record(vlm, pb.corrupt, layer, pb)
+def per_token(
+    vlm: VLM, pb: PairBatch, layer: int, method: str, steps: int, metric: Metric | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(a_t over (rows, seq) in float64, m(clean), m(reference)) for one chunk (see the module docstring),
+    m the bound ``metric`` (None: the logit difference). The clean run goes first: a metric may read its
+    logits."""
+    metric = logit_diff() if metric is None else metric
     if method == "atp":
-        x_clean, grad, m_clean = _gradient(vlm, pb.clean, layer, pb, None)
+        x_clean, grad, m_clean, logits = _gradient(vlm, pb.clean, layer, pb, None, metric)
         grad = grad.double()
     else:
-        x_clean, m_clean = _record(vlm, pb.clean, layer, pb)
+        x_clean, m_clean, logits = _record(vlm, pb.clean, layer, pb, metric)
+    pb = dataclasses.replace(pb, clean_logits=logits) if metric.reads_clean else pb
+    x_ref, m_ref, _ = _record(vlm, pb.corrupt, layer, pb, metric)
+    if method != "atp":
         grad = 0
         for k in range(1, steps + 1):
             point = x_ref + (k / steps) * (x_clean - x_ref)
-            grad = grad + _gradient(vlm, pb.clean, layer, pb, point)[1].double() / steps
+            grad = grad + _gradient(vlm, pb.clean, layer, pb, point, metric)[1].double() / steps
     a = ((x_clean.double() - x_ref.double()) * grad).sum(-1)
     return a.cpu(), m_clean.double().cpu(), m_ref.double().cpu()
 
@@ -263,9 +283,12 @@ def object_attribution(
     batch_size: int = 16,
     site: Residual | Embed = Residual(-1),
     peak: bool = True,
+    metric=None,
 ) -> xr.Dataset:
     """Every object of every scene scored by AtP (``method="atp"``) or EAP-IG (``"eap-ig"``, ``steps``
-    points, default `IG_STEPS`) against the scene's background (see the module docstring):
+    points, default `IG_STEPS`) against the scene's background (see the module docstring), of ``metric``
+    (`countlens.circuits.metrics`; default the logit difference; AtP refuses one stationary at the clean
+    run, such as ``kl``, which EAP-IG takes):
     ``score`` over (``scene``, ``object``: the index into ``sample.scene.objects``; NaN beyond a scene's
     own objects) with ``tokens`` (each span's size); per scene ``objects`` (the spans' union), ``overlap``,
     ``background``, ``text``, ``image_total`` = m(clean) − m(reference), ``clean_metric``,
@@ -276,6 +299,7 @@ def object_attribution(
     steps, layer, pairs, chunks = check_request(
         vlm, samples, method, steps, coverage, batch_size, site, what, peak=peak
     )
+    metric = metric_for(vlm, pairs, metric, f"{what} (method={method!r})", moving=method == "atp")
     n, width = len(pairs), max(len(p.clean.scene.objects) for p in pairs)
     score = np.full((n, width), np.nan)
     tokens = np.zeros((n, width), dtype=np.int64)
@@ -285,7 +309,7 @@ def object_attribution(
     row = 0
     for pb in chunks:
         owned = [spans(pb.clean, b, s, coverage, peak) for b, s in enumerate(pb.clean.samples)]
-        a, m_clean, m_ref = per_token(vlm, pb, layer, method, steps)
+        a, m_clean, m_ref = per_token(vlm, pb, layer, method, steps, metric)
         for b, objs in enumerate(owned):
             image = torch.zeros(a.shape[1], dtype=torch.bool)
             image[pb.clean.image_pos[b]] = True
@@ -323,6 +347,7 @@ def object_attribution(
             coverage,
             peak,
             object_site(vlm, site),
+            metric,
             forward_equivalents=(plain + 3 * grad) * len(chunks),
         ),
     )
