@@ -2,7 +2,9 @@
 
 Attribution patching (AtP, `countlens.circuits.methods.patching.attribution_patch`) estimates the effect of
 patching a node n from the corrupt run into the clean one as Î(n) = (n_corrupt − n_clean)·∂LD/∂n, the
-gradient taken at the clean run. AtP* (arXiv 2403.00745) fixes its two false-negative modes:
+gradient taken at the clean run, LD the metric (`countlens.circuits.metrics`; default the logit difference;
+one whose gradient vanishes at the clean run, such as ``kl``, is refused: every estimate would be 0).
+AtP* (arXiv 2403.00745) fixes its two false-negative modes:
 
 **The QK fix.** A query or key node reaches the metric through its head's attention softmax. When
 that softmax saturates, its gradient is ≈ 0 and AtP calls the node unimportant even where the patch
@@ -39,7 +41,7 @@ its attention and MLP (countlens's layer is a decoder layer, attention and MLP c
 c(n) = E[(1/(L−1)) Σ_ℓ |Î_ℓ(n)|] (the paper's eq. for AtP+GradDrop): magnitudes, so that the L
 estimates cannot cancel each other; a node's own layer ℓ gives 0 (nothing flows to n), hence L − 1.
 countlens takes |·| per pair, after summing the node's positions, and divides the sum over pairs by
-|Σ LD_corrupt − Σ LD_clean|: every AtP* score is a magnitude ≥ 0 on the exact sweeps' scale (a head
+|Σ LD_corrupt − Σ LD_clean| (the metric's): every AtP* score is a magnitude ≥ 0 on the exact sweeps' scale (a head
 whose exact effect is negative scores by its size). Cost: one forward of the corrupt run and one of
 the clean run, then L + 1 backward passes through the clean run's retained graph (AtP: one), plus the
 attention recomputation, O(seq² · d_head) per head and layer. ``graddrop=False`` gives the QK fix
@@ -55,6 +57,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -64,7 +67,8 @@ from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.gradients import activation_gradients_only
-from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import metric_for
+from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.sites import HeadZ, K, Q, V, check_group, group_mask, heads_view
 from countlens.errors import InputError
@@ -86,14 +90,17 @@ SELF_ATTENTION: tuple[str, ...] = ("full", "sliding", "chunked")
 
 
 def atp_star(
-    vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16, graddrop: bool = True
+    vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16, graddrop: bool = True, metric=None
 ) -> xr.Dataset:
     """AtP* (see the module docstring): ``effect`` over (layer, head) for each head's z, and
     ``q_effect``, ``k_effect``, ``v_effect`` for its query, key and value nodes, all magnitudes
-    normalised by |Σ LD_corrupt − Σ LD_clean| (``graddrop=False``: signed, like AtP's)."""
+    normalised by |Σ M_corrupt − Σ M_clean| (``graddrop=False``: signed, like AtP's), M the ``metric``
+    (`countlens.circuits.metrics`; default the logit difference; one stationary at the clean run, such
+    as ``kl``, is refused)."""
     check_pair_sweep(pairs, batch_size, "attribution_patch")
     check_group(positions)
     require_supported(vlm)
+    metric = metric_for(vlm, pairs, metric, "AtP* (attribution_patch, method='atp*')", moving=True)
     arch = vlm.arch
     if graddrop and arch.n_layers < 2:
         raise InputError(f"GradDrop averages over the other L − 1 layers, and {vlm.name} has one; use graddrop=False")
@@ -103,15 +110,19 @@ def atp_star(
     kinds = (HeadZ, *PARTS)
     sums = {k: torch.zeros(1 + len(drops), n_layers, n_heads, dtype=torch.float64) for k in kinds}
     clean_sum = corrupt_sum = 0.0
+    differences = []  # per pair: M_corrupt − M_clean, for the normaliser's noise rule
     with activation_gradients_only(vlm.hf):
         for start in range(0, len(pairs), batch_size):
             pb = prepare_pairs(vlm, pairs[start : start + batch_size])
             with torch.no_grad():
                 corrupt = _run(vlm, pb.corrupt, grad=False)
             clean = _run(vlm, pb.clean, grad=True)
-            ld = logit_diff(clean["logits"], pb.clean_id, pb.corrupt_id)
+            at = replace(pb, clean_logits=clean["logits"].detach()) if metric.reads_clean else pb
+            ld = metric(clean["logits"], at)
+            corrupt_ld = metric(corrupt["logits"], at)
             clean_sum += float(ld.detach().sum())
-            corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
+            corrupt_sum += float(corrupt_ld.sum())
+            differences.append((corrupt_ld.double() - ld.detach().double()).cpu().numpy())
             shifts = _shifts(clean, corrupt)  # per layer: the QK fix's Δz of q, k and v (float32 or wider)
             mask = group_mask(pb.clean, positions).to(torch.float64)
             # One gradient set at a time: L + 1 sets of every layer's z gradient would not fit a large model.
@@ -124,7 +135,8 @@ def atp_star(
                         per_pair = (g * heads_view(dz.double(), h).to(g.device)).sum((1, 3)).cpu()  # pair head
                         sums[kind][i, layer, :h] += per_pair.abs().sum(0) if graddrop else per_pair.sum(0)
             del clean, corrupt, shifts
-    denom = normaliser(clean_sum, corrupt_sum)
+    differences = np.concatenate(differences)
+    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
     softmax = [layer for layer in range(n_layers) if arch.kind(layer) in SELF_ATTENTION]
     out = {}
     for kind, s in sums.items():
@@ -145,7 +157,7 @@ def atp_star(
             "kind": ("layer", [arch.kind(layer) for layer in range(n_layers)]),
         },
         attrs={
-            **pairs_provenance(vlm, pairs),
+            **pairs_provenance(vlm, pairs, metric=metric.provenance(), **normaliser_stats(denom, differences)),
             "method": "atp*" if graddrop else "atp+qk-fix",
             "positions": positions,
             "graddrop": int(graddrop),

@@ -2,10 +2,11 @@
 
 A pair's two images differ only in how many objects they show (`countlens.datasets.count_pairs`).
 Patching copies activations of the corrupt run into the clean run at one site and asks how far the
-clean prediction moves toward the corrupt answer. With LD = logit(clean answer) − logit(corrupt
-answer) at the read position, a site's **effect** is the normalised logit-difference change
-(Σ LD_patched − Σ LD_clean) / (Σ LD_corrupt − Σ LD_clean): 0 = no change, 1 = as corrupt. Its
-**overwrite rate** is the share of pairs whose arg-max becomes the corrupt answer.
+clean prediction moves toward the corrupt answer. With M the metric (`countlens.circuits.metrics`;
+default the logit difference LD = logit(clean answer) − logit(corrupt answer)) at the read position, a
+site's **effect** is the normalised change (Σ M_patched − Σ M_clean) / (Σ M_corrupt − Σ M_clean):
+0 = no change, 1 = as corrupt. Its **overwrite rate** is the share of pairs whose arg-max becomes the
+corrupt answer.
 
 Multi-token answers (real tokenizers write "12" as "1", "2") are compared at the first token where
 the two answers differ, their shared prefix teacher-forced on both sides (`countlens.model.answers`): for
@@ -17,8 +18,9 @@ last prompt token.
   group (image tokens, the last prompt token, other text, all); `countlens.circuits.sites.Residual`.
 - `patch_heads`: one head's z (before o_proj) at layer l, over all or a group of positions;
   `countlens.circuits.sites.HeadZ`.
-- `attribution_patch` (AtP): the first-order estimate (z_corrupt − z_clean)·∂LD/∂z for every head
-  and layer at once, from three passes (corrupt forward, clean forward and backward); with
+- `attribution_patch` (AtP): the first-order estimate (z_corrupt − z_clean)·∂M/∂z for every head
+  and layer at once, from three passes (corrupt forward, clean forward and backward); a metric whose
+  gradient vanishes at the clean run (``kl``) is refused; with
   ``method="atp*"``, AtP* (`countlens.circuits.methods.atp_star`: the QK fix and GradDrop).
 
 Architecture note: Qwen3-VL's DeepStack adds image features to the residual stream inside its first
@@ -35,6 +37,7 @@ several processes they split the chunks between them (`countlens.distributed`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,7 +48,7 @@ from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.interventions import Patch
 from countlens.circuits.engine.metrics import metric_for
-from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.run import effect_sweep
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.methods.atp_star import atp_star
@@ -182,21 +185,26 @@ ATP_VARIANTS: tuple[str, ...] = ("atp", "atp*")
 
 
 def attribution_patch(
-    vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16, method: str = "atp"
+    vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16, method: str = "atp", metric=None
 ) -> xr.Dataset:
     """AtP: first-order estimates of head patching (``effect`` over (layer, head)) and of residual
-    patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps.
+    patching over ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps, of
+    ``metric`` (`countlens.circuits.metrics`; default the logit difference). A metric whose gradient
+    vanishes at the clean run (``kl``) is refused: every estimate would be 0.
     ``method="atp*"``: AtP* (`countlens.circuits.methods.atp_star.atp_star`: GradDrop on the heads' z, and the
     QK fix's per-head query, key and value estimates; magnitudes, no residual estimates)."""
     require_vlm(vlm, "attribution_patch")
     require_choice(method, "method", ATP_VARIANTS)
     if method == "atp*":
-        return atp_star(vlm, pairs, positions=positions, batch_size=batch_size)
+        return atp_star(vlm, pairs, positions=positions, batch_size=batch_size, metric=metric)
     check_pair_sweep(pairs, batch_size, "attribution_patch")
+    check_group(positions)
+    metric = metric_for(vlm, pairs, metric, "attribution_patch (AtP)", moving=True)
     n_layers, n_heads = vlm.arch.n_layers, vlm.arch.n_heads
     head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     resid_est = torch.zeros(n_layers, dtype=torch.float64)
     clean_sum = corrupt_sum = 0.0
+    differences = []  # per pair: M_corrupt − M_clean, for the normaliser's noise rule
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
         pb = prepare_pairs(vlm, chunk)
@@ -213,7 +221,11 @@ def attribution_patch(
                     h.requires_grad_(True)
                     hs.append(h.save())
                 logits = vlm.nn.output.logits[:, -1].float()
-                ld = logit_diff(logits, pb.clean_id, pb.corrupt_id)
+                if metric.reads_clean:  # a metric that reads the clean run's logits reads this very run's
+                    clean_logits = logits.detach().save()
+                    ld = metric(logits, replace(pb, clean_logits=clean_logits))
+                else:
+                    ld = metric(logits, pb)
                 clean_ld = ld.detach().save()
                 with ld.sum().backward():
                     for layer in reversed(range(n_layers)):
@@ -227,11 +239,15 @@ def attribution_patch(
             head_est[layer, : vlm.arch.heads(layer)] += per_head.sum((0, 1)).cpu()
             dh = (corrupt["resid"][layer].double() - hs[layer].detach().double()) * gh[layer].double()
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
+        corrupt_ld = metric(corrupt["logits"], replace(pb, clean_logits=clean_logits) if metric.reads_clean else pb)
         clean_sum += float(clean_ld.sum())
-        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
-    denom = normaliser(clean_sum, corrupt_sum)
+        corrupt_sum += float(corrupt_ld.sum())
+        differences.append((corrupt_ld.double() - clean_ld.double().to(corrupt_ld.device)).cpu().numpy())
+    differences = np.concatenate(differences)
+    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
     for layer in range(n_layers):  # beyond a layer's own heads: no site
         head_est[layer, vlm.arch.heads(layer) :] = float("nan")
+    provenance = pairs_provenance(vlm, pairs, metric=metric.provenance(), **normaliser_stats(denom, differences))
     ds = xr.Dataset(
         {
             "effect": (("layer", "head"), (head_est / denom).numpy()),
@@ -242,7 +258,7 @@ def attribution_patch(
             "head": np.arange(n_heads),
             "kind": ("layer", [vlm.arch.kind(layer) for layer in range(n_layers)]),
         },
-        attrs={**pairs_provenance(vlm, pairs), "method": "attribution_patch", "positions": positions},
+        attrs={**provenance, "method": "attribution_patch", "positions": positions},
     )
     return ds
 

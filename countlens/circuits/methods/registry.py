@@ -19,7 +19,13 @@ the order tables show them, and this module is the one place a method's facts ar
 - ``in_discover``: whether discover's faithfulness stage ranks with it (``signed``: False where the
   scores are magnitudes);
 - ``variant``: the ``method=`` of a function that computes several (`attribution_patch`'s ``"atp"`` /
-  ``"atp*"``, `edge_attribution`'s ``"eap"`` / ``"eap-ig"``).
+  ``"atp*"``, `edge_attribution`'s ``"eap"`` / ``"eap-ig"``);
+- ``metric``: which metrics (`countlens.circuits.metrics`) it takes, one of `METRIC_NEEDS`: ``"any"``,
+  ``"moving"`` (a first-order estimate at the clean run: not one whose gradient vanishes there, such as
+  ``kl``), ``"linear"`` (linear in the logits: RelP) or ``"none"`` (it reads its own measure: the
+  ablation scan's log-probability drop). `Method.result` and `Method.ranking` take ``metric=`` (None:
+  the method's default, the logit difference, as discover runs it); the method refuses a metric it
+  cannot take, by name, before any forward.
 
 The defaults a method runs with are written once, in its own module, and read here: EAP-IG's steps
 `IG_STEPS` (`countlens.circuits.graph.integrated`), the random rankings' draws `RANDOM_DRAWS`
@@ -63,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IG_STEPS",
     "METHODS",
+    "METRIC_NEEDS",
     "OBJECT_RANKERS",
     "RANDOM_DRAWS",
     "Cost",
@@ -92,6 +99,10 @@ def _effect(result: xr.Dataset) -> xr.DataArray:
     return result.effect
 
 
+#: What a `Method`'s ``metric`` says it takes (see the module docstring).
+METRIC_NEEDS: tuple[str, ...] = ("any", "moving", "linear", "none")
+
+
 @dataclass(frozen=True)
 class Method:
     """One attribution method (see the module docstring)."""
@@ -108,6 +119,11 @@ class Method:
     in_discover: bool = False
     signed: bool = True  # False: scores are magnitudes (AtP*)
     variant: str | None = None
+    metric: str = "any"  # one of METRIC_NEEDS
+
+    def __post_init__(self):
+        if self.metric not in METRIC_NEEDS:
+            raise InputError(f"method {self.name!r}: metric={self.metric!r}; give one of {METRIC_NEEDS}")
 
     @property
     def variable(self) -> str:
@@ -122,13 +138,21 @@ class Method:
     def supports(self, vlm: VLM) -> bool:
         return self.refusal(vlm) is None
 
-    def result(self, vlm: VLM, pairs: Sequence, batch_size: int = 16, **options) -> xr.Dataset:
+    def result(self, vlm: VLM, pairs: Sequence, batch_size: int = 16, metric=None, **options) -> xr.Dataset:
         """The method's own result (an edge method's: every edge's score), refused by name where the
-        family does not support it. ``options``: the sweep's (``store``, ``progress``, ``shard``) for
-        exact patching, as discover's ``heads`` stage gives them."""
+        family does not support it. ``metric``: `countlens.circuits.metrics` (None: the method's default,
+        the logit difference); ``options``: the sweep's (``store``, ``progress``, ``shard``) for exact
+        patching, as discover's ``heads`` stage gives them."""
         why = self.refusal(vlm)
         if why is not None:
             raise InputError(f"{self.label} does not run on {vlm.name}: {why}")
+        if metric is not None:
+            if self.metric == "none":
+                raise InputError(
+                    f"{self.label} takes no metric (it reads its own measure); leave metric unset, or rank with a "
+                    f"method that takes one: {', '.join(m.name for m in METHODS if m.metric != 'none')}"
+                )
+            options["metric"] = metric
         if self.variant is not None:
             options["method"] = self.variant
         return self.compute(vlm, pairs, batch_size, **options)
@@ -137,10 +161,10 @@ class Method:
         """The heads' scores over (layer, head) from the method's ``result``."""
         return heads_of_edges(vlm, result) if self.level == "edge" else self.read(result)
 
-    def ranking(self, vlm: VLM, pairs: Sequence, batch_size: int = 16) -> xr.DataArray:
-        """The heads' scores over (layer, head), normalised like the exact sweeps; refused by name where
-        the family does not support the method."""
-        return self.heads(vlm, self.result(vlm, pairs, batch_size))
+    def ranking(self, vlm: VLM, pairs: Sequence, batch_size: int = 16, metric=None) -> xr.DataArray:
+        """The heads' scores over (layer, head), normalised like the exact sweeps, of ``metric`` (None:
+        the logit difference); refused by name where the family does not support the method."""
+        return self.heads(vlm, self.result(vlm, pairs, batch_size, metric=metric))
 
     def from_run(self, results: dict) -> xr.DataArray | None:
         """The method's head scores in a discover run's ``results`` (its stage's result, or the
@@ -155,8 +179,8 @@ def _exact(vlm, pairs, batch_size, **sweep):
     return patch_heads(vlm, pairs, batch_size=batch_size, **sweep)
 
 
-def _attribution(vlm, pairs, batch_size, method):
-    return attribution_patch(vlm, pairs, batch_size=batch_size, method=method)
+def _attribution(vlm, pairs, batch_size, method, metric=None):
+    return attribution_patch(vlm, pairs, batch_size=batch_size, method=method, metric=metric)
 
 
 def _atp_star_refusal(vlm) -> str | None:
@@ -165,8 +189,8 @@ def _atp_star_refusal(vlm) -> str | None:
     return "a remote model: AtP* runs the model locally" if vlm.remote else None
 
 
-def _eap_ig(vlm, pairs, batch_size):
-    return node_attribution(vlm, pairs, steps=IG_STEPS, batch_size=batch_size)
+def _eap_ig(vlm, pairs, batch_size, metric=None):
+    return node_attribution(vlm, pairs, steps=IG_STEPS, batch_size=batch_size, metric=metric)
 
 
 def _ablation(vlm, pairs, batch_size):
@@ -177,13 +201,13 @@ def _count_drop(result: xr.Dataset) -> xr.DataArray:
     return result.logp_drop.sel(task="count", drop=True)
 
 
-def _edges(vlm, pairs, batch_size, method):
+def _edges(vlm, pairs, batch_size, method, metric=None):
     steps = IG_STEPS if method == "eap-ig" else 1
-    return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size)
+    return edge_attribution(vlm, pairs, method, steps=steps, batch_size=batch_size, metric=metric)
 
 
-def _relp(vlm, pairs, batch_size):
-    return relevance_patch(vlm, pairs, batch_size=batch_size)
+def _relp(vlm, pairs, batch_size, metric=None):
+    return relevance_patch(vlm, pairs, batch_size=batch_size, metric=metric)
 
 
 def heads_of_edges(vlm: VLM, result: xr.Dataset) -> xr.DataArray:
@@ -223,6 +247,7 @@ METHODS: tuple[Method, ...] = (
         stage="atp",
         in_discover=True,
         variant="atp",
+        metric="moving",
     ),
     Method(
         "eap_ig",
@@ -244,6 +269,7 @@ METHODS: tuple[Method, ...] = (
         read=_count_drop,
         stage="ablation",
         in_discover=True,
+        metric="none",
     ),
     Method(
         "atp_star",
@@ -257,6 +283,7 @@ METHODS: tuple[Method, ...] = (
         in_discover=True,
         signed=False,
         variant="atp*",
+        metric="moving",
     ),
     Method(
         "eap_edges",
@@ -267,6 +294,7 @@ METHODS: tuple[Method, ...] = (
         Cost(lambda n_layers: 2, lambda n_layers: 1),
         refusal=edge_refusal,
         variant="eap",
+        metric="moving",
     ),
     Method(
         "eap_ig_edges",
@@ -286,6 +314,7 @@ METHODS: tuple[Method, ...] = (
         _relp,
         Cost(lambda n_layers: 1, lambda n_layers: 1),
         refusal=relp_refusal,
+        metric="linear",
     ),
 )
 

@@ -17,7 +17,9 @@ a model whose non-linear parts are frozen at their clean values by LRP's rules f
 The forward values are unchanged (each rule's rewrite computes the same numbers), so RelP costs what
 AtP costs: the corrupt run, and the clean run with one backward pass. countlens scores heads (a head's
 z over ``positions``, as `patch_heads` patches) and the residual stream after each layer, normalised
-like the exact sweeps: Σ_pairs estimate / (Σ LD_corrupt − Σ LD_clean).
+like the exact sweeps: Σ_pairs estimate / (Σ LD_corrupt − Σ LD_clean). LD is the metric
+(`countlens.circuits.metrics`; default the logit difference), and it must be linear in the logits: the
+rules conserve relevance from the metric down only then, so RelP refuses any other by name.
 
 Supported: the families in `SUPPORTED`, whose decoder layers are RMSNorm, softmax attention and a
 gated MLP ``down(act(gate(x)) * up(x))``; every run checks that the rewritten forward reproduces the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,7 +43,14 @@ from torch import Tensor
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.freeze import frozen, frozen_ratio
-from countlens.circuits.engine.pair_batch import logit_diff, normaliser, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import Metric, metric_for
+from countlens.circuits.engine.pair_batch import (
+    PairBatch,
+    normaliser,
+    normaliser_stats,
+    pairs_provenance,
+    prepare_pairs,
+)
 from countlens.circuits.engine.record import record
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.sites import HeadZ, Residual, check_group, first_arg, group_mask, heads_view
@@ -91,9 +101,9 @@ def lrp_rules(vlm: VLM) -> Iterator[None]:
         yield
 
 
-def _clean_pass(vlm: VLM, batch: Batch, clean_id: Tensor, corrupt_id: Tensor) -> tuple:
-    """The clean run under the rules (`record` with LD as its metric): LD, and each layer's z and output with
-    their RelP coefficients."""
+def _clean_pass(vlm: VLM, batch: Batch, pb: PairBatch, metric: Metric) -> tuple:
+    """The clean run under the rules (`record` with ``metric`` as its metric): the metric per pair, and each
+    layer's z and output with their RelP coefficients."""
     arch = vlm.arch
     layers = range(arch.n_layers)
     heads = [HeadZ(layer, h) for layer in layers for h in range(arch.heads(layer))]
@@ -102,7 +112,7 @@ def _clean_pass(vlm: VLM, batch: Batch, clean_id: Tensor, corrupt_id: Tensor) ->
             vlm,
             batch,
             heads + [Residual(layer) for layer in layers],
-            lambda lg: logit_diff(lg, clean_id, corrupt_id),
+            lambda lg: metric(lg, _at(pb, lg, metric)),
             on_device=True,
         )
 
@@ -112,7 +122,7 @@ def _clean_pass(vlm: VLM, batch: Batch, clean_id: Tensor, corrupt_id: Tensor) ->
     logits = cache.logits.float()
     return (
         logits,
-        logit_diff(logits, clean_id, corrupt_id),
+        metric(logits, _at(pb, logits, metric)),
         [z(cache, layer) for layer in layers],
         [cache[Residual(layer)] for layer in layers],
         [z(cache.grad, layer) for layer in layers],
@@ -120,11 +130,19 @@ def _clean_pass(vlm: VLM, batch: Batch, clean_id: Tensor, corrupt_id: Tensor) ->
     )
 
 
-def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16) -> xr.Dataset:
+def _at(pb: PairBatch, clean_logits: Tensor, metric: Metric) -> PairBatch:
+    """``pb`` as ``metric`` reads it at the clean run: with that run's logits where it reads them."""
+    return replace(pb, clean_logits=clean_logits.detach()) if metric.reads_clean else pb
+
+
+def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16, metric=None) -> xr.Dataset:
     """RelP estimates of head patching (``effect`` over (layer, head)) and of residual patching over
-    ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps (module docstring)."""
+    ``positions`` (``resid_effect`` over layer), normalised like the exact sweeps (module docstring).
+    ``metric``: one linear in the logits (`countlens.circuits.metrics`; default the logit difference): RelP's
+    relevance is conserved only for those, and any other is refused by name."""
     check_pair_sweep(pairs, batch_size, "relevance_patch")
     check_group(positions)
+    metric = metric_for(vlm, pairs, metric, "RelP (relevance_patch)", linear=True)
     why = refusal(vlm)
     if why is not None:
         raise InputError(f"relevance_patch does not run on {vlm.name}: {why}; use attribution_patch")
@@ -133,10 +151,11 @@ def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_siz
     head_est = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     resid_est = torch.zeros(n_layers, dtype=torch.float64)
     clean_sum = corrupt_sum = 0.0
+    differences = []  # per pair: M_corrupt − M_clean, for the normaliser's noise rule
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
         corrupt = cache_run(vlm, pb.corrupt, range(n_layers))
-        logits, ld, zs, hs, gz, gh = _clean_pass(vlm, pb.clean, pb.clean_id, pb.corrupt_id)
+        logits, ld, zs, hs, gz, gh = _clean_pass(vlm, pb.clean, pb, metric)
         own = vlm.forward(pb.clean, use_cache=False, logits_to_keep=1).logits[:, -1].float()
         gap = float((logits - own).abs().max())
         if gap > REPRODUCES * max(1.0, float(own.abs().max())):
@@ -151,9 +170,13 @@ def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_siz
             head_est[layer, : arch.heads(layer)] += per_head.sum((0, 1)).cpu()
             dh = (corrupt["resid"][layer].double() - hs[layer].double()) * gh[layer].double()
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
+        corrupt_ld = metric(corrupt["logits"], _at(pb, logits, metric))
         clean_sum += float(ld.sum())
-        corrupt_sum += float(logit_diff(corrupt["logits"], pb.clean_id, pb.corrupt_id).sum())
-    denom = normaliser(clean_sum, corrupt_sum)
+        corrupt_sum += float(corrupt_ld.sum())
+        differences.append((corrupt_ld.double() - ld.double().to(corrupt_ld.device)).cpu().numpy())
+    differences = np.concatenate(differences)
+    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
+    stats = normaliser_stats(denom, differences)
     for layer in range(n_layers):  # beyond a layer's own heads: no site
         head_est[layer, arch.heads(layer) :] = float("nan")
     return xr.Dataset(
@@ -166,5 +189,9 @@ def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_siz
             "head": np.arange(n_heads),
             "kind": ("layer", [arch.kind(layer) for layer in range(n_layers)]),
         },
-        attrs={**pairs_provenance(vlm, pairs), "method": "relevance_patch", "positions": positions},
+        attrs={
+            **pairs_provenance(vlm, pairs, metric=metric.provenance(), **stats),
+            "method": "relevance_patch",
+            "positions": positions,
+        },
     )
