@@ -4,7 +4,16 @@ Every generated sample carries its ``recipe`` (the generator call that makes it 
 `rebuild` makes a sample again from it (`countlens.datasets.recipe`)."""
 
 from countlens.datasets.countingtricks import CASES, Case, capacity, countingtricks, trick_sample
-from countlens.datasets.pairs import KINDS, CountPair, count_pair, count_pairs, count_scene, count_scenes
+from countlens.datasets.pairs import (
+    KINDS,
+    CountPair,
+    count_pair,
+    count_pairs,
+    count_scene,
+    count_scenes,
+    count_table,
+    pair_counts,
+)
 from countlens.datasets.prompts import PAIR_PROMPTS, PROMPTS, answer_text, make_question
 from countlens.datasets.recipe import rebuild
 from countlens.datasets.scene import PALETTE, SHAPES, Obj, Scene, place_objects
@@ -29,8 +38,10 @@ __all__ = [
     "count_pairs",
     "count_scene",
     "count_scenes",
+    "count_table",
     "countingtricks",
     "make_question",
+    "pair_counts",
     "place_objects",
     "rebuild",
     "task_sample",

@@ -293,6 +293,8 @@ def _valid_calls(loaded) -> dict:
         "answer_text": dict(style="std", shape="circle", count=3),
         "count_pair": dict(seed=0, index=0, image_size=64),
         "count_pairs": dict(n=2, image_size=64),
+        "count_table": dict(pairs=[(3, 5), (5, 3)]),
+        "pair_counts": dict(seed=0, index=3),
         "count_scene": dict(seed=0, index=0, image_size=64),
         "count_scenes": dict(n=2, image_size=64),
         "countingtricks": dict(cases=["1A"], n_per_case=2, image_size=192, patch_size=16),
