@@ -56,8 +56,9 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     so the next token is the first that tells them apart. "10" and "12" share "1" where digits split;
     "circle: 3" and "circle: 5" share "circle", ":" and a tokenizer's word mark ("▁" in a SentencePiece
     vocabulary such as Gemma's). Both batches are then longer than the prompt by that prefix: values
-    recorded on ``vlm.prepare_samples(...)`` of the same samples do not line up with them. Let a `Patch`
-    without ``values=`` copy each pair's corrupt run, or record the donor on the prepared batch itself:
+    recorded on ``vlm.prepare_samples(...)`` of the same samples are a donor of another layout (written by
+    position name, and refused at ``"last"``, which holds the prefix here). Let a `Patch` without
+    ``values=`` copy each pair's corrupt run, or record the donor on the prepared batch itself:
     ``Patch(site, values=record(vlm, pb.corrupt, [site])[site], into=[p.clean for p in pairs])`` with
     ``pb = prepare_pairs(vlm, pairs)``. Answers that tokenise identically, or one a prefix of the other,
     are refused (no token tells them apart). Nothing runs the model.
