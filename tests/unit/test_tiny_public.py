@@ -138,11 +138,6 @@ def test_prepare_pairs_forces_the_answers_shared_prefix(loaded):
     assert vlm.tokenizer.convert_ids_to_tokens([int(pb.clean_id[0]), int(pb.corrupt_id[0])]) == ["3", "5"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the refusals are raised in countlens/circuits/engine/donors.py (not this helper's file): "
-    "/tmp/helpers/h5_donors_py.diff names prepare_pairs there; drop this mark when it is applied",
-)
 def test_a_donor_recorded_without_the_forced_prefix_is_refused_naming_prepare_pairs(loaded):
     """A donor recorded on `prepare_samples` lacks the answer prefix `effect`'s batches force: as a plain
     tensor its length differs, as record's marked values its 'last' holds fewer positions; both refusals

@@ -95,7 +95,10 @@ def donor_rows(vlm: VLM, item, frame: Frame, mask: Bool[Tensor, "rows seq"]) -> 
             f"{what}: the donor values cover {values.shape[1]} positions, this forward {seq}, and they do not "
             "know the batch they were recorded on (a tensor made from record's is unmarked): pass record(vlm, "
             "donor_batch, [site])[site] itself — a donor of another layout is then written by position name — "
-            "or prepare the donor like the edited batch (same image size and question)"
+            "or prepare the donor like the edited batch (same image size and question; for count pairs under "
+            "effect, the answers' forced prefix included: prepare_pairs(vlm, pairs) teacher-forces each pair's "
+            "shared answer prefix, which vlm.prepare_samples does not, so record(vlm, prepare_pairs(vlm, "
+            "pairs).corrupt, [site])[site], with into=[p.clean for p in pairs])"
         )
     there, order = layout
     lay = rows if order is None else order[rows]  # each forward row's row of the donor's batch
