@@ -57,6 +57,10 @@ def calls(loaded):
             moe, task_samples("count", 2, seed=1, image_size=64), [(1, 0)]
         ),
         "ablation_scan": lambda: circuits.ablation_scan(vlm, {"count": samples[:2]}),
+        "ablate_edges": lambda: circuits.ablate_edges(vlm, pairs, [("L0H0", "logits")]),
+        "keep_edges": lambda: circuits.keep_edges(vlm, pairs, [("L0H0", "logits")]),
+        "path_patch": lambda: circuits.path_patch(vlm, pairs, "L0H0", "logits"),
+        "gradients": lambda: circuits.gradients(vlm, samples[:2], [Residual(1)], positions="last"),
         "attribution_patch": lambda: circuits.attribution_patch(vlm, pairs),
         "edge_attribution": lambda: circuits.edge_attribution(vlm, pairs, method="eap"),
         "edge_attributions": lambda: circuits.edge_attributions(vlm, pairs, ("eap",))["eap"],
