@@ -475,7 +475,9 @@ def _class_calls(vlm) -> dict:
             "Sharpening": planted_with,
             "PlantedCircuit": lambda c: plant(FRESH(), c, PlantConfig(steps=1)),
             "EdgeCircuit": lambda c: plant_edges(FRESH(), c, PlantConfig(steps=1)),
-            "Metric": lambda m: circuits.effect(vlm, pairs, circuits.Patch(circuits.Residual(1), "last"), metric=m),
+            "Metric": lambda m: circuits.effect(
+                vlm, pairs, circuits.Patch(circuits.Residual(1), positions="last"), metric=m
+            ),
         }
     )
     metric = dict(name="gap", fn=lambda logits, pb: logits[:, 0] - logits[:, 1], params={"rows": [0, 1]})

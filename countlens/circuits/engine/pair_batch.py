@@ -23,6 +23,7 @@ from torch import Tensor
 from countlens.datasets.pairs import count_table
 from countlens.errors import InputError
 from countlens.model.answers import divergence
+from countlens.model.arguments import require_vlm
 from countlens.model.vlm import check_pairs
 from countlens.results import provenance
 
@@ -63,6 +64,7 @@ def prepare_pairs(vlm: VLM, pairs: Sequence) -> PairBatch:
     ``pb = prepare_pairs(vlm, pairs)``. Answers that tokenise identically, or one a prefix of the other,
     are refused (no token tells them apart). Nothing runs the model.
     """
+    require_vlm(vlm, "prepare_pairs")
     check_pairs(pairs, "prepare_pairs")
     return batch_pairs(vlm, pairs)
 

@@ -323,7 +323,7 @@ def effect(
     require_vlm(vlm, "effect")
     check_pair_sweep(pairs, batch_size, "effect")
     coords, cells = _grid(interventions)
-    sets = [None if cell is None else as_interventions(vlm, cell) for cell in cells]
+    sets = [None if cell is _MISSING else as_interventions(vlm, cell) for cell in cells]
     for items in (s for s in sets if s is not None):
         for item in items:
             if isinstance(item, (Replace, Block)):
@@ -347,9 +347,12 @@ def _labelled(coords: dict, sets: list) -> list:
     return [(c[0] if len(c) == 1 else c, [repr(i) for i in s]) for c, s in zip(cells, sets) if s is not None]
 
 
+_MISSING = object()  # a named grid's cell that the mapping leaves out (NaN)
+
+
 def _grid(interventions) -> tuple[dict, list]:
     """(coords, cells in C order) of ``interventions``: {} and one cell for a set; a grid's dims otherwise
-    (a cell that a mapping leaves out is None: NaN)."""
+    (a cell that a named grid leaves out is `_MISSING`: NaN)."""
     if isinstance(interventions, xr.DataArray):
         if interventions.dtype != object:
             raise InputError("an xr.DataArray of interventions holds sets of them (dtype object), one per cell")
@@ -384,4 +387,4 @@ def _grid(interventions) -> tuple[dict, list]:
     if not keyed:
         raise InputError(f"the grid over {dims} has no cells; give at least one set of interventions")
     coords = {d: list(dict.fromkeys(k[i] for k in keyed)) for i, d in enumerate(dims)}
-    return coords, [keyed.get(c) for c in product(*coords.values())]
+    return coords, [keyed.get(c, _MISSING) for c in product(*coords.values())]
