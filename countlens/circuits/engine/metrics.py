@@ -136,6 +136,11 @@ class Metric:
                 "corrupt run) or the exact patching methods for it"
             )
 
+    def at_clean(self, pb: PairBatch, clean_logits: Tensor | None) -> PairBatch:
+        """``pb`` as this metric reads it: with the clean run's read-position logits (a constant reference,
+        detached) where it reads them (`reads_clean`), else as it is (``clean_logits`` may then be None)."""
+        return replace(pb, clean_logits=clean_logits.detach()) if self.reads_clean else pb
+
     def provenance(self) -> str:
         """The metric as provenance: its name and parameters, as JSON."""
         return json.dumps({"name": self.name, **dict(self.params)}, sort_keys=True)

@@ -151,7 +151,7 @@ def patched_chunk(
         edits = make_edits(pb)  # before any forward: positions that a sample lacks are refused here
         cache = cache_run(vlm, pb.corrupt, range(-1, vlm.arch.n_layers), experts=experts)
         clean = cache_run(vlm, pb.clean, [], resid=False, z=False)["logits"]
-        pb = replace(pb, clean_logits=clean) if metric.reads_clean else pb
+        pb = metric.at_clean(pb, clean)
 
         # Per replica only (the metric, arg-max is the corrupt answer): the full logits of an L×H sweep would
         # be L·H·pairs·vocab floats (28·28·16·152k ≈ 7.6 GB at 7B).

@@ -22,7 +22,6 @@ prompt's cost in memory is a chunk's, not the sequence's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -217,7 +216,7 @@ def edge_attributions(
         if not graph.checked:
             check_additive(vlm, graph, pb.clean)
         corrupt, clean = (record_nodes(vlm, b, graph.nodes, logits=True) for b in (pb.corrupt, pb.clean))
-        pb = replace(pb, clean_logits=clean["logits"]) if metric.reads_clean else pb
+        pb = metric.at_clean(pb, clean["logits"])
         clean_m, corrupt_m = metric(clean["logits"], pb), metric(corrupt["logits"], pb)
         clean_sum += float(clean_m.sum())
         corrupt_sum += float(corrupt_m.sum())

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -327,7 +326,7 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         # each ablates); a circuit of every item or of none is the full or empty run itself.
         logits = run(pb, [frozenset(), every, *(every - c for c in middle)])
         # A metric that reads the clean run's logits reads those of the forward that ablates nothing.
-        pb = replace(pb, clean_logits=logits[0]) if metric.reads_clean else pb
+        pb = metric.at_clean(pb, logits[0])
         ld = [metric(rows, pb).cpu() for rows in logits]
         full_ld.append(ld[0])
         empty_ld.append(ld[1])

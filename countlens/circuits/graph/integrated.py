@@ -26,7 +26,6 @@ Cost: two recording forwards and m forward-and-backward passes per chunk of pair
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -118,7 +117,7 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_siz
     for start in range(0, len(pairs), batch_size):
         pb = prepare_pairs(vlm, pairs[start : start + batch_size])
         corrupt, clean = (record_nodes(vlm, b, nodes, logits=True) for b in (pb.corrupt, pb.clean))
-        pb = replace(pb, clean_logits=clean["logits"]) if metric.reads_clean else pb
+        pb = metric.at_clean(pb, clean["logits"])
         grads: dict = {}
         for k in range(1, steps + 1):
             alpha = k / steps

@@ -39,7 +39,6 @@ its label (``"L0H1→L3H1.q"``, `countlens.labels.edge_label`; `edge_graph(vlm).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -243,7 +242,7 @@ def corrupted_metric(
         clean, edited = edge_ablated_logits(vlm, graph, pb.clean, [frozenset(), ablated], values, image)
         corrupt = values.pop("logits").cpu()
         del values
-        pb = replace(pb, clean_logits=clean) if metric.reads_clean else pb
+        pb = metric.at_clean(pb, clean)
         rows[name].append(metric(edited, pb).float())
         rows["to_corrupt"].append(edited.argmax(-1) == pb.corrupt_id)
         rows[f"clean_{name}"].append(metric(clean, pb).float())

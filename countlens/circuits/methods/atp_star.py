@@ -57,7 +57,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -117,7 +116,7 @@ def atp_star(
             with torch.no_grad():
                 corrupt = _run(vlm, pb.corrupt, grad=False)
             clean = _run(vlm, pb.clean, grad=True)
-            at = replace(pb, clean_logits=clean["logits"].detach()) if metric.reads_clean else pb
+            at = metric.at_clean(pb, clean["logits"])
             ld = metric(clean["logits"], at)
             corrupt_ld = metric(corrupt["logits"], at)
             clean_sum += float(ld.detach().sum())

@@ -37,7 +37,6 @@ several processes they split the chunks between them (`countlens.distributed`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -211,6 +210,7 @@ def attribution_patch(
         corrupt = cache_run(vlm, pb.corrupt, range(n_layers))
         mask = group_mask(pb.clean, positions)
         zs, hs, gz, gh = [], [], [], []
+        clean_logits = None  # recorded where the metric reads the clean run's logits
         with activation_gradients_only(vlm.hf):
             with torch.enable_grad(), vlm.read(pb.clean):
                 for layer in range(n_layers):
@@ -223,9 +223,7 @@ def attribution_patch(
                 logits = vlm.nn.output.logits[:, -1].float()
                 if metric.reads_clean:  # a metric that reads the clean run's logits reads this very run's
                     clean_logits = logits.detach().save()
-                    ld = metric(logits, replace(pb, clean_logits=clean_logits))
-                else:
-                    ld = metric(logits, pb)
+                ld = metric(logits, metric.at_clean(pb, clean_logits))
                 clean_ld = ld.detach().save()
                 with ld.sum().backward():
                     for layer in reversed(range(n_layers)):
@@ -239,7 +237,7 @@ def attribution_patch(
             head_est[layer, : vlm.arch.heads(layer)] += per_head.sum((0, 1)).cpu()
             dh = (corrupt["resid"][layer].double() - hs[layer].detach().double()) * gh[layer].double()
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
-        corrupt_ld = metric(corrupt["logits"], replace(pb, clean_logits=clean_logits) if metric.reads_clean else pb)
+        corrupt_ld = metric(corrupt["logits"], metric.at_clean(pb, clean_logits))
         clean_sum += float(clean_ld.sum())
         corrupt_sum += float(corrupt_ld.sum())
         differences.append((corrupt_ld.double() - clean_ld.double().to(corrupt_ld.device)).cpu().numpy())

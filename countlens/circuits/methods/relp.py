@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -112,7 +111,7 @@ def _clean_pass(vlm: VLM, batch: Batch, pb: PairBatch, metric: Metric) -> tuple:
             vlm,
             batch,
             heads + [Residual(layer) for layer in layers],
-            lambda lg: metric(lg, _at(pb, lg, metric)),
+            lambda lg: metric(lg, metric.at_clean(pb, lg)),
             on_device=True,
         )
 
@@ -122,17 +121,12 @@ def _clean_pass(vlm: VLM, batch: Batch, pb: PairBatch, metric: Metric) -> tuple:
     logits = cache.logits.float()
     return (
         logits,
-        metric(logits, _at(pb, logits, metric)),
+        metric(logits, metric.at_clean(pb, logits)),
         [z(cache, layer) for layer in layers],
         [cache[Residual(layer)] for layer in layers],
         [z(cache.grad, layer) for layer in layers],
         [cache.grad[Residual(layer)] for layer in layers],
     )
-
-
-def _at(pb: PairBatch, clean_logits: Tensor, metric: Metric) -> PairBatch:
-    """``pb`` as ``metric`` reads it at the clean run: with that run's logits where it reads them."""
-    return replace(pb, clean_logits=clean_logits.detach()) if metric.reads_clean else pb
 
 
 def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_size: int = 16, metric=None) -> xr.Dataset:
@@ -170,7 +164,7 @@ def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_siz
             head_est[layer, : arch.heads(layer)] += per_head.sum((0, 1)).cpu()
             dh = (corrupt["resid"][layer].double() - hs[layer].double()) * gh[layer].double()
             resid_est[layer] += (dh.sum(-1) * m.to(dh.device)).sum().cpu()
-        corrupt_ld = metric(corrupt["logits"], _at(pb, logits, metric))
+        corrupt_ld = metric(corrupt["logits"], metric.at_clean(pb, logits))
         clean_sum += float(ld.sum())
         corrupt_sum += float(corrupt_ld.sum())
         differences.append((corrupt_ld.double() - ld.double().to(corrupt_ld.device)).cpu().numpy())

@@ -42,7 +42,6 @@ The receiver products are formed a chunk of image positions at a time (`CHUNK_BY
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -106,7 +105,7 @@ def span_edges(
     float64 on the CPU (see the module docstring), m the bound ``metric`` (None: the logit difference)."""
     metric = logit_diff() if metric is None else metric
     ref, clean = (record_nodes(vlm, b, [Embed("image")], logits=True) for b in (pb.corrupt, pb.clean))
-    pb = replace(pb, clean_logits=clean["logits"]) if metric.reads_clean else pb
+    pb = metric.at_clean(pb, clean["logits"])
     m_ref, m_clean = (metric(r["logits"], pb) for r in (ref, clean))
     x_ref, x_clean = ref["embed"], clean["embed"]
     image = image_positions(vlm, pb.clean).to(x_clean.device)

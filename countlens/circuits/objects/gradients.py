@@ -202,7 +202,7 @@ def per_token(
         grad = grad.double()
     else:
         x_clean, m_clean, logits = _record(vlm, pb.clean, layer, pb, metric)
-    pb = dataclasses.replace(pb, clean_logits=logits) if metric.reads_clean else pb
+    pb = metric.at_clean(pb, logits)
     x_ref, m_ref, _ = _record(vlm, pb.corrupt, layer, pb, metric)
     if method != "atp":
         grad = 0
