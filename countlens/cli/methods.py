@@ -1,6 +1,7 @@
 """``countlens methods``: the attribution methods of the registry (`countlens.circuits.methods.registry`), one
 row each: its name (what ``countlens discover --methods`` takes), label, level, what it scores, on
-which families it runs, whether discover ranks with it, and its forwards per chunk of pairs (plain +
+which families it runs, which metrics it takes (any, moving: not KL, linear: the logit difference, none),
+whether discover ranks with it, and its forwards per chunk of pairs (plain +
 with a backward), as a formula in the layer count L or at ``--layers``. The object rankers follow,
 each applying a method per object of a scene."""
 
@@ -53,6 +54,7 @@ def methods_cmd(
                 "level": m.level,
                 "scores": ", ".join(kind.__name__ for kind in m.scores),
                 "families": "all" if m.everywhere else "some",
+                "metrics": m.metric,
                 "discover": ranked,
                 "forwards (plain + grad)": f"{cost_text(m.cost.plain, layers)} + {cost_text(m.cost.grad, layers)}",
             }
@@ -65,6 +67,7 @@ def methods_cmd(
                 "level": r.of.level,
                 "scores": f"objects ({', '.join(kind.__name__ for kind in r.scores)} spans)",
                 "families": "all" if r.of.everywhere else "some",
+                "metrics": r.of.metric,
                 "discover": "no",
                 "forwards (plain + grad)": (
                     f"{cost_text(r.of.cost.plain, layers)} + {cost_text(r.of.cost.grad, layers)} per chunk of scenes"
