@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ holds shared 
 from disk_cache import cached_dir, entry_key  # noqa: E402
 from tiny_models import build_tiny  # noqa: E402
 
+from countlens.model.tiny_models import write_added_tokens  # noqa: E402
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -67,20 +69,7 @@ def _save_tiny(name: str, kw: dict, path: Path) -> None:
     model, processor = build_tiny(name, **kw)
     model.save_pretrained(path)
     processor.save_pretrained(path)
-    _write_added_tokens(path, processor.tokenizer)
-
-
-def _write_added_tokens(path: Path, tokenizer) -> None:
-    """tokenizer_config.json's ``added_tokens_decoder``, as released checkpoints carry it (Qwen2-VL,
-    Llama 3.2 Vision …): without it transformers parses the whole tokenizer.json once more just to
-    read the added tokens (~0.5 s a load for a 151k vocabulary)."""
-    import json
-
-    file = path / "tokenizer_config.json"
-    settings = json.loads(file.read_text())
-    if "added_tokens_decoder" not in settings:
-        added = {str(i): t.__getstate__() for i, t in sorted(tokenizer.added_tokens_decoder.items())}
-        file.write_text(json.dumps({**settings, "added_tokens_decoder": added}, indent=2, ensure_ascii=False) + "\n")
+    write_added_tokens(path, processor.tokenizer)
 
 
 @pytest.fixture(scope="session")
