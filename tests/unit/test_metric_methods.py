@@ -186,7 +186,7 @@ def _refusals(vlm, pairs):
             vlm, scenes, "eap", metric="kl"
         ),
         "mean-ablation drop takes no metric": lambda: method("ablation").result(vlm, pairs, metric="kl"),
-        "a metric named 'metric' would hide": lambda: faithfulness(
+        "the metric 'metric' names its per-pair variables.*is already a name of the result": lambda: faithfulness(
             vlm, pairs, {"L0H0": 1.0}, nodes=("head",), metric=Metric("metric", lambda logits, pb: logits[:, 0])
         ),
         "metric 'broken' returned \\(1, 2\\)": lambda: object_effects(

@@ -149,12 +149,17 @@ def test_named_grids_keep_their_dims_and_a_cell_left_out_is_nan(organism, pairs)
         (Metric.__new__(Metric), None),
         (metrics.prob_mass(["3 3"]), "begins both an answer of the set and .3."),
         (3, "is not a metric"),
+        (lambda logits: logits[:, 0], "could not be called as fn\\(logits, pair_batch\\)"),
+        (lambda logits, pb: logits.argmax(-1), r"returned \(1,\) of torch.int64"),
     ],
 )
 def test_broken_metrics_are_refused_before_any_forward(organism, pairs, metric, match):
     if match is None:
-        with pytest.raises(InputError, match="must be a Python identifier"):
-            Metric("effect", lambda logits, pb: logits[:, 0])
+        for name in ("effect", "correct", "pair"):  # correct: its clean_correct is the result's own
+            with pytest.raises(InputError, match="must be a Python identifier"):
+                Metric(name, lambda logits, pb: logits[:, 0])
+        with pytest.raises(InputError, match="non-empty list of answer strings"):
+            metrics.prob_mass(3)
         return
 
     def no_forward(module, args, kwargs):
@@ -185,3 +190,17 @@ def test_a_normaliser_within_the_pairs_noise_is_refused_with_its_figure(organism
         ds = effect(organism, pairs, Patch(HeadZ(0, 0)), metric=noisy)
     assert ds.attrs["normaliser_noisy"] == 1 and ds.attrs["normaliser_se"] > 2 * abs(ds.attrs["normaliser"])
     assert effect(organism, pairs, Patch(HeadZ(0, 0))).attrs["normaliser_noisy"] == 0  # the organism's pairs: signal
+
+
+@pytest.mark.parametrize(
+    "grid, match",
+    [
+        ({"effect": {"a": [Patch(HeadZ(0, 0))]}}, r"dims \['effect'\] are names of the result's own"),
+        ({"logit_diff": {0: [Patch(HeadZ(0, 0))]}}, r"dims \['logit_diff'\]"),
+        ({5: {0: [Patch(HeadZ(0, 0))]}}, "must be distinct names"),
+        (xr.DataArray(np.empty((0,), dtype=object), dims=["head"]), "at least one"),
+    ],
+)
+def test_a_grid_whose_dims_would_hide_a_variable_is_refused(organism, pairs, grid, match):
+    with pytest.raises(InputError, match=match):
+        effect(organism, pairs, grid)

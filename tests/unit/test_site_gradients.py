@@ -149,7 +149,7 @@ def test_bad_input_is_refused_before_any_forward(organism, samples, pairs, monke
             {"metric": reads_corrupt},
             "read pair_batch.corrupt_id, and samples have no corrupt answer",
         ),
-        (samples, [Residual(1)], {"metric": Metric("value", log_prob().fn)}, "rename it"),
+        (samples, [Residual(1)], {"metric": Metric("value", log_prob().fn)}, "rename the metric"),
         (pairs, [Residual(1)], {"metric": "kl"}, "its gradient there is zero"),
         (pairs, ["L0H0"], {}, "is no site"),
         (pairs, [Residual(1)], {"batch_size": 0}, "batch_size"),

@@ -47,7 +47,7 @@ from countlens.circuits.engine.pair_batch import batch_pairs
 from countlens.circuits.engine.pair_batch import logit_diff as pair_logit_diff
 from countlens.errors import InputError
 from countlens.model.adapt import module_of
-from countlens.model.answers import CHECKED_COUNTS
+from countlens.model.answers import CHECKED_COUNTS, divergence
 
 if TYPE_CHECKING:
     from jaxtyping import Float
@@ -75,10 +75,10 @@ class Metric:
     reads_clean: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name in RESERVED:
+        if not isinstance(self.name, str) or not self.name.isidentifier() or set(self.variables) & set(RESERVED):
             raise InputError(
-                f"metric name {self.name!r} must be a Python identifier other than {', '.join(RESERVED)} "
-                "(it names the result's per-pair variables); give Metric(name=...)"
+                f"metric name {self.name!r} must be a Python identifier that, alone or after clean_ / corrupt_, is "
+                f"none of {', '.join(RESERVED)} (it names the result's per-pair variables); give Metric(name=...)"
             )
         if not callable(self.fn):
             raise InputError(f"metric {self.name!r}: fn must be a callable (logits, pair_batch) -> (pairs,)")
@@ -90,19 +90,41 @@ class Metric:
         except (TypeError, ValueError) as e:
             raise InputError(f"metric {self.name!r}: its params must be JSON data for provenance ({e})") from None
 
+    @property
+    def variables(self) -> tuple[str, str, str]:
+        """The names of a result's per-pair variables under this metric: edited, clean and corrupt runs."""
+        return self.name, f"clean_{self.name}", f"corrupt_{self.name}"
+
+    def refuse_clash(self, taken, method: str) -> None:
+        """Refuse this metric where its variables' names are among ``taken`` (a result's other variables, its
+        dims): one would hide the other."""
+        clash = sorted(set(self.variables) & set(taken))
+        if clash:
+            raise InputError(
+                f"{method}: the metric {self.name!r} names its per-pair variables {', '.join(self.variables)}, and "
+                f"{', '.join(clash)} is already a name of the result (a variable or a dim); rename the metric "
+                "(Metric(name=...))"
+            )
+
     def bind(self, vlm: VLM) -> Metric:
         """This metric for ``vlm`` (a built-in that reads the tokenizer binds here); most return themselves."""
+        return self
+
+    def for_pairs(self, vlm: VLM, pairs: Sequence) -> Metric:
+        """This metric checked against every pair before any forward (tokenisation only); most return
+        themselves. `prob_mass` checks each pair's prefix here and reads every pair's answers."""
         return self
 
     def __call__(self, logits: Float[Tensor, "pairs vocab"], pb: PairBatch) -> Float[Tensor, " pairs"]:
         """The metric per pair, checked: one finite value per pair, else an error naming the metric."""
         out = self.fn(logits, pb)
         n = len(logits)
-        if not isinstance(out, Tensor) or tuple(out.shape) != (n,):
+        if not isinstance(out, Tensor) or tuple(out.shape) != (n,) or not out.is_floating_point():
             shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            kind = f" of {out.dtype}" if isinstance(out, Tensor) else ""
             raise InputError(
-                f"metric {self.name!r} returned {shape} for {n} pairs; a metric gives one value per pair, "
-                "a tensor shaped (pairs,)"
+                f"metric {self.name!r} returned {shape}{kind} for {n} pairs; a metric gives one value per pair, "
+                "a float tensor shaped (pairs,)"
             )
         bad = ~torch.isfinite(out)
         if bool(bad.any()):
@@ -118,7 +140,13 @@ class Metric:
         forward (a broken metric is refused before the model runs, not after a sweep)."""
         vocab = module_of(vlm.hf, vlm.arch.lm_head).weight.shape[0]
         zeros = torch.zeros(len(pb.clean_id), vocab)
-        self(zeros, replace(pb, clean_logits=zeros) if self.reads_clean else pb)
+        try:
+            self(zeros, self.at_clean(pb, zeros))
+        except TypeError as e:  # a callable of another signature
+            raise InputError(
+                f"metric {self.name!r} could not be called as fn(logits, pair_batch) ({e}); a metric takes the read "
+                "position's logits (pairs, vocab) and the PairBatch, and returns (pairs,)"
+            ) from None
 
     def require(self, method: str, *, linear: bool = False, moving: bool = False) -> None:
         """Refuse this metric for ``method`` if the method needs a ``linear`` metric, or one that is not
@@ -190,57 +218,76 @@ class ProbMass(Metric):
     answers: tuple = ()
 
     def bind(self, vlm: VLM) -> Metric:
-        return replace(self, fn=_mass_fn(self.answers, vlm.answer_ids))
+        return replace(self, fn=_Mass(self.answers, vlm.answer_ids))
+
+    def for_pairs(self, vlm: VLM, pairs: Sequence) -> Metric:
+        """Every pair's shared prefix checked (a token split between the set and another answer, or a set no
+        pair can reach, is refused here, before any forward), and every pair's answers read as the others."""
+        said = frozenset(s.answer for p in pairs for s in (p.clean, p.corrupt))
+        mass = _Mass(self.answers, vlm.answer_ids, said)
+        prefixes = {tuple(divergence(mass.tokens(p.clean.answer), mass.tokens(p.corrupt.answer))[0]) for p in pairs}
+        mass.chosen(sorted(prefixes), [pairs[0].clean.answer])
+        return replace(self, fn=mass)
 
 
-def _mass_fn(answers: tuple, answer_ids: Callable[[str], list[int]]) -> Callable[[Tensor, PairBatch], Tensor]:
-    """The mass of the tokens that begin an answer of ``answers`` after each pair's prefix; a token that also
-    begins another answer (a count 0–20, or a pair's own answer) is refused: its probability cannot be split."""
-    ids: dict[str, tuple] = {}
+class _Mass:
+    """`prob_mass`'s function: the mass of the tokens that begin an answer of ``answers`` after each pair's
+    prefix. A token that also begins another answer (a count 0–20, a pair's own answer, any of ``said``) is
+    refused: its probability cannot be split."""
 
-    def tokens(answer: str) -> tuple:
-        if answer not in ids:
-            ids[answer] = tuple(answer_ids(answer))
-        return ids[answer]
+    def __init__(self, answers: tuple, answer_ids: Callable[[str], list[int]], said: frozenset = frozenset()):
+        self.answers, self.answer_ids, self.said, self.ids = answers, answer_ids, said, {}
 
-    def next_tokens(prefix: tuple, others: set) -> list[int]:
+    def tokens(self, answer: str) -> tuple:
+        if answer not in self.ids:
+            self.ids[answer] = tuple(self.answer_ids(answer))
+        return self.ids[answer]
+
+    def next_tokens(self, prefix: tuple, others: set) -> list[int]:
         def after(seq: tuple) -> int | None:
             return seq[len(prefix)] if len(seq) > len(prefix) and seq[: len(prefix)] == prefix else None
 
-        mine = {t for a in answers if (t := after(tokens(a))) is not None}
-        for other in sorted(others - set(answers)):
+        mine = {t for a in self.answers if (t := after(self.tokens(a))) is not None}
+        for other in sorted(others - set(self.answers)):
             try:
-                seq = tokens(other)
+                seq = self.tokens(other)
             except InputError:  # a count this vocabulary cannot write: no token of it to share
                 continue
             if after(seq) in mine:
                 raise InputError(
-                    f"prob_mass: after the prefix {list(prefix)}, the token {after(seq)} begins both an "
-                    f"answer of the set and {other!r}, so its probability cannot be split between them; give a set "
-                    f"that includes {other!r}, or pairs whose shared prefix tells them apart"
+                    f"prob_mass: after the prefix {list(prefix)}, the token {after(seq)} begins both an answer of "
+                    f"the set and {other!r}, so its probability cannot be split between them; give a set that "
+                    f"includes {other!r}, or pairs whose shared prefix tells them apart"
                 )
         return sorted(mine)
 
-    def fn(logits: Tensor, pb: PairBatch) -> Tensor:
-        said = [s.answer for side in (pb.clean, pb.corrupt) for s in (getattr(side, "samples", None) or [])]
-        others = {str(n) for n in CHECKED_COUNTS} | set(said)
-        chosen = [next_tokens(tuple(prefix), others) for prefix in pb.forced]
-        if not any(chosen):
-            example = f" (pair 0's clean answer reads {said[0]!r})" if said else ""
+    def chosen(self, prefixes, here: list[str]) -> list[list[int]]:
+        """Each prefix's tokens of the set; refused where no prefix has any (the mass would be 0 everywhere)."""
+        others = {str(n) for n in CHECKED_COUNTS} | set(self.said) | set(here)
+        picked = [self.next_tokens(tuple(prefix), others) for prefix in prefixes]
+        if not any(picked):
+            example = f" (a clean answer reads {here[0]!r})" if here else ""
             raise InputError(
-                f"prob_mass({list(answers)}): no answer of the set can follow any pair's shared prefix{example}, so "
-                "the mass is 0 on every pair; write the answers as the model writes them (the samples' answer format)"
+                f"prob_mass({list(self.answers)}): no answer of the set can follow any pair's shared prefix"
+                f"{example}, so the mass is 0 on every pair; write the answers as the model writes them (the "
+                "samples' answer format)"
             )
-        probs = torch.softmax(logits.float(), -1)
-        return torch.stack([probs[k, c].sum() for k, c in enumerate(chosen)])
+        return picked
 
-    return fn
+    def __call__(self, logits: Tensor, pb: PairBatch) -> Tensor:
+        here = [s.answer for side in (pb.clean, pb.corrupt) for s in (getattr(side, "samples", None) or [])]
+        probs = torch.softmax(logits.float(), -1)
+        return torch.stack([probs[k, c].sum() for k, c in enumerate(self.chosen(pb.forced, here))])
 
 
 def prob_mass(answers: Sequence[str]) -> Metric:
     """The probability that the next token begins one of ``answers`` (strings), given the pair's shared
     prefix: e.g. ``prob_mass([str(n) for n in range(5, 10)])``, P(count ≥ 5) on counts up to 9."""
-    if isinstance(answers, str) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+    if (
+        not isinstance(answers, (list, tuple))
+        or not answers
+        or not all(isinstance(a, str) and a.strip() for a in answers)
+    ):
         raise InputError(f"prob_mass({answers!r}): give a non-empty list of answer strings, e.g. ['5', '6']")
     answers = tuple(dict.fromkeys(answers))
 
@@ -282,6 +329,7 @@ def metric_for(vlm: VLM, pairs: Sequence, metric, method: str, *, linear: bool =
     pair's batch (prepared, no forward) so that a wrong shape or NaN is refused before the model runs."""
     bound = as_metric(vlm, metric, method)
     bound.require(method, linear=linear, moving=moving)
+    bound = bound.for_pairs(vlm, pairs)
     if bound.fn is not _logit_diff:  # the default needs no probe: it is two logits
         bound.probe(vlm, batch_pairs(vlm, pairs[:1]))
     return bound

@@ -38,7 +38,7 @@ from countlens.circuits.engine.donors import DonorRows, donor_rows
 from countlens.circuits.engine.edits import Edit
 from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.engine.interventions import Block, Intervention, Patch, Replace, as_interventions
-from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for
+from countlens.circuits.engine.metrics import RESERVED, Metric, logit_diff, metric_for
 from countlens.circuits.engine.pair_batch import PairBatch
 from countlens.circuits.engine.record import location, mean_activation, record, require_local, rows_seq
 from countlens.circuits.engine.sweep import check_pair_sweep, pairs_store, sweep_pairs
@@ -265,6 +265,13 @@ def effect_grid(
     """The effect of each set of interventions (None: no site, NaN), laid out on the ``coords`` grid in
     order, under ``metric`` (bound; None: the logit difference); the engine of `effect` and of the patching
     sweeps (`countlens.circuits.engine.sweep.sweep_pairs`)."""
+    metric = logit_diff() if metric is None else metric
+    taken = sorted(set(coords) & {*RESERVED, *metric.variables})
+    if taken:
+        raise InputError(
+            f"the grid's dims {taken} are names of the result's own variables ({', '.join(RESERVED)} and the "
+            f"metric's {', '.join(metric.variables)}); name the dims otherwise"
+        )
     live = [items for items in sets if items is not None]
     experts = any(isinstance(i.site, Expert) for items in live for i in items)
     recorded = [i.site for items in live for i in items if _from_corrupt(i) and not isinstance(i.site, CACHED)]
@@ -354,8 +361,10 @@ def _grid(interventions) -> tuple[dict, list]:
     """(coords, cells in C order) of ``interventions``: {} and one cell for a set; a grid's dims otherwise
     (a cell that a named grid leaves out is `_MISSING`: NaN)."""
     if isinstance(interventions, xr.DataArray):
-        if interventions.dtype != object:
-            raise InputError("an xr.DataArray of interventions holds sets of them (dtype object), one per cell")
+        if interventions.dtype != object or interventions.size == 0:
+            raise InputError(
+                "an xr.DataArray of interventions holds sets of them (dtype object), one per cell, and at least one"
+            )
         coords = {d: [v.item() for v in interventions[d].values] for d in interventions.dims}
         return coords, list(interventions.values.ravel())
     if not isinstance(interventions, Mapping):
@@ -375,7 +384,7 @@ def _grid(interventions) -> tuple[dict, list]:
             labels[str(key)] = key
         return {"intervention": list(labels)}, list(grid.values())
     ((dims, cells),) = grid.items()
-    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    dims = tuple(dims) if isinstance(dims, tuple) else (dims,)
     if not dims or not all(isinstance(d, str) and d.isidentifier() for d in dims) or len(set(dims)) < len(dims):
         raise InputError(f"a named grid's dims {dims!r} must be distinct names, e.g. ('layer', 'alpha')")
     keyed = {}

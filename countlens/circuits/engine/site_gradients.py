@@ -165,11 +165,7 @@ def gradients(vlm: VLM, data: Sequence, sites, metric=None, positions="all", bat
     where = as_positions(positions)
     where.check(vlm)
     bound = metric_for(vlm, data, metric, "gradients", moving=True) if paired else sample_metric(vlm, data, metric)
-    if bound.name in VARIABLES:
-        raise InputError(
-            f"metric name {bound.name!r} is one of the result's variables ({', '.join(VARIABLES)}); rename it: "
-            f"Metric(name=...)"
-        )
+    bound.refuse_clash(VARIABLES, "gradients")
     chunks = []  # every chunk prepared and its positions resolved before any forward
     for start in range(0, len(data), batch_size):
         chunk = data[start : start + batch_size]
@@ -188,9 +184,10 @@ def gradients(vlm: VLM, data: Sequence, sites, metric=None, positions="all", bat
 
     rows: dict[str, list] = {k: [] for k in ("value", "gradient", "token", "cell", "grid", "metric")}
     for pb, mask in chunks:
-        cache = record(vlm, pb.clean, sites, metric=lambda logits, pb=pb: bound(logits, pb))
+        # At the clean run, a metric that reads the clean run's logits reads this very run's.
+        cache = record(vlm, pb.clean, sites, metric=lambda logits, pb=pb: bound(logits, bound.at_clean(pb, logits)))
         with torch.no_grad():
-            rows["metric"].append(bound(cache.logits, pb).double().numpy())
+            rows["metric"].append(bound(cache.logits, bound.at_clean(pb, cache.logits)).double().numpy())
         for b in range(len(pb.clean)):
             chosen = torch.nonzero(mask[b]).flatten()
             rows["value"].append([cache[s][b, chosen] for s in sites])

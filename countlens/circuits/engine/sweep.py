@@ -31,7 +31,7 @@ from torch import Tensor
 from countlens import distributed
 from countlens.circuits.engine.edits import Edit, cache_run, run_edits
 from countlens.circuits.engine.metrics import Metric, logit_diff
-from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, normaliser, normaliser_stats, pairs_provenance
+from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, normalised, pairs_provenance
 from countlens.distributed import Shard
 from countlens.model.vlm import check_pairs
 from countlens.progress import track
@@ -123,11 +123,11 @@ def sweep_pairs(
     dims = tuple(coords)
     name = metric.name
     ld, clean_ld, corrupt_ld = (torch.from_numpy(ds[v].values) for v in (name, f"clean_{name}", f"corrupt_{name}"))
-    effect, overwrite, stats = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld, name)
+    effect, overwrite, noted = _summarise(ld, torch.from_numpy(ds["to_corrupt"].values), clean_ld, corrupt_ld, metric)
     overwrite = overwrite.masked_fill(effect.isnan(), float("nan"))  # no site: no overwrite either
     ds["effect"] = (dims, effect.numpy())
     ds["overwrite"] = (dims, overwrite.numpy())
-    ds.attrs.update(pairs_provenance(vlm, pairs, metric=metric.provenance(), **stats))
+    ds.attrs.update(pairs_provenance(vlm, pairs, **noted))
     return ds
 
 
@@ -192,11 +192,9 @@ def _on_cpu(pb: PairBatch) -> PairBatch:
     return pb if pb.clean_logits is None else replace(pb, clean_logits=pb.clean_logits.cpu())
 
 
-def _summarise(
-    patched: Tensor, pred_corrupt: Tensor, clean: Tensor, corrupt: Tensor, metric: str = "logit_diff"
-) -> tuple:
+def _summarise(patched: Tensor, pred_corrupt: Tensor, clean: Tensor, corrupt: Tensor, metric: Metric) -> tuple:
     """Per site (effect, overwrite rate) from per-pair (site…, pair) metric values and corrupt predictions,
-    and the normaliser's attrs (`normaliser_stats`)."""
-    denom = normaliser(float(clean.sum()), float(corrupt.sum()), (corrupt - clean).numpy(), metric)
+    and the normaliser's attrs (`countlens.circuits.engine.pair_batch.normalised`)."""
+    denom, noted = normalised(float(clean.sum()), float(corrupt.sum()), (corrupt - clean).numpy(), metric)
     effect = (patched.sum(-1) - clean.sum()) / denom
-    return effect, pred_corrupt.float().mean(-1), normaliser_stats(denom, (corrupt - clean).numpy())
+    return effect, pred_corrupt.float().mean(-1), noted

@@ -32,7 +32,7 @@ from torch import Tensor
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for
-from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.edges import (
     EdgeGraph,
@@ -251,9 +251,7 @@ def edge_attributions(
                                 for method, wt in used:
                                     scores[method][offsets[r] : offsets[r] + p] += row / wt
             del g
-    differences = np.concatenate(differences)
-    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
-    attrs = {"metric": metric.provenance(), **normaliser_stats(denom, differences)}
+    denom, attrs = normalised(clean_sum, corrupt_sum, differences, metric)
     return {
         method: _result(
             vlm, pairs, graph, (scores[method] / denom).numpy(), method, 1 if method == "eap" else m, positions, attrs

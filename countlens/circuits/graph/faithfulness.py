@@ -49,7 +49,7 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine.metrics import metric_for
-from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, prepare_pairs
+from countlens.circuits.engine.pair_batch import normalised, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph import edge_ablation, edges
 from countlens.circuits.graph.nodes import (
@@ -242,11 +242,7 @@ def faithfulness_curves(
     if graph is not None and level != "edge":
         raise InputError("graph= is the edge graph of level='edge'; at level='node' leave it unset")
     metric = metric_for(vlm, pairs, metric, "faithfulness")
-    if metric.name in CURVE_VARIABLES:
-        raise InputError(
-            f"faithfulness: a metric named {metric.name!r} would hide the result's own {metric.name!r}; name it "
-            "otherwise, e.g. Metric(name='my_metric', fn=...)"
-        )
+    metric.refuse_clash([*CURVE_VARIABLES, "size", "ranking", "pair"], "faithfulness")
     if level == "edge":
         if nodes is not None:
             raise InputError("nodes= chooses a node set; at level='edge' every edge is ranked: leave nodes unset")
@@ -341,7 +337,7 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         )
     # m(N) − m(∅) is this curve's normaliser: refused below the pairs' noise (`normaliser`'s rule).
     differences = (torch.cat(full_ld).double() - torch.cat(empty_ld).double()).numpy()
-    normaliser(m_empty, m_full, differences, metric.name)
+    _, noted = normalised(m_empty, m_full, differences, metric)
     methods = list(orders)
     per_pair = np.stack([[torch.cat(lds[circuits[(m, k)]]).numpy() for k in kept] for m in methods])
     summed = per_pair.astype(np.float64).sum(-1)
@@ -377,8 +373,7 @@ def _curves(vlm, pairs, items, scored, sizes, batch_size, random_draws, seed, ru
         n_nodes=n,
         metric_full=m_full,
         metric_empty=m_empty,
-        metric=metric.provenance(),
-        **normaliser_stats(m_full - m_empty, differences),
+        **noted,
         x_axis="fraction of the node set kept, linear",
     )
     return ds

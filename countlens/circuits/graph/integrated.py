@@ -34,7 +34,7 @@ import xarray as xr
 
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.metrics import Metric, metric_for
-from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view
@@ -149,9 +149,7 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_siz
         clean_sum += float(clean_m.sum())
         corrupt_sum += float(corrupt_m.sum())
         differences.append((corrupt_m.double() - clean_m.double()).cpu().numpy())
-    differences = np.concatenate(differences)
-    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
-    stats = normaliser_stats(denom, differences)
+    denom, noted = normalised(clean_sum, corrupt_sum, differences, metric)
     for layer in range(arch.n_layers):  # beyond a layer's own heads: no node
         heads[layer, arch.heads(layer) :] = float("nan")
     return xr.Dataset(
@@ -167,7 +165,7 @@ def node_attribution(vlm: VLM, pairs: Sequence, steps: int = IG_STEPS, batch_siz
             "kind": ("layer", [arch.kind(layer) for layer in range(arch.n_layers)]),
         },
         attrs={
-            **pairs_provenance(vlm, pairs, metric=metric.provenance(), **stats),
+            **pairs_provenance(vlm, pairs, **noted),
             "method": "eap-ig" if steps > 1 else "atp",
             "steps": steps,
         },

@@ -46,7 +46,7 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine.metrics import Metric, metric_for
-from countlens.circuits.engine.pair_batch import batch_pairs, normaliser, normaliser_stats, pairs_provenance
+from countlens.circuits.engine.pair_batch import batch_pairs, normalised, pairs_provenance
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.edge_ablation import edge_ablated_logits
 from countlens.circuits.graph.edges import RECEIVERS, EdgeGraph, Receiver, check_additive, edge_graph, require_graph
@@ -251,7 +251,7 @@ def corrupted_metric(
     per = {k: torch.cat(v).numpy() for k, v in rows.items()}
     m, m_clean, m_corrupt = (per[k].astype(np.float64) for k in (name, f"clean_{name}", f"corrupt_{name}"))
     differences = m_corrupt - m_clean
-    denom = normaliser(m_clean.sum(), m_corrupt.sum(), differences, name)
+    denom, noted = normalised(m_clean.sum(), m_corrupt.sum(), differences, metric)
     ds = xr.Dataset(
         {
             "effect": ((), (m.sum() - m_clean.sum()) / denom + 0.0),  # + 0.0: no "-0.0" where nothing changes
@@ -261,7 +261,7 @@ def corrupted_metric(
         coords={"pair": np.arange(len(pairs))},
     )
     ds.attrs.update(
-        pairs_provenance(vlm, pairs, metric=metric.provenance(), **normaliser_stats(denom, differences), **attrs),
+        pairs_provenance(vlm, pairs, **noted, **attrs),
         edges_corrupted=len(ablated),
         edges_in_graph=len(graph.edges),
     )

@@ -67,7 +67,7 @@ from torch import Tensor
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.metrics import metric_for
-from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.sites import HeadZ, K, Q, V, check_group, group_mask, heads_view
 from countlens.errors import InputError
@@ -134,8 +134,7 @@ def atp_star(
                         per_pair = (g * heads_view(dz.double(), h).to(g.device)).sum((1, 3)).cpu()  # pair head
                         sums[kind][i, layer, :h] += per_pair.abs().sum(0) if graddrop else per_pair.sum(0)
             del clean, corrupt, shifts
-    differences = np.concatenate(differences)
-    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
+    denom, noted = normalised(clean_sum, corrupt_sum, differences, metric)
     softmax = [layer for layer in range(n_layers) if arch.kind(layer) in SELF_ATTENTION]
     out = {}
     for kind, s in sums.items():
@@ -156,7 +155,7 @@ def atp_star(
             "kind": ("layer", [arch.kind(layer) for layer in range(n_layers)]),
         },
         attrs={
-            **pairs_provenance(vlm, pairs, metric=metric.provenance(), **normaliser_stats(denom, differences)),
+            **pairs_provenance(vlm, pairs, **noted),
             "method": "atp*" if graddrop else "atp+qk-fix",
             "positions": positions,
             "graddrop": int(graddrop),

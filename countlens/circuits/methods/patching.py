@@ -47,7 +47,7 @@ from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.interventions import Patch
 from countlens.circuits.engine.metrics import metric_for
-from countlens.circuits.engine.pair_batch import normaliser, normaliser_stats, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
 from countlens.circuits.engine.run import effect_sweep
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.methods.atp_star import atp_star
@@ -241,11 +241,10 @@ def attribution_patch(
         clean_sum += float(clean_ld.sum())
         corrupt_sum += float(corrupt_ld.sum())
         differences.append((corrupt_ld.double() - clean_ld.double().to(corrupt_ld.device)).cpu().numpy())
-    differences = np.concatenate(differences)
-    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
+    denom, noted = normalised(clean_sum, corrupt_sum, differences, metric)
     for layer in range(n_layers):  # beyond a layer's own heads: no site
         head_est[layer, vlm.arch.heads(layer) :] = float("nan")
-    provenance = pairs_provenance(vlm, pairs, metric=metric.provenance(), **normaliser_stats(denom, differences))
+    provenance = pairs_provenance(vlm, pairs, **noted)
     ds = xr.Dataset(
         {
             "effect": (("layer", "head"), (head_est / denom).numpy()),

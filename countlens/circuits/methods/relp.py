@@ -45,8 +45,7 @@ from countlens.circuits.engine.freeze import frozen, frozen_ratio
 from countlens.circuits.engine.metrics import Metric, metric_for
 from countlens.circuits.engine.pair_batch import (
     PairBatch,
-    normaliser,
-    normaliser_stats,
+    normalised,
     pairs_provenance,
     prepare_pairs,
 )
@@ -168,9 +167,7 @@ def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_siz
         clean_sum += float(ld.sum())
         corrupt_sum += float(corrupt_ld.sum())
         differences.append((corrupt_ld.double() - ld.double().to(corrupt_ld.device)).cpu().numpy())
-    differences = np.concatenate(differences)
-    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
-    stats = normaliser_stats(denom, differences)
+    denom, noted = normalised(clean_sum, corrupt_sum, differences, metric)
     for layer in range(n_layers):  # beyond a layer's own heads: no site
         head_est[layer, arch.heads(layer) :] = float("nan")
     return xr.Dataset(
@@ -184,7 +181,7 @@ def relevance_patch(vlm: VLM, pairs: Sequence, positions: str = "all", batch_siz
             "kind": ("layer", [arch.kind(layer) for layer in range(n_layers)]),
         },
         attrs={
-            **pairs_provenance(vlm, pairs, metric=metric.provenance(), **stats),
+            **pairs_provenance(vlm, pairs, **noted),
             "method": "relevance_patch",
             "positions": positions,
         },

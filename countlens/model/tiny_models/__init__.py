@@ -43,6 +43,7 @@ Image sizes (`IMAGE_SIZE[name]`, (height, width) of the PIL image to feed):
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import os
 import shutil
@@ -116,8 +117,18 @@ def build(name: str, **kw):
     default 32), PaliGemma ``tile=`` (its image side) and Mistral 3 ``tile=`` (its longest edge).
     A vocabulary package that is not installed is a `ConfigError` naming it."""
     check_name(name)
+    takes = inspect.signature(BUILDERS[name]).parameters
+    unknown = sorted(set(kw) - set(takes))
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        raise ConfigError(
+            f"the tiny {name!r} takes no keyword {', '.join(unknown)}; it takes {', '.join(takes) or 'none'}"
+        )
     try:
         return BUILDERS[name](**kw)
+    except TypeError as err:  # a keyword the builder passes on to one that does not take it
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise ConfigError(f"the tiny {name!r}: {err}; see build's docstring for the keywords each takes") from None
     except ModuleNotFoundError as err:
         missing = (err.name or "").split(".")[0]
         package = _EXTRAS.get(missing) or ("num2words" if missing == "num2words" else None)
@@ -169,6 +180,8 @@ def tiny(name: str, out: str | os.PathLike | None = None, *, dtype=None, device_
     Other keywords go to the builder (`build`). Seconds on a CPU; Qwen-vocabulary models hold 151,936
     embedding rows (~80 MB)."""
     check_name(name)
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise ConfigError(f"out={out!r}: give a folder path to write the tiny checkpoint into, or None (temporary)")
     from countlens.model.loading import load
 
     if out is None:
