@@ -10,9 +10,13 @@ modules by the spec's paths through `VLM.module` or the spec itself):
   `site_gradients`: `gradients` (values, gradients and input × gradient at any sites and positions).
 - `countlens.circuits.engine.freeze`: `frozen(vlm, norms=..., attention=...)`, the one way a method holds
   norms' scales and attention patterns constant (RelP, the attribution graph's local replacement model).
+- `countlens.circuits.engine.metrics`: what a pair's run is read as (the logit difference by default,
+  log-probability, probability mass on answers, KL, any callable), the argument of every effect and
+  attribution; `pair_batch` prepares pairs and normalises by the metric (the noise rule).
 - `cache` (the `Cache` by site), `writes` (the traced sweeps' writer), `interventions` (`Patch` …
-  `Replace`, `Block`), `run` (`effect`, `intervene`), `edits` and `sweep` (stacked edits, the sweeps'
-  runner), `pair_batch`, `attention` (eager attention), `temperature` (head temperature).
+  `Replace`, `Block`), `donors` (a donor of another token layout, by position name), `run` (`effect`,
+  `intervene`), `edits` and `sweep` (stacked edits, the sweeps' runner), `attention` (eager attention),
+  `temperature` (head temperature).
 
 **Two backends, one rule.** nnsight's trace (`countlens.model.vlm.VLM.trace`) is used where a run may be
 remote (NDIF): the sweeps' stacked edits (`countlens.circuits.engine.edits`) write sites there, through
