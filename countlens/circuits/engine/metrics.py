@@ -40,10 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from countlens.circuits.engine.pair_batch import batch_pairs
+from countlens.circuits.engine.pair_batch import batch_pairs, normaliser, normaliser_stats
 from countlens.circuits.engine.pair_batch import logit_diff as pair_logit_diff
 from countlens.errors import InputError
 from countlens.model.adapt import module_of
@@ -333,3 +334,13 @@ def metric_for(vlm: VLM, pairs: Sequence, metric, method: str, *, linear: bool =
     if bound.fn is not _logit_diff:  # the default needs no probe: it is two logits
         bound.probe(vlm, batch_pairs(vlm, pairs[:1]))
     return bound
+
+
+def normalised(clean_sum: float, corrupt_sum: float, differences, metric: Metric) -> tuple[float, dict]:
+    """The normaliser of ``metric`` (`normaliser`, the noise rule included) and the attrs every result carries
+    for it: the metric's provenance and `normaliser_stats`. ``differences``: each pair's M_corrupt − M_clean,
+    one array or a list of them (one per chunk)."""
+    if isinstance(differences, list):
+        differences = np.concatenate([np.asarray(d, dtype=np.float64).ravel() for d in differences])
+    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
+    return denom, {"metric": metric.provenance(), **normaliser_stats(denom, differences)}

@@ -30,7 +30,6 @@ from countlens.results import provenance
 if TYPE_CHECKING:
     from jaxtyping import Float, Int
 
-    from countlens.circuits.engine.metrics import Metric
     from countlens.model.vlm import VLM, Batch
 
 
@@ -182,16 +181,6 @@ def normaliser(clean_sum: float, corrupt_sum: float, differences=None, metric: s
             "more pairs, pairs the model tells apart (counts further apart), or a model that reads the counts"
         )
     return denom
-
-
-def normalised(clean_sum: float, corrupt_sum: float, differences, metric: Metric) -> tuple[float, dict]:
-    """The normaliser of ``metric`` (`normaliser`, the noise rule included) and the attrs every result carries
-    for it: the metric's provenance and `normaliser_stats`. ``differences``: each pair's M_corrupt − M_clean,
-    one array or a list of them (one per chunk)."""
-    if isinstance(differences, list):
-        differences = np.concatenate([np.asarray(d, dtype=np.float64).ravel() for d in differences])
-    denom = normaliser(clean_sum, corrupt_sum, differences, metric.name)
-    return denom, {"metric": metric.provenance(), **normaliser_stats(denom, differences)}
 
 
 def normaliser_stats(denom: float, differences=None) -> dict:

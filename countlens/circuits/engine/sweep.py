@@ -30,8 +30,8 @@ from torch import Tensor
 
 from countlens import distributed
 from countlens.circuits.engine.edits import Edit, cache_run, run_edits
-from countlens.circuits.engine.metrics import Metric, logit_diff
-from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, normalised, pairs_provenance
+from countlens.circuits.engine.metrics import Metric, logit_diff, normalised
+from countlens.circuits.engine.pair_batch import PairBatch, batch_pairs, pairs_provenance
 from countlens.distributed import Shard
 from countlens.model.vlm import check_pairs
 from countlens.progress import track

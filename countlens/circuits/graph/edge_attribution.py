@@ -31,8 +31,8 @@ from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.gradients import activation_gradients_only
-from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for
-from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import Metric, logit_diff, metric_for, normalised
+from countlens.circuits.engine.pair_batch import pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.edges import (
     EdgeGraph,

@@ -48,8 +48,8 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.engine.metrics import metric_for
-from countlens.circuits.engine.pair_batch import normalised, prepare_pairs
+from countlens.circuits.engine.metrics import metric_for, normalised
+from countlens.circuits.engine.pair_batch import prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph import edge_ablation, edges
 from countlens.circuits.graph.nodes import (

@@ -33,8 +33,8 @@ import torch
 import xarray as xr
 
 from countlens.circuits.engine.gradients import activation_gradients_only
-from countlens.circuits.engine.metrics import Metric, metric_for
-from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import Metric, metric_for, normalised
+from countlens.circuits.engine.pair_batch import pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.nodes import Node, image_positions, image_states_path, record_nodes
 from countlens.circuits.sites import INPUTS, Embed, HeadZ, MlpOut, first_output, heads_view

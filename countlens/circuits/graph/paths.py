@@ -45,8 +45,8 @@ import numpy as np
 import torch
 import xarray as xr
 
-from countlens.circuits.engine.metrics import Metric, metric_for
-from countlens.circuits.engine.pair_batch import batch_pairs, normalised, pairs_provenance
+from countlens.circuits.engine.metrics import Metric, metric_for, normalised
+from countlens.circuits.engine.pair_batch import batch_pairs, pairs_provenance
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.graph.edge_ablation import edge_ablated_logits
 from countlens.circuits.graph.edges import RECEIVERS, EdgeGraph, Receiver, check_additive, edge_graph, require_graph

@@ -66,8 +66,8 @@ from torch import Tensor
 
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.gradients import activation_gradients_only
-from countlens.circuits.engine.metrics import metric_for
-from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import metric_for, normalised
+from countlens.circuits.engine.pair_batch import pairs_provenance, prepare_pairs
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.sites import HeadZ, K, Q, V, check_group, group_mask, heads_view
 from countlens.errors import InputError

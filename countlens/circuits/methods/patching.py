@@ -46,8 +46,8 @@ import xarray as xr
 from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.gradients import activation_gradients_only
 from countlens.circuits.engine.interventions import Patch
-from countlens.circuits.engine.metrics import metric_for
-from countlens.circuits.engine.pair_batch import normalised, pairs_provenance, prepare_pairs
+from countlens.circuits.engine.metrics import metric_for, normalised
+from countlens.circuits.engine.pair_batch import pairs_provenance, prepare_pairs
 from countlens.circuits.engine.run import effect_sweep
 from countlens.circuits.engine.sweep import check_pair_sweep
 from countlens.circuits.methods.atp_star import atp_star

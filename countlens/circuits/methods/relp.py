@@ -42,10 +42,9 @@ from torch import Tensor
 from countlens.circuits.engine import Hook, hooked, module_of
 from countlens.circuits.engine.edits import cache_run
 from countlens.circuits.engine.freeze import frozen, frozen_ratio
-from countlens.circuits.engine.metrics import Metric, metric_for
+from countlens.circuits.engine.metrics import Metric, metric_for, normalised
 from countlens.circuits.engine.pair_batch import (
     PairBatch,
-    normalised,
     pairs_provenance,
     prepare_pairs,
 )
