@@ -40,7 +40,7 @@ def _tokenizer(real_vocab: bool):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from real_vocab import qwen_tokenizer
 
-    from countlens.model.tiny_models.qwen import QWEN2_TEMPLATE, QWEN2_VL_SPECIALS
+    from countlens.toy.tiny_models.qwen import QWEN2_TEMPLATE, QWEN2_VL_SPECIALS
 
     tok = qwen_tokenizer(QWEN2_VL_SPECIALS)
     tok.chat_template = QWEN2_TEMPLATE

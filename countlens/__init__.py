@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     "datasets": "countlens.datasets",
     "results": "countlens.results",
     "training": "countlens.training",
+    "toy": "countlens.toy",
     "load": "countlens.model.loading",
     "check": "countlens.pipeline.selfcheck",
     "VLM": "countlens.model.vlm",
@@ -41,6 +42,7 @@ __all__ = [
     "datasets",
     "load",
     "results",
+    "toy",
     "training",
 ]
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ holds shared 
 from disk_cache import cached_dir, entry_key  # noqa: E402
 from tiny_models import build_tiny  # noqa: E402
 
-from countlens.model.tiny_models import write_added_tokens  # noqa: E402
+from countlens.toy.tiny_models import write_added_tokens  # noqa: E402
 
 
 def pytest_addoption(parser):

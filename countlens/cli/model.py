@@ -1,7 +1,7 @@
 """The commands that read a model as it is: ``countlens eval`` scores it on held-out scenes
 (`countlens.pipeline.held_out`), ``countlens check`` proves countlens reads it right
 (`countlens.pipeline.selfcheck`); and ``countlens model tiny`` writes a tiny random-init model of a
-family to try them on (`countlens.model.tiny_models`)."""
+family to try them on (`countlens.toy.tiny_models`)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def tiny_cmd(
 
     Example: countlens model tiny --family gemma3 --out runs/tiny-gemma3
     """
-    from countlens.model.tiny_models import check_name, save
+    from countlens.toy.tiny_models import check_name, save
 
     check_name(family)
     check_out(out)

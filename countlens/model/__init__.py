@@ -15,19 +15,8 @@ Read it in this order:
   (the image each processor's tower sees), `geometry` (the patch grid, free of torch), `layouts` and
   `cells` (where each image token sits), `answers` (answers as token sequences).
 - `memory` (what fits in one forward) and `arguments` (checks of arguments that name a model's parts).
-- `tiny_models`: tiny random-init models of every family, for trying an architecture offline; `tiny(name)`
-  below is its door.
 
 Importing this package imports nothing: `countlens.model.geometry` stays free of torch for data generation.
 """
 
 from __future__ import annotations
-
-
-def tiny(name: str, out=None, **kw):
-    """A tiny random-init model of the registry's ``name`` ("gemma3", "qwen2_5_vl", "llava_next" …) as a
-    loaded `countlens.VLM`, for trying a family offline: `countlens.model.tiny_models.tiny` (``out``: the
-    folder to keep the checkpoint in; ``countlens model tiny --family NAME --out DIR`` writes one)."""
-    from countlens.model.tiny_models import tiny as tiny_vlm
-
-    return tiny_vlm(name, out, **kw)

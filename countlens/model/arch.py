@@ -291,7 +291,7 @@ def spec_for(config) -> ArchSpec:
             f"architecture {model_type!r} ({type(config).__name__}) has no countlens spec. Supported: "
             f"{', '.join(sorted(BY_MODEL_TYPE))}. To add one, write a family module in countlens/model/families/ "
             "(its ArchSpec and Family; see docs/architectures.md) and add its tiny builder under "
-            "countlens/model/tiny_models/."
+            "countlens/toy/tiny_models/."
         )
     return BY_MODEL_TYPE[model_type]
 

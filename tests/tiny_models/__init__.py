@@ -1,5 +1,5 @@
-"""The tests' names for the package's tiny models (`countlens.model.tiny_models`: one builder module per
-family, the same builders `countlens.model.tiny` and ``countlens model tiny`` use). Importing this also
+"""The tests' names for the package's tiny models (`countlens.toy.tiny_models`: one builder module per
+family, the same builders `countlens.toy.tiny` and ``countlens model tiny`` use). Importing this also
 keeps the converted real vocabularies in the tests' disk cache (`real_vocab`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import real_vocab  # noqa: F401 — installs the disk cache for the vocabularies' conversions
 
-from countlens.model.tiny_models import BUILDERS, FAMILIES, IMAGE_SIZE, NAMES, QWEN_VOCAB, build, inputs
+from countlens.toy.tiny_models import BUILDERS, FAMILIES, IMAGE_SIZE, NAMES, QWEN_VOCAB, build, inputs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

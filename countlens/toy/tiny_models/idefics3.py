@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import SMALL_VISION, chat, seeded, text_settings
+from countlens.toy.tiny_models.common import SMALL_VISION, chat, seeded, text_settings
 
 IDEFICS_TILE = 32
 IDEFICS_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 2 → 4×4 tokens per tile
@@ -23,7 +23,7 @@ def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
             Idefics3ImageProcessorPil as ImageProcessor,
         )
 
-        from countlens.model.tiny_models.vocab import LLAMA32_SPECIALS, llama3_tokenizer
+        from countlens.toy.tiny_models.vocab import LLAMA32_SPECIALS, llama3_tokenizer
 
         # The real template: the tokenizer writes <|begin_of_text|> itself (add_bos_token).
         template = chat("{{ message['role'] | capitalize }}:", "<image>", "<end_of_utterance>\n", "Assistant:")
@@ -33,7 +33,7 @@ def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
     else:
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as ImageProcessor
 
-        from countlens.model.tiny_models.vocab import digit_bpe
+        from countlens.toy.tiny_models.vocab import digit_bpe
 
         template = chat(
             "<|im_start|>{{ message['role'] | capitalize }}:",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import (
+from countlens.toy.tiny_models.common import (
     HEAD_DIM,
     HIDDEN,
     INTERMEDIATE,
@@ -43,7 +43,7 @@ def _llama4(tile: int = LLAMA4_TILE):
     import transformers as tf
 
     from countlens.model.families import pil_image_processor
-    from countlens.model.tiny_models.vocab import digit_bpe
+    from countlens.toy.tiny_models.vocab import digit_bpe
 
     template = chat(
         "<|header_start|>{{ message['role'] }}<|header_end|>\n\n",

@@ -10,7 +10,7 @@ Three doors, from the rawest:
   real model. What the tests build (``tests/tiny_models`` imports these builders).
 - `save(name, out, **kw)` writes that pair as a checkpoint folder, as released checkpoints are laid out,
   which `countlens.load(out)` opens (``countlens model tiny --family NAME --out DIR`` on the command line).
-- `tiny(name, **kw)` (also `countlens.model.tiny`) → a loaded `countlens.VLM`: saved to a folder (``out=``,
+- `tiny(name, **kw)` (also `countlens.toy.tiny`) → a loaded `countlens.VLM`: saved to a folder (``out=``,
   or a temporary one removed when the process exits) and opened with `countlens.load`, so the tiny model
   goes through what a real checkpoint of its family goes through (its spec resolved, its processor read
   from its files, its consistency checked). Use `build` for the bare Hugging Face objects.
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from countlens.errors import ConfigError
-from countlens.model.tiny_models import (
+from countlens.toy.tiny_models import (
     gemma3,
     gemma4,
     glm4v,
@@ -67,7 +67,7 @@ from countlens.model.tiny_models import (
     phi4_multimodal,
     qwen,
 )
-from countlens.model.tiny_models.qwen import QWEN_VOCAB  # noqa: F401 — re-exported: the tiny Qwen models' vocabulary
+from countlens.toy.tiny_models.qwen import QWEN_VOCAB  # noqa: F401 — re-exported: the tiny Qwen models' vocabulary
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM

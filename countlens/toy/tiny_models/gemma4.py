@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import (
+from countlens.toy.tiny_models.common import (
     HEAD_DIM,
     V_HEADS,
     V_HIDDEN,
@@ -43,7 +43,7 @@ def _gemma4():
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from countlens.model.processors import image_only
-    from countlens.model.tiny_models.vocab import digit_bpe
+    from countlens.toy.tiny_models.vocab import digit_bpe
 
     template = chat(
         "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n",

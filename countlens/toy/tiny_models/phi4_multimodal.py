@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import SMALL_VISION, chat, seeded, special_ids, text_settings
+from countlens.toy.tiny_models.common import SMALL_VISION, chat, seeded, special_ids, text_settings
 
 PHI4_CROP = 32
 PHI4_VOCAB = 200_064  # Phi-4-multimodal-instruct's embedding rows (o200k's 199,998 ranks, specials, unused rows)
@@ -35,7 +35,7 @@ def _phi4_multimodal(tile: int = PHI4_CROP):
     import transformers as tf
 
     from countlens.model.families import pil_image_processor
-    from countlens.model.tiny_models.vocab import o200k_tokenizer
+    from countlens.toy.tiny_models.vocab import o200k_tokenizer
 
     # The remote-code checkpoint's template writes '<|' + role + '|>' + content + '<|end|>', the user
     # writing <|image_1|>, which became <|endoftext10|>; transformers' processor expands the

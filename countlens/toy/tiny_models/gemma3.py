@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import HEAD_DIM, SMALL_VISION, chat, seeded, text_settings
+from countlens.toy.tiny_models.common import HEAD_DIM, SMALL_VISION, chat, seeded, text_settings
 
 GEMMA_IMAGE = 64
 GEMMA_PATCH = 8
@@ -31,7 +31,7 @@ def _gemma3():
         "<start_of_turn>model\n",
         prefix="{{ bos_token }}",
     )
-    from countlens.model.tiny_models.vocab import digit_bpe
+    from countlens.toy.tiny_models.vocab import digit_bpe
 
     tok = digit_bpe(
         specials,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import (
+from countlens.toy.tiny_models.common import (
     HEAD_DIM,
     V_HEADS,
     V_HIDDEN,
@@ -12,7 +12,7 @@ from countlens.model.tiny_models.common import (
     seeded,
     text_settings,
 )
-from countlens.model.tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
+from countlens.toy.tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
 
 #: Tekken's first specials in id order ([IMG] 10, [IMG_BREAK] 12, [IMG_END] 13: Mistral3Config's image token 10).
 MISTRAL3_SPECIALS = [
@@ -43,7 +43,7 @@ def _mistral3(tile: int = MISTRAL3_LONGEST):
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     from countlens.model.processors import processor_class
-    from countlens.model.tiny_models.vocab import digit_bpe
+    from countlens.toy.tiny_models.vocab import digit_bpe
 
     template = chat(
         "{% if message['role'] == 'user' %}[INST]{% endif %}",

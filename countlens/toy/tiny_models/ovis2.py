@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import HIDDEN, SMALL_VISION, chat, seeded, special_ids, text_settings
-from countlens.model.tiny_models.qwen import QWEN2_5_SPECIALS, QWEN_VOCAB
+from countlens.toy.tiny_models.common import HIDDEN, SMALL_VISION, chat, seeded, special_ids, text_settings
+from countlens.toy.tiny_models.qwen import QWEN2_5_SPECIALS, QWEN_VOCAB
 
 OVIS2_TILE = 32
 OVIS2_PATCH = 4  # 8×8 patches per tile; hidden_stride 2 concatenates 2×2 → 4×4 tokens per tile
@@ -28,7 +28,7 @@ def _ovis2(tile: int = OVIS2_TILE):
     import transformers as tf
     from transformers.models.ovis2.image_processing_pil_ovis2 import Ovis2ImageProcessorPil
 
-    from countlens.model.tiny_models.vocab import qwen_tokenizer
+    from countlens.toy.tiny_models.vocab import qwen_tokenizer
 
     # The converted checkpoints' chat template: a fixed system turn, "<image>\n" per image (plain text
     # that the processor expands into <IMG_START> atoms… <IMG_END>).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from countlens.model.tiny_models.common import HEAD_DIM, HIDDEN, SMALL_VISION, seeded, text_settings
+from countlens.toy.tiny_models.common import HEAD_DIM, HIDDEN, SMALL_VISION, seeded, text_settings
 
 PALIGEMMA_IMAGE = 32
 PALIGEMMA_PATCH = 8  # 4×4 patches, no pooling → 16 image tokens (real: 224 / 14 → 256)
@@ -17,7 +17,7 @@ def _paligemma(tile: int = PALIGEMMA_IMAGE):
     import transformers as tf
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-    from countlens.model.tiny_models.vocab import digit_bpe
+    from countlens.toy.tiny_models.vocab import digit_bpe
 
     tok = digit_bpe(
         ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"],
