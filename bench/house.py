@@ -8,7 +8,8 @@ Counts, read from the source as text and syntax trees (nothing is imported or ru
   start-up) are counted apart;
 - ``hook_registrations``: ``register_forward_hook`` / ``register_forward_pre_hook`` / backward hooks
   outside the engine (``circuits/engine/``), the model layer (``model/``) and fine-tuning's LoRA wiring;
-- ``module_path_literals``: the grep list of the issue "One engine" outside ``model/`` and the engine:
+- ``module_path_literals``: the grep list of the issue "One engine" outside ``model/`` (and the tiny
+  models' builders, `countlens.toy.tiny_models`: family knowledge kept beside the organism) and the engine:
   ``get_submodule``, ``.self_attn.``, ``language_model.layers``, ``"norm" in``, ``register_forward_*hook``;
 - ``named_METHODS``: module-level names ``METHODS`` (the registry's one is expected).
 
@@ -25,7 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "countlens"
-MODEL_ROOMS = ("model/", "circuits/engine/")
+# The tiny builders are each family's model knowledge (they build and condition HF modules), kept under toy/
+# only because their tokenizers read the organism's vocabulary: the model layer by what they do.
+MODEL_ROOMS = ("model/", "circuits/engine/", "toy/tiny_models/")
 HOOKS = re.compile(
     r"register_(forward_hook|forward_pre_hook|full_backward_hook|full_backward_pre_hook)\(|\.register_hook\("
 )
