@@ -364,7 +364,9 @@ def attribution_graph(
         return torch.cat(cols, 1)
 
     with torch.no_grad():
-        logit_rows = edges([("logit", int(v)) for v in logit_tokens])
+        # Logit rows in chunks of the forward's rows, as every other row: any batch_size ≥ 1 works.
+        logit_targets = [("logit", int(v)) for v in logit_tokens]
+        logit_rows = torch.cat([edges(logit_targets[i : i + rows]) for i in range(0, n_logits, rows)])
         feature_rows = torch.zeros(n_f, n_src)
         order = feature_order(logit_rows, logit_probs, n_f, max_features, rows)
         visited = torch.zeros(n_f, dtype=torch.bool)

@@ -168,6 +168,22 @@ def test_max_features_keeps_that_many_features_chosen_by_influence(setup):
     assert small.n_nodes == 40 + g.n_errors + g.n_embeddings + small.n_logits
 
 
+@pytest.mark.numeric
+def test_logit_rows_are_batched_like_every_row_so_any_batch_size_works(setup):
+    """batch_size below the number of logit nodes: the logit rows take one backward each, and equal the
+    reference graph's (48 rows a backward) on the features both keep."""
+    vlm, tcs, sample, g = setup
+    one = attribution_graph(vlm, tcs, sample, batch_size=1, max_features=4, max_logits=3, logit_prob=1.0)
+    assert one.n_logits == 3  # three logit rows through a forward of one row
+    index = {tuple(f): i for i, f in enumerate(g.features.tolist())}
+    rest = range(g.n_features, g.n_features + g.n_errors + g.n_embeddings)
+    cols = [index[tuple(f)] for f in one.features.tolist()] + list(rest)
+    sources = one.n_features + one.n_errors + one.n_embeddings
+    mine = one.adjacency[one.start("logit") :, :sources]
+    ref = g.adjacency[g.start("logit") : g.start("logit") + 3][:, cols]
+    assert_close(mine, ref, what="logit rows, one a backward vs 48")
+
+
 # ----------------------------------------------------------------------------- influence and pruning
 
 
