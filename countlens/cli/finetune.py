@@ -111,6 +111,11 @@ def finetune_cmd(
     except CountlensError as err:
         raise RunDirError(f"--circuit {circuit}: {err}") from None
     out = out or circuit / (f"finetune-{preset}" if preset else "finetune")  # a preset's adapters apart
+    if out.resolve() == circuit.resolve():
+        raise ConfigError(
+            f"--out {out} is the discover run itself (--circuit): the adapters and the table would mix with its "
+            "results; give a folder of its own (the default is CIRCUIT/finetune)"
+        )
     check_out(out)
     try:
         target = tuple(int(x) for x in layers.split(",")) if layers else ()

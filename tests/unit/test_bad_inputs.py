@@ -586,6 +586,11 @@ CLI_CASES = [
     ),
     ("toy train steps negative", lambda t: ["toy", "train", "--out", str(t / "out"), "--steps", "-5"], "steps must be"),
     (
+        "finetune into its own circuit",
+        lambda t: ["finetune", "--circuit", str(c := _circuit(t)), "--out", str(c / ".")],
+        "is the discover run itself",
+    ),
+    (
         "finetune lr negative",
         lambda t: ["finetune", "--circuit", str(_circuit(t)), "--lr", "-1e-3", "--out", str(t / "out")],
         "lr must be a finite number > 0",

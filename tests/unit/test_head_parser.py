@@ -146,6 +146,9 @@ def test_recovery_takes_head_labels_and_a_bare_pair():
     assert planted_path_recovery(r, ["L0H0"]) == {"auroc": 1.0, "precision": 1.0, "k": 1}
     with pytest.raises(InputError, match="L0H0 more than once"):
         precision_at(r, [(0, 0), "L0H0"])
+    for k in (2.5, True, "2"):  # a share of a fractional top-k has no meaning
+        with pytest.raises(InputError, match="k \\(how many top heads\\) must be an integer"):
+            precision_at(r, ["L0H0"], k=k)
 
 
 def test_feature_cards_never_rounds_a_float_to_a_feature(loaded):

@@ -35,6 +35,7 @@ import xarray as xr
 
 from countlens.errors import InputError
 from countlens.labels import head_keys, head_label
+from countlens.validate import require_integer
 
 _INF_FIX = "an inf ranks first whatever it means: score with finite values (a degenerate denominator gives inf)"
 
@@ -79,7 +80,7 @@ def auroc(scores: xr.DataArray, circuit: Collection[tuple[int, int] | str]) -> f
 def precision_at(scores: xr.DataArray, circuit: Collection[tuple[int, int] | str], k: int | None = None) -> float:
     """Share of ``circuit`` among the top ``k`` heads by |score| (default k = |circuit|)."""
     _, _, cells, members = _split(scores, circuit)
-    k = len(members) if k is None else k
+    k = len(members) if k is None else require_integer(k, "precision_at: k (how many top heads)")
     if not 1 <= k <= len(cells):
         raise InputError(f"k={k}: choose 1 ≤ k ≤ {len(cells)} (the heads ranked)")
     flat = np.abs(scores.transpose("layer", "head").values.astype(float)).reshape(-1)
