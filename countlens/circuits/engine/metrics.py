@@ -238,6 +238,7 @@ class _Mass:
 
     def __init__(self, answers: tuple, answer_ids: Callable[[str], list[int]], said: frozenset = frozenset()):
         self.answers, self.answer_ids, self.said, self.ids = answers, answer_ids, said, {}
+        self.picked: dict[tuple, list[list[int]]] = {}  # (prefixes, answers read) → chosen: once per batch
 
     def tokens(self, answer: str) -> tuple:
         if answer not in self.ids:
@@ -263,7 +264,14 @@ class _Mass:
         return sorted(mine)
 
     def chosen(self, prefixes, here: list[str]) -> list[list[int]]:
-        """Each prefix's tokens of the set; refused where no prefix has any (the mass would be 0 everywhere)."""
+        """Each prefix's tokens of the set; refused where no prefix has any (the mass would be 0 everywhere).
+        Remembered: a sweep reads every replica of one batch with the same prefixes."""
+        key = (tuple(tuple(p) for p in prefixes), tuple(here))
+        if key not in self.picked:
+            self.picked[key] = self._choose(prefixes, here)
+        return self.picked[key]
+
+    def _choose(self, prefixes, here: list[str]) -> list[list[int]]:
         others = {str(n) for n in CHECKED_COUNTS} | set(self.said) | set(here)
         picked = [self.next_tokens(tuple(prefix), others) for prefix in prefixes]
         if not any(picked):

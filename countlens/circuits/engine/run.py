@@ -34,7 +34,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
-from countlens.circuits.engine.donors import DonorRows, donor_rows
+from countlens.circuits.engine.donors import donor_rows
 from countlens.circuits.engine.edits import Edit
 from countlens.circuits.engine.hooks import Hook, hooked
 from countlens.circuits.engine.interventions import Block, Intervention, Patch, Replace, as_interventions
@@ -125,7 +125,7 @@ def intervene(vlm: VLM, interventions) -> Iterator[None]:
             elif op is not None:
                 view[b, s] = op(view[b, s]).to(view.dtype)
             else:
-                view[b, s] = _donor(item, frame, b, s, state["rows"][id(item)]).to(view.device, view.dtype)
+                view[b, s] = state["rows"][id(item)].take(item.values, b, s).to(view.device, view.dtype)
             return out
 
         return act
@@ -218,12 +218,6 @@ def _knockout(vlm: VLM, item: Block, state: dict):
         return args, {**kwargs, "attention_mask": new}
 
     return before
-
-
-def _donor(item: Intervention, frame: Frame, b: Tensor, s: Tensor, rows: DonorRows) -> Tensor:
-    """A donor's values (a Patch's, a Resample's) at the forward's rows ``b``, positions ``s``, from where
-    ``rows`` says (`countlens.circuits.engine.donors.donor_rows`: by sample, by position name for another layout)."""
-    return rows.take(item.values, b, s)
 
 
 # ----------------------------------------------------------------------------- effect over pairs
