@@ -82,8 +82,11 @@ def test_a_head_grid_under_a_probability_metric_equals_plain_torch(organism, pai
     assert '"name": "prob_mass"' in grid.attrs["metric"] and "answers" in grid.attrs["metric"]
     pb = prepare_pairs(organism, pairs)
     clean, corrupt = (_mass(organism, pb, x, high.answers) for x in _runs(organism, pb))
+    assert_close(grid.clean_prob_mass, clean, what="the clean run's mass per pair")
+    assert_close(grid.corrupt_prob_mass, corrupt, what="the corrupt run's mass per pair")
     for (layer, head), _ in cells.items():
         edited = _mass(organism, pb, _runs(organism, pb, (layer, head)), high.answers)
+        assert_close(grid.prob_mass.sel(layer=layer, head=head), edited, what="the mass per pair, patched")
         want = _effect(edited, clean, corrupt)
         assert_close(grid.effect.sel(layer=layer, head=head), want, scale=1 / abs(float(corrupt.sum() - clean.sum())))
     # The head sweep computes the same grid.
