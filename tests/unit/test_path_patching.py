@@ -128,7 +128,9 @@ def test_every_edge_ablated_is_the_corrupt_run_and_kept_the_clean_run(loaded):
     scale = logit_scale(vlm, prepare_pairs(vlm, pairs))
     assert_close(ablated.logit_diff, ablated.corrupt_logit_diff, scale=scale, what="every edge ablated")
     assert_close(kept.logit_diff, kept.clean_logit_diff, scale=scale, what="every edge kept")
-    assert float(kept.effect) == 0.0 and abs(float(ablated.effect) - 1) < 1e-4
+    # The kept run is a second row of the stacked forward beside the clean one, not the clean row itself: equal
+    # on this CPU, but rows of one batch are two computations, so both end points get the same bound.
+    assert abs(float(kept.effect)) < 1e-4 and abs(float(ablated.effect) - 1) < 1e-4
     assert kept.attrs["edges_corrupted"] == 0 and ablated.attrs["edges_corrupted"] == len(every)
     # One edge, given alone as its label or as a (sender, receiver) pair; kept, every other is corrupted.
     one_edge = [every.index("L0H0→L1H0.q")]
