@@ -207,3 +207,23 @@ def test_a_normaliser_within_the_pairs_noise_is_refused_with_its_figure(organism
 def test_a_grid_whose_dims_would_hide_a_variable_is_refused(organism, pairs, grid, match):
     with pytest.raises(InputError, match=match):
         effect(organism, pairs, grid)
+
+
+def test_prob_mass_reads_digit_split_answers_after_the_pairs_prefix_on_the_real_qwen_vocabulary(loaded):
+    """Qwen writes 10 and 12 as "1" "0" / "1" "2" (then <|im_end|>): after the forced "1", the set {10, 11, 12}
+    is the tokens "0", "1", "2"; with no prefix (3 vs 12), "1" would begin 12 and 1, so {12} is refused."""
+    from countlens.circuits.engine.metrics import metric_for
+
+    qwen = loaded("qwen2_5_vl")
+    pairs = count_pairs(2, 10, 12, kind="dots", grid=qwen.geometry, prompt="short", seed=0)
+    pb = prepare_pairs(qwen, pairs)
+    one = qwen.tokenizer.convert_tokens_to_ids("1")
+    assert pb.forced == [[one], [one]]
+    digits = sorted(qwen.tokenizer.convert_tokens_to_ids(list("012")))
+    bound = metric_for(qwen, pairs, metrics.prob_mass(["10", "11", "12"]), "test")
+    assert bound.fn.chosen(pb.forced, []) == [digits, digits]
+    logits = torch.randn(2, qwen.hf.get_output_embeddings().weight.shape[0])
+    assert_close(bound(logits, pb), torch.softmax(logits, -1)[:, digits].sum(-1), what="the mass of 0, 1, 2")
+    apart = count_pairs(2, 3, 12, kind="dots", grid=qwen.geometry, prompt="short", seed=0)
+    with pytest.raises(InputError, match="begins both an answer of the set and '1'"):
+        metric_for(qwen, apart, metrics.prob_mass(["12"]), "test")
