@@ -33,11 +33,13 @@ paths. Because the model is affine, each target row sums to its value: ``value_t
 constant_t`` (the graph stores ``values`` and ``constant``; ``constant_t`` is read from a run with
 every source zero). Error and embedding rows are empty: they are sources only.
 
-**Computation.** One forward of the frozen model over ``batch_size`` copies of the prompt, kept for
-many backward passes: each backward injects one target's gradient per copy (a feature's encoder row at
-its MLP input and position, or a logit's demeaned unembedding at the last position), so a backward
-fills ``batch_size`` rows of ``A``. **Positions**: all, none zeroed (circuit-tracer zeroes the BOS
-position's sources; the organism's prompts have no BOS, and countlens keeps every position).
+**Computation** (circuit-tracer's). One forward of the frozen model over ``batch_size`` copies of the
+prompt, kept for many backward passes: each backward injects one target's gradient per copy (a
+feature's encoder row at its MLP input and position, or a logit's demeaned unembedding at the last
+position), so a backward fills ``batch_size`` rows of ``A``, computed on the model's device (`EdgeColumns`)
+and written to a host buffer of ``max_features + n_logits`` rows (logits first, then features as
+visited); the adjacency is then built over the kept nodes only. **Positions**: all, none zeroed
+(circuit-tracer zeroes the BOS position's sources; the organism's prompts have no BOS).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from countlens.circuits.engine.freeze import Clamp, frozen
 from countlens.circuits.sites import first_arg
 from countlens.circuits.sites.positions import Objects
 from countlens.errors import InputError
-from countlens.features.influence import feature_order
+from countlens.features.influence import BLOCK_ELEMENTS, UPDATE_INTERVAL, next_features, partial_influence
 from countlens.features.replacement import check_graphable
 from countlens.features.transcoder import TranscoderSet
 from countlens.validate import require_count, require_share
@@ -274,20 +276,33 @@ def attribution_graph(
     logit_prob: float = 0.95,
     max_features: int | None = None,
     batch_size: int = 64,
+    update_interval: int = UPDATE_INTERVAL,
 ) -> AttributionGraph:
     """The attribution graph of ``sample`` (one sample: an image, a question, an answer) under the
     local replacement model of ``transcoders`` (a set covering every layer of ``vlm``); see the
     module's docstring. ``max_logits`` / ``logit_prob``: logit nodes are the most probable tokens
     until their probabilities sum to ``logit_prob``, at most ``max_logits``. ``max_features``: keep
-    only that many features, chosen as circuit-tracer does (repeatedly, the unvisited features of
-    largest influence on the logits through the rows computed so far); the dropped features' edges
-    are lost, so rows no longer sum to their values. ``batch_size``: target rows per backward."""
+    only that many features, chosen as circuit-tracer's ``max_feature_nodes`` (`partial_influence`:
+    every ``update_interval`` × ``batch_size`` rows, the unvisited features of largest influence on
+    the logits through the rows computed so far); the dropped features' edges are lost, so rows no
+    longer sum to their values. At or above the active count it keeps them all; above what could
+    ever be active (layers × tokens × k for TopK) it is refused. ``batch_size``: target rows per
+    backward. Memory and time grow with ``max_features`` × nodes (see the module's docstring)."""
     check_graphable(vlm, transcoders, sample, "attribution_graph")
     require_count(max_logits, "max_logits")
     require_share(logit_prob, "logit_prob", above_zero=True)
+    require_count(batch_size, "batch_size")
+    require_count(update_interval, "update_interval")
     if max_features is not None:
         require_count(max_features, "max_features")
-    require_count(batch_size, "batch_size")
+        seq = int(vlm.prepare_samples([sample]).inputs["input_ids"].shape[1])
+        most = seq * sum(tc.k or tc.d_transcoder for tc in transcoders)
+        if max_features > most:
+            raise InputError(
+                f"max_features={max_features} is more features than this prompt can have active: {seq} tokens × "
+                f"{transcoders.n_layers} layers × {transcoders.layer(0).k or transcoders.d_transcoder} features "
+                f"= {most}; give max_features ≤ {most}, or None for every active feature"
+            )
 
     lr = LocalReplacement(vlm, transcoders, sample)
     parts = {f"activations at layer {la}": a for la, a in lr.act.items()} | {"logits": lr.logits}
@@ -306,20 +321,12 @@ def attribution_graph(
     logit_tokens, logit_probs = top.indices[:n_logits], top.values[:n_logits]
 
     layers = list(range(lr.n_layers))
-    feats = torch.cat(
-        [
-            torch.cat([torch.full((len(nz), 1), layer), nz], 1)
-            for layer in layers
-            for nz in [lr.act[layer][0].nonzero().cpu()]
-        ]
-    )
-    acts = (
-        torch.stack([lr.act[int(layer)][0, p, f] for layer, p, f in feats.tolist()]).detach().float().cpu()
-        if len(feats)
-        else torch.zeros(0)
-    )
+    active = [lr.act[layer][0].nonzero() for layer in layers]  # per layer (position, feature), on its device
+    feats = torch.cat([torch.cat([torch.full((len(nz), 1), la), nz.cpu()], 1) for la, nz in enumerate(active)])
+    acts = torch.cat([lr.act[la][0][nz[:, 0], nz[:, 1]].detach().float().cpu() for la, nz in enumerate(active)])
     n_f, n_e = len(feats), len(layers) * seq
     n_src = n_f + n_e + seq
+    n_keep = n_f if max_features is None else min(max_features, n_f)
 
     # One frozen forward over batch_size copies, kept for all the backward passes.
     rows = batch_size
@@ -327,80 +334,88 @@ def attribution_graph(
     writes = {layer: lr.writes[layer].expand(rows, -1, -1).clone().requires_grad_(True) for layer in layers}
     with torch.enable_grad():
         got = lr.run(embed, writes)
-    dev = embed.device  # the model's: gradients are injected there, rows gathered on the CPU
+    columns = EdgeColumns(lr, active)
+    logit_dirs = lr.demeaned(logit_tokens)
 
-    def edges(targets: list[tuple]) -> torch.Tensor:
-        """(len(targets), n_src): one backward; a target is ("logit", vocab id) or ("feature", l, p, f)."""
-        outs, grads = [], []
-        g_in = {}
-        g_fin = None
-        for r, t in enumerate(targets):
-            if t[0] == "logit":
-                g_fin = torch.zeros(rows, seq, d, device=dev) if g_fin is None else g_fin
-                g_fin[r, -1] = lr.demeaned(torch.tensor([t[1]], device=lr.unembed.device))[0].to(dev)
-            else:
-                _, layer, p, f = t
-                g = g_in.setdefault(layer, torch.zeros(rows, seq, d, device=dev))
-                g[r, p] = transcoders.layer(layer).W_enc[f].detach().to(dev)
-        for layer, g in g_in.items():
-            outs.append(got["mlp_in"][layer])
-            grads.append(g.to(got["mlp_in"][layer].dtype))
-        if g_fin is not None:
-            outs.append(got["final"])
-            grads.append(g_fin.to(got["final"].dtype))
+    def edges(kind: str, idx: torch.Tensor) -> torch.Tensor:
+        """(len(idx), n_src) on the host: one backward for logits ``idx`` or features ``idx``."""
+        n, outs, grads = len(idx), [], []
+        if kind == "logit":
+            g = torch.zeros(rows, seq, d, device=got["final"].device, dtype=got["final"].dtype)
+            g[:n, -1] = logit_dirs[idx].to(g)
+            outs, grads = [got["final"]], [g]
+        for layer in feats[idx, 0].unique().tolist() if kind == "feature" else []:
+            here = idx[feats[idx, 0] == layer]
+            out = got["mlp_in"][layer]
+            g = torch.zeros(rows, seq, d, device=out.device, dtype=out.dtype)
+            where = (feats[idx, 0] == layer).nonzero().flatten().to(out.device)
+            g[where, feats[here, 1].to(out.device)] = transcoders.layer(layer).W_enc[feats[here, 2]].detach().to(g)
+            outs.append(out)
+            grads.append(g)
         inputs = [embed, *(writes[layer] for layer in layers)]
         back = torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
-        back = [torch.zeros_like(x) if g is None else g for g, x in zip(back, inputs)]
-        n = len(targets)
-        g_embed, g_writes = back[0][:n].float().cpu(), [g[:n].float().cpu() for g in back[1:]]
-        cols = []
-        for layer in layers:
-            tc = transcoders.layer(layer)
-            here = feats[:, 0] == layer
-            through = g_writes[layer] @ tc.W_dec.detach().float().cpu().T  # (n, seq, width)
-            cols.append(through[:, feats[here, 1], feats[here, 2]] * acts[here].float())
-        cols += [(g_writes[layer] * lr.error[layer].float().cpu()).sum(-1) for layer in layers]
-        cols.append((g_embed * lr.embed.float().cpu()).sum(-1))
-        return torch.cat(cols, 1)
+        return columns(back, n).cpu()
+
+    # circuit-tracer's edge_matrix / row_to_node_index: the logit rows, then features as visited.
+    buffer = torch.zeros(n_keep + n_logits, n_src)
+    row_nodes = torch.zeros(n_keep + n_logits, dtype=torch.long)
+    row_sums = torch.zeros(n_keep + n_logits)
+    visited = torch.zeros(n_f, dtype=torch.bool)
+    st = 0
+
+    def fill(kind: str, idx: torch.Tensor) -> None:
+        nonlocal st
+        block = edges(kind, idx)
+        buffer[st : st + len(idx)] = block
+        row_sums[st : st + len(idx)] = block.abs().sum(1)
+        row_nodes[st : st + len(idx)] = idx + n_src if kind == "logit" else idx
+        st += len(idx)
 
     with torch.no_grad():
-        # Logit rows in chunks of the forward's rows, as every other row: any batch_size ≥ 1 works.
-        logit_targets = [("logit", int(v)) for v in logit_tokens]
-        logit_rows = torch.cat([edges(logit_targets[i : i + rows]) for i in range(0, n_logits, rows)])
-        feature_rows = torch.zeros(n_f, n_src)
-        order = feature_order(logit_rows, logit_probs, n_f, max_features, rows)
-        visited = torch.zeros(n_f, dtype=torch.bool)
-        for chunk in order:
-            if callable(chunk):
-                chunk = chunk(feature_rows, visited)
-            if not len(chunk):
-                break
-            feature_rows[chunk] = edges([("feature", *feats[j].tolist()) for j in chunk])
-            visited[chunk] = True
+        for chunk in torch.arange(n_logits).split(rows):  # batched like every row: any batch_size ≥ 1 works
+            fill("logit", chunk)
+        while int(visited.sum()) < n_keep:
+            if n_keep == n_f:
+                pending = torch.arange(n_f)
+            else:
+                influences = partial_influence(buffer[:st], row_nodes[:st], logit_probs, n_f, row_sums[:st])
+                queue = min(update_interval * rows, n_keep - int(visited.sum()))
+                pending = next_features(influences, visited, queue)
+            for chunk in pending.split(rows):
+                fill("feature", chunk)
+                visited[chunk] = True
+        got.clear()  # frees the kept forward before the constant's run
         base = lr.run(torch.zeros_like(lr.embed), lr.constant_writes())
 
-    n = n_src + n_logits
+    kept = visited.nonzero().flatten()  # node order
+    m = len(kept)
+    n = m + n_e + seq + n_logits
+    target = torch.full((n_f + n_logits,), -1, dtype=torch.long)
+    target[kept] = torch.arange(m)
+    target[n_f:] = torch.arange(n - n_logits, n)
+    cols = torch.cat([kept, torch.arange(n_f, n_src)])
     adjacency = torch.zeros(n, n)
-    adjacency[:n_f, :n_src] = feature_rows
-    adjacency[n_src:, :n_src] = logit_rows
+    span = max(1, BLOCK_ELEMENTS // max(n_src, 1))
+    for i in range(0, st, span):  # the final adjacency over the kept nodes only, a block of rows at a time
+        nodes = row_nodes[i : i + span]
+        adjacency[target[torch.where(nodes < n_f, nodes, nodes - n_src + n_f)], : n - n_logits] = buffer[i : i + span][
+            :, cols
+        ]
     if not adjacency.isfinite().all():
         raise InputError("attribution_graph: edges are NaN or ±inf: the gradients overflow; run the model in float32")
     values = torch.full((n,), float("nan"))
     constant = torch.zeros(n)
-    for j, (layer, p, f) in enumerate(feats.tolist()):
-        tc = transcoders.layer(layer)
-        values[j] = float(lr.pre[layer][0, p, f])
-        constant[j] = float((tc.b_enc[f] + tc.W_enc[f] @ base["mlp_in"][layer][0, p].to(tc.W_enc)).detach())
-    values[n_src:] = (lr.logits[logit_tokens] - lr.logits.mean()).float().cpu()
-    constant[n_src:] = (lr.demeaned(logit_tokens) @ base["final"][0, -1].float()).cpu()
+    values[:m], constant[:m] = feature_values(lr, base, feats[kept])
+    values[n - n_logits :] = (lr.logits[logit_tokens] - lr.logits.mean()).float().cpu()
+    constant[n - n_logits :] = (logit_dirs @ base["final"][0, -1].float()).cpu()
 
     ids = lr.batch.inputs["input_ids"][0].cpu()
     cells, objects = token_positions(lr.batch, sample, seq)
     answer = vlm.answer_ids(sample.answer)[0] if getattr(sample, "answer", None) else -1
-    graph = AttributionGraph(
+    return AttributionGraph(
         adjacency=adjacency,
-        features=feats.long(),
-        activations=acts.detach().float(),
+        features=feats[kept].long(),
+        activations=acts[kept],
         errors=torch.tensor([(layer, p) for layer in layers for p in range(seq)]).long(),
         embeddings=torch.arange(seq),
         logit_tokens=logit_tokens.cpu(),
@@ -417,11 +432,57 @@ def attribution_graph(
         prompt=sample.question,
         scan=transcoders.scan,
     )
-    if max_features is not None and n_f > max_features:
-        keep = torch.ones(n, dtype=torch.bool)
-        keep[:n_f] = visited
-        graph = graph.select(keep)
-    return graph
+
+
+class EdgeColumns:
+    """Turns one backward's gradients into ``n`` rows of source columns, on the model's and the
+    transcoders' devices. Each layer's active features' ``a_f W_dec[f]`` (circuit-tracer's scaled
+    decoder vectors, float32) are kept there padded by position, (seq, most active at a position,
+    d_model), so a layer's feature columns are one batched product with its write's gradient; each
+    error and embedding vector is dotted with its gradient."""
+
+    def __init__(self, lr: LocalReplacement, active: list[torch.Tensor]):
+        self.lr, self.slots, self.decoders = lr, [], []
+        for layer, nz in enumerate(active):
+            tc, seq = lr.transcoders.layer(layer), lr.embed.shape[1]
+            a = lr.act[layer][0][nz[:, 0], nz[:, 1]].detach().float()
+            counts = torch.bincount(nz[:, 0], minlength=seq)
+            slot = torch.arange(len(nz), device=nz.device) - (counts.cumsum(0) - counts)[nz[:, 0]]
+            dec = torch.zeros(seq, int(counts.max()) if len(nz) else 0, tc.d_model, device=tc.W_dec.device)
+            dec[nz[:, 0], slot] = tc.W_dec.detach()[nz[:, 1]].float() * a[:, None]
+            self.slots.append((nz[:, 0], slot))
+            self.decoders.append(dec)
+
+    def __call__(self, back, n: int) -> torch.Tensor:
+        lr, dev, seq = self.lr, self.lr.embed.device, self.lr.embed.shape[1]
+        g_embed, g_writes = back[0], back[1:]
+        feature_cols, error_cols = [], []
+        for layer, g in enumerate(g_writes):
+            dec, (pos, slot) = self.decoders[layer], self.slots[layer]
+            if g is None:  # no target reads this layer's write
+                feature_cols += [torch.zeros(n, len(pos), device=dev)]
+                error_cols += [torch.zeros(n, seq, device=dev)]
+                continue
+            g = g[:n].float()
+            cols = torch.bmm(g.to(dec.device).transpose(0, 1), dec.transpose(1, 2))  # (seq, n, slots)
+            feature_cols.append(cols[pos, :, slot].T.to(dev))
+            error_cols.append((g * lr.error[layer][0].float()).sum(-1))
+        embed_cols = torch.zeros(n, seq, device=dev) if g_embed is None else (g_embed[:n].float() * lr.embed[0]).sum(-1)
+        return torch.cat([*feature_cols, *error_cols, embed_cols], 1)
+
+
+def feature_values(lr: LocalReplacement, base: dict, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, constant) of the feature nodes ``kept`` ((m, 3): layer, position, feature): the clean
+    pre-activation, and ``b_enc + W_enc · x`` at the all-sources-zero run's MLP input; a layer at a time."""
+    values, constant = torch.zeros(len(kept)), torch.zeros(len(kept))
+    for layer in kept[:, 0].unique().tolist():
+        here = (kept[:, 0] == layer).nonzero().flatten()
+        tc = lr.transcoders.layer(layer)
+        p, f = kept[here, 1].to(tc.W_enc.device), kept[here, 2].to(tc.W_enc.device)
+        values[here] = lr.pre[layer][0, p, f].detach().float().cpu()
+        x = base["mlp_in"][layer][0, p].to(tc.W_enc)
+        constant[here] = (tc.b_enc[f] + (tc.W_enc[f] * x).sum(-1)).detach().float().cpu()
+    return values, constant
 
 
 def token_positions(batch: Batch, sample, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,8 @@
 circuit-tracer ranks nodes by how much of the logits' weight reaches them along every path:
 ``Â = |A| / rowsum(|A|)`` (rows are targets), and a node's **influence** is ``w @ (Â + Â² + …)``
 with ``w`` the logit nodes' probabilities (zero elsewhere). `countlens.features.prune` prunes by it;
-`countlens.features.graph` uses it (`feature_order`) to choose which features to visit when a graph
-keeps at most ``max_features`` of them.
+`countlens.features.graph` uses circuit-tracer's partial form (`partial_influence`, over the rows
+computed so far) to choose which features to visit when a graph keeps at most ``max_features`` of them.
 """
 
 from __future__ import annotations
@@ -47,27 +47,65 @@ def influence(normalized_adjacency: torch.Tensor, weights: torch.Tensor) -> torc
     )
 
 
-def feature_order(logit_rows, logit_probs, n_f: int, max_features: int | None, rows: int) -> list:
-    """The chunks of feature targets `attribution_graph` fills, ``rows`` at a time: all features in
-    order, or (``max_features``) a callable per chunk that picks, given the rows filled so far and
-    the visited mask, the unvisited features of largest influence on the logits (direct plus
-    indirect, through the rows so far), as circuit-tracer's ``max_feature_nodes`` does."""
-    if max_features is None or n_f <= max_features:
-        return [torch.arange(i, min(i + rows, n_f)) for i in range(0, n_f, rows)]
+#: Entries of one transient block while `partial_influence` reads the known rows (float32: 256 MiB):
+#: the rows are read a block at a time, never copied whole.
+BLOCK_ELEMENTS = 2**26
 
-    def pick(size):
-        def chunk(feature_rows, visited):
-            a = torch.zeros(n_f + len(logit_probs), n_f)
-            a[:n_f] = feature_rows[:, :n_f]
-            a[n_f:] = logit_rows[:, :n_f]
-            w = torch.cat([torch.zeros(n_f), logit_probs.float()])
-            full = torch.zeros(len(w), len(w))
-            full[:, :n_f] = a
-            score = influence(normalized(full), w)[:n_f] + (w @ normalized(full))[:n_f]
-            score[visited] = -1
-            return score.topk(size).indices
+#: circuit-tracer's ``attribute(update_interval=4)``: feature batches visited between two rankings.
+UPDATE_INTERVAL = 4
 
-        return chunk
 
-    sizes = [min(rows, max_features - i) for i in range(0, max_features, rows)]
-    return [pick(s) for s in sizes]
+def partial_influence(
+    rows: torch.Tensor,
+    row_nodes: torch.Tensor,
+    logit_probs: torch.Tensor,
+    n_features: int,
+    row_sums: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """circuit-tracer's ``compute_partial_influences`` on the rows computed so far, read at the feature
+    columns: (``n_features``,) the influence of each feature on the logits.
+
+    ``rows`` (k, n_sources): the known target rows of the adjacency (all source columns: features,
+    errors, embeddings); ``row_nodes`` (k,): each row's node (a feature ``j < n_features``, or logit
+    ``i`` as ``n_sources + i``); ``logit_probs``: the logit nodes' probabilities; ``row_sums``: each
+    row's ``Σ|A|`` if already known. The rule: ``Â = |rows| / rowsum`` (each sum clamped to ≥ 1e-8),
+    ``p₀`` the logit probabilities, ``p_{t+1} = p_t[row_nodes] @ Â`` until it is zero, influence
+    ``Σ_{t≥1} p_t`` (the direct influence once). Computed as ``(Σ_t r_t) @ Â`` with ``r_t =
+    p_t[row_nodes]`` iterated on the (k, k) block of the known rows' own columns (the same sum), so
+    only one pass reads the rows, a block at a time."""
+    k, n_src = rows.shape
+    sums = rows.abs().sum(1) if row_sums is None else row_sums
+    scale = 1 / sums.float().clamp_min(1e-8)
+    is_feature = row_nodes < n_features
+    feature_rows = is_feature.nonzero().flatten()
+    r = torch.zeros(k)
+    r[~is_feature] = logit_probs.float().cpu()[row_nodes[~is_feature] - n_src]
+    block = rows[:, row_nodes[feature_rows]].abs() * scale[:, None]  # Â at the known rows' own nodes
+    total, current = r.clone(), r
+    for _ in range(MAX_ITERATIONS):
+        step = torch.zeros(k)
+        step[feature_rows] = current @ block
+        if not step.any():
+            break
+        total += step
+        current = step
+    else:
+        raise InputError(
+            f"influence did not vanish after {MAX_ITERATIONS} terms: the rows have a cycle, which an attribution "
+            "graph (edges from earlier to later only) cannot have; build it with attribution_graph"
+        )
+    weights = total * scale
+    out = torch.zeros(n_features)
+    span = max(1, BLOCK_ELEMENTS // max(n_features, 1))
+    for i in range(0, k, span):
+        w = weights[i : i + span]
+        if w.any():
+            out += w @ rows[i : i + span, :n_features].abs()
+    return out
+
+
+def next_features(influences: torch.Tensor, visited: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` unvisited features of largest influence, largest first (circuit-tracer's
+    ``argsort(influences, descending=True)`` without the visited; ties in index order)."""
+    rank = torch.argsort(influences, descending=True, stable=True)
+    return rank[~visited[rank]][:size]

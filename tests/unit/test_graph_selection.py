@@ -1,0 +1,176 @@
+"""`attribution_graph`'s ``max_features`` selection against circuit-tracer's published rule
+(decoderesearch/circuit-tracer, ``attribute`` and ``compute_partial_influences``), re-implemented
+here independently in float64 from its definition:
+
+- the known rows (logit rows first, then features as visited; ``row_to_node_index``) are normalised
+  ``|A| / rowsum(|A|)`` over ALL their columns (features, errors, embeddings), each sum clamped to
+  ≥ 1e-8;
+- ``prod`` starts as the logit probabilities at the logit nodes; ``prod = prod[row_to_node_index] @ Â``
+  until it is zero; the influence is the sum of the ``prod``s (the direct influence once);
+- the next queue is the ``update_interval × batch_size`` unvisited features of largest influence.
+
+On random partial graphs (the next picks equal, in order) and on the organism (the whole selection
+replayed on the full graph's rows equals the one attribution_graph made; each visited row is the full
+graph's row; max_features ≥ the active count is the full graph), and the refusals before any forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerance import assert_close, scale_of
+
+from countlens.datasets.tasks import count_task_sample
+from countlens.errors import InputError
+from countlens.features import attribution_graph, train_transcoders
+from countlens.features.influence import next_features, partial_influence
+
+WIDTH, K = 32, 4
+
+
+def reference_influence(known: torch.Tensor, logit_p: torch.Tensor, row_to_node: torch.Tensor) -> torch.Tensor:
+    """circuit-tracer's rule on ``known`` (rows × all nodes, logit nodes last), in float64."""
+    a = known.double().abs()
+    a = a / a.sum(1, keepdim=True).clamp(min=1e-8)
+    prod = torch.zeros(a.shape[1], dtype=torch.float64)
+    prod[-len(logit_p) :] = logit_p.double()
+    total = torch.zeros_like(prod)
+    for _ in range(128):
+        prod = prod[row_to_node] @ a
+        if not prod.any():
+            return total
+        total += prod
+    raise AssertionError("no convergence")
+
+
+def reference_queue(influence: torch.Tensor, visited: torch.Tensor, size: int) -> list[int]:
+    order = sorted(range(len(visited)), key=lambda j: (-float(influence[j]), j))
+    return [j for j in order if not visited[j]][:size]
+
+
+def random_graph(seed: int, n_f=300, n_e=40, n_m=10, n_logits=3, layers=5):
+    """A random attribution-graph-shaped adjacency (rows targets): features in ``layers`` layers read
+    earlier layers' features and any error or embedding; logits read everything; sources only below."""
+    g = torch.Generator().manual_seed(seed)
+    n = n_f + n_e + n_m + n_logits
+    layer = torch.randint(0, layers, (n_f,), generator=g).sort().values
+    a = torch.randn(n, n, generator=g) * (torch.rand(n, n, generator=g) < 0.3)
+    a[:, n_f + n_e + n_m :] = 0  # no logit is a source
+    a[n_f : n_f + n_e + n_m] = 0  # errors and embeddings are sources only
+    a[:n_f, :n_f] *= layer[None, :] < layer[:, None]
+    probs = torch.rand(n_logits, generator=g).softmax(0)
+    return a, probs, n_f, n_logits
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_next_picks_on_a_partial_random_graph_are_circuit_tracers(seed):
+    a, probs, n_f, n_logits = random_graph(seed)
+    n = a.shape[0]
+    n_src = n - n_logits
+    g = torch.Generator().manual_seed(100 + seed)
+    known = torch.randperm(n_f, generator=g)[:80]  # features visited so far, in visiting order
+    row_to_node = torch.cat([torch.arange(n_src, n), known])
+    rows = a[row_to_node]
+    visited = torch.zeros(n_f, dtype=torch.bool)
+    visited[known] = True
+    mine = partial_influence(rows[:, :n_src], row_to_node, probs, n_f)
+    want = reference_influence(rows, probs, row_to_node)[:n_f]
+    assert_close(mine, want, scale=scale_of(want), what="partial influence")
+    assert next_features(mine, visited, 64).tolist() == reference_queue(want, visited, 64)
+    # Only the logit rows known: the direct influence alone, once.
+    logit_only = partial_influence(rows[:n_logits, :n_src], row_to_node[:n_logits], probs, n_f)
+    direct = probs.double() @ (a[n_src:].double().abs() / a[n_src:].double().abs().sum(1, keepdim=True))
+    assert_close(logit_only, direct[:n_f], scale=1.0, what="direct influence")
+
+
+def test_row_sums_are_over_all_columns_and_clamped():
+    """A feature whose only known row is all zero gets nothing; one whose reader's row is mostly error
+    gets a share of that row's whole sum, not of its feature columns."""
+    n_f, n_src = 3, 5  # features 0..2, error 3, embedding 4; one logit (node 5)
+    rows = torch.zeros(3, n_src)
+    rows[0, [1, 3]] = torch.tensor([1.0, 3.0])  # the logit: feature 1 (¼), the error (¾)
+    rows[1] = 0.0  # feature 1's row: empty (sum clamped, no division by zero)
+    rows[2, 0] = -2.0  # feature 2's row reads feature 0, but feature 2 has no influence
+    nodes = torch.tensor([5, 1, 2])
+    got = partial_influence(rows, nodes, torch.tensor([1.0]), n_f)
+    assert torch.equal(got, torch.tensor([0.0, 0.25, 0.0]))
+
+
+@pytest.fixture(scope="module")
+def organism(loaded):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    vlm = loaded("toy")
+    tcs = train_transcoders(vlm, width=WIDTH, k=K, steps=8, mix={"count": 16}, progress=False).transcoders
+    sample = count_task_sample(3, 0)
+    full = attribution_graph(vlm, tcs, sample, max_logits=3, batch_size=64)
+    yield vlm, tcs, sample, full
+    torch.set_num_threads(before)
+
+
+def replay(full, max_features: int, batch: int, interval: int) -> list[int]:
+    """circuit-tracer's whole selection, replayed on the full graph's rows (the reference rule)."""
+    n_f, n = full.n_features, full.n_nodes
+    logits = torch.arange(full.start("logit"), n)
+    visited = torch.zeros(n_f, dtype=torch.bool)
+    order: list[int] = []
+    while len(order) < max_features:
+        row_to_node = torch.cat([logits, torch.tensor(order, dtype=torch.long)])
+        influence = reference_influence(full.adjacency[row_to_node], full.logit_probs, row_to_node)[:n_f]
+        queue = reference_queue(influence, visited, min(interval * batch, max_features - len(order)))
+        order += queue
+        visited[queue] = True
+    return order
+
+
+@pytest.mark.parametrize("max_features, batch, interval", [(40, 8, 2), (25, 4, 4)])
+def test_the_organisms_selection_replays_circuit_tracers_and_its_rows_are_the_full_graphs(
+    organism, max_features, batch, interval
+):
+    vlm, tcs, sample, full = organism
+    small = attribution_graph(
+        vlm, tcs, sample, max_logits=3, max_features=max_features, batch_size=batch, update_interval=interval
+    )
+    index = {tuple(f): i for i, f in enumerate(full.features.tolist())}
+    kept = [index[tuple(f)] for f in small.features.tolist()]
+    assert kept == sorted(replay(full, max_features, batch, interval))
+    # Each visited row (and the logit rows) is the full graph's, at the kept columns.
+    rest = list(range(full.n_features, full.start("logit")))
+    cols = kept + rest
+    mine = small.adjacency[:, : small.start("logit")]
+    rows = kept + list(range(full.start("logit"), full.n_nodes))
+    want = full.adjacency[rows][:, cols]
+    mine_rows = torch.cat([mine[: small.n_features], mine[small.start("logit") :]])
+    assert_close(mine_rows, want, scale=scale_of(want), what="visited rows against the full graph's")
+    assert_close(small.values[: small.n_features], full.values[kept], what="kept features' values")
+    assert_close(small.constant[: small.n_features], full.constant[kept], what="kept features' constants")
+
+
+def test_max_features_at_or_above_the_active_count_is_the_full_graph(organism):
+    vlm, tcs, sample, full = organism
+    most = vlm.arch.n_layers * len(full.tokens) * K  # what could ever be active: accepted, above it refused
+    for cap in sorted({full.n_features, full.n_features + 1, most} - {most + 1}):
+        same = attribution_graph(vlm, tcs, sample, max_logits=3, batch_size=64, max_features=cap)
+        assert torch.equal(same.features, full.features)
+        assert torch.equal(same.adjacency, full.adjacency)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_features": 0}, "max_features must be an integer ≥ 1"),
+        ({"max_features": 10**6}, "give max_features ≤"),
+        ({"max_features": -1}, "max_features must be an integer ≥ 1"),
+        ({"batch_size": 0}, "batch_size must be an integer ≥ 1"),
+        ({"update_interval": 0}, "update_interval must be an integer ≥ 1"),
+    ],
+)
+def test_bad_max_features_and_batch_size_are_refused_before_any_forward(organism, monkeypatch, kwargs, words):
+    vlm, tcs, sample, _ = organism
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a forward ran before the arguments were checked")
+
+    monkeypatch.setattr(vlm.hf, "forward", boom)
+    with pytest.raises(InputError, match=words):
+        attribution_graph(vlm, tcs, sample, **kwargs)
