@@ -20,26 +20,43 @@ samples after the training ones: same distribution, no shared sample.
   ``ȳ`` the held-out mean output: 0 is a perfect reconstruction, 1 is no better than the mean.
 - ``l0`` = the mean number of non-zero feature activations per token (≤ k for TopK).
 - ``dead`` = the number of features that are zero on every held-out token.
+
+**The store.** Where a mix's activations do not fit the memory bound (``max_memory`` bytes,
+`MAX_MEMORY` by default), `collect_activations` writes them to a folder (``store``) in chunks instead
+of holding them: each chunk file (``chunk00000.safetensors`` …: tensors only, no code) holds
+``in.{layer}`` and ``out.{layer}`` ``(tokens, d_model)`` for every layer, in the model's dtype where
+that is bfloat16 or float16 (lossless) and float32 otherwise, and ``kinds`` (uint8 codes into
+`KINDS`); ``manifest.json``, written last, names the model, its widths, the layers, the dtype, the
+settings the data came from, and each chunk's tokens. A chunk is flushed as soon as the buffered
+activations (all layers) reach ``max_memory``, so collecting holds at most ``max_memory`` plus one
+batch's activations. `open_store` checks a folder against the model before anything reads it
+(manifest, widths, every tensor's shape and dtype); `ActivationStore.stats` reads every chunk
+once, refusing NaN or ±inf, before a training starts.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 import xarray as xr
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from countlens.circuits.engine import Hook, hooked
 from countlens.datasets.tasks import TASKS, task_sample, task_samples
 from countlens.errors import InputError
 from countlens.features.transcoder import TranscoderSet
+from countlens.files import atomic_path, machine_errors, settings_changes
 from countlens.model.arguments import require_layers, require_vlm
 from countlens.model.processors import render_chat
 from countlens.model.vlm import check_samples
-from countlens.validate import require_count, require_integer, require_tensor
+from countlens.validate import require_count, require_integer, require_path, require_seed, require_tensor
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -52,6 +69,11 @@ DEFAULT_MIX: dict[str, int] = {"count": 384, "color": 64, "shape": 64, "text": 1
 DATA_SEED_BASE = 7000
 #: The sample index from which text prompts take their questions.
 TEXT_START = 1_000_000
+#: The default bound on activations held in memory (bytes): above it they are collected to disk.
+MAX_MEMORY = 4 * 2**30
+#: What an activation store's manifest says it is.
+STORE_FORMAT = "countlens-activations/1"
+MANIFEST = "manifest.json"
 
 
 def check_mix(mix: Mapping[str, int] | None) -> dict[str, int]:
@@ -103,15 +125,32 @@ class Activations(NamedTuple):
 
 @torch.no_grad()
 def collect_activations(
-    vlm: VLM, layers: Sequence[int], samples: Sequence, texts: Sequence[str] = (), batch_size: int = 32
-) -> Activations:
+    vlm: VLM,
+    layers: Sequence[int],
+    samples: Sequence,
+    texts: Sequence[str] = (),
+    batch_size: int = 32,
+    store: str | Path | None = None,
+    max_memory: float = MAX_MEMORY,
+    order_seed: int | None = None,
+    settings: Mapping | None = None,
+) -> Activations | ActivationStore:
     """Each layer's MLP input and output at the real tokens of ``samples`` (scenes, through
     `VLM.prepare_samples`) and ``texts`` (plain prompts, no image), via forward hooks on the MLPs;
-    ``layers`` None: every layer."""
+    ``layers`` None: every layer.
+
+    ``store`` None: held in memory, returned as `Activations`. A folder: written there in chunks of
+    at most ``max_memory`` bytes (all layers; the module's docstring), returned as the checked
+    `ActivationStore`; ``settings`` (a JSON-able dict: what the data came from) go into its manifest.
+    ``order_seed``: the samples, the texts and their batches are forwarded in an order drawn from it
+    (so each chunk holds a seeded mix of every kind); None keeps the given order."""
     require_vlm(vlm, "collect_activations")
     layers = require_layers(vlm, layers, "collect_activations")
     layers = list(range(vlm.arch.n_layers)) if layers is None else layers
     require_count(batch_size, "batch_size")
+    max_memory = require_memory(max_memory)
+    if order_seed is not None:
+        require_seed(order_seed, "order_seed")
     for name, given in (("samples", samples), ("texts", texts)):
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
             raise InputError(f"collect_activations: {name} must be a list (or empty), got {type(given).__name__}")
@@ -121,6 +160,12 @@ def collect_activations(
         check_samples(samples, "collect_activations")
     if not all(isinstance(t, str) for t in texts):
         raise InputError("collect_activations: texts must be a list of strings (plain prompts)")
+    dtype = torch.float32 if store is None else store_dtype(vlm.hf.dtype)
+    if store is not None:
+        store = require_path(store, "store", example="'runs/tc/activations'")
+        if store.exists() and not store.is_dir():
+            raise InputError(f"store {store} is a file; give a folder for the activation chunks")
+        writer = _Writer(store, vlm, layers, dtype, dict(settings or {}))
     got_in: dict[int, list] = {layer: [] for layer in layers}
     got_out: dict[int, list] = {layer: [] for layer in layers}
     mask: list[torch.Tensor] = []
@@ -129,32 +174,247 @@ def collect_activations(
         def record(module, args, kwargs, output):
             x = args[0] if args else next(iter(kwargs.values()))
             keep = mask[-1]
-            got_in[layer].append(x[keep].detach().float().cpu())
-            got_out[layer].append(output[keep].detach().float().cpu())
+            got_in[layer].append(x[keep].detach().to(dtype).cpu())
+            got_out[layer].append(output[keep].detach().to(dtype).cpu())
 
         return record
 
     kinds: list[str] = []
+    per_token = 2 * len(layers) * vlm.arch.d_model * dtype.itemsize
     with hooked(vlm.hf, [Hook(vlm.arch.mlp(layer), "after", hook(layer)) for layer in layers]):
-        for chunk, batch in vlm.batches(list(samples), batch_size):
-            mask.append(batch.inputs["attention_mask"].bool())
-            vlm.hf(**batch.inputs)
-            kinds += [s.task for s, m in zip(chunk, mask[-1]) for _ in range(int(m.sum()))]
-        tok = vlm.tokenizer
-        for i in range(0, len(texts), batch_size):
-            chats = [
-                render_chat(vlm.processor, [{"role": "user", "content": [{"type": "text", "text": t}]}], vlm.name)
-                for t in texts[i : i + batch_size]
-            ]
-            enc = tok(chats, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
-            mask.append(enc["attention_mask"].bool())
-            vlm.hf(input_ids=enc["input_ids"].to(vlm.device), attention_mask=enc["attention_mask"].to(vlm.device))
-            kinds += ["text"] * int(mask[-1].sum())
-    return Activations(
-        {layer: torch.cat(v) for layer, v in got_in.items()},
-        {layer: torch.cat(v) for layer, v in got_out.items()},
-        np.array(kinds, dtype=object),
-    )
+        for kind, items in _jobs(samples, texts, batch_size, order_seed):
+            if kind == "scenes":
+                batch = vlm.prepare_samples(items)
+                mask.append(batch.inputs["attention_mask"].bool())
+                vlm.hf(**batch.inputs)
+                kinds += [s.task for s, m in zip(items, mask[-1]) for _ in range(int(m.sum()))]
+            else:
+                enc = encode_texts(vlm, items)
+                mask.append(enc["attention_mask"].bool())
+                ids, att = enc["input_ids"].to(vlm.device), enc["attention_mask"].to(vlm.device)
+                vlm.hf(input_ids=ids, attention_mask=att)
+                kinds += ["text"] * int(mask[-1].sum())
+            mask.clear()
+            if store is not None and len(kinds) * per_token >= max_memory:
+                writer.flush(got_in, got_out, kinds)
+    if store is None:
+        return Activations(
+            {layer: torch.cat(v) for layer, v in got_in.items()},
+            {layer: torch.cat(v) for layer, v in got_out.items()},
+            np.array(kinds, dtype=object),
+        )
+    writer.flush(got_in, got_out, kinds)
+    return open_store(writer.finish(), vlm, layers, settings)
+
+
+def encode_texts(vlm: VLM, texts: Sequence[str]):
+    """Plain prompts in the model's chat template, left-padded token ids and attention mask (no image)."""
+    user = [[{"role": "user", "content": [{"type": "text", "text": t}]}] for t in texts]
+    chats = [render_chat(vlm.processor, turns, vlm.name) for turns in user]
+    return vlm.tokenizer(chats, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
+
+
+def estimate_tokens(vlm: VLM, mix: Mapping[str, int], seed: int) -> int:
+    """The real tokens of ``mix``'s samples, from the first sample of each kind (processor only, no forward)."""
+    scenes, texts = mix_samples({kind: min(n, 1) for kind, n in mix.items()}, seed)
+    per = {s.task: int(vlm.prepare_samples([s]).inputs["attention_mask"].sum()) for s in scenes}
+    if texts:
+        per["text"] = int(encode_texts(vlm, texts[:1])["attention_mask"].sum())
+    return sum(n * per.get(kind, 0) for kind, n in mix.items())
+
+
+def _jobs(samples: Sequence, texts: Sequence[str], size: int, order_seed: int | None) -> list[tuple[str, list]]:
+    """The forwards' batches, ("scenes", samples) and ("texts", prompts): in the given order, or
+    samples, texts and batches each permuted by a generator seeded with ``order_seed``."""
+    samples, texts = list(samples), list(texts)
+    generator = None if order_seed is None else torch.Generator().manual_seed(order_seed)
+    if generator is not None:
+        samples = [samples[i] for i in torch.randperm(len(samples), generator=generator).tolist()]
+        texts = [texts[i] for i in torch.randperm(len(texts), generator=generator).tolist()]
+    jobs = [("scenes", samples[i : i + size]) for i in range(0, len(samples), size)]
+    jobs += [("texts", texts[i : i + size]) for i in range(0, len(texts), size)]
+    if generator is not None:
+        jobs = [jobs[i] for i in torch.randperm(len(jobs), generator=generator).tolist()]
+    return jobs
+
+
+def require_memory(value, name: str = "max_memory") -> int:
+    """A memory bound in bytes: a finite number ≥ 1 (whole bytes; a chunk holds at least one batch)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+        raise InputError(f"{name} must be a finite number of bytes ≥ 1, e.g. {MAX_MEMORY} (4 GiB); got {value!r}")
+    return int(value)
+
+
+def store_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The element type a store keeps: the model's where it is bfloat16 or float16 (exact), else float32."""
+    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+class _Writer:
+    """Writes a store's chunks (each whole or not at all) and, last, its manifest."""
+
+    def __init__(self, folder: Path, vlm: VLM, layers: list[int], dtype: torch.dtype, settings: dict) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MANIFEST).unlink(missing_ok=True)  # unfinished until the new manifest is written
+        self.folder, self.chunks = folder, []
+        self.manifest = {
+            "format": STORE_FORMAT,
+            "model": vlm.name or vlm.arch.name,
+            "d_model": vlm.arch.d_model,
+            "n_layers": vlm.arch.n_layers,
+            "layers": list(layers),
+            "dtype": str(dtype).removeprefix("torch."),
+            "settings": settings,
+        }
+
+    def flush(self, inputs: dict[int, list], outputs: dict[int, list], kinds: list[str]) -> None:
+        if not kinds:
+            return
+        tensors = {f"in.{layer}": torch.cat(v).contiguous() for layer, v in inputs.items()}
+        tensors |= {f"out.{layer}": torch.cat(v).contiguous() for layer, v in outputs.items()}
+        tensors["kinds"] = torch.tensor([KINDS.index(kind) for kind in kinds], dtype=torch.uint8)
+        path = self.folder / f"chunk{len(self.chunks):05d}.safetensors"
+        with atomic_path(path) as tmp, machine_errors(path, sum(t.nbytes for t in tensors.values())):
+            save_file(tensors, str(tmp))
+        self.chunks.append({"file": path.name, "tokens": len(kinds)})
+        for v in (*inputs.values(), *outputs.values(), kinds):
+            v.clear()
+
+    def finish(self) -> Path:
+        path = self.folder / MANIFEST
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({**self.manifest, "chunks": self.chunks}, indent=1))
+        return self.folder
+
+
+class ActivationStore:
+    """A checked activation store (`open_store`): ``layers``, ``d_model``, ``chunk_tokens`` (tokens
+    per chunk), ``kinds`` (each token's source, as `Activations.kinds`). `read` loads one layer of one
+    chunk as float32, checked; nothing else is held."""
+
+    def __init__(self, folder: Path, manifest: dict) -> None:
+        self.folder = folder
+        self.layers = tuple(manifest["layers"])
+        self.d_model = manifest["d_model"]
+        self.dtype = manifest["dtype"]
+        self.settings = manifest["settings"]
+        self.files = [c["file"] for c in manifest["chunks"]]
+        self.chunk_tokens = [c["tokens"] for c in manifest["chunks"]]
+        self._kinds = self._stats = None
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def kinds(self) -> np.ndarray:
+        if self._kinds is None:
+            codes = [self._tensor(i, "kinds") for i in range(len(self))]
+            self._kinds = np.array(KINDS, dtype=object)[torch.cat(codes).long().numpy()]
+        return self._kinds
+
+    def _tensor(self, index: int, name: str) -> torch.Tensor:
+        path = self.folder / self.files[index]
+        with safe_open(str(path), "pt") as f:
+            return f.get_tensor(name)
+
+    def read(self, layer: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``index``'s (inputs, outputs) of ``layer``, float32; an `InputError` on NaN or ±inf."""
+        path = self.folder / self.files[index]
+        with safe_open(str(path), "pt") as f:
+            pair = f.get_tensor(f"in.{layer}").float(), f.get_tensor(f"out.{layer}").float()
+        for name, t in zip(("in", "out"), pair):
+            if not torch.isfinite(t).all():
+                raise InputError(
+                    f"{path}: {name}.{layer} holds NaN or ±inf (a damaged store); delete {self.folder} to collect "
+                    "the activations again"
+                )
+        return pair
+
+    def chunks(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index in range(len(self)):
+            yield self.read(layer, index)
+
+    def stats(self) -> dict[int, tuple[torch.Tensor, float]]:
+        """Per layer, (the mean output, float32; the outputs' total variance ``Σ var(y)``), from one
+        read of every chunk (which refuses NaN and ±inf): what a training needs before its first step."""
+        if self._stats is not None:
+            return self._stats
+        out = self._stats = {}
+        for layer in self.layers:
+            if len(self) == 1:  # the very computation of the in-memory path
+                y = self.read(layer, 0)[1]
+                out[layer] = (y.mean(0), float(y.var(0, unbiased=False).sum()))
+                continue
+            s1 = torch.zeros(self.d_model, dtype=torch.float64)
+            s2 = torch.zeros(self.d_model, dtype=torch.float64)
+            for index in range(len(self)):
+                y = self.read(layer, index)[1].double()
+                s1 += y.sum(0)
+                s2 += (y * y).sum(0)
+                del y
+            mean = s1 / self.n_tokens
+            out[layer] = (mean.float(), float((s2 / self.n_tokens - mean * mean).clamp_min(0).sum()))
+        return out
+
+
+def open_store(folder: str | Path, vlm: VLM, layers: Sequence[int], settings: Mapping | None = None) -> ActivationStore:
+    """The activation store in ``folder``, checked against ``vlm`` (its name, d_model and layer count),
+    ``layers`` and ``settings`` (where given), and every chunk's tensors' shapes and dtypes (read from
+    the files' headers); an `InputError` naming what differs and the fix otherwise."""
+    folder = Path(folder)
+    fix = f"delete {folder} to collect this model's activations again, or give another out folder"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise InputError(
+            f"{folder} is not a finished activation store (no {MANIFEST}: an interrupted collection or another "
+            f"folder); {fix}"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise InputError(f"{folder / MANIFEST} is not readable JSON ({err}); {fix}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != STORE_FORMAT:
+        raise InputError(f"{folder / MANIFEST} is not a countlens activation store ({STORE_FORMAT}); {fix}")
+    name = vlm.name or vlm.arch.name
+    mine = {"model": name, "d_model": vlm.arch.d_model, "n_layers": vlm.arch.n_layers, "layers": list(layers)}
+    theirs = {key: manifest.get(key) for key in mine}
+    if theirs != mine:
+        raise InputError(f"{folder} holds the activations of {theirs}, not of {mine}; {fix}")
+    old, new = manifest.get("settings"), None if settings is None else json.loads(json.dumps(dict(settings)))
+    if new is not None and old != new:
+        changes = settings_changes(old, new)
+        raise InputError(f"{folder} holds activations collected with other settings: {changes} (old → new); {fix}")
+    dtype = manifest.get("dtype")
+    chunks = manifest.get("chunks")
+    if dtype not in ("float32", "bfloat16", "float16") or not isinstance(chunks, list) or not chunks:
+        raise InputError(f"{folder / MANIFEST} names no chunks or an unknown dtype {dtype!r}; {fix}")
+    for chunk in chunks:
+        path = folder / str(chunk.get("file") if isinstance(chunk, dict) else "")
+        n = chunk.get("tokens") if isinstance(chunk, dict) else None
+        if not path.is_file() or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"{folder / MANIFEST} lists a chunk {chunk!r:.80} that is missing or empty; {fix}")
+        expected = {f"{side}.{layer}": ([n, mine["d_model"]], dtype) for side in ("in", "out") for layer in layers}
+        expected["kinds"] = ([n], "uint8")
+        try:
+            with safe_open(str(path), "pt") as f:
+                got = {key: (list(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
+        except Exception as err:  # a truncated or foreign file
+            raise InputError(f"{path} is not a readable chunk ({err}); {fix}") from None
+        got = {key: (shape, _DTYPES.get(kind, kind)) for key, (shape, kind) in got.items()}
+        if got != expected:
+            wrong = sorted(key for key in set(got) | set(expected) if got.get(key) != expected.get(key))
+            raise InputError(
+                f"{path}: tensors {wrong[:4]} are {[got.get(key) for key in wrong[:4]]}, not "
+                f"{[expected.get(key) for key in wrong[:4]]} ((tokens, d_model), dtype); {fix}"
+            )
+    return ActivationStore(folder, manifest)
+
+
+#: safetensors' dtype names, as torch spells them.
+_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "U8": "uint8"}
 
 
 def fvu(y: torch.Tensor, y_hat: torch.Tensor) -> float:
@@ -173,33 +433,49 @@ def fvu(y: torch.Tensor, y_hat: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def fidelity(transcoders: TranscoderSet, activations: Activations, chunk: int = 4096) -> xr.Dataset:
-    """FVU, L0 and dead features of each layer's transcoder on ``activations`` (the held-out split):
-    an `xr.Dataset` over ``layer`` with ``fvu``, ``l0``, ``dead`` and ``dead_share``."""
+def fidelity(transcoders: TranscoderSet, activations: Activations | ActivationStore, chunk: int = 4096) -> xr.Dataset:
+    """FVU, L0 and dead features of each layer's transcoder on ``activations`` (the held-out split, in
+    memory or a store, read one chunk at a time): an `xr.Dataset` over ``layer`` with ``fvu``,
+    ``l0``, ``dead`` and ``dead_share``."""
     if not isinstance(transcoders, TranscoderSet):
         raise InputError(
             f"fidelity takes a TranscoderSet (train_transcoders, load_transcoders), got {transcoders!r:.60}"
         )
-    if not isinstance(activations, Activations):
+    if not isinstance(activations, (Activations, ActivationStore)):
         raise InputError(f"fidelity takes the Activations collect_activations returns, got {activations!r:.60}")
     require_count(chunk, "chunk")
     rows = {"fvu": [], "l0": [], "dead": []}
+    memory = isinstance(activations, Activations)
     for layer, tc in transcoders.items():
-        if layer not in activations.inputs:
+        if layer not in (activations.inputs if memory else activations.layers):
             raise InputError(
                 f"fidelity: no activations of layer {layer}; collect the set's layers {list(transcoders.layers)}"
             )
-        x, y = activations.inputs[layer], activations.outputs[layer]
-        y_hat, active, fired = [], 0, torch.zeros(tc.d_transcoder, dtype=torch.bool)
-        for i in range(0, len(x), chunk):
-            xi = x[i : i + chunk].to(tc.dtype)
-            a = tc.encode(xi)
-            y_hat.append(tc.decode(a, xi).float())
-            nz = a != 0
-            active += int(nz.sum())
-            fired |= nz.any(0)
-        rows["fvu"].append(fvu(y, torch.cat(y_hat)))
-        rows["l0"].append(active / len(x))
+        pieces = [(activations.inputs[layer], activations.outputs[layer])] if memory else activations.chunks(layer)
+        active, fired = 0, torch.zeros(tc.d_transcoder, dtype=torch.bool)
+        sse, s1, s2 = 0.0, 0.0, 0.0
+        for x, y in pieces:
+            y_hat = []
+            for i in range(0, len(x), chunk):
+                xi = x[i : i + chunk].to(tc.dtype)
+                a = tc.encode(xi)
+                y_hat.append(tc.decode(a, xi).float())
+                nz = a != 0
+                active += int(nz.sum())
+                fired |= nz.any(0)
+            if memory:  # one piece: the exact two-pass FVU
+                rows["fvu"].append(fvu(y, torch.cat(y_hat)))
+            else:
+                y64 = y.double()
+                sse += float(((y64 - torch.cat(y_hat).double()) ** 2).sum())
+                s1, s2 = s1 + y64.sum(0), s2 + (y64 * y64).sum(0)
+                del x, y, y64  # one chunk held at a time
+        if not memory:
+            total = float((s2 - s1 * s1 / activations.n_tokens).sum())
+            if total <= 0:
+                raise InputError("fvu: the outputs do not vary (all tokens equal): there is no variance to explain")
+            rows["fvu"].append(sse / total)
+        rows["l0"].append(active / activations.n_tokens)
         rows["dead"].append(int((~fired).sum()))
     ds = xr.Dataset(
         {name: ("layer", np.array(values)) for name, values in rows.items()},

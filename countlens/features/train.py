@@ -26,10 +26,24 @@ the weights an uninterrupted run gets. The result is also written there: ``out/t
 circuit-tracer transcoder set, `countlens.features.files`; for a run over every layer, as the format
 holds layers 0 … n − 1) and ``out/fidelity.nc``. Everything is a
 function of ``seed`` (data, initialisation, batches): two runs agree bit for bit on one machine.
+
+**Streaming.** Where the training split's activations (estimated from one sample of each kind,
+`countlens.features.activations.estimate_tokens`) are more than ``max_memory`` bytes, both splits are
+collected to activation stores (`countlens.features.activations`: ``out/activations/train`` and
+``…/held_out``, or a temporary folder without ``out``, reused on resume), their samples forwarded in
+an order drawn from ``seed`` so each chunk mixes every kind. Every chunk is read once, and refused on
+NaN or ±inf, before the first step (the mean and variance of the outputs). Each layer then trains
+chunk by chunk: the chunks are visited in passes, each pass in an order drawn from a generator seeded
+by ``seed`` and the layer, ``ceil(tokens / batch_tokens)`` steps on a chunk per visit (its batches
+drawn as above from that chunk alone). One chunk is the in-memory path exactly: the same batches,
+the same weights.
 """
 
 from __future__ import annotations
 
+import math
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -40,13 +54,20 @@ import xarray as xr
 from countlens.errors import InputError
 from countlens.features.activations import (
     DATA_SEED_BASE,
+    MANIFEST,
+    MAX_MEMORY,
     TEXT_START,
     Activations,
+    ActivationStore,
     check_mix,
     collect_activations,
+    estimate_tokens,
     fidelity,
     held_out_mix,
     mix_samples,
+    open_store,
+    require_memory,
+    store_dtype,
 )
 from countlens.features.files import save_transcoders
 from countlens.features.transcoder import Transcoder, TranscoderSet
@@ -142,6 +163,7 @@ def train_transcoders(
     held_out: float = 0.25,
     checkpoint_every: int = 250,
     batch_size: int = 32,
+    max_memory: float = MAX_MEMORY,
 ) -> Training:
     """Train one TopK transcoder (``width`` features, ``k`` active) per layer of ``layers`` (default:
     every layer) to reconstruct the MLP's output from its input; see the module's docstring.
@@ -150,6 +172,13 @@ def train_transcoders(
     other tasks' scenes, plain text prompts); ``held_out``: the share of each kind drawn again, after
     the training samples, for the fidelity table. ``out``: a folder for the checkpoint and the result;
     with ``resume`` (default) a checkpoint there of the same call is continued, without it replaced.
+    ``max_memory``: the bound (bytes) on activations held in memory; above it they are
+    streamed from disk (the module's docstring). Streamed, a training holds at most: while collecting,
+    ``max_memory`` plus one batch's activations (all layers); while training, one layer of one chunk
+    as float32, ``2 × chunk tokens × d_model × 4`` bytes — a chunk's tokens are at most
+    ``(max_memory + one batch) / (2 × len(layers) × d_model × element size)`` — plus the transcoder,
+    its gradients and Adam's two moments (``4 × (2 · width · d_model + width + d_model) × 4`` bytes)
+    and one step's batch: bounded by the chunk, never by the number of samples.
     Returns `Training` (the set, and its fidelity over ``layer``)."""
     require_vlm(vlm, "train_transcoders")
     layers = _check_layers(vlm, layers)
@@ -165,6 +194,7 @@ def train_transcoders(
     require_share(held_out, "held_out", below_one=True, above_zero=True)
     require_count(checkpoint_every, "checkpoint_every")
     require_count(batch_size, "batch_size")
+    max_memory = require_memory(max_memory)
     for name, flag in (("progress", progress), ("resume", resume)):
         if not isinstance(flag, bool):
             raise InputError(f"{name} must be True or False, got {flag!r}")
@@ -184,14 +214,61 @@ def train_transcoders(
         "mix": mix,
         "held_out": held_out,
     }
+    held = held_out_mix(mix, held_out)
+    element = store_dtype(vlm.hf.dtype).itemsize
+    stream = estimate_tokens(vlm, mix, seed) * 2 * len(layers) * vlm.arch.d_model * element > max_memory
+    if stream:
+        spec["max_memory"] = max_memory  # the chunks shape the batches
     ckpt_path = None if out is None else Path(out) / CHECKPOINT
     state = _resumed(ckpt_path, spec) if (ckpt_path is not None and resume) else None
+    folder = Path(out or tempfile.mkdtemp(prefix="countlens-activations-")) / "activations" if stream else None
+    splits = {"train": (mix, {}), "held_out": (held, mix)}
+    stores = {}
+    for split in splits if stream else ():  # a store already there: checked before any forward
+        if (folder / split / MANIFEST).is_file() and resume:
+            stores[split] = open_store(folder / split, vlm, layers, _settings(spec, split, batch_size))
+            stores[split].stats()  # NaN or ±inf refused now
     if ckpt_path is not None:
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(
+            vlm, layers, spec, splits, stores, folder, batch_size, state, ckpt_path, checkpoint_every, progress, out
+        )
+    finally:
+        if stream and out is None:
+            shutil.rmtree(folder.parent, ignore_errors=True)
 
-    held = held_out_mix(mix, held_out)
-    train_data = collect_activations(vlm, layers, *mix_samples(mix, seed), batch_size=batch_size)
-    test_data = collect_activations(vlm, layers, *mix_samples(held, seed, start=mix), batch_size=batch_size)
+
+def _settings(spec: dict, split: str, batch_size: int) -> dict:
+    """What a store's data came from (its manifest's settings)."""
+    keys = ("model", "layers", "seed", "mix", "held_out", "max_memory")
+    return {"split": split, "batch_size": batch_size, **{key: spec[key] for key in keys}}
+
+
+def _run(vlm, layers, spec, splits, stores, folder, batch_size, state, ckpt_path, checkpoint_every, progress, out):
+    seed, width, k = spec["seed"], spec["width"], spec["k"]
+    data = {}
+    for split, (counts, start) in splits.items():
+        samples = mix_samples(counts, seed, start=start)
+        if folder is None:
+            data[split] = collect_activations(vlm, layers, *samples, batch_size=batch_size)
+        elif split in stores:
+            data[split] = stores[split]
+        else:
+            data[split] = collect_activations(
+                vlm,
+                layers,
+                *samples,
+                batch_size=batch_size,
+                store=folder / split,
+                max_memory=spec["max_memory"],
+                order_seed=DATA_SEED_BASE + seed,
+                settings=_settings(spec, split, batch_size),
+            )
+    train_data, test_data = data["train"], data["held_out"]
+    stats = train_data.stats() if isinstance(train_data, ActivationStore) else None
+    if stats is not None and "held_out" not in stores:
+        test_data.stats()  # every held-out chunk checked before the first step too
 
     done: dict[int, dict] = dict(state["done"]) if state else {}
     transcoders = []
@@ -201,7 +278,7 @@ def train_transcoders(
             tc.load_state_dict(done[layer])
         else:
             current = state if state and state.get("layer") == layer else None
-            _train_layer(tc, layer, train_data, spec, done, current, ckpt_path, checkpoint_every, progress)
+            _train_layer(tc, layer, train_data, stats, spec, done, current, ckpt_path, checkpoint_every, progress)
             done[layer] = {key: v.clone() for key, v in tc.state_dict().items()}
             if ckpt_path is not None:
                 _save(ckpt_path, {"spec": spec, "done": done, "layer": None})
@@ -209,7 +286,7 @@ def train_transcoders(
     name = vlm.name or vlm.arch.name
     result = TranscoderSet(transcoders, layers, model_name=name, scan=f"countlens/{name}/topk-{width}-{k}-seed{seed}")
     table = fidelity(result, test_data)
-    table.attrs.update(_provenance(vlm, spec, held, train_data, test_data))
+    table.attrs.update(_provenance(vlm, spec, splits["held_out"][0], train_data, test_data))
     if out is not None:
         if result.layers == tuple(range(vlm.arch.n_layers)):
             save_transcoders(result, Path(out) / "transcoders")
@@ -238,10 +315,28 @@ def _resumed(path: Path, spec: dict) -> dict | None:
     return state
 
 
+def schedule(chunk_tokens: Sequence[int], steps: int, batch_tokens: int, generator: torch.Generator) -> list:
+    """The (chunk, steps on it) visits of a streamed layer: passes over the chunks, each pass in an order
+    drawn from ``generator``, ``ceil(tokens / batch_tokens)`` steps per visit, until ``steps``; one
+    chunk: ``[(0, steps)]`` (nothing drawn)."""
+    if len(chunk_tokens) == 1:
+        return [(0, steps)]
+    visits, left = [], steps
+    while left:
+        for c in torch.randperm(len(chunk_tokens), generator=generator).tolist():
+            n = min(left, max(1, math.ceil(chunk_tokens[c] / batch_tokens)))
+            visits.append((c, n))
+            left -= n
+            if not left:
+                break
+    return visits
+
+
 def _train_layer(
     tc: Transcoder,
     layer: int,
-    data: Activations,
+    data: Activations | ActivationStore,
+    stats: dict | None,
     spec: dict,
     done: dict,
     state: dict | None,
@@ -249,9 +344,16 @@ def _train_layer(
     every: int,
     progress: bool,
 ) -> None:
-    x, y = data.inputs[layer], data.outputs[layer]
-    scale = float(y.var(0, unbiased=False).sum())
-    generator = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + layer)
+    if stats is None:  # in memory: one chunk
+        y = data.outputs[layer]
+        mean, scale = y.mean(0), float(y.var(0, unbiased=False).sum())
+        tokens, read = [len(y)], lambda c: (data.inputs[layer], data.outputs[layer])
+    else:
+        (mean, scale), tokens = stats[layer], data.chunk_tokens
+        read = lambda c: data.read(layer, c)  # noqa: E731
+    seeded = spec["seed"] * 1_000_003 + layer
+    visits = schedule(tokens, spec["steps"], spec["batch_tokens"], torch.Generator().manual_seed(seeded + 500_009))
+    generator = torch.Generator().manual_seed(seeded)
     optimizer = torch.optim.Adam(tc.parameters(), lr=spec["lr"])
     start, since = 0, torch.zeros(tc.d_transcoder, dtype=torch.long)
     if state is not None:
@@ -260,31 +362,38 @@ def _train_layer(
         generator.set_state(state["generator"])
         start, since = state["step"], state["since"]
     else:
-        _init(tc, y.mean(0), generator)
+        _init(tc, mean, generator)
     bar = None
     if progress:
         bar = Bar(f"transcoder layer {layer}", spec["steps"]).__enter__()
     try:
-        for step in range(start + 1, spec["steps"] + 1):
-            index = torch.randint(len(x), (spec["batch_tokens"],), generator=generator)
-            loss, fired = train_step(tc, optimizer, x[index], y[index], scale, since >= DEAD_AFTER)
-            since = torch.where(fired, 0, since + 1)
-            if bar is not None:
-                bar.update(step, f"batch FVU {loss:.3f}")
-            if ckpt_path is not None and step % every == 0 and step < spec["steps"]:
-                _save(
-                    ckpt_path,
-                    {
-                        "spec": spec,
-                        "done": done,
-                        "layer": layer,
-                        "step": step,
-                        "weights": tc.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "generator": generator.get_state(),
-                        "since": since,
-                    },
-                )
+        first = 1
+        for c, n in visits:
+            first, last = first + n, first + n - 1
+            if last <= start:
+                continue
+            x, y = read(c)  # the only chunk held
+            for step in range(max(first - n, start + 1), last + 1):
+                index = torch.randint(len(x), (spec["batch_tokens"],), generator=generator)
+                loss, fired = train_step(tc, optimizer, x[index], y[index], scale, since >= DEAD_AFTER)
+                since = torch.where(fired, 0, since + 1)
+                if bar is not None:
+                    bar.update(step, f"batch FVU {loss:.3f}")
+                if ckpt_path is not None and step % every == 0 and step < spec["steps"]:
+                    _save(
+                        ckpt_path,
+                        {
+                            "spec": spec,
+                            "done": done,
+                            "layer": layer,
+                            "step": step,
+                            "weights": tc.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "generator": generator.get_state(),
+                            "since": since,
+                        },
+                    )
+            del x, y
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)

@@ -1,0 +1,164 @@
+"""Transcoders trained from activations streamed from disk (`countlens.features.activations`' store):
+one chunk held at a time, the same weights as in memory where the data are the same, bad stores
+refused before any forward or step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import countlens.features.train as train_module
+from countlens.errors import InputError
+from countlens.features import train_transcoders
+from countlens.features.activations import (
+    MANIFEST,
+    ActivationStore,
+    collect_activations,
+    mix_samples,
+    open_store,
+)
+
+NO_TEXT = {"count": 4, "color": 1, "shape": 1}
+MIX = {"count": 4, "color": 1, "shape": 1, "text": 2}
+#: Bytes per token of the toy's two layers (inputs and outputs, float32, d_model 128).
+PER_TOKEN = 2 * 2 * 128 * 4
+
+
+def run(vlm, **kw):
+    args = dict(layers=[0, 1], width=32, k=4, steps=12, batch_tokens=32, mix=MIX, progress=False)
+    return train_transcoders(vlm, **{**args, **kw})
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x.state_dict()[key], y.state_dict()[key]) for x, y in zip(a, b) for key in x.state_dict())
+
+
+@contextlib.contextmanager
+def no_forward(vlm):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a forward ran")
+
+    handle = vlm.hf.register_forward_pre_hook(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_one_chunk_in_the_given_order_trains_bit_for_bit_as_in_memory(loaded, tmp_path, monkeypatch):
+    vlm = loaded("toy")
+    memory = run(vlm, mix=NO_TEXT)
+    given_order = train_module.collect_activations
+
+    def unshuffled(*args, **kw):
+        return given_order(*args, **{**kw, "order_seed": None})
+
+    monkeypatch.setattr(train_module, "collect_activations", unshuffled)
+    streamed = run(vlm, mix=NO_TEXT, max_memory=1000, out=tmp_path)  # streamed; one batch, so one chunk
+    assert [len(open_store(tmp_path / "activations" / s, vlm, [0, 1])) for s in ("train", "held_out")] == [1, 1]
+    assert same(memory.transcoders, streamed.transcoders)
+    # held-out FVU: the two-pass formula in memory, running sums from the store
+    assert torch.allclose(torch.tensor(memory.fidelity.fvu.values), torch.tensor(streamed.fidelity.fvu.values))
+    assert (memory.fidelity.l0 == streamed.fidelity.l0).all() and (memory.fidelity.dead == streamed.fidelity.dead).all()
+
+
+def test_streamed_training_holds_one_chunk_and_stays_near_the_in_memory_result(loaded, tmp_path, monkeypatch):
+    vlm = loaded("toy")
+    live: list[weakref.ref] = []
+    most = []
+    read = ActivationStore.read
+
+    def counted(self, layer, index):
+        most.append(sum(ref() is not None for ref in live))  # chunk tensors still alive at this read
+        pair = read(self, layer, index)
+        live.extend(weakref.ref(t) for t in pair)
+        return pair
+
+    monkeypatch.setattr(ActivationStore, "read", counted)
+    bound = 40 * PER_TOKEN  # under one scene (about 50 tokens)
+    streamed = run(vlm, steps=30, max_memory=bound, batch_size=1, out=tmp_path)
+    store = open_store(tmp_path / "activations" / "train", vlm, [0, 1])
+    assert len(store) >= 6 and max(most) == 0  # many chunks, never two held
+    # collecting: a chunk is flushed once it reaches the bound, so it holds < bound + one sample
+    longest = max(len(x) for x, _ in (store.read(0, i) for i in range(len(store))))
+    assert all(n * PER_TOKEN < bound + longest * PER_TOKEN for n in store.chunk_tokens)
+    assert store.n_tokens == sum(json.loads(streamed.fidelity.attrs["dataset"])["tokens"]["train"].values())
+    # every kind is in the store (kinds read back), and the held-out split was streamed too
+    assert set(store.kinds) == {"count", "color", "shape", "text"}
+    memory = run(vlm, steps=30)
+    # two paths (other batches): the held-out FVU within 0.05 of each other, L0 = k
+    assert abs(memory.fidelity.fvu - streamed.fidelity.fvu).max() < 0.05
+    assert (streamed.fidelity.l0 == 4).all()
+
+
+def test_a_store_keeps_the_activations_exactly(loaded, tmp_path):
+    vlm = loaded("toy")
+    samples = mix_samples(MIX, 0)
+    memory = collect_activations(vlm, [2], *samples, batch_size=1)  # padding is a batch's
+    store = collect_activations(vlm, [2], *samples, store=tmp_path, max_memory=50 * 1024, batch_size=1)
+    assert len(store) > 1
+    x = torch.cat([store.read(2, i)[0] for i in range(len(store))])
+    assert torch.equal(x, memory.inputs[2]) and list(store.kinds) == list(memory.kinds)
+
+
+def streamed_run(vlm, out):
+    run(vlm, steps=2, max_memory=1000, out=out)
+    return out / "activations" / "train"
+
+
+def refused(vlm, out, match, monkeypatch):
+    step = train_module.train_step
+    monkeypatch.setattr(train_module, "train_step", lambda *a: (_ for _ in ()).throw(AssertionError("a step")))
+    before = sorted(p.name for p in out.rglob("*"))
+    with no_forward(vlm), pytest.raises(InputError, match=match):
+        run(vlm, steps=2, max_memory=1000, out=out)
+    assert sorted(p.name for p in out.rglob("*")) == before  # nothing written
+    monkeypatch.setattr(train_module, "train_step", step)
+
+
+def test_a_store_of_another_model_is_refused_before_any_forward(loaded, tmp_path, monkeypatch):
+    vlm = loaded("toy")
+    folder = streamed_run(vlm, tmp_path)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "model": "Qwen/Qwen2.5-VL-7B-Instruct", "d_model": 3584}))
+    refused(vlm, tmp_path, "holds the activations of .*Qwen.*delete", monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda t: {**t, "in.1": t["in.1"][:, :64].contiguous()}, r"in\.1.* are \[\(\[\d+, 64\]"),
+        (lambda t: {**t, "out.0": t["out.0"].double()}, "float64"),
+        (lambda t: {**t, "out.1": t["out.1"].index_fill(0, torch.tensor([1]), math.nan)}, r"out\.1 holds NaN"),
+        (lambda t: {key: v for key, v in t.items() if key != "kinds"}, "kinds"),
+    ],
+    ids=["width", "dtype", "nan", "missing"],
+)
+def test_a_damaged_store_is_refused_before_training(loaded, tmp_path, monkeypatch, damage, match):
+    vlm = loaded("toy")
+    folder = streamed_run(vlm, tmp_path)
+    chunk = folder / "chunk00000.safetensors"
+    save_file(damage(load_file(chunk)), chunk)
+    refused(vlm, tmp_path, match, monkeypatch)
+
+
+def test_an_unfinished_store_is_refused_by_name(loaded, tmp_path):
+    with pytest.raises(InputError, match="no manifest.json: an interrupted collection"):
+        open_store(tmp_path, loaded("toy"), [0])
+
+
+@pytest.mark.parametrize("bound", [0, -5, math.nan, math.inf, True, "4GB"])
+def test_a_bad_memory_bound_is_refused_before_anything(loaded, tmp_path, bound):
+    vlm = loaded("toy")
+    with no_forward(vlm), pytest.raises(InputError, match="max_memory must be a finite number of bytes"):
+        run(vlm, max_memory=bound, out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match="max_memory"):
+        collect_activations(vlm, [0], *mix_samples(MIX, 0), store=tmp_path / "s", max_memory=bound)
+    assert not (tmp_path / "s").exists()
