@@ -96,15 +96,25 @@ def pin_square(ip, side: int) -> bool:
     return True
 
 
-def refuse_partial_tokens(image_processor, h: int, w: int, patch: int, merge: int, name: str, tiled: bool) -> None:
-    """Refuse a fixed-size processor whose one size is not whole image tokens (SigLIP's 384 px of 14 px
-    patches: 27 patches and 6 px its convolution drops): no image size a user could choose changes it."""
+def refuse_partial_tokens(
+    image_processor, h: int, w: int, patch: int, merge: int, name: str, tiled: bool, drops: bool = False
+) -> bool:
+    """Refuse a fixed-size processor whose one size is not whole image tokens: no image size a user could
+    choose changes it. Not where the family's vision tower drops the remainder (``drops``:
+    `countlens.model.families.spec.ArchSpec.drops_remainder`; SigLIP's 384 px of 14 px patches: 27
+    patches and 6 px its convolution drops): returns whether the size has such a remainder (a
+    `countlens.model.geometry.Geometry`'s ``dropped``)."""
+    if drops and (h % patch or w % patch):
+        return True
     each = "image (tile or crop)" if tiled else "image"
     if (h % (patch * merge) or w % (patch * merge)) and not is_dynamic(image_processor):
         raise UnsupportedArchitectureError(
             f"{name}: {type(image_processor).__name__} resizes every {each} to {h}×{w} px, which is "
-            f"{h // patch}×{w // patch} whole {patch} px patches and {h % patch}×{w % patch} px more that the "
-            f"vision tower's convolution drops; countlens maps image tokens only on images of whole "
-            f"{patch * merge} px tokens (patch {patch} × merge {merge}), so this checkpoint's image size is "
-            "not supported"
+            f"{h // patch}×{w // patch} whole {patch} px patches and {h % patch}×{w % patch} px more; countlens "
+            f"maps image tokens on images of whole {patch * merge} px tokens (patch {patch} × merge {merge}), or "
+            "of whole tokens and a remainder where the family's vision tower is known to drop it, and this "
+            "family's is not, so this checkpoint's image size is not supported; if its tower's patch "
+            "convolution drops the remainder, declare it in the family's spec (ArchSpec.drops_remainder, "
+            "docs/architectures.md)"
         )
+    return False

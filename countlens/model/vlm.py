@@ -168,8 +168,8 @@ class VLM:
 
     def _geometry(self, h: int, w: int) -> Geometry:
         p, m, tiled = self.arch.patch_size, self.arch.merge_size, self.arch.spec.layout in (*TILED, "anyres")
-        refuse_partial_tokens(self.processor.image_processor, h, w, p, m, self.name or self.arch.name, tiled)
-        return Geometry(h, w, p, m)
+        ip, name, drops = self.processor.image_processor, self.name or self.arch.name, self.arch.spec.drops_remainder
+        return Geometry(h, w, p, m, dropped=refuse_partial_tokens(ip, h, w, p, m, name, tiled, drops))
 
     # -- inputs --------------------------------------------------------------
 
@@ -398,8 +398,7 @@ class VLM:
     def _sample_geometry(self, inputs: dict, b: int, image: Image.Image) -> Geometry:
         thw = inputs.get("image_grid_thw")
         if thw is not None:  # Qwen family: the processor reports the patch grid it chose
-            _, gh, gw = (int(x) for x in thw[b])
-            p = self.arch.patch_size
+            (_, gh, gw), p = (int(x) for x in thw[b]), self.arch.patch_size
             return Geometry(gh * p, gw * p, p, self.arch.merge_size)
         return self.geometry_for(image.height, image.width)
 

@@ -7,6 +7,9 @@ tile's tokens after a row-and-column tag, tiles row-major, then the whole image 
 the tags and newlines between tiles are other tokens than the image token). SmolVLM's processor's
 own ``apply_chat_template`` only adds its video processor's settings, so an image-only build uses
 the mixin's.
+
+SmolVLM-Instruct and SmolVLM2-2.2B cut 384 px tiles for a SigLIP of 14 px patches: 27 whole patches
+(9 tokens of 3) and 6 px the patch convolution drops (``drops_remainder``; `countlens.model.geometry`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ SPECS = (
         projector="model.connector",
         merge="scale_factor",
         layout="tiles_thumbnail",
+        drops_remainder=True,
     ),
 )
 

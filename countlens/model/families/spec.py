@@ -166,6 +166,11 @@ class ArchSpec:
     merge_is_ratio: bool = False
     pooled_tokens_attr: str | None = None  # on the top config: tokens per image after pooling (Gemma3)
     layout: Layout = "grid"
+    # The vision tower reads an image (tile, crop) of whole patches and a remainder as its whole patches:
+    # its patch convolution has stride = patch and no padding, its position embeddings count whole patches
+    # (SigLIP-so400m's 384 px of 14 px patches: 27 patches, 6 px dropped at the right and bottom). A fixed
+    # processor size with a remainder is then a `Geometry` with ``dropped=True``; without it, refused.
+    drops_remainder: bool = False
     # Order of the projector's output tokens: "grid" (row-major, as in the LM input) or "window"
     # (Qwen2.5-VL's windowed vision blocks; the LM input is reordered to row-major afterwards).
     projector_order: ProjectorOrder = "grid"
