@@ -48,7 +48,7 @@ from countlens.analysis.parse import parse_shape_count
 from countlens.circuits.engine.attention import image_keys, last_token_attention
 from countlens.errors import InputError
 from countlens.model.arguments import require_layers, require_vlm
-from countlens.model.cells import cell_edges, cell_sums
+from countlens.model.cells import cell_edges, cell_sums, scene_edges
 from countlens.model.geometry import Geometry
 from countlens.model.vlm import check_samples
 from countlens.reference.counting_to_four import attention as reference_attention
@@ -80,8 +80,7 @@ def object_cells(
     """
     if not 0 < coverage <= 1:
         raise InputError(f"coverage must be in (0, 1], got {coverage}; 0.25 is the documented default")
-    n_rows, n_cols = geometry.token_grid
-    rows, cols = cell_edges(scene.height, n_rows, "high"), cell_edges(scene.width, n_cols, "wide")
+    rows, cols = scene_edges(scene, geometry)  # a strip the tower drops is in no cell
     masks = scene.masks()  # Bool[ndarray, "obj H W"]
     area = np.diff(rows)[:, None] * np.diff(cols)[None, :]
     covered = cell_sums(masks.any(0), rows, cols) >= coverage * area

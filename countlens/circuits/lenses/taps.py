@@ -104,7 +104,7 @@ def _tiled_patch_map(x: Tensor, vlm: VLM, batch: Batch) -> Tensor:
         x = x[:, 1:]
     if x.shape[1] != rows * cols:
         raise InputError(f"vision block output has {x.shape[1]} tokens per tile; expected {rows}×{cols} patches")
-    patches = Geometry(g.image_height, g.image_width, g.patch_size)
+    patches = Geometry(g.image_height, g.image_width, g.patch_size, dropped=g.dropped)
     out = torch.zeros(len(batch), x.shape[-1], rows, cols)
     start = 0
     for b in range(len(batch)):

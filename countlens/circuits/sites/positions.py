@@ -362,7 +362,7 @@ class Objects:
         """The positions of row ``b``'s tokens that belong to the chosen objects of ``sample``'s scene
         (``fix``: as in `scene_of`)."""
         scene = self.scene_of(sample, f"sample {b}", fix)
-        cells = object_cells(object_coverage(scene, batch.geometry[b].token_grid), self.coverage, self.peak)
+        cells = object_cells(object_coverage(scene, batch.geometry[b]), self.coverage, self.peak)
         mine = torch.from_numpy(cells[list(self.objects)].any(0))
         cell = batch.image_cell[b]
         inside = (cell >= 0).all(-1)
