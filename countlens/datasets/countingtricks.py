@@ -164,7 +164,8 @@ def _anchors(c: Case, g: Geometry, margin: float) -> tuple[np.ndarray, np.ndarra
     xs = np.arange(cols + 1) * p if on_line_x else (np.arange(cols) + 0.5) * p
     ys = np.arange(rows + 1) * p if on_line_y else (np.arange(rows) + 0.5) * p
     keep = lambda v, hi: v[(v >= margin - 1e-9) & (v <= hi - margin + 1e-9)]  # noqa: E731
-    return keep(xs.astype(float), g.image_width), keep(ys.astype(float), g.image_height)
+    seen_h, seen_w = g.seen  # objects stay off a strip the vision tower drops (Geometry.dropped)
+    return keep(xs.astype(float), seen_w), keep(ys.astype(float), seen_h)
 
 
 def _lattice_terms(c: Case, g: Geometry) -> tuple[float, float, int]:
@@ -271,6 +272,7 @@ def _groups(c: Case, n: int, shape: str, size: float, rng) -> list[list[tuple[st
 def _adjacent(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...], rng) -> tuple[Obj, ...]:
     size = float(g.patch_size)
     apart = APART * g.patch_size
+    seen_h, seen_w = g.seen  # objects stay off a strip the vision tower drops (Geometry.dropped)
     for _ in range(50):
         placed: list[tuple[np.ndarray, list]] = []  # (box x0 y0 x1 y1 in image coords, members)
         for members in _groups(c, n, shape, size, rng):
@@ -278,14 +280,14 @@ def _adjacent(c: Case, g: Geometry, n: int, shape: str, colors: tuple[str, ...],
             lo = np.min([(x - ri, y - ri) for (_, _, x, y), ri in zip(members, r)], axis=0)
             hi = np.max([(x + ri, y + ri) for (_, _, x, y), ri in zip(members, r)], axis=0)
             w, h = hi - lo
-            if w > g.image_width or h > g.image_height:
+            if w > seen_w or h > seen_h:
                 raise CountlensError(
                     f"case {c.name}: {n} objects of {size:g}px do not fit a "
-                    f"{g.image_width}x{g.image_height} image; use fewer objects or a larger image"
+                    f"{seen_w}x{seen_h} image; use fewer objects or a larger image"
                 )
             for _ in range(200):
-                x0 = rng.uniform(0, g.image_width - w)
-                y0 = rng.uniform(0, g.image_height - h)
+                x0 = rng.uniform(0, seen_w - w)
+                y0 = rng.uniform(0, seen_h - h)
                 box = np.array([x0, y0, x0 + w, y0 + h])
                 clear = all(
                     box[0] >= b[2] + apart or b[0] >= box[2] + apart or box[1] >= b[3] + apart or b[1] >= box[3] + apart

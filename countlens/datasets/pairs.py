@@ -124,7 +124,8 @@ def _draw(rng, kind: str, m: int, grid: Geometry | None, image_size: int | None,
             (s, OBJECT_COLORS[rng.integers(len(OBJECT_COLORS))], float(rng.uniform(*SIZE_RANGE) * scale))
             for s in shapes
         ]
-    objs = place_objects(rng, size, height, specs)
+    # Inside the part the tower sees: off a strip it drops (`Geometry.dropped`), the whole image otherwise.
+    objs = place_objects(rng, *(grid.seen[::-1] if grid is not None else (size, height)), specs)
     noise = TEXTURE_NOISE if kind == "rendered" else 0.0
     noise_seed = int(rng.integers(2**31))
     question, _ = make_question(prompt, asked, m, rng)

@@ -71,7 +71,7 @@ def capacity(name: str, grid: Geometry) -> int:
     """The most circles case ``name`` can draw on ``grid``: the cells along one side whose circle stays
     R inside the frame (at the case's base radius: a B / D radius varies), kept ``spacing`` apart,
     squared. On the paper's grid a spacing-4 case holds 9 (its count of 10 gets fewer, as in the code)."""
-    p, side = grid.patch_size, grid.image_width
+    p, side = grid.patch_size, grid.seen[1]  # the frame: off a strip the tower drops (Geometry.dropped)
     base = p // 2
     r = DILATION[name] * p / 2 if name in DILATION else base
     last = side // p - 2
@@ -137,7 +137,7 @@ def layout(seed: int, index: int, n: int, grid: Geometry, spacing: int = DEFAULT
 def circles(name: str, seed: int, index: int, grid: Geometry) -> tuple[list[tuple[float, float, float]], int]:
     """The circles (x, y, radius) case ``name`` draws for image ``index``, and the count it asked for."""
     _check(name, grid)
-    p, side = grid.patch_size, grid.image_width
+    p, side = grid.patch_size, grid.seen[1]  # the frame: off a strip the tower drops (Geometry.dropped)
     base = p // 2
     n = requested_count(seed, index)
     cells = layout(seed, index, n, grid, SPACING.get(name, DEFAULT_SPACING))
