@@ -8,12 +8,14 @@ IDEFICS_TILE = 32
 IDEFICS_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 2 → 4×4 tokens per tile
 
 
-def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
+def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE, patch: int = IDEFICS_PATCH, scale: int = 2):
     """Idefics3 (Llama-3 text: the real Llama-3 vocabulary; the processor adds <fake_token_around_image>,
     <image>, <end_of_utterance> at 128,256 … 128,258, as in Idefics3-8B, whose config's image token is
     128,257) or SmolVLM (SmolLM2 text: a small digit-splitting BPE with its tokens as specials). The
     image: resized to a longest edge of two tiles, cut into 32 px tiles of 8 × 8 patches pixel-shuffled
-    by 2 (4 × 4 tokens each), then the whole image as one more tile."""
+    by 2 (4 × 4 tokens each), then the whole image as one more tile. ``patch`` and ``scale`` (the pixel
+    shuffle) change the tower: ``tile=384, patch=14, scale=3`` is SmolVLM-Instruct's, 27 whole patches
+    (9 tokens) and 6 px the patch convolution drops."""
     import transformers as tf
 
     from countlens.model.processors import image_only
@@ -60,12 +62,12 @@ def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE):
         image_processor=image_processor,
         tokenizer=tok,
         chat_template=template,
-        image_seq_len=(tile // IDEFICS_PATCH // 2) ** 2,
+        image_seq_len=(tile // patch // scale) ** 2,
     )
     config = config_cls(
-        vision_config=dict(image_size=tile, patch_size=IDEFICS_PATCH, **SMALL_VISION),
+        vision_config=dict(image_size=tile, patch_size=patch, **SMALL_VISION),
         text_config=text_settings("llama", tok),
-        scale_factor=2,
+        scale_factor=scale,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
     )

@@ -109,8 +109,10 @@ def _llava_next(video: bool = False):
     return seeded(model_cls, config), processor
 
 
-def _llava_onevision():
-    """LLaVA-OneVision: SigLIP (no CLS) with anyres_max_9 tiling, Qwen2 text."""
+def _llava_onevision(tile: int = LLAVA_TILE, patch: int = LLAVA_PATCH):
+    """LLaVA-OneVision: SigLIP (no CLS) with anyres_max_9 tiling, Qwen2 text. ``tile`` (the base image's
+    and each crop's side) and ``patch``: ``tile=384, patch=14`` is the real one's, 27 whole patches and
+    6 px the patch convolution drops."""
     import transformers as tf
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
@@ -122,13 +124,13 @@ def _llava_onevision():
     template = chat("<|im_start|>{{ message['role'] }}\n", "<image>\n", "<|im_end|>\n", "<|im_start|>assistant\n")
     tok = qwen_tokenizer(ONEVISION_SPECIALS, image_token="<image>", video_token="<video>")
     tok.chat_template = template
-    # The real pinpoints (384 × {1..6} squared grid) scaled by 32/384.
-    pinpoints = [[LLAVA_TILE * i, LLAVA_TILE * j] for i in range(1, 7) for j in range(1, 7)]
+    # The real pinpoints (384 × {1..6} squared grid) scaled by tile/384.
+    pinpoints = [[tile * i, tile * j] for i in range(1, 7) for j in range(1, 7)]
     config = tf.LlavaOnevisionConfig(
         vision_config=dict(
             model_type="siglip_vision_model",
-            image_size=LLAVA_TILE,
-            patch_size=LLAVA_PATCH,
+            image_size=tile,
+            patch_size=patch,
             vision_use_head=False,
             **SMALL_VISION,
         ),
@@ -141,13 +143,13 @@ def _llava_onevision():
         vision_aspect_ratio="anyres_max_9",
     )
     image_processor = LlavaOnevisionImageProcessorPil(
-        size={"height": LLAVA_TILE, "width": LLAVA_TILE}, image_grid_pinpoints=pinpoints
+        size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints
     )
     processor = image_only(tf.LlavaOnevisionProcessor)(
         image_processor=image_processor,
         tokenizer=tok,
         chat_template=template,
-        num_image_tokens=(LLAVA_TILE // LLAVA_PATCH) ** 2,
+        num_image_tokens=(tile // patch) ** 2,
         vision_feature_select_strategy="full",
         vision_aspect_ratio="anyres_max_9",
     )
