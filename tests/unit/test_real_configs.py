@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,9 +24,12 @@ from PIL import Image
 from real_checkpoints import TOKENIZER_FROM, planning_dir
 from typer.testing import CliRunner
 
+from countlens.circuits.sites.positions import Objects
 from countlens.cli import app
-from countlens.errors import CheckpointError, ConfigError, CountlensError, UnsupportedArchitectureError
+from countlens.datasets.scene import Obj, Scene
+from countlens.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
 from countlens.model.arch import resolve, spec_for
+from countlens.model.cells import object_coverage
 from countlens.model.geometry import Geometry
 from countlens.model.layouts import TILED
 from countlens.model.loading import meta_vlm, read_config
@@ -241,15 +244,13 @@ TOKEN_SIZES_OF = {
     "zai-org__GLM-4.1V-9B-Thinking": [(60, 90), (1000, 700), (4000, 3000)],
     "OpenGVLab__InternVL3-8B-hf": [(448, 448), (1000, 700), (4000, 3000)],
 }
-#: Fixed 384 px processors: SigLIP's 384 px is 27 whole 14 px patches and 6 px the tower's convolution drops.
-#: countlens refuses them (its token maps need whole tokens); the expected counts are checked against the
-#: processor itself instead, and countlens's own count is a strict xfail until it takes such sizes.
-WHOLE_PATCHES_ONLY = {
+#: Fixed 384 px processors: SigLIP's 384 px is 27 whole 14 px patches and 6 px the tower's convolution drops
+#: (`Geometry.dropped`). Their counts are checked against the processor itself too (`test_a_384_px_...`).
+DROPPED_384 = {
     "HuggingFaceTB__SmolVLM-Instruct",
     "HuggingFaceTB__SmolVLM2-2.2B-Instruct",
     "llava-hf__llava-onevision-qwen2-7b-ov-hf",
 }
-REFUSED_384 = "resizes every image (tile or crop) to 384×384 px, which is 27×27 whole 14 px patches and 6×6 px more"
 
 
 def _smolvlm_tokens(name: str, h: int, w: int) -> tuple[tuple[int, int], int]:
@@ -358,11 +359,7 @@ def test_every_processor_file_has_an_image_token_test():
 def _image_cases():
     for name in sorted(IMAGE_TOKENS):
         for size in TOKEN_SIZES_OF.get(name, TOKEN_SIZES):
-            marks = []
-            if name in WHOLE_PATCHES_ONLY:
-                reason = "384 px is 27 whole 14 px patches and 6 px more: refused by countlens (REFUSED_384)"
-                marks = [pytest.mark.xfail(raises=UnsupportedArchitectureError, strict=True, reason=reason)]
-            yield pytest.param(name, size, marks=marks, id=f"{name}-{size[0]}x{size[1]}")
+            yield pytest.param(name, size, id=f"{name}-{size[0]}x{size[1]}")
 
 
 @pytest.mark.matrix
@@ -378,18 +375,43 @@ def test_image_tokens_from_the_processor_files(name, size, planned_vlm):
         assert batch.geometry[0].token_grid == grid == vlm.geometry_for(*size).token_grid
 
 
-@pytest.mark.parametrize("name", sorted(WHOLE_PATCHES_ONLY))
-def test_a_384_px_processor_is_refused_clearly_and_the_expected_counts_are_its_own(name, plannable):
-    """The counts the strict xfails above expect are the processor's own (transformers, no countlens),
-    and countlens refuses the checkpoint's image size with a message that says why."""
+@pytest.mark.parametrize("name", sorted(DROPPED_384))
+def test_a_384_px_processor_counts_are_its_own_and_countlens_s(name, plannable, planned_vlm):
+    """The counts above are the processor's own (transformers, no countlens) and countlens's: the checkpoint's
+    384 px tile (crop) is 27 whole 14 px patches and 6 px the tower drops (`Geometry.dropped`), 27 // merge
+    tokens a side, covering the top-left 378 px."""
     path = str(plannable(name))
     processor = load_processor(path, read_config(path))
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    vlm, merge = planned_vlm(name, None), PUBLISHED[name]["merge"]
+    assert vlm.geometry == Geometry.square(384, 14, merge, dropped=True) == vlm.geometry_for(1000, 700)
+    assert vlm.geometry.token_grid == (27 // merge, 27 // merge) and vlm.geometry.seen == (378, 378)
     for size in TOKEN_SIZES:
-        ids = processor(text=[f"{processor.image_token} How many?"], images=[[Image.new("RGB", size[::-1])]])
-        assert sum(t == image_token for t in ids["input_ids"][0]) == IMAGE_TOKENS[name](name, *size)[1]
-    with pytest.raises(UnsupportedArchitectureError, match=re.escape(REFUSED_384)):
-        meta_vlm(path, dtype="bfloat16").geometry
+        image = Image.new("RGB", size[::-1])
+        ids = processor(text=[f"{processor.image_token} How many?"], images=[[image]])
+        own = sum(t == image_token for t in ids["input_ids"][0])
+        assert own == len(vlm.prepare([image], ["How many?"]).image_pos[0]) == IMAGE_TOKENS[name](name, *size)[1]
+
+
+def test_onevision_s_384_px_cells_and_object_positions_by_hand(planned_vlm):
+    """LLaVA-OneVision, a 384 px image: the base image's 27 × 27 tokens, then one 384 px crop's 27 rows of 27
+    tokens and a newline. A square over pixels 140 … 168 × 42 … 70 covers the cells (3, 10), (3, 11), (4, 10),
+    (4, 11) (14 px each, from 0: the patch convolution's own cells), so its tokens are those of the base grid
+    and of the crop; a dot lying only in the last 6 px, which the tower drops, has no token."""
+    vlm = planned_vlm("llava-hf__llava-onevision-qwen2-7b-ov-hf", None)
+    square, dot = Obj("square", "red", 154.0, 56.0, 28.0), Obj("circle", "blue", 381.0, 200.0, 5.0)
+    sample = SimpleNamespace(scene=Scene(384, 384, (square, dot)))
+    batch = vlm.prepare([sample.scene.render()], ["How many?"])
+    pos, cells = batch.image_pos[0], batch.image_cell[0]
+    assert len(pos) == 27 * 27 + 27 * 28
+    base = [27 * r + c for r in (3, 4) for c in (10, 11)]
+    crop = [27 * 27 + 28 * r + c for r in (3, 4) for c in (10, 11)]
+    assert cells[base + crop].tolist() == [[r, c] for r in (3, 4) for c in (10, 11)] * 2
+    assert Objects(0).tokens(batch, 0, sample).tolist() == pos[base + crop].tolist()
+    assert Objects(1, coverage=0).tokens(batch, 0, sample).tolist() == []
+    # The square's cells cut on the seen 378 px (14 px each), not on all 384 px (14.2 px each).
+    coverage = object_coverage(sample.scene, batch.geometry[0])
+    assert coverage[0, 3:5, 10:12].min() == 1 and coverage[0].sum() == 4 and coverage[1].sum() == 0
 
 
 @pytest.mark.parametrize("name", sorted(REMOTE_CODE))
@@ -448,12 +470,16 @@ def _native(name: str) -> tuple[int, int, str]:
     a fixed processor's crop or size ("fixed"), a pixel budget's assumed 448 px ("budget"), Mistral 3's
     longest edge (pinnable to a square), Gemma 4's most pooled tokens of a square ("own budget"); tiled
     processors count every tile's patches (Llama-3.2: each tile's and its class token; SmolVLM: longest
-    edge ÷ tile, squared, and the global image)."""
+    edge ÷ tile, squared, and the global image); LLaVA-OneVision's anyres its image tokens (the base grid,
+    then the crop's rows and their newlines: the plan sizes the tower by image tokens × merge²)."""
     raw = _raw(name)
     vision = raw["vision_config"]
     patch = vision["patch_size"][0] if isinstance(vision["patch_size"], list) else vision["patch_size"]
     path = CHECKPOINTS / name / "preprocessor_config.json"
     pre = json.loads(path.read_text()) if path.exists() else {}
+    if "image_grid_pinpoints" in pre:  # LLaVA-OneVision's anyres: a square image of its size is one crop
+        side = pre["size"]["height"]
+        return side, _onevision_tokens(name, side, side)[1], "fixed"
     if raw["model_type"] == "mllama":  # no processor file: the config's tile side and tile count
         side = vision["image_size"]
         return side, vision["max_num_tiles"] * ((side // patch) ** 2 + 1), "fixed"
@@ -478,12 +504,11 @@ def _native(name: str) -> tuple[int, int, str]:
 
 
 #: Planned at their native size only in `make test` (-m slow): SmolVLM-256M / 500M's 17 tiles of 512 px per
-#: image take about 8 s per plan on one core (Mistral 3's 1540 px images, 3 s, run in both).
-SLOW_PLANS = {"HuggingFaceTB__SmolVLM-256M-Instruct", "HuggingFaceTB__SmolVLM-500M-Instruct"}
-#: What breaks today, checked to break (strict): SigLIP-so400m's 384 px is 27 whole 14 px patches and 6 px
-#: the tower's convolution drops; countlens's geometry takes only images that are whole multiples.
-NOT_A_MULTIPLE = {
-    "llava-hf__llava-onevision-qwen2-7b-ov-hf",
+#: image take about 8 s per plan on one core, SmolVLM-Instruct's and SmolVLM2-2.2B's 17 tiles of 384 px about
+#: 6.5 s (Mistral 3's 1540 px images, 3 s, run in both).
+SLOW_PLANS = {
+    "HuggingFaceTB__SmolVLM-256M-Instruct",
+    "HuggingFaceTB__SmolVLM-500M-Instruct",
     "HuggingFaceTB__SmolVLM-Instruct",
     "HuggingFaceTB__SmolVLM2-2.2B-Instruct",
 }
@@ -493,9 +518,6 @@ def _plan_cases():
     for name in sorted(TOKENIZER_FROM):
         for side in (None, 448):
             marks = [pytest.mark.slow] if name in SLOW_PLANS and side is None else []
-            if name in NOT_A_MULTIPLE and side is None:
-                reason = "384 px is not a multiple of the 14 px patch (27 whole patches): refused by countlens"
-                marks.append(pytest.mark.xfail(raises=CountlensError, strict=True, reason=reason))
             yield pytest.param(name, side, marks=marks)
 
 
