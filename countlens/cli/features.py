@@ -87,6 +87,11 @@ def features_graph(
     edge_threshold: Annotated[float, typer.Option(help="Pruning: share of edge influence kept, in (0, 1].")] = 0.98,
     top: Annotated[int, typer.Option(help="Features (largest influence) that get a card.")] = 5,
     card_scenes: Annotated[int, typer.Option(help="Counting scenes the cards are computed over.")] = 64,
+    max_features: Annotated[
+        int | None,
+        typer.Option(help="Features the graph keeps, chosen as circuit-tracer does (see features plan); default: all."),
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Target rows per backward pass.")] = 64,
     device: Device = None,
     dtype: Dtype = None,
 ) -> None:
@@ -95,7 +100,7 @@ def features_graph(
 
     Example: countlens features graph --transcoders runs/transcoders/transcoders --count 3 --out runs/graph
     """
-    check_positive(top=top, card_scenes=card_scenes)
+    check_positive(top=top, card_scenes=card_scenes, max_features=max_features, batch_size=batch_size)
     if not transcoders.is_dir():
         raise ConfigError(
             f"--transcoders {transcoders} is not a folder: give a transcoder set's folder "
@@ -120,10 +125,14 @@ def features_graph(
 
     tcs = load_transcoders(transcoders)  # the folder's format, checked before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device)
-    write_graph(vlm, tcs, count_task_sample(count, seed), out, seed, node_threshold, edge_threshold, top, card_scenes)
+    sample = count_task_sample(count, seed)
+    graph_args = {"max_features": max_features, "batch_size": batch_size}
+    write_graph(vlm, tcs, sample, out, seed, node_threshold, edge_threshold, top, card_scenes, graph_args)
 
 
-def write_graph(vlm, tcs, sample, out: Path, seed: int, node_threshold, edge_threshold, top, card_scenes) -> None:
+def write_graph(
+    vlm, tcs, sample, out: Path, seed: int, node_threshold, edge_threshold, top, card_scenes, graph_args=None
+) -> None:
     """Build, prune and write the graph of ``sample`` and the cards of its top features: everything is
     computed first and drawn in a scratch folder, then moved into ``out``, so a failure writes nothing."""
     import shutil
@@ -133,7 +142,7 @@ def write_graph(vlm, tcs, sample, out: Path, seed: int, node_threshold, edge_thr
     from countlens.features import attribution_graph, draw_card, feature_cards, graph_dataset, prune, save_graph
     from countlens.features.graph_page import graph_page
 
-    graph = attribution_graph(vlm, tcs, sample)
+    graph = attribution_graph(vlm, tcs, sample, **(graph_args or {}))
     pruned = prune(graph, node_threshold, edge_threshold)
     chosen = top_features(graph, top)
     scenes = task_samples("count", card_scenes, seed=seed)
@@ -195,8 +204,9 @@ def features_plan(
     ] = "cpu",
     dtype: Dtype = None,
 ) -> None:
-    """Plan an attribution graph before building it: nodes, adjacency and transcoder GiB, backward
-    passes, FLOPs and time, and whether it fits in --memory (config and processor only, no weights).
+    """Plan an attribution graph before building it: nodes, the host's and the device's GiB step by
+    step, backward passes, FLOPs and time, and whether each fits (--memory, --host-memory), else the
+    knob that makes it fit (config and processor only, no weights).
 
     Example: countlens features plan --model runs/qwen2.5-vl-7b --image-size 448 --k 16 --width 16384
     --max-features 8192 --memory 141 --dtype bfloat16 --device cuda
@@ -204,7 +214,7 @@ def features_plan(
     import math
 
     from countlens.model.loading import meta_vlm
-    from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS, graph_cost, prompt_length
+    from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS, fitting_knob, graph_cost, prompt_length
 
     check_positive(image_size=image_size, k=k, width=width, max_features=max_features, n_logits=n_logits)
     check_positive(batch_rows=batch_rows)
@@ -228,10 +238,10 @@ def features_plan(
     vlm = meta_vlm(model, dtype=dtype, image_size=image_size)
     seq, patches = prompt_length(vlm)
     rate = CPU_FLOPS if device == "cpu" else GPU_FLOPS
-    c = graph_cost(
-        vlm,
-        seq,
-        k,
+    kwargs = dict(
+        widths_or_vlm=vlm,
+        seq=seq,
+        k=k,
         max_features=max_features,
         n_logits=n_logits,
         batch_rows=batch_rows,
@@ -240,6 +250,7 @@ def features_plan(
         patches=patches,
         flops_per_second=rate,
     )
+    c = graph_cost(**kwargs)
     gib = 2**30
     typer.echo(
         f"{vlm.name}: {c['n_layers']} layers, d_model {c['d_model']}, {c['seq']} tokens a counting scene "
@@ -249,36 +260,42 @@ def features_plan(
         f"nodes {c['nodes']:,}: features {c['features']:,} (of {c['active_features']:,} active), errors "
         f"{c['errors']:,}, embeddings {c['embeddings']:,}, logits {c['logits']}"
     )
-    lines = [
-        ("adjacency (the graph)", c["adjacency_bytes"]),
-        ("feature rows, every active feature (host)", c["feature_rows_bytes"]),
-        ("full square before max_features' drop (host)", c["full_adjacency_bytes"]),
-        ("max_features selection, per chunk (host)", c["selection_bytes"]),
+    host_lines = [
+        ("row buffer: kept features' and logits' rows", c["buffer_bytes"]),
+        ("max_features ranking's block of known rows", c["selection_bytes"]),
+        ("adjacency over the kept nodes (the graph)", c["adjacency_bytes"]),
+    ]
+    device_lines = [
         ("model weights", c["weights_bytes"]),
         ("transcoders", c["transcoder_bytes"]),
+        ("clean run's records and active decoders", c["records_bytes"] + c["decoder_bytes"]),
         ("activations kept for the backward passes", c["kept_bytes"]),
         ("one backward pass's transient", c["backward_bytes"]),
     ]
-    for name, value in lines:
-        typer.echo(f"  {name:<48} {value / gib:10.2f} GiB")
-    typer.echo(f"  {'peak (host + model device)':<48} {c['peak_bytes'] / gib:10.2f} GiB")
+    for title, rows, total in (("host", host_lines, "host_bytes"), (device, device_lines, "device_bytes")):
+        typer.echo(f"{title}:")
+        for name, value in rows:
+            typer.echo(f"  {name:<48} {value / gib:10.2f} GiB")
+        typer.echo(f"  {'peak':<48} {c[total] / gib:10.2f} GiB")
+    if device == "cpu":
+        typer.echo(f"  {'peak on the CPU (host + model, one memory)':<48} {c['peak_bytes'] / gib:10.2f} GiB")
     where = (
         "one CPU thread, calibrated on the organism" if device == "cpu" else "an assumed 40 % of an H200's bf16 peak"
     )
     typer.echo(
-        f"backward passes {c['backward_passes']:,} ({batch_rows} rows each); {c['flops'] / 1e12:,.1f} TFLOP "
-        f"(edges through W_dec {c['edge_flops'] / 1e12:,.1f}); "
-        f"about {_duration(c['seconds'])} on {where}, {_duration(c['selection_seconds'])} of it the max_features "
-        "selection on one host thread"
+        f"backward passes {c['backward_passes']:,} ({batch_rows} rows each), rankings {c['rankings']:,}; "
+        f"{c['flops'] / 1e12:,.1f} TFLOP (edges {c['edge_flops'] / 1e12:,.1f}); about {_duration(c['seconds'])} "
+        f"on {where}, {_duration(c['selection_seconds'])} of it the max_features rankings on one host thread"
     )
     checks = [] if memory is None else [(memory, c["peak_bytes"] if device == "cpu" else c["device_bytes"], device)]
     if host_memory is not None:
         checks.append((host_memory, c["host_bytes"], "host"))
     for size, need, where in checks:
         verdict = "fits" if need <= size * gib else "does not fit"
-        typer.echo(f"{where}: {need / gib:.1f} GiB {verdict} in {size:g} GiB")
-    if device == "cuda" and host_memory is None:
-        typer.echo(f"host: {c['host_bytes'] / gib:.1f} GiB of adjacency work arrays (graph.py makes them on the CPU)")
+        typer.echo(f"{where}: {need / gib:.3g} GiB {verdict} in {size:g} GiB")
+        if need > size * gib:
+            key = "host_bytes" if where == "host" else ("peak_bytes" if device == "cpu" else "device_bytes")
+            typer.echo(f"  {fitting_knob(kwargs, size * gib, key)}")
 
 
 def _duration(seconds: float) -> str:

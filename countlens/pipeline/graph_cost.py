@@ -1,53 +1,52 @@
-"""What an attribution graph costs before it is built: nodes, bytes, backward passes, FLOPs, time.
+"""What an attribution graph costs before it is built: nodes, host and device bytes, passes, FLOPs, time.
 
-`attribution_graph` (`countlens.features.graph`) builds a dense graph over every active feature of
-a prompt, so its cost grows with layers × positions × k, squared. `graph_cost` counts it from a
-model's widths alone (a loaded model, `countlens.model.memory.Widths`, or a model built on the meta device
-by `countlens.model.loading.meta_vlm`: config and processor, no weights), following graph.py step by step:
+`graph_cost` counts `attribution_graph` (`countlens.features.graph`) from a model's widths alone (a
+loaded model, `countlens.model.memory.Widths`, or a model built on the meta device by
+`countlens.model.loading.meta_vlm`: config and processor, no weights), following graph.py step by step:
 
 **Nodes.** ``F = layers × seq × k`` active features (a TopK transcoder keeps k per token; a kept
 pre-activation ≤ 0 is zeroed by its ReLU, so F is an upper bound that trained transcoders meet),
-``layers × seq`` error nodes, ``seq`` embedding nodes and ``n_logits`` logit nodes; with
-``max_features`` the graph keeps ``min(F, max_features)`` features. Sources: ``S = F + layers × seq
-+ seq``.
+``layers × seq`` error nodes, ``seq`` embedding nodes and ``n_logits`` logit nodes; the graph keeps
+``M = min(F, max_features)`` features. Sources: ``S = F + layers × seq + seq``.
 
-**Bytes** (the adjacency and its work arrays are float32, `ADJACENCY_BYTES`, whatever the model's
-dtype; they live on the host: graph.py makes them with ``torch.zeros``):
+**Host** (float32, `ADJACENCY_BYTES`, whatever the model's dtype):
 
-- ``adjacency``: the returned graph's ``n × n``;
-- ``feature_rows``: graph.py fills ``F × S`` rows for *every* active feature before it drops the
-  unvisited ones, so ``max_features`` does not shrink it;
-- ``full_adjacency``: the ``(S + n_logits)²`` square the rows are copied into, again before the drop;
-- ``selection``: with ``max_features < F``, each chunk's choice (`countlens.features.influence.feature_order`)
-  builds ``(F + n_logits) × F`` and ``(F + n_logits)²`` matrices and normalises the square (two more
-  of that size): `SELECTION_SQUARES` squares;
-- ``transcoders``: ``layers × (2 × width × d_model + width + d_model)`` parameters;
-- ``kept``: the one frozen forward over ``batch_rows`` copies that every backward reuses; per copy,
-  position and layer, `KEPT_PER_LAYER` d_model-wide vectors (the write leaf graph.py makes per
-  layer, the two frozen norms' outputs autograd saves, the attention output ``o_proj`` saves) plus
-  two for the embedding leaf and the final norm;
-- ``backward``: one pass's transient: the gradient of every leaf (``layers + 1`` vectors per copy
-  and position), one target layer's injected gradient, and the ``batch_rows × seq × width`` float32
-  product with ``W_dec`` that gives every feature column of a layer at once.
+- ``buffer``: circuit-tracer's ``edge_matrix``, ``(M + n_logits) × S``, filled row by row;
+- ``selection`` (only when ``M < F``): the last ranking's ``(M + n_logits) × M`` block of the known
+  rows' own columns, and one `BLOCK_ELEMENTS` block of the pass over the rows;
+- ``adjacency``: the graph's ``n × n`` over the kept nodes, filled from the buffer a block at a time
+  (one `BLOCK_ELEMENTS` block);
+- ``rows``: one backward's rows on their way into the buffer, ``batch_rows × S``, twice (the rows and
+  their absolute values for the row sums).
+
+The host peak is the buffer plus the largest of the others (they are not alive at once).
+
+**Device** (the model's): the weights; the transcoders (``layers × (2 × width × d_model + width +
+d_model)`` parameters); the clean run's ``records`` (per layer the MLP input, output, error and write,
+``seq × d_model`` each, and the pre-activations and activations, ``seq × width`` each, in the
+transcoders' dtype); the ``decoders``, every active feature's ``a_f W_dec[f]`` padded by position,
+``F × d_model`` float32; ``kept``: the frozen forward over ``batch_rows`` copies that every backward
+reuses, `KEPT_PER_LAYER` d_model-wide vectors per copy, position and layer plus two; ``backward``: one
+pass's transient: every leaf's gradient (``layers + 1``), the injected gradients (one per target
+layer, at most ``min(layers, batch_rows)``), a layer's gradient in float32 and the rows, twice.
+On the CPU the device is the host: the peak is their sum.
 
 **Passes.** ``ceil(n_logits / batch_rows)`` backward passes for the logit rows, then
-``ceil(min(F, max_features) / batch_rows)`` for the feature rows.
+``ceil(M / batch_rows)`` for the feature rows; ``ceil(M / (update_interval × batch_rows))`` rankings.
 
 **FLOPs.** The forwards are `countlens.pipeline.costs.forward_flops`'s (two of one row: the clean run
 and the all-sources-zero run; one of ``batch_rows`` rows with the vision tower per copy). A backward
 runs only through what the local replacement model keeps live — per layer ``v_proj``, the frozen
-attention pattern and ``o_proj`` (MLPs, ``q``/``k`` and norm scales are constants), about
-``2 · rows · seq · d_model · (heads + kv_heads) · d_head + 2 · rows · heads · d_head · seq²`` — then
-graph.py turns the gradients into edges: ``2 · targets · seq · d_model · width`` per layer (the
-``W_dec`` product, by far the largest term at real widths) plus the error and embedding dot products.
+attention pattern and ``o_proj`` — about ``2 · rows · seq · d_model · (heads + kv_heads) · d_head + 2 ·
+rows · heads · d_head · seq²``; then each target row's edges: ``2 · F · d_model`` (the batched product
+with the padded decoders) plus ``2 · (layers + 1) · seq · d_model`` (errors and embeddings).
 
-**Time** = FLOPs / ``flops_per_second`` + the ``max_features`` selection. `CPU_FLOPS` is this
-project's calibration: one backward pass of the organism timed on one CPU thread
-(``bench/graph_cost.py``); it predicts the organism's whole graph (no ``max_features``) within 1.2×.
-`GPU_FLOPS` is an assumption, not a measurement. The selection is not FLOP-bound: per chunk it
-allocates, copies and normalises the ``(F + n_logits)²`` square and runs an influence series over it,
-on the host whatever the model's device (graph.py's arrays are CPU tensors), so it is timed as
-`SELECTION_SECONDS` per square entry per chunk, calibrated on the organism on one thread.
+**Time** = FLOPs / ``flops_per_second`` + the rankings, which run on the host whatever the model's
+device (the buffer lives there) and are memory-bound: each reads its known rows once (``k × S``
+entries, ``k`` the rows known) and iterates on their ``k × M`` block (``layers + 1`` times at most),
+timed at `SELECTION_SECONDS` per entry. `CPU_FLOPS` and `SELECTION_SECONDS` are calibrated on one CPU
+thread here (``bench/graph_cost.py``, ``bench/graph_rehearsal.py``); `GPU_FLOPS` is an assumption,
+not a measurement.
 """
 
 from __future__ import annotations
@@ -56,29 +55,27 @@ import math
 
 from countlens.datasets.tasks import MIN_OBJECT_SIZE, count_task_sample, object_sizes
 from countlens.errors import InputError
+from countlens.features.influence import BLOCK_ELEMENTS, UPDATE_INTERVAL
 from countlens.model.memory import Widths, widths
 from countlens.model.vlm import VLM
 from countlens.pipeline.costs import Forward, forward_flops
 from countlens.validate import require_count
 
-#: Bytes of one adjacency entry: graph.py builds every row and the square in float32.
+#: Bytes of one buffer or adjacency entry: graph.py builds every row and the adjacency in float32.
 ADJACENCY_BYTES = 4
 
 #: d_model-wide vectors per (copy, position, layer) that the frozen forward keeps for the backward
 #: passes: the layer's write leaf, the two frozen norms' outputs and the attention output.
 KEPT_PER_LAYER = 4
 
-#: (F + n_logits)-square float32 matrices alive while a max_features chunk is chosen: the square
-#: itself, the rectangle copied into it, its absolute value and its row-normalised copy.
-SELECTION_SQUARES = 4
-
 #: Floating-point operations per second of the organism's graph on one CPU thread here, from one timed
 #: backward pass (bench/graph_cost.py, which records the measurement it came from).
 CPU_FLOPS = 5.2e10
 
-#: Seconds per entry of the (F + n_logits)² square per max_features chunk, on one CPU thread: the
-#: organism's max_features 2000 and 500 graphs (bench/graph_cost.py), less their planned FLOP time.
-SELECTION_SECONDS = 3.0e-8
+#: Seconds per entry read by a max_features ranking on one CPU thread (the rows' absolute values
+#: and their product with the weights, a block at a time): bench/graph_cost.py's organism graphs with
+#: max_features, less their planned FLOP time.
+SELECTION_SECONDS = 3.0e-9
 
 #: An assumed sustained rate on one H200 in bf16: 40 % of its 989 TFLOP/s dense peak (as
 #: bench/plan_rehearsal.py assumes); not calibrated (no GPU run of attribution_graph yet).
@@ -96,15 +93,18 @@ def graph_cost(
     transcoder_width: int = 512,
     patches: int = 0,
     flops_per_second: float = CPU_FLOPS,
+    update_interval: int = UPDATE_INTERVAL,
 ) -> dict:
     """The cost of `attribution_graph` on a prompt of ``seq`` tokens (see the module's docstring).
 
     ``widths_or_vlm``: a `Widths` or a `countlens.VLM` (loaded or meta). ``k``: active features per
     token (TopK); ``transcoder_width``: features per layer; ``max_features``, ``n_logits`` (logit nodes:
-    graph.py's ``max_logits``, or fewer where ``logit_prob`` is reached first) and ``batch_rows``
-    (graph.py's ``batch_size``) as `attribution_graph` takes them. ``dtype_bytes``: the model's and the
-    transcoders' element size (4 float32, 2 bfloat16). ``patches``: vision patches per image (0: the
-    forwards' vision FLOPs left out). Returns a flat dict: node counts, bytes, passes, FLOPs, seconds.
+    graph.py's ``max_logits``, or fewer where ``logit_prob`` is reached first), ``batch_rows``
+    (graph.py's ``batch_size``) and ``update_interval`` as `attribution_graph` takes them.
+    ``dtype_bytes``: the model's and the transcoders' element size (4 float32, 2 bfloat16).
+    ``patches``: vision patches per image (0: the forwards' vision FLOPs left out). Returns a flat
+    dict: node counts, bytes (``host_bytes``, ``device_bytes``, ``peak_bytes`` their sum), passes,
+    FLOPs, seconds.
     """
     w = _widths(widths_or_vlm)
     seq = require_count(seq, "seq (tokens of the prompt)")
@@ -116,6 +116,7 @@ def graph_cost(
         require_count(max_features, "max_features")
     n_logits = require_count(n_logits, "n_logits")
     rows = require_count(batch_rows, "batch_rows")
+    interval = require_count(update_interval, "update_interval")
     if dtype_bytes not in (1, 2, 4, 8):
         raise InputError(f"dtype_bytes must be an element size, 1, 2, 4 or 8 (bfloat16: 2), got {dtype_bytes!r}")
     if isinstance(patches, bool) or not isinstance(patches, int) or patches < 0:
@@ -131,27 +132,33 @@ def graph_cost(
     n_src = n_f + n_e + n_m
     kept_f = n_f if max_features is None else min(n_f, max_features)
     dropped = kept_f < n_f
-    n_all, n = n_src + n_logits, kept_f + n_e + n_m + n_logits
+    n = kept_f + n_e + n_m + n_logits
     logit_passes, feature_passes = -(-n_logits // rows), -(-kept_f // rows)
 
-    feature_rows = n_f * n_src * a
-    full = n_all * n_all * a
-    square = (n_f + n_logits) ** 2 * a
-    selection = SELECTION_SQUARES * square if dropped else 0
-    select_copy = (n * n_all + n * n) * a if dropped else 0
+    buffer = (kept_f + n_logits) * n_src * a
+    selection = ((kept_f + n_logits) * kept_f + min(BLOCK_ELEMENTS, (kept_f + n_logits) * kept_f)) * a
+    selection = selection if dropped else 0
+    adjacency = n * n * a
+    assembly = min(BLOCK_ELEMENTS, (kept_f + n_logits) * n) * a
+    row_bytes = 2 * rows * n_src * a
+    host = buffer + max(selection, adjacency + assembly, row_bytes)
+
     transcoders = L * (2 * width * d + width + d) * b
+    records = L * seq * (4 * d + 2 * width) * b + seq * d * b
+    decoders = n_f * d * 4
     kept = rows * seq * d * b * (L * KEPT_PER_LAYER + 2)
-    grads = rows * seq * d * (L + 2) * (b + (4 if b != 4 else 0))
-    backward = grads + rows * seq * width * 4
-    host = feature_rows + max(selection, full + select_copy)
-    device = w.weight_bytes + transcoders + kept + backward
+    grads = rows * seq * d * b * (L + 1 + min(L, rows))
+    backward = grads + rows * seq * d * 4 + row_bytes
+    device = w.weight_bytes + transcoders + records + decoders + kept + backward
 
     forwards = 2 * forward_flops(w, Forward(1, seq), patches) + forward_flops(w, Forward(rows, seq), patches)
     per_backward = L * rows * (2 * seq * d * (w.n_heads + w.n_kv_heads) * w.d_head + 2 * w.n_heads * w.d_head * seq**2)
     targets = n_logits + kept_f
-    edges = targets * L * seq * (2 * d * width + 2 * d) + targets * 2 * seq * d
-    chunks = feature_passes if dropped else 0
-    choose = chunks * (n_f + n_logits) ** 2 * SELECTION_SECONDS
+    edges = targets * (2 * n_f * d + 2 * (L + 1) * seq * d)
+    rankings = -(-kept_f // (rows * interval)) if dropped else 0
+    known = [n_logits + i * rows * interval for i in range(rankings)]  # rows known at each ranking
+    entries = sum(r * n_src + (L + 1) * r * min(kept_f, r) for r in known)
+    choose = entries * SELECTION_SECONDS
     flops = forwards + (logit_passes + feature_passes) * per_backward + edges
     return {
         "n_layers": L,
@@ -160,6 +167,7 @@ def graph_cost(
         "k": k,
         "transcoder_width": width,
         "batch_rows": rows,
+        "update_interval": interval,
         "dtype_bytes": b,
         "active_features": n_f,
         "features": kept_f,
@@ -168,14 +176,14 @@ def graph_cost(
         "logits": n_logits,
         "nodes": n,
         "sources": n_src,
-        "adjacency_bytes": n * n * a,
-        "filled_rows_bytes": (kept_f + n_logits) * n_src * a,
-        "feature_rows_bytes": feature_rows,
-        "full_adjacency_bytes": full,
+        "buffer_bytes": buffer,
         "selection_bytes": selection,
+        "adjacency_bytes": adjacency,
         "host_bytes": host,
         "weights_bytes": w.weight_bytes,
         "transcoder_bytes": transcoders,
+        "records_bytes": records,
+        "decoder_bytes": decoders,
         "kept_bytes": kept,
         "backward_bytes": backward,
         "device_bytes": device,
@@ -183,6 +191,7 @@ def graph_cost(
         "logit_passes": logit_passes,
         "feature_passes": feature_passes,
         "backward_passes": logit_passes + feature_passes,
+        "rankings": rankings,
         "forward_flops": forwards,
         "backward_flops": per_backward,
         "edge_flops": edges,
@@ -191,6 +200,24 @@ def graph_cost(
         "selection_seconds": choose,
         "seconds": flops / flops_per_second + choose,
     }
+
+
+def fitting_knob(plan: dict, limit: float, key: str = "device_bytes") -> str:
+    """What makes the plan ``graph_cost(**plan)`` fit ``limit`` bytes of ``key`` (``host_bytes``,
+    ``device_bytes`` or ``peak_bytes``): the first of --max-features (the host's row buffer) and
+    --batch-rows (the device's kept forward and backward pass), for the host in that order, else
+    the other, halved until it fits; or that neither does."""
+    c = graph_cost(**plan)
+    now = {"batch_rows": c["batch_rows"], "max_features": c["features"]}
+    knobs = ("max_features", "batch_rows") if key == "host_bytes" else ("batch_rows", "max_features")
+    for knob in knobs:
+        value = now[knob]
+        while value > 1:
+            value //= 2
+            if graph_cost(**{**plan, **now, knob: value})[key] <= limit:
+                return f"it fits with --{knob.replace('_', '-')} {value}"
+    floor = "its smallest buffers are over" if key == "host_bytes" else "the weights and transcoders alone are over"
+    return f"no --batch-rows or --max-features makes it fit ({floor}): more memory"
 
 
 def min_scene_side() -> int:

@@ -13,7 +13,7 @@ from countlens.datasets.tasks import count_task_sample
 from countlens.errors import InputError
 from countlens.features import attribution_graph, train_transcoders
 from countlens.model.memory import widths
-from countlens.pipeline.graph_cost import ADJACENCY_BYTES, graph_cost, prompt_length
+from countlens.pipeline.graph_cost import ADJACENCY_BYTES, fitting_knob, graph_cost, prompt_length
 
 runner = CliRunner()
 WIDTH, K = 32, 4
@@ -44,6 +44,8 @@ def test_nodes_and_adjacency_bytes_equal_the_built_graph(organism, max_features)
     assert c["backward_passes"] == 1 + -(-graph.n_features // 64)
     assert c["transcoder_bytes"] == sum(p.numel() * p.element_size() for p in tcs.parameters())
     assert (c["selection_bytes"] > 0) == (max_features is not None)
+    # The host buffer is circuit-tracer's edge_matrix: the kept features' and the logits' rows, every source.
+    assert c["buffer_bytes"] == (graph.n_features + graph.n_logits) * c["sources"] * ADJACENCY_BYTES
 
 
 def test_a_widths_gives_what_the_model_gives_and_costs_grow_as_they_should(loaded):
@@ -55,7 +57,9 @@ def test_a_widths_gives_what_the_model_gives_and_costs_grow_as_they_should(loade
     assert base["adjacency_bytes"] == n * n * ADJACENCY_BYTES
     capped = graph_cost(w, 52, 16, max_features=500)
     assert capped["features"] == 500 and capped["adjacency_bytes"] < base["adjacency_bytes"]
-    assert capped["feature_rows_bytes"] == base["feature_rows_bytes"]  # graph.py fills every feature's row first
+    # max_features bounds the host: its buffer holds max_features + n_logits rows, not one per active feature.
+    assert capped["buffer_bytes"] == (500 + 10) * base["sources"] * ADJACENCY_BYTES < base["buffer_bytes"]
+    assert capped["host_bytes"] < base["host_bytes"] and capped["rankings"] == -(-500 // (64 * 4))
     assert capped["flops"] < base["flops"] and capped["selection_seconds"] > 0 == base["selection_seconds"]
     half = graph_cost(w, 52, 16, dtype_bytes=2)
     assert half["transcoder_bytes"] * 2 == base["transcoder_bytes"]
@@ -91,12 +95,27 @@ def test_graph_cost_refuses_what_is_no_model():
 def test_the_plan_command_on_a_tiny_config(tiny_checkpoint):
     model = str(tiny_checkpoint("qwen2_5_vl"))
     args = ["features", "plan", "--model", model, "--k", "4", "--width", "64", "--max-features", "100"]
-    result = runner.invoke(app, [*args, "--memory", "1", "--device", "cuda", "--host-memory", "0.001"])
+    result = runner.invoke(app, [*args, "--memory", "1", "--device", "cuda", "--host-memory", "0.0004"])
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "features 100 (of" in out and "backward passes" in out and "adjacency (the graph)" in out
-    assert "cuda: " in out and "fits in 1 GiB" in out and "does not fit in 0.001 GiB" in out
-    assert "host: " in out and "adjacency work arrays" not in out  # the host was checked, not only stated
+    assert "features 100 (of" in out and "backward passes" in out and "adjacency over the kept nodes" in out
+    assert "cuda: " in out and "fits in 1 GiB" in out and "does not fit in 0.0004 GiB" in out
+    assert "row buffer" in out and "every active feature" not in out  # the old unbounded arrays are gone
+    assert "it fits with --max-features" in out  # the knob that makes the host fit, named
+
+
+def test_the_plan_names_the_knob_that_makes_each_memory_fit(loaded):
+    plan = {"widths_or_vlm": widths(loaded("toy")), "seq": 52, "k": 16, "batch_rows": 4096, "max_features": 2000}
+    limit = graph_cost(**plan)["device_bytes"] * 0.6
+    said = fitting_knob(plan, limit, "device_bytes")
+    assert said.startswith("it fits with --batch-rows")
+    assert graph_cost(**{**plan, "batch_rows": int(said.rsplit(" ", 1)[1])})["device_bytes"] <= limit
+    plan["batch_rows"] = 16  # the host: its row buffer, max_features rows
+    limit = graph_cost(**plan)["host_bytes"] * 0.5
+    said = fitting_knob(plan, limit, "host_bytes")
+    assert said.startswith("it fits with --max-features")
+    assert graph_cost(**{**plan, "max_features": int(said.rsplit(" ", 1)[1])})["host_bytes"] <= limit
+    assert "no --batch-rows or --max-features" in fitting_knob(plan, 1000, "device_bytes")
 
 
 @pytest.mark.parametrize(
