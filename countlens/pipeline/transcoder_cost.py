@@ -1,0 +1,246 @@
+"""What training transcoders costs before it runs: time, device memory, host and disk bytes.
+
+`countlens.features.train_transcoders` trains one TopK transcoder per layer, one layer after the
+other, from the MLP activations of a data mix. `transcoder_cost` counts it from a model's widths
+alone (a `countlens.model.memory.Widths`, a loaded model, or a model built on the meta device by
+`countlens.model.loading.meta_vlm`), following train.py step by step. With ``d`` the model's width,
+``W`` the transcoder's (features), ``B`` = ``batch_tokens``, ``L`` the layers trained:
+
+**Device memory** (the transcoder's dtype, float32 as train.py trains): the parameters
+``P = 2·W·d + W + d``, their gradients and Adam's two moments: ``4·P`` elements; one step's work,
+`STEP_WIDE` ``(B, W)`` arrays (the pre-activations, the TopK output and the zeros it is scattered into,
+AuxK's masked copy, its zeros and output, and the gradients of the three that need one) and
+`STEP_NARROW` ``(B, d)`` ones (the batch's inputs and outputs, the reconstruction, AuxK's error
+and their gradients). Only one layer's transcoder is on the device at a time.
+
+**Host memory.** In memory (the training split's activations ≤ ``max_memory``): both splits, every
+layer, float32: ``tokens × (1 + held_out) × 2 × L × d × 4``. Streamed: while collecting, at most
+``max_memory`` plus one collection batch of every layer, in the store's dtype; while training, one
+layer of one chunk as float32.
+
+**Disk** (streamed only): the store, both splits, every layer, in the store's dtype (the model's
+where it is bfloat16 or float16, else float32): ``tokens × (1 + held_out) × 2 × L × d × bytes``;
+training reads about ``steps × B × 2 × d × bytes`` of it per layer (a chunk per visit,
+``ceil(chunk tokens / B)`` steps per visit).
+
+**FLOPs** per step: the encoder and the dense decoder, forward ``4·B·d·W``, backward ``6·B·d·W``
+(``W_dec``, the activations, ``W_enc``), and AuxK's decoder product, forward ``2·B·d·W`` and backward
+``4·B·d·W``: `STEP_FLOPS_PER` ``= 16`` × ``B·d·W`` (AuxK counted on every step: an upper bound,
+it runs while any feature is dead). Adam and the decoder's renormalisation are ``O(P)``, below 1 % at
+``B`` ≥ 512, left out. The collection's forwards are `countlens.pipeline.costs.forward_flops`'s, one
+per sample of each split, logits at every position (as the collection's plain forward computes them).
+
+**Time** = training FLOPs / the step rate + collection FLOPs / the forward rate. `CPU_STEP_FLOPS` is
+measured (``bench/transcoder_rehearsal.py``: training steps timed on one thread of this project's
+CPU); `GPU_STEP_FLOPS` and the forwards' GPU rate (`countlens.pipeline.graph_cost.GPU_FLOPS`) are
+assumptions, not measurements: no transcoder has trained on a GPU here. The CPU forwards take
+graph_cost's calibrated one-thread rate. Disk reads are not timed (the rehearsal measures them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from countlens.errors import InputError
+from countlens.features.activations import MAX_MEMORY, check_mix, encode_texts, held_out_mix, mix_samples
+from countlens.features.train import BATCH_TOKENS, STEPS
+from countlens.model.memory import Widths, widths
+from countlens.model.vlm import VLM
+from countlens.pipeline.costs import Forward, forward_flops
+from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS
+from countlens.validate import require_count, require_share
+
+#: ``(B, W)`` float32 arrays alive at a training step's peak (the module's docstring).
+STEP_WIDE = 8
+#: ``(B, d)`` float32 arrays alive at a training step's peak.
+STEP_NARROW = 8
+#: FLOPs of one step, per ``B·d·W``: encoder and decoder forward 4, backward 6, AuxK forward 2, backward 4.
+STEP_FLOPS_PER = 16
+#: Training-step FLOP/s on one CPU thread here (bench/transcoder_rehearsal.py records the timing).
+CPU_STEP_FLOPS = 7.9e10
+#: An assumed float32 rate of one H100/H200 for the step (no TF32: torch's default for float32
+#: matmuls): 40 % of the 67 TFLOP/s FP32 peak. Not measured.
+GPU_STEP_FLOPS = 0.4 * 67e12
+GIB = 2**30
+
+
+def transcoder_cost(
+    widths_or_vlm: Widths | VLM,
+    tokens: int,
+    width: int = 16384,
+    k: int = 16,
+    steps: int = STEPS,
+    batch_tokens: int = BATCH_TOKENS,
+    layers: int | None = None,
+    held_out: float = 0.25,
+    max_memory: float = MAX_MEMORY,
+    collection_flops: float = 0.0,
+    store_bytes: int | None = None,
+    device: str = "cpu",
+    collect_batch: int = 32,
+    seq: int = 0,
+) -> dict:
+    """The cost of `train_transcoders` (see the module's docstring) on ``tokens`` training tokens.
+
+    ``layers``: how many layers are trained (None: every layer). ``collection_flops``: the forwards of
+    both splits (`mix_forwards`). ``store_bytes``: the store's element size (None: the model's, 2 for
+    bfloat16 and float16, else 4). ``device``: "cpu" (calibrated rates) or "cuda" (assumed rates).
+    ``collect_batch`` × ``seq``: one collection batch's tokens (the collection's host peak).
+    Returns a flat dict of counts, bytes, FLOPs and seconds."""
+    w = _widths(widths_or_vlm)
+    tokens = require_count(tokens, "tokens (training tokens)")
+    width = require_count(width, "width (features per layer)")
+    k = require_count(k, "k (active features per token)")
+    if k > width:
+        raise InputError(f"k={k} is more than width={width}; give k ≤ width")
+    steps, b = require_count(steps, "steps"), require_count(batch_tokens, "batch_tokens")
+    n_layers = w.n_layers if layers is None else require_count(layers, "layers (how many)")
+    if n_layers > w.n_layers:
+        raise InputError(f"layers={n_layers} is more than the model's {w.n_layers}; give at most {w.n_layers}")
+    require_share(held_out, "held_out", below_one=True, above_zero=True)
+    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or not 1 <= max_memory < math.inf:
+        raise InputError(f"max_memory must be a finite number of bytes ≥ 1, e.g. {MAX_MEMORY}; got {max_memory!r}")
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"device must be 'cpu' or 'cuda' (the rate the time is planned at), got {device!r}")
+    if not (isinstance(collection_flops, (int, float)) and 0 <= collection_flops < math.inf):
+        raise InputError(f"collection_flops must be a finite number ≥ 0 (mix_forwards), got {collection_flops!r}")
+    e = (2 if w.act_bytes == 2 else 4) if store_bytes is None else store_bytes
+    if e not in (2, 4):
+        raise InputError(f"store_bytes must be 2 (bfloat16, float16) or 4 (float32), got {store_bytes!r}")
+    d, L = w.d_model, n_layers
+    params = 2 * width * d + width + d
+    state = 4 * params * 4
+    work = (STEP_WIDE * b * width + STEP_NARROW * b * d) * 4
+    all_tokens = tokens + math.ceil(tokens * held_out)
+    per_token = 2 * L * d
+    streamed = tokens * per_token * e > max_memory
+    store = all_tokens * per_token * e if streamed else 0
+    batch = collect_batch * seq * per_token * e
+    chunk_tokens = math.ceil((max_memory + batch) / (per_token * e))
+    chunk = min(chunk_tokens, tokens) * 2 * d * 4
+    host = max(max_memory + batch, chunk) if streamed else all_tokens * per_token * 4
+    step_flops = STEP_FLOPS_PER * b * d * width
+    train_flops = L * steps * step_flops
+    step_rate = GPU_STEP_FLOPS if device == "cuda" else CPU_STEP_FLOPS
+    forward_rate = GPU_FLOPS if device == "cuda" else CPU_FLOPS
+    return {
+        "d_model": d,
+        "layers": L,
+        "width": width,
+        "k": k,
+        "steps": steps,
+        "batch_tokens": b,
+        "tokens": tokens,
+        "held_out_tokens": all_tokens - tokens,
+        "streamed": streamed,
+        "params": params,
+        "state_bytes": state,
+        "step_bytes": work,
+        "device_bytes": state + work,
+        "chunk_bytes": chunk if streamed else 0,
+        "host_bytes": host,
+        "store_bytes": store,
+        "read_bytes_per_layer": steps * b * 2 * d * e if streamed else 0,
+        "step_flops": step_flops,
+        "train_flops": train_flops,
+        "collection_flops": float(collection_flops),
+        "train_seconds": train_flops / step_rate,
+        "collection_seconds": collection_flops / forward_rate,
+        "seconds": train_flops / step_rate + collection_flops / forward_rate,
+        "step_rate": step_rate,
+        "forward_rate": forward_rate,
+    }
+
+
+def mix_forwards(vlm: VLM, mix: Mapping[str, int] | None = None, seed: int = 0, held_out: float = 0.25) -> dict:
+    """The training split's tokens, both splits' forward FLOPs and the longest sample (tokens) of
+    ``mix`` (default `countlens.features.activations.DEFAULT_MIX`) at ``vlm``'s processor, from the
+    first sample of each kind (processor only: a meta model's works)."""
+    mix = check_mix(mix)
+    w = widths(vlm)
+    scenes, texts = mix_samples({kind: min(n, 1) for kind, n in mix.items()}, seed)
+    per = {}
+    for s in scenes:
+        batch = vlm.prepare_samples([s])
+        per[s.task] = (int(batch.inputs["attention_mask"].sum()), int(batch.patches(vlm.arch.merge_size)))
+    if texts:
+        per["text"] = (int(encode_texts(vlm, texts[:1])["attention_mask"].sum()), 0)
+    both = {kind: n + held_out_mix(mix, held_out)[kind] for kind, n in mix.items()}
+    flops = sum(
+        n * forward_flops(w, Forward(1, per[kind][0], keep=per[kind][0], images=int(kind != "text")), per[kind][1])
+        for kind, n in both.items()
+        if n
+    )
+    tokens = sum(n * per[kind][0] for kind, n in mix.items() if n)
+    return {"tokens": tokens, "flops": flops, "seq": max(seq for seq, _ in per.values())}
+
+
+def training_plan_lines(
+    vlm: VLM,
+    width: int = 16384,
+    k: int = 16,
+    steps: int = STEPS,
+    batch_tokens: int = BATCH_TOKENS,
+    layers: int | None = None,
+    device: str = "cpu",
+    max_memory: float = MAX_MEMORY,
+    mix: Mapping[str, int] | None = None,
+) -> list[str]:
+    """Printable lines of `transcoder_cost` for ``vlm`` (meta or loaded) on ``mix``'s tokens: what
+    ``countlens features plan`` shows of training transcoders."""
+    data = mix_forwards(vlm, mix)
+    c = transcoder_cost(
+        vlm,
+        data["tokens"],
+        width=width,
+        k=k,
+        steps=steps,
+        batch_tokens=batch_tokens,
+        layers=layers,
+        max_memory=max_memory,
+        collection_flops=data["flops"],
+        device=device,
+        seq=data["seq"],
+    )
+    rate = "an assumed rate, not measured" if device == "cuda" else "calibrated on one CPU thread"
+    gib = lambda n: f"{n / GIB:,.1f} GiB"  # noqa: E731
+    lines = [
+        f"transcoders: {c['layers']} layers × {c['width']:,} features (k {c['k']}) on d_model {c['d_model']:,}; "
+        f"{c['steps']:,} steps of {c['batch_tokens']:,} tokens per layer",
+        f"  data: {c['tokens']:,} training tokens + {c['held_out_tokens']:,} held out; "
+        + (
+            f"streamed from disk: a store of {gib(c['store_bytes'])} ({gib(c['store_bytes'] / c['layers'])} per "
+            f"layer: fewer layers per run need less), {gib(c['read_bytes_per_layer'])} read per layer"
+            if c["streamed"]
+            else "held in memory"
+        ),
+        f"  device: {gib(c['device_bytes'])} (transcoder, gradients and Adam {gib(c['state_bytes'])}; "
+        f"one step's work {gib(c['step_bytes'])})",
+        f"  host: {gib(c['host_bytes'])} of activations"
+        + (f" (max_memory {gib(max_memory)}; one chunk of one layer {gib(c['chunk_bytes'])})" if c["streamed"] else ""),
+        f"  time ({device}, {rate}): training {_duration(c['train_seconds'])} "
+        f"({c['train_flops']:.2e} FLOPs), collection {_duration(c['collection_seconds'])} "
+        f"({c['collection_flops']:.2e} FLOPs)",
+    ]
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def _widths(widths_or_vlm) -> Widths:
+    if isinstance(widths_or_vlm, Widths):
+        return widths_or_vlm
+    if isinstance(widths_or_vlm, VLM):
+        return widths(widths_or_vlm)
+    raise InputError(
+        "transcoder_cost takes a Widths (countlens.model.memory.widths(vlm)) or a countlens.VLM (countlens.load, "
+        f"or countlens.model.loading.meta_vlm for a checkpoint's config without weights); got "
+        f"{type(widths_or_vlm).__name__}"
+    )
