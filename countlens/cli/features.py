@@ -34,6 +34,12 @@ def features_train(
     steps: Annotated[int, typer.Option(help="Training steps per layer.")] = 1500,
     seed: Annotated[int, typer.Option(help="Seed of the data, the initialisation and the batches.")] = 0,
     n_eval: Annotated[int, typer.Option(help="Held-out counting scenes scored by the replacement model.")] = 256,
+    max_memory: Annotated[
+        float,
+        typer.Option(
+            help="GiB of activations held in memory; above it they are collected to OUT/activations and streamed."
+        ),
+    ] = 4.0,
     device: Device = None,
     dtype: Dtype = None,
 ) -> None:
@@ -41,15 +47,20 @@ def features_train(
 
     Example: countlens features train --model toy --out runs/transcoders
     """
+    import math
+
     from countlens.datasets.tasks import task_samples
     from countlens.features import replacement_accuracy, train_transcoders
 
     check_positive(width=width, k=k, steps=steps, n_eval=n_eval)
     if k > width:
         raise ConfigError(f"--k {k} exceeds --width {width}: give k ≤ width")
+    if not (math.isfinite(max_memory) and max_memory * 2**30 >= 1):
+        raise ConfigError(f"--max-memory must be a finite number of GiB > 0, e.g. 4; got {max_memory}")
     check_out(out)  # a file, a path under a file, a folder not writable: before the model loads
     vlm = countlens.load(model, dtype=dtype, device_map=device)
-    run = train_transcoders(vlm, width=width, k=k, steps=steps, seed=seed, out=out, progress=True)
+    limit = max_memory * 2**30
+    run = train_transcoders(vlm, width=width, k=k, steps=steps, seed=seed, out=out, progress=True, max_memory=limit)
     typer.echo(run.fidelity[["fvu", "l0", "dead"]].to_dataframe().round(4).to_string())
     acc = replacement_accuracy(vlm, run.transcoders, task_samples("count", n_eval, seed=0))
     for name in acc.model.values:

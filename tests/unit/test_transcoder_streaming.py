@@ -162,3 +162,16 @@ def test_a_bad_memory_bound_is_refused_before_anything(loaded, tmp_path, bound):
     with pytest.raises(InputError, match="max_memory"):
         collect_activations(vlm, [0], *mix_samples(MIX, 0), store=tmp_path / "s", max_memory=bound)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "inf", "-1"])
+def test_the_cli_refuses_a_bad_memory_bound_before_loading(tmp_path, value, monkeypatch):
+    from typer.testing import CliRunner
+
+    import countlens
+    from countlens.cli import app
+
+    monkeypatch.setattr(countlens, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    result = CliRunner().invoke(app, ["features", "train", "--out", str(tmp_path / "o"), "--max-memory", value])
+    assert result.exit_code == 2 and "--max-memory must be a finite number of GiB" in result.output, result.output
+    assert not (tmp_path / "o").exists()
