@@ -236,9 +236,10 @@ def plan_cmd(
     for s in p.stages:
         for note in s.notes:
             typer.echo(f"{s.name}: {note}")
-    over = p.over()
-    if over:
-        typer.echo(f"over {p.memory / gib:.1f} GiB: {', '.join(over)}; lower --batch-size or give a larger device")
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(p.to_dict(), indent=1) + "\n")
+    over = p.knobs()
+    if over:  # the table is shown first: the refusal names each stage and what makes it fit
+        stages = "; ".join(f"{name}: {knob}" for name, knob in over.items())
+        raise ConfigError(f"over {p.memory / gib:.1f} GiB: {stages}")

@@ -26,6 +26,14 @@ its own widths over the batch's patches. These are countlens's own estimates; th
 Row sizing of the sweeps (`rows_per_forward`, `Widths`) lives in `countlens.model.memory`; each stage's
 own plan lives beside its computation (`countlens.pipeline.stages`), and `countlens.pipeline.plan`
 puts them together for one model.
+
+**Rows per chunk.** A stage whose peak grows with the pairs or samples of one chunk (the gradient
+stages' backward, the edge stage's attributions, candidate scoring) takes as many a chunk as
+`FREE_SHARE` of the free memory holds, at most the batch size asked (`fit_rows`). The plan and the
+run choose by the same rule from the same bytes a row (the stage's own ``row_bytes``): the plan from
+the device's memory less the weights (`Planner.chunk`), the run from the memory free when the stage
+starts (`run_rows`), so a run on the device the plan was for takes the plan's rows. Where not one
+row fits, the plan flags the stage (``StagePlan.fits``) and the run refuses before its forward.
 """
 
 from __future__ import annotations
@@ -38,7 +46,16 @@ from countlens.analysis.evaluate import candidate_sets
 from countlens.circuits.engine.pair_batch import prepare_pairs
 from countlens.errors import ConfigError, CountlensError
 from countlens.model.answers import read_rows
-from countlens.model.memory import MAX_ROWS, Widths, logit_bytes, replica_copy_bytes, rows_per_forward, widths
+from countlens.model.memory import (
+    FREE_SHARE,
+    MAX_ROWS,
+    Widths,
+    logit_bytes,
+    model_free_bytes,
+    replica_copy_bytes,
+    rows_per_forward,
+    widths,
+)
 from countlens.pipeline.config import resolved_prompt
 from countlens.pipeline.inputs import stage_inputs
 
@@ -110,8 +127,10 @@ class StagePlan:
     kept: int = 0  # bytes held across the stage's forwards, on the model's device
     host: int = 0  # bytes held in host memory (on a CPU model: the same memory)
     rows: int = 0  # rows per stacked forward (the sweeps)
-    batch: int = 0
+    batch: int = 0  # pairs or samples a chunk: the batch size, or fewer where the stage's rows are chosen
     notes: list[str] = field(default_factory=list)
+    fits: bool = True  # False: not even one row a chunk fits the memory (`Planner.chunk`)
+    knob: str = "lower --batch-size or give a device with more memory"  # what makes it fit when over
 
 
 def chunk_sizes(n: int, size: int) -> dict[int, int]:
@@ -158,13 +177,90 @@ def sweep_rows(w: Widths, seq: int, free: int, kept: int, keep: int, patches: in
     return rows_per_forward(w, seq, max(0, free - kept), keep, patches)
 
 
+#: What makes a stage fit whose chunk is already one row (its floor): the knob a plan and a run name.
+FLOOR_KNOB = (
+    "give a device with more memory (or several: device_map='auto'), a smaller dtype, "
+    "or smaller images (--image-size, where the processor takes another size)"
+)
+GIB = 1 << 30
+
+
+def fit_rows(row_bytes: int, free: int | None, asked: int, cap: int = MAX_ROWS) -> int:
+    """The most rows (pairs or samples) one chunk of a stage may take: `FREE_SHARE` of ``free`` bytes
+    over ``row_bytes`` (what one row adds to the stage's peak, kept and transient), at most ``asked``
+    (the batch size) and ``cap``; ``free`` None (a remote model, whose memory is not this machine's):
+    ``asked``. 0 where not even one row fits."""
+    if free is None:
+        return asked
+    return max(0, min(asked, cap, int(FREE_SHARE * max(0, free)) // max(1, row_bytes)))
+
+
+def run_rows(vlm: VLM, stage: str, row_bytes: int, asked: int, unit: str = "pair", cap: int = MAX_ROWS) -> int:
+    """`fit_rows` at run time, from the memory free on ``vlm``'s devices now: the rows a chunk of
+    ``stage`` takes. Refused (ConfigError, before the stage's first forward) where one does not fit."""
+    free = model_free_bytes(vlm)
+    n = fit_rows(row_bytes, free, asked, cap)
+    if n == 0:
+        raise ConfigError(
+            f"{stage}: one {unit} a chunk needs {row_bytes / GIB:.2f} GiB, over {FREE_SHARE:.0%} of the "
+            f"{free / GIB:.2f} GiB free on {vlm.name}'s device; {FLOOR_KNOB}"
+        )
+    return n
+
+
+def pair_shape(vlm: VLM, pairs, asked: int) -> tuple[int, int]:
+    """(tokens a row, vision patches an image) of the first chunk of ``pairs``: what a pair stage's
+    ``row_bytes`` reads, at run time and in the plan alike."""
+    clean = prepare_pairs(vlm, pairs[:asked]).clean
+    return int(clean.inputs["input_ids"].shape[1]), clean.patches(widths(vlm).merge)
+
+
+def score_shape(vlm: VLM, samples) -> tuple[int, int]:
+    """(rows a sample, forced tokens a row) of candidate scoring ``samples`` (`countlens.analysis.evaluate.score`
+    with its default candidates): (1, 0) where every answer is one token (the prompt's own logits)."""
+    if all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples):
+        return 1, 0
+    sets = {tuple(sorted(c)) for c in candidate_sets(samples, None)}
+    prefixes = [read_rows([vlm.answer_ids(t) for t in cands]) for cands in sets]
+    return max(len(p) for p in prefixes), max(len(x) for p in prefixes for x in p)
+
+
+def score_forwards(w: Widths, n: int, seq: int, per: int, width: int, count: int = 1) -> list[Forward]:
+    """``count`` chunks of ``n`` samples scored: the prompt (with a KV cache where candidates are forced)
+    and, where they are, the ``per`` rows a sample of ``width`` forced tokens after the repeated cache."""
+    if not width:
+        return [Forward(n, seq, count=count)]
+    return [
+        Forward(n, seq, count=count, cache=True),
+        Forward(n * per, width, count=count, keep=width, images=0, context=seq, extra=n * per * width * w.vocab * 8),
+    ]
+
+
+def score_row_bytes(w: Widths, seq: int, per: int, width: int, patches: int) -> int:
+    """What one more sample adds to a scoring chunk's peak (`score_forwards`)."""
+    return max(forward_bytes(w, f, patches) for f in score_forwards(w, 1, seq, per, width))
+
+
+def score_rows(vlm: VLM, stage: str, samples, asked: int) -> int:
+    """The samples a chunk of ``stage``'s candidate scoring takes at run time (`run_rows`): the batch size
+    asked, or fewer where the memory free now holds fewer (`score_row_bytes`)."""
+    if vlm.remote or not samples:
+        return asked
+    w = widths(vlm)
+    per, width = score_shape(vlm, samples)
+    batch = vlm.prepare_samples(list(samples[:asked]))
+    seq = int(batch.inputs["input_ids"].shape[1])
+    row = score_row_bytes(w, seq, per, width, batch.patches(w.merge))
+    return run_rows(vlm, stage, row, asked, unit="sample", cap=max(1, MAX_ROWS // per))
+
+
 class Planner:
     """What every stage's cost reads: the model's widths, the memory left for rows, the batch size, the
     stage's own samples (made once: several stages share them) and their sequence lengths. Each stage
     builds its `StagePlan` from these (`countlens.pipeline.stages`)."""
 
-    def __init__(self, vlm: VLM, config, free: int):
-        self.vlm, self.c, self.free = vlm, config, free
+    def __init__(self, vlm: VLM, config, free: int, memory: int = 0):
+        self.vlm, self.c, self.free, self.memory = vlm, config, free, memory
         self.w = widths(vlm)
         self._make = stage_inputs(vlm, config, resolved_prompt(vlm, config))
         self._made: dict[str, object] = {}
@@ -206,32 +302,29 @@ class Planner:
             self._seqs[key] = (chunk, int(batch.inputs["input_ids"].shape[1]))
         return self._seqs[key][1]
 
+    def chunk(self, name: str, row_bytes: int, unit: str = "pair", cap: int = MAX_ROWS) -> tuple[int, list[str], bool]:
+        """(rows a chunk of stage ``name`` takes, the plan's note saying so, whether one row fits): the
+        batch size, or fewer where this plan's free memory holds fewer (`fit_rows`, as `run_rows` chooses
+        at run time). Not one fitting: 1, flagged, the note naming the knob."""
+        n = fit_rows(row_bytes, self.free, self.bs, cap)
+        at = f"{self.memory / GIB:.1f} GiB" if self.memory else "the memory"
+        if n == 0:
+            note = f"over {at} even at 1 {unit} a chunk ({row_bytes / GIB:.2f} GiB a {unit}): {FLOOR_KNOB}"
+            return 1, [note], False
+        asked = f"{self.bs} asked" if n < self.bs else "as asked"
+        return n, [f"{n} {unit}s a chunk ({asked}) to fit {at}"], True
+
     def score(self, name: str, samples, times: int = 1) -> StagePlan:
-        vlm, w, seq = self.vlm, self.w, self.seq(samples)
-        if all(len(vlm.answer_ids(str(s.answer))) == 1 for s in samples):
-            fw = [Forward(n, seq, count=k * times) for n, k in chunk_sizes(len(samples), self.bs).items()]
-            return StagePlan(name, fw, batch=self.bs, notes=["single-token scoring"])
-        sets = {tuple(sorted(c)) for c in candidate_sets(samples, None)}
-        prefixes = [read_rows([vlm.answer_ids(t) for t in cands]) for cands in sets]
-        per = max(len(p) for p in prefixes)
-        width = max(len(x) for p in prefixes for x in p)
-        step = max(1, min(self.bs, MAX_ROWS // per))
-        fw = []
-        for n, k in chunk_sizes(len(samples), step).items():
-            fw.append(Forward(n, seq, count=k * times, cache=True))
-            if width:
-                fw.append(
-                    Forward(
-                        n * per,
-                        width,
-                        count=k * times,
-                        keep=width,
-                        images=0,
-                        context=seq,
-                        extra=n * per * width * w.vocab * 8,
-                    )
-                )
-        return StagePlan(name, fw, batch=step, notes=[f"candidate scoring: {per} rows a sample, {width} forced tokens"])
+        """Candidate scoring of ``samples`` (``times`` over), in chunks of as many samples as fit (`chunk`)."""
+        w, seq = self.w, self.seq(samples)
+        per, width = score_shape(self.vlm, samples)
+        step, notes, fits = self.chunk(
+            name, score_row_bytes(w, seq, per, width, self.patches), "sample", cap=max(1, MAX_ROWS // per)
+        )
+        chunks = chunk_sizes(len(samples), step).items()
+        fw = [f for n, k in chunks for f in score_forwards(w, n, seq, per, width, k * times)]
+        what = f"candidate scoring: {per} rows a sample, {width} forced tokens" if width else "single-token scoring"
+        return StagePlan(name, fw, batch=step, notes=[what, *notes], fits=fits, knob=FLOOR_KNOB)
 
     def patching(self, name: str, firsts: list[int]) -> StagePlan:
         w, b, seq = self.w, self.w.act_bytes, self.pair_seq

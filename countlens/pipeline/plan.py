@@ -39,8 +39,15 @@ class Plan:
     memory: int  # the device's memory in all
 
     def over(self) -> list[str]:
-        """Stages whose planned peak exceeds the device's memory."""
-        return [s.name for s in self.stages if self.peak(s) > self.memory]
+        """Stages whose planned peak exceeds the device's memory, or that not even one row a chunk fits
+        (`countlens.pipeline.costs.Planner.chunk`)."""
+        return [s.name for s in self.stages if self.peak(s) > self.memory or not s.fits]
+
+    def knobs(self) -> dict[str, str]:
+        """For each stage `over` names, what makes it fit (a stage whose rows a chunk are already chosen
+        down to one: a device with more memory, a smaller dtype or smaller images)."""
+        by = {s.name: s for s in self.stages}
+        return {name: by[name].knob for name in self.over()}
 
     def peak(self, s: StagePlan) -> int:
         """Peak bytes of stage ``s`` on the model's device (on the CPU, host memory included)."""
@@ -92,6 +99,8 @@ class Plan:
                     "kept_bytes": s.kept,
                     "host_bytes": s.host,
                     "rows": max(f.rows for f in s.forwards),
+                    "batch": s.batch,
+                    "fits": s.fits,
                     "forwards": sum(f.count for f in s.forwards),
                     "notes": s.notes,
                 }
@@ -146,9 +155,9 @@ def plans(
                 "memory, a smaller dtype, or several devices (device_map='auto')"
             )
         sized.append((memory, free))
-    out, p = [], Planner(vlm, c, sized[0][1])
+    out, p = [], Planner(vlm, c, sized[0][1], sized[0][0])
     for memory, free in sized:
-        p.free = free  # the one input that differs between the memories
+        p.free, p.memory = free, memory  # the one input that differs between the memories (and its total)
         stages = [stage.plan(p) for stage in STAGES if stage.plan is not None and stage.enabled(c)]
         out.append(Plan(vlm.name, w, vlm.geometry.image_height, p.patches, base, free, where, stages, memory))
     return out

@@ -21,7 +21,7 @@ from countlens.analysis.heads import RESULT_DIMS
 from countlens.analysis.tables import finite_markdown
 from countlens.errors import RunDirError
 from countlens.labels import head_label, top_sites
-from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
+from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes, score_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 from countlens.pipeline.stages.probes import summary as probes_summary
 from countlens.reference.counting_to_four.attention import modality_shares as reference_shares
@@ -58,11 +58,30 @@ def _plan_attention(p: Planner) -> StagePlan:
 
 
 def _plan_metrics(p: Planner) -> StagePlan:
+    """Eager forwards, then candidate scoring, both in the scoring's chunks (`Planner.score`), as
+    `_metrics` runs them."""
     samples = p.samples("attention_metrics")
     seq = p.seq(samples)
     scored = p.score("attention_metrics", samples)
-    fw = [Forward(n, seq, count=k, eager=True) for n, k in chunk_sizes(len(samples), p.bs).items()]
-    return StagePlan("attention_metrics", fw + scored.forwards, batch=p.bs, notes=scored.notes)
+    fw = [Forward(n, seq, count=k, eager=True) for n, k in chunk_sizes(len(samples), scored.batch).items()]
+    return StagePlan(
+        "attention_metrics",
+        fw + scored.forwards,
+        batch=scored.batch,
+        notes=scored.notes,
+        fits=scored.fits,
+        knob=scored.knob,
+    )
+
+
+def _metrics(run: RunContext) -> xr.Dataset:
+    samples = run.inputs["attention_metrics"]()
+    return attention_metrics(
+        run.vlm,
+        samples,
+        batch_size=score_rows(run.vlm, "attention_metrics", samples, run.batch_size),
+        at=run.config.attention_at,  # the notebook's 50 new tokens
+    )
 
 
 HEADLENS = Stage(
@@ -84,12 +103,7 @@ ATTENTION = Stage(
 ATTENTION_METRICS = Stage(
     "attention_metrics",
     inputs=("attention_metrics",),
-    compute=lambda run: attention_metrics(
-        run.vlm,
-        run.inputs["attention_metrics"](),
-        batch_size=run.batch_size,
-        at=run.config.attention_at,  # the notebook's 50 new tokens
-    ),
+    compute=_metrics,
     plan=_plan_metrics,
     variables={
         "mas": ("layer", "sample"),

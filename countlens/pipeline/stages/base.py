@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from countlens.analysis.evaluate import generate, score
+from countlens.pipeline.costs import score_rows
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -52,9 +53,10 @@ class RunContext:
         """Where the sweep ``name`` streams its chunks (`countlens.circuits.engine.sweep`)."""
         return self.out / "results" / "sweeps" / name
 
-    def answers(self, samples: list, progress: bool = False) -> xr.Dataset:
-        """The model's answers on ``samples`` as the run's ``evaluate`` reads them: candidates scored, or
-        greedy generations parsed (`countlens.analysis.evaluate`)."""
+    def answers(self, samples: list, progress: bool = False, stage: str = "cases") -> xr.Dataset:
+        """The model's answers on ``samples`` as the run's ``evaluate`` reads them: candidates scored (in
+        chunks of as many samples as fit: `countlens.pipeline.costs.score_rows`, the plan's rule), or
+        greedy generations parsed (`countlens.analysis.evaluate`). ``stage``: whose samples, for a refusal."""
         c = self.config
         if c.evaluate == "generate":
             return generate(
@@ -65,7 +67,8 @@ class RunContext:
                 progress=progress,
                 parser=c.parser,
             )
-        return score(self.vlm, samples, batch_size=c.batch_size, progress=progress)
+        rows = score_rows(self.vlm, stage, samples, c.batch_size)
+        return score(self.vlm, samples, batch_size=rows, progress=progress)
 
 
 @dataclass(frozen=True)

@@ -50,14 +50,14 @@ CASES = Stage(
 CONFLICT_STD = Stage(
     "conflict_std",
     inputs=("conflict_std",),
-    compute=lambda run: run.answers(run.inputs["conflict_std"]()),
+    compute=lambda run: run.answers(run.inputs["conflict_std"](), stage="conflict_std"),
     plan=lambda p: p.score("conflict_std", p.samples("conflict_std")),
     variables={"correct": ("sample",), "case": ("sample",)},
 )
 CONFLICT = Stage(
     "conflict",
     inputs=("conflict",),
-    compute=lambda run: run.answers(run.inputs["conflict"]()),
+    compute=lambda run: run.answers(run.inputs["conflict"](), stage="conflict"),
     plan=lambda p: p.score("conflict", p.samples("conflict")),
     variables={"correct": ("sample",), "case": ("sample",)},
 )

@@ -22,8 +22,8 @@ from countlens.circuits.graph.edge_attribution import edge_attributions
 from countlens.circuits.graph.faithfulness import SIZES, circuit_sizes, faithfulness_curves
 from countlens.circuits.methods.registry import IG_STEPS, RANDOM_DRAWS, method
 from countlens.errors import InputError
-from countlens.model.memory import Widths, rows_per_forward
-from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
+from countlens.model.memory import Widths, rows_per_forward, widths
+from countlens.pipeline.costs import FLOOR_KNOB, Forward, Planner, StagePlan, chunk_sizes, forward_bytes, run_rows
 from countlens.pipeline.stages.base import RunContext, Stage
 
 #: The registry's edge methods this stage ranks with, in the report's order: each with the name of its
@@ -51,7 +51,9 @@ def _compute(run: RunContext) -> xr.Dataset:
     # the curves take fewer pairs a chunk (the same sums).
     curve_batch = max(1, min(run.batch_size, edge_max_rows(run.vlm, graph, first)))
     variants = tuple(m.variant for m in METHODS_RANKED)
-    scores = edge_attributions(run.vlm, run.pairs, variants, steps=IG_STEPS, batch_size=run.batch_size, graph=graph)
+    scores = edge_attributions(
+        run.vlm, run.pairs, variants, steps=IG_STEPS, batch_size=attribution_rows(run, first), graph=graph
+    )
     ds = faithfulness_curves(
         run.vlm,
         run.pairs,
@@ -114,24 +116,50 @@ def attribution_flops(w: Widths, seq: int, rows: int, steps: int) -> float:
     return float(steps * rows * seq * per_token)
 
 
+def _kept_bytes(w: Widths, n: int, seq: int) -> tuple[int, int]:
+    """(one recording of the nodes, one step's gradients) of ``n`` pairs of ``seq`` tokens."""
+    values = (2 * w.n_layers + 1) * n * seq * w.d_model * w.act_bytes
+    gradients = w.n_layers * n * seq * (4 * w.d_model + (w.n_heads + 2 * w.n_kv_heads) * w.d_head) * w.act_bytes
+    return values, gradients
+
+
+def attribution_row_bytes(w: Widths, seq: int, patches: int) -> int:
+    """What one more pair adds to the attributions' peak (`_plan`): its recording held across the chunk,
+    and its forward with a backward pass holding two recordings and one step's gradients."""
+    values, gradients = _kept_bytes(w, 1, seq)
+    return values + forward_bytes(w, Forward(1, seq, grad=True, extra=2 * values + gradients), patches)
+
+
+def attribution_rows(run: RunContext, first) -> int:
+    """The pairs a chunk of the attributions takes in this run (``first``: the first chunk's clean batch):
+    the batch size, or fewer where the memory free now holds fewer (`countlens.pipeline.costs.run_rows`,
+    the rule the plan chose by)."""
+    if run.vlm.remote:
+        return run.batch_size
+    w = widths(run.vlm)
+    row = attribution_row_bytes(w, int(first.inputs["input_ids"].shape[1]), first.patches(w.merge))
+    return run_rows(run.vlm, "edge_faithfulness", row, run.batch_size)
+
+
 def _plan(p: Planner) -> StagePlan:
     """Per chunk of pairs: both attributions from one pass (two recordings, EAP-IG's steps of one
-    forward and backward each, one step's gradients kept for its products), then the corrupt run recorded
-    and every distinct circuit as stacked copies of the clean batch, each copy holding its live nodes'
-    differences from the ablation values; the graph checked once, on the first chunk."""
-    w, b, seq = p.w, p.w.act_bytes, p.pair_seq
+    forward and backward each, one step's gradients kept for its products), in chunks of as many pairs
+    as fit (`Planner.chunk`), then the corrupt run recorded and every distinct circuit as stacked copies
+    of the clean batch, each copy holding its live nodes' differences from the ablation values; the graph
+    checked once, on the first chunk."""
+    w, seq = p.w, p.pair_seq
     pairs = p.samples("pairs")
+    chunk, notes, fits = p.chunk("edge_faithfulness", attribution_row_bytes(w, seq, p.patches))
     n0 = min(p.bs, len(pairs))
     n_edges = edge_count(w.n_layers, w.n_heads, w.n_kv_heads)
     circuits = (len(RANKINGS) + RANDOM_DRAWS) * len(set(circuit_sizes(n_edges, SIZES))) + 2
-    per_layer = n0 * seq * (4 * w.d_model + (w.n_heads + 2 * w.n_kv_heads) * w.d_head) * b
-    values = (2 * w.n_layers + 1) * n0 * seq * w.d_model * b  # one recording of the nodes
+    values, _ = _kept_bytes(w, n0, seq)  # the curves' recording of the nodes
     receivers, _, _ = _uniform(w)
     extra = edge_row_bytes(w, seq, receivers)
     rows = rows_per_forward(w, seq, max(0, p.free - values), 1, p.patches, extra=extra)
-    gradients = w.n_layers * per_layer  # one step's, kept for its products
     fw = [Forward(n0, seq)]  # the additivity check
-    for n, k in chunk_sizes(len(pairs), p.bs).items():
+    for n, k in chunk_sizes(len(pairs), chunk).items():
+        recorded, gradients = _kept_bytes(w, n, seq)
         # two recordings for the attributions
         fw += [Forward(n, seq, count=PASS.cost.plain(w.n_layers) * k)]
         steps = PASS.cost.grad(w.n_layers)
@@ -141,21 +169,32 @@ def _plan(p: Planner) -> StagePlan:
                 seq,
                 count=steps * k,
                 grad=True,
-                extra=2 * values + gradients,
+                extra=2 * recorded + gradients,
                 extra_flops=attribution_flops(w, seq, n, steps) / steps,
             )
         ]
-    # the curves: chunks of at most as many pairs as one circuit's rows fit (`_compute`)
+    # the curves: chunks of at most as many pairs as one circuit's rows fit (`_compute`); their recording
+    # of the nodes is the stage's kept bytes where the attributions' chunk is as large, else the rest of
+    # it is held beside each of their forwards
+    kept = _kept_bytes(w, min(chunk, n0), seq)[0]
     for n, k in chunk_sizes(len(pairs), max(1, min(p.bs, rows))).items():
         per = max(1, rows // n)
-        fw += [Forward(n, seq, count=k)]  # the corrupt run recorded
+        fw += [Forward(n, seq, count=k, extra=values - kept)]  # the corrupt run recorded
         full, rest = divmod(circuits, per)
         for m, count in ((per, k * full), (rest, k if rest else 0)):
             if count:
                 fw += [
-                    Forward(m * n, seq, count=count, extra=m * n * extra, extra_flops=edge_forward_flops(w, seq, m * n))
+                    Forward(
+                        m * n,
+                        seq,
+                        count=count,
+                        extra=m * n * extra + values - kept,
+                        extra_flops=edge_forward_flops(w, seq, m * n),
+                    )
                 ]
-    return StagePlan("edge_faithfulness", fw, kept=values, rows=rows, batch=p.bs)
+    return StagePlan(
+        "edge_faithfulness", fw, kept=kept, rows=rows, batch=chunk, notes=notes, fits=fits, knob=FLOOR_KNOB
+    )
 
 
 EDGE_FAITHFULNESS = Stage(

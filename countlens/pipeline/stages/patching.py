@@ -20,7 +20,17 @@ from countlens.analysis.heads import check_effects, head_sites
 from countlens.analysis.tables import finite_markdown
 from countlens.circuits.methods.registry import Method, method
 from countlens.labels import head_label, top_sites
-from countlens.pipeline.costs import Forward, Planner, StagePlan, chunk_sizes
+from countlens.model.memory import Widths, widths
+from countlens.pipeline.costs import (
+    FLOOR_KNOB,
+    Forward,
+    Planner,
+    StagePlan,
+    chunk_sizes,
+    forward_bytes,
+    pair_shape,
+    run_rows,
+)
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 
 
@@ -44,27 +54,56 @@ def _check_heads(run: RunContext, heads: xr.Dataset) -> None:
     check_effects(heads.effect, sites=head_sites(heads))  # the importance every later stage reads
 
 
+def gradient_row_bytes(w: Widths, seq: int, patches: int, kept_sets: int) -> int:
+    """What one more pair adds to a gradient stage's peak (`_plan_gradients`): its ``kept_sets`` sets of
+    every layer's residual and z held across the chunk, and its forward with a backward pass."""
+    per_layer = seq * (w.d_model + w.n_heads * w.d_head) * w.act_bytes
+    grad = Forward(1, seq, grad=True, extra=2 * w.n_layers * per_layer)
+    return kept_sets * w.n_layers * per_layer + forward_bytes(w, grad, patches)
+
+
 def _plan_gradients(p: Planner, m: Method, kept_sets: int) -> StagePlan:
     """Per chunk of pairs: ``m``'s plain forwards (recordings), then its forwards with a backward pass
     (`Cost`), each keeping a layer's residual and z (and their gradients) per layer; ``kept_sets`` such
-    sets of every layer held across the chunk."""
+    sets of every layer held across the chunk. The chunk: as many pairs as fit (`Planner.chunk`)."""
     w, b, seq = p.w, p.w.act_bytes, p.pair_seq
     recordings, passes = m.cost.plain(w.n_layers), m.cost.grad(w.n_layers)
     pairs = p.samples("pairs")
-    n0 = min(p.bs, len(pairs))
+    chunk, notes, fits = p.chunk(m.stage, gradient_row_bytes(w, seq, p.patches, kept_sets))
+    n0 = min(chunk, len(pairs))
     per_layer = n0 * seq * (w.d_model + w.n_heads * w.d_head) * b
     fw = []
-    for n, k in chunk_sizes(len(pairs), p.bs).items():
+    for n, k in chunk_sizes(len(pairs), chunk).items():
+        per = n * seq * (w.d_model + w.n_heads * w.d_head) * b
         fw += [
             Forward(n, seq, count=recordings * k),
-            Forward(n, seq, count=passes * k, grad=True, extra=2 * w.n_layers * per_layer),
+            Forward(n, seq, count=passes * k, grad=True, extra=2 * w.n_layers * per),
         ]
-    return StagePlan(m.stage, fw, kept=kept_sets * w.n_layers * per_layer, batch=p.bs)
+    kept = kept_sets * w.n_layers * per_layer
+    return StagePlan(m.stage, fw, kept=kept, batch=chunk, notes=notes, fits=fits, knob=FLOOR_KNOB)
+
+
+def gradient_rows(run: RunContext, m: Method, kept_sets: int) -> int:
+    """The pairs a chunk of ``m``'s stage takes in this run: the batch size, or fewer where the memory
+    free now holds fewer (`countlens.pipeline.costs.run_rows`, the rule the plan chose by)."""
+    if run.vlm.remote:
+        return run.batch_size
+    seq, patches = pair_shape(run.vlm, run.pairs, run.batch_size)
+    row = gradient_row_bytes(widths(run.vlm), seq, patches, kept_sets)
+    return run_rows(run.vlm, m.stage, row, run.batch_size)
+
+
+#: Sets of every layer's residual and z each gradient method holds across a chunk (`_plan_gradients`).
+KEPT_SETS = {"atp": 1, "eap_ig": 4}
+
+
+def _gradient_result(run: RunContext, m: Method) -> xr.Dataset:
+    return m.result(run.vlm, run.pairs, gradient_rows(run, m, KEPT_SETS[m.stage]))
 
 
 def _plan_atp(p: Planner) -> StagePlan:
     """The corrupt run recorded, then the clean one forward and backward."""
-    return _plan_gradients(p, ATP_METHOD, kept_sets=1)
+    return _plan_gradients(p, ATP_METHOD, kept_sets=KEPT_SETS["atp"])
 
 
 VAP = Stage(
@@ -87,7 +126,7 @@ HEADS = Stage(
 ATP = Stage(
     "atp",
     inputs=("pairs",),
-    compute=lambda run: ATP_METHOD.result(run.vlm, run.pairs, run.batch_size),
+    compute=lambda run: _gradient_result(run, ATP_METHOD),
     plan=_plan_atp,
     variables={"effect": ("layer", "head"), "resid_effect": ("layer",)},
 )
@@ -95,13 +134,13 @@ ATP = Stage(
 
 def _plan_eap_ig(p: Planner) -> StagePlan:
     """Two recording forwards, then a forward and backward per step, per chunk of pairs."""
-    return _plan_gradients(p, EAP_IG_METHOD, kept_sets=4)
+    return _plan_gradients(p, EAP_IG_METHOD, kept_sets=KEPT_SETS["eap_ig"])
 
 
 EAP_IG = Stage(
     "eap_ig",
     inputs=("pairs",),
-    compute=lambda run: EAP_IG_METHOD.result(run.vlm, run.pairs, run.batch_size),
+    compute=lambda run: _gradient_result(run, EAP_IG_METHOD),
     plan=_plan_eap_ig,
     variables={"effect": ("layer", "head"), "mlp_effect": ("layer",), "input_effect": ("input",)},
 )

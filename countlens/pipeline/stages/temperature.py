@@ -15,6 +15,7 @@ import xarray as xr
 from countlens import circuits
 from countlens.analysis.evaluate import score
 from countlens.labels import head_label
+from countlens.pipeline.costs import score_rows
 from countlens.pipeline.stages.base import ReportContext, RunContext, Section, Stage
 
 
@@ -24,9 +25,10 @@ def _temperature(run: RunContext) -> xr.Dataset:
     softmax = xr.DataArray([vlm.arch.softmax(int(la)) for la in heads.layer.values], coords={"layer": heads.layer})
     betas = circuits.beta_from_importance(heads.effect.where(softmax), alpha=c.alpha, top_k=c.top_k)
     held = run.inputs["temperature"]()
-    base = score(vlm, held, batch_size=c.batch_size)
+    rows = score_rows(vlm, "temperature", held, c.batch_size)  # as many a chunk as fit (the plan's rule)
+    base = score(vlm, held, batch_size=rows)
     with circuits.head_temperature(vlm, betas):
-        sharp = score(vlm, held, batch_size=c.batch_size)
+        sharp = score(vlm, held, batch_size=rows)
     return xr.Dataset(
         {"base": base.correct, "sharpened": sharp.correct},
         attrs={"betas": json.dumps({head_label(h): b for h, b in betas.items()})},
