@@ -36,6 +36,7 @@ once, refusing NaN or ±inf, before a training starts.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -433,10 +434,12 @@ def fvu(y: torch.Tensor, y_hat: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def fidelity(transcoders: TranscoderSet, activations: Activations | ActivationStore, chunk: int = 4096) -> xr.Dataset:
+def fidelity(
+    transcoders: TranscoderSet, activations: Activations | ActivationStore, chunk: int = 4096, device=None
+) -> xr.Dataset:
     """FVU, L0 and dead features of each layer's transcoder on ``activations`` (the held-out split, in
-    memory or a store, read one chunk at a time): an `xr.Dataset` over ``layer`` with ``fvu``,
-    ``l0``, ``dead`` and ``dead_share``."""
+    memory or a store, read one chunk at a time), computed on ``device`` (None: where the set is): an
+    `xr.Dataset` over ``layer`` with ``fvu``, ``l0``, ``dead`` and ``dead_share``."""
     if not isinstance(transcoders, TranscoderSet):
         raise InputError(
             f"fidelity takes a TranscoderSet (train_transcoders, load_transcoders), got {transcoders!r:.60}"
@@ -447,6 +450,7 @@ def fidelity(transcoders: TranscoderSet, activations: Activations | ActivationSt
     rows = {"fvu": [], "l0": [], "dead": []}
     memory = isinstance(activations, Activations)
     for layer, tc in transcoders.items():
+        tc = tc if device is None or tc.b_enc.device == torch.device(device) else copy.deepcopy(tc).to(device)
         if layer not in (activations.inputs if memory else activations.layers):
             raise InputError(
                 f"fidelity: no activations of layer {layer}; collect the set's layers {list(transcoders.layers)}"
@@ -457,12 +461,12 @@ def fidelity(transcoders: TranscoderSet, activations: Activations | ActivationSt
         for x, y in pieces:
             y_hat = []
             for i in range(0, len(x), chunk):
-                xi = x[i : i + chunk].to(tc.dtype)
+                xi = x[i : i + chunk].to(tc.b_enc.device, tc.dtype)
                 a = tc.encode(xi)
-                y_hat.append(tc.decode(a, xi).float())
+                y_hat.append(tc.decode(a, xi).float().cpu())
                 nz = a != 0
                 active += int(nz.sum())
-                fired |= nz.any(0)
+                fired |= nz.any(0).cpu()
             if memory:  # one piece: the exact two-pass FVU
                 rows["fvu"].append(fvu(y, torch.cat(y_hat)))
             else:

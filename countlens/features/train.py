@@ -164,6 +164,7 @@ def train_transcoders(
     checkpoint_every: int = 250,
     batch_size: int = 32,
     max_memory: float = MAX_MEMORY,
+    device: str | torch.device | None = None,
 ) -> Training:
     """Train one TopK transcoder (``width`` features, ``k`` active) per layer of ``layers`` (default:
     every layer) to reconstruct the MLP's output from its input; see the module's docstring.
@@ -179,7 +180,9 @@ def train_transcoders(
     ``(max_memory + one batch) / (2 × len(layers) × d_model × element size)`` — plus the transcoder,
     its gradients and Adam's two moments (``4 × (2 · width · d_model + width + d_model) × 4`` bytes)
     and one step's batch: bounded by the chunk, never by the number of samples.
-    Returns `Training` (the set, and its fidelity over ``layer``)."""
+    ``device``: where the transcoders train and are scored (None: the model's device; the batches are
+    drawn on the host, so the weights do not depend on it beyond the device's arithmetic); the set
+    returned is on the CPU. Returns `Training` (the set, and its fidelity over ``layer``)."""
     require_vlm(vlm, "train_transcoders")
     layers = _check_layers(vlm, layers)
     require_count(width, "width")
@@ -195,6 +198,10 @@ def train_transcoders(
     require_count(checkpoint_every, "checkpoint_every")
     require_count(batch_size, "batch_size")
     max_memory = require_memory(max_memory)
+    try:
+        device = torch.device(vlm.device if device is None else device)
+    except (RuntimeError, TypeError) as err:
+        raise InputError(f"device {device!r} is not a torch device ({err}); give e.g. 'cpu' or 'cuda'") from None
     for name, flag in (("progress", progress), ("resume", resume)):
         if not isinstance(flag, bool):
             raise InputError(f"{name} must be True or False, got {flag!r}")
@@ -232,7 +239,19 @@ def train_transcoders(
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         return _run(
-            vlm, layers, spec, splits, stores, folder, batch_size, state, ckpt_path, checkpoint_every, progress, out
+            device,
+            vlm,
+            layers,
+            spec,
+            splits,
+            stores,
+            folder,
+            batch_size,
+            state,
+            ckpt_path,
+            checkpoint_every,
+            progress,
+            out,
         )
     finally:
         if stream and out is None:
@@ -245,7 +264,9 @@ def _settings(spec: dict, split: str, batch_size: int) -> dict:
     return {"split": split, "batch_size": batch_size, **{key: spec[key] for key in keys}}
 
 
-def _run(vlm, layers, spec, splits, stores, folder, batch_size, state, ckpt_path, checkpoint_every, progress, out):
+def _run(
+    device, vlm, layers, spec, splits, stores, folder, batch_size, state, ckpt_path, checkpoint_every, progress, out
+):
     seed, width, k = spec["seed"], spec["width"], spec["k"]
     data = {}
     for split, (counts, start) in splits.items():
@@ -278,14 +299,17 @@ def _run(vlm, layers, spec, splits, stores, folder, batch_size, state, ckpt_path
             tc.load_state_dict(done[layer])
         else:
             current = state if state and state.get("layer") == layer else None
-            _train_layer(tc, layer, train_data, stats, spec, done, current, ckpt_path, checkpoint_every, progress)
+            _train_layer(
+                tc.to(device), layer, train_data, stats, spec, done, current, ckpt_path, checkpoint_every, progress
+            )
+            tc.to("cpu")
             done[layer] = {key: v.clone() for key, v in tc.state_dict().items()}
             if ckpt_path is not None:
                 _save(ckpt_path, {"spec": spec, "done": done, "layer": None})
         transcoders.append(tc)
     name = vlm.name or vlm.arch.name
     result = TranscoderSet(transcoders, layers, model_name=name, scan=f"countlens/{name}/topk-{width}-{k}-seed{seed}")
-    table = fidelity(result, test_data)
+    table = fidelity(result, test_data, device=device)
     table.attrs.update(_provenance(vlm, spec, splits["held_out"][0], train_data, test_data))
     if out is not None:
         if result.layers == tuple(range(vlm.arch.n_layers)):
@@ -300,7 +324,7 @@ def _resumed(path: Path, spec: dict) -> dict | None:
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # a truncated or foreign file
         raise InputError(
             f"{path} is not a readable checkpoint ({err}); delete it to start over (in Python: resume=False)"
@@ -355,12 +379,13 @@ def _train_layer(
     visits = schedule(tokens, spec["steps"], spec["batch_tokens"], torch.Generator().manual_seed(seeded + 500_009))
     generator = torch.Generator().manual_seed(seeded)
     optimizer = torch.optim.Adam(tc.parameters(), lr=spec["lr"])
-    start, since = 0, torch.zeros(tc.d_transcoder, dtype=torch.long)
+    device = tc.b_enc.device
+    start, since = 0, torch.zeros(tc.d_transcoder, dtype=torch.long, device=device)
     if state is not None:
         tc.load_state_dict(state["weights"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
-        start, since = state["step"], state["since"]
+        start, since = state["step"], state["since"].to(device)
     else:
         _init(tc, mean, generator)
     bar = None
@@ -375,7 +400,8 @@ def _train_layer(
             x, y = read(c)  # the only chunk held
             for step in range(max(first - n, start + 1), last + 1):
                 index = torch.randint(len(x), (spec["batch_tokens"],), generator=generator)
-                loss, fired = train_step(tc, optimizer, x[index], y[index], scale, since >= DEAD_AFTER)
+                xb, yb = x[index].to(device), y[index].to(device)  # .to: the same tensor on the CPU
+                loss, fired = train_step(tc, optimizer, xb, yb, scale, since >= DEAD_AFTER)
                 since = torch.where(fired, 0, since + 1)
                 if bar is not None:
                     bar.update(step, f"batch FVU {loss:.3f}")

@@ -175,3 +175,36 @@ def test_the_cli_refuses_a_bad_memory_bound_before_loading(tmp_path, value, monk
     result = CliRunner().invoke(app, ["features", "train", "--out", str(tmp_path / "o"), "--max-memory", value])
     assert result.exit_code == 2 and "--max-memory must be a finite number of GiB" in result.output, result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_training_on_an_explicit_device_is_the_default_and_a_bad_one_is_refused(loaded, tmp_path):
+    vlm = loaded("toy")
+    assert same(run(vlm, steps=3).transcoders, run(vlm, steps=3, device="cpu").transcoders)
+    with no_forward(vlm), pytest.raises(InputError, match="device 'gpu0' is not a torch device"):
+        run(vlm, device="gpu0", out=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_collection_is_collected_again_and_a_finished_store_reused(loaded, tmp_path):
+    vlm = loaded("toy")
+    forwards = []
+
+    def third(*args):
+        forwards.append(1)
+        if len(forwards) == 3:
+            raise KeyboardInterrupt
+
+    handle = vlm.hf.register_forward_pre_hook(third)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "cut")
+    finally:
+        handle.remove()
+    train = tmp_path / "cut" / "activations" / "train"
+    assert any(train.glob("chunk*.safetensors")) and not (train / MANIFEST).exists()  # unfinished: no manifest
+    resumed = run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "cut")
+    whole = run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "whole")
+    assert same(resumed.transcoders, whole.transcoders)
+    with no_forward(vlm):  # a finished store (and checkpoint) is read, not collected again
+        again = run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "whole")
+    assert same(again.transcoders, whole.transcoders)
