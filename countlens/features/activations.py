@@ -447,10 +447,14 @@ def fidelity(
     if not isinstance(activations, (Activations, ActivationStore)):
         raise InputError(f"fidelity takes the Activations collect_activations returns, got {activations!r:.60}")
     require_count(chunk, "chunk")
+    try:
+        device = None if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise InputError(f"fidelity: device {device!r} is not a torch device ({err}); give 'cpu' or 'cuda'") from None
     rows = {"fvu": [], "l0": [], "dead": []}
     memory = isinstance(activations, Activations)
     for layer, tc in transcoders.items():
-        tc = tc if device is None or tc.b_enc.device == torch.device(device) else copy.deepcopy(tc).to(device)
+        tc = tc if device is None or tc.b_enc.device == device else copy.deepcopy(tc).to(device)
         if layer not in (activations.inputs if memory else activations.layers):
             raise InputError(
                 f"fidelity: no activations of layer {layer}; collect the set's layers {list(transcoders.layers)}"
