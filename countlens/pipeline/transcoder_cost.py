@@ -24,17 +24,18 @@ training reads about ``steps × B × 2 × d × bytes`` of it per layer (a chunk 
 ``ceil(chunk tokens / B)`` steps per visit).
 
 **FLOPs** per step: the encoder and the dense decoder, forward ``4·B·d·W``, backward ``6·B·d·W``
-(``W_dec``, the activations, ``W_enc``), and AuxK's decoder product, forward ``2·B·d·W`` and backward
-``4·B·d·W``: `STEP_FLOPS_PER` ``= 16`` × ``B·d·W`` (AuxK counted on every step: an upper bound,
-it runs while any feature is dead). Adam and the decoder's renormalisation are ``O(P)``, below 1 % at
-``B`` ≥ 512, left out. The collection's forwards are `countlens.pipeline.costs.forward_flops`'s, one
+(``W_dec``, the activations, ``W_enc``): `STEP_FLOPS_PER` ``= 10`` × ``B·d·W``; from step
+``DEAD_AFTER + 1`` (51) on, AuxK's decoder product adds forward ``2·B·d·W`` and backward ``4·B·d·W``,
+`AUXK_FLOPS_PER` ``= 6`` × ``B·d·W`` (counted on every such step: an upper bound, it runs while any
+feature is dead). Adam and the decoder's renormalisation are ``O(P)``, below 1 % at ``B`` ≥ 512,
+left out. The collection's forwards are `countlens.pipeline.costs.forward_flops`'s, one
 per sample of each split, logits at every position (as the collection's plain forward computes them).
 
-**Time** = training FLOPs / the step rate + collection FLOPs / the forward rate. `CPU_STEP_FLOPS` is
-measured (``bench/transcoder_rehearsal.py``: training steps timed on one thread of this project's
-CPU); `GPU_STEP_FLOPS` and the forwards' GPU rate (`countlens.pipeline.graph_cost.GPU_FLOPS`) are
-assumptions, not measurements: no transcoder has trained on a GPU here. The CPU forwards take
-graph_cost's calibrated one-thread rate. Disk reads are not timed (the rehearsal measures them).
+**Time** = training FLOPs / the step rate + collection FLOPs / the forward rate. `CPU_STEP_FLOPS` and
+`CPU_FORWARD_FLOPS` are measured (``bench/transcoder_rehearsal.py``, on one thread of this project's
+CPU: a step at 7B widths with AuxK, one forward of a 7B-width depth-1 model); `GPU_STEP_FLOPS` and the
+forwards' GPU rate (`countlens.pipeline.graph_cost.GPU_FLOPS`) are assumptions, not measurements: no
+transcoder has trained on a GPU here. Disk reads are not timed (the rehearsal measures them).
 """
 
 from __future__ import annotations
@@ -44,21 +45,27 @@ from collections.abc import Mapping
 
 from countlens.errors import InputError
 from countlens.features.activations import MAX_MEMORY, check_mix, encode_texts, held_out_mix, mix_samples
-from countlens.features.train import BATCH_TOKENS, STEPS
+from countlens.features.train import BATCH_TOKENS, DEAD_AFTER, STEPS
 from countlens.model.memory import Widths, widths
 from countlens.model.vlm import VLM
 from countlens.pipeline.costs import Forward, forward_flops
-from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS
+from countlens.pipeline.graph_cost import GPU_FLOPS
 from countlens.validate import require_count, require_share
 
 #: ``(B, W)`` float32 arrays alive at a training step's peak (the module's docstring).
 STEP_WIDE = 8
 #: ``(B, d)`` float32 arrays alive at a training step's peak.
 STEP_NARROW = 8
-#: FLOPs of one step, per ``B·d·W``: encoder and decoder forward 4, backward 6, AuxK forward 2, backward 4.
-STEP_FLOPS_PER = 16
-#: Training-step FLOP/s on one CPU thread here (bench/transcoder_rehearsal.py records the timing).
-CPU_STEP_FLOPS = 7.9e10
+#: FLOPs of one step, per ``B·d·W``: encoder and decoder forward 4, backward 6.
+STEP_FLOPS_PER = 10
+#: AuxK's FLOPs per ``B·d·W`` on a step after `DEAD_AFTER`: forward 2, backward 4.
+AUXK_FLOPS_PER = 6
+#: Training-step FLOP/s on one CPU thread here: a float32 step at d_model 3,584, width 16,384, 512
+#: tokens, AuxK on (bench/transcoder_rehearsal.json's ``rate``: 8.35e10; 8.1e10–8.6e10 at smaller widths).
+CPU_STEP_FLOPS = 8.3e10
+#: Forward FLOP/s on one CPU thread here: one float32 forward of a counting scene through a depth-1
+#: Qwen2.5-VL at 7B widths, 448 px (bench/transcoder_rehearsal.json's ``forward_rate``).
+CPU_FORWARD_FLOPS = 9.0e10
 #: An assumed float32 rate of one H100/H200 for the step (no TF32: torch's default for float32
 #: matmuls): 40 % of the 67 TFLOP/s FP32 peak. Not measured.
 GPU_STEP_FLOPS = 0.4 * 67e12
@@ -80,6 +87,7 @@ def transcoder_cost(
     device: str = "cpu",
     collect_batch: int = 32,
     seq: int = 0,
+    held_out_tokens: int | None = None,
 ) -> dict:
     """The cost of `train_transcoders` (see the module's docstring) on ``tokens`` training tokens.
 
@@ -87,6 +95,7 @@ def transcoder_cost(
     both splits (`mix_forwards`). ``store_bytes``: the store's element size (None: the model's, 2 for
     bfloat16 and float16, else 4). ``device``: "cpu" (calibrated rates) or "cuda" (assumed rates).
     ``collect_batch`` × ``seq``: one collection batch's tokens (the collection's host peak).
+    ``held_out_tokens``: the held-out split's tokens (`mix_forwards`; None: ``ceil(tokens × held_out)``).
     Returns a flat dict of counts, bytes, FLOPs and seconds."""
     w = _widths(widths_or_vlm)
     tokens = require_count(tokens, "tokens (training tokens)")
@@ -112,7 +121,10 @@ def transcoder_cost(
     params = 2 * width * d + width + d
     state = 4 * params * 4
     work = (STEP_WIDE * b * width + STEP_NARROW * b * d) * 4
-    all_tokens = tokens + math.ceil(tokens * held_out)
+    held = math.ceil(tokens * held_out) if held_out_tokens is None else held_out_tokens
+    if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+        raise InputError(f"held_out_tokens must be an integer ≥ 0 (mix_forwards), got {held_out_tokens!r}")
+    all_tokens = tokens + held
     per_token = 2 * L * d
     streamed = tokens * per_token * e > max_memory
     store = all_tokens * per_token * e if streamed else 0
@@ -121,9 +133,10 @@ def transcoder_cost(
     chunk = min(chunk_tokens, tokens) * 2 * d * 4
     host = max(max_memory + batch, chunk) if streamed else all_tokens * per_token * 4
     step_flops = STEP_FLOPS_PER * b * d * width
-    train_flops = L * steps * step_flops
+    aux_steps = max(0, steps - DEAD_AFTER)
+    train_flops = L * (steps * step_flops + aux_steps * AUXK_FLOPS_PER * b * d * width)
     step_rate = GPU_STEP_FLOPS if device == "cuda" else CPU_STEP_FLOPS
-    forward_rate = GPU_FLOPS if device == "cuda" else CPU_FLOPS
+    forward_rate = GPU_FLOPS if device == "cuda" else CPU_FORWARD_FLOPS
     return {
         "d_model": d,
         "layers": L,
@@ -154,7 +167,7 @@ def transcoder_cost(
 
 
 def mix_forwards(vlm: VLM, mix: Mapping[str, int] | None = None, seed: int = 0, held_out: float = 0.25) -> dict:
-    """The training split's tokens, both splits' forward FLOPs and the longest sample (tokens) of
+    """The training and held-out splits' tokens, both splits' forward FLOPs and the longest sample (tokens) of
     ``mix`` (default `countlens.features.activations.DEFAULT_MIX`) at ``vlm``'s processor, from the
     first sample of each kind (processor only: a meta model's works)."""
     mix = check_mix(mix)
@@ -173,7 +186,8 @@ def mix_forwards(vlm: VLM, mix: Mapping[str, int] | None = None, seed: int = 0, 
         if n
     )
     tokens = sum(n * per[kind][0] for kind, n in mix.items() if n)
-    return {"tokens": tokens, "flops": flops, "seq": max(seq for seq, _ in per.values())}
+    held = sum(n * per[kind][0] for kind, n in held_out_mix(mix, held_out).items() if n)
+    return {"tokens": tokens, "held_out_tokens": held, "flops": flops, "seq": max(seq for seq, _ in per.values())}
 
 
 def training_plan_lines(
@@ -202,6 +216,7 @@ def training_plan_lines(
         collection_flops=data["flops"],
         device=device,
         seq=data["seq"],
+        held_out_tokens=data["held_out_tokens"],
     )
     rate = "an assumed rate, not measured" if device == "cuda" else "calibrated on one CPU thread"
     gib = lambda n: f"{n / GIB:,.1f} GiB"  # noqa: E731

@@ -9,8 +9,9 @@ import pytest
 from countlens.errors import InputError
 from countlens.features.activations import DEFAULT_MIX, estimate_tokens
 from countlens.model.memory import Widths
-from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS
+from countlens.pipeline.graph_cost import GPU_FLOPS
 from countlens.pipeline.transcoder_cost import (
+    CPU_FORWARD_FLOPS,
     CPU_STEP_FLOPS,
     GPU_STEP_FLOPS,
     mix_forwards,
@@ -38,7 +39,7 @@ W = Widths(
     weight_bytes=0,
     act_bytes=2,
 )
-ARGS = dict(width=16, k=2, steps=10, batch_tokens=4, max_memory=1000, collect_batch=1, seq=10)
+ARGS = dict(width=16, k=2, steps=60, batch_tokens=4, max_memory=1000, collect_batch=1, seq=10)
 
 
 def test_a_streamed_plan_is_the_hand_count():
@@ -51,18 +52,20 @@ def test_a_streamed_plan_is_the_hand_count():
     assert c["streamed"] and c["held_out_tokens"] == 25 and c["store_bytes"] == 125 * 2 * 2 * 8 * 2
     # a chunk: ≤ 1000 bytes + one batch (10 tokens × 64 bytes) → 26 tokens; one layer as float32: 26 × 2 × 8 × 4
     assert c["chunk_bytes"] == 1664 and c["host_bytes"] == max(1000 + 640, 1664)
-    assert c["read_bytes_per_layer"] == 10 * 4 * 2 * 8 * 2
-    assert c["step_flops"] == 16 * 4 * 8 * 16 and c["train_flops"] == 2 * 10 * 8192
-    assert c["seconds"] == pytest.approx(2 * 10 * 8192 / CPU_STEP_FLOPS + 3e9 / CPU_FLOPS)
+    assert c["read_bytes_per_layer"] == 60 * 4 * 2 * 8 * 2
+    # per step 10 B·d·W (encoder, decoder, their backward); AuxK's 6 B·d·W on steps 51 … 60
+    flops = 2 * (60 * 10 + 10 * 6) * 4 * 8 * 16
+    assert c["step_flops"] == 10 * 4 * 8 * 16 and c["train_flops"] == flops
+    assert c["seconds"] == pytest.approx(flops / CPU_STEP_FLOPS + 3e9 / CPU_FORWARD_FLOPS)
     gpu = transcoder_cost(W, 100, collection_flops=3e9, device="cuda", **ARGS)
-    assert gpu["seconds"] == pytest.approx(2 * 10 * 8192 / GPU_STEP_FLOPS + 3e9 / GPU_FLOPS)
+    assert gpu["seconds"] == pytest.approx(flops / GPU_STEP_FLOPS + 3e9 / GPU_FLOPS)
 
 
 def test_in_memory_plan_and_fewer_layers():
     c = transcoder_cost(W, 100, **{**ARGS, "max_memory": 6400})  # exactly fits: in memory
     assert not c["streamed"] and c["store_bytes"] == 0 and c["host_bytes"] == 125 * 2 * 2 * 8 * 4
     one = transcoder_cost(W, 100, layers=1, **ARGS)
-    assert one["train_flops"] == 10 * 8192 and one["store_bytes"] == 125 * 2 * 8 * 2
+    assert one["train_flops"] == (60 * 10 + 10 * 6) * 4 * 8 * 16 and one["store_bytes"] == 125 * 2 * 8 * 2
     assert transcoder_cost(W, 100, store_bytes=4, **ARGS)["store_bytes"] == 125 * 2 * 2 * 8 * 4
 
 
