@@ -11,6 +11,10 @@ then a thumbnail. countlens gives every image token
   image, InternVL's only tile or its thumbnail), 1 for the finer view (LLaVA's crops, InternVL's
   tiles, both stitched into one grid).
 
+Where the tower drops a remainder (`Geometry.dropped`: SigLIP's 384 px of 14 px patches), the base
+grid covers the seen 378 px of its image, and each tile or crop of a finer view drops its own 6 px strip:
+a finer token's centre is placed in its own tile, and one whose centre falls in the base image's strip
+gets (-1, -1) (SmolVLM's tiles, OneVision's crops).
 Tokens that cover no cell (LLaVA's row-end newlines) get cell (-1, -1). A lit square in one base
 cell therefore changes, in every view, the tokens mapped to that cell most (`tests/unit/
 test_arch_matrix.py`).
@@ -58,6 +62,9 @@ if TYPE_CHECKING:
 
 BASE_VIEW = 0
 FINE_VIEW = 1
+#: Per axis (height, width), (seen, side) px of one tile or crop whose remainder the tower drops
+#: (`Geometry.dropped`); None for whole grids.
+Seen = tuple[tuple[int, int], tuple[int, int]] | None
 
 
 @dataclass(frozen=True)
@@ -84,11 +91,13 @@ def token_cells(
     docstring); ``tiles`` is the (rows, cols) grid of tiles or crops the processor cut (TILED layouts),
     ``useful`` (``hd_global``) the high-resolution token rows and columns that show the image."""
     rows, cols = geom.token_grid
+    # Per axis, (seen, side) px of one tile or crop where the tower drops a remainder: each drops its own strip.
+    seen = tuple(zip(geom.seen, (geom.image_height, geom.image_width), strict=True)) if geom.dropped else None
     if layout == "grid":
         _expect(n_tokens, rows * cols, f"a {rows}x{cols} token grid", sample)
         return _one_view(rows, cols)
     if layout == "anyres":
-        return _anyres(rows, cols, n_tokens, sample)
+        return _anyres(rows, cols, n_tokens, sample, seen)
     if layout not in TILED:
         raise ValueError(f"unknown layout {layout!r}")
     if tiles is None:
@@ -98,12 +107,12 @@ def token_cells(
             raise InputError(f"sample {sample}: the hd_global layout needs the image's useful token rows and columns")
         return _hd_global(rows, cols, n_tokens, tiles, useful, sample)
     if layout == "cross_tiles":
-        return _cross_tiles(rows, cols, n_tokens, tiles, sample)
+        return _cross_tiles(rows, cols, n_tokens, tiles, sample, seen)
     if layout == "padded_tiles":
         if useful is None:
             raise InputError(f"sample {sample}: the padded_tiles layout needs the resized image's size in pixels")
         return _padded_tiles(geom, n_tokens, tiles, useful, sample)
-    return _tiles(rows, cols, n_tokens, tiles, sample, thumbnail_first=layout == "thumbnail_tiles")
+    return _tiles(rows, cols, n_tokens, tiles, sample, seen, thumbnail_first=layout == "thumbnail_tiles")
 
 
 def _grid(rows: int, cols: int) -> Tensor:
@@ -115,26 +124,51 @@ def _one_view(rows: int, cols: int, view: int = BASE_VIEW) -> TokenCells:
     return TokenCells(_grid(rows, cols), torch.full((rows * cols,), view))
 
 
-def _coarsen(fine: Tensor, fine_shape: tuple[int, int], rows: int, cols: int) -> Tensor:
-    """Cells of a finer grid over the same image, as the base cells their centres fall in."""
-    return torch.stack([fine[:, 0] * rows // fine_shape[0], fine[:, 1] * cols // fine_shape[1]], -1)
+def _coarsen(fine: Tensor, fine_shape: tuple[int, int], rows: int, cols: int, seen: Seen = None) -> Tensor:
+    """Cells of a finer grid over the same image, as the base cells their centres fall in. With ``seen``
+    (a dropped remainder), the finer grid is tiles of rows × cols tokens each over its own tile of the
+    image, whose last ``side - seen`` px per axis no token sees; a centre in the base image's strip gets
+    (-1, -1)."""
+    if seen is None:
+        return torch.stack([fine[:, 0] * rows // fine_shape[0], fine[:, 1] * cols // fine_shape[1]], -1)
+    cells = torch.stack(
+        [
+            _base_axis(fine[:, 0], rows, fine_shape[0] // rows, *seen[0]),
+            _base_axis(fine[:, 1], cols, fine_shape[1] // cols, *seen[1]),
+        ],
+        -1,
+    )
+    cells[(cells < 0).any(-1)] = -1
+    return cells
 
 
-def _tile_cells(rows: int, cols: int, tile_rows: int, tile_cols: int) -> Tensor:
+def _base_axis(fine: Tensor, n: int, n_tiles: int, part: int, side: int) -> Tensor:
+    """Along one axis: the base cell (of ``n`` over the first ``part`` of ``side`` px) of the centre of each
+    token ``fine`` of ``n_tiles`` tiles of ``n`` tokens, each tile ``side`` px of which its tokens cover
+    ``part``; -1 where the centre is past the base cells. The centre, in one tile's pixels, is
+    (tile·side + (local + ½)·part / n) / n_tiles, so the cell is that × n / part, in integers."""
+    tile, local = fine // n, fine % n
+    cell = (2 * n * tile * side + (2 * local + 1) * part) // (2 * n_tiles * part)
+    return torch.where(cell < n, cell, -1)
+
+
+def _tile_cells(rows: int, cols: int, tile_rows: int, tile_cols: int, seen: Seen = None) -> Tensor:
     """Base cells of every token of a tile_rows × tile_cols grid of tiles (each rows × cols tokens),
     tile by tile in row-major order, each tile's tokens row-major."""
     n_tiles = tile_rows * tile_cols
     # Token (tile t, r, c) sits at row (t // C)·rows + r, column (t % C)·cols + c of the stitched grid.
     t, local = torch.arange(n_tiles).repeat_interleave(rows * cols), _grid(rows, cols).repeat(n_tiles, 1)
     fine = torch.stack([(t // tile_cols) * rows + local[:, 0], (t % tile_cols) * cols + local[:, 1]], -1)
-    return _coarsen(fine, (tile_rows * rows, tile_cols * cols), rows, cols)
+    return _coarsen(fine, (tile_rows * rows, tile_cols * cols), rows, cols, seen)
 
 
-def _newline_rows(n_rows: int, n_cols: int, fine_shape: tuple[int, int], rows: int, cols: int) -> Tensor:
+def _newline_rows(
+    n_rows: int, n_cols: int, fine_shape: tuple[int, int], rows: int, cols: int, seen: Seen = None
+) -> Tensor:
     """Base cells of n_rows rows of n_cols tokens each ended by a newline, on a grid of ``fine_shape``
     over the image; the newlines get (-1, -1)."""
     fine = _grid(n_rows, n_cols + 1)
-    cells = _coarsen(fine, fine_shape, rows, cols)
+    cells = _coarsen(fine, fine_shape, rows, cols, seen)
     cells[fine[:, 1] == n_cols] = -1
     return cells
 
@@ -151,19 +185,19 @@ def _expect(n_tokens: int, expected: int, what: str, sample: int) -> None:
         )
 
 
-def _anyres(rows: int, cols: int, n_tokens: int, sample: int) -> TokenCells:
+def _anyres(rows: int, cols: int, n_tokens: int, sample: int, seen: Seen = None) -> TokenCells:
     n_rest = n_tokens - rows * cols
     if n_rest < 0:
         raise ImageTokenCountError(f"sample {sample}: {n_tokens} image tokens, fewer than the base grid {rows}x{cols}")
     side = int(n_rest**0.5)
     if not (side * (side + 1) == n_rest and side % rows == 0):  # not a square crop grid: unmapped
         return _join(_one_view(rows, cols), TokenCells(torch.full((n_rest, 2), -1), torch.full((n_rest,), FINE_VIEW)))
-    cells = _newline_rows(side, side, (side, side), rows, cols)
+    cells = _newline_rows(side, side, (side, side), rows, cols, seen)
     return _join(_one_view(rows, cols), TokenCells(cells, torch.full((n_rest,), FINE_VIEW)))
 
 
 def _tiles(
-    rows: int, cols: int, n_tokens: int, tiles: tuple[int, int], sample: int, *, thumbnail_first: bool
+    rows: int, cols: int, n_tokens: int, tiles: tuple[int, int], sample: int, seen: Seen, *, thumbnail_first: bool
 ) -> TokenCells:
     per_tile = rows * cols
     tile_rows, tile_cols = tiles
@@ -171,7 +205,7 @@ def _tiles(
     _expect(n_tokens, per_tile * (n_tiles + (n_tiles > 1)), f"{tile_rows}x{tile_cols} tiles of {rows}x{cols}", sample)
     if n_tiles == 1:  # one tile: no thumbnail
         return _one_view(rows, cols)
-    cells = _tile_cells(rows, cols, tile_rows, tile_cols)
+    cells = _tile_cells(rows, cols, tile_rows, tile_cols, seen)
     tiles = TokenCells(cells, torch.full((len(cells),), FINE_VIEW))
     thumbnail = _one_view(rows, cols)
     return _join(thumbnail, tiles) if thumbnail_first else _join(tiles, thumbnail)
@@ -227,7 +261,9 @@ def _padded_tiles(
     return tiled if n_tiles == 1 else _join(tiled, _one_view(rows, cols))
 
 
-def _cross_tiles(rows: int, cols: int, n_states: int, tiles: tuple[int, int], sample: int) -> TokenCells:
+def _cross_tiles(
+    rows: int, cols: int, n_states: int, tiles: tuple[int, int], sample: int, seen: Seen = None
+) -> TokenCells:
     per_tile = rows * cols + 1  # a class token, then the patches
     tile_rows, tile_cols = tiles
     n_tiles = tile_rows * tile_cols
@@ -238,6 +274,6 @@ def _cross_tiles(rows: int, cols: int, n_states: int, tiles: tuple[int, int], sa
         )
     slots = n_states // per_tile
     cells = torch.full((slots, per_tile, 2), -1)
-    cells[:n_tiles, 1:] = _tile_cells(rows, cols, tile_rows, tile_cols).view(n_tiles, -1, 2)
+    cells[:n_tiles, 1:] = _tile_cells(rows, cols, tile_rows, tile_cols, seen).view(n_tiles, -1, 2)
     view = BASE_VIEW if n_tiles == 1 else FINE_VIEW
     return TokenCells(cells.view(-1, 2), torch.full((n_states,), view))

@@ -114,7 +114,9 @@ def build(name: str, **kw):
     Qwen ones and GLM-4.1V take ``image_side=`` (pixels of the square image the processor pins, default
     `IMAGE_SIZE`; the Qwen ones but Qwen3.5 also ``layers=``, the language model's depth, default 2), the
     tiled ones (InternVL, Ovis2, Phi-4, Idefics3, SmolVLM) ``tile=`` (the tile / crop side in pixels,
-    default 32), PaliGemma ``tile=`` (its image side) and Mistral 3 ``tile=`` (its longest edge).
+    default 32; Idefics3 and SmolVLM also ``patch=``, ``scale=`` and ``tiles=``), LLaVA-OneVision ``tile=`` and
+    ``patch=`` (``tile=384, patch=14``: the released SigLIP size, 27 whole patches and 6 px the tower drops),
+    PaliGemma ``tile=`` (its image side) and Mistral 3 ``tile=`` (its longest edge).
     A vocabulary package that is not installed is a `ConfigError` naming it."""
     check_name(name)
     takes = inspect.signature(BUILDERS[name]).parameters

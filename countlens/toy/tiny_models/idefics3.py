@@ -8,14 +8,17 @@ IDEFICS_TILE = 32
 IDEFICS_PATCH = 4  # 8×8 patches per tile, pixel-shuffled by 2 → 4×4 tokens per tile
 
 
-def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE, patch: int = IDEFICS_PATCH, scale: int = 2):
+def _idefics3(
+    family: str = "idefics3", tile: int = IDEFICS_TILE, patch: int = IDEFICS_PATCH, scale: int = 2, tiles: int = 2
+):
     """Idefics3 (Llama-3 text: the real Llama-3 vocabulary; the processor adds <fake_token_around_image>,
     <image>, <end_of_utterance> at 128,256 … 128,258, as in Idefics3-8B, whose config's image token is
     128,257) or SmolVLM (SmolLM2 text: a small digit-splitting BPE with its tokens as specials). The
     image: resized to a longest edge of two tiles, cut into 32 px tiles of 8 × 8 patches pixel-shuffled
     by 2 (4 × 4 tokens each), then the whole image as one more tile. ``patch`` and ``scale`` (the pixel
     shuffle) change the tower: ``tile=384, patch=14, scale=3`` is SmolVLM-Instruct's, 27 whole patches
-    (9 tokens) and 6 px the patch convolution drops."""
+    (9 tokens) and 6 px the patch convolution drops; ``tiles`` is the longest edge in tiles (1: every
+    image one tile, no thumbnail)."""
     import transformers as tf
 
     from countlens.model.processors import image_only
@@ -57,7 +60,7 @@ def _idefics3(family: str = "idefics3", tile: int = IDEFICS_TILE, patch: int = I
             tf.SmolVLMForConditionalGeneration,
             tf.SmolVLMConfig,
         )
-    image_processor = ImageProcessor(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile})
+    image_processor = ImageProcessor(size={"longest_edge": tiles * tile}, max_image_size={"longest_edge": tile})
     processor = proc_cls(
         image_processor=image_processor,
         tokenizer=tok,
