@@ -8,7 +8,7 @@ import math
 
 import pytest
 from real_checkpoints import TOKENIZER_FROM, planning_dir
-from tolerance import assert_normalised, logit_scale
+from tolerance import assert_close, assert_normalised, logit_scale
 from typer.testing import CliRunner
 
 from countlens.circuits.engine.pair_batch import prepare_pairs
@@ -20,7 +20,7 @@ from countlens.model.loading import meta_vlm
 from countlens.pipeline import costs, plan
 from countlens.pipeline.config import DiscoverConfig, resolved_prompt
 from countlens.pipeline.inputs import stage_inputs
-from countlens.pipeline.stages import edges, patching
+from countlens.pipeline.stages import base, edges, patching
 from countlens.pipeline.stages.base import RunContext
 
 GIB = 1 << 30
@@ -157,8 +157,32 @@ def test_the_run_takes_the_plans_rows_and_refuses_below_the_floor(organism, plan
     assert seen == [2]
 
 
+def test_candidate_scoring_in_the_plans_chunks_gives_the_default_chunks_answers(organism, monkeypatch):
+    """The cases stage's answers (`RunContext.answers`) one sample a chunk, where a small device holds one,
+    against the four asked: the same answers, their probabilities within float32 rounding."""
+    run = _run(organism)
+    samples = run.inputs["cases"]()[:4]
+    full = run.answers(samples)
+    w = memory.widths(organism)
+    per, width = costs.score_shape(organism, samples)
+    batch = organism.prepare_samples(samples)
+    row = costs.score_row_bytes(w, batch.inputs["input_ids"].shape[1], per, width, batch.patches(w.merge))
+    monkeypatch.setattr(costs, "model_free_bytes", lambda vlm: _holding(organism, row, 1) - w.weight_bytes)
+    calls = []
+    real = base.score
+    monkeypatch.setattr(
+        base, "score", lambda *a, batch_size, **kw: calls.append(batch_size) or real(*a, batch_size=batch_size, **kw)
+    )
+    chunked = run.answers(samples)
+    assert calls == [1]
+    assert (chunked.pred.values == full.pred.values).all()
+    assert_close(chunked.p_gold, full.p_gold, what="P(gold), 1 vs 4 samples a chunk")
+
+
+@pytest.mark.slow
 def test_a_chunk_of_the_plans_rows_gives_the_default_rows_result(organism, monkeypatch):
-    """AtP through its stage with the one pair a chunk a small device holds, against the two asked."""
+    """AtP through its stage with the one pair a chunk a small device holds, against the two asked
+    (about 5 s: nnsight's three traced passes a chunk, three chunks)."""
     run = _run(organism, TWO_PAIRS)
     full = patching.ATP.compute(run)
     w = memory.widths(organism)
