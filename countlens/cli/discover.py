@@ -194,7 +194,9 @@ def plan_cmd(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON here.")] = None,
 ) -> None:
     """Plan `countlens discover` before running it: per stage, its forwards, rows per stacked
-    forward, peak memory and FLOPs, for the given image size, batch and device memory.
+    forward, pairs or samples a chunk (chosen to fit), peak memory and FLOPs, for the given image size,
+    batch and device memory. A stage that does not fit is named, with what makes it fit, and the
+    command fails after printing the plan.
 
     Example: countlens plan --model runs/qwen2.5-vl-7b --image-size 448 --memory 141 --device cuda --dtype bfloat16
     """
