@@ -10,11 +10,10 @@ on the **local replacement model** of one prompt: the model with
   ``y − ŷ``, both held constant: a layer's MLP output is ``Σ_f a_f W_dec[f] + b_dec + error`` (plus
   the skip path ``x @ W_skip.T``, which stays live, for a transcoder with one).
 
-At the clean input this model computes exactly what the model computes, and it is *affine* in its
-**sources**: each active feature's write ``a_f · W_dec[f]`` at its layer's MLP output and position,
-each (layer, position)'s error vector there, and each position's input embedding (the input of
-decoder layer 0: token embeddings, image tokens' projected vision features). What is left — ``b_dec``,
-the value projections' biases through the frozen patterns — is a constant no node carries.
+At the clean input it computes what the model computes, and it is *affine* in its **sources**: each
+active feature's write ``a_f · W_dec[f]`` at its layer's MLP output and position, each (layer,
+position)'s error vector there, and each position's input embedding (decoder layer 0's input). What
+is left — ``b_dec``, the value biases through the frozen patterns — is a constant no node carries.
 
 **Nodes**, in this order: active features (layer, position, feature, activation; layer-major, then
 position, then feature index), error nodes (layer-major, every position), embedding nodes (every
@@ -29,17 +28,16 @@ source on the target in the local replacement model: ``A[t, s] = v_s · ∂value
 ``(W_U[v] − mean_u W_U[u]) · h``, ``h`` the final norm's output at the last position. Gradients flow
 through the residual stream, frozen attention and frozen norms but never through a feature's
 nonlinearity (the MLP outputs are sources), so each edge is a direct effect; indirect effects are
-paths. Because the model is affine, each target row sums to its value: ``value_t = Σ_s A[t, s] +
-constant_t`` (the graph stores ``values`` and ``constant``; ``constant_t`` is read from a run with
-every source zero). Error and embedding rows are empty: they are sources only.
+paths. Each target row sums to its value: ``value_t = Σ_s A[t, s] + constant_t`` (``constant_t`` from
+a run with every source zero). Error and embedding rows are empty: they are sources only.
 
 **Computation** (circuit-tracer's). One forward of the frozen model over ``batch_size`` copies of the
-prompt, kept for many backward passes: each backward injects one target's gradient per copy (a
-feature's encoder row at its MLP input and position, or a logit's demeaned unembedding at the last
-position), so a backward fills ``batch_size`` rows of ``A``, computed on the model's device (`EdgeColumns`)
-and written to a host buffer of ``max_features + n_logits`` rows (logits first, then features as
-visited); the adjacency is then built over the kept nodes only. **Positions**: all, none zeroed
-(circuit-tracer zeroes the BOS position's sources; the organism's prompts have no BOS).
+prompt (the weights out of autograd), kept for many backward passes: each backward injects one
+target's gradient per copy (a feature's encoder row at its MLP input and position, or a logit's
+demeaned unembedding at the last position), so a backward fills ``batch_size`` rows of ``A``, computed
+on the model's device (`EdgeColumns`) and written to a host buffer of ``max_features + n_logits`` rows
+(logits first, then features as visited); the adjacency is then built over the kept nodes only.
+**Positions**: all, none zeroed (circuit-tracer zeroes BOS's sources; the organism has no BOS).
 """
 
 from __future__ import annotations
@@ -242,8 +240,15 @@ class LocalReplacement:
         hooks = [Hook(arch.layer(0), "input", lambda x: embed)]
         hooks += [Hook(arch.mlp(layer), "after", mlp(layer)) for layer in range(self.n_layers)]
         hooks.append(Hook(arch.final_norm, "output", lambda y: got.update(final=y)))  # after frozen's own hook
-        with frozen(self.vlm, norms=self.clamp, attention=self.clamp), hooked(self.vlm.hf, hooks):
-            yield
+        weights = [p for p in self.vlm.hf.parameters() if p.requires_grad]  # no graph for their gradients
+        try:
+            for p in weights:
+                p.requires_grad_(False)
+            with frozen(self.vlm, norms=self.clamp, attention=self.clamp), hooked(self.vlm.hf, hooks):
+                yield
+        finally:
+            for p in weights:
+                p.requires_grad_(True)
 
     def run(self, embed: torch.Tensor | None = None, writes: dict[int, torch.Tensor] | None = None) -> dict:
         """The frozen model on ``embed`` (rows, seq, d_model; default the clean one) and ``writes`` (per
@@ -265,7 +270,7 @@ class LocalReplacement:
 
     def demeaned(self, tokens: torch.Tensor) -> torch.Tensor:
         """(len(tokens), d_model): ``W_U[v] − mean_u W_U[u]``, the direction a demeaned logit reads."""
-        return self.unembed[tokens].float() - self.unembed.float().mean(0)
+        return self.unembed[tokens].float() - self.unembed.mean(0, dtype=torch.float32)
 
 
 def attribution_graph(
@@ -281,13 +286,11 @@ def attribution_graph(
     """The attribution graph of ``sample`` (one sample: an image, a question, an answer) under the
     local replacement model of ``transcoders`` (a set covering every layer of ``vlm``); see the
     module's docstring. ``max_logits`` / ``logit_prob``: logit nodes are the most probable tokens
-    until their probabilities sum to ``logit_prob``, at most ``max_logits``. ``max_features``: keep
-    only that many features, chosen as circuit-tracer's ``max_feature_nodes`` (`partial_influence`:
-    every ``update_interval`` × ``batch_size`` rows, the unvisited features of largest influence on
-    the logits through the rows computed so far); the dropped features' edges are lost, so rows no
-    longer sum to their values. At or above the active count it keeps them all; above what could
-    ever be active (layers × tokens × k for TopK) it is refused. ``batch_size``: target rows per
-    backward. Memory and time grow with ``max_features`` × nodes (see the module's docstring)."""
+    until their probabilities sum to ``logit_prob``, at most ``max_logits``. ``max_features``: keep that
+    many features, chosen as circuit-tracer's ``max_feature_nodes`` (every ``update_interval`` ×
+    ``batch_size`` rows, the unvisited features of largest `partial_influence` on the logits); the
+    dropped features' edges are lost. At or above the active count: all; above what could be active
+    (layers × tokens × k for TopK): refused. ``batch_size``: target rows per backward."""
     check_graphable(vlm, transcoders, sample, "attribution_graph")
     require_count(max_logits, "max_logits")
     require_share(logit_prob, "logit_prob", above_zero=True)
@@ -299,9 +302,8 @@ def attribution_graph(
         most = seq * sum(tc.k or tc.d_transcoder for tc in transcoders)
         if max_features > most:
             raise InputError(
-                f"max_features={max_features} is more features than this prompt can have active: {seq} tokens × "
-                f"{transcoders.n_layers} layers × {transcoders.layer(0).k or transcoders.d_transcoder} features "
-                f"= {most}; give max_features ≤ {most}, or None for every active feature"
+                f"max_features={max_features} is more features than this prompt's {seq} tokens can have active in "
+                f"{transcoders.n_layers} layers ({most}); give max_features ≤ {most}, or None for every active feature"
             )
 
     lr = LocalReplacement(vlm, transcoders, sample)
@@ -315,8 +317,7 @@ def attribution_graph(
             "that diverged), or the model overflows in its dtype"
         )
     seq, d = lr.embed.shape[1:]
-    probs = lr.logits.softmax(-1)
-    top = probs.sort(descending=True)
+    top = lr.logits.softmax(-1).sort(descending=True)
     n_logits = min(max_logits, int(torch.searchsorted(top.values.cumsum(0), logit_prob)) + 1)
     logit_tokens, logit_probs = top.indices[:n_logits], top.values[:n_logits]
 
@@ -435,11 +436,10 @@ def attribution_graph(
 
 
 class EdgeColumns:
-    """Turns one backward's gradients into ``n`` rows of source columns, on the model's and the
-    transcoders' devices. Each layer's active features' ``a_f W_dec[f]`` (circuit-tracer's scaled
-    decoder vectors, float32) are kept there padded by position, (seq, most active at a position,
-    d_model), so a layer's feature columns are one batched product with its write's gradient; each
-    error and embedding vector is dotted with its gradient."""
+    """One backward's gradients as ``n`` rows of source columns, on the model's and the transcoders'
+    devices: each layer's ``a_f W_dec[f]`` (circuit-tracer's scaled decoder vectors, float32) kept
+    padded by position, (seq, most active at a position, d_model), for one batched product with its
+    write's gradient per layer; each error and embedding vector dotted with its gradient."""
 
     def __init__(self, lr: LocalReplacement, active: list[torch.Tensor]):
         self.lr, self.slots, self.decoders = lr, [], []
@@ -472,8 +472,8 @@ class EdgeColumns:
 
 
 def feature_values(lr: LocalReplacement, base: dict, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, constant) of the feature nodes ``kept`` ((m, 3): layer, position, feature): the clean
-    pre-activation, and ``b_enc + W_enc · x`` at the all-sources-zero run's MLP input; a layer at a time."""
+    """(values, constant) of features ``kept`` ((m, 3): layer, position, feature): the clean pre-activation,
+    ``b_enc + W_enc · x`` at the all-sources-zero run's MLP input."""
     values, constant = torch.zeros(len(kept)), torch.zeros(len(kept))
     for layer in kept[:, 0].unique().tolist():
         here = (kept[:, 0] == layer).nonzero().flatten()
