@@ -311,6 +311,8 @@ class Planner:
         if n == 0:
             note = f"over {at} even at 1 {unit} a chunk ({row_bytes / GIB:.2f} GiB a {unit}): {FLOOR_KNOB}"
             return 1, [note], False
+        if n < self.bs and n == cap and fit_rows(row_bytes, self.free, self.bs, MAX_ROWS) > n:
+            return n, [f"{n} {unit}s a chunk ({self.bs} asked): at most {MAX_ROWS} rows a forward"], True
         asked = f"{self.bs} asked" if n < self.bs else "as asked"
         return n, [f"{n} {unit}s a chunk ({asked}) to fit {at}"], True
 
