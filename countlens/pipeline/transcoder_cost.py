@@ -61,10 +61,12 @@ STEP_FLOPS_PER = 10
 #: AuxK's FLOPs per ``B·d·W`` on a step after `DEAD_AFTER`: forward 2, backward 4.
 AUXK_FLOPS_PER = 6
 #: Training-step FLOP/s on one CPU thread here: a float32 step at d_model 3,584, width 16,384, 512
-#: tokens, AuxK on (bench/transcoder_rehearsal.json's ``rate``: 8.35e10; 8.1e10–8.6e10 at smaller widths).
+#: tokens, AuxK on (bench/transcoder_rehearsal.json's ``rate``: 8.2e10–8.4e10 in two runs; 8.1e10–8.6e10
+#: at smaller widths).
 CPU_STEP_FLOPS = 8.3e10
 #: Forward FLOP/s on one CPU thread here: one float32 forward of a counting scene through a depth-1
-#: Qwen2.5-VL at 7B widths, 448 px (bench/transcoder_rehearsal.json's ``forward_rate``).
+#: Qwen2.5-VL at 7B widths, 448 px (bench/transcoder_rehearsal.json's ``forward_rate``: 9.2e10; a
+#: whole collection of the run before gave 9.0e10, kept).
 CPU_FORWARD_FLOPS = 9.0e10
 #: An assumed float32 rate of one H100/H200 for the step (no TF32: torch's default for float32
 #: matmuls): 40 % of the 67 TFLOP/s FP32 peak. Not measured.
