@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import weakref
 
 import pytest
@@ -107,24 +108,35 @@ def test_a_store_keeps_the_activations_exactly(loaded, tmp_path):
     assert torch.equal(x, memory.inputs[2]) and list(store.kinds) == list(memory.kinds)
 
 
-def streamed_run(vlm, out):
-    run(vlm, steps=2, max_memory=1000, out=out)
-    return out / "activations" / "train"
+STREAMED = dict(max_memory=1000, batch_size=1)  # a chunk per sample
+
+
+@pytest.fixture(scope="module")
+def streamed(loaded, tmp_path_factory):
+    """(the out folder of one streamed training, its result): copied by the tests that change it."""
+    out = tmp_path_factory.mktemp("streamed")
+    return out, run(loaded("toy"), out=out, **STREAMED)
+
+
+def copied(streamed, tmp_path):
+    shutil.copytree(streamed[0], tmp_path, dirs_exist_ok=True)
+    return tmp_path / "activations" / "train"
 
 
 def refused(vlm, out, match, monkeypatch):
     step = train_module.train_step
     monkeypatch.setattr(train_module, "train_step", lambda *a: (_ for _ in ()).throw(AssertionError("a step")))
+    (out / "checkpoint.pt").unlink()  # so that training would start over
     before = sorted(p.name for p in out.rglob("*"))
     with no_forward(vlm), pytest.raises(InputError, match=match):
-        run(vlm, steps=2, max_memory=1000, out=out)
+        run(vlm, out=out, **STREAMED)
     assert sorted(p.name for p in out.rglob("*")) == before  # nothing written
     monkeypatch.setattr(train_module, "train_step", step)
 
 
-def test_a_store_of_another_model_is_refused_before_any_forward(loaded, tmp_path, monkeypatch):
+def test_a_store_of_another_model_is_refused_before_any_forward(loaded, streamed, tmp_path, monkeypatch):
     vlm = loaded("toy")
-    folder = streamed_run(vlm, tmp_path)
+    folder = copied(streamed, tmp_path)
     manifest = json.loads((folder / MANIFEST).read_text())
     (folder / MANIFEST).write_text(json.dumps({**manifest, "model": "Qwen/Qwen2.5-VL-7B-Instruct", "d_model": 3584}))
     refused(vlm, tmp_path, "holds the activations of .*Qwen.*delete", monkeypatch)
@@ -140,9 +152,9 @@ def test_a_store_of_another_model_is_refused_before_any_forward(loaded, tmp_path
     ],
     ids=["width", "dtype", "nan", "missing"],
 )
-def test_a_damaged_store_is_refused_before_training(loaded, tmp_path, monkeypatch, damage, match):
+def test_a_damaged_store_is_refused_before_training(loaded, streamed, tmp_path, monkeypatch, damage, match):
     vlm = loaded("toy")
-    folder = streamed_run(vlm, tmp_path)
+    folder = copied(streamed, tmp_path)
     chunk = folder / "chunk00000.safetensors"
     save_file(damage(load_file(chunk)), chunk)
     refused(vlm, tmp_path, match, monkeypatch)
@@ -185,7 +197,7 @@ def test_training_on_an_explicit_device_is_the_default_and_a_bad_one_is_refused(
     assert not (tmp_path / "o").exists()
 
 
-def test_an_interrupted_collection_is_collected_again_and_a_finished_store_reused(loaded, tmp_path):
+def test_an_interrupted_collection_is_collected_again_and_a_finished_store_reused(loaded, streamed, tmp_path):
     vlm = loaded("toy")
     forwards = []
 
@@ -197,14 +209,15 @@ def test_an_interrupted_collection_is_collected_again_and_a_finished_store_reuse
     handle = vlm.hf.register_forward_pre_hook(third)
     try:
         with pytest.raises(KeyboardInterrupt):
-            run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "cut")
+            run(vlm, out=tmp_path / "cut", **STREAMED)
     finally:
         handle.remove()
     train = tmp_path / "cut" / "activations" / "train"
     assert any(train.glob("chunk*.safetensors")) and not (train / MANIFEST).exists()  # unfinished: no manifest
-    resumed = run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "cut")
-    whole = run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "whole")
-    assert same(resumed.transcoders, whole.transcoders)
-    with no_forward(vlm):  # a finished store (and checkpoint) is read, not collected again
-        again = run(vlm, max_memory=1000, batch_size=1, out=tmp_path / "whole")
-    assert same(again.transcoders, whole.transcoders)
+    resumed = run(vlm, out=tmp_path / "cut", **STREAMED)
+    assert same(resumed.transcoders, streamed[1].transcoders)  # as the uninterrupted run
+    copied(streamed, tmp_path / "again")
+    (tmp_path / "again" / "checkpoint.pt").unlink()
+    with no_forward(vlm):  # a finished store is read, not collected again
+        again = run(vlm, out=tmp_path / "again", **STREAMED)
+    assert same(again.transcoders, streamed[1].transcoders)
