@@ -150,8 +150,11 @@ def collect_activations(
     layers = list(range(vlm.arch.n_layers)) if layers is None else layers
     require_count(batch_size, "batch_size")
     max_memory = require_memory(max_memory)
-    if order_seed is not None:
-        require_seed(order_seed, "order_seed")
+    order_seed = None if order_seed is None else require_seed(order_seed, "order_seed")
+    try:
+        settings = json.loads(json.dumps(dict(settings or {})))  # what the manifest will hold
+    except (TypeError, ValueError):
+        raise InputError(f"collect_activations: settings must be a JSON-able dict, got {settings!r:.60}") from None
     for name, given in (("samples", samples), ("texts", texts)):
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
             raise InputError(f"collect_activations: {name} must be a list (or empty), got {type(given).__name__}")
@@ -166,7 +169,7 @@ def collect_activations(
         store = require_path(store, "store", example="'runs/tc/activations'")
         if store.exists() and not store.is_dir():
             raise InputError(f"store {store} is a file; give a folder for the activation chunks")
-        writer = _Writer(store, vlm, layers, dtype, dict(settings or {}))
+        writer = _Writer(store, vlm, layers, dtype, settings)
     got_in: dict[int, list] = {layer: [] for layer in layers}
     got_out: dict[int, list] = {layer: [] for layer in layers}
     mask: list[torch.Tensor] = []
@@ -336,8 +339,7 @@ class ActivationStore:
         return pair
 
     def chunks(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for index in range(len(self)):
-            yield self.read(layer, index)
+        return (self.read(layer, index) for index in range(len(self)))
 
     def stats(self) -> dict[int, tuple[torch.Tensor, float]]:
         """Per layer, (the mean output, float32; the outputs' total variance ``Σ var(y)``), from one
