@@ -57,7 +57,14 @@ from countlens.files import atomic_path, machine_errors, settings_changes
 from countlens.model.arguments import require_layers, require_vlm
 from countlens.model.processors import render_chat
 from countlens.model.vlm import check_samples
-from countlens.validate import require_count, require_integer, require_path, require_seed, require_tensor
+from countlens.validate import (
+    require_count,
+    require_integer,
+    require_path,
+    require_positive,
+    require_seed,
+    require_tensor,
+)
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -243,10 +250,8 @@ def _jobs(samples: Sequence, texts: Sequence[str], size: int, order_seed: int | 
 
 
 def require_memory(value, name: str = "max_memory") -> int:
-    """A memory bound in bytes: a finite number ≥ 1 (whole bytes; a chunk holds at least one batch)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
-        raise InputError(f"{name} must be a finite number of bytes ≥ 1, e.g. {MAX_MEMORY} (4 GiB); got {value!r}")
-    return int(value)
+    """A memory bound in bytes (`require_positive`), as whole bytes, at least 1; a chunk holds at least one batch."""
+    return max(1, int(require_positive(value, f"{name} (bytes, e.g. {MAX_MEMORY}: 4 GiB)")))
 
 
 def store_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -261,15 +266,9 @@ class _Writer:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST).unlink(missing_ok=True)  # unfinished until the new manifest is written
         self.folder, self.chunks = folder, []
-        self.manifest = {
-            "format": STORE_FORMAT,
-            "model": vlm.name or vlm.arch.name,
-            "d_model": vlm.arch.d_model,
-            "n_layers": vlm.arch.n_layers,
-            "layers": list(layers),
-            "dtype": str(dtype).removeprefix("torch."),
-            "settings": settings,
-        }
+        self.manifest = {"format": STORE_FORMAT, "model": vlm.name or vlm.arch.name, "d_model": vlm.arch.d_model}
+        self.manifest |= {"n_layers": vlm.arch.n_layers, "layers": list(layers), "settings": settings}
+        self.manifest["dtype"] = str(dtype).removeprefix("torch.")
 
     def flush(self, inputs: dict[int, list], outputs: dict[int, list], kinds: list[str]) -> None:
         if not kinds:

@@ -44,7 +44,14 @@ import math
 from collections.abc import Mapping
 
 from countlens.errors import InputError
-from countlens.features.activations import MAX_MEMORY, check_mix, encode_texts, held_out_mix, mix_samples
+from countlens.features.activations import (
+    MAX_MEMORY,
+    check_mix,
+    encode_texts,
+    held_out_mix,
+    mix_samples,
+    require_memory,
+)
 from countlens.features.train import BATCH_TOKENS, DEAD_AFTER, STEPS
 from countlens.model.memory import Widths, widths
 from countlens.model.vlm import VLM
@@ -110,8 +117,7 @@ def transcoder_cost(
     if n_layers > w.n_layers:
         raise InputError(f"layers={n_layers} is more than the model's {w.n_layers}; give at most {w.n_layers}")
     require_share(held_out, "held_out", below_one=True, above_zero=True)
-    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or not 1 <= max_memory < math.inf:
-        raise InputError(f"max_memory must be a finite number of bytes ≥ 1, e.g. {MAX_MEMORY}; got {max_memory!r}")
+    max_memory = require_memory(max_memory)
     if device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda' (the rate the time is planned at), got {device!r}")
     if not (isinstance(collection_flops, (int, float)) and 0 <= collection_flops < math.inf):

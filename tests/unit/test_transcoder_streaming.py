@@ -168,7 +168,8 @@ def test_an_unfinished_store_is_refused_by_name(loaded, tmp_path):
 @pytest.mark.parametrize("bound", [0, -5, math.nan, math.inf, True, "4GB"])
 def test_a_bad_memory_bound_is_refused_before_anything(loaded, tmp_path, bound):
     vlm = loaded("toy")
-    with no_forward(vlm), pytest.raises(InputError, match="max_memory must be a finite number of bytes"):
+    message = r"max_memory \(bytes, e.g. 4294967296: 4 GiB\) must be a finite number > 0"
+    with no_forward(vlm), pytest.raises(InputError, match=message):
         run(vlm, max_memory=bound, out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(InputError, match="max_memory"):
