@@ -123,7 +123,9 @@ def _export_spec(names: list[str], n: int, grid: Geometry, seed: int, kw: dict) 
     for key in ("shapes", "color"):
         if isinstance(options.get(key), str):
             options[key] = (options[key],)
-    spec = {"cases": names, "n": n, "grid": asdict(grid), "seed": seed, **options}
+    # ``dropped`` only where set: an export.json written before the field existed still matches its spec.
+    grid_fields = {k: v for k, v in asdict(grid).items() if k != "dropped" or v}
+    spec = {"cases": names, "n": n, "grid": grid_fields, "seed": seed, **options}
     return json.loads(json.dumps(spec, default=str))
 
 

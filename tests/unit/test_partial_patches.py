@@ -195,3 +195,18 @@ def test_the_tiny_384_px_models_run_discover_s_stages(name, tiny_checkpoint, tmp
         assert section in text, section
     heads = pd.read_csv(tmp_path / "run" / "heads.csv")
     assert len(heads) == sum(vlm.arch.head_counts) and heads["importance"].notna().all()
+
+
+def test_an_export_spec_names_dropped_only_where_set():
+    """export.json's grid: a whole grid's as before the field existed (an earlier export still resumes), a
+    dropped one's with ``dropped``."""
+    from countlens.datasets.export import _export_spec
+
+    assert _export_spec(["1A"], 1, Geometry.square(192, 16), 0, {})["grid"] == {
+        "image_height": 192,
+        "image_width": 192,
+        "patch_size": 16,
+        "merge_size": 1,
+        "partial": False,
+    }
+    assert _export_spec(["1A"], 1, SIGLIP, 0, {})["grid"]["dropped"] is True
