@@ -27,8 +27,8 @@ circuit-tracer transcoder set, `countlens.features.files`; for a run over every 
 holds layers 0 … n − 1) and ``out/fidelity.nc``. Everything is a
 function of ``seed`` (data, initialisation, batches): two runs agree bit for bit on one machine.
 
-**Streaming.** Where the training split's activations (estimated from one sample of each kind,
-`countlens.features.activations.estimate_tokens`) are more than ``max_memory`` bytes, both splits are
+**Streaming.** Where both splits' activations as float32 (estimated from one sample of each kind,
+`countlens.features.activations.estimate_tokens`) would be more than ``max_memory`` bytes, they are
 collected to activation stores (`countlens.features.activations`: ``out/activations/train`` and
 ``…/held_out``, or a temporary folder without ``out``, reused on resume), their samples forwarded in
 an order drawn from ``seed`` so each chunk mixes every kind. Every chunk is read once, and refused on
@@ -67,7 +67,6 @@ from countlens.features.activations import (
     mix_samples,
     open_store,
     require_memory,
-    store_dtype,
 )
 from countlens.features.files import save_transcoders
 from countlens.features.transcoder import Transcoder, TranscoderSet
@@ -222,8 +221,8 @@ def train_transcoders(
         "held_out": held_out,
     }
     held = held_out_mix(mix, held_out)
-    element = store_dtype(vlm.hf.dtype).itemsize
-    stream = estimate_tokens(vlm, mix, seed) * 2 * len(layers) * vlm.arch.d_model * element > max_memory
+    tokens = estimate_tokens(vlm, mix, seed) + estimate_tokens(vlm, held, seed)
+    stream = tokens * 2 * len(layers) * vlm.arch.d_model * 4 > max_memory  # in memory: float32, both splits
     if stream:
         spec["max_memory"] = max_memory  # the chunks shape the batches
     ckpt_path = None if out is None else Path(out) / CHECKPOINT

@@ -13,8 +13,8 @@ AuxK's masked copy, its zeros and output, and the gradients of the three that ne
 `STEP_NARROW` ``(B, d)`` ones (the batch's inputs and outputs, the reconstruction, AuxK's error
 and their gradients). Only one layer's transcoder is on the device at a time.
 
-**Host memory.** In memory (the training split's activations ≤ ``max_memory``): both splits, every
-layer, float32: ``tokens × (1 + held_out) × 2 × L × d × 4``. Streamed: while collecting, at most
+**Host memory.** In memory (while that is ≤ ``max_memory``): both splits, every layer, float32:
+``tokens × (1 + held_out) × 2 × L × d × 4``. Streamed: while collecting, at most
 ``max_memory`` plus one collection batch of every layer, in the store's dtype; while training, one
 layer of one chunk as float32.
 
@@ -134,7 +134,7 @@ def transcoder_cost(
         raise InputError(f"held_out_tokens must be an integer ≥ 0 (mix_forwards), got {held_out_tokens!r}")
     all_tokens = tokens + held
     per_token = 2 * L * d
-    streamed = tokens * per_token * e > max_memory
+    streamed = all_tokens * per_token * 4 > max_memory  # as train_transcoders decides
     store = all_tokens * per_token * e if streamed else 0
     batch = collect_batch * seq * per_token * e
     chunk_tokens = math.ceil((max_memory + batch) / (per_token * e))

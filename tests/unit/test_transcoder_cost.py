@@ -48,7 +48,7 @@ def test_a_streamed_plan_is_the_hand_count():
     assert c["params"] == params and c["state_bytes"] == 4 * params * 4  # weights, grads, Adam's two moments
     assert c["step_bytes"] == (8 * 4 * 16 + 8 * 4 * 8) * 4  # 8 (B, W) and 8 (B, d) float32 arrays = 3072
     assert c["device_bytes"] == 4480 + 3072
-    # 100 tokens × 2 layers × (input, output) × 8 × 2 bytes = 6400 > 1000: streamed
+    # in memory both splits, 125 tokens × 2 layers × (input, output) × 8 × 4 bytes = 16000 > 1000: streamed
     assert c["streamed"] and c["held_out_tokens"] == 25 and c["store_bytes"] == 125 * 2 * 2 * 8 * 2
     # a chunk: ≤ 1000 bytes + one batch (10 tokens × 64 bytes) → 26 tokens; one layer as float32: 26 × 2 × 8 × 4
     assert c["chunk_bytes"] == 1664 and c["host_bytes"] == max(1000 + 640, 1664)
@@ -62,7 +62,8 @@ def test_a_streamed_plan_is_the_hand_count():
 
 
 def test_in_memory_plan_and_fewer_layers():
-    c = transcoder_cost(W, 100, **{**ARGS, "max_memory": 6400})  # exactly fits: in memory
+    c = transcoder_cost(W, 100, **{**ARGS, "max_memory": 16000})  # exactly fits: in memory
+    assert transcoder_cost(W, 100, **{**ARGS, "max_memory": 15999})["streamed"]
     assert not c["streamed"] and c["store_bytes"] == 0 and c["host_bytes"] == 125 * 2 * 2 * 8 * 4
     one = transcoder_cost(W, 100, layers=1, **ARGS)
     assert one["train_flops"] == (60 * 10 + 10 * 6) * 4 * 8 * 16 and one["store_bytes"] == 125 * 2 * 8 * 2
