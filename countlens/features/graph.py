@@ -206,7 +206,7 @@ class LocalReplacement:
         hooks = [*self.clamp.hooks(self.vlm), Hook(arch.layer(0), "input", lambda x: embed.update({0: x}))]
         hooks += [Hook(arch.mlp(layer), "after", keep_mlp(layer)) for layer in range(self.n_layers)]
         with hooked(self.vlm.hf, hooks):
-            out = self.vlm.hf(**self.batch.inputs, use_cache=False)
+            out = self.vlm.hf(**self.batch.inputs, use_cache=False, logits_to_keep=1)
         self.embed = embed[0].detach()
         self.clamp.close(self.vlm)
         self.x, self.y, self.pre, self.act, self.error, self.writes = {}, {}, {}, {}, {}, {}
