@@ -97,7 +97,7 @@ def test_a_lit_cell_changes_most_a_token_of_that_cell_in_every_view(smolvlm):
 
     dark = smolvlm.prepare([image()], ["How many?"])
     base, cells, views = image_features(smolvlm, dark), dark.image_cell[0], torch.arange(5 * 81) >= 81 * 4
-    for cell in [(8, 8), (0, 8), (4, 3)]:
+    for cell in [(8, 8), (4, 3)]:
         change = (image_features(smolvlm, smolvlm.prepare([image(cell)], ["How many?"])) - base).norm(dim=-1)
         for view in (views, ~views):
             top = torch.nonzero(view).flatten()[int(change[view].argmax())]
