@@ -1,7 +1,20 @@
 """The GPU check at a real model's width: Qwen2.5-VL-7B's widths, random init, no downloads.
 
+    python bench/gpu.py --all                      # every capability, one row each (≤ 8 min on an H100)
+    python bench/gpu.py --quick                    # fewer stages, steps and depths (≤ 3 min)
+    python bench/gpu.py --dry-run OUT.json --all   # the same rows on the CPU: depth 1, fp32, 112 px (the tests)
+
+``--all`` and ``--quick`` (depth 28, bf16, 448 px) run the rows of ``bench/gpu_rows.py`` (its
+docstring lists them: discover's every stage, transcoder steps, an attribution graph, focus fine-tune
+steps, ``patch_heads`` beside the peer's head loop, the edge-ablated forward at depths 4 … 28), each
+with its time, peak and the plan's figure, into ``--out``'s ``all`` / ``quick`` key (the file's other
+keys kept; rewritten after each row, so a run cut short keeps what finished). Each row has a time
+budget that bounds the whole run. The dry run writes OUT only; its times are not results.
+
+The earlier check, kept as it was recorded (its H200 figures are ``bench/gpu.json``'s top level):
+
     python bench/gpu.py                      # a GPU machine: depth 28, bf16, 448 px → bench/gpu.json
-    python bench/gpu.py --dry-run OUT.json   # CPU, depth 1, fp32, 112 px, 1 pair, no warm-up (run by the tests)
+    python bench/gpu.py --dry-run OUT.json   # CPU, depth 1, fp32, 112 px, 1 pair, no warm-up
     python bench/gpu.py --device cpu --dtype float32 --depth 2 --image-size 224 --pairs 2 --naive-heads 4 \
         --repeats 1 --out bench/gpu_cpu_depth2.json   # the CPU rehearsal recorded here
 
@@ -40,6 +53,7 @@ import os
 import platform
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -185,19 +199,38 @@ def main() -> dict:
     ap.add_argument("--depth", type=int, default=28)
     ap.add_argument("--image-size", type=int, default=448)
     ap.add_argument("--pairs", type=int, default=8)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 (with --dry-run: float32)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--naive-heads", type=int, default=None, help="heads the naive loop runs (default: all)")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
+    ap.add_argument("--all", action="store_true", help="every row of bench/gpu_rows.py (≤ 8 min on an H100)")
+    ap.add_argument("--quick", action="store_true", help="fewer stages, steps and depths (≤ 3 min on an H100)")
     args = ap.parse_args()
+    if args.all and args.quick:
+        ap.error("give --all or --quick, not both")
+    if args.all or args.quick:
+        from gpu_rows import MODES, run_all
+
+        key = "dry_run" if args.dry_run else "all" if args.all else "quick"
+        device = "cpu" if args.dry_run else args.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            ap.error("no CUDA device here: run on a GPU machine, or --dry-run OUT --all for the CPU check")
+        out, sizes = args.dry_run or args.out, MODES[key]
+        if args.dtype:  # e.g. the dry run in bfloat16, the GPU run's dtype
+            sizes = replace(sizes, dtype=args.dtype)
+        rec = run_all(sizes, out, key, device)
+        if rec.failed:
+            raise SystemExit(f"rows not finished: {', '.join(rec.failed)} (their errors are in {out})")
+        return rec.record
     if args.dry_run:
         result = run(1, 112, 1, "float32", "cpu", 1, naive_heads=1, warmup=False, tiled_init=True)
         args.dry_run.write_text(json.dumps(result, indent=2) + "\n")
         return result
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("no CUDA device here: run on a GPU machine, or --dry-run OUT for the CPU check")
-    result = run(args.depth, args.image_size, args.pairs, args.dtype, args.device, args.repeats, args.naive_heads)
+    dtype = args.dtype or "bfloat16"
+    result = run(args.depth, args.image_size, args.pairs, dtype, args.device, args.repeats, args.naive_heads)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
