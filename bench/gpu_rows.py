@@ -101,7 +101,7 @@ ALL = Sizes(
     ft_steps=20,
     ft_batch=4,
     peer_seconds=12.0,
-    budgets=dict(build=60, check=30, trace=10, discover=160, transcoders=30, graph=40, finetune=35)
+    budgets=dict(build=40, check=30, trace=10, discover=160, transcoders=30, graph=40, finetune=35)
     | dict(patch_heads=25, peer_head_loop=20, edges=(4.0, 0.5)),
 )
 #: ≤ 3 min: no check, six stages (the node, object and edge stages among them), fewer steps and depths.
