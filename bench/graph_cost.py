@@ -9,11 +9,16 @@ Organism: transcoders from ``--transcoders`` (a circuit-tracer folder, e.g. the 
 
 1. **Calibration**: in the ``max_features=None`` graph, every backward pass's start is timed (a
    wrapper round ``torch.autograd.grad``); the median interval between two full feature passes is one
-   pass (backward and the edge products), and its planned FLOPs over that interval is the CPU rate.
+   pass (backward and the edge products): its FLOP rate at the organism's widths, and what it takes
+   beyond its FLOPs at `CPU_FLOPS` (7B widths' rate), per layer (`PASS_SECONDS`'s calibration).
 2. For ``max_features`` None / 2000 / 500: the graph's wall time and the peak resident set above the
    resident set before it (``VmHWM`` reset through ``/proc/self/clear_refs``), beside the plan's
-   nodes, adjacency bytes, host + kept + backward bytes and seconds at the calibrated rate.
-3. **7B**: the plan of Qwen2.5-VL-7B-Instruct's published config (tests/data/checkpoints, with the
+   nodes, adjacency bytes, host + device bytes less the weights (on the CPU they are one memory) and
+   the plan's seconds; with ``max_features``, the time the FLOPs leave over the rankings'
+   planned entries.
+3. **Rankings**: one `partial_influence` timed on random graph-shaped rows at the organism's and at
+   7B's source counts: seconds per planned entry (`SELECTION_SECONDS`'s calibration).
+4. **7B**: the plan of Qwen2.5-VL-7B-Instruct's published config (tests/data/checkpoints, with the
    tests' stand-in Qwen tokenizer: `tests/real_checkpoints.planning_dir`) at 448 px, k 16, width
    16384, max_features 8192, in bf16 and fp32, timed at the calibrated CPU rate and at the assumed
    GPU rate (`GPU_FLOPS`).
@@ -40,7 +45,7 @@ from countlens.datasets.tasks import count_task_sample
 from countlens.features import attribution_graph, load_transcoders, train_transcoders
 from countlens.model.loading import meta_vlm
 from countlens.model.memory import resident_bytes
-from countlens.pipeline.graph_cost import GPU_FLOPS, graph_cost, prompt_length
+from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS, SELECTION_SECONDS, graph_cost, prompt_length
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -79,6 +84,32 @@ def timed_graph(vlm, tcs, sample, max_features):
     return graph, seconds, _hwm() - before, starts
 
 
+def ranking_calibration() -> dict:
+    """Seconds per entry of one max_features ranking (`partial_influence`) on one thread: random known
+    rows shaped like a graph's (``k`` rows: 10 logits, then features whose rows read only earlier
+    layers' features), at the organism's and at 7B's source counts; an entry is one of the plan's
+    (``k × S`` read once, ``(layers + 1) × k × features`` for the series)."""
+    from countlens.features.influence import partial_influence
+
+    out = {}
+    for k, n_f, n_src, layers in [(2010, 4992, 5361, 6), (2048, 125000, 133000, 28), (4096, 125000, 133000, 28)]:
+        gen = torch.Generator().manual_seed(0)
+        rows = torch.randn(k, n_src, generator=gen)
+        nodes = torch.cat([torch.arange(n_src, n_src + 10), torch.randperm(n_f, generator=gen)[: k - 10]])
+        layer = lambda j: torch.where(j < n_f, j * layers // n_f, layers)  # noqa: B023, E731
+        block = rows[:, nodes[10:]]
+        block[layer(nodes[10:])[None, :] >= layer(nodes)[:, None]] = 0
+        rows[:, nodes[10:]] = block
+        sums, probs = rows.abs().sum(1), torch.rand(10, generator=gen).softmax(0)
+        partial_influence(rows, nodes, probs, n_f, sums)  # warm-up
+        t = time.perf_counter()
+        partial_influence(rows, nodes, probs, n_f, sums)
+        seconds = time.perf_counter() - t
+        entries = k * n_src + (layers + 1) * k * (k - 10)
+        out[f"k{k}_S{n_src}"] = {"seconds": round(seconds, 3), "seconds_per_entry": seconds / entries}
+    return out
+
+
 def plan_7b() -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import _save_tiny
@@ -100,7 +131,7 @@ def plan_7b() -> dict:
             c["seconds_cpu_one_thread"] = c["flops"] / CPU_FLOPS
             c["no_max_features"] = {
                 key: graph_cost(vlm, seq, 16, **{**kw, "max_features": None})[key]
-                for key in ("nodes", "adjacency_bytes", "host_bytes", "flops")
+                for key in ("nodes", "adjacency_bytes", "host_bytes", "device_bytes", "flops")
             }
             out[dtype] = c
     return out
@@ -123,19 +154,25 @@ def main() -> None:
     seq, patches = prompt_length(vlm)
     attribution_graph(vlm, tcs, sample, max_features=500)  # warm-up: first-call allocations and caches
 
-    runs, rate = {}, None
+    runs = {}
     for max_features in (None, 2000, 500):
         graph, seconds, peak, starts = timed_graph(vlm, tcs, sample, max_features)
         c = graph_cost(vlm, seq, k, max_features, n_logits=graph.n_logits, transcoder_width=width, patches=patches)
         if max_features is None:  # calibrate: the full feature passes (not the logits', not the last)
             per_pass = statistics.median(b - a for a, b in zip(starts[1:-1], starts[2:]))
-            rows = 64
-            flops_per_pass = c["backward_flops"] + rows * c["n_layers"] * seq * (2 * c["d_model"] * width)
-            flops_per_pass += rows * c["n_layers"] * seq * 2 * c["d_model"] + rows * 2 * seq * c["d_model"]
-            rate = flops_per_pass / per_pass
-            calibration = {"seconds_per_pass": per_pass, "flops_per_pass": flops_per_pass, "flops_per_second": rate}
-        predicted = c["flops"] / rate + c["selection_seconds"]
-        transient = c["host_bytes"] + c["kept_bytes"] + c["backward_bytes"]
+            rows, L, d = 64, c["n_layers"], c["d_model"]
+            flops_per_pass = c["backward_flops"] + rows * (2 * c["active_features"] * d + 2 * (L + 1) * seq * d)
+            overhead = (per_pass - flops_per_pass / CPU_FLOPS) / L
+            calibration = {
+                "seconds_per_pass": per_pass,
+                "flops_per_pass": flops_per_pass,
+                "flops_per_second_at_organism_widths": flops_per_pass / per_pass,
+                "pass_seconds_per_layer_beyond_CPU_FLOPS": overhead,
+            }
+        entries = c["selection_seconds"] / SELECTION_SECONDS
+        ranking = seconds - c["flops"] / CPU_FLOPS - c["pass_seconds"]  # what is left: rankings, assembly, forwards
+        predicted = c["seconds"]
+        transient = c["peak_bytes"] - c["weights_bytes"]  # on the CPU: host and device, less what was resident
         runs[str(max_features)] = {
             "nodes": graph.n_nodes,
             "features": graph.n_features,
@@ -147,6 +184,8 @@ def main() -> None:
             "seconds": round(seconds, 2),
             "planned_seconds": round(predicted, 2),
             "planned_selection_seconds": round(c["selection_seconds"], 2),
+            "ranking_entries": int(entries),
+            "seconds_per_ranking_entry": ranking / entries if entries else None,
             "time_ratio_measured_over_planned": round(seconds / predicted, 2),
             "peak_above_before_bytes": peak,
             "planned_transient_bytes": transient,
@@ -161,6 +200,7 @@ def main() -> None:
         "seq": seq,
         "threads": 1,
         "calibration": calibration,
+        "ranking_calibration": ranking_calibration(),
         "organism": runs,
         "qwen2_5_vl_7b": plan_7b(),
     }

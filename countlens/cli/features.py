@@ -281,7 +281,7 @@ def features_plan(
         ("transcoders", c["transcoder_bytes"]),
         ("clean run's records and active decoders", c["records_bytes"] + c["decoder_bytes"]),
         ("activations kept for the backward passes", c["kept_bytes"]),
-        ("one backward pass's transient", c["backward_bytes"]),
+        ("largest transient: the forward or one backward", max(c["forward_bytes"], c["backward_bytes"])),
     ]
     for title, rows, total in (("host", host_lines, "host_bytes"), (device, device_lines, "device_bytes")):
         typer.echo(f"{title}:")

@@ -26,9 +26,11 @@ d_model)`` parameters); the clean run's ``records`` (per layer the MLP input, ou
 ``seq × d_model`` each, and the pre-activations and activations, ``seq × width`` each, in the
 transcoders' dtype); the ``decoders``, every active feature's ``a_f W_dec[f]`` padded by position,
 ``F × d_model`` float32; ``kept``: the frozen forward over ``batch_rows`` copies that every backward
-reuses, `KEPT_PER_LAYER` d_model-wide vectors per copy, position and layer plus two; ``backward``: one
-pass's transient: every leaf's gradient (``layers + 1``), the injected gradients (one per target
-layer, at most ``min(layers, batch_rows)``), a layer's gradient in float32 and the rows, twice.
+reuses, `KEPT_PER_LAYER` d_model-wide vectors per copy, position and layer plus `KEPT_FIXED`; then the larger
+of ``forward``, that forward's own transient (`countlens.pipeline.costs.forward_bytes`: a layer's
+live set, the vision tower's, the logits), and ``backward``, one pass's transient: every leaf's
+gradient (``layers + 1``), the injected gradients (one per target layer, at most ``min(layers,
+batch_rows)``), a layer's gradient in float32 and the rows, twice.
 On the CPU the device is the host: the peak is their sum.
 
 **Passes.** ``ceil(n_logits / batch_rows)`` backward passes for the logit rows, then
@@ -41,12 +43,13 @@ attention pattern and ``o_proj`` — about ``2 · rows · seq · d_model · (hea
 rows · heads · d_head · seq²``; then each target row's edges: ``2 · F · d_model`` (the batched product
 with the padded decoders) plus ``2 · (layers + 1) · seq · d_model`` (errors and embeddings).
 
-**Time** = FLOPs / ``flops_per_second`` + the rankings, which run on the host whatever the model's
-device (the buffer lives there) and are memory-bound: each reads its known rows once (``k × S``
-entries, ``k`` the rows known) and iterates on their ``k × M`` block (``layers + 1`` times at most),
-timed at `SELECTION_SECONDS` per entry. `CPU_FLOPS` and `SELECTION_SECONDS` are calibrated on one CPU
-thread here (``bench/graph_cost.py``, ``bench/graph_rehearsal.py``); `GPU_FLOPS` is an assumption,
-not a measurement.
+**Time** = FLOPs / ``flops_per_second`` + `PASS_SECONDS` per backward pass and layer + the rankings,
+which run on the host whatever the model's device (the buffer lives there) and are memory-bound:
+each reads its known rows once (``k × S`` entries, ``k`` the rows known) and iterates on their
+``k × M`` block (``layers + 1`` times at most), timed at `SELECTION_SECONDS` per entry. `CPU_FLOPS`,
+`PASS_SECONDS` and `SELECTION_SECONDS` are calibrated on one CPU thread here (``bench/graph_rehearsal.py``,
+``bench/graph_cost.py``); `GPU_FLOPS` is an assumption, not a measurement, and so is `PASS_SECONDS`
+on a GPU.
 """
 
 from __future__ import annotations
@@ -58,24 +61,37 @@ from countlens.errors import InputError
 from countlens.features.influence import BLOCK_ELEMENTS, UPDATE_INTERVAL
 from countlens.model.memory import Widths, widths
 from countlens.model.vlm import VLM
-from countlens.pipeline.costs import Forward, forward_flops
+from countlens.pipeline.costs import Forward, forward_bytes, forward_flops
 from countlens.validate import require_count
 
 #: Bytes of one buffer or adjacency entry: graph.py builds every row and the adjacency in float32.
 ADJACENCY_BYTES = 4
 
 #: d_model-wide vectors per (copy, position, layer) that the frozen forward keeps for the backward
-#: passes: the layer's write leaf, the two frozen norms' outputs and the attention output.
-KEPT_PER_LAYER = 4
+#: passes: the layer's write leaf, the frozen norms' outputs, what attention saves (q, k and v
+#: repeated to every head, its output and o_proj's input) and the allocator's slack: fitted on
+#: bench/graph_rehearsal.py's depth 1 → 2 growth at 7B widths (about 9 named, 12 measured).
+KEPT_PER_LAYER = 12
 
-#: Floating-point operations per second of the organism's graph on one CPU thread here, from one timed
-#: backward pass (bench/graph_cost.py, which records the measurement it came from).
-CPU_FLOPS = 5.2e10
+#: d_model-wide vectors per (copy, position) kept whatever the depth: the embedding leaf, the final
+#: norm's output, the copies' prepared inputs and the vision tower's merged output: fitted on
+#: bench/graph_rehearsal.py's depth-1 peak at 7B widths.
+KEPT_FIXED = 10
 
-#: Seconds per entry read by a max_features ranking on one CPU thread (the rows' absolute values
-#: and their product with the weights, a block at a time): bench/graph_cost.py's organism graphs with
-#: max_features, less their planned FLOP time.
-SELECTION_SECONDS = 3.0e-9
+#: Floating-point operations per second of one CPU thread here at 7B widths: bench/graph_rehearsal.py's
+#: graphs at depths 1 and 2 (two runs on the shared 2-core CPU, planned FLOPs over measured seconds:
+#: 73–94 GFLOP/s, their mean).
+CPU_FLOPS = 7.9e10
+
+#: Seconds per backward pass and layer besides the FLOPs (hooks, Python, small kernels): the organism's
+#: feature pass (bench/graph_cost.py, 6 layers, one thread) less its FLOPs at `CPU_FLOPS`, 0.8–3.8 ms
+#: over two runs on the shared CPU. It is what makes the organism's small matrices slower per FLOP.
+PASS_SECONDS = 2e-3
+
+#: Seconds per planned entry of a max_features ranking on one CPU thread (the known rows' absolute
+#: values and their product with the weights, a block at a time; the series on their own block):
+#: bench/graph_cost.py's ranking calibration, 2.1–2.4e-9 at the organism's and at 7B's source counts.
+SELECTION_SECONDS = 2.2e-9
 
 #: An assumed sustained rate on one H200 in bf16: 40 % of its 989 TFLOP/s dense peak (as
 #: bench/plan_rehearsal.py assumes); not calibrated (no GPU run of attribution_graph yet).
@@ -146,10 +162,11 @@ def graph_cost(
     transcoders = L * (2 * width * d + width + d) * b
     records = L * seq * (4 * d + 2 * width) * b + seq * d * b
     decoders = n_f * d * 4
-    kept = rows * seq * d * b * (L * KEPT_PER_LAYER + 2)
+    kept = rows * seq * d * b * (L * KEPT_PER_LAYER + KEPT_FIXED)
     grads = rows * seq * d * b * (L + 1 + min(L, rows))
     backward = grads + rows * seq * d * 4 + row_bytes
-    device = w.weight_bytes + transcoders + records + decoders + kept + backward
+    forward = forward_bytes(w, Forward(rows, seq), patches)
+    device = w.weight_bytes + transcoders + records + decoders + kept + max(forward, backward)
 
     forwards = 2 * forward_flops(w, Forward(1, seq), patches) + forward_flops(w, Forward(rows, seq), patches)
     per_backward = L * rows * (2 * seq * d * (w.n_heads + w.n_kv_heads) * w.d_head + 2 * w.n_heads * w.d_head * seq**2)
@@ -185,6 +202,7 @@ def graph_cost(
         "records_bytes": records,
         "decoder_bytes": decoders,
         "kept_bytes": kept,
+        "forward_bytes": forward,
         "backward_bytes": backward,
         "device_bytes": device,
         "peak_bytes": host + device,
@@ -198,7 +216,8 @@ def graph_cost(
         "flops": flops,
         "flops_per_second": float(flops_per_second),
         "selection_seconds": choose,
-        "seconds": flops / flops_per_second + choose,
+        "pass_seconds": (logit_passes + feature_passes) * L * PASS_SECONDS,
+        "seconds": flops / flops_per_second + (logit_passes + feature_passes) * L * PASS_SECONDS + choose,
     }
 
 
