@@ -293,6 +293,17 @@ def rate(device: str) -> tuple[float, str]:
     return CPU_FLOPS * threads, f"graph_cost.CPU_FLOPS (one thread, calibrated) × {threads} threads"
 
 
+def guarded(rec: Recorder, name: str, fn) -> None:
+    """``fn()``, which records rows of its own; what it raises outside them is an ``error`` row ``name``."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 — recorded, and the run goes on
+        traceback.print_exc()
+        rec.record["rows"].append({"name": name, "status": "error", "error": f"{type(err).__name__}: {err}"[:600]})
+        rec.failed.append(name)
+        rec.write()
+
+
 def run_all(s: Sizes, out: Path, key: str, device: str) -> Recorder:
     """Every row of mode ``s`` into ``out``'s ``key`` (the module's docstring)."""
     from countlens.datasets.pairs import count_pairs
@@ -337,11 +348,11 @@ def run_all(s: Sizes, out: Path, key: str, device: str) -> Recorder:
 
             rec.row("check", lambda: {"check": as_json(check(vlm))}, s.budgets.get("check"))
         rec.row("trace", lambda: trace_row(vlm, pairs, s, device), s.budgets.get("trace"))
-        discover_rows(rec, vlm, s, device, flops_per_s)
+        guarded(rec, "discover", lambda: discover_rows(rec, vlm, s, device, flops_per_s))
         rec.row("transcoders", lambda: transcoder_row(vlm, s, device), s.budgets.get("transcoders"))
         rec.row("graph", lambda: graph_row(vlm, s, device, flops_per_s), s.budgets.get("graph"))
         rec.row("finetune", lambda: finetune_row(vlm, s), s.budgets.get("finetune"))
-        peer_rows(rec, vlm, pairs, s, device)
+        guarded(rec, "patch_heads", lambda: peer_rows(rec, vlm, pairs, s, device))
     from edge_forward import measure
 
     base, per_layer = s.budgets.get("edges", (None, 0.0))
