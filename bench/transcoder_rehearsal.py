@@ -38,7 +38,7 @@ from _timing import Load  # noqa: E402
 import countlens.features.train as train_module  # noqa: E402
 from countlens.datasets.tasks import task_sample  # noqa: E402
 from countlens.features import train_transcoders  # noqa: E402
-from countlens.features.activations import ActivationStore  # noqa: E402
+from countlens.features.activation_store import ActivationStore  # noqa: E402
 from countlens.features.transcoder import Transcoder  # noqa: E402
 from countlens.model.memory import widths  # noqa: E402
 from countlens.pipeline.costs import Forward, forward_flops  # noqa: E402

@@ -4,11 +4,14 @@
   `TranscoderSet` (one per layer).
 - `countlens.features.files` — `save_transcoders` / `load_transcoders` in circuit-tracer's format.
 - `countlens.features.activations` — the data mix, `collect_activations`, `fvu`, `fidelity`.
+- `countlens.features.activation_store` — `open_store` / `ActivationStore`: a mix's activations on disk,
+  in chunks, where they do not fit the memory bound (`train_transcoders` writes and reads it).
 - `countlens.features.train` — `train_transcoders` (resumable, deterministic by seed).
 - `countlens.features.replacement` — `replacement` (the replacement model as hooks) and
   `replacement_accuracy`.
 - `countlens.features.graph` — `attribution_graph` (one prompt's graph on the local replacement
-  model, `LocalReplacement`), `AttributionGraph`.
+  model, `LocalReplacement`; bounded by ``max_features``), `AttributionGraph`.
+- `countlens.features.influence` — circuit-tracer's partial influence, which picks the features a graph keeps.
 - `countlens.features.prune` — `prune`, `node_influence`, `removal_effects`.
 - `countlens.features.cards` — `feature_cards` (a feature's top scenes, image maps, objects, effect on
   the count logits) and `draw_card`.

@@ -52,21 +52,17 @@ import torch
 import xarray as xr
 
 from countlens.errors import InputError
+from countlens.features.activation_store import MANIFEST, MAX_MEMORY, ActivationStore, open_store, require_memory
 from countlens.features.activations import (
     DATA_SEED_BASE,
-    MANIFEST,
-    MAX_MEMORY,
     TEXT_START,
     Activations,
-    ActivationStore,
     check_mix,
     collect_activations,
     estimate_tokens,
     fidelity,
     held_out_mix,
     mix_samples,
-    open_store,
-    require_memory,
 )
 from countlens.features.files import save_transcoders
 from countlens.features.transcoder import Transcoder, TranscoderSet

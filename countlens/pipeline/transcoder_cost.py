@@ -44,14 +44,8 @@ import math
 from collections.abc import Mapping
 
 from countlens.errors import InputError
-from countlens.features.activations import (
-    MAX_MEMORY,
-    check_mix,
-    encode_texts,
-    held_out_mix,
-    mix_samples,
-    require_memory,
-)
+from countlens.features.activation_store import MAX_MEMORY, require_memory
+from countlens.features.activations import check_mix, encode_texts, held_out_mix, mix_samples
 from countlens.features.train import BATCH_TOKENS, DEAD_AFTER, STEPS
 from countlens.model.memory import Widths, widths
 from countlens.model.vlm import VLM

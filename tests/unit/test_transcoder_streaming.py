@@ -17,13 +17,8 @@ from safetensors.torch import load_file, save_file
 import countlens.features.train as train_module
 from countlens.errors import InputError
 from countlens.features import train_transcoders
-from countlens.features.activations import (
-    MANIFEST,
-    ActivationStore,
-    collect_activations,
-    mix_samples,
-    open_store,
-)
+from countlens.features.activation_store import MANIFEST, ActivationStore, open_store
+from countlens.features.activations import collect_activations, mix_samples
 
 NO_TEXT = {"count": 4, "color": 1, "shape": 1}
 MIX = {"count": 4, "color": 1, "shape": 1, "text": 2}
