@@ -217,7 +217,8 @@ def features_plan(
 ) -> None:
     """Plan an attribution graph before building it: nodes, the host's and the device's GiB step by
     step, backward passes, FLOPs and time, and whether each fits (--memory, --host-memory), else the
-    knob that makes it fit (config and processor only, no weights).
+    knob that makes it fit; then the training of its transcoders: time, device, host and disk (config
+    and processor only, no weights).
 
     Example: countlens features plan --model runs/qwen2.5-vl-7b --image-size 448 --k 16 --width 16384
     --max-features 8192 --memory 141 --dtype bfloat16 --device cuda
@@ -307,6 +308,11 @@ def features_plan(
         if need > size * gib:
             key = "host_bytes" if where == "host" else ("peak_bytes" if device == "cpu" else "device_bytes")
             typer.echo(f"  {fitting_knob(kwargs, size * gib, key)}")
+    from countlens.pipeline.transcoder_cost import training_plan_lines
+
+    typer.echo("training the transcoders these graphs read (countlens features train, every layer):")
+    for line in training_plan_lines(vlm, width=width, k=k, device=device):
+        typer.echo(f"  {line}")
 
 
 def _duration(seconds: float) -> str:

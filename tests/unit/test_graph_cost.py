@@ -102,6 +102,9 @@ def test_the_plan_command_on_a_tiny_config(tiny_checkpoint):
     assert "cuda: " in out and "fits in 1 GiB" in out and "does not fit in 0.0004 GiB" in out
     assert "row buffer" in out and "every active feature" not in out  # the old unbounded arrays are gone
     assert "it fits with --max-features" in out  # the knob that makes the host fit, named
+    # The transcoders' training is planned in the same command: its width and k, and the assumed GPU rate said.
+    training = out[out.index("training the transcoders") :]
+    assert "64 features (k 4)" in training and "an assumed rate, not measured" in training
 
 
 def test_the_plan_names_the_knob_that_makes_each_memory_fit(loaded):
