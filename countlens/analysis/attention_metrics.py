@@ -151,19 +151,31 @@ def attention_iou(
 
 
 def pixel_attention_iou(
-    grid_map: Float[Tensor, "... rows cols"], scene, threshold: float = THRESHOLD
+    grid_map: Float[Tensor, "... rows cols"], scene, threshold: float = THRESHOLD, geometry: Geometry | None = None
 ) -> Float[Tensor, ...]:
     """The paper's Attn-IoU: ``grid_map`` (Float[Tensor, "... rows cols"], one
     layer-head's map each) back-projected to the scene's pixels, each pixel taking its token cell's
     value, binarised at ``threshold`` · peak, and compared by IoU with the union of the object masks.
 
     Counted per cell, not per pixel: the attended pixels are whole cells, so the intersection is the
-    object pixels of the attended cells. NaN when neither set has a pixel.
+    object pixels of the attended cells. NaN when neither set has a pixel. ``geometry`` (the sample's
+    `Geometry`; default: cells cut evenly over the whole scene): where its tower drops a strip
+    (`Geometry.dropped`), the cells cover the seen part only and object pixels in the strip, which no
+    token sees, count in neither set.
     """
     n_rows, n_cols = grid_map.shape[-2:]
-    rows, cols = cell_edges(scene.height, n_rows, "high"), cell_edges(scene.width, n_cols, "wide")
+    if geometry is not None:
+        if geometry.token_grid != (n_rows, n_cols):
+            raise InputError(
+                f"pixel_attention_iou: the map is {n_rows}x{n_cols} cells but the geometry's token grid is "
+                f"{geometry.token_grid}; give the geometry of the batch the map was read from (batch.geometry[b])"
+            )
+        rows, cols = scene_edges(scene, geometry)
+    else:
+        rows, cols = cell_edges(scene.height, n_rows, "high"), cell_edges(scene.width, n_cols, "wide")
     masks = scene.masks()
     obj = masks.any(0) if len(masks) else np.zeros((scene.height, scene.width), bool)
+    obj = obj[: rows[-1], : cols[-1]]  # the pixels some cell covers
     on = torch.from_numpy(cell_sums(obj, rows, cols)).float().to(grid_map.device)  # object pixels per cell
     area = torch.from_numpy(np.diff(rows)[:, None] * np.diff(cols)[None, :]).float().to(grid_map.device)
     m = grid_map.float()
@@ -296,7 +308,7 @@ def attention_metrics(
                 rows[k].append(got[k])
             per_head = attn[:, b][..., keys.to(attn.device)]  # Float[Tensor, "layer head n_image"]
             grid = grid_attention(per_head, cells, batch.geometry[b].token_grid)
-            pixel.append(pixel_attention_iou(grid, s.scene, threshold))
+            pixel.append(pixel_attention_iou(grid, s.scene, threshold, batch.geometry[b]))
     scored = score(vlm, samples, batch_size=batch_size)
     data = {k: (("layer", "sample"), torch.stack(v, -1).numpy()) for k, v in rows.items()}
     data["pixel_iou"] = (("layer", "head", "sample"), torch.stack(pixel, -1).numpy())

@@ -160,6 +160,26 @@ def test_pixel_iou_agrees_with_an_upsampled_pixel_mask():
     assert math.isnan(float(pixel_attention_iou(torch.zeros(6, 6), Scene(192, 192, ()))))
 
 
+def test_pixel_iou_with_a_dropped_strip_cuts_cells_over_the_seen_part_only():
+    """SigLIP at 384 px: 27 cells of 14 px over the first 378 px; the 6 px strip is in no cell. Checked
+    against a per-pixel count (each seen pixel in cell ``pixel // 14``; the strip in neither set)."""
+    from countlens.model.geometry import Geometry
+
+    geometry = Geometry.square(384, 14, 1, dropped=True)
+    scene = Scene(384, 384, (Obj("square", "red", 366, 100, 30), Obj("circle", "blue", 60, 370, 24)))
+    maps = np.random.default_rng(1).random((3, 27, 27)) ** 4
+    got = pixel_attention_iou(torch.from_numpy(maps), scene, geometry=geometry).numpy()
+    obj = scene.masks().any(0)[:378, :378]
+    cell = np.arange(378) // 14
+    for m, g in zip(maps, got):
+        attended = (m >= 0.5 * m.max())[cell][:, cell]
+        assert g == pytest.approx((attended & obj).sum() / (attended | obj).sum(), rel=1e-6)
+    # Cut evenly over all 384 px instead (no geometry), the cells are 14.2 px: another figure.
+    assert not np.allclose(pixel_attention_iou(torch.from_numpy(maps), scene).numpy(), got)
+    with pytest.raises(InputError, match="token grid is"):
+        pixel_attention_iou(torch.zeros(6, 6), scene, geometry=geometry)
+
+
 @pytest.mark.numeric
 def test_the_papers_attention_iou_is_per_layer_head(vlm):
     samples = countingtricks(["1A", "5A"], 1, grid=vlm.geometry, prompt="short")
