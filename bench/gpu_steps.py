@@ -123,10 +123,18 @@ def transcoder_row(vlm, s, device: str) -> dict:
     except Exception as err:  # noqa: BLE001 — the steps still run
         out["plan_error"] = f"{type(err).__name__}: {err}"[:300]
     training = train_transcoders(
-        vlm, layers=[layer], width=s.tc_width, k=s.k, steps=s.tc_steps, mix=s.tc_mix, progress=False, batch_size=4
+        vlm,
+        layers=[layer],
+        width=s.tc_width,
+        k=s.k,
+        steps=s.tc_steps,
+        mix=s.tc_mix,
+        progress=False,
+        batch_size=4,
+        device=device,
     )
-    where = str(next(training.transcoders.parameters()).device)  # the device training ran on
-    return out | {"fvu": training.fidelity.fvu.values.tolist(), "trained_on": where}
+    # train_transcoders trains on the device given and returns the set on the CPU: record what it was given.
+    return out | {"fvu": training.fidelity.fvu.values.tolist(), "trained_on": device}
 
 
 def random_transcoders(vlm, width: int, k: int):

@@ -50,7 +50,7 @@ from countlens.features.activation_store import (
     store_dtype,
 )
 from countlens.features.transcoder import TranscoderSet
-from countlens.model.arguments import require_layers, require_vlm
+from countlens.model.arguments import require_layers, require_torch_device, require_vlm
 from countlens.model.processors import render_chat
 from countlens.model.vlm import check_samples
 from countlens.validate import (
@@ -266,10 +266,7 @@ def fidelity(
     if not isinstance(activations, (Activations, ActivationStore)):
         raise InputError(f"fidelity takes the Activations collect_activations returns, got {activations!r:.60}")
     require_count(chunk, "chunk")
-    try:
-        device = None if device is None else torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise InputError(f"fidelity: device {device!r} is not a torch device ({err}); give 'cpu' or 'cuda'") from None
+    device = None if device is None else require_torch_device(device, "fidelity")
     rows = {"fvu": [], "l0": [], "dead": []}
     memory = isinstance(activations, Activations)
     for layer, tc in transcoders.items():

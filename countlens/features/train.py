@@ -67,7 +67,7 @@ from countlens.features.activations import (
 from countlens.features.files import save_transcoders
 from countlens.features.transcoder import Transcoder, TranscoderSet
 from countlens.files import atomic_path, machine_errors, settings_changes
-from countlens.model.arguments import require_vlm
+from countlens.model.arguments import require_torch_device, require_vlm
 from countlens.progress import Bar
 from countlens.results import provenance
 from countlens.validate import require_count, require_path, require_positive, require_seed, require_share
@@ -193,10 +193,7 @@ def train_transcoders(
     require_count(checkpoint_every, "checkpoint_every")
     require_count(batch_size, "batch_size")
     max_memory = require_memory(max_memory)
-    try:
-        device = torch.device(vlm.device if device is None else device)
-    except (RuntimeError, TypeError) as err:
-        raise InputError(f"device {device!r} is not a torch device ({err}); give e.g. 'cpu' or 'cuda'") from None
+    device = require_torch_device(vlm.device if device is None else device, "train_transcoders")
     for name, flag in (("progress", progress), ("resume", resume)):
         if not isinstance(flag, bool):
             raise InputError(f"{name} must be True or False, got {flag!r}")
@@ -228,7 +225,7 @@ def train_transcoders(
     stores = {}
     for split in splits if stream else ():  # a store already there: checked before any forward
         if (folder / split / MANIFEST).is_file() and resume:
-            stores[split] = open_store(folder / split, vlm, layers, _settings(spec, split, batch_size))
+            stores[split] = open_store(folder / split, vlm, layers, _settings(spec, split, batch_size, vlm))
             stores[split].stats()  # NaN or ±inf refused now
     if ckpt_path is not None:
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,10 +250,15 @@ def train_transcoders(
             shutil.rmtree(folder.parent, ignore_errors=True)
 
 
-def _settings(spec: dict, split: str, batch_size: int) -> dict:
-    """What a store's data came from (its manifest's settings)."""
+def _settings(spec: dict, split: str, batch_size: int, vlm: VLM) -> dict:
+    """What a store's data came from (its manifest's settings): the training's data settings, and the
+    model's dtype and image grid (the same checkpoint loaded in another dtype or at another image
+    size gives other activations)."""
     keys = ("model", "layers", "seed", "mix", "held_out", "max_memory")
-    return {"split": split, "batch_size": batch_size, **{key: spec[key] for key in keys}}
+    g = vlm.geometry
+    grid = {"image": [g.image_height, g.image_width], "patch": g.patch_size, "merge": g.merge_size}
+    model = {"dtype": str(vlm.hf.dtype).removeprefix("torch."), "grid": grid}
+    return {"split": split, "batch_size": batch_size, **{key: spec[key] for key in keys}, **model}
 
 
 def _run(
@@ -279,7 +281,7 @@ def _run(
                 store=folder / split,
                 max_memory=spec["max_memory"],
                 order_seed=DATA_SEED_BASE + seed,
-                settings=_settings(spec, split, batch_size),
+                settings=_settings(spec, split, batch_size, vlm),
             )
     train_data, test_data = data["train"], data["held_out"]
     stats = train_data.stats() if isinstance(train_data, ActivationStore) else None

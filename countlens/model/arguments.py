@@ -10,8 +10,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 from numbers import Integral
 
-from countlens.errors import InputError
+import torch
+
+from countlens.errors import DeviceError, InputError
 from countlens.model.vlm import VLM, Batch
+
+
+def require_torch_device(device, what: str) -> torch.device:
+    """A torch device this machine has: a name torch parses ('cpu', 'cuda', 'cuda:1'), and a CUDA one
+    only where CUDA is available and the index is a visible GPU (`DeviceError` otherwise), so a wrong
+    device is refused before any work rather than after it."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise InputError(
+            f"{what}: device {device!r} is not a torch device ({err}); give e.g. 'cpu' or 'cuda'"
+        ) from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise DeviceError(f"{what}: device {device!r}: {why}; give 'cpu' (or leave the device unset)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise DeviceError(
+                f"{what}: device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                "give an index below that"
+            )
+    return parsed
 
 
 def require_vlm(vlm, what: str) -> VLM:

@@ -10,15 +10,16 @@ import math
 import shutil
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import countlens.features.train as train_module
-from countlens.errors import InputError
+from countlens.errors import DeviceError, InputError
 from countlens.features import train_transcoders
 from countlens.features.activation_store import MANIFEST, ActivationStore, open_store
-from countlens.features.activations import collect_activations, mix_samples
+from countlens.features.activations import Activations, collect_activations, fidelity, mix_samples
 
 NO_TEXT = {"count": 4, "color": 1, "shape": 1}
 MIX = {"count": 4, "color": 1, "shape": 1, "text": 2}
@@ -138,6 +139,25 @@ def test_a_store_of_another_model_is_refused_before_any_forward(loaded, streamed
 
 
 @pytest.mark.parametrize(
+    "setting, value", [("dtype", "bfloat16"), ("grid", {"image": [448, 448], "patch": 14, "merge": 2})]
+)
+def test_a_store_of_the_model_in_another_dtype_or_image_size_is_refused(
+    loaded, streamed, tmp_path, monkeypatch, setting, value
+):
+    """The same checkpoint loaded in another dtype or at another image size makes other activations: the
+    manifest records both, and a store made otherwise is refused before any forward."""
+    vlm = loaded("toy")
+    folder = copied(streamed, tmp_path)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert (
+        manifest["settings"]["dtype"] == "float32" and manifest["settings"]["grid"]["patch"] == vlm.geometry.patch_size
+    )
+    manifest["settings"][setting] = value
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    refused(vlm, tmp_path, f"other settings: .*{setting}", monkeypatch)
+
+
+@pytest.mark.parametrize(
     "damage, match",
     [
         (lambda t: {**t, "in.1": t["in.1"][:, :64].contiguous()}, r"in\.1.* are \[\(\[\d+, 64\]"),
@@ -190,6 +210,13 @@ def test_training_on_an_explicit_device_is_the_default_and_a_bad_one_is_refused(
     assert same(run(vlm, steps=3).transcoders, run(vlm, steps=3, device="cpu").transcoders)
     with no_forward(vlm), pytest.raises(InputError, match="device 'gpu0' is not a torch device"):
         run(vlm, device="gpu0", out=tmp_path / "o")
+    if not torch.cuda.is_available():  # a GPU this machine lacks: refused before any forward, not after collecting
+        with no_forward(vlm), pytest.raises(DeviceError, match="'cuda'.*give 'cpu'"):
+            run(vlm, device="cuda", out=tmp_path / "o")
+        tcs, d = run(vlm, steps=1).transcoders, vlm.arch.d_model
+        held = Activations({0: torch.zeros(1, d)}, {0: torch.zeros(1, d)}, np.array(["count"], dtype=object))
+        with pytest.raises(DeviceError, match="'cuda:1'"):
+            fidelity(tcs, held, device="cuda:1")
     assert not (tmp_path / "o").exists()
 
 
