@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from countlens.errors import InputError
+from countlens.validate import require_integer, require_tensor
 
 MAX_ITERATIONS = 1000
 
@@ -72,8 +73,9 @@ def partial_influence(
     ``p₀`` the logit probabilities, ``p_{t+1} = p_t[row_nodes] @ Â`` until it is zero, influence
     ``Σ_{t≥1} p_t`` (the direct influence once). Computed as ``(Σ_t r_t) @ Â`` with ``r_t =
     p_t[row_nodes]`` iterated on the (k, k) block of the known rows' own columns (the same sum), so
-    only one pass reads the rows, a block at a time."""
-    k, n_src = rows.shape
+    only one pass reads the rows, a block at a time. Mismatched shapes, a node that is no row's
+    (an error or embedding, or out of range) and ``n_features`` outside ``[0, n_sources]`` are refused."""
+    k, n_src = _check_partial(rows, row_nodes, logit_probs, n_features, row_sums)
     sums = rows.abs().sum(1) if row_sums is None else row_sums
     scale = 1 / sums.float().clamp_min(1e-8)
     is_feature = row_nodes < n_features
@@ -106,6 +108,51 @@ def partial_influence(
 
 def next_features(influences: torch.Tensor, visited: torch.Tensor, size: int) -> torch.Tensor:
     """The ``size`` unvisited features of largest influence, largest first (circuit-tracer's
-    ``argsort(influences, descending=True)`` without the visited; ties in index order)."""
+    ``argsort(influences, descending=True)`` without the visited; ties in index order). ``influences``
+    and ``visited`` (bool) are (n_features,) each; ``size`` ≥ 0."""
+    require_tensor(influences, "influences", ndim=1)
+    require_tensor(visited, "visited", ndim=1)
+    if visited.dtype != torch.bool or visited.shape != influences.shape:
+        raise InputError(
+            f"visited must be a bool tensor shaped like influences {tuple(influences.shape)}, got {visited.dtype} "
+            f"{tuple(visited.shape)}: give one True or False per feature (True: already visited)"
+        )
+    require_integer(size, "size (features to return)", low=0)
     rank = torch.argsort(influences, descending=True, stable=True)
     return rank[~visited[rank]][:size]
+
+
+def _check_partial(rows, row_nodes, logit_probs, n_features, row_sums) -> tuple[int, int]:
+    """`partial_influence`'s arguments (shapes and node ranges only: the rows are not scanned)."""
+    if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or not rows.is_floating_point():
+        shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise InputError(f"rows must be a 2-D float tensor (k known rows × n_sources), got {shape}")
+    k, n_src = rows.shape
+    require_integer(n_features, "n_features", low=0)
+    if n_features > n_src:
+        raise InputError(
+            f"n_features={n_features} is more than the rows' {n_src} source columns; the feature columns come "
+            "first among the sources: give n_features ≤ rows.shape[1]"
+        )
+    require_tensor(logit_probs, "logit_probs", ndim=1)
+    require_tensor(row_nodes, "row_nodes", ndim=1)
+    if row_nodes.is_floating_point() or row_nodes.dtype == torch.bool or len(row_nodes) != k:
+        raise InputError(
+            f"row_nodes must be an integer tensor with one node per row ({k} rows), got {row_nodes.dtype} "
+            f"of length {len(row_nodes)}: give each row's node (a feature j < n_features, logit i as n_sources + i)"
+        )
+    feature = row_nodes < n_features
+    logit = (row_nodes >= n_src) & (row_nodes < n_src + len(logit_probs))
+    bad = ~((row_nodes >= 0) & feature | logit)
+    if bad.any():
+        first = int(row_nodes[bad][0])
+        raise InputError(
+            f"row_nodes holds {int(bad.sum())} node(s) that are no row's (first: {first}): a row is a feature's "
+            f"(0 ≤ j < n_features = {n_features}) or a logit's (n_sources + i = {n_src} + i, i < "
+            f"{len(logit_probs)} logit_probs); errors and embeddings are sources only"
+        )
+    if row_sums is not None:
+        require_tensor(row_sums, "row_sums", ndim=1)
+        if len(row_sums) != k:
+            raise InputError(f"row_sums must have one sum per row ({k}), got {len(row_sums)}; or leave it None")
+    return k, n_src

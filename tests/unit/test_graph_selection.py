@@ -174,3 +174,48 @@ def test_bad_max_features_and_batch_size_are_refused_before_any_forward(organism
     monkeypatch.setattr(vlm.hf, "forward", boom)
     with pytest.raises(InputError, match=words):
         attribution_graph(vlm, tcs, sample, **kwargs)
+
+
+def _small_rows():
+    rows = torch.zeros(3, 5)  # features 0..2, error 3, embedding 4; one logit (node 5)
+    rows[0, 1] = 1.0
+    return rows, torch.tensor([5, 1, 2]), torch.tensor([1.0])
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda r, n, p: (r, n[:2], p, 3), "one node per row"),
+        (lambda r, n, p: (r, n.float(), p, 3), "integer tensor"),
+        (lambda r, n, p: (r, torch.tensor([5, 1, 7]), p, 3), "no row's .first: 7"),
+        (lambda r, n, p: (r, torch.tensor([5, -1, 2]), p, 3), "no row's .first: -1"),
+        (lambda r, n, p: (r, torch.tensor([5, 3, 2]), p, 3), "errors and embeddings are sources only"),
+        (lambda r, n, p: (r, n, p, 6), "n_features ≤ rows.shape"),
+        (lambda r, n, p: (r, n, p, -1), "n_features must be an integer ≥ 0"),
+        (lambda r, n, p: (r[0], n, p, 3), "rows must be a 2-D float tensor"),
+    ],
+)
+def test_partial_influence_refuses_mismatched_rows_and_nodes(change, words):
+    rows, nodes, probs, n_f = change(*_small_rows())
+    with pytest.raises(InputError, match=words):
+        partial_influence(rows, nodes, probs, n_f)
+
+
+def test_partial_influence_refuses_row_sums_of_another_length():
+    rows, nodes, probs = _small_rows()
+    with pytest.raises(InputError, match="one sum per row"):
+        partial_influence(rows, nodes, probs, 3, row_sums=torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ((torch.ones(3), torch.zeros(3, dtype=torch.bool), -1), "size .features to return. must be an integer ≥ 0"),
+        ((torch.ones(3), torch.zeros(3, dtype=torch.bool), 1.5), "must be an integer"),
+        ((torch.ones(3), torch.zeros(2, dtype=torch.bool), 1), "shaped like influences"),
+        ((torch.ones(3), torch.zeros(3), 1), "bool tensor"),
+    ],
+)
+def test_next_features_refuses_a_negative_size_and_mismatched_visited(args, words):
+    with pytest.raises(InputError, match=words):
+        next_features(*args)
