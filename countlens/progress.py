@@ -62,3 +62,11 @@ class Bar:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.__exit__(*exc)
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as s, min, h or days, whichever reads best (a plan's time, a bench's)."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.1f} s"

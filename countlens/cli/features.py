@@ -227,6 +227,7 @@ def features_plan(
 
     from countlens.model.loading import meta_vlm
     from countlens.pipeline.graph_cost import CPU_FLOPS, GPU_FLOPS, fitting_knob, graph_cost, prompt_length
+    from countlens.progress import duration_text
 
     check_positive(image_size=image_size, k=k, width=width, max_features=max_features, n_logits=n_logits)
     check_positive(batch_rows=batch_rows)
@@ -296,8 +297,8 @@ def features_plan(
     )
     typer.echo(
         f"backward passes {c['backward_passes']:,} ({batch_rows} rows each), rankings {c['rankings']:,}; "
-        f"{c['flops'] / 1e12:,.1f} TFLOP (edges {c['edge_flops'] / 1e12:,.1f}); about {_duration(c['seconds'])} "
-        f"on {where}, {_duration(c['selection_seconds'])} of it the max_features rankings on one host thread"
+        f"{c['flops'] / 1e12:,.1f} TFLOP (edges {c['edge_flops'] / 1e12:,.1f}); about {duration_text(c['seconds'])} "
+        f"on {where}, {duration_text(c['selection_seconds'])} of it the max_features rankings on one host thread"
     )
     checks = [] if memory is None else [(memory, c["peak_bytes"] if device == "cpu" else c["device_bytes"], device)]
     if host_memory is not None:
@@ -313,11 +314,3 @@ def features_plan(
     typer.echo("training the transcoders these graphs read (countlens features train, every layer):")
     for line in training_plan_lines(vlm, width=width, k=k, device=device):
         typer.echo(f"  {line}")
-
-
-def _duration(seconds: float) -> str:
-    """Seconds as s, min, h or days, whichever reads best."""
-    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 2 * size:
-            return f"{seconds / size:,.1f} {unit}"
-    return f"{seconds:.1f} s"

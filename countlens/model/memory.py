@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from countlens.model.vlm import VLM
+from countlens.errors import InputError
+from countlens.model.vlm import VLM
 
 #: Rows per batch-expanded forward (replicas × samples) at most; fewer where the device's free
 #: memory holds fewer (`rows_per_forward`).
@@ -52,6 +51,20 @@ class Widths:
     @property
     def lm_head(self) -> int:
         return self.vocab * self.d_model
+
+
+def widths_of(widths_or_vlm, what: str) -> Widths:
+    """A `Widths` as given, or a `countlens.VLM`'s (loaded or meta); anything else refused, naming
+    ``what`` took it."""
+    if isinstance(widths_or_vlm, Widths):
+        return widths_or_vlm
+    if isinstance(widths_or_vlm, VLM):
+        return widths(widths_or_vlm)
+    raise InputError(
+        f"{what} takes a Widths (countlens.model.memory.widths(vlm)) or a countlens.VLM (countlens.load, or "
+        "countlens.model.loading.meta_vlm for a checkpoint's config without weights); got "
+        f"{type(widths_or_vlm).__name__}"
+    )
 
 
 def widths(vlm: VLM) -> Widths:

@@ -59,7 +59,7 @@ import math
 from countlens.datasets.tasks import MIN_OBJECT_SIZE, count_task_sample, object_sizes
 from countlens.errors import InputError
 from countlens.features.influence import BLOCK_ELEMENTS, UPDATE_INTERVAL
-from countlens.model.memory import Widths, widths
+from countlens.model.memory import Widths, widths_of
 from countlens.model.vlm import VLM
 from countlens.pipeline.costs import Forward, forward_bytes, forward_flops
 from countlens.validate import require_count
@@ -122,7 +122,7 @@ def graph_cost(
     dict: node counts, bytes (``host_bytes``, ``device_bytes``, ``peak_bytes`` their sum), passes,
     FLOPs, seconds.
     """
-    w = _widths(widths_or_vlm)
+    w = widths_of(widths_or_vlm, "graph_cost")
     seq = require_count(seq, "seq (tokens of the prompt)")
     k = require_count(k, "k (active features per token)")
     width = require_count(transcoder_width, "transcoder_width (features per layer)")
@@ -252,15 +252,3 @@ def prompt_length(vlm: VLM, count: int = 3, seed: int = 0) -> tuple[int, int]:
     too, so a plan reads a real checkpoint's sequence length at its image size without weights."""
     batch = vlm.prepare_samples([count_task_sample(count, seed)])
     return int(batch.inputs["input_ids"].shape[1]), int(batch.patches(vlm.arch.merge_size))
-
-
-def _widths(widths_or_vlm) -> Widths:
-    if isinstance(widths_or_vlm, Widths):
-        return widths_or_vlm
-    if isinstance(widths_or_vlm, VLM):
-        return widths(widths_or_vlm)
-    raise InputError(
-        f"graph_cost takes a Widths (countlens.model.memory.widths(vlm)) or a countlens.VLM (countlens.load, or "
-        "countlens.model.loading.meta_vlm for a checkpoint's config without weights); got "
-        f"{type(widths_or_vlm).__name__}"
-    )

@@ -47,10 +47,11 @@ from countlens.errors import InputError
 from countlens.features.activation_store import MAX_MEMORY, require_memory
 from countlens.features.activations import check_mix, encode_texts, held_out_mix, mix_samples
 from countlens.features.train import BATCH_TOKENS, DEAD_AFTER, STEPS
-from countlens.model.memory import Widths, widths
+from countlens.model.memory import Widths, widths, widths_of
 from countlens.model.vlm import VLM
 from countlens.pipeline.costs import Forward, forward_flops
 from countlens.pipeline.graph_cost import GPU_FLOPS
+from countlens.progress import duration_text
 from countlens.validate import require_count, require_share
 
 #: ``(B, W)`` float32 arrays alive at a training step's peak (the module's docstring).
@@ -100,7 +101,7 @@ def transcoder_cost(
     ``collect_batch`` × ``seq``: one collection batch's tokens (the collection's host peak).
     ``held_out_tokens``: the held-out split's tokens (`mix_forwards`; None: ``ceil(tokens × held_out)``).
     Returns a flat dict of counts, bytes, FLOPs and seconds."""
-    w = _widths(widths_or_vlm)
+    w = widths_of(widths_or_vlm, "transcoder_cost")
     tokens = require_count(tokens, "tokens (training tokens)")
     width = require_count(width, "width (features per layer)")
     k = require_count(k, "k (active features per token)")
@@ -236,28 +237,8 @@ def training_plan_lines(
         f"one step's work {gib(c['step_bytes'])})",
         f"  host: {gib(c['host_bytes'])} of activations"
         + (f" (max_memory {gib(max_memory)}; one chunk of one layer {gib(c['chunk_bytes'])})" if c["streamed"] else ""),
-        f"  time ({device}, {rate}): training {_duration(c['train_seconds'])} "
-        f"({c['train_flops']:.2e} FLOPs), collection {_duration(c['collection_seconds'])} "
+        f"  time ({device}, {rate}): training {duration_text(c['train_seconds'])} "
+        f"({c['train_flops']:.2e} FLOPs), collection {duration_text(c['collection_seconds'])} "
         f"({c['collection_flops']:.2e} FLOPs)",
     ]
     return lines
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:,.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:,.1f} min"
-    return f"{seconds / 3600:,.1f} h"
-
-
-def _widths(widths_or_vlm) -> Widths:
-    if isinstance(widths_or_vlm, Widths):
-        return widths_or_vlm
-    if isinstance(widths_or_vlm, VLM):
-        return widths(widths_or_vlm)
-    raise InputError(
-        "transcoder_cost takes a Widths (countlens.model.memory.widths(vlm)) or a countlens.VLM (countlens.load, "
-        f"or countlens.model.loading.meta_vlm for a checkpoint's config without weights); got "
-        f"{type(widths_or_vlm).__name__}"
-    )
