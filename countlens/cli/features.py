@@ -102,7 +102,9 @@ def features_graph(
         int | None,
         typer.Option(help="Features the graph keeps, chosen as circuit-tracer does (see features plan); default: all."),
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="Target rows per backward pass.")] = 64,
+    batch_size: Annotated[
+        int, typer.Option(help="Target rows per backward pass (see features plan: device memory).")
+    ] = 64,
     device: Device = None,
     dtype: Dtype = None,
 ) -> None:
@@ -198,8 +200,8 @@ def features_plan(
         int | None, typer.Option(help="Features the graph keeps (attribution_graph's max_features); default: all.")
     ] = None,
     n_logits: Annotated[int, typer.Option(help="Logit nodes (attribution_graph's max_logits).")] = 10,
-    batch_rows: Annotated[
-        int, typer.Option(help="Target rows per backward pass (attribution_graph's batch_size).")
+    batch_size: Annotated[
+        int, typer.Option(help="Target rows per backward pass (as features graph's --batch-size).")
     ] = 64,
     memory: Annotated[
         float | None, typer.Option(help="The device's memory, GiB (e.g. 141 for an H200); default: no check.")
@@ -230,7 +232,7 @@ def features_plan(
     from countlens.progress import duration_text
 
     check_positive(image_size=image_size, k=k, width=width, max_features=max_features, n_logits=n_logits)
-    check_positive(batch_rows=batch_rows)
+    check_positive(batch_size=batch_size)
     from countlens.pipeline.graph_cost import min_scene_side
 
     if image_size is not None and image_size < min_scene_side():
@@ -257,7 +259,7 @@ def features_plan(
         k=k,
         max_features=max_features,
         n_logits=n_logits,
-        batch_rows=batch_rows,
+        batch_rows=batch_size,
         dtype_bytes=vlm.hf.dtype.itemsize,
         transcoder_width=width,
         patches=patches,
@@ -296,7 +298,7 @@ def features_plan(
         "one CPU thread, calibrated on the organism" if device == "cpu" else "an assumed 40 % of an H200's bf16 peak"
     )
     typer.echo(
-        f"backward passes {c['backward_passes']:,} ({batch_rows} rows each), rankings {c['rankings']:,}; "
+        f"backward passes {c['backward_passes']:,} ({batch_size} rows each), rankings {c['rankings']:,}; "
         f"{c['flops'] / 1e12:,.1f} TFLOP (edges {c['edge_flops'] / 1e12:,.1f}); about {duration_text(c['seconds'])} "
         f"on {where}, {duration_text(c['selection_seconds'])} of it the max_features rankings on one host thread"
     )

@@ -221,11 +221,16 @@ def graph_cost(
     }
 
 
+#: The command-line option of each knob `fitting_knob` names (``features plan`` and ``features graph``).
+OPTIONS = {"batch_rows": "--batch-size", "max_features": "--max-features"}
+
+
 def fitting_knob(plan: dict, limit: float, key: str = "device_bytes") -> str:
     """What makes the plan ``graph_cost(**plan)`` fit ``limit`` bytes of ``key`` (``host_bytes``,
     ``device_bytes`` or ``peak_bytes``): the first of --max-features (the host's row buffer) and
-    --batch-rows (the device's kept forward and backward pass), for the host in that order, else
-    the other, halved until it fits; or that neither does."""
+    --batch-size (``batch_rows``: the device's kept forward and backward pass), for the host in that
+    order, else the other, halved until it fits; or that neither does. Knobs are named as
+    ``countlens features plan`` and ``features graph`` take them."""
     c = graph_cost(**plan)
     now = {"batch_rows": c["batch_rows"], "max_features": c["features"]}
     knobs = ("max_features", "batch_rows") if key == "host_bytes" else ("batch_rows", "max_features")
@@ -234,9 +239,9 @@ def fitting_knob(plan: dict, limit: float, key: str = "device_bytes") -> str:
         while value > 1:
             value //= 2
             if graph_cost(**{**plan, **now, knob: value})[key] <= limit:
-                return f"it fits with --{knob.replace('_', '-')} {value}"
+                return f"it fits with {OPTIONS[knob]} {value}"
     floor = "its smallest buffers are over" if key == "host_bytes" else "the weights and transcoders alone are over"
-    return f"no --batch-rows or --max-features makes it fit ({floor}): more memory"
+    return f"no --batch-size or --max-features makes it fit ({floor}): more memory"
 
 
 def min_scene_side() -> int:

@@ -111,14 +111,14 @@ def test_the_plan_names_the_knob_that_makes_each_memory_fit(loaded):
     plan = {"widths_or_vlm": widths(loaded("toy")), "seq": 52, "k": 16, "batch_rows": 4096, "max_features": 2000}
     limit = graph_cost(**plan)["device_bytes"] * 0.6
     said = fitting_knob(plan, limit, "device_bytes")
-    assert said.startswith("it fits with --batch-rows")
+    assert said.startswith("it fits with --batch-size")
     assert graph_cost(**{**plan, "batch_rows": int(said.rsplit(" ", 1)[1])})["device_bytes"] <= limit
     plan["batch_rows"] = 16  # the host: its row buffer, max_features rows
     limit = graph_cost(**plan)["host_bytes"] * 0.5
     said = fitting_knob(plan, limit, "host_bytes")
     assert said.startswith("it fits with --max-features")
     assert graph_cost(**{**plan, "max_features": int(said.rsplit(" ", 1)[1])})["host_bytes"] <= limit
-    assert "no --batch-rows or --max-features" in fitting_knob(plan, 1000, "device_bytes")
+    assert "no --batch-size or --max-features" in fitting_knob(plan, 1000, "device_bytes")
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_the_plan_names_the_knob_that_makes_each_memory_fit(loaded):
         (["--k", "0"], "--k must be ≥ 1"),
         (["--k", "65", "--width", "64"], "exceeds --width"),
         (["--max-features", "0"], "--max-features must be ≥ 1"),
-        (["--batch-rows", "0"], "--batch-rows must be ≥ 1"),
+        (["--batch-size", "0"], "--batch-size must be ≥ 1"),
         (["--memory", "nan"], "--memory must be a finite"),
         (["--host-memory", "-1", "--device", "cuda"], "--host-memory must be a finite"),
         (["--host-memory", "8"], "--host-memory is for --device cuda"),
