@@ -46,6 +46,19 @@ def require_memory(value, name: str = "max_memory") -> int:
     return max(1, int(require_positive(value, f"{name} (bytes, e.g. {MAX_MEMORY}: 4 GiB)")))
 
 
+def in_memory_bytes(tokens: int, n_layers: int, d_model: int) -> int:
+    """Bytes of a mix's activations held in memory: every token's MLP input and output at each of
+    ``n_layers`` layers, float32 (`countlens.features.activations.Activations`)."""
+    return tokens * 2 * n_layers * d_model * 4
+
+
+def streams(tokens: int, n_layers: int, d_model: int, max_memory: int) -> bool:
+    """Whether a training of ``tokens`` (both splits) streams from a store: its activations held in
+    memory (`in_memory_bytes`) would pass ``max_memory``. `train_transcoders` decides by it, and its
+    plan (`countlens.pipeline.transcoder_cost`) follows it."""
+    return in_memory_bytes(tokens, n_layers, d_model) > max_memory
+
+
 def store_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The element type a store keeps: the model's where it is bfloat16 or float16 (exact), else float32."""
     return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32

@@ -52,7 +52,14 @@ import torch
 import xarray as xr
 
 from countlens.errors import InputError
-from countlens.features.activation_store import MANIFEST, MAX_MEMORY, ActivationStore, open_store, require_memory
+from countlens.features.activation_store import (
+    MANIFEST,
+    MAX_MEMORY,
+    ActivationStore,
+    open_store,
+    require_memory,
+    streams,
+)
 from countlens.features.activations import (
     DATA_SEED_BASE,
     TEXT_START,
@@ -215,7 +222,7 @@ def train_transcoders(
     }
     held = held_out_mix(mix, held_out)
     tokens = estimate_tokens(vlm, mix, seed) + estimate_tokens(vlm, held, seed)
-    stream = tokens * 2 * len(layers) * vlm.arch.d_model * 4 > max_memory  # in memory: float32, both splits
+    stream = streams(tokens, len(layers), vlm.arch.d_model, max_memory)
     if stream:
         spec["max_memory"] = max_memory  # the chunks shape the batches
     ckpt_path = None if out is None else Path(out) / CHECKPOINT

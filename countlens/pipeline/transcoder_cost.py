@@ -44,7 +44,7 @@ import math
 from collections.abc import Mapping
 
 from countlens.errors import InputError
-from countlens.features.activation_store import MAX_MEMORY, require_memory
+from countlens.features.activation_store import MAX_MEMORY, in_memory_bytes, require_memory, streams
 from countlens.features.activations import check_mix, encode_texts, held_out_mix, mix_samples
 from countlens.features.train import BATCH_TOKENS, DEAD_AFTER, STEPS
 from countlens.model.memory import Widths, widths, widths_of
@@ -52,7 +52,7 @@ from countlens.model.vlm import VLM
 from countlens.pipeline.costs import Forward, forward_flops
 from countlens.pipeline.graph_cost import GPU_FLOPS
 from countlens.progress import duration_text
-from countlens.validate import require_count, require_share
+from countlens.validate import require_count, require_integer, require_share
 
 #: ``(B, W)`` float32 arrays alive at a training step's peak (the module's docstring).
 STEP_WIDE = 8
@@ -113,6 +113,8 @@ def transcoder_cost(
         raise InputError(f"layers={n_layers} is more than the model's {w.n_layers}; give at most {w.n_layers}")
     require_share(held_out, "held_out", below_one=True, above_zero=True)
     max_memory = require_memory(max_memory)
+    require_count(collect_batch, "collect_batch (samples per collection forward)")
+    require_integer(seq, "seq (tokens of the longest sample: mix_forwards; 0 leaves the batch out)", low=0)
     if device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda' (the rate the time is planned at), got {device!r}")
     if not (isinstance(collection_flops, (int, float)) and 0 <= collection_flops < math.inf):
@@ -129,12 +131,12 @@ def transcoder_cost(
         raise InputError(f"held_out_tokens must be an integer ≥ 0 (mix_forwards), got {held_out_tokens!r}")
     all_tokens = tokens + held
     per_token = 2 * L * d
-    streamed = all_tokens * per_token * 4 > max_memory  # as train_transcoders decides
+    streamed = streams(all_tokens, L, d, max_memory)  # train_transcoders' own rule
     store = all_tokens * per_token * e if streamed else 0
     batch = collect_batch * seq * per_token * e
     chunk_tokens = math.ceil((max_memory + batch) / (per_token * e))
     chunk = min(chunk_tokens, tokens) * 2 * d * 4
-    host = max(max_memory + batch, chunk) if streamed else all_tokens * per_token * 4
+    host = max(max_memory + batch, chunk) if streamed else in_memory_bytes(all_tokens, L, d)
     step_flops = STEP_FLOPS_PER * b * d * width
     aux_steps = max(0, steps - DEAD_AFTER)
     train_flops = L * (steps * step_flops + aux_steps * AUXK_FLOPS_PER * b * d * width)

@@ -81,6 +81,10 @@ def test_in_memory_plan_and_fewer_layers():
         ({"device": "tpu"}, "'cpu' or 'cuda'"),
         ({"store_bytes": 8}, "store_bytes"),
         ({"collection_flops": -1.0}, "collection_flops"),
+        ({"collect_batch": -4}, "collect_batch"),
+        ({"collect_batch": 0}, "collect_batch"),
+        ({"seq": -100}, "seq"),
+        ({"seq": 2.5}, "seq"),
     ],
 )
 def test_the_plan_refuses_bad_settings(kw, message):
