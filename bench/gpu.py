@@ -2,7 +2,7 @@
 
     python bench/gpu.py --all                      # every capability, one row each (≤ 8 min on an H100)
     python bench/gpu.py --quick                    # fewer stages, steps and depths (≤ 3 min)
-    python bench/gpu.py --dry-run OUT.json --all   # the same rows on the CPU: depth 1, fp32, 112 px (the tests)
+    python bench/gpu.py --dry-run OUT.json --all   # the same rows on the CPU: depth 1, fp32, 140 px (the tests)
 
 ``--all`` and ``--quick`` (depth 28, bf16, 448 px) run the rows of ``bench/gpu_rows.py`` (its
 docstring lists them: discover's every stage, transcoder steps, an attribution graph, focus fine-tune
