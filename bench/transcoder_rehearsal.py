@@ -222,17 +222,17 @@ def rehearse() -> dict:
 
 def plans() -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import _save_tiny
     from disk_cache import cached_dir, entry_key
     from real_checkpoints import TOKENIZER_FROM, planning_dir
 
     from countlens.model.loading import meta_vlm
+    from countlens.toy.tiny_models import save
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, size in (("Qwen__Qwen2.5-VL-7B-Instruct", 448), ("llava-hf__llava-1.5-7b-hf", None)):
             family = TOKENIZER_FROM[name]
-            tiny = cached_dir(entry_key("tiny", family), lambda path, f=family: _save_tiny(f, {}, path))
+            tiny = cached_dir(entry_key("tiny", family), lambda path, f=family: save(f, path))
             vlm = meta_vlm(str(planning_dir(name, tiny, Path(tmp) / name)), dtype="bfloat16", image_size=size)
             data = mix_forwards(vlm)
             out[name] = {
