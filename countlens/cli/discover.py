@@ -159,6 +159,10 @@ def discover_cmd(
         from countlens.pipeline.selfcheck import require
 
         require(vlm)
+    if vlm.device.type == "cuda":  # a stage that cannot fit this GPU is refused now, not after the others ran
+        from countlens.pipeline.plan import plan
+
+        plan(vlm, config).require_fit()
     report = discover(vlm, out, config, log=typer.echo)
     typer.echo(f"report: {report}")
 
@@ -241,7 +245,4 @@ def plan_cmd(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(p.to_dict(), indent=1) + "\n")
-    over = p.knobs()
-    if over:  # the table is shown first: the refusal names each stage and what makes it fit
-        stages = "; ".join(f"{name}: {knob}" for name, knob in over.items())
-        raise ConfigError(f"over {p.memory / gib:.1f} GiB: {stages}")
+    p.require_fit()  # after the table: the refusal names each stage and what makes it fit

@@ -49,6 +49,15 @@ class Plan:
         by = {s.name: s for s in self.stages}
         return {name: by[name].knob for name in self.over()}
 
+    def require_fit(self) -> None:
+        """Refuse (`ConfigError`) a plan with a stage `over` the memory, naming each such stage and
+        what makes it fit: `countlens plan` after its table, `countlens discover` on a GPU before
+        the first forward."""
+        over = self.knobs()
+        if over:
+            stages = "; ".join(f"{name}: {knob}" for name, knob in over.items())
+            raise ConfigError(f"over {self.memory / (1 << 30):.1f} GiB: {stages}")
+
     def peak(self, s: StagePlan) -> int:
         """Peak bytes of stage ``s`` on the model's device (on the CPU, host memory included)."""
         transient = max(forward_bytes(self.widths, f, self.patches) for f in s.forwards)
