@@ -10,7 +10,9 @@ here independently in float64 from its definition:
 - the next queue is the ``update_interval × batch_size`` unvisited features of largest influence.
 
 On random partial graphs (the next picks equal, in order) and on the organism (the whole selection
-replayed on the full graph's rows equals the one attribution_graph made; each visited row is the full
+replayed on the full graph's rows equals the one attribution_graph made, a tie at a queue's cut
+(`TIE`) followed either way; 200 features a feature batch of 8 at a time, enough rows known for the
+indirect influence to move the picks; each visited row is the full
 graph's row; max_features ≥ the active count is the full graph), and the refusals before any forward.
 """
 
@@ -93,7 +95,7 @@ def test_row_sums_are_over_all_columns_and_clamped():
     rows[2, 0] = -2.0  # feature 2's row reads feature 0, but feature 2 has no influence
     nodes = torch.tensor([5, 1, 2])
     got = partial_influence(rows, nodes, torch.tensor([1.0]), n_f)
-    assert torch.equal(got, torch.tensor([0.0, 0.25, 0.0]))
+    assert_close(got, torch.tensor([0.0, 0.25, 0.0]), scale=1.0, what="influences")
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +110,19 @@ def organism(loaded):
     torch.set_num_threads(before)
 
 
-def replay(full, max_features: int, batch: int, interval: int) -> list[int]:
-    """circuit-tracer's whole selection, replayed on the full graph's rows (the reference rule)."""
+#: Influences within this share of the largest one are a tie: the graph's rows are float32 at its
+#: own batch size (the replay's are the full graph's, at 64, in float64), and another CPU's kernels
+#: round them otherwise, so a tie at a queue's cut may fall either way. A real difference in the rule
+#: (the direct influence counted twice, rows normalised over the feature columns only) moves the
+#: influences by far more than this.
+TIE = 1e-4
+
+
+def replay(full, max_features: int, batch: int, interval: int, kept: set[int]) -> list[int]:
+    """circuit-tracer's whole selection, replayed on the full graph's rows (the reference rule), in
+    float64. Where a queue's cut falls among features whose influences are within `TIE` of it (a tie),
+    the tied features that the graph ``kept`` are taken first, so the replay follows the graph through a
+    tie and compares the rest; every feature clearly above the cut is taken whatever the graph did."""
     n_f, n = full.n_features, full.n_nodes
     logits = torch.arange(full.start("logit"), n)
     visited = torch.zeros(n_f, dtype=torch.bool)
@@ -117,13 +130,19 @@ def replay(full, max_features: int, batch: int, interval: int) -> list[int]:
     while len(order) < max_features:
         row_to_node = torch.cat([logits, torch.tensor(order, dtype=torch.long)])
         influence = reference_influence(full.adjacency[row_to_node], full.logit_probs, row_to_node)[:n_f]
-        queue = reference_queue(influence, visited, min(interval * batch, max_features - len(order)))
+        size = min(interval * batch, max_features - len(order))
+        ranked = reference_queue(influence, visited, n_f)
+        cut, tol = float(influence[ranked[size - 1]]), TIE * float(influence.abs().max())
+        sure = [j for j in ranked[:size] if influence[j] > cut + tol]
+        tied = [j for j in ranked if abs(float(influence[j]) - cut) <= tol]  # in rank order
+        tied.sort(key=lambda j: j not in kept)  # stable: the graph's choices first, then by rank
+        queue = sure + tied[: size - len(sure)]
         order += queue
         visited[queue] = True
     return order
 
 
-@pytest.mark.parametrize("max_features, batch, interval", [(40, 8, 2), (25, 4, 4)])
+@pytest.mark.parametrize("max_features, batch, interval", [(200, 8, 1), (25, 4, 4)])
 def test_the_organisms_selection_replays_circuit_tracers_and_its_rows_are_the_full_graphs(
     organism, max_features, batch, interval
 ):
@@ -133,7 +152,7 @@ def test_the_organisms_selection_replays_circuit_tracers_and_its_rows_are_the_fu
     )
     index = {tuple(f): i for i, f in enumerate(full.features.tolist())}
     kept = [index[tuple(f)] for f in small.features.tolist()]
-    assert kept == sorted(replay(full, max_features, batch, interval))
+    assert kept == sorted(replay(full, max_features, batch, interval, set(kept)))
     # Each visited row (and the logit rows) is the full graph's, at the kept columns.
     rest = list(range(full.n_features, full.start("logit")))
     cols = kept + rest
