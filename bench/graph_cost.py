@@ -2,6 +2,8 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/graph_cost.py [--transcoders FOLDER]
     # writes bench/graph_cost.json
+    flock /tmp/countlens-heavy.lock .venv/bin/python bench/graph_cost.py --rankings
+    # step 3 alone (about 3 GiB, a minute): rewrites ranking_calibration in bench/graph_cost.json
 
 Organism: transcoders from ``--transcoders`` (a circuit-tracer folder, e.g. the ``transcoders/`` a
 ``train_transcoders(vlm, out=…)`` run wrote) or `train_transcoders(vlm)` with its defaults; the
@@ -16,8 +18,9 @@ Organism: transcoders from ``--transcoders`` (a circuit-tracer folder, e.g. the 
    nodes, adjacency bytes, host + device bytes less the weights (on the CPU they are one memory) and
    the plan's seconds; with ``max_features``, the time the FLOPs leave over the rankings'
    planned entries.
-3. **Rankings**: one `partial_influence` timed on random graph-shaped rows at the organism's and at
-   7B's source counts: seconds per planned entry (`SELECTION_SECONDS`'s calibration).
+3. **Rankings**: `partial_influence` timed on random graph-shaped rows at the organism's and at
+   7B's source counts (the median of three calls after a warm-up): seconds per planned entry
+   (`SELECTION_SECONDS`'s calibration).
 4. **7B**: the plan of Qwen2.5-VL-7B-Instruct's published config (tests/data/checkpoints, with the
    tests' stand-in Qwen tokenizer: `tests/real_checkpoints.planning_dir`) at 448 px, k 16, width
    16384, max_features 8192, in bf16 and fp32, timed at the calibrated CPU rate and at the assumed
@@ -102,9 +105,12 @@ def ranking_calibration() -> dict:
         rows[:, nodes[10:]] = block
         sums, probs = rows.abs().sum(1), torch.rand(10, generator=gen).softmax(0)
         partial_influence(rows, nodes, probs, n_f, sums)  # warm-up
-        t = time.perf_counter()
-        partial_influence(rows, nodes, probs, n_f, sums)
-        seconds = time.perf_counter() - t
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            partial_influence(rows, nodes, probs, n_f, sums)
+            times.append(time.perf_counter() - t)
+        seconds = statistics.median(times)
         entries = k * n_src + (layers + 1) * k * (k - 10)
         out[f"k{k}_S{n_src}"] = {"seconds": round(seconds, 3), "seconds_per_entry": seconds / entries}
     return out
@@ -141,8 +147,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--transcoders", help="a circuit-tracer transcoder folder (default: train with defaults)")
     parser.add_argument("--out", default=str(HERE / "graph_cost.json"))
+    parser.add_argument("--rankings", action="store_true", help="step 3 alone, into --out's ranking_calibration")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.rankings:
+        result = json.loads(Path(args.out).read_text())
+        result["ranking_calibration"] = ranking_calibration()
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["ranking_calibration"]), f"written {args.out}")
+        return
     vlm = countlens.load("toy")
     if args.transcoders:
         tcs, source = load_transcoders(args.transcoders, vlm), args.transcoders

@@ -82,7 +82,8 @@ def partial_influence(
     feature_rows = is_feature.nonzero().flatten()
     r = torch.zeros(k)
     r[~is_feature] = logit_probs.float().cpu()[row_nodes[~is_feature] - n_src]
-    block = rows[:, row_nodes[feature_rows]].abs() * scale[:, None]  # Â at the known rows' own nodes
+    block = rows[:, row_nodes[feature_rows]]  # a copy (advanced indexing): Â at the known rows' own nodes,
+    block.abs_().mul_(scale[:, None])  # made in place, so one (k, known features) block is alive
     total, current = r.clone(), r
     for _ in range(MAX_ITERATIONS):
         step = torch.zeros(k)

@@ -13,7 +13,9 @@ pre-activation ≤ 0 is zeroed by its ReLU, so F is an upper bound that trained 
 
 - ``buffer``: circuit-tracer's ``edge_matrix``, ``(M + n_logits) × S``, filled row by row;
 - ``selection`` (only when ``M < F``): the last ranking's ``(M + n_logits) × M`` block of the known
-  rows' own columns, and one `BLOCK_ELEMENTS` block of the pass over the rows;
+  rows' own columns (one: `partial_influence` makes its absolute values and scales them in place), and,
+  alive beside it, one block of the pass over the rows' feature columns (`BLOCK_ELEMENTS`, or
+  ``(M + n_logits) × F`` if fewer);
 - ``adjacency``: the graph's ``n × n`` over the kept nodes, filled from the buffer a block at a time
   (one `BLOCK_ELEMENTS` block);
 - ``rows``: one backward's rows on their way into the buffer, ``batch_rows × S``, twice (the rows and
@@ -90,8 +92,10 @@ PASS_SECONDS = 2e-3
 
 #: Seconds per planned entry of a max_features ranking on one CPU thread (the known rows' absolute
 #: values and their product with the weights, a block at a time; the series on their own block):
-#: bench/graph_cost.py's ranking calibration, 2.1–2.4e-9 at the organism's and at 7B's source counts.
-SELECTION_SECONDS = 2.2e-9
+#: bench/graph_cost.py's ranking calibration (bench/graph_cost.json's ``ranking_calibration``, the
+#: median of three calls each): 1.33e-9 and 1.44e-9 at 7B's source count (k 4096 and 2048 rows known),
+#: rounded up; 0.83e-9 at the organism's (an earlier run of step 3 alone: 1.26–1.50e-9 at all three).
+SELECTION_SECONDS = 1.4e-9
 
 #: An assumed sustained rate on one H200 in bf16: 40 % of its 989 TFLOP/s dense peak (as
 #: bench/plan_rehearsal.py assumes); not calibrated (no GPU run of attribution_graph yet).
@@ -152,7 +156,7 @@ def graph_cost(
     logit_passes, feature_passes = -(-n_logits // rows), -(-kept_f // rows)
 
     buffer = (kept_f + n_logits) * n_src * a
-    selection = ((kept_f + n_logits) * kept_f + min(BLOCK_ELEMENTS, (kept_f + n_logits) * kept_f)) * a
+    selection = ((kept_f + n_logits) * kept_f + min(BLOCK_ELEMENTS, (kept_f + n_logits) * n_f)) * a
     selection = selection if dropped else 0
     adjacency = n * n * a
     assembly = min(BLOCK_ELEMENTS, (kept_f + n_logits) * n) * a
