@@ -33,8 +33,6 @@ is marked ``error`` and the run goes on (the script's exit status says so).
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import platform
 import signal
@@ -46,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from _rehearsal import read_peak, reset_peak
 from wide_model import WIDTHS, build, sync
 
 
@@ -178,25 +177,6 @@ def time_limit(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-
-
-def reset_peak(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        return
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM back to the resident set now
-
-
-def read_peak(device: str) -> int:
-    if device.startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated())
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
 class Recorder:

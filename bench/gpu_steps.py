@@ -8,6 +8,7 @@ import tempfile
 import time
 
 import torch
+from _rehearsal import random_transcoders
 from wide_model import interleaved, sync
 
 
@@ -135,24 +136,6 @@ def transcoder_row(vlm, s, device: str) -> dict:
     )
     # train_transcoders trains on the device given and returns the set on the CPU: record what it was given.
     return out | {"fvu": training.fidelity.fvu.values.tolist(), "trained_on": device}
-
-
-def random_transcoders(vlm, width: int, k: int):
-    """TopK transcoders on every layer of ``vlm``, random as training starts them (``W_enc`` ~
-    N(0, 1/d_model), ``W_dec`` rows of unit norm), in the model's dtype, on its device."""
-    from countlens.features import Transcoder, TranscoderSet
-
-    d, dtype, device = vlm.arch.d_model, vlm.hf.dtype, vlm.device
-    gen = torch.Generator(device=device).manual_seed(0)
-    sets = []
-    for _ in range(vlm.arch.n_layers):
-        tc = Transcoder(d, width, "topk", k=k, dtype=dtype).to(device)
-        with torch.no_grad():
-            tc.W_enc.copy_(torch.randn(width, d, generator=gen, device=device) / d**0.5)
-            dec = torch.randn(width, d, generator=gen, device=device)
-            tc.W_dec.copy_(dec / dec.norm(dim=1, keepdim=True))
-        sets.append(tc)
-    return TranscoderSet(sets, list(range(vlm.arch.n_layers)), model_name=vlm.name)
 
 
 def graph_row(vlm, s, device: str, flops_per_s: float) -> dict:

@@ -30,7 +30,6 @@ Organism: transcoders from ``--transcoders`` (a circuit-tracer folder, e.g. the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -42,6 +41,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from _rehearsal import read_peak, reset_peak
 
 import countlens
 from countlens.datasets.tasks import count_task_sample
@@ -55,17 +55,6 @@ ROOT = HERE.parent
 GIB = 2**30
 
 
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
-def _reset_hwm() -> None:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def timed_graph(vlm, tcs, sample, max_features):
     """(graph, seconds, peak bytes above the resident set before, start times of each backward)."""
     starts: list[float] = []
@@ -75,7 +64,7 @@ def timed_graph(vlm, tcs, sample, max_features):
         starts.append(time.perf_counter())
         return grad(*args, **kwargs)
 
-    _reset_hwm()
+    reset_peak()
     before = resident_bytes()
     torch.autograd.grad = recording
     try:
@@ -84,7 +73,7 @@ def timed_graph(vlm, tcs, sample, max_features):
         seconds = time.perf_counter() - t
     finally:
         torch.autograd.grad = grad
-    return graph, seconds, _hwm() - before, starts
+    return graph, seconds, read_peak() - before, starts
 
 
 def ranking_calibration() -> dict:

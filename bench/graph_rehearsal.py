@@ -25,7 +25,6 @@ planned and measured; their ratios.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -37,39 +36,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 
 
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
-def _reset_hwm() -> None:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def random_transcoders(vlm, width: int, k: int):
-    """TopK transcoders on every layer, random as training starts them, in the model's dtype."""
-    import torch
-
-    from countlens.features import Transcoder, TranscoderSet
-
-    d, gen = vlm.arch.d_model, torch.Generator().manual_seed(0)
-    sets = []
-    for _ in range(vlm.arch.n_layers):
-        tc = Transcoder(d, width, "topk", k=k, dtype=vlm.hf.dtype)
-        with torch.no_grad():
-            tc.W_enc.copy_(torch.randn(width, d, generator=gen) / d**0.5)
-            dec = torch.randn(width, d, generator=gen)
-            tc.W_dec.copy_(dec / dec.norm(dim=1, keepdim=True))
-        sets.append(tc)
-    return TranscoderSet(sets, list(range(vlm.arch.n_layers)), model_name=vlm.name)
-
-
 def one_depth(depth: int, args) -> dict:
     import torch
 
     sys.path.insert(0, str(HERE))
+    from _rehearsal import random_transcoders, read_peak, reset_peak
     from wide_model import build
 
     from countlens.datasets.tasks import count_task_sample
@@ -84,12 +55,12 @@ def one_depth(depth: int, args) -> dict:
     seq, patches = prompt_length(vlm)
     kw = dict(max_features=args.max_features, batch_rows=args.batch_rows, transcoder_width=args.width, patches=patches)
     c = graph_cost(vlm, seq, args.k, n_logits=10, dtype_bytes=4, flops_per_second=CPU_FLOPS, **kw)
-    _reset_hwm()
+    reset_peak()
     before = resident_bytes()
     t = time.perf_counter()
     graph = attribution_graph(vlm, tcs, sample, max_features=args.max_features, batch_size=args.batch_rows)
     seconds = time.perf_counter() - t
-    peak = _hwm()
+    peak = read_peak()
     if (graph.n_nodes, graph.n_logits) != (c["nodes"], c["logits"]):
         sys.exit(f"the plan has {c['nodes']} nodes, {c['logits']} logits; the graph {graph.n_nodes}, {graph.n_logits}")
     measured = {"resident_before_bytes": before, "measured_peak_bytes": peak, "measured_seconds": round(seconds, 1)}

@@ -24,7 +24,6 @@ utilisation of the H200's dense bf16 peak (an assumption, not a measurement).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -36,17 +35,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 H200_BF16_FLOPS = 989e12  # dense bf16 peak, from NVIDIA's H200 datasheet
 ASSUMED_UTILISATION = 0.4
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
-def _reset_hwm() -> None:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 ALONE = ("headlens", "edge_faithfulness")
@@ -82,6 +70,7 @@ def one_depth(depth: int, image_size: int, config: dict, only: list[str] | None 
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
+    from _rehearsal import read_peak, reset_peak
     from wide_model import build
 
     from countlens.pipeline import plan
@@ -99,13 +88,13 @@ def one_depth(depth: int, image_size: int, config: dict, only: list[str] | None 
 
     def close() -> None:
         if current[0] is not None:
-            measured[current[0]] = {"peak_bytes": _hwm(), "seconds": round(time.perf_counter() - current[1], 1)}
+            measured[current[0]] = {"peak_bytes": read_peak(), "seconds": round(time.perf_counter() - current[1], 1)}
             print(f"depth {depth} {current[0]}: {measured[current[0]]}", file=sys.stderr, flush=True)
 
     def log(line: str) -> None:
         if line.startswith("[") and line.endswith("] running"):
             close()
-            _reset_hwm()
+            reset_peak()
             current[:] = [line[1:].split("]")[0], time.perf_counter()]
 
     if only:
