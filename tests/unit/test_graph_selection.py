@@ -50,6 +50,26 @@ def reference_queue(influence: torch.Tensor, visited: torch.Tensor, size: int) -
     return [j for j in order if not visited[j]][:size]
 
 
+#: Influences within this share of the largest one are a tie: the graph's rows are float32 at its
+#: own batch size (the replay's are the full graph's, at 64, in float64), and another CPU's kernels
+#: round them otherwise, so a tie at a queue's cut may fall either way. A real difference in the rule
+#: (the direct influence counted twice, rows normalised over the feature columns only) moves the
+#: influences by far more than this.
+TIE = 1e-4
+
+
+def queue_through_ties(influence: torch.Tensor, visited: torch.Tensor, size: int, chosen) -> list[int]:
+    """`reference_queue`, but where the cut falls among features within `TIE` of it (a tie), the tied
+    features in ``chosen`` (what the implementation picked) are taken first; every feature clearly
+    above the cut is taken whatever was chosen."""
+    ranked = reference_queue(influence, visited, len(visited))
+    cut, tol = float(influence[ranked[size - 1]]), TIE * float(influence.abs().max())
+    sure = [j for j in ranked[:size] if influence[j] > cut + tol]
+    tied = [j for j in ranked if abs(float(influence[j]) - cut) <= tol]  # in rank order
+    tied.sort(key=lambda j: j not in chosen)  # stable: the chosen first, then by rank
+    return sure + tied[: size - len(sure)]
+
+
 def random_graph(seed: int, n_f=300, n_e=40, n_m=10, n_logits=3, layers=5):
     """A random attribution-graph-shaped adjacency (rows targets): features in ``layers`` layers read
     earlier layers' features and any error or embedding; logits read everything; sources only below."""
@@ -78,7 +98,10 @@ def test_the_next_picks_on_a_partial_random_graph_are_circuit_tracers(seed):
     mine = partial_influence(rows[:, :n_src], row_to_node, probs, n_f)
     want = reference_influence(rows, probs, row_to_node)[:n_f]
     assert_close(mine, want, scale=scale_of(want), what="partial influence")
-    assert next_features(mine, visited, 64).tolist() == reference_queue(want, visited, 64)
+    queue = next_features(mine, visited, 64).tolist()
+    assert set(queue) == set(queue_through_ties(want, visited, 64, set(queue)))
+    tol = TIE * float(want.abs().max())  # largest first, but where two are tied
+    assert all(want[a] >= want[b] - tol for a, b in zip(queue, queue[1:]))
     # Only the logit rows known: the direct influence alone, once.
     logit_only = partial_influence(rows[:n_logits, :n_src], row_to_node[:n_logits], probs, n_f)
     direct = probs.double() @ (a[n_src:].double().abs() / a[n_src:].double().abs().sum(1, keepdim=True))
@@ -110,14 +133,6 @@ def organism(loaded):
     torch.set_num_threads(before)
 
 
-#: Influences within this share of the largest one are a tie: the graph's rows are float32 at its
-#: own batch size (the replay's are the full graph's, at 64, in float64), and another CPU's kernels
-#: round them otherwise, so a tie at a queue's cut may fall either way. A real difference in the rule
-#: (the direct influence counted twice, rows normalised over the feature columns only) moves the
-#: influences by far more than this.
-TIE = 1e-4
-
-
 def replay(full, max_features: int, batch: int, interval: int, kept: set[int]) -> list[int]:
     """circuit-tracer's whole selection, replayed on the full graph's rows (the reference rule), in
     float64. Where a queue's cut falls among features whose influences are within `TIE` of it (a tie),
@@ -130,13 +145,7 @@ def replay(full, max_features: int, batch: int, interval: int, kept: set[int]) -
     while len(order) < max_features:
         row_to_node = torch.cat([logits, torch.tensor(order, dtype=torch.long)])
         influence = reference_influence(full.adjacency[row_to_node], full.logit_probs, row_to_node)[:n_f]
-        size = min(interval * batch, max_features - len(order))
-        ranked = reference_queue(influence, visited, n_f)
-        cut, tol = float(influence[ranked[size - 1]]), TIE * float(influence.abs().max())
-        sure = [j for j in ranked[:size] if influence[j] > cut + tol]
-        tied = [j for j in ranked if abs(float(influence[j]) - cut) <= tol]  # in rank order
-        tied.sort(key=lambda j: j not in kept)  # stable: the graph's choices first, then by rank
-        queue = sure + tied[: size - len(sure)]
+        queue = queue_through_ties(influence, visited, min(interval * batch, max_features - len(order)), kept)
         order += queue
         visited[queue] = True
     return order
