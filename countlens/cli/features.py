@@ -154,9 +154,11 @@ def write_graph(
     from countlens.datasets.tasks import task_samples
     from countlens.features import attribution_graph, draw_card, feature_cards, graph_dataset, prune, save_graph
     from countlens.features.graph_page import graph_page
+    from countlens.features.scores import graph_scores
 
     graph = attribution_graph(vlm, tcs, sample, **(graph_args or {}))
     pruned = prune(graph, node_threshold, edge_threshold)
+    full, drawn = graph_scores(graph), graph_scores(pruned)
     chosen = top_features(graph, top)
     scenes = task_samples("count", card_scenes, seed=seed)
     cards = feature_cards(vlm, tcs, scenes, list(chosen), top=min(6, card_scenes)) if chosen else None
@@ -165,7 +167,7 @@ def write_graph(
         tmp = Path(scratch)
         save_graph(pruned, tmp / "graph.json", slug=slug)
         graph_dataset(pruned).to_netcdf(tmp / "graph.nc")
-        graph_page(tmp / "graph.json", tmp / "graph.html", title=f"{slug}: {sample.question}", cards=cards)
+        graph_page(pruned, tmp / "graph.html", title=f"{slug}: {sample.question}", cards=cards)
         if cards is not None:
             cards.to_netcdf(tmp / "cards.nc")
             for name in cards.card.values:
@@ -176,6 +178,10 @@ def write_graph(
     typer.echo(
         f"scene: {sample.question} (answer {sample.answer}); graph {graph.n_nodes} nodes, {graph.n_edges} edges; "
         f"pruned {pruned.n_nodes} nodes ({pruned.n_features} features), {pruned.n_edges} edges"
+    )
+    typer.echo(
+        f"graph scores (circuit-tracer's): replacement {full['replacement']:.3f}, completeness "
+        f"{full['completeness']:.3f}; pruned graph {drawn['replacement']:.3f}, {drawn['completeness']:.3f}"
     )
     kept = {(layer, f) for layer, _, f in pruned.features.tolist()}
     typer.echo("top features by influence (its most influential position, its activation there):")

@@ -29,7 +29,9 @@ cumulative influence share (`countlens.features.prune`; computed here for an unp
 nodes, with node coordinates ``kind``, ``layer`` (−1 for embeddings, ``n_layers`` for logits),
 ``position``, ``feature`` (feature index, vocab id for a logit, −1 otherwise), ``object`` (the
 object of the node's position, −1 if none), ``node_id``; plus ``activation``, ``value``,
-``constant`` and ``influence`` over ``node``.
+``constant`` and ``influence`` over ``node``; its attrs hold circuit-tracer's graph scores,
+``replacement_score`` and ``completeness_score`` (`countlens.features.scores`; NaN for a graph
+without logit nodes), with the prompt, scan, layers, answer token and pruning thresholds.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import numpy as np
 from countlens.errors import InputError
 from countlens.features.graph import AttributionGraph
 from countlens.features.prune import cumulative_share, node_influence
+from countlens.features.scores import graph_scores
 from countlens.files import atomic_path
 
 if TYPE_CHECKING:
@@ -252,6 +255,7 @@ def graph_dataset(graph: AttributionGraph) -> xr.Dataset:
         },
     )
     ds["adjacency"].attrs["meaning"] = "A[target, source]: the source's direct effect on the target's value"
+    scores = graph_scores(graph) if graph.n_logits else {"replacement": np.nan, "completeness": np.nan}
     ds.attrs.update(
         {
             "prompt": graph.prompt,
@@ -260,6 +264,7 @@ def graph_dataset(graph: AttributionGraph) -> xr.Dataset:
             "answer_token": graph.answer_token,
             "node_threshold": -1.0 if graph.node_threshold is None else graph.node_threshold,
             "edge_threshold": -1.0 if graph.edge_threshold is None else graph.edge_threshold,
+            **{f"{k}_score": float(v) for k, v in scores.items()},
         }
     )
     return ds

@@ -22,6 +22,8 @@ and whose colour is its sign: orange adds to the target, blue takes away.
 token, feature index, activation, influence (the cumulative share at its rank: small for the most
 influential, `countlens.features.prune`), clerp (its label), for a logit its probability and for an
 image token's embedding its cell and object. A click pins the panel and highlights the node's links.
+The summary above the graph shows circuit-tracer's **graph scores** of the graph drawn
+(`countlens.features.scores`), for a graph given as an `AttributionGraph` (the viewer JSON has no place for them).
 With ``cards`` (a `countlens.features.cards.feature_cards` Dataset), a feature node whose
 (layer, feature) has a card also shows its card: the top scenes' maximum activations,
 ``fires_on_objects``, the direct effect on each count word's logit and the ablated effect.
@@ -42,6 +44,7 @@ from pathlib import Path
 from countlens.errors import InputError
 from countlens.features.graph import AttributionGraph
 from countlens.features.graph_files import graph_json
+from countlens.features.scores import graph_scores
 from countlens.files import refuse_output_over_input, write_text
 from countlens.html_page import BASE_CSS, json_script
 from countlens.labels import feature_label
@@ -109,7 +112,10 @@ def _viewer_json(graph_or_json, title: str | None) -> dict:
         if graph_or_json.n_edges > MAX_LINKS:
             raise _too_big(graph_or_json.n_edges, graph_or_json.node_threshold is not None)
         slug = re.sub(r"[^A-Za-z0-9_-]+", "-", title or "").strip("-") or "attribution-graph"
-        return graph_json(graph_or_json, slug)
+        data = graph_json(graph_or_json, slug)
+        if graph_or_json.n_logits:  # circuit-tracer's graph scores, on the summary (the JSON has no place)
+            data["metadata"].update({f"{k}_score": v for k, v in graph_scores(graph_or_json).items()})
+        return data
     if isinstance(graph_or_json, (str, Path)):
         file = Path(graph_or_json)
         if not file.is_file():
@@ -292,6 +298,11 @@ def _page_data(data: dict, cards: dict) -> dict:
             ["prompt", str(meta.get("prompt", ""))],
             ["transcoders", str(meta.get("scan", ""))],
             ["pruning", f"node threshold {_number(meta.get('node_threshold'))}"],
+            [
+                "graph scores",
+                f"replacement {_number(meta.get('replacement_score'))}, completeness "
+                f"{_number(meta.get('completeness_score'))} (circuit-tracer's; – from a JSON file)",
+            ],
             ["nodes", ", ".join(f"{v} {k}s" for k, v in counts.items())],
             ["links", str(len(links))],
         ],

@@ -29,6 +29,7 @@ from countlens.features import (
 )
 from countlens.features.graph_files import cantor
 from countlens.features.influence import influence, normalized
+from countlens.features.scores import graph_scores
 
 SMALL_MIX = {"count": 8, "color": 1, "shape": 1, "text": 2}
 
@@ -296,6 +297,12 @@ def test_the_dataset_holds_the_adjacency_with_node_coordinates(setup):
     emb = ds.sel(node=ds.kind == "embedding")
     assert np.array_equal(emb.object.values, g.objects.numpy())
     assert (ds.adjacency.source_kind.values == ds.kind.values).all()
+    # circuit-tracer's graph scores ride in the attrs: shares in (0, 1]; pruning drops errors and their edges.
+    want = graph_scores(g)
+    assert (ds.attrs["replacement_score"], ds.attrs["completeness_score"]) == tuple(want.values())
+    assert 0 < want["replacement"] <= 1 and 0 < want["completeness"] <= 1
+    pruned = graph_dataset(prune(g)).attrs
+    assert pruned["replacement_score"] == graph_scores(prune(g))["replacement"]
 
 
 # ----------------------------------------------------------------------------- refusals

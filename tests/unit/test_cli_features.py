@@ -5,6 +5,7 @@ the Dataset, the page and the cards of the top features, and prints them."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -84,6 +85,8 @@ def test_the_graph_command_writes_the_graph_the_page_and_the_cards(transcoders, 
     assert len(cards) == 3
     assert sorted(p.name for p in out.iterdir()) == sorted(["graph.json", "graph.nc", "graph.html", "cards.nc", *cards])
     assert "(answer 3)" in result.output
+    scores = r"graph scores \(circuit-tracer's\): replacement [01]\.\d{3}, completeness [01]\.\d{3}; pruned graph"
+    assert re.search(scores, result.output), result.output
     for name in cards:  # each card is printed among the top features
         assert f"  {name.removeprefix('card_').removesuffix('.png')}  position" in result.output
 
@@ -91,11 +94,13 @@ def test_the_graph_command_writes_the_graph_the_page_and_the_cards(transcoders, 
     assert data["metadata"]["node_threshold"] == 0.9
     assert data["metadata"]["prompt"].startswith("how many")
     ds = xr.load_dataset(out / "graph.nc")
+    assert 0 < ds.attrs["replacement_score"] <= 1 and 0 < ds.attrs["completeness_score"] <= 1
     assert ds.sizes["node"] == len(data["nodes"])
     assert int((ds.adjacency != 0).sum()) == len(data["links"])
     assert list(ds.node_id.values) == [n["node_id"] for n in data["nodes"]]
     page = (out / "graph.html").read_text()
     assert all(f'"{n["node_id"]}"' in page for n in data["nodes"])
+    assert f"replacement {ds.attrs['replacement_score']:.4g}, completeness" in page  # the pruned graph's
     assert "<script src" not in page and "http" not in page.replace("http://www.w3.org/2000/svg", "")
     card_ds = xr.load_dataset(out / "cards.nc")
     assert sorted(f"card_{c}.png" for c in card_ds.card.values) == cards
