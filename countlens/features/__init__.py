@@ -13,6 +13,7 @@
   model, `LocalReplacement`; bounded by ``max_features``), `AttributionGraph`.
 - `countlens.features.influence` — circuit-tracer's partial influence, which picks the features a graph keeps.
 - `countlens.features.prune` — `prune`, `node_influence`, `removal_effects`.
+- `countlens.features.scores` — `graph_scores`: circuit-tracer's replacement and completeness scores.
 - `countlens.features.cards` — `feature_cards` (a feature's top scenes, image maps, objects, effect on
   the count logits) and `draw_card`.
 - `countlens.features.graph_page` — `graph_page(graph, path)`: a pruned graph as one self-contained
@@ -34,6 +35,7 @@ from countlens.features.graph_files import graph_dataset, graph_json, save_graph
 from countlens.features.head_paths import head_shares, planted_path_recovery
 from countlens.features.prune import node_influence, prune, removal_effects
 from countlens.features.replacement import replacement, replacement_accuracy
+from countlens.features.scores import graph_scores
 from countlens.features.train import Training, train_transcoders
 from countlens.features.transcoder import ACTIVATIONS, Transcoder, TranscoderSet
 
@@ -53,6 +55,7 @@ __all__ = [
     "fidelity",
     "fvu",
     "graph_dataset",
+    "graph_scores",
     "graph_json",
     "load_transcoders",
     "node_influence",

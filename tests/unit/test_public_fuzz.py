@@ -343,6 +343,7 @@ def _feature_calls(vlm) -> dict:
         "fvu": dict(y=y, y_hat=y + 0.1),
         "graph_dataset": dict(graph=graph),
         "graph_json": dict(graph=graph, slug="g", scan=None, prompt_tokens=None),
+        "graph_scores": dict(graph=graph),
         "graph_page": dict(graph_or_json=graph, path="graph.html", title=None, cards=cards),
         "head_shares": dict(vlm=vlm, transcoders=tcs, sample=samples[0], graph=graph, target=None, batch_size=16),
         "load_transcoders": dict(folder=folder, vlm=vlm, dtype=None),
