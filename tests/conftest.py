@@ -102,6 +102,20 @@ def _fingerprint(vlm) -> tuple:
     return tensors, hooks, model.training, type(model), vlm.processor, vlm.tokenizer
 
 
+@pytest.fixture(scope="session")
+def small_transcoders(loaded):
+    """The graph tests' shared transcoders of the organism (TopK, width 32, k 4, 8 steps on 16 counting
+    scenes, one torch thread), trained once a session. Read them, don't change them."""
+    from countlens.features import train_transcoders
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_transcoders(loaded("toy"), width=32, k=4, steps=8, mix={"count": 16}, progress=False).transcoders
+    finally:
+        torch.set_num_threads(before)
+
+
 _SHARED: dict[tuple, tuple] = {}  # (name, load keywords) → (VLM, its fingerprint at load)
 _FETCHED: set[tuple] = set()  # the shared models handed out during the current test
 

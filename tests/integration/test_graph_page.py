@@ -17,20 +17,20 @@ import torch
 
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError
-from countlens.features import attribution_graph, feature_cards, graph_json, prune, train_transcoders
+from countlens.features import attribution_graph, feature_cards, graph_json, prune
 from countlens.features import graph_page as graph_page_module
 from countlens.features.graph_page import graph_page
 from countlens.features.scores import graph_scores
 
 
 @pytest.fixture(scope="module")
-def built(loaded, tmp_path_factory):
+def built(small_transcoders, loaded, tmp_path_factory):
     """The organism's graph of a 3-object scene (tiny transcoders), pruned, its viewer JSON, the cards
     of three of its features, and the page."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     vlm = loaded("toy")
-    tcs = train_transcoders(vlm, width=32, k=4, steps=8, mix={"count": 16}, progress=False).transcoders
+    tcs = small_transcoders
     sample = next(s for s in task_samples("count", 64, seed=0) if s.meta["count"] == 3)
     graph = attribution_graph(vlm, tcs, sample)
     pruned = prune(graph, 0.9, 0.98)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from countlens.cli import app
 from countlens.datasets.tasks import count_task_sample
 from countlens.errors import InputError
-from countlens.features import attribution_graph, train_transcoders
+from countlens.features import attribution_graph
 from countlens.model.memory import widths
 from countlens.pipeline.graph_cost import ADJACENCY_BYTES, fitting_knob, graph_cost, prompt_length
 
@@ -20,11 +20,11 @@ WIDTH, K = 32, 4
 
 
 @pytest.fixture(scope="module")
-def organism(loaded):
+def organism(small_transcoders, loaded):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     vlm = loaded("toy")
-    tcs = train_transcoders(vlm, width=WIDTH, k=K, steps=8, mix={"count": 16}, progress=False).transcoders
+    tcs = small_transcoders
     yield vlm, tcs, count_task_sample(3, 0)
     torch.set_num_threads(before)
 

@@ -24,7 +24,7 @@ from tolerance import assert_close, scale_of
 
 from countlens.datasets.tasks import count_task_sample
 from countlens.errors import InputError
-from countlens.features import attribution_graph, train_transcoders
+from countlens.features import attribution_graph
 from countlens.features.influence import next_features, partial_influence
 
 WIDTH, K = 32, 4
@@ -122,11 +122,11 @@ def test_row_sums_are_over_all_columns_and_clamped():
 
 
 @pytest.fixture(scope="module")
-def organism(loaded):
+def organism(small_transcoders, loaded):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     vlm = loaded("toy")
-    tcs = train_transcoders(vlm, width=WIDTH, k=K, steps=8, mix={"count": 16}, progress=False).transcoders
+    tcs = small_transcoders
     sample = count_task_sample(3, 0)
     full = attribution_graph(vlm, tcs, sample, max_logits=3, batch_size=64)
     yield vlm, tcs, sample, full

@@ -16,16 +16,16 @@ from tolerance import assert_close, bound, scale_of
 
 from countlens.datasets.tasks import task_samples
 from countlens.errors import InputError
-from countlens.features import LocalReplacement, TranscoderSet, attribution_graph, train_transcoders
+from countlens.features import LocalReplacement, TranscoderSet, attribution_graph
 from countlens.features.head_paths import VARIABLES, head_shares, planted_path_recovery
 
 
 @pytest.fixture(scope="module")
-def setup(loaded):
+def setup(small_transcoders, loaded):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     vlm = loaded("toy")
-    tcs = train_transcoders(vlm, width=32, k=4, steps=8, mix={"count": 16}, progress=False).transcoders
+    tcs = small_transcoders
     sample = task_samples("count", 4, seed=0)[1]
     graph = attribution_graph(vlm, tcs, sample, batch_size=16)
     shares = head_shares(vlm, tcs, sample, graph=graph)
