@@ -55,7 +55,7 @@ from countlens.features.graph import AttributionGraph, LocalReplacement, token_p
 from countlens.features.replacement import check_graphable
 from countlens.labels import head_keys
 from countlens.model.adapt import module_of
-from countlens.validate import require_count
+from countlens.validate import require_choice, require_count
 
 if TYPE_CHECKING:
     from countlens.features.transcoder import TranscoderSet
@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 
 #: The per-head variables of `head_shares`, in order.
 VARIABLES: tuple[str, ...] = ("path", "direct", "image", "image_direct", "share")
+#: How `head_shares` treats the feature nodes: held at their clean activations (sources, as the graph's
+#: edges hold them) or moving linearly with their pre-activations (the graph's feature-to-feature edges).
+FEATURES: tuple[str, ...] = ("frozen", "linear")
 
 
 @dataclass(frozen=True)
@@ -83,24 +86,34 @@ def head_shares(
     graph: AttributionGraph | None = None,
     target: int | None = None,
     batch_size: int = 32,
+    features: str = "frozen",
+    against: int | None = None,
 ) -> xr.Dataset:
     """Per head, what of the target logit's demeaned value flows through it in the local replacement
     model of ``sample`` (see the module's docstring): an ``xr.Dataset`` over (layer, head) with
     ``path``, ``direct``, ``image``, ``image_direct`` and ``share``; attrs ``target`` (vocab id),
-    ``target_string``, ``value``, ``no_heads``, ``image_total``, ``image_no_heads``, ``n_image`` and,
-    with a ``graph``, ``graph_image`` (its logit row summed over the image embedding nodes, which
-    equals ``image_total``). ``graph``: the sample's attribution graph; ``target`` defaults to its
-    first logit node (without a graph, the most probable token). ``batch_size``: rows per forward."""
+    ``target_string``, ``against`` (vocab id or −1), ``features``, ``value``, ``no_heads``,
+    ``image_total``, ``image_no_heads``, ``n_image`` and, with a ``graph`` that allows it,
+    ``graph_image`` (the graph's own figure for ``image_total``, equal to it: its image embedding edges
+    into the logit row; with ``features="linear"`` their total through its feature-to-feature edges,
+    which needs every active feature in the graph). ``graph``: the sample's attribution graph;
+    ``target`` defaults to its first logit node (without a graph, the most probable token).
+    ``batch_size``: rows per forward. ``features``: "frozen" (feature writes held, as the graph's
+    edges are) or "linear" (features move with their pre-activations, the graph's linearisation).
+    ``against``: a second vocab id; the value is then the target's logit minus this one's."""
     _check(vlm, transcoders, sample)
     require_count(batch_size, "batch_size")
+    require_choice(features, "features", FEATURES)
     prepared = vlm.prepare_samples([sample])
     ids = prepared.inputs["input_ids"][0].cpu()
     if not len(prepared.image_pos[0]):
         raise InputError("head_shares splits the image tokens' attribution: the sample has no image tokens")
-    if target is not None:
-        vocab = module_of(vlm.hf, vlm.arch.lm_head).weight.shape[0]
-        if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= int(target) < vocab:
-            raise InputError(f"target takes a vocab id 0 … {vocab - 1}, got {target!r}")
+    vocab = module_of(vlm.hf, vlm.arch.lm_head).weight.shape[0]
+    for name, token in (("target", target), ("against", against)):
+        if token is not None and (
+            isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= int(token) < vocab
+        ):
+            raise InputError(f"{name} takes a vocab id 0 … {vocab - 1}, got {token!r}")
     if graph is not None:
         if not isinstance(graph, AttributionGraph):
             raise InputError(f"graph takes an AttributionGraph (attribution_graph(...)), got {type(graph).__name__}")
@@ -109,24 +122,33 @@ def head_shares(
             raise InputError("graph is not this sample's attribution graph on this model: its tokens or objects differ")
         target = int(graph.logit_tokens[0]) if target is None else int(target)
         graph.logit_node(target)  # refuses a token that is no logit node of the graph
+    if against is not None and target is not None and int(against) == int(target):
+        raise InputError(f"against={against} is the target itself: give another vocab id (or None for the logit alone)")
 
     lr = LocalReplacement(vlm, transcoders, sample)
     target = int(lr.logits.argmax()) if target is None else int(target)
+    if against is not None and int(against) == target:  # the top logit, found by the recording forward
+        raise InputError(f"against={against} is the target (the most probable token): give another vocab id")
+    direction = lr.demeaned(torch.tensor([target]))[0]
+    if against is not None:
+        direction = direction - lr.demeaned(torch.tensor([int(against)]))[0]
+    linear = features == "linear"
     image_pos = lr.batch.image_pos[0]
     arch = vlm.arch
     heads = [(layer, h) for layer in range(arch.n_layers) for h in range(arch.heads(layer))]
 
     with torch.no_grad():
-        base, z_clean = _record_z(lr, image_pos, target)
+        final, z_clean = _record_z(lr, image_pos, linear)
         rows = [_Row(image=i, removed=r, frozen=f) for i in (False, True) for r, f in _removals(heads)]
-        values = _values(lr, rows, image_pos, z_clean, target, batch_size)
+        values = _values(lr, rows, image_pos, z_clean, direction, batch_size, linear)
     got = dict(zip(rows, values))
-    value, blind = float(base[0]), float(base[1])
+    value, blind = (final @ direction).tolist()
     if graph is not None:
         recorded = float(graph.values[graph.logit_node(target)])
-        if abs(recorded - value) > 1e-3 * max(abs(value), 1.0):
+        own = float(final[0] @ lr.demeaned(torch.tensor([target]))[0])
+        if abs(recorded - own) > 1e-3 * max(abs(own), 1.0):
             raise InputError(
-                f"graph's value of logit {target} is {recorded:.4g}, this sample's {value:.4g}: not this sample's graph"
+                f"graph's value of logit {target} is {recorded:.4g}, this sample's {own:.4g}: not this sample's graph"
             )
     image_total = value - blind
 
@@ -145,6 +167,8 @@ def head_shares(
     attrs = {
         "target": target,
         "target_string": vlm.token_strings([target])[0],
+        "against": -1 if against is None else int(against),
+        "features": features,
         "value": value,
         "no_heads": no_heads,
         "image_total": image_total,
@@ -152,9 +176,13 @@ def head_shares(
         "n_image": len(image_pos),
     }
     if graph is not None:
-        row = graph.adjacency[graph.logit_node(target)]
         on_image = torch.isin(graph.embeddings, image_pos.cpu())
-        attrs["graph_image"] = float(row[graph.start("embedding") : graph.start("logit")][on_image].sum())
+        sources = torch.zeros(graph.n_nodes, dtype=torch.bool)
+        sources[graph.start("embedding") : graph.start("logit")] = on_image
+        rows_of = [target] if against is None else [target, int(against)]
+        if all(int(t) in graph.logit_tokens.tolist() for t in rows_of) and (not linear or _complete(graph, lr)):
+            totals = [_graph_total(graph, sources, graph.logit_node(t), linear) for t in rows_of]
+            attrs["graph_image"] = totals[0] - (totals[1] if against is not None else 0.0)
     coords = {"layer": np.arange(arch.n_layers), "head": np.arange(arch.n_heads)}
     return xr.Dataset({k: (("layer", "head"), v) for k, v in out.items()}, coords=coords, attrs=attrs)
 
@@ -191,20 +219,19 @@ def _removals(heads: list[tuple[int, int]]) -> Iterator[tuple[tuple[tuple[int, i
 
 
 def _record_z(
-    lr: LocalReplacement, image_pos: torch.Tensor, target: int
-) -> tuple[list[float], dict[int, torch.Tensor]]:
-    """The clean and the image-blind rows (image embeddings zeroed): their target values and their z
-    at every layer's o_proj, (2, seq, width)."""
+    lr: LocalReplacement, image_pos: torch.Tensor, linear: bool
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The clean and the image-blind rows (image embeddings zeroed): their final norm outputs at the last
+    position, (2, d_model) float32, and their z at every layer's o_proj, (2, seq, width)."""
     arch = lr.vlm.arch
     z: dict[int, torch.Tensor] = {}
     keep = [
         Hook(arch.o_proj(la), "input", lambda t, la=la: z.update({la: t.detach().clone()}))
         for la in range(arch.n_layers)
     ]
-    with hooked(lr.vlm.hf, keep):
-        got = lr.run(_embeds(lr, [False, True], image_pos))
-    direction = lr.demeaned(torch.tensor([target]))[0]
-    return (got["final"][:, -1].float() @ direction).tolist(), z
+    with hooked(lr.vlm.hf, keep), _linear_features(lr, 2, linear) as writes:
+        got = lr.run(_embeds(lr, [False, True], image_pos), writes)
+    return got["final"][:, -1].float(), z
 
 
 def _embeds(lr: LocalReplacement, blind: list[bool], image_pos: torch.Tensor) -> torch.Tensor:
@@ -213,6 +240,33 @@ def _embeds(lr: LocalReplacement, blind: list[bool], image_pos: torch.Tensor) ->
         if b:
             embed[r, image_pos] = 0
     return embed
+
+
+@contextmanager
+def _linear_features(lr: LocalReplacement, n: int, linear: bool) -> Iterator[dict[int, torch.Tensor] | None]:
+    """With ``linear``, the writes to give ``lr.run`` for ``n`` rows: per layer a buffer that a forward
+    pre-hook on the MLP fills from the MLP's input before the replacement model's own MLP hook reads
+    it — the clean writes plus ``(pre(x) − pre_clean) · [a_clean ≠ 0] @ W_dec``, each active feature
+    moving with its pre-activation (the derivative of TopK, ReLU and JumpReLU there; the active set
+    held), the error term held. Without ``linear``: None (the clean writes, features held)."""
+    if not linear:
+        yield None
+        return
+    arch = lr.vlm.arch
+    writes = {layer: w.expand(n, -1, -1).clone() for layer, w in lr.writes.items()}
+
+    def fill(layer: int):
+        tc = lr.transcoders.layer(layer)
+        active = (lr.act[layer] != 0).to(tc.dtype)
+
+        def hook(x):
+            moved = (tc.pre_activations(x.to(tc.dtype)) - lr.pre[layer]) * active
+            writes[layer].copy_(lr.writes[layer] + moved @ tc.W_dec)
+
+        return hook
+
+    with hooked(lr.vlm.hf, [Hook(arch.mlp(layer), "input", fill(layer)) for layer in writes]):
+        yield writes
 
 
 @contextmanager
@@ -250,15 +304,37 @@ def _values(
     rows: list[_Row],
     image_pos: torch.Tensor,
     z_clean: dict[int, torch.Tensor] | None,
-    target: int,
+    direction: torch.Tensor,
     batch_size: int,
+    linear: bool,
 ) -> list[float]:
-    """The target's demeaned value in the frozen model, one per row."""
-    direction = lr.demeaned(torch.tensor([target]))[0]
+    """The value (the final norm's output at the last position, read along ``direction``) in the
+    frozen model, one per row."""
     out: list[float] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        with _head_hooks(lr, chunk, z_clean):
-            got = lr.run(_embeds(lr, [row.image for row in chunk], image_pos))
+        with _head_hooks(lr, chunk, z_clean), _linear_features(lr, len(chunk), linear) as writes:
+            got = lr.run(_embeds(lr, [row.image for row in chunk], image_pos), writes)
         out += (got["final"][:, -1].float() @ direction).tolist()
     return out
+
+
+def _complete(graph: AttributionGraph, lr: LocalReplacement) -> bool:
+    """Whether ``graph`` holds every feature active in ``lr`` (no ``max_features`` cut)."""
+    return graph.n_features == sum(int((a != 0).sum()) for a in lr.act.values())
+
+
+def _graph_total(graph: AttributionGraph, sources: torch.Tensor, node: int, linear: bool) -> float:
+    """The total attribution to ``node`` of the non-feature nodes ``sources`` marks (a bool mask): the sum
+    of their edges into it and, with ``linear``, their routes through the feature nodes, each feature's
+    activation moving with its pre-activation: ``δa = (I − A_FF D⁻¹)⁻¹ A_FS 1`` (``D`` the activations;
+    ``A_FF`` is strictly lower triangular in node order, layer-major), plus ``A_nF D⁻¹ δa``."""
+    a = graph.adjacency.double()
+    total = float(a[node, sources].sum())
+    if not linear:
+        return total
+    f = graph.n_features
+    acts = graph.activations.double()
+    system = torch.eye(f, dtype=torch.float64) - a[:f, :f] / acts[None, :]
+    moved = torch.linalg.solve_triangular(system, a[:f, sources].sum(1, keepdim=True), upper=False)[:, 0]
+    return total + float((a[node, :f] / acts) @ moved)

@@ -1,8 +1,10 @@
 """Head paths of an attribution graph (`countlens.features.head_paths`) on the organism with tiny
 transcoders: the exact linearity identities (direct effects and the no-head part add up to the value,
 a layer's paths add up to removing the layer, the image total is the graph's image edges), each head's
-path and image share against a plain torch hook on o_proj in the frozen model, recovery scoring, and
-every refusal before any forward."""
+path and image share against a plain torch hook on o_proj in the frozen model; with the features
+linear, the image total and each head's path against the graph's own feature-to-feature edges
+(propagated here by fixed-point iteration); a logit difference (``against``) against the two logits'
+paths; recovery scoring, and every refusal before any forward."""
 
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ def setup(small_transcoders, loaded):
     torch.set_num_threads(before)
 
 
-def _removed(vlm, tcs, sample, cells, target, blind_image=False):
+def _removed(vlm, tcs, sample, cells, target, blind_image=False, inputs=False):
     """The target's demeaned value in the frozen model with the heads ``cells`` zeroed by a plain
-    forward pre-hook on o_proj (and the image embeddings zeroed if ``blind_image``)."""
+    forward pre-hook on o_proj (and the image embeddings zeroed if ``blind_image``); with ``inputs``,
+    also the MLP inputs of that run and of the clean one (per layer)."""
     lr = LocalReplacement(vlm, tcs, sample)
     arch = vlm.arch
     handles = []
@@ -59,7 +62,8 @@ def _removed(vlm, tcs, sample, cells, target, blind_image=False):
     finally:
         for h in handles:
             h.remove()
-    return float(got["final"][0, -1].float() @ lr.demeaned(torch.tensor([target]))[0])
+    value = float(got["final"][0, -1].float() @ lr.demeaned(torch.tensor([target]))[0])
+    return (value, got["mlp_in"], lr.x) if inputs else value
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +159,92 @@ def test_batching_does_not_change_the_result_and_another_target_can_be_asked(set
         _close(other.attrs["graph_image"], other.attrs["image_total"], logit_size, "another target")
 
 
+# ----------------------------------------------------------------------------- features linear
+
+
+@pytest.fixture(scope="module")
+def linear(setup):
+    vlm, tcs, sample, graph, _ = setup
+    return head_shares(vlm, tcs, sample, graph=graph, features="linear")
+
+
+def _through_features(graph, direct):
+    """Per unit of each feature's own input, its total effect on the graph's first logit: the logit row
+    ``A_LF D⁻¹`` carried back through the feature-to-feature edges ``W = A_FF D⁻¹`` (``D`` the
+    activations) by fixed-point iteration, ``g ← A_LF D⁻¹ + g W``, exact after n_layers rounds (a
+    feature reads only earlier layers' writes); dotted with ``direct`` (n_features,), the features'
+    input changes that no feature carried."""
+    a, f = graph.adjacency.double(), graph.n_features
+    acts = graph.activations.double()
+    w = a[:f, :f] / acts[None, :]
+    row = a[graph.logit_node(), :f] / acts
+    g = row.clone()
+    for _ in range(graph.n_layers):
+        g = row + g @ w
+    return float(g @ direct.double())
+
+
+@pytest.mark.numeric
+def test_linear_features_keep_the_identities_and_the_image_total_is_the_graphs_total(setup, linear, logit_size):
+    d, lin = setup[4], linear
+    a = lin.attrs
+    assert a["features"] == "linear" and a["against"] == -1 and d.attrs["features"] == "frozen"
+    _close(a["value"], d.attrs["value"], logit_size, "value: the clean point is the same")
+    _close(a["no_heads"] + float(lin["direct"].sum()), a["value"], logit_size, "linear: no heads + direct")
+    _close(a["image_no_heads"] + float(lin["image_direct"].sum()), a["image_total"], logit_size, "linear: image")
+    # The graph's own figure: image embedding edges into the logit plus their routes through features.
+    vlm, _, sample, g, _ = setup
+    image = vlm.prepare_samples([sample]).image_pos[0].cpu()
+    sources = torch.zeros(g.n_nodes, dtype=torch.bool)
+    sources[g.start("embedding") : g.start("logit")] = torch.isin(g.embeddings, image)
+    edges = g.adjacency.double()[:, sources].sum(1)
+    through = _through_features(g, edges[: g.n_features])
+    _close(float(edges[g.logit_node()]) + through, a["image_total"], logit_size, "graph's total vs linear image")
+    _close(a["graph_image"], a["image_total"], logit_size, "graph_image, linear")
+    assert abs(through) > 100 * bound(logit_size)  # the features carry a part: the two modes differ
+
+
+@pytest.mark.numeric
+def test_a_heads_linear_path_is_its_frozen_path_plus_its_inputs_to_features_through_the_graph(setup, linear):
+    vlm, tcs, sample, g, d = setup
+    target = d.attrs["target"]
+    nodes = g.features
+    scale = scale_of(d.attrs["value"], g.activations, g.values[: g.n_features])
+    gap = np.abs(linear["path"].values - d["path"].values)
+    most = tuple(int(i) for i in np.unravel_index(np.nanargmax(gap), gap.shape))  # the most feature-borne
+    for cell in {most, (1, 2)}:
+        cut, moved, clean = _removed(vlm, tcs, sample, [cell], target, inputs=True)
+        direct = torch.zeros(g.n_features, dtype=torch.float64)
+        for layer in nodes[:, 0].unique().tolist():
+            here = (nodes[:, 0] == layer).nonzero().flatten()
+            tc = tcs.layer(layer)
+            with torch.no_grad():
+                change = tc.pre_activations(moved[layer][0]) - tc.pre_activations(clean[layer][0])
+            direct[here] = change[nodes[here, 1], nodes[here, 2]].double()
+        frozen_path = d.attrs["value"] - cut
+        want = frozen_path - _through_features(g, direct)
+        got = float(linear["path"].sel(layer=cell[0], head=cell[1]))
+        _close(got, want, scale, f"{cell}'s linear path vs the graph")
+        if cell == most:  # the features carry a part of its path: the two modes differ
+            assert abs(want - frozen_path) > 100 * bound(scale)
+
+
+@pytest.mark.numeric
+def test_against_reads_the_logit_difference(setup, logit_size):
+    vlm, tcs, sample, g, d = setup
+    other = int(g.logit_tokens[1])
+    vs = head_shares(vlm, tcs, sample, graph=g, against=other)
+    alone = head_shares(vlm, tcs, sample, target=other)
+    with torch.no_grad():
+        logits = vlm.forward(vlm.prepare_samples([sample])).logits[0, -1].float()
+    a = vs.attrs
+    assert a["against"] == other and a["target"] == d.attrs["target"]
+    _close(a["value"], float(logits[a["target"]] - logits[other]), logit_size, "value: the logit difference")
+    for name in ("path", "direct", "image", "image_direct"):
+        _close(vs[name], d[name] - alone[name], logit_size, f"{name}: the difference of the two logits'")
+    _close(a["graph_image"], a["image_total"], logit_size, "graph_image of a difference")
+
+
 # ----------------------------------------------------------------------------- recovery
 
 
@@ -189,6 +279,11 @@ def test_bad_arguments_are_refused_before_any_forward(setup):
         (lambda: head_shares(vlm, tcs, sample, graph=g, target=absent), "no logit node"),
         (lambda: head_shares(vlm, tcs, sample, target=-1), "vocab id"),
         (lambda: head_shares(vlm, tcs, sample, target="3"), "vocab id"),
+        (lambda: head_shares(vlm, tcs, sample, features="nonlinear"), "'frozen', 'linear'"),
+        (lambda: head_shares(vlm, tcs, sample, against=-1), "against takes a vocab id"),
+        (lambda: head_shares(vlm, tcs, sample, against=2.0), "against takes a vocab id"),
+        (lambda: head_shares(vlm, tcs, sample, graph=g, against=int(g.logit_tokens[0])), "target itself"),
+        (lambda: head_shares(vlm, tcs, sample, target=5, against=5), "target itself"),
         (lambda: planted_path_recovery(d, []), "empty"),
         (lambda: planted_path_recovery(d.drop_vars("share"), [(0, 2)]), "'share'"),
         (lambda: planted_path_recovery([0.1], [(0, 2)]), "DataArray"),
