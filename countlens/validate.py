@@ -61,6 +61,13 @@ def require_positive(value, name: str, kind: type[CountlensError] = InputError) 
     return value
 
 
+def require_finite(value, name: str, kind: type[CountlensError] = InputError) -> float:
+    """A finite number, of any sign (a steering factor, a clamped activation): refuses NaN, ±inf, a bool."""
+    if not _real(value):
+        raise kind(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def require_nonnegative(value, name: str, kind: type[CountlensError] = InputError) -> float:
     """A finite number ≥ 0 (a loss weight, a weight decay, an importance threshold)."""
     if not _real(value) or value < 0:

@@ -12,6 +12,10 @@
 - `countlens.features.graph` — `attribution_graph` (one prompt's graph on the local replacement
   model, `LocalReplacement`; bounded by ``max_features``), `AttributionGraph`.
 - `countlens.features.influence` — circuit-tracer's partial influence, which picks the features a graph keeps.
+- `countlens.features.interventions` — `remove_feature`, `clamp_feature`, `steer_feature`: a feature edited
+  inside the real model's forward (error term held), as interventions for `countlens.circuits.intervene`.
+- `countlens.features.effects` — `feature_effects`: a graph's predicted removal and steering effects
+  against the real model's.
 - `countlens.features.prune` — `prune`, `node_influence`, `removal_effects`.
 - `countlens.features.scores` — `graph_scores`: circuit-tracer's replacement and completeness scores.
 - `countlens.features.cards` — `feature_cards` (a feature's top scenes, image maps, objects, effect on
@@ -29,10 +33,12 @@ give the organism's measured figures.
 
 from countlens.features.activations import DEFAULT_MIX, Activations, collect_activations, fidelity, fvu
 from countlens.features.cards import draw_card, feature_cards
+from countlens.features.effects import feature_effects
 from countlens.features.files import load_transcoders, save_transcoders
 from countlens.features.graph import AttributionGraph, LocalReplacement, attribution_graph
 from countlens.features.graph_files import graph_dataset, graph_json, save_graph
 from countlens.features.head_paths import head_shares, planted_path_recovery
+from countlens.features.interventions import clamp_feature, remove_feature, steer_feature
 from countlens.features.prune import node_influence, prune, removal_effects
 from countlens.features.replacement import replacement, replacement_accuracy
 from countlens.features.scores import graph_scores
@@ -49,9 +55,11 @@ __all__ = [
     "Transcoder",
     "TranscoderSet",
     "attribution_graph",
+    "clamp_feature",
     "collect_activations",
     "draw_card",
     "feature_cards",
+    "feature_effects",
     "fidelity",
     "fvu",
     "graph_dataset",
@@ -60,11 +68,13 @@ __all__ = [
     "load_transcoders",
     "node_influence",
     "prune",
+    "remove_feature",
     "removal_effects",
     "replacement",
     "replacement_accuracy",
     "save_graph",
     "save_transcoders",
+    "steer_feature",
     "train_transcoders",
     "head_shares",
     "planted_path_recovery",

@@ -58,7 +58,7 @@ from countlens.errors import InputError
 from countlens.features.influence import BLOCK_ELEMENTS, UPDATE_INTERVAL, next_features, partial_influence
 from countlens.features.replacement import check_graphable
 from countlens.features.transcoder import TranscoderSet
-from countlens.validate import require_count, require_share
+from countlens.validate import require_count, require_integer, require_share
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM, Batch
@@ -135,13 +135,14 @@ class AttributionGraph:
 
     def logit_node(self, token: int | None = None) -> int:
         """The node index of the logit for vocab id ``token`` (default: the most probable)."""
+        if not self.n_logits:
+            raise InputError("this graph has no logit nodes to attribute to; build it with attribution_graph")
         if token is None:
             return self.start("logit")
-        hit = (self.logit_tokens == int(token)).nonzero().flatten()
+        hit = (self.logit_tokens == require_integer(token, "logit (a vocab id)", low=0)).nonzero().flatten()
         if not len(hit):
             raise InputError(
-                f"token {token} is no logit node of this graph (its logits are {self.logit_tokens.tolist()}); "
-                "raise max_logits / logit_prob"
+                f"token {token} is no logit node (the graph's are {self.logit_tokens.tolist()}); raise max_logits"
             )
         return self.start("logit") + int(hit[0])
 

@@ -337,8 +337,12 @@ def _feature_calls(vlm) -> dict:
             vlm=vlm, transcoders=tcs, sample=samples[0], max_logits=2, logit_prob=0.95, max_features=4, batch_size=16
         ),
         "collect_activations": dict(vlm=vlm, layers=[0], samples=samples, texts=(), batch_size=2),
+        "clamp_feature": dict(transcoders=tcs, layer=0, feature=1, value=2.0, positions="last"),
         "draw_card": dict(cards=cards, card=str(cards.card.values[0]), samples=samples, path="card.png"),
         "feature_cards": dict(vlm=vlm, transcoders=tcs, samples=samples, features=[(0, 1)], top=1, batch_size=2),
+        "feature_effects": dict(
+            vlm=vlm, transcoders=tcs, graph=graph, sample=samples[0], features=2, factor=2.0, logit=None
+        ),
         "fidelity": dict(transcoders=tcs, activations=features.collect_activations(vlm, range(6), samples), chunk=64),
         "fvu": dict(y=y, y_hat=y + 0.1),
         "graph_dataset": dict(graph=graph),
@@ -351,10 +355,12 @@ def _feature_calls(vlm) -> dict:
         "planted_path_recovery": dict(shares=shares, circuit_heads=[(0, 2)]),
         "prune": dict(graph=graph, node_threshold=0.8, edge_threshold=0.98),
         "removal_effects": dict(graph=graph, logit=None),
+        "remove_feature": dict(transcoders=tcs, layer=0, feature=1, positions="last"),
         "replacement": dict(vlm=vlm, transcoders=tcs),
         "replacement_accuracy": dict(vlm=vlm, transcoders=tcs, samples=samples, batch_size=2),
         "save_graph": dict(graph=graph, path="graph.json", slug=None),
         "save_transcoders": dict(transcoders=tcs, folder=FRESH, model_name=None, scan=None),
+        "steer_feature": dict(transcoders=tcs, layer=0, feature=1, factor=2.0, positions="last"),
         "train_transcoders": dict(
             vlm=vlm,
             layers=[0],

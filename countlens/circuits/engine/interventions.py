@@ -60,7 +60,7 @@ from countlens.circuits.sites.positions import (
 from countlens.errors import InputError, LayerError
 from countlens.model.arch import text_config
 from countlens.model.vlm import check_samples
-from countlens.validate import require_integer, require_seed
+from countlens.validate import require_finite, require_integer, require_seed
 
 if TYPE_CHECKING:
     from countlens.model.vlm import VLM
@@ -267,7 +267,7 @@ class Add(Intervention):
         self._width(vlm, self.vector, "vector")
         if self.vector.ndim != 1:
             raise InputError(f"Add's vector is (d,), got shape {tuple(self.vector.shape)}")
-        _finite(self.alpha, "Add's alpha")
+        require_finite(self.alpha, "Add's alpha")
 
     def op(self):
         vector, alpha = self.vector, float(self.alpha)
@@ -281,7 +281,7 @@ class Scale(Intervention):
     beta: float = 1.0
 
     def check_values(self, vlm: VLM) -> None:
-        _finite(self.beta, "Scale's beta")
+        require_finite(self.beta, "Scale's beta")
 
     def op(self):
         beta = float(self.beta)
@@ -433,16 +433,6 @@ class Block(Intervention):
             )
         self.positions.check(vlm)
         self.keys.check(vlm)
-
-
-def _finite(value, name: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float, np.integer, np.floating))
-        or not np.isfinite(value)
-    ):
-        raise InputError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 def as_interventions(vlm: VLM, interventions) -> list[Intervention]:
