@@ -32,9 +32,25 @@ Quantities, for one target logit (the graph's first logit node, else the most pr
   hold the large shares; `planted_path_recovery` scores the ranking of |share| against them (AUROC,
   precision@|C|, `countlens.circuits.graph.recovery`).
 
+**Features** (``features=``). ``"frozen"`` (the default) holds every feature's write at its clean
+value: the routes counted are the graph's edges, those that reach the logit without passing a feature
+(an MLP that reads a head's output on the way is an edge into a feature node, held). ``"linear"``
+follows the graph's feature-to-feature edges too: each active feature's activation moves with its
+pre-activation, ``a_f = a_f,clean + (pre_f − pre_f,clean)`` (the derivative of TopK, ReLU and JumpReLU
+at the clean point, the active set held; inactive features stay 0; the error terms stay held). The
+model stays affine, so every identity above holds, and ``image_total`` is the image embedding nodes'
+total through the graph: ``Σ A_Li + A_LF D⁻¹ (I − A_FF D⁻¹)⁻¹ Σ A_Fi`` over image nodes i (``D`` the
+activations; ``graph_image`` computes it from the adjacency when the graph holds every active
+feature). This linearisation is countlens's: circuit-tracer ranks nodes by the normalised |A| instead.
+
+**Against** (``against=``, a second vocab id): the value is the target's logit minus that one's,
+``(W_U[t] − W_U[a]) · h``; every quantity is then the target's minus the other's. With ``a`` the
+neighbouring count, what moves both logits alike (content that is not the count) cancels.
+
 Computation: one frozen forward (``LocalReplacement.run``) per row, rows batched ``batch_size`` at a
-time; a forward pre-hook on each layer's ``o_proj`` zeroes (or freezes) each row's heads. Heads beyond
-a layer's own (mixed-width models) are NaN.
+time; a forward pre-hook on each layer's ``o_proj`` zeroes (or freezes) each row's heads, and with
+linear features one on each MLP fills the writes the replacement model's MLP hook then reads. Heads
+beyond a layer's own (mixed-width models) are NaN.
 """
 
 from __future__ import annotations
