@@ -152,7 +152,15 @@ def write_graph(
     import tempfile
 
     from countlens.datasets.tasks import task_samples
-    from countlens.features import attribution_graph, draw_card, feature_cards, graph_dataset, prune, save_graph
+    from countlens.features import (
+        attribution_graph,
+        draw_card,
+        feature_cards,
+        feature_effects,
+        graph_dataset,
+        prune,
+        save_graph,
+    )
     from countlens.features.graph_page import graph_page
     from countlens.features.scores import graph_scores
 
@@ -162,12 +170,15 @@ def write_graph(
     chosen = top_features(graph, top)
     scenes = task_samples("count", card_scenes, seed=seed)
     cards = feature_cards(vlm, tcs, scenes, list(chosen), top=min(6, card_scenes)) if chosen else None
+    effects = feature_effects(vlm, tcs, graph, sample, features=list(chosen.values())) if chosen else None
     slug = f"{vlm.name or vlm.arch.name}-count-{sample.meta['count']}-seed{seed}".replace("/", "-")
     with tempfile.TemporaryDirectory(prefix="countlens-graph-") as scratch:
         tmp = Path(scratch)
         save_graph(pruned, tmp / "graph.json", slug=slug)
         graph_dataset(pruned).to_netcdf(tmp / "graph.nc")
         graph_page(pruned, tmp / "graph.html", title=f"{slug}: {sample.question}", cards=cards)
+        if effects is not None:
+            effects.to_netcdf(tmp / "effects.nc")
         if cards is not None:
             cards.to_netcdf(tmp / "cards.nc")
             for name in cards.card.values:
@@ -184,12 +195,29 @@ def write_graph(
         f"{full['completeness']:.3f}; pruned graph {drawn['replacement']:.3f}, {drawn['completeness']:.3f}"
     )
     kept = {(layer, f) for layer, _, f in pruned.features.tolist()}
-    typer.echo("top features by influence (its most influential position, its activation there):")
+    typer.echo(
+        "top features by influence (its most influential position, its activation there; removing it changes "
+        f"the {effects.attrs['target_string']!r} logit by, graph / real model):"
+        if effects is not None
+        else "no active features"
+    )
     for (layer, f), j in chosen.items():
         pos, act = int(graph.features[j, 1]), float(graph.activations[j])
         where = "" if (layer, f) in kept else "  (pruned away)"
-        typer.echo(f"  L{layer}F{f}  position {pos} {graph.token_strings[pos]!r}  activation {act:.3g}{where}")
-    typer.echo(f"saved graph.json, graph.nc, graph.html and {len(chosen)} cards to {out}")
+        moved = effects.sel(node=j)
+        typer.echo(
+            f"  L{layer}F{f}  position {pos} {graph.token_strings[pos]!r}  activation {act:.3g}  "
+            f"removal {float(moved.removal_graph):+.3f} / {float(moved.removal_real):+.3f}{where}"
+        )
+    if effects is not None:
+        a = effects.attrs
+        typer.echo(
+            f"graph vs real model over these features: removal Spearman {a['removal_spearman']:.2f}, same sign "
+            f"{a['removal_same_sign']:.0%}; steering ×2 Spearman {a['steer_spearman']:.2f}, same sign "
+            f"{a['steer_same_sign']:.0%}"
+        )
+    extra = "effects.nc, " if effects is not None else ""
+    typer.echo(f"saved graph.json, graph.nc, graph.html, {extra}and {len(chosen)} cards to {out}")
 
 
 def features_plan(
