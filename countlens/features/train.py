@@ -13,10 +13,12 @@ from its input ``x`` (`countlens.features.activations` says which tokens, from w
    learning rate suits every layer's scale. After each step the decoder rows are rescaled to unit
    norm (*countlens's choice*; circuit-tracer leaves training out, and TopK needs no sparsity
    penalty, so the norm only fixes the scale between a feature's activation and its write).
-   **AuxK** (Gao et al. 2024) keeps features alive: a feature that has not fired for `DEAD_AFTER`
-   steps counts as dead, and the `AUX_K` largest pre-activations among dead features (through ReLU)
-   must reconstruct the batch's remaining error ``y − ŷ`` through their decoder rows; that loss,
-   weighted `AUX_WEIGHT`, is added to the main one.
+   **AuxK** (Gao et al. 2024; `countlens.features.dead`) keeps features alive: a feature that has
+   not fired for `DEAD_AFTER` steps counts as dead, and the largest pre-activations among dead
+   features (through ReLU) must reconstruct the batch's remaining error ``y − ŷ`` through their
+   decoder rows; that loss, normalised by the error's energy (``aux_norm="error"``, as in Gao et
+   al.'s code; ``"variance"``: like the main loss, the rule before issue 77) and weighted
+   `AUX_WEIGHT`, is added to the main one.
 4. **Fidelity** on the held-out split: FVU, L0, dead features per layer (`fidelity`).
 
 With ``out`` the run is resumable: ``out/checkpoint.pt`` holds the finished layers, the current
@@ -71,6 +73,7 @@ from countlens.features.activations import (
     held_out_mix,
     mix_samples,
 )
+from countlens.features.dead import AUX_K, AUX_NORM, AUX_WEIGHT, DEAD_AFTER, auxk_loss, require_aux_norm
 from countlens.features.files import save_transcoders
 from countlens.features.transcoder import Transcoder, TranscoderSet
 from countlens.files import atomic_path, machine_errors, settings_changes
@@ -85,9 +88,6 @@ if TYPE_CHECKING:
 CHECKPOINT = "checkpoint.pt"
 #: The defaults: a few minutes for the organism's six layers on 2 CPU cores.
 WIDTH, K, STEPS, BATCH_TOKENS, LR = 512, 16, 1500, 512, 2e-3
-#: AuxK (Gao et al. 2024): a feature that has not fired for `DEAD_AFTER` steps is dead; the `AUX_K`
-#: largest dead pre-activations reconstruct the main reconstruction's error, weighted `AUX_WEIGHT`.
-DEAD_AFTER, AUX_K, AUX_WEIGHT = 50, 64, 1 / 32
 
 
 class Training(NamedTuple):
@@ -99,22 +99,24 @@ class Training(NamedTuple):
 
 
 def train_step(
-    tc: Transcoder, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, scale: float, dead: torch.Tensor
+    tc: Transcoder,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    scale: float,
+    dead: torch.Tensor,
+    aux_norm: str = AUX_NORM,
 ) -> tuple[float, torch.Tensor]:
     """One Adam step on ``Σ‖y − tc(x)‖² / (len(x) · scale)`` plus the AuxK term on the ``dead``
-    features, then unit-norm decoder rows; returns (the main loss, which features fired)."""
+    features (`countlens.features.dead`, normalised by ``aux_norm``), then unit-norm decoder rows;
+    returns (the main loss, which features fired)."""
     optimizer.zero_grad(set_to_none=True)
     pre = tc.pre_activations(x)
     a = tc.activation_function(pre)
     y_hat = tc.decode(a, x)
     loss = ((y_hat - y) ** 2).sum() / (len(x) * scale)
-    total = loss
-    n_dead = int(dead.sum())
-    if n_dead:
-        values, index = pre.masked_fill(~dead, float("-inf")).topk(min(n_dead, AUX_K), dim=-1)
-        a_aux = torch.zeros_like(pre).scatter(-1, index, values.relu())
-        error = (y - y_hat).detach()
-        total = loss + AUX_WEIGHT * ((a_aux @ tc.W_dec - error) ** 2).sum() / (len(x) * scale)
+    aux = auxk_loss(pre, tc.W_dec, y - y_hat, dead, scale, aux_norm)
+    total = loss if aux is None else loss + AUX_WEIGHT * aux
     total.backward()
     optimizer.step()
     with torch.no_grad():
@@ -167,6 +169,7 @@ def train_transcoders(
     batch_size: int = 32,
     max_memory: float = MAX_MEMORY,
     device: str | torch.device | None = None,
+    aux_norm: str = AUX_NORM,
 ) -> Training:
     """Train one TopK transcoder (``width`` features, ``k`` active) per layer of ``layers`` (default:
     every layer) to reconstruct the MLP's output from its input; see the module's docstring.
@@ -184,7 +187,9 @@ def train_transcoders(
     and one step's batch: bounded by the chunk, never by the number of samples.
     ``device``: where the transcoders train and are scored (None: the model's device; the batches are
     drawn on the host, so the weights do not depend on it beyond the device's arithmetic); the set
-    returned is on the CPU. Returns `Training` (the set, and its fidelity over ``layer``)."""
+    returned is on the CPU. ``aux_norm``: how AuxK's loss is normalised, ``"error"`` (default) or
+    ``"variance"`` (the rule before issue 77; `countlens.features.dead`). Returns `Training` (the set,
+    and its fidelity over ``layer``)."""
     require_vlm(vlm, "train_transcoders")
     layers = _check_layers(vlm, layers)
     require_count(width, "width")
@@ -199,6 +204,7 @@ def train_transcoders(
     require_share(held_out, "held_out", below_one=True, above_zero=True)
     require_count(checkpoint_every, "checkpoint_every")
     require_count(batch_size, "batch_size")
+    aux_norm = require_aux_norm(aux_norm)
     max_memory = require_memory(max_memory)
     device = require_torch_device(vlm.device if device is None else device, "train_transcoders")
     for name, flag in (("progress", progress), ("resume", resume)):
@@ -219,6 +225,7 @@ def train_transcoders(
         "seed": seed,
         "mix": mix,
         "held_out": held_out,
+        "aux_norm": aux_norm,
     }
     held = held_out_mix(mix, held_out)
     tokens = estimate_tokens(vlm, mix, seed) + estimate_tokens(vlm, held, seed)
@@ -405,7 +412,7 @@ def _train_layer(
             for step in range(max(first - n, start + 1), last + 1):
                 index = torch.randint(len(x), (spec["batch_tokens"],), generator=generator)
                 xb, yb = x[index].to(device), y[index].to(device)  # .to: the same tensor on the CPU
-                loss, fired = train_step(tc, optimizer, xb, yb, scale, since >= DEAD_AFTER)
+                loss, fired = train_step(tc, optimizer, xb, yb, scale, since >= DEAD_AFTER, spec["aux_norm"])
                 since = torch.where(fired, 0, since + 1)
                 if bar is not None:
                     bar.update(step, f"batch FVU {loss:.3f}")
@@ -454,5 +461,6 @@ def _provenance(vlm: VLM, spec: dict, held: dict, train: Activations, test: Acti
         lr=spec["lr"],
         held_out=spec["held_out"],
         decoder="rows unit-normalised after every step",
+        auxk=f"dead after {DEAD_AFTER} steps, k {AUX_K}, weight {AUX_WEIGHT}, normalised by the {spec['aux_norm']}",
         loss="MSE normalised by the training outputs' total variance, Adam",
     )
