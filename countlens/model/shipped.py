@@ -20,9 +20,12 @@ SHIPPED_OBJECTS: tuple[str, ...] = ("top-half",)
 #: Organisms whose ground truth is a set of edges (`countlens.toy.edge_plant`); their nodes (heads and
 #: MLPs) are ground truth too.
 SHIPPED_EDGES: tuple[str, ...] = ("value-route",)
+#: Organisms whose ground truth is a feature one MLP unit computes (`countlens.toy.feature_plant`).
+SHIPPED_FEATURES: tuple[str, ...] = ("count-ge-5",)
+_PLANTED = SHIPPED_PLANTED + SHIPPED_OBJECTS + SHIPPED_EDGES + SHIPPED_FEATURES
 ORGANISMS: dict[str, Path] = {
     "toy": TOY_DIR,
-    **{f"planted-{name}": _TOY / "organisms" / name for name in SHIPPED_PLANTED + SHIPPED_OBJECTS + SHIPPED_EDGES},
+    **{f"planted-{name}": _TOY / "organisms" / name for name in _PLANTED},
 }
 
 
