@@ -16,9 +16,9 @@ from its input ``x`` (`countlens.features.activations` says which tokens, from w
    **AuxK** (Gao et al. 2024; `countlens.features.dead`) keeps features alive: a feature that has
    not fired for `DEAD_AFTER` steps counts as dead, and the largest pre-activations among dead
    features (through ReLU) must reconstruct the batch's remaining error ``y − ŷ`` through their
-   decoder rows; that loss, normalised by the error's energy (``aux_norm="error"``, as in Gao et
-   al.'s code; ``"variance"``: like the main loss, the rule before issue 77) and weighted
-   `AUX_WEIGHT`, is added to the main one.
+   decoder rows; that loss, normalised by the error's energy (``aux_norm="error"``; Gao et al.'s
+   code divides by the error's variance over the batch; ``"variance"``: like the main loss, the
+   rule before issue 77) and weighted `AUX_WEIGHT`, is added to the main one.
 4. **Fidelity** on the held-out split: FVU, L0, dead features per layer (`fidelity`).
 
 With ``out`` the run is resumable: ``out/checkpoint.pt`` holds the finished layers, the current
