@@ -21,7 +21,13 @@ seed `SEED`: neither training's ≥ 1000, nor the checks' 2, nor the transcoders
     (the clean scene of ``count_pair(SEED, c, clean=c, corrupt=c ± 1)``): whether the best-matching feature
     is a node at (layer, last position), its rank among the graph's feature nodes by `node_influence`
     (1 = most influential), the same among the features of its layer and among those at the last position,
-    and whether `prune(graph)` (0.8, 0.98) keeps it.
+    and whether `prune(graph)` (0.8, 0.98) keeps it; the top logit's change when it is removed, as the graph
+    predicts it (`removal_effects`, and its rank among the features by that drop) and in the real model
+    (`feature_effects`).
+(c) **The real model.** The best-matching feature edited at the last token inside the real forward (error
+    term held; `remove_feature` where c ≥ 5, `clamp_feature` to its mean activation over c ≥ 5 where c < 5),
+    on the scenes of (a): how often the answer becomes (c mod 5) + 5·(1 − h), as the planted unit's
+    interchange does, and how often it stays c.
 
 Writes bench/planted_feature.json and prints the markdown table of docs/concepts/attribution_graphs.md,
 "Ground truth for features".
@@ -39,7 +45,14 @@ import torch
 
 import countlens
 from countlens.datasets.pairs import count_pair
-from countlens.features import attribution_graph, node_influence, prune, train_transcoders
+from countlens.features import (
+    attribution_graph,
+    feature_effects,
+    node_influence,
+    prune,
+    removal_effects,
+    train_transcoders,
+)
 from countlens.toy.catalogue import planted_feature_of
 from countlens.toy.feature_plant import auroc_of, correlation, down_proj
 from countlens.toy.planter import pair_batch, pairs_at
@@ -108,6 +121,7 @@ def recovery(tc, acts: dict, feature, w_down: torch.Tensor) -> dict:
         "point_biserial_h_last_token": round(correlation(last, h), 4),
         "auroc_h_last_token": round(auroc_of(last, h), 4),
         "decoder_cosine_with_unit_direction": round(cosine, 4),
+        "mean_activation_last_token_h1": round(float(last[h > 0.5].mean()), 4),
         "fires_share_last_token_h1": round(float((last[h > 0.5] > 0).float().mean()), 4),
         "fires_share_last_token_h0": round(float((last[h <= 0.5] > 0).float().mean()), 4),
         "fires_share_other_positions": round(float((a[:, :-1, best] > 0).float().mean()), 4),
@@ -116,6 +130,35 @@ def recovery(tc, acts: dict, feature, w_down: torch.Tensor) -> dict:
         "n_scenes": int(a.shape[0]),
         "n_positions": int(flat.shape[0]),
     }
+
+
+def real_model(vlm, tcs, feature, rec: dict, n_pairs: int) -> dict:
+    """(c): the best-matching feature edited at the last token inside the real model (error term held,
+    `countlens.features.interventions`), on the scenes of (a): removed where c ≥ 5, and clamped to its mean
+    activation there where c < 5. Reported: how often the answer becomes the high-level model's answer with
+    h flipped, (c mod 5) + 5·(1 − h), and how often it stays c."""
+    from countlens.analysis.evaluate import score
+    from countlens.circuits import intervene
+    from countlens.features import clamp_feature, remove_feature
+
+    scenes = [s for p in pairs_at(SEED, 0, n_pairs) for s in (p.clean, p.corrupt)]
+    best, layer, out = rec["feature"], feature.layer, {}
+    edits = {
+        "removed_where_h1": (1, remove_feature(tcs, layer, best, positions="last")),
+        "clamped_where_h0": (0, clamp_feature(tcs, layer, best, rec["mean_activation_last_token_h1"], "last")),
+    }
+    for key, (h, edit) in edits.items():
+        chosen = [s for s in scenes if (int(s.answer) >= feature.threshold) == bool(h)]
+        with intervene(vlm, [edit]):
+            pred = score(vlm, chosen, method="token")["pred_count"].values
+        counts = torch.tensor([int(s.answer) for s in chosen])
+        flipped = feature.answer(counts, torch.full_like(counts, 1 - h)).numpy()
+        out[key] = {
+            "n": len(chosen),
+            "follows_flipped_h": round(float((pred == flipped).mean()), 4),
+            "unchanged": round(float((pred == counts.numpy()).mean()), 4),
+        }
+    return out
 
 
 def graph_rows(vlm, tcs, feature, best: int) -> list[dict]:
@@ -140,6 +183,8 @@ def graph_rows(vlm, tcs, feature, best: int) -> list[dict]:
             node = int(where[0, 0])
             scores = node_influence(graph)[: graph.n_features]
             pruned = prune(graph)
+            drops = removal_effects(graph)
+            effects = feature_effects(vlm, tcs, graph, sample, features=[node])
             kept = pruned.features
             row |= {
                 "activation": round(float(graph.activations[node]), 4),
@@ -150,6 +195,11 @@ def graph_rows(vlm, tcs, feature, best: int) -> list[dict]:
                 "n_at_last_position": int((feats[:, 1] == graph.last).sum()),
                 "influence_share": round(float(scores[node] / scores.sum().clamp_min(1e-30)), 4),
                 "in_pruned": bool(((kept == feats[node]).all(1)).any()),
+                # the top logit's predicted drop when the feature is removed, its rank among features (largest
+                # drop first), and the real model's change (`feature_effects`: the feature removed, error held)
+                "removal_graph": round(float(drops[node]), 4),
+                "rank_by_removal": int((drops < drops[node]).sum()) + 1,
+                "removal_real": round(float(effects["removal_real"].values[0]), 4),
                 "n_pruned_features": int(pruned.n_features),
             }
         rows.append(row)
@@ -173,19 +223,27 @@ def table(result: dict) -> str:
         f"| fires at the last token: count ≥ 5 / count < 5; elsewhere | {r['fires_share_last_token_h1']:.2f} / "
         f"{r['fires_share_last_token_h0']:.2f}; {r['fires_share_other_positions']:.3f} |",
     ]
+    for key, what in (("removed_where_h1", "removed where c ≥ 5"), ("clamped_where_h0", "clamped on where c < 5")):
+        e = result["real_model"][key]
+        out.append(
+            f"| real model, the feature {what} (last token): answer follows the flipped h / unchanged "
+            f"| {e['follows_flipped_h']:.3f} / {e['unchanged']:.3f} (n = {e['n']}) |"
+        )
     out += ["", "| count | top logit | feature active (activation) | rank by influence: of all features / of "]
-    out[-1] += f"layer {result['layer']}'s / of the last position's | in `prune(graph)` |"
-    out += ["|---|---|---|---|---|"]
+    out[-1] += f"layer {result['layer']}'s / of the last position's | in `prune(graph)` | removed: top logit's "
+    out[-1] += "change, graph (rank) / real |"
+    out += ["|---|---|---|---|---|---|"]
     for g in result["graphs"]:
         if not g["active"]:
-            out.append(f"| {g['count']} | {g['top_logit']} | no | — | — |")
+            out.append(f"| {g['count']} | {g['top_logit']} | no | — | — | — |")
             continue
         rank = (
             f"{g['rank_by_influence']} of {g['n_feature_nodes']:,} / {g['rank_in_layer']} of {g['n_in_layer']:,} / "
             f"{g['rank_at_last_position']} of {g['n_at_last_position']}"
         )
         kept = f"{'yes' if g['in_pruned'] else 'no'} ({g['n_pruned_features']} features kept)"
-        out.append(f"| {g['count']} | {g['top_logit']} | yes ({g['activation']:.1f}) | {rank} | {kept} |")
+        removal = f"{g['removal_graph']:+.2f} (rank {g['rank_by_removal']}) / {g['removal_real']:+.2f}"
+        out.append(f"| {g['count']} | {g['top_logit']} | yes ({g['activation']:.1f}) | {rank} | {kept} | {removal} |")
     return "\n".join(out)
 
 
@@ -210,6 +268,7 @@ def main(argv=None) -> int:
     acts = layer_activations(vlm, feature, args.n_pairs)
     w_down = vlm.hf.get_submodule(down_proj(vlm.hf, feature.layer)).weight.detach()
     rec = recovery(tcs[feature.layer], acts, feature, w_down)
+    real = real_model(vlm, tcs, feature, rec, args.n_pairs)
     graphs = graph_rows(vlm, tcs, feature, rec["feature"])
     result = {
         "organism": NAME,
@@ -224,6 +283,7 @@ def main(argv=None) -> int:
             "dead_share": [round(float(v), 4) for v in fid["dead_share"].values],
         },
         "recovery": rec,
+        "real_model": real,
         "graphs": graphs,
         "note": "one torch thread on a shared 2-core CPU; timings noisy",
     }
