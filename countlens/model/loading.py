@@ -47,7 +47,7 @@ def load(
     remote: bool = False,
 ) -> VLM:
     """Load a supported VLM offline: "toy" (the shipped organism), a planted organism ("planted-route",
-    "planted-two-hop", "planted-spread", "planted-top-half", "planted-value-route":
+    "planted-two-hop", "planted-spread", "planted-top-half", "planted-value-route", "planted-count-ge-5":
     `countlens.model.shipped.ORGANISMS`), a checkpoint directory, or a cached hub id.
 
     ``dtype`` ("bfloat16", torch.float16 …), ``device_map`` ("auto", "cuda", {…}) and
