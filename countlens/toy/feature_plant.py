@@ -121,6 +121,15 @@ def check_feature(feature: PlantedFeature, cfg: ToyConfig | None = None) -> None
         )
 
 
+def check_recipe(fc) -> None:
+    """Raise if ``fc`` is no `FeatureConfig` (its own fields are checked when it is made)."""
+    if not isinstance(fc, FeatureConfig):
+        raise ConfigError(
+            f"fc must be a FeatureConfig (countlens.toy.feature_plant), e.g. FeatureConfig(steps=300); "
+            f"got {type(fc).__name__}"
+        )
+
+
 def down_proj(model, layer: int) -> str:
     """The module name of layer ``layer``'s MLP down projection (its input: the hidden units)."""
     return f"{resolve(model.config).mlp(layer)}.down_proj"
@@ -201,6 +210,7 @@ def feature_losses(model, feature: PlantedFeature, inputs, answers, ids, counts,
 def train_feature(model, feature: PlantedFeature, fc: FeatureConfig, log=None) -> dict:
     """Train ``model`` (in place) so that ``feature`` is planted; returns the last log row."""
     check_feature(feature)
+    check_recipe(fc)
     torch.manual_seed(fc.seed)
     torch.set_num_threads(fc.threads)
     collate = Collator(ToyConfig())
@@ -334,8 +344,7 @@ def plant_feature(out, feature: PlantedFeature | None = None, fc: FeatureConfig 
     feature = FEATURES["count-ge-5"] if feature is None else feature
     fc = FeatureConfig() if fc is None else fc
     check_feature(feature)
-    if not isinstance(fc, FeatureConfig):
-        raise ConfigError(f"fc must be a FeatureConfig (countlens.toy.feature_plant), got {type(fc).__name__}")
+    check_recipe(fc)
     claim_directory(out, "countlens toy plant-feature", {"feature": asdict(feature), "recipe": asdict(fc)})
     with directory_lock(out, ".plant.lock", "plant", "plant into another directory"):
         train = lambda model, log: train_feature(model, feature, fc, log)  # noqa: E731

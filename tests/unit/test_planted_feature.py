@@ -137,6 +137,8 @@ def test_bad_feature_and_recipe_are_refused_before_any_forward_or_write(tmp_path
         fresh_feature(None, FEATURE, n_samples=3)
     with pytest.raises(ConfigError, match="FeatureConfig"):
         plant_feature(tmp_path / "out", FEATURE, {"steps": 3})
+    with pytest.raises(ConfigError, match="FeatureConfig"):
+        train_feature(None, FEATURE, {"steps": 3})
     with pytest.raises(ConfigError, match="steps"):
         FeatureConfig(steps=0)
     with pytest.raises(ConfigError, match="elsewhere_weight"):
