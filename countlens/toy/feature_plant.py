@@ -104,7 +104,7 @@ def check_feature(feature: PlantedFeature, cfg: ToyConfig | None = None) -> None
     """Raise if ``feature`` is no `PlantedFeature`, or its layer, unit or threshold do not fit the organism."""
     if not isinstance(feature, PlantedFeature):
         raise InputError(
-            f"feature must be a PlantedFeature (countlens.toy.feature_plant.FEATURES), got {type(feature).__name__}"
+            f"feature must be a PlantedFeature (countlens.toy.catalogue.FEATURES), got {type(feature).__name__}"
         )
     cfg = cfg or ToyConfig()
     ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (feature.layer, feature.unit, feature.threshold))
@@ -115,9 +115,10 @@ def check_feature(feature: PlantedFeature, cfg: ToyConfig | None = None) -> None
         )
     if not (ok and 2 <= feature.threshold <= 9):
         raise InputError(f"planted feature {feature.name!r}: threshold {feature.threshold!r} must lie in 2–9, e.g. 5")
-    if isinstance(feature.target, bool) or not isinstance(feature.target, (int, float)) or not feature.target > 0:
+    target = feature.target
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not (0 < target < math.inf):
         raise InputError(
-            f"planted feature {feature.name!r}: target {feature.target!r} must be a positive number, e.g. 4.0"
+            f"planted feature {feature.name!r}: target {target!r} must be a positive finite number, e.g. 4.0"
         )
 
 
@@ -187,7 +188,7 @@ def opposite_donor(h: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.where(allowed.any(1), order, torch.arange(len(h)))
 
 
-def feature_losses(model, feature: PlantedFeature, inputs, answers, ids, counts, gen, fc: FeatureConfig) -> dict:
+def feature_losses(model, feature: PlantedFeature, inputs, answers, ids, counts, gen) -> dict:
     """One step's losses by name (module docstring): clean, interchange, separation, elsewhere."""
     ce = torch.nn.functional.cross_entropy
     c = counts[answers]
@@ -232,7 +233,7 @@ def train_feature(model, feature: PlantedFeature, fc: FeatureConfig, log=None) -
             collate, pairs_at(TRAIN_SEED_BASE + fc.seed, step * fc.batch_pairs, fc.batch_pairs)
         )
         with image_features_once(model):
-            losses = feature_losses(model, feature, inputs, answers, ids, counts, gen, fc)
+            losses = feature_losses(model, feature, inputs, answers, ids, counts, gen)
         sum(weights[k] * v for k, v in losses.items()).backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()

@@ -125,6 +125,7 @@ def test_bad_feature_and_recipe_are_refused_before_any_forward_or_write(tmp_path
         (replace(FEATURE, unit=True), "unit True"),
         (replace(FEATURE, threshold=10), "threshold 10"),
         (replace(FEATURE, target=float("nan")), "target nan"),
+        (replace(FEATURE, target=float("inf")), "target inf"),
         ("count-ge-5", "PlantedFeature"),
     ):
         with pytest.raises(InputError, match=match):
