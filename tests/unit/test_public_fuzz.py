@@ -49,7 +49,9 @@ import countlens.training as training
 from countlens.analysis.probes import ProbeConfig
 from countlens.errors import CountlensError
 from countlens.features.graph_page import graph_page
+from countlens.toy.catalogue import FEATURES
 from countlens.toy.edge_plant import plant_edges
+from countlens.toy.feature_plant import FeatureConfig, plant_feature
 from countlens.toy.plant import PlantConfig, check_plant, plant
 from countlens.toy.planted import EdgeCircuit, PlantedCircuit, PlantedNode, Sharpening, edge_circuit, planted_circuit
 from countlens.toy.recipe import ToyConfig
@@ -59,8 +61,17 @@ from countlens.toy.train import train
 
 MODULES = (circuits, analysis, datasets, training, features)
 #: Toy planting: `countlens.toy` has no ``__all__``; these are what ``countlens toy plant`` / ``train`` call.
-TOY = (plant, plant_edges, plant_regions, train, planted_circuit, edge_circuit, check_plant)
-TOY_CLASSES = (PlantConfig, TrainConfig, ToyConfig, PlantedNode, Sharpening, PlantedCircuit, EdgeCircuit)
+TOY = (plant, plant_edges, plant_feature, plant_regions, train, planted_circuit, edge_circuit, check_plant)
+TOY_CLASSES = (
+    PlantConfig,
+    FeatureConfig,
+    TrainConfig,
+    ToyConfig,
+    PlantedNode,
+    Sharpening,
+    PlantedCircuit,
+    EdgeCircuit,
+)
 #: Public names outside the modules' ``__all__``.
 EXTRA = (graph_page, ProbeConfig, *TOY, *TOY_CLASSES)
 #: A class built by another constructor than its own.
@@ -191,6 +202,7 @@ def no_training():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("countlens.toy.plant.train_and_save", train_and_save)
         mp.setattr("countlens.toy.edge_plant.train_and_save", train_and_save)
+        mp.setattr("countlens.toy.feature_plant.train_and_save", train_and_save)
         mp.setattr("countlens.toy.regions.train_regions", train_regions)
         mp.setattr("countlens.toy.train.build_model", build_model)
         mp.setattr("countlens.features.activations.DEFAULT_MIX", {"count": 2})
@@ -399,12 +411,14 @@ def _toy_calls() -> dict:
     return {
         "plant": dict(out=FRESH, circuit=planted_circuit("route"), pc=PlantConfig(steps=1), progress=None),
         "plant_edges": dict(out=FRESH, circuit=edge_circuit("value-route"), pc=PlantConfig(steps=1), progress=None),
+        "plant_feature": dict(out=FRESH, feature=FEATURES["count-ge-5"], fc=FeatureConfig(steps=1), progress=None),
         "plant_regions": dict(out=FRESH, steps=1, seed=0, progress=None),
         "train": dict(out=FRESH, cfg=ToyConfig(), tc=TrainConfig(steps=1, threads=threads), progress=None),
         "planted_circuit": dict(name="route"),
         "edge_circuit": dict(name="value-route"),
         "check_plant": dict(circuit=planted_circuit("two-hop"), pc=PlantConfig()),
         "PlantConfig": dict(steps=1),
+        "FeatureConfig": dict(steps=1),
         "TrainConfig": dict(steps=1, threads=threads),
         "ToyConfig": {},
         "PlantedNode": dict(layer=0, head=2, at="all"),
