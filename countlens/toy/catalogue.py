@@ -31,8 +31,9 @@ def planted_edges_of(name: object):
 class PlantedFeature:
     """Hidden unit ``unit`` of layer ``layer``'s MLP (its act_fn(gate)·up value, the down projection's
     input) computes h = [count ≥ ``threshold``] at the last token, as the value ``target`` (0 below the
-    threshold and at every other position); the answer is (count mod ``threshold``) + ``threshold``·h
-    (`countlens.toy.feature_plant`)."""
+    threshold; trained towards 0, not exactly 0, at every other position); the answer is
+    (count mod ``threshold``) + ``threshold``·h (`countlens.toy.feature_plant`). ``threshold`` must lie in
+    5–9: counts run 1–9, and that answer is the count itself only where count < 2·threshold."""
 
     name: str = "count-ge-5"
     layer: int = 2

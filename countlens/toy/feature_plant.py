@@ -10,8 +10,10 @@ dictionary's features and an attribution graph can be scored against it (`bench/
 
 **The planted unit** (`PlantedFeature`) is hidden unit ``unit`` of decoder layer ``layer``'s MLP — its
 act_fn(gate)·up value, the down projection's input — at the last token. It is trained to be ``target`` where
-c ≥ 5 and 0 where c < 5, and 0 at every other position: the feature "count ≥ 5 at the last token". Its
-value, times the down projection's column ``unit``, is what the MLP writes for h.
+c ≥ 5 and 0 where c < 5, and pushed towards 0 at every other position — towards, not to: its largest
+magnitude there averages 1.23 per sample in the shipped organism, about 31 % of the target 4
+(``unit_elsewhere_max_abs_mean`` of `fresh_feature`, in its planted.json). The feature is "count ≥ 5 at the
+last token". Its value, times the down projection's column ``unit``, is what the MLP writes for h.
 
 **Training** (`train_feature`) starts from the shipped organism, with everything below layer ``layer``'s
 MLP frozen (the vision tower, the lower layers and layer ``layer``'s attention: the count already reaches the
@@ -113,8 +115,11 @@ def check_feature(feature: PlantedFeature, cfg: ToyConfig | None = None) -> None
             f"planted feature {feature.name!r}: layer {feature.layer!r} and unit {feature.unit!r} must be integers "
             f"within the organism's {cfg.text_layers} layers and {cfg.intermediate} MLP units; e.g. layer=2, unit=0"
         )
-    if not (ok and 2 <= feature.threshold <= 9):
-        raise InputError(f"planted feature {feature.name!r}: threshold {feature.threshold!r} must lie in 2–9, e.g. 5")
+    if not (ok and 5 <= feature.threshold <= 9):
+        raise InputError(
+            f"planted feature {feature.name!r}: threshold {feature.threshold!r} must be an integer in 5–9, e.g. 5 "
+            "(counts run 1–9, and (c mod t) + t·h gives back c only where c < 2t)"
+        )
     target = feature.target
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not (0 < target < math.inf):
         raise InputError(

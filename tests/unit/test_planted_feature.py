@@ -11,7 +11,7 @@ import torch
 
 from countlens.errors import ConfigError, InputError
 from countlens.model.shipped import ORGANISMS
-from countlens.toy.catalogue import FEATURES, PlantedFeature, planted_circuit_of, planted_feature_of
+from countlens.toy.catalogue import FEATURES, planted_circuit_of, planted_feature_of
 from countlens.toy.feature_plant import (
     FEATURE_CHECKS,
     FeatureConfig,
@@ -124,6 +124,7 @@ def test_bad_feature_and_recipe_are_refused_before_any_forward_or_write(tmp_path
         (replace(FEATURE, unit=384), "unit 384"),
         (replace(FEATURE, unit=True), "unit True"),
         (replace(FEATURE, threshold=10), "threshold 10"),
+        (replace(FEATURE, threshold=3), "threshold 3"),
         (replace(FEATURE, target=float("nan")), "target nan"),
         (replace(FEATURE, target=float("inf")), "target inf"),
         ("count-ge-5", "PlantedFeature"),
@@ -147,4 +148,3 @@ def test_bad_feature_and_recipe_are_refused_before_any_forward_or_write(tmp_path
     with pytest.raises(InputError, match="progress"):
         plant_feature(tmp_path / "out", FEATURE, progress=3)
     assert not (tmp_path / "out").exists()
-    assert isinstance(FEATURE, PlantedFeature)
