@@ -1,5 +1,5 @@
-"""Ways to keep a transcoder's features alive, tried on two layers of the organism before choosing
-`train_transcoders`'s default (issue 77, part 5): dead features and FVU on the held-out split, and the
+"""Ways to keep a transcoder's features alive, tried on two layers of the organism against
+`train_transcoders`'s default: dead features and FVU on the held-out split, and the
 training time, for each variant.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/transcoder_variants.py   # writes bench/transcoder_variants.json
@@ -8,19 +8,20 @@ The data are `train_transcoders`'s (`DEFAULT_MIX`, seed 0, the same training and
 memory); the loop is its in-memory loop (the same initialisation, batches and unit-norm decoder rows;
 the "variance" and "error" rows reproduce `train_transcoders(vlm, layers=[…], aux_norm=…)`'s held-out
 figures), with width 512, k 16, 1500 steps of 512 tokens, lr 2e-3. Layers 0 and 4: the most and the
-fewest dead features under the old rule. The variants:
+fewest dead features under ``variance``. The variants:
 
 - ``variance`` — AuxK (dead after 50 steps, k_aux 64, weight 1/32) normalised like the main loss, by
-  the outputs' variance: the rule before issue 77;
-- ``error`` — AuxK normalised by the batch error's energy ``Σ‖ê − e‖² / Σ‖e‖²``: the default now;
+  the outputs' variance (``aux_norm="variance"``);
+- ``error`` — AuxK normalised by the batch error's energy ``Σ‖ê − e‖² / Σ‖e‖²`` (``aux_norm="error"``,
+  the default);
 - ``error_centred`` — divided by the error's variance over the batch, ``Σ‖ê − e‖² / Σ‖e − ē‖²``: the
   ``normalized_mse`` of the AuxK term in openai/sparse_autoencoder's ``train.py`` (Gao et al.'s code);
 - ``error_per_token`` — the ratio per token, then averaged (that repository's ``loss.py``
   ``normalized_mean_squared_error``);
 - ``error`` with weight 1/16 or 1/4, with k_aux 128, or dead after 20 steps; ``variance`` with weight 1/4;
 - ``variance_adam_reset`` — ``variance``, but a feature's Adam second moments are zeroed on the step
-  it turns dead (the explanation's check: the old rule's small AuxK gradients were divided by the
-  large second moments the main loss left while the feature was alive);
+  it turns dead (the explanation's check: under ``variance`` the small AuxK gradients were divided by
+  the large second moments the main loss left while the feature was alive);
 - ``resample`` — Anthropic's resampling ("Towards Monosemanticity", 2023) at steps 250, 500, 750 on top
   of ``variance``: features that did not fire since the last resampling get, from a token drawn with
   probability ∝ the square of its squared error (8,192 candidates), the encoder row (the centred input, at 0.2 of

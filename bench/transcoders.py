@@ -1,4 +1,4 @@
-"""Per-layer transcoders of the organism, before and after issue 77's dictionary change: fidelity per
+"""Per-layer transcoders of the organism under AuxK's two normalisations (``aux_norm``): fidelity per
 layer, counting accuracy of the original and of the replacement model, circuit-tracer's graph scores,
 and the wall time, on CPU.
 
@@ -6,13 +6,14 @@ and the wall time, on CPU.
 
 Two trainings with `countlens.features.train_transcoders`'s defaults (every layer, width 512, k 16,
 1500 steps of 512 tokens, lr 2e-3, seed 0, `DEFAULT_MIX`), which differ only in how AuxK's loss is
-normalised (`countlens.features.dead`): **before**, ``aux_norm="variance"`` (like the main loss: the
-rule before issue 77); **after**, ``aux_norm="error"`` (by the error's energy, as in Gao et al.'s code:
-the default now). For each: held-out FVU, L0 and dead features per layer; `replacement_accuracy` on
-256 held-out counting scenes (`task_samples("count", 256, seed=0)`: evaluation seeds, never training
-scenes); `graph_scores(attribution_graph(vlm, tcs, s))` on the first scenes of
-``task_samples("count", 64, seed=0)`` with 3 and 5 objects (the scenes of ``bench/attribution_graph.py``),
-and their mean over the first `MEAN_SCENES` scenes of that list (one scene is one sample).
+normalised (`countlens.features.dead`), under the JSON keys **before**: ``aux_norm="variance"`` (like
+the main loss, by the outputs' variance), and **after**: ``aux_norm="error"`` (the default: by the
+error's energy, adapted from Gao et al.'s code, which divides by the error's variance). For each:
+held-out FVU, L0 and dead features per layer; `replacement_accuracy` on 256 held-out counting scenes
+(`task_samples("count", 256, seed=0)`: evaluation seeds, never training scenes);
+`graph_scores(attribution_graph(vlm, tcs, s))` on the first scenes of ``task_samples("count", 64, seed=0)``
+with 3 and 5 objects (the scenes of ``bench/attribution_graph.py``), and their mean over the first
+`MEAN_SCENES` scenes of that list (one scene is one sample).
 One torch thread (the CPUs are shared); ``others_load_cores`` records what other processes used meanwhile.
 """
 

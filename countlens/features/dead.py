@@ -8,16 +8,16 @@ features learn from it) through their decoder rows, ``ê = a_aux @ W_dec``. The 
 `AUX_WEIGHT` and added to the main loss. Its normalisation is ``aux_norm``:
 
 - ``"error"`` (the default): ``Σ‖ê − e‖² / Σ‖e‖²`` over the batch, the share of the error's energy
-  the dead features leave, after Gao et al.'s code (openai/sparse_autoencoder's ``train.py``: the
-  AuxK reconstruction's ``normalized_mse`` against the residual). The term is a share of the error,
-  so it keeps its size however small the error gets. *countlens's choice*: the error's energy, where
-  their ``normalized_mse`` divides by its variance over the batch, ``Σ‖e − ē‖²``; on the organism that
-  leaves 2 and 7 fewer features dead on layers 0 and 4 at an FVU 0.0001 higher
-  (``bench/transcoder_variants.py``), measured after this default was set.
-- ``"variance"``: ``Σ‖ê − e‖² / (batch_tokens · Σ var(y))``, normalised like the main loss (countlens's
-  rule before issue 77). The term shrinks with the main error as training goes (from FVU 1 to about
+  the dead features leave, adapted from Gao et al.'s code (openai/sparse_autoencoder's ``train.py``:
+  the AuxK reconstruction's ``normalized_mse`` against the residual), which divides by the error's
+  variance over the batch, ``Σ‖e − ē‖²``. The term is a share of the error, so it keeps its size
+  however small the error gets. *countlens's choice*: the error's energy; dividing by its variance
+  instead leaves 2 and 7 fewer features dead on layers 0 and 4 of the organism at an FVU 0.0001 higher
+  (``bench/transcoder_variants.py``).
+- ``"variance"``: ``Σ‖ê − e‖² / (batch_tokens · Σ var(y))``, normalised like the main loss by the
+  outputs' variance. The term shrinks with the main error as training goes (from FVU 1 to about
   0.02), while Adam divides each update by a running average of past squared gradients, so the dead
-  features' rows barely move. On the organism it left 23–47 % of each layer's features dead, against
+  features' rows barely move. On the organism it leaves 23–47 % of each layer's features dead, against
   9–37 % with ``"error"``, at a higher FVU (`bench/transcoders.py`).
 """
 

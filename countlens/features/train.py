@@ -16,9 +16,9 @@ from its input ``x`` (`countlens.features.activations` says which tokens, from w
    **AuxK** (Gao et al. 2024; `countlens.features.dead`) keeps features alive: a feature that has
    not fired for `DEAD_AFTER` steps counts as dead, and the largest pre-activations among dead
    features (through ReLU) must reconstruct the batch's remaining error ``y − ŷ`` through their
-   decoder rows; that loss, normalised by the error's energy (``aux_norm="error"``; Gao et al.'s
-   code divides by the error's variance over the batch; ``"variance"``: like the main loss, the
-   rule before issue 77) and weighted `AUX_WEIGHT`, is added to the main one.
+   decoder rows; that loss, normalised by the error's energy (``aux_norm="error"``, adapted from
+   Gao et al.'s code, which divides by the error's variance over the batch; ``"variance"``: like
+   the main loss, by the outputs' variance) and weighted `AUX_WEIGHT`, is added to the main one.
 4. **Fidelity** on the held-out split: FVU, L0, dead features per layer (`fidelity`).
 
 With ``out`` the run is resumable: ``out/checkpoint.pt`` holds the finished layers, the current
@@ -188,8 +188,8 @@ def train_transcoders(
     ``device``: where the transcoders train and are scored (None: the model's device; the batches are
     drawn on the host, so the weights do not depend on it beyond the device's arithmetic); the set
     returned is on the CPU. ``aux_norm``: how AuxK's loss is normalised, ``"error"`` (default) or
-    ``"variance"`` (the rule before issue 77; `countlens.features.dead`). Returns `Training` (the set,
-    and its fidelity over ``layer``)."""
+    ``"variance"`` (by the outputs' variance, like the main loss; `countlens.features.dead`). Returns
+    `Training` (the set, and its fidelity over ``layer``)."""
     require_vlm(vlm, "train_transcoders")
     layers = _check_layers(vlm, layers)
     require_count(width, "width")

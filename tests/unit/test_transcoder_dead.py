@@ -1,6 +1,6 @@
 """AuxK's loss (`countlens.features.dead`): its two normalisations against a hand computation, the
 refusal of an unknown one, and that normalising by the error keeps more of a transcoder's features alive
-on the organism's activations than normalising by the outputs' variance (the rule before issue 77)."""
+on the organism's activations than normalising by the outputs' variance (``aux_norm="variance"``)."""
 
 from __future__ import annotations
 
