@@ -1,5 +1,5 @@
 """Ground truth for features: does a transcoder recover the planted feature, and does the attribution graph
-route the answer through it? (issue 77, part 4)
+route the answer through it?
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/planted_feature.py               # train_transcoders' defaults
     HF_HUB_OFFLINE=1 .venv/bin/python bench/planted_feature.py --steps 500   # shorter transcoder training
@@ -13,10 +13,11 @@ seed `SEED`: neither training's ≥ 1000, nor the checks' 2, nor the transcoders
 (a) **Recovery.** Over ``--n-pairs`` pairs' cleans and corrupts, layer ``layer``'s MLP input at every
     position, encoded by that layer's transcoder. The **best-matching feature** is the one whose activation
     has the largest Pearson correlation with the planted unit's value over every position of every scene
-    (countlens's choice: the issue names no matching rule). Reported: that correlation, the same at the
-    last token only, its point-biserial correlation and AUROC with h at the last token, the cosine of its
-    decoder row with the unit's write direction (the down projection's column), its activation's share of
-    the scenes where it fires; and the next-best feature's correlation.
+    (countlens's choice of matching rule). Reported: that correlation, the same at the last token only, its
+    point-biserial correlation and AUROC with h at the last token, the cosine of its decoder row with the
+    unit's write direction (the down projection's column), its activation's share of the scenes where it
+    fires; and the next-best feature's correlation. In-sample: the feature is picked and scored on the same
+    scenes.
 (b) **The graph.** One attribution graph (`attribution_graph`, every active feature a node) per count 1–9
     (the clean scene of ``count_pair(SEED, c, clean=c, corrupt=c ± 1)``): whether the best-matching feature
     is a node at (layer, last position), its rank among the graph's feature nodes by `node_influence`
