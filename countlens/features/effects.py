@@ -14,8 +14,7 @@ forward's error term held, attention, norms and every other MLP live):
 Each effect is the change of the target logit's demeaned value (the logit minus the mean logit, what
 a graph's logit node holds) at the last position. The summary is the Spearman ρ of predicted and real
 effects over the features, and the share of features where both have the same sign (a real change of
-exactly 0 matches nothing). Both are countlens's choices of what "agree" means; circuit-tracer and the
-paper check interventions one by one.
+exactly 0 matches nothing). Both are countlens's summary of what "agree" means.
 
 The difference between the two is what the graph leaves out: the local replacement model freezes
 attention patterns and norm scales, holds every error term and every MLP at the clean run (so TopK
@@ -31,10 +30,12 @@ import torch
 import xarray as xr
 from scipy.stats import spearmanr
 
+from countlens.circuits.engine.record import record
 from countlens.circuits.engine.run import intervene
+from countlens.circuits.sites import MlpIn
 from countlens.circuits.sites.positions import Mask
 from countlens.errors import InputError
-from countlens.features.graph import AttributionGraph
+from countlens.features.graph import AttributionGraph, token_positions
 from countlens.features.interventions import remove_feature, steer_feature
 from countlens.features.prune import node_influence, removal_effects
 from countlens.features.replacement import check_fits
@@ -55,6 +56,31 @@ def agreement(predicted: np.ndarray, real: np.ndarray) -> tuple[float, float]:
     if len(real) < 3 or np.ptp(predicted) == 0 or np.ptp(real) == 0:
         return float("nan"), same
     return float(spearmanr(predicted, real).statistic), same
+
+
+def _same_run(vlm: VLM, transcoders, graph: AttributionGraph, nodes: torch.Tensor, cache, row: int, target: int):
+    """Refuse a graph whose clean run is not this one: its target logit or the chosen features'
+    activations differ from this forward's (another scene, model or transcoder set), beyond the
+    model's dtype's rounding."""
+    rounding = max(1e-3, 8 * torch.finfo(vlm.hf.dtype).eps)
+    logits = cache.logits[0].float()
+    value, expected = float(logits[target] - logits.mean()), float(graph.values[row])
+    if abs(value - expected) > rounding * max(1.0, abs(expected)):
+        raise InputError(
+            f"feature_effects: this sample's {vlm.token_strings([target])[0]!r} logit is {value:.4f}, the graph's "
+            f"{expected:.4f}: the graph was built on another sample or model; give the sample the graph was built on"
+        )
+    for j in nodes.tolist():
+        layer, pos, f = (int(v) for v in graph.features[j])
+        tc = transcoders.layer(layer)
+        with torch.no_grad():
+            got = float(tc.encode(cache[MlpIn(layer)][0, pos].to(tc.W_enc.device, tc.dtype))[f])
+        want = float(graph.activations[j])
+        if abs(got - want) > rounding * max(1.0, abs(want)):
+            raise InputError(
+                f"feature_effects: feature {f} of layer {layer} at position {pos} has activation {got:.4f} here and "
+                f"{want:.4f} in the graph: the graph was built with other transcoders; give the set it was built with"
+            )
 
 
 def _chosen(graph: AttributionGraph, features) -> torch.Tensor:
@@ -105,6 +131,11 @@ def feature_effects(
             "feature_effects: the graph was built on another prompt than this sample's (its tokens differ); "
             "give the sample the graph was built on"
         )
+    if not torch.equal(graph.objects.cpu(), token_positions(batch, sample, len(ids))[1]):
+        raise InputError(
+            "feature_effects: the graph was built on another scene (its image tokens' objects differ from this "
+            "sample's); give the sample the graph was built on"
+        )
     if graph.scan and transcoders.scan and graph.scan != transcoders.scan:
         raise InputError(
             f"feature_effects: the graph was built with transcoders {graph.scan!r}, not these ({transcoders.scan!r})"
@@ -121,13 +152,9 @@ def feature_effects(
                 logits = vlm.forward(batch).logits[0, -1].float()
         return float(logits[target] - logits.mean())
 
+    cache = record(vlm, batch, [MlpIn(layer) for layer in sorted({int(v) for v in graph.features[nodes, 0]})])
+    _same_run(vlm, transcoders, graph, nodes, cache, row, target)
     clean = demeaned()
-    expected = float(graph.values[row])
-    if abs(clean - expected) > 1e-3 * max(1.0, abs(expected)):
-        raise InputError(
-            f"feature_effects: this sample's {vlm.token_strings([target])[0]!r} logit is {clean:.4f}, the graph's "
-            f"{expected:.4f}: the graph was built on another sample (or model); give the sample the graph was built on"
-        )
     removed, steered = [], []
     for j in nodes.tolist():
         layer, pos, f = (int(v) for v in graph.features[j])

@@ -142,7 +142,7 @@ class AttributionGraph:
         hit = (self.logit_tokens == require_integer(token, "logit (a vocab id)", low=0)).nonzero().flatten()
         if not len(hit):
             raise InputError(
-                f"token {token} is no logit node (the graph's are {self.logit_tokens.tolist()}); raise max_logits"
+                f"token {token}: no logit node ({self.logit_tokens.tolist()}); raise max_logits or logit_prob"
             )
         return self.start("logit") + int(hit[0])
 

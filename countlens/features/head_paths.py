@@ -136,6 +136,7 @@ def head_shares(
         same = graph.n_layers == vlm.arch.n_layers and torch.equal(graph.tokens.cpu(), ids)
         if not same or not torch.equal(graph.objects.cpu(), token_positions(prepared, sample, len(ids))[1]):
             raise InputError("graph is not this sample's attribution graph on this model: its tokens or objects differ")
+        graph.logit_node()  # refuses a graph without logit nodes
         target = int(graph.logit_tokens[0]) if target is None else int(target)
         graph.logit_node(target)  # refuses a token that is no logit node of the graph
     if against is not None and target is not None and int(against) == int(target):

@@ -63,8 +63,8 @@ def _edit(transcoders: TranscoderSet, layer: int, feature: int, positions, edite
     positions = as_positions(positions)
 
     def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        a_f = tc.encode(x.to(tc.dtype))[:, feature]
-        change = (edited(a_f) - a_f)[:, None] * tc.W_dec[feature]
+        a_f = tc.encode(x.to(tc.W_enc.device, tc.dtype))[:, feature]
+        change = ((edited(a_f) - a_f)[:, None] * tc.W_dec[feature]).to(y.device)
         return (y.to(tc.dtype) + change).to(y.dtype)
 
     fn.__name__ = f"{name}(layer {layer}, feature {feature})"
@@ -80,7 +80,8 @@ def remove_feature(transcoders: TranscoderSet, layer: int, feature: int, positio
 
 def clamp_feature(transcoders: TranscoderSet, layer: int, feature: int, value: float, positions="all") -> Replace:
     """Feature ``feature`` of layer ``layer``'s transcoder set to ``value`` at ``positions`` (on or
-    off before), the error term held."""
+    off before), the error term held. Any finite value: a negative one, which no TopK / ReLU feature
+    reaches, writes against the feature's direction (an experiment beyond the transcoder's range)."""
     _checked(transcoders, layer, feature, "clamp_feature")
     value = require_finite(value, "clamp_feature's value (a feature activation)")
     return _edit(transcoders, layer, feature, positions, lambda a: torch.full_like(a, value), "clamp_feature")

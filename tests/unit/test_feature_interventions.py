@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import spearmanr
+from test_transcoders import random_set
 
 from countlens.circuits import intervene
 from countlens.circuits.sites.positions import Mask
@@ -20,6 +21,7 @@ from countlens.errors import InputError
 from countlens.features import attribution_graph, removal_effects
 from countlens.features.effects import agreement, feature_effects
 from countlens.features.interventions import clamp_feature, remove_feature, steer_feature
+from countlens.features.transcoder import TranscoderSet
 
 #: Two float32 forwards of the organism that differ in where one MLP write is added (an engine hook
 #: rewriting the output against a plain hook adding to it): logits of order 10 agree to rounding.
@@ -131,7 +133,7 @@ def test_feature_effects_columns(setup):
     assert math.isclose(float(ds["removal_real"][0]), want, abs_tol=TOL)
     rho = spearmanr(ds["removal_graph"], ds["removal_real"]).statistic
     assert math.isclose(ds.attrs["removal_spearman"], rho, abs_tol=1e-12)
-    same = (np.sign(ds["steer_graph"].values) == np.sign(ds["steer_real"].values)).mean()
+    same = (np.sign(ds["steer_graph"].values) * np.sign(ds["steer_real"].values) > 0).mean()
     assert math.isclose(ds.attrs["steer_same_sign"], same)
     assert ds.attrs["model"] and ds.attrs["target"] == target and ds.attrs["factor"] == 2.5
     # by node index; factor 0 steers as removal does
@@ -179,9 +181,13 @@ def test_refusals_before_any_forward(setup):
     assert not forwards
 
 
-def test_a_graph_of_another_image_is_refused(setup):
-    """Same tokens, another scene: only the clean forward can tell (its logit differs from the graph's)."""
+def test_a_graph_of_another_scene_or_transcoder_set_is_refused(setup):
+    """Same prompt, another scene: refused before any forward (the image tokens' objects differ). Another
+    transcoder set without a scan name: refused at the clean forward (the features' activations differ)."""
     vlm, tcs, sample, graph = setup
     twin = next(s for s in task_samples("count", 16, seed=1) if s.question == sample.question)
-    with pytest.raises(InputError, match="another sample"):
+    with pytest.raises(InputError, match="another scene"):
         feature_effects(vlm, tcs, graph, twin, features=2)
+    other = TranscoderSet(list(random_set(width=tcs.d_transcoder, k=4)), model_name="toy", scan="")
+    with pytest.raises(InputError, match="other transcoders"):
+        feature_effects(vlm, other, graph, sample, features=2)

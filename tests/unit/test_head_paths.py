@@ -277,6 +277,7 @@ def test_bad_arguments_are_refused_before_any_forward(setup):
         (lambda: head_shares(vlm, tcs, other, graph=g), "not this sample"),
         (lambda: head_shares(vlm, tcs, sample, graph=replace(g, objects=g.objects.roll(1))), "not this sample"),
         (lambda: head_shares(vlm, tcs, sample, graph=g, target=absent), "no logit node"),
+        (lambda: head_shares(vlm, tcs, sample, graph=replace(g, logit_tokens=g.logit_tokens[:0])), "no logit nodes"),
         (lambda: head_shares(vlm, tcs, sample, target=-1), "vocab id"),
         (lambda: head_shares(vlm, tcs, sample, target="3"), "vocab id"),
         (lambda: head_shares(vlm, tcs, sample, features="nonlinear"), "'frozen', 'linear'"),
