@@ -19,7 +19,7 @@ Scenes: the first sample of each count 2–9 of ``task_samples("count", 64, seed
   the answer, steered ×2 and ×0 (removed) in the real model with each of the graph's simplifications
   put back in turn — attention patterns frozen at the clean run, norm scales frozen, every MLP's error
   term frozen at the clean run, all three — and with small steps (×1.1 / ×0.9, per unit of
-  activation) for the saturation of the answer's logit. The variant whose change has the graph's sign
+  factor) for the saturation of the answer's logit. The variant whose change has the graph's sign
   names the cause.
 
 One torch thread (the CPUs are shared).
