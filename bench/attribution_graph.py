@@ -163,11 +163,12 @@ def errors_frozen(lr: LocalReplacement, tcs, edit: tuple[int, int, int, float] |
     return [Replace(MlpOut(layer), layer_fn(layer), reads=MlpIn(layer)) for layer in tcs.layers]
 
 
-def wrong_sign(vlm, tcs, sample, graph) -> dict:
-    """Steering the most answer-promoting feature with each of the graph's simplifications put back."""
+def wrong_sign(vlm, tcs, sample, graph, node: int | None = None) -> dict:
+    """Steering feature node ``node`` (default: the most answer-promoting) with each of the graph's
+    simplifications put back."""
     target = int(graph.logit_tokens[0])
     effects = removal_effects(graph, target)
-    best = int(effects.argmin())
+    best = int(effects.argmin()) if node is None else node
     layer, pos, f = (int(v) for v in graph.features[best])
     act = float(graph.activations[best])
     lr = LocalReplacement(vlm, tcs, sample)
@@ -205,6 +206,7 @@ def wrong_sign(vlm, tcs, sample, graph) -> dict:
     return {
         "feature": {"layer": layer, "position": pos, "feature": f, "activation": _r(act)},
         "target": vlm.token_strings([target])[0],
+        "target_value": _r(float(graph.values[graph.logit_node(target)])),
         "graph": graph_move,
         "steered": rows,
         "small_steps_per_unit": step,

@@ -24,7 +24,9 @@ seed `SEED`: neither training's ≥ 1000, nor the checks' 2, nor the transcoders
     (1 = most influential), the same among the features of its layer and among those at the last position,
     and whether `prune(graph)` (0.8, 0.98) keeps it; the top logit's change when it is removed, as the graph
     predicts it (`removal_effects`, and its rank among the features by that drop) and in the real model
-    (`feature_effects`).
+    (`feature_effects`). Where c ≥ 5, the same removal in the real model with each of the graph's
+    simplifications put back (attention, norm scales, the MLPs' error terms frozen at the clean run;
+    ``wrong_sign`` of bench/attribution_graph.py): which one makes the real model move as the graph says.
 (c) **The real model.** The best-matching feature edited at the last token inside the real forward (error
     term held; `remove_feature` where c ≥ 5, `clamp_feature` to its mean activation over c ≥ 5 where c < 5),
     on the scenes of (a): how often the answer becomes (c mod 5) + 5·(1 − h), as the planted unit's
@@ -59,6 +61,9 @@ from countlens.toy.feature_plant import auroc_of, correlation, down_proj
 from countlens.toy.planter import pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
 from countlens.toy.train import Collator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attribution_graph import wrong_sign  # noqa: E402
 
 NAME = "planted-count-ge-5"
 #: The fresh scenes' seed.
@@ -203,6 +208,9 @@ def graph_rows(vlm, tcs, feature, best: int) -> list[dict]:
                 "removal_real": round(float(effects["removal_real"].values[0]), 4),
                 "n_pruned_features": int(pruned.n_features),
             }
+            if row["h"]:  # what the graph leaves out, put back one simplification at a time (removal: ×0)
+                why = wrong_sign(vlm, tcs, sample, graph, node)
+                row["removal_with_simplifications"] = {name: moved["x0"] for name, moved in why["steered"].items()}
         rows.append(row)
     return rows
 
