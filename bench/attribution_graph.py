@@ -43,10 +43,9 @@ import torch
 
 import countlens
 from countlens.circuits import intervene
-from countlens.circuits.engine import Hook, hooked
-from countlens.circuits.engine.freeze import frozen, norm_paths
+from countlens.circuits.engine.freeze import frozen
 from countlens.circuits.engine.interventions import Replace
-from countlens.circuits.sites import MlpIn, MlpOut, first_arg
+from countlens.circuits.sites import MlpIn, MlpOut
 from countlens.circuits.sites.positions import Mask
 from countlens.datasets.tasks import task_samples
 from countlens.features import (
@@ -126,20 +125,11 @@ def one_position(sample, seq: int, pos: int) -> Mask:
 @torch.no_grad()
 def demeaned(vlm, sample, target: int, edits=(), freeze=None) -> float:
     """The target's demeaned logit at the last position, with ``edits`` (engine interventions) and
-    ``freeze`` (keywords of `frozen`, or ``{"norm_paths": (clamp, paths)}``: those norms alone held at
-    the clean run's scales) on."""
+    ``freeze`` (keywords of `frozen`) on."""
     batch = vlm.prepare_samples([sample])
-    freeze = dict(freeze or {})
-    clamp, paths = freeze.pop("norm_paths", (None, ()))
-    some = [Hook(p, "after", held_norm(clamp.scales[p])) for p in paths]
-    with intervene(vlm, list(edits)) if edits else nullcontext(), frozen(vlm, **freeze), hooked(vlm.hf, some):
+    with intervene(vlm, list(edits)) if edits else nullcontext(), frozen(vlm, **(freeze or {})):
         logits = vlm.forward(batch).logits[0, -1].float()
     return float(logits[target] - logits.mean())
-
-
-def held_norm(scale):
-    """An RMSNorm held at a clean run's scale: w ⊙ (x · s)."""
-    return lambda module, args, kwargs, out: module.weight * (first_arg(args, kwargs) * scale)
 
 
 def errors_frozen(lr: LocalReplacement, tcs, edit: tuple[int, int, int, float] | None) -> list[Replace]:
@@ -178,8 +168,8 @@ def wrong_sign(vlm, tcs, sample, graph, node: int | None = None) -> dict:
         "attention frozen": {"attention": lr.clamp},
         "norms frozen": {"norms": lr.clamp},
         "attention and norms frozen": {"attention": lr.clamp, "norms": lr.clamp},
-        "final norm frozen": {"norm_paths": (lr.clamp, [vlm.arch.final_norm])},
-        "layers' norms frozen": {"norm_paths": (lr.clamp, [p for p in norm_paths(vlm) if p != vlm.arch.final_norm])},
+        "final norm frozen": {"norms": lr.clamp.only([vlm.arch.final_norm])},
+        "layers' norms frozen": {"norms": lr.clamp.only([p for p in lr.clamp.scales if p != vlm.arch.final_norm])},
     }
     rows = {}
     for name, freeze in freezes.items():

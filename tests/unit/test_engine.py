@@ -78,6 +78,19 @@ def test_frozen_detach_keeps_the_forward_and_a_clamp_of_the_run_replays_it(organ
     assert_close(replayed, plain, what="logits with the clean run's norm scales and q, k replayed")
     assert set(clamp.scales) == set(norm_paths(organism)) and set(clamp.qk) == set(qk_paths(organism))
 
+    # Clamp.only: the chosen norm held (one hook, on it), the others live; on the clean input it replays
+    final = organism.arch.final_norm
+    before = _hooks_on(hf)
+    with torch.no_grad(), frozen(organism, norms=clamp.only([final])):
+        assert _hooks_on(hf) - before == 1
+        alone = hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits.float()
+    assert_close(alone, plain, what="logits with the final norm's clean scale replayed")
+    assert list(clamp.only([final]).scales) == [final] and not clamp.only([final]).qk
+    with pytest.raises(InputError, match="no recorded norms"):
+        clamp.only(["nowhere"])
+    with pytest.raises(InputError, match="holds no norm scales"), frozen(organism, norms=Clamp()):
+        pass
+
 
 def test_frozen_attention_holds_q_and_k_out_of_the_gradient(organism, batch):
     """In a forward whose stream carries a gradient, q and k carry none under frozen attention (v does)."""

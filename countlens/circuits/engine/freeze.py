@@ -14,7 +14,7 @@ projection's q and k columns). Each argument is one of:
 - a `Clamp` recorded during a clean run (`Clamp.hooks` in that forward, then `Clamp.close`): held at
   that run's values in any later forward, on any input: an RMSNorm's output is w ⊙ (x · s_clean), q and
   k the clean run's (repeated over the rows). The attribution graph's local replacement model
-  (`countlens.features.graph`) uses it.
+  (`countlens.features.graph`) uses it. `Clamp.only(paths)` holds those norms alone.
 
 Freezing attention is defined for softmax self-attention layers; a model with cross- or
 linear-attention layers is refused.
@@ -106,6 +106,14 @@ class Clamp:
             Hook(p, "after", keep_norm(p)) for p in norm_paths(vlm)
         ]
 
+    def only(self, norms: list[str]) -> Clamp:
+        """A Clamp holding these ``norms``' scales alone (no q / k): `frozen` with it holds those norms
+        and leaves the others live."""
+        unknown = [p for p in norms if p not in self.scales]
+        if unknown:
+            raise InputError(f"Clamp.only: {unknown} are no recorded norms; give paths of {list(self.scales)}")
+        return Clamp(scales={p: self.scales[p] for p in norms})
+
     def close(self, vlm: VLM) -> Clamp:
         """Each norm's scale from what the clean run recorded (refusing a norm that is no RMSNorm)."""
         for path in norm_paths(vlm):
@@ -122,7 +130,9 @@ def _norm_hooks(vlm: VLM, norms) -> list[Hook]:
         def clamp(scale):
             return lambda m, args, kwargs, out: m.weight * (first_arg(args, kwargs) * scale)
 
-        return [Hook(p, "after", clamp(norms.scales[p])) for p in norm_paths(vlm)]
+        if not norms.scales:
+            raise InputError("this Clamp holds no norm scales: record a clean run with Clamp.hooks, then call close")
+        return [Hook(p, "after", clamp(scale)) for p, scale in norms.scales.items()]
     return [
         Hook(p, "after", lambda m, args, kwargs, out: frozen_ratio(out, first_arg(args, kwargs).to(out.dtype)))
         for p in norm_paths(vlm)
