@@ -58,10 +58,12 @@ def agreement(predicted: np.ndarray, real: np.ndarray) -> tuple[float, float]:
     return float(spearmanr(predicted, real).statistic), same
 
 
-def _same_run(vlm: VLM, transcoders, graph: AttributionGraph, nodes: torch.Tensor, cache, row: int, target: int):
-    """Refuse a graph whose clean run is not this one: its target logit or the chosen features'
-    activations differ from this forward's (another scene, model or transcoder set), beyond the
-    model's dtype's rounding."""
+def _same_run(
+    vlm: VLM, transcoders, graph: AttributionGraph, nodes: torch.Tensor, cache, row: int, target: int
+) -> float:
+    """The target's demeaned logit in the recorded clean run ``cache``; refused where the graph's clean
+    run is not this one: its target logit or the chosen features' activations differ from this
+    forward's (another scene, model or transcoder set), beyond the model's dtype's rounding."""
     rounding = max(1e-3, 8 * torch.finfo(vlm.hf.dtype).eps)
     logits = cache.logits[0].float()
     value, expected = float(logits[target] - logits.mean()), float(graph.values[row])
@@ -81,6 +83,7 @@ def _same_run(vlm: VLM, transcoders, graph: AttributionGraph, nodes: torch.Tenso
                 f"feature_effects: feature {f} of layer {layer} at position {pos} has activation {got:.4f} here and "
                 f"{want:.4f} in the graph: the graph was built with other transcoders; give the set it was built with"
             )
+    return value
 
 
 def _chosen(graph: AttributionGraph, features) -> torch.Tensor:
@@ -144,17 +147,13 @@ def feature_effects(
     predicted = removal_effects(graph, target)[nodes].numpy().astype(np.float64)
 
     @torch.no_grad()
-    def demeaned(edit=None) -> float:
-        if edit is None:
-            logits = vlm.forward(batch).logits[0, -1].float()
-        else:
-            with intervene(vlm, [edit]):
-                logits = vlm.forward(batch).logits[0, -1].float()
+    def demeaned(edit) -> float:  # the forward `record` runs, edited
+        with intervene(vlm, [edit]):
+            logits = vlm.hf(**batch.inputs, use_cache=False, logits_to_keep=1).logits[0, -1].float()
         return float(logits[target] - logits.mean())
 
     cache = record(vlm, batch, [MlpIn(layer) for layer in sorted({int(v) for v in graph.features[nodes, 0]})])
-    _same_run(vlm, transcoders, graph, nodes, cache, row, target)
-    clean = demeaned()
+    clean = _same_run(vlm, transcoders, graph, nodes, cache, row, target)
     removed, steered = [], []
     for j in nodes.tolist():
         layer, pos, f = (int(v) for v in graph.features[j])
