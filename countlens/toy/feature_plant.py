@@ -52,7 +52,7 @@ from countlens.intervals import wilson
 from countlens.model.arch import resolve
 from countlens.model.shipped import TOY_DIR
 from countlens.toy.catalogue import FEATURES, PlantedFeature
-from countlens.toy.plant import train_and_save
+from countlens.toy.plant import check_run, train_and_save
 from countlens.toy.planter import pair_batch, pairs_at
 from countlens.toy.recipe import ToyConfig
 from countlens.toy.resample import image_features_once
@@ -61,9 +61,7 @@ from countlens.toy.train import Collator, lr_at
 from countlens.validate import (
     require_callback,
     require_count,
-    require_nonnegative,
     require_path,
-    require_positive,
     require_seed,
 )
 
@@ -93,13 +91,7 @@ class FeatureConfig:
     threads: int = 1
 
     def __post_init__(self) -> None:
-        require_seed(self.seed, "seed", ConfigError)
-        for name in ("steps", "batch_pairs", "threads"):
-            require_count(getattr(self, name), name, ConfigError)
-        require_seed(self.warmup, "warmup", ConfigError)
-        require_positive(self.lr, "lr", ConfigError)
-        for name in ("separation_weight", "elsewhere_weight", "weight_decay"):
-            require_nonnegative(getattr(self, name), name, ConfigError)
+        check_run(self, ("separation_weight", "elsewhere_weight", "weight_decay"))
 
 
 def check_feature(feature: PlantedFeature, cfg: ToyConfig | None = None) -> None:

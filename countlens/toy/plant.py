@@ -74,6 +74,18 @@ PLANTED_CHECKS = {
 }
 
 
+def check_run(cfg, weights: tuple[str, ...]) -> None:
+    """What every planting recipe checks (`PlantConfig`, `countlens.toy.feature_plant.FeatureConfig`): its
+    seed, steps, batch pairs, threads, warmup and learning rate, and its ``weights`` (each ≥ 0)."""
+    require_seed(cfg.seed, "seed", ConfigError)
+    for name in ("steps", "batch_pairs", "threads"):
+        require_count(getattr(cfg, name), name, ConfigError)
+    require_seed(cfg.warmup, "warmup", ConfigError)
+    require_positive(cfg.lr, "lr", ConfigError)
+    for name in weights:
+        require_nonnegative(getattr(cfg, name), name, ConfigError)
+
+
 @dataclass(frozen=True)
 class PlantConfig:
     """Hyper-parameters of one planting run (the circuit is named separately)."""
@@ -92,13 +104,7 @@ class PlantConfig:
     threads: int = 1  # the shipped organisms' (a rerun reproduces them with the same thread count)
 
     def __post_init__(self) -> None:
-        require_seed(self.seed, "seed", ConfigError)
-        for name in ("steps", "batch_pairs", "threads"):
-            require_count(getattr(self, name), name, ConfigError)
-        require_seed(self.warmup, "warmup", ConfigError)
-        require_positive(self.lr, "lr", ConfigError)
-        for name in ("weight_decay", "clean_weight", "different_weight", "invariance_weight"):
-            require_nonnegative(getattr(self, name), name, ConfigError)
+        check_run(self, ("weight_decay", "clean_weight", "different_weight", "invariance_weight"))
 
     def to_dict(self) -> dict:
         return asdict(self)
